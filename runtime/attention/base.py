@@ -1,0 +1,74 @@
+"""The attention-backend interface: metadata planned once per step, used by every layer.
+
+The runner builds a `ForwardBatch`, calls `backend.plan(batch)` once, then runs the model,
+whose attention layers call `backend.forward(layer_idx, q, k, v)`. One backend instance per
+CUDA stream that runs model work (prefill and decode run concurrently on different streams
+when the GPU is partitioned), so planned metadata and workspaces are never shared.
+
+KV layout (see `runtime/kv_pool.py`): per layer, `k` and `v` tensors shaped
+[num_blocks, block_size, num_kv_heads, head_dim]. Token position p of a sequence lives in
+block `block_ids[p // block_size]` at offset `p % block_size`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(slots=True)
+class SeqSlice:
+    """One sequence's part of a flattened forward batch.
+
+    Query rows [query_start, query_start + num_query_tokens) are this sequence's new tokens,
+    at positions [num_context_tokens, num_context_tokens + num_query_tokens).
+
+      positions:  0 .......... num_context_tokens ........ + num_query_tokens
+                  |  KV already in the pool  |  new tokens (this step)   |
+                  |<-------------- num_kept_tokens -------------->|  discarded suffix
+    After this step the pool must hold KV for positions [0, num_kept_tokens); new tokens at
+    positions >= num_kept_tokens are attended to (from this step's k/v) but never written:
+    that is suffix-KV discard for scoring requests. For generation num_kept_tokens equals
+    num_context_tokens + num_query_tokens.
+    """
+
+    query_start: int
+    num_query_tokens: int
+    num_context_tokens: int
+    num_kept_tokens: int
+    block_ids: list[int]  # covers positions [0, num_kept_tokens)
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64, all sequences' new tokens, flattened
+    positions: torch.Tensor  # [T] int64
+    seqs: list[SeqSlice]
+    logits_indices: torch.Tensor  # [N] int64: rows whose hidden state goes to the LM head
+    is_decode: bool  # every sequence has num_query_tokens == 1 and context > 0
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+class AttentionBackend(Protocol):
+    """Computes causal attention for a planned batch and keeps the paged KV pool up to date."""
+
+    name: str
+
+    def plan(self, batch: ForwardBatch) -> None:
+        """Prepare per-step metadata (slot mapping, index tensors, kernel plans). Called once
+        per step, before the model's forward, on the stream that will run the forward."""
+        ...
+
+    def forward(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q: [T, num_q_heads, head_dim]; k, v: [T, num_kv_heads, head_dim], RoPE applied.
+        Writes k/v of kept positions into the pool for `layer_idx`, then returns the
+        attention output [T, num_q_heads, head_dim] (each query attends to its sequence's
+        positions <= its own: cached context from the pool plus this step's new tokens)."""
+        ...

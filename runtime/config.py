@@ -1,0 +1,53 @@
+"""Engine configuration: plain frozen dataclasses. `app/settings.py` builds these from CLI/env."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = "default"  # "default" (SmolLM2-135M-Instruct), a HF-format folder, or "random:<preset>"
+    dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # auto = cuda if available else cpu
+    seed: int = 0
+
+    attention_backend: str = "auto"  # auto | torch | flashinfer
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # None = size from memory
+    gpu_memory_utilization: float = 0.90
+    max_gpu_memory_gb: float | None = None  # cap for the whole engine (weights + KV + activations)
+    cpu_kv_cache_gb: float = 1.0  # KV pool size on CPU
+    max_model_len: int | None = None  # None = the model's position limit
+
+    max_num_seqs: int = 256  # running requests (decode batch) cap
+    prefill_token_budget: int = 8192  # tokens per prefill step (short prompts batched up to this)
+    prefill_policy: str = "srjf"  # srjf | spf | fcfs
+    fairness_lambda: float | None = None  # SRJF fairness offset (None = policy default)
+    spf_gamma: float | None = None  # SPF aging weight (None = policy default)
+    jct_calibration: str | None = None  # path of a JCT calibration file
+
+    hybrid_prefill: bool = True
+    prefill_chunk_tokens: int = 2048  # C: token-wise ops run in chunks of C tokens
+    enable_prefix_cache: bool = True
+    cuda_graphs: bool = True
+    partition: str = "off"  # off | static:<prefill_sms> | auto
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.prefill_token_budget < 1:
+            raise ValueError("prefill_token_budget must be >= 1")
+        if self.prefill_chunk_tokens < 1:
+            raise ValueError("prefill_chunk_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.attention_backend not in ("auto", "torch", "flashinfer"):
+            raise ValueError(f"unknown attention backend {self.attention_backend!r}")
+        if not (
+            self.partition in ("off", "auto")
+            or (self.partition.startswith("static:") and self.partition[7:].isdigit())
+        ):
+            raise ValueError(f"partition must be off, auto or static:<prefill_sms>, got {self.partition!r}")

@@ -1,0 +1,53 @@
+"""SM partitioning of one GPU between prefill and decode (CUDA green contexts).
+
+`PartitionManager` is what the engine and the admin API use. On machines without CUDA
+green contexts the engine holds an `UnavailablePartition` that says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(slots=True)
+class PartitionState:
+    available: bool
+    reason: str  # why partitioning is unavailable, or "" when available
+    mode: str  # "off" | "static" | "auto"
+    total_sms: int
+    prefill_sms: int  # SMs of the prefill partition now (== total_sms when mode is off)
+    decode_sms: int
+    splits: list[int] = field(default_factory=list)  # pre-created prefill SM counts
+    pinned: bool = False  # a manual override holds the split until released
+    predicted_prefill_ms: float | None = None
+    predicted_decode_ms: float | None = None
+    measured_prefill_ms: float | None = None
+    measured_decode_ms: float | None = None
+
+
+class PartitionManager(Protocol):
+    def state(self) -> PartitionState: ...
+
+    def set_mode(self, spec: str) -> PartitionState:
+        """spec: "off", "auto" or "static:<prefill_sms>" (pins that split). Raises ValueError
+        for a malformed spec or a split that was not pre-created."""
+        ...
+
+
+class UnavailablePartition:
+    """Stand-in when there is no CUDA / no green contexts: everything runs time-sliced."""
+
+    def __init__(self, reason: str, total_sms: int = 0) -> None:
+        self._state = PartitionState(
+            available=False, reason=reason, mode="off", total_sms=total_sms,
+            prefill_sms=total_sms, decode_sms=total_sms,
+        )
+
+    def state(self) -> PartitionState:
+        return self._state
+
+    def set_mode(self, spec: str) -> PartitionState:
+        if spec == "off":
+            return self._state
+        raise ValueError(f"SM partitioning is unavailable: {self._state.reason}")

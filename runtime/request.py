@@ -1,0 +1,145 @@
+"""The one request object that flows server -> queue -> engine -> back.
+
+The app builds a `Request`, hands it to the engine, and receives `RequestOutput`s.
+The engine thread is the only writer of a request's mutable fields once it is added;
+the app only reads the outputs it is sent.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class RequestKind(enum.StrEnum):
+    SCORE = "score"  # prefill-only: one forward, label-token probabilities, no decode
+    GENERATE = "generate"  # chat / completions: prefill then decode
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0  # in the prefill queue (also after preemption)
+    RUNNING = 1  # holds KV blocks; prefilling or decoding (phase derives from counters)
+    # Everything after RUNNING is finished: `is_finished` is one comparison.
+    FINISHED_STOPPED = 2  # EOS, a stop token or a stop string
+    FINISHED_LENGTH = 3  # max_tokens reached
+    FINISHED_ABORTED = 4  # client went away, shutdown, or explicit abort
+    FINISHED_ERROR = 5  # an exception while running this request (others keep running)
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.RUNNING
+
+
+FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick output tokens. temperature == 0 means greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k limit
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings (not included in the output)
+    stop_token_ids: list[int] = field(default_factory=list)  # besides the model's EOS ids
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token + top-k alternatives
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+@dataclass(slots=True)
+class Request:
+    """A scoring or generation request.
+
+    Phase is derived from counters, never stored: a request is prefilling while
+    `num_computed_tokens < num_prompt_tokens`, decoding afterwards.
+    """
+
+    request_id: str
+    kind: RequestKind
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    label_token_ids: list[int] = field(default_factory=list)  # SCORE only
+    apply_softmax: bool = True  # SCORE only: softmax over the label set, else full-vocab probs
+    arrival_s: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV exists (cached prefix + computed)
+    num_cached_tokens: int = 0  # prefix-cache hit at admission (for usage and metrics)
+    num_preemptions: int = 0
+    first_token_s: float | None = None  # engine clock (time.monotonic) when the first token was produced
+    finish_s: float | None = None
+    error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def wait_s(self) -> float:
+        return time.monotonic() - self.arrival_s
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What the engine sends back after a step, one per request that made progress.
+
+    For GENERATE: `new_token_ids` and `new_text` are the delta since the last output.
+    For SCORE: `label_probs` holds one probability per `label_token_ids` entry.
+    `finished` is set on the last output of a request; `finish_reason` is one of
+    "stop", "length", "abort", "error".
+    """
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    label_probs: list[float] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    queue_s: float | None = None  # arrival -> first scheduled
+    ttft_s: float | None = None  # arrival -> first token (engine clock)
+    e2e_s: float | None = None  # arrival -> finish (engine clock)
