@@ -2,17 +2,49 @@
 
 from __future__ import annotations
 
-from policies.base import Policy, WaitingView
+from policies.base import Policy, WaitingView, prefill_work
 from policies.fcfs import FCFS
+from policies.jct import JCTModel
+from policies.spf import DEFAULT_GAMMA_TOKENS_PER_S, SPF
+from policies.srjf import DEFAULT_FAIRNESS_LAMBDA, SRJF
 
-POLICY_NAMES = ("srjf", "spf", "fcfs")
+# Names accepted by `--prefill-policy` and the admin API; srjf-oneshot is the ablation.
+POLICY_NAMES = ("srjf", "spf", "fcfs", "srjf-oneshot")
 
 
-def make_policy(name: str, **params: float | None) -> Policy:
-    """Build a policy by name; unknown names raise ValueError (the app turns that into a 400)."""
+def make_policy(
+    name: str,
+    *,
+    jct_model: JCTModel | None = None,
+    gamma: float | None = None,
+    fairness_lambda: float | None = None,
+    **_ignored: object,
+) -> Policy:
+    """Build a policy by name; unknown names raise ValueError (the app turns that into a 400).
+
+    `gamma` (tokens/s) only affects spf, `fairness_lambda` (s/s) and `jct_model` only srjf;
+    None means the policy default. Parameters meant for another policy are ignored so that
+    callers can pass all engine settings whatever the policy.
+    """
     if name == "fcfs":
         return FCFS()
+    if name == "spf":
+        return SPF(gamma=gamma)
+    if name in ("srjf", "srjf-oneshot"):
+        return SRJF(jct_model, fairness_lambda=fairness_lambda, oneshot=name == "srjf-oneshot")
     raise ValueError(f"unknown prefill policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
 
 
-__all__ = ["FCFS", "POLICY_NAMES", "Policy", "WaitingView", "make_policy"]
+__all__ = [
+    "DEFAULT_FAIRNESS_LAMBDA",
+    "DEFAULT_GAMMA_TOKENS_PER_S",
+    "FCFS",
+    "JCTModel",
+    "POLICY_NAMES",
+    "SPF",
+    "SRJF",
+    "Policy",
+    "WaitingView",
+    "make_policy",
+    "prefill_work",
+]

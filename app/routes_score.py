@@ -1,0 +1,163 @@
+"""POST /v1/score: label-token scoring (prefill only), SGLang-compatible request shape.
+
+Each item becomes one SCORE engine request (query + item, or item + query with `item_first`);
+all items are submitted together so the engine batches them and shares the query's prefix
+blocks. With chat `messages`, the rendered conversation (generation prompt included) plays the
+query's role. Text parts are joined as text before tokenising (so BPE merges across the seam
+are those of the full string); token-id parts are joined as ids.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+
+from app.common import (
+    chat_prompt_ids,
+    check_model,
+    check_prompt_fits,
+    check_token_ids,
+    client_of,
+    encode,
+    engine_of,
+    new_id,
+    require_api_key,
+    settings_of,
+    trace_of,
+    until_disconnect,
+)
+from app.errors import APIError, bad_request
+from app.protocol import ScoreRequest
+from runtime.request import Request as EngineRequest
+from runtime.request import RequestKind, SamplingParams
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+
+
+def _label_ids(engine: Any, body: ScoreRequest) -> tuple[list[int], list[str]]:
+    """Label token ids and their display strings; each string label must be one token."""
+    if body.label_token_ids is not None:
+        ids = list(body.label_token_ids)
+        check_token_ids(engine, ids, "label_token_ids")
+        return ids, [engine.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+    labels = list(body.labels or [])
+    ids = []
+    for label in labels:
+        toks = encode(engine, label)
+        if len(toks) != 1:
+            raise bad_request(
+                f"label {label!r} is {len(toks)} tokens ({toks}); each label must be exactly one "
+                "token (try a leading space, or pass label_token_ids)",
+                "labels", "multi_token_label",
+            )
+        ids.append(toks[0])
+    return ids, labels
+
+
+def _prompts(engine: Any, body: ScoreRequest) -> list[list[int]]:
+    """One token-id prompt per item."""
+    items: list[str] | list[list[int]] | None
+    items = [body.items] if isinstance(body.items, str) else body.items
+
+    if body.messages is not None:
+        query: str | list[int] = chat_prompt_ids(engine, body.messages)
+    else:
+        assert body.query is not None  # the request model checks this
+        query = body.query
+        if isinstance(query, list):
+            check_token_ids(engine, query, "query")
+
+    if not items:
+        prompts = [query if isinstance(query, list) else encode(engine, query)]
+    else:
+        prompts = []
+        for item in items:
+            if isinstance(item, list):
+                check_token_ids(engine, item, "items")
+            if isinstance(query, str) and isinstance(item, str):
+                prompts.append(encode(engine, item + query if body.item_first else query + item))
+                continue
+            q_ids = query if isinstance(query, list) else encode(engine, query)
+            i_ids = item if isinstance(item, list) else encode(engine, item)
+            prompts.append(i_ids + q_ids if body.item_first else q_ids + i_ids)
+    for ids in prompts:
+        # A score is one forward pass: no output tokens, so only the prompt must fit.
+        check_prompt_fits(engine, len(ids), 0, param="items", generate=False)
+    return prompts
+
+
+@router.post("/score")
+async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
+    check_model(request, body.model)
+    engine = engine_of(request)
+    label_ids, label_names = _label_ids(engine, body)
+    prompts = _prompts(engine, body)
+    client = client_of(request)
+    if len(prompts) > client.max_in_flight:
+        raise bad_request(
+            f"{len(prompts)} items exceed this server's limit of {client.max_in_flight} per call",
+            "items", "too_many_items",
+        )
+
+    request_id = new_id("score")
+    trace = trace_of(request)
+    trace.request_id = request_id
+    reqs = [
+        EngineRequest(
+            request_id=f"{request_id}-{i}", kind=RequestKind.SCORE, prompt_token_ids=ids,
+            sampling=SamplingParams(max_tokens=1, temperature=0.0),
+            label_token_ids=list(label_ids), apply_softmax=body.apply_softmax,
+        )
+        for i, ids in enumerate(prompts)
+    ]
+    start_s = time.monotonic()
+    results = await until_disconnect(request, client.run_all(reqs), settings_of(request).request_timeout_s)
+    server_s = time.monotonic() - start_s
+
+    scores: list[list[float]] = []
+    num_prompt = num_cached = 0
+    queue_s, ttft_s, e2e_s = [], [], []
+    for outs in results:
+        final = outs[-1]
+        if final.finish_reason == "error":
+            raise APIError(500, f"The engine failed a scoring request: {final.error or 'unknown error'}",
+                           code="engine_error")
+        probs = next((o.label_probs for o in reversed(outs) if o.label_probs is not None), None)
+        if probs is None:
+            if client.draining:
+                raise APIError(503, "Request aborted: server is shutting down", code="shutting_down")
+            raise APIError(500, f"The engine returned no label probabilities ({final.finish_reason}: "
+                           f"{final.error or 'no reason given'})", code="engine_error")
+        scores.append(list(probs))
+        num_prompt += max(o.num_prompt_tokens for o in outs)
+        num_cached += max(o.num_cached_tokens for o in outs)
+        for src, acc in ((final.queue_s, queue_s), (final.ttft_s, ttft_s), (final.e2e_s, e2e_s)):
+            if src is not None:
+                acc.append(src)
+
+    top = [max(range(len(s)), key=s.__getitem__) for s in scores]
+    trace.num_prompt_tokens, trace.num_cached_tokens = num_prompt, num_cached
+    trace.ttft_s = min(ttft_s) if ttft_s else None
+    trace.finish_reason = "stop"
+    return {
+        "id": request_id,
+        "object": "scoring",
+        "model": settings_of(request).model_name,
+        "label_token_ids": label_ids,
+        "labels": label_names,
+        "scores": scores,
+        "top_labels": [label_names[i] for i in top],
+        "top_label_token_ids": [label_ids[i] for i in top],
+        "usage": {
+            "prompt_tokens": num_prompt, "completion_tokens": 0, "total_tokens": num_prompt,
+            "prompt_tokens_details": {"cached_tokens": num_cached},
+        },
+        "timing": {
+            "server_s": server_s,
+            "queue_s": queue_s,  # per item: arrival -> first scheduled (engine clock)
+            "ttft_s": ttft_s,  # per item: arrival -> probabilities ready
+            "e2e_s": e2e_s,
+        },
+    }

@@ -1,0 +1,92 @@
+"""Server settings: `GREENLANE_*` environment variables, overridden by CLI flags.
+
+`Settings` holds the server's own options plus one field per `runtime.config.EngineConfig`
+field (generated from the dataclass, so a new engine option is settable here without an edit);
+`to_engine_config()` builds the frozen `EngineConfig` the engine takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from typing import Any
+
+from pydantic import Field, create_model
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from runtime.config import EngineConfig
+
+ENV_PREFIX = "GREENLANE_"
+
+
+class ServerSettings(BaseSettings):
+    """The HTTP server's own options (not passed to the engine)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+
+    host: str = Field("127.0.0.1", description="address to bind")
+    port: int = Field(8000, ge=0, le=65535, description="port to bind")
+    served_model_name: str | None = Field(
+        None, description="model name clients send and /v1/models lists (default: derived from --model)"
+    )
+    api_key: str | None = Field(None, description="when set, /v1/* requires 'Authorization: Bearer <key>'")
+    admin_token: str | None = Field(None, description="token for the admin API (/admin)")
+    max_queue: int = Field(
+        256, ge=0, description="requests allowed to wait beyond max_num_seqs running ones; more get 429"
+    )
+    retry_after_s: int = Field(1, ge=0, description="Retry-After value sent with 429")
+    request_timeout_s: float | None = Field(
+        600.0, gt=0, description="abort a request (504) after this many seconds; unset = no limit"
+    )
+    shutdown_grace_s: float = Field(
+        10.0, ge=0, description="on SIGTERM/SIGINT, let running requests finish this long, then abort"
+    )
+    log_level: str = Field("info", description="debug | info | warning | error")
+
+
+def _engine_field_definitions() -> dict[str, Any]:
+    """(type, default) pairs for every EngineConfig field, for `create_model`."""
+    hints = typing.get_type_hints(EngineConfig)
+    defs: dict[str, Any] = {}
+    for f in dataclasses.fields(EngineConfig):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        defs[f.name] = (hints[f.name], Field(default, description=f"engine: {f.name}"))
+    return defs
+
+
+# `model` is both the engine's model spec and the basis of the served name.
+_ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig))
+_overlap = set(_ENGINE_FIELDS) & set(ServerSettings.model_fields)
+assert not _overlap, f"server and engine option names collide: {_overlap}"
+
+_SettingsBase = create_model(  # type: ignore[call-overload]
+    "_SettingsBase", __base__=ServerSettings, **_engine_field_definitions()
+)
+
+
+class Settings(_SettingsBase):  # type: ignore[valid-type,misc]
+    """All options. Precedence: constructor kwargs (the CLI) > GREENLANE_* env > defaults."""
+
+    def to_engine_config(self) -> EngineConfig:
+        return EngineConfig(**{name: getattr(self, name) for name in _ENGINE_FIELDS})
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use for this model (`model` in requests, `/v1/models`)."""
+        if self.served_model_name:
+            return self.served_model_name
+        spec: str = self.model
+        if spec == "default":
+            return "SmolLM2-135M-Instruct"
+        if os.sep in spec or os.path.isdir(spec):
+            return os.path.basename(os.path.normpath(spec))
+        return spec
+
+    def accepts_model(self, name: str | None) -> bool:
+        """Requests may omit the model, or name it by its served name or its --model spec."""
+        return name is None or name == "" or name in (self.model_name, self.model)
+
+
+def engine_field_names() -> tuple[str, ...]:
+    return _ENGINE_FIELDS

@@ -1,0 +1,157 @@
+"""Per-request timings -> benchmark metrics, with `vllm bench serve`'s definitions.
+
+- TTFT: from sending the request to the first streamed chunk that carries content (a role-only
+  first chunk does not count). For scoring (no stream), TTFT = E2EL = time to the full response.
+- E2EL: from sending to the last byte of the response.
+- TPOT (per request): (E2EL - TTFT) / (output_tokens - 1), only for requests with > 1 output token.
+- ITL: every gap between consecutive content chunks, pooled over all requests.
+- Percentiles are numpy's linear-interpolation percentiles over successful requests, in ms.
+- Throughputs divide by the benchmark duration (first send to last completion).
+- Goodput: requests per second that succeeded and met every given SLO (TTFT, TPOT, E2EL;
+  a request without a TPOT, i.e. one output token, meets the TPOT SLO).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+PERCENTILES: tuple[int, ...] = (50, 90, 99)
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """What the client saw for one request. Times are seconds on the client's monotonic clock."""
+
+    request_id: str
+    api: str
+    source: str = ""
+    success: bool = False
+    error: str = ""  # failure reason (HTTP status + message, exception name, timeout)
+    scheduled_s: float = 0.0  # planned send time (arrival process), relative to the run start
+    send_s: float = 0.0  # actual send time, relative to the run start
+    ttft_s: float = 0.0
+    e2el_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    num_prompt_tokens: int = 0  # from the workload
+    num_prompt_tokens_server: int | None = None  # usage.prompt_tokens, when the server says
+    num_output_tokens: int = 0
+    expected_output_tokens: int = 0
+    output_tokens_from_usage: bool = False  # False: counted from chunks (a fallback)
+
+    @property
+    def tpot_s(self) -> float | None:
+        if not self.success or self.num_output_tokens <= 1:
+            return None
+        return (self.e2el_s - self.ttft_s) / (self.num_output_tokens - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class SLO:
+    """Per-request latency objectives in ms; None = no objective on that metric."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+
+    @classmethod
+    def parse(cls, text: str | None) -> SLO | None:
+        """Parse 'ttft:500,tpot:50,e2el:2000' (any subset)."""
+        if not text:
+            return None
+        values: dict[str, float] = {}
+        for part in text.split(","):
+            key, sep, value = part.partition(":")
+            key = key.strip().lower()
+            if not sep or key not in ("ttft", "tpot", "e2el"):
+                raise ValueError(f"bad SLO item {part!r}; expected ttft:MS, tpot:MS or e2el:MS")
+            values[f"{key}_ms"] = float(value)
+        return cls(**values)
+
+    def as_dict(self) -> dict[str, float]:
+        out = {"ttft_ms": self.ttft_ms, "tpot_ms": self.tpot_ms, "e2el_ms": self.e2el_ms}
+        return {k: v for k, v in out.items() if v is not None}
+
+    def met_by(self, r: RequestResult) -> bool:
+        if not r.success:
+            return False
+        if self.ttft_ms is not None and r.ttft_s * 1e3 > self.ttft_ms:
+            return False
+        tpot = r.tpot_s
+        if self.tpot_ms is not None and tpot is not None and tpot * 1e3 > self.tpot_ms:
+            return False
+        return not (self.e2el_ms is not None and r.e2el_s * 1e3 > self.e2el_ms)
+
+
+def summarize_ms(values_s: list[float]) -> dict[str, float | None]:
+    """mean, median, p90, p99 and std in ms; all None when there are no values."""
+    if not values_s:
+        return {"mean": None, "median": None, "p90": None, "p99": None, "std": None}
+    arr = np.asarray(values_s, dtype=np.float64) * 1e3
+    p50, p90, p99 = np.percentile(arr, PERCENTILES)
+    return {
+        "mean": float(arr.mean()), "median": float(p50), "p90": float(p90), "p99": float(p99),
+        "std": float(arr.std()),
+    }
+
+
+def compute_metrics(
+    results: list[RequestResult], duration_s: float, slo: SLO | None = None
+) -> dict[str, Any]:
+    """Aggregate one run. `duration_s` is the benchmark wall time (first send to last finish)."""
+    ok = [r for r in results if r.success]
+    failed = [r for r in results if not r.success]
+    duration_s = max(duration_s, 1e-9)
+    ttfts = [r.ttft_s for r in ok]
+    e2els = [r.e2el_s for r in ok]
+    tpots = [t for t in (r.tpot_s for r in ok) if t is not None]
+    itls = [gap for r in ok for gap in r.itl_s]
+    input_tokens = sum(r.num_prompt_tokens for r in ok)
+    output_tokens = sum(r.num_output_tokens for r in ok)
+    lags = [r.send_s - r.scheduled_s for r in results if r.send_s > 0]
+    metrics: dict[str, Any] = {
+        "completed": len(ok),
+        "failed": len(failed),
+        "failure_reasons": dict(Counter(r.error or "unknown" for r in failed).most_common()),
+        "duration_s": duration_s,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration_s,
+        "output_throughput": output_tokens / duration_s,
+        "total_token_throughput": (input_tokens + output_tokens) / duration_s,
+        "ttft_ms": summarize_ms(ttfts),
+        "tpot_ms": summarize_ms(tpots),
+        "itl_ms": summarize_ms(itls),
+        "e2el_ms": summarize_ms(e2els),
+        # How late the client sent requests versus the arrival plan: a large value means the
+        # load generator, not the server, limited the offered load.
+        "send_lag_ms": summarize_ms(lags),
+    }
+    expected = [r for r in ok if r.expected_output_tokens > 0 and r.api != "score"]
+    if expected:
+        exact = sum(r.num_output_tokens == r.expected_output_tokens for r in expected)
+        metrics["output_len_exact_fraction"] = exact / len(expected)
+        metrics["output_tokens_from_usage_fraction"] = (
+            sum(r.output_tokens_from_usage for r in expected) / len(expected)
+        )
+    if slo is not None:
+        good = sum(slo.met_by(r) for r in results)
+        metrics["slo"] = slo.as_dict()
+        metrics["goodput"] = good / duration_s
+        metrics["slo_attainment"] = good / max(len(results), 1)
+    return metrics
+
+
+def meets_p99_slo(metrics: dict[str, Any], slo: SLO, max_failed_fraction: float = 0.0) -> bool:
+    """True when each SLO'd metric's P99 is within its objective and failures are tolerated."""
+    total = metrics["completed"] + metrics["failed"]
+    if total == 0 or metrics["failed"] > max_failed_fraction * total:
+        return False
+    for key, limit in slo.as_dict().items():
+        p99 = metrics[key]["p99"]
+        if p99 is not None and p99 > limit:
+            return False
+    return True

@@ -1,0 +1,576 @@
+"""Load generator: `python -m bench.serve --url URL --workload NAME ... --out FILE.json`.
+
+Open-loop: requests leave at planned arrival times (Poisson, or gamma inter-arrivals with
+shape = burstiness; rate inf = all at once), whatever the server's state, so queueing shows up
+as latency (as in `vllm bench serve`). Chat requests stream (SSE) and every content chunk's
+arrival time is recorded; scoring requests go to `/v1/score` as token ids. Runs are bounded:
+by a request count or a duration, a per-request timeout, and a bounded number of search probes.
+
+See bench/README.md for the output format and examples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from bench.metrics import SLO, RequestResult, compute_metrics, meets_p99_slo
+from bench.workloads import (
+    WORKLOAD_NAMES,
+    TokenizerLike,
+    WorkloadGenerator,
+    WorkloadRequest,
+    describe,
+    encode_ids,
+    load_tokenizer,
+)
+
+REPO_DIR = Path(__file__).resolve().parent.parent
+
+
+@dataclass(slots=True)
+class ClientOptions:
+    """How requests are sent (shared by bench.serve and bench.compare)."""
+
+    model: str = ""
+    ignore_eos: bool = True  # ask for exact output lengths (extension field; may be ignored)
+    temperature: float = 0.0
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    request_timeout_s: float = 600.0
+    api_key: str | None = None
+    progress: bool = True
+    tokenizer: TokenizerLike | None = None  # to count output tokens when usage is missing
+
+
+# ---------------------------------------------------------------- arrivals
+
+
+def arrival_times_s(
+    qps: float, seed: int, burstiness: float = 1.0,
+    num_requests: int | None = None, duration_s: float | None = None,
+) -> list[float]:
+    """Planned send times (s from the run start): gamma inter-arrivals with mean 1/qps.
+
+    Shape `burstiness` = 1 is Poisson; < 1 is burstier, > 1 more regular. With qps = inf every
+    request is due at 0 (needs `num_requests`). With `duration_s`, arrivals stop at the duration.
+    """
+    if burstiness <= 0:
+        raise ValueError("burstiness must be > 0")
+    if math.isinf(qps):
+        if num_requests is None:
+            raise ValueError("--request-rate inf needs --num-requests")
+        return [0.0] * num_requests
+    if qps <= 0:
+        raise ValueError("qps must be > 0")
+    rng = np.random.default_rng(seed)
+    scale = 1.0 / (qps * burstiness)
+    times: list[float] = []
+    now = 0.0
+    while True:
+        if num_requests is not None and len(times) >= num_requests:
+            break
+        # The first request leaves at t = 0 so the run's duration starts with real work.
+        if times:
+            now += float(rng.gamma(burstiness, scale))
+        if duration_s is not None and now > duration_s:
+            break
+        times.append(now)
+    return times
+
+
+# ---------------------------------------------------------------- one request
+
+
+def _error_text(status: int, body: bytes) -> str:
+    try:
+        err = json.loads(body)
+        msg = err.get("error", err)
+        msg = msg.get("message", msg) if isinstance(msg, dict) else msg
+    except (ValueError, AttributeError):
+        msg = body.decode("utf-8", "replace")
+    return f"HTTP {status}: {str(msg)[:160]}"
+
+
+def chat_body(req: WorkloadRequest, opts: ClientOptions) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": opts.model,
+        "messages": [{"role": "user", "content": req.prompt_text}],
+        "max_tokens": req.max_output_tokens,
+        "temperature": opts.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if opts.ignore_eos:
+        body["ignore_eos"] = True  # Greenlane/vLLM extension: generate exactly max_tokens
+    return body
+
+
+def score_body(req: WorkloadRequest, opts: ClientOptions) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": opts.model,
+        "query": req.query_token_ids,
+        "items": [req.item_token_ids],
+        "apply_softmax": True,
+        "item_first": False,
+    }
+    if req.label_token_ids:
+        body["label_token_ids"] = req.label_token_ids
+    else:
+        body["labels"] = req.labels
+    return body
+
+
+async def _send_chat(
+    client: httpx.AsyncClient, base_url: str, req: WorkloadRequest, opts: ClientOptions,
+    result: RequestResult, start: float,
+) -> None:
+    body = chat_body(req, opts)
+    text_parts: list[str] = []
+    last_chunk = 0.0
+    usage_tokens: int | None = None
+    async with client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            result.error = _error_text(resp.status_code, await resp.aread())
+            return
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue  # blank separators, comments (": ping"), event names
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            now = time.perf_counter()
+            chunk = json.loads(data)
+            if "error" in chunk:
+                result.error = f"stream error: {str(chunk['error'])[:160]}"
+                return
+            for choice in chunk.get("choices") or []:
+                content = (choice.get("delta") or {}).get("content") or choice.get("text")
+                if not content:
+                    continue  # a role-only or finish-only chunk is not a token
+                if not text_parts:
+                    result.ttft_s = now - start
+                else:
+                    result.itl_s.append(now - last_chunk)
+                last_chunk = now
+                text_parts.append(content)
+            usage = chunk.get("usage")
+            if usage:
+                usage_tokens = usage.get("completion_tokens")
+                result.num_prompt_tokens_server = usage.get("prompt_tokens")
+    result.e2el_s = time.perf_counter() - start
+    if not text_parts:
+        result.error = "no content in stream"
+        return
+    if usage_tokens is not None:
+        result.num_output_tokens = int(usage_tokens)
+        result.output_tokens_from_usage = True
+    elif opts.tokenizer is not None:  # fallback: re-tokenize the text, as vLLM's client does
+        result.num_output_tokens = len(encode_ids(opts.tokenizer, "".join(text_parts)))
+    else:  # last resort: one token per content chunk
+        result.num_output_tokens = len(text_parts)
+    result.success = True
+
+
+async def _send_score(
+    client: httpx.AsyncClient, base_url: str, req: WorkloadRequest, opts: ClientOptions,
+    result: RequestResult, start: float,
+) -> None:
+    resp = await client.post(f"{base_url}/v1/score", json=score_body(req, opts))
+    result.e2el_s = result.ttft_s = time.perf_counter() - start
+    if resp.status_code != 200:
+        result.error = _error_text(resp.status_code, resp.content)
+        return
+    payload = resp.json()
+    scores = payload.get("scores", payload.get("data"))
+    if not isinstance(scores, list) or len(scores) != 1:
+        result.error = "score response without one result per item"
+        return
+    usage = payload.get("usage") or {}
+    result.num_prompt_tokens_server = usage.get("prompt_tokens")
+    result.num_output_tokens = 1  # one forward pass yields the label probabilities
+    result.success = True
+
+
+async def send_request(
+    client: httpx.AsyncClient, base_url: str, req: WorkloadRequest, opts: ClientOptions,
+    scheduled_s: float, run_start: float,
+) -> RequestResult:
+    """Send one request and time it; never raises (failures are recorded in the result)."""
+    result = RequestResult(
+        req.request_id, req.api, req.source, scheduled_s=scheduled_s,
+        num_prompt_tokens=req.num_prompt_tokens, expected_output_tokens=req.max_output_tokens,
+    )
+    start = time.perf_counter()
+    result.send_s = start - run_start
+    sender = _send_score if req.api == "score" else _send_chat
+    try:
+        await asyncio.wait_for(sender(client, base_url, req, opts, result, start),
+                               opts.request_timeout_s)
+    except TimeoutError:
+        result.error = f"timeout after {opts.request_timeout_s:g}s"
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {str(exc)[:120]}"
+    except (ValueError, KeyError, TypeError) as exc:  # malformed JSON / SSE payload
+        result.error = f"bad response: {type(exc).__name__}: {str(exc)[:120]}"
+    if result.error:
+        result.success = False
+    return result
+
+
+# ---------------------------------------------------------------- one run
+
+
+class Progress:
+    """A one-line progress bar on stderr (throttled; no dependency)."""
+
+    def __init__(self, total: int, label: str, enabled: bool) -> None:
+        self.total, self.label, self.enabled = total, label, enabled
+        self.done = self.failed = 0
+        self.start = time.perf_counter()
+        self._last = 0.0
+
+    def update(self, ok: bool) -> None:
+        self.done += 1
+        self.failed += 0 if ok else 1
+        now = time.perf_counter()
+        if self.enabled and (now - self._last > 0.2 or self.done == self.total):
+            self._last = now
+            width = 30
+            filled = int(width * self.done / max(self.total, 1))
+            sys.stderr.write(
+                f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total}"
+                f" failed {self.failed} {now - self.start:6.1f}s"
+            )
+            if self.done == self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def make_client(opts: ClientOptions) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
+    # No connection cap: a pool limit would queue requests inside the client and hide queueing
+    # time from TTFT. Timeouts per operation; the total per request is bounded by wait_for.
+    return httpx.AsyncClient(
+        headers=headers,
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        timeout=httpx.Timeout(opts.request_timeout_s, connect=30.0),
+    )
+
+
+async def run_once(
+    base_url: str, requests: list[WorkloadRequest], arrivals_s: list[float],
+    opts: ClientOptions, slo: SLO | None = None, label: str = "",
+) -> tuple[dict[str, Any], list[RequestResult]]:
+    """Send `requests` at `arrivals_s` and return (metrics, per-request results)."""
+    assert len(requests) == len(arrivals_s)
+    progress = Progress(len(requests), label or "bench", opts.progress)
+    sem = asyncio.Semaphore(opts.max_concurrency) if opts.max_concurrency else None
+
+    async with make_client(opts) as client:
+        async def one(req: WorkloadRequest, at_s: float, run_start: float) -> RequestResult:
+            if sem is None:
+                res = await send_request(client, base_url, req, opts, at_s, run_start)
+            else:
+                async with sem:
+                    res = await send_request(client, base_url, req, opts, at_s, run_start)
+            progress.update(res.success)
+            return res
+
+        run_start = time.perf_counter()
+        tasks: list[asyncio.Task[RequestResult]] = []
+        for req, at_s in zip(requests, arrivals_s, strict=True):
+            delay_s = run_start + at_s - time.perf_counter()
+            if delay_s > 0:
+                await asyncio.sleep(delay_s)
+            tasks.append(asyncio.create_task(one(req, at_s, run_start)))
+        results = list(await asyncio.gather(*tasks))
+        duration_s = time.perf_counter() - run_start
+    return compute_metrics(results, duration_s, slo), results
+
+
+# ---------------------------------------------------------------- max-QPS search
+
+
+async def search_max_qps(
+    run_at: Callable[[float], Awaitable[dict[str, Any]]], slo: SLO, start_qps: float,
+    max_probes: int = 8, rel_tol: float = 0.05,
+) -> dict[str, Any]:
+    """Highest QPS whose run meets the P99 SLO: double until a probe fails, then bisect.
+
+    At most `max_probes` runs. Stops early once the bracket [pass, fail] is within `rel_tol`.
+    Assumes latency grows with load (probes are noisy; every probe is reported).
+    """
+    best: float | None = None  # highest passing QPS seen
+    fail: float | None = None  # lowest failing QPS seen
+    qps = start_qps
+    probes: list[dict[str, Any]] = []
+    for _ in range(max_probes):
+        metrics = await run_at(qps)
+        ok = meets_p99_slo(metrics, slo)
+        probes.append({"qps": qps, "meets_slo": ok, "metrics": metrics})
+        if ok:
+            best = qps if best is None else max(best, qps)
+        else:
+            fail = qps if fail is None else min(fail, qps)
+        if fail is None:
+            qps *= 2.0
+        else:
+            low = best or 0.0
+            if low > 0 and (fail - low) / fail <= rel_tol:
+                break
+            qps = (low + fail) / 2.0
+    return {"max_qps": best, "lowest_failing_qps": fail, "slo": slo.as_dict(), "probes": probes}
+
+
+# ---------------------------------------------------------------- environment record
+
+
+def git_revision() -> dict[str, Any]:
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", "-C", str(REPO_DIR), *args], capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.strip() if out.returncode == 0 else ""
+
+    try:
+        return {"revision": git("rev-parse", "HEAD") or None,
+                "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except (OSError, subprocess.SubprocessError):
+        return {"revision": None, "dirty": None}
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "hostname": platform.node(), "platform": platform.platform(),
+        "python": platform.python_version(), "cpu_count": os.cpu_count(),
+    }
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total",
+                                  "--format=csv,noheader"], capture_output=True, text=True,
+                                 timeout=10)
+            info["gpus"] = [g.strip() for g in out.stdout.splitlines() if g.strip()]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return info
+
+
+async def server_info(base_url: str, opts: ClientOptions, admin_token: str | None) -> dict:
+    """Models and `/admin/api/state` (the server's configuration); missing pieces noted."""
+    info: dict[str, Any] = {"url": base_url}
+    headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+    async with make_client(opts) as client:
+        try:
+            resp = await client.get(f"{base_url}/v1/models", timeout=10.0)
+            info["models"] = [m.get("id") for m in resp.json().get("data", [])]
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            info["models_error"] = f"{type(exc).__name__}: {exc}"
+        try:
+            resp = await client.get(f"{base_url}/admin/api/state", headers=headers, timeout=10.0)
+            if resp.status_code == 200:
+                info["state"] = resp.json()
+            else:
+                info["state_error"] = f"HTTP {resp.status_code}"
+        except (httpx.HTTPError, ValueError) as exc:
+            info["state_error"] = f"{type(exc).__name__}: {exc}"
+    return info
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def parse_qps(text: str) -> list[float]:
+    return [math.inf if v.strip().lower() == "inf" else float(v) for v in text.split(",")]
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    """Workload and client arguments shared with bench.compare."""
+    p.add_argument("--workload", required=True, choices=WORKLOAD_NAMES)
+    p.add_argument("--scale", type=float, default=1.0, help="multiply all token lengths (0, 1]")
+    count = p.add_mutually_exclusive_group(required=True)
+    count.add_argument("--num-requests", type=int)
+    count.add_argument("--duration", type=float, help="seconds of arrivals (finite QPS only)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--tokenizer", help="tokenizer.json or model folder (default: default model)")
+    p.add_argument("--model", help="model name in request bodies (default: first of /v1/models)")
+    p.add_argument("--max-concurrency", type=int)
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--slo", help="ttft:MS,tpot:MS,e2el:MS (any subset)")
+    p.add_argument("--api-key", default=os.environ.get("GREENLANE_API_KEY"))
+    p.add_argument("--admin-token", default=os.environ.get("GREENLANE_ADMIN_TOKEN"))
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--warmup-requests", type=int, default=0,
+                   help="send N unrecorded requests first, one at a time (from another seed)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__.split("\n")[0])
+    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    add_common_args(p)
+    rate = p.add_mutually_exclusive_group(required=True)
+    rate.add_argument("--qps", help="one rate or a comma list (a sweep); 'inf' allowed")
+    rate.add_argument("--request-rate", help="alias of --qps")
+    p.add_argument("--find-max-qps", action="store_true",
+                   help="search the highest QPS meeting the P99 --slo (start: first --qps)")
+    p.add_argument("--max-probes", type=int, default=8)
+    p.add_argument("--out", required=True, help="result JSON path")
+    p.add_argument("--plot", help="PNG of latency percentiles vs QPS")
+    return p
+
+
+def options_from_args(args: argparse.Namespace, tokenizer: TokenizerLike) -> ClientOptions:
+    return ClientOptions(
+        model=args.model or "", ignore_eos=not args.no_ignore_eos, temperature=args.temperature,
+        burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+        request_timeout_s=args.request_timeout, api_key=args.api_key,
+        progress=not args.no_progress, tokenizer=tokenizer,
+    )
+
+
+@dataclass(slots=True)
+class Plan:
+    """A workload made for one QPS: requests and their arrival times."""
+
+    requests: list[WorkloadRequest]
+    arrivals_s: list[float]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def make_plan(gen: WorkloadGenerator, args: argparse.Namespace, qps: float) -> Plan:
+    """Arrivals for `qps` (seeded apart from the workload), then that many requests.
+
+    Requests are the generator's first N, so two QPS values share their common prefix of
+    requests; only the arrival times differ.
+    """
+    arrivals = arrival_times_s(qps, args.seed, args.burstiness, args.num_requests, args.duration)
+    requests = gen.take(len(arrivals))
+    return Plan(requests, arrivals)
+
+
+def workload_record(gen: WorkloadGenerator, args: argparse.Namespace) -> dict[str, Any]:
+    return {"name": gen.name, "description": describe(gen.name), "scale": gen.scale,
+            "seed": gen.seed, "num_requests": args.num_requests, "duration_s": args.duration,
+            "burstiness": args.burstiness}
+
+
+def run_record(qps: float, metrics: dict[str, Any], plan: Plan) -> dict[str, Any]:
+    prompt = [r.num_prompt_tokens for r in plan.requests]
+    out = [r.max_output_tokens for r in plan.requests if r.api == "chat"]
+    return {
+        "qps": "inf" if math.isinf(qps) else qps,
+        "num_requests": len(plan.requests),
+        "mean_prompt_tokens": float(np.mean(prompt)) if prompt else 0.0,
+        "mean_requested_output_tokens": float(np.mean(out)) if out else None,
+        "metrics": metrics,
+    }
+
+
+async def warm_up(base_url: str, args: argparse.Namespace, tok: TokenizerLike,
+                  opts: ClientOptions) -> None:
+    """Unrecorded requests, one at a time, drawn with another seed (so the measured requests'
+    prefixes are not pre-cached): first-request costs stay out of the first run."""
+    if args.warmup_requests <= 0:
+        return
+    gen = WorkloadGenerator(args.workload, tok, args.seed + 1_000_003, args.scale)
+    quiet = ClientOptions(**{**{f: getattr(opts, f) for f in opts.__slots__}, "progress": False})
+    for req in gen.take(args.warmup_requests):
+        await run_once(base_url, [req], [0.0], quiet)
+
+
+async def resolve_model(base_url: str, opts: ClientOptions, server: dict[str, Any]) -> None:
+    if not opts.model:
+        models = server.get("models") or []
+        opts.model = models[0] if models else "default"
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    base_url = args.url.rstrip("/")
+    qps_list = parse_qps(args.qps or args.request_rate)
+    slo = SLO.parse(args.slo)
+    if args.find_max_qps and slo is None:
+        raise SystemExit("--find-max-qps needs --slo")
+    tok = load_tokenizer(args.tokenizer)
+    gen = WorkloadGenerator(args.workload, tok, args.seed, args.scale)
+    opts = options_from_args(args, tok)
+    record: dict[str, Any] = {
+        "tool": "greenlane bench.serve",
+        "command": shlex.join([Path(sys.executable).name, "-m", "bench.serve", *sys.argv[1:]]),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "git": git_revision(),
+        "machine": machine_info(),
+        "server": await server_info(base_url, opts, args.admin_token),
+        "workload": workload_record(gen, args),
+    }
+    await resolve_model(base_url, opts, record["server"])
+    record["options"] = {"model": opts.model, "ignore_eos": opts.ignore_eos,
+                         "temperature": opts.temperature, "max_concurrency": opts.max_concurrency,
+                         "request_timeout_s": opts.request_timeout_s,
+                         "warmup_requests": args.warmup_requests,
+                         "slo": slo.as_dict() if slo else None}
+    await warm_up(base_url, args, tok, opts)
+    runs: list[dict[str, Any]] = []
+
+    async def run_at(qps: float) -> dict[str, Any]:
+        plan = make_plan(gen, args, qps)
+        metrics, _ = await run_once(base_url, plan.requests, plan.arrivals_s, opts, slo,
+                                    label=f"qps {qps:g}")
+        runs.append(run_record(qps, metrics, plan))
+        return metrics
+
+    if args.find_max_qps:
+        assert slo is not None
+        search = await search_max_qps(run_at, slo, qps_list[0], args.max_probes)
+        record["max_qps_search"] = {k: v for k, v in search.items() if k != "probes"}
+    else:
+        for qps in qps_list:
+            await run_at(qps)
+    runs.sort(key=lambda r: math.inf if r["qps"] == "inf" else r["qps"])
+    record["runs"] = runs
+    if len(runs) == 1:
+        record["metrics"] = runs[0]["metrics"]
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    record = asyncio.run(main_async(args))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    from bench.plots import markdown_table
+
+    print(markdown_table({args.workload: record["runs"]}))
+    if "max_qps_search" in record:
+        s = record["max_qps_search"]
+        print(f"\nmax QPS meeting P99 SLO {s['slo']}: {s['max_qps']}")
+    if args.plot:
+        from bench.plots import plot_latency_vs_qps
+
+        plot_latency_vs_qps({args.workload: record["runs"]}, args.plot,
+                            title=f"{args.workload} ({args.url})")
+    print(f"\nwrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,288 @@
+"""FlashInfer attention over the paged KV pool (CUDA only).
+
+One instance per CUDA stream that runs model work: the workspace buffer and the planned
+wrappers belong to that stream (prefill and decode run concurrently on different streams when
+the GPU is partitioned, and sharing a workspace between concurrently running wrappers corrupts
+it). `plan()` must run on the stream that will run the forward: FlashInfer copies plan
+metadata to the device with non-blocking copies on the current stream.
+
+Kernel choice per step (`plan`):
+- decode (every sequence: one new token, context > 0): paged decode, tensor cores when
+  num_q_heads / num_kv_heads >= 4 (GQA), after writing the new token's k/v into the pool;
+- prefill with no cached context anywhere in the batch: ragged prefill over this step's k/v;
+- prefill with cached context (prefix hit, later chunk) and nothing discarded: write the new
+  k/v into the pool, then paged prefill over context + new tokens;
+- prefill with cached context AND a discarded suffix (a scoring request with a prefix hit):
+  the suffix has no pool slots, so the context is gathered from the pool into a per-layer
+  buffer next to this step's k/v and ragged prefill runs over that. This costs one copy of the
+  context per layer; it is the uncommon case.
+
+Suffix-KV discard: tokens at positions >= num_kept_tokens are attended from this step's k/v
+(which live only as long as the layer's forward: the per-layer scratch) and never written.
+
+KV layout (runtime/kv_pool.py): per layer k and v, each [num_blocks, block_size, Hkv, D]
+(FlashInfer's "NHD" paged layout with page_size = block_size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from runtime.attention.base import ForwardBatch
+
+DEFAULT_WORKSPACE_BYTES = 128 << 20
+
+
+def flashinfer_unavailable_reason() -> str:
+    """"" when FlashInfer can be used here, else why not (said once by the caller)."""
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    try:
+        import flashinfer  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install raising at import
+        return f"flashinfer cannot be imported ({type(exc).__name__}: {exc})"
+    return ""
+
+
+@dataclass(slots=True)
+class _Plan:
+    mode: str  # "decode" | "ragged" | "paged" | "gather"
+    write_rows: torch.Tensor | None  # [W] int64 rows of this step's k/v to keep; None = all rows
+    write_slots: torch.Tensor  # [W] int64 flat slot = block * block_size + offset
+    # "gather" only: where pooled context and this step's k/v go in the per-layer buffer
+    gather_slots: torch.Tensor | None = None  # [C] flat pool slots of cached context
+    gather_dst: torch.Tensor | None = None  # [C] rows in the buffer
+    new_dst: torch.Tensor | None = None  # [T] rows in the buffer for this step's tokens
+    total_kv: int = 0
+
+
+class FlashInferBackend:
+    """AttentionBackend on FlashInfer. See the module docstring for the kernel choice."""
+
+    name = "flashinfer"
+
+    def __init__(
+        self,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        sm_scale: float | None = None,
+        workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+        graph_batch_size: int | None = None,
+        max_blocks_per_seq: int | None = None,
+    ) -> None:
+        """k_caches/v_caches: one [num_blocks, block_size, Hkv, D] tensor per layer.
+
+        graph_batch_size: build a CUDA-graph-safe decode-only instance for exactly this many
+        sequences (fixed index buffers; `plan` only fills them). max_blocks_per_seq sizes those
+        buffers (required with graph_batch_size)."""
+        import flashinfer
+
+        self._fi = flashinfer
+        self.k_caches = k_caches
+        self.v_caches = v_caches
+        self.num_q_heads = num_q_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = int(k_caches[0].shape[1])
+        self.sm_scale = sm_scale if sm_scale is not None else head_dim**-0.5
+        self.device = k_caches[0].device
+        self.kv_dtype = k_caches[0].dtype
+        self.use_tensor_cores = num_q_heads // num_kv_heads >= 4
+        self.graph_batch_size = graph_batch_size
+        # One workspace per instance == per stream (see module docstring).
+        self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
+        self._ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
+        self._paged = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        if graph_batch_size is None:
+            self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
+            )
+            self._static_slots = None
+        else:
+            if max_blocks_per_seq is None:
+                raise ValueError("max_blocks_per_seq is required with graph_batch_size")
+            bs = graph_batch_size
+            # Fixed buffers: a captured graph reads these addresses on every replay.
+            self._g_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=self.device)
+            self._g_indices = torch.zeros(
+                bs * max_blocks_per_seq, dtype=torch.int32, device=self.device
+            )
+            self._g_last = torch.ones(bs, dtype=torch.int32, device=self.device)
+            self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores,
+                use_cuda_graph=True, paged_kv_indptr_buffer=self._g_indptr,
+                paged_kv_indices_buffer=self._g_indices,
+                paged_kv_last_page_len_buffer=self._g_last,
+            )
+            self._static_slots = torch.zeros(bs, dtype=torch.int64, device=self.device)
+        self._plan: _Plan | None = None
+
+    # ------------------------------------------------------------------ planning
+    def _to_dev(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        # Pinned host tensor + non_blocking copy on the current stream: no host sync.
+        t = torch.tensor(values, dtype=dtype, pin_memory=True)
+        return t.to(self.device, non_blocking=True)
+
+    def plan(self, batch: ForwardBatch) -> None:
+        bs_tok = self.block_size
+        seqs = batch.seqs
+        write_rows: list[int] = []
+        write_slots: list[int] = []
+        all_rows_written = True
+        has_context = False
+        has_discard = False
+        for s in seqs:
+            ctx, nq, kept = s.num_context_tokens, s.num_query_tokens, s.num_kept_tokens
+            if kept < ctx or kept > ctx + nq:
+                raise ValueError(f"num_kept_tokens {kept} outside [{ctx}, {ctx + nq}]")
+            if len(s.block_ids) * bs_tok < kept:
+                raise ValueError("block_ids do not cover num_kept_tokens")
+            has_context |= ctx > 0
+            has_discard |= kept < ctx + nq
+            for i in range(kept - ctx):
+                pos = ctx + i
+                write_rows.append(s.query_start + i)
+                write_slots.append(s.block_ids[pos // bs_tok] * bs_tok + pos % bs_tok)
+            if kept - ctx != nq:
+                all_rows_written = False
+        rows_t = None if all_rows_written else self._to_dev(write_rows, torch.int64)
+
+        if batch.is_decode:
+            if has_discard:
+                raise ValueError("decode steps keep every token")
+            self._plan_decode(seqs, write_slots)
+            return
+        if self.graph_batch_size is not None:
+            raise ValueError("a CUDA-graph backend instance only runs decode batches")
+        slots_t = self._to_dev(write_slots, torch.int64)
+        qo_indptr = [0]
+        for s in seqs:
+            qo_indptr.append(qo_indptr[-1] + s.num_query_tokens)
+        common = dict(causal=True, sm_scale=self.sm_scale, q_data_type=self.kv_dtype)
+        if not has_context:
+            qo = self._to_dev(qo_indptr, torch.int32)
+            self._ragged.plan(
+                qo, qo, self.num_q_heads, self.num_kv_heads, self.head_dim, **common
+            )
+            self._plan = _Plan("ragged", rows_t, slots_t)
+        elif not has_discard:
+            kv_indptr, kv_indices, last = self._paged_meta(
+                [(s.block_ids, s.num_context_tokens + s.num_query_tokens) for s in seqs]
+            )
+            self._paged.plan(
+                self._to_dev(qo_indptr, torch.int32), kv_indptr, kv_indices, last,
+                self.num_q_heads, self.num_kv_heads, self.head_dim, bs_tok,
+                kv_data_type=self.kv_dtype, **common,
+            )
+            self._plan = _Plan("paged", rows_t, slots_t)
+        else:
+            gather_slots: list[int] = []
+            gather_dst: list[int] = []
+            new_dst: list[int] = []
+            kv_indptr_l = [0]
+            for s in seqs:
+                base = kv_indptr_l[-1]
+                for p in range(s.num_context_tokens):
+                    gather_slots.append(s.block_ids[p // bs_tok] * bs_tok + p % bs_tok)
+                    gather_dst.append(base + p)
+                new_dst.extend(range(base + s.num_context_tokens,
+                                     base + s.num_context_tokens + s.num_query_tokens))
+                kv_indptr_l.append(base + s.num_context_tokens + s.num_query_tokens)
+            self._ragged.plan(
+                self._to_dev(qo_indptr, torch.int32), self._to_dev(kv_indptr_l, torch.int32),
+                self.num_q_heads, self.num_kv_heads, self.head_dim, **common,
+            )
+            self._plan = _Plan(
+                "gather", rows_t, slots_t,
+                gather_slots=self._to_dev(gather_slots, torch.int64),
+                gather_dst=self._to_dev(gather_dst, torch.int64),
+                new_dst=self._to_dev(new_dst, torch.int64), total_kv=kv_indptr_l[-1],
+            )
+
+    def _paged_meta(
+        self, seqs: list[tuple[list[int], int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block_ids, kv_len) per sequence -> kv_indptr, kv_indices, kv_last_page_len."""
+        indptr = [0]
+        indices: list[int] = []
+        last: list[int] = []
+        for block_ids, kv_len in seqs:
+            n_pages = (kv_len + self.block_size - 1) // self.block_size
+            indices.extend(block_ids[:n_pages])
+            indptr.append(indptr[-1] + n_pages)
+            last.append(kv_len - (n_pages - 1) * self.block_size)
+        return (
+            self._to_dev(indptr, torch.int32),
+            self._to_dev(indices, torch.int32),
+            self._to_dev(last, torch.int32),
+        )
+
+    def _plan_decode(self, seqs: list, write_slots: list[int]) -> None:
+        if self.graph_batch_size is not None and len(seqs) != self.graph_batch_size:
+            raise ValueError(
+                f"graph instance for batch {self.graph_batch_size} got {len(seqs)} sequences"
+            )
+        kv_indptr, kv_indices, last = self._paged_meta(
+            [(s.block_ids, s.num_context_tokens + 1) for s in seqs]
+        )
+        self._decode.plan(
+            kv_indptr, kv_indices, last, self.num_q_heads, self.num_kv_heads, self.head_dim,
+            self.block_size, sm_scale=self.sm_scale, q_data_type=self.kv_dtype,
+            kv_data_type=self.kv_dtype,
+        )
+        slots = self._to_dev(write_slots, torch.int64)
+        if self._static_slots is not None:
+            self._static_slots.copy_(slots, non_blocking=True)
+            slots = self._static_slots
+        self._plan = _Plan("decode", None, slots)
+
+    # ------------------------------------------------------------------ forward
+    def _write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, plan: _Plan) -> None:
+        if plan.write_slots.numel() == 0:
+            return
+        if plan.write_rows is not None:
+            k = k.index_select(0, plan.write_rows)
+            v = v.index_select(0, plan.write_rows)
+        # Flat [num_blocks * block_size, Hkv, D] views; index_copy_ is graph-capturable.
+        kc = self.k_caches[layer_idx].view(-1, self.num_kv_heads, self.head_dim)
+        vc = self.v_caches[layer_idx].view(-1, self.num_kv_heads, self.head_dim)
+        kc.index_copy_(0, plan.write_slots, k.to(kc.dtype))
+        vc.index_copy_(0, plan.write_slots, v.to(vc.dtype))
+
+    def forward(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("plan() must be called before forward()")
+        self._write(layer_idx, k, v, plan)
+        caches = (self.k_caches[layer_idx], self.v_caches[layer_idx])
+        if plan.mode == "decode":
+            return self._decode.run(q, caches)
+        if plan.mode == "paged":
+            return self._paged.run(q, caches)
+        if plan.mode == "ragged":
+            return self._ragged.run(q, k, v)
+        # "gather": [cached context from the pool | this step's k/v] per sequence.
+        assert plan.gather_slots is not None and plan.gather_dst is not None
+        assert plan.new_dst is not None
+        shape = (plan.total_kv, self.num_kv_heads, self.head_dim)
+        kbuf = torch.empty(shape, dtype=k.dtype, device=k.device)
+        vbuf = torch.empty(shape, dtype=v.dtype, device=v.device)
+        kflat = caches[0].view(-1, self.num_kv_heads, self.head_dim)
+        vflat = caches[1].view(-1, self.num_kv_heads, self.head_dim)
+        kbuf.index_copy_(0, plan.gather_dst, kflat.index_select(0, plan.gather_slots))
+        vbuf.index_copy_(0, plan.gather_dst, vflat.index_select(0, plan.gather_slots))
+        kbuf.index_copy_(0, plan.new_dst, k)
+        vbuf.index_copy_(0, plan.new_dst, v)
+        return self._ragged.run(q, kbuf, vbuf)
+
+    def debug_state(self) -> dict[str, Any]:
+        return {"mode": None if self._plan is None else self._plan.mode}

@@ -1,0 +1,150 @@
+"""Reference attention backend over the paged KV pool: torch SDPA, CPU and CUDA.
+
+plan(): builds, on the host and then copied to the device once per step,
+  - the slot mapping of this step's new tokens (pool slot, or -1 for a discarded suffix
+    token at a position >= num_kept_tokens), reduced to (rows to write, slots to write);
+  - per sequence, the pool slots of its cached context [0, num_context_tokens);
+  - for a decode batch, a padded [B, L] gather index + key mask (L = longest context + 1).
+forward(): writes kept k/v into the pool, then attends. Prefill sequences run one SDPA call
+each over [context from the pool] + [this step's k/v] with a causal mask offset by the
+context length; a decode batch runs one padded SDPA call. GQA via `enable_gqa`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from runtime.attention.base import ForwardBatch
+from runtime.kv_pool import KVPool
+
+
+@dataclass(slots=True)
+class _SeqPlan:
+    query_start: int
+    num_query_tokens: int
+    context_slots: torch.Tensor | None  # [num_context_tokens] int64 on device; None if 0
+    mask: torch.Tensor | None  # [q, context + q] bool (True = attend); None = plain causal
+
+
+@dataclass(slots=True)
+class _DecodePlan:
+    gather_slots: torch.Tensor  # [B, L] int64: slots of context + the new token, padded
+    key_mask: torch.Tensor  # [B, 1, 1, L] bool: True for real keys
+
+
+class TorchAttentionBackend:
+    """SDPA over the paged pool. One instance per stream (plans are per instance)."""
+
+    name = "torch"
+
+    def __init__(self, kv_pool: KVPool) -> None:
+        self.pool = kv_pool
+        self._write_rows: torch.Tensor | None = None  # [W] rows of this step's k/v to keep
+        self._write_slots: torch.Tensor | None = None  # [W] their pool slots
+        self._all_rows_written = False
+        self._seqs: list[_SeqPlan] = []
+        self._decode: _DecodePlan | None = None
+
+    # ---- planning ------------------------------------------------------------------------
+    def plan(self, batch: ForwardBatch) -> None:
+        bs = self.pool.block_size
+        dev = self.pool.device
+        slot_mapping = torch.full((batch.num_tokens,), -1, dtype=torch.int64)
+        seq_plans: list[_SeqPlan] = []
+        for s in batch.seqs:
+            ctx, n, kept = s.num_context_tokens, s.num_query_tokens, s.num_kept_tokens
+            if kept < ctx:
+                raise ValueError(f"num_kept_tokens {kept} < num_context_tokens {ctx}")
+            if len(s.block_ids) * bs < kept:
+                raise ValueError(f"{len(s.block_ids)} blocks cannot hold {kept} kept tokens")
+            table = torch.tensor(s.block_ids, dtype=torch.int64)
+            num_written = max(0, min(ctx + n, kept) - ctx)
+            if num_written:
+                pos = torch.arange(ctx, ctx + num_written)
+                slot_mapping[s.query_start : s.query_start + num_written] = (
+                    table[pos // bs] * bs + pos % bs
+                )
+            ctx_slots = None
+            mask = None
+            if ctx:
+                pos = torch.arange(ctx)
+                ctx_slots = (table[pos // bs] * bs + pos % bs).to(dev, non_blocking=True)
+                if n > 1:
+                    # Query i sits at position ctx + i and sees keys 0 .. ctx + i.
+                    mask = torch.arange(ctx + n)[None, :] <= (ctx + torch.arange(n))[:, None]
+                    mask = mask.to(dev, non_blocking=True)
+            seq_plans.append(_SeqPlan(s.query_start, n, ctx_slots, mask))
+
+        rows = torch.nonzero(slot_mapping >= 0).flatten()
+        self._all_rows_written = int(rows.numel()) == batch.num_tokens
+        self._write_rows = rows.to(dev, non_blocking=True)
+        self._write_slots = slot_mapping[rows].to(dev, non_blocking=True)
+        self._seqs = seq_plans
+        self._decode = self._plan_decode(batch) if batch.is_decode else None
+
+    def _plan_decode(self, batch: ForwardBatch) -> _DecodePlan | None:
+        """Padded gather over context + the token written this step (all from the pool)."""
+        bs = self.pool.block_size
+        lengths = [s.num_context_tokens + 1 for s in batch.seqs]
+        if any(s.num_kept_tokens < n for s, n in zip(batch.seqs, lengths, strict=True)):
+            return None  # a decode token that is not kept: use the per-sequence path
+        max_len = max(lengths)
+        gather = torch.zeros((len(lengths), max_len), dtype=torch.int64)
+        key_mask = torch.zeros((len(lengths), max_len), dtype=torch.bool)
+        for i, (s, n) in enumerate(zip(batch.seqs, lengths, strict=True)):
+            pos = torch.arange(n)
+            table = torch.tensor(s.block_ids, dtype=torch.int64)
+            gather[i, :n] = table[pos // bs] * bs + pos % bs
+            key_mask[i, :n] = True
+        dev = self.pool.device
+        return _DecodePlan(
+            gather.to(dev, non_blocking=True),
+            key_mask[:, None, None, :].to(dev, non_blocking=True),
+        )
+
+    # ---- forward -------------------------------------------------------------------------
+    def forward(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]."""
+        assert self._write_rows is not None and self._write_slots is not None, "plan() first"
+        k_pool = self.pool.flat_k(layer_idx)  # [slots, Hkv, D]
+        v_pool = self.pool.flat_v(layer_idx)
+        if self._all_rows_written:
+            k_pool.index_copy_(0, self._write_slots, k.to(k_pool.dtype))
+            v_pool.index_copy_(0, self._write_slots, v.to(v_pool.dtype))
+        elif self._write_rows.numel():
+            k_pool.index_copy_(0, self._write_slots, k.index_select(0, self._write_rows))
+            v_pool.index_copy_(0, self._write_slots, v.index_select(0, self._write_rows))
+
+        if self._decode is not None:
+            d = self._decode
+            keys = k_pool[d.gather_slots].transpose(1, 2)  # [B, Hkv, L, D]
+            values = v_pool[d.gather_slots].transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(2), keys, values, attn_mask=d.key_mask, enable_gqa=True
+            )  # [B, Hq, 1, D]
+            return out.squeeze(2)
+
+        out = torch.empty_like(q)
+        for s in self._seqs:
+            lo, hi = s.query_start, s.query_start + s.num_query_tokens
+            keys, values = k[lo:hi], v[lo:hi]  # [n, Hkv, D]
+            if s.context_slots is not None:
+                keys = torch.cat([k_pool[s.context_slots], keys], dim=0)
+                values = torch.cat([v_pool[s.context_slots], values], dim=0)
+            qs = q[lo:hi].transpose(0, 1)  # [Hq, n, D]
+            o = F.scaled_dot_product_attention(
+                qs,
+                keys.transpose(0, 1),
+                values.transpose(0, 1),
+                attn_mask=s.mask,
+                # With context and one query, the query sees everything: no mask needed.
+                is_causal=s.context_slots is None and s.num_query_tokens > 1,
+                enable_gqa=True,
+            )
+            out[lo:hi] = o.transpose(0, 1)
+        return out

@@ -1,0 +1,186 @@
+"""CPU bookkeeping of the paged KV pool: free list, reference counts, block tables.
+
+Every block is in exactly one of three states:
+  - free:        ref 0, not cached, on the free list;
+  - cached-idle: ref 0, cached in the prefix cache, in its LRU list (evictable);
+  - referenced:  ref >= 1, held by the block tables of `ref` requests.
+A block is taken from the free list first, then by evicting the LRU cached-idle block.
+`check_integrity()` verifies that partition and that ref counts equal the number of holders.
+Plain Python: no torch (the device tensors live in `runtime/kv_pool.py`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from runtime.prefix_cache import PrefixCache
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Not enough free or evictable blocks for an allocation (nothing was changed)."""
+
+
+class BlockManager:
+    def __init__(
+        self, num_blocks: int, block_size: int, prefix_cache: PrefixCache | None = None
+    ) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.prefix_cache = prefix_cache
+        self.ref_counts: list[int] = [0] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._tables: dict[str, list[int]] = {}
+        # Per request: how many of its leading blocks were offered to the prefix cache.
+        self._num_cached_blocks: dict[str, int] = {}
+
+    # ---- capacity ------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now: free + evictable cached blocks."""
+        evictable = self.prefix_cache.num_evictable if self.prefix_cache else 0
+        return len(self._free) + evictable
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks referenced by at least one request."""
+        return self.num_blocks - self.num_free_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, num_new_blocks: int, prefix_block_ids: Sequence[int] = ()) -> bool:
+        # Pinning an evictable prefix block takes it out of the evictable pool too.
+        pinned = sum(1 for b in prefix_block_ids if self.ref_counts[b] == 0)
+        return num_new_blocks + pinned <= self.num_free_blocks
+
+    # ---- tables --------------------------------------------------------------------------
+    def has(self, request_id: str) -> bool:
+        return request_id in self._tables
+
+    def table(self, request_id: str) -> list[int]:
+        """The request's block ids in position order (the live list: do not mutate)."""
+        return self._tables[request_id]
+
+    def allocate(
+        self, request_id: str, num_new_blocks: int, prefix_block_ids: Sequence[int] = ()
+    ) -> list[int]:
+        """Create the request's table: the shared `prefix_block_ids` (prefix-cache hits, in
+        order) followed by `num_new_blocks` fresh blocks. All or nothing: raises
+        NoFreeBlocksError without changing anything when it cannot be satisfied."""
+        if request_id in self._tables:
+            raise ValueError(f"request {request_id!r} already holds KV blocks")
+        if not self.can_allocate(num_new_blocks, prefix_block_ids):
+            raise NoFreeBlocksError(
+                f"need {num_new_blocks} new blocks (+{len(prefix_block_ids)} shared), "
+                f"{self.num_free_blocks} available"
+            )
+        table: list[int] = []
+        for b in prefix_block_ids:
+            self._incref(b)
+            table.append(b)
+        for _ in range(num_new_blocks):
+            table.append(self._take_block())
+        self._tables[request_id] = table
+        self._num_cached_blocks[request_id] = len(prefix_block_ids)
+        return table
+
+    def append_blocks(self, request_id: str, num_new_blocks: int = 1) -> list[int]:
+        """Add fresh blocks at the end of the request's table (all or nothing)."""
+        table = self._tables[request_id]
+        if num_new_blocks > self.num_free_blocks:
+            raise NoFreeBlocksError(
+                f"need {num_new_blocks} blocks, {self.num_free_blocks} available"
+            )
+        new = [self._take_block() for _ in range(num_new_blocks)]
+        table.extend(new)
+        return new
+
+    def free(self, request_id: str) -> None:
+        """Release all of the request's blocks (finish, abort or preemption). Unknown ids
+        are ignored so abort paths can call it unconditionally."""
+        table = self._tables.pop(request_id, None)
+        self._num_cached_blocks.pop(request_id, None)
+        if table is None:
+            return
+        # Release the tail first: it enters the LRU before the head, so it is evicted first
+        # (heads of sequences are the most widely shared prefixes).
+        for b in reversed(table):
+            self._decref(b)
+
+    def cache_full_blocks(
+        self, request_id: str, block_hashes: Sequence[int], token_ids: Sequence[int]
+    ) -> None:
+        """Offer the request's full blocks to the prefix cache.
+
+        `block_hashes[i]` is the chain hash of block i of `token_ids` (only full blocks whose
+        KV is already computed may be passed). Blocks offered before are skipped; a hash
+        that is already cached elsewhere leaves this request's block uncached."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        table = self._tables[request_id]
+        start = self._num_cached_blocks[request_id]
+        end = min(len(block_hashes), len(table))
+        bs = self.block_size
+        for i in range(start, end):
+            parent = block_hashes[i - 1] if i > 0 else None
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            cache.insert(block_hashes[i], parent, tokens, table[i])
+        self._num_cached_blocks[request_id] = max(start, end)
+
+    # ---- internals -----------------------------------------------------------------------
+    def _take_block(self) -> int:
+        if self._free:
+            b = self._free.popleft()
+        else:
+            evicted = self.prefix_cache.evict() if self.prefix_cache else None
+            if evicted is None:  # can_allocate was checked: this is a bookkeeping bug
+                raise NoFreeBlocksError("no free or evictable block")
+            b = evicted
+        assert self.ref_counts[b] == 0
+        self.ref_counts[b] = 1
+        return b
+
+    def _incref(self, b: int) -> None:
+        if self.ref_counts[b] == 0:
+            if self.prefix_cache is None or not self.prefix_cache.is_evictable(b):
+                raise AssertionError(f"block {b} is free, not a cached block: cannot share it")
+            self.prefix_cache.on_referenced(b)
+        self.ref_counts[b] += 1
+
+    def _decref(self, b: int) -> None:
+        if self.ref_counts[b] <= 0:
+            raise AssertionError(f"double free of block {b}")
+        self.ref_counts[b] -= 1
+        if self.ref_counts[b] == 0:
+            if self.prefix_cache is None or not self.prefix_cache.on_unreferenced(b):
+                self._free.append(b)
+
+    # ---- integrity -----------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless: ref counts equal the number of holding tables; every
+        block is exactly one of free / cached-idle / referenced; no block is lost."""
+        holders = [0] * self.num_blocks
+        for rid, table in self._tables.items():
+            assert len(set(table)) == len(table), f"request {rid} holds a block twice"
+            for b in table:
+                holders[b] += 1
+        assert holders == self.ref_counts, "ref counts differ from the number of holders"
+        free = set(self._free)
+        assert len(free) == len(self._free), "a block is on the free list twice"
+        cache = self.prefix_cache
+        for b in free:
+            assert self.ref_counts[b] == 0, f"free block {b} is referenced"
+            assert cache is None or not cache.is_cached(b), f"free block {b} is cached"
+        idle = 0
+        if cache is not None:
+            cache.check_integrity(self.ref_counts)
+            idle = cache.num_evictable
+        referenced = sum(1 for r in self.ref_counts if r > 0)
+        assert len(free) + idle + referenced == self.num_blocks, (
+            f"leak: {len(free)} free + {idle} cached-idle + {referenced} referenced "
+            f"!= {self.num_blocks}"
+        )

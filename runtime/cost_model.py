@@ -1,0 +1,378 @@
+"""Stage latency vs SM share (Nexus-style), and the split controller (Nexus Alg. 1).
+
+Model (all latencies in ms, SM shares r in (0, 1] of the device's SMs):
+
+  T_stage(shape, r) = base(shape) * S(1) / S(r)      with the saturation curve
+  S(r) = r                       for r <= R_sat      (compute scales with SMs)
+       = R_sat + lam * (r - R_sat) for r > R_sat     (diminishing returns, 0 <= lam <= 1)
+
+  base_prefill = a0 + a1 * tokens + a2 * attention_pairs   (x layers; whole GPU)
+  base_decode  = b0 + b1 * batch  + b2 * kv_tokens         (x layers; whole GPU)
+
+Concurrent execution on a disjoint pair adds a memory-bandwidth contention term: each phase
+slows in proportion to the share of the GPU the other phase runs on (its traffic pressure):
+  T_decode_conc  = T_decode(r_d)  * (1 + kappa_d * r_p)
+  T_prefill_conc = T_prefill(r_p) * (1 + kappa_p * r_d)
+All parameters are fitted from a profile measured on the actual GPU (`fit`), then refined online
+from measured latencies (`observe`, a per-stage/per-regime correction factor). Every observation
+is scored against the prediction made *before* it updates the model, so `error_stats()` is a
+genuine out-of-sample prediction error (MAPE).
+
+Controller: below `kv_switch` KV usage favour prefill (minimise prefill latency with decode
+within `beta` of its best), above it favour decode (minimise decode latency with prefill within
+`alpha` of its best); greedy search over the pre-created splits from the current one; then the
+split is kept only if running the phases concurrently is predicted faster than time-slicing the
+whole GPU for the same work (H200.md: with eager kernels it often is not); hysteresis stops
+flapping; a manual pin wins over everything.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+PREFILL = "prefill"
+DECODE = "decode"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillShape:
+    num_tokens: int
+    attention_pairs: float  # sum over sequences of q * (context + (q + 1) / 2)
+    num_layers: int = 1
+
+    @staticmethod
+    def from_seqs(seqs: list[tuple[int, int]], num_layers: int = 1) -> PrefillShape:
+        """seqs: (num_context_tokens, num_query_tokens) per sequence."""
+        tokens = sum(q for _, q in seqs)
+        pairs = sum(q * (c + (q + 1) / 2) for c, q in seqs)
+        return PrefillShape(tokens, pairs, num_layers)
+
+    def features(self) -> list[float]:
+        # Scaled to keep the least-squares system well conditioned.
+        return [self.num_layers, self.num_layers * self.num_tokens / 1e3,
+                self.num_layers * self.attention_pairs / 1e6]
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeShape:
+    batch_size: int
+    kv_tokens: int  # total context tokens read by the step
+    num_layers: int = 1
+
+    def features(self) -> list[float]:
+        return [self.num_layers, self.num_layers * self.batch_size / 1e2,
+                self.num_layers * self.kv_tokens / 1e5]
+
+
+Shape = PrefillShape | DecodeShape
+
+
+@dataclass(slots=True)
+class SaturationCurve:
+    r_sat: float = 1.0
+    lam: float = 1.0
+
+    def speed(self, r: float) -> float:
+        r = min(max(r, 1e-6), 1.0)
+        return r if r <= self.r_sat else self.r_sat + self.lam * (r - self.r_sat)
+
+    def slowdown(self, r: float) -> float:
+        """T(r) / T(1)."""
+        return self.speed(1.0) / self.speed(r)
+
+
+@dataclass(slots=True)
+class ProfileSample:
+    stage: str  # PREFILL | DECODE
+    shape: Shape
+    sms: int
+    latency_ms: float
+    other_sms: int = 0  # SMs of the other phase running concurrently (0 = alone)
+
+
+@dataclass(slots=True)
+class _ErrorLog:
+    abs_pct: list[float] = field(default_factory=list)
+
+    def add(self, predicted: float, measured: float) -> float:
+        e = abs(predicted - measured) / max(measured, 1e-9)
+        self.abs_pct.append(e)
+        if len(self.abs_pct) > 2000:  # bounded: a rolling window
+            del self.abs_pct[:1000]
+        return e
+
+
+def _lstsq_nonneg(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with negative coefficients dropped and refitted (tiny NNLS)."""
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            return coef
+        active = [a for a, s in zip(active, sol, strict=True) if s > 0]
+    return coef
+
+
+class CostModel:
+    def __init__(self, total_sms: int) -> None:
+        self.total_sms = total_sms
+        self.base: dict[str, list[float]] = {PREFILL: [0.0, 1.0, 1.0], DECODE: [0.0, 1.0, 1.0]}
+        self.curve: dict[str, SaturationCurve] = {
+            PREFILL: SaturationCurve(), DECODE: SaturationCurve()
+        }
+        self.kappa: dict[str, float] = {PREFILL: 0.0, DECODE: 0.0}
+        # Online refinement: measured / predicted, per (stage, regime) where regime is
+        # "alone" or "concurrent" (EMA, weight `ema`).
+        self.correction: dict[str, float] = {}
+        self.ema = 0.2
+        self.errors: dict[str, _ErrorLog] = {}
+
+    # ---- prediction -----------------------------------------------------------------------
+    def base_ms(self, stage: str, shape: Shape) -> float:
+        return float(np.dot(self.base[stage], shape.features()))
+
+    def predict_alone(self, stage: str, shape: Shape, sms: int, *, corrected: bool = True) -> float:
+        t = self.base_ms(stage, shape) * self.curve[stage].slowdown(sms / self.total_sms)
+        return t * (self.correction.get(f"{stage}/alone", 1.0) if corrected else 1.0)
+
+    def predict(self, stage: str, shape: Shape, sms: int, other_sms: int = 0) -> float:
+        """Latency of `stage` on `sms` SMs while the other phase runs on `other_sms` (0 = alone)."""
+        if other_sms <= 0:
+            return self.predict_alone(stage, shape, sms)
+        t = self.predict_alone(stage, shape, sms, corrected=False)
+        t *= 1.0 + self.kappa[stage] * other_sms / self.total_sms
+        return t * self.correction.get(f"{stage}/concurrent", 1.0)
+
+    # ---- fitting --------------------------------------------------------------------------
+    @classmethod
+    def fit(cls, total_sms: int, samples: list[ProfileSample]) -> CostModel:
+        """Fit base latencies (whole-GPU samples), saturation curves (alone on a partition)
+        and contention coefficients (concurrent samples)."""
+        m = cls(total_sms)
+        for stage in (PREFILL, DECODE):
+            full = [s for s in samples
+                    if s.stage == stage and s.sms == total_sms and s.other_sms == 0]
+            if full:
+                x = np.array([s.shape.features() for s in full])
+                y = np.array([s.latency_ms for s in full])
+                m.base[stage] = _lstsq_nonneg(x, y).tolist()
+            part = [s for s in samples if s.stage == stage and s.other_sms == 0]
+            if part:
+                m.curve[stage] = m._fit_curve(stage, part)
+            conc = [s for s in samples if s.stage == stage and s.other_sms > 0]
+            if conc:
+                ks = []
+                for s in conc:
+                    alone = m.predict_alone(stage, s.shape, s.sms, corrected=False)
+                    ks.append((s.latency_ms / alone - 1.0) / (s.other_sms / total_sms))
+                m.kappa[stage] = max(0.0, float(np.median(ks)))
+        return m
+
+    def _fit_curve(self, stage: str, samples: list[ProfileSample]) -> SaturationCurve:
+        best, best_err = SaturationCurve(), math.inf
+        for r_sat in np.linspace(0.05, 1.0, 96):
+            for lam in np.linspace(0.0, 1.0, 51):
+                c = SaturationCurve(float(r_sat), float(lam))
+                err = 0.0
+                for s in samples:
+                    pred = self.base_ms(stage, s.shape) * c.slowdown(s.sms / self.total_sms)
+                    err += math.log(max(pred, 1e-9) / s.latency_ms) ** 2
+                if err < best_err:
+                    best, best_err = c, err
+        return best
+
+    # ---- online refinement and validation ---------------------------------------------------
+    def observe(self, stage: str, shape: Shape, sms: int, measured_ms: float,
+                other_sms: int = 0) -> float:
+        """Score the prediction for a measured latency, then refine. Returns |error| / measured."""
+        pred = self.predict(stage, shape, sms, other_sms)
+        regime = "concurrent" if other_sms > 0 else "alone"
+        key = f"{stage}/{regime}"
+        err = self.errors.setdefault(key, _ErrorLog()).add(pred, measured_ms)
+        if pred > 0 and measured_ms > 0:
+            c = self.correction.get(key, 1.0)
+            self.correction[key] = (1 - self.ema) * c + self.ema * c * measured_ms / pred
+        return err
+
+    def error_stats(self) -> dict[str, float | int]:
+        out: dict[str, float | int] = {}
+        all_e: list[float] = []
+        for key, log in self.errors.items():
+            if log.abs_pct:
+                out[f"mape_{key.replace('/', '_')}"] = float(np.mean(log.abs_pct))
+                all_e.extend(log.abs_pct)
+        out["mape"] = float(np.mean(all_e)) if all_e else float("nan")
+        out["num_observations"] = len(all_e)
+        return out
+
+    # ---- persistence (calibration file keyed by GPU and model) -------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "total_sms": self.total_sms, "base": self.base, "kappa": self.kappa,
+            "curve": {k: asdict(v) for k, v in self.curve.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostModel:
+        m = cls(int(d["total_sms"]))
+        m.base = {k: list(map(float, v)) for k, v in d["base"].items()}
+        m.kappa = {k: float(v) for k, v in d["kappa"].items()}
+        m.curve = {k: SaturationCurve(**v) for k, v in d["curve"].items()}
+        return m
+
+    def save(self, path: str | Path, gpu_name: str, model_name: str) -> None:
+        p = Path(path)
+        data = json.loads(p.read_text()) if p.exists() else {}
+        data[f"{gpu_name}|{model_name}"] = self.to_dict()
+        p.write_text(json.dumps(data, indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path, gpu_name: str, model_name: str) -> CostModel | None:
+        p = Path(path)
+        if not p.exists():
+            return None
+        d = json.loads(p.read_text()).get(f"{gpu_name}|{model_name}")
+        return None if d is None else cls.from_dict(d)
+
+
+# ---------------------------------------------------------------------------------- controller
+TIME_SLICE = 0  # the decision "no split: every SM to one phase at a time" (like partition=off)
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerConfig:
+    kv_switch: float = 0.70  # KV usage at which the objective flips from prefill to decode
+    alpha: float = 1.3  # prefill slack when decode is favoured
+    beta: float = 1.1  # decode slack when prefill is favoured
+    hysteresis_sms: int = 8  # ignore split changes smaller than this
+    min_gain: float = 0.05  # a change must improve the objective by this fraction
+    min_split_speedup: float = 1.0  # split only if concurrent beats time-slicing by this
+    allow_time_slice: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    prefill_sms: int  # TIME_SLICE (0) = no split
+    predicted_prefill_ms: float
+    predicted_decode_ms: float
+    speedup_vs_time_slice: float  # serial-on-whole-GPU time / concurrent time, same work
+    reason: str
+    evaluations: int = 0
+
+
+class SplitController:
+    """Chooses among pre-created splits (prefill SM counts) or time-slicing."""
+
+    def __init__(self, model: CostModel, splits: list[int],
+                 config: ControllerConfig | None = None) -> None:
+        if not splits:
+            raise ValueError("no pre-created splits")
+        self.model = model
+        self.splits = sorted(splits)
+        self.config = config or ControllerConfig()
+        self.current = TIME_SLICE
+        self.pinned: int | None = None
+
+    def pin(self, prefill_sms: int) -> None:
+        if prefill_sms != TIME_SLICE and prefill_sms not in self.splits:
+            raise ValueError(f"split {prefill_sms} was not pre-created; choose from {self.splits}")
+        self.pinned = prefill_sms
+        self.current = prefill_sms
+
+    def release(self) -> None:
+        self.pinned = None
+
+    def _eval(self, prefill_sms: int, p: PrefillShape, d: DecodeShape) -> tuple[float, float]:
+        total = self.model.total_sms
+        if prefill_sms == TIME_SLICE:
+            # One prefill slice then one decode step, each on the whole GPU.
+            tp = self.model.predict(PREFILL, p, total)
+            td = self.model.predict(DECODE, d, total)
+            return tp + td, tp + td
+        ds = total - prefill_sms
+        return (self.model.predict(PREFILL, p, prefill_sms, ds),
+                self.model.predict(DECODE, d, ds, prefill_sms))
+
+    def speedup(self, prefill_sms: int, p: PrefillShape, d: DecodeShape) -> float:
+        """Time-slicing time / concurrent time for the same work: one prefill slice plus the
+        decode steps the split runs meanwhile (the H200.md comparison)."""
+        if prefill_sms == TIME_SLICE:
+            return 1.0
+        tp, td = self._eval(prefill_sms, p, d)
+        steps = tp / td
+        total = self.model.total_sms
+        serial = self.model.predict(PREFILL, p, total) + steps * self.model.predict(
+            DECODE, d, total)
+        return serial / tp
+
+    def choose(self, p: PrefillShape | None, d: DecodeShape | None, kv_usage: float) -> Decision:
+        cfg = self.config
+        if self.pinned is not None:
+            tp, td = self._eval(self.pinned, p, d) if p and d else (math.nan, math.nan)
+            sp = self.speedup(self.pinned, p, d) if p and d else math.nan
+            return Decision(self.pinned, tp, td, sp, "pinned")
+        if p is None or d is None:
+            # One phase only: nothing to overlap; it gets the whole GPU.
+            self.current = TIME_SLICE
+            return Decision(TIME_SLICE, math.nan, math.nan, 1.0, "one phase only")
+        favour_prefill = kv_usage < cfg.kv_switch
+        evals: dict[int, tuple[float, float]] = {}
+
+        def ev(s: int) -> tuple[float, float]:
+            if s not in evals:
+                evals[s] = self._eval(s, p, d)
+            return evals[s]
+
+        # References for the slack: each phase's best latency over the splits (and time-slicing).
+        cands = list(self.splits) + ([TIME_SLICE] if cfg.allow_time_slice else [])
+        # Extremes bound the references: decode is best with the fewest prefill SMs, prefill
+        # with the most (monotone curves), so only the two ends are evaluated for them.
+        ends = [self.splits[0], self.splits[-1]] + ([TIME_SLICE] if cfg.allow_time_slice else [])
+        p_ref = min(ev(s)[0] for s in ends)
+        d_ref = min(ev(s)[1] for s in ends)
+
+        def objective(s: int) -> float:
+            tp, td = ev(s)
+            if favour_prefill:
+                return tp + (1e6 if td > cfg.beta * d_ref else 0.0)
+            return td + (1e6 if tp > cfg.alpha * p_ref else 0.0)
+
+        # Greedy: from the current split, step to the better neighbour while it improves.
+        idx = (self.splits.index(self.current) if self.current in self.splits
+               else len(self.splits) // 2)
+        while True:
+            here = objective(self.splits[idx])
+            nbrs = [i for i in (idx - 1, idx + 1) if 0 <= i < len(self.splits)]
+            best = min(nbrs, key=lambda i: objective(self.splits[i]), default=idx)
+            if objective(self.splits[best]) < here:
+                idx = best
+            else:
+                break
+        best_split = self.splits[idx]
+        sp = self.speedup(best_split, p, d)
+        choice, reason = best_split, "favour prefill" if favour_prefill else "favour decode"
+        if cfg.allow_time_slice and sp < cfg.min_split_speedup:
+            choice, reason = TIME_SLICE, f"time-slicing predicted faster (split speedup {sp:.2f})"
+        # Hysteresis: keep the current choice unless the new one is clearly different/better.
+        cur = self.current
+        if choice != cur and cur in cands:
+            small_move = (choice != TIME_SLICE and cur != TIME_SLICE
+                          and abs(choice - cur) < cfg.hysteresis_sms)
+            gain = (objective(cur) - objective(choice)) / max(objective(cur), 1e-9)
+            if choice == TIME_SLICE or cur == TIME_SLICE:
+                sp_cur = self.speedup(cur, p, d) if cur != TIME_SLICE else 1.0
+                sp_new = sp if choice != TIME_SLICE else 1.0
+                gain = (sp_new - sp_cur) / max(sp_cur, 1e-9)
+            if small_move or gain < cfg.min_gain:
+                choice, reason = cur, f"hysteresis (kept {cur})"
+        self.current = choice
+        tp, td = ev(choice)
+        sp_final = self.speedup(choice, p, d)
+        return Decision(choice, tp, td, sp_final, reason, evaluations=len(evals))

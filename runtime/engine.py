@@ -1,0 +1,371 @@
+"""`Engine`: the background thread that owns all model work.
+
+The app calls `add`, `abort`, `set_policy`, `stats` from any thread; they only touch a locked
+inbox (or a published stats snapshot). The engine thread loops:
+    drain inbox (add / abort / policy / failures) -> wait if idle ->
+    plan = scheduler.schedule() -> out = runner.run(plan) -> outputs = scheduler.update(plan, out)
+    -> sink(output) for each output
+The sink is called on the engine thread; it must not block (the app hops to its event loop).
+
+Failure containment: an exception while running a step fails the requests of that step with
+FINISHED_ERROR (their KV is freed) and the loop keeps serving the others. Invalid requests
+(empty prompt, ids outside the vocabulary, too long) are failed one by one at `add`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from policies import make_policy
+from runtime.attention.base import AttentionBackend
+from runtime.attention.torch_backend import TorchAttentionBackend
+from runtime.block_manager import BlockManager
+from runtime.config import EngineConfig
+from runtime.kv_pool import KVPool, compute_num_blocks
+from runtime.loader import load_model
+from runtime.prefix_cache import PrefixCache
+from runtime.request import FINISH_REASONS, Request, RequestKind, RequestOutput, RequestStatus
+from runtime.runner import ModelRunner
+from runtime.scheduler import Scheduler, StepPlan
+
+log = logging.getLogger("greenlane.engine")
+
+Sink = Callable[[RequestOutput], None]
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """auto: cuda + bfloat16 when CUDA is available, else cpu + float32."""
+    if config.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(config.device)
+    if config.dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    elif config.dtype in _DTYPES:
+        dtype = _DTYPES[config.dtype]
+    else:
+        raise ValueError(f"unknown dtype {config.dtype!r}; choose auto, float32, bfloat16, float16")
+    return device, dtype
+
+
+def make_attention_backend(config: EngineConfig, pool: KVPool) -> AttentionBackend:
+    """The attention backend for `config.attention_backend` (auto = FlashInfer on CUDA when
+    it can be used). Falls back to torch SDPA, saying why once in the log."""
+    want = config.attention_backend
+    if want == "torch" or (want == "auto" and pool.device.type != "cuda"):
+        return TorchAttentionBackend(pool)
+    if pool.device.type != "cuda":
+        log.warning("attention backend flashinfer needs CUDA; falling back to torch SDPA")
+        return TorchAttentionBackend(pool)
+    try:  # the GPU runtime provides this module; absent or broken -> the torch fallback
+        from runtime.attention.flashinfer_backend import FlashInferBackend  # type: ignore
+
+        return FlashInferBackend(pool)  # type: ignore[no-any-return]
+    except Exception as e:  # noqa: BLE001 - any import/init failure means "cannot use it"
+        log.warning("FlashInfer attention unavailable (%s); falling back to torch SDPA", e)
+        return TorchAttentionBackend(pool)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, sink: Sink) -> None:
+        self.config = config
+        self._sink = sink
+        self.device, self.dtype = resolve_device_dtype(config)
+        torch.manual_seed(config.seed)
+        model, model_config, tokenizer = load_model(config.model, self.dtype, self.device,
+                                                     seed=config.seed)
+        self.model = model
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        limit = config.max_model_len or model_config.max_position_embeddings
+        if limit > model_config.max_position_embeddings:
+            # A raised position limit (memory experiments): extend the RoPE table.
+            model.rotary.rebuild(self.device, limit)
+        self._max_model_len = limit
+
+        num_blocks = compute_num_blocks(config, model_config, self.dtype, self.device)
+        self.kv_pool = KVPool.for_model(model_config, num_blocks, config.block_size,
+                                        self.dtype, self.device)
+        self.backend = make_attention_backend(config, self.kv_pool)
+        cache = PrefixCache(config.block_size) if config.enable_prefix_cache else None
+        self.block_manager = BlockManager(num_blocks, config.block_size, cache)
+        self.policy = make_policy(config.prefill_policy, gamma=config.spf_gamma,
+                                  fairness_lambda=config.fairness_lambda)
+        self.scheduler = Scheduler(config, self.block_manager, self.policy, tokenizer,
+                                   model_config.eos_token_ids)
+        self.runner = ModelRunner(config, model, model_config, self.kv_pool, self.backend)
+
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._inbox: deque[tuple[str, Any]] = deque()
+        self._accepting = True
+        self._stop_deadline_s: float | None = None  # set by shutdown
+        self._thread: threading.Thread | None = None
+        self._crashed: BaseException | None = None
+        self._num_failed_steps = 0
+        self._stats: dict[str, Any] = {}
+        self._publish_stats()
+
+    # ---- limits ---------------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        """Prompt + output tokens limit."""
+        return self._max_model_len
+
+    @property
+    def kv_pool_tokens(self) -> int:
+        return self.block_manager.num_blocks * self.config.block_size
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """Longest prompt the engine accepts: a generation prompt must fit the KV pool with at
+        least one output token; a scoring prompt only needs `max_model_len` (suffix-KV
+        discard). This is the stricter (generation) limit."""
+        return min(self._max_model_len, self.kv_pool_tokens - 1)
+
+    # ---- thread-safe API ------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._loop, name="greenlane-engine", daemon=True)
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._crashed is None
+
+    def add(self, req: Request) -> None:
+        """Queue a request. Invalid or late requests get a final error/abort output."""
+        try:
+            error = self.validate(req)
+        except Exception as e:  # noqa: BLE001 - malformed input must fail only this request
+            error = f"invalid request: {type(e).__name__}: {e}"
+        with self._lock:
+            if error is None and not self._accepting:
+                error = "the engine is shutting down"
+            started = self._thread is not None
+            if not self._accepting or (started and not self._thread.is_alive()):  # type: ignore[union-attr]
+                deliver_now = True  # shutting down, or the loop has exited (crash)
+            else:
+                deliver_now = False
+                self._inbox.append(("add", req) if error is None else ("fail", (req, error)))
+                self._wakeup.notify()
+        if deliver_now:
+            self._emit(self._failed_output(req, error or "the engine is not running"))
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+            self._wakeup.notify()
+
+    def set_policy(self, name: str) -> None:
+        """Switch the prefill policy (ValueError for an unknown name, raised here)."""
+        policy = make_policy(name, gamma=self.config.spf_gamma,
+                             fairness_lambda=self.config.fairness_lambda)
+        with self._lock:
+            self._inbox.append(("policy", policy))
+            self._stats["policy"] = policy.name
+            self._wakeup.notify()
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._stats)
+
+    def shutdown(self, grace_s: float = 0.0) -> None:
+        """Stop admitting; let queued and running requests finish within `grace_s`; abort the
+        rest (FINISHED_ABORTED outputs); join the thread."""
+        with self._lock:
+            self._accepting = False
+            self._stop_deadline_s = time.monotonic() + max(0.0, grace_s)
+            self._wakeup.notify()
+        if self._thread is not None:
+            self._thread.join()
+        else:
+            self._abort_everything()
+
+    # ---- validation -------------------------------------------------------------------------
+    def validate(self, req: Request) -> str | None:
+        """A clear error message for a request the engine cannot run, else None."""
+        vocab = self.model_config.vocab_size
+        n = req.num_prompt_tokens
+        if n == 0:
+            return "the prompt is empty"
+        bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            return f"prompt token id {bad} is outside the vocabulary [0, {vocab})"
+        if req.kind == RequestKind.SCORE:
+            if not req.label_token_ids:
+                return "label_token_ids must not be empty"
+            bad = next((t for t in req.label_token_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                return f"label token id {bad} is outside the vocabulary [0, {vocab})"
+            if n > self._max_model_len:
+                return (f"the prompt has {n} tokens; the maximum context length is "
+                        f"{self._max_model_len}")
+            return None
+        max_tokens = req.sampling.max_tokens
+        if max_tokens < 1:
+            return f"max_tokens must be >= 1, got {max_tokens}"
+        if n + max_tokens > self._max_model_len:
+            return (f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} "
+                    f"exceeds the maximum context length {self._max_model_len}")
+        if n + max_tokens > self.kv_pool_tokens:
+            return (f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs more KV cache than "
+                    f"the pool holds ({self.kv_pool_tokens} tokens)")
+        return None
+
+    # ---- engine thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while (not self._inbox and not self.scheduler.has_work()
+                           and self._stop_deadline_s is None):
+                        self._wakeup.wait()
+                    items = list(self._inbox)
+                    self._inbox.clear()
+                    deadline = self._stop_deadline_s
+                for kind, payload in items:
+                    self._handle(kind, payload)
+                if deadline is not None and (
+                    time.monotonic() >= deadline or not self.scheduler.has_work()
+                ):
+                    self._abort_everything()
+                    self._publish_stats()
+                    return
+                if self.scheduler.has_work():
+                    self._step()
+                self._publish_stats()
+        except BaseException as e:  # a bug outside step containment: say so, stop serving
+            self._crashed = e
+            log.exception("engine loop crashed")
+            raise
+
+    def _handle(self, kind: str, payload: Any) -> None:
+        if kind == "add":
+            req: Request = payload
+            if self.scheduler.get(req.request_id) is not None:
+                self._emit(self._failed_output(req, f"duplicate request id {req.request_id!r}"))
+                return
+            self.scheduler.add(req)
+        elif kind == "fail":
+            req, error = payload
+            self._emit(self._failed_output(req, error))
+        elif kind == "abort":
+            out = self.scheduler.abort(payload)
+            if out is not None:
+                self.runner.release(payload)
+                self._emit(out)
+        elif kind == "policy":
+            self.policy = payload
+            self.scheduler.set_policy(payload)
+
+    def _step(self) -> None:
+        plan: StepPlan | None = None
+        try:
+            plan = self.scheduler.schedule()
+        except Exception as e:  # noqa: BLE001 - bookkeeping bug: fail everything queued
+            log.exception("scheduling failed")
+            ids = [r.request_id for r in self.scheduler.running + self.scheduler.waiting]
+            self._emit_all(self.scheduler.fail(ids, f"internal scheduler error: {e!r}"))
+            return
+        outputs = self.scheduler.take_pending_outputs()
+        if plan.is_empty:
+            self._emit_all(outputs)
+            if not outputs:
+                time.sleep(0.001)  # nothing runnable (should not happen): do not spin hot
+            return
+        try:
+            result = self.runner.run(plan)
+            outputs += self.scheduler.update(plan, result)
+        except Exception as e:  # noqa: BLE001 - contain it to this step's requests
+            self._num_failed_steps += 1
+            log.exception("model step failed")
+            ids = [s.request.request_id for s in plan.seqs]
+            msg = f"internal error while running the model: {type(e).__name__}: {e}"
+            outputs += self.scheduler.fail(ids, msg)
+        self._emit_all(outputs)
+
+    def _abort_everything(self) -> None:
+        ids = [r.request_id for r in self.scheduler.running + self.scheduler.waiting]
+        for rid in ids:
+            out = self.scheduler.abort(rid)
+            if out is not None:
+                self._emit(out)
+        with self._lock:  # anything that arrived meanwhile
+            items = list(self._inbox)
+            self._inbox.clear()
+        for kind, payload in items:
+            if kind in ("add", "fail"):
+                req = payload if kind == "add" else payload[0]
+                self._emit(self._failed_output(req, "the engine is shutting down",
+                                               RequestStatus.FINISHED_ABORTED))
+
+    def _emit_all(self, outputs: list[RequestOutput]) -> None:
+        for o in outputs:
+            self._emit(o)
+
+    def _emit(self, out: RequestOutput) -> None:
+        if out.finished:
+            self.runner.release(out.request_id)
+        try:
+            self._sink(out)
+        except Exception:  # noqa: BLE001 - a broken sink must not kill the engine
+            log.exception("output sink raised for request %s", out.request_id)
+
+    @staticmethod
+    def _failed_output(
+        req: Request, error: str, status: RequestStatus = RequestStatus.FINISHED_ERROR
+    ) -> RequestOutput:
+        req.status = status
+        req.error = error
+        req.finish_s = time.monotonic()
+        return RequestOutput(
+            request_id=req.request_id,
+            finished=True,
+            finish_reason=FINISH_REASONS[status],
+            error=error,
+            num_prompt_tokens=req.num_prompt_tokens,
+            e2e_s=req.finish_s - req.arrival_s,
+        )
+
+    def _publish_stats(self) -> None:
+        bm = self.block_manager
+        cache = bm.prefix_cache
+        s = self.scheduler
+        snap = {
+            "num_waiting": s.num_waiting,
+            "num_running": s.num_running,
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_total": bm.num_blocks,
+            "kv_block_size": bm.block_size,
+            "prefix_hit_tokens": cache.hit_tokens if cache else 0,
+            "prefix_query_tokens": cache.query_tokens if cache else 0,
+            "prefix_cached_blocks": len(cache) if cache else 0,
+            "policy": self.policy.name,
+            "partition": self.config.partition,
+            "num_steps": s.num_steps,
+            "num_prefill_tokens": s.num_prefill_tokens,
+            "num_decode_tokens": s.num_decode_tokens,
+            "num_preemptions": s.num_preemptions,
+            "num_failed_steps": self._num_failed_steps,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "attention_backend": self.backend.name,
+            "model": self.config.model,
+            "max_model_len": self._max_model_len,
+        }
+        with self._lock:
+            policy_pending = self._stats.get("policy")
+            self._stats = snap
+            if policy_pending is not None and any(k == "policy" for k, _ in self._inbox):
+                self._stats["policy"] = policy_pending

@@ -1,0 +1,134 @@
+"""Device tensors of the paged KV pool, and how many blocks to make.
+
+Layout per layer: k and v each [num_blocks, block_size, num_kv_heads, head_dim]. Token
+position p of a sequence lives in block `block_ids[p // block_size]` at offset
+`p % block_size`; its flat "slot" is `block_id * block_size + p % block_size` (what
+attention backends index with `pool.k[layer].view(-1, num_kv_heads, head_dim)`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.config import EngineConfig
+from runtime.model_config import ModelConfig
+
+GIB = 1 << 30
+# CUDA only: bytes kept free for activations of one step, on top of the estimate below.
+_CUDA_SAFETY_BYTES = 512 << 20
+
+
+def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of `block_size` tokens across all layers."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * model_config.num_layers * block_size * model_config.kv_size * elem
+
+
+def activation_reserve_bytes(
+    config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype
+) -> int:
+    """Rough peak of one step's activations (CUDA sizing only).
+
+    Tokens in flight per step T = prefill_token_budget (the scheduler's cap, a long
+    scoring prompt running alone excepted); token-wise ops touch C = prefill_chunk_tokens rows
+    at a time with hybrid prefill, else T. Estimate: T rows of hidden/qkv/residual buffers plus
+    C rows of the MLP's gate|up intermediate, and fp32 logits for the sampled rows.
+    The GPU runtime replaces this with a measured peak."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    t = config.prefill_token_budget
+    c = min(config.prefill_chunk_tokens, t) if config.hybrid_prefill else t
+    mc = model_config
+    per_token = (4 * mc.hidden_size + mc.q_size + 2 * mc.kv_size) * elem
+    mlp = c * 3 * mc.intermediate_size * elem
+    logits = config.max_num_seqs * mc.vocab_size * 4 * 2
+    return t * per_token + mlp + logits + _CUDA_SAFETY_BYTES
+
+
+def compute_num_blocks(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> int:
+    """How many KV blocks to allocate. Call after the weights are on the device.
+
+    - `config.num_kv_blocks` wins when set.
+    - CPU: `cpu_kv_cache_gb` worth of blocks.
+    - CUDA: budget = total * gpu_memory_utilization - (bytes already used on the device,
+      weights included) - activation reserve; with `max_gpu_memory_gb`, the budget is also
+      capped by cap - memory this process already allocated - reserve.
+    Raises RuntimeError when not even one block fits."""
+    per_block = bytes_per_block(model_config, config.block_size, dtype)
+    if config.num_kv_blocks is not None:
+        n = config.num_kv_blocks
+    elif device.type == "cuda":
+        free_b, total_b = torch.cuda.mem_get_info(device)
+        reserve = activation_reserve_bytes(config, model_config, dtype)
+        budget = total_b * config.gpu_memory_utilization - (total_b - free_b) - reserve
+        if config.max_gpu_memory_gb is not None:
+            cap = config.max_gpu_memory_gb * GIB - torch.cuda.memory_reserved(device) - reserve
+            budget = min(budget, cap)
+        n = int(budget // per_block)
+    else:
+        n = int(config.cpu_kv_cache_gb * GIB // per_block)
+    if n < 1:
+        raise RuntimeError(
+            f"no room for the KV cache: one block needs {per_block / 2**20:.1f} MiB "
+            f"(raise the memory limits or lower block_size / prefill_token_budget)"
+        )
+    return n
+
+
+class KVPool:
+    """Per-layer K and V block tensors on one device."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        # Zero-filled so that reading a not-yet-written slot (a masked pad) is never NaN.
+        self.k: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]
+        self.v: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]
+
+    @classmethod
+    def for_model(
+        cls,
+        model_config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> KVPool:
+        return cls(
+            model_config.num_layers, num_blocks, block_size, model_config.num_kv_heads,
+            model_config.head_dim, dtype, device,
+        )
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def flat_k(self, layer_idx: int) -> torch.Tensor:
+        """[num_blocks * block_size, num_kv_heads, head_dim] view (slot-indexed)."""
+        return self.k[layer_idx].view(-1, self.num_kv_heads, self.head_dim)
+
+    def flat_v(self, layer_idx: int) -> torch.Tensor:
+        return self.v[layer_idx].view(-1, self.num_kv_heads, self.head_dim)

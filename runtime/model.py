@@ -1,0 +1,267 @@
+"""Llama-family decoder (Llama 3.x, SmolLM2, Qwen2/2.5, Qwen3) as plain `nn.Module`s.
+
+Parameter names follow Hugging Face's, minus the `model.` prefix, except for the two fused
+projections: `layers.N.self_attn.qkv_proj` (= q_proj | k_proj | v_proj stacked on the output
+dim) and `layers.N.mlp.gate_up_proj` (= gate_proj | up_proj). `runtime/loader.py` does the
+mapping.
+
+The residual stream is carried separately (`h`, `residual`) so every norm after the first is a
+fused add + RMSNorm; a layer returns (mlp_out, residual) and the final norm adds them.
+
+Hybrid prefill (`chunk_tokens=C`, used when T > C): per layer, the token-wise work (norms,
+q/k/v projection, q/k norm, RoPE, o_proj, MLP) runs over C-token chunks writing into
+preallocated [T, ...] buffers, while attention runs over all T tokens at once. The largest
+temporary is then [C, 2 * intermediate] instead of [T, 2 * intermediate].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime import ops
+from runtime.attention.base import AttentionBackend
+from runtime.model_config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the float32 cos/sin cache [max_positions, head_dim] as a non-persistent buffer.
+    Hazard: `module.to(dtype)` would cast it too; the loader calls `rebuild` after casts."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.max_positions = max_positions or cfg.max_position_embeddings
+        self.register_buffer("cos_sin_cache", self._compute(None), persistent=False)
+
+    def _compute(self, device: torch.device | str | None) -> torch.Tensor:
+        c = self.cfg
+        return ops.rope_cos_sin_cache(
+            self.max_positions, c.head_dim, c.rope_theta, c.rope_scaling, device
+        )
+
+    def rebuild(self, device: torch.device | str, max_positions: int | None = None) -> None:
+        """Recompute the cache on `device` (float32), optionally for a longer position limit."""
+        if max_positions is not None:
+            self.max_positions = max_positions
+        self.cos_sin_cache = self._compute(device)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.apply_rope(q, k, positions, self.cos_sin_cache)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_q_heads = cfg.num_q_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = cfg.q_size
+        self.kv_size = cfg.kv_size
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def project_qkv(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [t, H] (normed) -> q [t, Hq, D], k [t, Hkv, D] (normed, RoPE'd), v [t, Hkv, D]."""
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_q_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)  # contiguous copy of the slice
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = rotary(q, k, positions)
+        return q, k, v
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def _input_norm(
+        self, h: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:  # first layer: the embedding output is the residual stream
+            return self.input_layernorm(h), h
+        return self.input_layernorm.add_forward(h, residual)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        rotary: RotaryEmbedding,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole-batch layer: h, residual [T, H] -> (mlp_out [T, H], residual [T, H])."""
+        x, residual = self._input_norm(h, residual)
+        q, k, v = self.self_attn.project_qkv(x, positions, rotary)
+        o = attn.forward(self.layer_idx, q, k, v)  # [T, Hq, D]
+        a = self.self_attn.o_proj(o.reshape(o.shape[0], -1))
+        x, residual = self.post_attention_layernorm.add_forward(a, residual)
+        return self.mlp(x), residual
+
+    def forward_chunked(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        rotary: RotaryEmbedding,
+        chunk_tokens: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hybrid-prefill layer. Same result as `forward`, but token-wise ops run over
+        `chunk_tokens`-row chunks. Consumes its inputs: `h` and `residual` are overwritten in
+        place and returned as (mlp_out, residual)."""
+        T = h.shape[0]
+        sa = self.self_attn
+        fresh = residual is None  # first layer: the residual stream is the embedding output
+        if residual is None:
+            residual = h.clone()  # h's buffer is reused below for this layer's output
+        # Phase 1: residual += h; x = norm(residual); q/k/v (normed, RoPE'd) into [T, ...] buffers.
+        q_buf = h.new_empty(T, sa.num_q_heads, sa.head_dim)
+        k_buf = h.new_empty(T, sa.num_kv_heads, sa.head_dim)
+        v_buf = h.new_empty(T, sa.num_kv_heads, sa.head_dim)
+        for s in range(0, T, chunk_tokens):
+            e = min(s + chunk_tokens, T)
+            if fresh:
+                x = self.input_layernorm(h[s:e])
+            else:
+                x, r = self.input_layernorm.add_forward(h[s:e], residual[s:e])
+                residual[s:e] = r
+            q, k, v = sa.project_qkv(x, positions[s:e], rotary)
+            q_buf[s:e] = q
+            k_buf[s:e] = k
+            v_buf[s:e] = v
+        # Attention over every token at once (it needs the whole prompt anyway).
+        o = attn.forward(self.layer_idx, q_buf, k_buf, v_buf).reshape(T, -1)  # [T, Hq*D]
+        del q_buf, k_buf, v_buf
+        # Phase 2: residual += o_proj(o); h = mlp(norm(residual)), chunk by chunk into h's buffer.
+        for s in range(0, T, chunk_tokens):
+            e = min(s + chunk_tokens, T)
+            a = sa.o_proj(o[s:e])
+            x, r = self.post_attention_layernorm.add_forward(a, residual[s:e])
+            residual[s:e] = r
+            h[s:e] = self.mlp(x)
+        return h, residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder. See docs/internals.md "Model" for the contract."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg)
+        # Tied embeddings: no separate parameter; compute_logits uses embed_tokens.weight.
+        self.lm_head: nn.Linear | None = (
+            None
+            if cfg.tie_word_embeddings
+            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] int64 -> [T, H]."""
+        return self.embed_tokens(input_ids)
+
+    def forward_layers(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        start: int,
+        end: int,
+        chunk_tokens: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run layers [start, end). `residual` is None before layer 0. With hybrid prefill on
+        (chunk_tokens < T) the inputs are consumed (overwritten in place)."""
+        T = h.shape[0]
+        chunked = chunk_tokens is not None and T > chunk_tokens
+        for i in range(start, end):
+            layer = self.layers[i]
+            if chunked:
+                assert chunk_tokens is not None
+                h, residual = layer.forward_chunked(
+                    h, residual, positions, attn, self.rotary, chunk_tokens
+                )
+            else:
+                h, residual = layer(h, residual, positions, attn, self.rotary)
+        assert residual is not None or start == end
+        return h, residual  # type: ignore[return-value]
+
+    def final_norm(self, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        if residual is None:
+            return self.norm(h)
+        return self.norm.add_forward(h, residual)[0]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        chunk_tokens: int | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> final hidden states [T, H]."""
+        h = self.embed(input_ids)
+        h, residual = self.forward_layers(
+            h, None, positions, attn, 0, self.num_layers, chunk_tokens
+        )
+        return self.final_norm(h, residual)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, vocab] float32."""
+        return F.linear(hidden, self.lm_head_weight()).float()

@@ -1,0 +1,226 @@
+"""Tokenizer (over `tokenizers.Tokenizer`), the model's chat template, streaming detokenizer.
+
+A model folder provides `tokenizer.json` and a chat template, either in `chat_template.jinja`
+or as `chat_template` in `tokenizer_config.json` (which also names the bos/eos tokens).
+The template is rendered with jinja2 in a sandboxed environment, with the helpers Hugging Face
+templates expect (`raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+import tokenizers
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class ChatTemplateError(ValueError):
+    """The chat template rejected the messages (its `raise_exception` was called)."""
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        tok: tokenizers.Tokenizer,
+        chat_template: str | None = None,
+        special_tokens: dict[str, str | None] | None = None,
+        extra_eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        self._tok = tok
+        self.chat_template = chat_template
+        # bos_token / eos_token / pad_token / unk_token strings, passed to the template.
+        self.special_tokens: dict[str, str | None] = dict(special_tokens or {})
+        eos: list[int] = []
+        eos_str = self.special_tokens.get("eos_token")
+        if eos_str is not None and (eos_id := tok.token_to_id(eos_str)) is not None:
+            eos.append(eos_id)
+        for i in extra_eos_token_ids:
+            if i not in eos:
+                eos.append(i)
+        self.eos_token_ids: tuple[int, ...] = tuple(eos)
+        bos_str = self.special_tokens.get("bos_token")
+        self.bos_token_id: int | None = tok.token_to_id(bos_str) if bos_str else None
+        self._template: jinja2.Template | None = (
+            _compile_template(chat_template) if chat_template else None
+        )
+
+    @classmethod
+    def from_dir(cls, folder: str | Path) -> Tokenizer:
+        """Load `tokenizer.json` (+ `tokenizer_config.json`, `chat_template.jinja` if present)."""
+        folder = Path(folder)
+        tok_file = folder / "tokenizer.json"
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {folder}")
+        tok = tokenizers.Tokenizer.from_file(str(tok_file))
+        cfg: dict[str, Any] = {}
+        if (folder / "tokenizer_config.json").is_file():
+            cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        template: str | None = None
+        if (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        elif cfg.get("chat_template"):
+            template = _pick_template(cfg["chat_template"])
+        special = {
+            name: _token_str(cfg.get(name))
+            for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+        }
+        return cls(tok, template, special)
+
+    # --- basic encode / decode -------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer can produce (added tokens included)."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Text -> ids. `add_special_tokens` adds the tokenizer's post-processor tokens (e.g.
+        a BOS); chat prompts rendered by the template already contain theirs."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
+        encs = self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)
+        return [e.ids for e in encs]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def single_token_id(self, text: str) -> int | None:
+        """The id if `text` encodes to exactly one token (without added special tokens), else
+        None. Used to validate scoring labels."""
+        ids = self.encode(text, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
+
+    # --- chat template ---------------------------------------------------------------------
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
+        """Render messages with the model's chat template. Extra kwargs (e.g. `tools`,
+        `enable_thinking`) are passed to the template. Raises ChatTemplateError when the
+        template rejects the input, ValueError when the model has no template."""
+        if self._template is None:
+            raise ValueError("this model has no chat template")
+        context = {k: v for k, v in self.special_tokens.items() if v is not None}
+        context.update(kwargs)
+        return self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **context
+        )
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas for streaming.
+
+    Byte-level BPE can split one UTF-8 character over several tokens; decoding such a prefix
+    gives U+FFFD. We decode a short window [prefix_offset, end) and only emit once the text no
+    longer ends with U+FFFD. Decoding the window together with a few earlier tokens (not the
+    new tokens alone) keeps tokenizer-specific joining (e.g. SentencePiece's leading space)
+    identical to a full decode. `finish()` flushes whatever is pending (a truly invalid byte
+    sequence then shows as U+FFFD, exactly as the full decode would).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int] | None = None,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tok = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids or [])
+        # Tokens [prefix_offset, read_offset) were already emitted and are decoded again only
+        # as context; tokens from read_offset on are pending.
+        self._read_offset = len(self.ids)
+        self._prefix_offset = max(0, len(self.ids) - 5)
+        self.text = ""  # everything emitted so far (generated part only)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, new_ids: list[int]) -> str:
+        """Append generated ids; returns the newly complete text (may be "")."""
+        self.ids.extend(new_ids)
+        prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self.ids[self._prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
+            return ""  # incomplete character (or nothing visible yet): wait for more tokens
+        delta = full_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.ids)
+        self.text += delta
+        return delta
+
+    def finish(self) -> str:
+        """Emit any pending text, even if it ends in an incomplete character."""
+        prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self.ids[self._prefix_offset :])
+        delta = full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.ids)
+        self.text += delta
+        return delta
+
+
+# --- template helpers ------------------------------------------------------------------------
+
+
+def _token_str(value: Any) -> str | None:
+    # tokenizer_config.json stores special tokens as strings or as AddedToken dicts.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _pick_template(value: Any) -> str | None:
+    # Either a string or a list of {"name", "template"}; take "default" (else the first).
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value:
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        return named.get("default") or next(iter(named.values()))
+    return None
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)

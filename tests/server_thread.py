@@ -1,0 +1,92 @@
+"""Run a real uvicorn server for an app on a free loopback port, on a background thread.
+
+Tests start one per module (they are cheap with the fake engine, a few seconds with a model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from app.main import create_app
+from app.settings import Settings
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    def __init__(self, app: FastAPI):
+        self.app = app
+        self.port = free_port()
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def engine(self) -> Any:
+        return self.app.state.engine
+
+    def start(self, timeout_s: float = 300.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("test server failed to start (see the log above)")
+            if time.monotonic() > deadline:
+                raise TimeoutError("test server did not start in time")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@contextlib.contextmanager
+def running_server(
+    engine_factory: Callable[..., Any] | None = None, **settings: Any
+) -> Iterator[ServerThread]:
+    app = create_app(Settings(**settings), engine_factory=engine_factory)
+    srv = ServerThread(app).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def fake_server(**settings: Any) -> contextlib.AbstractContextManager[ServerThread]:
+    from fake_engine import FakeEngine
+
+    return running_server(FakeEngine, **settings)
+
+
+def parse_sse_strict(raw: bytes) -> list[str]:
+    """Split an SSE body into its `data` payloads, failing on anything but `data: <x>\\n\\n`
+    events (comment pings `: ...` are allowed: proxies need them, clients ignore them)."""
+    text = raw.decode("utf-8")
+    assert text.endswith("\n\n"), f"stream does not end with a blank line: {text[-40:]!r}"
+    assert "\r" not in text, "events must be separated by \\n only"
+    payloads = []
+    for event in text[:-2].split("\n\n"):
+        lines = event.split("\n")
+        if all(line.startswith(":") for line in lines):
+            continue
+        assert len(lines) == 1, f"multi-line event: {event!r}"
+        assert lines[0].startswith("data: "), f"not a data event: {event!r}"
+        payloads.append(lines[0][len("data: "):])
+    return payloads

@@ -1,0 +1,323 @@
+"""Admin API: protection rules, validation, state shape, SSE stream.
+
+Runs the admin router on a bare FastAPI app with the test-only FakeEngine/FakePartition, so it
+checks app/admin.py alone; the browser test drives the page against the full app.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import uvicorn
+from fake_partition import FAKE_SPLITS, FAKE_TOTAL_SMS, FakeEngine
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from app.admin import is_loopback, percentile, router
+from policies import POLICY_NAMES
+from runtime.partition import UnavailablePartition
+
+LOOPBACK = ("127.0.0.1", 50123)
+REMOTE = ("203.0.113.7", 50123)  # TEST-NET-3: never loopback
+
+
+def make_app(token: str | None = None, engine: FakeEngine | None = None) -> FastAPI:
+    app = FastAPI()
+    app.include_router(router)
+    app.state.engine = engine if engine is not None else FakeEngine()
+    app.state.metrics = app.state.engine.metrics
+    app.state.settings = SimpleNamespace(admin_token=token)
+    return app
+
+
+# --- protection -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/admin/api/partition", {"mode": "static", "prefill_sms": 64}),
+    ("/admin/api/policy", {"policy": "fcfs"}),
+])
+def test_token_required_when_set(path: str, body: dict) -> None:
+    app = make_app(token="s3cret")
+    engine: FakeEngine = app.state.engine
+    # Loopback gives no pass when a token is configured.
+    client = TestClient(app, client=LOOPBACK)
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"},
+                    {"Authorization": "Bearer "}):
+        r = client.put(path, json=body, headers=headers)
+        assert r.status_code == 401, (headers, r.text)
+        assert r.json()["error"]["type"] == "authentication_error"
+    assert engine.partition.calls == [] and engine.policy_calls == []
+
+    r = TestClient(app, client=REMOTE).put(path, json=body,
+                                           headers={"Authorization": "Bearer s3cret"})
+    assert r.status_code == 200, r.text
+    assert engine.partition.calls == ["static:64"] or engine.policy_calls == ["fcfs"]
+
+
+def test_no_token_loopback_only() -> None:
+    app = make_app(token=None)
+    engine: FakeEngine = app.state.engine
+    body = {"mode": "static", "prefill_sms": 48}
+    # Starlette's TestClient default host is "testclient": deliberately treated as remote.
+    for client in (TestClient(app), TestClient(app, client=REMOTE)):
+        r = client.put("/admin/api/partition", json=body)
+        assert r.status_code == 403, r.text
+        assert r.json()["error"]["type"] == "permission_error"
+    assert engine.partition.calls == []
+
+    r = TestClient(app, client=LOOPBACK).put("/admin/api/partition", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["partition"]["prefill_sms"] == 48
+    assert engine.partition.calls == ["static:48"]
+
+
+def test_reads_need_no_auth() -> None:
+    client = TestClient(make_app(token="s3cret"), client=REMOTE)
+    assert client.get("/admin/api/state").status_code == 200
+    page = client.get("/admin")
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    assert "/admin/static/admin.js" in page.text
+    for name, kind in (("admin.js", "javascript"), ("admin.css", "css")):
+        r = client.get(f"/admin/static/{name}")
+        assert r.status_code == 200 and kind in r.headers["content-type"]
+    assert client.get("/admin/static/..%2Fadmin.html").status_code == 404
+    assert client.get("/admin/static/admin.html").status_code == 404
+
+
+@pytest.mark.parametrize("host,expected", [
+    ("127.0.0.1", True), ("127.8.9.10", True), ("::1", True), ("::ffff:127.0.0.1", True),
+    ("10.0.0.1", False), ("::ffff:10.0.0.1", False), ("testclient", False), ("", False),
+    (None, False), ("localhost", False),
+])
+def test_is_loopback(host: str | None, expected: bool) -> None:
+    assert is_loopback(host) is expected
+
+
+# --- validation -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body", [
+    {"mode": "static", "prefill_sms": 50},   # not a pre-created split (ValueError from set_mode)
+    {"mode": "static"},                      # split missing
+    {"mode": "static", "prefill_sms": "lots"},
+    {"mode": "sideways"},
+    {"prefill_sms": 64},
+    {"mode": "auto", "extra": 1},
+    [1, 2],
+])
+def test_bad_partition_is_400(body: object) -> None:
+    app = make_app()
+    r = TestClient(app, client=LOOPBACK).put("/admin/api/partition", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    assert app.state.engine.partition.state().mode == "off"
+
+
+def test_non_json_body_is_400() -> None:
+    r = TestClient(make_app(), client=LOOPBACK).put(
+        "/admin/api/policy", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400
+
+
+@pytest.mark.parametrize("body", [{"policy": "lifo"}, {"policy": 3}, {}, {"policy": "FCFS"}])
+def test_bad_policy_is_400(body: object) -> None:
+    app = make_app()
+    r = TestClient(app, client=LOOPBACK).put("/admin/api/policy", json=body)
+    assert r.status_code == 400, r.text
+    assert app.state.engine.policy_calls == []
+
+
+def test_unavailable_partition_reports_reason_and_refuses_static() -> None:
+    engine = FakeEngine(partition=UnavailablePartition("no CUDA device"))
+    client = TestClient(make_app(engine=engine), client=LOOPBACK)
+    part = client.get("/admin/api/state").json()["partition"]
+    assert part["available"] is False and part["reason"] == "no CUDA device"
+    r = client.put("/admin/api/partition", json={"mode": "static", "prefill_sms": 64})
+    assert r.status_code == 400 and "no CUDA device" in r.json()["error"]["message"]
+    assert client.put("/admin/api/partition", json={"mode": "off"}).status_code == 200
+
+
+# --- changes reach the engine -----------------------------------------------------------------
+
+
+def test_partition_pin_and_release() -> None:
+    app = make_app()
+    client = TestClient(app, client=LOOPBACK)
+    pinned = client.put("/admin/api/partition", json={"mode": "static", "prefill_sms": 80})
+    assert pinned.status_code == 200
+    part = pinned.json()["partition"]
+    assert (part["mode"], part["prefill_sms"], part["decode_sms"], part["pinned"]) == (
+        "static", 80, FAKE_TOTAL_SMS - 80, True)
+    released = client.put("/admin/api/partition", json={"mode": "auto"}).json()["partition"]
+    assert released["mode"] == "auto" and released["pinned"] is False
+    assert app.state.engine.partition.calls == ["static:80", "auto"]
+
+
+def test_policy_switch() -> None:
+    app = make_app()
+    client = TestClient(app, client=LOOPBACK)
+    r = client.put("/admin/api/policy", json={"policy": "spf"})
+    assert r.status_code == 200 and r.json()["policy"]["current"] == "spf"
+    assert app.state.engine.policy_calls == ["spf"]
+
+
+# --- state shape ------------------------------------------------------------------------------
+
+
+def test_state_shape_and_numbers() -> None:
+    engine = FakeEngine()
+    metrics = engine.metrics
+    for i in range(1, 101):  # TTFT 10..1000 ms
+        metrics.record(ttft_s=i / 100, tpot_s=0.02, e2e_s=i / 100 + 1.0, num_tokens=10)
+    app = make_app(engine=engine)
+    state = TestClient(app).get("/admin/api/state").json()
+
+    assert set(state) >= {"partition", "queues", "kv", "policy", "latency", "throughput",
+                          "cost_model", "engine", "time_s"}
+    part = state["partition"]
+    assert part["available"] is True and part["total_sms"] == FAKE_TOTAL_SMS
+    assert part["splits"] == FAKE_SPLITS and part["mode"] == "off"
+    assert state["queues"] == {"waiting": 0, "running": 0}
+    assert state["kv"]["blocks_total"] == 256 and state["kv"]["usage"] == 0
+    assert state["policy"] == {"current": "srjf", "available": list(POLICY_NAMES)}
+    assert {"srjf", "spf", "fcfs"} <= set(POLICY_NAMES)
+    ttft = state["latency"]["ttft_s"]
+    assert ttft["count"] == 100
+    assert ttft["p50"] == pytest.approx(0.505)
+    assert ttft["p99"] == pytest.approx(0.9901)
+    assert state["latency"]["tpot_s"]["p90"] == pytest.approx(0.02)
+    assert state["throughput"]["completed_total"] == 100
+    assert state["throughput"]["tokens_total"] == 1000
+    cm = state["cost_model"]
+    assert cm["measured_prefill_ms"] == pytest.approx(part["measured_prefill_ms"])
+    assert cm["predicted_decode_ms"] is not None
+
+
+def test_throughput_rate_from_counter_deltas(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = FakeEngine()
+    app = make_app(engine=engine)
+    client = TestClient(app)
+    clock = [1000.0]
+    monkeypatch.setattr("app.admin.time.monotonic", lambda: clock[0])
+    client.get("/admin/api/state")
+    for _ in range(4):
+        engine.metrics.record(ttft_s=0.1, tpot_s=0.01, e2e_s=0.5, num_tokens=25)
+    clock[0] += 2.0
+    tp = client.get("/admin/api/state").json()["throughput"]
+    assert tp["requests_per_s"] == pytest.approx(2.0)
+    assert tp["tokens_per_s"] == pytest.approx(50.0)
+
+
+def test_state_without_metrics_falls_back_and_says_so() -> None:
+    app = make_app()
+    del app.state.metrics
+    state = TestClient(app).get("/admin/api/state").json()
+    assert state["latency"]["source"] == "engine_stats_fallback"
+    assert state["latency"]["ttft_s"]["p99"] is None
+    assert state["throughput"]["tokens_per_s"] is None
+
+
+def test_percentile() -> None:
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
+    assert percentile([1.0, 2.0], 100) == 2.0
+
+
+# --- SSE over a real socket -------------------------------------------------------------------
+
+
+@pytest.fixture()
+def live_server() -> Iterator[tuple[str, FastAPI]]:
+    app = make_app()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", app
+    server.should_exit = True
+    thread.join(timeout=10)
+    assert not thread.is_alive(), "server did not shut down with an SSE client gone"
+
+
+def test_sse_stream_yields_state_snapshots(live_server: tuple[str, FastAPI]) -> None:
+    base, app = live_server
+    events: list[dict] = []
+    with httpx.Client(timeout=10) as client:
+        with client.stream("GET", f"{base}/admin/api/events", params={"interval_s": 0.1}) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            event_name = None
+            for line in r.iter_lines():
+                if line.startswith("event:"):
+                    event_name = line.split(":", 1)[1].strip()
+                elif line.startswith("data:"):
+                    assert event_name == "state"
+                    events.append(json.loads(line.split(":", 1)[1]))
+                    if len(events) == 1:
+                        # A change made between snapshots shows up in a later one.
+                        app.state.engine.set_policy("fcfs")
+                    if len(events) == 3:
+                        break
+    assert [e["policy"]["current"] for e in events][0] == "srjf"
+    assert events[-1]["policy"]["current"] == "fcfs"
+    assert events[0]["time_s"] < events[-1]["time_s"]
+
+
+def test_loopback_allowed_over_real_socket(live_server: tuple[str, FastAPI]) -> None:
+    base, app = live_server
+    r = httpx.put(f"{base}/admin/api/policy", json={"policy": "fcfs"}, timeout=10)
+    assert r.status_code == 200, r.text
+    assert app.state.engine.policy_calls == ["fcfs"]
+
+
+def test_engine_not_started_yet() -> None:
+    """create_app sets app.state.engine = None until the lifespan has built the engine."""
+    app = make_app()
+    app.state.engine = None
+    client = TestClient(app, client=LOOPBACK)
+    state = client.get("/admin/api/state").json()
+    assert state["engine"] == {"alive": False, "starting": True}
+    assert state["partition"]["available"] is False
+    assert state["queues"] == {"waiting": None, "running": None}
+    assert client.put("/admin/api/policy", json={"policy": "fcfs"}).status_code == 503
+    assert client.put("/admin/api/partition", json={"mode": "off"}).status_code == 503
+
+
+def test_router_inside_the_full_app() -> None:
+    """The admin routes as `app.main.create_app` wires them (its lifespan, error handlers,
+    middleware and `Metrics.recent()`), over the fake engine."""
+    from app.main import create_app
+    from app.settings import Settings
+
+    engine = FakeEngine()
+    app = create_app(Settings(admin_token="full-app-token"),
+                     engine_factory=lambda config, sink: engine)
+    with TestClient(app, client=REMOTE) as client:
+        assert client.get("/admin").status_code == 200
+        state = client.get("/admin/api/state").json()
+        assert state["engine"]["alive"] is True
+        assert state["latency"]["source"] == "metrics"  # the app's rolling windows
+        assert state["partition"]["total_sms"] == FAKE_TOTAL_SMS
+        assert client.put("/admin/api/policy", json={"policy": "spf"}).status_code == 401
+        r = client.put("/admin/api/policy", json={"policy": "spf"},
+                       headers={"Authorization": "Bearer full-app-token"})
+        assert r.status_code == 200 and engine.policy_calls == ["spf"]
+        r = client.put("/admin/api/partition", json={"mode": "static", "prefill_sms": 7},
+                       headers={"Authorization": "Bearer full-app-token"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prefill_sms"

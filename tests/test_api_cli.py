@@ -1,0 +1,133 @@
+"""Settings and CLI: env vs flags, --help, and graceful shutdown on SIGTERM (subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from server_thread import free_port, parse_sse_strict
+
+from app.cli import build_parser, main
+from app.settings import Settings, engine_field_names
+from runtime.config import EngineConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _settings_from_cli(argv: list[str]) -> Settings:
+    args = build_parser().parse_args(["serve", *argv])
+    return Settings(**{k: v for k, v in vars(args).items() if k != "command"})
+
+
+def test_env_then_cli_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GREENLANE_PORT", "9001")
+    monkeypatch.setenv("GREENLANE_PREFILL_POLICY", "spf")
+    monkeypatch.setenv("GREENLANE_MAX_MODEL_LEN", "512")
+    monkeypatch.setenv("GREENLANE_HYBRID_PREFILL", "false")
+    s = _settings_from_cli([])
+    assert (s.port, s.prefill_policy, s.max_model_len, s.hybrid_prefill) == (9001, "spf", 512, False)
+    s = _settings_from_cli(["--port", "9002", "--prefill-policy", "fcfs", "--max-model-len", "none",
+                            "--hybrid-prefill", "true", "--api-key", "k"])
+    assert (s.port, s.prefill_policy, s.max_model_len, s.hybrid_prefill, s.api_key) == (
+        9002, "fcfs", None, True, "k")
+    cfg = s.to_engine_config()
+    assert isinstance(cfg, EngineConfig) and cfg.prefill_policy == "fcfs" and cfg.max_model_len is None
+
+
+def test_every_engine_option_is_a_setting_and_a_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    import dataclasses
+
+    assert set(engine_field_names()) == {f.name for f in dataclasses.fields(EngineConfig)}
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for name in Settings.model_fields:
+        assert "--" + name.replace("_", "-") in out, name
+        assert "GREENLANE_" + name.upper() in out, name
+
+
+def test_invalid_option_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--block-size", "3"]) == 2
+    assert "block_size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--port", "not-a-port"])
+
+
+_SERVER_SCRIPT = """
+import sys
+sys.path[:0] = [{root!r}, {tests!r}]
+from fake_engine import FakeEngine
+from app.cli import serve
+from app.settings import Settings
+sys.exit(serve(Settings(port={port}, shutdown_grace_s={grace}, log_level="warning"),
+               engine_factory=FakeEngine))
+"""
+
+
+def _start(grace_s: float) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    script = _SERVER_SCRIPT.format(root=str(ROOT), tests=str(ROOT / "tests"), port=port, grace=grace_s)
+    proc = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, "server exited during start-up"
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+
+
+def _stream_with_sigterm(proc: subprocess.Popen[bytes], url: str, max_tokens: int) -> list[str]:
+    body = {"prompt": "abc", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    raw = b""
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        it = r.iter_bytes()
+        raw += next(it)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+        # Not admitting any more: refused connection or 503.
+        try:
+            status = httpx.post(url + "/v1/completions", json={"prompt": "a"}, timeout=5).status_code
+        except httpx.TransportError:
+            status = 503
+        assert status == 503
+        for part in it:
+            raw += part
+    return parse_sse_strict(raw)
+
+
+def test_sigterm_lets_running_requests_finish_and_exits_0() -> None:
+    proc, url = _start(grace_s=10)
+    try:
+        payloads = _stream_with_sigterm(proc, url, max_tokens=250)  # ~0.5 s of fake decoding
+        assert payloads[-1] == "[DONE]"
+        chunks = [json.loads(p) for p in payloads[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert len("".join(c["choices"][0]["text"] for c in chunks)) == 250
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+
+
+def test_sigterm_aborts_what_outlives_the_grace_period() -> None:
+    proc, url = _start(grace_s=0.1)
+    try:
+        payloads = _stream_with_sigterm(proc, url, max_tokens=250)
+        assert payloads[-1] == "[DONE]"
+        err = json.loads(payloads[-2])
+        assert err["error"]["code"] == "shutting_down"
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()

@@ -1,0 +1,100 @@
+"""Over HTTP against the real engine and SmolLM2-135M-Instruct (CPU):
+(c) a streamed greedy answer names Paris, (d) /v1/score equals transformers' last-position
+softmax over the label ids, (g) a mid-stream disconnect returns the KV blocks."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from server_thread import ServerThread, parse_sse_strict, running_server
+
+pytest.importorskip("runtime.engine")
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir: Path) -> Iterator[ServerThread]:
+    with running_server(
+        model=str(default_model_dir), served_model_name="smollm2", max_model_len=1024,
+        cpu_kv_cache_gb=0.25, dtype="float32", device="cpu",
+    ) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerThread) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+def test_streamed_chat_names_paris(http: httpx.Client) -> None:
+    body = {
+        "model": "smollm2", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "stream": True, "temperature": 0, "max_tokens": 24,
+        "stream_options": {"include_usage": True},
+    }
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        raw = r.read()
+    payloads = parse_sse_strict(raw)
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert "Paris" in text, text
+    assert chunks[-1]["usage"]["completion_tokens"] >= 1
+
+
+def test_score_matches_transformers(server: ServerThread, http: httpx.Client, default_model_dir: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    query = "<|im_start|>user\nIs Paris the capital of France? Answer yes or no.<|im_end|>\n<|im_start|>assistant\n"
+    items = ["", "Well,", "I think"]
+    labels = ["yes", "no", "Yes", "No"]
+    r = http.post("/v1/score", json={"query": query, "items": items, "labels": labels})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    tok = server.engine.tokenizer
+    label_ids = [tok.encode(lbl)[0] for lbl in labels]
+    assert body["label_token_ids"] == label_ids
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(default_model_dir), torch_dtype=torch.float32)
+    model.eval()
+    for item, scores in zip(items, body["scores"], strict=True):
+        ids = tok.encode(query + item)
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+        expected = torch.softmax(logits[label_ids], dim=-1).tolist()
+        assert scores == pytest.approx(expected, abs=1e-4)
+        assert abs(sum(scores) - 1.0) < 1e-5
+    # Without softmax over the labels: full-vocabulary probabilities.
+    r = http.post("/v1/score", json={"query": query, "items": [""], "label_token_ids": label_ids,
+                                     "apply_softmax": False})
+    with torch.no_grad():
+        logits = model(torch.tensor([tok.encode(query)])).logits[0, -1].float()
+    expected = torch.softmax(logits, dim=-1)[label_ids].tolist()
+    assert r.json()["scores"][0] == pytest.approx(expected, abs=1e-4)
+
+
+def test_disconnect_mid_stream_frees_kv(server: ServerThread, http: httpx.Client) -> None:
+    engine = server.engine
+    baseline = engine.stats()["kv_blocks_used"]  # referenced blocks; idle prefix-cache blocks excluded
+    body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+        assert engine.stats()["kv_blocks_used"] > baseline
+    deadline = time.monotonic() + 30
+    while True:
+        stats = engine.stats()
+        if stats["kv_blocks_used"] == baseline and stats["num_running"] == 0 and stats["num_waiting"] == 0:
+            break
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
+    assert server.app.state.client.num_in_flight == 0
+    assert http.get("/health").status_code == 200

@@ -1,0 +1,100 @@
+"""Metric arithmetic against hand-computed timings (vllm bench serve definitions)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.metrics import SLO, RequestResult, compute_metrics, meets_p99_slo, summarize_ms
+
+
+def _ok(rid: str, ttft_s: float, e2el_s: float, out: int, itl: list[float], prompt: int):
+    return RequestResult(rid, "chat", success=True, ttft_s=ttft_s, e2el_s=e2el_s, itl_s=itl,
+                         num_prompt_tokens=prompt, num_output_tokens=out,
+                         expected_output_tokens=out, output_tokens_from_usage=True)
+
+
+@pytest.fixture
+def results() -> list[RequestResult]:
+    return [
+        _ok("a", 0.1, 0.5, 5, [0.1] * 4, 10),  # TPOT (0.5 - 0.1) / 4 = 0.1 s
+        _ok("b", 0.2, 2.2, 11, [0.2] * 10, 20),  # TPOT (2.2 - 0.2) / 10 = 0.2 s
+        _ok("c", 0.3, 0.3, 1, [], 30),  # one output token: no TPOT
+        RequestResult("d", "chat", success=False, error="HTTP 503: overloaded",
+                      num_prompt_tokens=40),
+    ]
+
+
+def test_latency_percentiles_by_hand(results):
+    m = compute_metrics(results, duration_s=2.0)
+    # TTFT 100, 200, 300 ms; linear interpolation: p90 at rank 1.8, p99 at rank 1.98.
+    assert m["ttft_ms"]["mean"] == pytest.approx(200.0)
+    assert m["ttft_ms"]["median"] == pytest.approx(200.0)
+    assert m["ttft_ms"]["p90"] == pytest.approx(280.0)
+    assert m["ttft_ms"]["p99"] == pytest.approx(298.0)
+    # TPOT only over requests with > 1 output token: 100, 200 ms.
+    assert m["tpot_ms"]["mean"] == pytest.approx(150.0)
+    assert m["tpot_ms"]["median"] == pytest.approx(150.0)
+    assert m["tpot_ms"]["p90"] == pytest.approx(190.0)
+    assert m["tpot_ms"]["p99"] == pytest.approx(199.0)
+    # ITL pooled over requests: 4 x 100 ms and 10 x 200 ms.
+    assert m["itl_ms"]["mean"] == pytest.approx(2400.0 / 14)
+    assert m["itl_ms"]["median"] == pytest.approx(200.0)
+    assert m["itl_ms"]["p99"] == pytest.approx(200.0)
+    # E2EL 300, 500, 2200 ms.
+    assert m["e2el_ms"]["mean"] == pytest.approx(1000.0)
+    assert m["e2el_ms"]["median"] == pytest.approx(500.0)
+    assert m["e2el_ms"]["p90"] == pytest.approx(1860.0)
+    assert m["e2el_ms"]["p99"] == pytest.approx(2166.0)
+
+
+def test_counts_and_throughput_by_hand(results):
+    m = compute_metrics(results, duration_s=2.0)
+    assert (m["completed"], m["failed"]) == (3, 1)
+    assert m["failure_reasons"] == {"HTTP 503: overloaded": 1}
+    assert m["request_throughput"] == pytest.approx(1.5)
+    assert m["total_input_tokens"] == 60  # failed requests do not count
+    assert m["total_output_tokens"] == 17
+    assert m["output_throughput"] == pytest.approx(8.5)
+    assert m["total_token_throughput"] == pytest.approx(38.5)
+    assert m["output_len_exact_fraction"] == 1.0
+    assert "goodput" not in m  # only with an SLO
+
+
+def test_goodput_by_hand(results):
+    m = compute_metrics(results, 2.0, SLO(ttft_ms=250, tpot_ms=150))
+    # a: ttft 100, tpot 100 -> good; b: tpot 200 -> bad; c: ttft 300 -> bad; d failed.
+    assert m["goodput"] == pytest.approx(0.5)
+    assert m["slo_attainment"] == pytest.approx(0.25)
+    m = compute_metrics(results, 2.0, SLO(e2el_ms=600))
+    assert m["goodput"] == pytest.approx(1.0)  # a (500 ms) and c (300 ms)
+    m = compute_metrics(results, 2.0, SLO(tpot_ms=150))
+    # c has one output token: no TPOT, so it meets a TPOT-only SLO.
+    assert m["goodput"] == pytest.approx(1.0)
+
+
+def test_scoring_results_have_no_tpot_or_itl():
+    r = RequestResult("s", "score", success=True, ttft_s=0.05, e2el_s=0.05, num_output_tokens=1)
+    m = compute_metrics([r], 1.0)
+    assert m["ttft_ms"]["mean"] == pytest.approx(50.0) == m["e2el_ms"]["mean"]
+    assert m["tpot_ms"]["mean"] is None and m["itl_ms"]["p99"] is None
+
+
+def test_empty_and_all_failed():
+    assert summarize_ms([])["p99"] is None
+    m = compute_metrics([RequestResult("x", "chat", error="timeout after 1s")], 1.0, SLO(ttft_ms=1))
+    assert m["completed"] == 0 and m["goodput"] == 0.0
+    assert not meets_p99_slo(m, SLO(ttft_ms=1))
+
+
+def test_slo_parse_and_p99_check(results):
+    assert SLO.parse("ttft:500,tpot:50") == SLO(ttft_ms=500, tpot_ms=50)
+    assert SLO.parse("e2el:2000").as_dict() == {"e2el_ms": 2000}
+    assert SLO.parse(None) is None
+    with pytest.raises(ValueError):
+        SLO.parse("latency:5")
+    ok = [r for r in results if r.success]
+    m = compute_metrics(ok, 2.0)
+    assert meets_p99_slo(m, SLO(ttft_ms=300, tpot_ms=200))  # P99s 298 and 199
+    assert not meets_p99_slo(m, SLO(ttft_ms=297))
+    assert not meets_p99_slo(compute_metrics(results, 2.0), SLO(ttft_ms=300))  # one failure
+    assert meets_p99_slo(compute_metrics(results, 2.0), SLO(ttft_ms=300), max_failed_fraction=0.25)

@@ -1,0 +1,332 @@
+"""bench.serve end to end against a fake OpenAI/score server on loopback (SSE framing included),
+and the max-QPS search logic against a synthetic latency curve."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from bench import serve
+from bench.metrics import SLO
+from bench.workloads import encode_ids
+
+TOKEN_DELAY_S = 0.002
+
+
+def make_tokenizer() -> Any:
+    """A small byte-level BPE trained on pseudo-words (no model files needed)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 7)))
+             for _ in range(400)] + ["Yes", "No", "Answer", "with", "or"]
+    corpus = [" ".join(rng.choice(words) for _ in range(50)) for _ in range(400)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=3000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<eos>"], show_progress=False))
+    return tok
+
+
+def fake_app(tok: Any) -> FastAPI:
+    """Mimics the Greenlane endpoints the harness uses. Every 5th chat request gets a 503;
+    without `ignore_eos` a chat stops after 2 tokens (an 'EOS')."""
+    app = FastAPI()
+    app.state.seen = []  # (endpoint, body) of every request
+    app.state.count = 0
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+
+    @app.get("/admin/api/state")
+    async def state() -> dict:
+        return {"policy": "fcfs", "partition": "off"}
+
+    @app.post("/v1/score")
+    async def score(request: Request) -> JSONResponse:
+        body = await request.json()
+        app.state.seen.append(("score", body))
+        n = len(body["query"]) + len(body["items"][0])
+        await asyncio.sleep(0.001 * n / 100)
+        return JSONResponse({"scores": [[0.7, 0.3]], "usage": {"prompt_tokens": n}})
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        body = await request.json()
+        app.state.seen.append(("chat", body))
+        app.state.count += 1
+        if app.state.count % 5 == 0:
+            return JSONResponse({"error": {"message": "overloaded"}}, status_code=503)
+        prompt = len(encode_ids(tok, body["messages"][0]["content"]))
+        num_out = body["max_tokens"] if body.get("ignore_eos") else min(2, body["max_tokens"])
+
+        async def events() -> Any:
+            def sse(obj: dict) -> str:
+                return f"data: {json.dumps(obj)}\n\n"
+
+            yield sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+            for i in range(num_out):
+                await asyncio.sleep(TOKEN_DELAY_S)
+                yield sse({"choices": [{"index": 0, "delta": {"content": f" t{i}"}}]})
+            yield sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+            yield sse({"choices": [], "usage": {"prompt_tokens": prompt,
+                                                "completion_tokens": num_out}})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    make_tokenizer().save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def fake_server(tokenizer_file: Path) -> Iterator[tuple[str, FastAPI]]:
+    from tokenizers import Tokenizer
+
+    app = fake_app(Tokenizer.from_file(str(tokenizer_file)))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # loopback only
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
+    server.should_exit = True
+    thread.join(timeout=5)
+
+
+def run_cli(argv: list[str]) -> dict[str, Any]:
+    assert serve.main(argv) == 0
+    out = argv[argv.index("--out") + 1]
+    return json.loads(Path(out).read_text())
+
+
+def test_chat_sweep_against_fake_server(fake_server, tokenizer_file, tmp_path):
+    url, app = fake_server
+    app.state.seen.clear()
+    app.state.count = 0
+    out = tmp_path / "chat.json"
+    plot = tmp_path / "chat.png"
+    record = run_cli([
+        "--url", url, "--workload", "sharegpt", "--scale", "0.05", "--num-requests", "10",
+        "--qps", "50,inf", "--seed", "3", "--tokenizer", str(tokenizer_file),
+        "--out", str(out), "--plot", str(plot), "--slo", "ttft:5000,tpot:5000",
+        "--no-progress",
+    ])
+    assert record["server"]["models"] == ["fake-model"]
+    assert record["server"]["state"] == {"policy": "fcfs", "partition": "off"}
+    assert record["options"]["model"] == "fake-model"
+    assert [r["qps"] for r in record["runs"]] == [50.0, "inf"]
+    assert "metrics" not in record  # several runs: only the list
+    for run in record["runs"]:
+        m = run["metrics"]
+        # Requests 5 and 10 of each run hit the fake 503 (the counter runs over both runs).
+        assert m["completed"] + m["failed"] == 10
+        assert m["failed"] == 2
+        assert m["failure_reasons"] == {"HTTP 503: overloaded": 2}
+        assert m["output_len_exact_fraction"] == 1.0  # ignore_eos honoured -> exact lengths
+        assert m["output_tokens_from_usage_fraction"] == 1.0
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+            assert set(m[key]) >= {"mean", "median", "p90", "p99"}
+        # Every token is at least TOKEN_DELAY_S apart in the fake server.
+        assert m["itl_ms"]["median"] >= TOKEN_DELAY_S * 1e3 * 0.9
+        assert m["ttft_ms"]["mean"] <= m["e2el_ms"]["mean"]
+        assert m["goodput"] == pytest.approx(m["completed"] / m["duration_s"])
+    bodies = [b for kind, b in app.state.seen if kind == "chat"]
+    assert all(b["stream"] and b["ignore_eos"] and b["stream_options"]["include_usage"]
+               for b in bodies)
+    # Both runs send the same requests (same seed); only arrivals (and so receive order) differ.
+    def prompts(bs: list[dict]) -> list[str]:
+        return sorted(b["messages"][0]["content"] for b in bs)
+
+    assert prompts(bodies[:10]) == prompts(bodies[10:])
+    assert plot.stat().st_size > 1000
+    assert record["git"].keys() == {"revision", "dirty"}
+    assert "bench.serve" in record["command"]
+
+
+def test_without_ignore_eos_output_lengths_are_reported_inexact(fake_server, tokenizer_file,
+                                                                tmp_path):
+    url, app = fake_server
+    app.state.count = 1  # shift the 503 pattern; failures are not the point here
+    record = run_cli([
+        "--url", url, "--workload", "sharegpt", "--scale", "0.2", "--num-requests", "4",
+        "--qps", "inf", "--seed", "11", "--tokenizer", str(tokenizer_file), "--no-ignore-eos",
+        "--out", str(tmp_path / "r.json"), "--no-progress",
+    ])
+    m = record["metrics"]
+    assert m["completed"] >= 3
+    # The fake stops after 2 tokens without ignore_eos; requested lengths are mostly longer.
+    assert m["output_len_exact_fraction"] < 1.0
+    assert m["total_output_tokens"] == 2 * m["completed"]
+
+
+def test_scoring_run_sends_token_ids_with_shared_prefixes(fake_server, tokenizer_file, tmp_path):
+    url, app = fake_server
+    app.state.seen.clear()
+    record = run_cli([
+        "--url", url, "--workload", "post-recommendation", "--scale", "0.01",
+        "--duration", "0.5", "--qps", "40", "--seed", "5", "--tokenizer", str(tokenizer_file),
+        "--out", str(tmp_path / "s.json"), "--no-progress",
+    ])
+    m = record["metrics"]
+    assert m["failed"] == 0 and m["completed"] >= 5
+    assert m["ttft_ms"]["mean"] == pytest.approx(m["e2el_ms"]["mean"])  # scoring: TTFT = E2EL
+    assert m["tpot_ms"]["mean"] is None and m["itl_ms"]["mean"] is None
+    bodies = [b for kind, b in app.state.seen if kind == "score"]
+    assert len(bodies) == m["completed"]
+    for b in bodies:
+        assert all(isinstance(t, int) for t in b["query"] + b["items"][0])
+        assert not b["item_first"] and b["apply_softmax"]
+        assert b.get("label_token_ids") or b.get("labels") == ["Yes", "No"]
+    # 20 users: with more requests than users some users repeat, and their queries are equal.
+    queries = [tuple(b["query"]) for b in bodies]
+    assert len(set(queries)) < len(queries) or len(queries) <= 1
+
+
+def test_arrival_times_are_seeded_and_have_the_requested_rate():
+    a = serve.arrival_times_s(20.0, seed=1, num_requests=4000)
+    b = serve.arrival_times_s(20.0, seed=1, num_requests=4000)
+    assert a == b and a[0] == 0.0
+    gaps = [y - x for x, y in zip(a, a[1:], strict=False)]
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 20.0, rel=0.06)
+    bursty = serve.arrival_times_s(20.0, seed=1, burstiness=0.25, num_requests=4000)
+    bgaps = [y - x for x, y in zip(bursty, bursty[1:], strict=False)]
+    cv = lambda g: (sum((x - sum(g) / len(g)) ** 2 for x in g) / len(g)) ** 0.5 / (sum(g) / len(g))  # noqa: E731
+    assert cv(gaps) == pytest.approx(1.0, abs=0.1)  # Poisson: coefficient of variation 1
+    assert cv(bgaps) == pytest.approx(2.0, abs=0.3)  # gamma shape k: CV = 1/sqrt(k)
+    timed = serve.arrival_times_s(10.0, seed=2, duration_s=5.0)
+    assert max(timed) <= 5.0 and 25 < len(timed) < 80
+    assert serve.arrival_times_s(math.inf, seed=0, num_requests=3) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError):
+        serve.arrival_times_s(math.inf, seed=0, duration_s=1.0)
+
+
+def _fake_metrics(p99_ttft_ms: float, failed: int = 0) -> dict[str, Any]:
+    stat = {"mean": p99_ttft_ms, "median": p99_ttft_ms, "p90": p99_ttft_ms, "p99": p99_ttft_ms}
+    none = {"mean": None, "median": None, "p90": None, "p99": None}
+    return {"completed": 10 - failed, "failed": failed, "ttft_ms": stat, "e2el_ms": stat,
+            "tpot_ms": none, "itl_ms": none}
+
+
+async def test_search_max_qps_brackets_the_knee():
+    # Synthetic server: P99 TTFT = 100 ms below 7.3 QPS, then it explodes.
+    calls: list[float] = []
+
+    async def run_at(qps: float) -> dict[str, Any]:
+        calls.append(qps)
+        return _fake_metrics(100.0 if qps <= 7.3 else 10_000.0)
+
+    out = await serve.search_max_qps(run_at, SLO(ttft_ms=500), start_qps=1.0, max_probes=12,
+                                     rel_tol=0.02)
+    assert calls[:4] == [1.0, 2.0, 4.0, 8.0]  # doubling until the first failure
+    assert len(calls) <= 12
+    assert out["max_qps"] <= 7.3 < out["lowest_failing_qps"]
+    assert (out["lowest_failing_qps"] - out["max_qps"]) / out["lowest_failing_qps"] <= 0.02
+    assert [p["meets_slo"] for p in out["probes"]] == [q <= 7.3 for q in calls]
+
+
+async def test_search_max_qps_counts_failures_and_respects_probe_budget():
+    async def run_at(qps: float) -> dict[str, Any]:
+        return _fake_metrics(1.0, failed=1)  # fast but failing: never meets the SLO
+
+    out = await serve.search_max_qps(run_at, SLO(ttft_ms=500), start_qps=4.0, max_probes=3)
+    assert out["max_qps"] is None
+    assert [p["qps"] for p in out["probes"]] == [4.0, 2.0, 1.0]
+
+
+def test_compare_runs_rounds_against_both_servers(fake_server, tokenizer_file, tmp_path, capsys):
+    from bench import compare
+
+    url, app = fake_server
+    app.state.seen.clear()
+    out = tmp_path / "ab.json"
+    assert compare.main([
+        "--url-a", url, "--url-b", url + "/", "--name-a", "fcfs", "--name-b", "srjf",
+        "--workload", "short-scoring", "--scale", "0.05", "--num-requests", "6",
+        "--qps", "inf", "--rounds", "3", "--seed", "1", "--tokenizer", str(tokenizer_file),
+        "--out", str(out), "--no-progress",
+    ]) == 0
+    record = json.loads(out.read_text())
+    assert len(record["a"]["runs"]) == len(record["b"]["runs"]) == 3
+    assert len(app.state.seen) == 6 * 3 * 2
+    # Within a round both sides get the same requests; each round draws fresh ones.
+    queries = [tuple(b["query"]) for _, b in app.state.seen]
+    runs = [sorted(queries[i:i + 6]) for i in range(0, 36, 6)]
+    assert runs[0] == runs[1] and runs[2] == runs[3] and runs[4] == runs[5]
+    assert runs[0] != runs[2] != runs[4]
+    rows = {r["metric"]: r for r in record["comparison"]}
+    assert rows["failed"]["a"] == rows["failed"]["b"] == 0
+    assert rows["TTFT mean (ms)"]["ratio_b_over_a"] > 0
+    assert "TPOT mean (ms)" not in rows  # scoring has no TPOT
+    assert "| TTFT P99 (ms) |" in capsys.readouterr().out
+
+
+def test_summarize_ab_by_hand():
+    from bench.compare import summarize_ab
+
+    def m(ttft_mean: float, thr: float) -> dict[str, Any]:
+        return {"ttft_ms": {"mean": ttft_mean, "p99": None}, "request_throughput": thr,
+                "failed": 0}
+
+    rows = {r["metric"]: r for r in summarize_ab([m(100, 2.0), m(300, 2.0)],
+                                                 [m(50, 3.0), m(250, 5.0)])}
+    ttft = rows["TTFT mean (ms)"]
+    assert (ttft["a"], ttft["b"]) == (200.0, 150.0)
+    assert ttft["ratio_b_over_a"] == pytest.approx(0.75)
+    assert ttft["round_ratio_min"] == pytest.approx(0.5)
+    assert ttft["round_ratio_max"] == pytest.approx(250 / 300)
+    assert rows["request throughput (req/s)"]["ratio_b_over_a"] == pytest.approx(2.0)
+    assert "TTFT P99 (ms)" not in rows  # no values on either side: no row
+
+
+def test_small_run_against_the_real_smollm2_server(tmp_path):
+    """bench.serve against `app.main.create_app` with the real engine and SmolLM2-135M on CPU:
+    a few scoring and streamed chat requests, scaled down to run in seconds."""
+    pytest.importorskip("runtime.engine", reason="runtime.engine not written yet")
+    from server_thread import running_server
+
+    from runtime.convert import ensure_default_model
+
+    model_dir = ensure_default_model()
+    with running_server(None, model="default") as srv:
+        for workload, extra in (("short-scoring", []), ("sharegpt", ["--max-concurrency", "2"])):
+            out = tmp_path / f"{workload}.json"
+            record = run_cli([
+                "--url", srv.url, "--workload", workload, "--scale", "0.03", "--num-requests",
+                "4", "--qps", "inf", "--seed", "0", "--tokenizer", str(model_dir),
+                "--out", str(out), "--no-progress", "--request-timeout", "120", *extra,
+            ])
+            m = record["metrics"]
+            assert m["failed"] == 0, m["failure_reasons"]
+            assert m["completed"] == 4
+            assert "state" in record["server"], record["server"].get("state_error")
+            if workload == "sharegpt":
+                assert m["output_tokens_from_usage_fraction"] == 1.0
+                assert m["output_len_exact_fraction"] == 1.0  # the server honours ignore_eos
+                assert m["tpot_ms"]["mean"] is not None

@@ -1,0 +1,166 @@
+"""CPU tests of the stage cost model and the split controller (runtime/cost_model.py)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from runtime.cost_model import (
+    DECODE,
+    PREFILL,
+    TIME_SLICE,
+    ControllerConfig,
+    CostModel,
+    DecodeShape,
+    PrefillShape,
+    ProfileSample,
+    SaturationCurve,
+    SplitController,
+)
+
+TOTAL = 132
+SPLITS = list(range(8, 128, 8))
+
+
+def truth(kappa_d: float = 0.3, kappa_p: float = 0.1, decode_r_sat: float = 0.4) -> CostModel:
+    m = CostModel(TOTAL)
+    m.base = {PREFILL: [0.05, 0.09, 0.02], DECODE: [0.03, 0.05, 0.2]}
+    m.curve = {PREFILL: SaturationCurve(0.9, 0.6), DECODE: SaturationCurve(decode_r_sat, 0.1)}
+    m.kappa = {PREFILL: kappa_p, DECODE: kappa_d}
+    return m
+
+
+def profile(m: CostModel, rng: random.Random, noise: float = 0.02) -> list[ProfileSample]:
+    out = []
+    for tokens in (512, 2048, 8192):
+        p = PrefillShape.from_seqs([(0, tokens)])
+        for sms in [*SPLITS, TOTAL]:
+            t = m.predict(PREFILL, p, sms) * (1 + rng.uniform(-noise, noise))
+            out.append(ProfileSample(PREFILL, p, sms, t))
+    for batch in (1, 16, 64):
+        d = DecodeShape(batch, batch * 2048)
+        for sms in [*SPLITS, TOTAL]:
+            t = m.predict(DECODE, d, sms) * (1 + rng.uniform(-noise, noise))
+            out.append(ProfileSample(DECODE, d, sms, t))
+    p, d = PrefillShape.from_seqs([(0, 4096)]), DecodeShape(32, 32 * 2048)
+    for ps in (32, 64, 96):
+        out.append(
+            ProfileSample(PREFILL, p, ps, m.predict(PREFILL, p, ps, TOTAL - ps), TOTAL - ps)
+        )
+        out.append(ProfileSample(DECODE, d, TOTAL - ps, m.predict(DECODE, d, TOTAL - ps, ps), ps))
+    return out
+
+
+def test_saturation_curve_shape() -> None:
+    c = SaturationCurve(0.5, 0.0)
+    assert c.slowdown(1.0) == pytest.approx(1.0)
+    assert c.slowdown(0.5) == pytest.approx(1.0)  # saturated: no gain past R_sat
+    assert c.slowdown(0.25) == pytest.approx(2.0)
+    linear = SaturationCurve(1.0, 1.0)
+    assert linear.slowdown(0.25) == pytest.approx(4.0)
+
+
+def test_fit_recovers_parameters_and_predicts_held_out_shapes() -> None:
+    rng = random.Random(0)
+    t = truth()
+    m = CostModel.fit(TOTAL, profile(t, rng))
+    assert m.curve[DECODE].r_sat == pytest.approx(0.4, abs=0.05)
+    assert m.kappa[DECODE] == pytest.approx(0.3, abs=0.05)
+    # Held out: shapes and splits not in the profile, alone and concurrent.
+    for tokens, batch, ps in [(3000, 40, 44), (12000, 100, 76), (700, 8, 100)]:
+        p = PrefillShape.from_seqs([(1000, tokens)])
+        d = DecodeShape(batch, batch * 3000)
+        for stage, shape, sms, other in [
+            (PREFILL, p, ps, 0), (DECODE, d, TOTAL - ps, ps), (PREFILL, p, ps, TOTAL - ps)
+        ]:
+            m.observe(stage, shape, sms, t.predict(stage, shape, sms, other), other)
+    stats = m.error_stats()
+    assert stats["num_observations"] == 9
+    assert stats["mape"] < 0.10
+
+
+def test_observe_scores_before_refining_and_corrects_bias() -> None:
+    m = truth()
+    p = PrefillShape.from_seqs([(0, 2048)])
+    first = m.observe(PREFILL, p, 64, 1.5 * m.predict(PREFILL, p, 64))
+    assert first == pytest.approx(1 / 3, rel=1e-6)  # scored against the unrefined prediction
+    for _ in range(40):
+        last = m.observe(PREFILL, p, 64, 1.5 * truth().predict(PREFILL, p, 64))
+    assert last < 0.01
+
+
+def test_calibration_file_round_trip(tmp_path) -> None:
+    m = truth()
+    path = tmp_path / "cal.json"
+    m.save(path, "H200", "random:llama-3.1-8b")
+    back = CostModel.load(path, "H200", "random:llama-3.1-8b")
+    assert back is not None and back.to_dict() == m.to_dict()
+    assert CostModel.load(path, "H200", "other") is None
+    assert "H200|random:llama-3.1-8b" in json.loads(path.read_text())
+
+
+def _shapes() -> tuple[PrefillShape, DecodeShape]:
+    return PrefillShape.from_seqs([(0, 8192)], num_layers=4), DecodeShape(64, 64 * 2048, 32)
+
+
+def test_controller_favours_prefill_at_low_kv_and_decode_at_high_kv() -> None:
+    # Little contention and a decode stage that saturates early. Alg. 1 alone (no time-slice
+    # check, no hysteresis) must move SMs toward the favoured phase.
+    cfg = ControllerConfig(allow_time_slice=False, min_gain=0.0, hysteresis_sms=0)
+    m = truth(kappa_d=0.05, kappa_p=0.02, decode_r_sat=0.3)
+    p, d = _shapes()
+    low = SplitController(m, SPLITS, cfg).choose(p, d, kv_usage=0.2)
+    high = SplitController(m, SPLITS, cfg).choose(p, d, kv_usage=0.9)
+    assert low.prefill_sms > high.prefill_sms
+    # With the full controller the prefill-favouring split is predicted to beat time-slicing.
+    full = SplitController(m, SPLITS).choose(p, d, kv_usage=0.2)
+    assert full.prefill_sms == low.prefill_sms and full.speedup_vs_time_slice >= 1.0
+    assert low.evaluations < len(SPLITS) + 3  # greedy, not exhaustive
+
+
+def test_controller_time_slices_when_concurrency_is_predicted_slower() -> None:
+    # H200-like: decode does not saturate and contention is heavy: no split beats serial.
+    m = truth(kappa_d=0.8, kappa_p=0.5, decode_r_sat=1.0)
+    ctl = SplitController(m, SPLITS)
+    p, d = _shapes()
+    dec = ctl.choose(p, d, kv_usage=0.2)
+    assert dec.prefill_sms == TIME_SLICE
+    assert "time-slicing" in dec.reason
+    # ... and with time-slicing disallowed it must pick a real split.
+    ctl2 = SplitController(m, SPLITS, ControllerConfig(allow_time_slice=False))
+    assert ctl2.choose(p, d, kv_usage=0.2).prefill_sms in SPLITS
+
+
+def test_controller_pin_and_release() -> None:
+    ctl = SplitController(truth(), SPLITS)
+    p, d = _shapes()
+    ctl.pin(40)
+    assert ctl.choose(p, d, 0.9).prefill_sms == 40
+    assert ctl.choose(p, d, 0.1).reason == "pinned"
+    with pytest.raises(ValueError):
+        ctl.pin(41)
+    ctl.release()
+    assert ctl.choose(p, d, 0.1).reason != "pinned"
+
+
+def test_controller_hysteresis_keeps_split_under_small_changes() -> None:
+    m = truth(kappa_d=0.05, kappa_p=0.02, decode_r_sat=0.3)
+    ctl = SplitController(m, SPLITS, ControllerConfig(min_gain=0.10))
+    p, d = _shapes()
+    first = ctl.choose(p, d, 0.2).prefill_sms
+    # Slightly different load: the best split may move by a step, but the gain is small.
+    p2 = PrefillShape.from_seqs([(0, 8400)], num_layers=4)
+    again = ctl.choose(p2, DecodeShape(66, 66 * 2048, 32), 0.2)
+    assert again.prefill_sms == first
+    # Without hysteresis the controller follows the model exactly.
+    free = SplitController(m, SPLITS, ControllerConfig(min_gain=0.0, hysteresis_sms=0))
+    free.current = first
+    assert free.choose(p2, DecodeShape(66, 66 * 2048, 32), 0.2).prefill_sms in SPLITS
+
+
+def test_one_phase_only_takes_the_whole_gpu() -> None:
+    ctl = SplitController(truth(), SPLITS)
+    p, _ = _shapes()
+    assert ctl.choose(p, None, 0.5).prefill_sms == TIME_SLICE

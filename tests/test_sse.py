@@ -1,0 +1,92 @@
+"""(e) SSE framing, parsed strictly: role chunk -> content deltas -> finish chunk -> usage -> [DONE]."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from server_thread import ServerThread, fake_server, parse_sse_strict
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerThread]:
+    with fake_server() as srv:
+        yield srv
+
+
+def _stream(server: ServerThread, path: str, body: dict) -> tuple[httpx.Response, bytes]:
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        with c.stream("POST", path, json=body) as r:
+            raw = r.read()
+    return r, raw
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_chat_stream_sequence(server: ServerThread, include_usage: bool) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "Bonjour"}],
+        "stream": True, "max_tokens": 200,
+        "stream_options": {"include_usage": include_usage},
+    }
+    r, raw = _stream(server, "/v1/chat/completions", body)
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    payloads = parse_sse_strict(raw)
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    ids = {c["id"] for c in chunks}
+    assert len(ids) == 1 and all(c["object"] == "chat.completion.chunk" for c in chunks)
+
+    role, *rest = chunks
+    assert role["choices"][0]["delta"]["role"] == "assistant"
+    if include_usage:
+        *rest, usage_chunk = rest
+        assert usage_chunk["choices"] == []
+        u = usage_chunk["usage"]
+    else:
+        assert all("usage" not in c for c in rest)
+    *deltas, final = rest
+    assert final["choices"][0]["finish_reason"] == "stop"
+    assert final["choices"][0]["delta"] == {}
+    assert deltas and all(d["choices"][0]["finish_reason"] is None for d in deltas)
+    text = "".join(d["choices"][0]["delta"]["content"] for d in deltas)
+    # The fake engine echoes the rendered prompt's text (template specials dropped).
+    assert text == "user\nBonjour\nassistant\n"
+    if include_usage:
+        assert u["completion_tokens"] == len(text.encode())
+        assert u["prompt_tokens"] > 0 and u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+
+
+def test_completion_stream_sequence_and_length(server: ServerThread) -> None:
+    body = {"prompt": "abcdef", "stream": True, "max_tokens": 4, "logprobs": 1,
+            "stream_options": {"include_usage": True}}
+    r, raw = _stream(server, "/v1/completions", body)
+    assert r.status_code == 200
+    payloads = parse_sse_strict(raw)
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    *deltas, final, usage_chunk = chunks
+    assert "".join(c["choices"][0]["text"] for c in deltas) == "abcd"
+    assert [c["choices"][0]["logprobs"]["tokens"] for c in deltas] == [["a"], ["b"], ["c"], ["d"]]
+    assert final["choices"][0]["finish_reason"] == "length"
+    assert usage_chunk["usage"]["completion_tokens"] == 4
+
+
+def test_engine_error_mid_stream_is_an_error_event(server: ServerThread) -> None:
+    body = {"messages": [{"role": "user", "content": "please FAIL"}], "stream": True}
+    r, raw = _stream(server, "/v1/chat/completions", body)
+    assert r.status_code == 200  # headers were already sent when the engine failed
+    payloads = parse_sse_strict(raw)
+    assert payloads[-1] == "[DONE]"
+    err = json.loads(payloads[-2])
+    assert err["error"]["code"] == "engine_error" and "injected fault" in err["error"]["message"]
+
+
+def test_stop_string_ends_stream(server: ServerThread) -> None:
+    body = {"prompt": "hello world", "stream": True, "max_tokens": 50, "stop": [" "]}
+    r, raw = _stream(server, "/v1/completions", body)
+    chunks = [json.loads(p) for p in parse_sse_strict(raw)[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "hello"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
