@@ -124,6 +124,12 @@ class FlashInferBackend:
             self._static_slots = torch.zeros(bs, dtype=torch.int64, device=self.device)
         self._plan: _Plan | None = None
 
+    @classmethod
+    def from_pool(cls, kv_pool: Any, num_q_heads: int, **kwargs: Any) -> FlashInferBackend:
+        """Build over a `runtime.kv_pool.KVPool` (its per-layer `k` / `v` lists)."""
+        return cls(kv_pool.k, kv_pool.v, num_q_heads, kv_pool.num_kv_heads, kv_pool.head_dim,
+                   **kwargs)
+
     # ------------------------------------------------------------------ planning
     def _to_dev(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         # Pinned host tensor + non_blocking copy on the current stream: no host sync.

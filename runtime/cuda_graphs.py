@@ -1,0 +1,109 @@
+"""Decode CUDA graphs: one graph per (stream/partition, padded batch size).
+
+A graph keeps the SM partition of the stream it was captured on (H200.md), so a runner that
+switches splits captures one `DecodeGraphs` per decode stream. Each captured batch size owns a
+CUDA-graph-safe FlashInfer backend instance (fixed index buffers + its own workspace) and
+static input/output tensors; `run()` pads the batch to the next captured size, plans the
+backend outside the graph (plan only fills the fixed buffers), copies inputs, and replays.
+
+Padding rows attend to, and write into, `pad_block_id`: a block the caller reserves (the block
+manager must never hand it out), so padded rows never touch a live sequence's KV.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+from runtime.attention.base import ForwardBatch, SeqSlice
+from runtime.attention.flashinfer_backend import FlashInferBackend
+from runtime.model import LlamaForCausalLM
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+@dataclass(slots=True)
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    backend: FlashInferBackend
+    input_ids: torch.Tensor  # [bs] int64
+    positions: torch.Tensor  # [bs] int64
+    hidden: torch.Tensor  # [bs, hidden] output
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        stream: torch.cuda.Stream,
+        *,
+        pad_block_id: int,
+        max_blocks_per_seq: int,
+        batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
+        workspace_bytes: int = 64 << 20,
+    ) -> None:
+        self.model = model
+        self.k_caches, self.v_caches = k_caches, v_caches
+        self.stream = stream
+        self.pad_block_id = pad_block_id
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.batch_sizes = tuple(sorted(batch_sizes))
+        self.workspace_bytes = workspace_bytes
+        self.graphs: dict[int, _Graph] = {}
+        self._pool = None  # graphs share one memory pool (captured largest first)
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.batch_sizes[-1]
+
+    def _pad(self, batch: ForwardBatch, bs: int) -> list[SeqSlice]:
+        seqs = list(batch.seqs)
+        for i in range(len(seqs), bs):
+            # ctx 0, one kept token written into the reserved pad block: harmless.
+            seqs.append(SeqSlice(i, 1, 0, 1, [self.pad_block_id]))
+        return seqs
+
+    def capture(self) -> None:
+        """Capture every batch size on `self.stream` (largest first so the pool is reused)."""
+        cfg = self.model.cfg
+        dev = self.k_caches[0].device
+        for bs in sorted(self.batch_sizes, reverse=True):
+            be = FlashInferBackend(
+                self.k_caches, self.v_caches, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim,
+                workspace_bytes=self.workspace_bytes, graph_batch_size=bs,
+                max_blocks_per_seq=self.max_blocks_per_seq,
+            )
+            ids = torch.zeros(bs, dtype=torch.int64, device=dev)
+            pos = torch.zeros(bs, dtype=torch.int64, device=dev)
+            dummy = ForwardBatch(ids, pos, [], torch.arange(bs, device=dev), True)
+            dummy.seqs = self._pad(dummy, bs)
+            with torch.cuda.stream(self.stream):
+                be.plan(dummy)
+                for _ in range(2):  # warm-up outside capture (allocations, lazy init)
+                    self.model(ids, pos, be)
+                self.stream.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self._pool, stream=self.stream):
+                    hidden = self.model(ids, pos, be)
+                if self._pool is None:
+                    self._pool = g.pool()
+            self.graphs[bs] = _Graph(g, be, ids, pos, hidden)
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Replay for a decode batch (len(seqs) <= max_batch_size); returns hidden [n, H]."""
+        n = len(batch.seqs)
+        bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
+        g = self.graphs[bs]
+        padded = ForwardBatch(batch.input_ids, batch.positions, self._pad(batch, bs),
+                              batch.logits_indices, True)
+        with torch.cuda.stream(self.stream):
+            g.backend.plan(padded)
+            g.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
+            g.positions[:n].copy_(batch.positions, non_blocking=True)
+            g.graph.replay()
+        return g.hidden[:n]
+
