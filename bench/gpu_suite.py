@@ -275,12 +275,303 @@ def section_kernels() -> dict:
     return out
 
 
+# --------------------------------------------------------------------------- model-level
+_MODEL: dict[str, Any] = {}
+
+
+def _llama8b(num_blocks: int):
+    """random:llama-3.1-8b in bf16 + a random-filled KV pool (never time on zeros)."""
+    from runtime.kv_pool import KVPool
+    from runtime.loader import _materialise, init_random_weights
+    from runtime.presets import get_preset
+
+    if "model" not in _MODEL:
+        cfg = get_preset("llama-3.1-8b")
+        model = _materialise(cfg, torch.bfloat16, torch.device("cuda"))
+        init_random_weights(model, 0)
+        pool = KVPool.for_model(cfg, num_blocks, 16, torch.bfloat16, "cuda")
+        for t in pool.k + pool.v:
+            t.normal_()
+        _MODEL.update(model=model, cfg=cfg, pool=pool)
+    return _MODEL["model"], _MODEL["cfg"], _MODEL["pool"]
+
+
+def _batch(specs, block_lists, device="cuda", vocab=128000, is_decode=False):
+    from runtime.attention.base import ForwardBatch, SeqSlice
+
+    seqs, start, pos = [], 0, []
+    for (ctx, nq, kept), blocks in zip(specs, block_lists, strict=True):
+        seqs.append(SeqSlice(start, nq, ctx, kept, blocks))
+        pos.extend(range(ctx, ctx + nq))
+        start += nq
+    ids = torch.randint(0, vocab, (start,), device=device)
+    last = torch.tensor([s.query_start + s.num_query_tokens - 1 for s in seqs], device=device)
+    return ForwardBatch(ids, torch.tensor(pos, device=device), seqs, last, is_decode)
+
+
+def _flops_prefill(cfg, T: int) -> float:
+    # 2 * (non-embedding matmul params) * T + causal attention (QK^T and PV): 2*2*T*T/2*Hq*D.
+    per_layer = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
+    per_layer += 3 * cfg.hidden_size * cfg.intermediate_size
+    return cfg.num_layers * (2 * per_layer * T + 2 * T * T * cfg.num_q_heads * cfg.head_dim)
+
+
+def section_model() -> dict:
+    """Prefill MFU (1k..32k) and decode step vs floor (b1..b256 at 2k), llama-3.1-8b bf16,
+    FlashInfer backend + FlashInfer ops; plus model-level backend/hybrid logit agreement."""
+    from runtime import ops
+    from runtime.attention.flashinfer_backend import FlashInferBackend
+    from runtime.attention.torch_backend import TorchAttentionBackend
+
+    ceil = RESULTS["sections"].get("ceilings") or section_ceilings()
+    peak_tflops, copy_gbs = ceil["matmul_bf16_tflops"], ceil["copy_gbs_read_plus_write"]
+    model, cfg, pool = _llama8b(num_blocks=34000)
+    ops.use_flashinfer(True)
+    be = FlashInferBackend.from_pool(pool, cfg.num_q_heads)
+    out: dict[str, Any] = {"peak_tflops": peak_tflops, "copy_gbs": copy_gbs}
+    bs = 16
+    with torch.inference_mode():
+        for T in (1024, 4096, 16384, 32768):
+            b = _batch([(0, T, T)], [list(range(T // bs))])
+            be.plan(b)
+            fn = lambda: model.compute_logits(model(b.input_ids, b.positions, be)[b.logits_indices])  # noqa: E731, B023
+            ms = time_cuda(fn, iters=5, warmup=1)
+            mfu = _flops_prefill(cfg, T) / ms / 1e9 / peak_tflops
+            out[f"prefill_{T}_ms"], out[f"prefill_mfu_{T}"] = ms, mfu
+            print(f"prefill {T}: {ms:.1f} ms MFU {mfu:.3f}", flush=True)
+        for C in (2048, 4096, 8192):
+            T = 16384
+            b = _batch([(0, T, T)], [list(range(T // bs))])
+            be.plan(b)
+            fn = lambda: model(b.input_ids, b.positions, be, chunk_tokens=C)  # noqa: E731, B023
+            ms = time_cuda(fn, iters=5, warmup=1)
+            out[f"prefill_16384_hybrid_C{C}_ms"] = ms
+        # Decode: batch B, 2k context each (2047 cached + 1 new), distinct random blocks.
+        w_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                      if "embed_tokens" not in n or cfg.tie_word_embeddings)
+        perm = torch.randperm(34000 - 8).tolist()
+        for B in (1, 16, 64, 256):
+            ctx = 2047
+            blocks = [perm[i * 128:(i + 1) * 128] for i in range(B)]
+            b = _batch([(ctx, 1, ctx + 1)] * B, blocks, is_decode=True)
+            be.plan(b)
+            fn = lambda: model.compute_logits(model(b.input_ids, b.positions, be))  # noqa: E731, B023
+            ms = time_cuda(fn, iters=10, warmup=2)
+            kv_bytes = B * (ctx + 1) * cfg.num_layers * 2 * cfg.kv_size * 2
+            # Floor: bytes read once at the measured copy bandwidth (read+write bytes / s).
+            floor_ms = (w_bytes + kv_bytes) / copy_gbs / 1e6
+            out[f"decode_b{B}_eager_ms"], out[f"decode_b{B}_floor_ms"] = ms, floor_ms
+            out[f"decode_b{B}_eager_over_floor"] = ms / floor_ms
+            print(f"decode b{B}: eager {ms:.2f} ms, floor {floor_ms:.2f} ms", flush=True)
+        # CUDA graphs (runtime/cuda_graphs.py) on an ordinary stream.
+        try:
+            from runtime.cuda_graphs import DecodeGraphs
+
+            s = torch.cuda.Stream()
+            graphs = DecodeGraphs(model, pool.k, pool.v, s, pad_block_id=34000 - 1,
+                                  max_blocks_per_seq=129, batch_sizes=(1, 16, 64, 256))
+            t0 = time.perf_counter()
+            graphs.capture()
+            out["graph_capture_s"] = time.perf_counter() - t0
+            for B in (1, 16, 64, 256):
+                blocks = [perm[i * 128:(i + 1) * 128] for i in range(B)]
+                b = _batch([(2047, 1, 2048)] * B, blocks, is_decode=True)
+                be.plan(b)
+                ref = model.compute_logits(model(b.input_ids, b.positions, be)).float()
+                got = model.compute_logits(graphs.run(b)).float()
+                torch.cuda.synchronize()
+                e = rel_err(got, ref)
+                check(f"decode graph b{B} matches eager", e < 2e-2, f"rel_err={e:.2e}")
+                fn = lambda: model.compute_logits(graphs.run(b))  # noqa: E731, B023
+                ms = time_cuda(fn, iters=20, warmup=3, stream=s)
+                out[f"decode_b{B}_graph_ms"] = ms
+                out[f"decode_b{B}_graph_over_floor"] = ms / out[f"decode_b{B}_floor_ms"]
+        except Exception as exc:
+            traceback.print_exc()
+            check("decode CUDA graphs", False, f"{type(exc).__name__}: {exc}")
+        # Logits: FlashInfer vs torch backend; hybrid on vs off; prefix hit vs cold.
+        T = 3000
+        b = _batch([(0, T, T)], [list(range(200))])
+        b.logits_indices = torch.arange(T - 64, T, device="cuda")
+        be.plan(b)
+        fi = model.compute_logits(model(b.input_ids, b.positions, be)[b.logits_indices])
+        hy = model.compute_logits(
+            model(b.input_ids, b.positions, be, chunk_tokens=512)[b.logits_indices])
+        ops.use_flashinfer(False)
+        tb = TorchAttentionBackend(pool)
+        tb.plan(b)
+        to = model.compute_logits(model(b.input_ids, b.positions, tb)[b.logits_indices])
+        ops.use_flashinfer(True)
+        # prefix hit: first 2048 tokens cached (written above), 952 new ones.
+        b2 = _batch([(2048, T - 2048, T)], [list(range(200))])
+        b2.input_ids = b.input_ids[2048:].clone()
+        be.plan(b2)
+        hit = model.compute_logits(model(b2.input_ids, b2.positions, be)[-64:])
+        for nm, x in (("flashinfer_vs_torch_backend", fi), ("hybrid_vs_off", hy),
+                      ("prefix_hit_vs_cold", hit)):
+            e = rel_err(x if nm != "flashinfer_vs_torch_backend" else fi,
+                        fi if nm != "flashinfer_vs_torch_backend" else to)
+            out[f"logits_{nm}"] = e
+            check(f"model logits {nm}", e < 2e-2, f"rel_err={e:.2e}")
+    return out
+
+
+def section_profile() -> dict:
+    """Cost-model profile on green pairs with llama-3.1-8b layers; held-out validation;
+    concurrent vs time-sliced for the same work at each split."""
+    from runtime import green_ctx, ops
+    from runtime.attention.flashinfer_backend import FlashInferBackend
+    from runtime.cost_model import (
+        DECODE,
+        PREFILL,
+        CostModel,
+        DecodeShape,
+        PrefillShape,
+        ProfileSample,
+        SplitController,
+    )
+
+    model, cfg, pool = _llama8b(num_blocks=34000)
+    ops.use_flashinfer(True)
+    layout = green_ctx.read_sm_layout()
+    total = layout.total_sms
+    fit_splits, held_splits = [32, 64, 96, 112], [48, 80]
+    pairs = green_ctx.create_pairs(sorted(set(fit_splits + held_splits)))
+    whole = torch.cuda.Stream()
+    be_p = FlashInferBackend.from_pool(pool, cfg.num_q_heads)
+    be_d = FlashInferBackend.from_pool(pool, cfg.num_q_heads)
+    L_pre = 4  # a prefill "slice" = 4 layers (the runner's layer-slice granularity)
+    perm = torch.randperm(30000).tolist()
+
+    def pre_work(T):
+        b = _batch([(0, T, T)], [perm[:T // 16]])
+        h = model.embed(b.input_ids)
+        return b, lambda: model.forward_layers(h.clone(), None, b.positions, be_p, 0, L_pre)
+
+    def dec_work(B):
+        blocks = [perm[4096 + i * 128: 4096 + (i + 1) * 128] for i in range(B)]
+        b = _batch([(2047, 1, 2048)] * B, blocks, is_decode=True)
+        return b, lambda: model(b.input_ids, b.positions, be_d)
+
+    def on(stream, be, b, fn, iters=5):
+        with torch.cuda.stream(stream):
+            be.plan(b)
+        return time_cuda(fn, iters=iters, warmup=1, stream=stream)
+
+    samples, held = [], []
+    res: dict[str, Any] = {"alone": {}, "concurrent": {}}
+    with torch.inference_mode():
+        for T in (2048, 8192, 4096):
+            b, fn = pre_work(T)
+            shp = PrefillShape.from_seqs([(0, T)], L_pre)
+            for sms in [total, *fit_splits, *held_splits]:
+                st = whole if sms == total else pairs[sms].prefill.stream
+                ms = on(st, be_p, b, fn)
+                res["alone"][f"prefill_T{T}_sms{sms}"] = ms
+                s = ProfileSample(PREFILL, shp, sms, ms)
+                (held if T == 4096 or sms in held_splits else samples).append(s)
+        for B in (16, 64, 32):
+            b, fn = dec_work(B)
+            shp = DecodeShape(B, B * 2048, cfg.num_layers)
+            for sms in [total, *[total - p for p in fit_splits + held_splits]]:
+                st = whole if sms == total else next(
+                    pr.decode.stream for pr in pairs.values() if pr.decode.sms == sms)
+                ms = on(st, be_d, b, fn)
+                res["alone"][f"decode_B{B}_sms{sms}"] = ms
+                s = ProfileSample(DECODE, shp, sms, ms)
+                (held if B == 32 or (total - sms) in held_splits else samples).append(s)
+        # Concurrent: N prefill slices on the prefill stream while decode steps run.
+        T, B = 8192, 64
+        bp, fp = pre_work(T)
+        bd, fd = dec_work(B)
+        pshape = PrefillShape.from_seqs([(0, T)], L_pre)
+        dshape = DecodeShape(B, B * 2048, cfg.num_layers)
+        t_p_whole = res["alone"][f"prefill_T{T}_sms{total}"]
+        t_d_whole = res["alone"][f"decode_B{B}_sms{total}"]
+        for ps in fit_splits + held_splits:
+            pr = pairs[ps]
+            with torch.cuda.stream(pr.prefill.stream):
+                be_p.plan(bp)
+            with torch.cuda.stream(pr.decode.stream):
+                be_d.plan(bd)
+            torch.cuda.synchronize()
+            n_pre = 6
+            ev_p = [torch.cuda.Event(enable_timing=True) for _ in range(n_pre + 1)]
+            ev_d: list[torch.cuda.Event] = []
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(torch.cuda.current_stream())
+            pr.prefill.stream.wait_event(start)
+            pr.decode.stream.wait_event(start)
+            with torch.cuda.stream(pr.prefill.stream):
+                ev_p[0].record()
+                for i in range(n_pre):
+                    fp()
+                    ev_p[i + 1].record()
+            # Decode steps until prefill is done (host polls; a real loop keeps decode fed).
+            with torch.cuda.stream(pr.decode.stream):
+                e0 = torch.cuda.Event(enable_timing=True)
+                e0.record()
+                ev_d.append(e0)
+                while not ev_p[-1].query() and len(ev_d) < 400:
+                    if len(ev_d) >= 3:  # keep <= 2 steps queued so steps overlap prefill
+                        ev_d[-2].synchronize()
+                    fd()
+                    e = torch.cuda.Event(enable_timing=True)
+                    e.record()
+                    ev_d.append(e)
+            torch.cuda.synchronize()
+            pre_ms = ev_p[0].elapsed_time(ev_p[-1]) / n_pre
+            steps = len(ev_d) - 1
+            # decode steps that overlapped prefill (exclude the tail after prefill finished)
+            dec_ms = ev_d[0].elapsed_time(ev_d[-1]) / max(steps, 1)
+            # makespan of the same work: until both streams are done
+            conc_ms = max(start.elapsed_time(ev_p[-1]), start.elapsed_time(ev_d[-1]))
+            serial_ms = n_pre * t_p_whole + steps * t_d_whole
+            res["concurrent"][str(ps)] = {
+                "prefill_slice_ms": pre_ms, "decode_step_ms": dec_ms, "decode_steps": steps,
+                "concurrent_ms": conc_ms, "time_sliced_same_work_ms": serial_ms,
+                "speedup_vs_time_slice": serial_ms / conc_ms,
+            }
+            print(f"split {ps}/{total - ps}: prefill {pre_ms:.2f} ms decode {dec_ms:.2f} ms "
+                  f"({steps} steps) speedup {serial_ms / conc_ms:.2f}", flush=True)
+            tgt = held if ps in held_splits else samples
+            tgt.append(ProfileSample(PREFILL, pshape, ps, pre_ms, total - ps))
+            tgt.append(ProfileSample(DECODE, dshape, total - ps, dec_ms, ps))
+    cm = CostModel.fit(total, samples)
+    errs = []
+    for s in held:
+        pred = cm.predict(s.stage, s.shape, s.sms, s.other_sms)
+        errs.append({"stage": s.stage, "sms": s.sms, "other_sms": s.other_sms,
+                     "shape": str(s.shape), "predicted_ms": pred, "measured_ms": s.latency_ms,
+                     "abs_err": abs(pred - s.latency_ms) / s.latency_ms})
+    mape = sum(e["abs_err"] for e in errs) / len(errs)
+    mape_conc = [e["abs_err"] for e in errs if e["other_sms"] > 0]
+    res["cost_model"] = cm.to_dict()
+    res["held_out"] = errs
+    res["cost_model_mape"] = mape
+    res["cost_model_mape_concurrent"] = sum(mape_conc) / max(len(mape_conc), 1)
+    ctl = SplitController(cm, fit_splits + held_splits)
+    for kv in (0.3, 0.9):
+        d = SplitController(cm, sorted(fit_splits + held_splits)).choose(pshape, dshape, kv)
+        res[f"controller_kv{kv}"] = {"prefill_sms": d.prefill_sms, "reason": d.reason,
+                                     "predicted_speedup": d.speedup_vs_time_slice}
+    del ctl
+    best = max(res["concurrent"].items(), key=lambda kv: kv[1]["speedup_vs_time_slice"])
+    res["best_measured_split"] = int(best[0])
+    res["best_measured_speedup"] = best[1]["speedup_vs_time_slice"]
+    check("cost model fitted and validated on held-out shapes/splits", len(errs) > 0,
+          f"MAPE {mape:.3f} (concurrent {res['cost_model_mape_concurrent']:.3f})")
+    return res
+
+
 SECTIONS: dict[str, Callable[[], dict]] = {
     "ceilings": section_ceilings,
     "green": section_green,
     "backend": section_backend,
     "ops": section_ops,
     "kernels": section_kernels,
+    "model": section_model,
+    "profile": section_profile,
 }
 
 

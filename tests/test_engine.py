@@ -1,0 +1,195 @@
+"""The engine end to end on a tiny random model: scoring leaves only cached prefix blocks,
+prefix hits / chunked prefill / preemption do not change results, validation, abort, fault
+containment, seeds, shutdown."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from runtime.config import EngineConfig
+from runtime.engine import Engine
+from runtime.request import Request, RequestKind, RequestOutput, SamplingParams
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.outs: dict[str, list[RequestOutput]] = {}
+        self._cv = threading.Condition()
+
+    def __call__(self, o: RequestOutput) -> None:
+        with self._cv:
+            self.outs.setdefault(o.request_id, []).append(o)
+            self._cv.notify_all()
+
+    def wait(self, *rids: str, timeout: float = 60.0) -> None:
+        def done() -> bool:
+            return all(self.outs.get(r) and self.outs[r][-1].finished for r in rids)
+
+        with self._cv:
+            assert self._cv.wait_for(done, timeout=timeout), f"timed out waiting for {rids}"
+
+    def tokens(self, rid: str) -> list[int]:
+        return [t for o in self.outs[rid] for t in o.new_token_ids]
+
+    def last(self, rid: str) -> RequestOutput:
+        return self.outs[rid][-1]
+
+
+def make_engine(**overrides) -> tuple[Engine, Collector]:
+    sink = Collector()
+    cfg = EngineConfig(**{"model": "random:tiny", "prefill_policy": "fcfs", "block_size": 4,
+                          "num_kv_blocks": 256, **overrides})
+    engine = Engine(cfg, sink)
+    engine.start()
+    return engine, sink
+
+
+@pytest.fixture
+def engine_and_sink():
+    engine, sink = make_engine()
+    yield engine, sink
+    engine.shutdown(0)
+
+
+def gen(rid: str, tokens: list[int], max_tokens: int = 8, **sp) -> Request:
+    return Request(rid, RequestKind.GENERATE, tokens,
+                   SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                  **{"temperature": 0.0, **sp}))
+
+
+def score(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, RequestKind.SCORE, tokens, label_token_ids=[10, 20, 30])
+
+
+PROFILE = list(range(1000, 1030))  # 7 full blocks of 4 + 2
+
+
+def test_scoring_leaves_only_cached_full_prefix_blocks(engine_and_sink) -> None:
+    engine, sink = engine_and_sink
+    engine.add(score("cold", PROFILE + [5, 6, 7]))  # 33 tokens: 8 full blocks + 1
+    sink.wait("cold")
+    st = engine.stats()
+    bm = engine.block_manager
+    assert st["kv_blocks_used"] == 0  # nothing referenced after the answer
+    assert len(bm.prefix_cache) == 8 == bm.prefix_cache.num_evictable
+    assert bm.num_free_blocks == bm.num_blocks
+    bm.check_integrity()
+    # A second item on the same profile hits the cache and gets the same probabilities as a
+    # cold run of that item (a fresh engine).
+    engine.add(score("warm", PROFILE + [5, 6, 9]))
+    sink.wait("warm")
+    assert sink.last("warm").num_cached_tokens == 32
+    other, other_sink = make_engine()
+    try:
+        other.add(score("warm", PROFILE + [5, 6, 9]))
+        other_sink.wait("warm")
+    finally:
+        other.shutdown(0)
+    assert other_sink.last("warm").num_cached_tokens == 0
+    assert sink.last("warm").label_probs == pytest.approx(other_sink.last("warm").label_probs, rel=1e-4, abs=1e-6)
+    assert sum(sink.last("cold").label_probs) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_chunking_prefix_hits_and_preemption_do_not_change_greedy_tokens() -> None:
+    prompts = [PROFILE + [7, 8, 9], PROFILE[:13] + [1, 2], list(range(3000, 3021)), [42]]
+    results = []
+    for overrides in (
+        {},  # roomy pool, big budget
+        {"prefill_token_budget": 8, "num_kv_blocks": 24, "max_num_seqs": 3},  # chunks, preemption
+    ):
+        engine, sink = make_engine(**overrides)
+        try:
+            for i, p in enumerate(prompts):
+                engine.add(gen(f"r{i}", p, max_tokens=24))
+            sink.wait(*[f"r{i}" for i in range(len(prompts))])
+            st = engine.stats()
+            engine.block_manager.check_integrity()
+        finally:
+            engine.shutdown(0)
+        results.append(([sink.tokens(f"r{i}") for i in range(len(prompts))], st))
+    assert results[0][0] == results[1][0]
+    assert all(len(t) == 24 for t in results[0][0])
+    assert results[1][1]["num_preemptions"] > 0  # the small pool really preempted
+
+
+def test_validation_failures_come_back_through_the_sink(engine_and_sink) -> None:
+    engine, sink = engine_and_sink
+    vocab = engine.model_config.vocab_size
+    bad = {
+        "empty": gen("empty", []),
+        "oov": gen("oov", [1, vocab]),
+        "label": Request("label", RequestKind.SCORE, [1, 2], label_token_ids=[vocab + 5]),
+        "long": gen("long", [1] * 10, max_tokens=engine.max_model_len),
+    }
+    for r in bad.values():
+        engine.add(r)
+    sink.wait(*bad)
+    for rid in bad:
+        out = sink.last(rid)
+        assert out.finish_reason == "error" and out.error, rid
+    assert str(vocab) in sink.last("oov").error
+    assert str(engine.max_model_len) in sink.last("long").error
+    engine.add(gen("fine", [1, 2, 3], max_tokens=2))  # and it keeps serving
+    sink.wait("fine")
+    assert len(sink.tokens("fine")) == 2
+
+
+def test_step_failure_fails_only_that_step(engine_and_sink, monkeypatch) -> None:
+    engine, sink = engine_and_sink
+    real_run = engine.runner.run
+    calls = {"n": 0}
+
+    def flaky(plan):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("boom")
+        return real_run(plan)
+
+    monkeypatch.setattr(engine.runner, "run", flaky)
+    engine.add(gen("victim", [5, 6, 7], max_tokens=3))
+    sink.wait("victim")
+    assert sink.last("victim").finish_reason == "error" and "boom" in sink.last("victim").error
+    assert engine.is_alive()
+    assert engine.stats()["kv_blocks_used"] == 0
+    engine.add(gen("after", [5, 6, 7], max_tokens=3))
+    sink.wait("after")
+    assert sink.last("after").finish_reason == "length"
+
+
+def test_abort_running_request_frees_kv(engine_and_sink) -> None:
+    engine, sink = engine_and_sink
+    engine.add(gen("long", [1, 2, 3], max_tokens=3000))
+    with sink._cv:
+        assert sink._cv.wait_for(lambda: len(sink.outs.get("long", [])) >= 3, timeout=60)
+    engine.abort("long")
+    sink.wait("long")
+    assert sink.last("long").finish_reason == "abort"
+    engine.add(gen("sync", [9], max_tokens=1))  # a later step: the abort has been applied
+    sink.wait("sync")
+    assert engine.stats()["kv_blocks_used"] == 0
+    engine.block_manager.check_integrity()
+
+
+def test_seeded_sampling_repeats(engine_and_sink) -> None:
+    engine, sink = engine_and_sink
+    sp = {"temperature": 1.0, "seed": 1234}
+    engine.add(gen("a", [3, 4, 5], max_tokens=12, **sp))
+    engine.add(gen("noise", [8, 9], max_tokens=12, temperature=1.0))
+    sink.wait("a", "noise")
+    engine.add(gen("b", [3, 4, 5], max_tokens=12, **sp))
+    sink.wait("b")
+    assert sink.tokens("a") == sink.tokens("b")
+
+
+def test_shutdown_aborts_what_cannot_finish() -> None:
+    engine, sink = make_engine()
+    engine.add(gen("long", [1, 2, 3], max_tokens=4000))
+    with sink._cv:
+        assert sink._cv.wait_for(lambda: "long" in sink.outs, timeout=60)
+    engine.shutdown(0.05)
+    assert not engine.is_alive()
+    assert sink.last("long").finish_reason == "abort"
+    engine.add(gen("late", [1], max_tokens=1))
+    assert sink.last("late").finished and sink.last("late").error
