@@ -44,7 +44,7 @@ class DecodeGraphs:
         pad_block_id: int,
         max_blocks_per_seq: int,
         batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
-        workspace_bytes: int = 64 << 20,
+        workspace_bytes: int = 256 << 20,
     ) -> None:
         self.model = model
         self.k_caches, self.v_caches = k_caches, v_caches
@@ -55,6 +55,10 @@ class DecodeGraphs:
         self.workspace_bytes = workspace_bytes
         self.graphs: dict[int, _Graph] = {}
         self._pool = None  # graphs share one memory pool (captured largest first)
+        # One workspace for every batch size: graphs of one stream replay one at a time.
+        # (Tensor-core decode at batch 256 x 2k needed ~84 MB of FlashInfer scratch on the H200.)
+        self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8,
+                                     device=k_caches[0].device)
 
     @property
     def max_batch_size(self) -> int:
@@ -74,7 +78,7 @@ class DecodeGraphs:
         for bs in sorted(self.batch_sizes, reverse=True):
             be = FlashInferBackend(
                 self.k_caches, self.v_caches, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim,
-                workspace_bytes=self.workspace_bytes, graph_batch_size=bs,
+                workspace=self.workspace, graph_batch_size=bs,
                 max_blocks_per_seq=self.max_blocks_per_seq,
             )
             ids = torch.zeros(bs, dtype=torch.int64, device=dev)
@@ -100,10 +104,13 @@ class DecodeGraphs:
         g = self.graphs[bs]
         padded = ForwardBatch(batch.input_ids, batch.positions, self._pad(batch, bs),
                               batch.logits_indices, True)
+        caller = torch.cuda.current_stream()
+        self.stream.wait_stream(caller)  # inputs were produced on the caller's stream
         with torch.cuda.stream(self.stream):
             g.backend.plan(padded)
             g.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
             g.positions[:n].copy_(batch.positions, non_blocking=True)
             g.graph.replay()
+        caller.wait_stream(self.stream)  # the caller reads `hidden` on its own stream
         return g.hidden[:n]
 

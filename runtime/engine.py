@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from policies import make_policy
+from policies.jct import JCTModel
 from runtime.attention.base import AttentionBackend
 from runtime.attention.torch_backend import TorchAttentionBackend
 from runtime.block_manager import BlockManager
@@ -33,14 +34,20 @@ from runtime.loader import load_model
 from runtime.prefix_cache import PrefixCache
 from runtime.request import FINISH_REASONS, Request, RequestKind, RequestOutput, RequestStatus
 from runtime.runner import ModelRunner
-from runtime.scheduler import Scheduler, StepPlan
+from runtime.scheduler import ScheduledSeq, Scheduler, StepPlan
 
 log = logging.getLogger("greenlane.engine")
 
 Sink = Callable[[RequestOutput], None]
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -58,7 +65,9 @@ def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtyp
     return device, dtype
 
 
-def make_attention_backend(config: EngineConfig, pool: KVPool) -> AttentionBackend:
+def make_attention_backend(
+    config: EngineConfig, pool: KVPool, num_q_heads: int
+) -> AttentionBackend:
     """The attention backend for `config.attention_backend` (auto = FlashInfer on CUDA when
     it can be used). Falls back to torch SDPA, saying why once in the log."""
     want = config.attention_backend
@@ -68,9 +77,9 @@ def make_attention_backend(config: EngineConfig, pool: KVPool) -> AttentionBacke
         log.warning("attention backend flashinfer needs CUDA; falling back to torch SDPA")
         return TorchAttentionBackend(pool)
     try:  # the GPU runtime provides this module; absent or broken -> the torch fallback
-        from runtime.attention.flashinfer_backend import FlashInferBackend  # type: ignore
+        from runtime.attention.flashinfer_backend import FlashInferBackend
 
-        return FlashInferBackend(pool)  # type: ignore[no-any-return]
+        return FlashInferBackend.from_pool(pool, num_q_heads)
     except Exception as e:  # noqa: BLE001 - any import/init failure means "cannot use it"
         log.warning("FlashInfer attention unavailable (%s); falling back to torch SDPA", e)
         return TorchAttentionBackend(pool)
@@ -82,8 +91,9 @@ class Engine:
         self._sink = sink
         self.device, self.dtype = resolve_device_dtype(config)
         torch.manual_seed(config.seed)
-        model, model_config, tokenizer = load_model(config.model, self.dtype, self.device,
-                                                     seed=config.seed)
+        model, model_config, tokenizer = load_model(
+            config.model, self.dtype, self.device, seed=config.seed
+        )
         self.model = model
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -94,15 +104,20 @@ class Engine:
         self._max_model_len = limit
 
         num_blocks = compute_num_blocks(config, model_config, self.dtype, self.device)
-        self.kv_pool = KVPool.for_model(model_config, num_blocks, config.block_size,
-                                        self.dtype, self.device)
-        self.backend = make_attention_backend(config, self.kv_pool)
+        self.kv_pool = KVPool.for_model(
+            model_config, num_blocks, config.block_size, self.dtype, self.device
+        )
+        self.backend = make_attention_backend(config, self.kv_pool, model_config.num_q_heads)
         cache = PrefixCache(config.block_size) if config.enable_prefix_cache else None
         self.block_manager = BlockManager(num_blocks, config.block_size, cache)
-        self.policy = make_policy(config.prefill_policy, gamma=config.spf_gamma,
-                                  fairness_lambda=config.fairness_lambda)
-        self.scheduler = Scheduler(config, self.block_manager, self.policy, tokenizer,
-                                   model_config.eos_token_ids)
+        # One JCT model for the engine's life: switching policies keeps what it learned.
+        self.jct_model = (
+            JCTModel.load(config.jct_calibration) if config.jct_calibration else JCTModel()
+        )
+        self.policy = self._make_policy(config.prefill_policy)
+        self.scheduler = Scheduler(
+            config, self.block_manager, self.policy, tokenizer, model_config.eos_token_ids
+        )
         self.runner = ModelRunner(config, model, model_config, self.kv_pool, self.backend)
 
         self._lock = threading.Lock()
@@ -169,12 +184,58 @@ class Engine:
 
     def set_policy(self, name: str) -> None:
         """Switch the prefill policy (ValueError for an unknown name, raised here)."""
-        policy = make_policy(name, gamma=self.config.spf_gamma,
-                             fairness_lambda=self.config.fairness_lambda)
+        policy = self._make_policy(name)
         with self._lock:
             self._inbox.append(("policy", policy))
             self._stats["policy"] = policy.name
             self._wakeup.notify()
+
+    def _make_policy(self, name: str) -> Any:
+        return make_policy(
+            name,
+            jct_model=self.jct_model,
+            gamma=self.config.spf_gamma,
+            fairness_lambda=self.config.fairness_lambda,
+        )
+
+    @property
+    def device_name(self) -> str:
+        """Human-readable device name (keys calibration files)."""
+        if self.device.type == "cuda":
+            return torch.cuda.get_device_name(self.device)
+        return "cpu"
+
+    def measure_prefill(self, uncached_tokens: int, cached_tokens: int) -> float:
+        """Seconds of one real prefill of `uncached_tokens` new tokens after `cached_tokens`
+        of context already in the pool (runtime.calibrate's `measure`). Call before `start()`
+        (the engine thread must not be running). The new tokens' KV is discarded (as for a
+        scoring request), so only the context needs pool blocks; the context's KV values are
+        whatever the pool holds, which does not change the timing."""
+        if self._thread is not None:
+            raise RuntimeError("measure_prefill must run before the engine thread starts")
+        rid = "__measure_prefill__"
+        blocks = self.block_manager.allocate(rid, self.block_manager.num_blocks_for(cached_tokens))
+        try:
+            req = Request(
+                rid, RequestKind.SCORE, [0] * (cached_tokens + uncached_tokens), label_token_ids=[0]
+            )
+            seq = ScheduledSeq(
+                request=req,
+                num_context_tokens=cached_tokens,
+                num_new_tokens=uncached_tokens,
+                num_kept_tokens=cached_tokens,
+                block_ids=list(blocks),
+                input_ids=[0] * uncached_tokens,
+                needs_output=True,
+            )
+            plan = StepPlan(step_id=-1, prefill=[seq])
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            t0 = time.perf_counter()
+            self.runner.run(plan)  # ends in .tolist(): synchronised
+            return time.perf_counter() - t0
+        finally:
+            self.block_manager.free(rid)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -209,18 +270,24 @@ class Engine:
             if bad is not None:
                 return f"label token id {bad} is outside the vocabulary [0, {vocab})"
             if n > self._max_model_len:
-                return (f"the prompt has {n} tokens; the maximum context length is "
-                        f"{self._max_model_len}")
+                return (
+                    f"the prompt has {n} tokens; the maximum context length is "
+                    f"{self._max_model_len}"
+                )
             return None
         max_tokens = req.sampling.max_tokens
         if max_tokens < 1:
             return f"max_tokens must be >= 1, got {max_tokens}"
         if n + max_tokens > self._max_model_len:
-            return (f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} "
-                    f"exceeds the maximum context length {self._max_model_len}")
+            return (
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} "
+                f"exceeds the maximum context length {self._max_model_len}"
+            )
         if n + max_tokens > self.kv_pool_tokens:
-            return (f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs more KV cache than "
-                    f"the pool holds ({self.kv_pool_tokens} tokens)")
+            return (
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs more KV cache than "
+                f"the pool holds ({self.kv_pool_tokens} tokens)"
+            )
         return None
 
     # ---- engine thread ------------------------------------------------------------------------
@@ -228,8 +295,11 @@ class Engine:
         try:
             while True:
                 with self._lock:
-                    while (not self._inbox and not self.scheduler.has_work()
-                           and self._stop_deadline_s is None):
+                    while (
+                        not self._inbox
+                        and not self.scheduler.has_work()
+                        and self._stop_deadline_s is None
+                    ):
                         self._wakeup.wait()
                     items = list(self._inbox)
                     self._inbox.clear()
@@ -242,9 +312,11 @@ class Engine:
                     self._abort_everything()
                     self._publish_stats()
                     return
-                if self.scheduler.has_work():
-                    self._step()
+                outputs = self._step() if self.scheduler.has_work() else []
+                # Publish before emitting: whoever sees a final output then sees stats that
+                # already reflect it (blocks freed, counters updated).
                 self._publish_stats()
+                self._emit_all(outputs)
         except BaseException as e:  # a bug outside step containment: say so, stop serving
             self._crashed = e
             log.exception("engine loop crashed")
@@ -269,23 +341,24 @@ class Engine:
             self.policy = payload
             self.scheduler.set_policy(payload)
 
-    def _step(self) -> None:
+    def _step(self) -> list[RequestOutput]:
+        """One schedule -> run -> update; returns the outputs to emit."""
         plan: StepPlan | None = None
         try:
             plan = self.scheduler.schedule()
         except Exception as e:  # noqa: BLE001 - bookkeeping bug: fail everything queued
             log.exception("scheduling failed")
             ids = [r.request_id for r in self.scheduler.running + self.scheduler.waiting]
-            self._emit_all(self.scheduler.fail(ids, f"internal scheduler error: {e!r}"))
-            return
+            return self.scheduler.fail(ids, f"internal scheduler error: {e!r}")
         outputs = self.scheduler.take_pending_outputs()
         if plan.is_empty:
-            self._emit_all(outputs)
             if not outputs:
                 time.sleep(0.001)  # nothing runnable (should not happen): do not spin hot
-            return
+            return outputs
         try:
+            t0 = time.perf_counter()
             result = self.runner.run(plan)
+            self._observe_prefill(plan, time.perf_counter() - t0)
             outputs += self.scheduler.update(plan, result)
         except Exception as e:  # noqa: BLE001 - contain it to this step's requests
             self._num_failed_steps += 1
@@ -293,7 +366,20 @@ class Engine:
             ids = [s.request.request_id for s in plan.seqs]
             msg = f"internal error while running the model: {type(e).__name__}: {e}"
             outputs += self.scheduler.fail(ids, msg)
-        self._emit_all(outputs)
+        return outputs
+
+    def _observe_prefill(self, plan: StepPlan, measured_s: float) -> None:
+        """Online JCT refinement: feed prefill-only steps to the policy's JCT model, if it
+        has one (srjf). Mixed steps are skipped: their time includes decode work.
+        Hazard: on CUDA the step time is only right if the runner synchronised (it does,
+        through `.tolist()`, whenever the step produced outputs)."""
+        jct = getattr(self.policy, "jct_model", None)
+        if jct is None or plan.decode or not plan.prefill:
+            return
+        if not all(s.needs_output for s in plan.prefill):
+            return  # a chunk that produced nothing was not synchronised on
+        items = [(s.num_new_tokens, s.num_context_tokens) for s in plan.prefill]
+        jct.observe_batch(items, measured_s)
 
     def _abort_everything(self) -> None:
         ids = [r.request_id for r in self.scheduler.running + self.scheduler.waiting]
@@ -307,8 +393,11 @@ class Engine:
         for kind, payload in items:
             if kind in ("add", "fail"):
                 req = payload if kind == "add" else payload[0]
-                self._emit(self._failed_output(req, "the engine is shutting down",
-                                               RequestStatus.FINISHED_ABORTED))
+                self._emit(
+                    self._failed_output(
+                        req, "the engine is shutting down", RequestStatus.FINISHED_ABORTED
+                    )
+                )
 
     def _emit_all(self, outputs: list[RequestOutput]) -> None:
         for o in outputs:
@@ -363,6 +452,9 @@ class Engine:
             "attention_backend": self.backend.name,
             "model": self.config.model,
             "max_model_len": self._max_model_len,
+            "jct_mape": self.jct_model.mape(),  # None until prefill steps were observed
+            "jct_num_observed": self.jct_model.num_observed,
+            "jct_source": self.jct_model.source,
         }
         with self._lock:
             policy_pending = self._stats.get("policy")

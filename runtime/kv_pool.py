@@ -118,8 +118,13 @@ class KVPool:
         device: torch.device | str,
     ) -> KVPool:
         return cls(
-            model_config.num_layers, num_blocks, block_size, model_config.num_kv_heads,
-            model_config.head_dim, dtype, device,
+            model_config.num_layers,
+            num_blocks,
+            block_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            dtype,
+            device,
         )
 
     @property

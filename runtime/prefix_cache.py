@@ -28,9 +28,7 @@ def chain_hash(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
     return hash((parent_hash, tokens))
 
 
-def extend_block_hashes(
-    hashes: list[int], token_ids: Sequence[int], block_size: int
-) -> list[int]:
+def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int) -> list[int]:
     """Append the hashes of the full blocks of `token_ids` not yet in `hashes` (in place).
 
     `hashes` is a per-request memo: it must have been built from a prefix of the same
@@ -60,6 +58,7 @@ class PrefixCache:
         # Unreferenced cached blocks, least recently used first. Values unused.
         self._lru: OrderedDict[int, None] = OrderedDict()
         self.generation = 0  # bumped on insert / evict (invalidates cached-prefix memos)
+        self.num_evictions = 0  # memos survive insertions (a prefix only grows) but not these
         # Counters for the hit-ratio metric (tokens looked up at admission vs tokens hit).
         self.hit_tokens = 0
         self.query_tokens = 0
@@ -78,15 +77,20 @@ class PrefixCache:
     def is_evictable(self, block_id: int) -> bool:
         return block_id in self._lru
 
-    def lookup(self, hashes: Sequence[int], token_ids: Sequence[int]) -> list[int]:
+    def lookup(
+        self, hashes: Sequence[int], token_ids: Sequence[int], known: Sequence[int] = ()
+    ) -> list[int]:
         """Block ids of the longest cached prefix whose chain hashes are `hashes`.
 
         `token_ids` must be the tokens the hashes were computed from (used to verify).
+        `known`: block ids already verified for the first hashes (a memo that is still valid:
+        no eviction since), so the walk resumes after them.
         Read-only: no ref counts, LRU order or counters change."""
         bs = self.block_size
-        out: list[int] = []
-        parent: int | None = None
-        for i, h in enumerate(hashes):
+        out: list[int] = list(known[: len(hashes)])
+        parent: int | None = hashes[len(out) - 1] if out else None
+        for i in range(len(out), len(hashes)):
+            h = hashes[i]
             e = self._entries.get(h)
             if e is None or e.parent_hash != parent:
                 break
@@ -95,6 +99,10 @@ class PrefixCache:
             out.append(e.block_id)
             parent = h
         return out
+
+    def still_cached(self, block_id: int, block_hash: int) -> bool:
+        """True if `block_id` is still the cached block for `block_hash` (memo check)."""
+        return self._hash_of_block.get(block_id) == block_hash
 
     def match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
         """(block ids, number of tokens) of the longest cached prefix of `token_ids`.
@@ -144,6 +152,7 @@ class PrefixCache:
         h = self._hash_of_block.pop(block_id)
         del self._entries[h]
         self.generation += 1
+        self.num_evictions += 1
         return block_id
 
     # ---- integrity ---------------------------------------------------------------------

@@ -65,13 +65,15 @@ class ModelRunner:
             start = len(input_ids)
             input_ids.extend(s.input_ids)
             positions.extend(range(s.num_context_tokens, s.num_context_tokens + s.num_new_tokens))
-            slices.append(SeqSlice(
-                query_start=start,
-                num_query_tokens=s.num_new_tokens,
-                num_context_tokens=s.num_context_tokens,
-                num_kept_tokens=s.num_kept_tokens,
-                block_ids=s.block_ids,
-            ))
+            slices.append(
+                SeqSlice(
+                    query_start=start,
+                    num_query_tokens=s.num_new_tokens,
+                    num_context_tokens=s.num_context_tokens,
+                    num_kept_tokens=s.num_kept_tokens,
+                    block_ids=s.block_ids,
+                )
+            )
             if s.needs_output:
                 logits_rows.append(len(input_ids) - 1)
         dev = self.device

@@ -87,10 +87,13 @@ class Sampler:
             sorted_x, order = x.sort(dim=-1, descending=True)  # [N, V]
             if any(k < vocab for k in top_k):
                 k_t = torch.tensor(top_k, device=dev)
-                sorted_x.masked_fill_(torch.arange(vocab, device=dev)[None, :] >= k_t[:, None],
-                                      float("-inf"))
+                sorted_x.masked_fill_(
+                    torch.arange(vocab, device=dev)[None, :] >= k_t[:, None], float("-inf")
+                )
             if any(p < 1.0 for p in top_p):
-                p_t = torch.tensor([max(p, 1e-6) for p in top_p], dtype=logits.dtype).to(dev, non_blocking=True)
+                p_t = torch.tensor([max(p, 1e-6) for p in top_p], dtype=logits.dtype).to(
+                    dev, non_blocking=True
+                )
                 probs_sorted = sorted_x.softmax(dim=-1)
                 # Drop a token when the mass strictly before it already reaches top_p; the
                 # first token always stays (its "before" is 0 and top_p is clamped above 0).

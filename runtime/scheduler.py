@@ -123,6 +123,7 @@ class _Tracking:
 
     block_hashes: list[int] = field(default_factory=list)  # memo of full-block chain hashes
     cached_gen: int = -1  # prefix-cache generation of the memo below
+    cached_evictions: int = 0  # prefix-cache eviction count of the memo
     cached_tokens_at: int = -1  # num_tokens the memo was computed for
     cached_blocks: list[int] = field(default_factory=list)
     first_scheduled_s: float | None = None
@@ -224,11 +225,22 @@ class Scheduler:
         t = self._track[req.request_id]
         num_tokens = req.num_tokens
         if t.cached_gen != cache.generation or t.cached_tokens_at != num_tokens:
-            tokens = req.all_token_ids
+            # Cheap refresh: insertions only extend a cached prefix, so the walk resumes after
+            # the memo; after evictions the memo is first cut at its first evicted block.
+            tokens = req.all_token_ids if req.output_token_ids else req.prompt_token_ids
             extend_block_hashes(t.block_hashes, tokens, self.block_size)
             max_blocks = (num_tokens - 1) // self.block_size
-            t.cached_blocks = cache.lookup(t.block_hashes[:max_blocks], tokens)
+            known = t.cached_blocks
+            if t.cached_evictions != cache.num_evictions:
+                n_valid = 0
+                for b, h in zip(known, t.block_hashes, strict=False):
+                    if not cache.still_cached(b, h):
+                        break
+                    n_valid += 1
+                known = known[:n_valid]
+            t.cached_blocks = cache.lookup(t.block_hashes[:max_blocks], tokens, known)
             t.cached_gen = cache.generation
+            t.cached_evictions = cache.num_evictions
             t.cached_tokens_at = num_tokens
         return t.cached_blocks, len(t.cached_blocks) * self.block_size
 
@@ -245,7 +257,12 @@ class Scheduler:
     def ordered_waiting(self, now_s: float) -> list[Request]:
         """Waiting requests in policy order (lowest score, then arrival, then add order)."""
         keyed = [
-            (self.policy.score(self.view(r), now_s), r.arrival_s, self._arrival_seq[r.request_id], r)
+            (
+                self.policy.score(self.view(r), now_s),
+                r.arrival_s,
+                self._arrival_seq[r.request_id],
+                r,
+            )
             for r in self.waiting
         ]
         keyed.sort(key=lambda k: k[:3])
@@ -259,6 +276,7 @@ class Scheduler:
         budget = self.config.prefill_token_budget
 
         # 1. Decodes, FCFS. Victims for preemption come from the tail (latest admitted).
+        preempted_before = self.num_preemptions
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted above as a victim
@@ -297,7 +315,10 @@ class Scheduler:
             plan.prefill.append(self._seq(req, n, req.num_computed_tokens + n, done))
             budget -= n
 
-        for req in self.ordered_waiting(now):
+        # No admissions in a step that had to preempt: the pool is short, and re-admitting the
+        # victim at once would only thrash.
+        admit = self.num_preemptions == preempted_before
+        for req in self.ordered_waiting(now) if admit else []:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             first = not plan.prefill
@@ -338,8 +359,9 @@ class Scheduler:
             keep_new = 0
             if self.config.enable_prefix_cache and self.bm.prefix_cache is not None:
                 pinned = sum(1 for b in prefix_blocks if self.bm.ref_counts[b] == 0)
-                keep_new = max(0, min(num_full - len(prefix_blocks),
-                                      self.bm.num_free_blocks - pinned))
+                keep_new = max(
+                    0, min(num_full - len(prefix_blocks), self.bm.num_free_blocks - pinned)
+                )
             num_blocks_new = keep_new
             num_kept = (len(prefix_blocks) + keep_new) * bs
         else:
@@ -351,11 +373,14 @@ class Scheduler:
                 if nothing_running:
                     # Every block is free or evictable and it still does not fit: it never
                     # will (the engine validates lengths first; this is the backstop).
-                    self._pending.append(self._finish(
-                        req, RequestStatus.FINISHED_ERROR,
-                        error=f"prompt of {req.num_tokens} tokens needs more KV blocks than "
-                        f"the pool has ({self.bm.num_blocks} x {bs} tokens)",
-                    ))
+                    self._pending.append(
+                        self._finish(
+                            req,
+                            RequestStatus.FINISHED_ERROR,
+                            error=f"prompt of {req.num_tokens} tokens needs more KV blocks than "
+                            f"the pool has ({self.bm.num_blocks} x {bs} tokens)",
+                        )
+                    )
                 return None  # waits for blocks (strict policy order)
             num_kept = cached + n
         self.bm.allocate(req.request_id, num_blocks_new, prefix_blocks)
@@ -373,14 +398,13 @@ class Scheduler:
 
     def _seq(self, req: Request, n: int, num_kept: int, needs_output: bool) -> ScheduledSeq:
         start = req.num_computed_tokens
-        tokens = req.all_token_ids if req.output_token_ids else req.prompt_token_ids
         return ScheduledSeq(
             request=req,
             num_context_tokens=start,
             num_new_tokens=n,
             num_kept_tokens=num_kept,
             block_ids=list(self.bm.table(req.request_id)),
-            input_ids=tokens[start : start + n],
+            input_ids=_token_slice(req, start, n),
             needs_output=needs_output,
         )
 
@@ -408,9 +432,13 @@ class Scheduler:
                 continue
             if req.kind == RequestKind.SCORE:
                 req.first_token_s = now
-                outputs.append(self._finish(
-                    req, RequestStatus.FINISHED_STOPPED, label_probs=out.label_probs[req.request_id]
-                ))
+                outputs.append(
+                    self._finish(
+                        req,
+                        RequestStatus.FINISHED_STOPPED,
+                        label_probs=out.label_probs[req.request_id],
+                    )
+                )
                 continue
             token = out.sampled_token_ids[req.request_id]
             outputs.append(self._append_token(req, token, out.logprobs.get(req.request_id), now))
@@ -462,8 +490,9 @@ class Scheduler:
         t.num_sent_chars = visible_end
         logprobs = [logprob] if logprob is not None else []
         if status.is_finished:
-            return self._finish(req, status, new_token_ids=[token], new_text=new_text,
-                                new_logprobs=logprobs)
+            return self._finish(
+                req, status, new_token_ids=[token], new_text=new_text, new_logprobs=logprobs
+            )
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=[token],
@@ -537,6 +566,17 @@ def _remove(requests: list[Request], req: Request) -> bool:
             del requests[i]
             return True
     return False
+
+
+def _token_slice(req: Request, start: int, n: int) -> list[int]:
+    """Tokens [start, start + n) of prompt + output without concatenating them (a decode
+    step must not copy the whole sequence)."""
+    p = req.num_prompt_tokens
+    if start >= p:
+        return req.output_token_ids[start - p : start - p + n]
+    if start + n <= p:
+        return req.prompt_token_ids[start : start + n]
+    return req.prompt_token_ids[start:] + req.output_token_ids[: start + n - p]
 
 
 def _max_len(stops: Sequence[str]) -> int:

@@ -62,11 +62,14 @@ def _run_random_ops(seed: int, num_ops: int, with_cache: bool) -> None:
     def write(rid: str, toks: list[int], start_block: int) -> None:
         for i in range(start_block, len(bm.table(rid))):
             content[bm.table(rid)[i]] = toks[i * bs : (i + 1) * bs]
+
     next_id = 0
     for _ in range(num_ops):
         op = rng.random()
         if op < 0.45 or not live:  # admit a request, sharing the cached prefix if any
-            toks = list(rng.choice(profiles)) + [rng.randrange(50) for _ in range(rng.randrange(0, 12))]
+            toks = list(rng.choice(profiles)) + [
+                rng.randrange(50) for _ in range(rng.randrange(0, 12))
+            ]
             hashes = extend_block_hashes([], toks, bs)
             prefix = cache.lookup(hashes, toks) if cache else []
             # Keep at least one token to compute, as the scheduler does.

@@ -39,8 +39,15 @@ class Collector:
 
 def make_engine(**overrides) -> tuple[Engine, Collector]:
     sink = Collector()
-    cfg = EngineConfig(**{"model": "random:tiny", "prefill_policy": "fcfs", "block_size": 4,
-                          "num_kv_blocks": 256, **overrides})
+    cfg = EngineConfig(
+        **{
+            "model": "random:tiny",
+            "prefill_policy": "fcfs",
+            "block_size": 4,
+            "num_kv_blocks": 256,
+            **overrides,
+        }
+    )
     engine = Engine(cfg, sink)
     engine.start()
     return engine, sink
@@ -54,9 +61,12 @@ def engine_and_sink():
 
 
 def gen(rid: str, tokens: list[int], max_tokens: int = 8, **sp) -> Request:
-    return Request(rid, RequestKind.GENERATE, tokens,
-                   SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                                  **{"temperature": 0.0, **sp}))
+    return Request(
+        rid,
+        RequestKind.GENERATE,
+        tokens,
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True, **{"temperature": 0.0, **sp}),
+    )
 
 
 def score(rid: str, tokens: list[int]) -> Request:
@@ -88,18 +98,30 @@ def test_scoring_leaves_only_cached_full_prefix_blocks(engine_and_sink) -> None:
     finally:
         other.shutdown(0)
     assert other_sink.last("warm").num_cached_tokens == 0
-    assert sink.last("warm").label_probs == pytest.approx(other_sink.last("warm").label_probs, rel=1e-4, abs=1e-6)
+    assert sink.last("warm").label_probs == pytest.approx(
+        other_sink.last("warm").label_probs, rel=1e-4, abs=1e-6
+    )
     assert sum(sink.last("cold").label_probs) == pytest.approx(1.0, abs=1e-5)
 
 
-def test_chunking_prefix_hits_and_preemption_do_not_change_greedy_tokens() -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_chunking_prefix_hits_and_preemption_do_not_change_greedy_tokens(device: str) -> None:
     prompts = [PROFILE + [7, 8, 9], PROFILE[:13] + [1, 2], list(range(3000, 3021)), [42]]
     results = []
     for overrides in (
         {},  # roomy pool, big budget
-        {"prefill_token_budget": 8, "num_kv_blocks": 24, "max_num_seqs": 3},  # chunks, preemption
+        # chunked prompts, preemption, hybrid prefill over 5-token chunks
+        {
+            "prefill_token_budget": 8,
+            "num_kv_blocks": 24,
+            "max_num_seqs": 3,
+            "prefill_chunk_tokens": 5,
+        },
     ):
-        engine, sink = make_engine(**overrides)
+        # fp32 everywhere (also on CUDA) so that batch composition cannot flip a greedy pick.
+        engine, sink = make_engine(
+            device=device, dtype="float32", attention_backend="torch", **overrides
+        )
         try:
             for i, p in enumerate(prompts):
                 engine.add(gen(f"r{i}", p, max_tokens=24))
@@ -160,7 +182,7 @@ def test_step_failure_fails_only_that_step(engine_and_sink, monkeypatch) -> None
 
 def test_abort_running_request_frees_kv(engine_and_sink) -> None:
     engine, sink = engine_and_sink
-    engine.add(gen("long", [1, 2, 3], max_tokens=3000))
+    engine.add(gen("long", [1, 2, 3], max_tokens=1000))
     with sink._cv:
         assert sink._cv.wait_for(lambda: len(sink.outs.get("long", [])) >= 3, timeout=60)
     engine.abort("long")
@@ -185,7 +207,7 @@ def test_seeded_sampling_repeats(engine_and_sink) -> None:
 
 def test_shutdown_aborts_what_cannot_finish() -> None:
     engine, sink = make_engine()
-    engine.add(gen("long", [1, 2, 3], max_tokens=4000))
+    engine.add(gen("long", [1, 2, 3], max_tokens=1000))
     with sink._cv:
         assert sink._cv.wait_for(lambda: "long" in sink.outs, timeout=60)
     engine.shutdown(0.05)
@@ -193,3 +215,78 @@ def test_shutdown_aborts_what_cannot_finish() -> None:
     assert sink.last("long").finish_reason == "abort"
     engine.add(gen("late", [1], max_tokens=1))
     assert sink.last("late").finished and sink.last("late").error
+
+
+def test_measure_prefill_for_calibration() -> None:
+    sink = Collector()
+    engine = Engine(EngineConfig(model="random:tiny", block_size=4, num_kv_blocks=64), sink)
+    t = engine.measure_prefill(40, 100)  # context of 100 tokens = 25 blocks, new KV discarded
+    assert t > 0
+    engine.block_manager.check_integrity()
+    assert engine.block_manager.num_used_blocks == 0
+    engine.start()
+    with pytest.raises(RuntimeError):
+        engine.measure_prefill(8, 0)
+    engine.add(score("s", list(range(1, 30))))
+    sink.wait("s")
+    st = engine.stats()
+    engine.shutdown(0)
+    assert st["policy"] == "srjf" and st["jct_num_observed"] >= 1  # online refinement fed
+
+
+class _CharTokenizer:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
+def _greedy_with_components(device: str, prompts: list[list[int]], **overrides) -> list[list[int]]:
+    """scheduler -> runner -> update by hand (no Engine thread, no tokenizer files), so it
+    also runs on a GPU machine that has no converted model."""
+    import torch
+
+    from policies import make_policy
+    from runtime.attention.torch_backend import TorchAttentionBackend
+    from runtime.block_manager import BlockManager
+    from runtime.kv_pool import KVPool
+    from runtime.loader import _materialise, init_random_weights
+    from runtime.prefix_cache import PrefixCache
+    from runtime.presets import get_preset
+    from runtime.runner import ModelRunner
+    from runtime.scheduler import Scheduler
+
+    cfg = EngineConfig(**{"block_size": 4, "num_kv_blocks": 256, **overrides})
+    mc = get_preset("tiny")
+    model = _materialise(mc, torch.float32, torch.device(device))
+    init_random_weights(model, 0)
+    n_blocks = cfg.num_kv_blocks or 0
+    pool = KVPool.for_model(mc, n_blocks, cfg.block_size, torch.float32, device)
+    bm = BlockManager(n_blocks, cfg.block_size, PrefixCache(cfg.block_size))
+    sched = Scheduler(cfg, bm, make_policy("fcfs"), _CharTokenizer(), [])
+    runner = ModelRunner(cfg, model, mc, pool, TorchAttentionBackend(pool))
+    for i, p in enumerate(prompts):
+        sched.add(gen(f"r{i}", p, max_tokens=20))
+    tokens: dict[str, list[int]] = {}
+    for _ in range(1000):
+        if not sched.has_work():
+            break
+        plan = sched.schedule()
+        for o in sched.update(plan, runner.run(plan)):
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        bm.check_integrity()
+    assert bm.num_used_blocks == 0
+    return [tokens[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_components_give_the_same_tokens_with_chunks_and_preemption(device: str) -> None:
+    prompts = [PROFILE + [7, 8, 9], PROFILE[:13] + [1, 2], list(range(3000, 3021)), [42]]
+    roomy = _greedy_with_components(device, prompts)
+    tight = _greedy_with_components(
+        device,
+        prompts,
+        prefill_token_budget=8,
+        num_kv_blocks=20,
+        max_num_seqs=3,
+        prefill_chunk_tokens=5,
+    )
+    assert roomy == tight and all(len(t) == 20 for t in roomy)

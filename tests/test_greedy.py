@@ -19,7 +19,10 @@ SYSTEM = "You are a helpful assistant who answers briefly and precisely. " * 3
 def _prompts(tok) -> list[list[int]]:
     # Two chats share a long system prompt (prefix-cache hits for the later ones).
     chats = [
-        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name three primary colours."}],
+        [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "Name three primary colours."},
+        ],
         [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 12 times 7?"}],
         [{"role": "user", "content": "Write one sentence about the sea."}],
     ]
@@ -35,12 +38,17 @@ def _hf_greedy(model_dir, prompts: list[list[int]]) -> list[list[int]]:
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=NUM_TOKENS, min_new_tokens=0, pad_token_id=0,
-                                 eos_token_id=None)
-            out.append(gen[0, len(p):].tolist())
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=NUM_TOKENS,
+                min_new_tokens=0,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
+            out.append(gen[0, len(p) :].tolist())
     return out
-
 
 
 def test_greedy_matches_transformers(default_model_dir) -> None:
@@ -52,8 +60,14 @@ def test_greedy_matches_transformers(default_model_dir) -> None:
             outs.setdefault(o.request_id, []).append(o)
             cv.notify_all()
 
-    cfg = EngineConfig(model=str(default_model_dir), dtype="float32", device="cpu",
-                       prefill_policy="fcfs", block_size=16, enable_prefix_cache=True)
+    cfg = EngineConfig(
+        model=str(default_model_dir),
+        dtype="float32",
+        device="cpu",
+        prefill_policy="fcfs",
+        block_size=16,
+        enable_prefix_cache=True,
+    )
     engine = Engine(cfg, sink)
     engine.start()
     try:

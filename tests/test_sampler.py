@@ -3,6 +3,7 @@ logprobs."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from runtime.request import SamplingParams
@@ -30,7 +31,11 @@ def test_seeded_rows_repeat_and_ignore_batch_mates() -> None:
         gens = [make_generator(7, "cpu"), make_generator(other_seed, "cpu"), None]
         toks = []
         for _ in range(20):  # 20 successive draws with the same generators
-            toks.append(s.sample(logits, [p, SamplingParams(seed=other_seed), SamplingParams()], gens).token_ids)
+            toks.append(
+                s.sample(
+                    logits, [p, SamplingParams(seed=other_seed), SamplingParams()], gens
+                ).token_ids
+            )
         runs.append(toks)
     row0 = [[t[0] for t in r] for r in runs]
     assert row0[0] == row0[1]  # same seed -> same tokens whatever the neighbours do
@@ -50,7 +55,9 @@ def test_top_k_and_top_p_restrict_support() -> None:
     assert seen_k <= set(order[:3]) and len(seen_k) > 1
     probs = logits[0].softmax(-1)[order]
     n_nucleus = int((probs.cumsum(0) < 0.8).sum()) + 1  # smallest prefix reaching 0.8
-    seen_p = {s.sample(logits, [SamplingParams(top_p=0.8)], [None]).token_ids[0] for _ in range(300)}
+    seen_p = {
+        s.sample(logits, [SamplingParams(top_p=0.8)], [None]).token_ids[0] for _ in range(300)
+    }
     assert seen_p <= set(order[:n_nucleus])
 
 
@@ -75,3 +82,14 @@ def test_logprobs_with_alternatives() -> None:
     assert lp.token_id == out.token_ids[0]
     assert abs(lp.logprob - ref[lp.token_id].item()) < 1e-5
     assert [t for t, _ in lp.top] == ref.topk(3).indices.tolist()
+
+
+@pytest.mark.gpu
+def test_seeded_sampling_on_cuda_repeats() -> None:
+    logits = _logits(3).cuda()
+    p = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=5)] * 3
+    runs = []
+    for _ in range(2):
+        gens = [make_generator(5, "cuda") for _ in range(3)]
+        runs.append([Sampler().sample(logits, p, gens).token_ids for _ in range(10)])
+    assert runs[0] == runs[1]

@@ -9,7 +9,7 @@ from policies import make_policy
 from runtime.block_manager import BlockManager
 from runtime.config import EngineConfig
 from runtime.prefix_cache import PrefixCache
-from runtime.request import Request, RequestKind, RequestStatus, SamplingParams
+from runtime.request import Request, RequestKind, SamplingParams
 from runtime.scheduler import RunnerOutput, Scheduler, StepPlan
 
 BS = 4
@@ -49,18 +49,34 @@ class FakeRunner:
         return out
 
 
-def make(num_blocks: int = 64, budget: int = 64, policy: str = "fcfs", cache: bool = True,
-         max_num_seqs: int = 16, clock=None) -> Scheduler:
-    cfg = EngineConfig(block_size=BS, prefill_token_budget=budget, max_num_seqs=max_num_seqs,
-                       enable_prefix_cache=cache, prefill_policy=policy)
+def make(
+    num_blocks: int = 64,
+    budget: int = 64,
+    policy: str = "fcfs",
+    cache: bool = True,
+    max_num_seqs: int = 16,
+    clock=None,
+) -> Scheduler:
+    cfg = EngineConfig(
+        block_size=BS,
+        prefill_token_budget=budget,
+        max_num_seqs=max_num_seqs,
+        enable_prefix_cache=cache,
+        prefill_policy=policy,
+    )
     bm = BlockManager(num_blocks, BS, PrefixCache(BS) if cache else None)
     kwargs = {"clock": clock} if clock else {}
     return Scheduler(cfg, bm, make_policy(policy), CharTokenizer(), [EOS], **kwargs)
 
 
 def gen(rid: str, n: int, max_tokens: int = 4, arrival: float = 0.0, **sp) -> Request:
-    return Request(rid, RequestKind.GENERATE, list(range(100, 100 + n)),
-                   SamplingParams(max_tokens=max_tokens, temperature=0.0, **sp), arrival_s=arrival)
+    return Request(
+        rid,
+        RequestKind.GENERATE,
+        list(range(100, 100 + n)),
+        SamplingParams(max_tokens=max_tokens, temperature=0.0, **sp),
+        arrival_s=arrival,
+    )
 
 
 def score(rid: str, tokens: list[int], arrival: float = 0.0) -> Request:
@@ -264,9 +280,15 @@ def test_random_workload_keeps_invariants() -> None:
             if rng.random() < 0.5:
                 s.add(score(rid, toks, arrival=float(step)))
             else:
-                s.add(Request(rid, RequestKind.GENERATE, toks,
-                              SamplingParams(max_tokens=rng.randrange(1, 12), temperature=0.0),
-                              arrival_s=float(step)))
+                s.add(
+                    Request(
+                        rid,
+                        RequestKind.GENERATE,
+                        toks,
+                        SamplingParams(max_tokens=rng.randrange(1, 12), temperature=0.0),
+                        arrival_s=float(step),
+                    )
+                )
         if rng.random() < 0.05 and (s.running or s.waiting):
             victim = rng.choice(s.running + s.waiting)
             out = s.abort(victim.request_id)
@@ -278,6 +300,29 @@ def test_random_workload_keeps_invariants() -> None:
                 assert o.request_id not in finished
                 finished.add(o.request_id)
         s.bm.check_integrity()
+        for r in s.waiting:  # the memoized cached-prefix lengths equal a fresh lookup
+            _, fresh = s.bm.prefix_cache.match_prefix(r.all_token_ids)
+            assert s.view(r).num_cached_tokens_now == min(fresh, (r.num_tokens - 1) // BS * BS)
     drive(s, runner, max_steps=2000)
     assert s.bm.num_used_blocks == 0
     assert s.num_preemptions > 0  # the pool is small enough that preemption happened
+
+
+def test_cached_prefix_memo_follows_insertions_and_evictions() -> None:
+    s = make(num_blocks=4)
+    prefix = [7, 7, 7, 7, 8, 8, 8, 8]
+    w = score("w", prefix + [1])
+    s.add(w)
+    assert s.view(w).num_cached_tokens_now == 0
+    s.add(score("a", prefix + [2]))
+    # Run "a" alone: it caches the two prefix blocks.
+    s.waiting.remove(w)
+    plan = s.schedule()
+    s.update(plan, FakeRunner().run(plan))
+    s.waiting.append(w)
+    assert s.view(w).num_cached_tokens_now == 8  # insertion seen
+    s.bm.allocate("hog", 4)  # takes the 2 free blocks and evicts the 2 cached ones
+    assert s.view(w).num_cached_tokens_now == 0  # eviction seen
+    s.bm.free("hog")
+    assert s.view(w).num_cached_tokens_now == 0
+    s.bm.check_integrity()

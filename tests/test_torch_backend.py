@@ -32,8 +32,15 @@ def _setup(seed: int, specs: list[tuple[int, int, int]]):
     """specs: (num_context, num_query, num_kept) per sequence. Fills each sequence's context
     into its own pool blocks and returns the backend, the batch and the context k/v."""
     g = torch.Generator().manual_seed(seed)
-    pool = KVPool(1, num_blocks=64, block_size=BS, num_kv_heads=HKV, head_dim=D,
-                  dtype=torch.float32, device="cpu")
+    pool = KVPool(
+        1,
+        num_blocks=64,
+        block_size=BS,
+        num_kv_heads=HKV,
+        head_dim=D,
+        dtype=torch.float32,
+        device="cpu",
+    )
     perm = torch.randperm(64, generator=g).tolist()  # scattered, non-contiguous blocks
     seqs, ctx_kv, start = [], [], 0
     for ctx, n, kept in specs:
@@ -47,10 +54,16 @@ def _setup(seed: int, specs: list[tuple[int, int, int]]):
         seqs.append(SeqSlice(start, n, ctx, kept, blocks))
         ctx_kv.append((ck, cv))
         start += n
-    positions = torch.cat([torch.arange(s.num_context_tokens, s.num_context_tokens + s.num_query_tokens) for s in seqs])
+    positions = torch.cat(
+        [
+            torch.arange(s.num_context_tokens, s.num_context_tokens + s.num_query_tokens)
+            for s in seqs
+        ]
+    )
     is_decode = all(s.num_query_tokens == 1 and s.num_context_tokens > 0 for s in seqs)
-    batch = ForwardBatch(torch.zeros(start, dtype=torch.int64), positions, seqs,
-                         torch.arange(start), is_decode)
+    batch = ForwardBatch(
+        torch.zeros(start, dtype=torch.int64), positions, seqs, torch.arange(start), is_decode
+    )
     q = torch.randn(start, HQ, D, generator=g)
     k = torch.randn(start, HKV, D, generator=g)
     v = torch.randn(start, HKV, D, generator=g)
@@ -66,17 +79,28 @@ def _setup(seed: int, specs: list[tuple[int, int, int]]):
         [(5, 1, 6), (12, 1, 13), (1, 1, 2)],  # decode batch (padded)
     ],
 )
-def test_matches_naive_reference(specs: list[tuple[int, int, int]]) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_matches_naive_reference(specs: list[tuple[int, int, int]], device: str) -> None:
     pool, batch, ctx_kv, q, k, v = _setup(0, specs)
     before_k = pool.k[0].clone()
-    backend = TorchAttentionBackend(pool)
+    run_pool = pool
+    if device != "cpu":  # same contents on the device; results come back to the host
+        run_pool = KVPool(1, pool.num_blocks, BS, HKV, D, torch.float32, device)
+        run_pool.k[0].copy_(pool.k[0])
+        run_pool.v[0].copy_(pool.v[0])
+    backend = TorchAttentionBackend(run_pool)
     backend.plan(batch)
-    out = backend.forward(0, q, k, v)
+    out = backend.forward(0, q.to(device), k.to(device), v.to(device)).cpu()
+    pool.k[0].copy_(run_pool.k[0].cpu())
+    pool.v[0].copy_(run_pool.v[0].cpu())
+    tol = 1e-5 if device == "cpu" else 1e-4
     written = torch.zeros(pool.num_blocks, BS, dtype=torch.bool)
     for s, (ck, cv) in zip(batch.seqs, ctx_kv, strict=True):
         lo, hi = s.query_start, s.query_start + s.num_query_tokens
-        ref = _naive(q[lo:hi], torch.cat([ck, k[lo:hi]]), torch.cat([cv, v[lo:hi]]), s.num_context_tokens)
-        torch.testing.assert_close(out[lo:hi], ref, rtol=1e-5, atol=1e-5)
+        ref = _naive(
+            q[lo:hi], torch.cat([ck, k[lo:hi]]), torch.cat([cv, v[lo:hi]]), s.num_context_tokens
+        )
+        torch.testing.assert_close(out[lo:hi], ref, rtol=tol, atol=tol)
         for i in range(s.num_query_tokens):  # kept positions written, discarded ones not
             p = s.num_context_tokens + i
             if p < s.num_kept_tokens:
@@ -96,9 +120,18 @@ def test_decode_after_prefill_reads_back_the_pool() -> None:
     backend.forward(0, q, k, v)
     blocks = batch.seqs[0].block_ids
     g = torch.Generator().manual_seed(2)
-    q1, k1, v1 = torch.randn(1, HQ, D, generator=g), torch.randn(1, HKV, D, generator=g), torch.randn(1, HKV, D, generator=g)
-    dec = ForwardBatch(torch.zeros(1, dtype=torch.int64), torch.tensor([6]),
-                       [SeqSlice(0, 1, 6, 7, blocks)], torch.arange(1), True)
+    q1, k1, v1 = (
+        torch.randn(1, HQ, D, generator=g),
+        torch.randn(1, HKV, D, generator=g),
+        torch.randn(1, HKV, D, generator=g),
+    )
+    dec = ForwardBatch(
+        torch.zeros(1, dtype=torch.int64),
+        torch.tensor([6]),
+        [SeqSlice(0, 1, 6, 7, blocks)],
+        torch.arange(1),
+        True,
+    )
     backend.plan(dec)
     out = backend.forward(0, q1, k1, v1)
     ref = _naive(q1, torch.cat([k, k1]), torch.cat([v, v1]), 6)

@@ -66,16 +66,17 @@ class FlashInferBackend:
 
     def __init__(
         self,
-        k_caches: list[torch.Tensor],
-        v_caches: list[torch.Tensor],
-        num_q_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
+        k_caches: list[torch.Tensor] | Any,
+        v_caches: list[torch.Tensor] | None = None,
+        num_q_heads: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
         *,
         sm_scale: float | None = None,
         workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
         graph_batch_size: int | None = None,
         max_blocks_per_seq: int | None = None,
+        workspace: torch.Tensor | None = None,
     ) -> None:
         """k_caches/v_caches: one [num_blocks, block_size, Hkv, D] tensor per layer.
 
@@ -84,6 +85,11 @@ class FlashInferBackend:
         buffers (required with graph_batch_size)."""
         import flashinfer
 
+        if v_caches is None:  # FlashInferBackend(kv_pool): the engine's call
+            pool = k_caches
+            k_caches, v_caches = pool.k, pool.v
+            num_kv_heads, head_dim = pool.num_kv_heads, pool.head_dim
+        assert num_kv_heads is not None and head_dim is not None
         self._fi = flashinfer
         self.k_caches = k_caches
         self.v_caches = v_caches
@@ -94,18 +100,21 @@ class FlashInferBackend:
         self.sm_scale = sm_scale if sm_scale is not None else head_dim**-0.5
         self.device = k_caches[0].device
         self.kv_dtype = k_caches[0].dtype
-        self.use_tensor_cores = num_q_heads // num_kv_heads >= 4
+        # num_q_heads may be None (built from a pool alone): then it is read from q at the
+        # first forward of each step and the kernel plans run there, on the same stream.
+        self._deferred: list = []
         self.graph_batch_size = graph_batch_size
-        # One workspace per instance == per stream (see module docstring).
-        self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
+        # One workspace per instance == per stream (see module docstring). `workspace` may be
+        # shared only between instances that never run concurrently (e.g. the decode graphs
+        # of one stream, replayed one at a time).
+        self.workspace = (workspace if workspace is not None else
+                          torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device))
         self._ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
         self._paged = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        if graph_batch_size is None:
-            self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
-            )
-            self._static_slots = None
-        else:
+        self._max_blocks_per_seq = max_blocks_per_seq
+        self._decode_wrapper: Any = None
+        self._static_slots: torch.Tensor | None = None
+        if graph_batch_size is not None:
             if max_blocks_per_seq is None:
                 raise ValueError("max_blocks_per_seq is required with graph_batch_size")
             bs = graph_batch_size
@@ -115,14 +124,35 @@ class FlashInferBackend:
                 bs * max_blocks_per_seq, dtype=torch.int32, device=self.device
             )
             self._g_last = torch.ones(bs, dtype=torch.int32, device=self.device)
-            self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores,
-                use_cuda_graph=True, paged_kv_indptr_buffer=self._g_indptr,
-                paged_kv_indices_buffer=self._g_indices,
-                paged_kv_last_page_len_buffer=self._g_last,
-            )
             self._static_slots = torch.zeros(bs, dtype=torch.int64, device=self.device)
         self._plan: _Plan | None = None
+        if num_q_heads is not None:
+            self._decode_wrapper = self._make_decode_wrapper()
+
+    def _make_decode_wrapper(self) -> Any:
+        assert self.num_q_heads is not None
+        tc = self.num_q_heads // self.num_kv_heads >= 4  # tensor cores pay off for GQA >= 4
+        if self.graph_batch_size is None:
+            return self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_tensor_cores=tc
+            )
+        # Fixed buffers: a captured graph reads these addresses on every replay.
+        return self._fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=tc, use_cuda_graph=True,
+            paged_kv_indptr_buffer=self._g_indptr, paged_kv_indices_buffer=self._g_indices,
+            paged_kv_last_page_len_buffer=self._g_last,
+        )
+
+    def _kernel_plan(self, fn: Any) -> None:
+        """Run a wrapper plan now (heads known) or at the next forward (heads from q)."""
+        if self.num_q_heads is None:
+            self._deferred.append(fn)
+        else:
+            fn(self.num_q_heads)
+
+    @property
+    def _decode(self) -> Any:
+        return self._decode_wrapper
 
     @classmethod
     def from_pool(cls, kv_pool: Any, num_q_heads: int, **kwargs: Any) -> FlashInferBackend:
@@ -137,6 +167,7 @@ class FlashInferBackend:
         return t.to(self.device, non_blocking=True)
 
     def plan(self, batch: ForwardBatch) -> None:
+        self._deferred = []
         bs_tok = self.block_size
         seqs = batch.seqs
         write_rows: list[int] = []
@@ -174,19 +205,19 @@ class FlashInferBackend:
         common = dict(causal=True, sm_scale=self.sm_scale, q_data_type=self.kv_dtype)
         if not has_context:
             qo = self._to_dev(qo_indptr, torch.int32)
-            self._ragged.plan(
-                qo, qo, self.num_q_heads, self.num_kv_heads, self.head_dim, **common
-            )
+            self._kernel_plan(lambda hq: self._ragged.plan(
+                qo, qo, hq, self.num_kv_heads, self.head_dim, **common
+            ))
             self._plan = _Plan("ragged", rows_t, slots_t)
         elif not has_discard:
             kv_indptr, kv_indices, last = self._paged_meta(
                 [(s.block_ids, s.num_context_tokens + s.num_query_tokens) for s in seqs]
             )
-            self._paged.plan(
-                self._to_dev(qo_indptr, torch.int32), kv_indptr, kv_indices, last,
-                self.num_q_heads, self.num_kv_heads, self.head_dim, bs_tok,
+            qo = self._to_dev(qo_indptr, torch.int32)
+            self._kernel_plan(lambda hq: self._paged.plan(
+                qo, kv_indptr, kv_indices, last, hq, self.num_kv_heads, self.head_dim, bs_tok,
                 kv_data_type=self.kv_dtype, **common,
-            )
+            ))
             self._plan = _Plan("paged", rows_t, slots_t)
         else:
             gather_slots: list[int] = []
@@ -201,10 +232,11 @@ class FlashInferBackend:
                 new_dst.extend(range(base + s.num_context_tokens,
                                      base + s.num_context_tokens + s.num_query_tokens))
                 kv_indptr_l.append(base + s.num_context_tokens + s.num_query_tokens)
-            self._ragged.plan(
-                self._to_dev(qo_indptr, torch.int32), self._to_dev(kv_indptr_l, torch.int32),
-                self.num_q_heads, self.num_kv_heads, self.head_dim, **common,
-            )
+            qo = self._to_dev(qo_indptr, torch.int32)
+            kvi = self._to_dev(kv_indptr_l, torch.int32)
+            self._kernel_plan(lambda hq: self._ragged.plan(
+                qo, kvi, hq, self.num_kv_heads, self.head_dim, **common
+            ))
             self._plan = _Plan(
                 "gather", rows_t, slots_t,
                 gather_slots=self._to_dev(gather_slots, torch.int64),
@@ -238,11 +270,11 @@ class FlashInferBackend:
         kv_indptr, kv_indices, last = self._paged_meta(
             [(s.block_ids, s.num_context_tokens + 1) for s in seqs]
         )
-        self._decode.plan(
-            kv_indptr, kv_indices, last, self.num_q_heads, self.num_kv_heads, self.head_dim,
+        self._kernel_plan(lambda hq: self._decode.plan(
+            kv_indptr, kv_indices, last, hq, self.num_kv_heads, self.head_dim,
             self.block_size, sm_scale=self.sm_scale, q_data_type=self.kv_dtype,
             kv_data_type=self.kv_dtype,
-        )
+        ))
         slots = self._to_dev(write_slots, torch.int64)
         if self._static_slots is not None:
             self._static_slots.copy_(slots, non_blocking=True)
@@ -268,6 +300,13 @@ class FlashInferBackend:
         plan = self._plan
         if plan is None:
             raise RuntimeError("plan() must be called before forward()")
+        if self._deferred:  # heads were unknown at plan time: read them from q now
+            self.num_q_heads = int(q.shape[1])
+            if self._decode_wrapper is None:
+                self._decode_wrapper = self._make_decode_wrapper()
+            for fn in self._deferred:
+                fn(self.num_q_heads)
+            self._deferred = []
         self._write(layer_idx, k, v, plan)
         caches = (self.k_caches[layer_idx], self.v_caches[layer_idx])
         if plan.mode == "decode":

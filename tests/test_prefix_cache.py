@@ -1,0 +1,83 @@
+"""Prefix cache: hash chain, prefix matching, LRU eviction of unreferenced blocks, the
+generation counter, hit counters."""
+
+from __future__ import annotations
+
+from runtime.block_manager import BlockManager
+from runtime.prefix_cache import PrefixCache, chain_hash, extend_block_hashes
+
+BS = 4
+
+
+def _cached_seq(bm: BlockManager, rid: str, tokens: list[int]) -> list[int]:
+    """Allocate blocks for `tokens`, 'compute' them and offer the full ones to the cache."""
+    hashes = extend_block_hashes([], tokens, BS)
+    prefix = bm.prefix_cache.lookup(hashes, tokens)
+    table = bm.allocate(rid, bm.num_blocks_for(len(tokens)) - len(prefix), prefix)
+    bm.cache_full_blocks(rid, hashes, tokens)
+    return table
+
+
+def test_hash_chain_depends_on_the_whole_prefix() -> None:
+    a = extend_block_hashes([], [1, 2, 3, 4, 5, 6, 7, 8, 9], BS)
+    b = extend_block_hashes([], [0, 2, 3, 4, 5, 6, 7, 8], BS)
+    assert len(a) == 2  # the partial block is not hashed
+    assert a[0] != b[0] and a[1] != b[1]  # same second block, different parent
+    assert a[1] == chain_hash(a[0], (5, 6, 7, 8))
+    # Incremental extension equals hashing from scratch.
+    inc = extend_block_hashes([], [1, 2, 3, 4, 5], BS)
+    assert extend_block_hashes(inc, [1, 2, 3, 4, 5, 6, 7, 8, 9], BS) == a
+
+
+def test_match_prefix_returns_longest_cached_prefix() -> None:
+    cache = PrefixCache(BS)
+    bm = BlockManager(16, BS, cache)
+    table = _cached_seq(bm, "a", list(range(10)))  # blocks 0,1 full; block 2 partial
+    blocks, n = cache.match_prefix(list(range(8)) + [99, 98, 97, 96])
+    assert blocks == table[:2] and n == 8
+    assert cache.match_prefix([0, 1, 2, 9]) == ([], 0)
+    assert cache.match_prefix([1, 2, 3, 4]) == ([], 0)  # same tokens at another offset: miss
+
+
+def test_unreferenced_blocks_stay_cached_then_lru_eviction() -> None:
+    cache = PrefixCache(BS)
+    bm = BlockManager(4, BS, cache)
+    ta = _cached_seq(bm, "a", [1] * 8)  # 2 full blocks, chain a
+    tb = _cached_seq(bm, "b", [2] * 8)  # 2 full blocks, chain b
+    bm.free("a")
+    bm.free("b")  # a's blocks are less recently used than b's
+    assert bm.num_used_blocks == 0 and cache.num_evictable == 4 and len(cache) == 4
+    gen0 = cache.generation
+    # A hit pins chain b's first block; nothing evicted.
+    bm.allocate("c", 0, tb[:1])
+    assert cache.num_evictable == 3 and cache.generation == gen0
+    # Two new blocks: both of a's (the LRU ones) go; tail block first (freed first).
+    new = bm.allocate("d", 2)
+    assert sorted(new) == sorted(ta)
+    assert cache.generation == gen0 + 2
+    assert cache.match_prefix([1] * 8) == ([], 0)
+    assert cache.match_prefix([2] * 8)[1] == 8  # chain b still intact
+    bm.check_integrity()
+
+
+def test_duplicate_prefix_keeps_one_cached_copy() -> None:
+    cache = PrefixCache(BS)
+    bm = BlockManager(8, BS, cache)
+    # Two requests computed the same prefix concurrently (neither saw the other's blocks).
+    h = extend_block_hashes([], [3] * 4, BS)
+    bm.allocate("x", 1)
+    bm.allocate("y", 1)
+    bm.cache_full_blocks("x", h, [3] * 4)
+    bm.cache_full_blocks("y", h, [3] * 4)
+    assert len(cache) == 1
+    bm.free("x")
+    bm.free("y")
+    assert cache.num_evictable == 1 and bm.num_free_blocks == 8
+    bm.check_integrity()
+
+
+def test_hit_counters() -> None:
+    cache = PrefixCache(BS)
+    cache.record_query(100, 64)
+    cache.record_query(50, 0)
+    assert (cache.hit_tokens, cache.query_tokens) == (64, 150)
