@@ -131,6 +131,18 @@ class BlockManager:
             cache.insert(block_hashes[i], parent, tokens, table[i])
         self._num_cached_blocks[request_id] = max(start, end)
 
+    def drop_cached_blocks(self) -> int:
+        """Evict every unreferenced cached block to the free list (blocks in use keep their
+        cache entries). Returns how many were dropped. Benchmarks call this between runs so
+        one run's prefixes do not make the next run look faster."""
+        if self.prefix_cache is None:
+            return 0
+        num_dropped = 0
+        while (b := self.prefix_cache.evict()) is not None:
+            self._free.append(b)
+            num_dropped += 1
+        return num_dropped
+
     # ---- internals -----------------------------------------------------------------------
     def _take_block(self) -> int:
         if self._free:

@@ -7,8 +7,9 @@ inbox (or a published stats snapshot). The engine thread loops:
     -> sink(output) for each output
 The sink is called on the engine thread; it must not block (the app hops to its event loop).
 
-Failure containment: an exception while running a step fails the requests of that step with
-FINISHED_ERROR (their KV is freed) and the loop keeps serving the others. Invalid requests
+Failure containment: when a batched step raises, its requests are re-run one by one; only those
+that fail alone finish with FINISHED_ERROR (their KV is freed), and the loop keeps serving the
+others. Invalid requests
 (empty prompt, ids outside the vocabulary, too long) are failed one by one at `add`.
 """
 
@@ -190,6 +191,13 @@ class Engine:
             self._stats["policy"] = policy.name
             self._wakeup.notify()
 
+    def reset_prefix_cache(self) -> None:
+        """Drop every prefix-cache block no running request holds (thread-safe; applied on
+        the engine thread before its next step)."""
+        with self._lock:
+            self._inbox.append(("reset_prefix_cache", None))
+            self._wakeup.notify()
+
     def _make_policy(self, name: str) -> Any:
         return make_policy(
             name,
@@ -340,6 +348,9 @@ class Engine:
         elif kind == "policy":
             self.policy = payload
             self.scheduler.set_policy(payload)
+        elif kind == "reset_prefix_cache":
+            num_dropped = self.block_manager.drop_cached_blocks()
+            log.info("prefix cache reset: %d idle blocks dropped", num_dropped)
 
     def _step(self) -> list[RequestOutput]:
         """One schedule -> run -> update; returns the outputs to emit."""
@@ -360,13 +371,37 @@ class Engine:
             result = self.runner.run(plan)
             self._observe_prefill(plan, time.perf_counter() - t0)
             outputs += self.scheduler.update(plan, result)
-        except Exception as e:  # noqa: BLE001 - contain it to this step's requests
+        except Exception as e:  # noqa: BLE001 - contain it to the request at fault
             self._num_failed_steps += 1
-            log.exception("model step failed")
-            ids = [s.request.request_id for s in plan.seqs]
-            msg = f"internal error while running the model: {type(e).__name__}: {e}"
-            outputs += self.scheduler.fail(ids, msg)
+            log.exception("model step failed (%d requests in the step)", len(plan.seqs))
+            if len(plan.seqs) == 1:
+                outputs += self._fail_seq(plan.seqs[0], e)
+            else:
+                outputs += self._rerun_one_by_one(plan)
         return outputs
+
+    def _rerun_one_by_one(self, plan: StepPlan) -> list[RequestOutput]:
+        """A batched step raised: run each of its requests alone, so only the one(s) at
+        fault fail and their batch mates carry on. Re-running is safe: the failed step's
+        partial KV writes go to the same slots and are overwritten."""
+        outputs: list[RequestOutput] = []
+        for seq in plan.seqs:
+            is_prefill = seq in plan.prefill
+            sub = StepPlan(
+                step_id=plan.step_id,
+                prefill=[seq] if is_prefill else [],
+                decode=[] if is_prefill else [seq],
+            )
+            try:
+                outputs += self.scheduler.update(sub, self.runner.run(sub))
+            except Exception as e:  # noqa: BLE001 - this request is (one of) the culprits
+                log.exception("request %s failed when run alone", seq.request.request_id)
+                outputs += self._fail_seq(seq, e)
+        return outputs
+
+    def _fail_seq(self, seq: ScheduledSeq, e: Exception) -> list[RequestOutput]:
+        msg = f"internal error while running the model: {type(e).__name__}: {e}"
+        return self.scheduler.fail([seq.request.request_id], msg)
 
     def _observe_prefill(self, plan: StepPlan, measured_s: float) -> None:
         """Online JCT refinement: feed prefill-only steps to the policy's JCT model, if it

@@ -180,6 +180,54 @@ def test_step_failure_fails_only_that_step(engine_and_sink, monkeypatch) -> None
     assert sink.last("after").finish_reason == "length"
 
 
+POISON = 4242  # a token id whose presence makes the (patched) runner raise
+
+
+def test_poisoned_request_in_a_batch_fails_alone(monkeypatch) -> None:
+    """A step with several requests raises: only the request at fault fails; its batch
+    mates finish normally (the engine re-runs the step one request at a time)."""
+    engine, sink = make_engine()
+    try:
+        real_run = engine.runner.run
+        sizes: list[int] = []
+
+        def poisoned(plan):
+            sizes.append(len(plan.seqs))
+            if any(POISON in s.request.prompt_token_ids for s in plan.seqs):
+                raise RuntimeError("poisoned input")
+            return real_run(plan)
+
+        monkeypatch.setattr(engine.runner, "run", poisoned)
+        with engine._lock:  # queue all three before the loop can pick one up alone
+            for rid, toks in (("ok1", [1, 2, 3]), ("bad", [1, POISON, 3]), ("ok2", [7, 8])):
+                engine._inbox.append(("add", gen(rid, toks, max_tokens=3)))
+            engine._wakeup.notify()
+        sink.wait("ok1", "bad", "ok2")
+        assert max(sizes) >= 2, "the three requests were never batched: the test proves nothing"
+        assert sink.last("bad").finish_reason == "error"
+        assert "poisoned input" in sink.last("bad").error
+        for rid in ("ok1", "ok2"):
+            assert sink.last(rid).finish_reason == "length", sink.last(rid)
+            assert len(sink.tokens(rid)) == 3
+        assert engine.is_alive()
+        engine.block_manager.check_integrity()
+    finally:
+        engine.shutdown(0)
+
+
+def test_reset_prefix_cache_drops_idle_blocks(engine_and_sink) -> None:
+    engine, sink = engine_and_sink
+    engine.add(score("s", PROFILE))
+    sink.wait("s")
+    assert engine.block_manager.prefix_cache is not None
+    assert len(engine.block_manager.prefix_cache) > 0
+    engine.reset_prefix_cache()
+    engine.add(gen("sync", [9], max_tokens=1))  # a later step: the reset has been applied
+    sink.wait("sync")
+    assert engine.stats()["prefix_cached_blocks"] == 0
+    engine.block_manager.check_integrity()
+
+
 def test_abort_running_request_frees_kv(engine_and_sink) -> None:
     engine, sink = engine_and_sink
     engine.add(gen("long", [1, 2, 3], max_tokens=1000))
