@@ -5,10 +5,13 @@ Routes (all under `/admin`):
 - `GET  /admin/api/state`       one JSON snapshot (shape: `build_state`).
 - `GET  /admin/api/events`      SSE: the same snapshot as event `state` every `interval_s`.
 - `PUT  /admin/api/partition`   `{"mode": "auto"|"off"|"static", "prefill_sms": int}`.
-- `PUT  /admin/api/policy`      `{"policy": "srjf"|"spf"|"fcfs"}`.
+- `PUT  /admin/api/policy`      `{"policy": "srjf"|"spf"|"fcfs"|"srjf-oneshot"}`.
+- `POST /admin/api/prefix-cache/reset`  drop every idle prefix-cache block (benchmarks call it
+  between runs so one run's prompts do not speed up the next).
 
 What the router reads from `app.state` (set by `app.main.create_app`):
-- `engine`: `runtime.engine.Engine` — `stats()`, `set_policy(name)`, `is_alive()` and the
+- `engine`: `runtime.engine.Engine` — `stats()`, `set_policy(name)`, `reset_prefix_cache()`,
+  `is_alive()` and the
   attribute `partition` (a `runtime.partition.PartitionManager`).
 - `metrics` (optional): `recent()` -> `{"ttft_s": [...], "tpot_s": [...], "e2e_s": [...],
   "completed_total": int, "tokens_total": int}`, the recent latency samples and the counters.
@@ -16,7 +19,7 @@ What the router reads from `app.state` (set by `app.main.create_app`):
   `engine.stats()` if the engine has them.
 - `settings` (optional): `admin_token` (str, SecretStr or None).
 
-Changes (PUT) are protected: with an admin token set, `Authorization: Bearer <token>` is required
+Changes (PUT, POST) are protected: with an admin token set, `Authorization: Bearer <token>` is required
 (401 otherwise); without one, only loopback clients (127.0.0.0/8, ::1) may change anything (403).
 """
 
@@ -376,3 +379,24 @@ async def admin_set_policy(request: Request) -> JSONResponse:
     except ValueError as exc:  # e.g. a policy the engine cannot build
         return _error(400, str(exc), "invalid_request_error", "policy")
     return JSONResponse(build_state(request.app))
+
+
+@router.post("/admin/api/prefix-cache/reset")
+async def admin_reset_prefix_cache(request: Request) -> JSONResponse:
+    """Ask the engine to drop its idle prefix-cache blocks. The engine applies it on its own
+    thread before its next step, so the reply means "queued", not "done": a request sent after
+    this reply is scheduled after the reset (the engine's inbox is ordered). Blocks that running
+    requests hold stay until those finish."""
+    denied = check_admin(request)
+    if denied is not None:
+        return denied
+    engine = getattr(request.app.state, "engine", None)
+    if engine is None:
+        return _error(503, "the engine is starting; try again shortly", "service_unavailable")
+    reset = getattr(engine, "reset_prefix_cache", None)
+    if not callable(reset):
+        return _error(400, "the engine has no prefix cache to reset", "invalid_request_error")
+    # The count last published by the engine (before the reset takes effect); informative only.
+    cached_before = engine.stats().get("prefix_cached_blocks")
+    reset()
+    return JSONResponse({"reset": "queued", "prefix_cached_blocks_before": cached_before})

@@ -1,14 +1,22 @@
-"""Command line: `greenlane serve [options]` / `python -m app serve [options]`.
+"""Command line: `greenlane serve|calibrate [options]` / `python -m app serve|calibrate ...`.
+
+* `serve`: the HTTP server. `--calibrate` first profiles prefill on the serving device (before
+  the port opens), saves the JCT calibration to the cache folder and uses it.
+* `calibrate`: only the profile: builds the engine for `--model`/`--device`, measures, writes
+  `<calibration-dir>/jct-<device>--<model>.json` (or `--out FILE`) and exits. Later `serve`
+  runs on the same device and model load that file automatically.
 
 Every option is also settable by its `GREENLANE_*` environment variable; a flag given on the
 command line wins over the environment. Options are generated from `Settings`' fields (server
-options plus every `EngineConfig` field), so `--help` always lists all of them.
+options plus every `EngineConfig` field), so `--help` always lists all of them. Boolean flags
+take true/false, or nothing (`--calibrate` = `--calibrate true`).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
 import types
@@ -18,7 +26,7 @@ from typing import Any
 
 import uvicorn
 
-from app.settings import ENV_PREFIX, Settings
+from app.settings import ENV_PREFIX, Settings, engine_field_names
 
 log = logging.getLogger("greenlane.app")
 
@@ -75,6 +83,40 @@ def _optional(convert: Any) -> Any:
     return parse
 
 
+# Options of `calibrate`: the engine's (they decide what is measured) plus these.
+_CALIBRATE_SETTINGS = ("calibration_dir", "log_level")
+
+
+def _add_settings_options(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
+    for name in names:
+        field = Settings.model_fields[name]
+        scalar, optional = _scalar_type(field.annotation)
+        convert: Any = _parse_bool if scalar is bool else scalar if scalar in (int, float) else str
+        if optional:
+            convert = _optional(convert)
+        doc = _ENGINE_HELP.get(name) or field.description or name
+        extra: dict[str, Any] = {"nargs": "?", "const": True} if scalar is bool else {}
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            type=convert,
+            default=argparse.SUPPRESS,  # absent flags leave env / defaults in charge
+            metavar=scalar.__name__.upper() if scalar in (int, float, bool) else "STR",
+            help=f"{doc} [env {ENV_PREFIX}{name.upper()}; default {field.default!r}]",
+            **extra,
+        )
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="greenlane",
@@ -85,22 +127,27 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="start the OpenAI-compatible HTTP server",
         description="Start the server. Each option can also be set by the environment variable "
-        "shown; the flag wins. Booleans take true/false.",
+        "shown; the flag wins. Booleans take true/false (a bare flag means true).",
     )
-    for name, field in Settings.model_fields.items():
-        scalar, optional = _scalar_type(field.annotation)
-        convert: Any = _parse_bool if scalar is bool else scalar if scalar in (int, float) else str
-        if optional:
-            convert = _optional(convert)
-        doc = _ENGINE_HELP.get(name) or field.description or name
-        serve.add_argument(
-            "--" + name.replace("_", "-"),
-            dest=name,
-            type=convert,
-            default=argparse.SUPPRESS,  # absent flags leave env / defaults in charge
-            metavar=scalar.__name__.upper() if scalar in (int, float, bool) else "STR",
-            help=f"{doc} [env {ENV_PREFIX}{name.upper()}; default {field.default!r}]",
-        )
+    _add_settings_options(serve, list(Settings.model_fields))
+    cal = sub.add_parser(
+        "calibrate",
+        help="profile prefill times on this device and save the JCT calibration",
+        description="Build the engine for --model on --device, time prefills over a grid of "
+        "(uncached, cached) token counts (one progress line per point with an ETA), fit the "
+        "JCT model and write it to <calibration-dir>/jct-<device>--<model>.json (or --out). "
+        "`serve` on the same device and model then loads it automatically.",
+    )
+    cal.add_argument("--out", default=None, metavar="FILE",
+                     help="write the calibration here instead of the cache folder")
+    cal.add_argument("--uncached-tokens", type=_int_list, default=None, metavar="N,N,...",
+                     help="uncached prompt lengths to time (default: a small CPU grid "
+                     "32,128,512,1024 or a GPU grid 128..16384)")
+    cal.add_argument("--cached-tokens", type=_int_list, default=None, metavar="N,N,...",
+                     help="cached-prefix lengths to time (default: CPU 0,1024; GPU 0,4096,16384)")
+    cal.add_argument("--repeats", type=int, default=None, metavar="N",
+                     help="timings per point, median kept (default: CPU 2, GPU 3)")
+    _add_settings_options(cal, [*engine_field_names(), *_CALIBRATE_SETTINGS])
     return parser
 
 
@@ -136,6 +183,39 @@ class GracefulServer(uvicorn.Server):
         self._captured_signals.clear()
 
 
+def _real_engine_factory(config: Any, sink: Any) -> Any:
+    from runtime.engine import Engine  # lazily: loads torch
+
+    return Engine(config, sink)
+
+
+def _run_calibration(engine: Any, settings: Settings, out_path: str | None = None,
+                     **grid: Any) -> tuple[Any, str | None]:
+    """Profile `engine` (built, not started) and save: (the fitted JCTModel, the file)."""
+    from runtime.calibrate import calibrate_engine, default_cache_dir
+
+    out_dir = None if out_path else (settings.calibration_dir or default_cache_dir())
+    log.info("calibrating the JCT model on %s for %s (progress on stderr)",
+             engine.device_name, settings.calibration_model_key)
+    return calibrate_engine(
+        engine, model=settings.calibration_model_key, out_dir=out_dir, out_path=out_path, **grid
+    )
+
+
+def _calibrating_factory(settings: Settings, factory: Any) -> Any:
+    """An engine factory that calibrates the engine it builds before it starts serving."""
+
+    def make(config: Any, sink: Any) -> Any:
+        engine = factory(config, sink)
+        jct, path = _run_calibration(engine, settings)
+        # The engine's policies share its JCT model object: update it in place.
+        engine.jct_model.adopt(jct)
+        log.info("JCT model: calibrated now, saved to %s and in use: %r", path, jct)
+        return engine
+
+    return make
+
+
 def serve(settings: Settings, engine_factory: Any = None) -> int:
     """Run the server in this (main) thread until SIGTERM/SIGINT. `engine_factory` is for
     tests and embedding (default: the real engine)."""
@@ -145,6 +225,8 @@ def serve(settings: Settings, engine_factory: Any = None) -> int:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if settings.calibrate:
+        engine_factory = _calibrating_factory(settings, engine_factory or _real_engine_factory)
     app = create_app(settings, engine_factory=engine_factory)
     config = uvicorn.Config(
         app,
@@ -159,17 +241,50 @@ def serve(settings: Settings, engine_factory: Any = None) -> int:
     return 0 if server.started else 1
 
 
+def calibrate_command(settings: Settings, out_path: str | None, grid: dict[str, Any],
+                      engine_factory: Any = None) -> int:
+    """`greenlane calibrate`: build the engine, profile, save, print the file's path."""
+    import dataclasses
+
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    # The profile measures the device; loading an old calibration first would be pointless.
+    config = dataclasses.replace(settings.to_engine_config(resolve_calibration=False),
+                                 jct_calibration=None)
+    engine = (engine_factory or _real_engine_factory)(config, lambda _out: None)
+    try:
+        _, path = _run_calibration(engine, settings, out_path, **grid)
+    except ValueError as exc:
+        print(f"greenlane: calibration failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        engine.shutdown()
+    print(path)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    extra = ("command", "out", "uncached_tokens", "cached_tokens", "repeats")
+    overrides = {k: v for k, v in vars(args).items() if k not in extra}
+    try:
+        settings = Settings(**overrides)
+        # Validate engine options before loading anything (the calibration file is chosen,
+        # and logged, when the engine is built).
+        settings.to_engine_config(resolve_calibration=False)
+        if settings.jct_calibration and not os.path.isfile(os.path.expanduser(settings.jct_calibration)):
+            raise ValueError(f"jct_calibration: no such file {settings.jct_calibration!r}")
+    except ValueError as exc:
+        print(f"greenlane: invalid option: {exc}", file=sys.stderr)
+        return 2
     if args.command == "serve":
-        overrides = {k: v for k, v in vars(args).items() if k != "command"}
-        try:
-            settings = Settings(**overrides)
-            settings.to_engine_config()  # validate engine options before loading anything
-        except ValueError as exc:
-            print(f"greenlane: invalid option: {exc}", file=sys.stderr)
-            return 2
         return serve(settings)
+    if args.command == "calibrate":
+        grid = {"uncached_tokens": args.uncached_tokens, "cached_tokens": args.cached_tokens,
+                "repeats": args.repeats}
+        return calibrate_command(settings, args.out, grid)
     return 2
 
 

@@ -3,6 +3,10 @@
 Request counters and latency histograms are updated by the app as requests finish; engine
 gauges (queue depth, running, KV blocks, prefix-cache hit ratio) are read from
 `engine.stats()` at scrape time by a custom collector, so they are never stale.
+
+The JCT model's prediction error has its own names (docs/scheduling.md):
+`greenlane_jct_prediction_mape` (fraction; NaN until the first observed prefill step),
+`greenlane_jct_observed_steps`, and `greenlane_jct_model_info{source=...}` (which calibration).
 """
 
 from __future__ import annotations
@@ -33,7 +37,16 @@ _NAMED_STATS = {
     "num_running": ("greenlane_running_requests", "requests holding KV blocks in the engine"),
     "kv_blocks_used": ("greenlane_kv_blocks_used", "KV blocks in use"),
     "kv_blocks_total": ("greenlane_kv_blocks_total", "KV blocks in the pool"),
+    "jct_num_observed": (
+        "greenlane_jct_observed_steps",
+        "prefill-only steps whose measured time refined the JCT model online",
+    ),
 }
+_JCT_MAPE_HELP = (
+    "JCT model prediction error: mean |predicted - measured| / measured prefill step time over "
+    "the last 100 observed prefill-only steps (a fraction: 0.1 = 10%; each prediction is made "
+    "before its step runs). NaN until the first step is observed."
+)
 
 
 class _EngineCollector(Collector):
@@ -62,8 +75,23 @@ class _EngineCollector(Collector):
                 "prompt tokens served from the prefix cache / prompt tokens looked up",
                 value=(hit / query) if query else 0.0,
             )
+        if "jct_mape" in stats:
+            mape = stats["jct_mape"]
+            yield GaugeMetricFamily(
+                "greenlane_jct_prediction_mape",
+                _JCT_MAPE_HELP,
+                value=float(mape) if isinstance(mape, int | float) else float("nan"),
+            )
+        if isinstance(stats.get("jct_source"), str):
+            info = GaugeMetricFamily(
+                "greenlane_jct_model_info",
+                "the JCT model in use: source is fallback-default, fit or calibration:<file>",
+                labels=["source"],
+            )
+            info.add_metric([stats["jct_source"]], 1.0)
+            yield info
         # Anything else numeric (SM split, cost-model error, ...) as greenlane_engine_<key>.
-        skip = set(_NAMED_STATS) | {"prefix_hit_tokens", "prefix_query_tokens"}
+        skip = set(_NAMED_STATS) | {"prefix_hit_tokens", "prefix_query_tokens", "jct_mape"}
         for key, value in stats.items():
             if key in skip or isinstance(value, bool) or not isinstance(value, int | float):
                 continue

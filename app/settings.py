@@ -2,12 +2,15 @@
 
 `Settings` holds the server's own options plus one field per `runtime.config.EngineConfig`
 field (generated from the dataclass, so a new engine option is settable here without an edit);
-`to_engine_config()` builds the frozen `EngineConfig` the engine takes.
+`to_engine_config()` builds the frozen `EngineConfig` the engine takes, choosing the JCT
+calibration file to load (explicit `--jct-calibration`, else the cached one for this device and
+model in `--calibration-dir`, else none: the documented fallback) and logging the choice.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import typing
 from typing import Any
@@ -15,7 +18,10 @@ from typing import Any
 from pydantic import Field, create_model
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from runtime.calibrate import model_key, resolve_calibration
 from runtime.config import EngineConfig
+
+log = logging.getLogger("greenlane.app")
 
 ENV_PREFIX = "GREENLANE_"
 
@@ -43,6 +49,16 @@ class ServerSettings(BaseSettings):
         10.0, ge=0, description="on SIGTERM/SIGINT, let running requests finish this long, then abort"
     )
     log_level: str = Field("info", description="debug | info | warning | error")
+    calibrate: bool = Field(
+        False,
+        description="profile prefill times on this device at start-up (before serving), save the "
+        "JCT calibration in calibration_dir and use it",
+    )
+    calibration_dir: str | None = Field(
+        None,
+        description="folder of JCT calibration files keyed by device and model (default "
+        "$XDG_CACHE_HOME/greenlane/calibration or ~/.cache/greenlane/calibration)",
+    )
 
 
 def _engine_field_definitions() -> dict[str, Any]:
@@ -68,8 +84,21 @@ _SettingsBase = create_model(  # type: ignore[call-overload]
 class Settings(_SettingsBase):  # type: ignore[valid-type,misc]
     """All options. Precedence: constructor kwargs (the CLI) > GREENLANE_* env > defaults."""
 
-    def to_engine_config(self) -> EngineConfig:
-        return EngineConfig(**{name: getattr(self, name) for name in _ENGINE_FIELDS})
+    def to_engine_config(self, resolve_calibration: bool = True) -> EngineConfig:
+        """The engine's config. With `resolve_calibration`, `jct_calibration` is the file the
+        engine should load (explicit, else cached for this device+model, else None = the
+        fallback default), and the choice is logged; without it, the option as given."""
+        values = {name: getattr(self, name) for name in _ENGINE_FIELDS}
+        if resolve_calibration:
+            path, why = resolve_calibration_file(self)
+            values["jct_calibration"] = path
+            log.info("%s", why)
+        return EngineConfig(**values)
+
+    @property
+    def calibration_model_key(self) -> str:
+        """The model name calibration files are keyed by (from --model, not the served name)."""
+        return model_key(self.model)
 
     @property
     def model_name(self) -> str:
@@ -90,3 +119,10 @@ class Settings(_SettingsBase):  # type: ignore[valid-type,misc]
 
 def engine_field_names() -> tuple[str, ...]:
     return _ENGINE_FIELDS
+
+
+def resolve_calibration_file(settings: Settings) -> tuple[str | None, str]:
+    """(path or None, a log line saying which JCT calibration is used and why)."""
+    return resolve_calibration(
+        settings.jct_calibration, settings.calibration_dir, settings.device, settings.model
+    )

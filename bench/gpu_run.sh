@@ -2,6 +2,7 @@
 # Device-machine wrapper for bench/gpu_suite.py: install the carried wheels, restore the
 # FlashInfer JIT cache, run the suite, and send the (possibly grown) JIT cache back via $OUT.
 # Usage (on the device machine, from the repo root): bash bench/gpu_run.sh <suite args...>
+# Carry: .whl .fi_cache .cache/smollm2-tok (tokenizer/config files of SmolLM2 only).
 set -u
 export PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
 mkdir -p /tmp/site
@@ -10,6 +11,23 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD
 if [ -f .fi_cache/fi_cache.tar.gz ]; then
   mkdir -p ~/.cache && tar xzf .fi_cache/fi_cache.tar.gz -C ~/.cache
+  # The tarball holds only the compiled .so files. FlashInfer's JIT path always runs ninja,
+  # which rebuilds a module whose objects are missing (60-100 s each): earlier runs paid that
+  # for every module. Installing the cached .so files as FlashInfer's "AOT" modules makes it
+  # load them directly; anything not there is still JIT-compiled into ~/.cache as before.
+  aot=/tmp/site/flashinfer/data/aot
+  for so in ~/.cache/flashinfer/*/*/cached_ops/*/*.so; do
+    [ -f "$so" ] || continue
+    name=$(basename "$(dirname "$so")")
+    mkdir -p "$aot/$name" && cp "$so" "$aot/$name/$name.so"
+  done
+fi
+# Random presets need only the default model's tokenizer/config: serve them from a cache
+# folder whose model.safetensors is an empty placeholder (never loaded for random:<preset>).
+if [ -d .cache/smollm2-tok ] && [ ! -f .cache/models/SmolLM2-135M-Instruct/model.safetensors ]; then
+  export GREENLANE_CACHE_DIR=/tmp/glcache
+  d=$GREENLANE_CACHE_DIR/models/SmolLM2-135M-Instruct
+  mkdir -p "$d" && cp .cache/smollm2-tok/* "$d/" && touch "$d/model.safetensors"
 fi
 before=$(find ~/.cache/flashinfer -name '*.so' 2>/dev/null | wc -l)
 python3 -m bench.gpu_suite "$@"
@@ -18,6 +36,7 @@ after=$(find ~/.cache/flashinfer -name '*.so' 2>/dev/null | wc -l)
 echo "flashinfer JIT modules: $before before, $after after"
 if [ "${OUT:-}" != "" ] && [ "$after" != "$before" ]; then
   # Only compiled modules matter; sources and build trees are regenerated on demand.
-  (cd ~/.cache && tar czf "$OUT/fi_cache.tar.gz" flashinfer) && ls -la "$OUT/fi_cache.tar.gz"
+  (cd ~/.cache && tar czf "$OUT/fi_cache.tar.gz" --exclude='*.o' --exclude='*.cu' \
+     --exclude='*.ninja*' --exclude='*.lock' flashinfer) && ls -la "$OUT/fi_cache.tar.gz"
 fi
 exit $rc

@@ -13,6 +13,11 @@ Sections:
   kernels    FlashInfer ragged prefill 8k and paged decode b64x2k timings
   profile    cost-model profile: stage latency vs SM split for model-shaped prefill/decode work
              on green streams, alone and concurrent; fit + held-out validation
+  engine     issue 5 through Engine/ModelRunner: prefill MFU 1k..32k, decode step b1..b256
+             x 2k with CUDA graphs + GPU sampling, over the floor
+  correctness logits vs transformers (llama-small, Qwen2.5-3B width) bf16/fp32; greedy 16
+             tokens through the engine (fp32) vs transformers.generate
+  fi_vs_torch 8B FlashInfer vs torch backend, each against an fp32 forward
 """
 
 from __future__ import annotations
@@ -591,7 +596,255 @@ def section_graphs() -> dict:
     return out
 
 
+# --------------------------------------------------------------------------- issue 5: engine
+def _engine(model: str = "random:llama-3.1-8b", **kw: Any):
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+
+    cfg = EngineConfig(model=model, **kw)
+    return Engine(cfg, sink=lambda out: None)
+
+
+def _decode_plan(engine, B: int, ctx: int, step: int):
+    from runtime.request import Request, RequestKind, SamplingParams
+    from runtime.scheduler import ScheduledSeq, StepPlan
+
+    seqs = []
+    nb = (ctx + 1 + 15) // 16
+    for i in range(B):
+        rid = f"dec{B}_{i}"
+        blocks = engine.block_manager.allocate(rid, nb)
+        req = Request(rid, RequestKind.GENERATE, [1] * ctx, sampling=SamplingParams(max_tokens=8))
+        seqs.append(ScheduledSeq(request=req, num_context_tokens=ctx, num_new_tokens=1,
+                                 num_kept_tokens=ctx + 1, block_ids=list(blocks),
+                                 input_ids=[(7 * i + 3) % 1000], needs_output=True))
+    return StepPlan(step_id=step, decode=seqs), [s.request.request_id for s in seqs]
+
+
+def section_engine() -> dict:
+    """Through the engine's runner (FlashInfer backend + ops, CUDA-graph decode, sampling on
+    the GPU): prefill MFU 1k..32k (engine.measure_prefill: a scoring prefill, hybrid default
+    C, suffix discard) and the decode step time at batch 1/16/64/256 x 2k contexts."""
+    ceil = RESULTS["sections"].get("ceilings") or section_ceilings()
+    peak_tflops, copy_gbs = ceil["matmul_bf16_tflops"], ceil["copy_gbs_read_plus_write"]
+    t0 = time.perf_counter()
+    eng = _engine(max_num_seqs=256)
+    out: dict[str, Any] = {"engine_init_s": time.perf_counter() - t0,
+                           "attention_backend": eng.backend.name,
+                           "decode_backend": eng.runner.decode_backend.name,
+                           "kv_pool_blocks": eng.block_manager.num_blocks,
+                           "pad_block_id": eng.kv_pool.pad_block_id}
+    g = eng.runner.decode_graphs
+    out["graphs"] = None if g is None else list(g.batch_sizes)
+    out["graph_capture_s_total"] = None if g is None else sum(g.capture_s.values())
+    check("engine uses FlashInfer + graphs", eng.backend.name == "flashinfer" and g is not None,
+          f"backend={eng.backend.name} graphs={out['graphs']}")
+    cfg = eng.model_config
+    for T in (1024, 4096, 16384, 32768):
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        s = min(eng.measure_prefill(T, 0) for _ in range(3 if T < 16384 else 2))
+        out[f"prefill_{T}_ms"] = s * 1e3
+        out[f"prefill_mfu_{T}"] = _flops_prefill(cfg, T) / s / 1e12 / peak_tflops
+        out[f"prefill_{T}_activation_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+        print(f"engine prefill {T}: {s * 1e3:.1f} ms MFU {out[f'prefill_mfu_{T}']:.3f}", flush=True)
+    w_bytes = sum(p.numel() * p.element_size() for n, p in eng.model.named_parameters()
+                  if "embed_tokens" not in n or cfg.tie_word_embeddings)
+    ctx = 2047
+    for B in (1, 16, 64, 256):
+        plan, rids = _decode_plan(eng, B, ctx, B)
+        times = []
+        for i in range(23):
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            res = eng.runner.run(plan)  # ends in .tolist(): synchronised
+            if i >= 3:
+                times.append(time.perf_counter() - t1)
+        assert len(res.sampled_token_ids) == B
+        for r in rids:
+            eng.block_manager.free(r)
+        ms = sorted(times)[len(times) // 2] * 1e3
+        kv_bytes = B * (ctx + 1) * cfg.num_layers * 2 * cfg.kv_size * 2
+        floor = (w_bytes + kv_bytes) / copy_gbs / 1e6
+        out[f"decode_b{B}_ms"], out[f"decode_b{B}_floor_ms"] = ms, floor
+        out[f"decode_b{B}_over_floor"] = ms / floor
+        print(f"engine decode b{B}: {ms:.2f} ms floor {floor:.2f} ({ms / floor:.2f}x)", flush=True)
+    if g is not None:
+        out["graph_capture_s"] = {str(k): v for k, v in g.capture_s.items()}
+    # Free the engine's KV pool (90 % of the GPU) before later sections.
+    del eng, g, plan, res
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def _hf_pair(cfg, seed: int, folder: str):
+    """A transformers model with seeded random weights on the GPU (fp32), saved as a HF
+    folder with the default tokenizer files, so our loader reads identical weights."""
+    import shutil
+
+    import transformers
+
+    from runtime.convert import default_model_dir
+
+    hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf_config())
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+            else:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+    os.makedirs(folder, exist_ok=True)
+    hf.save_pretrained(folder)
+    src = default_model_dir()
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (src / f).is_file():
+            shutil.copy(src / f, os.path.join(folder, f))
+    return hf
+
+
+def _ours_logits(model, ids: torch.Tensor, flashinfer: bool, rows: int) -> torch.Tensor:
+    from runtime import ops
+    from runtime.attention.flashinfer_backend import FlashInferBackend
+    from runtime.attention.torch_backend import TorchAttentionBackend
+    from runtime.kv_pool import KVPool
+
+    T = ids.numel()
+    dt = next(model.parameters()).dtype
+    pool = KVPool.for_model(model.cfg, (T + 15) // 16 + 1, 16, dt, "cuda")
+    ops.use_flashinfer(flashinfer)
+    be = (FlashInferBackend.from_pool(pool, model.cfg.num_q_heads) if flashinfer
+          else TorchAttentionBackend(pool))
+    b = _batch([(0, T, T)], [list(range((T + 15) // 16))])
+    b.input_ids = ids
+    be.plan(b)
+    with torch.inference_mode():
+        h = model(b.input_ids, b.positions, be)
+        out = model.compute_logits(h[T - rows:]).float()
+    ops.use_flashinfer(False)
+    return out
+
+
+def section_correctness() -> dict:
+    """Logits vs transformers (same seeded random weights) in bf16 (FlashInfer) and fp32;
+    greedy decode through the engine vs transformers (fp32, torch backend: FlashInfer has no
+    fp32 kernels); FlashInfer vs torch backend at 8B against an fp32 forward."""
+    import dataclasses
+
+    from runtime.loader import load_model
+    from runtime.presets import get_preset
+
+    out: dict[str, Any] = {}
+    T, rows = 512, 64
+    shapes = {
+        "llama-small": dataclasses.replace(get_preset("llama-3.1-8b"), hidden_size=1024,
+                                           intermediate_size=2816, num_layers=8,
+                                           num_q_heads=16, num_kv_heads=4, head_dim=64),
+        # Qwen2.5-3B width (hidden, heads, GQA, qkv bias, vocab); 8 of its 36 layers to keep
+        # the device time short.
+        "qwen2.5-3b-8layers": dataclasses.replace(get_preset("qwen2.5-3b"), num_layers=8),
+    }
+    for name, cfg in shapes.items():
+        folder = f"/tmp/hf_{name}"
+        hf = _hf_pair(cfg, 1234, folder)
+        ids = torch.randint(0, cfg.vocab_size, (T,), device="cuda",
+                            generator=torch.Generator("cuda").manual_seed(0))
+        with torch.inference_mode():
+            ref = hf(ids[None]).logits[0, T - rows:].float()
+            hf_bf16 = hf.to(torch.bfloat16)
+            ref_bf16 = hf_bf16(ids[None]).logits[0, T - rows:].float()
+        del hf, hf_bf16
+        m32, _, _ = load_model(folder, torch.float32, "cuda")
+        e32 = rel_err(_ours_logits(m32, ids, False, rows), ref)
+        del m32
+        m16, _, _ = load_model(folder, torch.bfloat16, "cuda")
+        e16 = rel_err(_ours_logits(m16, ids, True, rows), ref)
+        del m16
+        eh = rel_err(ref_bf16, ref)
+        out[name] = {"ours_fp32_vs_hf_fp32": e32, "ours_bf16_flashinfer_vs_hf_fp32": e16,
+                     "hf_bf16_vs_hf_fp32": eh}
+        check(f"{name} logits fp32 vs transformers", e32 < 1e-3, f"rel_err={e32:.2e}")
+        check(f"{name} logits bf16 (FlashInfer) vs transformers fp32", e16 < 2e-2,
+              f"rel_err={e16:.2e} (transformers bf16 vs fp32: {eh:.2e})")
+        torch.cuda.empty_cache()
+    # Greedy 16 tokens through the engine (fp32: torch backend, paged KV) vs transformers.
+    import transformers
+
+    from runtime.request import Request, RequestKind, SamplingParams
+
+    folder = "/tmp/hf_llama-small"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda()
+    prompt = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.inference_mode():
+        ref_ids = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=16,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)[0, 40:].tolist()
+    del hf
+    got: list[int] = []
+    done = __import__("threading").Event()
+
+    def sink(o):
+        if o.finished:
+            got.extend(o.token_ids if hasattr(o, "token_ids") else [])
+            done.set()
+
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+
+    eng = Engine(EngineConfig(model=folder, dtype="float32", device="cuda"), sink=sink)
+    eng.start()
+    req = Request("g", RequestKind.GENERATE, prompt,
+                  sampling=SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    eng.add(req)
+    done.wait(120)
+    eng.shutdown()
+    got = list(req.output_token_ids)
+    out["greedy16_engine_fp32"] = {"ours": got, "transformers": ref_ids,
+                                   "backend": eng.backend.name}
+    check("greedy 16 tokens (engine, fp32) == transformers", got == ref_ids,
+          f"ours={got} hf={ref_ids}")
+    del eng
+    torch.cuda.empty_cache()
+    return out
+
+
+def section_fi_vs_torch() -> dict:
+    """8B, 3000 tokens: FlashInfer (kernels+ops) vs torch backend (bf16), each vs an fp32
+    forward of the same weights; hybrid on vs off and prefix hit vs cold via the engine."""
+    from runtime.loader import _materialise, init_random_weights
+    from runtime.presets import get_preset
+
+    cfg = get_preset("llama-3.1-8b")
+    model = _materialise(cfg, torch.bfloat16, torch.device("cuda"))
+    init_random_weights(model, 0)
+    ids = torch.randint(0, 128000, (3000,), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(1))
+    fi = _ours_logits(model, ids, True, 64)
+    tb = _ours_logits(model, ids, False, 64)
+    model.float()
+    model.rotary.rebuild(torch.device("cuda"))
+    f32 = _ours_logits(model, ids, False, 64)
+    del model
+    torch.cuda.empty_cache()
+    out = {"fi_vs_torch_bf16": rel_err(fi, tb), "fi_bf16_vs_fp32": rel_err(fi, f32),
+           "torch_bf16_vs_fp32": rel_err(tb, f32)}
+    check("8B FlashInfer vs fp32 no worse than torch-bf16 vs fp32 (+10%)",
+          out["fi_bf16_vs_fp32"] <= 1.1 * out["torch_bf16_vs_fp32"],
+          f"fi {out['fi_bf16_vs_fp32']:.2e} torch {out['torch_bf16_vs_fp32']:.2e} "
+          f"fi-vs-torch {out['fi_vs_torch_bf16']:.2e}")
+    return out
+
+
 SECTIONS: dict[str, Callable[[], dict]] = {
+    "engine": section_engine,
+    "correctness": section_correctness,
+    "fi_vs_torch": section_fi_vs_torch,
     "ceilings": section_ceilings,
     "green": section_green,
     "backend": section_backend,

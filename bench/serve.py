@@ -361,6 +361,9 @@ def machine_info() -> dict[str, Any]:
         "hostname": platform.node(), "platform": platform.platform(),
         "python": platform.python_version(), "cpu_count": os.cpu_count(),
     }
+    if hasattr(os, "getloadavg"):
+        # Other work on the machine skews CPU results; the 1/5/15-minute load shows how much.
+        info["load_avg_1_5_15_min"] = [round(x, 2) for x in os.getloadavg()]
     if shutil.which("nvidia-smi"):
         try:
             out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total",
@@ -393,6 +396,49 @@ async def server_info(base_url: str, opts: ClientOptions, admin_token: str | Non
     return info
 
 
+# ---------------------------------------------------------------- admin calls
+
+
+def admin_headers(admin_token: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+
+
+async def admin_call(
+    base_url: str, method: str, path: str, admin_token: str | None,
+    body: dict[str, Any] | None = None, timeout_s: float = 30.0,
+) -> tuple[bool, dict[str, Any] | str]:
+    """One admin API request: (True, JSON reply) on 200, else (False, a short error text).
+
+    Never raises: callers decide whether a failed change invalidates their measurement."""
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            resp = await client.request(method, f"{base_url}{path}", json=body,
+                                        headers=admin_headers(admin_token))
+    except httpx.HTTPError as exc:
+        return False, f"{type(exc).__name__}: {str(exc)[:160]}"
+    if resp.status_code != 200:
+        return False, _error_text(resp.status_code, resp.content)
+    try:
+        return True, resp.json()
+    except ValueError:
+        return True, {}
+
+
+async def reset_prefix_cache(base_url: str, admin_token: str | None) -> dict[str, Any]:
+    """Ask the server to drop its idle prefix-cache blocks (`POST /admin/api/prefix-cache/reset`).
+
+    Call it only BETWEEN runs: within a run, prefixes shared by one user's requests are what the
+    scoring workloads measure. The server applies the reset before its next step, so requests
+    sent after this returns find a cold cache (blocks still held by requests that the client
+    gave up on, e.g. after a timeout, survive until those requests end).
+    Returns {"done": bool, "error": str (when not done), "blocks_before": int | None}."""
+    ok, reply = await admin_call(base_url, "POST", "/admin/api/prefix-cache/reset", admin_token)
+    if not ok:
+        return {"done": False, "error": reply}
+    assert isinstance(reply, dict)
+    return {"done": True, "blocks_before": reply.get("prefix_cached_blocks_before")}
+
+
 # ---------------------------------------------------------------- CLI
 
 
@@ -417,7 +463,11 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--slo", help="ttft:MS,tpot:MS,e2el:MS (any subset)")
     p.add_argument("--api-key", default=os.environ.get("GREENLANE_API_KEY"))
-    p.add_argument("--admin-token", default=os.environ.get("GREENLANE_ADMIN_TOKEN"))
+    p.add_argument("--admin-token", default=os.environ.get("GREENLANE_ADMIN_TOKEN"),
+                   help="Bearer token for /admin/api/* (default: $GREENLANE_ADMIN_TOKEN)")
+    p.add_argument("--reset-prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="empty the server's prefix cache before each run (default: on; "
+                        "--no-reset-prefix-cache keeps warm caches across runs)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--warmup-requests", type=int, default=0,
                    help="send N unrecorded requests first, one at a time (from another seed)")
@@ -473,7 +523,10 @@ def workload_record(gen: WorkloadGenerator, args: argparse.Namespace) -> dict[st
             "burstiness": args.burstiness}
 
 
-def run_record(qps: float, metrics: dict[str, Any], plan: Plan) -> dict[str, Any]:
+def run_record(qps: float, metrics: dict[str, Any], plan: Plan,
+               prefix_cache_reset: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One run's JSON; `prefix_cache_reset` is what `reset_prefix_cache` returned before it
+    (None: no reset was asked for)."""
     prompt = [r.num_prompt_tokens for r in plan.requests]
     out = [r.max_output_tokens for r in plan.requests if r.api == "chat"]
     return {
@@ -481,6 +534,7 @@ def run_record(qps: float, metrics: dict[str, Any], plan: Plan) -> dict[str, Any
         "num_requests": len(plan.requests),
         "mean_prompt_tokens": float(np.mean(prompt)) if prompt else 0.0,
         "mean_requested_output_tokens": float(np.mean(out)) if out else None,
+        "prefix_cache_reset": prefix_cache_reset,
         "metrics": metrics,
     }
 
@@ -495,6 +549,18 @@ async def warm_up(base_url: str, args: argparse.Namespace, tok: TokenizerLike,
     quiet = ClientOptions(**{**{f: getattr(opts, f) for f in opts.__slots__}, "progress": False})
     for req in gen.take(args.warmup_requests):
         await run_once(base_url, [req], [0.0], quiet)
+
+
+async def reset_before_run(base_url: str, args: argparse.Namespace) -> dict[str, Any] | None:
+    """The reset before one run (None when --no-reset-prefix-cache); a failure is recorded and
+    warned about, and the run goes on (its result then may include cache carry-over)."""
+    if not args.reset_prefix_cache:
+        return None
+    reset = await reset_prefix_cache(base_url, args.admin_token)
+    if not reset["done"]:
+        print(f"\nwarning: prefix-cache reset failed ({reset['error']}); this run may reuse "
+              "prefixes cached by earlier runs", file=sys.stderr)
+    return reset
 
 
 async def resolve_model(base_url: str, opts: ClientOptions, server: dict[str, Any]) -> None:
@@ -526,15 +592,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                          "temperature": opts.temperature, "max_concurrency": opts.max_concurrency,
                          "request_timeout_s": opts.request_timeout_s,
                          "warmup_requests": args.warmup_requests,
+                         "reset_prefix_cache": args.reset_prefix_cache,
                          "slo": slo.as_dict() if slo else None}
     await warm_up(base_url, args, tok, opts)
     runs: list[dict[str, Any]] = []
 
     async def run_at(qps: float) -> dict[str, Any]:
         plan = make_plan(gen, args, qps)
+        reset = await reset_before_run(base_url, args)
         metrics, _ = await run_once(base_url, plan.requests, plan.arrivals_s, opts, slo,
                                     label=f"qps {qps:g}")
-        runs.append(run_record(qps, metrics, plan))
+        runs.append(run_record(qps, metrics, plan, reset))
         return metrics
 
     if args.find_max_qps:
@@ -546,6 +614,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             await run_at(qps)
     runs.sort(key=lambda r: math.inf if r["qps"] == "inf" else r["qps"])
     record["runs"] = runs
+    record["prefix_cache_reset"] = {
+        "requested": args.reset_prefix_cache,
+        "done_before_every_run": bool(runs) and all(
+            (r["prefix_cache_reset"] or {}).get("done", False) for r in runs),
+    }
     if len(runs) == 1:
         record["metrics"] = runs[0]["metrics"]
     return record

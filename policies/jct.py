@@ -237,6 +237,23 @@ class JCTModel:
         self._recent.clear()
         self.source = "fit"
 
+    def adopt(self, other: JCTModel) -> None:
+        """Take `other`'s coefficients, profile, keys and source in place.
+
+        For a calibration run on an engine that already shares this object with its policies
+        (`serve --calibrate`): they keep their reference and see the new model. Online
+        observations made so far are dropped (they were judged against the old model)."""
+        self.a_s, self.b_s_per_token, self.k_s_per_pair = (
+            other.a_s, other.b_s_per_token, other.k_s_per_pair,
+        )
+        self.device, self.model, self.source = other.device, other.model, other.source
+        self._base = list(other._base)
+        self._base_weight = other._base_weight
+        self._recent.clear()
+        self._errors.clear()
+        self._since_refit = 0
+        self.num_observed = 0
+
     def _prior_samples(self) -> list[JCTSample]:
         """Pseudo-samples from the current coefficients (used when there is no profile)."""
         grid = [(u, c) for u in (64, 512, 4096, 16384) for c in (0, 16384)]

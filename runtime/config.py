@@ -32,6 +32,18 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     cuda_graphs: bool = True
     partition: str = "off"  # off | static:<prefill_sms> | auto
+    # Split controller (Nexus Alg. 1) and the concurrent prefill/decode loop (runtime/pd_loop.py).
+    partition_kv_switch: float = 0.70  # KV usage where the favoured phase flips prefill -> decode
+    partition_alpha: float = 1.3  # prefill slack when decode is favoured
+    partition_beta: float = 1.1  # decode slack when prefill is favoured
+    partition_hysteresis_sms: int = 8  # ignore split moves smaller than this
+    partition_min_gain: float = 0.05  # a change must improve the objective by this fraction
+    partition_min_split_speedup: float = 1.0  # split only if predicted this much faster
+    partition_allow_time_slice: bool = True  # auto may give every SM to one phase at a time
+    partition_min_decode_sms: int | None = None  # None = the device's minimum partition
+    partition_calibration: str | None = None  # cost-model calibration file (JSON)
+    pd_slice_tokens: int = 32768  # prefill layers per launch = max(1, this // batch tokens)
+    pd_max_queued_slices: int = 2  # prefill slices queued ahead on the prefill stream
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -51,3 +63,9 @@ class EngineConfig:
             or (self.partition.startswith("static:") and self.partition[7:].isdigit())
         ):
             raise ValueError(f"partition must be off, auto or static:<prefill_sms>, got {self.partition!r}")
+        if not 0.0 <= self.partition_kv_switch <= 1.0:
+            raise ValueError("partition_kv_switch must be in [0, 1]")
+        if self.partition_alpha < 1.0 or self.partition_beta < 1.0:
+            raise ValueError("partition_alpha and partition_beta must be >= 1")
+        if self.pd_slice_tokens < 1 or self.pd_max_queued_slices < 1:
+            raise ValueError("pd_slice_tokens and pd_max_queued_slices must be >= 1")

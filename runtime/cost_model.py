@@ -2,21 +2,26 @@
 
 Model (all latencies in ms, SM shares r in (0, 1] of the device's SMs):
 
-  T_stage(shape, r) = base(shape) * S(1) / S(r)      with the saturation curve
+  T_stage(shape, r) = base(shape) * (f + (1 - f) * S(1) / S(r))     with the saturation curve
   S(r) = r                       for r <= R_sat      (compute scales with SMs)
        = R_sat + lam * (r - R_sat) for r > R_sat     (diminishing returns, 0 <= lam <= 1)
+  and f the fixed (launch-bound) fraction of the stage that does not scale with SMs: an eager
+  decode step is mostly kernel-launch gaps, so its latency is flat over wide SM ranges and then
+  rises sharply on few SMs; a single saturation curve (f = 0) cannot fit both.
 
   base_prefill = a0 + a1 * tokens + a2 * attention_pairs   (x layers; whole GPU)
   base_decode  = b0 + b1 * batch  + b2 * kv_tokens         (x layers; whole GPU)
+  (a profile must vary batch and context independently, or b1/b2 are not identifiable.)
 
-Concurrent execution on a disjoint pair adds a memory-bandwidth contention term: each phase
-slows in proportion to the share of the GPU the other phase runs on (its traffic pressure):
-  T_decode_conc  = T_decode(r_d)  * (1 + kappa_d * r_p)
-  T_prefill_conc = T_prefill(r_p) * (1 + kappa_p * r_d)
+Concurrent execution on a disjoint pair adds a memory-bandwidth contention term. A phase on a
+small partition issues few memory requests and loses most of the bandwidth to a large
+neighbour, so the slowdown grows with the ratio of the neighbour's share to its own:
+  T_conc = T_alone(r_self) * (1 + kappa * r_other / r_self)
 All parameters are fitted from a profile measured on the actual GPU (`fit`), then refined online
-from measured latencies (`observe`, a per-stage/per-regime correction factor). Every observation
-is scored against the prediction made *before* it updates the model, so `error_stats()` is a
-genuine out-of-sample prediction error (MAPE).
+from measured latencies (`observe`: an EMA correction factor per (stage, regime, split), with a
+per-(stage, regime) fallback for splits never measured). Every observation is scored against
+the prediction made *before* it updates the model, so `error_stats()` is a genuine
+out-of-sample prediction error (MAPE).
 
 Controller: below `kv_switch` KV usage favour prefill (minimise prefill latency with decode
 within `beta` of its best), above it favour decode (minimise decode latency with prefill within
@@ -76,6 +81,7 @@ Shape = PrefillShape | DecodeShape
 class SaturationCurve:
     r_sat: float = 1.0
     lam: float = 1.0
+    fixed: float = 0.0  # fraction of the whole-GPU latency that does not scale with SMs
 
     def speed(self, r: float) -> float:
         r = min(max(r, 1e-6), 1.0)
@@ -83,7 +89,7 @@ class SaturationCurve:
 
     def slowdown(self, r: float) -> float:
         """T(r) / T(1)."""
-        return self.speed(1.0) / self.speed(r)
+        return self.fixed + (1.0 - self.fixed) * self.speed(1.0) / self.speed(r)
 
 
 @dataclass(slots=True)
@@ -138,17 +144,27 @@ class CostModel:
     def base_ms(self, stage: str, shape: Shape) -> float:
         return float(np.dot(self.base[stage], shape.features()))
 
+    def _correction(self, stage: str, regime: str, sms: int) -> float:
+        c = self.correction.get(f"{stage}/{regime}/{sms}")
+        return self.correction.get(f"{stage}/{regime}", 1.0) if c is None else c
+
     def predict_alone(self, stage: str, shape: Shape, sms: int, *, corrected: bool = True) -> float:
         t = self.base_ms(stage, shape) * self.curve[stage].slowdown(sms / self.total_sms)
-        return t * (self.correction.get(f"{stage}/alone", 1.0) if corrected else 1.0)
+        return t * (self._correction(stage, "alone", sms) if corrected else 1.0)
+
+    def contention(self, stage: str, sms: int, other_sms: int) -> float:
+        """Slowdown factor (>= 1) of `stage` on `sms` SMs from the other phase's traffic."""
+        if other_sms <= 0:
+            return 1.0
+        return 1.0 + self.kappa[stage] * other_sms / max(sms, 1)
 
     def predict(self, stage: str, shape: Shape, sms: int, other_sms: int = 0) -> float:
         """Latency of `stage` on `sms` SMs while the other phase runs on `other_sms` (0 = alone)."""
         if other_sms <= 0:
             return self.predict_alone(stage, shape, sms)
         t = self.predict_alone(stage, shape, sms, corrected=False)
-        t *= 1.0 + self.kappa[stage] * other_sms / self.total_sms
-        return t * self.correction.get(f"{stage}/concurrent", 1.0)
+        t *= self.contention(stage, sms, other_sms)
+        return t * self._correction(stage, "concurrent", sms)
 
     # ---- fitting --------------------------------------------------------------------------
     @classmethod
@@ -171,21 +187,26 @@ class CostModel:
                 ks = []
                 for s in conc:
                     alone = m.predict_alone(stage, s.shape, s.sms, corrected=False)
-                    ks.append((s.latency_ms / alone - 1.0) / (s.other_sms / total_sms))
+                    ks.append((s.latency_ms / alone - 1.0) / (s.other_sms / s.sms))
                 m.kappa[stage] = max(0.0, float(np.median(ks)))
         return m
 
     def _fit_curve(self, stage: str, samples: list[ProfileSample]) -> SaturationCurve:
+        # Grid search in log space (vectorised over samples): r_sat x lam x fixed fraction.
+        base = np.array([max(self.base_ms(stage, s.shape), 1e-9) for s in samples])
+        meas = np.array([s.latency_ms for s in samples])
+        r = np.clip(np.array([s.sms / self.total_sms for s in samples]), 1e-6, 1.0)
         best, best_err = SaturationCurve(), math.inf
-        for r_sat in np.linspace(0.05, 1.0, 96):
-            for lam in np.linspace(0.0, 1.0, 51):
-                c = SaturationCurve(float(r_sat), float(lam))
-                err = 0.0
-                for s in samples:
-                    pred = self.base_ms(stage, s.shape) * c.slowdown(s.sms / self.total_sms)
-                    err += math.log(max(pred, 1e-9) / s.latency_ms) ** 2
-                if err < best_err:
-                    best, best_err = c, err
+        for r_sat in np.linspace(0.05, 1.0, 39):
+            for lam in np.linspace(0.0, 1.0, 21):
+                speed = np.where(r <= r_sat, r, r_sat + lam * (r - r_sat))
+                ratio = (r_sat + lam * (1.0 - r_sat)) / speed if r_sat < 1.0 else 1.0 / r
+                for fixed in np.linspace(0.0, 0.9, 10):
+                    pred = base * (fixed + (1.0 - fixed) * ratio)
+                    err = float(np.sum(np.log(pred / meas) ** 2))
+                    if err < best_err:
+                        best = SaturationCurve(float(r_sat), float(lam), float(fixed))
+                        best_err = err
         return best
 
     # ---- online refinement and validation ---------------------------------------------------
@@ -197,8 +218,11 @@ class CostModel:
         key = f"{stage}/{regime}"
         err = self.errors.setdefault(key, _ErrorLog()).add(pred, measured_ms)
         if pred > 0 and measured_ms > 0:
-            c = self.correction.get(key, 1.0)
-            self.correction[key] = (1 - self.ema) * c + self.ema * c * measured_ms / pred
+            # The split's own factor starts from the regime's, then both move toward the
+            # measurement (the regime's factor is what unmeasured splits use).
+            for k in (f"{key}/{sms}", key):
+                c = self._correction(stage, regime, sms) if k != key else self.correction.get(k, 1.0)
+                self.correction[k] = (1 - self.ema) * c + self.ema * c * measured_ms / pred
         return err
 
     def error_stats(self) -> dict[str, float | int]:
@@ -319,8 +343,8 @@ class SplitController:
             sp = self.speedup(self.pinned, p, d) if p and d else math.nan
             return Decision(self.pinned, tp, td, sp, "pinned")
         if p is None or d is None:
-            # One phase only: nothing to overlap; it gets the whole GPU.
-            self.current = TIME_SLICE
+            # One phase only: nothing to overlap; it gets the whole GPU. `current` is left
+            # alone: hysteresis is about consecutive prefill batches, not decode-only gaps.
             return Decision(TIME_SLICE, math.nan, math.nan, 1.0, "one phase only")
         favour_prefill = kv_usage < cfg.kv_switch
         evals: dict[int, tuple[float, float]] = {}

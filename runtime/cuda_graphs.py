@@ -13,6 +13,7 @@ manager must never hand it out), so padded rows never touch a live sequence's KV
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,33 @@ from runtime.attention.flashinfer_backend import FlashInferBackend
 from runtime.model import LlamaForCausalLM
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+def graph_batch_sizes(max_num_seqs: int, sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
+                      ) -> tuple[int, ...]:
+    """The batch sizes to capture: `sizes` up to max_num_seqs, plus max_num_seqs itself so
+    every decode batch the scheduler can form has a graph."""
+    if max_num_seqs < 1:
+        raise ValueError("max_num_seqs must be >= 1")
+    kept = sorted({b for b in sizes if b <= max_num_seqs} | {max_num_seqs})
+    return tuple(kept)
+
+
+def bucket_for(num_seqs: int, batch_sizes: tuple[int, ...]) -> int:
+    """Smallest captured size >= num_seqs (batch_sizes sorted ascending)."""
+    i = bisect.bisect_left(batch_sizes, num_seqs)
+    if num_seqs < 1 or i == len(batch_sizes):
+        raise ValueError(f"no captured graph for a batch of {num_seqs}")
+    return batch_sizes[i]
+
+
+def pad_seqs(seqs: list[SeqSlice], batch_size: int, pad_block_id: int) -> list[SeqSlice]:
+    """`seqs` plus pad rows up to batch_size: each pad row has no context and writes its one
+    token into the reserved pad block, so it never touches a live sequence's KV."""
+    out = list(seqs)
+    for i in range(len(out), batch_size):
+        out.append(SeqSlice(i, 1, 0, 1, [pad_block_id]))
+    return out
 
 
 @dataclass(slots=True)
@@ -54,6 +82,7 @@ class DecodeGraphs:
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.workspace_bytes = workspace_bytes
         self.graphs: dict[int, _Graph] = {}
+        self.capture_s: dict[int, float] = {}  # seconds spent capturing each size
         self._pool = None  # graphs share one memory pool (captured largest first)
         # One workspace for every batch size: graphs of one stream replay one at a time.
         # (Tensor-core decode at batch 256 x 2k needed ~84 MB of FlashInfer scratch on the H200.)
@@ -65,17 +94,14 @@ class DecodeGraphs:
         return self.batch_sizes[-1]
 
     def _pad(self, batch: ForwardBatch, bs: int) -> list[SeqSlice]:
-        seqs = list(batch.seqs)
-        for i in range(len(seqs), bs):
-            # ctx 0, one kept token written into the reserved pad block: harmless.
-            seqs.append(SeqSlice(i, 1, 0, 1, [self.pad_block_id]))
-        return seqs
+        return pad_seqs(batch.seqs, bs, self.pad_block_id)
 
     def capture(self) -> None:
         """Capture every batch size on `self.stream` (largest first so the pool is reused)."""
         cfg = self.model.cfg
         dev = self.k_caches[0].device
         for bs in sorted(self.batch_sizes, reverse=True):
+            t0 = time.perf_counter()
             be = FlashInferBackend(
                 self.k_caches, self.v_caches, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim,
                 workspace=self.workspace, graph_batch_size=bs,
@@ -96,11 +122,12 @@ class DecodeGraphs:
                 if self._pool is None:
                     self._pool = g.pool()
             self.graphs[bs] = _Graph(g, be, ids, pos, hidden)
+            self.capture_s[bs] = time.perf_counter() - t0
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Replay for a decode batch (len(seqs) <= max_batch_size); returns hidden [n, H]."""
         n = len(batch.seqs)
-        bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
+        bs = bucket_for(n, self.batch_sizes)
         g = self.graphs[bs]
         padded = ForwardBatch(batch.input_ids, batch.positions, self._pad(batch, bs),
                               batch.logits_indices, True)

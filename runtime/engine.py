@@ -7,6 +7,14 @@ inbox (or a published stats snapshot). The engine thread loops:
     -> sink(output) for each output
 The sink is called on the engine thread; it must not block (the app hops to its event loop).
 
+Partitioning: `engine.partition` is a `runtime.partition.PartitionManager`. On CUDA with green
+contexts it is a `GreenContextPartition` (pairs pre-created at start-up, whatever the initial
+mode, so the admin page can switch at run time); elsewhere an `UnavailablePartition` that says
+why. While its mode is not `off` the loop runs `runtime.pd_loop.PDLoop` (prefill and decode
+concurrently on a pair of SM partitions, or time-sliced when the controller predicts that is
+faster); `off` is the monolithic step below. Mode changes from other threads reach the engine
+thread through the inbox.
+
 Failure containment: when a batched step raises, its requests are re-run one by one; only those
 that fail alone finish with FINISHED_ERROR (their KV is freed), and the loop keeps serving the
 others. Invalid requests
@@ -32,6 +40,8 @@ from runtime.block_manager import BlockManager
 from runtime.config import EngineConfig
 from runtime.kv_pool import KVPool, compute_num_blocks
 from runtime.loader import load_model
+from runtime.partition import PartitionManager, UnavailablePartition
+from runtime.pd_loop import CudaStreamDevice, PDLoop, SplitChoice, StepFailed
 from runtime.prefix_cache import PrefixCache
 from runtime.request import FINISH_REASONS, Request, RequestKind, RequestOutput, RequestStatus
 from runtime.runner import ModelRunner
@@ -64,6 +74,19 @@ def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtyp
     else:
         raise ValueError(f"unknown dtype {config.dtype!r}; choose auto, float32, bfloat16, float16")
     return device, dtype
+
+
+def controller_config_from(config: EngineConfig) -> Any:
+    """The split controller's thresholds from the engine config."""
+    from runtime.cost_model import ControllerConfig
+
+    return ControllerConfig(
+        kv_switch=config.partition_kv_switch, alpha=config.partition_alpha,
+        beta=config.partition_beta, hysteresis_sms=config.partition_hysteresis_sms,
+        min_gain=config.partition_min_gain,
+        min_split_speedup=config.partition_min_split_speedup,
+        allow_time_slice=config.partition_allow_time_slice,
+    )
 
 
 def make_attention_backend(
@@ -119,7 +142,25 @@ class Engine:
         self.scheduler = Scheduler(
             config, self.block_manager, self.policy, tokenizer, model_config.eos_token_ids
         )
-        self.runner = ModelRunner(config, model, model_config, self.kv_pool, self.backend)
+        self.partition: PartitionManager = self._make_partition()
+        # Split mode runs prefill and decode at the same time: each needs its own backend
+        # instance (plan state, workspace).
+        decode_backend = (
+            make_attention_backend(config, self.kv_pool, model_config.num_q_heads)
+            if self._green is not None else None
+        )
+        self.runner = ModelRunner(
+            config, model, model_config, self.kv_pool, self.backend, decode_backend
+        )
+        self.pd: PDLoop | None = None
+        self._pd_active = False  # the last step ran in the PD loop (stream fencing on switch)
+        if self._green is not None:
+            self.pd = PDLoop(
+                self.scheduler, self.runner, CudaStreamDevice(), self._choose_split,
+                self._green.observe, slice_tokens=config.pd_slice_tokens,
+                max_queued_slices=config.pd_max_queued_slices,
+                chunk_tokens=config.prefill_chunk_tokens if config.hybrid_prefill else None,
+            )
 
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
@@ -130,7 +171,66 @@ class Engine:
         self._crashed: BaseException | None = None
         self._num_failed_steps = 0
         self._stats: dict[str, Any] = {}
+        if self._green is not None:
+            self._green.submit = self._submit_call
         self._publish_stats()
+
+    # ---- partition ------------------------------------------------------------------------
+    def _make_partition(self) -> PartitionManager:
+        """GreenContextPartition on CUDA with green contexts (any mode), else an
+        UnavailablePartition that says why; a failure to create the pairs falls back too."""
+        from runtime.green_ctx import green_contexts_unavailable_reason
+
+        self._green: Any = None
+        cfg = self.config
+        if self.device.type != "cuda":
+            reason = "no CUDA device"
+        else:
+            reason = green_contexts_unavailable_reason(self.device.index or 0)
+        if not reason:
+            try:
+                from runtime.partition_gpu import GreenContextPartition, make_cost_model
+
+                t0 = time.perf_counter()
+                cost_model = make_cost_model(cfg, self.device_name, self.device.index or 0)
+                self._green = GreenContextPartition(
+                    cfg.partition, cost_model=cost_model,
+                    controller_config=controller_config_from(cfg),
+                    min_decode_sms=cfg.partition_min_decode_sms,
+                    device_index=self.device.index or 0,
+                )
+                log.info("green-context partition: %d splits pre-created in %.0f ms (mode %s)",
+                         len(self._green.splits), (time.perf_counter() - t0) * 1e3,
+                         cfg.partition)
+                return self._green  # type: ignore[no-any-return]
+            except Exception as e:  # noqa: BLE001 - any failure: run time-sliced, say why
+                reason = f"green-context pairs could not be created: {type(e).__name__}: {e}"
+        if cfg.partition != "off":
+            log.warning("partition %s requested but unavailable (%s); falling back to "
+                        "time-slicing (partition=off)", cfg.partition, reason)
+        return UnavailablePartition(reason)
+
+    def _submit_call(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            self._inbox.append(("call", fn))
+            self._wakeup.notify()
+
+    def _choose_split(self, pplan: StepPlan | None, dplan: StepPlan | None) -> SplitChoice:
+        """The controller's split for the next prefill batch (or decode-only step)."""
+        from runtime.cost_model import DecodeShape, PrefillShape
+
+        g = self._green
+        num_layers = self.model_config.num_layers
+        p = None if pplan is None else PrefillShape.from_seqs(
+            [(s.num_context_tokens, s.num_new_tokens) for s in pplan.prefill], num_layers)
+        d = None if dplan is None else DecodeShape(
+            len(dplan.decode), sum(s.num_context_tokens for s in dplan.decode), num_layers)
+        bm = self.block_manager
+        g.decide(p, d, bm.num_used_blocks / max(bm.num_blocks, 1))
+        sc = g.streams()
+        total = g.layout.total_sms
+        decode_sms = total - sc.prefill_sms if sc.prefill_sms else total
+        return SplitChoice(sc.prefill_sms, decode_sms, sc.prefill_stream, sc.decode_stream)
 
     # ---- limits ---------------------------------------------------------------------------
     @property
@@ -348,11 +448,34 @@ class Engine:
         elif kind == "policy":
             self.policy = payload
             self.scheduler.set_policy(payload)
+        elif kind == "call":
+            payload()
         elif kind == "reset_prefix_cache":
             num_dropped = self.block_manager.drop_cached_blocks()
             log.info("prefix cache reset: %d idle blocks dropped", num_dropped)
 
     def _step(self) -> list[RequestOutput]:
+        """One loop iteration: the PD loop while partitioning is on (or a prefill of it is
+        still in flight), else the monolithic step."""
+        pd = self.pd
+        if pd is not None and (self._green.mode != "off" or pd.busy):
+            if not self._pd_active and self.device.type == "cuda":
+                pd.enter(torch.cuda.current_stream(self.device))
+            self._pd_active = True
+            try:
+                return pd.step()
+            except StepFailed as e:
+                self._num_failed_steps += 1
+                log.exception("split-mode step failed (%d requests)", len(e.plan.seqs))
+                pd.fence(torch.cuda.current_stream(self.device))
+                self._pd_active = False  # the re-run below is monolithic
+                return self._rerun_one_by_one(e.plan)
+        if pd is not None and self._pd_active:
+            pd.fence(torch.cuda.current_stream(self.device))
+            self._pd_active = False
+        return self._monolithic_step()
+
+    def _monolithic_step(self) -> list[RequestOutput]:
         """One schedule -> run -> update; returns the outputs to emit."""
         plan: StepPlan | None = None
         try:
@@ -417,6 +540,11 @@ class Engine:
         jct.observe_batch(items, measured_s)
 
     def _abort_everything(self) -> None:
+        if self.pd is not None and self.pd.busy:
+            try:  # let the device finish writing the in-flight prefill's KV first
+                self._emit_all(self.pd.drain())
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                log.exception("draining the in-flight prefill failed")
         ids = [r.request_id for r in self.scheduler.running + self.scheduler.waiting]
         for rid in ids:
             out = self.scheduler.abort(rid)
@@ -462,6 +590,20 @@ class Engine:
             e2e_s=req.finish_s - req.arrival_s,
         )
 
+    def _partition_stats(self) -> dict[str, Any]:
+        st = self.partition.state()
+        g = self._green
+        return {
+            "partition": st.mode,
+            "partition_available": st.available,
+            "prefill_sms": st.prefill_sms,
+            "decode_sms": st.decode_sms,
+            "cost_model_mape": None if g is None else g.cost_model_mape(),
+            "pd_split_prefills": 0 if self.pd is None else self.pd.num_split_prefills,
+            "pd_overlapped_decode_steps": (
+                0 if self.pd is None else self.pd.num_overlapped_decode_steps),
+        }
+
     def _publish_stats(self) -> None:
         bm = self.block_manager
         cache = bm.prefix_cache
@@ -476,7 +618,7 @@ class Engine:
             "prefix_query_tokens": cache.query_tokens if cache else 0,
             "prefix_cached_blocks": len(cache) if cache else 0,
             "policy": self.policy.name,
-            "partition": self.config.partition,
+            **self._partition_stats(),
             "num_steps": s.num_steps,
             "num_prefill_tokens": s.num_prefill_tokens,
             "num_decode_tokens": s.num_decode_tokens,

@@ -14,6 +14,9 @@ from runtime.config import EngineConfig
 from runtime.model_config import ModelConfig
 
 GIB = 1 << 30
+# Blocks the pool holds beyond the block manager's range: block `num_blocks` (the last) is
+# the pad block that padded CUDA-graph decode rows read and write (never a live sequence's).
+NUM_RESERVED_BLOCKS = 1
 # CUDA only: bytes kept free for activations of one step, on top of the estimate below.
 _CUDA_SAFETY_BYTES = 512 << 20
 
@@ -49,6 +52,7 @@ def compute_num_blocks(
     model_config: ModelConfig,
     dtype: torch.dtype,
     device: torch.device,
+    activation_bytes: int | None = None,
 ) -> int:
     """How many KV blocks to allocate. Call after the weights are on the device.
 
@@ -57,18 +61,24 @@ def compute_num_blocks(
     - CUDA: budget = total * gpu_memory_utilization - (bytes already used on the device,
       weights included) - activation reserve; with `max_gpu_memory_gb`, the budget is also
       capped by cap - memory this process already allocated - reserve.
+    - `activation_bytes` (measured by `measure_activation_peak`) replaces the estimate.
+    The count excludes the pool's reserved pad block (`KVPool` adds it).
     Raises RuntimeError when not even one block fits."""
     per_block = bytes_per_block(model_config, config.block_size, dtype)
     if config.num_kv_blocks is not None:
         n = config.num_kv_blocks
     elif device.type == "cuda":
         free_b, total_b = torch.cuda.mem_get_info(device)
-        reserve = activation_reserve_bytes(config, model_config, dtype)
+        if activation_bytes is None:
+            reserve = activation_reserve_bytes(config, model_config, dtype)
+        else:
+            reserve = activation_bytes + _CUDA_SAFETY_BYTES
         budget = total_b * config.gpu_memory_utilization - (total_b - free_b) - reserve
         if config.max_gpu_memory_gb is not None:
+            # memory_reserved: what this process's caching allocator holds (weights + cache).
             cap = config.max_gpu_memory_gb * GIB - torch.cuda.memory_reserved(device) - reserve
             budget = min(budget, cap)
-        n = int(budget // per_block)
+        n = int(budget // per_block) - NUM_RESERVED_BLOCKS
     else:
         n = int(config.cpu_kv_cache_gb * GIB // per_block)
     if n < 1:
@@ -80,7 +90,11 @@ def compute_num_blocks(
 
 
 class KVPool:
-    """Per-layer K and V block tensors on one device."""
+    """Per-layer K and V block tensors on one device.
+
+    `num_blocks` blocks are the block manager's (ids 0..num_blocks-1). With
+    `num_reserved_blocks` > 0 (what `for_model`, the engine's path, asks for) the tensors hold
+    that many more and `pad_block_id` (== num_blocks) is the pad block; else it is None."""
 
     def __init__(
         self,
@@ -91,6 +105,7 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        num_reserved_blocks: int = 0,
     ) -> None:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
@@ -99,7 +114,9 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.num_reserved_blocks = num_reserved_blocks
+        self.pad_block_id: int | None = num_blocks if num_reserved_blocks > 0 else None
+        shape = (num_blocks + num_reserved_blocks, block_size, num_kv_heads, head_dim)
         # Zero-filled so that reading a not-yet-written slot (a masked pad) is never NaN.
         self.k: list[torch.Tensor] = [
             torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
@@ -116,7 +133,9 @@ class KVPool:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        num_reserved_blocks: int = NUM_RESERVED_BLOCKS,
     ) -> KVPool:
+        """The engine's pool: `num_blocks` for the block manager plus the reserved pad block."""
         return cls(
             model_config.num_layers,
             num_blocks,
@@ -125,11 +144,17 @@ class KVPool:
             model_config.head_dim,
             dtype,
             device,
+            num_reserved_blocks,
         )
 
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    @property
+    def num_total_blocks(self) -> int:
+        """Blocks in the tensors: the manager's plus the reserved pad block."""
+        return self.num_blocks + self.num_reserved_blocks
 
     def flat_k(self, layer_idx: int) -> torch.Tensor:
         """[num_blocks * block_size, num_kv_heads, head_dim] view (slot-indexed)."""

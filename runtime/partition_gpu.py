@@ -13,7 +13,9 @@ monolithic engine runs); "static:<n>" pins the split with n prefill SMs; "auto" 
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,12 +31,31 @@ from runtime.cost_model import (
 from runtime.green_ctx import GreenPair, SmLayout, create_pairs, read_sm_layout
 from runtime.partition import PartitionState
 
+log = logging.getLogger("greenlane.partition")
+
 
 @dataclass(slots=True)
 class StreamChoice:
     prefill_sms: int  # TIME_SLICE (0) = no split
     prefill_stream: torch.cuda.Stream
     decode_stream: torch.cuda.Stream
+
+
+def make_cost_model(config: object, gpu_name: str, device_index: int = 0) -> CostModel:
+    """The cost model from `config.partition_calibration` (keyed by GPU and model) when it has
+    an entry, else an uncalibrated model (flat base: every split predicted alike, so `auto`
+    relies on the measured per-split corrections; said in the log)."""
+    path = getattr(config, "partition_calibration", None)
+    model_name = str(getattr(config, "model", ""))
+    layout_total = torch.cuda.get_device_properties(device_index).multi_processor_count
+    if path:
+        m = CostModel.load(path, gpu_name, model_name)
+        if m is not None:
+            log.info("cost model loaded from %s (%s | %s)", path, gpu_name, model_name)
+            return m
+        log.warning("no cost-model calibration for %s | %s in %s", gpu_name, model_name, path)
+    log.warning("cost model uncalibrated: run bench/gpu_partition.py to profile this GPU/model")
+    return CostModel(layout_total)
 
 
 def parse_mode(spec: str) -> tuple[str, int | None]:
@@ -65,8 +86,18 @@ class GreenContextPartition:
         self._mode = "off"
         self._active = TIME_SLICE
         self._last: StreamChoice | None = None
+        self._last_decision = None
         self.measured: dict[str, float | None] = {"prefill_ms": None, "decode_ms": None}
-        self.set_mode(mode)
+        # set_mode from another thread hands the change to the engine thread through this
+        # (the engine's inbox); None = apply at once (start-up, tests, single-threaded use).
+        self.submit: Callable[[Callable[[], None]], None] | None = None
+        self._pending_mode: str | None = None
+        self._apply_mode(*parse_mode(mode))
+
+    @property
+    def mode(self) -> str:
+        with self._lock:
+            return self._mode
 
     # ---- PartitionManager protocol ----------------------------------------------------------
     def state(self) -> PartitionState:
@@ -74,9 +105,10 @@ class GreenContextPartition:
             total = self.layout.total_sms
             p = self._active or total
             d = total - self._active if self._active else total
-            dec = getattr(self, "_last_decision", None)
+            dec = self._last_decision
             return PartitionState(
-                available=True, reason="", mode=self._mode, total_sms=total,
+                available=True, reason="", mode=self._pending_mode or self._mode,
+                total_sms=total,
                 prefill_sms=p, decode_sms=d, splits=list(self.splits),
                 pinned=self.controller.pinned is not None,
                 predicted_prefill_ms=None if dec is None else dec.predicted_prefill_ms,
@@ -86,11 +118,22 @@ class GreenContextPartition:
             )
 
     def set_mode(self, spec: str) -> PartitionState:
+        """Validate here (ValueError at once), apply on the engine thread (via `submit`)."""
         mode, n = parse_mode(spec)
         if n is not None and n not in self.pairs:
             raise ValueError(f"split {n} was not pre-created; choose from {self.splits}")
+        if self.submit is None:
+            self._apply_mode(mode, n)
+        else:
+            with self._lock:
+                self._pending_mode = mode
+            self.submit(lambda: self._apply_mode(mode, n))
+        return self.state()
+
+    def _apply_mode(self, mode: str, n: int | None) -> None:
         with self._lock:
             self._mode = mode
+            self._pending_mode = None
             if mode == "static":
                 assert n is not None
                 self.controller.pin(n)
@@ -99,7 +142,7 @@ class GreenContextPartition:
                 self.controller.release()
                 if mode == "off":
                     self._active = TIME_SLICE
-        return self.state()
+        log.info("partition mode: %s%s", mode, f":{n}" if n is not None else "")
 
     # ---- runner hooks ------------------------------------------------------------------------
     def decide(self, prefill: PrefillShape | None, decode: DecodeShape | None,
@@ -129,6 +172,23 @@ class GreenContextPartition:
                     new.wait_stream(old)
         self._last = choice
         return choice
+
+    def observe(self, stage: str, shape: PrefillShape | DecodeShape, sms: int,
+                measured_ms: float, other_sms: int) -> None:
+        """A measured stage latency: scored against the cost model, then refines it."""
+        with self._lock:
+            self.cost_model.observe(stage, shape, sms, measured_ms, other_sms)
+        per_layer = measured_ms / max(shape.num_layers, 1)
+        if stage == "prefill":
+            self.record_measured(per_layer * shape.num_layers, None)
+        else:
+            self.record_measured(None, per_layer * shape.num_layers)
+
+    def cost_model_mape(self) -> float | None:
+        with self._lock:
+            stats = self.cost_model.error_stats()
+        mape = stats.get("mape")
+        return None if mape is None or mape != mape else float(mape)  # NaN -> None
 
     def record_measured(self, prefill_ms: float | None, decode_ms: float | None) -> None:
         if prefill_ms is not None:

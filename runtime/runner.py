@@ -1,23 +1,45 @@
 """`ModelRunner.run(plan) -> RunnerOutput`: tensors in, tokens and label probabilities out.
 
 A step's prefill part and decode part are separate forward calls, each with its own
-`ForwardBatch` and attention backend instance (the same instance unless a second one is
-given). That is the seam for running them on two CUDA streams (prefill on one SM partition,
-decode on the other); on CPU the two calls simply run one after the other.
+`ForwardBatch` and attention backend instance. That is the seam for running them on two CUDA
+streams (prefill on one SM partition, decode on the other); on CPU the two calls simply run
+one after the other.
+
+GPU runtime (when the given backend is FlashInfer):
+- `runtime.ops.use_flashinfer(True)`: norms, SiLU-and-mul and RoPE use FlashInfer kernels;
+- a second FlashInfer instance (its own workspace) serves decode unless one is passed, so the
+  prefill and decode parts may run concurrently on two streams;
+- with `config.cuda_graphs`, decode batches of up to `decode_graphs.max_batch_size` sequences
+  replay a captured CUDA graph (padded to the next captured size; the pad rows use the KV
+  pool's reserved pad block, outside the block manager's range), on `decode_stream`.
+Public pieces for a caller that drives the parts itself (e.g. on green-context streams):
+`build_batch`, `forward_part(seqs, is_decode, backend) -> (hidden, wanting)`,
+`outputs_from_hidden`, `decode_graphs`, `prefill_backend`, `decode_backend`.
+Sampling and label scoring stay on the device; each part ends with one `.tolist()`.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from runtime import ops
 from runtime.attention.base import AttentionBackend, ForwardBatch, SeqSlice
 from runtime.config import EngineConfig
+from runtime.cuda_graphs import graph_batch_sizes
 from runtime.kv_pool import KVPool
 from runtime.model import LlamaForCausalLM
 from runtime.model_config import ModelConfig
 from runtime.request import RequestKind
 from runtime.sampler import Sampler, make_generator
 from runtime.scheduler import RunnerOutput, ScheduledSeq, StepPlan
+
+log = logging.getLogger("greenlane.runner")
+
+
+class OutOfMemoryForStep(RuntimeError):
+    """A step ran out of device memory; the message says how big it was."""
 
 
 class ModelRunner:
@@ -29,16 +51,52 @@ class ModelRunner:
         kv_pool: KVPool,
         backend: AttentionBackend,
         decode_backend: AttentionBackend | None = None,
+        *,
+        decode_stream: torch.cuda.Stream | None = None,
+        max_model_len: int | None = None,
+        capture_graphs: bool = True,
     ) -> None:
+        """max_model_len sizes the graphs' per-sequence block tables (default: the model's
+        position limit). capture_graphs=False builds the graphs object without capturing
+        (call `decode_graphs.capture()` later, e.g. on another stream)."""
         self.config = config
         self.model = model
         self.model_config = model_config
         self.kv_pool = kv_pool
         self.device = kv_pool.device
         self.prefill_backend = backend
+        self.uses_flashinfer = getattr(backend, "name", "") == "flashinfer"
+        if self.uses_flashinfer:
+            ops.use_flashinfer(True)
+            if decode_backend is None:
+                # Own workspace: the decode part may run concurrently with the prefill part.
+                decode_backend = type(backend).from_pool(kv_pool, model_config.num_q_heads)  # type: ignore[attr-defined]
         self.decode_backend = decode_backend if decode_backend is not None else backend
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}  # seeded requests only
+        self.decode_graphs = None
+        self.decode_stream = decode_stream
+        graphs_ok = self.uses_flashinfer and kv_pool.pad_block_id is not None
+        if config.cuda_graphs and self.device.type == "cuda" and graphs_ok:
+            from runtime.cuda_graphs import DecodeGraphs
+
+            limit = max_model_len or model_config.max_position_embeddings
+            bs = kv_pool.block_size
+            if self.decode_stream is None:
+                self.decode_stream = torch.cuda.Stream(self.device)
+            self.decode_graphs = DecodeGraphs(
+                model, kv_pool.k, kv_pool.v, self.decode_stream,
+                pad_block_id=kv_pool.pad_block_id,
+                max_blocks_per_seq=min((limit + bs - 1) // bs, kv_pool.num_blocks),
+                batch_sizes=graph_batch_sizes(config.max_num_seqs),
+            )
+            if capture_graphs:
+                self.decode_graphs.capture()
+        elif config.cuda_graphs and self.device.type == "cuda":
+            log.warning(
+                "CUDA graphs need the FlashInfer backend and a pool with a pad block; "
+                "decoding eagerly"
+            )
 
     def release(self, request_id: str) -> None:
         """Forget per-request state (its seeded generator) once it has finished."""
@@ -47,10 +105,16 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> RunnerOutput:
         out = RunnerOutput()
-        if plan.prefill:
-            self._run_part(plan.prefill, False, self.prefill_backend, out)
-        if plan.decode:
-            self._run_part(plan.decode, True, self.decode_backend, out)
+        try:
+            if plan.prefill:
+                self._run_part(plan.prefill, False, self.prefill_backend, out)
+            if plan.decode:
+                self._run_part(plan.decode, True, self.decode_backend, out)
+        except torch.cuda.OutOfMemoryError as e:
+            # Free what the failed step cached so the next step starts clean; the engine
+            # fails only the request(s) at fault (it re-runs a batch one request at a time).
+            torch.cuda.empty_cache()
+            raise OutOfMemoryForStep(describe_oom(plan)) from e
         return out
 
     # ---- one forward ----------------------------------------------------------------------
@@ -92,16 +156,36 @@ class ModelRunner:
         backend: AttentionBackend,
         out: RunnerOutput,
     ) -> None:
+        hidden, wanting = self.forward_part(seqs, is_decode, backend)
+        if wanting:
+            self.outputs_from_hidden(hidden, wanting, out)
+
+    def forward_part(
+        self, seqs: list[ScheduledSeq], is_decode: bool, backend: AttentionBackend
+    ) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+        """One forward of a part (on the current stream). Returns the hidden states of the
+        rows that need an output, [N, hidden], and those sequences (in order)."""
         batch = self.build_batch(seqs, is_decode)
+        graphs = self.decode_graphs
+        if is_decode and graphs is not None and len(seqs) <= graphs.max_batch_size:
+            hidden = graphs.run(batch)  # [n, hidden]: one row per sequence
+            rows = [i for i, s in enumerate(seqs) if s.needs_output]
+            if len(rows) != len(seqs):
+                hidden = hidden[torch.tensor(rows, device=hidden.device)]
+            return hidden, [seqs[i] for i in rows]
         backend.plan(batch)
         chunk = None
         if self.config.hybrid_prefill and not is_decode:
             chunk = self.config.prefill_chunk_tokens
         hidden = self.model(batch.input_ids, batch.positions, backend, chunk_tokens=chunk)
         wanting = [s for s in seqs if s.needs_output]
-        if not wanting:
-            return
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab] fp32
+        return hidden[batch.logits_indices], wanting
+
+    def outputs_from_hidden(
+        self, hidden: torch.Tensor, wanting: list[ScheduledSeq], out: RunnerOutput
+    ) -> None:
+        """LM head, sampling and label scoring on the device; one host transfer each."""
+        logits = self.model.compute_logits(hidden)  # [N, vocab] fp32
 
         gen_rows = [i for i, s in enumerate(wanting) if s.request.kind == RequestKind.GENERATE]
         score_rows = [i for i, s in enumerate(wanting) if s.request.kind == RequestKind.SCORE]
@@ -115,19 +199,15 @@ class ModelRunner:
                 if lp is not None:
                     out.logprobs[r.request_id] = lp
         if score_rows:
-            probs: list[torch.Tensor] = []
-            for i in score_rows:
-                req = wanting[i].request
-                labels = torch.tensor(req.label_token_ids, dtype=torch.int64, device=logits.device)
-                row = logits[i]
-                if req.apply_softmax:
-                    probs.append(row.index_select(0, labels).softmax(dim=-1))
-                else:
-                    probs.append(row.softmax(dim=-1).index_select(0, labels))
-            flat = torch.cat(probs).tolist()  # one host transfer for all scoring rows
+            reqs = [wanting[i].request for i in score_rows]
+            flat = label_probs(
+                logits,
+                score_rows,
+                [r.label_token_ids for r in reqs],
+                [r.apply_softmax for r in reqs],
+            ).tolist()  # one host transfer for all scoring rows
             pos = 0
-            for i in score_rows:
-                req = wanting[i].request
+            for req in reqs:
                 n = len(req.label_token_ids)
                 out.label_probs[req.request_id] = flat[pos : pos + n]
                 pos += n
@@ -140,3 +220,56 @@ class ModelRunner:
             g = make_generator(seed, self.device)
             self._generators[request_id] = g
         return g
+
+
+def label_probs(
+    logits: torch.Tensor,
+    rows: list[int],
+    label_ids: list[list[int]],
+    apply_softmax: list[bool],
+) -> torch.Tensor:
+    """Probabilities of each scoring row's label tokens, flattened in row order, computed
+    with one host-to-device copy for all rows (no per-request transfer).
+
+    apply_softmax True: softmax over the row's label logits only; False: the labels' entries
+    of the softmax over the whole vocabulary. logits: [N, vocab] fp32."""
+    dev = logits.device
+    seg_l: list[int] = []
+    row_l: list[int] = []
+    tok_l: list[int] = []
+    for j, (r, labels) in enumerate(zip(rows, label_ids, strict=True)):
+        seg_l.extend([j] * len(labels))
+        row_l.extend([r] * len(labels))
+        tok_l.extend(labels)
+    use_l = [int(apply_softmax[j]) for j in seg_l]
+    meta = torch.tensor([row_l, tok_l, seg_l, use_l], dtype=torch.int64)
+    meta = meta.pin_memory() if dev.type == "cuda" else meta
+    row_t, tok_t, seg_t, use_t = meta.to(dev, non_blocking=True)
+    sel = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+    full = logits.index_select(0, sel).log_softmax(dim=-1)  # [R, vocab]
+    row_in_sel = seg_t  # row j of `full` is scoring row j
+    vocab_lp = full[row_in_sel, tok_t]  # [L] log p over the whole vocabulary
+    picked = logits[row_t, tok_t]  # [L] raw label logits
+    n_seg = len(rows)
+    seg_max = torch.full((n_seg,), float("-inf"), device=dev, dtype=picked.dtype)
+    seg_max = seg_max.scatter_reduce(0, seg_t, picked, reduce="amax")
+    ex = (picked - seg_max[seg_t]).exp()
+    seg_sum = torch.zeros(n_seg, device=dev, dtype=picked.dtype).index_add_(0, seg_t, ex)
+    local = ex / seg_sum[seg_t]
+    return torch.where(use_t.bool(), local, vocab_lp.exp())
+
+
+def describe_oom(plan: StepPlan) -> str:
+    """The message for a step that ran out of device memory (names the sizes involved)."""
+    parts = []
+    if plan.prefill:
+        n = sum(s.num_new_tokens for s in plan.prefill)
+        longest = max(s.num_context_tokens + s.num_new_tokens for s in plan.prefill)
+        parts.append(f"a prefill of {n} tokens (longest sequence {longest} tokens)")
+    if plan.decode:
+        parts.append(f"a decode batch of {len(plan.decode)} sequences")
+    what = " and ".join(parts) or "an empty step"
+    return (
+        f"out of GPU memory running {what}; the prompt is too long for this memory budget "
+        f"(lower the prompt length, or raise --gpu-memory-utilization / --max-gpu-memory-gb)"
+    )

@@ -29,6 +29,14 @@ KV admission
     everything is released; the kept full blocks stay in the prefix cache (cached-idle).
   - A prefix hit never covers the whole prompt: the last prompt token is always computed
     (its logits are the answer).
+Split mode (partition on, runtime/pd_loop.py): the two parts are scheduled separately, so a
+prefill batch can be *in flight* on its own SM partition across several engine-loop iterations
+while decode steps continue. `schedule_decode()` plans decodes only; `schedule_prefill()` plans
+chunk continuations and admissions only and marks their requests in flight; `end_prefill(plan)`
+clears the marks when the prefill's completion event has fired, then `update(plan, out)` applies
+it. Requests in flight are never decoded, re-chunked or chosen as preemption victims, and a
+request aborted/failed while in flight keeps its KV blocks reserved (not reusable) until
+`end_prefill`, because the GPU may still be writing them.
 The runner executes a `StepPlan`; `update(plan, out)` turns its results into
 `RequestOutput`s (tokens, detokenized text deltas, stop handling, finish states, timings).
 The scheduler runs on the engine thread only; it is not thread-safe.
@@ -156,6 +164,8 @@ class Scheduler:
         self._next_seq = 0
         self._next_step = 0
         self._pending: list[RequestOutput] = []  # outputs produced outside update()
+        self._inflight: set[str] = set()  # split mode: prefill launched, not completed
+        self._deferred_free: set[str] = set()  # finished while in flight: blocks still held
         # Counters for stats().
         self.num_steps = 0
         self.num_prefill_tokens = 0
@@ -184,7 +194,7 @@ class Scheduler:
         return None
 
     def add(self, req: Request) -> None:
-        if req.request_id in self._track:
+        if req.request_id in self._track or req.request_id in self._deferred_free:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         req.status = RequestStatus.WAITING
         self._track[req.request_id] = _Tracking()
@@ -270,16 +280,75 @@ class Scheduler:
 
     # ---- schedule -------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        now = self.clock()
+        """One monolithic step: decodes and prefill work under one token budget."""
+        plan = self._new_plan()
+        budget = self.config.prefill_token_budget
+        preempted_before = self.num_preemptions
+        budget -= self._plan_decodes(plan)
+        self._plan_prefills(plan, budget, admit=self.num_preemptions == preempted_before)
+        self._count(plan)
+        return plan
+
+    def schedule_decode(self) -> StepPlan:
+        """Split mode: a plan with the decode part only (requests in flight excluded)."""
+        plan = self._new_plan()
+        self._plan_decodes(plan)
+        self._count(plan)
+        return plan
+
+    def schedule_prefill(self, budget: int | None = None) -> StepPlan:
+        """Split mode: a plan with the prefill part only (chunk continuations, then admissions
+        in policy order); its requests are marked in flight until `end_prefill(plan)`."""
+        plan = self._new_plan()
+        b = self.config.prefill_token_budget if budget is None else budget
+        self._plan_prefills(plan, b, admit=True)
+        for s in plan.prefill:
+            self._inflight.add(s.request.request_id)
+        self._count(plan)
+        return plan
+
+    def end_prefill(self, plan: StepPlan) -> None:
+        """The prefill part of `plan` has completed on the device (or failed): its requests
+        are no longer in flight; blocks of those finished meanwhile are freed now."""
+        for s in plan.prefill:
+            rid = s.request.request_id
+            self._inflight.discard(rid)
+            if rid in self._deferred_free:
+                self._deferred_free.discard(rid)
+                self.bm.free(rid)
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    def is_inflight(self, request_id: str) -> bool:
+        return request_id in self._inflight
+
+    def _new_plan(self) -> StepPlan:
         plan = StepPlan(step_id=self._next_step)
         self._next_step += 1
-        budget = self.config.prefill_token_budget
+        return plan
 
-        # 1. Decodes, FCFS. Victims for preemption come from the tail (latest admitted).
-        preempted_before = self.num_preemptions
+    def _count(self, plan: StepPlan) -> None:
+        self.num_steps += 0 if plan.is_empty else 1
+        self.num_prefill_tokens += sum(s.num_new_tokens for s in plan.prefill)
+        self.num_decode_tokens += len(plan.decode)
+
+    def _victim(self, req: Request) -> Request:
+        """The most recently admitted running request not in flight (else `req` itself)."""
+        for r in reversed(self.running):
+            if r.request_id not in self._inflight:
+                return r
+        return req
+
+    def _plan_decodes(self, plan: StepPlan) -> int:
+        """Decodes, FCFS; victims for preemption come from the tail (latest admitted).
+        Returns the number of decode tokens planned."""
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted above as a victim
+            if req.request_id in self._inflight:
+                continue
             if req.num_tokens - req.num_computed_tokens != 1:
                 continue
             if req.num_computed_tokens == 0:
@@ -290,7 +359,7 @@ class Scheduler:
                 if self.bm.num_free_blocks > 0:
                     self.bm.append_blocks(req.request_id, 1)
                     continue
-                victim = self.running[-1]
+                victim = self._victim(req)
                 self._preempt(victim)
                 if victim is req:
                     ok = False
@@ -298,16 +367,22 @@ class Scheduler:
             if not ok:
                 continue
             plan.decode.append(self._seq(req, 1, req.num_computed_tokens + 1, True))
-            budget -= 1
+        return len(plan.decode)
 
-        # 2. Chunked prefills in progress, then admissions in policy order.
+    def _plan_prefills(self, plan: StepPlan, budget: int, admit: bool) -> None:
+        """Chunked prefills in progress, then admissions in policy order. No admissions in a
+        step that had to preempt (`admit` False): the pool is short, and re-admitting the
+        victim at once would only thrash."""
+        now = self.clock()
         decoding = {s.request.request_id for s in plan.decode}
         for req in self.running:
-            if req.request_id in decoding:
+            if req.request_id in decoding or req.request_id in self._inflight:
                 continue
             remaining = req.num_tokens - req.num_computed_tokens
             if remaining <= 0:
                 continue
+            if remaining == 1 and req.num_computed_tokens > 0:
+                continue  # one pending token: the decode part plans it (as `_plan_decodes`)
             n = self._chunk(remaining, budget, first=not plan.prefill)
             if n <= 0:
                 break
@@ -315,9 +390,6 @@ class Scheduler:
             plan.prefill.append(self._seq(req, n, req.num_computed_tokens + n, done))
             budget -= n
 
-        # No admissions in a step that had to preempt: the pool is short, and re-admitting the
-        # victim at once would only thrash.
-        admit = self.num_preemptions == preempted_before
         for req in self.ordered_waiting(now) if admit else []:
             if len(self.running) >= self.config.max_num_seqs:
                 break
@@ -332,11 +404,6 @@ class Scheduler:
             t = self._track[req.request_id]
             if t.first_scheduled_s is None:
                 t.first_scheduled_s = now
-
-        self.num_steps += 0 if plan.is_empty else 1
-        self.num_prefill_tokens += sum(s.num_new_tokens for s in plan.prefill)
-        self.num_decode_tokens += len(plan.decode)
-        return plan
 
     def _chunk(self, remaining: int, budget: int, first: bool) -> int:
         """Tokens of a GENERATE prefill to run now."""
@@ -535,7 +602,10 @@ class Scheduler:
         req.status = status
         req.finish_s = now
         req.error = error
-        self.bm.free(req.request_id)
+        if req.request_id in self._inflight:
+            self._deferred_free.add(req.request_id)  # the device may still write its blocks
+        else:
+            self.bm.free(req.request_id)
         if not _remove(self.running, req):
             _remove(self.waiting, req)
         queue_s = self._queue_s(req)

@@ -321,3 +321,75 @@ def test_router_inside_the_full_app() -> None:
         r = client.put("/admin/api/partition", json={"mode": "static", "prefill_sms": 7},
                        headers={"Authorization": "Bearer full-app-token"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prefill_sms"
+
+
+# --- prefix-cache reset -----------------------------------------------------------------------
+
+
+class _ResettableEngine(FakeEngine):
+    """FakeEngine plus the `reset_prefix_cache` call the reset endpoint makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reset_calls = 0
+
+    def reset_prefix_cache(self) -> None:
+        self.reset_calls += 1
+
+
+RESET = "/admin/api/prefix-cache/reset"
+
+
+def test_prefix_cache_reset_protection() -> None:
+    engine = _ResettableEngine()
+    app = make_app(token="s3cret", engine=engine)
+    loop_client = TestClient(app, client=LOOPBACK)
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        assert loop_client.post(RESET, headers=headers).status_code == 401
+    assert engine.reset_calls == 0
+    r = TestClient(app, client=REMOTE).post(RESET, headers={"Authorization": "Bearer s3cret"})
+    assert r.status_code == 200, r.text
+    assert r.json()["reset"] == "queued" and engine.reset_calls == 1
+
+    open_app = make_app(token=None, engine=engine)
+    assert TestClient(open_app, client=REMOTE).post(RESET).status_code == 403
+    assert TestClient(open_app).post(RESET).status_code == 403  # "testclient" is not loopback
+    assert engine.reset_calls == 1
+    assert TestClient(open_app, client=LOOPBACK).post(RESET).status_code == 200
+    assert engine.reset_calls == 2
+
+
+def test_prefix_cache_reset_without_engine_support() -> None:
+    client = TestClient(make_app(), client=LOOPBACK)  # plain FakeEngine: no reset method
+    r = client.post(RESET)
+    assert r.status_code == 400 and "prefix cache" in r.json()["error"]["message"]
+    app = make_app()
+    app.state.engine = None
+    assert TestClient(app, client=LOOPBACK).post(RESET).status_code == 503
+
+
+def test_prefix_cache_reset_reaches_the_real_engine() -> None:
+    """Full app, real engine on random:tiny: a scoring request fills the prefix cache; after the
+    reset and one more (unrelated) request, the engine reports no cached blocks."""
+    pytest.importorskip("runtime.engine", reason="runtime.engine not written yet")
+    from app.main import create_app
+    from app.settings import Settings
+
+    app = create_app(Settings(model="random:tiny", max_num_seqs=4, block_size=4,
+                              admin_token=None))
+    with TestClient(app, client=LOOPBACK) as client:
+        engine = app.state.engine
+        query = list(range(10, 60))  # 50 tokens: several full blocks of 4
+        r = client.post("/v1/score", json={"query": query, "items": [[70, 71]],
+                                           "label_token_ids": [1, 2]})
+        assert r.status_code == 200, r.text
+        filled = engine.stats()["prefix_cached_blocks"]
+        assert filled > 0
+        r = client.post(RESET)
+        assert r.status_code == 200, r.text
+        assert r.json()["prefix_cached_blocks_before"] == filled
+        # The reset is applied before the engine's next step; stats are published after a step.
+        r = client.post("/v1/score", json={"query": [5], "items": [[6]],
+                                           "label_token_ids": [1, 2]})
+        assert r.status_code == 200, r.text
+        assert engine.stats()["prefix_cached_blocks"] == 0

@@ -3,7 +3,9 @@ the per-request log line, API keys, and a dead engine. Fake engine: the app laye
 
 from __future__ import annotations
 
+import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -85,15 +87,29 @@ def test_stream_disconnect_frees_kv(server: ServerThread, http: httpx.Client) ->
 
 
 def test_non_streaming_disconnect_aborts(server: ServerThread) -> None:
+    # The client goes away only once the request is known to be admitted: a client-side
+    # timeout (the old version of this test) could fire before a loaded server had even read
+    # the request, and then nothing was admitted, aborted or checked.
+    body = json.dumps({"messages": MSG, "max_tokens": 50}).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    num_added = len(server.engine.added)
     server.engine.pause()
     try:
-        with httpx.Client(base_url=server.url, timeout=0.3) as c, pytest.raises(httpx.ReadTimeout):
-            c.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 50})
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            sock.sendall(head + body)
+            _wait_for(lambda: len(server.engine.added) > num_added
+                      and server.app.state.client.num_in_flight == 1)
+        # The socket is closed: the server sees the disconnect and releases the request.
         _wait_for(lambda: server.app.state.client.num_in_flight == 0)
     finally:
         server.engine.resume()
     _wait_for(lambda: _idle(server))
-    assert server.engine.added[-1].status.name == "FINISHED_ABORTED"
+    (req,) = server.engine.added[num_added:]
+    assert req.status.name == "FINISHED_ABORTED"
+    assert req.num_output_tokens == 0  # paused until after the abort: nothing was generated
 
 
 def test_health_and_metrics(server: ServerThread, http: httpx.Client) -> None:

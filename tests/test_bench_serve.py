@@ -47,8 +47,16 @@ def fake_app(tok: Any) -> FastAPI:
     """Mimics the Greenlane endpoints the harness uses. Every 5th chat request gets a 503;
     without `ignore_eos` a chat stops after 2 tokens (an 'EOS')."""
     app = FastAPI()
-    app.state.seen = []  # (endpoint, body) of every request
+    app.state.seen = []  # (endpoint, body) of every benchmark request
+    app.state.log = []  # every request in arrival order: "chat", "score", "reset", "PUT <body>"
     app.state.count = 0
+    app.state.policy = "fcfs"
+    app.state.partition = "off"
+    app.state.admin_enabled = True  # False: the admin endpoints answer 404 (an older server)
+
+    def fake_state() -> dict:
+        return {"policy": {"current": app.state.policy},
+                "partition": {"available": True, "mode": app.state.partition}}
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -56,12 +64,36 @@ def fake_app(tok: Any) -> FastAPI:
 
     @app.get("/admin/api/state")
     async def state() -> dict:
-        return {"policy": "fcfs", "partition": "off"}
+        return fake_state()
+
+    @app.post("/admin/api/prefix-cache/reset")
+    async def reset() -> JSONResponse:
+        if not app.state.admin_enabled:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        app.state.log.append("reset")
+        return JSONResponse({"reset": "queued", "prefix_cached_blocks_before": 3})
+
+    @app.put("/admin/api/policy")
+    async def policy(request: Request) -> JSONResponse:
+        body = await request.json()
+        if body["policy"] not in ("fcfs", "srjf", "spf"):
+            return JSONResponse({"error": {"message": "unknown policy"}}, status_code=400)
+        app.state.log.append(f"PUT {json.dumps(body, sort_keys=True)}")
+        app.state.policy = body["policy"]
+        return JSONResponse(fake_state())
+
+    @app.put("/admin/api/partition")
+    async def partition(request: Request) -> JSONResponse:
+        body = await request.json()
+        app.state.log.append(f"PUT {json.dumps(body, sort_keys=True)}")
+        app.state.partition = body["mode"]
+        return JSONResponse(fake_state())
 
     @app.post("/v1/score")
     async def score(request: Request) -> JSONResponse:
         body = await request.json()
         app.state.seen.append(("score", body))
+        app.state.log.append("score")
         n = len(body["query"]) + len(body["items"][0])
         await asyncio.sleep(0.001 * n / 100)
         return JSONResponse({"scores": [[0.7, 0.3]], "usage": {"prompt_tokens": n}})
@@ -70,6 +102,7 @@ def fake_app(tok: Any) -> FastAPI:
     async def chat(request: Request) -> Any:
         body = await request.json()
         app.state.seen.append(("chat", body))
+        app.state.log.append("chat")
         app.state.count += 1
         if app.state.count % 5 == 0:
             return JSONResponse({"error": {"message": "overloaded"}}, status_code=503)
@@ -139,7 +172,7 @@ def test_chat_sweep_against_fake_server(fake_server, tokenizer_file, tmp_path):
         "--no-progress",
     ])
     assert record["server"]["models"] == ["fake-model"]
-    assert record["server"]["state"] == {"policy": "fcfs", "partition": "off"}
+    assert record["server"]["state"]["policy"] == {"current": "fcfs"}
     assert record["options"]["model"] == "fake-model"
     assert [r["qps"] for r in record["runs"]] == [50.0, "inf"]
     assert "metrics" not in record  # several runs: only the list
@@ -330,3 +363,130 @@ def test_small_run_against_the_real_smollm2_server(tmp_path):
                 assert m["output_tokens_from_usage_fraction"] == 1.0
                 assert m["output_len_exact_fraction"] == 1.0  # the server honours ignore_eos
                 assert m["tpot_ms"]["mean"] is not None
+
+
+# --- prefix-cache resets between runs, one-server A/B switching ---------------------------------
+
+
+def _reset_log(app: FastAPI) -> None:
+    app.state.log.clear()
+    app.state.seen.clear()
+    app.state.admin_enabled = True
+    app.state.policy, app.state.partition = "fcfs", "off"
+
+
+def test_sweep_resets_the_prefix_cache_between_runs_only(fake_server, tokenizer_file, tmp_path):
+    url, app = fake_server
+    _reset_log(app)
+    common = ["--url", url, "--workload", "short-scoring", "--scale", "0.05", "--num-requests",
+              "5", "--qps", "inf,500", "--seed", "2", "--tokenizer", str(tokenizer_file),
+              "--no-progress", "--warmup-requests", "2"]
+    record = run_cli([*common, "--out", str(tmp_path / "r.json")])
+    # Warm-up first (unrecorded), then reset -> run -> reset -> run: never a reset mid-run.
+    assert app.state.log == ["score"] * 2 + (["reset"] + ["score"] * 5) * 2
+    assert record["options"]["reset_prefix_cache"] is True
+    assert record["prefix_cache_reset"] == {"requested": True, "done_before_every_run": True}
+    assert [r["prefix_cache_reset"]["done"] for r in record["runs"]] == [True, True]
+
+    _reset_log(app)
+    record = run_cli([*common, "--no-reset-prefix-cache", "--out", str(tmp_path / "k.json")])
+    assert "reset" not in app.state.log and len(app.state.log) == 2 + 10
+    assert [r["prefix_cache_reset"] for r in record["runs"]] == [None, None]
+    assert record["prefix_cache_reset"]["requested"] is False
+
+    # A server without the endpoint: the runs go on, and the JSON says the reset was not done.
+    _reset_log(app)
+    app.state.admin_enabled = False
+    record = run_cli([*common, "--out", str(tmp_path / "o.json")])
+    assert record["prefix_cache_reset"]["done_before_every_run"] is False
+    first = record["runs"][0]["prefix_cache_reset"]
+    assert first["done"] is False and "404" in first["error"]
+    assert all(r["metrics"]["completed"] == 5 for r in record["runs"])
+    app.state.admin_enabled = True
+
+
+def test_compare_one_server_switches_settings_in_abba_order(fake_server, tokenizer_file,
+                                                            tmp_path, capsys):
+    from bench import compare
+
+    url, app = fake_server
+    _reset_log(app)
+    out = tmp_path / "one.json"
+    assert compare.main([
+        "--url", url, "--a", "policy=fcfs", "--b", "policy=srjf,partition=auto",
+        "--workload", "short-scoring", "--scale", "0.05", "--num-requests", "4",
+        "--qps", "inf", "--rounds", "3", "--seed", "1", "--tokenizer", str(tokenizer_file),
+        "--out", str(out), "--no-progress",
+    ]) == 0
+    put_a = ['PUT {"policy": "fcfs"}']
+    put_b = ['PUT {"policy": "srjf"}', 'PUT {"mode": "auto"}']
+    side_a = [*put_a, "reset", *["score"] * 4]
+    side_b = [*put_b, "reset", *["score"] * 4]
+    assert app.state.log == side_a + side_b + side_b + side_a + side_a + side_b
+    record = json.loads(out.read_text())
+    assert record["mode"] == "one-server"
+    assert record["a"]["name"] == "policy=fcfs" and record["b"]["settings"] == (
+        "policy=srjf,partition=auto")
+    assert [r["server_settings"]["policy"] for r in record["a"]["runs"]] == ["fcfs"] * 3
+    assert [r["server_settings"]["partition"]["mode"] for r in record["b"]["runs"]] == ["auto"] * 3
+    assert [r["position_in_round"] for r in record["a"]["runs"]] == [1, 2, 1]
+    assert all(r["prefix_cache_reset"]["done"] for r in record["a"]["runs"] + record["b"]["runs"])
+    assert record["a"]["server"]["state"]["policy"]["current"] == "fcfs"
+    assert "| TTFT mean (ms) |" in capsys.readouterr().out
+
+
+def test_compare_one_server_stops_when_a_setting_is_refused(fake_server, tokenizer_file,
+                                                            tmp_path):
+    from bench import compare
+
+    url, app = fake_server
+    _reset_log(app)
+    with pytest.raises(SystemExit, match="policy"):
+        compare.main([
+            "--url", url, "--a", "policy=fcfs", "--b", "policy=lifo",
+            "--workload", "short-scoring", "--scale", "0.05", "--num-requests", "2",
+            "--qps", "inf", "--rounds", "1", "--seed", "1", "--tokenizer", str(tokenizer_file),
+            "--no-progress",
+        ])
+    # Side A ran; side B never sent a benchmark request under the wrong configuration.
+    assert app.state.log == ['PUT {"policy": "fcfs"}', "reset", "score", "score"]
+    # Without the reset endpoint a comparison stops too (its B side would be cache-warmed).
+    _reset_log(app)
+    app.state.admin_enabled = False
+    with pytest.raises(SystemExit, match="reset"):
+        compare.main([
+            "--url", url, "--a", "policy=fcfs", "--b", "policy=fcfs",
+            "--workload", "short-scoring", "--scale", "0.05", "--num-requests", "2",
+            "--qps", "inf", "--rounds", "1", "--seed", "1", "--tokenizer", str(tokenizer_file),
+            "--no-progress",
+        ])
+    assert "score" not in app.state.log
+    app.state.admin_enabled = True
+
+
+def test_parse_settings():
+    from bench.compare import AdminChange, parse_settings
+
+    assert parse_settings("policy=fcfs") == [AdminChange("/admin/api/policy", {"policy": "fcfs"})]
+    assert parse_settings(" partition=static:64 , policy=srjf ") == [
+        AdminChange("/admin/api/partition", {"mode": "static", "prefill_sms": 64}),
+        AdminChange("/admin/api/policy", {"policy": "srjf"}),
+    ]
+    assert parse_settings("partition=off") == [
+        AdminChange("/admin/api/partition", {"mode": "off"})]
+    for bad in ("", "policy", "policy=", "colour=red", "partition=static",
+                "partition=auto:3", "partition=sideways", "policy=fcfs,policy=srjf"):
+        with pytest.raises(ValueError):
+            parse_settings(bad)
+
+
+def test_compare_mode_arguments():
+    from bench import compare
+
+    base = ["--workload", "short-scoring", "--num-requests", "1", "--qps", "1", "--seed", "0"]
+    for extra in (["--url", "u", "--a", "policy=fcfs"],
+                  ["--url", "u", "--a", "policy=fcfs", "--b", "policy=srjf", "--url-a", "v"],
+                  ["--url-a", "u"], []):
+        args = compare.build_parser().parse_args([*base, *extra])
+        with pytest.raises(SystemExit):
+            compare.check_mode(args)

@@ -90,6 +90,11 @@ class FlashInferBackend:
             k_caches, v_caches = pool.k, pool.v
             num_kv_heads, head_dim = pool.num_kv_heads, pool.head_dim
         assert num_kv_heads is not None and head_dim is not None
+        if k_caches[0].dtype not in (torch.float16, torch.bfloat16):
+            # The engine's auto path catches this and falls back to torch (saying why).
+            raise ValueError(
+                f"FlashInfer kernels need a float16/bfloat16 KV cache, got {k_caches[0].dtype}"
+            )
         self._fi = flashinfer
         self.k_caches = k_caches
         self.v_caches = v_caches

@@ -1,0 +1,195 @@
+"""Prefill throughput against `prefill_token_budget` on short-scoring-like prompts (issue 3,
+item 4: "decide the default by measurement").
+
+    python -m bench.budget --budgets 1,2048,4096,8192 --num-requests 8 --repeats 2 \
+        --out bench/results/budget-cpu-2026-11-29.json
+
+Method: for each budget, build the engine (`--model`, default SmolLM2-135M-Instruct, on
+`--device`, default cpu) with that `prefill_token_budget` and the prefix cache off (every
+prompt is computed in full, so only batching differs), then submit a burst of
+`--num-requests` SCORE requests at once, prompt lengths uniform in [256, 2048] tokens
+(short scoring, DESIGN.md), random token ids, the same set for every budget (seeded). Measure
+the wall time from the first `add` to the last finished output; throughput = prompt tokens /
+time. Also reported: forwards (engine steps) per burst and the mean request latency (arrival
+to finish, engine clock) -- the cost of batching is that everyone in a batch waits for the
+whole batch. Budget 1 is the unbatched baseline (a request longer than the budget runs alone).
+Repeats alternate budgets (A B C A B C ...) so a change in machine load hits all of them; the
+median over repeats is kept. Through the engine directly: no HTTP, no tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from runtime.config import EngineConfig
+from runtime.request import Request, RequestKind, RequestOutput
+
+MIN_PROMPT_TOKENS = 256
+MAX_PROMPT_TOKENS = 2048
+
+
+def _git_revision() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout
+        return out.stdout.strip() + ("+dirty" if dirty.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _prompts(num_requests: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = [rng.randint(MIN_PROMPT_TOKENS, MAX_PROMPT_TOKENS) for _ in range(num_requests)]
+    # Ids in the SmolLM2 vocabulary range, away from the specials at the bottom.
+    return [[rng.randrange(100, 49000) for _ in range(n)] for n in lengths]
+
+
+class _Burst:
+    """Collects the finished outputs of one burst."""
+
+    def __init__(self) -> None:
+        self.finished: dict[str, RequestOutput] = {}
+        self.expected = 0
+        self.done = threading.Event()
+        self._lock = threading.Lock()
+
+    def sink(self, out: RequestOutput) -> None:
+        if not out.finished:
+            return
+        with self._lock:
+            self.finished[out.request_id] = out
+            if len(self.finished) >= self.expected:
+                self.done.set()
+
+
+def _run_burst(engine: Any, burst: _Burst, prompts: list[list[int]], tag: str) -> dict[str, float]:
+    burst.finished.clear()
+    burst.done.clear()
+    burst.expected = len(prompts)
+    steps_before = engine.stats()["num_steps"]
+    t0 = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        engine.add(Request(f"{tag}-{i}", RequestKind.SCORE, list(ids), label_token_ids=[1, 2]))
+    if not burst.done.wait(timeout=3600):
+        raise TimeoutError("burst did not finish")
+    wall_s = time.perf_counter() - t0
+    outs = list(burst.finished.values())
+    bad = [o for o in outs if o.finish_reason == "error"]
+    if bad:
+        raise RuntimeError(f"requests failed: {bad[0].error}")
+    # Stats are published after each step; wait for the last one to be visible.
+    time.sleep(0.05)
+    num_tokens = sum(len(p) for p in prompts)
+    return {
+        "wall_s": wall_s,
+        "tokens_per_s": num_tokens / wall_s,
+        "num_forwards": float(engine.stats()["num_steps"] - steps_before),
+        "mean_latency_s": statistics.mean(o.e2e_s or 0.0 for o in outs),
+    }
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    from runtime.engine import Engine  # lazily: loads torch
+
+    prompts = _prompts(args.num_requests, args.seed)
+    warm = _prompts(1, args.seed + 1)
+    budgets = [int(b) for b in args.budgets.split(",")]
+    burst = _Burst()
+    engines: dict[int, Any] = {}
+    for b in budgets:
+        cfg = EngineConfig(
+            model=args.model, device=args.device, prefill_token_budget=b,
+            enable_prefix_cache=False, cpu_kv_cache_gb=args.cpu_kv_cache_gb,
+        )
+        engine = Engine(cfg, burst.sink)
+        engine.start()
+        _run_burst(engine, burst, warm, f"warm{b}")  # first-call allocations off the clock
+        engines[b] = engine
+    runs: dict[int, list[dict[str, float]]] = {b: [] for b in budgets}
+    try:
+        for r in range(args.repeats):
+            for b in budgets:
+                # Only one engine computes at a time (the others are idle on their queues).
+                res = _run_burst(engines[b], burst, prompts, f"b{b}r{r}")
+                runs[b].append(res)
+                print(f"[budget {b:>6}] repeat {r + 1}/{args.repeats}: "
+                      f"{res['tokens_per_s']:8.1f} tok/s  {res['wall_s']:7.2f} s  "
+                      f"{res['num_forwards']:.0f} forwards  mean latency {res['mean_latency_s']:.2f} s",
+                      file=sys.stderr, flush=True)
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    results = []
+    for b in budgets:
+        med = {k: statistics.median(x[k] for x in runs[b]) for k in runs[b][0]}
+        results.append({"prefill_token_budget": b, **med,
+                        "tokens_per_s_runs": [x["tokens_per_s"] for x in runs[b]]})
+    return {
+        "prompt_tokens": [len(p) for p in prompts],
+        "total_prompt_tokens": sum(len(p) for p in prompts),
+        "results": results,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.budget", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--budgets", default="1,2048,4096,8192",
+                   help="comma-separated prefill_token_budget values (1 = no batching)")
+    p.add_argument("--num-requests", type=int, default=8, help="requests per burst")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu-kv-cache-gb", type=float, default=0.5)
+    p.add_argument("--out", default=None, help="JSON file (e.g. bench/results/budget-cpu-DATE.json)")
+    args = p.parse_args(argv)
+    load_before = os.getloadavg()
+    t0 = time.time()
+    data = measure(args)
+    base = next((r for r in data["results"] if r["prefill_token_budget"] == 1), None)
+    print(f"\n{'budget':>8} {'tok/s':>9} {'vs budget 1':>11} {'forwards':>9} {'mean lat s':>11}")
+    for r in data["results"]:
+        rel = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+        print(f"{r['prefill_token_budget']:>8} {r['tokens_per_s']:>9.1f} {rel:>11} "
+              f"{r['num_forwards']:>9.0f} {r['mean_latency_s']:>11.2f}")
+    data.update({
+        "command": "python -m bench.budget " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "git_revision": _git_revision(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": {
+            "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "python": platform.python_version(),
+            "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+        },
+        "model": args.model, "device": args.device, "seed": args.seed,
+        "num_requests": args.num_requests, "repeats": args.repeats,
+        "duration_s": time.time() - t0,
+    })
+    try:
+        import torch
+
+        data["machine"]["torch"] = torch.__version__
+        data["machine"]["torch_threads"] = torch.get_num_threads()
+    except ImportError:
+        pass
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

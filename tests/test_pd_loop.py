@@ -1,0 +1,230 @@
+"""CPU tests of the split-mode loop (runtime/pd_loop.py) with fake streams and events: a request
+moves to decode only after its prefill completes, decode keeps running meanwhile, no token is
+lost or duplicated (same greedy tokens as the monolithic engine), an abort during an in-flight
+prefill frees its KV only once the device is done, time-slicing runs monolithically."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from typing import Any
+
+import pytest
+
+from runtime.attention.torch_backend import TorchAttentionBackend
+from runtime.config import EngineConfig
+from runtime.engine import Engine
+from runtime.pd_loop import HostStreamDevice, PDLoop, SplitChoice
+from runtime.request import Request, RequestKind, RequestOutput, SamplingParams
+from runtime.runner import ModelRunner
+
+
+class FakeEvent:
+    def __init__(self, dev: FakeDevice) -> None:
+        self.dev = dev
+        self.recorded = False
+        self.done = False
+
+    def record(self, stream: Any = None) -> None:
+        self.recorded = True
+        self.done = not self.dev.hold
+        if not self.done:
+            self.dev.pending.append(self)
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        if self.dev.auto_complete_on_sync:
+            self.done = True
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return 1.0
+
+
+class FakeDevice:
+    """Streams are labels; events stay pending while `hold` until `release()`."""
+
+    def __init__(self) -> None:
+        self.hold = False
+        self.auto_complete_on_sync = False
+        self.pending: list[FakeEvent] = []
+        self.waits: list[tuple[Any, Any]] = []
+
+    def context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def event(self) -> FakeEvent:
+        return FakeEvent(self)
+
+    def wait_stream(self, stream: Any, other: Any) -> None:
+        self.waits.append((stream, other))
+
+    def current_stream(self) -> Any:
+        return "default"
+
+    def release(self) -> None:
+        for e in self.pending:
+            e.done = True
+        self.pending.clear()
+
+
+def build(device: Any, prefill_sms: int = 64, slice_tokens: int = 1, **cfg: Any):
+    config = EngineConfig(model="random:tiny", prefill_policy="fcfs", block_size=4,
+                          num_kv_blocks=128, **cfg)
+    eng = Engine(config, lambda o: None)  # not started: used for its model, pool, scheduler
+    pool = eng.kv_pool
+    runner = ModelRunner(config, eng.model, eng.model_config, pool,
+                         TorchAttentionBackend(pool), TorchAttentionBackend(pool))
+    choices: list[tuple[bool, bool]] = []
+
+    def choose(p, d) -> SplitChoice:
+        choices.append((p is not None, d is not None))
+        if p is None or prefill_sms == 0:
+            return SplitChoice(0, 132, "whole", "whole")
+        return SplitChoice(prefill_sms, 132 - prefill_sms, "P", "D")
+
+    observed: list[tuple] = []
+    loop = PDLoop(eng.scheduler, runner, device, choose,
+                  lambda *a: observed.append(a), slice_tokens=slice_tokens, max_queued_slices=1)
+    return eng, loop, choices, observed
+
+
+def gen(rid: str, n_prompt: int, max_tokens: int, seed: int = 0) -> Request:
+    rng = random.Random(seed)
+    return Request(rid, RequestKind.GENERATE, [rng.randrange(100, 4000) for _ in range(n_prompt)],
+                   sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                           ignore_eos=True))
+
+
+def tokens_by_id(outs: list[RequestOutput]) -> dict[str, list[int]]:
+    d: dict[str, list[int]] = {}
+    for o in outs:
+        d.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return d
+
+
+def monolithic_tokens(reqs: list[Request]) -> dict[str, list[int]]:
+    eng, _, _, _ = build(HostStreamDevice())
+    for r in reqs:
+        eng.scheduler.add(r)
+    outs: list[RequestOutput] = []
+    while eng.scheduler.has_work():
+        outs += eng._monolithic_step()
+    return tokens_by_id(outs)
+
+
+def fresh(reqs: list[Request]) -> list[Request]:
+    return [gen(r.request_id, r.num_prompt_tokens, r.sampling.max_tokens, seed=i)
+            for i, r in enumerate(reqs)]
+
+
+def make_reqs() -> list[Request]:
+    return [gen(f"r{i}", n, m, seed=i) for i, (n, m) in enumerate([(37, 6), (9, 9), (60, 4)])]
+
+
+@pytest.mark.parametrize("prefill_sms", [64, 0])
+def test_same_tokens_as_monolithic_no_loss_no_duplicates(prefill_sms: int) -> None:
+    ref = monolithic_tokens(make_reqs())
+    dev = FakeDevice()
+    eng, loop, _, observed = build(dev, prefill_sms=prefill_sms)
+    rng = random.Random(1)
+    reqs = make_reqs()
+    outs: list[RequestOutput] = []
+    eng.scheduler.add(reqs[0])
+    for i in range(400):
+        if i == 2:
+            eng.scheduler.add(reqs[1])
+        if i == 5:
+            eng.scheduler.add(reqs[2])
+        dev.hold = rng.random() < 0.6  # events complete late, at random
+        outs += loop.step()
+        if rng.random() < 0.5:
+            dev.release()
+        if not eng.scheduler.has_work() and not loop.busy and i > 5:
+            break
+    dev.release()
+    outs += loop.drain()
+    got = tokens_by_id(outs)
+    assert got == ref  # every token once, in order, identical to the monolithic engine
+    assert all(sum(o.finished for o in outs if o.request_id == r) == 1 for r in ref)
+    assert eng.block_manager.num_used_blocks == 0  # every block freed (or cached-idle)
+    eng.block_manager.check_integrity()
+    if prefill_sms:
+        assert loop.num_split_prefills >= 1
+        assert any(o[0] == "prefill" and o[2] == prefill_sms for o in observed)
+    else:
+        assert loop.num_split_prefills == 0
+
+
+def test_request_moves_to_decode_only_after_prefill_completes() -> None:
+    dev = FakeDevice()
+    eng, loop, _, _ = build(dev, slice_tokens=1)  # 1 layer per slice (tiny has 2 layers)
+    sched = eng.scheduler
+    a = gen("a", 12, 20, seed=1)
+    sched.add(a)
+    outs = loop.step()  # a's prefill completes at once (hold off)
+    assert [o.request_id for o in outs] == ["a"] and outs[0].new_token_ids
+    b = gen("b", 40, 4, seed=2)
+    sched.add(b)
+    dev.hold = True
+    n_a_before = a.num_output_tokens
+    out1 = loop.step()  # b's prefill launched (slice 1 pending); a decodes on "D"
+    assert loop.busy and sched.is_inflight("b")
+    assert {o.request_id for o in out1} == {"a"}
+    for _ in range(3):  # b's events still pending: a keeps decoding, b gets nothing
+        outs = loop.step()
+        assert {o.request_id for o in outs} == {"a"}
+        assert b.num_output_tokens == 0 and b.num_computed_tokens == 0
+    assert a.num_output_tokens == n_a_before + 4
+    # Decode ran on the pair's decode stream while b was in flight; never made to wait on "P".
+    assert ("D", "P") not in dev.waits and ("P", "D") not in dev.waits
+    while loop.busy:
+        dev.release()
+        outs = loop.step()
+    assert not sched.is_inflight("b") and b.num_output_tokens == 1
+    outs = loop.step()
+    assert "b" in {o.request_id for o in outs}  # now decoding
+    assert b.num_output_tokens == 2
+
+
+def test_abort_during_inflight_prefill_frees_kv_after_completion() -> None:
+    dev = FakeDevice()
+    eng, loop, _, _ = build(dev, enable_prefix_cache=False)
+    sched, bm = eng.scheduler, eng.block_manager
+    free0 = bm.num_free_blocks
+    dev.hold = True
+    sched.add(gen("x", 50, 4))
+    loop.step()
+    assert loop.busy and sched.is_inflight("x")
+    held = free0 - bm.num_free_blocks
+    assert held == bm.num_blocks_for(50)
+    out = sched.abort("x")
+    assert out is not None and out.finished
+    assert bm.num_free_blocks == free0 - held  # the device may still write them: kept
+    with pytest.raises(ValueError):  # the id is still reserved
+        sched.add(gen("x", 5, 1))
+    dev.release()
+    outs = loop.drain()
+    assert not outs  # nothing more for an aborted request
+    assert bm.num_free_blocks == free0
+    assert not sched.has_work()
+
+
+def test_preemption_never_picks_an_inflight_request() -> None:
+    dev = FakeDevice()
+    # 8-token blocks; 10 blocks: a decoding request and a big in-flight prefill fill the pool.
+    eng, loop, _, _ = build(dev, enable_prefix_cache=False)
+    sched, bm = eng.scheduler, eng.block_manager
+    a = gen("a", 8, 200)
+    sched.add(a)
+    loop.step()
+    dev.hold = True
+    big = gen("big", 4 * (bm.num_free_blocks - 1), 1)
+    sched.add(big)
+    for _ in range(12):  # a decodes until it needs a block that only preemption could give
+        loop.step()
+    assert sched.is_inflight("big") and big.status.name == "RUNNING"
+    assert a.num_preemptions >= 1  # it preempted itself, not the in-flight prefill
+    dev.release()
+    loop.drain()

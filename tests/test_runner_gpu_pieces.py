@@ -1,0 +1,71 @@
+"""CPU tests of the GPU runtime's non-kernel pieces: graph batch-size bucketing, pad rows,
+the pool's reserved pad block, batched label scoring and the OOM message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.attention.base import SeqSlice
+from runtime.cuda_graphs import bucket_for, graph_batch_sizes, pad_seqs
+from runtime.kv_pool import KVPool
+from runtime.presets import get_preset
+from runtime.request import Request, RequestKind
+from runtime.runner import describe_oom, label_probs
+from runtime.scheduler import ScheduledSeq, StepPlan
+
+
+def test_graph_batch_sizes_cover_max_num_seqs() -> None:
+    assert graph_batch_sizes(256)[-1] == 256
+    assert graph_batch_sizes(100) == (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100)
+    assert graph_batch_sizes(1) == (1,)
+    with pytest.raises(ValueError):
+        graph_batch_sizes(0)
+
+
+def test_bucket_for_is_smallest_captured_size_not_below() -> None:
+    sizes = graph_batch_sizes(100)
+    assert [bucket_for(n, sizes) for n in (1, 3, 16, 17, 97, 100)] == [1, 4, 16, 24, 100, 100]
+    with pytest.raises(ValueError):
+        bucket_for(101, sizes)
+    with pytest.raises(ValueError):
+        bucket_for(0, sizes)
+
+
+def test_pad_rows_use_only_the_pad_block() -> None:
+    live = [SeqSlice(0, 1, 10, 11, [3]), SeqSlice(1, 1, 5, 6, [7])]
+    padded = pad_seqs(live, 4, pad_block_id=99)
+    assert padded[:2] == live
+    for i, s in enumerate(padded[2:], start=2):
+        assert (s.query_start, s.num_query_tokens, s.num_context_tokens) == (i, 1, 0)
+        assert s.num_kept_tokens == 1 and s.block_ids == [99]
+
+
+def test_pool_reserves_a_pad_block_outside_the_managers_range() -> None:
+    cfg = get_preset("tiny")
+    pool = KVPool.for_model(cfg, 10, 16, torch.float32, "cpu")
+    assert pool.num_blocks == 10 and pool.pad_block_id == 10
+    assert pool.k[0].shape[0] == 11 == pool.num_total_blocks
+    plain = KVPool(1, 10, 16, 2, 8, torch.float32, "cpu")
+    assert plain.pad_block_id is None and plain.k[0].shape[0] == 10
+
+
+def test_label_probs_matches_per_row_reference() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 50, generator=g)
+    rows, labels, soft = [0, 2, 4], [[3, 7], [1, 2, 9], [40]], [True, False, True]
+    got = label_probs(logits, rows, labels, soft)
+    ref = []
+    for r, lab, s in zip(rows, labels, soft, strict=True):
+        lt = torch.tensor(lab)
+        ref.append(logits[r, lt].softmax(-1) if s else logits[r].softmax(-1)[lt])
+    torch.testing.assert_close(got, torch.cat(ref))
+
+
+def test_oom_message_names_the_step() -> None:
+    req = Request("r", RequestKind.SCORE, [1] * 100, label_token_ids=[1])
+    seq = ScheduledSeq(request=req, num_context_tokens=0, num_new_tokens=100,
+                       num_kept_tokens=96, block_ids=list(range(6)), input_ids=[1] * 100,
+                       needs_output=True)
+    msg = describe_oom(StepPlan(step_id=0, prefill=[seq]))
+    assert "100 tokens" in msg and "out of GPU memory" in msg
