@@ -1,7 +1,10 @@
 """`--calibrate`: profile prefill times on the serving device and write a JCT calibration file.
 
-    model = calibrate(measure, device="NVIDIA H200", model="llama-3.1-8b",
-                      out_dir="~/.cache/greenlane", max_total_tokens=engine.max_prompt_tokens)
+    jct, path = calibrate(engine.measure_prefill, device=engine.device_name,
+                          model="llama-3.1-8b", out_dir=default_cache_dir(),
+                          max_total_tokens=engine.max_prompt_tokens)
+    jct, path = calibrate_engine(engine, model=model_key(spec), out_dir=...)  # same, with the
+                                                                # CPU or GPU default grid
 
 `measure(uncached_tokens, cached_tokens) -> seconds` must run one real prefill of
 `uncached_tokens` new tokens after `cached_tokens` tokens whose KV is already in the pool, and
