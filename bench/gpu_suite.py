@@ -841,6 +841,480 @@ def section_fi_vs_torch() -> dict:
     return out
 
 
+
+# --------------------------------------------------------------------------- issue 5: remaining
+# Set by main(): a wall-clock deadline (time.monotonic) after which long sections stop early
+# and say so, and the smoke mode (CPU, random:tiny: catches Python errors before device time).
+DEADLINE: dict[str, Any] = {"t": float("inf"), "smoke": False}
+
+
+def _left_s() -> float:
+    return DEADLINE["t"] - time.monotonic()
+
+
+def _save_partial() -> None:
+    """Write the results so far (a run killed at its time limit still leaves them)."""
+    out_dir = os.environ.get("OUT") or "bench/results"
+    with open(os.path.join(out_dir, "partial.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+
+
+def _dev() -> torch.device:
+    return torch.device("cpu" if DEADLINE["smoke"] else "cuda")
+
+
+def _free() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def find_max_length(probe: Callable[[int], bool], lo_ok: int, hi_fail: int, max_probes: int,
+                    step: int = 256, stop: Callable[[], bool] = lambda: False) -> dict:
+    """Largest length (multiple of `step`) in [lo_ok, hi_fail) for which probe() is True, by
+    bisection; lo_ok must pass and hi_fail fail (not re-probed). Stops after `max_probes`
+    probes or when stop() says so; returns the bracket {lo_ok, hi_fail, probes}."""
+    n = 0
+    while hi_fail - lo_ok > step and n < max_probes and not stop():
+        mid = (lo_ok + hi_fail) // 2 // step * step
+        if mid <= lo_ok:
+            break
+        n += 1
+        if probe(mid):
+            lo_ok = mid
+        else:
+            hi_fail = mid
+    return {"lo_ok": lo_ok, "hi_fail": hi_fail, "probes": n}
+
+
+def _mil_probe_fn(model, cfg, hybrid_discard: bool, log: list) -> Callable[[int], bool]:
+    """One real scoring prefill of T tokens through a ModelRunner (FlashInfer backend on
+    CUDA, torch on the CPU smoke run), in a pool sized as the configuration needs:
+    ON  = hybrid prefill (C = 2048) + suffix discard: nothing kept, a one-block pool;
+    OFF = no chunking, and the prompt's whole K/V kept in a pool of ceil(T/16) blocks (what a
+          plain engine without discard must hold).
+    True when it ran, False on out-of-memory (memory freed before returning)."""
+    from runtime.attention.torch_backend import TorchAttentionBackend
+    from runtime.config import EngineConfig
+    from runtime.kv_pool import KVPool
+    from runtime.request import Request, RequestKind
+    from runtime.runner import ModelRunner, OutOfMemoryForStep
+    from runtime.scheduler import ScheduledSeq, StepPlan
+
+    dev = _dev()
+    econf = EngineConfig(model="random:x", hybrid_prefill=hybrid_discard, cuda_graphs=False,
+                         prefill_chunk_tokens=2048, device=dev.type)
+
+    def probe(T: int) -> bool:
+        t0 = time.perf_counter()
+        ok, err = True, ""
+        pool = runner = None
+        try:
+            if T > model.rotary.max_positions:
+                model.rotary.rebuild(dev, T)  # raised position limit (memory measurement only)
+            nb = 1 if hybrid_discard else (T + 15) // 16
+            pool = KVPool.for_model(cfg, nb, 16, next(model.parameters()).dtype, dev)
+            if dev.type == "cuda":
+                from runtime.attention.flashinfer_backend import FlashInferBackend
+
+                be = FlashInferBackend.from_pool(pool, cfg.num_q_heads)
+            else:
+                be = TorchAttentionBackend(pool)
+            runner = ModelRunner(econf, model, cfg, pool, be)
+            req = Request("mil", RequestKind.SCORE, [], label_token_ids=[0, 1])
+            ids = torch.randint(0, cfg.vocab_size, (T,)).tolist()
+            kept = 0 if hybrid_discard else T
+            seq = ScheduledSeq(request=req, num_context_tokens=0, num_new_tokens=T,
+                               num_kept_tokens=kept, block_ids=list(range(nb)) if kept else [],
+                               input_ids=ids, needs_output=True)
+            if DEADLINE["smoke"] and T > DEADLINE.get("smoke_oom_tokens", 1 << 30):
+                raise torch.cuda.OutOfMemoryError("smoke: emulated out-of-memory")
+            out = runner.run(StepPlan(step_id=0, prefill=[seq]))
+            ok = len(out.label_probs.get("mil", [])) == 2
+        except (torch.cuda.OutOfMemoryError, OutOfMemoryForStep) as e:
+            ok, err = False, type(e).__name__
+        except RuntimeError as e:  # an allocation failing inside a library, not via torch
+            if "out of memory" not in str(e).lower():
+                raise
+            ok, err = False, f"RuntimeError: {str(e)[:120]}"
+        finally:
+            del pool, runner
+            _free()
+        log.append({"tokens": T, "ok": ok, "s": round(time.perf_counter() - t0, 2), "err": err})
+        print(f"  MIL probe {'on ' if hybrid_discard else 'off'} T={T}: "
+              f"{'ok' if ok else 'OOM'} {log[-1]['s']} s", flush=True)
+        return ok
+
+    return probe
+
+
+def _mil_for_model(preset: str, cap_bytes: int, max_probes: dict[str, int]) -> dict:
+    """MIL on vs off for one model shape under an emulated memory cap (weights included).
+
+    The cap is applied with set_per_process_memory_fraction to this process's caching
+    allocator: limit = cap - memory the device already uses outside the allocator (CUDA
+    context, cuBLAS/FlashInfer modules), so that everything this process holds counts."""
+    from runtime.loader import _materialise, init_random_weights
+    from runtime.presets import get_preset
+
+    dev = _dev()
+    cfg = get_preset(preset)
+    res: dict[str, Any] = {"preset": preset, "cap_bytes": cap_bytes}
+    if DEADLINE["smoke"]:
+        cfg = get_preset("tiny")
+    else:
+        _free()
+        free_b, total_b = torch.cuda.mem_get_info()
+        outside = (total_b - free_b) - torch.cuda.memory_reserved()
+        limit = cap_bytes - outside
+        torch.cuda.set_per_process_memory_fraction(limit / total_b)
+        res.update({"outside_allocator_bytes": outside, "allocator_limit_bytes": limit})
+    t0 = time.perf_counter()
+    model = None
+    try:
+        model = _materialise(cfg, torch.bfloat16 if dev.type == "cuda" else torch.float32, dev)
+        init_random_weights(model, 0)
+        res["build_s"] = time.perf_counter() - t0
+        res["weights_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+        res["position_limit_raised_from"] = cfg.max_position_embeddings
+        for mode in ("off", "on"):
+            log: list = []
+            probe = _mil_probe_fn(model, cfg, mode == "on", log)
+            # Slope from two short probes (peak bytes are linear in T), then a bracket around
+            # the prediction, then bisection.
+            t_a, t_b = (512, 1024) if DEADLINE["smoke"] else (4096, 8192)
+            peaks = []
+            for t in (t_a, t_b):
+                if dev.type == "cuda":
+                    _free()
+                    base = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
+                if not probe(t):
+                    raise RuntimeError(f"{mode}: {t} tokens do not fit at all")
+                if dev.type == "cuda":
+                    peaks.append(torch.cuda.max_memory_allocated() - base)
+            if dev.type == "cuda":
+                per_tok = (peaks[1] - peaks[0]) / (t_b - t_a)
+                fixed = peaks[0] - per_tok * t_a
+                _free()
+                avail = limit - torch.cuda.memory_allocated()
+                pred = int((avail - fixed) / per_tok)
+            else:
+                per_tok, fixed, pred = 0.0, 0.0, DEADLINE.get("smoke_oom_tokens", 4096)
+            r: dict[str, Any] = {"bytes_per_token": per_tok, "fixed_bytes": fixed,
+                                 "predicted_tokens": pred, "probes": log}
+            budget = max_probes[mode]
+            if budget <= 0:
+                r["mil_tokens"] = None
+                r["note"] = "not probed (device time): predicted_tokens is an extrapolation"
+                res[mode] = r
+                continue
+            step = 256
+            stop = lambda: _left_s() < 0  # noqa: E731
+            guess = max(t_b + step, int(pred * 0.97) // step * step)
+            lo, hi = t_b, None
+            used = 0
+            # Bracket: walk up from the guess by 6 % until a probe fails.
+            while hi is None and used < budget and not stop():
+                used += 1
+                if probe(guess):
+                    lo, guess = guess, max(guess + step, int(guess * 1.06) // step * step)
+                else:
+                    hi = guess
+            if hi is None:
+                r.update({"mil_tokens": lo, "note": "no failing probe found within the budget:"
+                          " mil_tokens is a lower bound"})
+            else:
+                b = find_max_length(probe, lo, hi, budget - used, step, stop)
+                r.update({"mil_tokens": b["lo_ok"], "first_fail_tokens": b["hi_fail"]})
+            res[mode] = r
+            print(f"MIL {preset} {mode}: {r['mil_tokens']} (pred {pred})", flush=True)
+            _save_partial()
+        on, off = res["on"], res["off"]
+        a = on.get("mil_tokens") or on["predicted_tokens"]
+        b_ = off.get("mil_tokens") or off["predicted_tokens"]
+        res["ratio_on_vs_off"] = a / b_ if b_ else None
+        res["ratio_is_measured"] = bool(on.get("mil_tokens") and off.get("mil_tokens"))
+    finally:
+        del model
+        _free()
+        if dev.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(1.0)
+    return res
+
+
+# Device capacities the caps emulate (bytes the devices report): L4 23 034 MiB, H100 SXM 80 GB
+# 81 559 MiB.
+L4_BYTES, H100_BYTES = 23034 << 20, 81559 << 20
+
+
+def section_mil8b() -> dict:
+    return _mil_for_model("llama-3.1-8b", L4_BYTES, {"off": 5, "on": 4})
+
+
+def section_mil32b() -> dict:
+    # ON probes at ~10^5 tokens of a 64-layer model take a minute each: extrapolated only
+    # unless there is time left (see the section result's notes).
+    if _left_s() < 45 and not DEADLINE["smoke"]:
+        return {"skipped": "device time (needs ~45 s for the build and the OFF probes)"}
+    on_probes = 3 if _left_s() > 240 else 0
+    return _mil_for_model("qwen2.5-32b", H100_BYTES, {"off": 4, "on": on_probes})
+
+
+def _hf_from_ours(model, cfg):
+    """transformers model (bf16/fp32 like ours, sdpa) holding OUR weights: HF names are mapped
+    with the loader's own HF->ours table and the fused rows sliced back out."""
+    import transformers
+
+    from runtime.loader import _target
+
+    hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf_config())
+    dtype = next(model.parameters()).dtype
+    dev = next(model.parameters()).device
+    # Built on the device with HF's own init (its buffers, e.g. RoPE inv_freq, computed by
+    # transformers itself), then every parameter overwritten with ours.
+    with torch.device(dev):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype,
+                                                           attn_implementation="sdpa").eval()
+    ours = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            t = _target(cfg, name)
+            if t is None:
+                continue
+            src = ours[t[0]] if t[1] < 0 else ours[t[0]][t[1]:t[2]]
+            p.copy_(src)
+    return hf
+
+
+def _hf_score(hf, prompts: list[list[int]], labels: list[int], batch: int) -> list[list[float]]:
+    """transformers' batched forward as a user would write it: left-padded batches with an
+    attention mask, logits of the last position only, softmax over the label tokens."""
+    dev = next(hf.parameters()).device
+    out: list[list[float]] = []
+    lab = torch.tensor(labels, device=dev)
+    with torch.inference_mode():
+        for i in range(0, len(prompts), batch):
+            group = prompts[i:i + batch]
+            n = max(len(p) for p in group)
+            ids = torch.zeros(len(group), n, dtype=torch.int64)
+            mask = torch.zeros(len(group), n, dtype=torch.int64)
+            for j, p in enumerate(group):
+                ids[j, n - len(p):] = torch.tensor(p)
+                mask[j, n - len(p):] = 1
+            ids, mask = ids.to(dev), mask.to(dev)
+            same = bool(mask.all())
+            pos = (mask.cumsum(-1) - 1).clamp_min(0)  # positions count real tokens only
+            logits = hf(input_ids=ids, attention_mask=None if same else mask,
+                        position_ids=pos, logits_to_keep=1).logits[:, -1]
+            out.extend(logits[:, lab].float().softmax(-1).tolist())
+    return out
+
+
+def _ours_score(eng, prompts: list[list[int]], labels: list[int], tag: str) -> tuple[float, list]:
+    """All prompts submitted at once to the running engine; seconds until the last finishes."""
+    import threading
+
+    from runtime.request import Request, RequestKind
+
+    done = threading.Event()
+    results: dict[str, Any] = {}
+    eng._sink = None  # replaced below; the engine calls self._sink(out)
+
+    def sink(o) -> None:
+        if o.finished:
+            results[o.request_id] = o.label_probs if o.finish_reason != "error" else o
+            if len(results) == len(prompts):
+                done.set()
+
+    eng._sink = sink
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        eng.add(Request(f"{tag}{i}", RequestKind.SCORE, list(p), label_token_ids=list(labels)))
+    if not done.wait(300):
+        raise TimeoutError(f"{tag}: {len(results)}/{len(prompts)} finished")
+    dt_s = time.perf_counter() - t0
+    errs = [r for r in results.values() if not isinstance(r, list)]
+    if errs:
+        raise RuntimeError(f"{tag}: {len(errs)} failed, e.g. {getattr(errs[0], 'error', errs[0])}")
+    return dt_s, [results[f"{tag}{i}"] for i in range(len(prompts))]
+
+
+def _short_prompts(n: int, seed: int, vocab: int, lo: int = 256, hi: int = 2048) -> list:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(1000, vocab, (t,), generator=g).tolist() for t in lens]
+
+
+def section_score() -> dict:
+    """Scoring throughput, engine vs transformers (same GPU, same weights, bf16, sdpa), on
+    short-scoring and post-recommendation-like prompts; then the prefill token budget sweep
+    on short prompts."""
+    from runtime import ops
+
+    smoke = DEADLINE["smoke"]
+    model_name = "random:tiny" if smoke else "random:llama-3.1-8b"
+    kw: dict[str, Any] = {"device": "cpu"} if smoke else {"gpu_memory_utilization": 0.45}
+    eng = _engine(model_name, **kw)
+    out: dict[str, Any] = {"attention_backend": eng.backend.name,
+                           "prefill_token_budget_default": eng.config.prefill_token_budget}
+    cfg = eng.model_config
+    vocab = min(cfg.vocab_size, 30000)
+    labels = [100, 200]
+    hf = _hf_from_ours(eng.model, cfg)
+    # Same weights? last-row label probabilities of 4 prompts, ours (engine) vs transformers.
+    eng.start()
+    chk = _short_prompts(4, 99, vocab, 200, 400)
+    _, ours_p = _ours_score(eng, chk, labels, "chk")
+    hf_p = _hf_score(hf, chk, labels, 4)
+    diff = max(abs(a - b) for x, y in zip(ours_p, hf_p, strict=True)
+               for a, b in zip(x, y, strict=True))
+    out["label_prob_max_abs_diff_vs_hf"] = diff
+    check("engine vs transformers label probs (same weights)", diff < 0.05, f"max|d|={diff:.3f}")
+    n_short = 16 if smoke else 64
+    n_posts = 4 if smoke else 16
+    profile_len, post_len = (600, 20) if smoke else (11000, 150)
+    batch_hf_short, batch_hf_post = 16, 4
+    # Warm-up both (cuBLAS/FlashInfer plans, allocator).
+    _ours_score(eng, _short_prompts(8, 7, vocab), labels, "warm")
+    _hf_score(hf, _short_prompts(8, 7, vocab), labels, 8)
+    short = _short_prompts(n_short, 1, vocab)
+    s_ours, _ = _ours_score(eng, short, labels, "short")
+    if torch.cuda.is_available() and not smoke:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    _hf_score(hf, short, labels, batch_hf_short)
+    s_hf = time.perf_counter() - t0
+    ntok = sum(len(p) for p in short)
+    out["short"] = {"requests": n_short, "tokens": ntok, "ours_s": s_ours, "hf_s": s_hf,
+                    "ours_rps": n_short / s_ours, "hf_rps": n_short / s_hf,
+                    "hf_batch": batch_hf_short, "speedup": s_hf / s_ours}
+    print(f"score short: ours {n_short / s_ours:.1f} req/s, hf {n_short / s_hf:.1f}", flush=True)
+    g = torch.Generator().manual_seed(3)
+    profile = torch.randint(1000, vocab, (profile_len,), generator=g).tolist()
+    posts = [profile + torch.randint(1000, vocab, (post_len,), generator=g).tolist()
+             for _ in range(n_posts)]
+    p_ours, _ = _ours_score(eng, posts, labels, "post")
+    t0 = time.perf_counter()
+    _hf_score(hf, posts, labels, batch_hf_post)
+    p_hf = time.perf_counter() - t0
+    out["post_recommendation"] = {
+        "requests": n_posts, "profile_tokens": profile_len, "post_tokens": post_len,
+        "ours_s": p_ours, "hf_s": p_hf, "ours_rps": n_posts / p_ours, "hf_rps": n_posts / p_hf,
+        "hf_batch": batch_hf_post, "speedup": p_hf / p_ours,
+        "note": "one user's profile shared by every request: ours computes it once (prefix "
+                "cache); transformers has no prefix cache and recomputes it per request"}
+    print(f"score post: ours {n_posts / p_ours:.1f} req/s, hf {n_posts / p_hf:.1f}", flush=True)
+    del hf
+    _free()
+    _save_partial()
+    # Budget sweep: the scheduler reads config.prefill_token_budget each step; the config is
+    # a frozen dataclass, so it is replaced in place for this measurement only. Fresh prompts
+    # per budget (no prefix-cache hits between runs).
+    sweep = {}
+    for k, budget in enumerate((2048, 4096, 8192, 16384, 32768)):
+        if _left_s() < 60 and not smoke:
+            sweep[str(budget)] = "skipped: device time"
+            continue
+        object.__setattr__(eng.config, "prefill_token_budget", budget)
+        prompts = _short_prompts(n_short, 100 + k, vocab)
+        s, _ = _ours_score(eng, prompts, labels, f"b{budget}_")
+        sweep[str(budget)] = {"s": s, "rps": n_short / s,
+                              "tokens_per_s": sum(len(p) for p in prompts) / s}
+        print(f"budget {budget}: {n_short / s:.1f} req/s", flush=True)
+    object.__setattr__(eng.config, "prefill_token_budget", out["prefill_token_budget_default"])
+    out["budget_sweep_short"] = sweep
+    eng.shutdown()
+    ops.use_flashinfer(False)
+    del eng
+    _free()
+    return out
+
+
+def _wait_http(url: str, deadline_s: float, proc) -> None:
+    import urllib.request
+
+    t_end = time.monotonic() + deadline_s
+    while time.monotonic() < t_end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"{url} not healthy after {deadline_s} s")
+
+
+def section_http() -> dict:
+    """`python -m app serve` in a child process, then `python -m bench.serve` for one scoring
+    and one chat workload; the harness JSONs go to $OUT."""
+    import subprocess
+
+    smoke = DEADLINE["smoke"]
+    out_dir = os.environ.get("OUT") or "bench/results"
+    model = "random:tiny" if smoke else "random:llama-3.1-8b"
+    server_cmd = [sys.executable, "-m", "app", "serve", "--model", model, "--port", "8000",
+                  "--calibrate", "false"]
+    res: dict[str, Any] = {"server_cmd": " ".join(server_cmd[1:])}
+    log_path = os.path.join(out_dir, "server.log")
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log_f:
+        proc = subprocess.Popen(server_cmd, stdout=log_f, stderr=subprocess.STDOUT)
+        try:
+            try:
+                _wait_http("http://127.0.0.1:8000/health", 90 if not smoke else 180, proc)
+            except Exception as e:
+                log_f.flush()
+                tail = open(log_path).read()[-3000:]
+                res["start_error"] = f"{type(e).__name__}: {e}"
+                res["server_log_tail"] = tail
+                check("server starts on the device", False, res["start_error"])
+                return res
+            res["startup_s"] = time.perf_counter() - t0
+            n = 20 if smoke else 100
+            runs = {
+                "post-recommendation": ["--workload", "post-recommendation", "--scale",
+                                        "0.02" if smoke else "0.5", "--qps", "8"],
+                "sharegpt": ["--workload", "sharegpt", "--scale", "0.05" if smoke else "0.5",
+                             "--qps", "8"],
+            }
+            for name, args in runs.items():
+                if _left_s() < 25 and not smoke:
+                    res[name] = "skipped: device time"
+                    continue
+                path = os.path.join(out_dir, f"http-{name}.json")
+                cmd = [sys.executable, "-m", "bench.serve", "--url", "http://127.0.0.1:8000",
+                       *args, "--num-requests", str(n), "--seed", "0", "--out", path]
+                t1 = time.perf_counter()
+                cp = subprocess.run(cmd, capture_output=True, text=True,
+                                    timeout=max(20, min(120, _left_s() - 5)) if not smoke else 600)
+                entry: dict[str, Any] = {"cmd": " ".join(cmd[1:]), "rc": cp.returncode,
+                                         "wall_s": time.perf_counter() - t1}
+                if cp.returncode != 0 or not os.path.exists(path):
+                    entry["stderr_tail"] = (cp.stderr or "")[-2000:]
+                else:
+                    m = json.load(open(path)).get("metrics") or {}
+                    entry["metrics"] = {k: m.get(k) for k in (
+                        "completed", "failed", "request_throughput", "output_throughput",
+                        "ttft_ms", "tpot_ms", "e2el_ms", "failure_reasons")}
+                res[name] = entry
+                print(f"http {name}: rc={cp.returncode} "
+                      f"{(entry.get('metrics') or {}).get('request_throughput')}", flush=True)
+                _save_partial()
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return res
+
+
 SECTIONS: dict[str, Callable[[], dict]] = {
     "engine": section_engine,
     "correctness": section_correctness,
@@ -853,6 +1327,10 @@ SECTIONS: dict[str, Callable[[], dict]] = {
     "model": section_model,
     "profile": section_profile,
     "graphs": section_graphs,
+    "mil8b": section_mil8b,
+    "mil32b": section_mil32b,
+    "score": section_score,
+    "http": section_http,
 }
 
 
@@ -868,6 +1346,25 @@ def _summary_table() -> str:
             flat = {k: v for k, v in val.items() if isinstance(v, (int, float, str))}
             lines.append(f"{sec}: " + ", ".join(
                 f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in flat.items()))
+    secs = RESULTS["sections"]
+    for name in ("mil8b", "mil32b"):
+        m = secs.get(name) or {}
+        if "on" in m and "off" in m:
+            lines.append(f"{name}: MIL on {m['on'].get('mil_tokens')} (pred "
+                         f"{m['on']['predicted_tokens']}) / off {m['off'].get('mil_tokens')} "
+                         f"(pred {m['off']['predicted_tokens']}) ratio {m.get('ratio_on_vs_off')}"
+                         f" measured={m.get('ratio_is_measured')}")
+    sc = secs.get("score") or {}
+    for w in ("short", "post_recommendation"):
+        if isinstance(sc.get(w), dict):
+            d = sc[w]
+            lines.append(f"score {w}: ours {d['ours_rps']:.2f} req/s, transformers "
+                         f"{d['hf_rps']:.2f} req/s, speedup {d['speedup']:.2f}")
+    for b, d in (sc.get("budget_sweep_short") or {}).items():
+        lines.append(f"  budget {b}: " + (f"{d['rps']:.2f} req/s" if isinstance(d, dict) else d))
+    for w, d in (secs.get("http") or {}).items():
+        if isinstance(d, dict) and "metrics" in d:
+            lines.append(f"http {w}: {json.dumps(d['metrics'], default=str)[:300]}")
     for e in RESULTS["errors"]:
         lines.append(f"ERROR {e}")
     return "\n".join(lines)
@@ -878,14 +1375,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sections", default="ceilings,green,backend,ops,kernels")
     ap.add_argument("--rev", default="unknown", help="git revision of the tree (pass it in)")
     ap.add_argument("--tag", default="gpu-suite")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="seconds from start after which long sections stop early (and say so)")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="run the mil8b/score/http sections on CPU with random:tiny (catches "
+                         "Python errors before device time; figures meaningless)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.deadline_s is not None:
+        DEADLINE["t"] = time.monotonic() + args.deadline_s
+    if args.cpu_smoke:
+        DEADLINE.update({"smoke": True, "smoke_oom_tokens": 2000})
+    elif not torch.cuda.is_available():
         print("CUDA is not available: nothing to run")
         return 2
     RESULTS.update({
         "command": "bash bench/gpu_run.sh " + " ".join(sys.argv[1:] if argv is None else argv),
         "git_revision": args.rev,
-        "device": torch.cuda.get_device_name(0),
+        "device": "cpu (smoke)" if args.cpu_smoke else torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     })
@@ -897,6 +1403,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             RESULTS["errors"].append(f"{name}: {type(exc).__name__}: {exc}")
         print(f"--- section {name} took {time.perf_counter() - t0:.1f} s", flush=True)
+        _save_partial()
     out_dir = os.environ.get("OUT") or "bench/results"
     date = dt.date.today().isoformat()
     path = os.path.join(out_dir, f"{args.tag}-{date}.json")

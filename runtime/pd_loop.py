@@ -122,7 +122,7 @@ class _Inflight:
     layers_per_slice: int
     start_event: EventLike
     next_layer: int = 0
-    logits: torch.Tensor | None = None  # [N, vocab] fp32 once the last slice is launched
+    hidden_rows: torch.Tensor | None = None  # [N, H] final-normed rows needing an output
     slice_events: list[EventLike] = field(default_factory=list)
     done_event: EventLike | None = None
     overlapped_decode: bool = False  # a decode step ran while it was in flight
@@ -290,8 +290,7 @@ class PDLoop:
                     if any(s.needs_output for s in f.plan.prefill):
                         idx = f.batch.logits_indices
                         res = None if f.residual is None else f.residual[idx]
-                        hidden = self.model.final_norm(f.h[idx], res)
-                        f.logits = self.model.compute_logits(hidden)
+                        f.hidden_rows = self.model.final_norm(f.h[idx], res)
                     f.done_event = ev
                 ev.record()
                 f.slice_events.append(ev)
@@ -317,10 +316,15 @@ class PDLoop:
         self.inflight = None
         out = RunnerOutput()
         try:
-            if f.logits is not None:
+            if f.hidden_rows is not None:
                 with self.device.context(f.choice.prefill_stream):
                     wanting = [s for s in f.plan.prefill if s.needs_output]
-                    outputs_from_logits(self.runner, wanting, f.logits, out)
+                    own = getattr(self.runner, "outputs_from_hidden", None)
+                    if own is not None:
+                        own(f.hidden_rows, wanting, out)
+                    else:
+                        logits = self.model.compute_logits(f.hidden_rows)
+                        outputs_from_logits(self.runner, wanting, logits, out)
         finally:
             self.scheduler.end_prefill(f.plan)
         if self.observe is not None:
@@ -370,13 +374,8 @@ class PDLoop:
 def outputs_from_logits(
     runner: Any, wanting: list[ScheduledSeq], logits: torch.Tensor, out: RunnerOutput
 ) -> None:
-    """Sample (GENERATE) or score (SCORE) the logits rows of `wanting`, into `out`.
-    Uses `runner.outputs_from_logits` when the runner provides it (the same logic as its own
-    step), else this copy of it (sampler + per-request seeded generators)."""
-    own = getattr(runner, "outputs_from_logits", None)
-    if own is not None:
-        own(wanting, logits, out)
-        return
+    """Fallback for a runner without `outputs_from_hidden`: sample (GENERATE) or score (SCORE)
+    the logits rows of `wanting`, into `out` (sampler + per-request seeded generators)."""
     gen_rows = [i for i, s in enumerate(wanting) if s.request.kind == RequestKind.GENERATE]
     score_rows = [i for i, s in enumerate(wanting) if s.request.kind == RequestKind.SCORE]
     if gen_rows:

@@ -21,6 +21,7 @@ Sampling and label scoring stay on the device; each part ends with one `.tolist(
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -36,6 +37,77 @@ from runtime.sampler import Sampler, make_generator
 from runtime.scheduler import RunnerOutput, ScheduledSeq, StepPlan
 
 log = logging.getLogger("greenlane.runner")
+
+
+class PeakMeter:
+    """Bytes-allocated high-water mark of one device (CUDA: the caching allocator's stats).
+    `profile_activation_peak` takes another meter in tests (CPU has no allocator stats)."""
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"no allocator statistics on {device.type}; pass a meter")
+        self.device = device
+
+    def reset(self) -> int:
+        """Start a measurement; returns the bytes allocated now (the baseline)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
+
+
+def profile_activation_peak(
+    config: EngineConfig,
+    model: LlamaForCausalLM,
+    model_config: ModelConfig,
+    num_tokens: int,
+    make_backend: Callable[[KVPool], AttentionBackend],
+    *,
+    meter: PeakMeter | None = None,
+) -> int:
+    """Measured activation peak, in bytes, of one step: a dry-run prefill of `num_tokens`
+    tokens through the real model (hybrid prefill as configured), plus the fp32 logits and
+    log-softmax of `max_num_seqs` rows (the widest sampling step). Call it after the weights
+    are on the device and BEFORE the KV pool exists: it builds a one-block pool of its own and
+    discards every token's K/V (num_kept_tokens = 0), so the step's K/V live in the per-layer
+    scratch exactly as for a kept prompt's ragged prefill (pool writes allocate nothing).
+    The result is what `compute_num_blocks(activation_bytes=...)` takes. It excludes the
+    attention workspaces (allocated before the measurement starts)."""
+    dev = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    meter = meter or PeakMeter(dev)
+    if num_tokens < 1:
+        raise ValueError("num_tokens must be >= 1")
+    # Positions beyond the model's limit would index past the RoPE table.
+    num_tokens = min(num_tokens, model.rotary.max_positions)
+    pool = KVPool.for_model(model_config, 1, config.block_size, dtype, dev, num_reserved_blocks=0)
+    backend = make_backend(pool)
+    ids = torch.randint(0, model_config.vocab_size, (num_tokens,), device=dev)
+    batch = ForwardBatch(
+        input_ids=ids,
+        positions=torch.arange(num_tokens, device=dev),
+        seqs=[SeqSlice(0, num_tokens, 0, 0, [])],  # nothing kept: no pool blocks needed
+        logits_indices=torch.tensor([num_tokens - 1], device=dev),
+        is_decode=False,
+    )
+    chunk = config.prefill_chunk_tokens if config.hybrid_prefill else None
+    rows = min(config.max_num_seqs, num_tokens)
+    base = meter.reset()
+    with torch.inference_mode():
+        backend.plan(batch)
+        hidden = model(batch.input_ids, batch.positions, backend, chunk_tokens=chunk)
+        # Sampling-sized LM head: [rows, vocab] fp32 logits and their log-softmax.
+        logits = model.compute_logits(hidden[:rows])
+        lp = logits.log_softmax(dim=-1)
+        del hidden, logits, lp
+    peak = meter.peak()
+    del backend, pool, batch, ids
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return max(0, peak - base)
 
 
 class OutOfMemoryForStep(RuntimeError):

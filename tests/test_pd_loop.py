@@ -143,6 +143,7 @@ def test_same_tokens_as_monolithic_no_loss_no_duplicates(prefill_sms: int) -> No
             dev.release()
         if not eng.scheduler.has_work() and not loop.busy and i > 5:
             break
+    dev.hold = False
     dev.release()
     outs += loop.drain()
     got = tokens_by_id(outs)
@@ -204,6 +205,7 @@ def test_abort_during_inflight_prefill_frees_kv_after_completion() -> None:
     assert bm.num_free_blocks == free0 - held  # the device may still write them: kept
     with pytest.raises(ValueError):  # the id is still reserved
         sched.add(gen("x", 5, 1))
+    dev.hold = False
     dev.release()
     outs = loop.drain()
     assert not outs  # nothing more for an aborted request
@@ -226,5 +228,6 @@ def test_preemption_never_picks_an_inflight_request() -> None:
         loop.step()
     assert sched.is_inflight("big") and big.status.name == "RUNNING"
     assert a.num_preemptions >= 1  # it preempted itself, not the in-flight prefill
+    dev.hold = False
     dev.release()
     loop.drain()

@@ -12,10 +12,11 @@ How the queue is built without any timing assumption:
 Completion order is read at the engine's output sink (the engine thread emits outputs in step
 order), not from client-side timing, and requests are told apart by their prompt lengths.
 
-The JCT model is a fixed CPU-like calibration file (1 ms per token) so that SRJF's overtaking
-window, (J_long - J_short) / lambda ~ 30 s with the default lambda = 0.1, is far larger than any
-submission delay on a loaded 2-core CI machine; under the H100-class fallback it would be ~1 s.
-Its online refinement needs 16 observed steps to refit, more than this test runs per policy.
+The JCT model starts from a fixed CPU-like calibration file (1 ms per token) so that SRJF's
+overtaking window for the long prompt, (J_long - J_short) / lambda ~ 30 s with the default
+lambda = 0.1, is far larger than any submission delay on a loaded 2-core CI machine (under the
+H100-class fallback it would be ~1 s). Online refinement may refit it to the real timings of
+random:tiny during the module (every 16 observed steps); the window then stays > 1 s.
 The policy is switched at run time through `PUT /admin/api/policy` (loopback: no token).
 """
 
@@ -135,21 +136,18 @@ def _set_policy(server: ServerThread, name: str) -> None:
     _wait_for(lambda: server.engine.stats()["policy"] == name, f"policy {name}")
 
 
-@pytest.mark.parametrize(
-    ("policy", "expected"),
-    [
-        # Arrival order: the long one first, then the shorts as submitted.
-        ("fcfs", [LONG_TOKENS, *SHORT_TOKENS]),
-        # Shortest predicted JCT first (lambda * wait is tiny next to the 3 s JCT gap).
-        ("srjf", [*sorted(SHORT_TOKENS), LONG_TOKENS]),
-        # Fewest remaining prompt tokens first (gamma = 15 tok/s: a ~200 s window).
-        ("spf", [*sorted(SHORT_TOKENS), LONG_TOKENS]),
-    ],
-)
+@pytest.mark.parametrize("policy", ["fcfs", "srjf", "spf"])
 def test_completion_order_follows_the_policy(
-    server: ServerThread, recorder: _Recorder, policy: str, expected: list[int]
+    server: ServerThread, recorder: _Recorder, policy: str
 ) -> None:
     _set_policy(server, policy)
     salt = ("fcfs", "srjf", "spf").index(policy) + 1
-    assert _run_scenario(server, recorder, salt) == expected
-
+    order = _run_scenario(server, recorder, salt)
+    if policy == "fcfs":
+        # Arrival order exactly: the long one first, then the shorts as submitted.
+        assert order == [LONG_TOKENS, *SHORT_TOKENS]
+    else:
+        # Every short one before the long one, which arrived first. (The order *among* the
+        # shorts is not asserted: their JCTs differ by ~10 ms, so with the default fairness
+        # offset their order legitimately depends on how far apart they arrived.)
+        assert order[-1] == LONG_TOKENS and sorted(order[:-1]) == sorted(SHORT_TOKENS), order

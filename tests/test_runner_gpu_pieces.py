@@ -69,3 +69,60 @@ def test_oom_message_names_the_step() -> None:
                        needs_output=True)
     msg = describe_oom(StepPlan(step_id=0, prefill=[seq]))
     assert "100 tokens" in msg and "out of GPU memory" in msg
+
+
+class _SpyMeter:
+    """Stands in for the CUDA allocator: 'allocates' 1000 bytes per model forward that runs
+    between reset() and peak()."""
+
+    def __init__(self) -> None:
+        self.forwards = 0
+        self._at_reset = -1
+
+    def reset(self) -> int:
+        self._at_reset = self.forwards
+        return 5000
+
+    def peak(self) -> int:
+        return 5000 + 1000 * (self.forwards - self._at_reset)
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_profile_activation_peak_runs_one_forward_as_configured(hybrid: bool) -> None:
+    from runtime.attention.torch_backend import TorchAttentionBackend
+    from runtime.config import EngineConfig
+    from runtime.loader import load_model
+    from runtime.runner import profile_activation_peak
+
+    model, mc, _ = load_model("random:tiny", torch.float32, "cpu")
+    cfg = EngineConfig(model="random:tiny", device="cpu", hybrid_prefill=hybrid,
+                       prefill_chunk_tokens=16, max_num_seqs=4)
+    meter = _SpyMeter()
+    seen: list[tuple[int, int | None]] = []
+    real_forward = model.forward
+
+    def spy(ids, positions, attn, chunk_tokens=None):  # type: ignore[no-untyped-def]
+        meter.forwards += 1
+        seen.append((int(ids.numel()), chunk_tokens))
+        return real_forward(ids, positions, attn, chunk_tokens=chunk_tokens)
+
+    model.forward = spy  # type: ignore[method-assign]
+    peak = profile_activation_peak(cfg, model, mc, 40, TorchAttentionBackend, meter=meter)
+    assert peak == 1000  # exactly one forward between reset and peak
+    assert seen == [(40, 16 if hybrid else None)]
+    # Longer than the position limit: clamped, not an index error.
+    seen.clear()
+    profile_activation_peak(cfg, model, mc, 10**9, TorchAttentionBackend, meter=meter)
+    assert seen[0][0] == model.rotary.max_positions
+
+
+def test_profile_activation_peak_needs_a_meter_off_cuda() -> None:
+    from runtime.attention.torch_backend import TorchAttentionBackend
+    from runtime.config import EngineConfig
+    from runtime.loader import load_model
+    from runtime.runner import profile_activation_peak
+
+    model, mc, _ = load_model("random:tiny", torch.float32, "cpu")
+    with pytest.raises(ValueError, match="meter"):
+        profile_activation_peak(EngineConfig(model="random:tiny"), model, mc, 8,
+                                TorchAttentionBackend)
