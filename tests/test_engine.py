@@ -338,3 +338,17 @@ def test_components_give_the_same_tokens_with_chunks_and_preemption(device: str)
         prefill_chunk_tokens=5,
     )
     assert roomy == tight and all(len(t) == 20 for t in roomy)
+
+
+def test_cpu_engine_exposes_an_unavailable_partition_that_says_why() -> None:
+    engine, _ = make_engine(partition="auto")  # requested, but there is no CUDA here
+    try:
+        st = engine.partition.state()
+        assert not st.available and st.reason == "no CUDA device" and st.mode == "off"
+        assert engine.pd is None
+        stats = engine.stats()
+        assert stats["partition"] == "off" and stats["cost_model_mape"] is None
+        with pytest.raises(ValueError):
+            engine.partition.set_mode("static:64")
+    finally:
+        engine.shutdown(0)
