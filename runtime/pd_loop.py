@@ -34,8 +34,8 @@ import torch
 
 from runtime.attention.base import ForwardBatch
 from runtime.cost_model import TIME_SLICE, DecodeShape, PrefillShape
-from runtime.request import RequestKind, RequestOutput
-from runtime.scheduler import RunnerOutput, ScheduledSeq, Scheduler, StepPlan
+from runtime.request import RequestOutput
+from runtime.scheduler import RunnerOutput, Scheduler, StepPlan
 
 
 class EventLike(Protocol):
@@ -319,12 +319,7 @@ class PDLoop:
             if f.hidden_rows is not None:
                 with self.device.context(f.choice.prefill_stream):
                     wanting = [s for s in f.plan.prefill if s.needs_output]
-                    own = getattr(self.runner, "outputs_from_hidden", None)
-                    if own is not None:
-                        own(f.hidden_rows, wanting, out)
-                    else:
-                        logits = self.model.compute_logits(f.hidden_rows)
-                        outputs_from_logits(self.runner, wanting, logits, out)
+                    self.runner.outputs_from_hidden(f.hidden_rows, wanting, out)
         finally:
             self.scheduler.end_prefill(f.plan)
         if self.observe is not None:
@@ -370,37 +365,3 @@ class PDLoop:
             out = self.runner.run(merged)
         return self.scheduler.update(merged, out)
 
-
-def outputs_from_logits(
-    runner: Any, wanting: list[ScheduledSeq], logits: torch.Tensor, out: RunnerOutput
-) -> None:
-    """Fallback for a runner without `outputs_from_hidden`: sample (GENERATE) or score (SCORE)
-    the logits rows of `wanting`, into `out` (sampler + per-request seeded generators)."""
-    gen_rows = [i for i, s in enumerate(wanting) if s.request.kind == RequestKind.GENERATE]
-    score_rows = [i for i, s in enumerate(wanting) if s.request.kind == RequestKind.SCORE]
-    if gen_rows:
-        reqs = [wanting[i].request for i in gen_rows]
-        gens = [runner._generator(r.request_id, r.sampling.seed) for r in reqs]
-        rows = logits if len(gen_rows) == len(wanting) else logits[gen_rows]
-        sampled = runner.sampler.sample(rows, [r.sampling for r in reqs], gens)
-        for r, tok, lp in zip(reqs, sampled.token_ids, sampled.logprobs, strict=True):
-            out.sampled_token_ids[r.request_id] = tok
-            if lp is not None:
-                out.logprobs[r.request_id] = lp
-    if score_rows:
-        probs: list[torch.Tensor] = []
-        for i in score_rows:
-            req = wanting[i].request
-            labels = torch.tensor(req.label_token_ids, dtype=torch.int64, device=logits.device)
-            row = logits[i]
-            if req.apply_softmax:
-                probs.append(row.index_select(0, labels).softmax(dim=-1))
-            else:
-                probs.append(row.softmax(dim=-1).index_select(0, labels))
-        flat = torch.cat(probs).tolist()
-        pos = 0
-        for i in score_rows:
-            req = wanting[i].request
-            n = len(req.label_token_ids)
-            out.label_probs[req.request_id] = flat[pos : pos + n]
-            pos += n
