@@ -43,6 +43,8 @@ _ENGINE_HELP = {
     "max_gpu_memory_gb": "cap on GPU memory for the whole engine",
     "cpu_kv_cache_gb": "KV pool size on CPU",
     "max_model_len": "prompt + output token limit (default: the model's)",
+    "max_score_tokens": "longest scoring prompt to reserve activation memory for on CUDA "
+    "(default: max_model_len); longer ones get a 400",
     "max_num_seqs": "cap on running requests (decode batch)",
     "prefill_token_budget": "tokens per prefill step",
     "prefill_policy": "srjf | spf | fcfs",

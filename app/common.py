@@ -154,6 +154,13 @@ def check_prompt_fits(
             f"{num_prompt_tokens + max_tokens}. Reduce the prompt or max_tokens.",
             param, "context_length_exceeded",
         )
+    max_score = int(getattr(engine, "max_score_tokens", max_len))
+    if not generate and num_prompt_tokens > max_score:
+        raise bad_request(
+            f"The scoring prompt has {num_prompt_tokens} tokens; this server accepts at most "
+            f"{max_score} (activation memory reserved at start-up; see --max-score-tokens).",
+            "prompt", "context_length_exceeded",
+        )
     max_prompt = int(getattr(engine, "max_prompt_tokens", max_len))
     if generate and num_prompt_tokens > max_prompt:
         raise bad_request(

@@ -19,6 +19,9 @@ class EngineConfig:
     max_gpu_memory_gb: float | None = None  # cap for the whole engine (weights + KV + activations)
     cpu_kv_cache_gb: float = 1.0  # KV pool size on CPU
     max_model_len: int | None = None  # None = the model's position limit
+    # Longest scoring prompt to reserve activation memory for (CUDA). None = max_model_len.
+    # A larger value leaves fewer KV blocks; prompts beyond it are refused with a 400.
+    max_score_tokens: int | None = None
 
     max_num_seqs: int = 256  # running requests (decode batch) cap
     prefill_token_budget: int = 8192  # tokens per prefill step (short prompts batched up to this)

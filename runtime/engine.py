@@ -44,7 +44,7 @@ from runtime.partition import PartitionManager, UnavailablePartition
 from runtime.pd_loop import CudaStreamDevice, PDLoop, SplitChoice, StepFailed
 from runtime.prefix_cache import PrefixCache
 from runtime.request import FINISH_REASONS, Request, RequestKind, RequestOutput, RequestStatus
-from runtime.runner import ModelRunner
+from runtime.runner import ModelRunner, profile_activation_peak
 from runtime.scheduler import ScheduledSeq, Scheduler, StepPlan
 
 log = logging.getLogger("greenlane.engine")
@@ -127,7 +127,20 @@ class Engine:
             model.rotary.rebuild(self.device, limit)
         self._max_model_len = limit
 
-        num_blocks = compute_num_blocks(config, model_config, self.dtype, self.device)
+        self._max_score_tokens = min(config.max_score_tokens or limit, limit)
+        activation_bytes = None
+        if self.device.type == "cuda" and config.num_kv_blocks is None:
+            try:
+                activation_bytes = self._measure_activation_reserve()
+            except Exception as e:  # noqa: BLE001 - fall back to the estimate, and say so
+                log.warning(
+                    "could not measure the activation peak (%s: %s); FALLBACK: sizing the KV "
+                    "pool with the estimated activation reserve", type(e).__name__, e,
+                )
+                torch.cuda.empty_cache()
+        num_blocks = compute_num_blocks(
+            config, model_config, self.dtype, self.device, activation_bytes=activation_bytes
+        )
         self.kv_pool = KVPool.for_model(
             model_config, num_blocks, config.block_size, self.dtype, self.device
         )
@@ -150,7 +163,8 @@ class Engine:
             if self._green is not None else None
         )
         self.runner = ModelRunner(
-            config, model, model_config, self.kv_pool, self.backend, decode_backend
+            config, model, model_config, self.kv_pool, self.backend, decode_backend,
+            max_model_len=self._max_model_len,
         )
         self.pd: PDLoop | None = None
         self._pd_active = False  # the last step ran in the PD loop (stream fencing on switch)
@@ -232,6 +246,30 @@ class Engine:
         decode_sms = total - sc.prefill_sms if sc.prefill_sms else total
         return SplitChoice(sc.prefill_sms, decode_sms, sc.prefill_stream, sc.decode_stream)
 
+    def _measure_activation_reserve(self) -> int:
+        """Activation bytes to keep free beside the KV pool, measured, not guessed: two
+        dry-run prefills (the step budget and twice it) give a fixed part and a per-token
+        slope; the reserve covers the larger of one budget-sized step and the longest
+        scoring prompt (`max_score_tokens`, which runs alone with hybrid prefill)."""
+        cfg, mc = self.config, self.model_config
+
+        def backend_for(pool: KVPool) -> AttentionBackend:
+            return make_attention_backend(cfg, pool, mc.num_q_heads)
+
+        n1 = max(1, min(cfg.prefill_token_budget, self._max_model_len))
+        n2 = max(n1 + 1, min(2 * n1, self._max_model_len))
+        p1 = profile_activation_peak(cfg, self.model, mc, n1, backend_for)
+        p2 = profile_activation_peak(cfg, self.model, mc, n2, backend_for)
+        slope = max(0.0, (p2 - p1) / (n2 - n1))  # bytes per extra prompt token
+        fixed = max(0.0, p1 - slope * n1)
+        reserve = int(max(p1, fixed + slope * self._max_score_tokens))
+        log.info(
+            "activation peak measured: %.2f GiB at %d tokens, %.1f KiB/token; reserving "
+            "%.2f GiB (scoring prompts up to %d tokens)",
+            p1 / 2**30, n1, slope / 1024, reserve / 2**30, self._max_score_tokens,
+        )
+        return reserve
+
     # ---- limits ---------------------------------------------------------------------------
     @property
     def max_model_len(self) -> int:
@@ -241,6 +279,12 @@ class Engine:
     @property
     def kv_pool_tokens(self) -> int:
         return self.block_manager.num_blocks * self.config.block_size
+
+    @property
+    def max_score_tokens(self) -> int:
+        """Longest scoring prompt: its activations were reserved at start-up (suffix-KV
+        discard means it needs no KV beyond its cacheable prefix)."""
+        return self._max_score_tokens
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -381,6 +425,11 @@ class Engine:
                 return (
                     f"the prompt has {n} tokens; the maximum context length is "
                     f"{self._max_model_len}"
+                )
+            if n > self._max_score_tokens:
+                return (
+                    f"the scoring prompt has {n} tokens; this server reserved memory for at "
+                    f"most {self._max_score_tokens} (--max-score-tokens)"
                 )
             return None
         max_tokens = req.sampling.max_tokens

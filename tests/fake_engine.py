@@ -109,6 +109,7 @@ class FakeEngine:
         )
         self.max_model_len = min(config.max_model_len or MAX_MODEL_LEN, MAX_MODEL_LEN)
         self.max_prompt_tokens = self.max_model_len
+        self.max_score_tokens = min(config.max_score_tokens or self.max_model_len, self.max_model_len)
         self.kv_blocks_total = 1000
         self.policy = config.prefill_policy
         self._lock = threading.Lock()

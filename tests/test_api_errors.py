@@ -114,6 +114,23 @@ def test_context_error_names_the_numbers(http: httpx.Client) -> None:
     assert err["code"] == "context_length_exceeded"
 
 
+def test_scoring_prompt_over_the_reserved_length_names_the_maximum(
+    http: httpx.Client, server: ServerThread
+) -> None:
+    engine = server.engine
+    saved = engine.max_score_tokens
+    engine.max_score_tokens = 5  # as if the server reserved activations for 5 tokens only
+    try:
+        r = http.post(SCORE, json={"query": [1, 2, 3], "items": [[4, 5, 6]], "label_token_ids": [7]})
+        err = _assert_openai_error(r, 400)
+        assert "6" in err["message"] and "at most 5" in err["message"]
+        assert err["code"] == "context_length_exceeded"
+        ok = http.post(SCORE, json={"query": [1, 2], "items": [[4]], "label_token_ids": [7]})
+        assert ok.status_code == 200, ok.text
+    finally:
+        engine.max_score_tokens = saved
+
+
 def test_multi_token_label_is_named(http: httpx.Client) -> None:
     r = http.post(SCORE, json={"query": "q", "items": ["a"], "labels": ["y", "no"]})
     err = _assert_openai_error(r, 400)

@@ -215,6 +215,20 @@ def test_poisoned_request_in_a_batch_fails_alone(monkeypatch) -> None:
         engine.shutdown(0)
 
 
+def test_scoring_prompt_beyond_max_score_tokens_is_refused_with_the_maximum() -> None:
+    engine, sink = make_engine(max_score_tokens=12)
+    try:
+        assert engine.max_score_tokens == 12
+        engine.add(score("long", list(range(1, 14))))  # 13 tokens
+        engine.add(score("fits", list(range(1, 13))))  # 12 tokens
+        sink.wait("long", "fits")
+        assert sink.last("long").finish_reason == "error"
+        assert "at most 12" in sink.last("long").error
+        assert sink.last("fits").label_probs is not None
+    finally:
+        engine.shutdown(0)
+
+
 def test_reset_prefix_cache_drops_idle_blocks(engine_and_sink) -> None:
     engine, sink = engine_and_sink
     engine.add(score("s", PROFILE))
