@@ -165,6 +165,7 @@ class Engine:
         self.runner = ModelRunner(
             config, model, model_config, self.kv_pool, self.backend, decode_backend,
             max_model_len=self._max_model_len,
+            num_sampleable_tokens=tokenizer.vocab_size,
         )
         self.pd: PDLoop | None = None
         self._pd_active = False  # the last step ran in the PD loop (stream fencing on switch)

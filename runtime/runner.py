@@ -127,12 +127,18 @@ class ModelRunner:
         decode_stream: torch.cuda.Stream | None = None,
         max_model_len: int | None = None,
         capture_graphs: bool = True,
+        num_sampleable_tokens: int | None = None,
     ) -> None:
         """max_model_len sizes the graphs' per-sequence block tables (default: the model's
         position limit). capture_graphs=False builds the graphs object without capturing
         (call `decode_graphs.capture()` later, e.g. on another stream)."""
         self.config = config
         self.model = model
+        # Sampling only picks ids the tokenizer can decode: a model whose embedding table is
+        # padded past the tokenizer (random:<preset> models with the SmolLM2 tokenizer,
+        # Qwen's padded vocab) would otherwise emit ids that decode to nothing.
+        vocab = model_config.vocab_size
+        self.num_sampleable_tokens = min(num_sampleable_tokens or vocab, vocab)
         self.model_config = model_config
         self.kv_pool = kv_pool
         self.device = kv_pool.device
@@ -265,6 +271,7 @@ class ModelRunner:
             reqs = [wanting[i].request for i in gen_rows]
             gens = [self._generator(r.request_id, r.sampling.seed) for r in reqs]
             rows = logits if len(gen_rows) == len(wanting) else logits[gen_rows]
+            rows = rows[:, : self.num_sampleable_tokens]  # a view: ids beyond are never drawn
             sampled = self.sampler.sample(rows, [r.sampling for r in reqs], gens)
             for r, tok, lp in zip(reqs, sampled.token_ids, sampled.logprobs, strict=True):
                 out.sampled_token_ids[r.request_id] = tok

@@ -229,6 +229,18 @@ def test_scoring_prompt_beyond_max_score_tokens_is_refused_with_the_maximum() ->
         engine.shutdown(0)
 
 
+def test_sampling_never_draws_ids_the_tokenizer_cannot_decode(engine_and_sink) -> None:
+    engine, sink = engine_and_sink
+    assert engine.runner.num_sampleable_tokens == min(
+        engine.tokenizer.vocab_size, engine.model_config.vocab_size
+    )
+    engine.runner.num_sampleable_tokens = 100  # as if the tokenizer knew only 100 ids
+    engine.add(gen("r", [5, 6, 7], max_tokens=24, temperature=1.0, seed=3))
+    sink.wait("r")
+    toks = sink.tokens("r")
+    assert len(toks) == 24 and max(toks) < 100, toks
+
+
 def test_reset_prefix_cache_drops_idle_blocks(engine_and_sink) -> None:
     engine, sink = engine_and_sink
     engine.add(score("s", PROFILE))
