@@ -4,7 +4,9 @@
   the port opens), saves the JCT calibration to the cache folder and uses it.
 * `calibrate`: only the profile: builds the engine for `--model`/`--device`, measures, writes
   `<calibration-dir>/jct-<device>--<model>.json` (or `--out FILE`) and exits. Later `serve`
-  runs on the same device and model load that file automatically.
+  runs on the same device and model load that file automatically. `--what partition` profiles
+  the SM-partition cost model instead (`partition-<device>--<model>.json`; CUDA with green
+  contexts), `--what all` both.
 
 Every option is also settable by its `GREENLANE_*` environment variable; a flag given on the
 command line wins over the environment. Options are generated from `Settings`' fields (server
@@ -56,6 +58,27 @@ _ENGINE_HELP = {
     "enable_prefix_cache": "reuse KV blocks of shared prompt prefixes",
     "cuda_graphs": "capture decode steps in CUDA graphs",
     "partition": "off | static:<prefill_sms> | auto (green-context SM split)",
+    "partition_kv_switch": "split controller: KV usage (0-1) above which decode is favoured "
+    "over prefill",
+    "partition_alpha": "split controller: prefill slack (>= 1) allowed while decode is favoured",
+    "partition_beta": "split controller: decode slack (>= 1) allowed while prefill is favoured",
+    "partition_hysteresis_sms": "split controller: ignore split moves smaller than this many SMs",
+    "partition_min_gain": "split controller: a new split must improve the objective by this "
+    "fraction",
+    "partition_min_split_speedup": "split controller: split only when predicted this much faster "
+    "than time-slicing the whole GPU",
+    "partition_allow_time_slice": "split controller: may give every SM to one phase at a time "
+    "when that is predicted faster",
+    "partition_min_decode_sms": "fewest SMs a decode partition may get (default: the device's "
+    "minimum partition)",
+    "partition_calibration": "partition cost-model calibration file (JSON); default: the cached "
+    "file for this GPU and model, else a start-up profile in auto mode",
+    "partition_calibration_dir": "folder of partition calibration files (default: "
+    "--calibration-dir)",
+    "partition_startup_profile": "in auto mode with no calibration file, profile the GPU at "
+    "start-up (seconds; cached for later starts)",
+    "pd_slice_tokens": "split mode: prefill layers per launch = max(1, this // batch tokens)",
+    "pd_max_queued_slices": "split mode: prefill slices queued ahead on the prefill stream",
 }
 
 
@@ -140,8 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
         "JCT model and write it to <calibration-dir>/jct-<device>--<model>.json (or --out). "
         "`serve` on the same device and model then loads it automatically.",
     )
+    cal.add_argument("--what", choices=("jct", "partition", "all"), default="jct",
+                     help="jct: the prefill JCT model (default); partition: the SM-partition "
+                     "cost model (CUDA with green contexts: times prefill and decode alone on "
+                     "the whole GPU and on 5 pre-created splits, and together, then writes "
+                     "<calibration-dir>/partition-<device>--<model>.json); all: both")
     cal.add_argument("--out", default=None, metavar="FILE",
-                     help="write the calibration here instead of the cache folder")
+                     help="write the calibration here instead of the cache folder (not with "
+                     "--what all)")
     cal.add_argument("--uncached-tokens", type=_int_list, default=None, metavar="N,N,...",
                      help="uncached prompt lengths to time (default: a small CPU grid "
                      "32,128,512,1024 or a GPU grid 128..16384)")
@@ -244,32 +273,50 @@ def serve(settings: Settings, engine_factory: Any = None) -> int:
 
 
 def calibrate_command(settings: Settings, out_path: str | None, grid: dict[str, Any],
-                      engine_factory: Any = None) -> int:
-    """`greenlane calibrate`: build the engine, profile, save, print the file's path."""
+                      engine_factory: Any = None, what: str = "jct") -> int:
+    """`greenlane calibrate`: build the engine, profile (`what`: jct, partition or all),
+    save, print the path of each file written."""
     import dataclasses
 
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    # The profile measures the device; loading an old calibration first would be pointless.
-    config = dataclasses.replace(settings.to_engine_config(resolve_calibration=False),
-                                 jct_calibration=None)
+    if what == "all" and out_path:
+        print("greenlane: --out names one file; use it with --what jct or --what partition",
+              file=sys.stderr)
+        return 2
+    # The profile measures the device; loading an old calibration first would be pointless,
+    # and the engine must not run its own start-up partition profile.
+    config = dataclasses.replace(
+        settings.to_engine_config(resolve_calibration=False), jct_calibration=None,
+        partition_calibration=None, partition_startup_profile=False)
     engine = (engine_factory or _real_engine_factory)(config, lambda _out: None)
+    paths: list[str | None] = []
     try:
-        _, path = _run_calibration(engine, settings, out_path, **grid)
+        if what in ("jct", "all"):
+            paths.append(_run_calibration(engine, settings, out_path, **grid)[1])
+        if what in ("partition", "all"):
+            from runtime.partition_gpu import profile_engine  # lazily: loads torch
+
+            log.info("profiling the partition cost model on %s (progress on stderr)",
+                     engine.device_name)
+            cal = profile_engine(engine, full=True, cache_dir=config.partition_calibration_dir,
+                                 out_path=out_path)
+            paths.append(cal.path)
     except ValueError as exc:
         print(f"greenlane: calibration failed: {exc}", file=sys.stderr)
         return 1
     finally:
         engine.shutdown()
-    print(path)
+    for path in paths:
+        print(path)
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    extra = ("command", "out", "uncached_tokens", "cached_tokens", "repeats")
+    extra = ("command", "out", "uncached_tokens", "cached_tokens", "repeats", "what")
     overrides = {k: v for k, v in vars(args).items() if k not in extra}
     try:
         settings = Settings(**overrides)
@@ -278,6 +325,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings.to_engine_config(resolve_calibration=False)
         if settings.jct_calibration and not os.path.isfile(os.path.expanduser(settings.jct_calibration)):
             raise ValueError(f"jct_calibration: no such file {settings.jct_calibration!r}")
+        if settings.partition_calibration and not os.path.isfile(
+                os.path.expanduser(settings.partition_calibration)):
+            raise ValueError(
+                f"partition_calibration: no such file {settings.partition_calibration!r}")
     except ValueError as exc:
         print(f"greenlane: invalid option: {exc}", file=sys.stderr)
         return 2
@@ -286,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "calibrate":
         grid = {"uncached_tokens": args.uncached_tokens, "cached_tokens": args.cached_tokens,
                 "repeats": args.repeats}
-        return calibrate_command(settings, args.out, grid)
+        return calibrate_command(settings, args.out, grid, what=args.what)
     return 2
 
 

@@ -4,7 +4,9 @@
 field (generated from the dataclass, so a new engine option is settable here without an edit);
 `to_engine_config()` builds the frozen `EngineConfig` the engine takes, choosing the JCT
 calibration file to load (explicit `--jct-calibration`, else the cached one for this device and
-model in `--calibration-dir`, else none: the documented fallback) and logging the choice.
+model in `--calibration-dir`, else none: the documented fallback) and logging the choice. The
+partition cost model's file is chosen by the engine (runtime/partition_calibrate.py), in
+`--partition-calibration-dir`, which defaults to `--calibration-dir`.
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ class ServerSettings(BaseSettings):
     )
     calibration_dir: str | None = Field(
         None,
-        description="folder of JCT calibration files keyed by device and model (default "
-        "$XDG_CACHE_HOME/greenlane/calibration or ~/.cache/greenlane/calibration)",
+        description="folder of calibration files (JCT and partition cost model) keyed by device "
+        "and model (default $XDG_CACHE_HOME/greenlane/calibration or "
+        "~/.cache/greenlane/calibration)",
     )
 
 
@@ -89,6 +92,9 @@ class Settings(_SettingsBase):  # type: ignore[valid-type,misc]
         engine should load (explicit, else cached for this device+model, else None = the
         fallback default), and the choice is logged; without it, the option as given."""
         values = {name: getattr(self, name) for name in _ENGINE_FIELDS}
+        # The partition cost model's calibration files live beside the JCT ones unless a
+        # folder of their own is given; the engine picks the file (it knows the GPU's SMs).
+        values["partition_calibration_dir"] = self.partition_calibration_dir or self.calibration_dir
         if resolve_calibration:
             path, why = resolve_calibration_file(self)
             values["jct_calibration"] = path

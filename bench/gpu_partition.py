@@ -9,6 +9,9 @@ Sections (each in try/except; its error is recorded in the JSON):
               vs time-slicing the same work: the crossover table); cost-model fit on part of
               the shapes/splits, prediction error (MAPE) on held-out shapes/splits, alone and
               concurrent; controller decisions; calibration saved and installed in the engine
+  graphs_split decode CUDA graphs captured per split: selection per stream, graph vs eager
+              logits on green streams, decode step eager vs graph at B=16/64 (engine built
+              with cuda_graphs=True; `--cuda-graphs` overrides)
   correctness greedy tokens of the same requests in `off` vs a static split (bf16: reported
               as a match fraction)
   serve       in-process load (Poisson arrivals, token-id prompts with the bench workloads'
@@ -247,6 +250,119 @@ def section_profile(engine: Any) -> dict:
 
 
 # -------------------------------------------------------------------------------- load driver
+# -------------------------------------------------------------------------------- graphs_split
+def split_graphs_check(engine: Any, splits: list[int] | None = None,
+                       batches: tuple[int, ...] = (16, 64), ctx_tokens: int = 2048,
+                       iters: int = 5) -> dict:
+    """Decode CUDA graphs captured per split (issue 6 item 1), on an engine built with
+    `cuda_graphs=True` and FlashInfer, BEFORE `engine.start()` (it drives the runner itself).
+    Per split: capture (the first through `capture_for_streams`, the others lazily through
+    `ensure_split_graphs`, as the PD loop does), check that a decode step on the split's green
+    stream picks that split's set and an ordinary stream the whole-GPU set, compare graph vs
+    eager logits on the green stream, and time one decode step (eager vs graph) at each batch
+    size; the same on the whole GPU for reference. Returns {"rows": [...], "checks": [...]}."""
+    from runtime.cuda_graphs import cuda_stream_key
+
+    g, runner, model, pool = engine._green, engine.runner, engine.model, engine.kv_pool
+    assert g is not None, "no green-context partition"
+    reg = runner.graph_registry
+    assert reg is not None, "the runner has no CUDA graphs (cuda_graphs=True and FlashInfer?)"
+    total = g.layout.total_sms
+    splits = splits or [s for s in (64, 96, 112) if s in g.pairs] or g.splits[-3:]
+    be_d = runner.decode_backend
+    bs = pool.block_size
+    per = -(-(ctx_tokens + 1) // bs)  # blocks per sequence
+    assert max(batches) * per <= pool.num_blocks, "KV pool too small for the batches"
+    assert max(batches) <= runner.config.max_num_seqs
+    vocab = engine.model_config.vocab_size
+    gen = torch.Generator(device=pool.device).manual_seed(0)
+    for t in [*pool.k, *pool.v]:  # defined KV contents (a fresh pool is uninitialised)
+        t.normal_(0.0, 0.5, generator=gen)
+
+    def decode_batch(B: int) -> Any:
+        from runtime.attention.base import ForwardBatch, SeqSlice
+
+        seqs = [SeqSlice(i, 1, ctx_tokens, ctx_tokens + 1, list(range(i * per, (i + 1) * per)))
+                for i in range(B)]
+        ids = torch.randint(0, vocab, (B,), device=pool.device, generator=gen)
+        pos = torch.full((B,), ctx_tokens, dtype=torch.int64, device=pool.device)
+        return ForwardBatch(ids, pos, seqs, torch.arange(B, device=pool.device), True)
+
+    rows: list[dict] = []
+    checks: list[dict] = []
+    whole = torch.cuda.Stream()
+    targets: list[tuple[str, int, Any]] = [("whole GPU", total, whole)]
+    for i, n in enumerate(splits):
+        label = f"{n}/{total - n}"
+        ds = g.pairs[n].decode.stream
+        free0 = torch.cuda.mem_get_info()[0]
+        t0 = time.perf_counter()
+        if i == 0:
+            runner.capture_for_streams({label: ds}, progress=lambda d, k, lab, sec: print(
+                f"  captured decode graphs {d}/{k} ({lab}) in {sec:.2f} s", flush=True))
+        else:
+            runner.ensure_split_graphs(ds, label)  # the PD loop's lazy path
+        cap_s = time.perf_counter() - t0
+        mem = free0 - torch.cuda.mem_get_info()[0]
+        print(f"split {label}: graphs captured in {cap_s:.2f} s, {mem / 2**20:.0f} MiB",
+              flush=True)
+        checks.append({"check": f"capture {label}", "capture_s": cap_s,
+                       "device_mib": mem / 2**20, "ok": reg.summary()[label]["captured"]})
+        targets.append((label, total - n, ds))
+
+    with torch.inference_mode():
+        for label, dsms, st in targets:
+            with torch.cuda.stream(st):
+                picked = runner.current_decode_graphs()
+            if label == "whole GPU":
+                ok = picked is runner.decode_graphs
+            else:
+                ok = (picked is not None and picked is not runner.decode_graphs
+                      and cuda_stream_key(picked.stream) == cuda_stream_key(st))
+            checks.append({"check": f"picks the set of stream {label}", "ok": bool(ok)})
+            for B in batches:
+                b = decode_batch(B)
+
+                def eager(b: Any = b) -> Any:
+                    be_d.plan(b)
+                    return model(b.input_ids, b.positions, be_d)
+
+                def graph(b: Any = b) -> Any:
+                    gs = runner.current_decode_graphs()  # the per-step lookup, as the runner
+                    return gs.run(b)
+
+                with torch.cuda.stream(st):
+                    le = model.compute_logits(eager())
+                    lg = model.compute_logits(graph())
+                st.synchronize()
+                diff = float((le - lg).abs().max())
+                scale = float(le.abs().max())
+                agree = float((le.argmax(-1) == lg.argmax(-1)).float().mean())
+                checks.append({"check": f"graph == eager logits, {label}, B={B}",
+                               "max_abs_diff": diff, "max_abs_logit": scale,
+                               "argmax_agreement": agree,
+                               "ok": bool(diff <= 0.02 * scale + 1e-3)})
+                e_ms = time_on(st, eager, iters=iters, warmup=2)
+                g_ms = time_on(st, graph, iters=iters, warmup=2)
+                rows.append({"split": label, "decode_sms": dsms, "batch": B,
+                             "ctx_tokens": ctx_tokens, "eager_ms": e_ms, "graph_ms": g_ms,
+                             "speedup": e_ms / g_ms if g_ms else None})
+    return {"rows": rows, "checks": checks, "registry": reg.summary(),
+            "ok": all(c["ok"] for c in checks)}
+
+
+def graphs_split_table(res: dict) -> str:
+    lines = ["| split (prefill/decode SMs) | batch | eager ms | graph ms | speedup |",
+             "|---|---|---|---|---|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['split']} | {r['batch']} | {r['eager_ms']:.2f} | "
+                     f"{r['graph_ms']:.2f} | {r['speedup']:.2f} |")
+    bad = [c["check"] for c in res["checks"] if not c["ok"]]
+    lines.append(f"checks: {len(res['checks']) - len(bad)}/{len(res['checks'])} ok"
+                 + (f"; FAILED: {bad}" if bad else ""))
+    return "\n".join(lines)
+
+
 class Sink:
     def __init__(self) -> None:
         self.events: dict[str, list[float]] = {}
@@ -360,6 +476,8 @@ def main() -> int:
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--modes", default="off,best,auto")
     ap.add_argument("--run-timeout", type=float, default=60.0)
+    ap.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
+                    help="decode CUDA graphs in the engine (auto: on iff graphs_split runs)")
     args = ap.parse_args()
     _tok_patch(args.tokenizer_dir)
     RESULTS.update(command=" ".join(__import__("sys").argv), date=time.strftime("%Y-%m-%d"),
@@ -380,9 +498,13 @@ def main() -> int:
         RESULTS["errors"]["flashinfer_ops"] = repr(e)
     sink = Sink()
     t0 = time.perf_counter()
+    sections = args.sections.split(",")
+    # Decode graphs per split exist since issue 6 item 1; earlier runs used eager decode.
+    graphs = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and "graphs_split" in sections)
+    RESULTS["cuda_graphs"] = graphs
     cfg = EngineConfig(model=args.model, partition="off", attention_backend="flashinfer",
                        gpu_memory_utilization=0.80, max_model_len=20000,
-                       prefill_token_budget=8192, cuda_graphs=False, prefill_policy="fcfs")
+                       prefill_token_budget=8192, cuda_graphs=graphs, prefill_policy="fcfs")
     engine = Engine(cfg, sink)
     RESULTS["engine_init_s"] = time.perf_counter() - t0
     st = engine.partition.state()
@@ -390,11 +512,19 @@ def main() -> int:
                                   "splits": st.splits, "total_sms": st.total_sms}
     RESULTS["attention_backend"] = engine.backend.name
     print(f"engine ready in {RESULTS['engine_init_s']:.1f} s; partition {st}", flush=True)
-    sections = args.sections.split(",")
     path = Path(args.out)
 
     def save() -> None:
         path.write_text(json.dumps(RESULTS, indent=1, default=str))
+
+    if "graphs_split" in sections:
+        try:
+            RESULTS["sections"]["graphs_split"] = split_graphs_check(engine)
+            print(graphs_split_table(RESULTS["sections"]["graphs_split"]), flush=True)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            RESULTS["errors"]["graphs_split"] = f"{type(e).__name__}: {e}"
+        save()
 
     if "profile" in sections:
         try:
@@ -445,6 +575,8 @@ def main() -> int:
             res.update(requests=len(a), identical_sequences=same, identical_first_token=first,
                        lengths_ok=all(len(x) == 24 for x in a + b),
                        stats=engine.stats())
+            if engine.runner.graph_registry is not None:  # which decode graph sets exist
+                res["decode_graph_sets"] = engine.runner.graph_registry.summary()
             RESULTS["sections"]["correctness"] = res
             print(f"correctness: {same}/{len(a)} identical, first token {first}/{len(a)}",
                   flush=True)
@@ -501,6 +633,8 @@ def main() -> int:
     engine.shutdown(0)
     print(json.dumps(RESULTS["summary"], indent=1), flush=True)
     print(f"errors: {RESULTS['errors']}", flush=True)
+    if "graphs_split" in RESULTS["sections"]:
+        print(graphs_split_table(RESULTS["sections"]["graphs_split"]), flush=True)
     return 0
 
 

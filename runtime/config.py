@@ -44,7 +44,13 @@ class EngineConfig:
     partition_min_split_speedup: float = 1.0  # split only if predicted this much faster
     partition_allow_time_slice: bool = True  # auto may give every SM to one phase at a time
     partition_min_decode_sms: int | None = None  # None = the device's minimum partition
-    partition_calibration: str | None = None  # cost-model calibration file (JSON)
+    # Cost-model calibration (runtime/partition_calibrate.py): an explicit file wins; else the
+    # cached file for this GPU and model in partition_calibration_dir (None = the JCT
+    # calibration folder); else `auto` profiles at start-up (when partition_startup_profile)
+    # and caches the result; else the built-in H200 fallback if it matches, else uncalibrated.
+    partition_calibration: str | None = None
+    partition_calibration_dir: str | None = None
+    partition_startup_profile: bool = True
     pd_slice_tokens: int = 32768  # prefill layers per launch = max(1, this // batch tokens)
     pd_max_queued_slices: int = 2  # prefill slices queued ahead on the prefill stream
 

@@ -33,10 +33,8 @@ flapping; a manual pin wins over everything.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -127,8 +125,19 @@ def _lstsq_nonneg(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 class CostModel:
-    def __init__(self, total_sms: int) -> None:
+    """Stage latency predictions for one GPU and model (see the module docstring).
+
+    `calibrated` is False for a model built without parameters (`CostModel(total_sms)`): its
+    flat defaults say nothing about the device, so the controller time-slices instead of
+    trusting them (`SplitController.choose`). `fit` and `from_dict` make calibrated models;
+    `source` says where the parameters came from (for the log and the admin page).
+    """
+
+    def __init__(self, total_sms: int, *, calibrated: bool = False,
+                 source: str = "uncalibrated") -> None:
         self.total_sms = total_sms
+        self.calibrated = calibrated
+        self.source = source
         self.base: dict[str, list[float]] = {PREFILL: [0.0, 1.0, 1.0], DECODE: [0.0, 1.0, 1.0]}
         self.curve: dict[str, SaturationCurve] = {
             PREFILL: SaturationCurve(), DECODE: SaturationCurve()
@@ -171,7 +180,7 @@ class CostModel:
     def fit(cls, total_sms: int, samples: list[ProfileSample]) -> CostModel:
         """Fit base latencies (whole-GPU samples), saturation curves (alone on a partition)
         and contention coefficients (concurrent samples)."""
-        m = cls(total_sms)
+        m = cls(total_sms, calibrated=True, source="fit")
         for stage in (PREFILL, DECODE):
             full = [s for s in samples
                     if s.stage == stage and s.sms == total_sms and s.other_sms == 0]
@@ -236,34 +245,28 @@ class CostModel:
         out["num_observations"] = len(all_e)
         return out
 
-    # ---- persistence (calibration file keyed by GPU and model) -------------------------------
+    # ---- persistence (runtime/partition_calibrate.py writes the calibration file) -----------
     def to_dict(self) -> dict:
+        """The fitted parameters (JSON-ready); `from_dict` inverts it."""
         return {
             "total_sms": self.total_sms, "base": self.base, "kappa": self.kappa,
             "curve": {k: asdict(v) for k, v in self.curve.items()},
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> CostModel:
-        m = cls(int(d["total_sms"]))
-        m.base = {k: list(map(float, v)) for k, v in d["base"].items()}
-        m.kappa = {k: float(v) for k, v in d["kappa"].items()}
-        m.curve = {k: SaturationCurve(**v) for k, v in d["curve"].items()}
+    def from_dict(cls, d: dict, source: str = "parameters") -> CostModel:
+        """A calibrated model from `to_dict`'s output. Raises KeyError/TypeError/ValueError on
+        a malformed dict (missing stage, wrong coefficient count, bad curve field)."""
+        m = cls(int(d["total_sms"]), calibrated=True, source=source)
+        base = {k: [float(x) for x in v] for k, v in d["base"].items()}
+        kappa = {k: float(v) for k, v in d["kappa"].items()}
+        curve = {k: SaturationCurve(**{f: float(x) for f, x in v.items()})
+                 for k, v in d["curve"].items()}
+        for stage in (PREFILL, DECODE):
+            if len(base[stage]) != 3 or stage not in kappa or stage not in curve:
+                raise ValueError(f"cost-model parameters incomplete for stage {stage!r}")
+        m.base, m.kappa, m.curve = base, kappa, curve
         return m
-
-    def save(self, path: str | Path, gpu_name: str, model_name: str) -> None:
-        p = Path(path)
-        data = json.loads(p.read_text()) if p.exists() else {}
-        data[f"{gpu_name}|{model_name}"] = self.to_dict()
-        p.write_text(json.dumps(data, indent=1))
-
-    @classmethod
-    def load(cls, path: str | Path, gpu_name: str, model_name: str) -> CostModel | None:
-        p = Path(path)
-        if not p.exists():
-            return None
-        d = json.loads(p.read_text()).get(f"{gpu_name}|{model_name}")
-        return None if d is None else cls.from_dict(d)
 
 
 # ---------------------------------------------------------------------------------- controller
@@ -342,6 +345,11 @@ class SplitController:
             tp, td = self._eval(self.pinned, p, d) if p and d else (math.nan, math.nan)
             sp = self.speedup(self.pinned, p, d) if p and d else math.nan
             return Decision(self.pinned, tp, td, sp, "pinned")
+        if not self.model.calibrated:
+            # No parameters for this device/model: any split choice would be a guess, and
+            # time-slicing is what `off` does (logged once at start-up by the engine).
+            return Decision(TIME_SLICE, math.nan, math.nan, 1.0,
+                            "cost model uncalibrated: time-slicing")
         if p is None or d is None:
             # One phase only: nothing to overlap; it gets the whole GPU. `current` is left
             # alone: hysteresis is about consecutive prefill batches, not decode-only gaps.

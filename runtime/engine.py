@@ -169,6 +169,8 @@ class Engine:
         )
         self.pd: PDLoop | None = None
         self._pd_active = False  # the last step ran in the PD loop (stream fencing on switch)
+        if self._green is not None and self._partition_choice.action == "profile":
+            self._profile_partition()
         if self._green is not None:
             self.pd = PDLoop(
                 self.scheduler, self.runner, CudaStreamDevice(), self._choose_split,
@@ -197,17 +199,34 @@ class Engine:
         from runtime.green_ctx import green_contexts_unavailable_reason
 
         self._green: Any = None
+        self._partition_choice: Any = None  # runtime.partition_calibrate.CalibrationChoice
         cfg = self.config
         if self.device.type != "cuda":
             reason = "no CUDA device"
         else:
             reason = green_contexts_unavailable_reason(self.device.index or 0)
         if not reason:
+            # Which cost-model parameters (explicit file > cached file > start-up profile in
+            # auto > built-in H200 fallback > uncalibrated). Outside the try below: a bad
+            # explicit --partition-calibration must stop the start-up, not be swallowed.
+            from runtime.calibrate import model_key
+            from runtime.partition_calibrate import choose_partition_calibration
+
+            total_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            self._partition_choice = choose_partition_calibration(
+                explicit_path=cfg.partition_calibration,
+                cache_dir=cfg.partition_calibration_dir, device=self.device_name,
+                total_sms=total_sms, model=model_key(cfg.model), mode=cfg.partition.split(":")[0],
+                startup_profile=cfg.partition_startup_profile,
+            )
+            choice = self._partition_choice
+            (log.info if choice.action in ("explicit", "cached", "profile")
+             else log.warning)("%s", choice.reason)
             try:
-                from runtime.partition_gpu import GreenContextPartition, make_cost_model
+                from runtime.partition_gpu import GreenContextPartition
 
                 t0 = time.perf_counter()
-                cost_model = make_cost_model(cfg, self.device_name, self.device.index or 0)
+                cost_model = choice.cost_model(total_sms)
                 self._green = GreenContextPartition(
                     cfg.partition, cost_model=cost_model,
                     controller_config=controller_config_from(cfg),
@@ -224,6 +243,23 @@ class Engine:
             log.warning("partition %s requested but unavailable (%s); falling back to "
                         "time-slicing (partition=off)", cfg.partition, reason)
         return UnavailablePartition(reason)
+
+    def _profile_partition(self) -> None:
+        """The bounded start-up profile (`--partition auto`, no calibration file): measure
+        the model on a few pre-created splits, fit, cache the file, install the parameters.
+        A failure keeps the fallback chosen at start-up (built-in H200 parameters or none)
+        and says so."""
+        from runtime.partition_gpu import profile_engine
+
+        g, cfg = self._green, self.config
+        try:
+            cal = profile_engine(self, full=False, cache_dir=cfg.partition_calibration_dir)
+            g.set_cost_model(cal.cost_model())
+        except Exception as e:  # noqa: BLE001 - serve anyway, on the fallback, and say so
+            torch.cuda.synchronize(self.device)
+            fallback = self._partition_choice.calibration
+            log.warning("partition start-up profile failed (%s: %s); FALLBACK: %s", type(e).__name__,
+                        e, fallback.source if fallback else "uncalibrated, auto time-slices")
 
     def _submit_call(self, fn: Callable[[], None]) -> None:
         with self._lock:

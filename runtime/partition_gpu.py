@@ -6,6 +6,10 @@ use for the next step; switching = returning another pre-created pair. Work alre
 the old pair stays there, so `streams()` makes the new streams wait on events recorded on the
 old ones (no device-wide synchronisation).
 
+The cost model's parameters come from runtime/partition_calibrate.py (calibration file,
+start-up profile or fallback; chosen by the engine). `EngineProbe` below is what that profile
+measures with: the engine's own model and runner on these pre-created pairs.
+
 Modes: "off" = time-slicing on the whole GPU (both phases on one ordinary stream, as a
 monolithic engine runs); "static:<n>" pins the split with n prefill SMs; "auto" lets the
 `SplitController` choose per step from the cost model (which may also choose time-slicing).
@@ -14,10 +18,14 @@ monolithic engine runs); "static:<n>" pins the split with n prefill SMs; "auto" 
 from __future__ import annotations
 
 import logging
+import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from runtime.cost_model import (
@@ -39,23 +47,6 @@ class StreamChoice:
     prefill_sms: int  # TIME_SLICE (0) = no split
     prefill_stream: torch.cuda.Stream
     decode_stream: torch.cuda.Stream
-
-
-def make_cost_model(config: object, gpu_name: str, device_index: int = 0) -> CostModel:
-    """The cost model from `config.partition_calibration` (keyed by GPU and model) when it has
-    an entry, else an uncalibrated model (flat base: every split predicted alike, so `auto`
-    relies on the measured per-split corrections; said in the log)."""
-    path = getattr(config, "partition_calibration", None)
-    model_name = str(getattr(config, "model", ""))
-    layout_total = torch.cuda.get_device_properties(device_index).multi_processor_count
-    if path:
-        m = CostModel.load(path, gpu_name, model_name)
-        if m is not None:
-            log.info("cost model loaded from %s (%s | %s)", path, gpu_name, model_name)
-            return m
-        log.warning("no cost-model calibration for %s | %s in %s", gpu_name, model_name, path)
-    log.warning("cost model uncalibrated: run bench/gpu_partition.py to profile this GPU/model")
-    return CostModel(layout_total)
 
 
 def parse_mode(spec: str) -> tuple[str, int | None]:
@@ -93,6 +84,14 @@ class GreenContextPartition:
         self.submit: Callable[[Callable[[], None]], None] | None = None
         self._pending_mode: str | None = None
         self._apply_mode(*parse_mode(mode))
+
+    def set_cost_model(self, model: CostModel) -> None:
+        """Install new parameters (after a start-up profile); the controller uses them from its
+        next decision. Online corrections learned so far are dropped with the old model."""
+        with self._lock:
+            self.cost_model = model
+            self.controller.model = model
+        log.info("partition cost model now from %s", model.source)
 
     @property
     def mode(self) -> str:
@@ -195,3 +194,167 @@ class GreenContextPartition:
             self.measured["prefill_ms"] = prefill_ms
         if decode_ms is not None:
             self.measured["decode_ms"] = decode_ms
+
+
+# ------------------------------------------------------------------------- start-up profile probe
+class EngineProbe:
+    """The measure functions of runtime/partition_calibrate.py, on a built (not started)
+    engine: its model, runner (the same `forward_part` the serving loops call, so a decode
+    step uses the decode CUDA graphs whenever serving would) and its pre-created pairs.
+
+    Contexts are real KV blocks borrowed from the engine's pool (freed after each call); the
+    new tokens of a prefill are discarded, as for a scoring request. The values in the pool
+    are whatever it holds, which does not change the timing. Each call is one timed run
+    (CUDA events on the stream used); the profile adds warm-up and repeats.
+    Hazard: must run before the engine thread starts (it uses the pool and the runner)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.green: GreenContextPartition = engine._green
+        self.total_sms = self.green.layout.total_sms
+        self._serial = 0
+
+    # ---- streams for an SM count ------------------------------------------------------------
+    def _prefill_stream(self, sms: int) -> torch.cuda.Stream:
+        return self.green._whole if sms >= self.total_sms else self.green.pairs[sms].prefill.stream
+
+    def _decode_stream(self, sms: int) -> torch.cuda.Stream:
+        if sms >= self.total_sms:
+            return self.green._whole
+        return self.green.pairs[self.total_sms - sms].decode.stream
+
+    # ---- borrowed sequences -------------------------------------------------------------------
+    @contextmanager
+    def _seqs(self, specs: list[tuple[int, int]], decode: bool) -> Iterator[list[Any]]:
+        """ScheduledSeqs for (context_tokens, new_tokens) each; a decode keeps its new token's
+        KV (blocks for context + 1), a prefill keeps only its context."""
+        from runtime.request import Request, RequestKind
+        from runtime.scheduler import ScheduledSeq
+
+        bm = self.engine.block_manager
+        rids: list[str] = []
+        seqs = []
+        try:
+            for ctx, new in specs:
+                self._serial += 1
+                rid = f"__partition_probe_{self._serial}__"
+                kept = ctx + new if decode else ctx
+                blocks = bm.allocate(rid, bm.num_blocks_for(kept))
+                rids.append(rid)
+                kind = RequestKind.GENERATE if decode else RequestKind.SCORE
+                req = Request(rid, kind, [0] * (ctx + new), label_token_ids=[0])
+                seqs.append(ScheduledSeq(
+                    request=req, num_context_tokens=ctx, num_new_tokens=new, num_kept_tokens=kept,
+                    block_ids=list(blocks), input_ids=[0] * new, needs_output=decode,
+                ))
+            yield seqs
+        finally:
+            for rid in rids:
+                bm.free(rid)
+
+    def _decode_step(self, seqs: list[Any]) -> None:
+        """One decode step as the PD loop runs it: forward, LM head, sampling (host sync)."""
+        from runtime.runner import RunnerOutput
+
+        runner = self.engine.runner
+        hidden, wanting = runner.forward_part(seqs, True, runner.decode_backend)
+        runner.outputs_from_hidden(hidden, wanting, RunnerOutput())
+
+    # ---- the three measures ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill_ms(self, num_tokens: int, context_tokens: int, sms: int) -> float:
+        runner = self.engine.runner
+        stream = self._prefill_stream(sms)
+        with self._seqs([(context_tokens, num_tokens)], decode=False) as seqs:
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                a, b = _timing_events()
+                a.record()
+                runner.forward_part(seqs, False, runner.prefill_backend)
+                b.record()
+            b.synchronize()
+            return float(a.elapsed_time(b))
+
+    @torch.inference_mode()
+    def decode_ms(self, batch_size: int, context_tokens: int, sms: int) -> float:
+        stream = self._decode_stream(sms)
+        with self._seqs([(context_tokens, 1)] * batch_size, decode=True) as seqs:
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                a, b = _timing_events()
+                a.record()
+                self._decode_step(seqs)
+                b.record()
+            b.synchronize()
+            return float(a.elapsed_time(b))
+
+    @torch.inference_mode()
+    def concurrent_ms(self, prefill: tuple[int, int], decode: tuple[int, int],
+                      prefill_sms: int, max_decode_steps: int = 500) -> tuple[float, float]:
+        """The prefill on the pair's prefill stream; decode steps on its decode stream until
+        the prefill's end event completes (one host thread launching both, as in the PD loop).
+        Returns (prefill ms, mean decode step ms; NaN if no step ran alongside)."""
+        runner = self.engine.runner
+        pair = self.green.pairs[prefill_sms]
+        ps, ds = pair.prefill.stream, pair.decode.stream
+        (num_tokens, p_ctx), (batch, d_ctx) = prefill, decode
+        with self._seqs([(p_ctx, num_tokens)], decode=False) as pseqs,                 self._seqs([(d_ctx, 1)] * batch, decode=True) as dseqs:
+            torch.cuda.synchronize()
+            p0, p1 = _timing_events()
+            with torch.cuda.stream(ps):
+                p0.record()
+                runner.forward_part(pseqs, False, runner.prefill_backend)
+                p1.record()
+            steps: list[tuple[Any, Any]] = []
+            with torch.cuda.stream(ds):
+                while not p1.query() and len(steps) < max_decode_steps:
+                    a, b = _timing_events()
+                    a.record()
+                    self._decode_step(dseqs)  # its sampling syncs the host with this stream
+                    b.record()
+                    steps.append((a, b))
+            torch.cuda.synchronize()
+            prefill_ms = float(p0.elapsed_time(p1))
+            # Steps that ended after the prefill overlapped it only partly: keep the others.
+            overlapped = [(a, b) for a, b in steps if p0.elapsed_time(b) <= prefill_ms]
+            if not overlapped:
+                return prefill_ms, math.nan
+            return prefill_ms, float(np.mean([a.elapsed_time(b) for a, b in overlapped]))
+
+    def measures(self) -> dict[str, Callable[..., Any]]:
+        return {"measure_prefill_ms": self.prefill_ms, "measure_decode_ms": self.decode_ms,
+                "measure_concurrent_ms": self.concurrent_ms}
+
+
+def _timing_events() -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+
+def profile_engine(engine: Any, *, full: bool = False, cache_dir: str | None = None,
+                   out_path: str | None = None,
+                   progress: Callable[[str], None] | None = None) -> Any:
+    """Profile a built, not started engine on its pre-created pairs, fit and write the
+    calibration (`out_path`, else the cache folder). `full`: the explicit profile of
+    `python -m app calibrate --what partition`; else the bounded start-up one. Returns the
+    `PartitionCalibration`. Raises ValueError when the engine has no green-context pairs."""
+    from runtime import partition_calibrate as pc
+    from runtime.calibrate import model_key
+
+    g = getattr(engine, "_green", None)
+    if g is None:
+        raise ValueError(f"SM partitioning is unavailable: {engine.partition.state().reason}")
+    total = g.layout.total_sms
+    cfg = engine.config
+    shapes = pc.fit_shapes_to_limits(
+        pc.FULL_SHAPES if full else pc.STARTUP_SHAPES, max_model_len=engine.max_model_len,
+        kv_pool_tokens=engine.kv_pool_tokens, max_num_seqs=cfg.max_num_seqs)
+    fractions = pc.FULL_SPLIT_FRACTIONS if full else pc.STARTUP_SPLIT_FRACTIONS
+    return pc.calibrate_partition(
+        **EngineProbe(engine).measures(), device=engine.device_name, total_sms=total,
+        model=model_key(cfg.model), num_layers=engine.model_config.num_layers,
+        splits=pc.pick_splits(g.splits, fractions, total), shapes=shapes,
+        repeats=pc.FULL_REPEATS if full else pc.STARTUP_REPEATS,
+        max_seconds=pc.FULL_MAX_S if full else pc.STARTUP_MAX_S,
+        cache_dir=cache_dir, out_path=out_path,
+        **({"progress": progress} if progress is not None else {}),
+    )

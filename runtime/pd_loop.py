@@ -11,8 +11,10 @@ One engine-loop iteration (`PDLoop.step`):
      the CPU returns quickly and keeps decode fed; the last slice computes the logits rows and
      records the prefill's completion event.
   3. run one decode step on the decode stream (the pair's while a prefill is in flight, else
-     the whole-GPU stream) and apply it; with nothing to decode, wait for the oldest queued
-     slice instead of spinning.
+     the stream of the split chosen for decode alone) and apply it; on a split's decode
+     stream the runner replays decode graphs captured on that stream (captured on its first
+     decode step there, `runner.ensure_split_graphs`); with nothing to decode, wait for the
+     oldest queued slice instead of spinning.
   4. when the completion event has fired (`query()`, no device-wide sync), sample / score on
      the prefill stream and hand the requests to decode (`end_prefill` + `update`): their KV is
      already in the shared pool, nothing is copied.
@@ -146,7 +148,8 @@ class PDLoop:
     def __init__(
         self,
         scheduler: Scheduler,
-        runner: Any,  # runtime.runner.ModelRunner (build_batch, run, model, prefill_backend)
+        runner: Any,  # runtime.runner.ModelRunner (build_batch, run, model, prefill_backend,
+        #               outputs_from_hidden, ensure_split_graphs)
         device: StreamDevice,
         choose: Choose,
         observe: Observe | None = None,
@@ -336,15 +339,21 @@ class PDLoop:
     def _run_decode(self, plan: StepPlan) -> list[RequestOutput]:
         f = self.inflight
         if f is not None:
-            stream, sms, other = f.choice.decode_stream, f.choice.decode_sms, f.choice.prefill_sms
+            split = f.choice
+            stream, sms, other = split.decode_stream, split.decode_sms, split.prefill_sms
             f.overlapped_decode = True
             self.num_overlapped_decode_steps += 1
         else:
-            choice = self.choose(None, plan)
-            stream, sms, other = choice.decode_stream, choice.decode_sms, 0
+            split = self.choose(None, plan)
+            stream, sms, other = split.decode_stream, split.decode_sms, 0
         self._use("decode", stream)
         t0, t1 = self.device.event(), self.device.event()
         with self.device.context(stream):
+            if split.prefill_sms != TIME_SLICE:
+                # A split's decode stream: decode graphs must be captured on it (a graph keeps
+                # the partition it was captured on; the whole-GPU set would escape the split).
+                # The first step here captures them, before t0 so it is not timed as decode.
+                self.runner.ensure_split_graphs(stream, f"{split.prefill_sms}/{sms}")
             t0.record()
             out = self.runner.run(plan)  # ends in .tolist(): waits for this stream only
             t1.record()

@@ -9,12 +9,17 @@ GPU runtime (when the given backend is FlashInfer):
 - `runtime.ops.use_flashinfer(True)`: norms, SiLU-and-mul and RoPE use FlashInfer kernels;
 - a second FlashInfer instance (its own workspace) serves decode unless one is passed, so the
   prefill and decode parts may run concurrently on two streams;
-- with `config.cuda_graphs`, decode batches of up to `decode_graphs.max_batch_size` sequences
-  replay a captured CUDA graph (padded to the next captured size; the pad rows use the KV
-  pool's reserved pad block, outside the block manager's range), on `decode_stream`.
+- with `config.cuda_graphs`, decode batches of up to `max_batch_size` sequences replay a
+  captured CUDA graph (padded to the next captured size; the pad rows use the KV pool's
+  reserved pad block, outside the block manager's range). Graphs keep the SM partition of the
+  stream they were captured on, so they are kept per decode stream (`graph_registry`):
+  `decode_graphs`, captured at start-up on the ordinary `decode_stream` (all SMs), serves
+  every ordinary stream; a split's green decode stream gets its own set, captured on that
+  stream the first time it decodes there (`ensure_split_graphs`, the PD loop calls it) or
+  up front (`capture_for_streams`). A decode step picks the set of the current stream.
 Public pieces for a caller that drives the parts itself (e.g. on green-context streams):
 `build_batch`, `forward_part(seqs, is_decode, backend) -> (hidden, wanting)`,
-`outputs_from_hidden`, `decode_graphs`, `prefill_backend`, `decode_backend`.
+`outputs_from_hidden`, `decode_graphs`, `graph_registry`, `prefill_backend`, `decode_backend`.
 Sampling and label scoring stay on the device; each part ends with one `.tolist()`.
 """
 
@@ -22,13 +27,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from runtime import ops
 from runtime.attention.base import AttentionBackend, ForwardBatch, SeqSlice
 from runtime.config import EngineConfig
-from runtime.cuda_graphs import graph_batch_sizes
+from runtime.cuda_graphs import (
+    SPLIT_BATCH_SIZES,
+    DecodeGraphRegistry,
+    GraphSet,
+    Progress,
+    graph_batch_sizes,
+)
 from runtime.kv_pool import KVPool
 from runtime.model import LlamaForCausalLM
 from runtime.model_config import ModelConfig
@@ -128,10 +140,13 @@ class ModelRunner:
         max_model_len: int | None = None,
         capture_graphs: bool = True,
         num_sampleable_tokens: int | None = None,
+        split_graph_batch_sizes: tuple[int, ...] | None = None,
     ) -> None:
         """max_model_len sizes the graphs' per-sequence block tables (default: the model's
         position limit). capture_graphs=False builds the graphs object without capturing
-        (call `decode_graphs.capture()` later, e.g. on another stream)."""
+        (call `decode_graphs.capture()` later, e.g. on another stream).
+        split_graph_batch_sizes: the batch sizes captured per split decode stream (default
+        `SPLIT_BATCH_SIZES`, cut at max_num_seqs, plus max_num_seqs itself)."""
         self.config = config
         self.model = model
         # Sampling only picks ids the tokenizer can decode: a model whose embedding table is
@@ -152,7 +167,8 @@ class ModelRunner:
         self.decode_backend = decode_backend if decode_backend is not None else backend
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}  # seeded requests only
-        self.decode_graphs = None
+        self.decode_graphs = None  # the whole-GPU set (ordinary streams)
+        self.graph_registry: DecodeGraphRegistry | None = None  # every set, by stream
         self.decode_stream = decode_stream
         graphs_ok = self.uses_flashinfer and kv_pool.pad_block_id is not None
         if config.cuda_graphs and self.device.type == "cuda" and graphs_ok:
@@ -162,19 +178,60 @@ class ModelRunner:
             bs = kv_pool.block_size
             if self.decode_stream is None:
                 self.decode_stream = torch.cuda.Stream(self.device)
-            self.decode_graphs = DecodeGraphs(
+            # All sets share one graph memory pool and one FlashInfer float workspace: decode
+            # steps run one at a time (each ends in a host sync, and the PD loop orders a new
+            # decode stream after the previous one), so no two sets ever replay concurrently.
+            pool = torch.cuda.graph_pool_handle()
+            max_blocks = min((limit + bs - 1) // bs, kv_pool.num_blocks)
+            whole = DecodeGraphs(
                 model, kv_pool.k, kv_pool.v, self.decode_stream,
-                pad_block_id=kv_pool.pad_block_id,
-                max_blocks_per_seq=min((limit + bs - 1) // bs, kv_pool.num_blocks),
-                batch_sizes=graph_batch_sizes(config.max_num_seqs),
+                pad_block_id=kv_pool.pad_block_id, max_blocks_per_seq=max_blocks,
+                batch_sizes=graph_batch_sizes(config.max_num_seqs), pool=pool,
             )
+            split_sizes = graph_batch_sizes(
+                config.max_num_seqs, split_graph_batch_sizes or SPLIT_BATCH_SIZES)
+
+            def make_split_set(stream: torch.cuda.Stream, label: str) -> GraphSet:
+                return DecodeGraphs(
+                    model, kv_pool.k, kv_pool.v, stream,
+                    pad_block_id=kv_pool.pad_block_id, max_blocks_per_seq=max_blocks,
+                    batch_sizes=split_sizes, workspace=whole.workspace, pool=pool,
+                    label=label,
+                )
+
+            self.decode_graphs = whole
+            self.graph_registry = DecodeGraphRegistry(make_split_set, whole)
             if capture_graphs:
-                self.decode_graphs.capture()
+                whole.capture()
         elif config.cuda_graphs and self.device.type == "cuda":
             log.warning(
                 "CUDA graphs need the FlashInfer backend and a pool with a pad block; "
                 "decoding eagerly"
             )
+
+    # ---- decode graphs per stream -----------------------------------------------------------
+    def ensure_split_graphs(self, stream: Any, label: str) -> None:
+        """`stream` is a split's (green) decode stream: capture its decode graphs now unless
+        already done (the PD loop calls this before the step's timing events, so a capture
+        is not measured as a decode step). No-op without CUDA graphs."""
+        if self.graph_registry is not None:
+            self.graph_registry.register(stream, label)
+            self.graph_registry.for_stream(stream)
+
+    def capture_for_streams(
+        self, streams: dict[str, Any], progress: Progress | None = None
+    ) -> None:
+        """Capture the decode graphs of these split decode streams ({label: stream}) up front,
+        e.g. every pre-created split at engine start-up. No-op without CUDA graphs."""
+        if self.graph_registry is not None:
+            self.graph_registry.capture_for_streams(streams, progress)
+
+    def current_decode_graphs(self) -> GraphSet | None:
+        """The graph set for a decode step on the current stream (None: decode eagerly)."""
+        reg = self.graph_registry
+        if reg is None:
+            return None
+        return reg.for_stream(reg.current_stream())
 
     def release(self, request_id: str) -> None:
         """Forget per-request state (its seeded generator) once it has finished."""
@@ -243,9 +300,11 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """One forward of a part (on the current stream). Returns the hidden states of the
         rows that need an output, [N, hidden], and those sequences (in order)."""
+        # Pick (and, the first time on a split stream, capture) the graphs before building
+        # the batch: capture synchronises the stream, and its warm-ups need no inputs.
+        graphs = self.current_decode_graphs() if is_decode else None
         batch = self.build_batch(seqs, is_decode)
-        graphs = self.decode_graphs
-        if is_decode and graphs is not None and len(seqs) <= graphs.max_batch_size:
+        if graphs is not None and len(seqs) <= graphs.max_batch_size:
             hidden = graphs.run(batch)  # [n, hidden]: one row per sequence
             rows = [i for i, s in enumerate(seqs) if s.needs_output]
             if len(rows) != len(seqs):

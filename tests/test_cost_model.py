@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
@@ -25,7 +24,7 @@ SPLITS = list(range(8, 128, 8))
 
 
 def truth(kappa_d: float = 0.3, kappa_p: float = 0.1, decode_r_sat: float = 0.4) -> CostModel:
-    m = CostModel(TOTAL)
+    m = CostModel(TOTAL, calibrated=True, source="test truth")
     m.base = {PREFILL: [0.05, 0.09, 0.02], DECODE: [0.03, 0.05, 0.2]}
     m.curve = {PREFILL: SaturationCurve(0.9, 0.6), DECODE: SaturationCurve(decode_r_sat, 0.1)}
     m.kappa = {PREFILL: kappa_p, DECODE: kappa_d}
@@ -91,14 +90,25 @@ def test_observe_scores_before_refining_and_corrects_bias() -> None:
     assert last < 0.01
 
 
-def test_calibration_file_round_trip(tmp_path) -> None:
+def test_parameters_round_trip_and_malformed_parameters_are_rejected() -> None:
     m = truth()
-    path = tmp_path / "cal.json"
-    m.save(path, "H200", "random:llama-3.1-8b")
-    back = CostModel.load(path, "H200", "random:llama-3.1-8b")
-    assert back is not None and back.to_dict() == m.to_dict()
-    assert CostModel.load(path, "H200", "other") is None
-    assert "H200|random:llama-3.1-8b" in json.loads(path.read_text())
+    back = CostModel.from_dict(m.to_dict(), source="x")
+    assert back.to_dict() == m.to_dict() and back.calibrated and back.source == "x"
+    bad = m.to_dict()
+    bad["base"][PREFILL] = [1.0, 2.0]  # one coefficient missing
+    with pytest.raises(ValueError):
+        CostModel.from_dict(bad)
+    assert not CostModel(TOTAL).calibrated and CostModel.fit(TOTAL, []).calibrated
+
+
+def test_uncalibrated_model_makes_the_controller_time_slice() -> None:
+    p, d = PrefillShape.from_seqs([(0, 8192)], num_layers=4), DecodeShape(64, 64 * 2048, 32)
+    dec = SplitController(CostModel(TOTAL), SPLITS).choose(p, d, kv_usage=0.2)
+    assert dec.prefill_sms == TIME_SLICE and "uncalibrated" in dec.reason
+    # A pin still holds a split: static mode does not need the model.
+    pinned = SplitController(CostModel(TOTAL), SPLITS)
+    pinned.pin(64)
+    assert pinned.choose(p, d, 0.2).prefill_sms == 64
 
 
 def _shapes() -> tuple[PrefillShape, DecodeShape]:

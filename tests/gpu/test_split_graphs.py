@@ -1,0 +1,80 @@
+"""GPU: decode CUDA graphs captured per split (issue 6 item 1). On green-context decode streams
+the graphs give the eager decode's logits, the runner picks each stream's own set (the
+whole-GPU set only on ordinary streams), and the engine's PD loop captures a split's set the
+first time it decodes there. The checks live in bench/gpu_partition.py (`split_graphs_check`)
+so the device benchmark and pytest share them.
+
+Model: random:qwen2.5-3b with a small KV pool: head_dim 128, whose FlashInfer kernels the
+device run has cached (random:tiny's head_dim 32 would need a JIT build of several minutes)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def _engine(**kw):  # type: ignore[no-untyped-def]
+    from bench.gpu_partition import Sink
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+
+    sink = Sink()
+    cfg = EngineConfig(model="random:qwen2.5-3b", attention_backend="flashinfer",
+                       cuda_graphs=True, num_kv_blocks=1200, max_num_seqs=64,
+                       max_model_len=4096, prefill_policy="fcfs", **kw)
+    eng = Engine(cfg, sink)
+    if eng._green is None:
+        pytest.skip(f"green contexts unavailable: {eng.partition.state().reason}")
+    assert eng.runner.graph_registry is not None, "no decode graphs (FlashInfer missing?)"
+    return eng, sink
+
+
+@pytest.mark.gpu
+def test_split_graphs_match_eager_and_are_picked_per_stream() -> None:
+    from bench.gpu_partition import split_graphs_check
+
+    eng, _ = _engine()
+    try:
+        splits = eng._green.splits
+        chosen = [splits[len(splits) // 2], splits[-1]]
+        res = split_graphs_check(eng, splits=chosen, batches=(5, 33), ctx_tokens=200, iters=1)
+        failed = [c for c in res["checks"] if not c["ok"]]
+        assert not failed, failed
+        # per split: selection + 2 batch sizes; the whole GPU too; plus one capture per split
+        assert len(res["checks"]) == 3 * (len(chosen) + 1) + len(chosen)
+    finally:
+        eng.shutdown(0)
+
+
+@pytest.mark.gpu
+def test_pd_loop_captures_the_splits_graphs_on_first_decode() -> None:
+    from runtime.cuda_graphs import cuda_stream_key
+    from runtime.request import Request, RequestKind, SamplingParams
+
+    eng, sink = _engine()
+    try:
+        split = eng._green.splits[len(eng._green.splits) // 2]
+        eng.partition.set_mode(f"static:{split}")
+        decode_stream = eng._green.pairs[split].decode.stream
+        reg = eng.runner.graph_registry
+        assert not reg.is_split_stream(decode_stream)  # nothing captured up front
+        eng.start()
+        rng = random.Random(3)
+        ids = []
+        for i, n in enumerate((300, 40, 900)):
+            rid = f"g{i}"
+            ids.append(rid)
+            eng.add(Request(rid, RequestKind.GENERATE, [rng.randrange(100, 30000)
+                                                        for _ in range(n)],
+                            sampling=SamplingParams(max_tokens=12, temperature=0.0,
+                                                    ignore_eos=True)))
+        assert sink.wait(ids, 120), "requests timed out"
+        assert all(len(sink.tokens.get(r, [])) == 12 for r in ids)
+        got = reg.sets.get(cuda_stream_key(decode_stream))
+        assert got is not None and got is not eng.runner.decode_graphs
+        assert got.graphs, "the split's set holds no captured graph"
+    finally:
+        eng.shutdown(0)
