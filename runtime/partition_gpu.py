@@ -278,6 +278,10 @@ class EngineProbe:
     @torch.inference_mode()
     def decode_ms(self, batch_size: int, context_tokens: int, sms: int) -> float:
         stream = self._decode_stream(sms)
+        if sms < self.total_sms:
+            # Graphs captured on an ordinary stream would run on every SM: use (capturing
+            # now, outside the timed region) the set bound to this split's decode stream.
+            self.engine.runner.ensure_split_graphs(stream, f"{self.total_sms - sms}/{sms}")
         with self._seqs([(context_tokens, 1)] * batch_size, decode=True) as seqs:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -297,6 +301,7 @@ class EngineProbe:
         runner = self.engine.runner
         pair = self.green.pairs[prefill_sms]
         ps, ds = pair.prefill.stream, pair.decode.stream
+        runner.ensure_split_graphs(ds, f"{prefill_sms}/{self.total_sms - prefill_sms}")
         (num_tokens, p_ctx), (batch, d_ctx) = prefill, decode
         with self._seqs([(p_ctx, num_tokens)], decode=False) as pseqs,                 self._seqs([(d_ctx, 1)] * batch, decode=True) as dseqs:
             torch.cuda.synchronize()
