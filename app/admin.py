@@ -87,7 +87,9 @@ def _error(status: int, message: str, err_type: str, param: str | None = None) -
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     first = exc.errors()[0]
     loc = ".".join(str(part) for part in first.get("loc", ()))
-    return f"{loc}: {first.get('msg', 'invalid value')}" if loc else str(first.get("msg")), loc or None
+    return f"{loc}: {first.get('msg', 'invalid value')}" if loc else str(
+        first.get("msg")
+    ), loc or None
 
 
 async def _parse_body(request: Request, model: type[BaseModel]) -> BaseModel | JSONResponse:
@@ -135,16 +137,21 @@ def check_admin(request: Request) -> JSONResponse | None:
     if token is not None:
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not given:
-            return _error(401, "admin token required: Authorization: Bearer <token>",
-                          "authentication_error")
+            return _error(
+                401, "admin token required: Authorization: Bearer <token>", "authentication_error"
+            )
         # compare_digest: no timing hint about how much of the token matched.
         if not secrets.compare_digest(given.strip().encode(), token.encode()):
             return _error(401, "invalid admin token", "authentication_error")
         return None
     host = request.client.host if request.client else None
     if not is_loopback(host):
-        return _error(403, "admin changes are allowed only from loopback clients when "
-                           "GREENLANE_ADMIN_TOKEN is not set", "permission_error")
+        return _error(
+            403,
+            "admin changes are allowed only from loopback clients when "
+            "GREENLANE_ADMIN_TOKEN is not set",
+            "permission_error",
+        )
     return None
 
 
@@ -211,10 +218,18 @@ def _partition_state(engine: Any, stats: dict[str, Any]) -> dict[str, Any]:
 
 def _unavailable_partition(reason: str) -> dict[str, Any]:
     return {
-        "available": False, "reason": reason, "mode": "off", "total_sms": 0,
-        "prefill_sms": 0, "decode_sms": 0, "splits": [], "pinned": False,
-        "predicted_prefill_ms": None, "predicted_decode_ms": None,
-        "measured_prefill_ms": None, "measured_decode_ms": None,
+        "available": False,
+        "reason": reason,
+        "mode": "off",
+        "total_sms": 0,
+        "prefill_sms": 0,
+        "decode_sms": 0,
+        "splits": [],
+        "pinned": False,
+        "predicted_prefill_ms": None,
+        "predicted_decode_ms": None,
+        "measured_prefill_ms": None,
+        "measured_decode_ms": None,
     }
 
 
@@ -226,7 +241,9 @@ def _recent_metrics(app_state: Any, stats: dict[str, Any]) -> dict[str, Any]:
     # Fallback: no rolling windows from the app; only counters the engine may carry.
     return {
         "source": "engine_stats_fallback",
-        "ttft_s": [], "tpot_s": [], "e2e_s": [],
+        "ttft_s": [],
+        "tpot_s": [],
+        "e2e_s": [],
         "completed_total": stats.get("completed_total"),
         "tokens_total": stats.get("tokens_total"),
     }
@@ -236,8 +253,11 @@ def build_state(app: Any) -> dict[str, Any]:
     """The snapshot served by /admin/api/state and streamed by /admin/api/events."""
     engine = getattr(app.state, "engine", None)  # None while the app is still starting up
     stats: dict[str, Any] = dict(engine.stats()) if engine is not None else {}
-    partition = (_partition_state(engine, stats) if engine is not None
-                 else _unavailable_partition("the engine is starting"))
+    partition = (
+        _partition_state(engine, stats)
+        if engine is not None
+        else _unavailable_partition("the engine is starting")
+    )
     recent = _recent_metrics(app.state, stats)
 
     blocks_used = stats.get("kv_blocks_used")
@@ -257,13 +277,16 @@ def build_state(app: Any) -> dict[str, Any]:
 
     return {
         "time_s": time.time(),
-        "engine": {"alive": engine is not None and bool(engine.is_alive()),
-                   "starting": engine is None},
+        "engine": {
+            "alive": engine is not None and bool(engine.is_alive()),
+            "starting": engine is None,
+        },
         "partition": partition,
         "queues": {"waiting": stats.get("num_waiting"), "running": stats.get("num_running")},
         "kv": {"blocks_used": blocks_used, "blocks_total": blocks_total, "usage": kv_usage},
         "prefix_cache": {
-            "hit_tokens": hit, "query_tokens": query,
+            "hit_tokens": hit,
+            "query_tokens": query,
             "hit_rate": hit / query if hit is not None and query else None,
         },
         "policy": {"current": stats.get("policy"), "available": list(POLICY_NAMES)},
@@ -274,8 +297,10 @@ def build_state(app: Any) -> dict[str, Any]:
             "e2e_s": _summary(recent.get("e2e_s") or []),
         },
         "throughput": {
-            "completed_total": completed, "tokens_total": tokens,
-            "requests_per_s": req_rate, "tokens_per_s": tok_rate,
+            "completed_total": completed,
+            "tokens_total": tokens,
+            "requests_per_s": req_rate,
+            "tokens_per_s": tok_rate,
             "window_s": _THROUGHPUT_WINDOW_S,
         },
         "cost_model": {
@@ -316,8 +341,9 @@ async def admin_events(request: Request, interval_s: float = _SSE_DEFAULT_INTERV
     """SSE stream of `state` events. sse-starlette cancels the generator when the client goes
     away or uvicorn shuts down; the disconnect check below also ends it between snapshots."""
     if not math.isfinite(interval_s):
-        return _error(400, "interval_s must be a finite number", "invalid_request_error",
-                      "interval_s")
+        return _error(
+            400, "interval_s must be a finite number", "invalid_request_error", "interval_s"
+        )
     interval_s = min(max(interval_s, _SSE_MIN_INTERVAL_S), _SSE_MAX_INTERVAL_S)
 
     async def stream() -> AsyncIterator[dict[str, str]]:
@@ -339,8 +365,12 @@ async def admin_set_partition(request: Request) -> JSONResponse:
     assert isinstance(body, PartitionChange)
     if body.mode == "static":
         if body.prefill_sms is None:
-            return _error(400, "prefill_sms is required when mode is static",
-                          "invalid_request_error", "prefill_sms")
+            return _error(
+                400,
+                "prefill_sms is required when mode is static",
+                "invalid_request_error",
+                "prefill_sms",
+            )
         spec = f"static:{body.prefill_sms}"
     else:
         spec = body.mode
@@ -349,13 +379,18 @@ async def admin_set_partition(request: Request) -> JSONResponse:
         return _error(503, "the engine is starting; try again shortly", "service_unavailable")
     manager = getattr(engine, "partition", None)
     if manager is None:
-        return _error(400, "the engine exposes no partition manager", "invalid_request_error",
-                      "mode")
+        return _error(
+            400, "the engine exposes no partition manager", "invalid_request_error", "mode"
+        )
     try:
         manager.set_mode(spec)
     except ValueError as exc:
-        return _error(400, str(exc), "invalid_request_error", "prefill_sms"
-                      if body.mode == "static" else "mode")
+        return _error(
+            400,
+            str(exc),
+            "invalid_request_error",
+            "prefill_sms" if body.mode == "static" else "mode",
+        )
     return JSONResponse(build_state(request.app))
 
 
@@ -369,8 +404,12 @@ async def admin_set_policy(request: Request) -> JSONResponse:
         return body
     assert isinstance(body, PolicyChange)
     if body.policy not in POLICY_NAMES:
-        return _error(400, f"unknown prefill policy {body.policy!r}; choose one of "
-                           f"{', '.join(POLICY_NAMES)}", "invalid_request_error", "policy")
+        return _error(
+            400,
+            f"unknown prefill policy {body.policy!r}; choose one of {', '.join(POLICY_NAMES)}",
+            "invalid_request_error",
+            "policy",
+        )
     engine = getattr(request.app.state, "engine", None)
     if engine is None:
         return _error(503, "the engine is starting; try again shortly", "service_unavailable")

@@ -136,7 +136,9 @@ def _int_list(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from exc
     if not values or any(v < 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
     return values
@@ -163,21 +165,43 @@ def build_parser() -> argparse.ArgumentParser:
         "JCT model and write it to <calibration-dir>/jct-<device>--<model>.json (or --out). "
         "`serve` on the same device and model then loads it automatically.",
     )
-    cal.add_argument("--what", choices=("jct", "partition", "all"), default="jct",
-                     help="jct: the prefill JCT model (default); partition: the SM-partition "
-                     "cost model (CUDA with green contexts: times prefill and decode alone on "
-                     "the whole GPU and on 5 pre-created splits, and together, then writes "
-                     "<calibration-dir>/partition-<device>--<model>.json); all: both")
-    cal.add_argument("--out", default=None, metavar="FILE",
-                     help="write the calibration here instead of the cache folder (not with "
-                     "--what all)")
-    cal.add_argument("--uncached-tokens", type=_int_list, default=None, metavar="N,N,...",
-                     help="uncached prompt lengths to time (default: a small CPU grid "
-                     "32,128,512,1024 or a GPU grid 128..16384)")
-    cal.add_argument("--cached-tokens", type=_int_list, default=None, metavar="N,N,...",
-                     help="cached-prefix lengths to time (default: CPU 0,1024; GPU 0,4096,16384)")
-    cal.add_argument("--repeats", type=int, default=None, metavar="N",
-                     help="timings per point, median kept (default: CPU 2, GPU 3)")
+    cal.add_argument(
+        "--what",
+        choices=("jct", "partition", "all"),
+        default="jct",
+        help="jct: the prefill JCT model (default); partition: the SM-partition "
+        "cost model (CUDA with green contexts: times prefill and decode alone on "
+        "the whole GPU and on 5 pre-created splits, and together, then writes "
+        "<calibration-dir>/partition-<device>--<model>.json); all: both",
+    )
+    cal.add_argument(
+        "--out",
+        default=None,
+        metavar="FILE",
+        help="write the calibration here instead of the cache folder (not with --what all)",
+    )
+    cal.add_argument(
+        "--uncached-tokens",
+        type=_int_list,
+        default=None,
+        metavar="N,N,...",
+        help="uncached prompt lengths to time (default: a small CPU grid "
+        "32,128,512,1024 or a GPU grid 128..16384)",
+    )
+    cal.add_argument(
+        "--cached-tokens",
+        type=_int_list,
+        default=None,
+        metavar="N,N,...",
+        help="cached-prefix lengths to time (default: CPU 0,1024; GPU 0,4096,16384)",
+    )
+    cal.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        metavar="N",
+        help="timings per point, median kept (default: CPU 2, GPU 3)",
+    )
     _add_settings_options(cal, [*engine_field_names(), *_CALIBRATE_SETTINGS])
     return parser
 
@@ -200,6 +224,7 @@ class GracefulServer(uvicorn.Server):
             from app.main import stop_engine
 
             self._greenlane_app.state.client.start_draining()
+
             # The engine's shutdown blocks for up to the grace period: not on the loop thread.
             # When it returns, every stream has its final output, so uvicorn can finish.
             def drain() -> None:
@@ -220,14 +245,18 @@ def _real_engine_factory(config: Any, sink: Any) -> Any:
     return Engine(config, sink)
 
 
-def _run_calibration(engine: Any, settings: Settings, out_path: str | None = None,
-                     **grid: Any) -> tuple[Any, str | None]:
+def _run_calibration(
+    engine: Any, settings: Settings, out_path: str | None = None, **grid: Any
+) -> tuple[Any, str | None]:
     """Profile `engine` (built, not started) and save: (the fitted JCTModel, the file)."""
     from runtime.calibrate import calibrate_engine, default_cache_dir
 
     out_dir = None if out_path else (settings.calibration_dir or default_cache_dir())
-    log.info("calibrating the JCT model on %s for %s (progress on stderr)",
-             engine.device_name, settings.calibration_model_key)
+    log.info(
+        "calibrating the JCT model on %s for %s (progress on stderr)",
+        engine.device_name,
+        settings.calibration_model_key,
+    )
     return calibrate_engine(
         engine, model=settings.calibration_model_key, out_dir=out_dir, out_path=out_path, **grid
     )
@@ -272,8 +301,13 @@ def serve(settings: Settings, engine_factory: Any = None) -> int:
     return 0 if server.started else 1
 
 
-def calibrate_command(settings: Settings, out_path: str | None, grid: dict[str, Any],
-                      engine_factory: Any = None, what: str = "jct") -> int:
+def calibrate_command(
+    settings: Settings,
+    out_path: str | None,
+    grid: dict[str, Any],
+    engine_factory: Any = None,
+    what: str = "jct",
+) -> int:
     """`greenlane calibrate`: build the engine, profile (`what`: jct, partition or all),
     save, print the path of each file written."""
     import dataclasses
@@ -283,14 +317,19 @@ def calibrate_command(settings: Settings, out_path: str | None, grid: dict[str, 
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if what == "all" and out_path:
-        print("greenlane: --out names one file; use it with --what jct or --what partition",
-              file=sys.stderr)
+        print(
+            "greenlane: --out names one file; use it with --what jct or --what partition",
+            file=sys.stderr,
+        )
         return 2
     # The profile measures the device; loading an old calibration first would be pointless,
     # and the engine must not run its own start-up partition profile.
     config = dataclasses.replace(
-        settings.to_engine_config(resolve_calibration=False), jct_calibration=None,
-        partition_calibration=None, partition_startup_profile=False)
+        settings.to_engine_config(resolve_calibration=False),
+        jct_calibration=None,
+        partition_calibration=None,
+        partition_startup_profile=False,
+    )
     engine = (engine_factory or _real_engine_factory)(config, lambda _out: None)
     paths: list[str | None] = []
     try:
@@ -299,10 +338,12 @@ def calibrate_command(settings: Settings, out_path: str | None, grid: dict[str, 
         if what in ("partition", "all"):
             from runtime.partition_gpu import profile_engine  # lazily: loads torch
 
-            log.info("profiling the partition cost model on %s (progress on stderr)",
-                     engine.device_name)
-            cal = profile_engine(engine, full=True, cache_dir=config.partition_calibration_dir,
-                                 out_path=out_path)
+            log.info(
+                "profiling the partition cost model on %s (progress on stderr)", engine.device_name
+            )
+            cal = profile_engine(
+                engine, full=True, cache_dir=config.partition_calibration_dir, out_path=out_path
+            )
             paths.append(cal.path)
     except ValueError as exc:
         print(f"greenlane: calibration failed: {exc}", file=sys.stderr)
@@ -323,20 +364,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Validate engine options before loading anything (the calibration file is chosen,
         # and logged, when the engine is built).
         settings.to_engine_config(resolve_calibration=False)
-        if settings.jct_calibration and not os.path.isfile(os.path.expanduser(settings.jct_calibration)):
+        if settings.jct_calibration and not os.path.isfile(
+            os.path.expanduser(settings.jct_calibration)
+        ):
             raise ValueError(f"jct_calibration: no such file {settings.jct_calibration!r}")
         if settings.partition_calibration and not os.path.isfile(
-                os.path.expanduser(settings.partition_calibration)):
+            os.path.expanduser(settings.partition_calibration)
+        ):
             raise ValueError(
-                f"partition_calibration: no such file {settings.partition_calibration!r}")
+                f"partition_calibration: no such file {settings.partition_calibration!r}"
+            )
     except ValueError as exc:
         print(f"greenlane: invalid option: {exc}", file=sys.stderr)
         return 2
     if args.command == "serve":
         return serve(settings)
     if args.command == "calibrate":
-        grid = {"uncached_tokens": args.uncached_tokens, "cached_tokens": args.cached_tokens,
-                "repeats": args.repeats}
+        grid = {
+            "uncached_tokens": args.uncached_tokens,
+            "cached_tokens": args.cached_tokens,
+            "repeats": args.repeats,
+        }
         return calibrate_command(settings, args.out, grid, what=args.what)
     return 2
 

@@ -59,8 +59,15 @@ def log_request(trace: Trace, status: int) -> None:
     log.info(
         "id=%s endpoint=%s status=%d prompt_tokens=%d cached_tokens=%d output_tokens=%d "
         "ttft_s=%s total_s=%.4f finish=%s",
-        trace.request_id, trace.endpoint, status, trace.num_prompt_tokens, trace.num_cached_tokens,
-        trace.num_output_tokens, ttft, total_s, trace.finish_reason or "-",
+        trace.request_id,
+        trace.endpoint,
+        status,
+        trace.num_prompt_tokens,
+        trace.num_cached_tokens,
+        trace.num_output_tokens,
+        ttft,
+        total_s,
+        trace.finish_reason or "-",
     )
 
 
@@ -91,8 +98,10 @@ async def require_api_key(request: Request) -> None:
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or token.strip() != key:
         raise APIError(
-            401, "Invalid or missing API key (send 'Authorization: Bearer <key>')",
-            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+            401,
+            "Invalid or missing API key (send 'Authorization: Bearer <key>')",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
         )
 
 
@@ -100,8 +109,10 @@ def check_model(request: Request, name: str | None) -> None:
     settings = settings_of(request)
     if not settings.accepts_model(name):
         raise APIError(
-            404, f"The model '{name}' does not exist; this server serves '{settings.model_name}'",
-            param="model", code="model_not_found",
+            404,
+            f"The model '{name}' does not exist; this server serves '{settings.model_name}'",
+            param="model",
+            code="model_not_found",
         )
 
 
@@ -136,11 +147,18 @@ def check_token_ids(engine: Any, ids: list[int], param: str) -> None:
     vocab = vocab_size(engine)
     for tok in ids:
         if not 0 <= tok < vocab:
-            raise bad_request(f"token id {tok} is outside the vocabulary [0, {vocab})", param, "invalid_token_id")
+            raise bad_request(
+                f"token id {tok} is outside the vocabulary [0, {vocab})", param, "invalid_token_id"
+            )
 
 
 def check_prompt_fits(
-    engine: Any, num_prompt_tokens: int, max_tokens: int, param: str = "max_tokens", *, generate: bool = True
+    engine: Any,
+    num_prompt_tokens: int,
+    max_tokens: int,
+    param: str = "max_tokens",
+    *,
+    generate: bool = True,
 ) -> None:
     """Prompt + output must fit the context; a generation prompt must also fit the KV pool
     (`engine.max_prompt_tokens`; scoring keeps no KV beyond its prefix, so it is exempt)."""
@@ -152,21 +170,24 @@ def check_prompt_fits(
             f"This model's maximum context length is {max_len} tokens; the request has "
             f"{num_prompt_tokens} prompt tokens + {max_tokens} max_tokens = "
             f"{num_prompt_tokens + max_tokens}. Reduce the prompt or max_tokens.",
-            param, "context_length_exceeded",
+            param,
+            "context_length_exceeded",
         )
     max_score = int(getattr(engine, "max_score_tokens", max_len))
     if not generate and num_prompt_tokens > max_score:
         raise bad_request(
             f"The scoring prompt has {num_prompt_tokens} tokens; this server accepts at most "
             f"{max_score} (activation memory reserved at start-up; see --max-score-tokens).",
-            "prompt", "context_length_exceeded",
+            "prompt",
+            "context_length_exceeded",
         )
     max_prompt = int(getattr(engine, "max_prompt_tokens", max_len))
     if generate and num_prompt_tokens > max_prompt:
         raise bad_request(
             f"The prompt has {num_prompt_tokens} tokens; this server accepts at most {max_prompt} "
             "(KV cache capacity).",
-            "prompt", "context_length_exceeded",
+            "prompt",
+            "context_length_exceeded",
         )
 
 
@@ -180,7 +201,9 @@ def default_max_tokens(engine: Any, num_prompt_tokens: int) -> int:
 def admission_error(exc: Exception, settings: Settings) -> APIError:
     if isinstance(exc, Overloaded):
         return APIError(
-            429, f"Server is overloaded: {exc}. Retry later.", code="queue_full",
+            429,
+            f"Server is overloaded: {exc}. Retry later.",
+            code="queue_full",
             headers={"Retry-After": str(settings.retry_after_s)},
         )
     if isinstance(exc, Draining):
@@ -206,7 +229,9 @@ async def until_disconnect(request: Request, work: Awaitable[T], timeout_s: floa
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
-        done, _ = await asyncio.wait({task, watcher}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            {task, watcher}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
     finally:
         watcher.cancel()
     if task in done:

@@ -97,9 +97,7 @@ async def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:
         )
         message = f"Invalid request: {details}"
         code = "invalid_value"
-    return JSONResponse(
-        error_body(message, "invalid_request_error", param, code), status_code=400
-    )
+    return JSONResponse(error_body(message, "invalid_request_error", param, code), status_code=400)
 
 
 async def _on_http_error(_: Request, exc: Exception) -> JSONResponse:

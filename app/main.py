@@ -94,7 +94,12 @@ class AccessLogMiddleware:
             endpoint = trace.endpoint
             e2e_s = time.monotonic() - trace.start_s
             self.metrics.observe_request(
-                endpoint, status, e2e_s, trace.ttft_s, trace.num_prompt_tokens, trace.num_output_tokens
+                endpoint,
+                status,
+                e2e_s,
+                trace.ttft_s,
+                trace.num_prompt_tokens,
+                trace.num_output_tokens,
             )
             if path.startswith(_QUIET_PATHS):
                 if log.isEnabledFor(logging.DEBUG):
@@ -103,7 +108,9 @@ class AccessLogMiddleware:
                 log_request(trace, status)
 
 
-def create_app(settings: Settings | None = None, engine_factory: EngineFactory | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None, engine_factory: EngineFactory | None = None
+) -> FastAPI:
     """Build the app. `engine_factory(config, sink)` makes the engine (tests pass a fake)."""
     settings = settings or Settings()
     factory = engine_factory or _real_engine

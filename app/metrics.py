@@ -26,7 +26,23 @@ log = logging.getLogger("greenlane.app")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Latency buckets in seconds: scoring on a GPU lands in ms, long CPU prefills in tens of s.
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, float("inf"))
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    25,
+    60,
+    120,
+    float("inf"),
+)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, float("inf"))
 
 RECENT_WINDOW = 512  # latency samples kept for `recent()`
@@ -50,7 +66,9 @@ _JCT_MAPE_HELP = (
 
 
 class _EngineCollector(Collector):
-    def __init__(self, stats_fn: Callable[[], dict[str, Any] | None], in_flight_fn: Callable[[], int]):
+    def __init__(
+        self, stats_fn: Callable[[], dict[str, Any] | None], in_flight_fn: Callable[[], int]
+    ):
         self._stats_fn = stats_fn
         self._in_flight_fn = in_flight_fn
 
@@ -96,7 +114,9 @@ class _EngineCollector(Collector):
             if key in skip or isinstance(value, bool) or not isinstance(value, int | float):
                 continue
             safe = "".join(c if c.isalnum() else "_" for c in key)
-            yield GaugeMetricFamily(f"greenlane_engine_{safe}", f"engine.stats()['{key}']", value=float(value))
+            yield GaugeMetricFamily(
+                f"greenlane_engine_{safe}", f"engine.stats()['{key}']", value=float(value)
+            )
 
 
 class Metrics:
@@ -105,26 +125,43 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
-            "greenlane_requests", "HTTP requests by endpoint and status",
-            ["endpoint", "status"], registry=self.registry,
+            "greenlane_requests",
+            "HTTP requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=self.registry,
         )
         self.ttft = Histogram(
-            "greenlane_ttft_seconds", "arrival to first token (engine clock)",
-            ["endpoint"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+            "greenlane_ttft_seconds",
+            "arrival to first token (engine clock)",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.tpot = Histogram(
-            "greenlane_tpot_seconds", "mean time per output token after the first",
-            ["endpoint"], buckets=_TPOT_BUCKETS, registry=self.registry,
+            "greenlane_tpot_seconds",
+            "mean time per output token after the first",
+            ["endpoint"],
+            buckets=_TPOT_BUCKETS,
+            registry=self.registry,
         )
         self.e2e = Histogram(
-            "greenlane_e2e_seconds", "server receive to response end",
-            ["endpoint"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+            "greenlane_e2e_seconds",
+            "server receive to response end",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.prompt_tokens = Counter(
-            "greenlane_prompt_tokens", "prompt tokens processed", ["endpoint"], registry=self.registry
+            "greenlane_prompt_tokens",
+            "prompt tokens processed",
+            ["endpoint"],
+            registry=self.registry,
         )
         self.output_tokens = Counter(
-            "greenlane_output_tokens", "output tokens generated", ["endpoint"], registry=self.registry
+            "greenlane_output_tokens",
+            "output tokens generated",
+            ["endpoint"],
+            registry=self.registry,
         )
         self._engine_collector: _EngineCollector | None = None
         # Rolling windows for the admin page (`recent()`); Prometheus keeps only buckets.
@@ -135,7 +172,9 @@ class Metrics:
         self._completed_total = 0  # finished model requests (any status)
         self._tokens_total = 0  # prompt + output tokens of those requests
 
-    def bind_engine(self, stats_fn: Callable[[], dict[str, Any] | None], in_flight_fn: Callable[[], int]) -> None:
+    def bind_engine(
+        self, stats_fn: Callable[[], dict[str, Any] | None], in_flight_fn: Callable[[], int]
+    ) -> None:
         if self._engine_collector is not None:
             self.registry.unregister(self._engine_collector)
         self._engine_collector = _EngineCollector(stats_fn, in_flight_fn)

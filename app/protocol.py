@@ -101,7 +101,11 @@ class ChatCompletionRequest(_SamplingFields):
 
     @property
     def max_output_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
 
 
 Prompt = str | list[int] | list[str] | list[list[int]]
@@ -137,7 +141,9 @@ class ScoreRequest(_Request):
     def _check(self) -> ScoreRequest:
         if (self.label_token_ids is None) == (self.labels is None):
             raise ValueError("give exactly one of label_token_ids or labels")
-        num_labels = len(self.label_token_ids if self.label_token_ids is not None else self.labels or [])
+        num_labels = len(
+            self.label_token_ids if self.label_token_ids is not None else self.labels or []
+        )
         if num_labels == 0:
             raise ValueError("at least one label is required")
         if self.messages is not None:

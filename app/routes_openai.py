@@ -102,13 +102,17 @@ class _Collected:
 
 def _raise_if_failed(col: _Collected, draining: bool) -> None:
     if col.finish_reason == "error":
-        raise APIError(500, f"The engine failed this request: {col.error or 'unknown error'}",
-                       code="engine_error")
+        raise APIError(
+            500,
+            f"The engine failed this request: {col.error or 'unknown error'}",
+            code="engine_error",
+        )
     if col.finish_reason == "abort":
         if draining:
             raise APIError(503, "Request aborted: server is shutting down", code="shutting_down")
-        raise APIError(500, f"Request aborted by the engine: {col.error or 'no reason given'}",
-                       code="aborted")
+        raise APIError(
+            500, f"Request aborted by the engine: {col.error or 'no reason given'}", code="aborted"
+        )
 
 
 def _fill_trace(request: Request, request_id: str, cols: list[_Collected]) -> None:
@@ -202,7 +206,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     created = int(time.time())
     model_name = settings_of(request).model_name
     req = EngineRequest(
-        request_id=request_id, kind=RequestKind.GENERATE, prompt_token_ids=prompt_ids,
+        request_id=request_id,
+        kind=RequestKind.GENERATE,
+        prompt_token_ids=prompt_ids,
         sampling=_sampling(body, max_tokens, logprobs),
     )
     trace_of(request).request_id = request_id
@@ -212,23 +218,39 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         _fill_trace(request, request_id, [col])
         _raise_if_failed(col, client_of(request).draining)
         return {
-            "id": request_id, "object": "chat.completion", "created": created, "model": model_name,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": col.text},
-                "logprobs": _chat_logprobs(engine, col.logprobs) if body.logprobs else None,
-                "finish_reason": _openai_finish_reason(col.finish_reason),
-            }],
-            "usage": usage(col.num_prompt_tokens or len(prompt_ids), len(col.token_ids), col.num_cached_tokens),
+            "id": request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": col.text},
+                    "logprobs": _chat_logprobs(engine, col.logprobs) if body.logprobs else None,
+                    "finish_reason": _openai_finish_reason(col.finish_reason),
+                }
+            ],
+            "usage": usage(
+                col.num_prompt_tokens or len(prompt_ids), len(col.token_ids), col.num_cached_tokens
+            ),
         }
 
     stream = _open_stream(request, req)
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> dict[str, str]:
-        return _json({
-            "id": request_id, "object": "chat.completion.chunk", "created": created, "model": model_name,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
-        })
+    def chunk(
+        delta: dict[str, Any], finish: str | None = None, logprobs: Any = None
+    ) -> dict[str, str]:
+        return _json(
+            {
+                "id": request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model_name,
+                "choices": [
+                    {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+                ],
+            }
+        )
 
     async def events() -> AsyncIterator[dict[str, str]]:
         col = _Collected()
@@ -245,12 +267,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             else:
                 yield chunk({}, finish=_openai_finish_reason(col.finish_reason))
                 if body.include_usage:
-                    yield _json({
-                        "id": request_id, "object": "chat.completion.chunk", "created": created,
-                        "model": model_name, "choices": [],
-                        "usage": usage(col.num_prompt_tokens or len(prompt_ids), len(col.token_ids),
-                                       col.num_cached_tokens),
-                    })
+                    yield _json(
+                        {
+                            "id": request_id,
+                            "object": "chat.completion.chunk",
+                            "created": created,
+                            "model": model_name,
+                            "choices": [],
+                            "usage": usage(
+                                col.num_prompt_tokens or len(prompt_ids),
+                                len(col.token_ids),
+                                col.num_cached_tokens,
+                            ),
+                        }
+                    )
             yield {"data": "[DONE]"}
         finally:
             await stream.aclose()  # aborts the request when the client went away mid-stream
@@ -280,7 +310,9 @@ def _prompts_of(engine: Any, body: CompletionRequest) -> list[list[int]]:
     return prompts
 
 
-def _completion_logprobs(engine: Any, items: list[TokenLogprob], text_offset_start: int) -> dict[str, Any]:
+def _completion_logprobs(
+    engine: Any, items: list[TokenLogprob], text_offset_start: int
+) -> dict[str, Any]:
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     offset = text_offset_start
     for lp in items:
@@ -290,8 +322,12 @@ def _completion_logprobs(engine: Any, items: list[TokenLogprob], text_offset_sta
         top_logprobs.append({_token_text(engine, t): v for t, v in lp.top})
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }
 
 
 @router.post("/completions")
@@ -307,7 +343,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     model_name = settings_of(request).model_name
     reqs = [
         EngineRequest(
-            request_id=f"{request_id}-{i}", kind=RequestKind.GENERATE, prompt_token_ids=ids,
+            request_id=f"{request_id}-{i}",
+            kind=RequestKind.GENERATE,
+            prompt_token_ids=ids,
             sampling=_sampling(body, body.max_tokens, body.logprobs),
         )
         for i, ids in enumerate(prompts)
@@ -321,18 +359,25 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         for col in cols:
             _raise_if_failed(col, client_of(request).draining)
         return {
-            "id": request_id, "object": "text_completion", "created": created, "model": model_name,
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model_name,
             "choices": [
                 {
-                    "index": i, "text": col.text,
-                    "logprobs": _completion_logprobs(engine, col.logprobs, 0) if want_logprobs else None,
+                    "index": i,
+                    "text": col.text,
+                    "logprobs": _completion_logprobs(engine, col.logprobs, 0)
+                    if want_logprobs
+                    else None,
                     "finish_reason": _openai_finish_reason(col.finish_reason),
                 }
                 for i, col in enumerate(cols)
             ],
             "usage": usage(
                 sum(c.num_prompt_tokens or len(p) for c, p in zip(cols, prompts, strict=True)),
-                sum(len(c.token_ids) for c in cols), sum(c.num_cached_tokens for c in cols),
+                sum(len(c.token_ids) for c in cols),
+                sum(c.num_cached_tokens for c in cols),
             ),
         }
 
@@ -340,10 +385,17 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     stream = _open_stream(request, req)
 
     def chunk(text: str, finish: str | None = None, logprobs: Any = None) -> dict[str, str]:
-        return _json({
-            "id": request_id, "object": "text_completion", "created": created, "model": model_name,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-        })
+        return _json(
+            {
+                "id": request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": model_name,
+                "choices": [
+                    {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+                ],
+            }
+        )
 
     async def events() -> AsyncIterator[dict[str, str]]:
         col = _Collected()
@@ -352,7 +404,11 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             async for out in stream:
                 col.add(out)
                 if out.new_text or out.new_logprobs:
-                    lp = _completion_logprobs(engine, out.new_logprobs, text_len) if want_logprobs else None
+                    lp = (
+                        _completion_logprobs(engine, out.new_logprobs, text_len)
+                        if want_logprobs
+                        else None
+                    )
                     text_len += len(out.new_text)
                     yield chunk(out.new_text, logprobs=lp)
             err = _stream_error_event(col, client_of(request).draining)
@@ -361,12 +417,20 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             else:
                 yield chunk("", finish=_openai_finish_reason(col.finish_reason))
                 if body.include_usage:
-                    yield _json({
-                        "id": request_id, "object": "text_completion", "created": created,
-                        "model": model_name, "choices": [],
-                        "usage": usage(col.num_prompt_tokens or len(req.prompt_token_ids),
-                                       len(col.token_ids), col.num_cached_tokens),
-                    })
+                    yield _json(
+                        {
+                            "id": request_id,
+                            "object": "text_completion",
+                            "created": created,
+                            "model": model_name,
+                            "choices": [],
+                            "usage": usage(
+                                col.num_prompt_tokens or len(req.prompt_token_ids),
+                                len(col.token_ids),
+                                col.num_cached_tokens,
+                            ),
+                        }
+                    )
             yield {"data": "[DONE]"}
         finally:
             await stream.aclose()

@@ -50,7 +50,8 @@ def _label_ids(engine: Any, body: ScoreRequest) -> tuple[list[int], list[str]]:
             raise bad_request(
                 f"label {label!r} is {len(toks)} tokens ({toks}); each label must be exactly one "
                 "token (try a leading space, or pass label_token_ids)",
-                "labels", "multi_token_label",
+                "labels",
+                "multi_token_label",
             )
         ids.append(toks[0])
     return ids, labels
@@ -98,7 +99,8 @@ async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
     if len(prompts) > client.max_in_flight:
         raise bad_request(
             f"{len(prompts)} items exceed this server's limit of {client.max_in_flight} per call",
-            "items", "too_many_items",
+            "items",
+            "too_many_items",
         )
 
     request_id = new_id("score")
@@ -106,14 +108,19 @@ async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
     trace.request_id = request_id
     reqs = [
         EngineRequest(
-            request_id=f"{request_id}-{i}", kind=RequestKind.SCORE, prompt_token_ids=ids,
+            request_id=f"{request_id}-{i}",
+            kind=RequestKind.SCORE,
+            prompt_token_ids=ids,
             sampling=SamplingParams(max_tokens=1, temperature=0.0),
-            label_token_ids=list(label_ids), apply_softmax=body.apply_softmax,
+            label_token_ids=list(label_ids),
+            apply_softmax=body.apply_softmax,
         )
         for i, ids in enumerate(prompts)
     ]
     start_s = time.monotonic()
-    results = await until_disconnect(request, client.run_all(reqs), settings_of(request).request_timeout_s)
+    results = await until_disconnect(
+        request, client.run_all(reqs), settings_of(request).request_timeout_s
+    )
     server_s = time.monotonic() - start_s
 
     scores: list[list[float]] = []
@@ -122,14 +129,23 @@ async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
     for outs in results:
         final = outs[-1]
         if final.finish_reason == "error":
-            raise APIError(500, f"The engine failed a scoring request: {final.error or 'unknown error'}",
-                           code="engine_error")
+            raise APIError(
+                500,
+                f"The engine failed a scoring request: {final.error or 'unknown error'}",
+                code="engine_error",
+            )
         probs = next((o.label_probs for o in reversed(outs) if o.label_probs is not None), None)
         if probs is None:
             if client.draining:
-                raise APIError(503, "Request aborted: server is shutting down", code="shutting_down")
-            raise APIError(500, f"The engine returned no label probabilities ({final.finish_reason}: "
-                           f"{final.error or 'no reason given'})", code="engine_error")
+                raise APIError(
+                    503, "Request aborted: server is shutting down", code="shutting_down"
+                )
+            raise APIError(
+                500,
+                f"The engine returned no label probabilities ({final.finish_reason}: "
+                f"{final.error or 'no reason given'})",
+                code="engine_error",
+            )
         scores.append(list(probs))
         num_prompt += max(o.num_prompt_tokens for o in outs)
         num_cached += max(o.num_cached_tokens for o in outs)
@@ -151,7 +167,9 @@ async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
         "top_labels": [label_names[i] for i in top],
         "top_label_token_ids": [label_ids[i] for i in top],
         "usage": {
-            "prompt_tokens": num_prompt, "completion_tokens": 0, "total_tokens": num_prompt,
+            "prompt_tokens": num_prompt,
+            "completion_tokens": 0,
+            "total_tokens": num_prompt,
             "prompt_tokens_details": {"cached_tokens": num_cached},
         },
         "timing": {

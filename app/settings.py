@@ -36,19 +36,26 @@ class ServerSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(8000, ge=0, le=65535, description="port to bind")
     served_model_name: str | None = Field(
-        None, description="model name clients send and /v1/models lists (default: derived from --model)"
+        None,
+        description="model name clients send and /v1/models lists (default: derived from --model)",
     )
-    api_key: str | None = Field(None, description="when set, /v1/* requires 'Authorization: Bearer <key>'")
+    api_key: str | None = Field(
+        None, description="when set, /v1/* requires 'Authorization: Bearer <key>'"
+    )
     admin_token: str | None = Field(None, description="token for the admin API (/admin)")
     max_queue: int = Field(
-        256, ge=0, description="requests allowed to wait beyond max_num_seqs running ones; more get 429"
+        256,
+        ge=0,
+        description="requests allowed to wait beyond max_num_seqs running ones; more get 429",
     )
     retry_after_s: int = Field(1, ge=0, description="Retry-After value sent with 429")
     request_timeout_s: float | None = Field(
         600.0, gt=0, description="abort a request (504) after this many seconds; unset = no limit"
     )
     shutdown_grace_s: float = Field(
-        10.0, ge=0, description="on SIGTERM/SIGINT, let running requests finish this long, then abort"
+        10.0,
+        ge=0,
+        description="on SIGTERM/SIGINT, let running requests finish this long, then abort",
     )
     log_level: str = Field("info", description="debug | info | warning | error")
     calibrate: bool = Field(

@@ -244,7 +244,9 @@ class JCTModel:
         (`serve --calibrate`): they keep their reference and see the new model. Online
         observations made so far are dropped (they were judged against the old model)."""
         self.a_s, self.b_s_per_token, self.k_s_per_pair = (
-            other.a_s, other.b_s_per_token, other.k_s_per_pair,
+            other.a_s,
+            other.b_s_per_token,
+            other.k_s_per_pair,
         )
         self.device, self.model, self.source = other.device, other.model, other.source
         self._base = list(other._base)

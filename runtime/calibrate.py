@@ -219,7 +219,8 @@ def calibrate_engine(
         model=model,
         out_dir=out_dir,
         out_path=out_path,
-        uncached_tokens=uncached_tokens or (CPU_UNCACHED_TOKENS if on_cpu else DEFAULT_UNCACHED_TOKENS),
+        uncached_tokens=uncached_tokens
+        or (CPU_UNCACHED_TOKENS if on_cpu else DEFAULT_UNCACHED_TOKENS),
         cached_tokens=cached_tokens or (CPU_CACHED_TOKENS if on_cpu else DEFAULT_CACHED_TOKENS),
         max_total_tokens=engine.max_prompt_tokens,
         repeats=repeats or (CPU_REPEATS if on_cpu else DEFAULT_REPEATS),

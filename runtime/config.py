@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str = "default"  # "default" (SmolLM2-135M-Instruct), a HF-format folder, or "random:<preset>"
+    model: str = (
+        "default"  # "default" (SmolLM2-135M-Instruct), a HF-format folder, or "random:<preset>"
+    )
     dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto = cuda if available else cpu
     seed: int = 0
@@ -71,7 +73,9 @@ class EngineConfig:
             self.partition in ("off", "auto")
             or (self.partition.startswith("static:") and self.partition[7:].isdigit())
         ):
-            raise ValueError(f"partition must be off, auto or static:<prefill_sms>, got {self.partition!r}")
+            raise ValueError(
+                f"partition must be off, auto or static:<prefill_sms>, got {self.partition!r}"
+            )
         if not 0.0 <= self.partition_kv_switch <= 1.0:
             raise ValueError("partition_kv_switch must be in [0, 1]")
         if self.partition_alpha < 1.0 or self.partition_beta < 1.0:

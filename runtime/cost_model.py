@@ -57,8 +57,11 @@ class PrefillShape:
 
     def features(self) -> list[float]:
         # Scaled to keep the least-squares system well conditioned.
-        return [self.num_layers, self.num_layers * self.num_tokens / 1e3,
-                self.num_layers * self.attention_pairs / 1e6]
+        return [
+            self.num_layers,
+            self.num_layers * self.num_tokens / 1e3,
+            self.num_layers * self.attention_pairs / 1e6,
+        ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +71,11 @@ class DecodeShape:
     num_layers: int = 1
 
     def features(self) -> list[float]:
-        return [self.num_layers, self.num_layers * self.batch_size / 1e2,
-                self.num_layers * self.kv_tokens / 1e5]
+        return [
+            self.num_layers,
+            self.num_layers * self.batch_size / 1e2,
+            self.num_layers * self.kv_tokens / 1e5,
+        ]
 
 
 Shape = PrefillShape | DecodeShape
@@ -133,14 +139,16 @@ class CostModel:
     `source` says where the parameters came from (for the log and the admin page).
     """
 
-    def __init__(self, total_sms: int, *, calibrated: bool = False,
-                 source: str = "uncalibrated") -> None:
+    def __init__(
+        self, total_sms: int, *, calibrated: bool = False, source: str = "uncalibrated"
+    ) -> None:
         self.total_sms = total_sms
         self.calibrated = calibrated
         self.source = source
         self.base: dict[str, list[float]] = {PREFILL: [0.0, 1.0, 1.0], DECODE: [0.0, 1.0, 1.0]}
         self.curve: dict[str, SaturationCurve] = {
-            PREFILL: SaturationCurve(), DECODE: SaturationCurve()
+            PREFILL: SaturationCurve(),
+            DECODE: SaturationCurve(),
         }
         self.kappa: dict[str, float] = {PREFILL: 0.0, DECODE: 0.0}
         # Online refinement: measured / predicted, per (stage, regime) where regime is
@@ -182,8 +190,9 @@ class CostModel:
         and contention coefficients (concurrent samples)."""
         m = cls(total_sms, calibrated=True, source="fit")
         for stage in (PREFILL, DECODE):
-            full = [s for s in samples
-                    if s.stage == stage and s.sms == total_sms and s.other_sms == 0]
+            full = [
+                s for s in samples if s.stage == stage and s.sms == total_sms and s.other_sms == 0
+            ]
             if full:
                 x = np.array([s.shape.features() for s in full])
                 y = np.array([s.latency_ms for s in full])
@@ -219,8 +228,9 @@ class CostModel:
         return best
 
     # ---- online refinement and validation ---------------------------------------------------
-    def observe(self, stage: str, shape: Shape, sms: int, measured_ms: float,
-                other_sms: int = 0) -> float:
+    def observe(
+        self, stage: str, shape: Shape, sms: int, measured_ms: float, other_sms: int = 0
+    ) -> float:
         """Score the prediction for a measured latency, then refine. Returns |error| / measured."""
         pred = self.predict(stage, shape, sms, other_sms)
         regime = "concurrent" if other_sms > 0 else "alone"
@@ -230,7 +240,11 @@ class CostModel:
             # The split's own factor starts from the regime's, then both move toward the
             # measurement (the regime's factor is what unmeasured splits use).
             for k in (f"{key}/{sms}", key):
-                c = self._correction(stage, regime, sms) if k != key else self.correction.get(k, 1.0)
+                c = (
+                    self._correction(stage, regime, sms)
+                    if k != key
+                    else self.correction.get(k, 1.0)
+                )
                 self.correction[k] = (1 - self.ema) * c + self.ema * c * measured_ms / pred
         return err
 
@@ -249,7 +263,9 @@ class CostModel:
     def to_dict(self) -> dict:
         """The fitted parameters (JSON-ready); `from_dict` inverts it."""
         return {
-            "total_sms": self.total_sms, "base": self.base, "kappa": self.kappa,
+            "total_sms": self.total_sms,
+            "base": self.base,
+            "kappa": self.kappa,
             "curve": {k: asdict(v) for k, v in self.curve.items()},
         }
 
@@ -260,8 +276,9 @@ class CostModel:
         m = cls(int(d["total_sms"]), calibrated=True, source=source)
         base = {k: [float(x) for x in v] for k, v in d["base"].items()}
         kappa = {k: float(v) for k, v in d["kappa"].items()}
-        curve = {k: SaturationCurve(**{f: float(x) for f, x in v.items()})
-                 for k, v in d["curve"].items()}
+        curve = {
+            k: SaturationCurve(**{f: float(x) for f, x in v.items()}) for k, v in d["curve"].items()
+        }
         for stage in (PREFILL, DECODE):
             if len(base[stage]) != 3 or stage not in kappa or stage not in curve:
                 raise ValueError(f"cost-model parameters incomplete for stage {stage!r}")
@@ -297,8 +314,9 @@ class Decision:
 class SplitController:
     """Chooses among pre-created splits (prefill SM counts) or time-slicing."""
 
-    def __init__(self, model: CostModel, splits: list[int],
-                 config: ControllerConfig | None = None) -> None:
+    def __init__(
+        self, model: CostModel, splits: list[int], config: ControllerConfig | None = None
+    ) -> None:
         if not splits:
             raise ValueError("no pre-created splits")
         self.model = model
@@ -324,8 +342,10 @@ class SplitController:
             td = self.model.predict(DECODE, d, total)
             return tp + td, tp + td
         ds = total - prefill_sms
-        return (self.model.predict(PREFILL, p, prefill_sms, ds),
-                self.model.predict(DECODE, d, ds, prefill_sms))
+        return (
+            self.model.predict(PREFILL, p, prefill_sms, ds),
+            self.model.predict(DECODE, d, ds, prefill_sms),
+        )
 
     def speedup(self, prefill_sms: int, p: PrefillShape, d: DecodeShape) -> float:
         """Time-slicing time / concurrent time for the same work: one prefill slice plus the
@@ -336,7 +356,8 @@ class SplitController:
         steps = tp / td
         total = self.model.total_sms
         serial = self.model.predict(PREFILL, p, total) + steps * self.model.predict(
-            DECODE, d, total)
+            DECODE, d, total
+        )
         return serial / tp
 
     def choose(self, p: PrefillShape | None, d: DecodeShape | None, kv_usage: float) -> Decision:
@@ -348,8 +369,9 @@ class SplitController:
         if not self.model.calibrated:
             # No parameters for this device/model: any split choice would be a guess, and
             # time-slicing is what `off` does (logged once at start-up by the engine).
-            return Decision(TIME_SLICE, math.nan, math.nan, 1.0,
-                            "cost model uncalibrated: time-slicing")
+            return Decision(
+                TIME_SLICE, math.nan, math.nan, 1.0, "cost model uncalibrated: time-slicing"
+            )
         if p is None or d is None:
             # One phase only: nothing to overlap; it gets the whole GPU. `current` is left
             # alone: hysteresis is about consecutive prefill batches, not decode-only gaps.
@@ -377,8 +399,11 @@ class SplitController:
             return td + (1e6 if tp > cfg.alpha * p_ref else 0.0)
 
         # Greedy: from the current split, step to the better neighbour while it improves.
-        idx = (self.splits.index(self.current) if self.current in self.splits
-               else len(self.splits) // 2)
+        idx = (
+            self.splits.index(self.current)
+            if self.current in self.splits
+            else len(self.splits) // 2
+        )
         while True:
             here = objective(self.splits[idx])
             nbrs = [i for i in (idx - 1, idx + 1) if 0 <= i < len(self.splits)]
@@ -395,8 +420,11 @@ class SplitController:
         # Hysteresis: keep the current choice unless the new one is clearly different/better.
         cur = self.current
         if choice != cur and cur in cands:
-            small_move = (choice != TIME_SLICE and cur != TIME_SLICE
-                          and abs(choice - cur) < cfg.hysteresis_sms)
+            small_move = (
+                choice != TIME_SLICE
+                and cur != TIME_SLICE
+                and abs(choice - cur) < cfg.hysteresis_sms
+            )
             gain = (objective(cur) - objective(choice)) / max(objective(cur), 1e-9)
             if choice == TIME_SLICE or cur == TIME_SLICE:
                 sp_cur = self.speedup(cur, p, d) if cur != TIME_SLICE else 1.0

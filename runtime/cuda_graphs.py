@@ -38,8 +38,9 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 2
 SPLIT_BATCH_SIZES = (1, 8, 16, 32, 64, 128, 256)
 
 
-def graph_batch_sizes(max_num_seqs: int, sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
-                      ) -> tuple[int, ...]:
+def graph_batch_sizes(
+    max_num_seqs: int, sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
+) -> tuple[int, ...]:
     """The batch sizes to capture: `sizes` up to max_num_seqs, plus max_num_seqs itself so
     every decode batch the scheduler can form has a graph."""
     if max_num_seqs < 1:
@@ -113,8 +114,11 @@ class DecodeGraphs:
         self._pool = pool  # graphs share one memory pool (captured largest first)
         # One workspace for every batch size: graphs of one stream replay one at a time.
         # (Tensor-core decode at batch 256 x 2k needed ~84 MB of FlashInfer scratch on the H200.)
-        self.workspace = workspace if workspace is not None else torch.empty(
-            workspace_bytes, dtype=torch.uint8, device=k_caches[0].device)
+        self.workspace = (
+            workspace
+            if workspace is not None
+            else torch.empty(workspace_bytes, dtype=torch.uint8, device=k_caches[0].device)
+        )
 
     @property
     def max_batch_size(self) -> int:
@@ -135,8 +139,13 @@ class DecodeGraphs:
         for bs in sorted(self.batch_sizes, reverse=True):
             t0 = time.perf_counter()
             be = FlashInferBackend(
-                self.k_caches, self.v_caches, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim,
-                workspace=self.workspace, graph_batch_size=bs,
+                self.k_caches,
+                self.v_caches,
+                cfg.num_q_heads,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                workspace=self.workspace,
+                graph_batch_size=bs,
                 max_blocks_per_seq=self.max_blocks_per_seq,
             )
             ids = torch.zeros(bs, dtype=torch.int64, device=dev)
@@ -166,8 +175,9 @@ class DecodeGraphs:
         n = len(batch.seqs)
         bs = bucket_for(n, self.batch_sizes)
         g = self.graphs[bs]
-        padded = ForwardBatch(batch.input_ids, batch.positions, self._pad(batch, bs),
-                              batch.logits_indices, True)
+        padded = ForwardBatch(
+            batch.input_ids, batch.positions, self._pad(batch, bs), batch.logits_indices, True
+        )
         caller = torch.cuda.current_stream()
         hop = caller.cuda_stream != self.stream.cuda_stream
         if hop:
@@ -257,7 +267,8 @@ class DecodeGraphRegistry:
         return k in self._pending or (k in self.sets and self.sets[k] is not self.whole)
 
     def capture_for_streams(
-        self, streams: dict[str, Any] | Iterable[tuple[str, Any]],
+        self,
+        streams: dict[str, Any] | Iterable[tuple[str, Any]],
         progress: Progress | None = None,
     ) -> None:
         """Capture the sets of these (label, split decode stream) pairs now, e.g. at start-up
@@ -288,8 +299,13 @@ class DecodeGraphRegistry:
             gs = self.make_set(stream, label)
             gs.capture()
         except Exception as e:  # noqa: BLE001 - any failure: this split decodes eagerly
-            log.warning("FALLBACK: decode graphs for split %s could not be captured (%s: %s);"
-                        " decode steps there run eagerly", label, type(e).__name__, e)
+            log.warning(
+                "FALLBACK: decode graphs for split %s could not be captured (%s: %s);"
+                " decode steps there run eagerly",
+                label,
+                type(e).__name__,
+                e,
+            )
             gs = None
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -297,8 +313,12 @@ class DecodeGraphRegistry:
         self.sets[k] = gs
         if gs is not None:
             self.capture_s[label] = dt
-            log.info("decode graphs for split %s captured in %.2f s (batch sizes %s)",
-                     label, dt, ",".join(map(str, gs.batch_sizes)))
+            log.info(
+                "decode graphs for split %s captured in %.2f s (batch sizes %s)",
+                label,
+                dt,
+                ",".join(map(str, gs.batch_sizes)),
+            )
         return gs
 
     def summary(self) -> dict[str, dict[str, Any]]:

@@ -81,8 +81,10 @@ def controller_config_from(config: EngineConfig) -> Any:
     from runtime.cost_model import ControllerConfig
 
     return ControllerConfig(
-        kv_switch=config.partition_kv_switch, alpha=config.partition_alpha,
-        beta=config.partition_beta, hysteresis_sms=config.partition_hysteresis_sms,
+        kv_switch=config.partition_kv_switch,
+        alpha=config.partition_alpha,
+        beta=config.partition_beta,
+        hysteresis_sms=config.partition_hysteresis_sms,
         min_gain=config.partition_min_gain,
         min_split_speedup=config.partition_min_split_speedup,
         allow_time_slice=config.partition_allow_time_slice,
@@ -135,7 +137,9 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - fall back to the estimate, and say so
                 log.warning(
                     "could not measure the activation peak (%s: %s); FALLBACK: sizing the KV "
-                    "pool with the estimated activation reserve", type(e).__name__, e,
+                    "pool with the estimated activation reserve",
+                    type(e).__name__,
+                    e,
                 )
                 torch.cuda.empty_cache()
         num_blocks = compute_num_blocks(
@@ -160,10 +164,16 @@ class Engine:
         # instance (plan state, workspace).
         decode_backend = (
             make_attention_backend(config, self.kv_pool, model_config.num_q_heads)
-            if self._green is not None else None
+            if self._green is not None
+            else None
         )
         self.runner = ModelRunner(
-            config, model, model_config, self.kv_pool, self.backend, decode_backend,
+            config,
+            model,
+            model_config,
+            self.kv_pool,
+            self.backend,
+            decode_backend,
             max_model_len=self._max_model_len,
             num_sampleable_tokens=tokenizer.vocab_size,
         )
@@ -173,8 +183,12 @@ class Engine:
             self._profile_partition()
         if self._green is not None:
             self.pd = PDLoop(
-                self.scheduler, self.runner, CudaStreamDevice(), self._choose_split,
-                self._green.observe, slice_tokens=config.pd_slice_tokens,
+                self.scheduler,
+                self.runner,
+                CudaStreamDevice(),
+                self._choose_split,
+                self._green.observe,
+                slice_tokens=config.pd_slice_tokens,
                 max_queued_slices=config.pd_max_queued_slices,
                 chunk_tokens=config.prefill_chunk_tokens if config.hybrid_prefill else None,
             )
@@ -215,33 +229,45 @@ class Engine:
             total_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             self._partition_choice = choose_partition_calibration(
                 explicit_path=cfg.partition_calibration,
-                cache_dir=cfg.partition_calibration_dir, device=self.device_name,
-                total_sms=total_sms, model=model_key(cfg.model), mode=cfg.partition.split(":")[0],
+                cache_dir=cfg.partition_calibration_dir,
+                device=self.device_name,
+                total_sms=total_sms,
+                model=model_key(cfg.model),
+                mode=cfg.partition.split(":")[0],
                 startup_profile=cfg.partition_startup_profile,
             )
             choice = self._partition_choice
-            (log.info if choice.action in ("explicit", "cached", "profile")
-             else log.warning)("%s", choice.reason)
+            (log.info if choice.action in ("explicit", "cached", "profile") else log.warning)(
+                "%s", choice.reason
+            )
             try:
                 from runtime.partition_gpu import GreenContextPartition
 
                 t0 = time.perf_counter()
                 cost_model = choice.cost_model(total_sms)
                 self._green = GreenContextPartition(
-                    cfg.partition, cost_model=cost_model,
+                    cfg.partition,
+                    cost_model=cost_model,
                     controller_config=controller_config_from(cfg),
                     min_decode_sms=cfg.partition_min_decode_sms,
                     device_index=self.device.index or 0,
                 )
-                log.info("green-context partition: %d splits pre-created in %.0f ms (mode %s)",
-                         len(self._green.splits), (time.perf_counter() - t0) * 1e3,
-                         cfg.partition)
+                log.info(
+                    "green-context partition: %d splits pre-created in %.0f ms (mode %s)",
+                    len(self._green.splits),
+                    (time.perf_counter() - t0) * 1e3,
+                    cfg.partition,
+                )
                 return self._green  # type: ignore[no-any-return]
             except Exception as e:  # noqa: BLE001 - any failure: run time-sliced, say why
                 reason = f"green-context pairs could not be created: {type(e).__name__}: {e}"
         if cfg.partition != "off":
-            log.warning("partition %s requested but unavailable (%s); falling back to "
-                        "time-slicing (partition=off)", cfg.partition, reason)
+            log.warning(
+                "partition %s requested but unavailable (%s); falling back to "
+                "time-slicing (partition=off)",
+                cfg.partition,
+                reason,
+            )
         return UnavailablePartition(reason)
 
     def _profile_partition(self) -> None:
@@ -258,8 +284,12 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - serve anyway, on the fallback, and say so
             torch.cuda.synchronize(self.device)
             fallback = self._partition_choice.calibration
-            log.warning("partition start-up profile failed (%s: %s); FALLBACK: %s", type(e).__name__,
-                        e, fallback.source if fallback else "uncalibrated, auto time-slices")
+            log.warning(
+                "partition start-up profile failed (%s: %s); FALLBACK: %s",
+                type(e).__name__,
+                e,
+                fallback.source if fallback else "uncalibrated, auto time-slices",
+            )
 
     def _submit_call(self, fn: Callable[[], None]) -> None:
         with self._lock:
@@ -272,10 +302,20 @@ class Engine:
 
         g = self._green
         num_layers = self.model_config.num_layers
-        p = None if pplan is None else PrefillShape.from_seqs(
-            [(s.num_context_tokens, s.num_new_tokens) for s in pplan.prefill], num_layers)
-        d = None if dplan is None else DecodeShape(
-            len(dplan.decode), sum(s.num_context_tokens for s in dplan.decode), num_layers)
+        p = (
+            None
+            if pplan is None
+            else PrefillShape.from_seqs(
+                [(s.num_context_tokens, s.num_new_tokens) for s in pplan.prefill], num_layers
+            )
+        )
+        d = (
+            None
+            if dplan is None
+            else DecodeShape(
+                len(dplan.decode), sum(s.num_context_tokens for s in dplan.decode), num_layers
+            )
+        )
         bm = self.block_manager
         g.decide(p, d, bm.num_used_blocks / max(bm.num_blocks, 1))
         sc = g.streams()
@@ -303,7 +343,11 @@ class Engine:
         log.info(
             "activation peak measured: %.2f GiB at %d tokens, %.1f KiB/token; reserving "
             "%.2f GiB (scoring prompts up to %d tokens)",
-            p1 / 2**30, n1, slope / 1024, reserve / 2**30, self._max_score_tokens,
+            p1 / 2**30,
+            n1,
+            slope / 1024,
+            reserve / 2**30,
+            self._max_score_tokens,
         )
         return reserve
 
@@ -687,7 +731,8 @@ class Engine:
             "cost_model_mape": None if g is None else g.cost_model_mape(),
             "pd_split_prefills": 0 if self.pd is None else self.pd.num_split_prefills,
             "pd_overlapped_decode_steps": (
-                0 if self.pd is None else self.pd.num_overlapped_decode_steps),
+                0 if self.pd is None else self.pd.num_overlapped_decode_steps
+            ),
         }
 
     def _publish_stats(self) -> None:

@@ -130,9 +130,7 @@ def _make_green_stream(dev: Any, resource: Any, device_index: int) -> GreenStrea
     )
     # NON_BLOCKING is required for green-context streams.
     raw = _check(cu.cuGreenCtxStreamCreate(ctx, cu.CUstream_flags.CU_STREAM_NON_BLOCKING, 0))
-    granted = _check(
-        cu.cuGreenCtxGetDevResource(ctx, cu.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM)
-    )
+    granted = _check(cu.cuGreenCtxGetDevResource(ctx, cu.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
     stream = torch.cuda.ExternalStream(int(raw), device=f"cuda:{device_index}")
     return GreenStream(sms=int(granted.sm.smCount), context=ctx, raw_stream=raw, stream=stream)
 
@@ -158,7 +156,7 @@ def create_pairs(prefill_counts: list[int], device_index: int = 0) -> dict[int, 
 
 
 def green_contexts_unavailable_reason(device_index: int = 0) -> str:
-    """"" when green contexts can be used, else a human-readable reason."""
+    """ "" when green contexts can be used, else a human-readable reason."""
     if not torch.cuda.is_available():
         return "CUDA is not available"
     try:

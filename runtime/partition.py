@@ -40,8 +40,12 @@ class UnavailablePartition:
 
     def __init__(self, reason: str, total_sms: int = 0) -> None:
         self._state = PartitionState(
-            available=False, reason=reason, mode="off", total_sms=total_sms,
-            prefill_sms=total_sms, decode_sms=total_sms,
+            available=False,
+            reason=reason,
+            mode="off",
+            total_sms=total_sms,
+            prefill_sms=total_sms,
+            decode_sms=total_sms,
         )
 
     def state(self) -> PartitionState:

@@ -116,8 +116,9 @@ def pick_splits(available: Sequence[int], fractions: Sequence[float], total_sms:
     return sorted(picked)
 
 
-def fit_shapes_to_limits(shapes: ProfileShapes, *, max_model_len: int, kv_pool_tokens: int,
-                         max_num_seqs: int) -> ProfileShapes:
+def fit_shapes_to_limits(
+    shapes: ProfileShapes, *, max_model_len: int, kv_pool_tokens: int, max_num_seqs: int
+) -> ProfileShapes:
     """Shrink shapes (halving tokens, context or batch) until each fits the engine: a prefill
     within the context limit; a decode batch within `max_num_seqs` and, like a concurrent
     pair, within half the KV pool (the probe allocates real blocks for the contexts)."""
@@ -139,9 +140,11 @@ def fit_shapes_to_limits(shapes: ProfileShapes, *, max_model_len: int, kv_pool_t
     return ProfileShapes(
         prefill=tuple(dict.fromkeys(prefill(p) for p in shapes.prefill)),
         decode=tuple(dict.fromkeys(decode(d, half) for d in shapes.decode)),
-        concurrent=tuple(dict.fromkeys(
-            (prefill(p), decode(d, max(half - prefill(p)[1], 32))) for p, d in shapes.concurrent
-        )),
+        concurrent=tuple(
+            dict.fromkeys(
+                (prefill(p), decode(d, max(half - prefill(p)[1], 32))) for p, d in shapes.concurrent
+            )
+        ),
     )
 
 
@@ -159,10 +162,14 @@ class _Point:
             return f"prefill  tokens={self.prefill[0]:>5} ctx={self.prefill[1]:>5} on {self.sms:>3} SMs"
         if self.kind == "decode":
             assert self.decode is not None
-            return f"decode   batch={self.decode[0]:>5} ctx={self.decode[1]:>5} on {self.sms:>3} SMs"
+            return (
+                f"decode   batch={self.decode[0]:>5} ctx={self.decode[1]:>5} on {self.sms:>3} SMs"
+            )
         assert self.prefill is not None and self.decode is not None
-        return (f"together prefill {self.prefill[0]}+{self.prefill[1]} on {self.sms} SMs, "
-                f"decode B={self.decode[0]} ctx={self.decode[1]} on {total_sms - self.sms}")
+        return (
+            f"together prefill {self.prefill[0]}+{self.prefill[1]} on {self.sms} SMs, "
+            f"decode B={self.decode[0]} ctx={self.decode[1]} on {total_sms - self.sms}"
+        )
 
 
 def _prefill_units(pt: PrefillPoint) -> float:
@@ -175,8 +182,9 @@ def _decode_units(pt: DecodePoint) -> float:
     return _ETA_FLOOR + b * c * _ETA_PER_PAIR
 
 
-def plan_points(splits: Sequence[int], shapes: ProfileShapes, total_sms: int,
-                with_concurrent: bool = True) -> list[_Point]:
+def plan_points(
+    splits: Sequence[int], shapes: ProfileShapes, total_sms: int, with_concurrent: bool = True
+) -> list[_Point]:
     """The profile's points in measuring order: every shape on the whole GPU first (the fit's
     base latencies), then on each split, then the concurrent pairs. A profile cut short by its
     time budget so keeps what the fit needs most."""
@@ -223,17 +231,29 @@ def profile_partition(
     t0 = clock()
     for i, pt in enumerate(pts, 1):
         if max_seconds is not None and clock() - t0 > max_seconds and i > 1:
-            say(f"[partition profile] time budget {max_seconds:.0f} s reached: stopping after "
-                f"{i - 1}/{n} points (the fit uses what was measured)")
+            say(
+                f"[partition profile] time budget {max_seconds:.0f} s reached: stopping after "
+                f"{i - 1}/{n} points (the fit uses what was measured)"
+            )
             break
-        detail = _measure_point(pt, measure_prefill_ms, measure_decode_ms,
-                                measure_concurrent_ms, repeats, warmup, total_sms, num_layers,
-                                samples)
+        detail = _measure_point(
+            pt,
+            measure_prefill_ms,
+            measure_decode_ms,
+            measure_concurrent_ms,
+            repeats,
+            warmup,
+            total_sms,
+            num_layers,
+            samples,
+        )
         elapsed = clock() - t0
         done_w = sum(p.weight for p in pts[:i])
         eta = elapsed * sum(p.weight for p in pts[i:]) / max(done_w, 1e-9)
-        say(f"[partition profile {i}/{n}] {pt.label(total_sms)}: {detail}  "
-            f"(elapsed {elapsed:5.1f} s, ETA {eta:5.1f} s)")
+        say(
+            f"[partition profile {i}/{n}] {pt.label(total_sms)}: {detail}  "
+            f"(elapsed {elapsed:5.1f} s, ETA {eta:5.1f} s)"
+        )
     return samples
 
 
@@ -243,10 +263,17 @@ def _median_ms(fn: Callable[[], float], repeats: int, warmup: int) -> float:
     return float(np.median([fn() for _ in range(max(repeats, 1))]))
 
 
-def _measure_point(pt: _Point, measure_prefill_ms: MeasurePrefill,
-                   measure_decode_ms: MeasureDecode, measure_concurrent_ms: MeasureConcurrent | None,
-                   repeats: int, warmup: int, total_sms: int, num_layers: int,
-                   out: list[ProfileSample]) -> str:
+def _measure_point(
+    pt: _Point,
+    measure_prefill_ms: MeasurePrefill,
+    measure_decode_ms: MeasureDecode,
+    measure_concurrent_ms: MeasureConcurrent | None,
+    repeats: int,
+    warmup: int,
+    total_sms: int,
+    num_layers: int,
+    out: list[ProfileSample],
+) -> str:
     if pt.kind == "prefill":
         assert pt.prefill is not None
         t, c = pt.prefill
@@ -267,13 +294,19 @@ def _measure_point(pt: _Point, measure_prefill_ms: MeasurePrefill,
     p_ms = float(np.median([r[0] for r in runs]))
     d_runs = [r[1] for r in runs if math.isfinite(r[1])]
     dsms = total_sms - pt.sms
-    out.append(ProfileSample(PREFILL, PrefillShape.from_seqs([(p_pt[1], p_pt[0])], num_layers),
-                             pt.sms, p_ms, dsms))
+    out.append(
+        ProfileSample(
+            PREFILL, PrefillShape.from_seqs([(p_pt[1], p_pt[0])], num_layers), pt.sms, p_ms, dsms
+        )
+    )
     if not d_runs:  # the prefill ended before one decode step did: no decode sample
         return f"prefill {p_ms:.2f} ms, no decode step completed alongside"
     d_ms = float(np.median(d_runs))
-    out.append(ProfileSample(DECODE, DecodeShape(d_pt[0], d_pt[0] * d_pt[1], num_layers),
-                             dsms, d_ms, pt.sms))
+    out.append(
+        ProfileSample(
+            DECODE, DecodeShape(d_pt[0], d_pt[0] * d_pt[1], num_layers), dsms, d_ms, pt.sms
+        )
+    )
     return f"prefill {p_ms:.2f} ms, decode step {d_ms:.2f} ms"
 
 
@@ -290,25 +323,38 @@ def partition_calibration_filename(device: str, model: str) -> str:
 
 def _sample_to_dict(s: ProfileSample) -> dict[str, Any]:
     if isinstance(s.shape, PrefillShape):
-        shape = {"num_tokens": s.shape.num_tokens, "attention_pairs": s.shape.attention_pairs,
-                 "num_layers": s.shape.num_layers}
+        shape = {
+            "num_tokens": s.shape.num_tokens,
+            "attention_pairs": s.shape.attention_pairs,
+            "num_layers": s.shape.num_layers,
+        }
     else:
-        shape = {"batch_size": s.shape.batch_size, "kv_tokens": s.shape.kv_tokens,
-                 "num_layers": s.shape.num_layers}
-    return {"stage": s.stage, "shape": shape, "sms": s.sms, "other_sms": s.other_sms,
-            "latency_ms": s.latency_ms}
+        shape = {
+            "batch_size": s.shape.batch_size,
+            "kv_tokens": s.shape.kv_tokens,
+            "num_layers": s.shape.num_layers,
+        }
+    return {
+        "stage": s.stage,
+        "shape": shape,
+        "sms": s.sms,
+        "other_sms": s.other_sms,
+        "latency_ms": s.latency_ms,
+    }
 
 
 def _sample_from_dict(d: dict[str, Any]) -> ProfileSample:
     sh = d["shape"]
     shape: PrefillShape | DecodeShape
     if d["stage"] == PREFILL:
-        shape = PrefillShape(int(sh["num_tokens"]), float(sh["attention_pairs"]),
-                             int(sh["num_layers"]))
+        shape = PrefillShape(
+            int(sh["num_tokens"]), float(sh["attention_pairs"]), int(sh["num_layers"])
+        )
     else:
         shape = DecodeShape(int(sh["batch_size"]), int(sh["kv_tokens"]), int(sh["num_layers"]))
-    return ProfileSample(d["stage"], shape, int(d["sms"]), float(d["latency_ms"]),
-                         int(d.get("other_sms", 0)))
+    return ProfileSample(
+        d["stage"], shape, int(d["sms"]), float(d["latency_ms"]), int(d.get("other_sms", 0))
+    )
 
 
 @dataclass(slots=True)
@@ -333,9 +379,15 @@ class PartitionCalibration:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "format": CALIBRATION_FORMAT, "device": self.device, "total_sms": self.total_sms,
-            "model": self.model, "created": self.created, "source": self.source,
-            "fit_error": self.fit_error, "parameters": self.parameters, "profile": self.profile,
+            "format": CALIBRATION_FORMAT,
+            "device": self.device,
+            "total_sms": self.total_sms,
+            "model": self.model,
+            "created": self.created,
+            "source": self.source,
+            "fit_error": self.fit_error,
+            "parameters": self.parameters,
+            "profile": self.profile,
             "samples": [_sample_to_dict(s) for s in self.samples],
         }
 
@@ -353,8 +405,9 @@ class PartitionCalibration:
 
     def save_to_cache(self, cache_dir: str | None = None) -> str:
         directory = os.path.expanduser(cache_dir or default_cache_dir())
-        return self.save(os.path.join(directory,
-                                      partition_calibration_filename(self.device, self.model)))
+        return self.save(
+            os.path.join(directory, partition_calibration_filename(self.device, self.model))
+        )
 
 
 def fit_error(model: CostModel, samples: Sequence[ProfileSample]) -> dict[str, Any]:
@@ -368,28 +421,44 @@ def fit_error(model: CostModel, samples: Sequence[ProfileSample]) -> dict[str, A
         regime = "concurrent" if s.other_sms > 0 else "alone"
         errs.setdefault(f"{s.stage}_{regime}", []).append(e)
     every = [e for v in errs.values() for e in v]
-    out: dict[str, Any] = {"kind": "in-sample", "num_samples": len(every),
-                           "mape": float(np.mean(every)) if every else None,
-                           "max": float(np.max(every)) if every else None}
+    out: dict[str, Any] = {
+        "kind": "in-sample",
+        "num_samples": len(every),
+        "mape": float(np.mean(every)) if every else None,
+        "max": float(np.max(every)) if every else None,
+    }
     out.update({f"mape_{k}": float(np.mean(v)) for k, v in sorted(errs.items())})
     return out
 
 
-def fit_calibration(samples: Sequence[ProfileSample], *, device: str, total_sms: int, model: str,
-                    profile: dict[str, Any] | None = None) -> PartitionCalibration:
+def fit_calibration(
+    samples: Sequence[ProfileSample],
+    *,
+    device: str,
+    total_sms: int,
+    model: str,
+    profile: dict[str, Any] | None = None,
+) -> PartitionCalibration:
     """Fit the cost model to a profile. Raises ValueError when the profile cannot determine
     it: each stage needs a whole-GPU sample (base latency) and one on a partition (curve)."""
     for stage in (PREFILL, DECODE):
         alone = [s for s in samples if s.stage == stage and s.other_sms == 0]
         if not any(s.sms == total_sms for s in alone) or not any(s.sms < total_sms for s in alone):
-            raise ValueError(f"the profile has no {stage} sample on the whole GPU and on a "
-                             f"partition: cannot fit the cost model")
+            raise ValueError(
+                f"the profile has no {stage} sample on the whole GPU and on a "
+                f"partition: cannot fit the cost model"
+            )
     cm = CostModel.fit(total_sms, list(samples))
     return PartitionCalibration(
-        device=device, total_sms=total_sms, model=model, parameters=cm.to_dict(),
+        device=device,
+        total_sms=total_sms,
+        model=model,
+        parameters=cm.to_dict(),
         fit_error=fit_error(cm, samples),
         created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        source="profile", profile=dict(profile or {}), samples=list(samples),
+        source="profile",
+        profile=dict(profile or {}),
+        samples=list(samples),
     )
 
 
@@ -413,33 +482,53 @@ def calibrate_partition(
     """Profile, fit, and write the file (`out_path`, else the cache folder's file for this
     device and model). Returns the calibration, `path` set to the file written."""
     say = progress or (lambda _msg: None)
-    say(f"[partition profile] {device} ({total_sms} SMs), {model}: splits {list(splits)}, "
+    say(
+        f"[partition profile] {device} ({total_sms} SMs), {model}: splits {list(splits)}, "
         f"prefill {list(shapes.prefill)}, decode {list(shapes.decode)}, "
-        f"concurrent {list(shapes.concurrent) if measure_concurrent_ms else 'not measured'}")
+        f"concurrent {list(shapes.concurrent) if measure_concurrent_ms else 'not measured'}"
+    )
     t0 = time.monotonic()
     samples = profile_partition(
-        measure_prefill_ms, measure_decode_ms, splits, shapes, progress, total_sms=total_sms,
-        num_layers=num_layers, measure_concurrent_ms=measure_concurrent_ms, repeats=repeats,
+        measure_prefill_ms,
+        measure_decode_ms,
+        splits,
+        shapes,
+        progress,
+        total_sms=total_sms,
+        num_layers=num_layers,
+        measure_concurrent_ms=measure_concurrent_ms,
+        repeats=repeats,
         max_seconds=max_seconds,
     )
-    meta = {"splits": list(splits), "prefill_shapes": [list(p) for p in shapes.prefill],
-            "decode_shapes": [list(d) for d in shapes.decode],
-            "concurrent_shapes": [[list(p), list(d)] for p, d in shapes.concurrent]
-            if measure_concurrent_ms else [],
-            "repeats": repeats, "seconds": round(time.monotonic() - t0, 3)}
+    meta = {
+        "splits": list(splits),
+        "prefill_shapes": [list(p) for p in shapes.prefill],
+        "decode_shapes": [list(d) for d in shapes.decode],
+        "concurrent_shapes": [[list(p), list(d)] for p, d in shapes.concurrent]
+        if measure_concurrent_ms
+        else [],
+        "repeats": repeats,
+        "seconds": round(time.monotonic() - t0, 3),
+    }
     cal = fit_calibration(samples, device=device, total_sms=total_sms, model=model, profile=meta)
     err = cal.fit_error
     path = cal.save(out_path) if out_path else cal.save_to_cache(cache_dir)
-    say(f"[partition profile] fitted in {meta['seconds']:.1f} s; in-sample error "
+    say(
+        f"[partition profile] fitted in {meta['seconds']:.1f} s; in-sample error "
         f"{err['mape']:.1%} mean, {err['max']:.1%} worst over {err['num_samples']} samples; "
-        f"wrote {path}")
+        f"wrote {path}"
+    )
     return cal
 
 
 # ---------------------------------------------------------------------------------- loading
 def load_partition_calibration(
-    path: str, *, device: str | None = None, total_sms: int | None = None,
-    model: str | None = None, strict: bool = True,
+    path: str,
+    *,
+    device: str | None = None,
+    total_sms: int | None = None,
+    model: str | None = None,
+    strict: bool = True,
 ) -> PartitionCalibration:
     """Read and validate a calibration file.
 
@@ -458,11 +547,16 @@ def load_partition_calibration(
         raise ValueError(f"{path}: not a {CALIBRATION_FORMAT} calibration file")
     try:
         cal = PartitionCalibration(
-            device=str(data["device"]), total_sms=int(data["total_sms"]), model=str(data["model"]),
-            parameters=dict(data["parameters"]), fit_error=dict(data.get("fit_error", {})),
-            created=str(data.get("created", "")), source=str(data.get("source", "")),
+            device=str(data["device"]),
+            total_sms=int(data["total_sms"]),
+            model=str(data["model"]),
+            parameters=dict(data["parameters"]),
+            fit_error=dict(data.get("fit_error", {})),
+            created=str(data.get("created", "")),
+            source=str(data.get("source", "")),
             profile=dict(data.get("profile", {})),
-            samples=[_sample_from_dict(s) for s in data.get("samples", [])], path=path,
+            samples=[_sample_from_dict(s) for s in data.get("samples", [])],
+            path=path,
         )
         cm = cal.cost_model()  # validates the parameters
     except (KeyError, TypeError, ValueError) as e:
@@ -485,22 +579,34 @@ def load_partition_calibration(
 # dated 2026-11-30): NVIDIA H200, 132 SMs, random:qwen2.5-3b, FlashInfer, EAGER decode
 # (cuda_graphs=False). Held-out MAPE there 12.3 % (22.6 % under concurrency). The model was
 # shown to overpredict split speedups (docs/benchmarks.md): a fallback, not a calibration.
-H200_SEED_SOURCE = ("fallback: parameters fitted on the issue-6 H200 run "
-                    "(bench/results/partition-2026-11-29.json; eager decode; held-out MAPE 12.3 %, "
-                    "22.6 % concurrent), not measured on this server")
+H200_SEED_SOURCE = (
+    "fallback: parameters fitted on the issue-6 H200 run "
+    "(bench/results/partition-2026-11-29.json; eager decode; held-out MAPE 12.3 %, "
+    "22.6 % concurrent), not measured on this server"
+)
 H200_SEED = PartitionCalibration(
-    device="NVIDIA H200", total_sms=132, model="random:qwen2.5-3b",
+    device="NVIDIA H200",
+    total_sms=132,
+    model="random:qwen2.5-3b",
     parameters={
         "total_sms": 132,
-        "base": {"prefill": [0.10911142747766249, 0.18496973471392425, 0.03184453317210998],
-                 "decode": [0.4418595565689935, 0.0, 0.0]},
+        "base": {
+            "prefill": [0.10911142747766249, 0.18496973471392425, 0.03184453317210998],
+            "decode": [0.4418595565689935, 0.0, 0.0],
+        },
         "kappa": {"prefill": 0.05324431969557182, "decode": 0.0},
-        "curve": {"prefill": {"r_sat": 0.27499999999999997, "lam": 0.75, "fixed": 0.0},
-                  "decode": {"r_sat": 0.175, "lam": 0.0, "fixed": 0.7000000000000001}},
+        "curve": {
+            "prefill": {"r_sat": 0.27499999999999997, "lam": 0.75, "fixed": 0.0},
+            "decode": {"r_sat": 0.175, "lam": 0.0, "fixed": 0.7000000000000001},
+        },
     },
-    fit_error={"kind": "held-out", "mape": 0.12301411446967093,
-               "mape_concurrent": 0.22642717942501062},
-    created="2026-11-30", source=H200_SEED_SOURCE,
+    fit_error={
+        "kind": "held-out",
+        "mape": 0.12301411446967093,
+        "mape_concurrent": 0.22642717942501062,
+    },
+    created="2026-11-30",
+    source=H200_SEED_SOURCE,
 )
 _SEEDS = (H200_SEED,)
 
@@ -533,8 +639,14 @@ class CalibrationChoice:
 
 
 def choose_partition_calibration(
-    *, explicit_path: str | None, cache_dir: str | None, device: str, total_sms: int,
-    model: str, mode: str, startup_profile: bool = True,
+    *,
+    explicit_path: str | None,
+    cache_dir: str | None,
+    device: str,
+    total_sms: int,
+    model: str,
+    mode: str,
+    startup_profile: bool = True,
 ) -> CalibrationChoice:
     """Which cost-model parameters a start-up uses, and why (see the module docstring).
 
@@ -545,42 +657,67 @@ def choose_partition_calibration(
         path = os.path.expanduser(explicit_path)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"partition calibration file not found: {path}")
-        cal = load_partition_calibration(path, device=device, total_sms=total_sms, model=model,
-                                         strict=False)
-        return CalibrationChoice("explicit", cal, path,
-                                 f"partition cost model: explicit calibration file {path}")
+        cal = load_partition_calibration(
+            path, device=device, total_sms=total_sms, model=model, strict=False
+        )
+        return CalibrationChoice(
+            "explicit", cal, path, f"partition cost model: explicit calibration file {path}"
+        )
     directory = os.path.expanduser(cache_dir or default_cache_dir())
     cached = os.path.join(directory, partition_calibration_filename(device, model))
     problem = ""
     if os.path.isfile(cached):
         try:
-            cal = load_partition_calibration(cached, device=device, total_sms=total_sms,
-                                             model=model, strict=True)
+            cal = load_partition_calibration(
+                cached, device=device, total_sms=total_sms, model=model, strict=True
+            )
             return CalibrationChoice(
-                "cached", cal, cached,
+                "cached",
+                cal,
+                cached,
                 f"partition cost model: cached calibration {cached} (device {device!r}, "
-                f"{total_sms} SMs, model {model!r}, profiled {cal.created})")
+                f"{total_sms} SMs, model {model!r}, profiled {cal.created})",
+            )
         except (OSError, ValueError) as e:
             problem = f"cached calibration {cached} unusable ({e}); "
     else:
         problem = f"no calibration for device {device!r}, model {model!r} in {directory}; "
     seed = fallback_calibration(device, total_sms, model)
-    seed_note = (f"FALLBACK until then: {seed.source}" if seed else
-                 "until then no parameters: the controller time-slices (as `off`)")
+    seed_note = (
+        f"FALLBACK until then: {seed.source}"
+        if seed
+        else "until then no parameters: the controller time-slices (as `off`)"
+    )
     if mode == "auto" and startup_profile:
         return CalibrationChoice(
-            "profile", seed, cached,
+            "profile",
+            seed,
+            cached,
             f"partition cost model: {problem}profiling this GPU now (bounded to "
-            f"{STARTUP_MAX_S:.0f} s; written to {cached}); {seed_note}")
-    why = ("" if mode != "auto" else "the start-up profile is off (--partition-startup-profile "
-           "false); ")
-    unused = (f"partition mode {mode}: the controller is not used until the mode is set to "
-              "auto; " if mode != "auto" else "")
+            f"{STARTUP_MAX_S:.0f} s; written to {cached}); {seed_note}",
+        )
+    why = (
+        ""
+        if mode != "auto"
+        else "the start-up profile is off (--partition-startup-profile false); "
+    )
+    unused = (
+        f"partition mode {mode}: the controller is not used until the mode is set to auto; "
+        if mode != "auto"
+        else ""
+    )
     tail = "run `python -m app calibrate --what partition` to profile this GPU"
     if seed is not None:
-        return CalibrationChoice("fallback", seed, None,
-                                 f"partition cost model: {problem}{why}{unused}using the "
-                                 f"{seed.source}; {tail}")
-    return CalibrationChoice("uncalibrated", None, None,
-                             f"partition cost model: {problem}{why}{unused}uncalibrated: auto "
-                             f"time-slices until calibrated; {tail}")
+        return CalibrationChoice(
+            "fallback",
+            seed,
+            None,
+            f"partition cost model: {problem}{why}{unused}using the {seed.source}; {tail}",
+        )
+    return CalibrationChoice(
+        "uncalibrated",
+        None,
+        None,
+        f"partition cost model: {problem}{why}{unused}uncalibrated: auto "
+        f"time-slices until calibrated; {tail}",
+    )

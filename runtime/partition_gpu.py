@@ -106,9 +106,13 @@ class GreenContextPartition:
             d = total - self._active if self._active else total
             dec = self._last_decision
             return PartitionState(
-                available=True, reason="", mode=self._pending_mode or self._mode,
+                available=True,
+                reason="",
+                mode=self._pending_mode or self._mode,
                 total_sms=total,
-                prefill_sms=p, decode_sms=d, splits=list(self.splits),
+                prefill_sms=p,
+                decode_sms=d,
+                splits=list(self.splits),
                 pinned=self.controller.pinned is not None,
                 predicted_prefill_ms=None if dec is None else dec.predicted_prefill_ms,
                 predicted_decode_ms=None if dec is None else dec.predicted_decode_ms,
@@ -144,8 +148,9 @@ class GreenContextPartition:
         log.info("partition mode: %s%s", mode, f":{n}" if n is not None else "")
 
     # ---- runner hooks ------------------------------------------------------------------------
-    def decide(self, prefill: PrefillShape | None, decode: DecodeShape | None,
-               kv_usage: float) -> int:
+    def decide(
+        self, prefill: PrefillShape | None, decode: DecodeShape | None, kv_usage: float
+    ) -> int:
         """Pick the split for the next step (auto mode); returns the prefill SM count or 0."""
         with self._lock:
             if self._mode == "auto":
@@ -172,8 +177,14 @@ class GreenContextPartition:
         self._last = choice
         return choice
 
-    def observe(self, stage: str, shape: PrefillShape | DecodeShape, sms: int,
-                measured_ms: float, other_sms: int) -> None:
+    def observe(
+        self,
+        stage: str,
+        shape: PrefillShape | DecodeShape,
+        sms: int,
+        measured_ms: float,
+        other_sms: int,
+    ) -> None:
         """A measured stage latency: scored against the cost model, then refines it."""
         with self._lock:
             self.cost_model.observe(stage, shape, sms, measured_ms, other_sms)
@@ -243,10 +254,17 @@ class EngineProbe:
                 rids.append(rid)
                 kind = RequestKind.GENERATE if decode else RequestKind.SCORE
                 req = Request(rid, kind, [0] * (ctx + new), label_token_ids=[0])
-                seqs.append(ScheduledSeq(
-                    request=req, num_context_tokens=ctx, num_new_tokens=new, num_kept_tokens=kept,
-                    block_ids=list(blocks), input_ids=[0] * new, needs_output=decode,
-                ))
+                seqs.append(
+                    ScheduledSeq(
+                        request=req,
+                        num_context_tokens=ctx,
+                        num_new_tokens=new,
+                        num_kept_tokens=kept,
+                        block_ids=list(blocks),
+                        input_ids=[0] * new,
+                        needs_output=decode,
+                    )
+                )
             yield seqs
         finally:
             for rid in rids:
@@ -293,8 +311,13 @@ class EngineProbe:
             return float(a.elapsed_time(b))
 
     @torch.inference_mode()
-    def concurrent_ms(self, prefill: tuple[int, int], decode: tuple[int, int],
-                      prefill_sms: int, max_decode_steps: int = 500) -> tuple[float, float]:
+    def concurrent_ms(
+        self,
+        prefill: tuple[int, int],
+        decode: tuple[int, int],
+        prefill_sms: int,
+        max_decode_steps: int = 500,
+    ) -> tuple[float, float]:
         """The prefill on the pair's prefill stream; decode steps on its decode stream until
         the prefill's end event completes (one host thread launching both, as in the PD loop).
         Returns (prefill ms, mean decode step ms; NaN if no step ran alongside)."""
@@ -303,7 +326,10 @@ class EngineProbe:
         ps, ds = pair.prefill.stream, pair.decode.stream
         runner.ensure_split_graphs(ds, f"{prefill_sms}/{self.total_sms - prefill_sms}")
         (num_tokens, p_ctx), (batch, d_ctx) = prefill, decode
-        with self._seqs([(p_ctx, num_tokens)], decode=False) as pseqs,                 self._seqs([(d_ctx, 1)] * batch, decode=True) as dseqs:
+        with (
+            self._seqs([(p_ctx, num_tokens)], decode=False) as pseqs,
+            self._seqs([(d_ctx, 1)] * batch, decode=True) as dseqs,
+        ):
             torch.cuda.synchronize()
             p0, p1 = _timing_events()
             with torch.cuda.stream(ps):
@@ -327,17 +353,25 @@ class EngineProbe:
             return prefill_ms, float(np.mean([a.elapsed_time(b) for a, b in overlapped]))
 
     def measures(self) -> dict[str, Callable[..., Any]]:
-        return {"measure_prefill_ms": self.prefill_ms, "measure_decode_ms": self.decode_ms,
-                "measure_concurrent_ms": self.concurrent_ms}
+        return {
+            "measure_prefill_ms": self.prefill_ms,
+            "measure_decode_ms": self.decode_ms,
+            "measure_concurrent_ms": self.concurrent_ms,
+        }
 
 
 def _timing_events() -> tuple[torch.cuda.Event, torch.cuda.Event]:
     return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
 
-def profile_engine(engine: Any, *, full: bool = False, cache_dir: str | None = None,
-                   out_path: str | None = None,
-                   progress: Callable[[str], None] | None = None) -> Any:
+def profile_engine(
+    engine: Any,
+    *,
+    full: bool = False,
+    cache_dir: str | None = None,
+    out_path: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Any:
     """Profile a built, not started engine on its pre-created pairs, fit and write the
     calibration (`out_path`, else the cache folder). `full`: the explicit profile of
     `python -m app calibrate --what partition`; else the bounded start-up one. Returns the
@@ -351,15 +385,23 @@ def profile_engine(engine: Any, *, full: bool = False, cache_dir: str | None = N
     total = g.layout.total_sms
     cfg = engine.config
     shapes = pc.fit_shapes_to_limits(
-        pc.FULL_SHAPES if full else pc.STARTUP_SHAPES, max_model_len=engine.max_model_len,
-        kv_pool_tokens=engine.kv_pool_tokens, max_num_seqs=cfg.max_num_seqs)
+        pc.FULL_SHAPES if full else pc.STARTUP_SHAPES,
+        max_model_len=engine.max_model_len,
+        kv_pool_tokens=engine.kv_pool_tokens,
+        max_num_seqs=cfg.max_num_seqs,
+    )
     fractions = pc.FULL_SPLIT_FRACTIONS if full else pc.STARTUP_SPLIT_FRACTIONS
     return pc.calibrate_partition(
-        **EngineProbe(engine).measures(), device=engine.device_name, total_sms=total,
-        model=model_key(cfg.model), num_layers=engine.model_config.num_layers,
-        splits=pc.pick_splits(g.splits, fractions, total), shapes=shapes,
+        **EngineProbe(engine).measures(),
+        device=engine.device_name,
+        total_sms=total,
+        model=model_key(cfg.model),
+        num_layers=engine.model_config.num_layers,
+        splits=pc.pick_splits(g.splits, fractions, total),
+        shapes=shapes,
         repeats=pc.FULL_REPEATS if full else pc.STARTUP_REPEATS,
         max_seconds=pc.FULL_MAX_S if full else pc.STARTUP_MAX_S,
-        cache_dir=cache_dir, out_path=out_path,
+        cache_dir=cache_dir,
+        out_path=out_path,
         **({"progress": progress} if progress is not None else {}),
     )

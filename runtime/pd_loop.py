@@ -284,8 +284,13 @@ class PDLoop:
             while pending < self.max_queued_slices and f.next_layer < num_layers:
                 end = min(num_layers, f.next_layer + f.layers_per_slice)
                 f.h, f.residual = self.model.forward_layers(
-                    f.h, f.residual, f.batch.positions, self.runner.prefill_backend,
-                    f.next_layer, end, self.chunk_tokens,
+                    f.h,
+                    f.residual,
+                    f.batch.positions,
+                    self.runner.prefill_backend,
+                    f.next_layer,
+                    end,
+                    self.chunk_tokens,
                 )
                 f.next_layer = end
                 ev = self.device.event()
@@ -373,4 +378,3 @@ class PDLoop:
         with self.device.context(stream):
             out = self.runner.run(merged)
         return self.scheduler.update(merged, out)
-

@@ -79,7 +79,9 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV exists (cached prefix + computed)
     num_cached_tokens: int = 0  # prefix-cache hit at admission (for usage and metrics)
     num_preemptions: int = 0
-    first_token_s: float | None = None  # engine clock (time.monotonic) when the first token was produced
+    first_token_s: float | None = (
+        None  # engine clock (time.monotonic) when the first token was produced
+    )
     finish_s: float | None = None
     error: str | None = None
 

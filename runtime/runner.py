@@ -184,18 +184,30 @@ class ModelRunner:
             pool = torch.cuda.graph_pool_handle()
             max_blocks = min((limit + bs - 1) // bs, kv_pool.num_blocks)
             whole = DecodeGraphs(
-                model, kv_pool.k, kv_pool.v, self.decode_stream,
-                pad_block_id=kv_pool.pad_block_id, max_blocks_per_seq=max_blocks,
-                batch_sizes=graph_batch_sizes(config.max_num_seqs), pool=pool,
+                model,
+                kv_pool.k,
+                kv_pool.v,
+                self.decode_stream,
+                pad_block_id=kv_pool.pad_block_id,
+                max_blocks_per_seq=max_blocks,
+                batch_sizes=graph_batch_sizes(config.max_num_seqs),
+                pool=pool,
             )
             split_sizes = graph_batch_sizes(
-                config.max_num_seqs, split_graph_batch_sizes or SPLIT_BATCH_SIZES)
+                config.max_num_seqs, split_graph_batch_sizes or SPLIT_BATCH_SIZES
+            )
 
             def make_split_set(stream: torch.cuda.Stream, label: str) -> GraphSet:
                 return DecodeGraphs(
-                    model, kv_pool.k, kv_pool.v, stream,
-                    pad_block_id=kv_pool.pad_block_id, max_blocks_per_seq=max_blocks,
-                    batch_sizes=split_sizes, workspace=whole.workspace, pool=pool,
+                    model,
+                    kv_pool.k,
+                    kv_pool.v,
+                    stream,
+                    pad_block_id=kv_pool.pad_block_id,
+                    max_blocks_per_seq=max_blocks,
+                    batch_sizes=split_sizes,
+                    workspace=whole.workspace,
+                    pool=pool,
                     label=label,
                 )
 

@@ -70,7 +70,9 @@ class FakeTokenizer:
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
         text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
         return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
@@ -80,7 +82,9 @@ def fake_logits(prompt_ids: list[int]) -> list[float]:
     return [((base + 7 * t) % 13) / 4.0 for t in range(VOCAB_SIZE)]
 
 
-def fake_label_probs(prompt_ids: list[int], label_ids: list[int], apply_softmax: bool) -> list[float]:
+def fake_label_probs(
+    prompt_ids: list[int], label_ids: list[int], apply_softmax: bool
+) -> list[float]:
     logits = fake_logits(prompt_ids)
     pool = [logits[t] for t in label_ids] if apply_softmax else logits
     z = sum(math.exp(x) for x in pool)
@@ -99,7 +103,9 @@ class _Running:
 class FakeEngine:
     """Same public surface as `runtime.engine.Engine` (see docs/internals.md)."""
 
-    def __init__(self, config: EngineConfig, sink: Callable[[RequestOutput], None], step_s: float = 0.002):
+    def __init__(
+        self, config: EngineConfig, sink: Callable[[RequestOutput], None], step_s: float = 0.002
+    ):
         self.config = config
         self.sink = sink
         self.step_s = step_s
@@ -109,7 +115,9 @@ class FakeEngine:
         )
         self.max_model_len = min(config.max_model_len or MAX_MODEL_LEN, MAX_MODEL_LEN)
         self.max_prompt_tokens = self.max_model_len
-        self.max_score_tokens = min(config.max_score_tokens or self.max_model_len, self.max_model_len)
+        self.max_score_tokens = min(
+            config.max_score_tokens or self.max_model_len, self.max_model_len
+        )
         self.kv_blocks_total = 1000
         self.policy = config.prefill_policy
         self._lock = threading.Lock()
@@ -132,7 +140,9 @@ class FakeEngine:
         with self._lock:
             self.added.append(req)
             if not self._admitting:
-                self._finish_locked_later(req, RequestStatus.FINISHED_ABORTED, "engine is shutting down")
+                self._finish_locked_later(
+                    req, RequestStatus.FINISHED_ABORTED, "engine is shutting down"
+                )
                 return
             self._inbox.append(req)
 
@@ -198,8 +208,11 @@ class FakeEngine:
         req.status = status
         req.error = error
         out = RequestOutput(
-            request_id=req.request_id, finished=True, finish_reason=FINISH_REASONS[status],
-            error=error, num_prompt_tokens=req.num_prompt_tokens,
+            request_id=req.request_id,
+            finished=True,
+            finish_reason=FINISH_REASONS[status],
+            error=error,
+            num_prompt_tokens=req.num_prompt_tokens,
         )
         threading.Thread(target=self.sink, args=(out,), daemon=True).start()
 
@@ -234,18 +247,24 @@ class FakeEngine:
             self._running.pop(req.request_id, None)
         now = time.monotonic()
         out = RequestOutput(
-            request_id=req.request_id, finished=finished,
+            request_id=req.request_id,
+            finished=finished,
             finish_reason=FINISH_REASONS[status] if finished else None,  # type: ignore[index]
-            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
             ttft_s=(req.first_token_s - req.arrival_s) if req.first_token_s else None,
-            e2e_s=(now - req.arrival_s) if finished else None, queue_s=0.0, **kw,
+            e2e_s=(now - req.arrival_s) if finished else None,
+            queue_s=0.0,
+            **kw,
         )
         self.sink(out)
 
     def _step(self, run: _Running) -> None:
         req = run.req
         if b"FAIL" in bytes(t for t in req.prompt_token_ids if t < 256):
-            self._emit(req, RequestStatus.FINISHED_ERROR, error="injected fault (prompt contains FAIL)")
+            self._emit(
+                req, RequestStatus.FINISHED_ERROR, error="injected fault (prompt contains FAIL)"
+            )
             return
         if req.kind == RequestKind.SCORE:
             req.first_token_s = time.monotonic()
@@ -267,12 +286,14 @@ class FakeEngine:
             if stop in full:
                 full = full[: full.index(stop)]
                 status = RequestStatus.FINISHED_STOPPED
-        new_text = full[len(run.text):] if len(full) >= len(run.text) else ""
+        new_text = full[len(run.text) :] if len(full) >= len(run.text) else ""
         run.text = full
         if status is None and req.num_output_tokens >= sp.max_tokens:
             status = RequestStatus.FINISHED_LENGTH
         logprobs = []
         if sp.logprobs is not None:
             top = [((tok + 1 + j) % 256, -1.5 - j) for j in range(sp.logprobs)]
-            logprobs = [TokenLogprob(token_id=tok, logprob=-0.5, top=[(tok, -0.5), *top][: sp.logprobs])]
+            logprobs = [
+                TokenLogprob(token_id=tok, logprob=-0.5, top=[(tok, -0.5), *top][: sp.logprobs])
+            ]
         self._emit(req, status, new_token_ids=[tok], new_text=new_text, new_logprobs=logprobs)

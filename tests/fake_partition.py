@@ -44,10 +44,18 @@ class FakePartition:
         pred_prefill = 40.0 * self.total_sms / prefill
         pred_decode = 6.0 * self.total_sms / decode
         return PartitionState(
-            available=True, reason="", mode=self.mode, total_sms=self.total_sms,
-            prefill_sms=prefill, decode_sms=decode, splits=list(self.splits), pinned=self.pinned,
-            predicted_prefill_ms=pred_prefill, predicted_decode_ms=pred_decode,
-            measured_prefill_ms=pred_prefill * 1.08, measured_decode_ms=pred_decode * 1.08,
+            available=True,
+            reason="",
+            mode=self.mode,
+            total_sms=self.total_sms,
+            prefill_sms=prefill,
+            decode_sms=decode,
+            splits=list(self.splits),
+            pinned=self.pinned,
+            predicted_prefill_ms=pred_prefill,
+            predicted_decode_ms=pred_decode,
+            measured_prefill_ms=pred_prefill * 1.08,
+            measured_decode_ms=pred_decode * 1.08,
         )
 
     def state(self) -> PartitionState:
@@ -65,15 +73,18 @@ class FakePartition:
                 self.prefill_sms = self.splits[len(self.splits) // 2]
             elif spec.startswith("static:"):
                 try:
-                    sms = int(spec[len("static:"):])
+                    sms = int(spec[len("static:") :])
                 except ValueError:
                     raise ValueError(f"malformed partition spec {spec!r}") from None
                 if sms not in self.splits:
-                    raise ValueError(f"prefill_sms={sms} is not a pre-created split; "
-                                     f"choose one of {self.splits}")
+                    raise ValueError(
+                        f"prefill_sms={sms} is not a pre-created split; choose one of {self.splits}"
+                    )
                 self.mode, self.prefill_sms, self.pinned = "static", sms, True
             else:
-                raise ValueError(f"partition must be off, auto or static:<prefill_sms>, got {spec!r}")
+                raise ValueError(
+                    f"partition must be off, auto or static:<prefill_sms>, got {spec!r}"
+                )
             return self._split_state()
 
 
@@ -99,8 +110,11 @@ class FakeMetrics:
     def recent(self) -> dict[str, Any]:
         with self._lock:
             return {
-                "ttft_s": list(self.ttft_s), "tpot_s": list(self.tpot_s), "e2e_s": list(self.e2e_s),
-                "completed_total": self.completed_total, "tokens_total": self.tokens_total,
+                "ttft_s": list(self.ttft_s),
+                "tpot_s": list(self.tpot_s),
+                "e2e_s": list(self.e2e_s),
+                "completed_total": self.completed_total,
+                "tokens_total": self.tokens_total,
             }
 
 
@@ -111,9 +125,15 @@ class FakeEngine:
     "prefills" for `prefill_s`, then "decodes" one token every `tpot_s`. It exists so the admin
     page's numbers can move in a test without a model; it models no real engine behaviour."""
 
-    def __init__(self, partition: Any = None, *, max_running: int = 4,
-                 prefill_s: float = 0.15, tpot_s: float = 0.01,
-                 metrics: FakeMetrics | None = None) -> None:
+    def __init__(
+        self,
+        partition: Any = None,
+        *,
+        max_running: int = 4,
+        prefill_s: float = 0.15,
+        tpot_s: float = 0.01,
+        metrics: FakeMetrics | None = None,
+    ) -> None:
         self.partition = partition if partition is not None else FakePartition()
         self.metrics = metrics if metrics is not None else FakeMetrics()
         self.policy = "srjf"
@@ -132,9 +152,13 @@ class FakeEngine:
         with self._lock:
             used = sum(int(job["blocks"]) for job in self._running)
             return {
-                "num_waiting": len(self._waiting), "num_running": len(self._running),
-                "kv_blocks_used": used, "kv_blocks_total": self.kv_blocks_total,
-                "prefix_hit_tokens": 0, "prefix_query_tokens": 0, "policy": self.policy,
+                "num_waiting": len(self._waiting),
+                "num_running": len(self._running),
+                "kv_blocks_used": used,
+                "kv_blocks_total": self.kv_blocks_total,
+                "prefix_hit_tokens": 0,
+                "prefix_query_tokens": 0,
+                "policy": self.policy,
             }
 
     def set_policy(self, name: str) -> None:
@@ -166,15 +190,21 @@ class FakeEngine:
             with self._lock:
                 while self._waiting and len(self._running) < self.max_running:
                     arrival, num_tokens = self._waiting.popleft()
-                    self._running.append({
-                        "arrival": arrival, "first_token": now + self.prefill_s,
-                        "done": now + self.prefill_s + num_tokens * self.tpot_s,
-                        "tokens": num_tokens, "blocks": 8 + num_tokens // 4,
-                    })
+                    self._running.append(
+                        {
+                            "arrival": arrival,
+                            "first_token": now + self.prefill_s,
+                            "done": now + self.prefill_s + num_tokens * self.tpot_s,
+                            "tokens": num_tokens,
+                            "blocks": 8 + num_tokens // 4,
+                        }
+                    )
                 finished = [job for job in self._running if job["done"] <= now]
                 self._running = [job for job in self._running if job["done"] > now]
             for job in finished:
                 self.metrics.record(
-                    ttft_s=job["first_token"] - job["arrival"], tpot_s=self.tpot_s,
-                    e2e_s=job["done"] - job["arrival"], num_tokens=int(job["tokens"]),
+                    ttft_s=job["first_token"] - job["arrival"],
+                    tpot_s=self.tpot_s,
+                    e2e_s=job["done"] - job["arrival"],
+                    num_tokens=int(job["tokens"]),
                 )

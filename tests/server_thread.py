@@ -88,5 +88,5 @@ def parse_sse_strict(raw: bytes) -> list[str]:
             continue
         assert len(lines) == 1, f"multi-line event: {event!r}"
         assert lines[0].startswith("data: "), f"not a data event: {event!r}"
-        payloads.append(lines[0][len("data: "):])
+        payloads.append(lines[0][len("data: ") :])
     return payloads

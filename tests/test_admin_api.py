@@ -40,24 +40,32 @@ def make_app(token: str | None = None, engine: FakeEngine | None = None) -> Fast
 # --- protection -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/admin/api/partition", {"mode": "static", "prefill_sms": 64}),
-    ("/admin/api/policy", {"policy": "fcfs"}),
-])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/admin/api/partition", {"mode": "static", "prefill_sms": 64}),
+        ("/admin/api/policy", {"policy": "fcfs"}),
+    ],
+)
 def test_token_required_when_set(path: str, body: dict) -> None:
     app = make_app(token="s3cret")
     engine: FakeEngine = app.state.engine
     # Loopback gives no pass when a token is configured.
     client = TestClient(app, client=LOOPBACK)
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"},
-                    {"Authorization": "Bearer "}):
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": "Basic s3cret"},
+        {"Authorization": "Bearer "},
+    ):
         r = client.put(path, json=body, headers=headers)
         assert r.status_code == 401, (headers, r.text)
         assert r.json()["error"]["type"] == "authentication_error"
     assert engine.partition.calls == [] and engine.policy_calls == []
 
-    r = TestClient(app, client=REMOTE).put(path, json=body,
-                                           headers={"Authorization": "Bearer s3cret"})
+    r = TestClient(app, client=REMOTE).put(
+        path, json=body, headers={"Authorization": "Bearer s3cret"}
+    )
     assert r.status_code == 200, r.text
     assert engine.partition.calls == ["static:64"] or engine.policy_calls == ["fcfs"]
 
@@ -92,11 +100,21 @@ def test_reads_need_no_auth() -> None:
     assert client.get("/admin/static/admin.html").status_code == 404
 
 
-@pytest.mark.parametrize("host,expected", [
-    ("127.0.0.1", True), ("127.8.9.10", True), ("::1", True), ("::ffff:127.0.0.1", True),
-    ("10.0.0.1", False), ("::ffff:10.0.0.1", False), ("testclient", False), ("", False),
-    (None, False), ("localhost", False),
-])
+@pytest.mark.parametrize(
+    "host,expected",
+    [
+        ("127.0.0.1", True),
+        ("127.8.9.10", True),
+        ("::1", True),
+        ("::ffff:127.0.0.1", True),
+        ("10.0.0.1", False),
+        ("::ffff:10.0.0.1", False),
+        ("testclient", False),
+        ("", False),
+        (None, False),
+        ("localhost", False),
+    ],
+)
 def test_is_loopback(host: str | None, expected: bool) -> None:
     assert is_loopback(host) is expected
 
@@ -104,15 +122,18 @@ def test_is_loopback(host: str | None, expected: bool) -> None:
 # --- validation -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("body", [
-    {"mode": "static", "prefill_sms": 50},   # not a pre-created split (ValueError from set_mode)
-    {"mode": "static"},                      # split missing
-    {"mode": "static", "prefill_sms": "lots"},
-    {"mode": "sideways"},
-    {"prefill_sms": 64},
-    {"mode": "auto", "extra": 1},
-    [1, 2],
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"mode": "static", "prefill_sms": 50},  # not a pre-created split (ValueError from set_mode)
+        {"mode": "static"},  # split missing
+        {"mode": "static", "prefill_sms": "lots"},
+        {"mode": "sideways"},
+        {"prefill_sms": 64},
+        {"mode": "auto", "extra": 1},
+        [1, 2],
+    ],
+)
 def test_bad_partition_is_400(body: object) -> None:
     app = make_app()
     r = TestClient(app, client=LOOPBACK).put("/admin/api/partition", json=body)
@@ -124,7 +145,8 @@ def test_bad_partition_is_400(body: object) -> None:
 
 def test_non_json_body_is_400() -> None:
     r = TestClient(make_app(), client=LOOPBACK).put(
-        "/admin/api/policy", content=b"{not json", headers={"content-type": "application/json"})
+        "/admin/api/policy", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400
 
 
@@ -156,7 +178,11 @@ def test_partition_pin_and_release() -> None:
     assert pinned.status_code == 200
     part = pinned.json()["partition"]
     assert (part["mode"], part["prefill_sms"], part["decode_sms"], part["pinned"]) == (
-        "static", 80, FAKE_TOTAL_SMS - 80, True)
+        "static",
+        80,
+        FAKE_TOTAL_SMS - 80,
+        True,
+    )
     released = client.put("/admin/api/partition", json={"mode": "auto"}).json()["partition"]
     assert released["mode"] == "auto" and released["pinned"] is False
     assert app.state.engine.partition.calls == ["static:80", "auto"]
@@ -181,8 +207,17 @@ def test_state_shape_and_numbers() -> None:
     app = make_app(engine=engine)
     state = TestClient(app).get("/admin/api/state").json()
 
-    assert set(state) >= {"partition", "queues", "kv", "policy", "latency", "throughput",
-                          "cost_model", "engine", "time_s"}
+    assert set(state) >= {
+        "partition",
+        "queues",
+        "kv",
+        "policy",
+        "latency",
+        "throughput",
+        "cost_model",
+        "engine",
+        "time_s",
+    }
     part = state["partition"]
     assert part["available"] is True and part["total_sms"] == FAKE_TOTAL_SMS
     assert part["splits"] == FAKE_SPLITS and part["mode"] == "off"
@@ -306,8 +341,9 @@ def test_router_inside_the_full_app() -> None:
     from app.settings import Settings
 
     engine = FakeEngine()
-    app = create_app(Settings(admin_token="full-app-token"),
-                     engine_factory=lambda config, sink: engine)
+    app = create_app(
+        Settings(admin_token="full-app-token"), engine_factory=lambda config, sink: engine
+    )
     with TestClient(app, client=REMOTE) as client:
         assert client.get("/admin").status_code == 200
         state = client.get("/admin/api/state").json()
@@ -315,11 +351,17 @@ def test_router_inside_the_full_app() -> None:
         assert state["latency"]["source"] == "metrics"  # the app's rolling windows
         assert state["partition"]["total_sms"] == FAKE_TOTAL_SMS
         assert client.put("/admin/api/policy", json={"policy": "spf"}).status_code == 401
-        r = client.put("/admin/api/policy", json={"policy": "spf"},
-                       headers={"Authorization": "Bearer full-app-token"})
+        r = client.put(
+            "/admin/api/policy",
+            json={"policy": "spf"},
+            headers={"Authorization": "Bearer full-app-token"},
+        )
         assert r.status_code == 200 and engine.policy_calls == ["spf"]
-        r = client.put("/admin/api/partition", json={"mode": "static", "prefill_sms": 7},
-                       headers={"Authorization": "Bearer full-app-token"})
+        r = client.put(
+            "/admin/api/partition",
+            json={"mode": "static", "prefill_sms": 7},
+            headers={"Authorization": "Bearer full-app-token"},
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == "prefill_sms"
 
 
@@ -375,13 +417,13 @@ def test_prefix_cache_reset_reaches_the_real_engine() -> None:
     from app.main import create_app
     from app.settings import Settings
 
-    app = create_app(Settings(model="random:tiny", max_num_seqs=4, block_size=4,
-                              admin_token=None))
+    app = create_app(Settings(model="random:tiny", max_num_seqs=4, block_size=4, admin_token=None))
     with TestClient(app, client=LOOPBACK) as client:
         engine = app.state.engine
         query = list(range(10, 60))  # 50 tokens: several full blocks of 4
-        r = client.post("/v1/score", json={"query": query, "items": [[70, 71]],
-                                           "label_token_ids": [1, 2]})
+        r = client.post(
+            "/v1/score", json={"query": query, "items": [[70, 71]], "label_token_ids": [1, 2]}
+        )
         assert r.status_code == 200, r.text
         filled = engine.stats()["prefix_cached_blocks"]
         assert filled > 0
@@ -389,7 +431,6 @@ def test_prefix_cache_reset_reaches_the_real_engine() -> None:
         assert r.status_code == 200, r.text
         assert r.json()["prefix_cached_blocks_before"] == filled
         # The reset is applied before the engine's next step; stats are published after a step.
-        r = client.post("/v1/score", json={"query": [5], "items": [[6]],
-                                           "label_token_ids": [1, 2]})
+        r = client.post("/v1/score", json={"query": [5], "items": [[6]], "label_token_ids": [1, 2]})
         assert r.status_code == 200, r.text
         assert engine.stats()["prefix_cached_blocks"] == 0

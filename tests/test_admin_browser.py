@@ -35,8 +35,14 @@ pytestmark = pytest.mark.browser
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
 ]
 # Where to save a screenshot of the page under load (e.g. docs/admin-page.png); unset = none.
 SCREENSHOT_ENV = "GREENLANE_ADMIN_SCREENSHOT"
@@ -53,8 +59,9 @@ def _serve(app: FastAPI, lifespan: str) -> tuple[str, Callable[[], None]]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan=lifespan,
-                                           timeout_graceful_shutdown=5))
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", lifespan=lifespan, timeout_graceful_shutdown=5)
+    )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 120  # the full app loads a model at start-up
@@ -96,7 +103,6 @@ def _fake_server() -> Iterator[Served]:
 def _full_app_server() -> Iterator[Served]:
     try:
         import runtime.engine  # noqa: F401  (the real engine; the app imports it lazily)
-
         from app.main import create_app
         from app.settings import Settings
     except ImportError as exc:
@@ -112,9 +118,15 @@ def _full_app_server() -> Iterator[Served]:
 
     def one_request(i: int) -> None:
         try:
-            httpx.post(f"{base}/v1/completions", timeout=120, json={
-                "prompt": "Green lanes " * (2 + i % 6), "max_tokens": 24, "temperature": 0,
-            })
+            httpx.post(
+                f"{base}/v1/completions",
+                timeout=120,
+                json={
+                    "prompt": "Green lanes " * (2 + i % 6),
+                    "max_tokens": 24,
+                    "temperature": 0,
+                },
+            )
         except httpx.HTTPError:
             pass  # the page test only needs load; the API tests check responses
 
@@ -166,7 +178,9 @@ def _text(page: Any, selector: str) -> str:
     return (page.locator(selector).text_content() or "").strip()
 
 
-def test_admin_page_live_and_controls(served: Served, page_and_errors: tuple[Any, list[str]]) -> None:
+def test_admin_page_live_and_controls(
+    served: Served, page_and_errors: tuple[Any, list[str]]
+) -> None:
     page, errors = page_and_errors
     engine = served.app.state.engine
     partition: FakePartition = engine.partition
@@ -182,7 +196,8 @@ def test_admin_page_live_and_controls(served: Served, page_and_errors: tuple[Any
     completed_before = _text(page, "#stat-completed")
     served.send_load(12)
     page.wait_for_function(
-        "document.getElementById('stat-completed').textContent.trim() !== " + repr(completed_before),
+        "document.getElementById('stat-completed').textContent.trim() !== "
+        + repr(completed_before),
         timeout=120_000,
     )
     page.wait_for_function("document.getElementById('stat-ttft').textContent.trim() !== '–'")
@@ -225,7 +240,9 @@ def test_admin_page_live_and_controls(served: Served, page_and_errors: tuple[Any
         page.locator(".policy-btn[data-policy='spf']").click()
         page.wait_for_selector(".policy-btn.active[data-policy='spf']")
         assert engine.stats()["policy"] == "spf"
-        assert page.evaluate("sessionStorage.getItem('greenlane.adminToken')") == "browser-test-token"
+        assert (
+            page.evaluate("sessionStorage.getItem('greenlane.adminToken')") == "browser-test-token"
+        )
     finally:
         served.app.state.settings.admin_token = None
     # The refused PUT is logged by the browser as a failed resource load; nothing else may be.

@@ -32,13 +32,37 @@ def test_env_then_cli_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GREENLANE_MAX_MODEL_LEN", "512")
     monkeypatch.setenv("GREENLANE_HYBRID_PREFILL", "false")
     s = _settings_from_cli([])
-    assert (s.port, s.prefill_policy, s.max_model_len, s.hybrid_prefill) == (9001, "spf", 512, False)
-    s = _settings_from_cli(["--port", "9002", "--prefill-policy", "fcfs", "--max-model-len", "none",
-                            "--hybrid-prefill", "true", "--api-key", "k"])
+    assert (s.port, s.prefill_policy, s.max_model_len, s.hybrid_prefill) == (
+        9001,
+        "spf",
+        512,
+        False,
+    )
+    s = _settings_from_cli(
+        [
+            "--port",
+            "9002",
+            "--prefill-policy",
+            "fcfs",
+            "--max-model-len",
+            "none",
+            "--hybrid-prefill",
+            "true",
+            "--api-key",
+            "k",
+        ]
+    )
     assert (s.port, s.prefill_policy, s.max_model_len, s.hybrid_prefill, s.api_key) == (
-        9002, "fcfs", None, True, "k")
+        9002,
+        "fcfs",
+        None,
+        True,
+        "k",
+    )
     cfg = s.to_engine_config()
-    assert isinstance(cfg, EngineConfig) and cfg.prefill_policy == "fcfs" and cfg.max_model_len is None
+    assert (
+        isinstance(cfg, EngineConfig) and cfg.prefill_policy == "fcfs" and cfg.max_model_len is None
+    )
 
 
 def test_every_engine_option_is_a_setting_and_a_flag(capsys: pytest.CaptureFixture[str]) -> None:
@@ -74,8 +98,12 @@ sys.exit(serve(Settings(port={port}, shutdown_grace_s={grace}, log_level="warnin
 
 def _start(grace_s: float) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    script = _SERVER_SCRIPT.format(root=str(ROOT), tests=str(ROOT / "tests"), port=port, grace=grace_s)
-    proc = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    script = _SERVER_SCRIPT.format(
+        root=str(ROOT), tests=str(ROOT / "tests"), port=port, grace=grace_s
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
@@ -99,7 +127,9 @@ def _stream_with_sigterm(proc: subprocess.Popen[bytes], url: str, max_tokens: in
         time.sleep(0.05)
         # Not admitting any more: refused connection or 503.
         try:
-            status = httpx.post(url + "/v1/completions", json={"prompt": "a"}, timeout=5).status_code
+            status = httpx.post(
+                url + "/v1/completions", json={"prompt": "a"}, timeout=5
+            ).status_code
         except httpx.TransportError:
             status = 503
         assert status == 503

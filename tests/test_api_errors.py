@@ -81,7 +81,12 @@ JSON_CASES: list[tuple[str, Any, int, str | None]] = [
     (SCORE, {"query": "q", "items": ["a"], "labels": ["a"], "label_token_ids": [1]}, 400, None),
     (SCORE, {"query": "q", "items": ["a"], "labels": ["ab"]}, 400, "labels"),
     (SCORE, {"query": "q", "items": ["a"], "labels": [""]}, 400, "labels"),
-    (SCORE, {"query": "q", "items": ["a"], "label_token_ids": [VOCAB_SIZE]}, 400, "label_token_ids"),
+    (
+        SCORE,
+        {"query": "q", "items": ["a"], "label_token_ids": [VOCAB_SIZE]},
+        400,
+        "label_token_ids",
+    ),
     (SCORE, {"query": "q", "items": ["a"], "label_token_ids": [-1]}, 400, "label_token_ids"),
     (SCORE, {"query": [1, 10**6], "items": ["a"], "label_token_ids": [1]}, 400, "query"),
     (SCORE, {"query": "q", "items": [[1, 10**6]], "label_token_ids": [1]}, 400, "items"),
@@ -95,7 +100,9 @@ JSON_CASES: list[tuple[str, Any, int, str | None]] = [
 
 
 @pytest.mark.parametrize(("path", "body", "status", "param"), JSON_CASES)
-def test_bad_json_bodies(http: httpx.Client, path: str, body: Any, status: int, param: str | None) -> None:
+def test_bad_json_bodies(
+    http: httpx.Client, path: str, body: Any, status: int, param: str | None
+) -> None:
     err = _assert_openai_error(http.post(path, json=body), status)
     if param is not None:
         assert err["param"] is not None and err["param"].split(".")[0] == param, err
@@ -110,7 +117,9 @@ def test_malformed_bodies(http: httpx.Client, path: str, raw: bytes) -> None:
 
 def test_context_error_names_the_numbers(http: httpx.Client) -> None:
     err = _assert_openai_error(http.post(CMPL, json={"prompt": "abcd", "max_tokens": 300}), 400)
-    assert "4" in err["message"] and "300" in err["message"] and str(MAX_MODEL_LEN) in err["message"]
+    assert (
+        "4" in err["message"] and "300" in err["message"] and str(MAX_MODEL_LEN) in err["message"]
+    )
     assert err["code"] == "context_length_exceeded"
 
 
@@ -121,7 +130,9 @@ def test_scoring_prompt_over_the_reserved_length_names_the_maximum(
     saved = engine.max_score_tokens
     engine.max_score_tokens = 5  # as if the server reserved activations for 5 tokens only
     try:
-        r = http.post(SCORE, json={"query": [1, 2, 3], "items": [[4, 5, 6]], "label_token_ids": [7]})
+        r = http.post(
+            SCORE, json={"query": [1, 2, 3], "items": [[4, 5, 6]], "label_token_ids": [7]}
+        )
         err = _assert_openai_error(r, 400)
         assert "6" in err["message"] and "at most 5" in err["message"]
         assert err["code"] == "context_length_exceeded"

@@ -50,8 +50,10 @@ def test_queue_cap_gives_429_with_retry_after(server: ServerThread, http: httpx.
     server.engine.pause()
     try:
         body = {"messages": MSG, "stream": True, "max_tokens": 5}
-        with http.stream("POST", "/v1/chat/completions", json=body) as s1, \
-             http.stream("POST", "/v1/chat/completions", json=body) as s2:
+        with (
+            http.stream("POST", "/v1/chat/completions", json=body) as s1,
+            http.stream("POST", "/v1/chat/completions", json=body) as s2,
+        ):
             assert s1.status_code == 200 and s2.status_code == 200
             assert server.app.state.client.num_in_flight == 2
             r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
@@ -67,7 +69,9 @@ def test_queue_cap_gives_429_with_retry_after(server: ServerThread, http: httpx.
     # Capacity is back.
     assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
     # More items than the server can ever hold is the caller's error, not an overload.
-    r = http.post("/v1/score", json={"query": "q", "items": ["a", "b", "c"], "label_token_ids": [1]})
+    r = http.post(
+        "/v1/score", json={"query": "q", "items": ["a", "b", "c"], "label_token_ids": [1]}
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_items"
 
 
@@ -100,8 +104,12 @@ def test_non_streaming_disconnect_aborts(server: ServerThread) -> None:
     try:
         with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
             sock.sendall(head + body)
-            _wait_for(lambda: len(server.engine.added) > num_added
-                      and server.app.state.client.num_in_flight == 1)
+            _wait_for(
+                lambda: (
+                    len(server.engine.added) > num_added
+                    and server.app.state.client.num_in_flight == 1
+                )
+            )
         # The socket is closed: the server sees the disconnect and releases the request.
         _wait_for(lambda: server.app.state.client.num_in_flight == 0)
     finally:
@@ -121,10 +129,16 @@ def test_health_and_metrics(server: ServerThread, http: httpx.Client) -> None:
     text = r.text
     assert 'greenlane_requests_total{endpoint="/v1/completions",status="200"}' in text
     assert 'greenlane_requests_total{endpoint="/v1/completions",status="400"}' in text
-    for name in ("greenlane_ttft_seconds_count", "greenlane_tpot_seconds_count",
-                 "greenlane_e2e_seconds_count", "greenlane_queue_depth", "greenlane_running_requests",
-                 "greenlane_kv_blocks_used", "greenlane_kv_blocks_total 1000.0",
-                 "greenlane_prefix_cache_hit_ratio"):
+    for name in (
+        "greenlane_ttft_seconds_count",
+        "greenlane_tpot_seconds_count",
+        "greenlane_e2e_seconds_count",
+        "greenlane_queue_depth",
+        "greenlane_running_requests",
+        "greenlane_kv_blocks_used",
+        "greenlane_kv_blocks_total 1000.0",
+        "greenlane_prefix_cache_hit_ratio",
+    ):
         assert name in text, name
     recent = server.app.state.metrics.recent()
     assert recent["completed_total"] >= 2 and recent["ttft_s"]
@@ -137,8 +151,15 @@ def test_one_log_line_per_request(http: httpx.Client, caplog: pytest.LogCaptureF
     lines = [r.getMessage() for r in caplog.records if r.name == "greenlane.request"]
     assert len(lines) == 1, lines
     line = lines[0]
-    for part in ("id=cmpl-", "endpoint=/v1/completions", "status=200", "prompt_tokens=4",
-                 "output_tokens=3", "ttft_s=0.", "total_s="):
+    for part in (
+        "id=cmpl-",
+        "endpoint=/v1/completions",
+        "status=200",
+        "prompt_tokens=4",
+        "output_tokens=3",
+        "ttft_s=0.",
+        "total_s=",
+    ):
         assert part in line, line
 
 
@@ -174,7 +195,9 @@ def test_concurrent_requests_all_complete(server: ServerThread) -> None:
 
     def call() -> None:
         with httpx.Client(base_url=server.url, timeout=30) as c:
-            statuses.append(c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3}).status_code)
+            statuses.append(
+                c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3}).status_code
+            )
 
     threads = [threading.Thread(target=call) for _ in range(8)]
     for t in threads:

@@ -21,8 +21,12 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def server(default_model_dir: Path) -> Iterator[ServerThread]:
     with running_server(
-        model=str(default_model_dir), served_model_name="smollm2", max_model_len=1024,
-        cpu_kv_cache_gb=0.25, dtype="float32", device="cpu",
+        model=str(default_model_dir),
+        served_model_name="smollm2",
+        max_model_len=1024,
+        cpu_kv_cache_gb=0.25,
+        dtype="float32",
+        device="cpu",
     ) as srv:
         yield srv
 
@@ -35,8 +39,11 @@ def http(server: ServerThread) -> Iterator[httpx.Client]:
 
 def test_streamed_chat_names_paris(http: httpx.Client) -> None:
     body = {
-        "model": "smollm2", "messages": [{"role": "user", "content": "What is the capital of France?"}],
-        "stream": True, "temperature": 0, "max_tokens": 24,
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "stream": True,
+        "temperature": 0,
+        "max_tokens": 24,
         "stream_options": {"include_usage": True},
     }
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -50,7 +57,9 @@ def test_streamed_chat_names_paris(http: httpx.Client) -> None:
     assert chunks[-1]["usage"]["completion_tokens"] >= 1
 
 
-def test_score_matches_transformers(server: ServerThread, http: httpx.Client, default_model_dir: Path) -> None:
+def test_score_matches_transformers(
+    server: ServerThread, http: httpx.Client, default_model_dir: Path
+) -> None:
     transformers = pytest.importorskip("transformers")
     query = "<|im_start|>user\nIs Paris the capital of France? Answer yes or no.<|im_end|>\n<|im_start|>assistant\n"
     items = ["", "Well,", "I think"]
@@ -62,7 +71,9 @@ def test_score_matches_transformers(server: ServerThread, http: httpx.Client, de
     label_ids = [tok.encode(lbl)[0] for lbl in labels]
     assert body["label_token_ids"] == label_ids
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(default_model_dir), torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(default_model_dir), torch_dtype=torch.float32
+    )
     model.eval()
     for item, scores in zip(items, body["scores"], strict=True):
         ids = tok.encode(query + item)
@@ -72,8 +83,10 @@ def test_score_matches_transformers(server: ServerThread, http: httpx.Client, de
         assert scores == pytest.approx(expected, abs=1e-4)
         assert abs(sum(scores) - 1.0) < 1e-5
     # Without softmax over the labels: full-vocabulary probabilities.
-    r = http.post("/v1/score", json={"query": query, "items": [""], "label_token_ids": label_ids,
-                                     "apply_softmax": False})
+    r = http.post(
+        "/v1/score",
+        json={"query": query, "items": [""], "label_token_ids": label_ids, "apply_softmax": False},
+    )
     with torch.no_grad():
         logits = model(torch.tensor([tok.encode(query)])).logits[0, -1].float()
     expected = torch.softmax(logits, dim=-1)[label_ids].tolist()
@@ -82,7 +95,9 @@ def test_score_matches_transformers(server: ServerThread, http: httpx.Client, de
 
 def test_disconnect_mid_stream_frees_kv(server: ServerThread, http: httpx.Client) -> None:
     engine = server.engine
-    baseline = engine.stats()["kv_blocks_used"]  # referenced blocks; idle prefix-cache blocks excluded
+    baseline = engine.stats()[
+        "kv_blocks_used"
+    ]  # referenced blocks; idle prefix-cache blocks excluded
     body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as r:
         lines = r.iter_lines()
@@ -92,7 +107,11 @@ def test_disconnect_mid_stream_frees_kv(server: ServerThread, http: httpx.Client
     deadline = time.monotonic() + 30
     while True:
         stats = engine.stats()
-        if stats["kv_blocks_used"] == baseline and stats["num_running"] == 0 and stats["num_waiting"] == 0:
+        if (
+            stats["kv_blocks_used"] == baseline
+            and stats["num_running"] == 0
+            and stats["num_waiting"] == 0
+        ):
             break
         assert time.monotonic() < deadline, stats
         time.sleep(0.05)

@@ -8,9 +8,18 @@ from bench.metrics import SLO, RequestResult, compute_metrics, meets_p99_slo, su
 
 
 def _ok(rid: str, ttft_s: float, e2el_s: float, out: int, itl: list[float], prompt: int):
-    return RequestResult(rid, "chat", success=True, ttft_s=ttft_s, e2el_s=e2el_s, itl_s=itl,
-                         num_prompt_tokens=prompt, num_output_tokens=out,
-                         expected_output_tokens=out, output_tokens_from_usage=True)
+    return RequestResult(
+        rid,
+        "chat",
+        success=True,
+        ttft_s=ttft_s,
+        e2el_s=e2el_s,
+        itl_s=itl,
+        num_prompt_tokens=prompt,
+        num_output_tokens=out,
+        expected_output_tokens=out,
+        output_tokens_from_usage=True,
+    )
 
 
 @pytest.fixture
@@ -19,8 +28,9 @@ def results() -> list[RequestResult]:
         _ok("a", 0.1, 0.5, 5, [0.1] * 4, 10),  # TPOT (0.5 - 0.1) / 4 = 0.1 s
         _ok("b", 0.2, 2.2, 11, [0.2] * 10, 20),  # TPOT (2.2 - 0.2) / 10 = 0.2 s
         _ok("c", 0.3, 0.3, 1, [], 30),  # one output token: no TPOT
-        RequestResult("d", "chat", success=False, error="HTTP 503: overloaded",
-                      num_prompt_tokens=40),
+        RequestResult(
+            "d", "chat", success=False, error="HTTP 503: overloaded", num_prompt_tokens=40
+        ),
     ]
 
 

@@ -31,15 +31,23 @@ def make_tokenizer() -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     rng = random.Random(0)
-    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 7)))
-             for _ in range(400)] + ["Yes", "No", "Answer", "with", "or"]
+    words = [
+        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 7)))
+        for _ in range(400)
+    ] + ["Yes", "No", "Answer", "with", "or"]
     corpus = [" ".join(rng.choice(words) for _ in range(50)) for _ in range(400)]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=3000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<eos>"], show_progress=False))
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=3000,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            special_tokens=["<eos>"],
+            show_progress=False,
+        ),
+    )
     return tok
 
 
@@ -55,8 +63,10 @@ def fake_app(tok: Any) -> FastAPI:
     app.state.admin_enabled = True  # False: the admin endpoints answer 404 (an older server)
 
     def fake_state() -> dict:
-        return {"policy": {"current": app.state.policy},
-                "partition": {"available": True, "mode": app.state.partition}}
+        return {
+            "policy": {"current": app.state.policy},
+            "partition": {"available": True, "mode": app.state.partition},
+        }
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -118,8 +128,9 @@ def fake_app(tok: Any) -> FastAPI:
                 await asyncio.sleep(TOKEN_DELAY_S)
                 yield sse({"choices": [{"index": 0, "delta": {"content": f" t{i}"}}]})
             yield sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
-            yield sse({"choices": [], "usage": {"prompt_tokens": prompt,
-                                                "completion_tokens": num_out}})
+            yield sse(
+                {"choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": num_out}}
+            )
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -165,12 +176,31 @@ def test_chat_sweep_against_fake_server(fake_server, tokenizer_file, tmp_path):
     app.state.count = 0
     out = tmp_path / "chat.json"
     plot = tmp_path / "chat.png"
-    record = run_cli([
-        "--url", url, "--workload", "sharegpt", "--scale", "0.05", "--num-requests", "10",
-        "--qps", "50,inf", "--seed", "3", "--tokenizer", str(tokenizer_file),
-        "--out", str(out), "--plot", str(plot), "--slo", "ttft:5000,tpot:5000",
-        "--no-progress",
-    ])
+    record = run_cli(
+        [
+            "--url",
+            url,
+            "--workload",
+            "sharegpt",
+            "--scale",
+            "0.05",
+            "--num-requests",
+            "10",
+            "--qps",
+            "50,inf",
+            "--seed",
+            "3",
+            "--tokenizer",
+            str(tokenizer_file),
+            "--out",
+            str(out),
+            "--plot",
+            str(plot),
+            "--slo",
+            "ttft:5000,tpot:5000",
+            "--no-progress",
+        ]
+    )
     assert record["server"]["models"] == ["fake-model"]
     assert record["server"]["state"]["policy"] == {"current": "fcfs"}
     assert record["options"]["model"] == "fake-model"
@@ -191,8 +221,10 @@ def test_chat_sweep_against_fake_server(fake_server, tokenizer_file, tmp_path):
         assert m["ttft_ms"]["mean"] <= m["e2el_ms"]["mean"]
         assert m["goodput"] == pytest.approx(m["completed"] / m["duration_s"])
     bodies = [b for kind, b in app.state.seen if kind == "chat"]
-    assert all(b["stream"] and b["ignore_eos"] and b["stream_options"]["include_usage"]
-               for b in bodies)
+    assert all(
+        b["stream"] and b["ignore_eos"] and b["stream_options"]["include_usage"] for b in bodies
+    )
+
     # Both runs send the same requests (same seed); only arrivals (and so receive order) differ.
     def prompts(bs: list[dict]) -> list[str]:
         return sorted(b["messages"][0]["content"] for b in bs)
@@ -203,15 +235,33 @@ def test_chat_sweep_against_fake_server(fake_server, tokenizer_file, tmp_path):
     assert "bench.serve" in record["command"]
 
 
-def test_without_ignore_eos_output_lengths_are_reported_inexact(fake_server, tokenizer_file,
-                                                                tmp_path):
+def test_without_ignore_eos_output_lengths_are_reported_inexact(
+    fake_server, tokenizer_file, tmp_path
+):
     url, app = fake_server
     app.state.count = 1  # shift the 503 pattern; failures are not the point here
-    record = run_cli([
-        "--url", url, "--workload", "sharegpt", "--scale", "0.2", "--num-requests", "4",
-        "--qps", "inf", "--seed", "11", "--tokenizer", str(tokenizer_file), "--no-ignore-eos",
-        "--out", str(tmp_path / "r.json"), "--no-progress",
-    ])
+    record = run_cli(
+        [
+            "--url",
+            url,
+            "--workload",
+            "sharegpt",
+            "--scale",
+            "0.2",
+            "--num-requests",
+            "4",
+            "--qps",
+            "inf",
+            "--seed",
+            "11",
+            "--tokenizer",
+            str(tokenizer_file),
+            "--no-ignore-eos",
+            "--out",
+            str(tmp_path / "r.json"),
+            "--no-progress",
+        ]
+    )
     m = record["metrics"]
     assert m["completed"] >= 3
     # The fake stops after 2 tokens without ignore_eos; requested lengths are mostly longer.
@@ -222,11 +272,27 @@ def test_without_ignore_eos_output_lengths_are_reported_inexact(fake_server, tok
 def test_scoring_run_sends_token_ids_with_shared_prefixes(fake_server, tokenizer_file, tmp_path):
     url, app = fake_server
     app.state.seen.clear()
-    record = run_cli([
-        "--url", url, "--workload", "post-recommendation", "--scale", "0.01",
-        "--duration", "0.5", "--qps", "40", "--seed", "5", "--tokenizer", str(tokenizer_file),
-        "--out", str(tmp_path / "s.json"), "--no-progress",
-    ])
+    record = run_cli(
+        [
+            "--url",
+            url,
+            "--workload",
+            "post-recommendation",
+            "--scale",
+            "0.01",
+            "--duration",
+            "0.5",
+            "--qps",
+            "40",
+            "--seed",
+            "5",
+            "--tokenizer",
+            str(tokenizer_file),
+            "--out",
+            str(tmp_path / "s.json"),
+            "--no-progress",
+        ]
+    )
     m = record["metrics"]
     assert m["failed"] == 0 and m["completed"] >= 5
     assert m["ttft_ms"]["mean"] == pytest.approx(m["e2el_ms"]["mean"])  # scoring: TTFT = E2EL
@@ -263,8 +329,14 @@ def test_arrival_times_are_seeded_and_have_the_requested_rate():
 def _fake_metrics(p99_ttft_ms: float, failed: int = 0) -> dict[str, Any]:
     stat = {"mean": p99_ttft_ms, "median": p99_ttft_ms, "p90": p99_ttft_ms, "p99": p99_ttft_ms}
     none = {"mean": None, "median": None, "p90": None, "p99": None}
-    return {"completed": 10 - failed, "failed": failed, "ttft_ms": stat, "e2el_ms": stat,
-            "tpot_ms": none, "itl_ms": none}
+    return {
+        "completed": 10 - failed,
+        "failed": failed,
+        "ttft_ms": stat,
+        "e2el_ms": stat,
+        "tpot_ms": none,
+        "itl_ms": none,
+    }
 
 
 async def test_search_max_qps_brackets_the_knee():
@@ -275,8 +347,9 @@ async def test_search_max_qps_brackets_the_knee():
         calls.append(qps)
         return _fake_metrics(100.0 if qps <= 7.3 else 10_000.0)
 
-    out = await serve.search_max_qps(run_at, SLO(ttft_ms=500), start_qps=1.0, max_probes=12,
-                                     rel_tol=0.02)
+    out = await serve.search_max_qps(
+        run_at, SLO(ttft_ms=500), start_qps=1.0, max_probes=12, rel_tol=0.02
+    )
     assert calls[:4] == [1.0, 2.0, 4.0, 8.0]  # doubling until the first failure
     assert len(calls) <= 12
     assert out["max_qps"] <= 7.3 < out["lowest_failing_qps"]
@@ -299,18 +372,44 @@ def test_compare_runs_rounds_against_both_servers(fake_server, tokenizer_file, t
     url, app = fake_server
     app.state.seen.clear()
     out = tmp_path / "ab.json"
-    assert compare.main([
-        "--url-a", url, "--url-b", url + "/", "--name-a", "fcfs", "--name-b", "srjf",
-        "--workload", "short-scoring", "--scale", "0.05", "--num-requests", "6",
-        "--qps", "inf", "--rounds", "3", "--seed", "1", "--tokenizer", str(tokenizer_file),
-        "--out", str(out), "--no-progress",
-    ]) == 0
+    assert (
+        compare.main(
+            [
+                "--url-a",
+                url,
+                "--url-b",
+                url + "/",
+                "--name-a",
+                "fcfs",
+                "--name-b",
+                "srjf",
+                "--workload",
+                "short-scoring",
+                "--scale",
+                "0.05",
+                "--num-requests",
+                "6",
+                "--qps",
+                "inf",
+                "--rounds",
+                "3",
+                "--seed",
+                "1",
+                "--tokenizer",
+                str(tokenizer_file),
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     record = json.loads(out.read_text())
     assert len(record["a"]["runs"]) == len(record["b"]["runs"]) == 3
     assert len(app.state.seen) == 6 * 3 * 2
     # Within a round both sides get the same requests; each round draws fresh ones.
     queries = [tuple(b["query"]) for _, b in app.state.seen]
-    runs = [sorted(queries[i:i + 6]) for i in range(0, 36, 6)]
+    runs = [sorted(queries[i : i + 6]) for i in range(0, 36, 6)]
     assert runs[0] == runs[1] and runs[2] == runs[3] and runs[4] == runs[5]
     assert runs[0] != runs[2] != runs[4]
     rows = {r["metric"]: r for r in record["comparison"]}
@@ -324,11 +423,11 @@ def test_summarize_ab_by_hand():
     from bench.compare import summarize_ab
 
     def m(ttft_mean: float, thr: float) -> dict[str, Any]:
-        return {"ttft_ms": {"mean": ttft_mean, "p99": None}, "request_throughput": thr,
-                "failed": 0}
+        return {"ttft_ms": {"mean": ttft_mean, "p99": None}, "request_throughput": thr, "failed": 0}
 
-    rows = {r["metric"]: r for r in summarize_ab([m(100, 2.0), m(300, 2.0)],
-                                                 [m(50, 3.0), m(250, 5.0)])}
+    rows = {
+        r["metric"]: r for r in summarize_ab([m(100, 2.0), m(300, 2.0)], [m(50, 3.0), m(250, 5.0)])
+    }
     ttft = rows["TTFT mean (ms)"]
     assert (ttft["a"], ttft["b"]) == (200.0, 150.0)
     assert ttft["ratio_b_over_a"] == pytest.approx(0.75)
@@ -350,11 +449,30 @@ def test_small_run_against_the_real_smollm2_server(tmp_path):
     with running_server(None, model="default") as srv:
         for workload, extra in (("short-scoring", []), ("sharegpt", ["--max-concurrency", "2"])):
             out = tmp_path / f"{workload}.json"
-            record = run_cli([
-                "--url", srv.url, "--workload", workload, "--scale", "0.03", "--num-requests",
-                "4", "--qps", "inf", "--seed", "0", "--tokenizer", str(model_dir),
-                "--out", str(out), "--no-progress", "--request-timeout", "120", *extra,
-            ])
+            record = run_cli(
+                [
+                    "--url",
+                    srv.url,
+                    "--workload",
+                    workload,
+                    "--scale",
+                    "0.03",
+                    "--num-requests",
+                    "4",
+                    "--qps",
+                    "inf",
+                    "--seed",
+                    "0",
+                    "--tokenizer",
+                    str(model_dir),
+                    "--out",
+                    str(out),
+                    "--no-progress",
+                    "--request-timeout",
+                    "120",
+                    *extra,
+                ]
+            )
             m = record["metrics"]
             assert m["failed"] == 0, m["failure_reasons"]
             assert m["completed"] == 4
@@ -378,9 +496,25 @@ def _reset_log(app: FastAPI) -> None:
 def test_sweep_resets_the_prefix_cache_between_runs_only(fake_server, tokenizer_file, tmp_path):
     url, app = fake_server
     _reset_log(app)
-    common = ["--url", url, "--workload", "short-scoring", "--scale", "0.05", "--num-requests",
-              "5", "--qps", "inf,500", "--seed", "2", "--tokenizer", str(tokenizer_file),
-              "--no-progress", "--warmup-requests", "2"]
+    common = [
+        "--url",
+        url,
+        "--workload",
+        "short-scoring",
+        "--scale",
+        "0.05",
+        "--num-requests",
+        "5",
+        "--qps",
+        "inf,500",
+        "--seed",
+        "2",
+        "--tokenizer",
+        str(tokenizer_file),
+        "--no-progress",
+        "--warmup-requests",
+        "2",
+    ]
     record = run_cli([*common, "--out", str(tmp_path / "r.json")])
     # Warm-up first (unrecorded), then reset -> run -> reset -> run: never a reset mid-run.
     assert app.state.log == ["score"] * 2 + (["reset"] + ["score"] * 5) * 2
@@ -405,19 +539,44 @@ def test_sweep_resets_the_prefix_cache_between_runs_only(fake_server, tokenizer_
     app.state.admin_enabled = True
 
 
-def test_compare_one_server_switches_settings_in_abba_order(fake_server, tokenizer_file,
-                                                            tmp_path, capsys):
+def test_compare_one_server_switches_settings_in_abba_order(
+    fake_server, tokenizer_file, tmp_path, capsys
+):
     from bench import compare
 
     url, app = fake_server
     _reset_log(app)
     out = tmp_path / "one.json"
-    assert compare.main([
-        "--url", url, "--a", "policy=fcfs", "--b", "policy=srjf,partition=auto",
-        "--workload", "short-scoring", "--scale", "0.05", "--num-requests", "4",
-        "--qps", "inf", "--rounds", "3", "--seed", "1", "--tokenizer", str(tokenizer_file),
-        "--out", str(out), "--no-progress",
-    ]) == 0
+    assert (
+        compare.main(
+            [
+                "--url",
+                url,
+                "--a",
+                "policy=fcfs",
+                "--b",
+                "policy=srjf,partition=auto",
+                "--workload",
+                "short-scoring",
+                "--scale",
+                "0.05",
+                "--num-requests",
+                "4",
+                "--qps",
+                "inf",
+                "--rounds",
+                "3",
+                "--seed",
+                "1",
+                "--tokenizer",
+                str(tokenizer_file),
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     put_a = ['PUT {"policy": "fcfs"}']
     put_b = ['PUT {"policy": "srjf"}', 'PUT {"mode": "auto"}']
     side_a = [*put_a, "reset", *["score"] * 4]
@@ -426,7 +585,8 @@ def test_compare_one_server_switches_settings_in_abba_order(fake_server, tokeniz
     record = json.loads(out.read_text())
     assert record["mode"] == "one-server"
     assert record["a"]["name"] == "policy=fcfs" and record["b"]["settings"] == (
-        "policy=srjf,partition=auto")
+        "policy=srjf,partition=auto"
+    )
     assert [r["server_settings"]["policy"] for r in record["a"]["runs"]] == ["fcfs"] * 3
     assert [r["server_settings"]["partition"]["mode"] for r in record["b"]["runs"]] == ["auto"] * 3
     assert [r["position_in_round"] for r in record["a"]["runs"]] == [1, 2, 1]
@@ -435,31 +595,68 @@ def test_compare_one_server_switches_settings_in_abba_order(fake_server, tokeniz
     assert "| TTFT mean (ms) |" in capsys.readouterr().out
 
 
-def test_compare_one_server_stops_when_a_setting_is_refused(fake_server, tokenizer_file,
-                                                            tmp_path):
+def test_compare_one_server_stops_when_a_setting_is_refused(fake_server, tokenizer_file, tmp_path):
     from bench import compare
 
     url, app = fake_server
     _reset_log(app)
     with pytest.raises(SystemExit, match="policy"):
-        compare.main([
-            "--url", url, "--a", "policy=fcfs", "--b", "policy=lifo",
-            "--workload", "short-scoring", "--scale", "0.05", "--num-requests", "2",
-            "--qps", "inf", "--rounds", "1", "--seed", "1", "--tokenizer", str(tokenizer_file),
-            "--no-progress",
-        ])
+        compare.main(
+            [
+                "--url",
+                url,
+                "--a",
+                "policy=fcfs",
+                "--b",
+                "policy=lifo",
+                "--workload",
+                "short-scoring",
+                "--scale",
+                "0.05",
+                "--num-requests",
+                "2",
+                "--qps",
+                "inf",
+                "--rounds",
+                "1",
+                "--seed",
+                "1",
+                "--tokenizer",
+                str(tokenizer_file),
+                "--no-progress",
+            ]
+        )
     # Side A ran; side B never sent a benchmark request under the wrong configuration.
     assert app.state.log == ['PUT {"policy": "fcfs"}', "reset", "score", "score"]
     # Without the reset endpoint a comparison stops too (its B side would be cache-warmed).
     _reset_log(app)
     app.state.admin_enabled = False
     with pytest.raises(SystemExit, match="reset"):
-        compare.main([
-            "--url", url, "--a", "policy=fcfs", "--b", "policy=fcfs",
-            "--workload", "short-scoring", "--scale", "0.05", "--num-requests", "2",
-            "--qps", "inf", "--rounds", "1", "--seed", "1", "--tokenizer", str(tokenizer_file),
-            "--no-progress",
-        ])
+        compare.main(
+            [
+                "--url",
+                url,
+                "--a",
+                "policy=fcfs",
+                "--b",
+                "policy=fcfs",
+                "--workload",
+                "short-scoring",
+                "--scale",
+                "0.05",
+                "--num-requests",
+                "2",
+                "--qps",
+                "inf",
+                "--rounds",
+                "1",
+                "--seed",
+                "1",
+                "--tokenizer",
+                str(tokenizer_file),
+                "--no-progress",
+            ]
+        )
     assert "score" not in app.state.log
     app.state.admin_enabled = True
 
@@ -472,10 +669,17 @@ def test_parse_settings():
         AdminChange("/admin/api/partition", {"mode": "static", "prefill_sms": 64}),
         AdminChange("/admin/api/policy", {"policy": "srjf"}),
     ]
-    assert parse_settings("partition=off") == [
-        AdminChange("/admin/api/partition", {"mode": "off"})]
-    for bad in ("", "policy", "policy=", "colour=red", "partition=static",
-                "partition=auto:3", "partition=sideways", "policy=fcfs,policy=srjf"):
+    assert parse_settings("partition=off") == [AdminChange("/admin/api/partition", {"mode": "off"})]
+    for bad in (
+        "",
+        "policy",
+        "policy=",
+        "colour=red",
+        "partition=static",
+        "partition=auto:3",
+        "partition=sideways",
+        "policy=fcfs,policy=srjf",
+    ):
         with pytest.raises(ValueError):
             parse_settings(bad)
 
@@ -484,9 +688,12 @@ def test_compare_mode_arguments():
     from bench import compare
 
     base = ["--workload", "short-scoring", "--num-requests", "1", "--qps", "1", "--seed", "0"]
-    for extra in (["--url", "u", "--a", "policy=fcfs"],
-                  ["--url", "u", "--a", "policy=fcfs", "--b", "policy=srjf", "--url-a", "v"],
-                  ["--url-a", "u"], []):
+    for extra in (
+        ["--url", "u", "--a", "policy=fcfs"],
+        ["--url", "u", "--a", "policy=fcfs", "--b", "policy=srjf", "--url-a", "v"],
+        ["--url-a", "u"],
+        [],
+    ):
         args = compare.build_parser().parse_args([*base, *extra])
         with pytest.raises(SystemExit):
             compare.check_mode(args)

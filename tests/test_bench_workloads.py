@@ -23,15 +23,23 @@ def make_tokenizer() -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     rng = random.Random(0)
-    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 7)))
-             for _ in range(400)] + ["Yes", "No", "Answer", "with", "or"]
+    words = [
+        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 7)))
+        for _ in range(400)
+    ] + ["Yes", "No", "Answer", "with", "or"]
     corpus = [" ".join(rng.choice(words) for _ in range(50)) for _ in range(400)]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=3000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<eos>"], show_progress=False))
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=3000,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            special_tokens=["<eos>"],
+            show_progress=False,
+        ),
+    )
     return tok
 
 
@@ -67,8 +75,9 @@ def test_prompt_token_counts_are_exact(tok, pool, name):
 
 def test_same_seed_same_requests_other_seed_other_requests(tok, pool):
     def key(reqs: list) -> list:
-        return [(r.prompt_text, r.query_token_ids, r.item_token_ids, r.max_output_tokens)
-                for r in reqs]
+        return [
+            (r.prompt_text, r.query_token_ids, r.item_token_ids, r.max_output_tokens) for r in reqs
+        ]
 
     for name in ("mixed", "post-recommendation"):
         a = WorkloadGenerator(name, tok, seed=1, scale=0.02, pool=pool).take(30)
@@ -107,8 +116,7 @@ def test_credit_verification_users_and_lengths(tok, pool):
 
 
 def test_score_items_end_with_the_yes_no_question_at_full_scale(tok, pool):
-    gen = WorkloadGenerator("post-recommendation", tok, seed=0, scale=1.0, pool=pool,
-                            verify=False)
+    gen = WorkloadGenerator("post-recommendation", tok, seed=0, scale=1.0, pool=pool, verify=False)
     item = gen._score_item(random.Random(0), 150)
     assert len(item) == 150
     assert tok.decode(item).endswith("Answer with Yes or No:")

@@ -28,14 +28,17 @@ SMALL_GRID = {"uncached_tokens": (16, 64, 256), "cached_tokens": (0, 256), "repe
 
 
 def _engine(**kw: object) -> Engine:
-    return Engine(EngineConfig(model=MODEL, device="cpu", cpu_kv_cache_gb=0.05, **kw), lambda _o: None)
+    return Engine(
+        EngineConfig(model=MODEL, device="cpu", cpu_kv_cache_gb=0.05, **kw), lambda _o: None
+    )
 
 
 def test_calibrate_real_engine_writes_keyed_file(tmp_path: Path) -> None:
     engine = _engine()
     lines: list[str] = []
-    jct, path = calibrate_engine(engine, model=MODEL, out_dir=str(tmp_path), progress=lines.append,
-                                 **SMALL_GRID)
+    jct, path = calibrate_engine(
+        engine, model=MODEL, out_dir=str(tmp_path), progress=lines.append, **SMALL_GRID
+    )
     engine.shutdown()
     assert path == str(tmp_path / calibration_filename("cpu", MODEL))
     data = json.loads(Path(path).read_text())
@@ -73,17 +76,40 @@ def test_resolve_calibration_order(tmp_path: Path) -> None:
     assert s.to_engine_config(resolve_calibration=False).jct_calibration is None
 
 
-def test_cli_calibrate_then_serve_loads_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["calibrate", "--model", MODEL, "--device", "cpu", "--cpu-kv-cache-gb", "0.05",
-               "--calibration-dir", str(tmp_path), "--uncached-tokens", "16,64,256",
-               "--cached-tokens", "0,256", "--repeats", "1", "--log-level", "warning"])
+def test_cli_calibrate_then_serve_loads_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = main(
+        [
+            "calibrate",
+            "--model",
+            MODEL,
+            "--device",
+            "cpu",
+            "--cpu-kv-cache-gb",
+            "0.05",
+            "--calibration-dir",
+            str(tmp_path),
+            "--uncached-tokens",
+            "16,64,256",
+            "--cached-tokens",
+            "0,256",
+            "--repeats",
+            "1",
+            "--log-level",
+            "warning",
+        ]
+    )
     assert rc == 0
     path = str(tmp_path / calibration_filename("cpu", MODEL))
     assert capsys.readouterr().out.strip() == path
     # A new server for the same device and model picks the file up without being told.
-    with running_server(model=MODEL, device="cpu", cpu_kv_cache_gb=0.05,
-                        calibration_dir=str(tmp_path)) as srv, \
-         httpx.Client(base_url=srv.url, timeout=60) as http:
+    with (
+        running_server(
+            model=MODEL, device="cpu", cpu_kv_cache_gb=0.05, calibration_dir=str(tmp_path)
+        ) as srv,
+        httpx.Client(base_url=srv.url, timeout=60) as http,
+    ):
         assert srv.engine.stats()["jct_source"] == f"calibration:{path}"
         for i in range(3):  # prefill-only steps: they feed the online error metric
             r = http.post("/v1/completions", json={"prompt": f"hello {i} " * 20, "max_tokens": 1})
@@ -97,7 +123,9 @@ def test_cli_calibrate_then_serve_loads_it(tmp_path: Path, capsys: pytest.Captur
     assert float(steps) >= 1
 
 
-def test_serve_calibrate_updates_the_shared_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_serve_calibrate_updates_the_shared_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # `serve --calibrate`: the engine built for serving is profiled before it starts, and its
     # policies (which hold the engine's JCT model object) see the calibrated model.
     monkeypatch.setattr(calibrate_mod, "CPU_UNCACHED_TOKENS", SMALL_GRID["uncached_tokens"])

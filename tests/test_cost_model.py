@@ -45,9 +45,7 @@ def profile(m: CostModel, rng: random.Random, noise: float = 0.02) -> list[Profi
             out.append(ProfileSample(DECODE, d, sms, t))
     p, d = PrefillShape.from_seqs([(0, 4096)]), DecodeShape(32, 32 * 2048)
     for ps in (32, 64, 96):
-        out.append(
-            ProfileSample(PREFILL, p, ps, m.predict(PREFILL, p, ps, TOTAL - ps), TOTAL - ps)
-        )
+        out.append(ProfileSample(PREFILL, p, ps, m.predict(PREFILL, p, ps, TOTAL - ps), TOTAL - ps))
         out.append(ProfileSample(DECODE, d, TOTAL - ps, m.predict(DECODE, d, TOTAL - ps, ps), ps))
     return out
 
@@ -72,7 +70,9 @@ def test_fit_recovers_parameters_and_predicts_held_out_shapes() -> None:
         p = PrefillShape.from_seqs([(1000, tokens)])
         d = DecodeShape(batch, batch * 3000)
         for stage, shape, sms, other in [
-            (PREFILL, p, ps, 0), (DECODE, d, TOTAL - ps, ps), (PREFILL, p, ps, TOTAL - ps)
+            (PREFILL, p, ps, 0),
+            (DECODE, d, TOTAL - ps, ps),
+            (PREFILL, p, ps, TOTAL - ps),
         ]:
             m.observe(stage, shape, sms, t.predict(stage, shape, sms, other), other)
     stats = m.error_stats()

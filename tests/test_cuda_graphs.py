@@ -34,8 +34,9 @@ class FakeSet:
     """Stands in for `DecodeGraphs`: `capture` counts, `run` pads the batch to the captured
     size exactly as the graphs do (pad rows -> the pad block) and runs the model eagerly."""
 
-    def __init__(self, stream: str, batch_sizes: tuple[int, ...], runner: Any = None,
-                 fail: bool = False) -> None:
+    def __init__(
+        self, stream: str, batch_sizes: tuple[int, ...], runner: Any = None, fail: bool = False
+    ) -> None:
         self.stream = stream
         self.batch_sizes = batch_sizes
         self.capture_s: dict[int, float] = {}
@@ -62,24 +63,32 @@ class FakeSet:
         pad = r.kv_pool.pad_block_id
         ids = torch.cat([batch.input_ids, torch.zeros(bs - n, dtype=torch.int64)])
         pos = torch.cat([batch.positions, torch.zeros(bs - n, dtype=torch.int64)])
-        padded = ForwardBatch(ids, pos, pad_seqs(batch.seqs, bs, pad),
-                              torch.arange(bs), True)
+        padded = ForwardBatch(ids, pos, pad_seqs(batch.seqs, bs, pad), torch.arange(bs), True)
         be = TorchAttentionBackend(r.kv_pool)
         be.plan(padded)
         return r.model(ids, pos, be)[:n]
 
 
-def registry(sets: dict[str, FakeSet], whole: FakeSet | None, current: list[str],
-             runner: Any = None, fail: tuple[str, ...] = ()) -> DecodeGraphRegistry:
+def registry(
+    sets: dict[str, FakeSet],
+    whole: FakeSet | None,
+    current: list[str],
+    runner: Any = None,
+    fail: tuple[str, ...] = (),
+) -> DecodeGraphRegistry:
     def make(stream: str, label: str) -> FakeSet:
-        s = FakeSet(stream, graph_batch_sizes(256, SPLIT_BATCH_SIZES), runner,
-                    fail=stream in fail)
+        s = FakeSet(stream, graph_batch_sizes(256, SPLIT_BATCH_SIZES), runner, fail=stream in fail)
         sets[stream] = s
         return s
 
     ticks = iter(range(1000))
-    return DecodeGraphRegistry(make, whole, key=lambda s: s, current_stream=lambda: current[0],
-                               clock=lambda: float(next(ticks)))
+    return DecodeGraphRegistry(
+        make,
+        whole,
+        key=lambda s: s,
+        current_stream=lambda: current[0],
+        clock=lambda: float(next(ticks)),
+    )
 
 
 # ---- the registry ----------------------------------------------------------------------------
@@ -121,8 +130,10 @@ def test_capture_for_streams_is_eager_with_progress_and_skips_captured() -> None
     reg.register("D1", "8/124")
     reg.for_stream("D1")
     seen: list[tuple[int, int, str]] = []
-    reg.capture_for_streams({"8/124": "D1", "16/116": "D2", "24/108": "D3"},
-                            progress=lambda i, n, label, s: seen.append((i, n, label)))
+    reg.capture_for_streams(
+        {"8/124": "D1", "16/116": "D2", "24/108": "D3"},
+        progress=lambda i, n, label, s: seen.append((i, n, label)),
+    )
     assert seen == [(1, 3, "8/124"), (2, 3, "16/116"), (3, 3, "24/108")]
     assert {k: s.num_captures for k, s in made.items()} == {"D1": 1, "D2": 1, "D3": 1}
     assert reg.for_stream("D3") is made["D3"]
@@ -130,7 +141,8 @@ def test_capture_for_streams_is_eager_with_progress_and_skips_captured() -> None
 
 
 def test_failed_capture_falls_back_to_eager_and_is_not_retried(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     whole = FakeSet("w", (1,))
     made: dict[str, FakeSet] = {}
     reg = registry(made, whole, ["D"], fail=("D",))
@@ -179,12 +191,23 @@ class StreamDevice:
 
 
 def build(dev: StreamDevice | None, split_sms: int, max_num_seqs: int = 256):
-    config = EngineConfig(model="random:tiny", prefill_policy="fcfs", block_size=4,
-                          num_kv_blocks=128, max_num_seqs=max_num_seqs)
+    config = EngineConfig(
+        model="random:tiny",
+        prefill_policy="fcfs",
+        block_size=4,
+        num_kv_blocks=128,
+        max_num_seqs=max_num_seqs,
+    )
     eng = Engine(config, lambda o: None)  # not started: used for its model, pool, scheduler
     pool = eng.kv_pool
-    runner = ModelRunner(config, eng.model, eng.model_config, pool,
-                         TorchAttentionBackend(pool), TorchAttentionBackend(pool))
+    runner = ModelRunner(
+        config,
+        eng.model,
+        eng.model_config,
+        pool,
+        TorchAttentionBackend(pool),
+        TorchAttentionBackend(pool),
+    )
     assert runner.graph_registry is None  # CPU: no graphs, eager decode as before
     current = dev.current if dev is not None else ["default"]
     made: dict[str, FakeSet] = {}
@@ -197,9 +220,12 @@ def build(dev: StreamDevice | None, split_sms: int, max_num_seqs: int = 256):
 
 def gen(rid: str, n_prompt: int, max_tokens: int, seed: int = 0) -> Request:
     rng = random.Random(seed)
-    return Request(rid, RequestKind.GENERATE, [rng.randrange(100, 4000) for _ in range(n_prompt)],
-                   sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                           ignore_eos=True))
+    return Request(
+        rid,
+        RequestKind.GENERATE,
+        [rng.randrange(100, 4000) for _ in range(n_prompt)],
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+    )
 
 
 def reqs() -> list[Request]:
@@ -279,8 +305,11 @@ def test_pd_loop_decodes_on_the_splits_own_graphs_captured_once() -> None:
         if p is not None:
             return SplitChoice(64, 68, "P64", "D64")
         splits.append(len(splits) % 2)
-        return SplitChoice(96, 36, "P96", "D96") if splits[-1] else SplitChoice(
-            0, 132, "whole", "whole")
+        return (
+            SplitChoice(96, 36, "P96", "D96")
+            if splits[-1]
+            else SplitChoice(0, 132, "whole", "whole")
+        )
 
     loop = PDLoop(eng.scheduler, runner, dev, choose, None, slice_tokens=1, max_queued_slices=1)
     rs = reqs()
@@ -355,8 +384,14 @@ def test_bench_graphs_split_section_runs_on_host_stand_ins(monkeypatch: pytest.M
     config = EngineConfig(model="random:tiny", block_size=4, num_kv_blocks=300, max_num_seqs=16)
     eng = Engine(config, lambda o: None)
     pool = eng.kv_pool
-    runner = ModelRunner(config, eng.model, eng.model_config, pool,
-                         TorchAttentionBackend(pool), TorchAttentionBackend(pool))
+    runner = ModelRunner(
+        config,
+        eng.model,
+        eng.model_config,
+        pool,
+        TorchAttentionBackend(pool),
+        TorchAttentionBackend(pool),
+    )
     whole = FakeSet(Stream(), graph_batch_sizes(16), runner)  # type: ignore[arg-type]
     whole.num_captures = 1
     made: list[FakeSet] = []
@@ -369,8 +404,9 @@ def test_bench_graphs_split_section_runs_on_host_stand_ins(monkeypatch: pytest.M
     runner.decode_graphs = whole  # type: ignore[assignment]
     eng.runner = runner
     pairs = {n: SimpleNamespace(decode=SimpleNamespace(stream=Stream())) for n in (64, 96)}
-    eng._green = SimpleNamespace(layout=SimpleNamespace(total_sms=132), pairs=pairs,
-                                 splits=list(pairs))
+    eng._green = SimpleNamespace(
+        layout=SimpleNamespace(total_sms=132), pairs=pairs, splits=list(pairs)
+    )
     res = gp.split_graphs_check(eng, batches=(3, 9), ctx_tokens=20, iters=1)
     assert res["ok"], [c for c in res["checks"] if not c["ok"]]
     assert [r["split"] for r in res["rows"]] == ["whole GPU"] * 2 + ["64/68"] * 2 + ["96/36"] * 2

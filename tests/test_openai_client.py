@@ -30,7 +30,9 @@ def test_models(client: openai.OpenAI) -> None:
 
 def test_chat_non_stream(client: openai.OpenAI) -> None:
     resp = client.chat.completions.create(
-        model="fake-model", messages=[{"role": "user", "content": "Hi"}], max_tokens=50,
+        model="fake-model",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=50,
         temperature=0,
     )
     choice = resp.choices[0]
@@ -42,21 +44,29 @@ def test_chat_non_stream(client: openai.OpenAI) -> None:
 
 def test_chat_stream_with_usage(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
-        model="fake-model", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-        stream=True, stream_options={"include_usage": True},
+        model="fake-model",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "user"
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finishes == ["length"]
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
 
 
 def test_chat_logprobs(client: openai.OpenAI) -> None:
     resp = client.chat.completions.create(
-        model="fake-model", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
-        logprobs=True, top_logprobs=2,
+        model="fake-model",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=2,
+        logprobs=True,
+        top_logprobs=2,
     )
     content = resp.choices[0].logprobs.content
     assert [c.token for c in content] == ["u", "s"]
@@ -77,7 +87,9 @@ def test_completions(client: openai.OpenAI) -> None:
 
 
 def test_completions_stream(client: openai.OpenAI) -> None:
-    stream = client.completions.create(model="fake-model", prompt="hello", max_tokens=5, stream=True)
+    stream = client.completions.create(
+        model="fake-model", prompt="hello", max_tokens=5, stream=True
+    )
     assert "".join(c.choices[0].text for c in stream) == "hello"
 
 

@@ -79,16 +79,27 @@ class FakeGPU:
         return pt, dt
 
     def measures(self) -> dict:
-        return {"measure_prefill_ms": self.prefill_ms, "measure_decode_ms": self.decode_ms,
-                "measure_concurrent_ms": self.concurrent_ms}
+        return {
+            "measure_prefill_ms": self.prefill_ms,
+            "measure_decode_ms": self.decode_ms,
+            "measure_concurrent_ms": self.concurrent_ms,
+        }
 
 
 def _calibrate(tmp_path: Path, lines: list[str] | None = None, **kw: object):
     gpu = FakeGPU()
     cal = calibrate_partition(
-        **gpu.measures(), device=DEVICE, total_sms=TOTAL, model=MODEL, num_layers=LAYERS,
-        splits=SPLITS, shapes=SHAPES, repeats=1, cache_dir=str(tmp_path),
-        progress=(lines.append if lines is not None else None), **kw,  # type: ignore[arg-type]
+        **gpu.measures(),
+        device=DEVICE,
+        total_sms=TOTAL,
+        model=MODEL,
+        num_layers=LAYERS,
+        splits=SPLITS,
+        shapes=SHAPES,
+        repeats=1,
+        cache_dir=str(tmp_path),
+        progress=(lines.append if lines is not None else None),
+        **kw,  # type: ignore[arg-type]
     )
     return gpu, cal
 
@@ -128,8 +139,16 @@ def test_profile_order_repeats_and_progress_lines() -> None:
     lines: list[str] = []
     ticks = iter(range(1000))
     samples = profile_partition(
-        gpu.prefill_ms, gpu.decode_ms, SPLITS, SHAPES, lines.append, total_sms=TOTAL,
-        num_layers=LAYERS, measure_concurrent_ms=gpu.concurrent_ms, repeats=2, warmup=1,
+        gpu.prefill_ms,
+        gpu.decode_ms,
+        SPLITS,
+        SHAPES,
+        lines.append,
+        total_sms=TOTAL,
+        num_layers=LAYERS,
+        measure_concurrent_ms=gpu.concurrent_ms,
+        repeats=2,
+        warmup=1,
         clock=lambda: float(next(ticks)),
     )
     points = plan_points(SPLITS, SHAPES, TOTAL)
@@ -155,9 +174,19 @@ def test_time_budget_stops_the_profile_and_says_so() -> None:
         now[0] += 1.0  # each prefill run "takes" a second
         return gpu.prefill_ms(t, c, s)
 
-    samples = profile_partition(prefill, gpu.decode_ms, SPLITS, SHAPES, lines.append,
-                                total_sms=TOTAL, num_layers=LAYERS, repeats=1, warmup=0,
-                                max_seconds=2.5, clock=lambda: now[0])
+    samples = profile_partition(
+        prefill,
+        gpu.decode_ms,
+        SPLITS,
+        SHAPES,
+        lines.append,
+        total_sms=TOTAL,
+        num_layers=LAYERS,
+        repeats=1,
+        warmup=0,
+        max_seconds=2.5,
+        clock=lambda: now[0],
+    )
     assert "time budget" in lines[-1]
     assert 0 < len(samples) < len(plan_points(SPLITS, SHAPES, TOTAL, with_concurrent=False))
     with pytest.raises(ValueError, match="cannot fit"):  # no prefill on a partition yet
@@ -167,8 +196,15 @@ def test_time_budget_stops_the_profile_and_says_so() -> None:
 def test_bad_splits_are_refused() -> None:
     gpu = FakeGPU()
     with pytest.raises(ValueError, match="splits"):
-        profile_partition(gpu.prefill_ms, gpu.decode_ms, [0, TOTAL], SHAPES, None,
-                          total_sms=TOTAL, num_layers=LAYERS)
+        profile_partition(
+            gpu.prefill_ms,
+            gpu.decode_ms,
+            [0, TOTAL],
+            SHAPES,
+            None,
+            total_sms=TOTAL,
+            num_layers=LAYERS,
+        )
 
 
 def test_load_validates_format_sm_count_and_names(tmp_path: Path, caplog) -> None:
@@ -200,8 +236,14 @@ def test_load_validates_format_sm_count_and_names(tmp_path: Path, caplog) -> Non
 
 
 def _choose(tmp_path: Path, **kw: object):
-    args: dict = {"explicit_path": None, "cache_dir": str(tmp_path), "device": DEVICE,
-                  "total_sms": TOTAL, "model": MODEL, "mode": "auto"}
+    args: dict = {
+        "explicit_path": None,
+        "cache_dir": str(tmp_path),
+        "device": DEVICE,
+        "total_sms": TOTAL,
+        "model": MODEL,
+        "mode": "auto",
+    }
     args.update(kw)
     return choose_partition_calibration(**args)
 
@@ -265,16 +307,18 @@ def test_h200_fallback_matches_the_published_run() -> None:
 
 
 def test_shapes_shrink_to_the_engine_limits_and_splits_are_picked() -> None:
-    small = fit_shapes_to_limits(STARTUP_SHAPES, max_model_len=512, kv_pool_tokens=2048,
-                                 max_num_seqs=8)
+    small = fit_shapes_to_limits(
+        STARTUP_SHAPES, max_model_len=512, kv_pool_tokens=2048, max_num_seqs=8
+    )
     for t, c in small.prefill:
         assert t + c <= 511 and t >= 16
     for b, c in small.decode:
         assert b <= 8 and b * (c + 1) <= 1024
     for (t, c), (b, dc) in small.concurrent:
         assert t + c <= 511 and b * (dc + 1) + c <= 1024
-    same = fit_shapes_to_limits(STARTUP_SHAPES, max_model_len=131072, kv_pool_tokens=10**7,
-                                max_num_seqs=256)
+    same = fit_shapes_to_limits(
+        STARTUP_SHAPES, max_model_len=131072, kv_pool_tokens=10**7, max_num_seqs=256
+    )
     assert same == STARTUP_SHAPES
     assert pick_splits(list(range(8, 128, 8)), (0.25, 0.5, 0.75), 132) == [32, 64, 96]
     assert pick_splits([8, 16], (0.25, 0.5, 0.75), 132) == [16]  # deduped
@@ -284,12 +328,37 @@ def test_shapes_shrink_to_the_engine_limits_and_splits_are_picked() -> None:
 def test_cli_partition_calibration_needs_green_contexts(tmp_path: Path, capsys) -> None:
     from app.cli import main
 
-    rc = main(["calibrate", "--what", "all", "--out", str(tmp_path / "x.json"),
-               "--model", "random:tiny", "--device", "cpu"])
+    rc = main(
+        [
+            "calibrate",
+            "--what",
+            "all",
+            "--out",
+            str(tmp_path / "x.json"),
+            "--model",
+            "random:tiny",
+            "--device",
+            "cpu",
+        ]
+    )
     assert rc == 2 and "--out names one file" in capsys.readouterr().err
-    rc = main(["calibrate", "--what", "partition", "--model", "random:tiny", "--device", "cpu",
-               "--cpu-kv-cache-gb", "0.05", "--calibration-dir", str(tmp_path),
-               "--log-level", "warning"])
+    rc = main(
+        [
+            "calibrate",
+            "--what",
+            "partition",
+            "--model",
+            "random:tiny",
+            "--device",
+            "cpu",
+            "--cpu-kv-cache-gb",
+            "0.05",
+            "--calibration-dir",
+            str(tmp_path),
+            "--log-level",
+            "warning",
+        ]
+    )
     assert rc == 1 and "unavailable: no CUDA device" in capsys.readouterr().err
     assert not os.listdir(tmp_path)
     rc = main(["serve", "--partition-calibration", str(tmp_path / "missing.json")])

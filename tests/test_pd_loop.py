@@ -70,12 +70,19 @@ class FakeDevice:
 
 
 def build(device: Any, prefill_sms: int = 64, slice_tokens: int = 1, **cfg: Any):
-    config = EngineConfig(model="random:tiny", prefill_policy="fcfs", block_size=4,
-                          num_kv_blocks=128, **cfg)
+    config = EngineConfig(
+        model="random:tiny", prefill_policy="fcfs", block_size=4, num_kv_blocks=128, **cfg
+    )
     eng = Engine(config, lambda o: None)  # not started: used for its model, pool, scheduler
     pool = eng.kv_pool
-    runner = ModelRunner(config, eng.model, eng.model_config, pool,
-                         TorchAttentionBackend(pool), TorchAttentionBackend(pool))
+    runner = ModelRunner(
+        config,
+        eng.model,
+        eng.model_config,
+        pool,
+        TorchAttentionBackend(pool),
+        TorchAttentionBackend(pool),
+    )
     choices: list[tuple[bool, bool]] = []
 
     def choose(p, d) -> SplitChoice:
@@ -85,16 +92,26 @@ def build(device: Any, prefill_sms: int = 64, slice_tokens: int = 1, **cfg: Any)
         return SplitChoice(prefill_sms, 132 - prefill_sms, "P", "D")
 
     observed: list[tuple] = []
-    loop = PDLoop(eng.scheduler, runner, device, choose,
-                  lambda *a: observed.append(a), slice_tokens=slice_tokens, max_queued_slices=1)
+    loop = PDLoop(
+        eng.scheduler,
+        runner,
+        device,
+        choose,
+        lambda *a: observed.append(a),
+        slice_tokens=slice_tokens,
+        max_queued_slices=1,
+    )
     return eng, loop, choices, observed
 
 
 def gen(rid: str, n_prompt: int, max_tokens: int, seed: int = 0) -> Request:
     rng = random.Random(seed)
-    return Request(rid, RequestKind.GENERATE, [rng.randrange(100, 4000) for _ in range(n_prompt)],
-                   sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                           ignore_eos=True))
+    return Request(
+        rid,
+        RequestKind.GENERATE,
+        [rng.randrange(100, 4000) for _ in range(n_prompt)],
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+    )
 
 
 def tokens_by_id(outs: list[RequestOutput]) -> dict[str, list[int]]:
@@ -115,8 +132,10 @@ def monolithic_tokens(reqs: list[Request]) -> dict[str, list[int]]:
 
 
 def fresh(reqs: list[Request]) -> list[Request]:
-    return [gen(r.request_id, r.num_prompt_tokens, r.sampling.max_tokens, seed=i)
-            for i, r in enumerate(reqs)]
+    return [
+        gen(r.request_id, r.num_prompt_tokens, r.sampling.max_tokens, seed=i)
+        for i, r in enumerate(reqs)
+    ]
 
 
 def make_reqs() -> list[Request]:

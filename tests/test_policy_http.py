@@ -69,14 +69,22 @@ def server(recorder: _Recorder, tmp_path_factory: pytest.TempPathFactory) -> Ite
     from runtime.engine import Engine
 
     calib = tmp_path_factory.mktemp("jct") / "cpu-like.json"
-    JCTModel(a_s=0.01, b_s_per_token=1e-3, k_s_per_pair=0.0, device="cpu", model=MODEL).save(str(calib))
+    JCTModel(a_s=0.01, b_s_per_token=1e-3, k_s_per_pair=0.0, device="cpu", model=MODEL).save(
+        str(calib)
+    )
 
     def factory(config: Any, sink: Callable[[RequestOutput], None]) -> Any:
         return Engine(config, recorder.wrap(sink))
 
     with running_server(
-        engine_factory=factory, model=MODEL, device="cpu", max_num_seqs=1, max_queue=16,
-        max_model_len=MAX_MODEL_LEN, cpu_kv_cache_gb=0.1, jct_calibration=str(calib),
+        engine_factory=factory,
+        model=MODEL,
+        device="cpu",
+        max_num_seqs=1,
+        max_queue=16,
+        max_model_len=MAX_MODEL_LEN,
+        cpu_kv_cache_gb=0.1,
+        jct_calibration=str(calib),
         calibration_dir=str(calib.parent),
     ) as srv:
         yield srv
@@ -106,11 +114,17 @@ def _run_scenario(server: ServerThread, recorder: _Recorder, salt: int) -> list[
             body = {"prompt": _prompt(num_tokens, salt), "max_tokens": 1, "temperature": 0}
             results[num_tokens] = c.post("/v1/completions", json=body).status_code
 
-    blocker = {"prompt": _prompt(8, salt), "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True,
-               "stream": True}
+    blocker = {
+        "prompt": _prompt(8, salt),
+        "max_tokens": MAX_MODEL_LEN - 16,
+        "ignore_eos": True,
+        "stream": True,
+    }
     threads: list[threading.Thread] = []
-    with httpx.Client(base_url=server.url, timeout=300) as http, \
-         http.stream("POST", "/v1/completions", json=blocker) as stream:
+    with (
+        httpx.Client(base_url=server.url, timeout=300) as http,
+        http.stream("POST", "/v1/completions", json=blocker) as stream,
+    ):
         assert stream.status_code == 200
         lines = stream.iter_lines()
         next(lines)  # the first token: the blocker holds the running slot

@@ -64,9 +64,15 @@ def test_label_probs_matches_per_row_reference() -> None:
 
 def test_oom_message_names_the_step() -> None:
     req = Request("r", RequestKind.SCORE, [1] * 100, label_token_ids=[1])
-    seq = ScheduledSeq(request=req, num_context_tokens=0, num_new_tokens=100,
-                       num_kept_tokens=96, block_ids=list(range(6)), input_ids=[1] * 100,
-                       needs_output=True)
+    seq = ScheduledSeq(
+        request=req,
+        num_context_tokens=0,
+        num_new_tokens=100,
+        num_kept_tokens=96,
+        block_ids=list(range(6)),
+        input_ids=[1] * 100,
+        needs_output=True,
+    )
     msg = describe_oom(StepPlan(step_id=0, prefill=[seq]))
     assert "100 tokens" in msg and "out of GPU memory" in msg
 
@@ -95,8 +101,13 @@ def test_profile_activation_peak_runs_one_forward_as_configured(hybrid: bool) ->
     from runtime.runner import profile_activation_peak
 
     model, mc, _ = load_model("random:tiny", torch.float32, "cpu")
-    cfg = EngineConfig(model="random:tiny", device="cpu", hybrid_prefill=hybrid,
-                       prefill_chunk_tokens=16, max_num_seqs=4)
+    cfg = EngineConfig(
+        model="random:tiny",
+        device="cpu",
+        hybrid_prefill=hybrid,
+        prefill_chunk_tokens=16,
+        max_num_seqs=4,
+    )
     meter = _SpyMeter()
     seen: list[tuple[int, int | None]] = []
     real_forward = model.forward
@@ -124,5 +135,6 @@ def test_profile_activation_peak_needs_a_meter_off_cuda() -> None:
 
     model, mc, _ = load_model("random:tiny", torch.float32, "cpu")
     with pytest.raises(ValueError, match="meter"):
-        profile_activation_peak(EngineConfig(model="random:tiny"), model, mc, 8,
-                                TorchAttentionBackend)
+        profile_activation_peak(
+            EngineConfig(model="random:tiny"), model, mc, 8, TorchAttentionBackend
+        )

@@ -27,7 +27,8 @@ def _stream(server: ServerThread, path: str, body: dict) -> tuple[httpx.Response
 def test_chat_stream_sequence(server: ServerThread, include_usage: bool) -> None:
     body = {
         "messages": [{"role": "user", "content": "Bonjour"}],
-        "stream": True, "max_tokens": 200,
+        "stream": True,
+        "max_tokens": 200,
         "stream_options": {"include_usage": include_usage},
     }
     r, raw = _stream(server, "/v1/chat/completions", body)
@@ -56,12 +57,20 @@ def test_chat_stream_sequence(server: ServerThread, include_usage: bool) -> None
     assert text == "user\nBonjour\nassistant\n"
     if include_usage:
         assert u["completion_tokens"] == len(text.encode())
-        assert u["prompt_tokens"] > 0 and u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+        assert (
+            u["prompt_tokens"] > 0
+            and u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+        )
 
 
 def test_completion_stream_sequence_and_length(server: ServerThread) -> None:
-    body = {"prompt": "abcdef", "stream": True, "max_tokens": 4, "logprobs": 1,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": "abcdef",
+        "stream": True,
+        "max_tokens": 4,
+        "logprobs": 1,
+        "stream_options": {"include_usage": True},
+    }
     r, raw = _stream(server, "/v1/completions", body)
     assert r.status_code == 200
     payloads = parse_sse_strict(raw)

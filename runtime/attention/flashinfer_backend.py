@@ -37,7 +37,7 @@ DEFAULT_WORKSPACE_BYTES = 128 << 20
 
 
 def flashinfer_unavailable_reason() -> str:
-    """"" when FlashInfer can be used here, else why not (said once by the caller)."""
+    """ "" when FlashInfer can be used here, else why not (said once by the caller)."""
     if not torch.cuda.is_available():
         return "CUDA is not available"
     try:
@@ -112,8 +112,11 @@ class FlashInferBackend:
         # One workspace per instance == per stream (see module docstring). `workspace` may be
         # shared only between instances that never run concurrently (e.g. the decode graphs
         # of one stream, replayed one at a time).
-        self.workspace = (workspace if workspace is not None else
-                          torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device))
+        self.workspace = (
+            workspace
+            if workspace is not None
+            else torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
+        )
         self._ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
         self._paged = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self._max_blocks_per_seq = max_blocks_per_seq
@@ -143,8 +146,12 @@ class FlashInferBackend:
             )
         # Fixed buffers: a captured graph reads these addresses on every replay.
         return self._fi.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=tc, use_cuda_graph=True,
-            paged_kv_indptr_buffer=self._g_indptr, paged_kv_indices_buffer=self._g_indices,
+            self.workspace,
+            "NHD",
+            use_tensor_cores=tc,
+            use_cuda_graph=True,
+            paged_kv_indptr_buffer=self._g_indptr,
+            paged_kv_indices_buffer=self._g_indices,
             paged_kv_last_page_len_buffer=self._g_last,
         )
 
@@ -162,8 +169,9 @@ class FlashInferBackend:
     @classmethod
     def from_pool(cls, kv_pool: Any, num_q_heads: int, **kwargs: Any) -> FlashInferBackend:
         """Build over a `runtime.kv_pool.KVPool` (its per-layer `k` / `v` lists)."""
-        return cls(kv_pool.k, kv_pool.v, num_q_heads, kv_pool.num_kv_heads, kv_pool.head_dim,
-                   **kwargs)
+        return cls(
+            kv_pool.k, kv_pool.v, num_q_heads, kv_pool.num_kv_heads, kv_pool.head_dim, **kwargs
+        )
 
     # ------------------------------------------------------------------ planning
     def _to_dev(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -210,19 +218,29 @@ class FlashInferBackend:
         common = dict(causal=True, sm_scale=self.sm_scale, q_data_type=self.kv_dtype)
         if not has_context:
             qo = self._to_dev(qo_indptr, torch.int32)
-            self._kernel_plan(lambda hq: self._ragged.plan(
-                qo, qo, hq, self.num_kv_heads, self.head_dim, **common
-            ))
+            self._kernel_plan(
+                lambda hq: self._ragged.plan(qo, qo, hq, self.num_kv_heads, self.head_dim, **common)
+            )
             self._plan = _Plan("ragged", rows_t, slots_t)
         elif not has_discard:
             kv_indptr, kv_indices, last = self._paged_meta(
                 [(s.block_ids, s.num_context_tokens + s.num_query_tokens) for s in seqs]
             )
             qo = self._to_dev(qo_indptr, torch.int32)
-            self._kernel_plan(lambda hq: self._paged.plan(
-                qo, kv_indptr, kv_indices, last, hq, self.num_kv_heads, self.head_dim, bs_tok,
-                kv_data_type=self.kv_dtype, **common,
-            ))
+            self._kernel_plan(
+                lambda hq: self._paged.plan(
+                    qo,
+                    kv_indptr,
+                    kv_indices,
+                    last,
+                    hq,
+                    self.num_kv_heads,
+                    self.head_dim,
+                    bs_tok,
+                    kv_data_type=self.kv_dtype,
+                    **common,
+                )
+            )
             self._plan = _Plan("paged", rows_t, slots_t)
         else:
             gather_slots: list[int] = []
@@ -234,19 +252,28 @@ class FlashInferBackend:
                 for p in range(s.num_context_tokens):
                     gather_slots.append(s.block_ids[p // bs_tok] * bs_tok + p % bs_tok)
                     gather_dst.append(base + p)
-                new_dst.extend(range(base + s.num_context_tokens,
-                                     base + s.num_context_tokens + s.num_query_tokens))
+                new_dst.extend(
+                    range(
+                        base + s.num_context_tokens,
+                        base + s.num_context_tokens + s.num_query_tokens,
+                    )
+                )
                 kv_indptr_l.append(base + s.num_context_tokens + s.num_query_tokens)
             qo = self._to_dev(qo_indptr, torch.int32)
             kvi = self._to_dev(kv_indptr_l, torch.int32)
-            self._kernel_plan(lambda hq: self._ragged.plan(
-                qo, kvi, hq, self.num_kv_heads, self.head_dim, **common
-            ))
+            self._kernel_plan(
+                lambda hq: self._ragged.plan(
+                    qo, kvi, hq, self.num_kv_heads, self.head_dim, **common
+                )
+            )
             self._plan = _Plan(
-                "gather", rows_t, slots_t,
+                "gather",
+                rows_t,
+                slots_t,
                 gather_slots=self._to_dev(gather_slots, torch.int64),
                 gather_dst=self._to_dev(gather_dst, torch.int64),
-                new_dst=self._to_dev(new_dst, torch.int64), total_kv=kv_indptr_l[-1],
+                new_dst=self._to_dev(new_dst, torch.int64),
+                total_kv=kv_indptr_l[-1],
             )
 
     def _paged_meta(
@@ -275,11 +302,20 @@ class FlashInferBackend:
         kv_indptr, kv_indices, last = self._paged_meta(
             [(s.block_ids, s.num_context_tokens + 1) for s in seqs]
         )
-        self._kernel_plan(lambda hq: self._decode.plan(
-            kv_indptr, kv_indices, last, hq, self.num_kv_heads, self.head_dim,
-            self.block_size, sm_scale=self.sm_scale, q_data_type=self.kv_dtype,
-            kv_data_type=self.kv_dtype,
-        ))
+        self._kernel_plan(
+            lambda hq: self._decode.plan(
+                kv_indptr,
+                kv_indices,
+                last,
+                hq,
+                self.num_kv_heads,
+                self.head_dim,
+                self.block_size,
+                sm_scale=self.sm_scale,
+                q_data_type=self.kv_dtype,
+                kv_data_type=self.kv_dtype,
+            )
+        )
         slots = self._to_dev(write_slots, torch.int64)
         if self._static_slots is not None:
             self._static_slots.copy_(slots, non_blocking=True)

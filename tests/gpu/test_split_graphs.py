@@ -22,9 +22,16 @@ def _engine(**kw):  # type: ignore[no-untyped-def]
     from runtime.engine import Engine
 
     sink = Sink()
-    cfg = EngineConfig(model="random:qwen2.5-3b", attention_backend="flashinfer",
-                       cuda_graphs=True, num_kv_blocks=1200, max_num_seqs=64,
-                       max_model_len=4096, prefill_policy="fcfs", **kw)
+    cfg = EngineConfig(
+        model="random:qwen2.5-3b",
+        attention_backend="flashinfer",
+        cuda_graphs=True,
+        num_kv_blocks=1200,
+        max_num_seqs=64,
+        max_model_len=4096,
+        prefill_policy="fcfs",
+        **kw,
+    )
     eng = Engine(cfg, sink)
     if eng._green is None:
         pytest.skip(f"green contexts unavailable: {eng.partition.state().reason}")
@@ -67,10 +74,14 @@ def test_pd_loop_captures_the_splits_graphs_on_first_decode() -> None:
         for i, n in enumerate((300, 40, 900)):
             rid = f"g{i}"
             ids.append(rid)
-            eng.add(Request(rid, RequestKind.GENERATE, [rng.randrange(100, 30000)
-                                                        for _ in range(n)],
-                            sampling=SamplingParams(max_tokens=12, temperature=0.0,
-                                                    ignore_eos=True)))
+            eng.add(
+                Request(
+                    rid,
+                    RequestKind.GENERATE,
+                    [rng.randrange(100, 30000) for _ in range(n)],
+                    sampling=SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                )
+            )
         assert sink.wait(ids, 120), "requests timed out"
         assert all(len(sink.tokens.get(r, [])) == 12 for r in ids)
         got = reg.sets.get(cuda_stream_key(decode_stream))
