@@ -1,0 +1,644 @@
+"""Issue 6's serving comparison over HTTP, on one device, under one hard deadline.
+
+Starts `python3 -m app serve` as a child process per model, then drives it with the benchmark
+harness (`bench.serve`, `bench.compare` in one-server mode: settings switched through the admin
+API, prefix cache reset before every run/side) and merges everything into one results JSON:
+
+  screen      best static split: a short fixed-QPS run per candidate split (skipped with
+              --static-split N)
+  <workload>  for long-data, mixed, arxiv: `bench.serve --find-max-qps --slo ...` with the
+              server set to `off`, `auto` and the best static split in turn (policy fcfs);
+              max QPS meeting the P99 TTFT + TPOT SLO, TTFT / TBT (= ITL) mean and P99
+  score-chat  scoring QPS at a P99 SLO (post-recommendation) while a chat stream runs in the
+              background, auto vs off
+  ablation    bench.compare at one QPS on `mixed`: policy alone (fcfs vs srjf, partition
+              off), partition alone (off vs auto, fcfs), both (off+fcfs vs auto+srjf)
+
+Every part is timed against an estimate: a part that would overrun the deadline is skipped and
+recorded as skipped (with the reason); every part is in try/except with its error recorded; the
+JSON is rewritten after each part (a call killed at its limit still leaves the parts done).
+
+`--smoke` (CPU, random:tiny, `--partition off`): the sides switch policies instead of
+partitions and every run is a few requests; it proves the plumbing, not performance.
+
+    python3 -m bench.gpu_serving --models random:qwen2.5-3b --rev abc123 --deadline-s 360 \\
+        --out-dir $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+WORKLOADS = ("long-data", "mixed", "arxiv")
+DEFAULT_PARTS = ("screen", "long-data", "mixed", "score-chat", "ablation", "arxiv")
+
+
+class Budget:
+    """Wall-clock deadline shared by every part (time.monotonic seconds)."""
+
+    def __init__(self, deadline_s: float) -> None:
+        self.t_end = time.monotonic() + deadline_s
+
+    def left_s(self) -> float:
+        return self.t_end - time.monotonic()
+
+
+# ------------------------------------------------------------------------- configuration
+
+
+def sides_for(smoke: bool, static_sms: int | None) -> dict[str, str]:
+    """Settings of the compared modes, as bench.compare's `key=value` strings.
+
+    Smoke (CPU, partition off): policies stand in for partition modes, so that the admin
+    switches, the per-side bookkeeping and the ratios are exercised without green contexts."""
+    if smoke:
+        return {"off": "policy=fcfs", "auto": "policy=srjf", "static": "policy=spf"}
+    sides = {"off": "partition=off,policy=fcfs", "auto": "partition=auto,policy=fcfs"}
+    if static_sms is not None:
+        sides["static"] = f"partition=static:{static_sms},policy=fcfs"
+    return sides
+
+
+def ablation_pairs(smoke: bool) -> dict[str, tuple[str, str]]:
+    if smoke:
+        return {"policy_alone": ("policy=fcfs", "policy=srjf"),
+                "partition_alone": ("policy=fcfs", "policy=spf"),
+                "both": ("policy=fcfs", "policy=srjf-oneshot")}
+    return {"policy_alone": ("partition=off,policy=fcfs", "partition=off,policy=srjf"),
+            "partition_alone": ("partition=off,policy=fcfs", "partition=auto,policy=fcfs"),
+            "both": ("partition=off,policy=fcfs", "partition=auto,policy=srjf")}
+
+
+# ------------------------------------------------------------------------- HTTP helpers
+
+
+def http_json(url: str, method: str = "GET", body: dict | None = None,
+              timeout_s: float = 10.0) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    token = os.environ.get("GREENLANE_ADMIN_TOKEN")
+    if token and "/admin/" in url:
+        req.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        return json.loads(r.read().decode() or "null")
+
+
+def apply_settings(base_url: str, settings: str) -> dict[str, Any]:
+    """PUT each change of a `key=value,...` settings string; returns what the server reports
+    after the last one (an HTTP error raises: measuring the wrong mode is worse than none)."""
+    from bench.compare import _state_summary, parse_settings
+
+    state: dict[str, Any] = {}
+    for change in parse_settings(settings):
+        state = http_json(base_url + change.path, "PUT", change.body)
+    return _state_summary(state)
+
+
+def wait_healthy(url: str, deadline_s: float, proc: subprocess.Popen) -> None:
+    t_end = time.monotonic() + deadline_s
+    while time.monotonic() < t_end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not healthy after {deadline_s:.0f} s")
+
+
+class Server:
+    """`python3 -m app serve` in a child process, killed on exit (log kept in the out dir)."""
+
+    def __init__(self, model: str, port: int, extra: list[str], log_path: Path) -> None:
+        self.cmd = [sys.executable, "-m", "app", "serve", "--model", model, "--port", str(port),
+                    *extra]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float) -> float:
+        t0 = time.perf_counter()
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        try:
+            wait_healthy(self.url + "/health", timeout_s, self.proc)
+        except Exception:
+            self.stop()
+            raise
+        return time.perf_counter() - t0
+
+    def log_tail(self, n_chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n_chars:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
+
+
+# ------------------------------------------------------------------------- harness runs
+
+
+def run_harness(module: str, args: list[str], timeout_s: float) -> dict[str, Any]:
+    """One harness subprocess; returns its JSON (args must hold --out) plus rc and wall time."""
+    out = Path(args[args.index("--out") + 1])
+    cmd = [sys.executable, "-m", module, *args, "--no-progress"]
+    t0 = time.perf_counter()
+    cp = subprocess.run(cmd, capture_output=True, text=True, timeout=max(5.0, timeout_s))
+    entry: dict[str, Any] = {"cmd": " ".join(["python3", "-m", module, *args]),
+                             "rc": cp.returncode, "wall_s": round(time.perf_counter() - t0, 1)}
+    if cp.returncode != 0 or not out.exists():
+        entry["stderr_tail"] = (cp.stderr or "")[-2000:]
+        raise RuntimeError(f"{module} rc={cp.returncode}: {(cp.stderr or '')[-400:]}")
+    entry["record"] = json.loads(out.read_text())
+    return entry
+
+
+def latency_view(metrics: dict[str, Any] | None) -> dict[str, Any] | None:
+    """TTFT / TBT / TPOT mean and P99 (ms) of one run. TBT = inter-token gaps (ITL)."""
+    if not metrics:
+        return None
+
+    def pick(key: str) -> dict[str, Any]:
+        m = metrics.get(key) or {}
+        return {"mean": m.get("mean"), "p99": m.get("p99")}
+
+    return {"completed": metrics.get("completed"), "failed": metrics.get("failed"),
+            "request_throughput": metrics.get("request_throughput"),
+            "output_throughput": metrics.get("output_throughput"),
+            "ttft_ms": pick("ttft_ms"), "tbt_ms": pick("itl_ms"), "tpot_ms": pick("tpot_ms"),
+            "slo_attainment": metrics.get("slo_attainment")}
+
+
+def max_qps_view(record: dict[str, Any]) -> dict[str, Any]:
+    """Max QPS, its latencies, and every probe's latencies keyed by QPS (for same-QPS ratios)."""
+    search = record.get("max_qps_search") or {}
+    runs = record.get("runs") or []
+    by_qps = {str(r["qps"]): latency_view(r.get("metrics")) for r in runs}
+    best = search.get("max_qps")
+    return {"max_qps": best, "lowest_failing_qps": search.get("lowest_failing_qps"),
+            "max_qps_is_lower_bound": search.get("lowest_failing_qps") is None,
+            "slo": search.get("slo"),
+            "at_max_qps": by_qps.get(str(best)) if best is not None else None,
+            "probes": by_qps}
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """b / a, or None when either is missing or a is not positive."""
+    if a is None or b is None or not a > 0:
+        return None
+    return b / a
+
+
+def geomean(values: list[float]) -> float | None:
+    vals = [v for v in values if v is not None and v > 0]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
+
+
+def compare_modes(off: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """other vs off for one workload: max-QPS ratio, and P99/mean latency ratios at the highest
+    QPS both searches probed (the doubling phase probes the same rates on both sides)."""
+    common = [q for q in off["probes"] if q in other["probes"]
+              and off["probes"][q] and other["probes"][q]]
+    out: dict[str, Any] = {"throughput_ratio": ratio(off["max_qps"], other["max_qps"]),
+                           "common_qps": None}
+    if common:
+        q = max(common, key=float)
+        a, b = off["probes"][q], other["probes"][q]
+        out["common_qps"] = float(q)
+        for key in ("ttft_ms", "tbt_ms"):
+            for stat in ("p99", "mean"):
+                out[f"{stat}_{key[:-3]}_ratio"] = ratio(a[key][stat], b[key][stat])
+    return out
+
+
+def build_summary(models: dict[str, Any]) -> dict[str, Any]:
+    """Issue 6's summary keys: geometric means over (model, workload) of auto/off ratios;
+    cost_model_mape = mean of the servers' online cost-model MAPE (None where not reported)."""
+    thr, tbt, ttft, per = [], [], [], {}
+    for model, m in models.items():
+        for wl in WORKLOADS:
+            w = (m.get("workloads") or {}).get(wl) or {}
+            c = w.get("auto_vs_off")
+            if not c:
+                continue
+            per[f"{model}/{wl}"] = c
+            thr.append(c.get("throughput_ratio"))
+            tbt.append(c.get("p99_tbt_ratio"))
+            ttft.append(c.get("p99_ttft_ratio"))
+    mapes = [m.get("cost_model_mape") for m in models.values()
+             if isinstance(m.get("cost_model_mape"), (int, float))
+             and not math.isnan(m["cost_model_mape"])]
+    sc = {f"{model}": (m.get("score_chat") or {}).get("score_qps_ratio_auto_vs_off")
+          for model, m in models.items() if m.get("score_chat")}
+    return {"throughput_ratio_auto_vs_off": geomean(thr),
+            "p99_tbt_ratio_auto_vs_off": geomean(tbt),
+            "p99_ttft_ratio_auto_vs_off": geomean(ttft),
+            "cost_model_mape": sum(mapes) / len(mapes) if mapes else None,
+            "score_qps_ratio_auto_vs_off_with_chat": sc or None,
+            "ratios_are": "geometric mean over (model, workload) of auto/off; throughput = max "
+                          "QPS meeting the P99 SLO; latencies at the highest QPS both probed",
+            "per_model_workload": per}
+
+
+# ------------------------------------------------------------------------- orchestration
+
+
+class Orchestrator:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.budget = Budget(args.deadline_s)
+        self.out_dir = Path(args.out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.smoke = args.smoke
+        self.results: dict[str, Any] = {
+            "command": args.command or " ".join(["python3", "-m", "bench.gpu_serving",
+                                                 *sys.argv[1:]]),
+            "git_revision": args.rev,
+            "device": device_name(args.smoke),
+            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "smoke": self.smoke,
+            "definitions": {
+                "tbt": "inter-token latency (harness itl_ms, pooled gaps between content "
+                       "chunks); the SLO's TBT bound is applied to TPOT (harness key tpot)",
+                "sides": "policy fcfs unless stated; off = monolithic mixed batches",
+            },
+            "plan": [], "models": {}, "skipped": [], "errors": {}, "summary": {},
+        }
+        self.path = self.out_dir / f"{args.tag}-{dt.date.today().isoformat()}.json"
+
+    # -- bookkeeping
+    def save(self) -> None:
+        self.results["summary"] = build_summary(self.results["models"])
+        self.results["left_s_at_save"] = round(self.budget.left_s(), 1)
+        self.path.write_text(json.dumps(self.results, indent=1, default=str) + "\n")
+
+    def part(self, name: str, est_s: float, fn: Any, *fa: Any) -> Any:
+        """Run fn if its estimate fits in what is left; record errors; save after it."""
+        left = self.budget.left_s()
+        if left < est_s:
+            self.results["skipped"].append(f"{name}: needs ~{est_s:.0f} s, {left:.0f} s left")
+            print(f"SKIP {name} (needs ~{est_s:.0f} s, {left:.0f} s left)", flush=True)
+            return None
+        t0 = time.perf_counter()
+        print(f"--- {name} (est {est_s:.0f} s, {left:.0f} s left)", flush=True)
+        try:
+            return fn(*fa)
+        except Exception as exc:  # noqa: BLE001 - recorded; the next part still runs
+            traceback.print_exc()
+            self.results["errors"][name] = f"{type(exc).__name__}: {exc}"[:2000]
+            return None
+        finally:
+            print(f"--- {name} took {time.perf_counter() - t0:.1f} s", flush=True)
+            self.save()
+
+    def timeout(self, est_s: float) -> float:
+        """A harness call may use twice its estimate, never past the deadline."""
+        return min(2 * est_s, self.budget.left_s() - 3)
+
+    # -- estimates (seconds): a run = arrivals + drain; smoke runs are request-count bound
+    def run_s(self) -> float:
+        return self.args.duration_s + self.args.drain_s
+
+    def search_s(self) -> float:
+        return self.args.max_probes * self.run_s()
+
+    def plan(self, models: list[str], parts: list[str]) -> list[tuple[str, float]]:
+        a = self.args
+        n_sides = 2 if (a.static_split is None and "screen" not in parts and not self.smoke) \
+            else 3
+        est = {"screen": len(a.screen_fracs.split(",")) * self.run_s(),
+               "score-chat": 2 * self.search_s() + 5,
+               "ablation": 3 * 2 * a.ablation_rounds * self.run_s()}
+        for wl in WORKLOADS:
+            est[wl] = n_sides * self.search_s()
+        plan = []
+        for m in models:
+            plan.append((f"{m}/start", a.start_s))
+            plan += [(f"{m}/{p}", est[p]) for p in parts if p in est]
+        return plan
+
+    # -- parts
+    def screen(self, srv: Server, rec: dict[str, Any]) -> None:
+        state = http_json(srv.url + "/admin/api/state")
+        part = state.get("partition") or {}
+        splits = sorted(int(s) for s in part.get("splits") or [])
+        if not splits:
+            raise RuntimeError(f"no pre-created splits: {part.get('reason')}")
+        cands = []
+        for f in (float(x) for x in self.args.screen_fracs.split(",")):
+            s = min(splits, key=lambda v: abs(v - f * part.get("total_sms", splits[-1])))
+            if s not in cands:
+                cands.append(s)
+        res: dict[str, Any] = {"candidates": cands, "runs": {}}
+        rec["screen"] = res
+        for s in cands:
+            if self.budget.left_s() < self.run_s():
+                res["runs"][str(s)] = "skipped: device time"
+                continue
+            applied = apply_settings(srv.url, f"partition=static:{s},policy=fcfs")
+            path = self.out_dir / f"{rec['slug']}-screen-{s}.json"
+            e = run_harness("bench.serve", [
+                "--url", srv.url, "--workload", "long-data", "--scale", str(self.args.scale),
+                *self.count_args(), "--qps", str(self.args.screen_qps), "--seed", "0",
+                "--slo", self.args.slo, "--out", str(path)], self.timeout(self.run_s()))
+            m = e["record"].get("metrics") or {}
+            res["runs"][str(s)] = {"server_settings": applied, **(latency_view(m) or {}),
+                                   "goodput": m.get("goodput")}
+        scored = [(v.get("goodput") or 0.0, -(v["tbt_ms"]["p99"] or math.inf), int(k))
+                  for k, v in res["runs"].items() if isinstance(v, dict)]
+        if not scored:
+            raise RuntimeError("no screen run finished")
+        res["best"] = max(scored)[2]
+        res["rule"] = "highest goodput at the screen QPS, then lowest P99 TBT"
+        rec["best_static_split"] = res["best"]
+
+    def count_args(self) -> list[str]:
+        if self.smoke:
+            return ["--num-requests", str(self.args.num_requests)]
+        return ["--duration", str(self.args.duration_s)]
+
+    def max_qps(self, srv: Server, rec: dict[str, Any], wl: str, side: str, settings: str,
+                workload: str | None = None, slo: str | None = None,
+                qps0: float | None = None) -> dict[str, Any]:
+        applied = apply_settings(srv.url, settings)
+        path = self.out_dir / f"{rec['slug']}-{wl}-{side}.json"
+        e = run_harness("bench.serve", [
+            "--url", srv.url, "--workload", workload or wl, "--scale", str(self.args.scale),
+            *self.count_args(), "--qps", str(qps0 or self.args.start_qps), "--seed", "0",
+            "--find-max-qps", "--slo", slo or self.args.slo,
+            "--max-probes", str(self.args.max_probes), "--out", str(path)],
+            self.timeout(self.search_s()))
+        view = max_qps_view(e["record"])
+        view.update({"settings": settings, "server_settings": applied, "file": path.name,
+                     "wall_s": e["wall_s"]})
+        print(f"{rec['slug']} {wl} {side}: max QPS {view['max_qps']} "
+              f"(first fail {view['lowest_failing_qps']})", flush=True)
+        return view
+
+    def workload(self, srv: Server, rec: dict[str, Any], wl: str) -> None:
+        w: dict[str, Any] = {}
+        rec["workloads"][wl] = w
+        sides = sides_for(self.smoke, rec.get("best_static_split") if not self.smoke else None)
+        for side, settings in sides.items():
+            if self.budget.left_s() < self.search_s() * 0.8:
+                w[side] = {"skipped": "device time"}
+                continue
+            try:
+                w[side] = self.max_qps(srv, rec, wl, side, settings)
+            except Exception as exc:  # noqa: BLE001 - the other sides still run
+                w[side] = {"error": f"{type(exc).__name__}: {exc}"[:1500]}
+            self.save()
+        off = w.get("off")
+        for side in ("auto", "static"):
+            other = w.get(side)
+            if off and other and "max_qps" in off and "max_qps" in other:
+                w[f"{side}_vs_off"] = compare_modes(off, other)
+
+    def score_chat(self, srv: Server, rec: dict[str, Any]) -> None:
+        """Scoring max QPS (P99 TTFT SLO) while chat streams at a fixed QPS in the background."""
+        a = self.args
+        res: dict[str, Any] = {"chat_workload": "sharegpt", "chat_qps": a.chat_qps,
+                               "score_workload": "post-recommendation", "score_slo": a.score_slo}
+        rec["score_chat"] = res
+        sides = sides_for(self.smoke, None)
+        for side in ("off", "auto"):
+            if self.budget.left_s() < self.search_s():
+                res[side] = {"skipped": "device time"}
+                continue
+            apply_settings(srv.url, sides[side])
+            chat_path = self.out_dir / f"{rec['slug']}-chatbg-{side}.json"
+            # The background chat outlasts the search (killed after it): every probe runs
+            # under chat load. Its own JSON is therefore not written; its load is recorded.
+            chat_s = self.search_s() * 2 + 10
+            chat_count = (["--num-requests", str(a.num_requests * 20)] if self.smoke
+                          else ["--duration", str(chat_s)])
+            bg = subprocess.Popen(
+                [sys.executable, "-m", "bench.serve", "--url", srv.url, "--workload", "sharegpt",
+                 "--scale", str(a.scale), *chat_count, "--qps", str(a.chat_qps), "--seed", "7",
+                 "--no-reset-prefix-cache", "--no-progress", "--out", str(chat_path)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            try:
+                time.sleep(1.0 if self.smoke else 3.0)  # chat is streaming before the probes
+                view = self.max_qps(srv, rec, "score-chat", side, sides[side],
+                                    workload="post-recommendation", slo=a.score_slo,
+                                    qps0=a.score_start_qps)
+                view["chat_still_running_at_end"] = bg.poll() is None
+                res[side] = view
+            finally:
+                if bg.poll() is None:
+                    bg.terminate()
+                    try:
+                        bg.wait(10)
+                    except subprocess.TimeoutExpired:
+                        bg.kill()
+            self.save()
+        if isinstance(res.get("off"), dict) and isinstance(res.get("auto"), dict):
+            res["score_qps_ratio_auto_vs_off"] = ratio(res["off"].get("max_qps"),
+                                                       res["auto"].get("max_qps"))
+
+    def ablation(self, srv: Server, rec: dict[str, Any]) -> None:
+        a = self.args
+        # One QPS for all three comparisons: below off's max on `mixed` when measured.
+        off_max = ((rec["workloads"].get("mixed") or {}).get("off") or {}).get("max_qps")
+        qps = round(0.8 * off_max, 3) if off_max else a.start_qps
+        res: dict[str, Any] = {"workload": "mixed", "qps": qps, "rounds": a.ablation_rounds}
+        rec["ablation"] = res
+        for name, (sa, sb) in ablation_pairs(self.smoke).items():
+            est = 2 * a.ablation_rounds * self.run_s()
+            if self.budget.left_s() < est:
+                res[name] = {"skipped": "device time"}
+                continue
+            path = self.out_dir / f"{rec['slug']}-ablation-{name}.json"
+            try:
+                e = run_harness("bench.compare", [
+                    "--url", srv.url, "--a", sa, "--b", sb, "--workload", "mixed",
+                    "--scale", str(a.scale), *self.count_args(), "--qps", str(qps),
+                    "--rounds", str(a.ablation_rounds), "--seed", "0", "--slo", a.slo,
+                    "--out", str(path)], self.timeout(est))
+                r = e["record"]
+                res[name] = {"a": sa, "b": sb, "comparison": r.get("comparison"),
+                             "server_settings": [x.get("server_settings")
+                                                 for s in ("a", "b") for x in r[s]["runs"]],
+                             "file": path.name, "wall_s": e["wall_s"]}
+            except Exception as exc:  # noqa: BLE001
+                res[name] = {"a": sa, "b": sb, "error": f"{type(exc).__name__}: {exc}"[:1500]}
+            self.save()
+
+    def model(self, model: str, parts: list[str], port: int) -> None:
+        slug = model.split(":")[-1].replace("/", "_")
+        rec: dict[str, Any] = {"slug": slug, "workloads": {}}
+        self.results["models"][model] = rec
+        extra = ["--prefill-policy", "fcfs", *self.args.server_args.split()]
+        srv = Server(model, port, extra, self.out_dir / f"server-{slug}.log")
+        rec["server_cmd"] = " ".join(["python3", *srv.cmd[1:]])
+        started = self.part(f"{model}/start", self.args.start_s,
+                            lambda: rec.__setitem__("startup_s", srv.start(
+                                min(self.args.start_s * 2, self.budget.left_s() - 5))) or True)
+        if not started:
+            rec["server_log_tail"] = srv.log_tail()
+            return
+        try:
+            rec["state_at_start"] = http_json(srv.url + "/admin/api/state").get("partition")
+            if self.args.static_split is not None:
+                rec["best_static_split"] = self.args.static_split
+            plan = dict(self.plan([model], parts))
+            for p in parts:
+                est = plan.get(f"{model}/{p}", 0.0)
+                if p == "screen":
+                    if self.smoke or self.args.static_split is not None:
+                        continue
+                    self.part(f"{model}/screen", est, self.screen, srv, rec)
+                elif p in WORKLOADS:
+                    self.part(f"{model}/{p}", est * 0.6, self.workload, srv, rec, p)
+                elif p == "score-chat":
+                    self.part(f"{model}/score-chat", est * 0.6, self.score_chat, srv, rec)
+                elif p == "ablation":
+                    self.part(f"{model}/ablation", est / 3, self.ablation, srv, rec)
+            try:
+                st = http_json(srv.url + "/admin/api/state")
+                rec["cost_model"] = st.get("cost_model")
+                rec["cost_model_mape"] = (st.get("cost_model") or {}).get("mape")
+                rec["state_at_end"] = st.get("partition")
+            except Exception as exc:  # noqa: BLE001
+                rec["state_error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            srv.stop()
+            rec["server_log_tail"] = srv.log_tail(1500)
+            self.save()
+
+    def run(self) -> int:
+        models = [m for m in self.args.models.split(",") if m]
+        parts = [p for p in self.args.parts.split(",") if p]
+        unknown = set(parts) - set(DEFAULT_PARTS)
+        if unknown:
+            raise SystemExit(f"unknown parts {sorted(unknown)}; known: {DEFAULT_PARTS}")
+        plan = self.plan(models, parts)
+        self.results["plan"] = [{"part": p, "est_s": round(s)} for p, s in plan]
+        total = sum(s for _, s in plan)
+        print(f"plan ({total:.0f} s estimated, deadline {self.args.deadline_s:.0f} s):")
+        for p, s in plan:
+            print(f"  {p:40s} ~{s:5.0f} s")
+        self.save()
+        for i, m in enumerate(models):
+            self.model(m, parts, self.args.port + i)
+        self.save()
+        print(table(self.results))
+        print(f"wrote {self.path}")
+        return 0 if not self.results["errors"] else 1
+
+
+def device_name(smoke: bool) -> str:
+    if smoke:
+        return "cpu (smoke)"
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def table(results: dict[str, Any]) -> str:
+    def f(v: Any, d: int = 2) -> str:
+        return "-" if not isinstance(v, (int, float)) else f"{v:.{d}f}"
+
+    lines = ["", "=== serving: max QPS at P99 SLO; P99 TTFT / TBT (ms) at max QPS ===",
+             "| model | workload | side | max QPS | P99 TTFT | P99 TBT |", "|---|---|---|---|---|---|"]
+    for model, m in results["models"].items():
+        for wl, w in (m.get("workloads") or {}).items():
+            for side in ("off", "auto", "static"):
+                v = w.get(side)
+                if not isinstance(v, dict):
+                    continue
+                at = v.get("at_max_qps") or {}
+                lines.append(f"| {model} | {wl} | {side} | {f(v.get('max_qps'))} | "
+                             f"{f((at.get('ttft_ms') or {}).get('p99'), 0)} | "
+                             f"{f((at.get('tbt_ms') or {}).get('p99'), 1)} |"
+                             + (f" {v.get('error') or v.get('skipped')}"[:80]
+                                if "max_qps" not in v else ""))
+        sc = m.get("score_chat") or {}
+        if sc:
+            lines.append(f"{model} score+chat: score max QPS off "
+                         f"{f((sc.get('off') or {}).get('max_qps'))} auto "
+                         f"{f((sc.get('auto') or {}).get('max_qps'))}")
+        for name, v in (m.get("ablation") or {}).items():
+            if isinstance(v, dict) and v.get("comparison"):
+                row = {r["metric"]: r["ratio_b_over_a"] for r in v["comparison"]}
+                lines.append(f"{model} ablation {name}: B/A " + ", ".join(
+                    f"{k}={f(x)}" for k, x in list(row.items())[:6]))
+    s = results["summary"]
+    lines.append("summary: " + ", ".join(f"{k}={f(s.get(k), 3)}" for k in (
+        "throughput_ratio_auto_vs_off", "p99_tbt_ratio_auto_vs_off",
+        "p99_ttft_ratio_auto_vs_off", "cost_model_mape")))
+    for k in results["skipped"]:
+        lines.append(f"SKIPPED {k}")
+    for k, e in results["errors"].items():
+        lines.append(f"ERROR {k}: {e[:200]}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="random:qwen2.5-3b")
+    p.add_argument("--parts", default=",".join(DEFAULT_PARTS))
+    p.add_argument("--rev", default="unknown", help="git revision of the tree (pass it in)")
+    p.add_argument("--command", help="the command line to record (default: this one)")
+    p.add_argument("--tag", default="partition")
+    p.add_argument("--out-dir", default=os.environ.get("OUT") or "bench/results")
+    p.add_argument("--deadline-s", type=float, default=480.0)
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--server-args", default="--partition auto --calibrate false",
+                   help="extra `app serve` options (one string)")
+    p.add_argument("--start-s", type=float, default=60.0, help="estimated server start-up")
+    p.add_argument("--static-split", type=int, help="skip the screen: this prefill SM count")
+    p.add_argument("--screen-fracs", default="0.5,0.75",
+                   help="candidate static splits as fractions of the SMs (nearest pre-created)")
+    p.add_argument("--screen-qps", type=float, default=4.0)
+    p.add_argument("--scale", type=float, default=0.25)
+    p.add_argument("--duration-s", type=float, default=8.0, help="arrivals per run (seconds)")
+    p.add_argument("--drain-s", type=float, default=4.0, help="estimated drain per run")
+    p.add_argument("--num-requests", type=int, default=6, help="requests per run (--smoke)")
+    p.add_argument("--start-qps", type=float, default=2.0)
+    p.add_argument("--max-probes", type=int, default=3)
+    p.add_argument("--slo", default="ttft:2000,tpot:60")
+    p.add_argument("--score-slo", default="ttft:1000")
+    p.add_argument("--score-start-qps", type=float, default=4.0)
+    p.add_argument("--chat-qps", type=float, default=2.0)
+    p.add_argument("--ablation-rounds", type=int, default=1)
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU plumbing check: policies instead of partitions, few requests")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return Orchestrator(args).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

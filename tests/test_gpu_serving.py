@@ -1,0 +1,103 @@
+"""CPU dry run of bench/gpu_serving.py: a real `app serve` child (random:tiny, partition off),
+sides switched by policy, a few requests per run. Proves the plumbing (server start and stop,
+admin switches, harness subprocesses, deadline skipping), the JSON shape and the summary
+arithmetic; says nothing about performance."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+from pathlib import Path
+
+import pytest
+
+from bench import gpu_serving as gs
+
+pytest.importorskip("runtime.engine")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_compare_modes_and_summary_arithmetic() -> None:
+    def side(max_qps, probes):
+        return {"max_qps": max_qps, "probes": {
+            q: {"ttft_ms": {"p99": t, "mean": t / 2}, "tbt_ms": {"p99": b, "mean": b / 2}}
+            for q, (t, b) in probes.items()}}
+
+    off = side(4.0, {"2.0": (100.0, 10.0), "4.0": (200.0, 20.0), "6.0": (900.0, 90.0)})
+    auto = side(6.0, {"2.0": (50.0, 5.0), "4.0": (100.0, 14.0), "8.0": (800.0, 50.0)})
+    c = gs.compare_modes(off, auto)
+    assert c["common_qps"] == 4.0  # highest rate both probed, not either side's max
+    assert c["throughput_ratio"] == pytest.approx(1.5)
+    assert c["p99_ttft_ratio"] == pytest.approx(0.5)
+    assert c["p99_tbt_ratio"] == pytest.approx(0.7)
+    models = {"m1": {"workloads": {"long-data": {"auto_vs_off": c},
+                                   "mixed": {"auto_vs_off": {"throughput_ratio": 0.6,
+                                                             "p99_tbt_ratio": None,
+                                                             "p99_ttft_ratio": 2.0}}},
+                     "cost_model_mape": 0.2},
+              "m2": {"workloads": {}, "cost_model_mape": float("nan")}}
+    s = gs.build_summary(models)
+    assert s["throughput_ratio_auto_vs_off"] == pytest.approx(math.sqrt(1.5 * 0.6))
+    assert s["p99_tbt_ratio_auto_vs_off"] == pytest.approx(0.7)  # the None is left out
+    assert s["p99_ttft_ratio_auto_vs_off"] == pytest.approx(1.0)
+    assert s["cost_model_mape"] == pytest.approx(0.2)  # NaN (not reported) left out
+    assert gs.ratio(0.0, 1.0) is None and gs.ratio(None, 1.0) is None
+
+
+def test_cpu_dry_run_against_real_server(tmp_path: Path) -> None:
+    port = _free_port()
+    rc = gs.main(["--smoke", "--models", "random:tiny", "--port", str(port),
+                  "--server-args", "--partition off --device cpu",
+                  "--parts", "long-data,score-chat,ablation,arxiv",
+                  "--out-dir", str(tmp_path), "--deadline-s", "240", "--rev", "test-rev",
+                  "--start-s", "90", "--scale", "0.02", "--num-requests", "3",
+                  "--max-probes", "2", "--drain-s", "1", "--duration-s", "2"])
+    files = list(tmp_path.glob("partition-*.json"))
+    assert len(files) == 1
+    res = json.loads(files[0].read_text())
+    assert rc == 0, res["errors"]
+    for key in ("command", "git_revision", "device", "date", "plan", "summary", "models"):
+        assert key in res
+    assert res["git_revision"] == "test-rev"
+    assert [p["part"] for p in res["plan"]][0] == "random:tiny/start"
+    m = res["models"]["random:tiny"]
+    assert m["startup_s"] > 0
+    wl = m["workloads"]["long-data"]
+    for side, policy in (("off", "fcfs"), ("auto", "srjf"), ("static", "spf")):
+        # The server reported the policy the side asked for: the admin switch reached it.
+        assert wl[side]["server_settings"]["policy"] == policy
+        assert wl[side]["probes"], side
+        assert (tmp_path / wl[side]["file"]).exists()
+    # The summary is the arithmetic of the recorded per-side numbers.
+    c = wl["auto_vs_off"]
+    assert c["throughput_ratio"] == pytest.approx(gs.ratio(wl["off"]["max_qps"],
+                                                          wl["auto"]["max_qps"]))
+    q = str(c["common_qps"])
+    assert c["p99_tbt_ratio"] == pytest.approx(
+        wl["auto"]["probes"][q]["tbt_ms"]["p99"] / wl["off"]["probes"][q]["tbt_ms"]["p99"])
+    s = res["summary"]
+    ratios = [res["models"]["random:tiny"]["workloads"][w]["auto_vs_off"]["p99_ttft_ratio"]
+              for w in ("long-data", "arxiv")]
+    assert s["p99_ttft_ratio_auto_vs_off"] == pytest.approx(math.sqrt(ratios[0] * ratios[1]))
+    sc = m["score_chat"]
+    assert sc["off"]["chat_still_running_at_end"] is True  # probes ran under chat load
+    abl = m["ablation"]
+    assert set(abl) >= {"policy_alone", "partition_alone", "both"}
+    assert [x["policy"] for x in abl["both"]["server_settings"]] == ["fcfs", "srjf-oneshot"]
+    assert abl["policy_alone"]["comparison"]
+
+
+def test_parts_past_the_deadline_are_skipped_and_recorded(tmp_path: Path) -> None:
+    # A deadline shorter than the start-up estimate: nothing starts, everything is recorded.
+    rc = gs.main(["--smoke", "--models", "random:tiny", "--port", str(_free_port()),
+                  "--out-dir", str(tmp_path), "--deadline-s", "5", "--start-s", "60"])
+    res = json.loads(next(tmp_path.glob("partition-*.json")).read_text())
+    assert rc == 0
+    assert res["skipped"] and res["skipped"][0].startswith("random:tiny/start")
+    assert res["summary"]["throughput_ratio_auto_vs_off"] is None
