@@ -41,8 +41,12 @@ MAX_PROMPT_TOKENS = 2048
 
 def _git_revision() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"], capture_output=True, text=True
+        ).stdout
         return out.stdout.strip() + ("+dirty" if dirty.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -109,8 +113,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     engines: dict[int, Any] = {}
     for b in budgets:
         cfg = EngineConfig(
-            model=args.model, device=args.device, prefill_token_budget=b,
-            enable_prefix_cache=False, cpu_kv_cache_gb=args.cpu_kv_cache_gb,
+            model=args.model,
+            device=args.device,
+            prefill_token_budget=b,
+            enable_prefix_cache=False,
+            cpu_kv_cache_gb=args.cpu_kv_cache_gb,
         )
         engine = Engine(cfg, burst.sink)
         engine.start()
@@ -123,18 +130,26 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 # Only one engine computes at a time (the others are idle on their queues).
                 res = _run_burst(engines[b], burst, prompts, f"b{b}r{r}")
                 runs[b].append(res)
-                print(f"[budget {b:>6}] repeat {r + 1}/{args.repeats}: "
-                      f"{res['tokens_per_s']:8.1f} tok/s  {res['wall_s']:7.2f} s  "
-                      f"{res['num_forwards']:.0f} forwards  mean latency {res['mean_latency_s']:.2f} s",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[budget {b:>6}] repeat {r + 1}/{args.repeats}: "
+                    f"{res['tokens_per_s']:8.1f} tok/s  {res['wall_s']:7.2f} s  "
+                    f"{res['num_forwards']:.0f} forwards  mean latency {res['mean_latency_s']:.2f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         for engine in engines.values():
             engine.shutdown()
     results = []
     for b in budgets:
         med = {k: statistics.median(x[k] for x in runs[b]) for k in runs[b][0]}
-        results.append({"prefill_token_budget": b, **med,
-                        "tokens_per_s_runs": [x["tokens_per_s"] for x in runs[b]]})
+        results.append(
+            {
+                "prefill_token_budget": b,
+                **med,
+                "tokens_per_s_runs": [x["tokens_per_s"] for x in runs[b]],
+            }
+        )
     return {
         "prompt_tokens": [len(p) for p in prompts],
         "total_prompt_tokens": sum(len(p) for p in prompts),
@@ -146,13 +161,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.budget", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--budgets", default="1,2048,4096,8192",
-                   help="comma-separated prefill_token_budget values (1 = no batching)")
+    p.add_argument(
+        "--budgets",
+        default="1,2048,4096,8192",
+        help="comma-separated prefill_token_budget values (1 = no batching)",
+    )
     p.add_argument("--num-requests", type=int, default=8, help="requests per burst")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu-kv-cache-gb", type=float, default=0.5)
-    p.add_argument("--out", default=None, help="JSON file (e.g. bench/results/budget-cpu-DATE.json)")
+    p.add_argument(
+        "--out", default=None, help="JSON file (e.g. bench/results/budget-cpu-DATE.json)"
+    )
     args = p.parse_args(argv)
     load_before = os.getloadavg()
     t0 = time.time()
@@ -161,21 +181,32 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'budget':>8} {'tok/s':>9} {'vs budget 1':>11} {'forwards':>9} {'mean lat s':>11}")
     for r in data["results"]:
         rel = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
-        print(f"{r['prefill_token_budget']:>8} {r['tokens_per_s']:>9.1f} {rel:>11} "
-              f"{r['num_forwards']:>9.0f} {r['mean_latency_s']:>11.2f}")
-    data.update({
-        "command": "python -m bench.budget " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "git_revision": _git_revision(),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "python": platform.python_version(),
-            "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-        },
-        "model": args.model, "device": args.device, "seed": args.seed,
-        "num_requests": args.num_requests, "repeats": args.repeats,
-        "duration_s": time.time() - t0,
-    })
+        print(
+            f"{r['prefill_token_budget']:>8} {r['tokens_per_s']:>9.1f} {rel:>11} "
+            f"{r['num_forwards']:>9.0f} {r['mean_latency_s']:>11.2f}"
+        )
+    data.update(
+        {
+            "command": "python -m bench.budget "
+            + " ".join(argv if argv is not None else sys.argv[1:]),
+            "git_revision": _git_revision(),
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "machine": {
+                "platform": platform.platform(),
+                "processor": platform.processor() or platform.machine(),
+                "cpu_count": os.cpu_count(),
+                "python": platform.python_version(),
+                "loadavg_before": load_before,
+                "loadavg_after": os.getloadavg(),
+            },
+            "model": args.model,
+            "device": args.device,
+            "seed": args.seed,
+            "num_requests": args.num_requests,
+            "repeats": args.repeats,
+            "duration_s": time.time() - t0,
+        }
+    )
     try:
         import torch
 

@@ -86,16 +86,19 @@ def summarize_ab(rounds_a: list[dict[str, Any]], rounds_b: list[dict[str, Any]])
         b_ok = [v for v in b if v is not None]
         mean_a = float(np.mean(a_ok)) if a_ok else None
         mean_b = float(np.mean(b_ok)) if b_ok else None
-        per_round = [y / x for x, y in zip(a, b, strict=True)
-                     if x is not None and y is not None and x > 0]
-        rows.append({
-            "metric": label,
-            "a": mean_a,
-            "b": mean_b,
-            "ratio_b_over_a": (mean_b / mean_a) if mean_a and mean_b is not None else None,
-            "round_ratio_min": min(per_round) if per_round else None,
-            "round_ratio_max": max(per_round) if per_round else None,
-        })
+        per_round = [
+            y / x for x, y in zip(a, b, strict=True) if x is not None and y is not None and x > 0
+        ]
+        rows.append(
+            {
+                "metric": label,
+                "a": mean_a,
+                "b": mean_b,
+                "ratio_b_over_a": (mean_b / mean_a) if mean_a and mean_b is not None else None,
+                "round_ratio_min": min(per_round) if per_round else None,
+                "round_ratio_max": max(per_round) if per_round else None,
+            }
+        )
     return rows
 
 
@@ -103,13 +106,20 @@ def format_table(rows: list[dict[str, Any]], name_a: str, name_b: str) -> str:
     def f(v: float | None, d: int = 2) -> str:
         return "-" if v is None else f"{v:.{d}f}"
 
-    lines = [f"| metric | {name_a} (A) | {name_b} (B) | B/A | per-round B/A |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"| metric | {name_a} (A) | {name_b} (B) | B/A | per-round B/A |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
-        spread = (f"{f(r['round_ratio_min'], 3)}..{f(r['round_ratio_max'], 3)}"
-                  if r["round_ratio_min"] is not None else "-")
-        lines.append(f"| {r['metric']} | {f(r['a'])} | {f(r['b'])} "
-                     f"| {f(r['ratio_b_over_a'], 3)} | {spread} |")
+        spread = (
+            f"{f(r['round_ratio_min'], 3)}..{f(r['round_ratio_max'], 3)}"
+            if r["round_ratio_min"] is not None
+            else "-"
+        )
+        lines.append(
+            f"| {r['metric']} | {f(r['a'])} | {f(r['b'])} "
+            f"| {f(r['ratio_b_over_a'], 3)} | {spread} |"
+        )
     return "\n".join(lines)
 
 
@@ -146,8 +156,9 @@ def parse_settings(text: str) -> list[AdminChange]:
             if mode == "static":
                 if not sms.isdigit():
                     raise ValueError(f"partition=static needs :<prefill_sms>, got {value!r}")
-                changes.append(AdminChange("/admin/api/partition",
-                                           {"mode": "static", "prefill_sms": int(sms)}))
+                changes.append(
+                    AdminChange("/admin/api/partition", {"mode": "static", "prefill_sms": int(sms)})
+                )
             elif mode in ("off", "auto") and not sms:
                 changes.append(AdminChange("/admin/api/partition", {"mode": mode}))
             else:
@@ -168,8 +179,9 @@ def _state_summary(state: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-async def apply_settings(base_url: str, changes: list[AdminChange],
-                         admin_token: str | None) -> dict[str, Any]:
+async def apply_settings(
+    base_url: str, changes: list[AdminChange], admin_token: str | None
+) -> dict[str, Any]:
     """Apply one side's settings; returns the server's state after the last change. A refused
     change ends the comparison (SystemExit): measuring the wrong configuration is worse than
     measuring nothing."""
@@ -188,9 +200,11 @@ async def reset_or_exit(base_url: str, args: argparse.Namespace) -> dict[str, An
         return None
     reset = await reset_prefix_cache(base_url, args.admin_token)
     if not reset["done"]:
-        raise SystemExit(f"bench.compare: prefix-cache reset failed on {base_url}: "
-                         f"{reset['error']} (pass --no-reset-prefix-cache to compare with warm "
-                         "caches knowingly)")
+        raise SystemExit(
+            f"bench.compare: prefix-cache reset failed on {base_url}: "
+            f"{reset['error']} (pass --no-reset-prefix-cache to compare with warm "
+            "caches knowingly)"
+        )
     return reset
 
 
@@ -198,11 +212,13 @@ async def reset_or_exit(base_url: str, args: argparse.Namespace) -> dict[str, An
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.compare",
-                                description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__.split("\n")[0])
     p.add_argument("--url", help="one server, switched between --a and --b settings")
-    p.add_argument("--a", dest="settings_a", help="side A settings, e.g. policy=fcfs or "
-                   "partition=off,policy=srjf (with --url)")
+    p.add_argument(
+        "--a",
+        dest="settings_a",
+        help="side A settings, e.g. policy=fcfs or partition=off,policy=srjf (with --url)",
+    )
     p.add_argument("--b", dest="settings_b", help="side B settings (with --url)")
     p.add_argument("--url-a", help="side A server (two-server mode)")
     p.add_argument("--url-b", help="side B server (two-server mode)")
@@ -278,18 +294,25 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         order = ("a", "b") if i % 2 == 0 else ("b", "a")
         # Fresh requests each round (seed + i; A and B get the same ones): repeating identical
         # prompts would turn every round after the first into full prefix-cache hits.
-        round_gen = gen if i == 0 else WorkloadGenerator(
-            args.workload, tok, args.seed + i, args.scale, pool=gen.pool)
+        round_gen = (
+            gen
+            if i == 0
+            else WorkloadGenerator(args.workload, tok, args.seed + i, args.scale, pool=gen.pool)
+        )
         plan = make_plan(round_gen, args, qps)
         for key in order:
             s = sides[key]
-            applied = (await apply_settings(s.url, s.changes, args.admin_token)
-                       if s.changes is not None else None)
+            applied = (
+                await apply_settings(s.url, s.changes, args.admin_token)
+                if s.changes is not None
+                else None
+            )
             # After the settings (a policy switch is queued on the engine like the reset) and
             # right before the side's first request.
             reset = await reset_or_exit(s.url, args)
-            metrics, _ = await run_once(s.url, plan.requests, plan.arrivals_s, s.opts, slo,
-                                        label=f"round {i + 1} {s.name}")
+            metrics, _ = await run_once(
+                s.url, plan.requests, plan.arrivals_s, s.opts, slo, label=f"round {i + 1} {s.name}"
+            )
             run = run_record(qps, metrics, plan, reset)
             run["round"] = i + 1
             run["position_in_round"] = order.index(key) + 1
@@ -297,13 +320,19 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 run["server_settings"] = applied
             assert s.runs is not None
             s.runs.append(run)
-    rows = summarize_ab([r["metrics"] for r in sides["a"].runs or []],
-                        [r["metrics"] for r in sides["b"].runs or []])
+    rows = summarize_ab(
+        [r["metrics"] for r in sides["a"].runs or []], [r["metrics"] for r in sides["b"].runs or []]
+    )
 
     def side_record(s: Side) -> dict[str, Any]:
-        return {"name": s.name, "url": s.url, "settings": s.settings,
-                "admin_changes": [{"path": c.path, "body": c.body} for c in s.changes or []],
-                "server": s.server, "runs": s.runs}
+        return {
+            "name": s.name,
+            "url": s.url,
+            "settings": s.settings,
+            "admin_changes": [{"path": c.path, "body": c.body} for c in s.changes or []],
+            "server": s.server,
+            "runs": s.runs,
+        }
 
     return {
         "tool": "greenlane bench.compare",
@@ -338,10 +367,14 @@ def main(argv: list[str] | None = None) -> int:
         from bench.plots import plot_latency_vs_qps
 
         # Rounds sit at the same QPS: plotted as points at that QPS, one colour per side.
-        label_a, label_b = (name_a, name_b) if name_a != name_b else (f"{name_a} (A)",
-                                                                      f"{name_b} (B)")
-        plot_latency_vs_qps({label_a: record["a"]["runs"], label_b: record["b"]["runs"]},
-                            args.plot, title=f"{args.workload}: {name_a} vs {name_b}")
+        label_a, label_b = (
+            (name_a, name_b) if name_a != name_b else (f"{name_a} (A)", f"{name_b} (B)")
+        )
+        plot_latency_vs_qps(
+            {label_a: record["a"]["runs"], label_b: record["b"]["runs"]},
+            args.plot,
+            title=f"{args.workload}: {name_a} vs {name_b}",
+        )
     return 0
 
 

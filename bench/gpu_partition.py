@@ -114,7 +114,7 @@ def section_profile(engine: Any) -> dict:
     def dec(B: int, ctx: int) -> tuple[Any, Any]:
         per = (ctx + 1 + bs - 1) // bs
         off = 70000 // bs
-        blocks = [perm[(off + i * per) % (nblk - per - 1):][:per] for i in range(B)]
+        blocks = [perm[(off + i * per) % (nblk - per - 1) :][:per] for i in range(B)]
         b = _batch([(ctx, 1, ctx + 1)] * B, blocks, True)
         return b, lambda: model(b.input_ids, b.positions, be_d)
 
@@ -201,14 +201,23 @@ def section_profile(engine: Any) -> dict:
                 serial = n_pre * t_p_whole + steps * t_d_whole
                 key = f"T{T}_B{B}_split{ps}"
                 out["concurrent"][key] = {
-                    "prefill_tokens": T, "decode_batch": B, "prefill_sms": ps,
-                    "prefill_ms": pre_ms, "decode_step_ms": dec_ms, "decode_steps": steps,
-                    "concurrent_ms": conc, "time_sliced_ms": serial,
+                    "prefill_tokens": T,
+                    "decode_batch": B,
+                    "prefill_sms": ps,
+                    "prefill_ms": pre_ms,
+                    "decode_step_ms": dec_ms,
+                    "decode_steps": steps,
+                    "concurrent_ms": conc,
+                    "time_sliced_ms": serial,
                     "speedup_vs_time_slice": serial / conc,
-                    "prefill_whole_ms": t_p_whole, "decode_whole_ms": t_d_whole,
+                    "prefill_whole_ms": t_p_whole,
+                    "decode_whole_ms": t_d_whole,
                 }
-                print(f"{key}: prefill {pre_ms:.1f} decode {dec_ms:.2f} ({steps} steps) "
-                      f"speedup {serial / conc:.2f}", flush=True)
+                print(
+                    f"{key}: prefill {pre_ms:.1f} decode {dec_ms:.2f} ({steps} steps) "
+                    f"speedup {serial / conc:.2f}",
+                    flush=True,
+                )
                 tgt = held if ps in held_splits or (T, B) == (2048, 64) else fit
                 if steps:
                     tgt.append(ProfileSample(PREFILL, pshape, ps, pre_ms, total - ps))
@@ -217,9 +226,17 @@ def section_profile(engine: Any) -> dict:
     errs = []
     for s in held:
         pred = cm.predict(s.stage, s.shape, s.sms, s.other_sms)
-        errs.append({"stage": s.stage, "sms": s.sms, "other_sms": s.other_sms,
-                     "shape": str(s.shape), "predicted_ms": pred, "measured_ms": s.latency_ms,
-                     "abs_err": abs(pred - s.latency_ms) / s.latency_ms})
+        errs.append(
+            {
+                "stage": s.stage,
+                "sms": s.sms,
+                "other_sms": s.other_sms,
+                "shape": str(s.shape),
+                "predicted_ms": pred,
+                "measured_ms": s.latency_ms,
+                "abs_err": abs(pred - s.latency_ms) / s.latency_ms,
+            }
+        )
     out["held_out"] = errs
     out["cost_model"] = cm.to_dict()
     out["cost_model_mape"] = float(np.mean([e["abs_err"] for e in errs]))
@@ -229,31 +246,50 @@ def section_profile(engine: Any) -> dict:
     # Controller decisions vs the measured best split per concurrent shape.
     ctl_rows = []
     for T, B in ((8192, 64), (2048, 64), (8192, 16)):
-        meas = {v["prefill_sms"]: v["speedup_vs_time_slice"] for v in out["concurrent"].values()
-                if v["prefill_tokens"] == T and v["decode_batch"] == B}
+        meas = {
+            v["prefill_sms"]: v["speedup_vs_time_slice"]
+            for v in out["concurrent"].values()
+            if v["prefill_tokens"] == T and v["decode_batch"] == B
+        }
         for kv in (0.3, 0.9):
             d = SplitController(cm, g.splits).choose(
-                PrefillShape.from_seqs([(0, T)], L), DecodeShape(B, B * 2048, L), kv)
-            ctl_rows.append({"T": T, "B": B, "kv": kv, "chosen": d.prefill_sms,
-                             "reason": d.reason, "predicted_speedup": d.speedup_vs_time_slice,
-                             "measured_speedup_of_chosen": meas.get(d.prefill_sms),
-                             "best_measured": max(meas, key=meas.get) if meas else None,
-                             "best_measured_speedup": max(meas.values()) if meas else None})
+                PrefillShape.from_seqs([(0, T)], L), DecodeShape(B, B * 2048, L), kv
+            )
+            ctl_rows.append(
+                {
+                    "T": T,
+                    "B": B,
+                    "kv": kv,
+                    "chosen": d.prefill_sms,
+                    "reason": d.reason,
+                    "predicted_speedup": d.speedup_vs_time_slice,
+                    "measured_speedup_of_chosen": meas.get(d.prefill_sms),
+                    "best_measured": max(meas, key=meas.get) if meas else None,
+                    "best_measured_speedup": max(meas.values()) if meas else None,
+                }
+            )
     out["controller"] = ctl_rows
     # Install the calibrated model in the engine (and save it for the report).
     g.cost_model = cm
     g.controller.model = cm
     RESULTS["calibration"] = {f"{engine.device_name}|{engine.config.model}": cm.to_dict()}
-    print(f"cost model MAPE held-out {out['cost_model_mape']:.3f} "
-          f"(concurrent {out['cost_model_mape_concurrent']})", flush=True)
+    print(
+        f"cost model MAPE held-out {out['cost_model_mape']:.3f} "
+        f"(concurrent {out['cost_model_mape_concurrent']})",
+        flush=True,
+    )
     return out
 
 
 # -------------------------------------------------------------------------------- load driver
 # -------------------------------------------------------------------------------- graphs_split
-def split_graphs_check(engine: Any, splits: list[int] | None = None,
-                       batches: tuple[int, ...] = (16, 64), ctx_tokens: int = 2048,
-                       iters: int = 5) -> dict:
+def split_graphs_check(
+    engine: Any,
+    splits: list[int] | None = None,
+    batches: tuple[int, ...] = (16, 64),
+    ctx_tokens: int = 2048,
+    iters: int = 5,
+) -> dict:
     """Decode CUDA graphs captured per split (issue 6 item 1), on an engine built with
     `cuda_graphs=True` and FlashInfer, BEFORE `engine.start()` (it drives the runner itself).
     Per split: capture (the first through `capture_for_streams`, the others lazily through
@@ -282,8 +318,10 @@ def split_graphs_check(engine: Any, splits: list[int] | None = None,
     def decode_batch(B: int) -> Any:
         from runtime.attention.base import ForwardBatch, SeqSlice
 
-        seqs = [SeqSlice(i, 1, ctx_tokens, ctx_tokens + 1, list(range(i * per, (i + 1) * per)))
-                for i in range(B)]
+        seqs = [
+            SeqSlice(i, 1, ctx_tokens, ctx_tokens + 1, list(range(i * per, (i + 1) * per)))
+            for i in range(B)
+        ]
         ids = torch.randint(0, vocab, (B,), device=pool.device, generator=gen)
         pos = torch.full((B,), ctx_tokens, dtype=torch.int64, device=pool.device)
         return ForwardBatch(ids, pos, seqs, torch.arange(B, device=pool.device), True)
@@ -298,16 +336,25 @@ def split_graphs_check(engine: Any, splits: list[int] | None = None,
         free0 = torch.cuda.mem_get_info()[0]
         t0 = time.perf_counter()
         if i == 0:
-            runner.capture_for_streams({label: ds}, progress=lambda d, k, lab, sec: print(
-                f"  captured decode graphs {d}/{k} ({lab}) in {sec:.2f} s", flush=True))
+            runner.capture_for_streams(
+                {label: ds},
+                progress=lambda d, k, lab, sec: print(
+                    f"  captured decode graphs {d}/{k} ({lab}) in {sec:.2f} s", flush=True
+                ),
+            )
         else:
             runner.ensure_split_graphs(ds, label)  # the PD loop's lazy path
         cap_s = time.perf_counter() - t0
         mem = free0 - torch.cuda.mem_get_info()[0]
-        print(f"split {label}: graphs captured in {cap_s:.2f} s, {mem / 2**20:.0f} MiB",
-              flush=True)
-        checks.append({"check": f"capture {label}", "capture_s": cap_s,
-                       "device_mib": mem / 2**20, "ok": reg.summary()[label]["captured"]})
+        print(f"split {label}: graphs captured in {cap_s:.2f} s, {mem / 2**20:.0f} MiB", flush=True)
+        checks.append(
+            {
+                "check": f"capture {label}",
+                "capture_s": cap_s,
+                "device_mib": mem / 2**20,
+                "ok": reg.summary()[label]["captured"],
+            }
+        )
         targets.append((label, total - n, ds))
 
     with torch.inference_mode():
@@ -317,8 +364,11 @@ def split_graphs_check(engine: Any, splits: list[int] | None = None,
             if label == "whole GPU":
                 ok = picked is runner.decode_graphs
             else:
-                ok = (picked is not None and picked is not runner.decode_graphs
-                      and cuda_stream_key(picked.stream) == cuda_stream_key(st))
+                ok = (
+                    picked is not None
+                    and picked is not runner.decode_graphs
+                    and cuda_stream_key(picked.stream) == cuda_stream_key(st)
+                )
             checks.append({"check": f"picks the set of stream {label}", "ok": bool(ok)})
             for B in batches:
                 b = decode_batch(B)
@@ -338,28 +388,51 @@ def split_graphs_check(engine: Any, splits: list[int] | None = None,
                 diff = float((le - lg).abs().max())
                 scale = float(le.abs().max())
                 agree = float((le.argmax(-1) == lg.argmax(-1)).float().mean())
-                checks.append({"check": f"graph == eager logits, {label}, B={B}",
-                               "max_abs_diff": diff, "max_abs_logit": scale,
-                               "argmax_agreement": agree,
-                               "ok": bool(diff <= 0.02 * scale + 1e-3)})
+                checks.append(
+                    {
+                        "check": f"graph == eager logits, {label}, B={B}",
+                        "max_abs_diff": diff,
+                        "max_abs_logit": scale,
+                        "argmax_agreement": agree,
+                        "ok": bool(diff <= 0.02 * scale + 1e-3),
+                    }
+                )
                 e_ms = time_on(st, eager, iters=iters, warmup=2)
                 g_ms = time_on(st, graph, iters=iters, warmup=2)
-                rows.append({"split": label, "decode_sms": dsms, "batch": B,
-                             "ctx_tokens": ctx_tokens, "eager_ms": e_ms, "graph_ms": g_ms,
-                             "speedup": e_ms / g_ms if g_ms else None})
-    return {"rows": rows, "checks": checks, "registry": reg.summary(),
-            "ok": all(c["ok"] for c in checks)}
+                rows.append(
+                    {
+                        "split": label,
+                        "decode_sms": dsms,
+                        "batch": B,
+                        "ctx_tokens": ctx_tokens,
+                        "eager_ms": e_ms,
+                        "graph_ms": g_ms,
+                        "speedup": e_ms / g_ms if g_ms else None,
+                    }
+                )
+    return {
+        "rows": rows,
+        "checks": checks,
+        "registry": reg.summary(),
+        "ok": all(c["ok"] for c in checks),
+    }
 
 
 def graphs_split_table(res: dict) -> str:
-    lines = ["| split (prefill/decode SMs) | batch | eager ms | graph ms | speedup |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| split (prefill/decode SMs) | batch | eager ms | graph ms | speedup |",
+        "|---|---|---|---|---|",
+    ]
     for r in res["rows"]:
-        lines.append(f"| {r['split']} | {r['batch']} | {r['eager_ms']:.2f} | "
-                     f"{r['graph_ms']:.2f} | {r['speedup']:.2f} |")
+        lines.append(
+            f"| {r['split']} | {r['batch']} | {r['eager_ms']:.2f} | "
+            f"{r['graph_ms']:.2f} | {r['speedup']:.2f} |"
+        )
     bad = [c["check"] for c in res["checks"] if not c["ok"]]
-    lines.append(f"checks: {len(res['checks']) - len(bad)}/{len(res['checks'])} ok"
-                 + (f"; FAILED: {bad}" if bad else ""))
+    lines.append(
+        f"checks: {len(res['checks']) - len(bad)}/{len(res['checks'])} ok"
+        + (f"; FAILED: {bad}" if bad else "")
+    )
     return "\n".join(lines)
 
 
@@ -405,8 +478,17 @@ def lengths(workload: str, n: int, scale: float, rng: random.Random) -> list[tup
     return out
 
 
-def run_load(engine: Any, sink: Sink, tag: str, workload: str, n: int, qps: float,
-             scale: float, seed: int, timeout_s: float) -> dict:
+def run_load(
+    engine: Any,
+    sink: Sink,
+    tag: str,
+    workload: str,
+    n: int,
+    qps: float,
+    scale: float,
+    seed: int,
+    timeout_s: float,
+) -> dict:
     from runtime.request import Request, RequestKind, SamplingParams
 
     rng = random.Random(seed)
@@ -422,8 +504,12 @@ def run_load(engine: Any, sink: Sink, tag: str, workload: str, n: int, qps: floa
         if delay > 0:
             time.sleep(delay)
         prompt = [rng.randrange(100, 40000) for _ in range(ni)]
-        req = Request(rid, RequestKind.GENERATE, prompt,
-                      sampling=SamplingParams(max_tokens=no, temperature=0.0, ignore_eos=True))
+        req = Request(
+            rid,
+            RequestKind.GENERATE,
+            prompt,
+            sampling=SamplingParams(max_tokens=no, temperature=0.0, ignore_eos=True),
+        )
         sent[rid] = time.monotonic()
         engine.add(req)
     ok = sink.wait(ids, timeout_s)
@@ -446,21 +532,46 @@ def run_load(engine: Any, sink: Sink, tag: str, workload: str, n: int, qps: floa
     def st(x: list[float]) -> dict:
         if not x:
             return {"mean": None, "p50": None, "p99": None}
-        return {"mean": float(np.mean(x)), "p50": float(np.percentile(x, 50)),
-                "p99": float(np.percentile(x, 99))}
+        return {
+            "mean": float(np.mean(x)),
+            "p50": float(np.percentile(x, 50)),
+            "p99": float(np.percentile(x, 99)),
+        }
 
     span = max(t_end - t_start, 1e-9)
-    return {"tag": tag, "workload": workload, "n": n, "qps": qps, "scale": scale,
-            "completed_all": ok, "failed": failed, "ttft_ms": st(ttft), "tbt_ms": st(tbt),
-            "output_tok_per_s": n_out / span, "req_per_s": (n - failed) / span,
-            "span_s": span, "stats": {k: engine.stats().get(k) for k in (
-                "partition", "prefill_sms", "decode_sms", "cost_model_mape",
-                "pd_split_prefills", "pd_overlapped_decode_steps", "num_preemptions")}}
+    return {
+        "tag": tag,
+        "workload": workload,
+        "n": n,
+        "qps": qps,
+        "scale": scale,
+        "completed_all": ok,
+        "failed": failed,
+        "ttft_ms": st(ttft),
+        "tbt_ms": st(tbt),
+        "output_tok_per_s": n_out / span,
+        "req_per_s": (n - failed) / span,
+        "span_s": span,
+        "stats": {
+            k: engine.stats().get(k)
+            for k in (
+                "partition",
+                "prefill_sms",
+                "decode_sms",
+                "cost_model_mape",
+                "pd_split_prefills",
+                "pd_overlapped_decode_steps",
+                "num_preemptions",
+            )
+        },
+    }
 
 
 def slo_attainment(run: dict, ttft_slo_ms: float, tbt_slo_ms: float) -> dict:
-    return {"ttft_p99_ok": (run["ttft_ms"]["p99"] or 1e18) <= ttft_slo_ms,
-            "tbt_p99_ok": (run["tbt_ms"]["p99"] or 1e18) <= tbt_slo_ms}
+    return {
+        "ttft_p99_ok": (run["ttft_ms"]["p99"] or 1e18) <= ttft_slo_ms,
+        "tbt_p99_ok": (run["tbt_ms"]["p99"] or 1e18) <= tbt_slo_ms,
+    }
 
 
 # ---------------------------------------------------------------------------------------- main
@@ -476,16 +587,25 @@ def main() -> int:
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--modes", default="off,best,auto")
     ap.add_argument("--run-timeout", type=float, default=60.0)
-    ap.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
-                    help="decode CUDA graphs in the engine (auto: on iff graphs_split runs)")
+    ap.add_argument(
+        "--cuda-graphs",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="decode CUDA graphs in the engine (auto: on iff graphs_split runs)",
+    )
     args = ap.parse_args()
     _tok_patch(args.tokenizer_dir)
-    RESULTS.update(command=" ".join(__import__("sys").argv), date=time.strftime("%Y-%m-%d"),
-                   device=torch.cuda.get_device_name(0), torch=torch.__version__,
-                   model=args.model)
+    RESULTS.update(
+        command=" ".join(__import__("sys").argv),
+        date=time.strftime("%Y-%m-%d"),
+        device=torch.cuda.get_device_name(0),
+        torch=torch.__version__,
+        model=args.model,
+    )
     try:
-        RESULTS["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                        capture_output=True, text=True).stdout.strip()
+        RESULTS["git"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
     except Exception:  # noqa: BLE001
         RESULTS["git"] = None
     from runtime import ops
@@ -502,14 +622,25 @@ def main() -> int:
     # Decode graphs per split exist since issue 6 item 1; earlier runs used eager decode.
     graphs = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and "graphs_split" in sections)
     RESULTS["cuda_graphs"] = graphs
-    cfg = EngineConfig(model=args.model, partition="off", attention_backend="flashinfer",
-                       gpu_memory_utilization=0.80, max_model_len=20000,
-                       prefill_token_budget=8192, cuda_graphs=graphs, prefill_policy="fcfs")
+    cfg = EngineConfig(
+        model=args.model,
+        partition="off",
+        attention_backend="flashinfer",
+        gpu_memory_utilization=0.80,
+        max_model_len=20000,
+        prefill_token_budget=8192,
+        cuda_graphs=graphs,
+        prefill_policy="fcfs",
+    )
     engine = Engine(cfg, sink)
     RESULTS["engine_init_s"] = time.perf_counter() - t0
     st = engine.partition.state()
-    RESULTS["partition_state"] = {"available": st.available, "reason": st.reason,
-                                  "splits": st.splits, "total_sms": st.total_sms}
+    RESULTS["partition_state"] = {
+        "available": st.available,
+        "reason": st.reason,
+        "splits": st.splits,
+        "total_sms": st.total_sms,
+    }
     RESULTS["attention_backend"] = engine.backend.name
     print(f"engine ready in {RESULTS['engine_init_s']:.1f} s; partition {st}", flush=True)
     path = Path(args.out)
@@ -537,8 +668,11 @@ def main() -> int:
     prof = RESULTS["sections"].get("profile", {})
     best = None
     if prof.get("concurrent"):
-        rows = [v for v in prof["concurrent"].values()
-                if v["prefill_tokens"] == 8192 and v["decode_batch"] == 64]
+        rows = [
+            v
+            for v in prof["concurrent"].values()
+            if v["prefill_tokens"] == 8192 and v["decode_batch"] == 64
+        ]
         best = max(rows, key=lambda v: v["speedup_vs_time_slice"])["prefill_sms"]
     best = best or 64
     RESULTS["best_static_split"] = best
@@ -562,24 +696,35 @@ def main() -> int:
                 for i, n in enumerate((3000, 700, 5000, 1200)):
                     rid = f"corr-{spec}-{i}"
                     ids.append(rid)
-                    engine.add(Request(rid, RequestKind.GENERATE,
-                                       [rng.randrange(100, 40000) for _ in range(n)],
-                                       sampling=SamplingParams(max_tokens=24, temperature=0.0,
-                                                               ignore_eos=True)))
+                    engine.add(
+                        Request(
+                            rid,
+                            RequestKind.GENERATE,
+                            [rng.randrange(100, 40000) for _ in range(n)],
+                            sampling=SamplingParams(
+                                max_tokens=24, temperature=0.0, ignore_eos=True
+                            ),
+                        )
+                    )
                     time.sleep(0.02)
                 assert sink.wait(ids, 60), "correctness requests timed out"
                 toks[spec] = [sink.tokens.get(r, []) for r in ids]
             a, b = toks["off"], toks[f"static:{best}"]
             same = sum(x == y for x, y in zip(a, b, strict=True))
             first = sum(x[:1] == y[:1] for x, y in zip(a, b, strict=True))
-            res.update(requests=len(a), identical_sequences=same, identical_first_token=first,
-                       lengths_ok=all(len(x) == 24 for x in a + b),
-                       stats=engine.stats())
+            res.update(
+                requests=len(a),
+                identical_sequences=same,
+                identical_first_token=first,
+                lengths_ok=all(len(x) == 24 for x in a + b),
+                stats=engine.stats(),
+            )
             if engine.runner.graph_registry is not None:  # which decode graph sets exist
                 res["decode_graph_sets"] = engine.runner.graph_registry.summary()
             RESULTS["sections"]["correctness"] = res
-            print(f"correctness: {same}/{len(a)} identical, first token {first}/{len(a)}",
-                  flush=True)
+            print(
+                f"correctness: {same}/{len(a)} identical, first token {first}/{len(a)}", flush=True
+            )
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             RESULTS["errors"]["correctness"] = f"{type(e).__name__}: {e}"
@@ -593,14 +738,26 @@ def main() -> int:
                 spec = f"static:{best}" if m == "best" else m
                 try:
                     set_mode(spec)
-                    r = run_load(engine, sink, f"{wl}-{m}", wl, args.n, float(qps[wl]),
-                                 args.scale, seed=11, timeout_s=args.run_timeout)
+                    r = run_load(
+                        engine,
+                        sink,
+                        f"{wl}-{m}",
+                        wl,
+                        args.n,
+                        float(qps[wl]),
+                        args.scale,
+                        seed=11,
+                        timeout_s=args.run_timeout,
+                    )
                     r["mode"] = spec
                     runs.append(r)
-                    print(f"{wl:10s} {spec:10s} tok/s {r['output_tok_per_s']:8.0f} "
-                          f"TTFT mean/p99 {r['ttft_ms']['mean']:.0f}/{r['ttft_ms']['p99']:.0f} "
-                          f"TBT mean/p99 {r['tbt_ms']['mean']:.1f}/{r['tbt_ms']['p99']:.1f} "
-                          f"failed {r['failed']} {r['stats']}", flush=True)
+                    print(
+                        f"{wl:10s} {spec:10s} tok/s {r['output_tok_per_s']:8.0f} "
+                        f"TTFT mean/p99 {r['ttft_ms']['mean']:.0f}/{r['ttft_ms']['p99']:.0f} "
+                        f"TBT mean/p99 {r['tbt_ms']['mean']:.1f}/{r['tbt_ms']['p99']:.1f} "
+                        f"failed {r['failed']} {r['stats']}",
+                        flush=True,
+                    )
                 except Exception as e:  # noqa: BLE001
                     traceback.print_exc()
                     RESULTS["errors"][f"serve-{wl}-{m}"] = f"{type(e).__name__}: {e}"

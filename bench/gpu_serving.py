@@ -72,22 +72,28 @@ def sides_for(smoke: bool, static_sms: int | None) -> dict[str, str]:
 
 def ablation_pairs(smoke: bool) -> dict[str, tuple[str, str]]:
     if smoke:
-        return {"policy_alone": ("policy=fcfs", "policy=srjf"),
-                "partition_alone": ("policy=fcfs", "policy=spf"),
-                "both": ("policy=fcfs", "policy=srjf-oneshot")}
-    return {"policy_alone": ("partition=off,policy=fcfs", "partition=off,policy=srjf"),
-            "partition_alone": ("partition=off,policy=fcfs", "partition=auto,policy=fcfs"),
-            "both": ("partition=off,policy=fcfs", "partition=auto,policy=srjf")}
+        return {
+            "policy_alone": ("policy=fcfs", "policy=srjf"),
+            "partition_alone": ("policy=fcfs", "policy=spf"),
+            "both": ("policy=fcfs", "policy=srjf-oneshot"),
+        }
+    return {
+        "policy_alone": ("partition=off,policy=fcfs", "partition=off,policy=srjf"),
+        "partition_alone": ("partition=off,policy=fcfs", "partition=auto,policy=fcfs"),
+        "both": ("partition=off,policy=fcfs", "partition=auto,policy=srjf"),
+    }
 
 
 # ------------------------------------------------------------------------- HTTP helpers
 
 
-def http_json(url: str, method: str = "GET", body: dict | None = None,
-              timeout_s: float = 10.0) -> Any:
+def http_json(
+    url: str, method: str = "GET", body: dict | None = None, timeout_s: float = 10.0
+) -> Any:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
     token = os.environ.get("GREENLANE_ADMIN_TOKEN")
     if token and "/admin/" in url:
         req.add_header("Authorization", f"Bearer {token}")
@@ -125,8 +131,17 @@ class Server:
     """`python3 -m app serve` in a child process, killed on exit (log kept in the out dir)."""
 
     def __init__(self, model: str, port: int, extra: list[str], log_path: Path) -> None:
-        self.cmd = [sys.executable, "-m", "app", "serve", "--model", model, "--port", str(port),
-                    *extra]
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "app",
+            "serve",
+            "--model",
+            model,
+            "--port",
+            str(port),
+            *extra,
+        ]
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
@@ -169,8 +184,11 @@ def run_harness(module: str, args: list[str], timeout_s: float) -> dict[str, Any
     cmd = [sys.executable, "-m", module, *args, "--no-progress"]
     t0 = time.perf_counter()
     cp = subprocess.run(cmd, capture_output=True, text=True, timeout=max(5.0, timeout_s))
-    entry: dict[str, Any] = {"cmd": " ".join(["python3", "-m", module, *args]),
-                             "rc": cp.returncode, "wall_s": round(time.perf_counter() - t0, 1)}
+    entry: dict[str, Any] = {
+        "cmd": " ".join(["python3", "-m", module, *args]),
+        "rc": cp.returncode,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
     if cp.returncode != 0 or not out.exists():
         entry["stderr_tail"] = (cp.stderr or "")[-2000:]
         raise RuntimeError(f"{module} rc={cp.returncode}: {(cp.stderr or '')[-400:]}")
@@ -187,11 +205,16 @@ def latency_view(metrics: dict[str, Any] | None) -> dict[str, Any] | None:
         m = metrics.get(key) or {}
         return {"mean": m.get("mean"), "p99": m.get("p99")}
 
-    return {"completed": metrics.get("completed"), "failed": metrics.get("failed"),
-            "request_throughput": metrics.get("request_throughput"),
-            "output_throughput": metrics.get("output_throughput"),
-            "ttft_ms": pick("ttft_ms"), "tbt_ms": pick("itl_ms"), "tpot_ms": pick("tpot_ms"),
-            "slo_attainment": metrics.get("slo_attainment")}
+    return {
+        "completed": metrics.get("completed"),
+        "failed": metrics.get("failed"),
+        "request_throughput": metrics.get("request_throughput"),
+        "output_throughput": metrics.get("output_throughput"),
+        "ttft_ms": pick("ttft_ms"),
+        "tbt_ms": pick("itl_ms"),
+        "tpot_ms": pick("tpot_ms"),
+        "slo_attainment": metrics.get("slo_attainment"),
+    }
 
 
 def max_qps_view(record: dict[str, Any]) -> dict[str, Any]:
@@ -200,11 +223,14 @@ def max_qps_view(record: dict[str, Any]) -> dict[str, Any]:
     runs = record.get("runs") or []
     by_qps = {str(r["qps"]): latency_view(r.get("metrics")) for r in runs}
     best = search.get("max_qps")
-    return {"max_qps": best, "lowest_failing_qps": search.get("lowest_failing_qps"),
-            "max_qps_is_lower_bound": search.get("lowest_failing_qps") is None,
-            "slo": search.get("slo"),
-            "at_max_qps": by_qps.get(str(best)) if best is not None else None,
-            "probes": by_qps}
+    return {
+        "max_qps": best,
+        "lowest_failing_qps": search.get("lowest_failing_qps"),
+        "max_qps_is_lower_bound": search.get("lowest_failing_qps") is None,
+        "slo": search.get("slo"),
+        "at_max_qps": by_qps.get(str(best)) if best is not None else None,
+        "probes": by_qps,
+    }
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -222,10 +248,13 @@ def geomean(values: list[float]) -> float | None:
 def compare_modes(off: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
     """other vs off for one workload: max-QPS ratio, and P99/mean latency ratios at the highest
     QPS both searches probed (the doubling phase probes the same rates on both sides)."""
-    common = [q for q in off["probes"] if q in other["probes"]
-              and off["probes"][q] and other["probes"][q]]
-    out: dict[str, Any] = {"throughput_ratio": ratio(off["max_qps"], other["max_qps"]),
-                           "common_qps": None}
+    common = [
+        q for q in off["probes"] if q in other["probes"] and off["probes"][q] and other["probes"][q]
+    ]
+    out: dict[str, Any] = {
+        "throughput_ratio": ratio(off["max_qps"], other["max_qps"]),
+        "common_qps": None,
+    }
     if common:
         q = max(common, key=float)
         a, b = off["probes"][q], other["probes"][q]
@@ -250,19 +279,27 @@ def build_summary(models: dict[str, Any]) -> dict[str, Any]:
             thr.append(c.get("throughput_ratio"))
             tbt.append(c.get("p99_tbt_ratio"))
             ttft.append(c.get("p99_ttft_ratio"))
-    mapes = [m.get("cost_model_mape") for m in models.values()
-             if isinstance(m.get("cost_model_mape"), (int, float))
-             and not math.isnan(m["cost_model_mape"])]
-    sc = {f"{model}": (m.get("score_chat") or {}).get("score_qps_ratio_auto_vs_off")
-          for model, m in models.items() if m.get("score_chat")}
-    return {"throughput_ratio_auto_vs_off": geomean(thr),
-            "p99_tbt_ratio_auto_vs_off": geomean(tbt),
-            "p99_ttft_ratio_auto_vs_off": geomean(ttft),
-            "cost_model_mape": sum(mapes) / len(mapes) if mapes else None,
-            "score_qps_ratio_auto_vs_off_with_chat": sc or None,
-            "ratios_are": "geometric mean over (model, workload) of auto/off; throughput = max "
-                          "QPS meeting the P99 SLO; latencies at the highest QPS both probed",
-            "per_model_workload": per}
+    mapes = [
+        m.get("cost_model_mape")
+        for m in models.values()
+        if isinstance(m.get("cost_model_mape"), (int, float))
+        and not math.isnan(m["cost_model_mape"])
+    ]
+    sc = {
+        f"{model}": (m.get("score_chat") or {}).get("score_qps_ratio_auto_vs_off")
+        for model, m in models.items()
+        if m.get("score_chat")
+    }
+    return {
+        "throughput_ratio_auto_vs_off": geomean(thr),
+        "p99_tbt_ratio_auto_vs_off": geomean(tbt),
+        "p99_ttft_ratio_auto_vs_off": geomean(ttft),
+        "cost_model_mape": sum(mapes) / len(mapes) if mapes else None,
+        "score_qps_ratio_auto_vs_off_with_chat": sc or None,
+        "ratios_are": "geometric mean over (model, workload) of auto/off; throughput = max "
+        "QPS meeting the P99 SLO; latencies at the highest QPS both probed",
+        "per_model_workload": per,
+    }
 
 
 # ------------------------------------------------------------------------- orchestration
@@ -276,18 +313,22 @@ class Orchestrator:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.smoke = args.smoke
         self.results: dict[str, Any] = {
-            "command": args.command or " ".join(["python3", "-m", "bench.gpu_serving",
-                                                 *sys.argv[1:]]),
+            "command": args.command
+            or " ".join(["python3", "-m", "bench.gpu_serving", *sys.argv[1:]]),
             "git_revision": args.rev,
             "device": device_name(args.smoke),
             "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "smoke": self.smoke,
             "definitions": {
                 "tbt": "inter-token latency (harness itl_ms, pooled gaps between content "
-                       "chunks); the SLO's TBT bound is applied to TPOT (harness key tpot)",
+                "chunks); the SLO's TBT bound is applied to TPOT (harness key tpot)",
                 "sides": "policy fcfs unless stated; off = monolithic mixed batches",
             },
-            "plan": [], "models": {}, "skipped": [], "errors": {}, "summary": {},
+            "plan": [],
+            "models": {},
+            "skipped": [],
+            "errors": {},
+            "summary": {},
         }
         self.path = self.out_dir / f"{args.tag}-{dt.date.today().isoformat()}.json"
 
@@ -329,11 +370,12 @@ class Orchestrator:
 
     def plan(self, models: list[str], parts: list[str]) -> list[tuple[str, float]]:
         a = self.args
-        n_sides = 2 if (a.static_split is None and "screen" not in parts and not self.smoke) \
-            else 3
-        est = {"screen": len(a.screen_fracs.split(",")) * self.run_s(),
-               "score-chat": 2 * self.search_s() + 5,
-               "ablation": 3 * 2 * a.ablation_rounds * self.run_s()}
+        n_sides = 2 if (a.static_split is None and "screen" not in parts and not self.smoke) else 3
+        est = {
+            "screen": len(a.screen_fracs.split(",")) * self.run_s(),
+            "score-chat": 2 * self.search_s() + 5,
+            "ablation": 3 * 2 * a.ablation_rounds * self.run_s(),
+        }
         for wl in WORKLOADS:
             est[wl] = n_sides * self.search_s()
         plan = []
@@ -362,15 +404,38 @@ class Orchestrator:
                 continue
             applied = apply_settings(srv.url, f"partition=static:{s},policy=fcfs")
             path = self.out_dir / f"{rec['slug']}-screen-{s}.json"
-            e = run_harness("bench.serve", [
-                "--url", srv.url, "--workload", "long-data", "--scale", str(self.args.scale),
-                *self.count_args(), "--qps", str(self.args.screen_qps), "--seed", "0",
-                "--slo", self.args.slo, "--out", str(path)], self.timeout(self.run_s()))
+            e = run_harness(
+                "bench.serve",
+                [
+                    "--url",
+                    srv.url,
+                    "--workload",
+                    "long-data",
+                    "--scale",
+                    str(self.args.scale),
+                    *self.count_args(),
+                    "--qps",
+                    str(self.args.screen_qps),
+                    "--seed",
+                    "0",
+                    "--slo",
+                    self.args.slo,
+                    "--out",
+                    str(path),
+                ],
+                self.timeout(self.run_s()),
+            )
             m = e["record"].get("metrics") or {}
-            res["runs"][str(s)] = {"server_settings": applied, **(latency_view(m) or {}),
-                                   "goodput": m.get("goodput")}
-        scored = [(v.get("goodput") or 0.0, -(v["tbt_ms"]["p99"] or math.inf), int(k))
-                  for k, v in res["runs"].items() if isinstance(v, dict)]
+            res["runs"][str(s)] = {
+                "server_settings": applied,
+                **(latency_view(m) or {}),
+                "goodput": m.get("goodput"),
+            }
+        scored = [
+            (v.get("goodput") or 0.0, -(v["tbt_ms"]["p99"] or math.inf), int(k))
+            for k, v in res["runs"].items()
+            if isinstance(v, dict)
+        ]
         if not scored:
             raise RuntimeError("no screen run finished")
         res["best"] = max(scored)[2]
@@ -382,22 +447,57 @@ class Orchestrator:
             return ["--num-requests", str(self.args.num_requests)]
         return ["--duration", str(self.args.duration_s)]
 
-    def max_qps(self, srv: Server, rec: dict[str, Any], wl: str, side: str, settings: str,
-                workload: str | None = None, slo: str | None = None,
-                qps0: float | None = None) -> dict[str, Any]:
+    def max_qps(
+        self,
+        srv: Server,
+        rec: dict[str, Any],
+        wl: str,
+        side: str,
+        settings: str,
+        workload: str | None = None,
+        slo: str | None = None,
+        qps0: float | None = None,
+    ) -> dict[str, Any]:
         applied = apply_settings(srv.url, settings)
         path = self.out_dir / f"{rec['slug']}-{wl}-{side}.json"
-        e = run_harness("bench.serve", [
-            "--url", srv.url, "--workload", workload or wl, "--scale", str(self.args.scale),
-            *self.count_args(), "--qps", str(qps0 or self.args.start_qps), "--seed", "0",
-            "--find-max-qps", "--slo", slo or self.args.slo,
-            "--max-probes", str(self.args.max_probes), "--out", str(path)],
-            self.timeout(self.search_s()))
+        e = run_harness(
+            "bench.serve",
+            [
+                "--url",
+                srv.url,
+                "--workload",
+                workload or wl,
+                "--scale",
+                str(self.args.scale),
+                *self.count_args(),
+                "--qps",
+                str(qps0 or self.args.start_qps),
+                "--seed",
+                "0",
+                "--find-max-qps",
+                "--slo",
+                slo or self.args.slo,
+                "--max-probes",
+                str(self.args.max_probes),
+                "--out",
+                str(path),
+            ],
+            self.timeout(self.search_s()),
+        )
         view = max_qps_view(e["record"])
-        view.update({"settings": settings, "server_settings": applied, "file": path.name,
-                     "wall_s": e["wall_s"]})
-        print(f"{rec['slug']} {wl} {side}: max QPS {view['max_qps']} "
-              f"(first fail {view['lowest_failing_qps']})", flush=True)
+        view.update(
+            {
+                "settings": settings,
+                "server_settings": applied,
+                "file": path.name,
+                "wall_s": e["wall_s"],
+            }
+        )
+        print(
+            f"{rec['slug']} {wl} {side}: max QPS {view['max_qps']} "
+            f"(first fail {view['lowest_failing_qps']})",
+            flush=True,
+        )
         return view
 
     def workload(self, srv: Server, rec: dict[str, Any], wl: str) -> None:
@@ -422,8 +522,12 @@ class Orchestrator:
     def score_chat(self, srv: Server, rec: dict[str, Any]) -> None:
         """Scoring max QPS (P99 TTFT SLO) while chat streams at a fixed QPS in the background."""
         a = self.args
-        res: dict[str, Any] = {"chat_workload": "sharegpt", "chat_qps": a.chat_qps,
-                               "score_workload": "post-recommendation", "score_slo": a.score_slo}
+        res: dict[str, Any] = {
+            "chat_workload": "sharegpt",
+            "chat_qps": a.chat_qps,
+            "score_workload": "post-recommendation",
+            "score_slo": a.score_slo,
+        }
         rec["score_chat"] = res
         sides = sides_for(self.smoke, None)
         for side in ("off", "auto"):
@@ -435,18 +539,48 @@ class Orchestrator:
             # The background chat outlasts the search (killed after it): every probe runs
             # under chat load. Its own JSON is therefore not written; its load is recorded.
             chat_s = self.search_s() * 2 + 10
-            chat_count = (["--num-requests", str(a.num_requests * 20)] if self.smoke
-                          else ["--duration", str(chat_s)])
+            chat_count = (
+                ["--num-requests", str(a.num_requests * 20)]
+                if self.smoke
+                else ["--duration", str(chat_s)]
+            )
             bg = subprocess.Popen(
-                [sys.executable, "-m", "bench.serve", "--url", srv.url, "--workload", "sharegpt",
-                 "--scale", str(a.scale), *chat_count, "--qps", str(a.chat_qps), "--seed", "7",
-                 "--no-reset-prefix-cache", "--no-progress", "--out", str(chat_path)],
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "bench.serve",
+                    "--url",
+                    srv.url,
+                    "--workload",
+                    "sharegpt",
+                    "--scale",
+                    str(a.scale),
+                    *chat_count,
+                    "--qps",
+                    str(a.chat_qps),
+                    "--seed",
+                    "7",
+                    "--no-reset-prefix-cache",
+                    "--no-progress",
+                    "--out",
+                    str(chat_path),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             try:
                 time.sleep(1.0 if self.smoke else 3.0)  # chat is streaming before the probes
-                view = self.max_qps(srv, rec, "score-chat", side, sides[side],
-                                    workload="post-recommendation", slo=a.score_slo,
-                                    qps0=a.score_start_qps)
+                view = self.max_qps(
+                    srv,
+                    rec,
+                    "score-chat",
+                    side,
+                    sides[side],
+                    workload="post-recommendation",
+                    slo=a.score_slo,
+                    qps0=a.score_start_qps,
+                )
                 view["chat_still_running_at_end"] = bg.poll() is None
                 res[side] = view
             finally:
@@ -458,8 +592,9 @@ class Orchestrator:
                         bg.kill()
             self.save()
         if isinstance(res.get("off"), dict) and isinstance(res.get("auto"), dict):
-            res["score_qps_ratio_auto_vs_off"] = ratio(res["off"].get("max_qps"),
-                                                       res["auto"].get("max_qps"))
+            res["score_qps_ratio_auto_vs_off"] = ratio(
+                res["off"].get("max_qps"), res["auto"].get("max_qps")
+            )
 
     def ablation(self, srv: Server, rec: dict[str, Any]) -> None:
         a = self.args
@@ -475,16 +610,44 @@ class Orchestrator:
                 continue
             path = self.out_dir / f"{rec['slug']}-ablation-{name}.json"
             try:
-                e = run_harness("bench.compare", [
-                    "--url", srv.url, "--a", sa, "--b", sb, "--workload", "mixed",
-                    "--scale", str(a.scale), *self.count_args(), "--qps", str(qps),
-                    "--rounds", str(a.ablation_rounds), "--seed", "0", "--slo", a.slo,
-                    "--out", str(path)], self.timeout(est))
+                e = run_harness(
+                    "bench.compare",
+                    [
+                        "--url",
+                        srv.url,
+                        "--a",
+                        sa,
+                        "--b",
+                        sb,
+                        "--workload",
+                        "mixed",
+                        "--scale",
+                        str(a.scale),
+                        *self.count_args(),
+                        "--qps",
+                        str(qps),
+                        "--rounds",
+                        str(a.ablation_rounds),
+                        "--seed",
+                        "0",
+                        "--slo",
+                        a.slo,
+                        "--out",
+                        str(path),
+                    ],
+                    self.timeout(est),
+                )
                 r = e["record"]
-                res[name] = {"a": sa, "b": sb, "comparison": r.get("comparison"),
-                             "server_settings": [x.get("server_settings")
-                                                 for s in ("a", "b") for x in r[s]["runs"]],
-                             "file": path.name, "wall_s": e["wall_s"]}
+                res[name] = {
+                    "a": sa,
+                    "b": sb,
+                    "comparison": r.get("comparison"),
+                    "server_settings": [
+                        x.get("server_settings") for s in ("a", "b") for x in r[s]["runs"]
+                    ],
+                    "file": path.name,
+                    "wall_s": e["wall_s"],
+                }
             except Exception as exc:  # noqa: BLE001
                 res[name] = {"a": sa, "b": sb, "error": f"{type(exc).__name__}: {exc}"[:1500]}
             self.save()
@@ -496,9 +659,16 @@ class Orchestrator:
         extra = ["--prefill-policy", "fcfs", *self.args.server_args.split()]
         srv = Server(model, port, extra, self.out_dir / f"server-{slug}.log")
         rec["server_cmd"] = " ".join(["python3", *srv.cmd[1:]])
-        started = self.part(f"{model}/start", self.args.start_s,
-                            lambda: rec.__setitem__("startup_s", srv.start(
-                                min(self.args.start_s * 2, self.budget.left_s() - 5))) or True)
+        started = self.part(
+            f"{model}/start",
+            self.args.start_s,
+            lambda: (
+                rec.__setitem__(
+                    "startup_s", srv.start(min(self.args.start_s * 2, self.budget.left_s() - 5))
+                )
+                or True
+            ),
+        )
         if not started:
             rec["server_log_tail"] = srv.log_tail()
             return
@@ -567,8 +737,12 @@ def table(results: dict[str, Any]) -> str:
     def f(v: Any, d: int = 2) -> str:
         return "-" if not isinstance(v, (int, float)) else f"{v:.{d}f}"
 
-    lines = ["", "=== serving: max QPS at P99 SLO; P99 TTFT / TBT (ms) at max QPS ===",
-             "| model | workload | side | max QPS | P99 TTFT | P99 TBT |", "|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "=== serving: max QPS at P99 SLO; P99 TTFT / TBT (ms) at max QPS ===",
+        "| model | workload | side | max QPS | P99 TTFT | P99 TBT |",
+        "|---|---|---|---|---|---|",
+    ]
     for model, m in results["models"].items():
         for wl, w in (m.get("workloads") or {}).items():
             for side in ("off", "auto", "static"):
@@ -576,25 +750,39 @@ def table(results: dict[str, Any]) -> str:
                 if not isinstance(v, dict):
                     continue
                 at = v.get("at_max_qps") or {}
-                lines.append(f"| {model} | {wl} | {side} | {f(v.get('max_qps'))} | "
-                             f"{f((at.get('ttft_ms') or {}).get('p99'), 0)} | "
-                             f"{f((at.get('tbt_ms') or {}).get('p99'), 1)} |"
-                             + (f" {v.get('error') or v.get('skipped')}"[:80]
-                                if "max_qps" not in v else ""))
+                lines.append(
+                    f"| {model} | {wl} | {side} | {f(v.get('max_qps'))} | "
+                    f"{f((at.get('ttft_ms') or {}).get('p99'), 0)} | "
+                    f"{f((at.get('tbt_ms') or {}).get('p99'), 1)} |"
+                    + (f" {v.get('error') or v.get('skipped')}"[:80] if "max_qps" not in v else "")
+                )
         sc = m.get("score_chat") or {}
         if sc:
-            lines.append(f"{model} score+chat: score max QPS off "
-                         f"{f((sc.get('off') or {}).get('max_qps'))} auto "
-                         f"{f((sc.get('auto') or {}).get('max_qps'))}")
+            lines.append(
+                f"{model} score+chat: score max QPS off "
+                f"{f((sc.get('off') or {}).get('max_qps'))} auto "
+                f"{f((sc.get('auto') or {}).get('max_qps'))}"
+            )
         for name, v in (m.get("ablation") or {}).items():
             if isinstance(v, dict) and v.get("comparison"):
                 row = {r["metric"]: r["ratio_b_over_a"] for r in v["comparison"]}
-                lines.append(f"{model} ablation {name}: B/A " + ", ".join(
-                    f"{k}={f(x)}" for k, x in list(row.items())[:6]))
+                lines.append(
+                    f"{model} ablation {name}: B/A "
+                    + ", ".join(f"{k}={f(x)}" for k, x in list(row.items())[:6])
+                )
     s = results["summary"]
-    lines.append("summary: " + ", ".join(f"{k}={f(s.get(k), 3)}" for k in (
-        "throughput_ratio_auto_vs_off", "p99_tbt_ratio_auto_vs_off",
-        "p99_ttft_ratio_auto_vs_off", "cost_model_mape")))
+    lines.append(
+        "summary: "
+        + ", ".join(
+            f"{k}={f(s.get(k), 3)}"
+            for k in (
+                "throughput_ratio_auto_vs_off",
+                "p99_tbt_ratio_auto_vs_off",
+                "p99_ttft_ratio_auto_vs_off",
+                "cost_model_mape",
+            )
+        )
+    )
     for k in results["skipped"]:
         lines.append(f"SKIPPED {k}")
     for k, e in results["errors"].items():
@@ -612,12 +800,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", default=os.environ.get("OUT") or "bench/results")
     p.add_argument("--deadline-s", type=float, default=480.0)
     p.add_argument("--port", type=int, default=8100)
-    p.add_argument("--server-args", default="--partition auto --calibrate false",
-                   help="extra `app serve` options (one string)")
+    p.add_argument(
+        "--server-args",
+        default="--partition auto --calibrate false",
+        help="extra `app serve` options (one string)",
+    )
     p.add_argument("--start-s", type=float, default=60.0, help="estimated server start-up")
     p.add_argument("--static-split", type=int, help="skip the screen: this prefill SM count")
-    p.add_argument("--screen-fracs", default="0.5,0.75",
-                   help="candidate static splits as fractions of the SMs (nearest pre-created)")
+    p.add_argument(
+        "--screen-fracs",
+        default="0.5,0.75",
+        help="candidate static splits as fractions of the SMs (nearest pre-created)",
+    )
     p.add_argument("--screen-qps", type=float, default=4.0)
     p.add_argument("--scale", type=float, default=0.25)
     p.add_argument("--duration-s", type=float, default=8.0, help="arrivals per run (seconds)")
@@ -630,8 +824,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--score-start-qps", type=float, default=4.0)
     p.add_argument("--chat-qps", type=float, default=2.0)
     p.add_argument("--ablation-rounds", type=int, default=1)
-    p.add_argument("--smoke", action="store_true",
-                   help="CPU plumbing check: policies instead of partitions, few requests")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU plumbing check: policies instead of partitions, few requests",
+    )
     return p
 
 

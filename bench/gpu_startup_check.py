@@ -34,8 +34,8 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     res: dict = {
-        "command": "python3 -m bench.gpu_startup_check " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
+        "command": "python3 -m bench.gpu_startup_check "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
         "git_revision": args.rev or _git_rev(),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -51,7 +51,9 @@ def main() -> None:
 
     t0 = time.perf_counter()
     cfg = EngineConfig(
-        model=args.model, partition=args.partition, max_score_tokens=args.max_score_tokens,
+        model=args.model,
+        partition=args.partition,
+        max_score_tokens=args.max_score_tokens,
         partition_calibration_dir=tempfile.mkdtemp(),
     )
     eng = Engine(cfg, sink)
@@ -59,23 +61,43 @@ def main() -> None:
     res["kv_blocks"] = eng.block_manager.num_blocks
     res["max_score_tokens"] = eng.max_score_tokens
     res["partition"] = eng.stats().get("partition")
-    res["partition_state"] = {k: v for k, v in dataclasses.asdict(eng.partition.state()).items()
-                              if isinstance(v, (int, float, str, bool, type(None)))}
+    res["partition_state"] = {
+        k: v
+        for k, v in dataclasses.asdict(eng.partition.state()).items()
+        if isinstance(v, (int, float, str, bool, type(None)))
+    }
     eng.start()
     try:
         n_long = eng.max_score_tokens + 1
         eng.add(Request("too-long", RequestKind.SCORE, [1] * n_long, label_token_ids=[1, 2]))
-        eng.add(Request("score", RequestKind.SCORE, list(range(100, 100 + min(4096, eng.max_score_tokens))),
-                        label_token_ids=[5, 6]))
-        eng.add(Request("gen", RequestKind.GENERATE, list(range(10, 300)),
-                        SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)))
+        eng.add(
+            Request(
+                "score",
+                RequestKind.SCORE,
+                list(range(100, 100 + min(4096, eng.max_score_tokens))),
+                label_token_ids=[5, 6],
+            )
+        )
+        eng.add(
+            Request(
+                "gen",
+                RequestKind.GENERATE,
+                list(range(10, 300)),
+                SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True),
+            )
+        )
         with cv:
-            ok = cv.wait_for(lambda: all(outs.get(r) and outs[r][-1].finished
-                                         for r in ("too-long", "score", "gen")), timeout=60)
+            ok = cv.wait_for(
+                lambda: all(
+                    outs.get(r) and outs[r][-1].finished for r in ("too-long", "score", "gen")
+                ),
+                timeout=60,
+            )
         res["checks"]["all_finished"] = ok
         tl = outs["too-long"][-1]
-        res["checks"]["too_long_refused_with_max"] = (
-            tl.finish_reason == "error" and str(eng.max_score_tokens) in (tl.error or ""))
+        res["checks"]["too_long_refused_with_max"] = tl.finish_reason == "error" and str(
+            eng.max_score_tokens
+        ) in (tl.error or "")
         res["too_long_error"] = tl.error
         res["checks"]["score_has_probs"] = outs["score"][-1].label_probs is not None
         ntok = sum(len(o.new_token_ids) for o in outs["gen"])

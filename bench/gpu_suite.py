@@ -50,8 +50,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def time_cuda(fn: Callable[[], Any], iters: int = 20, warmup: int = 3,
-              stream: torch.cuda.Stream | None = None) -> float:
+def time_cuda(
+    fn: Callable[[], Any], iters: int = 20, warmup: int = 3, stream: torch.cuda.Stream | None = None
+) -> float:
     """Median milliseconds of fn() with CUDA events on `stream` (current stream if None)."""
     s = stream or torch.cuda.current_stream()
     with torch.cuda.stream(s):
@@ -97,8 +98,11 @@ def section_green() -> dict:
     pairs = green_ctx.create_pairs(counts)
     create_ms = (time.perf_counter() - t0) * 1e3
     disjoint = all(p.prefill.sms + p.decode.sms <= layout.total_sms for p in pairs.values())
-    check("green pairs created", len(pairs) == len(counts),
-          f"{len(pairs)} splits, {create_ms:.1f} ms total")
+    check(
+        "green pairs created",
+        len(pairs) == len(counts),
+        f"{len(pairs)} splits, {create_ms:.1f} ms total",
+    )
     check("green pairs disjoint", disjoint)
     # SM limit: one 8192^3 matmul on the small vs the large side of the most uneven pair.
     n = 8192
@@ -111,13 +115,19 @@ def section_green() -> dict:
         ms = time_cuda(lambda: a @ b, iters=5, stream=p.prefill.stream)
         per_split[sms] = 2 * n**3 / ms / 1e9
     lo, hi = counts[0], counts[-1]
-    check("SM limit holds (matmul scales with SMs)", per_split[hi] > 3 * per_split[lo],
-          f"{lo} SMs {per_split[lo]:.0f} TF/s, {hi} SMs {per_split[hi]:.0f} TF/s")
+    check(
+        "SM limit holds (matmul scales with SMs)",
+        per_split[hi] > 3 * per_split[lo],
+        f"{lo} SMs {per_split[lo]:.0f} TF/s, {hi} SMs {per_split[hi]:.0f} TF/s",
+    )
     return {
-        "total_sms": layout.total_sms, "min_partition_sms": layout.min_partition_sms,
-        "alignment_sms": layout.alignment_sms, "splits": counts,
+        "total_sms": layout.total_sms,
+        "min_partition_sms": layout.min_partition_sms,
+        "alignment_sms": layout.alignment_sms,
+        "splits": counts,
         "decode_sms": {k: p.decode.sms for k, p in pairs.items()},
-        "create_all_ms": create_ms, "matmul_tflops_on_prefill_side": per_split,
+        "create_all_ms": create_ms,
+        "matmul_tflops_on_prefill_side": per_split,
     }
 
 
@@ -177,8 +187,10 @@ def section_backend() -> dict:
     bs, nblocks, layers = 16, 512, 2
     for name, (Hq, Hkv, D, specs, is_decode) in cases.items():
         try:
-            kc = [torch.randn(nblocks, bs, Hkv, D, device="cuda", dtype=torch.bfloat16)
-                  for _ in range(layers)]
+            kc = [
+                torch.randn(nblocks, bs, Hkv, D, device="cuda", dtype=torch.bfloat16)
+                for _ in range(layers)
+            ]
             vc = [torch.randn_like(kc[0]) for _ in range(layers)]
             if name.startswith("decode_gqa3") or name.startswith("gather"):
                 # the engine's call: FlashInferBackend(kv_pool), heads read from q later
@@ -192,7 +204,8 @@ def section_backend() -> dict:
             batch = ForwardBatch(
                 input_ids=torch.zeros(T, dtype=torch.int64, device="cuda"),
                 positions=torch.zeros(T, dtype=torch.int64, device="cuda"),
-                seqs=seqs, logits_indices=torch.zeros(1, dtype=torch.int64, device="cuda"),
+                seqs=seqs,
+                logits_indices=torch.zeros(1, dtype=torch.int64, device="cuda"),
                 is_decode=is_decode,
             )
             be.plan(batch)
@@ -213,8 +226,11 @@ def section_backend() -> dict:
                         expect[s.block_ids[p // bs], p % bs] = k[s.query_start + i]
                 pool_ok = torch.equal(expect, kc[layer])
                 check(f"backend {name} layer{layer} pool writes", pool_ok)
-            check(f"backend {name} vs fp32 reference", worst < 2e-2,
-                  f"mode={be.debug_state()['mode']} rel_err={worst:.2e}")
+            check(
+                f"backend {name} vs fp32 reference",
+                worst < 2e-2,
+                f"mode={be.debug_state()['mode']} rel_err={worst:.2e}",
+            )
             out[name] = {"rel_err": worst, "mode": be.debug_state()["mode"]}
         except Exception as exc:
             traceback.print_exc()
@@ -245,8 +261,14 @@ def section_ops() -> dict:
         q1, k1 = ops.apply_rope(q, k, pos, cache)
         res[flag] = (n1, n2, r2, s1, q1, k1)
     ops.use_flashinfer(False)
-    names = ["rmsnorm", "fused_add_rmsnorm", "fused_add_residual", "silu_and_mul", "rope_q",
-             "rope_k"]
+    names = [
+        "rmsnorm",
+        "fused_add_rmsnorm",
+        "fused_add_residual",
+        "silu_and_mul",
+        "rope_q",
+        "rope_k",
+    ]
     for i, nm in enumerate(names):
         e = rel_err(res[True][i], res[False][i])
         out[nm] = e
@@ -358,12 +380,15 @@ def section_model() -> dict:
             ms = time_cuda(fn, iters=5, warmup=1)
             out[f"prefill_16384_hybrid_C{C}_ms"] = ms
         # Decode: batch B, 2k context each (2047 cached + 1 new), distinct random blocks.
-        w_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                      if "embed_tokens" not in n or cfg.tie_word_embeddings)
+        w_bytes = sum(
+            p.numel() * p.element_size()
+            for n, p in model.named_parameters()
+            if "embed_tokens" not in n or cfg.tie_word_embeddings
+        )
         perm = torch.randperm(34000 - 8).tolist()
         for B in (1, 16, 64, 256):
             ctx = 2047
-            blocks = [perm[i * 128:(i + 1) * 128] for i in range(B)]
+            blocks = [perm[i * 128 : (i + 1) * 128] for i in range(B)]
             b = _batch([(ctx, 1, ctx + 1)] * B, blocks, is_decode=True)
             be.plan(b)
             fn = lambda: model.compute_logits(model(b.input_ids, b.positions, be))  # noqa: E731, B023
@@ -381,7 +406,8 @@ def section_model() -> dict:
         be.plan(b)
         fi = model.compute_logits(model(b.input_ids, b.positions, be)[b.logits_indices])
         hy = model.compute_logits(
-            model(b.input_ids, b.positions, be, chunk_tokens=512)[b.logits_indices])
+            model(b.input_ids, b.positions, be, chunk_tokens=512)[b.logits_indices]
+        )
         ops.use_flashinfer(False)
         tb = TorchAttentionBackend(pool)
         tb.plan(b)
@@ -392,10 +418,15 @@ def section_model() -> dict:
         b2.input_ids = b.input_ids[2048:].clone()
         be.plan(b2)
         hit = model.compute_logits(model(b2.input_ids, b2.positions, be)[-64:])
-        for nm, x in (("flashinfer_vs_torch_backend", fi), ("hybrid_vs_off", hy),
-                      ("prefix_hit_vs_cold", hit)):
-            e = rel_err(x if nm != "flashinfer_vs_torch_backend" else fi,
-                        fi if nm != "flashinfer_vs_torch_backend" else to)
+        for nm, x in (
+            ("flashinfer_vs_torch_backend", fi),
+            ("hybrid_vs_off", hy),
+            ("prefix_hit_vs_cold", hit),
+        ):
+            e = rel_err(
+                x if nm != "flashinfer_vs_torch_backend" else fi,
+                fi if nm != "flashinfer_vs_torch_backend" else to,
+            )
             out[f"logits_{nm}"] = e
             check(f"model logits {nm}", e < 2e-2, f"rel_err={e:.2e}")
     return out
@@ -429,12 +460,12 @@ def section_profile() -> dict:
     perm = torch.randperm(30000).tolist()
 
     def pre_work(T):
-        b = _batch([(0, T, T)], [perm[:T // 16]])
+        b = _batch([(0, T, T)], [perm[: T // 16]])
         h = model.embed(b.input_ids)
         return b, lambda: model.forward_layers(h.clone(), None, b.positions, be_p, 0, L_pre)
 
     def dec_work(B):
-        blocks = [perm[4096 + i * 128: 4096 + (i + 1) * 128] for i in range(B)]
+        blocks = [perm[4096 + i * 128 : 4096 + (i + 1) * 128] for i in range(B)]
         b = _batch([(2047, 1, 2048)] * B, blocks, is_decode=True)
         return b, lambda: model(b.input_ids, b.positions, be_d)
 
@@ -459,8 +490,11 @@ def section_profile() -> dict:
             b, fn = dec_work(B)
             shp = DecodeShape(B, B * 2048, cfg.num_layers)
             for sms in [total, *[total - p for p in fit_splits + held_splits]]:
-                st = whole if sms == total else next(
-                    pr.decode.stream for pr in pairs.values() if pr.decode.sms == sms)
+                st = (
+                    whole
+                    if sms == total
+                    else next(pr.decode.stream for pr in pairs.values() if pr.decode.sms == sms)
+                )
                 ms = on(st, be_d, b, fn)
                 res["alone"][f"decode_B{B}_sms{sms}"] = ms
                 s = ProfileSample(DECODE, shp, sms, ms)
@@ -513,12 +547,18 @@ def section_profile() -> dict:
             conc_ms = max(start.elapsed_time(ev_p[-1]), start.elapsed_time(ev_d[-1]))
             serial_ms = n_pre * t_p_whole + steps * t_d_whole
             res["concurrent"][str(ps)] = {
-                "prefill_slice_ms": pre_ms, "decode_step_ms": dec_ms, "decode_steps": steps,
-                "concurrent_ms": conc_ms, "time_sliced_same_work_ms": serial_ms,
+                "prefill_slice_ms": pre_ms,
+                "decode_step_ms": dec_ms,
+                "decode_steps": steps,
+                "concurrent_ms": conc_ms,
+                "time_sliced_same_work_ms": serial_ms,
                 "speedup_vs_time_slice": serial_ms / conc_ms,
             }
-            print(f"split {ps}/{total - ps}: prefill {pre_ms:.2f} ms decode {dec_ms:.2f} ms "
-                  f"({steps} steps) speedup {serial_ms / conc_ms:.2f}", flush=True)
+            print(
+                f"split {ps}/{total - ps}: prefill {pre_ms:.2f} ms decode {dec_ms:.2f} ms "
+                f"({steps} steps) speedup {serial_ms / conc_ms:.2f}",
+                flush=True,
+            )
             tgt = held if ps in held_splits else samples
             tgt.append(ProfileSample(PREFILL, pshape, ps, pre_ms, total - ps))
             tgt.append(ProfileSample(DECODE, dshape, total - ps, dec_ms, ps))
@@ -526,9 +566,17 @@ def section_profile() -> dict:
     errs = []
     for s in held:
         pred = cm.predict(s.stage, s.shape, s.sms, s.other_sms)
-        errs.append({"stage": s.stage, "sms": s.sms, "other_sms": s.other_sms,
-                     "shape": str(s.shape), "predicted_ms": pred, "measured_ms": s.latency_ms,
-                     "abs_err": abs(pred - s.latency_ms) / s.latency_ms})
+        errs.append(
+            {
+                "stage": s.stage,
+                "sms": s.sms,
+                "other_sms": s.other_sms,
+                "shape": str(s.shape),
+                "predicted_ms": pred,
+                "measured_ms": s.latency_ms,
+                "abs_err": abs(pred - s.latency_ms) / s.latency_ms,
+            }
+        )
     mape = sum(e["abs_err"] for e in errs) / len(errs)
     mape_conc = [e["abs_err"] for e in errs if e["other_sms"] > 0]
     res["cost_model"] = cm.to_dict()
@@ -538,14 +586,20 @@ def section_profile() -> dict:
     ctl = SplitController(cm, fit_splits + held_splits)
     for kv in (0.3, 0.9):
         d = SplitController(cm, sorted(fit_splits + held_splits)).choose(pshape, dshape, kv)
-        res[f"controller_kv{kv}"] = {"prefill_sms": d.prefill_sms, "reason": d.reason,
-                                     "predicted_speedup": d.speedup_vs_time_slice}
+        res[f"controller_kv{kv}"] = {
+            "prefill_sms": d.prefill_sms,
+            "reason": d.reason,
+            "predicted_speedup": d.speedup_vs_time_slice,
+        }
     del ctl
     best = max(res["concurrent"].items(), key=lambda kv: kv[1]["speedup_vs_time_slice"])
     res["best_measured_split"] = int(best[0])
     res["best_measured_speedup"] = best[1]["speedup_vs_time_slice"]
-    check("cost model fitted and validated on held-out shapes/splits", len(errs) > 0,
-          f"MAPE {mape:.3f} (concurrent {res['cost_model_mape_concurrent']:.3f})")
+    check(
+        "cost model fitted and validated on held-out shapes/splits",
+        len(errs) > 0,
+        f"MAPE {mape:.3f} (concurrent {res['cost_model_mape_concurrent']:.3f})",
+    )
     return res
 
 
@@ -559,8 +613,11 @@ def section_graphs() -> dict:
     model, cfg, pool = _llama8b(num_blocks=34000)
     ops.use_flashinfer(True)
     be = FlashInferBackend.from_pool(pool, cfg.num_q_heads)
-    w_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                  if "embed_tokens" not in n or cfg.tie_word_embeddings)
+    w_bytes = sum(
+        p.numel() * p.element_size()
+        for n, p in model.named_parameters()
+        if "embed_tokens" not in n or cfg.tie_word_embeddings
+    )
     perm = torch.randperm(34000 - 8).tolist()
     out: dict[str, Any] = {"copy_gbs": copy_gbs}
     with torch.inference_mode():
@@ -569,13 +626,20 @@ def section_graphs() -> dict:
             from runtime.cuda_graphs import DecodeGraphs
 
             s = torch.cuda.Stream()
-            graphs = DecodeGraphs(model, pool.k, pool.v, s, pad_block_id=34000 - 1,
-                                  max_blocks_per_seq=129, batch_sizes=(1, 16, 64, 256))
+            graphs = DecodeGraphs(
+                model,
+                pool.k,
+                pool.v,
+                s,
+                pad_block_id=34000 - 1,
+                max_blocks_per_seq=129,
+                batch_sizes=(1, 16, 64, 256),
+            )
             t0 = time.perf_counter()
             graphs.capture()
             out["graph_capture_s"] = time.perf_counter() - t0
             for B in (1, 16, 64, 256):
-                blocks = [perm[i * 128:(i + 1) * 128] for i in range(B)]
+                blocks = [perm[i * 128 : (i + 1) * 128] for i in range(B)]
                 b = _batch([(2047, 1, 2048)] * B, blocks, is_decode=True)
                 be.plan(b)
                 ref = model.compute_logits(model(b.input_ids, b.positions, be)).float()
@@ -615,9 +679,17 @@ def _decode_plan(engine, B: int, ctx: int, step: int):
         rid = f"dec{B}_{i}"
         blocks = engine.block_manager.allocate(rid, nb)
         req = Request(rid, RequestKind.GENERATE, [1] * ctx, sampling=SamplingParams(max_tokens=8))
-        seqs.append(ScheduledSeq(request=req, num_context_tokens=ctx, num_new_tokens=1,
-                                 num_kept_tokens=ctx + 1, block_ids=list(blocks),
-                                 input_ids=[(7 * i + 3) % 1000], needs_output=True))
+        seqs.append(
+            ScheduledSeq(
+                request=req,
+                num_context_tokens=ctx,
+                num_new_tokens=1,
+                num_kept_tokens=ctx + 1,
+                block_ids=list(blocks),
+                input_ids=[(7 * i + 3) % 1000],
+                needs_output=True,
+            )
+        )
     return StepPlan(step_id=step, decode=seqs), [s.request.request_id for s in seqs]
 
 
@@ -629,16 +701,21 @@ def section_engine() -> dict:
     peak_tflops, copy_gbs = ceil["matmul_bf16_tflops"], ceil["copy_gbs_read_plus_write"]
     t0 = time.perf_counter()
     eng = _engine(max_num_seqs=256)
-    out: dict[str, Any] = {"engine_init_s": time.perf_counter() - t0,
-                           "attention_backend": eng.backend.name,
-                           "decode_backend": eng.runner.decode_backend.name,
-                           "kv_pool_blocks": eng.block_manager.num_blocks,
-                           "pad_block_id": eng.kv_pool.pad_block_id}
+    out: dict[str, Any] = {
+        "engine_init_s": time.perf_counter() - t0,
+        "attention_backend": eng.backend.name,
+        "decode_backend": eng.runner.decode_backend.name,
+        "kv_pool_blocks": eng.block_manager.num_blocks,
+        "pad_block_id": eng.kv_pool.pad_block_id,
+    }
     g = eng.runner.decode_graphs
     out["graphs"] = None if g is None else list(g.batch_sizes)
     out["graph_capture_s_total"] = None if g is None else sum(g.capture_s.values())
-    check("engine uses FlashInfer + graphs", eng.backend.name == "flashinfer" and g is not None,
-          f"backend={eng.backend.name} graphs={out['graphs']}")
+    check(
+        "engine uses FlashInfer + graphs",
+        eng.backend.name == "flashinfer" and g is not None,
+        f"backend={eng.backend.name} graphs={out['graphs']}",
+    )
     cfg = eng.model_config
     for T in (1024, 4096, 16384, 32768):
         torch.cuda.reset_peak_memory_stats()
@@ -648,8 +725,11 @@ def section_engine() -> dict:
         out[f"prefill_mfu_{T}"] = _flops_prefill(cfg, T) / s / 1e12 / peak_tflops
         out[f"prefill_{T}_activation_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
         print(f"engine prefill {T}: {s * 1e3:.1f} ms MFU {out[f'prefill_mfu_{T}']:.3f}", flush=True)
-    w_bytes = sum(p.numel() * p.element_size() for n, p in eng.model.named_parameters()
-                  if "embed_tokens" not in n or cfg.tie_word_embeddings)
+    w_bytes = sum(
+        p.numel() * p.element_size()
+        for n, p in eng.model.named_parameters()
+        if "embed_tokens" not in n or cfg.tie_word_embeddings
+    )
     ctx = 2047
     for B in (1, 16, 64, 256):
         plan, rids = _decode_plan(eng, B, ctx, B)
@@ -720,14 +800,17 @@ def _ours_logits(model, ids: torch.Tensor, flashinfer: bool, rows: int) -> torch
     dt = next(model.parameters()).dtype
     pool = KVPool.for_model(model.cfg, (T + 15) // 16 + 1, 16, dt, "cuda")
     ops.use_flashinfer(flashinfer)
-    be = (FlashInferBackend.from_pool(pool, model.cfg.num_q_heads) if flashinfer
-          else TorchAttentionBackend(pool))
+    be = (
+        FlashInferBackend.from_pool(pool, model.cfg.num_q_heads)
+        if flashinfer
+        else TorchAttentionBackend(pool)
+    )
     b = _batch([(0, T, T)], [list(range((T + 15) // 16))])
     b.input_ids = ids
     be.plan(b)
     with torch.inference_mode():
         h = model(b.input_ids, b.positions, be)
-        out = model.compute_logits(h[T - rows:]).float()
+        out = model.compute_logits(h[T - rows :]).float()
     ops.use_flashinfer(False)
     return out
 
@@ -744,9 +827,15 @@ def section_correctness() -> dict:
     out: dict[str, Any] = {}
     T, rows = 512, 64
     shapes = {
-        "llama-small": dataclasses.replace(get_preset("llama-3.1-8b"), hidden_size=1024,
-                                           intermediate_size=2816, num_layers=8,
-                                           num_q_heads=16, num_kv_heads=4, head_dim=64),
+        "llama-small": dataclasses.replace(
+            get_preset("llama-3.1-8b"),
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_layers=8,
+            num_q_heads=16,
+            num_kv_heads=4,
+            head_dim=64,
+        ),
         # Qwen2.5-3B width (hidden, heads, GQA, qkv bias, vocab); 8 of its 36 layers to keep
         # the device time short.
         "qwen2.5-3b-8layers": dataclasses.replace(get_preset("qwen2.5-3b"), num_layers=8),
@@ -754,12 +843,13 @@ def section_correctness() -> dict:
     for name, cfg in shapes.items():
         folder = f"/tmp/hf_{name}"
         hf = _hf_pair(cfg, 1234, folder)
-        ids = torch.randint(0, cfg.vocab_size, (T,), device="cuda",
-                            generator=torch.Generator("cuda").manual_seed(0))
+        ids = torch.randint(
+            0, cfg.vocab_size, (T,), device="cuda", generator=torch.Generator("cuda").manual_seed(0)
+        )
         with torch.inference_mode():
-            ref = hf(ids[None]).logits[0, T - rows:].float()
+            ref = hf(ids[None]).logits[0, T - rows :].float()
             hf_bf16 = hf.to(torch.bfloat16)
-            ref_bf16 = hf_bf16(ids[None]).logits[0, T - rows:].float()
+            ref_bf16 = hf_bf16(ids[None]).logits[0, T - rows :].float()
         del hf, hf_bf16
         m32, _, _ = load_model(folder, torch.float32, "cuda")
         e32 = rel_err(_ours_logits(m32, ids, False, rows), ref)
@@ -768,11 +858,17 @@ def section_correctness() -> dict:
         e16 = rel_err(_ours_logits(m16, ids, True, rows), ref)
         del m16
         eh = rel_err(ref_bf16, ref)
-        out[name] = {"ours_fp32_vs_hf_fp32": e32, "ours_bf16_flashinfer_vs_hf_fp32": e16,
-                     "hf_bf16_vs_hf_fp32": eh}
+        out[name] = {
+            "ours_fp32_vs_hf_fp32": e32,
+            "ours_bf16_flashinfer_vs_hf_fp32": e16,
+            "hf_bf16_vs_hf_fp32": eh,
+        }
         check(f"{name} logits fp32 vs transformers", e32 < 1e-3, f"rel_err={e32:.2e}")
-        check(f"{name} logits bf16 (FlashInfer) vs transformers fp32", e16 < 2e-2,
-              f"rel_err={e16:.2e} (transformers bf16 vs fp32: {eh:.2e})")
+        check(
+            f"{name} logits bf16 (FlashInfer) vs transformers fp32",
+            e16 < 2e-2,
+            f"rel_err={e16:.2e} (transformers bf16 vs fp32: {eh:.2e})",
+        )
         torch.cuda.empty_cache()
     # Greedy 16 tokens through the engine (fp32: torch backend, paged KV) vs transformers.
     import transformers
@@ -783,8 +879,13 @@ def section_correctness() -> dict:
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda()
     prompt = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(5)).tolist()
     with torch.inference_mode():
-        ref_ids = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=16,
-                              do_sample=False, eos_token_id=None, pad_token_id=0)[0, 40:].tolist()
+        ref_ids = hf.generate(
+            torch.tensor([prompt], device="cuda"),
+            max_new_tokens=16,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, 40:].tolist()
     del hf
     got: list[int] = []
     done = __import__("threading").Event()
@@ -799,16 +900,26 @@ def section_correctness() -> dict:
 
     eng = Engine(EngineConfig(model=folder, dtype="float32", device="cuda"), sink=sink)
     eng.start()
-    req = Request("g", RequestKind.GENERATE, prompt,
-                  sampling=SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    req = Request(
+        "g",
+        RequestKind.GENERATE,
+        prompt,
+        sampling=SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+    )
     eng.add(req)
     done.wait(120)
     eng.shutdown()
     got = list(req.output_token_ids)
-    out["greedy16_engine_fp32"] = {"ours": got, "transformers": ref_ids,
-                                   "backend": eng.backend.name}
-    check("greedy 16 tokens (engine, fp32) == transformers", got == ref_ids,
-          f"ours={got} hf={ref_ids}")
+    out["greedy16_engine_fp32"] = {
+        "ours": got,
+        "transformers": ref_ids,
+        "backend": eng.backend.name,
+    }
+    check(
+        "greedy 16 tokens (engine, fp32) == transformers",
+        got == ref_ids,
+        f"ours={got} hf={ref_ids}",
+    )
     del eng
     torch.cuda.empty_cache()
     return out
@@ -823,8 +934,9 @@ def section_fi_vs_torch() -> dict:
     cfg = get_preset("llama-3.1-8b")
     model = _materialise(cfg, torch.bfloat16, torch.device("cuda"))
     init_random_weights(model, 0)
-    ids = torch.randint(0, 128000, (3000,), device="cuda",
-                        generator=torch.Generator("cuda").manual_seed(1))
+    ids = torch.randint(
+        0, 128000, (3000,), device="cuda", generator=torch.Generator("cuda").manual_seed(1)
+    )
     fi = _ours_logits(model, ids, True, 64)
     tb = _ours_logits(model, ids, False, 64)
     model.float()
@@ -832,14 +944,18 @@ def section_fi_vs_torch() -> dict:
     f32 = _ours_logits(model, ids, False, 64)
     del model
     torch.cuda.empty_cache()
-    out = {"fi_vs_torch_bf16": rel_err(fi, tb), "fi_bf16_vs_fp32": rel_err(fi, f32),
-           "torch_bf16_vs_fp32": rel_err(tb, f32)}
-    check("8B FlashInfer vs fp32 no worse than torch-bf16 vs fp32 (+10%)",
-          out["fi_bf16_vs_fp32"] <= 1.1 * out["torch_bf16_vs_fp32"],
-          f"fi {out['fi_bf16_vs_fp32']:.2e} torch {out['torch_bf16_vs_fp32']:.2e} "
-          f"fi-vs-torch {out['fi_vs_torch_bf16']:.2e}")
+    out = {
+        "fi_vs_torch_bf16": rel_err(fi, tb),
+        "fi_bf16_vs_fp32": rel_err(fi, f32),
+        "torch_bf16_vs_fp32": rel_err(tb, f32),
+    }
+    check(
+        "8B FlashInfer vs fp32 no worse than torch-bf16 vs fp32 (+10%)",
+        out["fi_bf16_vs_fp32"] <= 1.1 * out["torch_bf16_vs_fp32"],
+        f"fi {out['fi_bf16_vs_fp32']:.2e} torch {out['torch_bf16_vs_fp32']:.2e} "
+        f"fi-vs-torch {out['fi_vs_torch_bf16']:.2e}",
+    )
     return out
-
 
 
 # --------------------------------------------------------------------------- issue 5: remaining
@@ -871,8 +987,14 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
-def find_max_length(probe: Callable[[int], bool], lo_ok: int, hi_fail: int, max_probes: int,
-                    step: int = 256, stop: Callable[[], bool] = lambda: False) -> dict:
+def find_max_length(
+    probe: Callable[[int], bool],
+    lo_ok: int,
+    hi_fail: int,
+    max_probes: int,
+    step: int = 256,
+    stop: Callable[[], bool] = lambda: False,
+) -> dict:
     """Largest length (multiple of `step`) in [lo_ok, hi_fail) for which probe() is True, by
     bisection; lo_ok must pass and hi_fail fail (not re-probed). Stops after `max_probes`
     probes or when stop() says so; returns the bracket {lo_ok, hi_fail, probes}."""
@@ -889,8 +1011,9 @@ def find_max_length(probe: Callable[[int], bool], lo_ok: int, hi_fail: int, max_
     return {"lo_ok": lo_ok, "hi_fail": hi_fail, "probes": n}
 
 
-def _mil_probe_fn(model, cfg, hybrid_discard: bool, log: list,
-                  depth_layers: int | None = None) -> Callable[[int], bool]:
+def _mil_probe_fn(
+    model, cfg, hybrid_discard: bool, log: list, depth_layers: int | None = None
+) -> Callable[[int], bool]:
     """One real scoring prefill of T tokens through a ModelRunner (FlashInfer backend on
     CUDA, torch on the CPU smoke run), in a pool sized as the configuration needs:
     ON  = hybrid prefill (C = 2048) + suffix discard: nothing kept, a one-block pool;
@@ -909,8 +1032,13 @@ def _mil_probe_fn(model, cfg, hybrid_discard: bool, log: list,
     from runtime.scheduler import ScheduledSeq, StepPlan
 
     dev = _dev()
-    econf = EngineConfig(model="random:x", hybrid_prefill=hybrid_discard, cuda_graphs=False,
-                         prefill_chunk_tokens=2048, device=dev.type)
+    econf = EngineConfig(
+        model="random:x",
+        hybrid_prefill=hybrid_discard,
+        cuda_graphs=False,
+        prefill_chunk_tokens=2048,
+        device=dev.type,
+    )
 
     full_layers = model.layers
 
@@ -935,9 +1063,15 @@ def _mil_probe_fn(model, cfg, hybrid_discard: bool, log: list,
             req = Request("mil", RequestKind.SCORE, [], label_token_ids=[0, 1])
             ids = torch.randint(0, cfg.vocab_size, (T,)).tolist()
             kept = 0 if hybrid_discard else T
-            seq = ScheduledSeq(request=req, num_context_tokens=0, num_new_tokens=T,
-                               num_kept_tokens=kept, block_ids=list(range(nb)) if kept else [],
-                               input_ids=ids, needs_output=True)
+            seq = ScheduledSeq(
+                request=req,
+                num_context_tokens=0,
+                num_new_tokens=T,
+                num_kept_tokens=kept,
+                block_ids=list(range(nb)) if kept else [],
+                input_ids=ids,
+                needs_output=True,
+            )
             if DEADLINE["smoke"] and T > DEADLINE.get("smoke_oom_tokens", 1 << 30):
                 raise torch.cuda.OutOfMemoryError("smoke: emulated out-of-memory")
             out = runner.run(StepPlan(step_id=0, prefill=[seq]))
@@ -952,17 +1086,35 @@ def _mil_probe_fn(model, cfg, hybrid_discard: bool, log: list,
             model.layers = full_layers  # the full stack again (its weights never left)
             del pool, runner
             _free()
-        log.append({"tokens": T, "ok": ok, "s": round(time.perf_counter() - t0, 2), "err": err,
-                    "depth_layers": depth_layers or len(full_layers)})
-        print(f"  MIL probe {'on ' if hybrid_discard else 'off'} T={T}: "
-              f"{'ok' if ok else 'OOM'} {log[-1]['s']} s", flush=True)
+        log.append(
+            {
+                "tokens": T,
+                "ok": ok,
+                "s": round(time.perf_counter() - t0, 2),
+                "err": err,
+                "depth_layers": depth_layers or len(full_layers),
+            }
+        )
+        print(
+            f"  MIL probe {'on ' if hybrid_discard else 'off'} T={T}: "
+            f"{'ok' if ok else 'OOM'} {log[-1]['s']} s",
+            flush=True,
+        )
         return ok
 
     return probe
 
 
-def _mil_on_shallow(model, cfg, pred: int, lo_ok: int, budget: int, depth_layers: int,
-                    log: list, verify_tokens: Callable[[int], int] | None) -> dict:
+def _mil_on_shallow(
+    model,
+    cfg,
+    pred: int,
+    lo_ok: int,
+    budget: int,
+    depth_layers: int,
+    log: list,
+    verify_tokens: Callable[[int], int] | None,
+) -> dict:
     """ON bracket of at most `budget` memory probes at `depth_layers` depth (see _mil_probe_fn):
     first at 0.7 x the linear prediction (the 8B run's limit was 0.62-0.73 x its prediction),
     then up x1.2 or down x0.75 until bracketed, then bisection. Then, if time is left, one
@@ -986,9 +1138,12 @@ def _mil_on_shallow(model, cfg, pred: int, lo_ok: int, budget: int, depth_layers
             guess = (lo + hi) // 2 // step * step
             if guess <= lo or hi - lo <= step:
                 break
-    out: dict[str, Any] = {"mil_tokens": lo, "first_fail_tokens": hi,
-                           "method": f"memory probes at {depth_layers} of {cfg.num_layers} "
-                                     "layers, all weights resident"}
+    out: dict[str, Any] = {
+        "mil_tokens": lo,
+        "first_fail_tokens": hi,
+        "method": f"memory probes at {depth_layers} of {cfg.num_layers} "
+        "layers, all weights resident",
+    }
     if hi is None:
         out["note"] = "no failing probe within the budget: mil_tokens is a lower bound"
     if verify_tokens is not None:
@@ -999,15 +1154,21 @@ def _mil_on_shallow(model, cfg, pred: int, lo_ok: int, budget: int, depth_layers
             full = _mil_probe_fn(model, cfg, True, log)
             out["full_depth_check"] = {"tokens": t_full, "ok": full(t_full), "est_s": est_s}
         else:
-            out["full_depth_check"] = {"tokens": t_full, "skipped": f"device time (~{est_s:.0f}"
-                                       f" s estimated, {_left_s():.0f} s left)"}
+            out["full_depth_check"] = {
+                "tokens": t_full,
+                "skipped": f"device time (~{est_s:.0f} s estimated, {_left_s():.0f} s left)",
+            }
     return out
 
 
-def _mil_for_model(preset: str, cap_bytes: int, max_probes: dict[str, int],
-                   shallow_on: int | None = None,
-                   verify_tokens: Callable[[int], int] | None = None,
-                   _res: dict[str, Any] | None = None) -> dict:
+def _mil_for_model(
+    preset: str,
+    cap_bytes: int,
+    max_probes: dict[str, int],
+    shallow_on: int | None = None,
+    verify_tokens: Callable[[int], int] | None = None,
+    _res: dict[str, Any] | None = None,
+) -> dict:
     """MIL on vs off for one model shape under an emulated memory cap (weights included).
 
     The cap is applied with set_per_process_memory_fraction to this process's caching
@@ -1061,12 +1222,17 @@ def _mil_for_model(preset: str, cap_bytes: int, max_probes: dict[str, int],
                 pred = int((avail - fixed) / per_tok)
             else:
                 per_tok, fixed, pred = 0.0, 0.0, DEADLINE.get("smoke_oom_tokens", 4096)
-            r: dict[str, Any] = {"bytes_per_token": per_tok, "fixed_bytes": fixed,
-                                 "predicted_tokens": pred, "probes": log}
+            r: dict[str, Any] = {
+                "bytes_per_token": per_tok,
+                "fixed_bytes": fixed,
+                "predicted_tokens": pred,
+                "probes": log,
+            }
             budget = max_probes[mode]
             if mode == "on" and shallow_on is not None and budget > 0:
-                r.update(_mil_on_shallow(model, cfg, pred, t_b, budget, shallow_on, log,
-                                         verify_tokens))
+                r.update(
+                    _mil_on_shallow(model, cfg, pred, t_b, budget, shallow_on, log, verify_tokens)
+                )
                 res[mode] = r
                 print(f"MIL {preset} {mode}: {r['mil_tokens']} (pred {pred})", flush=True)
                 _save_partial()
@@ -1089,8 +1255,13 @@ def _mil_for_model(preset: str, cap_bytes: int, max_probes: dict[str, int],
                 else:
                     hi = guess
             if hi is None:
-                r.update({"mil_tokens": lo, "note": "no failing probe found within the budget:"
-                          " mil_tokens is a lower bound"})
+                r.update(
+                    {
+                        "mil_tokens": lo,
+                        "note": "no failing probe found within the budget:"
+                        " mil_tokens is a lower bound",
+                    }
+                )
             else:
                 b = find_max_length(probe, lo, hi, budget - used, step, stop)
                 r.update({"mil_tokens": b["lo_ok"], "first_fail_tokens": b["hi_fail"]})
@@ -1135,8 +1306,9 @@ def section_mil32b() -> dict:
         off = (res.get("off") or {}).get("mil_tokens") or 0
         return min(mil_on, 4 * off) // 256 * 256 if off else mil_on
 
-    res = _mil_for_model("qwen2.5-32b", H100_BYTES, {"off": 4, "on": 3}, shallow_on=2,
-                         verify_tokens=verify, _res=res)
+    res = _mil_for_model(
+        "qwen2.5-32b", H100_BYTES, {"off": 4, "on": 3}, shallow_on=2, verify_tokens=verify, _res=res
+    )
     return res
 
 
@@ -1153,15 +1325,16 @@ def _hf_from_ours(model, cfg):
     # Built on the device with HF's own init (its buffers, e.g. RoPE inv_freq, computed by
     # transformers itself), then every parameter overwritten with ours.
     with torch.device(dev):
-        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype,
-                                                           attn_implementation="sdpa").eval()
+        hf = transformers.AutoModelForCausalLM.from_config(
+            hf_cfg, dtype=dtype, attn_implementation="sdpa"
+        ).eval()
     ours = dict(model.named_parameters())
     with torch.no_grad():
         for name, p in hf.named_parameters():
             t = _target(cfg, name)
             if t is None:
                 continue
-            src = ours[t[0]] if t[1] < 0 else ours[t[0]][t[1]:t[2]]
+            src = ours[t[0]] if t[1] < 0 else ours[t[0]][t[1] : t[2]]
             p.copy_(src)
     return hf
 
@@ -1174,18 +1347,22 @@ def _hf_score(hf, prompts: list[list[int]], labels: list[int], batch: int) -> li
     lab = torch.tensor(labels, device=dev)
     with torch.inference_mode():
         for i in range(0, len(prompts), batch):
-            group = prompts[i:i + batch]
+            group = prompts[i : i + batch]
             n = max(len(p) for p in group)
             ids = torch.zeros(len(group), n, dtype=torch.int64)
             mask = torch.zeros(len(group), n, dtype=torch.int64)
             for j, p in enumerate(group):
-                ids[j, n - len(p):] = torch.tensor(p)
-                mask[j, n - len(p):] = 1
+                ids[j, n - len(p) :] = torch.tensor(p)
+                mask[j, n - len(p) :] = 1
             ids, mask = ids.to(dev), mask.to(dev)
             same = bool(mask.all())
             pos = (mask.cumsum(-1) - 1).clamp_min(0)  # positions count real tokens only
-            logits = hf(input_ids=ids, attention_mask=None if same else mask,
-                        position_ids=pos, logits_to_keep=1).logits[:, -1]
+            logits = hf(
+                input_ids=ids,
+                attention_mask=None if same else mask,
+                position_ids=pos,
+                logits_to_keep=1,
+            ).logits[:, -1]
             out.extend(logits[:, lab].float().softmax(-1).tolist())
     return out
 
@@ -1235,8 +1412,10 @@ def section_score() -> dict:
     model_name = "random:tiny" if smoke else "random:llama-3.1-8b"
     kw: dict[str, Any] = {"device": "cpu"} if smoke else {"gpu_memory_utilization": 0.45}
     eng = _engine(model_name, **kw)
-    out: dict[str, Any] = {"attention_backend": eng.backend.name,
-                           "prefill_token_budget_default": eng.config.prefill_token_budget}
+    out: dict[str, Any] = {
+        "attention_backend": eng.backend.name,
+        "prefill_token_budget_default": eng.config.prefill_token_budget,
+    }
     cfg = eng.model_config
     vocab = min(cfg.vocab_size, 30000)
     labels = [100, 200]
@@ -1246,8 +1425,9 @@ def section_score() -> dict:
     chk = _short_prompts(4, 99, vocab, 200, 400)
     _, ours_p = _ours_score(eng, chk, labels, "chk")
     hf_p = _hf_score(hf, chk, labels, 4)
-    diff = max(abs(a - b) for x, y in zip(ours_p, hf_p, strict=True)
-               for a, b in zip(x, y, strict=True))
+    diff = max(
+        abs(a - b) for x, y in zip(ours_p, hf_p, strict=True) for a, b in zip(x, y, strict=True)
+    )
     out["label_prob_max_abs_diff_vs_hf"] = diff
     check("engine vs transformers label probs (same weights)", diff < 0.05, f"max|d|={diff:.3f}")
     n_short = 16 if smoke else 64
@@ -1265,24 +1445,40 @@ def section_score() -> dict:
     _hf_score(hf, short, labels, batch_hf_short)
     s_hf = time.perf_counter() - t0
     ntok = sum(len(p) for p in short)
-    out["short"] = {"requests": n_short, "tokens": ntok, "ours_s": s_ours, "hf_s": s_hf,
-                    "ours_rps": n_short / s_ours, "hf_rps": n_short / s_hf,
-                    "hf_batch": batch_hf_short, "speedup": s_hf / s_ours}
+    out["short"] = {
+        "requests": n_short,
+        "tokens": ntok,
+        "ours_s": s_ours,
+        "hf_s": s_hf,
+        "ours_rps": n_short / s_ours,
+        "hf_rps": n_short / s_hf,
+        "hf_batch": batch_hf_short,
+        "speedup": s_hf / s_ours,
+    }
     print(f"score short: ours {n_short / s_ours:.1f} req/s, hf {n_short / s_hf:.1f}", flush=True)
     g = torch.Generator().manual_seed(3)
     profile = torch.randint(1000, vocab, (profile_len,), generator=g).tolist()
-    posts = [profile + torch.randint(1000, vocab, (post_len,), generator=g).tolist()
-             for _ in range(n_posts)]
+    posts = [
+        profile + torch.randint(1000, vocab, (post_len,), generator=g).tolist()
+        for _ in range(n_posts)
+    ]
     p_ours, _ = _ours_score(eng, posts, labels, "post")
     t0 = time.perf_counter()
     _hf_score(hf, posts, labels, batch_hf_post)
     p_hf = time.perf_counter() - t0
     out["post_recommendation"] = {
-        "requests": n_posts, "profile_tokens": profile_len, "post_tokens": post_len,
-        "ours_s": p_ours, "hf_s": p_hf, "ours_rps": n_posts / p_ours, "hf_rps": n_posts / p_hf,
-        "hf_batch": batch_hf_post, "speedup": p_hf / p_ours,
+        "requests": n_posts,
+        "profile_tokens": profile_len,
+        "post_tokens": post_len,
+        "ours_s": p_ours,
+        "hf_s": p_hf,
+        "ours_rps": n_posts / p_ours,
+        "hf_rps": n_posts / p_hf,
+        "hf_batch": batch_hf_post,
+        "speedup": p_hf / p_ours,
         "note": "one user's profile shared by every request: ours computes it once (prefix "
-                "cache); transformers has no prefix cache and recomputes it per request"}
+        "cache); transformers has no prefix cache and recomputes it per request",
+    }
     print(f"score post: ours {n_posts / p_ours:.1f} req/s, hf {n_posts / p_hf:.1f}", flush=True)
     del hf
     _free()
@@ -1298,8 +1494,11 @@ def section_score() -> dict:
         object.__setattr__(eng.config, "prefill_token_budget", budget)
         prompts = _short_prompts(n_short, 100 + k, vocab)
         s, _ = _ours_score(eng, prompts, labels, f"b{budget}_")
-        sweep[str(budget)] = {"s": s, "rps": n_short / s,
-                              "tokens_per_s": sum(len(p) for p in prompts) / s}
+        sweep[str(budget)] = {
+            "s": s,
+            "rps": n_short / s,
+            "tokens_per_s": sum(len(p) for p in prompts) / s,
+        }
         print(f"budget {budget}: {n_short / s:.1f} req/s", flush=True)
     object.__setattr__(eng.config, "prefill_token_budget", out["prefill_token_budget_default"])
     out["budget_sweep_short"] = sweep
@@ -1335,8 +1534,18 @@ def section_http() -> dict:
     smoke = DEADLINE["smoke"]
     out_dir = os.environ.get("OUT") or "bench/results"
     model = "random:tiny" if smoke else "random:llama-3.1-8b"
-    server_cmd = [sys.executable, "-m", "app", "serve", "--model", model, "--port", "8000",
-                  "--calibrate", "false"]
+    server_cmd = [
+        sys.executable,
+        "-m",
+        "app",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        "8000",
+        "--calibrate",
+        "false",
+    ]
     res: dict[str, Any] = {"server_cmd": " ".join(server_cmd[1:])}
     log_path = os.path.join(out_dir, "server.log")
     t0 = time.perf_counter()
@@ -1355,33 +1564,77 @@ def section_http() -> dict:
             res["startup_s"] = time.perf_counter() - t0
             n = 20 if smoke else 100
             runs = {
-                "post-recommendation": ["--workload", "post-recommendation", "--scale",
-                                        "0.02" if smoke else "0.5", "--qps", "8"],
-                "sharegpt": ["--workload", "sharegpt", "--scale", "0.05" if smoke else "0.5",
-                             "--qps", "8"],
+                "post-recommendation": [
+                    "--workload",
+                    "post-recommendation",
+                    "--scale",
+                    "0.02" if smoke else "0.5",
+                    "--qps",
+                    "8",
+                ],
+                "sharegpt": [
+                    "--workload",
+                    "sharegpt",
+                    "--scale",
+                    "0.05" if smoke else "0.5",
+                    "--qps",
+                    "8",
+                ],
             }
             for name, args in runs.items():
                 if _left_s() < 25 and not smoke:
                     res[name] = "skipped: device time"
                     continue
                 path = os.path.join(out_dir, f"http-{name}.json")
-                cmd = [sys.executable, "-m", "bench.serve", "--url", "http://127.0.0.1:8000",
-                       *args, "--num-requests", str(n), "--seed", "0", "--out", path]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "bench.serve",
+                    "--url",
+                    "http://127.0.0.1:8000",
+                    *args,
+                    "--num-requests",
+                    str(n),
+                    "--seed",
+                    "0",
+                    "--out",
+                    path,
+                ]
                 t1 = time.perf_counter()
-                cp = subprocess.run(cmd, capture_output=True, text=True,
-                                    timeout=max(20, min(120, _left_s() - 5)) if not smoke else 600)
-                entry: dict[str, Any] = {"cmd": " ".join(cmd[1:]), "rc": cp.returncode,
-                                         "wall_s": time.perf_counter() - t1}
+                cp = subprocess.run(
+                    cmd,
+                    capture_output=True,
+                    text=True,
+                    timeout=max(20, min(120, _left_s() - 5)) if not smoke else 600,
+                )
+                entry: dict[str, Any] = {
+                    "cmd": " ".join(cmd[1:]),
+                    "rc": cp.returncode,
+                    "wall_s": time.perf_counter() - t1,
+                }
                 if cp.returncode != 0 or not os.path.exists(path):
                     entry["stderr_tail"] = (cp.stderr or "")[-2000:]
                 else:
                     m = json.load(open(path)).get("metrics") or {}
-                    entry["metrics"] = {k: m.get(k) for k in (
-                        "completed", "failed", "request_throughput", "output_throughput",
-                        "ttft_ms", "tpot_ms", "e2el_ms", "failure_reasons")}
+                    entry["metrics"] = {
+                        k: m.get(k)
+                        for k in (
+                            "completed",
+                            "failed",
+                            "request_throughput",
+                            "output_throughput",
+                            "ttft_ms",
+                            "tpot_ms",
+                            "e2el_ms",
+                            "failure_reasons",
+                        )
+                    }
                 res[name] = entry
-                print(f"http {name}: rc={cp.returncode} "
-                      f"{(entry.get('metrics') or {}).get('request_throughput')}", flush=True)
+                print(
+                    f"http {name}: rc={cp.returncode} "
+                    f"{(entry.get('metrics') or {}).get('request_throughput')}",
+                    flush=True,
+                )
                 _save_partial()
         finally:
             proc.terminate()
@@ -1421,22 +1674,30 @@ def _summary_table() -> str:
     for sec, val in RESULTS["sections"].items():
         if isinstance(val, dict):
             flat = {k: v for k, v in val.items() if isinstance(v, (int, float, str))}
-            lines.append(f"{sec}: " + ", ".join(
-                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in flat.items()))
+            lines.append(
+                f"{sec}: "
+                + ", ".join(
+                    f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in flat.items()
+                )
+            )
     secs = RESULTS["sections"]
     for name in ("mil8b", "mil32b"):
         m = secs.get(name) or {}
         if "on" in m and "off" in m:
-            lines.append(f"{name}: MIL on {m['on'].get('mil_tokens')} (pred "
-                         f"{m['on']['predicted_tokens']}) / off {m['off'].get('mil_tokens')} "
-                         f"(pred {m['off']['predicted_tokens']}) ratio {m.get('ratio_on_vs_off')}"
-                         f" measured={m.get('ratio_is_measured')}")
+            lines.append(
+                f"{name}: MIL on {m['on'].get('mil_tokens')} (pred "
+                f"{m['on']['predicted_tokens']}) / off {m['off'].get('mil_tokens')} "
+                f"(pred {m['off']['predicted_tokens']}) ratio {m.get('ratio_on_vs_off')}"
+                f" measured={m.get('ratio_is_measured')}"
+            )
     sc = secs.get("score") or {}
     for w in ("short", "post_recommendation"):
         if isinstance(sc.get(w), dict):
             d = sc[w]
-            lines.append(f"score {w}: ours {d['ours_rps']:.2f} req/s, transformers "
-                         f"{d['hf_rps']:.2f} req/s, speedup {d['speedup']:.2f}")
+            lines.append(
+                f"score {w}: ours {d['ours_rps']:.2f} req/s, transformers "
+                f"{d['hf_rps']:.2f} req/s, speedup {d['speedup']:.2f}"
+            )
     for b, d in (sc.get("budget_sweep_short") or {}).items():
         lines.append(f"  budget {b}: " + (f"{d['rps']:.2f} req/s" if isinstance(d, dict) else d))
     for w, d in (secs.get("http") or {}).items():
@@ -1452,11 +1713,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sections", default="ceilings,green,backend,ops,kernels")
     ap.add_argument("--rev", default="unknown", help="git revision of the tree (pass it in)")
     ap.add_argument("--tag", default="gpu-suite")
-    ap.add_argument("--deadline-s", type=float, default=None,
-                    help="seconds from start after which long sections stop early (and say so)")
-    ap.add_argument("--cpu-smoke", action="store_true",
-                    help="run the mil8b/score/http sections on CPU with random:tiny (catches "
-                         "Python errors before device time; figures meaningless)")
+    ap.add_argument(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="seconds from start after which long sections stop early (and say so)",
+    )
+    ap.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="run the mil8b/score/http sections on CPU with random:tiny (catches "
+        "Python errors before device time; figures meaningless)",
+    )
     args = ap.parse_args(argv)
     if args.deadline_s is not None:
         DEADLINE["t"] = time.monotonic() + args.deadline_s
@@ -1465,13 +1733,15 @@ def main(argv: list[str] | None = None) -> int:
     elif not torch.cuda.is_available():
         print("CUDA is not available: nothing to run")
         return 2
-    RESULTS.update({
-        "command": "bash bench/gpu_run.sh " + " ".join(sys.argv[1:] if argv is None else argv),
-        "git_revision": args.rev,
-        "device": "cpu (smoke)" if args.cpu_smoke else torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-    })
+    RESULTS.update(
+        {
+            "command": "bash bench/gpu_run.sh " + " ".join(sys.argv[1:] if argv is None else argv),
+            "git_revision": args.rev,
+            "device": "cpu (smoke)" if args.cpu_smoke else torch.cuda.get_device_name(0),
+            "torch": torch.__version__,
+            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        }
+    )
     for name in args.sections.split(","):
         t0 = time.perf_counter()
         try:

@@ -93,7 +93,10 @@ def summarize_ms(values_s: list[float]) -> dict[str, float | None]:
     arr = np.asarray(values_s, dtype=np.float64) * 1e3
     p50, p90, p99 = np.percentile(arr, PERCENTILES)
     return {
-        "mean": float(arr.mean()), "median": float(p50), "p90": float(p90), "p99": float(p99),
+        "mean": float(arr.mean()),
+        "median": float(p50),
+        "p90": float(p90),
+        "p99": float(p99),
         "std": float(arr.std()),
     }
 
@@ -134,9 +137,9 @@ def compute_metrics(
     if expected:
         exact = sum(r.num_output_tokens == r.expected_output_tokens for r in expected)
         metrics["output_len_exact_fraction"] = exact / len(expected)
-        metrics["output_tokens_from_usage_fraction"] = (
-            sum(r.output_tokens_from_usage for r in expected) / len(expected)
-        )
+        metrics["output_tokens_from_usage_fraction"] = sum(
+            r.output_tokens_from_usage for r in expected
+        ) / len(expected)
     if slo is not None:
         good = sum(slo.met_by(r) for r in results)
         metrics["slo"] = slo.as_dict()

@@ -13,7 +13,10 @@ from pathlib import Path
 from typing import Any
 
 LATENCIES: tuple[tuple[str, str], ...] = (
-    ("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2EL"),
+    ("ttft_ms", "TTFT"),
+    ("tpot_ms", "TPOT"),
+    ("itl_ms", "ITL"),
+    ("e2el_ms", "E2EL"),
 )
 STATS: tuple[str, ...] = ("median", "p90", "p99")
 
@@ -28,8 +31,10 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 
 def markdown_table(series: dict[str, list[dict[str, Any]]]) -> str:
     """One row per (configuration, QPS): counts, throughput and latency mean / P99 in ms."""
-    head = ("| config | QPS | done | failed | req/s | out tok/s | TTFT mean | TTFT P99 "
-            "| TPOT mean | TPOT P99 | ITL P99 | E2EL mean | E2EL P99 | goodput |")
+    head = (
+        "| config | QPS | done | failed | req/s | out tok/s | TTFT mean | TTFT P99 "
+        "| TPOT mean | TPOT P99 | ITL P99 | E2EL mean | E2EL P99 | goodput |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for label, runs in series.items():
         for run in sorted(runs, key=_qps):
@@ -71,8 +76,14 @@ def plot_latency_vs_qps(
                 ys = [r["metrics"][key][stat] for r in runs]
                 pts = [(x, y) for x, y in zip(xs, ys, strict=True) if y is not None]
                 if pts:
-                    ax.plot(*zip(*pts, strict=True), styles[stat], marker="o", markersize=3,
-                            color=colors[i % len(colors)], label=f"{label} {stat}")
+                    ax.plot(
+                        *zip(*pts, strict=True),
+                        styles[stat],
+                        marker="o",
+                        markersize=3,
+                        color=colors[i % len(colors)],
+                        label=f"{label} {stat}",
+                    )
         if not ax.lines:  # e.g. TPOT / ITL of a scoring workload: nothing streamed
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
         ax.set_title(f"{name} (ms)")
@@ -96,8 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     labels = args.labels.split(",") if args.labels else [Path(f).stem for f in args.results]
-    series = {lab: json.loads(Path(f).read_text())["runs"]
-              for lab, f in zip(labels, args.results, strict=True)}
+    series = {
+        lab: json.loads(Path(f).read_text())["runs"]
+        for lab, f in zip(labels, args.results, strict=True)
+    }
     plot_latency_vs_qps(series, args.out)
     print(markdown_table(series))
     return 0

@@ -64,8 +64,11 @@ class ClientOptions:
 
 
 def arrival_times_s(
-    qps: float, seed: int, burstiness: float = 1.0,
-    num_requests: int | None = None, duration_s: float | None = None,
+    qps: float,
+    seed: int,
+    burstiness: float = 1.0,
+    num_requests: int | None = None,
+    duration_s: float | None = None,
 ) -> list[float]:
     """Planned send times (s from the run start): gamma inter-arrivals with mean 1/qps.
 
@@ -139,8 +142,12 @@ def score_body(req: WorkloadRequest, opts: ClientOptions) -> dict[str, Any]:
 
 
 async def _send_chat(
-    client: httpx.AsyncClient, base_url: str, req: WorkloadRequest, opts: ClientOptions,
-    result: RequestResult, start: float,
+    client: httpx.AsyncClient,
+    base_url: str,
+    req: WorkloadRequest,
+    opts: ClientOptions,
+    result: RequestResult,
+    start: float,
 ) -> None:
     body = chat_body(req, opts)
     text_parts: list[str] = []
@@ -190,8 +197,12 @@ async def _send_chat(
 
 
 async def _send_score(
-    client: httpx.AsyncClient, base_url: str, req: WorkloadRequest, opts: ClientOptions,
-    result: RequestResult, start: float,
+    client: httpx.AsyncClient,
+    base_url: str,
+    req: WorkloadRequest,
+    opts: ClientOptions,
+    result: RequestResult,
+    start: float,
 ) -> None:
     resp = await client.post(f"{base_url}/v1/score", json=score_body(req, opts))
     result.e2el_s = result.ttft_s = time.perf_counter() - start
@@ -210,20 +221,29 @@ async def _send_score(
 
 
 async def send_request(
-    client: httpx.AsyncClient, base_url: str, req: WorkloadRequest, opts: ClientOptions,
-    scheduled_s: float, run_start: float,
+    client: httpx.AsyncClient,
+    base_url: str,
+    req: WorkloadRequest,
+    opts: ClientOptions,
+    scheduled_s: float,
+    run_start: float,
 ) -> RequestResult:
     """Send one request and time it; never raises (failures are recorded in the result)."""
     result = RequestResult(
-        req.request_id, req.api, req.source, scheduled_s=scheduled_s,
-        num_prompt_tokens=req.num_prompt_tokens, expected_output_tokens=req.max_output_tokens,
+        req.request_id,
+        req.api,
+        req.source,
+        scheduled_s=scheduled_s,
+        num_prompt_tokens=req.num_prompt_tokens,
+        expected_output_tokens=req.max_output_tokens,
     )
     start = time.perf_counter()
     result.send_s = start - run_start
     sender = _send_score if req.api == "score" else _send_chat
     try:
-        await asyncio.wait_for(sender(client, base_url, req, opts, result, start),
-                               opts.request_timeout_s)
+        await asyncio.wait_for(
+            sender(client, base_url, req, opts, result, start), opts.request_timeout_s
+        )
     except TimeoutError:
         result.error = f"timeout after {opts.request_timeout_s:g}s"
     except httpx.HTTPError as exc:
@@ -276,8 +296,12 @@ def make_client(opts: ClientOptions) -> httpx.AsyncClient:
 
 
 async def run_once(
-    base_url: str, requests: list[WorkloadRequest], arrivals_s: list[float],
-    opts: ClientOptions, slo: SLO | None = None, label: str = "",
+    base_url: str,
+    requests: list[WorkloadRequest],
+    arrivals_s: list[float],
+    opts: ClientOptions,
+    slo: SLO | None = None,
+    label: str = "",
 ) -> tuple[dict[str, Any], list[RequestResult]]:
     """Send `requests` at `arrivals_s` and return (metrics, per-request results)."""
     assert len(requests) == len(arrivals_s)
@@ -285,6 +309,7 @@ async def run_once(
     sem = asyncio.Semaphore(opts.max_concurrency) if opts.max_concurrency else None
 
     async with make_client(opts) as client:
+
         async def one(req: WorkloadRequest, at_s: float, run_start: float) -> RequestResult:
             if sem is None:
                 res = await send_request(client, base_url, req, opts, at_s, run_start)
@@ -310,8 +335,11 @@ async def run_once(
 
 
 async def search_max_qps(
-    run_at: Callable[[float], Awaitable[dict[str, Any]]], slo: SLO, start_qps: float,
-    max_probes: int = 8, rel_tol: float = 0.05,
+    run_at: Callable[[float], Awaitable[dict[str, Any]]],
+    slo: SLO,
+    start_qps: float,
+    max_probes: int = 8,
+    rel_tol: float = 0.05,
 ) -> dict[str, Any]:
     """Highest QPS whose run meets the P99 SLO: double until a probe fails, then bisect.
 
@@ -345,30 +373,38 @@ async def search_max_qps(
 
 def git_revision() -> dict[str, Any]:
     def git(*args: str) -> str:
-        out = subprocess.run(["git", "-C", str(REPO_DIR), *args], capture_output=True,
-                             text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "-C", str(REPO_DIR), *args], capture_output=True, text=True, timeout=10
+        )
         return out.stdout.strip() if out.returncode == 0 else ""
 
     try:
-        return {"revision": git("rev-parse", "HEAD") or None,
-                "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+        return {
+            "revision": git("rev-parse", "HEAD") or None,
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        }
     except (OSError, subprocess.SubprocessError):
         return {"revision": None, "dirty": None}
 
 
 def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {
-        "hostname": platform.node(), "platform": platform.platform(),
-        "python": platform.python_version(), "cpu_count": os.cpu_count(),
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
     }
     if hasattr(os, "getloadavg"):
         # Other work on the machine skews CPU results; the 1/5/15-minute load shows how much.
         info["load_avg_1_5_15_min"] = [round(x, 2) for x in os.getloadavg()]
     if shutil.which("nvidia-smi"):
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total",
-                                  "--format=csv,noheader"], capture_output=True, text=True,
-                                 timeout=10)
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
             info["gpus"] = [g.strip() for g in out.stdout.splitlines() if g.strip()]
         except (OSError, subprocess.SubprocessError):
             pass
@@ -404,16 +440,21 @@ def admin_headers(admin_token: str | None) -> dict[str, str]:
 
 
 async def admin_call(
-    base_url: str, method: str, path: str, admin_token: str | None,
-    body: dict[str, Any] | None = None, timeout_s: float = 30.0,
+    base_url: str,
+    method: str,
+    path: str,
+    admin_token: str | None,
+    body: dict[str, Any] | None = None,
+    timeout_s: float = 30.0,
 ) -> tuple[bool, dict[str, Any] | str]:
     """One admin API request: (True, JSON reply) on 200, else (False, a short error text).
 
     Never raises: callers decide whether a failed change invalidates their measurement."""
     try:
         async with httpx.AsyncClient(timeout=timeout_s) as client:
-            resp = await client.request(method, f"{base_url}{path}", json=body,
-                                        headers=admin_headers(admin_token))
+            resp = await client.request(
+                method, f"{base_url}{path}", json=body, headers=admin_headers(admin_token)
+            )
     except httpx.HTTPError as exc:
         return False, f"{type(exc).__name__}: {str(exc)[:160]}"
     if resp.status_code != 200:
@@ -463,14 +504,25 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--slo", help="ttft:MS,tpot:MS,e2el:MS (any subset)")
     p.add_argument("--api-key", default=os.environ.get("GREENLANE_API_KEY"))
-    p.add_argument("--admin-token", default=os.environ.get("GREENLANE_ADMIN_TOKEN"),
-                   help="Bearer token for /admin/api/* (default: $GREENLANE_ADMIN_TOKEN)")
-    p.add_argument("--reset-prefix-cache", action=argparse.BooleanOptionalAction, default=True,
-                   help="empty the server's prefix cache before each run (default: on; "
-                        "--no-reset-prefix-cache keeps warm caches across runs)")
+    p.add_argument(
+        "--admin-token",
+        default=os.environ.get("GREENLANE_ADMIN_TOKEN"),
+        help="Bearer token for /admin/api/* (default: $GREENLANE_ADMIN_TOKEN)",
+    )
+    p.add_argument(
+        "--reset-prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="empty the server's prefix cache before each run (default: on; "
+        "--no-reset-prefix-cache keeps warm caches across runs)",
+    )
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--warmup-requests", type=int, default=0,
-                   help="send N unrecorded requests first, one at a time (from another seed)")
+    p.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=0,
+        help="send N unrecorded requests first, one at a time (from another seed)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -480,8 +532,11 @@ def build_parser() -> argparse.ArgumentParser:
     rate = p.add_mutually_exclusive_group(required=True)
     rate.add_argument("--qps", help="one rate or a comma list (a sweep); 'inf' allowed")
     rate.add_argument("--request-rate", help="alias of --qps")
-    p.add_argument("--find-max-qps", action="store_true",
-                   help="search the highest QPS meeting the P99 --slo (start: first --qps)")
+    p.add_argument(
+        "--find-max-qps",
+        action="store_true",
+        help="search the highest QPS meeting the P99 --slo (start: first --qps)",
+    )
     p.add_argument("--max-probes", type=int, default=8)
     p.add_argument("--out", required=True, help="result JSON path")
     p.add_argument("--plot", help="PNG of latency percentiles vs QPS")
@@ -490,10 +545,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def options_from_args(args: argparse.Namespace, tokenizer: TokenizerLike) -> ClientOptions:
     return ClientOptions(
-        model=args.model or "", ignore_eos=not args.no_ignore_eos, temperature=args.temperature,
-        burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-        request_timeout_s=args.request_timeout, api_key=args.api_key,
-        progress=not args.no_progress, tokenizer=tokenizer,
+        model=args.model or "",
+        ignore_eos=not args.no_ignore_eos,
+        temperature=args.temperature,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        request_timeout_s=args.request_timeout,
+        api_key=args.api_key,
+        progress=not args.no_progress,
+        tokenizer=tokenizer,
     )
 
 
@@ -518,13 +578,23 @@ def make_plan(gen: WorkloadGenerator, args: argparse.Namespace, qps: float) -> P
 
 
 def workload_record(gen: WorkloadGenerator, args: argparse.Namespace) -> dict[str, Any]:
-    return {"name": gen.name, "description": describe(gen.name), "scale": gen.scale,
-            "seed": gen.seed, "num_requests": args.num_requests, "duration_s": args.duration,
-            "burstiness": args.burstiness}
+    return {
+        "name": gen.name,
+        "description": describe(gen.name),
+        "scale": gen.scale,
+        "seed": gen.seed,
+        "num_requests": args.num_requests,
+        "duration_s": args.duration,
+        "burstiness": args.burstiness,
+    }
 
 
-def run_record(qps: float, metrics: dict[str, Any], plan: Plan,
-               prefix_cache_reset: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_record(
+    qps: float,
+    metrics: dict[str, Any],
+    plan: Plan,
+    prefix_cache_reset: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """One run's JSON; `prefix_cache_reset` is what `reset_prefix_cache` returned before it
     (None: no reset was asked for)."""
     prompt = [r.num_prompt_tokens for r in plan.requests]
@@ -539,8 +609,9 @@ def run_record(qps: float, metrics: dict[str, Any], plan: Plan,
     }
 
 
-async def warm_up(base_url: str, args: argparse.Namespace, tok: TokenizerLike,
-                  opts: ClientOptions) -> None:
+async def warm_up(
+    base_url: str, args: argparse.Namespace, tok: TokenizerLike, opts: ClientOptions
+) -> None:
     """Unrecorded requests, one at a time, drawn with another seed (so the measured requests'
     prefixes are not pre-cached): first-request costs stay out of the first run."""
     if args.warmup_requests <= 0:
@@ -558,8 +629,11 @@ async def reset_before_run(base_url: str, args: argparse.Namespace) -> dict[str,
         return None
     reset = await reset_prefix_cache(base_url, args.admin_token)
     if not reset["done"]:
-        print(f"\nwarning: prefix-cache reset failed ({reset['error']}); this run may reuse "
-              "prefixes cached by earlier runs", file=sys.stderr)
+        print(
+            f"\nwarning: prefix-cache reset failed ({reset['error']}); this run may reuse "
+            "prefixes cached by earlier runs",
+            file=sys.stderr,
+        )
     return reset
 
 
@@ -588,20 +662,25 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "workload": workload_record(gen, args),
     }
     await resolve_model(base_url, opts, record["server"])
-    record["options"] = {"model": opts.model, "ignore_eos": opts.ignore_eos,
-                         "temperature": opts.temperature, "max_concurrency": opts.max_concurrency,
-                         "request_timeout_s": opts.request_timeout_s,
-                         "warmup_requests": args.warmup_requests,
-                         "reset_prefix_cache": args.reset_prefix_cache,
-                         "slo": slo.as_dict() if slo else None}
+    record["options"] = {
+        "model": opts.model,
+        "ignore_eos": opts.ignore_eos,
+        "temperature": opts.temperature,
+        "max_concurrency": opts.max_concurrency,
+        "request_timeout_s": opts.request_timeout_s,
+        "warmup_requests": args.warmup_requests,
+        "reset_prefix_cache": args.reset_prefix_cache,
+        "slo": slo.as_dict() if slo else None,
+    }
     await warm_up(base_url, args, tok, opts)
     runs: list[dict[str, Any]] = []
 
     async def run_at(qps: float) -> dict[str, Any]:
         plan = make_plan(gen, args, qps)
         reset = await reset_before_run(base_url, args)
-        metrics, _ = await run_once(base_url, plan.requests, plan.arrivals_s, opts, slo,
-                                    label=f"qps {qps:g}")
+        metrics, _ = await run_once(
+            base_url, plan.requests, plan.arrivals_s, opts, slo, label=f"qps {qps:g}"
+        )
         runs.append(run_record(qps, metrics, plan, reset))
         return metrics
 
@@ -616,8 +695,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     record["runs"] = runs
     record["prefix_cache_reset"] = {
         "requested": args.reset_prefix_cache,
-        "done_before_every_run": bool(runs) and all(
-            (r["prefix_cache_reset"] or {}).get("done", False) for r in runs),
+        "done_before_every_run": bool(runs)
+        and all((r["prefix_cache_reset"] or {}).get("done", False) for r in runs),
     }
     if len(runs) == 1:
         record["metrics"] = runs[0]["metrics"]
@@ -639,8 +718,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         from bench.plots import plot_latency_vs_qps
 
-        plot_latency_vs_qps({args.workload: record["runs"]}, args.plot,
-                            title=f"{args.workload} ({args.url})")
+        plot_latency_vs_qps(
+            {args.workload: record["runs"]}, args.plot, title=f"{args.workload} ({args.url})"
+        )
     print(f"\nwrote {out}", file=sys.stderr)
     return 0
 

@@ -76,7 +76,9 @@ class WordPool:
             if _WORD.match(text) and text[0] in " \u2581" and encode_ids(tok, text) == [token_id]:
                 ids.append(token_id)
         if len(ids) < 100:
-            raise ValueError(f"tokenizer has only {len(ids)} single-token words; cannot build prompts")
+            raise ValueError(
+                f"tokenizer has only {len(ids)} single-token words; cannot build prompts"
+            )
         self.word_ids = ids
 
     def sample(self, rng: random.Random, num_tokens: int) -> list[int]:
@@ -157,40 +159,50 @@ _SCORE_QUESTION = " Answer with Yes or No:"
 
 SPECS: dict[str, WorkloadSpec] = {
     "post-recommendation": WorkloadSpec(
-        "post-recommendation", "score",
+        "post-recommendation",
+        "score",
         "PrefillOnly post recommendation: 20 users, profile 11k-17k tokens (uniform), "
         "50 posts x 150 tokens per user; request = profile + one post, Yes/No",
         prompt=LengthDist("uniform", 11_000, 17_000),
-        num_users=20, items_per_user=50, item=LengthDist("fixed", 150, 150),
+        num_users=20,
+        items_per_user=50,
+        item=LengthDist("fixed", 150, 150),
     ),
     "credit-verification": WorkloadSpec(
-        "credit-verification", "score",
+        "credit-verification",
+        "score",
         "PrefillOnly credit verification: 60 users, history 40k-60k tokens (uniform); "
         "request = history + a 64-token question (question length assumed), Yes/No",
         prompt=LengthDist("uniform", 40_000, 60_000),
-        num_users=60, items_per_user=50, item=LengthDist("fixed", 64, 64),
+        num_users=60,
+        items_per_user=50,
+        item=LengthDist("fixed", 64, 64),
     ),
     "short-scoring": WorkloadSpec(
-        "short-scoring", "score",
+        "short-scoring",
+        "score",
         "short prefill-only prompts, 256-2,048 tokens (uniform), no shared prefix, Yes/No",
         prompt=LengthDist("uniform", 256, 2_048),
     ),
     "long-data": WorkloadSpec(
-        "long-data", "chat",
+        "long-data",
+        "chat",
         "Nexus long-data-like chat: input lognormal mean 5.9k (sigma 0.5, clip 1k-16k); "
         "output lognormal mean 180 (sigma 0.6, clip 16-512; assumed)",
         prompt=LengthDist("lognormal", 1_000, 16_000, mean=5_900, sigma=0.5),
         output=LengthDist("lognormal", 16, 512, mean=180, sigma=0.6),
     ),
     "arxiv": WorkloadSpec(
-        "arxiv", "chat",
+        "arxiv",
+        "chat",
         "Nexus arxiv-summarization-like chat: input lognormal mean 3.8k (sigma 0.5, clip 1k-12k); "
         "output lognormal mean 250 (sigma 0.5, clip 32-768; assumed)",
         prompt=LengthDist("lognormal", 1_000, 12_000, mean=3_800, sigma=0.5),
         output=LengthDist("lognormal", 32, 768, mean=250, sigma=0.5),
     ),
     "sharegpt": WorkloadSpec(
-        "sharegpt", "chat",
+        "sharegpt",
+        "chat",
         "ShareGPT-like short chat (synthetic, no dataset): input lognormal mean 250 "
         "(sigma 1.0, clip 4-2,048); output lognormal mean 200 (sigma 0.9, clip 4-1,024); assumed",
         prompt=LengthDist("lognormal", 4, 2_048, mean=250, sigma=1.0),
@@ -220,8 +232,13 @@ class WorkloadGenerator:
     """Makes the requests of one workload. `pool` may be shared between generators."""
 
     def __init__(
-        self, name: str, tok: TokenizerLike, seed: int, scale: float = 1.0,
-        pool: WordPool | None = None, verify: bool = True,
+        self,
+        name: str,
+        tok: TokenizerLike,
+        seed: int,
+        scale: float = 1.0,
+        pool: WordPool | None = None,
+        verify: bool = True,
     ) -> None:
         if name not in WORKLOAD_NAMES:
             raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOAD_NAMES)}")
@@ -277,9 +294,16 @@ class WorkloadGenerator:
                 if encode_ids(self.tok, self.pool.text(item)) != item:
                     raise AssertionError("score item does not round-trip through the tokenizer")
             return WorkloadRequest(
-                rid, "score", spec.name, len(query) + len(item), 1, group=group,
-                query_token_ids=query, item_token_ids=item,
-                label_token_ids=self._label_ids, labels=self._label_strs,
+                rid,
+                "score",
+                spec.name,
+                len(query) + len(item),
+                1,
+                group=group,
+                query_token_ids=query,
+                item_token_ids=item,
+                label_token_ids=self._label_ids,
+                labels=self._label_strs,
             )
         num_prompt = spec.prompt.sample(rng, self.scale)
         num_output = spec.output.sample(rng, self.scale)
