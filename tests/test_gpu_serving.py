@@ -25,9 +25,13 @@ def _free_port() -> int:
 
 def test_compare_modes_and_summary_arithmetic() -> None:
     def side(max_qps, probes):
-        return {"max_qps": max_qps, "probes": {
-            q: {"ttft_ms": {"p99": t, "mean": t / 2}, "tbt_ms": {"p99": b, "mean": b / 2}}
-            for q, (t, b) in probes.items()}}
+        return {
+            "max_qps": max_qps,
+            "probes": {
+                q: {"ttft_ms": {"p99": t, "mean": t / 2}, "tbt_ms": {"p99": b, "mean": b / 2}}
+                for q, (t, b) in probes.items()
+            },
+        }
 
     off = side(4.0, {"2.0": (100.0, 10.0), "4.0": (200.0, 20.0), "6.0": (900.0, 90.0)})
     auto = side(6.0, {"2.0": (50.0, 5.0), "4.0": (100.0, 14.0), "8.0": (800.0, 50.0)})
@@ -36,12 +40,22 @@ def test_compare_modes_and_summary_arithmetic() -> None:
     assert c["throughput_ratio"] == pytest.approx(1.5)
     assert c["p99_ttft_ratio"] == pytest.approx(0.5)
     assert c["p99_tbt_ratio"] == pytest.approx(0.7)
-    models = {"m1": {"workloads": {"long-data": {"auto_vs_off": c},
-                                   "mixed": {"auto_vs_off": {"throughput_ratio": 0.6,
-                                                             "p99_tbt_ratio": None,
-                                                             "p99_ttft_ratio": 2.0}}},
-                     "cost_model_mape": 0.2},
-              "m2": {"workloads": {}, "cost_model_mape": float("nan")}}
+    models = {
+        "m1": {
+            "workloads": {
+                "long-data": {"auto_vs_off": c},
+                "mixed": {
+                    "auto_vs_off": {
+                        "throughput_ratio": 0.6,
+                        "p99_tbt_ratio": None,
+                        "p99_ttft_ratio": 2.0,
+                    }
+                },
+            },
+            "cost_model_mape": 0.2,
+        },
+        "m2": {"workloads": {}, "cost_model_mape": float("nan")},
+    }
     s = gs.build_summary(models)
     assert s["throughput_ratio_auto_vs_off"] == pytest.approx(math.sqrt(1.5 * 0.6))
     assert s["p99_tbt_ratio_auto_vs_off"] == pytest.approx(0.7)  # the None is left out
@@ -52,12 +66,37 @@ def test_compare_modes_and_summary_arithmetic() -> None:
 
 def test_cpu_dry_run_against_real_server(tmp_path: Path) -> None:
     port = _free_port()
-    rc = gs.main(["--smoke", "--models", "random:tiny", "--port", str(port),
-                  "--server-args", "--partition off --device cpu",
-                  "--parts", "long-data,score-chat,ablation,arxiv",
-                  "--out-dir", str(tmp_path), "--deadline-s", "240", "--rev", "test-rev",
-                  "--start-s", "90", "--scale", "0.02", "--num-requests", "3",
-                  "--max-probes", "2", "--drain-s", "1", "--duration-s", "2"])
+    rc = gs.main(
+        [
+            "--smoke",
+            "--models",
+            "random:tiny",
+            "--port",
+            str(port),
+            "--server-args",
+            "--partition off --device cpu",
+            "--parts",
+            "long-data,score-chat,ablation,arxiv",
+            "--out-dir",
+            str(tmp_path),
+            "--deadline-s",
+            "240",
+            "--rev",
+            "test-rev",
+            "--start-s",
+            "90",
+            "--scale",
+            "0.02",
+            "--num-requests",
+            "3",
+            "--max-probes",
+            "2",
+            "--drain-s",
+            "1",
+            "--duration-s",
+            "2",
+        ]
+    )
     files = list(tmp_path.glob("partition-*.json"))
     assert len(files) == 1
     res = json.loads(files[0].read_text())
@@ -76,14 +115,18 @@ def test_cpu_dry_run_against_real_server(tmp_path: Path) -> None:
         assert (tmp_path / wl[side]["file"]).exists()
     # The summary is the arithmetic of the recorded per-side numbers.
     c = wl["auto_vs_off"]
-    assert c["throughput_ratio"] == pytest.approx(gs.ratio(wl["off"]["max_qps"],
-                                                          wl["auto"]["max_qps"]))
+    assert c["throughput_ratio"] == pytest.approx(
+        gs.ratio(wl["off"]["max_qps"], wl["auto"]["max_qps"])
+    )
     q = str(c["common_qps"])
     assert c["p99_tbt_ratio"] == pytest.approx(
-        wl["auto"]["probes"][q]["tbt_ms"]["p99"] / wl["off"]["probes"][q]["tbt_ms"]["p99"])
+        wl["auto"]["probes"][q]["tbt_ms"]["p99"] / wl["off"]["probes"][q]["tbt_ms"]["p99"]
+    )
     s = res["summary"]
-    ratios = [res["models"]["random:tiny"]["workloads"][w]["auto_vs_off"]["p99_ttft_ratio"]
-              for w in ("long-data", "arxiv")]
+    ratios = [
+        res["models"]["random:tiny"]["workloads"][w]["auto_vs_off"]["p99_ttft_ratio"]
+        for w in ("long-data", "arxiv")
+    ]
     assert s["p99_ttft_ratio_auto_vs_off"] == pytest.approx(math.sqrt(ratios[0] * ratios[1]))
     sc = m["score_chat"]
     assert sc["off"]["chat_still_running_at_end"] is True  # probes ran under chat load
@@ -95,8 +138,21 @@ def test_cpu_dry_run_against_real_server(tmp_path: Path) -> None:
 
 def test_parts_past_the_deadline_are_skipped_and_recorded(tmp_path: Path) -> None:
     # A deadline shorter than the start-up estimate: nothing starts, everything is recorded.
-    rc = gs.main(["--smoke", "--models", "random:tiny", "--port", str(_free_port()),
-                  "--out-dir", str(tmp_path), "--deadline-s", "5", "--start-s", "60"])
+    rc = gs.main(
+        [
+            "--smoke",
+            "--models",
+            "random:tiny",
+            "--port",
+            str(_free_port()),
+            "--out-dir",
+            str(tmp_path),
+            "--deadline-s",
+            "5",
+            "--start-s",
+            "60",
+        ]
+    )
     res = json.loads(next(tmp_path.glob("partition-*.json")).read_text())
     assert rc == 0
     assert res["skipped"] and res["skipped"][0].startswith("random:tiny/start")
