@@ -8,27 +8,9 @@
 set -u
 plan=${1:-a}; rev=${2:-unknown}; t0=$(date +%s)
 left() { echo $(( 540 - ($(date +%s) - t0) )); }
-export PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 OUT=${OUT:-bench/results}
-# --- setup: the same steps as bench/gpu_run.sh (wheels, FlashInfer cache as AOT, tokenizer)
-mkdir -p /tmp/site
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
-if [ -f .fi_cache/fi_cache.tar.gz ]; then
-  mkdir -p ~/.cache && tar xzf .fi_cache/fi_cache.tar.gz -C ~/.cache
-  aot=/tmp/site/flashinfer/data/aot
-  for so in ~/.cache/flashinfer/*/*/cached_ops/*/*.so; do
-    [ -f "$so" ] || continue
-    name=$(basename "$(dirname "$so")")
-    mkdir -p "$aot/$name" && cp "$so" "$aot/$name/$name.so"
-  done
-fi
-if [ -d .cache/smollm2-tok ] && [ ! -f .cache/models/SmolLM2-135M-Instruct/model.safetensors ]; then
-  export GREENLANE_CACHE_DIR=/tmp/glcache
-  d=$GREENLANE_CACHE_DIR/models/SmolLM2-135M-Instruct
-  mkdir -p "$d" && cp .cache/smollm2-tok/* "$d/" && touch "$d/model.safetensors"
-fi
-before=$(find ~/.cache/flashinfer -name '*.so' 2>/dev/null | wc -l)
+export OUT=${OUT:-bench/results}
+source bench/gpu_setup.sh  # wheels, FlashInfer cache as AOT, tokenizer
+before=$fi_modules_before
 echo "setup done, $(left) s left; plan $plan"
 rc=0
 case $plan in

@@ -1,0 +1,29 @@
+# Sourced (not run) by bench/gpu_run.sh and bench/gpu_next.sh on the device machine, from the
+# repo root: install the carried wheels, restore the FlashInfer kernel cache, serve the default
+# model's tokenizer to random:<preset> models. Carry: .whl .fi_cache .cache/smollm2-tok.
+export PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
+mkdir -p /tmp/site
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+if [ -f .fi_cache/fi_cache.tar.gz ]; then
+  mkdir -p ~/.cache && tar xzf .fi_cache/fi_cache.tar.gz -C ~/.cache
+  # The tarball holds only the compiled .so files. FlashInfer's JIT path always runs ninja,
+  # which rebuilds a module whose objects are missing (60-100 s each). Installing the cached
+  # .so files as FlashInfer's "AOT" modules makes it load them directly; anything not there is
+  # still JIT-compiled into ~/.cache as before.
+  aot=/tmp/site/flashinfer/data/aot
+  for so in ~/.cache/flashinfer/*/*/cached_ops/*/*.so; do
+    [ -f "$so" ] || continue
+    name=$(basename "$(dirname "$so")")
+    mkdir -p "$aot/$name" && cp "$so" "$aot/$name/$name.so"
+  done
+fi
+# Random presets need only the default model's tokenizer/config: serve them from a cache
+# folder whose model.safetensors is an empty placeholder (never loaded for random:<preset>).
+if [ -d .cache/smollm2-tok ] && [ ! -f .cache/models/SmolLM2-135M-Instruct/model.safetensors ]; then
+  export GREENLANE_CACHE_DIR=/tmp/glcache
+  d=$GREENLANE_CACHE_DIR/models/SmolLM2-135M-Instruct
+  mkdir -p "$d" && cp .cache/smollm2-tok/* "$d/" && touch "$d/model.safetensors"
+fi
+fi_modules_before=$(find ~/.cache/flashinfer -name '*.so' 2>/dev/null | wc -l)
