@@ -1509,27 +1509,12 @@ def section_score() -> dict:
     return out
 
 
-def _wait_http(url: str, deadline_s: float, proc) -> None:
-    import urllib.request
-
-    t_end = time.monotonic() + deadline_s
-    while time.monotonic() < t_end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except Exception:  # noqa: BLE001 - not up yet
-            pass
-        time.sleep(1.0)
-    raise TimeoutError(f"{url} not healthy after {deadline_s} s")
-
-
 def section_http() -> dict:
     """`python -m app serve` in a child process, then `python -m bench.serve` for one scoring
     and one chat workload; the harness JSONs go to $OUT."""
     import subprocess
+
+    from bench.gpu_serving import wait_healthy
 
     smoke = DEADLINE["smoke"]
     out_dir = os.environ.get("OUT") or "bench/results"
@@ -1553,7 +1538,7 @@ def section_http() -> dict:
         proc = subprocess.Popen(server_cmd, stdout=log_f, stderr=subprocess.STDOUT)
         try:
             try:
-                _wait_http("http://127.0.0.1:8000/health", 90 if not smoke else 180, proc)
+                wait_healthy("http://127.0.0.1:8000/health", 90 if not smoke else 180, proc)
             except Exception as e:
                 log_f.flush()
                 tail = open(log_path).read()[-3000:]
