@@ -443,9 +443,12 @@ class Orchestrator:
         rec["best_static_split"] = res["best"]
 
     def count_args(self) -> list[str]:
+        # A request still running after --request-timeout is an SLO failure anyway; the bound
+        # keeps an overloaded probe's drain from eating the device call.
+        timeout = ["--request-timeout", str(self.args.request_timeout_s)]
         if self.smoke:
-            return ["--num-requests", str(self.args.num_requests)]
-        return ["--duration", str(self.args.duration_s)]
+            return ["--num-requests", str(self.args.num_requests), *timeout]
+        return ["--duration", str(self.args.duration_s), *timeout]
 
     def max_qps(
         self,
@@ -817,6 +820,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration-s", type=float, default=8.0, help="arrivals per run (seconds)")
     p.add_argument("--drain-s", type=float, default=4.0, help="estimated drain per run")
     p.add_argument("--num-requests", type=int, default=6, help="requests per run (--smoke)")
+    p.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=60.0,
+        help="per-request limit in every harness run (a timed-out request counts as failed)",
+    )
     p.add_argument("--start-qps", type=float, default=2.0)
     p.add_argument("--max-probes", type=int, default=3)
     p.add_argument("--slo", default="ttft:2000,tpot:60")
@@ -825,6 +834,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-qps", type=float, default=2.0)
     p.add_argument("--ablation-rounds", type=int, default=1)
     p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="RESULTS_JSON",
+        help="merge results files of several calls into <out-dir>/<tag>-<date>.json; no runs",
+    )
+    p.add_argument(
         "--smoke",
         action="store_true",
         help="CPU plumbing check: policies instead of partitions, few requests",
@@ -832,8 +847,47 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def merge_records(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """One model's record from two calls: workloads merged per workload (b wins per side),
+    other keys from b where b has them."""
+    out = {**a, **{k: v for k, v in b.items() if v not in (None, {}, [])}}
+    out["workloads"] = {**(a.get("workloads") or {}), **(b.get("workloads") or {})}
+    return out
+
+
+def merge_files(paths: list[str], out_path: Path) -> dict[str, Any]:
+    """Merge the results of several device calls (each under its own deadline) into one file,
+    keeping every call's command, revision and date, and recompute the summary."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    merged: dict[str, Any] = {
+        "command": [r.get("command") for r in runs],
+        "git_revision": sorted({str(r.get("git_revision")) for r in runs}),
+        "device": sorted({str(r.get("device")) for r in runs}),
+        "date": max(str(r.get("date")) for r in runs),
+        "merged_from": [Path(p).name for p in paths],
+        "definitions": runs[-1].get("definitions"),
+        "models": {},
+        "skipped": [],
+        "errors": {},
+    }
+    for r in runs:
+        for model, rec in (r.get("models") or {}).items():
+            prev = merged["models"].get(model)
+            merged["models"][model] = merge_records(prev, rec) if prev else rec
+        merged["skipped"] += r.get("skipped") or []
+        merged["errors"].update(r.get("errors") or {})
+    merged["summary"] = build_summary(merged["models"])
+    out_path.write_text(json.dumps(merged, indent=1, default=str) + "\n")
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.merge:
+        path = Path(args.out_dir) / f"{args.tag}-{dt.date.today().isoformat()}.json"
+        print(table(merge_files(args.merge, path)))
+        print(f"wrote {path}")
+        return 0
     return Orchestrator(args).run()
 
 

@@ -18,6 +18,7 @@ Sections:
   correctness logits vs transformers (llama-small, Qwen2.5-3B width) bf16/fp32; greedy 16
              tokens through the engine (fp32) vs transformers.generate
   fi_vs_torch 8B FlashInfer vs torch backend, each against an fp32 forward
+  decode_profile  where the decode step's time goes: graph step, kernels, GEMV bandwidth
 """
 
 from __future__ import annotations
@@ -657,6 +658,152 @@ def section_graphs() -> dict:
         except Exception as exc:
             traceback.print_exc()
             check("decode CUDA graphs", False, f"{type(exc).__name__}: {exc}")
+    return out
+
+
+def _graph_ms(fn: Callable[[], Any], stream: torch.cuda.Stream) -> float:
+    """Median ms of fn captured once into a CUDA graph (kernel time without launch gaps)."""
+    with torch.cuda.stream(stream):
+        fn()  # warm-up outside the graph (cuBLAS handles, workspaces)
+    stream.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=stream):
+        fn()
+    return time_cuda(g.replay, iters=20, warmup=3, stream=stream)
+
+
+def _kernel_table(prof: Any, n_steps: int, top: int = 14) -> tuple[list[dict], float, int]:
+    """Per-kernel device time (us per step), the summed kernel time and the kernel count."""
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", 0) or getattr(e, "device_time_total", 0) or 0
+        if us > 0:
+            rows.append({"kernel": e.key[:90], "us": us / n_steps, "count": e.count // n_steps})
+    rows.sort(key=lambda r: -r["us"])
+    total = sum(r["us"] for r in rows)
+    return rows[:top], total, sum(r["count"] for r in rows)
+
+
+def section_decode_profile() -> dict:
+    """Where a decode step's time goes (issue 5's batch-1 target), llama-3.1-8b bf16, 2k
+    contexts: the CUDA-graph step (layers + LM head), the kernels inside it (torch.profiler over
+    graph replays: summed kernel time vs the step = launch gaps), and each projection's GEMV
+    bandwidth at M = batch (8 distinct weights per shape, so L2 holds none), with the default
+    BLAS and with cuBLASLt."""
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    from runtime import ops
+    from runtime.attention.flashinfer_backend import FlashInferBackend
+    from runtime.cuda_graphs import DecodeGraphs
+
+    ceil = RESULTS["sections"].get("ceilings") or section_ceilings()
+    copy_gbs = ceil["copy_gbs_read_plus_write"]
+    num_blocks = 64 * 129 + 64
+    model, cfg, pool = _llama8b(num_blocks=num_blocks)
+    ops.use_flashinfer(True)
+    be = FlashInferBackend.from_pool(pool, cfg.num_q_heads)
+    w_bytes = sum(
+        p.numel() * p.element_size()
+        for n, p in model.named_parameters()
+        if "embed_tokens" not in n or cfg.tie_word_embeddings
+    )
+    out: dict[str, Any] = {"copy_gbs": copy_gbs, "weight_bytes": w_bytes}
+    perm = torch.randperm(num_blocks - 8).tolist()
+    s = torch.cuda.Stream()
+    with torch.inference_mode():
+        graphs = DecodeGraphs(
+            model,
+            pool.k,
+            pool.v,
+            s,
+            pad_block_id=num_blocks - 1,
+            max_blocks_per_seq=129,
+            batch_sizes=(1, 64),
+        )
+        graphs.capture()
+        for B in (1, 64):
+            blocks = [perm[i * 128 : (i + 1) * 128] for i in range(B)]
+            b = _batch([(2047, 1, 2048)] * B, blocks, is_decode=True)
+            be.plan(b)
+            ref = model.compute_logits(model(b.input_ids, b.positions, be)).float()
+            s.wait_stream(torch.cuda.current_stream())
+            got = model.compute_logits(graphs.run(b)).float()
+            torch.cuda.synchronize()
+            e = rel_err(got, ref)
+            check(f"decode-profile graph b{B} matches eager", e < 2e-2, f"rel_err={e:.2e}")
+            fn = lambda: model.compute_logits(graphs.run(b))  # noqa: E731, B023
+            ms = time_cuda(fn, iters=20, warmup=3, stream=s)
+            kv_bytes = B * 2048 * cfg.num_layers * 2 * cfg.kv_size * 2
+            floor = (w_bytes + kv_bytes) / copy_gbs / 1e6
+            r: dict[str, Any] = {"graph_step_ms": ms, "floor_ms": floor, "over_floor": ms / floor}
+            try:
+                with torch.cuda.stream(s):
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        for _ in range(3):
+                            fn()
+                        s.synchronize()
+                top, total_us, n_k = _kernel_table(prof, 3)
+                r.update(
+                    {
+                        "kernels_per_step": n_k,
+                        "kernel_ms_per_step": total_us / 1e3,
+                        "gaps_ms": ms - total_us / 1e3,
+                        "top_kernels": top,
+                    }
+                )
+            except Exception as exc:  # noqa: BLE001 - profiler support varies (CUPTI)
+                r["profile_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            out[f"b{B}"] = r
+            print(f"decode profile b{B}: {json.dumps(r, default=str)[:900]}", flush=True)
+        graphs.graphs.clear()  # free the captured graphs before the GEMV runs
+        # GEMV bandwidth per projection shape, M = 1 and 64.
+        H, inter, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+        shapes = {
+            "qkv": (H, cfg.q_size + 2 * cfg.kv_size),
+            "o": (cfg.q_size, H),
+            "gate_up": (H, 2 * inter),
+            "down": (inter, H),
+            "lm_head": (H, V),
+        }
+        gemv: dict[str, Any] = {}
+        default_lib = torch.backends.cuda.preferred_blas_library()
+        for lib in ("default", "cublaslt"):
+            try:
+                torch.backends.cuda.preferred_blas_library(
+                    default_lib if lib == "default" else "cublaslt"
+                )
+                for M in (1, 64):
+                    for name, (K, N) in shapes.items():
+                        n_w = 2 if name == "lm_head" else 8
+                        ws = [
+                            torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+                            for _ in range(n_w)
+                        ]
+                        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+                        gms = _graph_ms(lambda: [F.linear(x, w) for w in ws], s)  # noqa: B023
+                        gemv[f"{lib}_m{M}_{name}_gbs"] = n_w * N * K * 2 / gms / 1e6
+                        gemv[f"{lib}_m{M}_{name}_us"] = gms / n_w * 1e3
+            except Exception as exc:  # noqa: BLE001
+                gemv[f"{lib}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            finally:
+                torch.backends.cuda.preferred_blas_library(default_lib)
+        for lib in ("default", "cublaslt"):
+            for M in (1, 64):
+                us = [gemv.get(f"{lib}_m{M}_{n}_us") for n in ("qkv", "o", "gate_up", "down")]
+                lm = gemv.get(f"{lib}_m{M}_lm_head_us")
+                if all(u is not None for u in us) and lm is not None:
+                    gemv[f"{lib}_m{M}_all_projections_ms"] = (
+                        cfg.num_layers * sum(us) + lm  # type: ignore[arg-type]
+                    ) / 1e3
+        out["gemv"] = gemv
+        print(f"gemv: {json.dumps(gemv)[:1500]}", flush=True)
+    # Free the 8B model and its pool for the sections after this one.
+    _MODEL.clear()
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
     return out
 
 
@@ -1642,6 +1789,7 @@ SECTIONS: dict[str, Callable[[], dict]] = {
     "model": section_model,
     "profile": section_profile,
     "graphs": section_graphs,
+    "decode_profile": section_decode_profile,
     "mil8b": section_mil8b,
     "mil32b": section_mil32b,
     "score": section_score,

@@ -94,7 +94,9 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_q_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)  # contiguous copy of the slice
+        # v stays a strided view of qkv: the KV write (index_copy_) and the FlashInfer kernels
+        # read through strides, so a contiguous copy would be one more launch per layer.
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)

@@ -76,14 +76,15 @@ def _fi_apply_rope(
 
     T, Hq, D = q.shape
     Hkv = k.shape[1]
-    # The in-place kernel takes [T, H * D]; q/k often arrive as column views of the fused qkv
-    # output, so rotate contiguous copies (never the caller's qkv buffer).
-    q2 = q.reshape(T, Hq * D).clone()
-    k2 = k.reshape(T, Hkv * D).clone()
-    flashinfer.rope.apply_rope_with_cos_sin_cache_inplace(
-        positions, q2, k2, D, cos_sin_cache, is_neox=True
+    # q/k usually arrive as column views of the fused qkv output ([T, H, D], row stride = the
+    # qkv width). The out-of-place kernel reads them through their strides and writes fresh
+    # contiguous outputs: one launch, where copying them first took three (this matters at
+    # decode batch 1, where every layer is a chain of tiny kernels). reshape() here is a view
+    # whenever the head dims are packed, which they are for qkv columns and for q/k norms.
+    q_out, k_out = flashinfer.rope.apply_rope_with_cos_sin_cache(
+        positions, q.reshape(T, Hq * D), k.reshape(T, Hkv * D), D, cos_sin_cache, is_neox=True
     )
-    return q2.view(T, Hq, D), k2.view(T, Hkv, D)
+    return q_out.view(T, Hq, D), k_out.view(T, Hkv, D)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -64,6 +64,46 @@ def test_compare_modes_and_summary_arithmetic() -> None:
     assert gs.ratio(0.0, 1.0) is None and gs.ratio(None, 1.0) is None
 
 
+def test_merge_keeps_every_call_and_recomputes_the_summary(tmp_path: Path) -> None:
+    """Two device calls measured different workloads of one model (and another model): the
+    merged file holds both workloads, both commands and a summary over all of them."""
+
+    def call(name, cmd, model, wl, thr, mape):
+        rec = {
+            "slug": model,
+            "workloads": {wl: {"auto_vs_off": {"throughput_ratio": thr, "p99_tbt_ratio": 0.5}}},
+            "cost_model_mape": mape,
+        }
+        p = tmp_path / name
+        p.write_text(
+            json.dumps(
+                {
+                    "command": cmd,
+                    "git_revision": "r1",
+                    "device": "H200",
+                    "date": "2026-11-30T01:00:00",
+                    "models": {model: rec},
+                    "errors": {"x": "boom"} if name == "b.json" else {},
+                }
+            )
+        )
+        return str(p)
+
+    a = call("a.json", "call a", "m", "long-data", 2.0, 0.1)
+    b = call("b.json", "call b", "m", "mixed", 0.5, None)
+    c = call("c.json", "call c", "m8", "long-data", 4.0, 0.3)
+    out = tmp_path / "merged.json"
+    merged = gs.merge_files([a, b, c], out)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(merged))
+    assert merged["command"] == ["call a", "call b", "call c"]
+    assert set(merged["models"]["m"]["workloads"]) == {"long-data", "mixed"}
+    assert merged["models"]["m"]["cost_model_mape"] == 0.1  # b's None does not erase a's
+    assert merged["errors"] == {"x": "boom"}
+    s = merged["summary"]
+    assert s["throughput_ratio_auto_vs_off"] == pytest.approx((2.0 * 0.5 * 4.0) ** (1 / 3))
+    assert s["cost_model_mape"] == pytest.approx(0.2)
+
+
 def test_cpu_dry_run_against_real_server(tmp_path: Path) -> None:
     port = _free_port()
     rc = gs.main(
