@@ -230,6 +230,7 @@ def _unavailable_partition(reason: str) -> dict[str, Any]:
         "predicted_decode_ms": None,
         "measured_prefill_ms": None,
         "measured_decode_ms": None,
+        "choice_counts": {},
     }
 
 
@@ -249,8 +250,26 @@ def _recent_metrics(app_state: Any, stats: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def json_safe(value: Any) -> Any:
+    """`value` with every non-finite float (NaN, +-inf) replaced by None, recursively: strict
+    JSON has no NaN, and one NaN statistic (a cost-model error before any measurement, say)
+    must not turn the whole state into a 500."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
 def build_state(app: Any) -> dict[str, Any]:
-    """The snapshot served by /admin/api/state and streamed by /admin/api/events."""
+    """The snapshot served by /admin/api/state and streamed by /admin/api/events (JSON-safe:
+    no NaN or infinity, see `json_safe`)."""
+    return json_safe(_build_state(app))
+
+
+def _build_state(app: Any) -> dict[str, Any]:
     engine = getattr(app.state, "engine", None)  # None while the app is still starting up
     stats: dict[str, Any] = dict(engine.stats()) if engine is not None else {}
     partition = (

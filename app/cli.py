@@ -69,6 +69,10 @@ _ENGINE_HELP = {
     "than time-slicing the whole GPU",
     "partition_allow_time_slice": "split controller: may give every SM to one phase at a time "
     "when that is predicted faster",
+    "partition_tbt_slo_ms": "split controller (auto): TBT target in ms; while prefill is "
+    "favoured, time-slice when a decode step can wait for the prefill within it, else give "
+    "prefill every SM the target allows (default: Nexus's relative decode slack, "
+    "--partition-beta)",
     "partition_min_decode_sms": "fewest SMs a decode partition may get (default: the device's "
     "minimum partition)",
     "partition_calibration": "partition cost-model calibration file (JSON); default: the cached "

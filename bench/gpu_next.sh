@@ -2,9 +2,9 @@
 # H200 session plan, one device call per plan, each under a hard deadline (DEADLINE_S, 500 s):
 #   bash bench/gpu_next.sh a REV          # issue 5 checks + decode profile + 32B MIL, then
 #                                         #   qwen2.5-3b serving: screen, long-data
-#   bash bench/gpu_next.sh b REV SPLIT    # qwen2.5-3b: mixed, score+chat, ablation, arxiv
-#                                         #   (SPLIT = best static split from a's screen)
-#   bash bench/gpu_next.sh c REV          # llama-3.1-8b serving: screen, long-data, mixed
+#   bash bench/gpu_next.sh b REV          # qwen2.5-3b: screen, long-data, mixed (QPS ladder,
+#                                         #   TBT SLO, auto with a TBT target)
+#   bash bench/gpu_next.sh c REV [SPLIT]  # llama-3.1-8b: long-data, score+chat, ablation
 # Carry: .whl .fi_cache .cache/smollm2-tok. Results in $OUT: gpu-runtime-*.json (suite),
 # partition-*.json (serving; merge them with `python -m bench.gpu_serving --merge ...`),
 # server logs, fi_cache.tar.gz if the FlashInfer cache grew.
@@ -16,29 +16,37 @@ export OUT=${OUT:-bench/results}
 source bench/gpu_setup.sh  # wheels, FlashInfer cache as AOT, tokenizer
 before=$fi_modules_before
 echo "setup done, $(left) s left; plan $plan"
-# Full-length workloads (scale 1): long prompts are what the split is for. Four probes per
-# max-QPS search (doubling, then bisection); a request over 40 s counts as failed.
 # Serving writes many files (harness JSONs, server logs); $OUT takes 8: they go to a work
 # folder, the results JSON is copied to $OUT and the rest comes back as one tarball.
 work=/tmp/serving; mkdir -p $work
-common=(--out-dir $work --rev "$rev" --scale 1.0 --max-probes 4 --duration-s 8 --drain-s 6
+# Full-length workloads (scale 1): long prompts are what the split is for. Every side runs the
+# same QPS ladder; max QPS is judged afterwards against the primary SLO (P99 TTFT + P99 TBT, as
+# issue 6 asks) and a TPOT variant. auto runs with a TBT target of 80 % of the SLO's bound.
+common=(--out-dir $work --rev "$rev" --scale 1.0 --duration-s 8 --drain-s 6
         --request-timeout-s 40 --command "bash bench/gpu_next.sh $plan $rev $split")
-qwen=(--models random:qwen2.5-3b --start-s 45 --start-qps 4 --screen-qps 8
-      --slo ttft:2000,tpot:60 --score-start-qps 8 --chat-qps 2)
 rc=0
 case $plan in
   a)
     python3 -m bench.gpu_suite --rev "$rev" --tag gpu-runtime-5b --deadline-s 300 \
       --sections ceilings,fi_vs_torch,correctness,decode_profile,engine,mil32b || rc=1
-    python3 -m bench.gpu_serving "${common[@]}" "${qwen[@]}" --parts screen,long-data \
-      --tag partition-3b-a --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
+    python3 -m bench.gpu_serving "${common[@]}" --models random:qwen2.5-3b --start-s 45 \
+      --start-qps 4 --screen-qps 8 --slo ttft:2000,tpot:60 --max-probes 4 \
+      --parts screen,long-data --tag partition-3b-a --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
   b)
-    python3 -m bench.gpu_serving "${common[@]}" "${qwen[@]}" --static-split "${split:-96}" \
-      --parts mixed,score-chat,ablation,arxiv --tag partition-3b-b \
-      --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
+    # The greedy-16 engine check failed to start its engine in the last run (fixed since).
+    python3 -m bench.gpu_suite --rev "$rev" --tag gpu-runtime-correct --deadline-s 60 \
+      --sections correctness || rc=1
+    python3 -m bench.gpu_serving "${common[@]}" --models random:qwen2.5-3b --start-s 45 \
+      --server-args "--partition auto --calibrate false --partition-tbt-slo-ms 80" \
+      --ladder 3,6,9,12 --slo ttft:2000,tbt:100 --slos "ttft:2000,tpot:60" \
+      --screen-fracs 0.73,0.85,0.91 --screen-qps 6 --parts screen,long-data,mixed \
+      --tag partition-3b-b --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
   c)
     python3 -m bench.gpu_serving "${common[@]}" --models random:llama-3.1-8b --start-s 90 \
-      --start-qps 1.5 --screen-qps 3 --slo ttft:3000,tpot:80 --parts screen,long-data,mixed \
+      --server-args "--partition auto --calibrate false --partition-tbt-slo-ms 120" \
+      --ladder 1,2,3,4 --slo ttft:3000,tbt:150 --slos "ttft:3000,tpot:80" \
+      --static-split "${split:-112}" --start-qps 2 --max-probes 3 --score-start-qps 4 \
+      --chat-qps 1 --score-slo ttft:3000 --parts long-data,score-chat,ablation \
       --tag partition-8b --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
   *) echo "unknown plan $plan (a, b or c)"; exit 2 ;;
 esac

@@ -233,6 +233,39 @@ def max_qps_view(record: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def ladder_view(record: dict[str, Any], slos: list[str]) -> dict[str, Any]:
+    """A fixed-rate ladder judged against each SLO: max QPS = the highest rate such that it
+    and every lower rate meet the P99 SLO. The first SLO is the primary one."""
+    from bench.metrics import SLO, meets_p99_slo
+
+    runs = sorted(record.get("runs") or [], key=lambda r: float(r["qps"]))
+    by_slo: dict[str, dict[str, Any]] = {}
+    for text in slos:
+        slo = SLO.parse(text)
+        assert slo is not None
+        best = fail = None
+        for r in runs:
+            if r.get("metrics") and meets_p99_slo(r["metrics"], slo):
+                best = float(r["qps"])
+            else:
+                fail = float(r["qps"])
+                break
+        by_slo[text] = {"max_qps": best, "lowest_failing_qps": fail}
+    probes = {str(float(r["qps"])): latency_view(r.get("metrics")) for r in runs}
+    primary = by_slo[slos[0]]
+    best = primary["max_qps"]
+    return {
+        "max_qps": best,
+        "lowest_failing_qps": primary["lowest_failing_qps"],
+        "max_qps_is_lower_bound": primary["lowest_failing_qps"] is None,
+        "slo": slos[0],
+        "by_slo": by_slo,
+        "ladder": [float(r["qps"]) for r in runs],
+        "at_max_qps": probes.get(str(best)) if best is not None else None,
+        "probes": probes,
+    }
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     """b / a, or None when either is missing or a is not positive."""
     if a is None or b is None or not a > 0:
@@ -255,6 +288,11 @@ def compare_modes(off: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
         "throughput_ratio": ratio(off["max_qps"], other["max_qps"]),
         "common_qps": None,
     }
+    if off.get("by_slo") and other.get("by_slo"):
+        out["throughput_ratio_by_slo"] = {
+            k: ratio(v["max_qps"], (other["by_slo"].get(k) or {}).get("max_qps"))
+            for k, v in off["by_slo"].items()
+        }
     if common:
         q = max(common, key=float)
         a, b = off["probes"][q], other["probes"][q]
@@ -368,6 +406,16 @@ class Orchestrator:
     def search_s(self) -> float:
         return self.args.max_probes * self.run_s()
 
+    def ladder_s(self) -> float:
+        return len(self.args.ladder.split(",")) * self.run_s() if self.args.ladder else 0.0
+
+    def side_s(self) -> float:
+        """One side of a workload comparison: the ladder when given, else the search."""
+        return self.ladder_s() if self.args.ladder else self.search_s()
+
+    def extra_slos(self) -> list[str]:
+        return [x for x in (self.args.slos or "").split(";") if x]
+
     def plan(self, models: list[str], parts: list[str]) -> list[tuple[str, float]]:
         a = self.args
         n_sides = 2 if (a.static_split is None and "screen" not in parts and not self.smoke) else 3
@@ -377,7 +425,7 @@ class Orchestrator:
             "ablation": 3 * 2 * a.ablation_rounds * self.run_s(),
         }
         for wl in WORKLOADS:
-            est[wl] = n_sides * self.search_s()
+            est[wl] = n_sides * self.side_s()
         plan = []
         for m in models:
             plan.append((f"{m}/start", a.start_s))
@@ -460,9 +508,23 @@ class Orchestrator:
         workload: str | None = None,
         slo: str | None = None,
         qps0: float | None = None,
+        ladder: bool = False,
     ) -> dict[str, Any]:
+        """Max QPS of one side: a doubling/bisection search at `slo`, or (ladder) every rate
+        of --ladder, judged afterwards against each SLO of --slo and --slos."""
         applied = apply_settings(srv.url, settings)
         path = self.out_dir / f"{rec['slug']}-{wl}-{side}.json"
+        rates = (
+            ["--qps", self.args.ladder]
+            if ladder
+            else [
+                "--qps",
+                str(qps0 or self.args.start_qps),
+                "--find-max-qps",
+                "--max-probes",
+                str(self.args.max_probes),
+            ]
+        )
         e = run_harness(
             "bench.serve",
             [
@@ -473,21 +535,21 @@ class Orchestrator:
                 "--scale",
                 str(self.args.scale),
                 *self.count_args(),
-                "--qps",
-                str(qps0 or self.args.start_qps),
+                *rates,
                 "--seed",
                 "0",
-                "--find-max-qps",
                 "--slo",
                 slo or self.args.slo,
-                "--max-probes",
-                str(self.args.max_probes),
                 "--out",
                 str(path),
             ],
-            self.timeout(self.search_s()),
+            self.timeout(self.ladder_s() if ladder else self.search_s()),
         )
-        view = max_qps_view(e["record"])
+        view = (
+            ladder_view(e["record"], [slo or self.args.slo, *self.extra_slos()])
+            if ladder
+            else max_qps_view(e["record"])
+        )
         view.update(
             {
                 "settings": settings,
@@ -508,11 +570,11 @@ class Orchestrator:
         rec["workloads"][wl] = w
         sides = sides_for(self.smoke, rec.get("best_static_split") if not self.smoke else None)
         for side, settings in sides.items():
-            if self.budget.left_s() < self.search_s() * 0.8:
+            if self.budget.left_s() < self.side_s() * 0.8:
                 w[side] = {"skipped": "device time"}
                 continue
             try:
-                w[side] = self.max_qps(srv, rec, wl, side, settings)
+                w[side] = self.max_qps(srv, rec, wl, side, settings, ladder=bool(self.args.ladder))
             except Exception as exc:  # noqa: BLE001 - the other sides still run
                 w[side] = {"error": f"{type(exc).__name__}: {exc}"[:1500]}
             self.save()
@@ -828,6 +890,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--start-qps", type=float, default=2.0)
     p.add_argument("--max-probes", type=int, default=3)
+    p.add_argument(
+        "--ladder",
+        help="comma list of QPS: every side runs every rate (no search); max QPS is judged "
+        "afterwards against --slo and each of --slos",
+    )
+    p.add_argument(
+        "--slos", help="';'-separated extra SLO sets to judge a ladder against (reporting)"
+    )
     p.add_argument("--slo", default="ttft:2000,tpot:60")
     p.add_argument("--score-slo", default="ttft:1000")
     p.add_argument("--score-start-qps", type=float, default=4.0)

@@ -7,8 +7,10 @@
 - ITL: every gap between consecutive content chunks, pooled over all requests.
 - Percentiles are numpy's linear-interpolation percentiles over successful requests, in ms.
 - Throughputs divide by the benchmark duration (first send to last completion).
-- Goodput: requests per second that succeeded and met every given SLO (TTFT, TPOT, E2EL;
-  a request without a TPOT, i.e. one output token, meets the TPOT SLO).
+- Goodput: requests per second that succeeded and met every given SLO (TTFT, TPOT, TBT,
+  E2EL; a request without a TPOT or any token gap, i.e. one output token, meets those).
+- TBT SLO: for the P99 check, the P99 of the pooled inter-token gaps (ITL); per request (goodput),
+  the 99th percentile of that request's own gaps.
 """
 
 from __future__ import annotations
@@ -56,23 +58,31 @@ class SLO:
     ttft_ms: float | None = None
     tpot_ms: float | None = None
     e2el_ms: float | None = None
+    tbt_ms: float | None = None  # inter-token gap (the metrics' itl_ms)
 
     @classmethod
     def parse(cls, text: str | None) -> SLO | None:
-        """Parse 'ttft:500,tpot:50,e2el:2000' (any subset)."""
+        """Parse 'ttft:500,tpot:50,tbt:100,e2el:2000' (any subset)."""
         if not text:
             return None
         values: dict[str, float] = {}
         for part in text.split(","):
             key, sep, value = part.partition(":")
             key = key.strip().lower()
-            if not sep or key not in ("ttft", "tpot", "e2el"):
-                raise ValueError(f"bad SLO item {part!r}; expected ttft:MS, tpot:MS or e2el:MS")
+            if not sep or key not in ("ttft", "tpot", "tbt", "e2el"):
+                raise ValueError(
+                    f"bad SLO item {part!r}; expected ttft:MS, tpot:MS, tbt:MS or e2el:MS"
+                )
             values[f"{key}_ms"] = float(value)
         return cls(**values)
 
     def as_dict(self) -> dict[str, float]:
-        out = {"ttft_ms": self.ttft_ms, "tpot_ms": self.tpot_ms, "e2el_ms": self.e2el_ms}
+        out = {
+            "ttft_ms": self.ttft_ms,
+            "tpot_ms": self.tpot_ms,
+            "tbt_ms": self.tbt_ms,
+            "e2el_ms": self.e2el_ms,
+        }
         return {k: v for k, v in out.items() if v is not None}
 
     def met_by(self, r: RequestResult) -> bool:
@@ -83,6 +93,9 @@ class SLO:
         tpot = r.tpot_s
         if self.tpot_ms is not None and tpot is not None and tpot * 1e3 > self.tpot_ms:
             return False
+        if self.tbt_ms is not None and r.itl_s:
+            if float(np.percentile(np.asarray(r.itl_s), 99)) * 1e3 > self.tbt_ms:
+                return False
         return not (self.e2el_ms is not None and r.e2el_s * 1e3 > self.e2el_ms)
 
 
@@ -148,13 +161,17 @@ def compute_metrics(
     return metrics
 
 
+# SLO key -> the metrics key it bounds (TBT is measured as pooled inter-token latency).
+METRIC_OF_SLO = {"tbt_ms": "itl_ms"}
+
+
 def meets_p99_slo(metrics: dict[str, Any], slo: SLO, max_failed_fraction: float = 0.0) -> bool:
     """True when each SLO'd metric's P99 is within its objective and failures are tolerated."""
     total = metrics["completed"] + metrics["failed"]
     if total == 0 or metrics["failed"] > max_failed_fraction * total:
         return False
     for key, limit in slo.as_dict().items():
-        p99 = metrics[key]["p99"]
+        p99 = metrics[METRIC_OF_SLO.get(key, key)]["p99"]
         if p99 is not None and p99 > limit:
             return False
     return True

@@ -46,6 +46,8 @@ class EngineConfig:
     partition_min_split_speedup: float = 1.0  # split only if predicted this much faster
     partition_allow_time_slice: bool = True  # auto may give every SM to one phase at a time
     partition_min_decode_sms: int | None = None  # None = the device's minimum partition
+    # TBT target (ms) for auto: replaces beta while prefill is favoured (see ControllerConfig).
+    partition_tbt_slo_ms: float | None = None
     # Cost-model calibration (runtime/partition_calibrate.py): an explicit file wins; else the
     # cached file for this GPU and model in partition_calibration_dir (None = the JCT
     # calibration folder); else `auto` profiles at start-up (when partition_startup_profile)
@@ -80,5 +82,7 @@ class EngineConfig:
             raise ValueError("partition_kv_switch must be in [0, 1]")
         if self.partition_alpha < 1.0 or self.partition_beta < 1.0:
             raise ValueError("partition_alpha and partition_beta must be >= 1")
+        if self.partition_tbt_slo_ms is not None and not self.partition_tbt_slo_ms > 0:
+            raise ValueError("partition_tbt_slo_ms must be > 0")
         if self.pd_slice_tokens < 1 or self.pd_max_queued_slices < 1:
             raise ValueError("pd_slice_tokens and pd_max_queued_slices must be >= 1")

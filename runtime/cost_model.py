@@ -34,6 +34,7 @@ flapping; a manual pin wins over everything.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -299,6 +300,10 @@ class ControllerConfig:
     min_gain: float = 0.05  # a change must improve the objective by this fraction
     min_split_speedup: float = 1.0  # split only if concurrent beats time-slicing by this
     allow_time_slice: bool = True
+    # A TBT target (ms) replaces beta's relative slack while prefill is favoured: time-slice
+    # (prefill gets every SM, decode waits for it, as `off`) whenever the predicted wait meets
+    # the target, else the split with the most prefill SMs whose decode step meets it.
+    tbt_slo_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,6 +329,7 @@ class SplitController:
         self.config = config or ControllerConfig()
         self.current = TIME_SLICE
         self.pinned: int | None = None
+        self._num_evals = 0  # cost-model evaluations of the last choose()
 
     def pin(self, prefill_sms: int) -> None:
         if prefill_sms != TIME_SLICE and prefill_sms not in self.splits:
@@ -378,24 +384,32 @@ class SplitController:
             return Decision(TIME_SLICE, math.nan, math.nan, 1.0, "one phase only")
         favour_prefill = kv_usage < cfg.kv_switch
         evals: dict[int, tuple[float, float]] = {}
+        self._num_evals = 0
 
         def ev(s: int) -> tuple[float, float]:
             if s not in evals:
                 evals[s] = self._eval(s, p, d)
+                self._num_evals = len(evals)
             return evals[s]
 
         # References for the slack: each phase's best latency over the splits (and time-slicing).
-        cands = list(self.splits) + ([TIME_SLICE] if cfg.allow_time_slice else [])
         # Extremes bound the references: decode is best with the fewest prefill SMs, prefill
         # with the most (monotone curves), so only the two ends are evaluated for them.
         ends = [self.splits[0], self.splits[-1]] + ([TIME_SLICE] if cfg.allow_time_slice else [])
         p_ref = min(ev(s)[0] for s in ends)
         d_ref = min(ev(s)[1] for s in ends)
 
+        tbt_rule = favour_prefill and cfg.tbt_slo_ms is not None
+        if tbt_rule and cfg.allow_time_slice and ev(TIME_SLICE)[1] <= cfg.tbt_slo_ms:
+            # Decode can afford to wait for a whole-GPU prefill: nothing beats that for TTFT
+            # and throughput (one monolithic step, as `off`).
+            return self._settle(TIME_SLICE, "time-slicing meets the TBT target", p, d, ev, None)
+        decode_limit = cfg.tbt_slo_ms if tbt_rule else cfg.beta * d_ref
+
         def objective(s: int) -> float:
             tp, td = ev(s)
             if favour_prefill:
-                return tp + (1e6 if td > cfg.beta * d_ref else 0.0)
+                return tp + (1e6 if td > decode_limit else 0.0)
             return td + (1e6 if tp > cfg.alpha * p_ref else 0.0)
 
         # Greedy: from the current split, step to the better neighbour while it improves.
@@ -414,9 +428,32 @@ class SplitController:
                 break
         best_split = self.splits[idx]
         sp = self.speedup(best_split, p, d)
-        choice, reason = best_split, "favour prefill" if favour_prefill else "favour decode"
-        if cfg.allow_time_slice and sp < cfg.min_split_speedup:
+        choice = best_split
+        reason = (
+            "TBT target" if tbt_rule else "favour prefill" if favour_prefill else "favour decode"
+        )
+        # (Under the TBT rule time-slicing was ruled out above: it would miss the target.)
+        if cfg.allow_time_slice and sp < cfg.min_split_speedup and not tbt_rule:
             choice, reason = TIME_SLICE, f"time-slicing predicted faster (split speedup {sp:.2f})"
+        return self._settle(choice, reason, p, d, ev, objective, time_slice_ok=not tbt_rule)
+
+    def _settle(
+        self,
+        choice: int,
+        reason: str,
+        p: PrefillShape,
+        d: DecodeShape,
+        ev: Callable[[int], tuple[float, float]],
+        objective: Callable[[int], float] | None,
+        *,
+        time_slice_ok: bool = True,
+    ) -> Decision:
+        """Apply hysteresis to a choice, make it current, and describe it. A rule's choice
+        (objective None), or leaving a time-slice that misses the TBT target
+        (time_slice_ok False), is never held back by hysteresis."""
+        cfg = self.config
+        cands = list(self.splits) + ([TIME_SLICE] if cfg.allow_time_slice else [])
+        sp = self.speedup(choice, p, d)
         # Hysteresis: keep the current choice unless the new one is clearly different/better.
         cur = self.current
         if choice != cur and cur in cands:
@@ -425,8 +462,11 @@ class SplitController:
                 and cur != TIME_SLICE
                 and abs(choice - cur) < cfg.hysteresis_sms
             )
-            gain = (objective(cur) - objective(choice)) / max(objective(cur), 1e-9)
-            if choice == TIME_SLICE or cur == TIME_SLICE:
+            if objective is None or (cur == TIME_SLICE and not time_slice_ok):
+                gain = math.inf
+            else:
+                gain = (objective(cur) - objective(choice)) / max(objective(cur), 1e-9)
+            if math.isfinite(gain) and (choice == TIME_SLICE or cur == TIME_SLICE):
                 sp_cur = self.speedup(cur, p, d) if cur != TIME_SLICE else 1.0
                 sp_new = sp if choice != TIME_SLICE else 1.0
                 gain = (sp_new - sp_cur) / max(sp_cur, 1e-9)
@@ -435,4 +475,4 @@ class SplitController:
         self.current = choice
         tp, td = ev(choice)
         sp_final = self.speedup(choice, p, d)
-        return Decision(choice, tp, td, sp_final, reason, evaluations=len(evals))
+        return Decision(choice, tp, td, sp_final, reason, evaluations=self._num_evals)

@@ -38,7 +38,14 @@ from runtime.attention.base import AttentionBackend
 from runtime.attention.torch_backend import TorchAttentionBackend
 from runtime.block_manager import BlockManager
 from runtime.config import EngineConfig
-from runtime.kv_pool import KVPool, compute_num_blocks
+from runtime.kv_pool import (
+    CUDA_SAFETY_BYTES,
+    NUM_RESERVED_BLOCKS,
+    KVPool,
+    bytes_per_block,
+    compute_num_blocks,
+    cuda_memory_budget_bytes,
+)
 from runtime.loader import load_model
 from runtime.partition import PartitionManager, UnavailablePartition
 from runtime.pd_loop import CudaStreamDevice, PDLoop, SplitChoice, StepFailed
@@ -88,6 +95,7 @@ def controller_config_from(config: EngineConfig) -> Any:
         min_gain=config.partition_min_gain,
         min_split_speedup=config.partition_min_split_speedup,
         allow_time_slice=config.partition_allow_time_slice,
+        tbt_slo_ms=config.partition_tbt_slo_ms,
     )
 
 
@@ -339,6 +347,8 @@ class Engine:
         p2 = profile_activation_peak(cfg, self.model, mc, n2, backend_for)
         slope = max(0.0, (p2 - p1) / (n2 - n1))  # bytes per extra prompt token
         fixed = max(0.0, p1 - slope * n1)
+        if cfg.max_score_tokens is None and slope > 0:
+            self._fit_max_score_tokens(fixed, slope, n1)
         reserve = int(max(p1, fixed + slope * self._max_score_tokens))
         log.info(
             "activation peak measured: %.2f GiB at %d tokens, %.1f KiB/token; reserving "
@@ -350,6 +360,28 @@ class Engine:
             self._max_score_tokens,
         )
         return reserve
+
+    def _fit_max_score_tokens(self, fixed: float, slope: float, floor_tokens: int) -> None:
+        """Without --max-score-tokens the longest scoring prompt defaults to max_model_len; if
+        reserving its activations would leave the KV pool unable to hold one max_model_len
+        sequence, lower it to what fits (never below one step's budget) and say so, rather
+        than refusing to start."""
+        mc, bs = self.model_config, self.config.block_size
+        min_pool = (-(-self._max_model_len // bs) + NUM_RESERVED_BLOCKS) * bytes_per_block(
+            mc, bs, self.dtype
+        )
+        room = cuda_memory_budget_bytes(self.config, self.device) - min_pool - CUDA_SAFETY_BYTES
+        fits = int((room - fixed) // slope) // bs * bs
+        if fits >= self._max_score_tokens:
+            return
+        new = max(floor_tokens, fits)
+        log.warning(
+            "scoring prompts limited to %d tokens (not %d): the activations of a longer one "
+            "would leave too little memory for the KV cache; set --max-score-tokens to choose",
+            new,
+            self._max_score_tokens,
+        )
+        self._max_score_tokens = new
 
     # ---- limits ---------------------------------------------------------------------------
     @property

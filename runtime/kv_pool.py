@@ -18,7 +18,7 @@ GIB = 1 << 30
 # the pad block that padded CUDA-graph decode rows read and write (never a live sequence's).
 NUM_RESERVED_BLOCKS = 1
 # CUDA only: bytes kept free for activations of one step, on top of the estimate below.
-_CUDA_SAFETY_BYTES = 512 << 20
+CUDA_SAFETY_BYTES = 512 << 20
 
 
 def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -44,7 +44,22 @@ def activation_reserve_bytes(
     per_token = (4 * mc.hidden_size + mc.q_size + 2 * mc.kv_size) * elem
     mlp = c * 3 * mc.intermediate_size * elem
     logits = config.max_num_seqs * mc.vocab_size * 4 * 2
-    return t * per_token + mlp + logits + _CUDA_SAFETY_BYTES
+    return t * per_token + mlp + logits + CUDA_SAFETY_BYTES
+
+
+def cuda_memory_budget_bytes(config: EngineConfig, device: torch.device) -> float:
+    """Bytes the KV pool and the activation reserve may share on `device`: the
+    `gpu_memory_utilization` share of the device minus what is in use (this process's weights
+    and anything else on the GPU), capped by `max_gpu_memory_gb` minus what this process holds.
+    Memory this process's caching allocator keeps cached but unused is released first: it would
+    otherwise count as used and shrink the pool for nothing."""
+    torch.cuda.empty_cache()
+    free_b, total_b = torch.cuda.mem_get_info(device)
+    budget = total_b * config.gpu_memory_utilization - (total_b - free_b)
+    if config.max_gpu_memory_gb is not None:
+        # memory_reserved: what this process's caching allocator holds (weights + cache).
+        budget = min(budget, config.max_gpu_memory_gb * GIB - torch.cuda.memory_reserved(device))
+    return budget
 
 
 def compute_num_blocks(
@@ -68,17 +83,12 @@ def compute_num_blocks(
     if config.num_kv_blocks is not None:
         n = config.num_kv_blocks
     elif device.type == "cuda":
-        free_b, total_b = torch.cuda.mem_get_info(device)
         if activation_bytes is None:
             reserve = activation_reserve_bytes(config, model_config, dtype)
         else:
-            reserve = activation_bytes + _CUDA_SAFETY_BYTES
-        budget = total_b * config.gpu_memory_utilization - (total_b - free_b) - reserve
-        if config.max_gpu_memory_gb is not None:
-            # memory_reserved: what this process's caching allocator holds (weights + cache).
-            cap = config.max_gpu_memory_gb * GIB - torch.cuda.memory_reserved(device) - reserve
-            budget = min(budget, cap)
-        n = int(budget // per_block) - NUM_RESERVED_BLOCKS
+            reserve = activation_bytes + CUDA_SAFETY_BYTES
+        n = int((cuda_memory_budget_bytes(config, device) - reserve) // per_block)
+        n -= NUM_RESERVED_BLOCKS
     else:
         n = int(config.cpu_kv_cache_gb * GIB // per_block)
     if n < 1:

@@ -24,6 +24,8 @@ class PartitionState:
     predicted_decode_ms: float | None = None
     measured_prefill_ms: float | None = None
     measured_decode_ms: float | None = None
+    # auto: how many prefill batches each choice got since the mode was set ("0" = time-slice)
+    choice_counts: dict[str, int] = field(default_factory=dict)
 
 
 class PartitionManager(Protocol):

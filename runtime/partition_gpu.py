@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -83,6 +85,10 @@ class GreenContextPartition:
         # (the engine's inbox); None = apply at once (start-up, tests, single-threaded use).
         self.submit: Callable[[Callable[[], None]], None] | None = None
         self._pending_mode: str | None = None
+        # auto's choices since the mode was last set: prefill batches per split (0 = time-
+        # slice), and a once-a-second log line when the choice changes (with its reason).
+        self._choice_counts: Counter[int] = Counter()
+        self._logged_choice: tuple[int, float] = (TIME_SLICE, 0.0)
         self._apply_mode(*parse_mode(mode))
 
     def set_cost_model(self, model: CostModel) -> None:
@@ -118,6 +124,7 @@ class GreenContextPartition:
                 predicted_decode_ms=None if dec is None else dec.predicted_decode_ms,
                 measured_prefill_ms=self.measured["prefill_ms"],
                 measured_decode_ms=self.measured["decode_ms"],
+                choice_counts={str(k): v for k, v in sorted(self._choice_counts.items())},
             )
 
     def set_mode(self, spec: str) -> PartitionState:
@@ -137,6 +144,7 @@ class GreenContextPartition:
         with self._lock:
             self._mode = mode
             self._pending_mode = None
+            self._choice_counts.clear()
             if mode == "static":
                 assert n is not None
                 self.controller.pin(n)
@@ -157,7 +165,25 @@ class GreenContextPartition:
                 dec = self.controller.choose(prefill, decode, kv_usage)
                 self._last_decision = dec
                 self._active = dec.prefill_sms
+                if prefill is not None:
+                    self._choice_counts[dec.prefill_sms] += 1
+                self._log_choice(dec)
             return self._active
+
+    def _log_choice(self, dec: Any) -> None:
+        """INFO when auto's choice changes, at most once a second (a flapping choice would
+        otherwise flood the log); the counts in `state()` keep the full picture."""
+        last, t_last = self._logged_choice
+        now = time.monotonic()
+        if dec.prefill_sms != last and now - t_last >= 1.0:
+            self._logged_choice = (dec.prefill_sms, now)
+            log.info(
+                "auto split: %s (%s; predicted prefill %.1f ms, decode %.1f ms)",
+                "time-slice" if dec.prefill_sms == TIME_SLICE else f"{dec.prefill_sms} prefill SMs",
+                dec.reason,
+                dec.predicted_prefill_ms,
+                dec.predicted_decode_ms,
+            )
 
     def streams(self) -> StreamChoice:
         """The (prefill, decode) streams for the active split. When the split changed since the

@@ -237,6 +237,34 @@ def test_state_shape_and_numbers() -> None:
     assert cm["predicted_decode_ms"] is not None
 
 
+def test_nan_statistics_become_null_not_a_500() -> None:
+    """Seen on the H200: a NaN cost-model error (no measurement yet after a switch to a static
+    split) made PUT /admin/api/partition and /admin/api/state answer 500."""
+    engine = FakeEngine()
+    base_stats = engine.stats
+    engine.stats = lambda: {**base_stats(), "cost_model_mape": float("nan")}  # type: ignore[method-assign]
+    base_state = engine.partition._split_state
+
+    def nan_state():
+        st = base_state()
+        st.measured_decode_ms = float("nan")
+        st.predicted_prefill_ms = float("inf")
+        return st
+
+    engine.partition._split_state = nan_state  # type: ignore[method-assign]
+    client = TestClient(make_app(engine=engine), client=LOOPBACK)
+    for r, prefill_sms in (
+        (client.get("/admin/api/state"), FAKE_TOTAL_SMS),
+        (client.put("/admin/api/partition", json={"mode": "static", "prefill_sms": 80}), 80),
+    ):
+        assert r.status_code == 200
+        state = json.loads(r.text)  # strict JSON: no NaN tokens
+        assert state["cost_model"]["mape"] is None
+        assert state["partition"]["measured_decode_ms"] is None
+        assert state["partition"]["predicted_prefill_ms"] is None
+        assert state["partition"]["prefill_sms"] == prefill_sms
+
+
 def test_throughput_rate_from_counter_deltas(monkeypatch: pytest.MonkeyPatch) -> None:
     engine = FakeEngine()
     app = make_app(engine=engine)

@@ -108,3 +108,23 @@ def test_slo_parse_and_p99_check(results):
     assert not meets_p99_slo(m, SLO(ttft_ms=297))
     assert not meets_p99_slo(compute_metrics(results, 2.0), SLO(ttft_ms=300))  # one failure
     assert meets_p99_slo(compute_metrics(results, 2.0), SLO(ttft_ms=300), max_failed_fraction=0.25)
+
+
+def test_tbt_slo_bounds_inter_token_gaps(results):
+    """TBT (issue 6's SLO) bounds the P99 of pooled gaps; per request, its own P99 gap."""
+    slo = SLO.parse("ttft:1000,tbt:150")
+    assert slo == SLO(ttft_ms=1000, tbt_ms=150)
+    assert slo.as_dict() == {"ttft_ms": 1000, "tbt_ms": 150}
+    ok = [r for r in results if r.success]
+    m = compute_metrics(ok, 2.0, slo)
+    # Pooled gaps: 4 x 100 ms and 10 x 200 ms -> P99 200 ms.
+    assert not meets_p99_slo(m, slo)
+    assert meets_p99_slo(m, SLO(tbt_ms=200))
+    # Per request: a (gaps 100) and c (no gaps) meet it, b (gaps 200) does not.
+    assert m["goodput"] == pytest.approx(1.0) and m["slo_attainment"] == pytest.approx(2 / 3)
+    # A long request with one slow gap among many fast ones meets a per-request P99 bound only
+    # if the slow gap is outside its 99th percentile.
+    spiky = _ok("e", 0.1, 3.0, 201, [0.01] * 199 + [0.5], 10)
+    assert SLO(tbt_ms=100).met_by(spiky)
+    spikier = _ok("f", 0.1, 3.0, 201, [0.01] * 190 + [0.5] * 10, 10)
+    assert not SLO(tbt_ms=100).met_by(spikier)

@@ -174,3 +174,41 @@ def test_one_phase_only_takes_the_whole_gpu() -> None:
     ctl = SplitController(truth(), SPLITS)
     p, _ = _shapes()
     assert ctl.choose(p, None, 0.5).prefill_sms == TIME_SLICE
+
+
+def test_tbt_target_time_slices_when_decode_can_wait_for_the_prefill() -> None:
+    # Heavy contention: Nexus's beta rule would still split for this small prefill (or time-
+    # slice on speedup); with a TBT target that a whole-GPU prefill + decode step meets, the
+    # controller time-slices: prefill gets every SM (best TTFT), decode waits within target.
+    m = truth(kappa_d=0.05, kappa_p=0.02, decode_r_sat=0.3)
+    p, d = PrefillShape.from_seqs([(0, 512)], num_layers=4), DecodeShape(8, 8 * 2048, 32)
+    serial_ms = sum(SplitController(m, SPLITS)._eval(TIME_SLICE, p, d)) / 2
+    ctl = SplitController(m, SPLITS, ControllerConfig(tbt_slo_ms=serial_ms * 1.5))
+    dec = ctl.choose(p, d, kv_usage=0.2)
+    assert dec.prefill_sms == TIME_SLICE and "TBT target" in dec.reason
+
+
+def test_tbt_target_gives_prefill_every_sm_the_target_allows() -> None:
+    m = truth(kappa_d=0.05, kappa_p=0.02, decode_r_sat=0.3)
+    # A whole prompt of 32 layers in one step: a time-sliced decode would wait for all of it.
+    p, d = PrefillShape.from_seqs([(0, 8192)], num_layers=32), DecodeShape(64, 64 * 2048, 32)
+    probe = SplitController(m, SPLITS, ControllerConfig(allow_time_slice=False))
+    decode_ms = {s: probe._eval(s, p, d)[1] for s in SPLITS}
+    serial_ms = probe._eval(TIME_SLICE, p, d)[1]
+    # A target between the decode step on the 3rd-largest and the largest prefill split, and
+    # below what a time-sliced step costs.
+    ranked = sorted(SPLITS, reverse=True)
+    target = (decode_ms[ranked[2]] + decode_ms[ranked[3]]) / 2
+    assert target < serial_ms
+    cfg = ControllerConfig(tbt_slo_ms=target, min_gain=0.0, hysteresis_sms=0)
+    dec = SplitController(m, SPLITS, cfg).choose(p, d, kv_usage=0.2)
+    feasible = [s for s in SPLITS if decode_ms[s] <= target]
+    assert dec.prefill_sms == max(feasible)
+    assert dec.predicted_decode_ms <= target and dec.reason == "TBT target"
+    # Hysteresis never holds the GPU in a time-slice that misses the target.
+    sticky = SplitController(m, SPLITS, ControllerConfig(tbt_slo_ms=target, min_gain=10.0))
+    sticky.current = TIME_SLICE
+    assert sticky.choose(p, d, kv_usage=0.2).prefill_sms == max(feasible)
+    # Above the KV threshold the target does not apply: decode is favoured as before.
+    high = SplitController(m, SPLITS, cfg).choose(p, d, kv_usage=0.9)
+    assert high.prefill_sms < dec.prefill_sms

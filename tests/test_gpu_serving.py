@@ -64,6 +64,41 @@ def test_compare_modes_and_summary_arithmetic() -> None:
     assert gs.ratio(0.0, 1.0) is None and gs.ratio(None, 1.0) is None
 
 
+def test_ladder_is_judged_against_each_slo() -> None:
+    def run(qps, ttft_p99, tbt_p99, tpot_p99):
+        pct = lambda v: {"p99": v, "mean": v / 2}  # noqa: E731
+        return {
+            "qps": qps,
+            "metrics": {
+                "completed": 10,
+                "failed": 0,
+                "ttft_ms": pct(ttft_p99),
+                "itl_ms": pct(tbt_p99),
+                "tpot_ms": pct(tpot_p99),
+            },
+        }
+
+    off = {"runs": [run(2, 300, 90, 20), run(4, 500, 120, 30), run(6, 900, 150, 70)]}
+    auto = {"runs": [run(6, 1500, 60, 25), run(2, 400, 40, 15), run(4, 700, 50, 20)]}
+    slos = ["ttft:1000,tbt:100", "ttft:1000,tpot:60"]
+    vo, va = gs.ladder_view(off, slos), gs.ladder_view(auto, slos)
+    assert vo["by_slo"]["ttft:1000,tbt:100"] == {"max_qps": 2.0, "lowest_failing_qps": 4.0}
+    assert vo["by_slo"]["ttft:1000,tpot:60"] == {"max_qps": 4.0, "lowest_failing_qps": 6.0}
+    assert va["ladder"] == [2.0, 4.0, 6.0]  # sorted by rate
+    assert va["max_qps"] == 4.0 and va["lowest_failing_qps"] == 6.0  # TTFT 1500 at 6
+    assert va["at_max_qps"]["tbt_ms"]["p99"] == 50
+    c = gs.compare_modes(vo, va)
+    assert c["throughput_ratio"] == pytest.approx(2.0)
+    assert c["throughput_ratio_by_slo"] == {
+        "ttft:1000,tbt:100": pytest.approx(2.0),
+        "ttft:1000,tpot:60": pytest.approx(1.0),
+    }
+    assert c["common_qps"] == 6.0 and c["p99_tbt_ratio"] == pytest.approx(60 / 150)
+    # Nothing passes: no max QPS, and the ratio says so (None), not 0.
+    none = gs.ladder_view({"runs": [run(2, 5000, 90, 20)]}, slos)
+    assert none["max_qps"] is None and gs.compare_modes(none, va)["throughput_ratio"] is None
+
+
 def test_merge_keeps_every_call_and_recomputes_the_summary(tmp_path: Path) -> None:
     """Two device calls measured different workloads of one model (and another model): the
     merged file holds both workloads, both commands and a summary over all of them."""

@@ -1,0 +1,104 @@
+"""KV-pool sizing on CUDA, with the device's memory reported by stand-ins (no GPU needed).
+
+Found on the H200: an engine started in a process that had run other models refused to start
+("no room for the KV cache"), because memory the caching allocator kept cached counted as used,
+and because a default `max_score_tokens` = max_model_len reserved activations for a prompt
+longer than the GPU could ever hold beside its KV cache."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from runtime.config import EngineConfig
+from runtime.engine import Engine
+from runtime.kv_pool import bytes_per_block, compute_num_blocks, cuda_memory_budget_bytes
+from runtime.presets import get_preset
+
+GIB = 1 << 30
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch: pytest.MonkeyPatch):
+    """A 100 GiB device; `state['cached']` bytes are freed by empty_cache()."""
+    state = {"total": 100 * GIB, "used": 40 * GIB, "cached": 0, "reserved": 10 * GIB}
+    calls: list[str] = []
+
+    def empty_cache() -> None:
+        calls.append("empty_cache")
+        state["used"] -= state["cached"]
+        state["cached"] = 0
+
+    def mem_get_info(*_a):
+        calls.append("mem_get_info")
+        return state["total"] - state["used"], state["total"]
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *_a: state["reserved"])
+    return state, calls
+
+
+def test_budget_releases_cached_memory_first_and_applies_both_limits(fake_gpu) -> None:
+    state, calls = fake_gpu
+    state["cached"] = 20 * GIB  # of the 40 GiB in use, 20 are only cached by this process
+    cfg = EngineConfig(model="random:tiny", gpu_memory_utilization=0.9)
+    # 90 % of 100 GiB minus the 20 GiB really in use.
+    assert cuda_memory_budget_bytes(cfg, torch.device("cuda")) == pytest.approx(70 * GIB)
+    assert calls[:2] == ["empty_cache", "mem_get_info"]
+    capped = EngineConfig(model="random:tiny", gpu_memory_utilization=0.9, max_gpu_memory_gb=30)
+    # The cap: 30 GiB minus the 10 GiB this process holds.
+    assert cuda_memory_budget_bytes(capped, torch.device("cuda")) == pytest.approx(20 * GIB)
+
+
+def test_num_blocks_is_budget_minus_reserve_over_block_bytes(fake_gpu) -> None:
+    cfg = EngineConfig(model="random:tiny", gpu_memory_utilization=0.9)
+    mc = get_preset("tiny")
+    per_block = bytes_per_block(mc, cfg.block_size, torch.bfloat16)
+    act = 2 * GIB
+    n = compute_num_blocks(cfg, mc, torch.bfloat16, torch.device("cuda"), activation_bytes=act)
+    budget = 50 * GIB - act - (512 << 20)  # 90 - 40 in use, minus the reserve and the margin
+    assert n == int(budget // per_block) - 1  # one block is the pad block
+
+
+def _engine_stub(max_model_len: int, max_score_tokens: int) -> types.SimpleNamespace:
+    stub = types.SimpleNamespace(
+        config=EngineConfig(model="random:tiny", gpu_memory_utilization=0.9),
+        model_config=get_preset("tiny"),
+        dtype=torch.bfloat16,
+        device=torch.device("cuda"),
+        _max_model_len=max_model_len,
+        _max_score_tokens=max_score_tokens,
+    )
+    stub._fit = types.MethodType(Engine._fit_max_score_tokens, stub)
+    return stub
+
+
+def test_default_max_score_tokens_is_lowered_to_what_fits(fake_gpu, caplog) -> None:
+    # 50 GiB of budget; 1 MiB of activations per prompt token: a 1M-token prompt cannot fit.
+    stub = _engine_stub(max_model_len=1 << 20, max_score_tokens=1 << 20)
+    slope, fixed = float(1 << 20), float(GIB)
+    stub._fit(fixed, slope, 8192)
+    got = stub._max_score_tokens
+    assert 8192 <= got < 1 << 20 and got % 16 == 0
+    # What is left beside the reserve still holds one max_model_len sequence.
+    per_block = bytes_per_block(stub.model_config, 16, torch.bfloat16)
+    left = 50 * GIB - (fixed + slope * got) - (512 << 20)
+    assert left >= ((1 << 20) // 16 + 1) * per_block
+    assert "scoring prompts limited to" in caplog.text
+
+
+def test_max_score_tokens_is_kept_when_it_fits(fake_gpu) -> None:
+    stub = _engine_stub(max_model_len=32768, max_score_tokens=32768)
+    stub._fit(float(GIB), 10_000.0, 8192)  # ~0.3 GiB for 32k tokens: fits easily
+    assert stub._max_score_tokens == 32768
+
+
+def test_never_below_one_step_budget(fake_gpu) -> None:
+    state, _ = fake_gpu
+    state["used"] = 89 * GIB  # almost nothing left
+    stub = _engine_stub(max_model_len=32768, max_score_tokens=32768)
+    stub._fit(float(GIB), float(1 << 20), 8192)
+    assert stub._max_score_tokens == 8192

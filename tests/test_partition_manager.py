@@ -1,0 +1,56 @@
+"""GreenContextPartition's bookkeeping on CPU: the device layout and the green-context pairs are
+stand-ins (the real ones need CUDA; bench/gpu_suite.py checks them on the GPU)."""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import pytest
+import torch
+from test_cost_model import truth  # the tests' shared toy cost model
+
+import runtime.partition_gpu as pg
+from runtime.cost_model import TIME_SLICE, ControllerConfig, DecodeShape, PrefillShape
+from runtime.green_ctx import SmLayout
+
+
+@pytest.fixture
+def manager(monkeypatch: pytest.MonkeyPatch) -> pg.GreenContextPartition:
+    layout = SmLayout(total_sms=132, min_partition_sms=8, alignment_sms=8)
+    monkeypatch.setattr(pg, "read_sm_layout", lambda _i=0: layout)
+    monkeypatch.setattr(
+        pg,
+        "create_pairs",
+        lambda splits, _i=0: {s: types.SimpleNamespace(prefill=None, decode=None) for s in splits},
+    )
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: object())
+    model = truth(kappa_d=0.05, kappa_p=0.02, decode_r_sat=0.3)
+    model.total_sms = 132
+    return pg.GreenContextPartition(
+        "auto", cost_model=model, controller_config=ControllerConfig(min_gain=0.0)
+    )
+
+
+def test_auto_counts_its_choices_and_logs_changes(manager, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="greenlane.partition")
+    p = PrefillShape.from_seqs([(0, 8192)], num_layers=4)
+    d = DecodeShape(64, 64 * 2048, 32)
+    chosen = [manager.decide(p, d, kv_usage=0.2) for _ in range(3)]
+    manager.decide(None, d, kv_usage=0.2)  # decode only: not a prefill batch, not counted
+    counts = manager.state().choice_counts
+    assert sum(counts.values()) == 3
+    assert counts == {str(chosen[0]): 3} or len(set(chosen)) > 1
+    assert "auto split:" in caplog.text
+    # A new mode starts a new count.
+    manager.set_mode("static:64")
+    assert manager.state().choice_counts == {}
+    assert manager.decide(p, d, kv_usage=0.2) == 64  # pinned: no auto decisions to count
+    assert manager.state().choice_counts == {}
+
+
+def test_time_slice_is_counted_as_zero(manager) -> None:
+    manager.controller.config = ControllerConfig(tbt_slo_ms=1e9)  # any wait meets the target
+    p = PrefillShape.from_seqs([(0, 512)], num_layers=4)
+    assert manager.decide(p, DecodeShape(8, 8 * 2048, 32), kv_usage=0.2) == TIME_SLICE
+    assert manager.state().choice_counts == {"0": 1}
