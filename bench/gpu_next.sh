@@ -5,6 +5,7 @@
 #   bash bench/gpu_next.sh b REV          # qwen2.5-3b: screen, long-data, mixed (QPS ladder,
 #                                         #   TBT SLO, auto with a TBT target)
 #   bash bench/gpu_next.sh c REV [SPLIT]  # llama-3.1-8b: long-data, score+chat, ablation
+#   bash bench/gpu_next.sh d REV          # qwen2.5-3b: the static side only (screen 96-112)
 # Carry: .whl .fi_cache .cache/smollm2-tok. Results in $OUT: gpu-runtime-*.json (suite),
 # partition-*.json (serving; merge them with `python -m bench.gpu_serving --merge ...`),
 # server logs, fi_cache.tar.gz if the FlashInfer cache grew.
@@ -42,13 +43,21 @@ case $plan in
       --screen-fracs 0.73,0.85,0.91 --screen-qps 6 --parts screen,long-data,mixed \
       --tag partition-3b-b --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
   c)
+    python3 -m bench.gpu_suite --rev "$rev" --tag gpu-runtime-correct --deadline-s 60 \
+      --sections correctness || rc=1
     python3 -m bench.gpu_serving "${common[@]}" --models random:llama-3.1-8b --start-s 90 \
       --server-args "--partition auto --calibrate false --partition-tbt-slo-ms 120" \
       --ladder 1,2,3,4 --slo ttft:3000,tbt:150 --slos "ttft:3000,tpot:80" \
       --static-split "${split:-112}" --start-qps 2 --max-probes 3 --score-start-qps 4 \
       --chat-qps 1 --score-slo ttft:3000 --parts long-data,score-chat,ablation \
       --tag partition-8b --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
-  *) echo "unknown plan $plan (a, b or c)"; exit 2 ;;
+  d)
+    python3 -m bench.gpu_serving "${common[@]}" --models random:qwen2.5-3b --start-s 45 \
+      --server-args "--partition auto --calibrate false --partition-tbt-slo-ms 80" \
+      --ladder 3,6,9,12 --slo ttft:2000,tbt:100 --slos "ttft:2000,tpot:60" \
+      --screen-fracs 0.73,0.79,0.85 --screen-qps 6 --parts screen,long-data,mixed \
+      --sides static --tag partition-3b-d --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
+  *) echo "unknown plan $plan (a, b, c or d)"; exit 2 ;;
 esac
 cp $work/partition-*.json "$OUT/" 2>/dev/null
 tar czf "$OUT/serving-$plan.tar.gz" -C $work . 2>/dev/null

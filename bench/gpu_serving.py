@@ -396,8 +396,10 @@ class Orchestrator:
             self.save()
 
     def timeout(self, est_s: float) -> float:
-        """A harness call may use twice its estimate, never past the deadline."""
-        return min(2 * est_s, self.budget.left_s() - 3)
+        """A harness call may use twice its estimate (at least its estimate plus one request
+        timeout: an overloaded run drains that long), never past the deadline."""
+        want = max(2 * est_s, est_s + self.args.request_timeout_s + 10)
+        return min(want, self.budget.left_s() - 3)
 
     # -- estimates (seconds): a run = arrivals + drain; smoke runs are request-count bound
     def run_s(self) -> float:
@@ -450,35 +452,10 @@ class Orchestrator:
             if self.budget.left_s() < self.run_s():
                 res["runs"][str(s)] = "skipped: device time"
                 continue
-            applied = apply_settings(srv.url, f"partition=static:{s},policy=fcfs")
-            path = self.out_dir / f"{rec['slug']}-screen-{s}.json"
-            e = run_harness(
-                "bench.serve",
-                [
-                    "--url",
-                    srv.url,
-                    "--workload",
-                    "long-data",
-                    "--scale",
-                    str(self.args.scale),
-                    *self.count_args(),
-                    "--qps",
-                    str(self.args.screen_qps),
-                    "--seed",
-                    "0",
-                    "--slo",
-                    self.args.slo,
-                    "--out",
-                    str(path),
-                ],
-                self.timeout(self.run_s()),
-            )
-            m = e["record"].get("metrics") or {}
-            res["runs"][str(s)] = {
-                "server_settings": applied,
-                **(latency_view(m) or {}),
-                "goodput": m.get("goodput"),
-            }
+            try:
+                res["runs"][str(s)] = self.screen_one(srv, rec, s)
+            except Exception as exc:  # noqa: BLE001 - one bad split must not end the screen
+                res["runs"][str(s)] = f"error: {type(exc).__name__}: {exc}"[:600]
         scored = [
             (v.get("goodput") or 0.0, -(v["tbt_ms"]["p99"] or math.inf), int(k))
             for k, v in res["runs"].items()
@@ -489,6 +466,38 @@ class Orchestrator:
         res["best"] = max(scored)[2]
         res["rule"] = "highest goodput at the screen QPS, then lowest P99 TBT"
         rec["best_static_split"] = res["best"]
+
+    def screen_one(self, srv: Server, rec: dict[str, Any], s: int) -> dict[str, Any]:
+        """One fixed-QPS long-data run with the server pinned to split `s`."""
+        applied = apply_settings(srv.url, f"partition=static:{s},policy=fcfs")
+        path = self.out_dir / f"{rec['slug']}-screen-{s}.json"
+        e = run_harness(
+            "bench.serve",
+            [
+                "--url",
+                srv.url,
+                "--workload",
+                "long-data",
+                "--scale",
+                str(self.args.scale),
+                *self.count_args(),
+                "--qps",
+                str(self.args.screen_qps),
+                "--seed",
+                "0",
+                "--slo",
+                self.args.slo,
+                "--out",
+                str(path),
+            ],
+            self.timeout(self.run_s()),
+        )
+        m = e["record"].get("metrics") or {}
+        return {
+            "server_settings": applied,
+            **(latency_view(m) or {}),
+            "goodput": m.get("goodput"),
+        }
 
     def count_args(self) -> list[str]:
         # A request still running after --request-timeout is an SLO failure anyway; the bound
@@ -569,6 +578,8 @@ class Orchestrator:
         w: dict[str, Any] = {}
         rec["workloads"][wl] = w
         sides = sides_for(self.smoke, rec.get("best_static_split") if not self.smoke else None)
+        if self.args.sides:
+            sides = {k: v for k, v in sides.items() if k in self.args.sides.split(",")}
         for side, settings in sides.items():
             if self.budget.left_s() < self.side_s() * 0.8:
                 w[side] = {"skipped": "device time"}
@@ -578,11 +589,7 @@ class Orchestrator:
             except Exception as exc:  # noqa: BLE001 - the other sides still run
                 w[side] = {"error": f"{type(exc).__name__}: {exc}"[:1500]}
             self.save()
-        off = w.get("off")
-        for side in ("auto", "static"):
-            other = w.get(side)
-            if off and other and "max_qps" in off and "max_qps" in other:
-                w[f"{side}_vs_off"] = compare_modes(off, other)
+        add_comparisons(w)
 
     def score_chat(self, srv: Server, rec: dict[str, Any]) -> None:
         """Scoring max QPS (P99 TTFT SLO) while chat streams at a fixed QPS in the background."""
@@ -873,6 +880,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-s", type=float, default=60.0, help="estimated server start-up")
     p.add_argument("--static-split", type=int, help="skip the screen: this prefill SM count")
     p.add_argument(
+        "--sides", help="run only these sides of each workload (comma list of off,auto,static)"
+    )
+    p.add_argument(
         "--screen-fracs",
         default="0.5,0.75",
         help="candidate static splits as fractions of the SMs (nearest pre-created)",
@@ -917,11 +927,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_comparisons(w: dict[str, Any]) -> None:
+    """(Re)compute auto/static vs off for one workload's sides."""
+    off = w.get("off")
+    for side in ("auto", "static"):
+        other = w.get(side)
+        if off and other and "max_qps" in off and "max_qps" in other:
+            w[f"{side}_vs_off"] = compare_modes(off, other)
+
+
 def merge_records(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """One model's record from two calls: workloads merged per workload (b wins per side),
-    other keys from b where b has them."""
+    """One model's record from two calls: workloads merged per workload and side (b wins per
+    side; comparisons recomputed), other keys from b where b has them."""
     out = {**a, **{k: v for k, v in b.items() if v not in (None, {}, [])}}
-    out["workloads"] = {**(a.get("workloads") or {}), **(b.get("workloads") or {})}
+    wls: dict[str, Any] = {}
+    for name in {*(a.get("workloads") or {}), *(b.get("workloads") or {})}:
+        w = {**((a.get("workloads") or {}).get(name) or {})}
+        w.update(((b.get("workloads") or {}).get(name)) or {})
+        add_comparisons(w)
+        wls[name] = w
+    out["workloads"] = wls
     return out
 
 

@@ -1020,11 +1020,15 @@ def section_correctness() -> dict:
     # Greedy 16 tokens through the engine (fp32: torch backend, paged KV) vs transformers.
     import transformers
 
+    from runtime.loader import load_tokenizer
     from runtime.request import Request, RequestKind, SamplingParams
 
     folder = "/tmp/hf_llama-small"
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda()
     prompt = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    # The engine never samples an id its tokenizer cannot decode (this random model's vocab is
+    # larger than the tokenizer's): the reference greedy gets the same restriction.
+    n_ok = load_tokenizer(folder).vocab_size
     with torch.inference_mode():
         ref_ids = hf.generate(
             torch.tensor([prompt], device="cuda"),
@@ -1032,6 +1036,7 @@ def section_correctness() -> dict:
             do_sample=False,
             eos_token_id=None,
             pad_token_id=0,
+            suppress_tokens=list(range(n_ok, hf.config.vocab_size)),
         )[0, 40:].tolist()
     del hf
     got: list[int] = []

@@ -134,6 +134,13 @@ def test_merge_keeps_every_call_and_recomputes_the_summary(tmp_path: Path) -> No
     assert set(merged["models"]["m"]["workloads"]) == {"long-data", "mixed"}
     assert merged["models"]["m"]["cost_model_mape"] == 0.1  # b's None does not erase a's
     assert merged["errors"] == {"x": "boom"}
+    # A later call that ran only the static side of a workload adds it; off/auto stay.
+    side = {"max_qps": 2.0, "probes": {}}
+    first = {"workloads": {"long-data": {"off": side, "auto": {**side, "max_qps": 4.0}}}}
+    later = {"workloads": {"long-data": {"static": {**side, "max_qps": 3.0}}}}
+    w = gs.merge_records(first, later)["workloads"]["long-data"]
+    assert set(w) >= {"off", "auto", "static", "auto_vs_off", "static_vs_off"}
+    assert w["static_vs_off"]["throughput_ratio"] == pytest.approx(1.5)
     s = merged["summary"]
     assert s["throughput_ratio_auto_vs_off"] == pytest.approx((2.0 * 0.5 * 4.0) ** (1 / 3))
     assert s["cost_model_mape"] == pytest.approx(0.2)
