@@ -231,6 +231,7 @@ def _unavailable_partition(reason: str) -> dict[str, Any]:
         "measured_prefill_ms": None,
         "measured_decode_ms": None,
         "choice_counts": {},
+        "disabled_splits": {},
     }
 
 

@@ -6,6 +6,7 @@
 #                                         #   TBT SLO, auto with a TBT target)
 #   bash bench/gpu_next.sh c REV [SPLIT]  # llama-3.1-8b: long-data, score+chat, ablation
 #   bash bench/gpu_next.sh d REV          # qwen2.5-3b: the static side only (screen 96-112)
+#   bash bench/gpu_next.sh e REV          # d, then llama-3.1-8b's auto side again
 # Carry: .whl .fi_cache .cache/smollm2-tok. Results in $OUT: gpu-runtime-*.json (suite),
 # partition-*.json (serving; merge them with `python -m bench.gpu_serving --merge ...`),
 # server logs, fi_cache.tar.gz if the FlashInfer cache grew.
@@ -57,7 +58,21 @@ case $plan in
       --ladder 3,6,9,12 --slo ttft:2000,tbt:100 --slos "ttft:2000,tpot:60" \
       --screen-fracs 0.73,0.79,0.85 --screen-qps 6 --parts screen,long-data,mixed \
       --sides static --tag partition-3b-d --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
-  *) echo "unknown plan $plan (a, b, c or d)"; exit 2 ;;
+  e)
+    # d, then llama-3.1-8b's auto side again (long-data, score+chat) after the fix that takes
+    # a failing split out of service (plan c: cuBLAS failed on the 120/12 split).
+    python3 -m bench.gpu_serving "${common[@]}" --models random:qwen2.5-3b --start-s 45 \
+      --server-args "--partition auto --calibrate false --partition-tbt-slo-ms 80" \
+      --ladder 3,6,9,12 --slo ttft:2000,tbt:100 --slos "ttft:2000,tpot:60" \
+      --screen-fracs 0.73,0.79,0.85 --screen-qps 6 --parts screen,long-data,mixed \
+      --sides static --tag partition-3b-d --deadline-s "$(( $(left) - 190 ))" || rc=1
+    python3 -m bench.gpu_serving "${common[@]}" --models random:llama-3.1-8b --start-s 60 \
+      --server-args "--partition auto --calibrate false --partition-tbt-slo-ms 120" \
+      --ladder 1,2,3,4 --slo ttft:3000,tbt:150 --slos "ttft:3000,tpot:80" \
+      --start-qps 2 --max-probes 3 --score-start-qps 4 --chat-qps 1 --score-slo ttft:3000 \
+      --parts long-data,score-chat --sides auto --port 8200 --tag partition-8b-e \
+      --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
+  *) echo "unknown plan $plan (a to e)"; exit 2 ;;
 esac
 cp $work/partition-*.json "$OUT/" 2>/dev/null
 tar czf "$OUT/serving-$plan.tar.gz" -C $work . 2>/dev/null

@@ -603,6 +603,8 @@ class Orchestrator:
         rec["score_chat"] = res
         sides = sides_for(self.smoke, None)
         for side in ("off", "auto"):
+            if self.args.sides and side not in self.args.sides.split(","):
+                continue
             if self.budget.left_s() < self.search_s():
                 res[side] = {"skipped": "device time"}
                 continue

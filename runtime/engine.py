@@ -209,6 +209,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._crashed: BaseException | None = None
         self._num_failed_steps = 0
+        self._num_failed_requests = 0  # requests failed by a model error (not by input)
         self._stats: dict[str, Any] = {}
         if self._green is not None:
             self._green.submit = self._submit_call
@@ -631,7 +632,14 @@ class Engine:
                 log.exception("split-mode step failed (%d requests)", len(e.plan.seqs))
                 pd.fence(torch.cuda.current_stream(self.device))
                 self._pd_active = False  # the re-run below is monolithic
-                return self._rerun_one_by_one(e.plan)
+                failed_before = self._num_failed_requests
+                outputs = self._rerun_one_by_one(e.plan)
+                if self._num_failed_requests == failed_before and e.prefill_sms:
+                    # Every request ran fine on the whole GPU: the split itself is broken
+                    # (seen on the H200: cuBLAS failing on a 12-SM decode remainder). Never
+                    # use it again rather than fail-and-re-run every step.
+                    self._green.disable_split(e.prefill_sms, str(e))
+                return outputs
         if pd is not None and self._pd_active:
             pd.fence(torch.cuda.current_stream(self.device))
             self._pd_active = False
@@ -685,6 +693,7 @@ class Engine:
         return outputs
 
     def _fail_seq(self, seq: ScheduledSeq, e: Exception) -> list[RequestOutput]:
+        self._num_failed_requests += 1
         msg = f"internal error while running the model: {type(e).__name__}: {e}"
         return self.scheduler.fail([seq.request.request_id], msg)
 

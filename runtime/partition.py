@@ -26,6 +26,8 @@ class PartitionState:
     measured_decode_ms: float | None = None
     # auto: how many prefill batches each choice got since the mode was set ("0" = time-slice)
     choice_counts: dict[str, int] = field(default_factory=dict)
+    # splits taken out of service after failing at run time (split -> why)
+    disabled_splits: dict[str, str] = field(default_factory=dict)
 
 
 class PartitionManager(Protocol):

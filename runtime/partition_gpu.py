@@ -88,6 +88,7 @@ class GreenContextPartition:
         # auto's choices since the mode was last set: prefill batches per split (0 = time-
         # slice), and a once-a-second log line when the choice changes (with its reason).
         self._choice_counts: Counter[int] = Counter()
+        self.disabled: dict[int, str] = {}  # split -> why it was taken out of service
         self._logged_choice: tuple[int, float] = (TIME_SLICE, 0.0)
         self._apply_mode(*parse_mode(mode))
 
@@ -125,11 +126,14 @@ class GreenContextPartition:
                 measured_prefill_ms=self.measured["prefill_ms"],
                 measured_decode_ms=self.measured["decode_ms"],
                 choice_counts={str(k): v for k, v in sorted(self._choice_counts.items())},
+                disabled_splits={str(k): v for k, v in sorted(self.disabled.items())},
             )
 
     def set_mode(self, spec: str) -> PartitionState:
         """Validate here (ValueError at once), apply on the engine thread (via `submit`)."""
         mode, n = parse_mode(spec)
+        if n is not None and n in self.disabled:
+            raise ValueError(f"split {n} was disabled after it failed: {self.disabled[n]}")
         if n is not None and n not in self.pairs:
             raise ValueError(f"split {n} was not pre-created; choose from {self.splits}")
         if self.submit is None:
@@ -154,6 +158,32 @@ class GreenContextPartition:
                 if mode == "off":
                     self._active = TIME_SLICE
         log.info("partition mode: %s%s", mode, f":{n}" if n is not None else "")
+
+    def disable_split(self, prefill_sms: int, reason: str) -> None:
+        """Take a split out of service after work on it failed while the same requests ran fine
+        on the whole GPU. auto stops choosing it; a pin on it falls back to `off`. Engine thread
+        only (it changes what `decide` may return)."""
+        with self._lock:
+            if prefill_sms in self.disabled or prefill_sms not in self.splits:
+                return
+            self.disabled[prefill_sms] = reason[:300]
+            self.splits = [s for s in self.splits if s != prefill_sms]
+            self.controller.splits = [s for s in self.controller.splits if s != prefill_sms]
+            if self.controller.current == prefill_sms:
+                self.controller.current = TIME_SLICE
+            if self.controller.pinned == prefill_sms:
+                self.controller.release()
+                self._mode = "off"
+            if self._active == prefill_sms:
+                self._active = TIME_SLICE
+            mode = self._mode
+        log.warning(
+            "split %d/%d disabled: work on it failed but ran on the whole GPU (%s); mode now %s",
+            prefill_sms,
+            self.layout.total_sms - prefill_sms,
+            reason[:300],
+            mode,
+        )
 
     # ---- runner hooks ------------------------------------------------------------------------
     def decide(

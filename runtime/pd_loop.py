@@ -134,9 +134,10 @@ class StepFailed(Exception):
     """A part of a split-mode step raised; `plan` holds the requests it covered (its
     prefill is no longer in flight), for the engine's one-by-one re-run."""
 
-    def __init__(self, plan: StepPlan, cause: BaseException) -> None:
+    def __init__(self, plan: StepPlan, cause: BaseException, prefill_sms: int = TIME_SLICE) -> None:
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.plan = plan
+        self.prefill_sms = prefill_sms  # the split the failing work ran on (0: time-sliced)
 
 
 # observe(stage, shape, sms, measured_ms, other_sms): the cost model's online refinement.
@@ -172,6 +173,7 @@ class PDLoop:
         self._last_stream: dict[str, Any] = {"prefill": cur, "decode": cur}
         self.num_prefill_batches = 0
         self.num_split_prefills = 0
+        self.last_split = TIME_SLICE  # the split of the latest prefill start or decode step
         self.num_overlapped_decode_steps = 0
 
     @property
@@ -216,7 +218,7 @@ class PDLoop:
                     self.inflight = None
                     self.scheduler.end_prefill(pplan)
                     merged = StepPlan(pplan.step_id, pplan.prefill, dplan.decode)
-                    raise StepFailed(merged, e) from e
+                    raise StepFailed(merged, e, self.last_split) from e
         else:
             dplan = self.scheduler.schedule_decode()
         self._guarded_pump()
@@ -224,7 +226,7 @@ class PDLoop:
             try:
                 outputs += self._run_decode(dplan)
             except Exception as e:
-                raise StepFailed(dplan, e) from e
+                raise StepFailed(dplan, e, self.last_split) from e
         elif self.inflight is not None and not self._done():
             self._wait_progress()
         self._guarded_pump()
@@ -233,7 +235,7 @@ class PDLoop:
             try:
                 outputs += self._finish_prefill()
             except Exception as e:
-                raise StepFailed(f.plan, e) from e
+                raise StepFailed(f.plan, e, f.choice.prefill_sms) from e
         return outputs
 
     def _guarded_pump(self) -> None:
@@ -244,7 +246,7 @@ class PDLoop:
             assert f is not None
             self.inflight = None
             self.scheduler.end_prefill(f.plan)
-            raise StepFailed(f.plan, e) from e
+            raise StepFailed(f.plan, e, f.choice.prefill_sms) from e
 
     def drain(self) -> list[RequestOutput]:
         """Complete the in-flight prefill (a mode switch to off, or shutdown)."""
@@ -261,6 +263,7 @@ class PDLoop:
     # ---- prefill ----------------------------------------------------------------------------
     def _start_prefill(self, plan: StepPlan, choice: SplitChoice) -> None:
         self.num_split_prefills += 1
+        self.last_split = choice.prefill_sms
         stream = choice.prefill_stream
         self._use("prefill", stream)
         start = self.device.event()
@@ -351,6 +354,7 @@ class PDLoop:
         else:
             split = self.choose(None, plan)
             stream, sms, other = split.decode_stream, split.decode_sms, 0
+        self.last_split = split.prefill_sms
         self._use("decode", stream)
         t0, t1 = self.device.event(), self.device.event()
         with self.device.context(stream):

@@ -54,3 +54,31 @@ def test_time_slice_is_counted_as_zero(manager) -> None:
     p = PrefillShape.from_seqs([(0, 512)], num_layers=4)
     assert manager.decide(p, DecodeShape(8, 8 * 2048, 32), kv_usage=0.2) == TIME_SLICE
     assert manager.state().choice_counts == {"0": 1}
+
+
+def test_a_failed_split_is_taken_out_of_service(manager, caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="greenlane.partition")
+    p = PrefillShape.from_seqs([(0, 8192)], num_layers=32)
+    d = DecodeShape(64, 64 * 2048, 32)
+    chosen = manager.decide(p, d, kv_usage=0.2)
+    assert chosen in manager.splits
+    manager.disable_split(chosen, "RuntimeError: CUBLAS_STATUS_EXECUTION_FAILED")
+    assert chosen not in manager.splits and chosen not in manager.controller.splits
+    assert "disabled" in caplog.text
+    state = manager.state()
+    assert state.disabled_splits == {str(chosen): "RuntimeError: CUBLAS_STATUS_EXECUTION_FAILED"}
+    assert chosen not in state.splits
+    for _ in range(3):  # auto never goes back to it
+        assert manager.decide(p, d, kv_usage=0.2) != chosen
+    with pytest.raises(ValueError, match="disabled after it failed"):
+        manager.set_mode(f"static:{chosen}")
+
+
+def test_a_pinned_split_that_fails_falls_back_to_off(manager) -> None:
+    manager.set_mode("static:112")
+    manager.disable_split(112, "launch failure")
+    assert manager.mode == "off" and manager.controller.pinned is None
+    p = PrefillShape.from_seqs([(0, 512)], num_layers=4)
+    assert manager.decide(p, DecodeShape(8, 8 * 2048, 32), kv_usage=0.2) == TIME_SLICE
+    manager.disable_split(112, "again")  # idempotent
+    assert manager.state().disabled_splits == {"112": "launch failure"}
