@@ -7,6 +7,7 @@
 #   bash bench/gpu_next.sh c REV [SPLIT]  # llama-3.1-8b: long-data, score+chat, ablation
 #   bash bench/gpu_next.sh d REV          # qwen2.5-3b: the static side only (screen 96-112)
 #   bash bench/gpu_next.sh e REV          # d, then llama-3.1-8b's auto side again
+#   bash bench/gpu_next.sh f REV          # llama-3.1-8b auto at 1-2 QPS (disabled-split fix)
 # Carry: .whl .fi_cache .cache/smollm2-tok. Results in $OUT: gpu-runtime-*.json (suite),
 # partition-*.json (serving; merge them with `python -m bench.gpu_serving --merge ...`),
 # server logs, fi_cache.tar.gz if the FlashInfer cache grew.
@@ -72,7 +73,14 @@ case $plan in
       --start-qps 2 --max-probes 3 --score-start-qps 4 --chat-qps 1 --score-slo ttft:3000 \
       --parts long-data,score-chat --sides auto --port 8200 --tag partition-8b-e \
       --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
-  *) echo "unknown plan $plan (a to e)"; exit 2 ;;
+  f)
+    # The fix for decodes beside an in-flight prefill on a split that was just disabled:
+    # llama-3.1-8b auto, long-data at 1 and 2 QPS (plan e's 1-QPS probe absorbed the episode).
+    python3 -m bench.gpu_serving "${common[@]}" --models random:llama-3.1-8b --start-s 40 \
+      --server-args "--partition auto --calibrate false --partition-tbt-slo-ms 120" \
+      --ladder 1,2 --slo ttft:3000,tbt:150 --slos "ttft:3000,tpot:80" --parts long-data \
+      --sides auto --tag partition-8b-f --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
+  *) echo "unknown plan $plan (a to f)"; exit 2 ;;
 esac
 cp $work/partition-*.json "$OUT/" 2>/dev/null
 tar czf "$OUT/serving-$plan.tar.gz" -C $work . 2>/dev/null

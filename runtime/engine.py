@@ -199,6 +199,7 @@ class Engine:
                 slice_tokens=config.pd_slice_tokens,
                 max_queued_slices=config.pd_max_queued_slices,
                 chunk_tokens=config.prefill_chunk_tokens if config.hybrid_prefill else None,
+                split_usable=lambda sms: sms not in self._green.disabled,
             )
 
         self._lock = threading.Lock()

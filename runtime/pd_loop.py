@@ -158,7 +158,10 @@ class PDLoop:
         slice_tokens: int = 32768,
         max_queued_slices: int = 2,
         chunk_tokens: int | None = None,
+        split_usable: Callable[[int], bool] | None = None,
     ) -> None:
+        """split_usable(prefill_sms): False once the partition manager has taken that split out
+        of service; decode steps beside an in-flight prefill on it then use the whole GPU."""
         self.scheduler = scheduler
         self.runner = runner
         self.model = runner.model
@@ -168,6 +171,7 @@ class PDLoop:
         self.slice_tokens = slice_tokens
         self.max_queued_slices = max_queued_slices
         self.chunk_tokens = chunk_tokens
+        self.split_usable = split_usable or (lambda _sms: True)
         self.inflight: _Inflight | None = None
         cur = device.current_stream()
         self._last_stream: dict[str, Any] = {"prefill": cur, "decode": cur}
@@ -346,7 +350,7 @@ class PDLoop:
     # ---- decode -------------------------------------------------------------------------------
     def _run_decode(self, plan: StepPlan) -> list[RequestOutput]:
         f = self.inflight
-        if f is not None:
+        if f is not None and self.split_usable(f.choice.prefill_sms):
             split = f.choice
             stream, sms, other = split.decode_stream, split.decode_sms, split.prefill_sms
             f.overlapped_decode = True

@@ -69,7 +69,13 @@ class FakeDevice:
         self.pending.clear()
 
 
-def build(device: Any, prefill_sms: int = 64, slice_tokens: int = 1, **cfg: Any):
+def build(
+    device: Any,
+    prefill_sms: int = 64,
+    slice_tokens: int = 1,
+    split_usable: Any = None,
+    **cfg: Any,
+):
     config = EngineConfig(
         model="random:tiny", prefill_policy="fcfs", block_size=4, num_kv_blocks=128, **cfg
     )
@@ -100,6 +106,7 @@ def build(device: Any, prefill_sms: int = 64, slice_tokens: int = 1, **cfg: Any)
         lambda *a: observed.append(a),
         slice_tokens=slice_tokens,
         max_queued_slices=1,
+        split_usable=split_usable,
     )
     return eng, loop, choices, observed
 
@@ -250,3 +257,24 @@ def test_preemption_never_picks_an_inflight_request() -> None:
     dev.hold = False
     dev.release()
     loop.drain()
+
+
+def test_decode_leaves_a_split_taken_out_of_service_mid_prefill() -> None:
+    """Seen on the H200: a split whose decode partition failed was disabled, but decode steps
+    beside the prefill already in flight on it kept going to its decode stream (and failing)
+    until that prefill finished. They must move to the whole GPU at once."""
+    dev = FakeDevice()
+    disabled: set[int] = set()
+    eng, loop, _, _ = build(dev, slice_tokens=1, split_usable=lambda sms: sms not in disabled)
+    sched = eng.scheduler
+    a = gen("a", 12, 20, seed=1)
+    sched.add(a)
+    loop.step()  # a prefilled; decodes from now on
+    sched.add(gen("b", 40, 4, seed=2))
+    dev.hold = True
+    loop.step()  # b in flight on split 64; a decodes on its pair's stream "D"
+    assert loop.busy and loop.last_split == 64
+    disabled.add(64)
+    loop.step()  # b still in flight: a's decode must not use "D" any more
+    assert loop.busy and loop.last_split == 0
+    assert ("whole", "D") in dev.waits  # the whole-GPU stream waits for D's queued work
