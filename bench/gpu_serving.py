@@ -949,6 +949,13 @@ def merge_records(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         add_comparisons(w)
         wls[name] = w
     out["workloads"] = wls
+    sc = {**(a.get("score_chat") or {}), **(b.get("score_chat") or {})}
+    if sc:
+        if isinstance(sc.get("off"), dict) and isinstance(sc.get("auto"), dict):
+            sc["score_qps_ratio_auto_vs_off"] = ratio(
+                sc["off"].get("max_qps"), sc["auto"].get("max_qps")
+            )
+        out["score_chat"] = sc
     return out
 
 

@@ -141,6 +141,12 @@ def test_merge_keeps_every_call_and_recomputes_the_summary(tmp_path: Path) -> No
     w = gs.merge_records(first, later)["workloads"]["long-data"]
     assert set(w) >= {"off", "auto", "static", "auto_vs_off", "static_vs_off"}
     assert w["static_vs_off"]["throughput_ratio"] == pytest.approx(1.5)
+    # score+chat sides merge the same way (a later auto-only run keeps the earlier off side).
+    sc = gs.merge_records(
+        {"score_chat": {"off": {"max_qps": 6.0}, "auto": {"error": "x"}}},
+        {"score_chat": {"auto": {"max_qps": 2.0}}},
+    )["score_chat"]
+    assert sc["off"]["max_qps"] == 6.0 and sc["score_qps_ratio_auto_vs_off"] == pytest.approx(1 / 3)
     s = merged["summary"]
     assert s["throughput_ratio_auto_vs_off"] == pytest.approx((2.0 * 0.5 * 4.0) ** (1 / 3))
     assert s["cost_model_mape"] == pytest.approx(0.2)
