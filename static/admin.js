@@ -68,6 +68,27 @@
     setText("stat-prefix", isNum(hit) ? `prefix hit ${fmtPct(hit)}` : "");
   }
 
+  // What auto did since the mode was last set (prefill batches per choice; "0" = time-sliced),
+  // and the splits taken out of service after failing on this device.
+  function choicesText(part) {
+    const parts = [];
+    const counts = part.choice_counts || {};
+    const total = Object.values(counts).reduce((a, b) => a + b, 0);
+    if (total > 0) {
+      const items = Object.entries(counts)
+        .sort((a, b) => Number(a[0]) - Number(b[0]))
+        .map(([k, n]) => `${k === "0" ? "time-sliced" : k + " prefill SMs"} ${n} ` +
+          `(${Math.round((100 * n) / total)} %)`);
+      parts.push("Auto's choices since the mode was set (prefill batches): " + items.join(" · ") + ".");
+    }
+    const disabled = Object.entries(part.disabled_splits || {});
+    if (disabled.length) {
+      parts.push("Taken out of service after failing: " +
+        disabled.map(([k, why]) => `${k} (${why})`).join("; ") + ".");
+    }
+    return parts.join(" ");
+  }
+
   // ---------------------------------------------------------------- SM drawing
   function renderPartition(part) {
     const grid = $("sm-grid");
@@ -133,6 +154,7 @@
       ? `Pre-created splits (prefill SMs): ${splits.join(" · ")}. ` +
         "Auto lets the cost-model controller choose among them; Off runs both phases on the whole GPU."
       : "");
+    setText("choices-text", choicesText(part));
     const usable = part.available && splits.length > 0;
     range.disabled = !usable;
     $("pin-btn").disabled = !usable;

@@ -34,6 +34,10 @@ class FakePartition:
         self.prefill_sms = total_sms
         self.pinned = False
         self.calls: list[str] = []  # every spec given to set_mode, for assertions
+        # What GreenContextPartition reports about auto's choices and failed splits; tests set
+        # them directly (no fake controller runs here).
+        self.choice_counts: dict[str, int] = {}
+        self.disabled_splits: dict[str, str] = {}
 
     def _split_state(self) -> PartitionState:
         if self.mode == "off":
@@ -56,6 +60,8 @@ class FakePartition:
             predicted_decode_ms=pred_decode,
             measured_prefill_ms=pred_prefill * 1.08,
             measured_decode_ms=pred_decode * 1.08,
+            choice_counts=dict(self.choice_counts),
+            disabled_splits=dict(self.disabled_splits),
         )
 
     def state(self) -> PartitionState:
@@ -65,6 +71,7 @@ class FakePartition:
     def set_mode(self, spec: str) -> PartitionState:
         with self._lock:
             self.calls.append(spec)
+            self.choice_counts = {}
             if spec == "off":
                 self.mode, self.prefill_sms, self.pinned = "off", self.total_sms, False
             elif spec == "auto":

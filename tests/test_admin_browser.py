@@ -218,6 +218,15 @@ def test_admin_page_live_and_controls(
     page.locator("#auto-btn").click()
     page.wait_for_function("document.getElementById('mode-badge').textContent.trim() === 'auto'")
     assert partition.calls[-1] == "auto"
+    # What the manager reports about auto's choices and failed splits reaches the page.
+    partition.choice_counts = {"0": 3, "64": 1}
+    partition.disabled_splits = {"120": "CUBLAS_STATUS_EXECUTION_FAILED (test)"}
+    page.wait_for_function(
+        "document.getElementById('choices-text').textContent.includes('time-sliced 3 (75 %)')"
+    )
+    choices = _text(page, "#choices-text")
+    assert "64 prefill SMs 1 (25 %)" in choices
+    assert "120 (CUBLAS_STATUS_EXECUTION_FAILED (test))" in choices
 
     page.locator(".policy-btn[data-policy='fcfs']").click()
     page.wait_for_selector(".policy-btn.active[data-policy='fcfs']")
