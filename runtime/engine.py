@@ -268,6 +268,10 @@ class Engine:
                     (time.perf_counter() - t0) * 1e3,
                     cfg.partition,
                 )
+                # Splits that failed when this GPU and model were profiled stay out of service.
+                profile = getattr(choice.calibration, "profile", None) or {}
+                for split, why in (profile.get("failed_splits") or {}).items():
+                    self._green.disable_split(int(split), f"failed when profiled: {why}")
                 return self._green  # type: ignore[no-any-return]
             except Exception as e:  # noqa: BLE001 - any failure: run time-sliced, say why
                 reason = f"green-context pairs could not be created: {type(e).__name__}: {e}"
@@ -291,6 +295,8 @@ class Engine:
         try:
             cal = profile_engine(self, full=False, cache_dir=cfg.partition_calibration_dir)
             g.set_cost_model(cal.cost_model())
+            for split, why in (cal.profile.get("failed_splits") or {}).items():
+                g.disable_split(int(split), f"failed in the start-up profile: {why}")
         except Exception as e:  # noqa: BLE001 - serve anyway, on the fallback, and say so
             torch.cuda.synchronize(self.device)
             fallback = self._partition_choice.calibration

@@ -69,15 +69,17 @@ class ProfileShapes:
     concurrent: tuple[tuple[PrefillPoint, DecodePoint], ...] = ()
 
 
-# Start-up profile (`--partition auto` with no calibration file): 3 splits x 2 shapes per stage,
-# one concurrent pair. (1 + 3) x 2 prefill + (1 + 3) x 2 decode + 3 concurrent = 19 points, each
+# Start-up profile (`--partition auto` with no calibration file): 4 splits x 2 shapes per stage,
+# one concurrent pair. (1 + 4) x 2 prefill + (1 + 4) x 2 decode + 4 concurrent = 24 points, each
 # 1 untimed + 2 timed runs. Estimated from the issue-6 H200 timings of random:qwen2.5-3b
 # (prefill 4k: 45 ms whole GPU .. 160 ms on 33 SMs; eager decode ~16 ms): about 5 s for a 3B
 # model, 10-20 s for an 8B one -- an estimate, not a measurement. `STARTUP_MAX_S` bounds it.
 # Two shapes per stage do not identify all three base coefficients (the least-squares solution
 # is the minimum-norm one); online refinement corrects the bias per split while serving, and
 # `python -m app calibrate --what partition` runs the fuller profile below.
-STARTUP_SPLIT_FRACTIONS = (0.25, 0.5, 0.75)
+# 0.85: on the H200 the smallest decode partitions (20-28 SMs) were far slower than a fit
+# without them extrapolated (measured in serving), so the profile measures one.
+STARTUP_SPLIT_FRACTIONS = (0.25, 0.5, 0.75, 0.85)
 STARTUP_SHAPES = ProfileShapes(
     prefill=((4096, 0), (1024, 4096)),
     decode=((16, 1024), (64, 2048)),
@@ -156,6 +158,12 @@ class _Point:
     sms: int  # prefill: its SMs; decode: its SMs; concurrent: the prefill partition's SMs
     weight: float  # ETA weight
 
+    def split(self, total_sms: int) -> int | None:
+        """The split (prefill SM count) this point runs on; None = the whole GPU."""
+        if self.sms == total_sms:
+            return None
+        return total_sms - self.sms if self.kind == "decode" else self.sms
+
     def label(self, total_sms: int) -> str:
         if self.kind == "prefill":
             assert self.prefill is not None
@@ -216,11 +224,17 @@ def profile_partition(
     warmup: int = 1,
     max_seconds: float | None = None,
     clock: Callable[[], float] = time.monotonic,
+    failed_splits: dict[int, str] | None = None,
 ) -> list[ProfileSample]:
     """Measure every point `warmup` times untimed (first use of a green context, allocator and
     plan caches must not skew it) and `repeats` times (median kept); one progress line per
     point with the elapsed time and an ETA. Stops early, saying so, once `max_seconds` have
-    passed. Returns the samples for `CostModel.fit` (layers: `num_layers`)."""
+    passed. Returns the samples for `CostModel.fit` (layers: `num_layers`).
+
+    A point on a split that raises (on the H200 cuBLAS failed on a 12-SM decode partition)
+    marks that split failed in `failed_splits` (split -> why) and skips its other points; the
+    profile goes on with the rest. A failure on the whole GPU is not the split's fault: it
+    propagates."""
     say = progress or (lambda _msg: None)
     bad = [s for s in splits if not 0 < s < total_sms]
     if bad:
@@ -236,17 +250,26 @@ def profile_partition(
                 f"{i - 1}/{n} points (the fit uses what was measured)"
             )
             break
-        detail = _measure_point(
-            pt,
-            measure_prefill_ms,
-            measure_decode_ms,
-            measure_concurrent_ms,
-            repeats,
-            warmup,
-            total_sms,
-            num_layers,
-            samples,
-        )
+        split = pt.split(total_sms)
+        if failed_splits is not None and split in failed_splits:
+            continue
+        try:
+            detail = _measure_point(
+                pt,
+                measure_prefill_ms,
+                measure_decode_ms,
+                measure_concurrent_ms,
+                repeats,
+                warmup,
+                total_sms,
+                num_layers,
+                samples,
+            )
+        except Exception as e:
+            if split is None or failed_splits is None:
+                raise
+            failed_splits[split] = f"{type(e).__name__}: {e}"[:300]
+            detail = f"FAILED, split {split} skipped ({type(e).__name__}: {str(e)[:120]})"
         elapsed = clock() - t0
         done_w = sum(p.weight for p in pts[:i])
         eta = elapsed * sum(p.weight for p in pts[i:]) / max(done_w, 1e-9)
@@ -488,6 +511,7 @@ def calibrate_partition(
         f"concurrent {list(shapes.concurrent) if measure_concurrent_ms else 'not measured'}"
     )
     t0 = time.monotonic()
+    failed: dict[int, str] = {}
     samples = profile_partition(
         measure_prefill_ms,
         measure_decode_ms,
@@ -499,9 +523,11 @@ def calibrate_partition(
         measure_concurrent_ms=measure_concurrent_ms,
         repeats=repeats,
         max_seconds=max_seconds,
+        failed_splits=failed,
     )
     meta = {
         "splits": list(splits),
+        "failed_splits": {str(k): v for k, v in failed.items()},
         "prefill_shapes": [list(p) for p in shapes.prefill],
         "decode_shapes": [list(d) for d in shapes.decode],
         "concurrent_shapes": [[list(p), list(d)] for p, d in shapes.concurrent]

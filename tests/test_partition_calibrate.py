@@ -193,6 +193,63 @@ def test_time_budget_stops_the_profile_and_says_so() -> None:
         fit_calibration(samples, device=DEVICE, total_sms=TOTAL, model=MODEL)
 
 
+def test_a_split_that_fails_is_recorded_and_skipped(tmp_path: Path) -> None:
+    """Seen on the H200: cuBLAS failed on a 12-SM decode partition. The profile marks the split,
+    skips its other points, fits on the rest, and says so; the file records it."""
+    gpu = FakeGPU()
+    broken = TOTAL - SPLITS[-1]  # the decode partition of the last split
+
+    def decode(batch: int, ctx: int, sms: int) -> float:
+        if sms == broken:
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED")
+        return gpu.decode_ms(batch, ctx, sms)
+
+    measures = {**gpu.measures(), "measure_decode_ms": decode}
+    lines: list[str] = []
+    cal = calibrate_partition(
+        **measures,
+        device=DEVICE,
+        total_sms=TOTAL,
+        model=MODEL,
+        num_layers=LAYERS,
+        splits=SPLITS,
+        shapes=SHAPES,
+        repeats=1,
+        cache_dir=str(tmp_path),
+        progress=lines.append,
+    )
+    failed = cal.profile["failed_splits"]
+    assert list(failed) == [str(SPLITS[-1])] and "CUBLAS_STATUS_EXECUTION_FAILED" in failed["99"]
+    assert any("FAILED, split 99 skipped" in ln for ln in lines)
+    # Nothing more was measured on the failed split (its concurrent point included) ...
+    assert not [c for c in gpu.calls if c[0] == "concurrent" and c[3] == SPLITS[-1]]
+    # ... and the other splits were still profiled and fitted.
+    assert {s.sms for s in cal.samples if s.stage == PREFILL} >= {TOTAL, *SPLITS[:-1]}
+    on_disk = json.loads(Path(str(cal.path)).read_text())
+    assert list(on_disk["profile"]["failed_splits"]) == ["99"]
+
+
+def test_a_whole_gpu_failure_is_not_blamed_on_a_split() -> None:
+    gpu = FakeGPU()
+
+    def prefill(t: int, c: int, s: int) -> float:
+        raise RuntimeError("out of memory")
+
+    failed: dict[int, str] = {}
+    with pytest.raises(RuntimeError, match="out of memory"):
+        profile_partition(
+            prefill,
+            gpu.decode_ms,
+            SPLITS,
+            SHAPES,
+            None,
+            total_sms=TOTAL,
+            num_layers=LAYERS,
+            failed_splits=failed,
+        )
+    assert failed == {}
+
+
 def test_bad_splits_are_refused() -> None:
     gpu = FakeGPU()
     with pytest.raises(ValueError, match="splits"):
