@@ -380,6 +380,7 @@ class PDLoop:
     def _run_monolithic(self, pplan: StepPlan, dplan: StepPlan, stream: Any) -> list[RequestOutput]:
         """Time-slicing: both parts as one step on the whole-GPU stream (as partition=off)."""
         self.scheduler.end_prefill(pplan)  # never in flight: it runs to completion here
+        self.last_split = TIME_SLICE  # a failure here must not be blamed on an earlier split
         merged = StepPlan(step_id=pplan.step_id, prefill=pplan.prefill, decode=dplan.decode)
         self._use("prefill", stream)
         self._use("decode", stream)

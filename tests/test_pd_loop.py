@@ -14,7 +14,7 @@ import pytest
 from runtime.attention.torch_backend import TorchAttentionBackend
 from runtime.config import EngineConfig
 from runtime.engine import Engine
-from runtime.pd_loop import HostStreamDevice, PDLoop, SplitChoice
+from runtime.pd_loop import HostStreamDevice, PDLoop, SplitChoice, StepFailed
 from runtime.request import Request, RequestKind, RequestOutput, SamplingParams
 from runtime.runner import ModelRunner
 
@@ -278,3 +278,17 @@ def test_decode_leaves_a_split_taken_out_of_service_mid_prefill() -> None:
     loop.step()  # b still in flight: a's decode must not use "D" any more
     assert loop.busy and loop.last_split == 0
     assert ("whole", "D") in dev.waits  # the whole-GPU stream waits for D's queued work
+
+
+def test_a_time_sliced_step_is_never_blamed_on_the_previous_split() -> None:
+    dev = FakeDevice()
+    eng, loop, _, _ = build(dev, prefill_sms=64)
+    eng.scheduler.add(gen("a", 12, 3, seed=1))
+    loop.step()  # prefilled on split 64
+    assert loop.last_split == 64
+    loop.choose = lambda p, d: SplitChoice(0, 132, "whole", "whole")  # now: time-slice
+    eng.scheduler.add(gen("b", 20, 3, seed=2))
+    loop.runner.run = lambda plan: (_ for _ in ()).throw(RuntimeError("boom"))
+    with pytest.raises(StepFailed) as info:
+        loop.step()
+    assert info.value.prefill_sms == 0
