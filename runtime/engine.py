@@ -629,15 +629,15 @@ class Engine:
         still in flight), else the monolithic step."""
         pd = self.pd
         if pd is not None and (self._green.mode != "off" or pd.busy):
-            if not self._pd_active and self.device.type == "cuda":
-                pd.enter(torch.cuda.current_stream(self.device))
+            if not self._pd_active:
+                pd.enter(self._main_stream())
             self._pd_active = True
             try:
                 return pd.step()
             except StepFailed as e:
                 self._num_failed_steps += 1
                 log.exception("split-mode step failed (%d requests)", len(e.plan.seqs))
-                pd.fence(torch.cuda.current_stream(self.device))
+                pd.fence(self._main_stream())
                 self._pd_active = False  # the re-run below is monolithic
                 failed_before = self._num_failed_requests
                 outputs = self._rerun_one_by_one(e.plan)
@@ -648,9 +648,17 @@ class Engine:
                     self._green.disable_split(e.prefill_sms, str(e))
                 return outputs
         if pd is not None and self._pd_active:
-            pd.fence(torch.cuda.current_stream(self.device))
+            pd.fence(self._main_stream())
             self._pd_active = False
         return self._monolithic_step()
+
+    def _main_stream(self) -> Any:
+        """The stream monolithic steps run on: the engine thread's current CUDA stream (the
+        PD loop's host stand-in on CPU, where tests drive split mode)."""
+        if self.device.type == "cuda":
+            return torch.cuda.current_stream(self.device)
+        assert self.pd is not None
+        return self.pd.device.current_stream()
 
     def _monolithic_step(self) -> list[RequestOutput]:
         """One schedule -> run -> update; returns the outputs to emit."""

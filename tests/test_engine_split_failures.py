@@ -1,0 +1,136 @@
+"""The engine's handling of a failed split-mode step, on CPU: the PD loop runs on a host stand-in
+whose streams are labels, and a stand-in partition manager records what the engine asks of it.
+
+Seen on the H200: cuBLAS failed on a 12-SM decode partition. The engine must then re-run the
+step's requests on the whole GPU and, when they all run fine there, take the split out of
+service; when a request is at fault instead, fail that request and leave the split alone."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from test_pd_loop import gen  # the PD-loop tests' request maker
+
+from runtime.attention.torch_backend import TorchAttentionBackend
+from runtime.config import EngineConfig
+from runtime.engine import Engine
+from runtime.pd_loop import HostStreamDevice, PDLoop, SplitChoice
+from runtime.request import RequestOutput
+from runtime.runner import ModelRunner
+
+SPLIT = 64
+
+
+class LabelledStreams(HostStreamDevice):
+    """Host stand-in that remembers which stream label work is being issued on."""
+
+    def __init__(self) -> None:
+        self.current: Any = "host"
+
+    def context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        @contextlib.contextmanager
+        def on() -> Iterator[None]:
+            prev, self.current = self.current, stream
+            try:
+                yield
+            finally:
+                self.current = prev
+
+        return on()
+
+
+class RecordingPartition:
+    """What `Engine._step` uses of GreenContextPartition: the mode and `disable_split`."""
+
+    def __init__(self) -> None:
+        self.mode = "auto"
+        self.disabled: dict[int, str] = {}
+
+    def disable_split(self, prefill_sms: int, reason: str) -> None:
+        self.disabled[prefill_sms] = reason
+
+
+def split_mode_engine(fail_when: Any) -> tuple[Engine, RecordingPartition, list[RequestOutput]]:
+    """An engine whose steps go through a PD loop that puts every prefill and decode on split
+    SPLIT (streams "P"/"D"); `fail_when(device, plan)` says when a runner step raises."""
+    outputs: list[RequestOutput] = []
+    config = EngineConfig(model="random:tiny", block_size=4, num_kv_blocks=128)
+    eng = Engine(config, outputs.append)  # not started: _step is driven by the test
+    pool = eng.kv_pool
+    runner = ModelRunner(
+        config,
+        eng.model,
+        eng.model_config,
+        pool,
+        TorchAttentionBackend(pool),
+        TorchAttentionBackend(pool),
+    )
+    device = LabelledStreams()
+    run = runner.run
+
+    def guarded_run(plan: Any) -> Any:
+        if fail_when(device, plan):
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED (stand-in)")
+        return run(plan)
+
+    runner.run = guarded_run  # type: ignore[method-assign]
+    eng.runner = runner
+    green = RecordingPartition()
+    eng._green = green
+    eng.pd = PDLoop(
+        eng.scheduler,
+        runner,
+        device,
+        # Like the real manager: a disabled split is never chosen again.
+        lambda p, d: (
+            SplitChoice(0, 132, "host", "host")
+            if SPLIT in green.disabled
+            else SplitChoice(SPLIT, 132 - SPLIT, "P", "D")
+        ),
+        None,
+        slice_tokens=1,
+        split_usable=lambda sms: sms not in green.disabled,
+    )
+    return eng, green, outputs
+
+
+def run_until_done(eng: Engine, max_steps: int = 200) -> list[RequestOutput]:
+    outs: list[RequestOutput] = []
+    for _ in range(max_steps):
+        if not eng.scheduler.has_work() and not eng.pd.busy:
+            break
+        outs += eng._step()
+    return outs
+
+
+def test_a_split_that_fails_while_the_requests_run_fine_alone_is_disabled() -> None:
+    eng, green, _ = split_mode_engine(lambda dev, plan: dev.current == "D")
+    reqs = [gen("a", 12, 5, seed=1), gen("b", 20, 5, seed=2)]
+    for r in reqs:
+        eng.scheduler.add(r)
+    outs = run_until_done(eng)
+    assert list(green.disabled) == [SPLIT]
+    assert "CUBLAS_STATUS_EXECUTION_FAILED" in green.disabled[SPLIT]
+    # Nobody failed: the re-run on the whole GPU carried both requests to the end.
+    finished = {o.request_id: o for o in outs if o.finished}
+    assert set(finished) == {"a", "b"}
+    assert all(o.error is None for o in finished.values())
+    assert all(r.num_output_tokens == 5 for r in reqs)
+    assert eng._num_failed_requests == 0 and eng._num_failed_steps == 1  # one, then no more
+
+
+def test_a_request_at_fault_fails_alone_and_the_split_stays() -> None:
+    def poisoned(dev: Any, plan: Any) -> bool:
+        return any(s.request.request_id == "bad" for s in plan.seqs)
+
+    eng, green, _ = split_mode_engine(poisoned)
+    eng.scheduler.add(gen("good", 12, 4, seed=1))
+    eng.scheduler.add(gen("bad", 10, 4, seed=3))
+    outs = run_until_done(eng)
+    assert green.disabled == {}
+    finished = {o.request_id: o for o in outs if o.finished}
+    assert finished["bad"].error and "internal error" in finished["bad"].error
+    assert finished["good"].error is None
+    assert eng._num_failed_requests == 1
