@@ -47,7 +47,8 @@ from runtime.kv_pool import (
     cuda_memory_budget_bytes,
 )
 from runtime.loader import load_model
-from runtime.partition import PartitionManager, UnavailablePartition
+from runtime.partition import PartitionManager
+from runtime.partition_setup import make_partition, profile_at_startup
 from runtime.pd_loop import CudaStreamDevice, PDLoop, SplitChoice, StepFailed
 from runtime.prefix_cache import PrefixCache
 from runtime.request import FINISH_REASONS, Request, RequestKind, RequestOutput, RequestStatus
@@ -82,21 +83,6 @@ def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtyp
         raise ValueError(f"unknown dtype {config.dtype!r}; choose auto, float32, bfloat16, float16")
     return device, dtype
 
-
-def controller_config_from(config: EngineConfig) -> Any:
-    """The split controller's thresholds from the engine config."""
-    from runtime.cost_model import ControllerConfig
-
-    return ControllerConfig(
-        kv_switch=config.partition_kv_switch,
-        alpha=config.partition_alpha,
-        beta=config.partition_beta,
-        hysteresis_sms=config.partition_hysteresis_sms,
-        min_gain=config.partition_min_gain,
-        min_split_speedup=config.partition_min_split_speedup,
-        allow_time_slice=config.partition_allow_time_slice,
-        tbt_slo_ms=config.partition_tbt_slo_ms,
-    )
 
 
 def make_attention_backend(
@@ -219,93 +205,15 @@ class Engine:
     # ---- partition ------------------------------------------------------------------------
     def _make_partition(self) -> PartitionManager:
         """GreenContextPartition on CUDA with green contexts (any mode), else an
-        UnavailablePartition that says why; a failure to create the pairs falls back too."""
-        from runtime.green_ctx import green_contexts_unavailable_reason
-
-        self._green: Any = None
-        self._partition_choice: Any = None  # runtime.partition_calibrate.CalibrationChoice
-        cfg = self.config
-        if self.device.type != "cuda":
-            reason = "no CUDA device"
-        else:
-            reason = green_contexts_unavailable_reason(self.device.index or 0)
-        if not reason:
-            # Which cost-model parameters (explicit file > cached file > start-up profile in
-            # auto > built-in H200 fallback > uncalibrated). Outside the try below: a bad
-            # explicit --partition-calibration must stop the start-up, not be swallowed.
-            from runtime.calibrate import model_key
-            from runtime.partition_calibrate import choose_partition_calibration
-
-            total_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            self._partition_choice = choose_partition_calibration(
-                explicit_path=cfg.partition_calibration,
-                cache_dir=cfg.partition_calibration_dir,
-                device=self.device_name,
-                total_sms=total_sms,
-                model=model_key(cfg.model),
-                mode=cfg.partition.split(":")[0],
-                startup_profile=cfg.partition_startup_profile,
-            )
-            choice = self._partition_choice
-            (log.info if choice.action in ("explicit", "cached", "profile") else log.warning)(
-                "%s", choice.reason
-            )
-            try:
-                from runtime.partition_gpu import GreenContextPartition
-
-                t0 = time.perf_counter()
-                cost_model = choice.cost_model(total_sms)
-                self._green = GreenContextPartition(
-                    cfg.partition,
-                    cost_model=cost_model,
-                    controller_config=controller_config_from(cfg),
-                    min_decode_sms=cfg.partition_min_decode_sms,
-                    device_index=self.device.index or 0,
-                )
-                log.info(
-                    "green-context partition: %d splits pre-created in %.0f ms (mode %s)",
-                    len(self._green.splits),
-                    (time.perf_counter() - t0) * 1e3,
-                    cfg.partition,
-                )
-                # Splits that failed when this GPU and model were profiled stay out of service.
-                profile = getattr(choice.calibration, "profile", None) or {}
-                for split, why in (profile.get("failed_splits") or {}).items():
-                    self._green.disable_split(int(split), f"failed when profiled: {why}")
-                return self._green  # type: ignore[no-any-return]
-            except Exception as e:  # noqa: BLE001 - any failure: run time-sliced, say why
-                reason = f"green-context pairs could not be created: {type(e).__name__}: {e}"
-        if cfg.partition != "off":
-            log.warning(
-                "partition %s requested but unavailable (%s); falling back to "
-                "time-slicing (partition=off)",
-                cfg.partition,
-                reason,
-            )
-        return UnavailablePartition(reason)
+        UnavailablePartition that says why (runtime/partition_setup.py)."""
+        setup = make_partition(self.config, self.device, self.device_name)
+        self._green: Any = setup.green
+        self._partition_choice: Any = setup.calibration_choice
+        return setup.manager
 
     def _profile_partition(self) -> None:
-        """The bounded start-up profile (`--partition auto`, no calibration file): measure
-        the model on a few pre-created splits, fit, cache the file, install the parameters.
-        A failure keeps the fallback chosen at start-up (built-in H200 parameters or none)
-        and says so."""
-        from runtime.partition_gpu import profile_engine
-
-        g, cfg = self._green, self.config
-        try:
-            cal = profile_engine(self, full=False, cache_dir=cfg.partition_calibration_dir)
-            g.set_cost_model(cal.cost_model())
-            for split, why in (cal.profile.get("failed_splits") or {}).items():
-                g.disable_split(int(split), f"failed in the start-up profile: {why}")
-        except Exception as e:  # noqa: BLE001 - serve anyway, on the fallback, and say so
-            torch.cuda.synchronize(self.device)
-            fallback = self._partition_choice.calibration
-            log.warning(
-                "partition start-up profile failed (%s: %s); FALLBACK: %s",
-                type(e).__name__,
-                e,
-                fallback.source if fallback else "uncalibrated, auto time-slices",
-            )
+        """The bounded start-up profile (`--partition auto`, no calibration file)."""
+        profile_at_startup(self, self._green, self._partition_choice)
 
     def _submit_call(self, fn: Callable[[], None]) -> None:
         with self._lock:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,3 +83,80 @@ def test_a_pinned_split_that_fails_falls_back_to_off(manager) -> None:
     assert manager.decide(p, DecodeShape(8, 8 * 2048, 32), kv_usage=0.2) == TIME_SLICE
     manager.disable_split(112, "again")  # idempotent
     assert manager.state().disabled_splits == {"112": "launch failure"}
+
+
+# ---------------------------------------------------------------- engine set-up (partition_setup)
+def test_no_cuda_means_unavailable_with_the_reason() -> None:
+    from runtime.config import EngineConfig
+    from runtime.partition import UnavailablePartition
+    from runtime.partition_setup import make_partition
+
+    setup = make_partition(EngineConfig(model="random:tiny"), torch.device("cpu"), "cpu")
+    assert isinstance(setup.manager, UnavailablePartition) and setup.green is None
+    assert setup.manager.state().reason == "no CUDA device"
+
+
+def _stand_in_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    import runtime.green_ctx as gc
+
+    monkeypatch.setattr(gc, "green_contexts_unavailable_reason", lambda _i=0: "")
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda _d: types.SimpleNamespace(multi_processor_count=132),
+    )
+
+
+def test_setup_loads_the_file_and_keeps_its_failed_splits_disabled(
+    manager, monkeypatch: pytest.MonkeyPatch, tmp_path, caplog
+) -> None:
+    """(`manager` installs the SM-layout / pair / stream stand-ins.)"""
+    import json
+
+    from test_partition_calibrate import _calibrate
+
+    from runtime.config import EngineConfig
+    from runtime.partition_setup import make_partition
+
+    _stand_in_cuda(monkeypatch)
+    _, cal = _calibrate(tmp_path)
+    path = Path(str(cal.path))
+    data = json.loads(path.read_text())
+    data["profile"]["failed_splits"] = {"120": "CUBLAS_STATUS_EXECUTION_FAILED (test)"}
+    path.write_text(json.dumps(data))
+    cfg = EngineConfig(model="random:tiny", partition="auto", partition_calibration=str(cal.path))
+    caplog.set_level(logging.INFO, logger="greenlane.partition")
+    setup = make_partition(cfg, torch.device("cuda", 0), "Fake GPU")
+    assert isinstance(setup.green, pg.GreenContextPartition) and setup.manager is setup.green
+    assert setup.calibration_choice.action == "explicit"
+    assert 120 not in setup.green.splits and "120" in setup.green.state().disabled_splits
+    assert setup.green.mode == "auto" and setup.green.cost_model.calibrated
+    assert "splits pre-created" in caplog.text
+
+
+def test_setup_falls_back_when_the_pairs_cannot_be_made(
+    monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    from runtime.config import EngineConfig
+    from runtime.partition import UnavailablePartition
+    from runtime.partition_setup import make_partition
+
+    _stand_in_cuda(monkeypatch)
+    monkeypatch.setattr(
+        pg,
+        "read_sm_layout",
+        lambda _i=0: SmLayout(total_sms=132, min_partition_sms=8, alignment_sms=8),
+    )
+
+    def no_pairs(splits, _i=0):
+        raise RuntimeError("cuGreenCtxCreate failed (stand-in)")
+
+    monkeypatch.setattr(pg, "create_pairs", no_pairs)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: object())
+    caplog.set_level(logging.WARNING, logger="greenlane.partition")
+    setup = make_partition(
+        EngineConfig(model="random:tiny", partition="static:64"), torch.device("cuda", 0), "GPU"
+    )
+    assert isinstance(setup.manager, UnavailablePartition) and setup.green is None
+    assert "could not be created" in setup.manager.state().reason
+    assert "falling back to time-slicing" in caplog.text

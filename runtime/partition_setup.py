@@ -1,0 +1,130 @@
+"""The engine's SM-partition set-up: which manager, which cost-model parameters, the start-up
+profile.
+
+`make_partition` returns a `GreenContextPartition` on CUDA with green contexts (pairs
+pre-created whatever the initial mode, so the admin page can switch at run time), else an
+`UnavailablePartition` that says why; a failure to create the pairs falls back too, and says
+so. The cost model's parameters come from `choose_partition_calibration` (explicit file >
+cached file > start-up profile in auto > built-in H200 fallback > uncalibrated); splits that
+failed when the file was profiled start disabled. `profile_at_startup` runs the bounded
+profile when that choice says so, and keeps the fallback (and says so) if it fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from runtime.config import EngineConfig
+from runtime.cost_model import ControllerConfig
+from runtime.partition import PartitionManager, UnavailablePartition
+
+log = logging.getLogger("greenlane.partition")
+
+
+def controller_config_from(config: EngineConfig) -> ControllerConfig:
+    """The split controller's thresholds from the engine config."""
+    return ControllerConfig(
+        kv_switch=config.partition_kv_switch,
+        alpha=config.partition_alpha,
+        beta=config.partition_beta,
+        hysteresis_sms=config.partition_hysteresis_sms,
+        min_gain=config.partition_min_gain,
+        min_split_speedup=config.partition_min_split_speedup,
+        allow_time_slice=config.partition_allow_time_slice,
+        tbt_slo_ms=config.partition_tbt_slo_ms,
+    )
+
+
+@dataclass(slots=True)
+class PartitionSetup:
+    manager: PartitionManager  # what the engine exposes as `engine.partition`
+    green: Any = None  # the GreenContextPartition, or None when partitioning is unavailable
+    calibration_choice: Any = None  # runtime.partition_calibrate.CalibrationChoice, or None
+
+
+def make_partition(config: EngineConfig, device: torch.device, device_name: str) -> PartitionSetup:
+    from runtime.green_ctx import green_contexts_unavailable_reason
+
+    if device.type != "cuda":
+        reason = "no CUDA device"
+    else:
+        reason = green_contexts_unavailable_reason(device.index or 0)
+    if not reason:
+        # Outside the try below: a bad explicit --partition-calibration must stop the
+        # start-up, not be swallowed.
+        from runtime.calibrate import model_key
+        from runtime.partition_calibrate import choose_partition_calibration
+
+        total_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        choice = choose_partition_calibration(
+            explicit_path=config.partition_calibration,
+            cache_dir=config.partition_calibration_dir,
+            device=device_name,
+            total_sms=total_sms,
+            model=model_key(config.model),
+            mode=config.partition.split(":")[0],
+            startup_profile=config.partition_startup_profile,
+        )
+        (log.info if choice.action in ("explicit", "cached", "profile") else log.warning)(
+            "%s", choice.reason
+        )
+        try:
+            from runtime.partition_gpu import GreenContextPartition
+
+            t0 = time.perf_counter()
+            green = GreenContextPartition(
+                config.partition,
+                cost_model=choice.cost_model(total_sms),
+                controller_config=controller_config_from(config),
+                min_decode_sms=config.partition_min_decode_sms,
+                device_index=device.index or 0,
+            )
+            log.info(
+                "green-context partition: %d splits pre-created in %.0f ms (mode %s)",
+                len(green.splits),
+                (time.perf_counter() - t0) * 1e3,
+                config.partition,
+            )
+            # Splits that failed when this GPU and model were profiled stay out of service.
+            profile = getattr(choice.calibration, "profile", None) or {}
+            for split, why in (profile.get("failed_splits") or {}).items():
+                green.disable_split(int(split), f"failed when profiled: {why}")
+            return PartitionSetup(green, green, choice)
+        except Exception as e:  # noqa: BLE001 - any failure: run time-sliced, say why
+            reason = f"green-context pairs could not be created: {type(e).__name__}: {e}"
+    if config.partition != "off":
+        log.warning(
+            "partition %s requested but unavailable (%s); falling back to "
+            "time-slicing (partition=off)",
+            config.partition,
+            reason,
+        )
+    return PartitionSetup(UnavailablePartition(reason))
+
+
+def profile_at_startup(engine: Any, green: Any, choice: Any) -> None:
+    """The bounded start-up profile (`--partition auto`, no calibration file): measure the
+    model on a few pre-created splits, fit, cache the file, install the parameters, and take
+    out of service any split that failed. A failure keeps the fallback chosen at start-up
+    (built-in H200 parameters or none) and says so."""
+    from runtime.partition_gpu import profile_engine
+
+    try:
+        cal = profile_engine(engine, full=False, cache_dir=engine.config.partition_calibration_dir)
+        green.set_cost_model(cal.cost_model())
+        for split, why in (cal.profile.get("failed_splits") or {}).items():
+            green.disable_split(int(split), f"failed in the start-up profile: {why}")
+    except Exception as e:  # noqa: BLE001 - serve anyway, on the fallback, and say so
+        torch.cuda.synchronize(engine.device)
+        fallback = choice.calibration
+        log.warning(
+            "partition start-up profile failed (%s: %s); FALLBACK: %s",
+            type(e).__name__,
+            e,
+            fallback.source if fallback else "uncalibrated, auto time-slices",
+        )
