@@ -112,6 +112,24 @@ def apply_settings(base_url: str, settings: str) -> dict[str, Any]:
     return _state_summary(state)
 
 
+def mode_drift(base_url: str, applied: dict[str, Any]) -> str | None:
+    """Why the server no longer runs the mode a run was started in (None: it still does). The
+    engine may take a failing split out of service mid-run (a pin then falls back to `off`):
+    such a run measured a mix of modes and must not be credited to the one applied."""
+    try:
+        state = http_json(base_url + "/admin/api/state")
+    except Exception as exc:  # noqa: BLE001 - cannot tell: say so
+        return f"state unreadable after the run: {type(exc).__name__}: {exc}"
+    part = state.get("partition") or {}
+    want = (applied.get("partition") or {}).get("mode")
+    if want and part.get("mode") != want:
+        return f"partition mode changed during the run: {want} -> {part.get('mode')}"
+    disabled = part.get("disabled_splits") or {}
+    if disabled:
+        return f"splits disabled so far: {sorted(disabled)}"
+    return None
+
+
 def wait_healthy(url: str, deadline_s: float, proc: subprocess.Popen) -> None:
     t_end = time.monotonic() + deadline_s
     while time.monotonic() < t_end:
@@ -493,11 +511,17 @@ class Orchestrator:
             self.timeout(self.run_s()),
         )
         m = e["record"].get("metrics") or {}
-        return {
+        out = {
             "server_settings": applied,
             **(latency_view(m) or {}),
             "goodput": m.get("goodput"),
         }
+        drift = mode_drift(srv.url, applied)
+        if drift and "mode changed" in drift:
+            raise RuntimeError(f"static:{s} did not hold ({drift}); not a candidate")
+        if drift:
+            out["note"] = drift
+        return out
 
     def count_args(self) -> list[str]:
         # A request still running after --request-timeout is an SLO failure anyway; the bound
@@ -559,6 +583,9 @@ class Orchestrator:
             if ladder
             else max_qps_view(e["record"])
         )
+        drift = mode_drift(srv.url, applied)
+        if drift:
+            view["mode_drift"] = drift  # kept, and said: the table and notes must mention it
         view.update(
             {
                 "settings": settings,
@@ -829,6 +856,7 @@ def table(results: dict[str, Any]) -> str:
                     f"{f((at.get('ttft_ms') or {}).get('p99'), 0)} | "
                     f"{f((at.get('tbt_ms') or {}).get('p99'), 1)} |"
                     + (f" {v.get('error') or v.get('skipped')}"[:80] if "max_qps" not in v else "")
+                    + (f" DRIFT: {v['mode_drift']}"[:90] if v.get("mode_drift") else "")
                 )
         sc = m.get("score_chat") or {}
         if sc:

@@ -99,6 +99,24 @@ def test_ladder_is_judged_against_each_slo() -> None:
     assert none["max_qps"] is None and gs.compare_modes(none, va)["throughput_ratio"] is None
 
 
+def test_mode_drift_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pin on a split that fails falls back to `off` mid-run: that run is not static:N."""
+    states = {
+        "held": {"partition": {"mode": "static", "disabled_splits": {}}},
+        "fell_back": {"partition": {"mode": "off", "disabled_splits": {"120": "cuBLAS"}}},
+        "disabled_other": {"partition": {"mode": "auto", "disabled_splits": {"120": "cuBLAS"}}},
+    }
+    applied_static = {"partition": {"mode": "static", "prefill_sms": 120}}
+    for key, want in (
+        ("held", None),
+        ("fell_back", "partition mode changed during the run: static -> off"),
+        ("disabled_other", "splits disabled so far: ['120']"),
+    ):
+        monkeypatch.setattr(gs, "http_json", lambda url, *a, _k=key, **kw: states[_k])
+        applied = applied_static if key != "disabled_other" else {"partition": {"mode": "auto"}}
+        assert gs.mode_drift("http://x", applied) == want
+
+
 def test_merge_keeps_every_call_and_recomputes_the_summary(tmp_path: Path) -> None:
     """Two device calls measured different workloads of one model (and another model): the
     merged file holds both workloads, both commands and a summary over all of them."""
