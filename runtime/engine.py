@@ -84,7 +84,6 @@ def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtyp
     return device, dtype
 
 
-
 def make_attention_backend(
     config: EngineConfig, pool: KVPool, num_q_heads: int
 ) -> AttentionBackend:
@@ -693,6 +692,7 @@ class Engine:
             "prefill_sms": st.prefill_sms,
             "decode_sms": st.decode_sms,
             "cost_model_mape": None if g is None else g.cost_model_mape(),
+            "partition_disabled_splits": len(st.disabled_splits),
             "pd_split_prefills": 0 if self.pd is None else self.pd.num_split_prefills,
             "pd_overlapped_decode_steps": (
                 0 if self.pd is None else self.pd.num_overlapped_decode_steps
@@ -719,6 +719,7 @@ class Engine:
             "num_decode_tokens": s.num_decode_tokens,
             "num_preemptions": s.num_preemptions,
             "num_failed_steps": self._num_failed_steps,
+            "num_failed_requests": self._num_failed_requests,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "attention_backend": self.backend.name,

@@ -51,6 +51,9 @@ class RecordingPartition:
     def disable_split(self, prefill_sms: int, reason: str) -> None:
         self.disabled[prefill_sms] = reason
 
+    def cost_model_mape(self) -> float | None:  # read when the engine publishes its stats
+        return None
+
 
 def split_mode_engine(fail_when: Any) -> tuple[Engine, RecordingPartition, list[RequestOutput]]:
     """An engine whose steps go through a PD loop that puts every prefill and decode on split
@@ -134,3 +137,6 @@ def test_a_request_at_fault_fails_alone_and_the_split_stays() -> None:
     assert finished["bad"].error and "internal error" in finished["bad"].error
     assert finished["good"].error is None
     assert eng._num_failed_requests == 1
+    eng._publish_stats()  # what /metrics exports (greenlane_engine_num_failed_requests)
+    assert eng.stats()["num_failed_requests"] == 1
+    assert eng.stats()["partition_disabled_splits"] == 0
