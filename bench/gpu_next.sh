@@ -9,6 +9,7 @@
 #   bash bench/gpu_next.sh e REV          # d, then llama-3.1-8b's auto side again
 #   bash bench/gpu_next.sh f REV          # llama-3.1-8b auto at 1-2 QPS (disabled-split fix)
 #   bash bench/gpu_next.sh g REV          # next: arxiv on qwen2.5-3b, mixed on llama-3.1-8b
+#   bash bench/gpu_next.sh h REV          # next: decode attention kernels at batch 1..64
 # Carry: .whl .fi_cache .cache/smollm2-tok. Results in $OUT: gpu-runtime-*.json (suite),
 # partition-*.json (serving; merge them with `python -m bench.gpu_serving --merge ...`),
 # server logs, fi_cache.tar.gz if the FlashInfer cache grew.
@@ -93,7 +94,12 @@ case $plan in
       --ladder 1,2,3,4 --slo ttft:3000,tbt:150 --slos "ttft:3000,tpot:80" \
       --static-split 112 --parts mixed --port 8200 --tag partition-8b-g \
       --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
-  *) echo "unknown plan $plan (a to g)"; exit 2 ;;
+  h)
+    # Issue 5's batch-1 decode: is FlashInfer's CUDA-core decode kernel faster than the
+    # tensor-core one the backend uses at small batches? (may JIT-compile one module once)
+    python3 -m bench.gpu_suite --rev "$rev" --tag gpu-runtime-attn --deadline-s 300 \
+      --sections decode_attention || rc=1 ;;
+  *) echo "unknown plan $plan (a to h)"; exit 2 ;;
 esac
 cp $work/partition-*.json "$OUT/" 2>/dev/null
 tar czf "$OUT/serving-$plan.tar.gz" -C $work . 2>/dev/null

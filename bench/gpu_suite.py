@@ -19,6 +19,7 @@ Sections:
              tokens through the engine (fp32) vs transformers.generate
   fi_vs_torch 8B FlashInfer vs torch backend, each against an fp32 forward
   decode_profile  where the decode step's time goes: graph step, kernels, GEMV bandwidth
+  decode_attention  B=1..64 decode attention: tensor-core vs CUDA-core FlashInfer kernels
 """
 
 from __future__ import annotations
@@ -804,6 +805,66 @@ def section_decode_profile() -> dict:
 
     gc.collect()
     torch.cuda.empty_cache()
+    return out
+
+
+def section_decode_attention() -> dict:
+    """Decode attention at batch 1..64, llama-3.1-8b heads (32 q / 8 kv, d 128), 2k contexts:
+    FlashInfer's tensor-core decode (what the backend uses for GQA >= 4) against its CUDA-core
+    decode kernel, 32 layers' worth per measurement in one CUDA graph (kernel time without
+    launch gaps; eager timing, said so, if capture fails). The decode profile put B = 1
+    attention at ~13 us a layer for 0.27 MB of KV: this says whether the other kernel does
+    better. The CUDA-core module may need one JIT compile on a fresh cache (1-2 min)."""
+    import flashinfer
+
+    hq, hkv, d, bs, ctx, layers = 32, 8, 128, 16, 2048, 32
+    out: dict[str, Any] = {}
+    stream = torch.cuda.Stream()
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for batch in (1, 4, 16, 64):
+        pages = batch * ctx // bs
+        shape = (pages, bs, hkv, d)
+        kc = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+        vc = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+        indptr = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * (ctx // bs)
+        idx = torch.randperm(pages, device="cuda").int()
+        last = torch.full((batch,), bs, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+        kv_bytes = 2 * layers * batch * ctx * hkv * d * 2
+        ref = None
+        for tc in (True, False):
+            key = f"b{batch}_{'tensor_core' if tc else 'cuda_core'}"
+            try:
+                dec = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
+                dec.plan(indptr, idx, last, hq, hkv, d, bs, q_data_type=torch.bfloat16)
+                got = dec.run(q, (kc[0], vc[0])).float()
+                if ref is None:
+                    ref = got
+                else:
+                    out[f"{key}_rel_err_vs_tensor_core"] = rel_err(got, ref)
+
+                def all_layers(dec=dec, q=q, kc=kc, vc=vc) -> None:
+                    for i in range(layers):
+                        dec.run(q, (kc[i], vc[i]))
+
+                try:
+                    ms = _graph_ms(all_layers, stream)
+                    out[f"{key}_timing"] = "cuda graph"
+                except Exception as exc:  # noqa: BLE001 - not capturable: time it eagerly
+                    ms = time_cuda(all_layers, iters=10, warmup=2)
+                    out[f"{key}_timing"] = f"eager (capture failed: {type(exc).__name__})"
+                out[f"{key}_us_per_layer"] = ms * 1e3 / layers
+                out[f"{key}_kv_tbs"] = kv_bytes / ms / 1e9
+            except Exception as exc:  # noqa: BLE001 - recorded; the other variant still runs
+                out[f"{key}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        print(
+            f"decode attention b{batch}: "
+            + json.dumps({k: v for k, v in out.items() if k.startswith(f"b{batch}_")}, default=str),
+            flush=True,
+        )
+        kc.clear()  # free this batch's caches before the next batch size allocates
+        vc.clear()
+        torch.cuda.empty_cache()
     return out
 
 
@@ -1795,6 +1856,7 @@ SECTIONS: dict[str, Callable[[], dict]] = {
     "profile": section_profile,
     "graphs": section_graphs,
     "decode_profile": section_decode_profile,
+    "decode_attention": section_decode_attention,
     "mil8b": section_mil8b,
     "mil32b": section_mil32b,
     "score": section_score,
