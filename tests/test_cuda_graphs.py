@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
 from typing import Any
 
 import pytest
 import torch
+from test_pd_loop import gen, torch_runner  # the PD-loop tests' helpers
 
 from runtime.attention.base import ForwardBatch
 from runtime.attention.torch_backend import TorchAttentionBackend
@@ -25,7 +25,7 @@ from runtime.cuda_graphs import (
 )
 from runtime.engine import Engine
 from runtime.pd_loop import PDLoop, SplitChoice
-from runtime.request import Request, RequestKind, RequestOutput, SamplingParams
+from runtime.request import Request, RequestOutput
 from runtime.runner import ModelRunner
 from runtime.scheduler import StepPlan
 
@@ -199,15 +199,7 @@ def build(dev: StreamDevice | None, split_sms: int, max_num_seqs: int = 256):
         max_num_seqs=max_num_seqs,
     )
     eng = Engine(config, lambda o: None)  # not started: used for its model, pool, scheduler
-    pool = eng.kv_pool
-    runner = ModelRunner(
-        config,
-        eng.model,
-        eng.model_config,
-        pool,
-        TorchAttentionBackend(pool),
-        TorchAttentionBackend(pool),
-    )
+    runner = torch_runner(eng)
     assert runner.graph_registry is None  # CPU: no graphs, eager decode as before
     current = dev.current if dev is not None else ["default"]
     made: dict[str, FakeSet] = {}
@@ -216,16 +208,6 @@ def build(dev: StreamDevice | None, split_sms: int, max_num_seqs: int = 256):
     runner.graph_registry = registry(made, whole, current, runner)
     runner.decode_graphs = whole
     return eng, runner, made, whole
-
-
-def gen(rid: str, n_prompt: int, max_tokens: int, seed: int = 0) -> Request:
-    rng = random.Random(seed)
-    return Request(
-        rid,
-        RequestKind.GENERATE,
-        [rng.randrange(100, 4000) for _ in range(n_prompt)],
-        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-    )
 
 
 def reqs() -> list[Request]:

@@ -11,14 +11,12 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from test_pd_loop import gen  # the PD-loop tests' request maker
+from test_pd_loop import gen, torch_runner  # the PD-loop tests' helpers
 
-from runtime.attention.torch_backend import TorchAttentionBackend
 from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.pd_loop import HostStreamDevice, PDLoop, SplitChoice
 from runtime.request import RequestOutput
-from runtime.runner import ModelRunner
 
 SPLIT = 64
 
@@ -61,15 +59,7 @@ def split_mode_engine(fail_when: Any) -> tuple[Engine, RecordingPartition, list[
     outputs: list[RequestOutput] = []
     config = EngineConfig(model="random:tiny", block_size=4, num_kv_blocks=128)
     eng = Engine(config, outputs.append)  # not started: _step is driven by the test
-    pool = eng.kv_pool
-    runner = ModelRunner(
-        config,
-        eng.model,
-        eng.model_config,
-        pool,
-        TorchAttentionBackend(pool),
-        TorchAttentionBackend(pool),
-    )
+    runner = torch_runner(eng)
     device = LabelledStreams()
     run = runner.run
 

@@ -69,6 +69,20 @@ class FakeDevice:
         self.pending.clear()
 
 
+def torch_runner(eng: Engine) -> ModelRunner:
+    """A runner over `eng`'s model and pool with separate torch backends for prefill and
+    decode, as split mode has (the CPU stand-in of the two FlashInfer instances)."""
+    pool = eng.kv_pool
+    return ModelRunner(
+        eng.config,
+        eng.model,
+        eng.model_config,
+        pool,
+        TorchAttentionBackend(pool),
+        TorchAttentionBackend(pool),
+    )
+
+
 def build(
     device: Any,
     prefill_sms: int = 64,
@@ -80,15 +94,7 @@ def build(
         model="random:tiny", prefill_policy="fcfs", block_size=4, num_kv_blocks=128, **cfg
     )
     eng = Engine(config, lambda o: None)  # not started: used for its model, pool, scheduler
-    pool = eng.kv_pool
-    runner = ModelRunner(
-        config,
-        eng.model,
-        eng.model_config,
-        pool,
-        TorchAttentionBackend(pool),
-        TorchAttentionBackend(pool),
-    )
+    runner = torch_runner(eng)
     choices: list[tuple[bool, bool]] = []
 
     def choose(p, d) -> SplitChoice:
