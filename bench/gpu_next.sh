@@ -9,7 +9,10 @@
 #   bash bench/gpu_next.sh e REV          # d, then llama-3.1-8b's auto side again
 #   bash bench/gpu_next.sh f REV          # llama-3.1-8b auto at 1-2 QPS (disabled-split fix)
 #   bash bench/gpu_next.sh g REV          # next: arxiv on qwen2.5-3b, mixed on llama-3.1-8b
-#   bash bench/gpu_next.sh h REV          # next: decode attention kernels at batch 1..64
+#   bash bench/gpu_next.sh h REV          # decode attention kernels at batch 1..64
+#   bash bench/gpu_next.sh i REV          # h, then qwen2.5-3b arxiv (3 sides, split graphs
+#                                         #   captured at start-up)
+#   bash bench/gpu_next.sh j REV          # llama-3.1-8b mixed and arxiv (3 sides each)
 # Carry: .whl .fi_cache .cache/smollm2-tok. Results in $OUT: gpu-runtime-*.json (suite),
 # partition-*.json (serving; merge them with `python -m bench.gpu_serving --merge ...`),
 # server logs, fi_cache.tar.gz if the FlashInfer cache grew.
@@ -99,7 +102,24 @@ case $plan in
     # tensor-core one the backend uses at small batches? (may JIT-compile one module once)
     python3 -m bench.gpu_suite --rev "$rev" --tag gpu-runtime-attn --deadline-s 300 \
       --sections decode_attention || rc=1 ;;
-  *) echo "unknown plan $plan (a to h)"; exit 2 ;;
+  i)
+    # h, then arxiv on qwen2.5-3b: off, auto and the best static split (96) on one server
+    # that captured every split's decode graphs at start-up.
+    python3 -m bench.gpu_suite --rev "$rev" --tag gpu-runtime-attn --deadline-s 200 \
+      --sections decode_attention || rc=1
+    python3 -m bench.gpu_serving "${common[@]}" --models random:qwen2.5-3b --start-s 60 \
+      --server-args "--partition auto --calibrate false --partition-tbt-slo-ms 80" \
+      --ladder 3,6,9,12,15 --slo ttft:2000,tbt:100 --slos "ttft:2000,tpot:60" \
+      --static-split 96 --parts arxiv --tag partition-3b-i \
+      --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
+  j)
+    # llama-3.1-8b: mixed and arxiv, off / auto / static 112 on one server.
+    python3 -m bench.gpu_serving "${common[@]}" --models random:llama-3.1-8b --start-s 90 \
+      --server-args "--partition auto --calibrate false --partition-tbt-slo-ms 120" \
+      --ladder 1,2,3,4 --slo ttft:3000,tbt:150 --slos "ttft:3000,tpot:80" \
+      --static-split 112 --parts mixed,arxiv --tag partition-8b-j \
+      --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
+  *) echo "unknown plan $plan (a to j)"; exit 2 ;;
 esac
 cp $work/partition-*.json "$OUT/" 2>/dev/null
 tar czf "$OUT/serving-$plan.tar.gz" -C $work . 2>/dev/null

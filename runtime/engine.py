@@ -48,7 +48,7 @@ from runtime.kv_pool import (
 )
 from runtime.loader import load_model
 from runtime.partition import PartitionManager
-from runtime.partition_setup import make_partition, profile_at_startup
+from runtime.partition_setup import capture_split_graphs, make_partition, profile_at_startup
 from runtime.pd_loop import CudaStreamDevice, PDLoop, SplitChoice, StepFailed
 from runtime.prefix_cache import PrefixCache
 from runtime.request import FINISH_REASONS, Request, RequestKind, RequestOutput, RequestStatus
@@ -175,6 +175,7 @@ class Engine:
         if self._green is not None and self._partition_choice.action == "profile":
             self._profile_partition()
         if self._green is not None:
+            capture_split_graphs(self.runner, self._green)
             self.pd = PDLoop(
                 self.scheduler,
                 self.runner,

@@ -162,3 +162,40 @@ def test_setup_falls_back_when_the_pairs_cannot_be_made(
     assert isinstance(setup.manager, UnavailablePartition) and setup.green is None
     assert "could not be created" in setup.manager.state().reason
     assert "falling back to time-slicing" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("mode", "pinned", "expected"),
+    [("auto", None, ["64/68", "96/36"]), ("static", 96, ["96/36"]), ("off", None, [])],
+)
+def test_split_decode_graphs_are_captured_at_start_up_for_the_mode(
+    mode: str, pinned: int | None, expected: list[str]
+) -> None:
+    """auto captures every usable split's set before serving (a lazy capture stalls the loop
+    once per split), static its own, off none."""
+    from runtime.partition_setup import capture_split_graphs
+
+    captured: list[str] = []
+
+    def capture_for_streams(streams: dict, progress) -> None:
+        for i, (label, stream) in enumerate(streams.items()):
+            assert stream == f"decode-stream-{label.split('/')[0]}"
+            captured.append(label)
+            progress(i + 1, len(streams), label, 0.1)
+
+    runner = types.SimpleNamespace(graph_registry=object(), capture_for_streams=capture_for_streams)
+    pairs = {
+        n: types.SimpleNamespace(decode=types.SimpleNamespace(stream=f"decode-stream-{n}"))
+        for n in (64, 96, 120)
+    }
+    green = types.SimpleNamespace(
+        mode=mode,
+        splits=[64, 96],  # 120 disabled: not in splits any more
+        controller=types.SimpleNamespace(pinned=pinned),
+        layout=types.SimpleNamespace(total_sms=132),
+        pairs=pairs,
+    )
+    assert capture_split_graphs(runner, green) == expected
+    assert captured == expected
+    no_graphs = types.SimpleNamespace(graph_registry=None)
+    assert capture_split_graphs(no_graphs, green) == []
