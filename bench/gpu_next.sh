@@ -13,6 +13,9 @@
 #   bash bench/gpu_next.sh i REV          # h, then qwen2.5-3b arxiv (3 sides, split graphs
 #                                         #   captured at start-up)
 #   bash bench/gpu_next.sh j REV          # llama-3.1-8b mixed and arxiv (3 sides each)
+#   bash bench/gpu_next.sh k REV          # j at 2-8 QPS, then score+chat again
+#   bash bench/gpu_next.sh l REV          # cuBLAS SM targets: products, then 8B score+chat
+#                                         #   and mixed with them
 # Carry: .whl .fi_cache .cache/smollm2-tok. Results in $OUT: gpu-runtime-*.json (suite),
 # partition-*.json (serving; merge them with `python -m bench.gpu_serving --merge ...`),
 # server logs, fi_cache.tar.gz if the FlashInfer cache grew.
@@ -119,7 +122,27 @@ case $plan in
       --ladder 1,2,3,4 --slo ttft:3000,tbt:150 --slos "ttft:3000,tpot:80" \
       --static-split 112 --parts mixed,arxiv --tag partition-8b-j \
       --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
-  *) echo "unknown plan $plan (a to j)"; exit 2 ;;
+  k)
+    # j's ladder stopped below the limit of every side: mixed and arxiv again at 2-8 QPS,
+    # then score+chat (off, auto) with every split's decode graphs captured at start-up.
+    python3 -m bench.gpu_serving "${common[@]}" --models random:llama-3.1-8b --start-s 60 \
+      --server-args "--partition auto --calibrate false --partition-tbt-slo-ms 120" \
+      --ladder 2,4,6,8 --slo ttft:3000,tbt:150 --slos "ttft:3000,tpot:80" \
+      --static-split 112 --start-qps 2 --max-probes 3 --score-start-qps 4 --chat-qps 1 \
+      --score-slo ttft:3000 --parts mixed,arxiv,score-chat --tag partition-8b-k \
+      --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
+  l)
+    # cuBLAS planned for each partition's SMs (cublasSetSmCountTarget): the product-level
+    # comparison, then llama-3.1-8b score+chat (off, auto) and mixed (3 sides) with it.
+    python3 -m bench.gpu_suite --rev "$rev" --tag gpu-gemm-target --deadline-s 100 \
+      --sections gemm_sm_target || rc=1
+    python3 -m bench.gpu_serving "${common[@]}" --models random:llama-3.1-8b --start-s 60 \
+      --server-args "--partition auto --calibrate false --partition-tbt-slo-ms 120" \
+      --ladder 2,4,6,8 --slo ttft:3000,tbt:150 --slos "ttft:3000,tpot:80" \
+      --static-split 112 --start-qps 2 --max-probes 3 --score-start-qps 4 --chat-qps 1 \
+      --score-slo ttft:3000 --parts score-chat,mixed --tag partition-8b-l \
+      --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
+  *) echo "unknown plan $plan (a to l)"; exit 2 ;;
 esac
 cp $work/partition-*.json "$OUT/" 2>/dev/null
 tar czf "$OUT/serving-$plan.tar.gz" -C $work . 2>/dev/null

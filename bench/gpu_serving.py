@@ -112,10 +112,22 @@ def apply_settings(base_url: str, settings: str) -> dict[str, Any]:
     return _state_summary(state)
 
 
-def mode_drift(base_url: str, applied: dict[str, Any]) -> str | None:
+def disabled_splits(base_url: str) -> set[str]:
+    """Splits the server has taken out of service so far (empty if the state is unreadable)."""
+    try:
+        part = http_json(base_url + "/admin/api/state").get("partition") or {}
+    except Exception:  # noqa: BLE001 - mode_drift says so after the run
+        return set()
+    return set(part.get("disabled_splits") or {})
+
+
+def mode_drift(
+    base_url: str, applied: dict[str, Any], disabled_before: set[str] | None = None
+) -> str | None:
     """Why the server no longer runs the mode a run was started in (None: it still does). The
     engine may take a failing split out of service mid-run (a pin then falls back to `off`):
-    such a run measured a mix of modes and must not be credited to the one applied."""
+    such a run measured a mix of modes and must not be credited to the one applied. Splits
+    already disabled when the run began (`disabled_before`, e.g. at start-up) are no drift."""
     try:
         state = http_json(base_url + "/admin/api/state")
     except Exception as exc:  # noqa: BLE001 - cannot tell: say so
@@ -124,9 +136,9 @@ def mode_drift(base_url: str, applied: dict[str, Any]) -> str | None:
     want = (applied.get("partition") or {}).get("mode")
     if want and part.get("mode") != want:
         return f"partition mode changed during the run: {want} -> {part.get('mode')}"
-    disabled = part.get("disabled_splits") or {}
-    if disabled:
-        return f"splits disabled so far: {sorted(disabled)}"
+    new = sorted(set(part.get("disabled_splits") or {}) - (disabled_before or set()))
+    if new:
+        return f"splits disabled during the run: {new}"
     return None
 
 
@@ -488,6 +500,7 @@ class Orchestrator:
     def screen_one(self, srv: Server, rec: dict[str, Any], s: int) -> dict[str, Any]:
         """One fixed-QPS long-data run with the server pinned to split `s`."""
         applied = apply_settings(srv.url, f"partition=static:{s},policy=fcfs")
+        before = disabled_splits(srv.url)
         path = self.out_dir / f"{rec['slug']}-screen-{s}.json"
         e = run_harness(
             "bench.serve",
@@ -516,7 +529,7 @@ class Orchestrator:
             **(latency_view(m) or {}),
             "goodput": m.get("goodput"),
         }
-        drift = mode_drift(srv.url, applied)
+        drift = mode_drift(srv.url, applied, before)
         if drift and "mode changed" in drift:
             raise RuntimeError(f"static:{s} did not hold ({drift}); not a candidate")
         if drift:
@@ -546,6 +559,7 @@ class Orchestrator:
         """Max QPS of one side: a doubling/bisection search at `slo`, or (ladder) every rate
         of --ladder, judged afterwards against each SLO of --slo and --slos."""
         applied = apply_settings(srv.url, settings)
+        before = disabled_splits(srv.url)
         path = self.out_dir / f"{rec['slug']}-{wl}-{side}.json"
         rates = (
             ["--qps", self.args.ladder]
@@ -583,7 +597,7 @@ class Orchestrator:
             if ladder
             else max_qps_view(e["record"])
         )
-        drift = mode_drift(srv.url, applied)
+        drift = mode_drift(srv.url, applied, before)
         if drift:
             view["mode_drift"] = drift  # kept, and said: the table and notes must mention it
         view.update(

@@ -57,6 +57,8 @@ class EngineConfig:
     partition_startup_profile: bool = True
     pd_slice_tokens: int = 32768  # prefill layers per launch = max(1, this // batch tokens)
     pd_max_queued_slices: int = 2  # prefill slices queued ahead on the prefill stream
+    # Plan cuBLAS products on a split for that split's SM count (runtime/blas_sm_target.py).
+    split_gemm_sm_target: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

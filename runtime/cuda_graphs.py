@@ -249,6 +249,7 @@ class DecodeGraphRegistry:
         self.sets: dict[Any, GraphSet | None] = {}  # captured (None = failed: eager there)
         self.labels: dict[Any, str] = {}
         self.capture_s: dict[str, float] = {}  # label -> seconds to capture its set
+        self.capture_errors: dict[str, str] = {}  # label -> why its set could not be captured
         self._pending: dict[Any, tuple[Any, str]] = {}  # registered, not yet captured
         if whole is not None:
             k = key(whole.stream)
@@ -307,6 +308,7 @@ class DecodeGraphRegistry:
                 e,
             )
             gs = None
+            self.capture_errors[label] = f"{type(e).__name__}: {e}"[:300]
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         dt = self.clock() - t0

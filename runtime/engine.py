@@ -36,6 +36,7 @@ from policies import make_policy
 from policies.jct import JCTModel
 from runtime.attention.base import AttentionBackend
 from runtime.attention.torch_backend import TorchAttentionBackend
+from runtime.blas_sm_target import shared_blas_sm_target
 from runtime.block_manager import BlockManager
 from runtime.config import EngineConfig
 from runtime.kv_pool import (
@@ -175,11 +176,13 @@ class Engine:
         if self._green is not None and self._partition_choice.action == "profile":
             self._profile_partition()
         if self._green is not None:
-            capture_split_graphs(self.runner, self._green)
+            capture_split_graphs(
+                self.runner, self._green, shared_blas_sm_target(config.split_gemm_sm_target)
+            )
             self.pd = PDLoop(
                 self.scheduler,
                 self.runner,
-                CudaStreamDevice(),
+                CudaStreamDevice(shared_blas_sm_target(config.split_gemm_sm_target)),
                 self._choose_split,
                 self._green.observe,
                 slice_tokens=config.pd_slice_tokens,

@@ -54,11 +54,22 @@ class StreamDevice(Protocol):
     def event(self) -> EventLike: ...
     def wait_stream(self, stream: Any, other: Any) -> None: ...
     def current_stream(self) -> Any: ...
+    def gemm_sms(self, sms: int) -> None:
+        """The next matrix products run on `sms` SMs (0: the whole GPU)."""
 
 
 class CudaStreamDevice:
+    def __init__(self, gemm_sm_target: Any = None) -> None:
+        """gemm_sm_target: a `runtime.blas_sm_target.BlasSmTarget` (None: cuBLAS plans every
+        product for the whole GPU)."""
+        self.gemm_sm_target = gemm_sm_target
+
     def context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.stream(stream)
+
+    def gemm_sms(self, sms: int) -> None:
+        if self.gemm_sm_target is not None:
+            self.gemm_sm_target.set(sms)
 
     def event(self) -> EventLike:
         return torch.cuda.Event(enable_timing=True)
@@ -104,6 +115,9 @@ class HostStreamDevice:
 
     def current_stream(self) -> Any:
         return "host"
+
+    def gemm_sms(self, sms: int) -> None:
+        self.last_gemm_sms = sms  # what a CUDA device would have planned products for
 
 
 @dataclass(slots=True)
@@ -189,7 +203,9 @@ class PDLoop:
         self._last_stream = {"prefill": stream, "decode": stream}
 
     def fence(self, stream: Any) -> None:
-        """Make `stream` wait for everything the loop queued (before monolithic work)."""
+        """Make `stream` wait for everything the loop queued (before monolithic work), and
+        plan the products that follow for the whole GPU again."""
+        self.device.gemm_sms(0)
         seen: list[Any] = []
         for other in self._last_stream.values():
             if other is not stream and all(other is not x for x in seen):
@@ -287,6 +303,7 @@ class PDLoop:
             return
         pending = sum(1 for e in f.slice_events if not e.query())
         num_layers = self.model.num_layers
+        self.device.gemm_sms(f.choice.prefill_sms)
         with self.device.context(f.choice.prefill_stream):
             while pending < self.max_queued_slices and f.next_layer < num_layers:
                 end = min(num_layers, f.next_layer + f.layers_per_slice)
@@ -332,6 +349,7 @@ class PDLoop:
         out = RunnerOutput()
         try:
             if f.hidden_rows is not None:
+                self.device.gemm_sms(f.choice.prefill_sms)
                 with self.device.context(f.choice.prefill_stream):
                     wanting = [s for s in f.plan.prefill if s.needs_output]
                     self.runner.outputs_from_hidden(f.hidden_rows, wanting, out)
@@ -360,6 +378,8 @@ class PDLoop:
             stream, sms, other = split.decode_stream, split.decode_sms, 0
         self.last_split = split.prefill_sms
         self._use("decode", stream)
+        # Products (and a first graph capture) planned for the decode partition's SMs.
+        self.device.gemm_sms(0 if split.prefill_sms == TIME_SLICE else sms)
         t0, t1 = self.device.event(), self.device.event()
         with self.device.context(stream):
             if split.prefill_sms != TIME_SLICE:
@@ -384,6 +404,7 @@ class PDLoop:
         merged = StepPlan(step_id=pplan.step_id, prefill=pplan.prefill, decode=dplan.decode)
         self._use("prefill", stream)
         self._use("decode", stream)
+        self.device.gemm_sms(0)
         with self.device.context(stream):
             out = self.runner.run(merged)
         return self.scheduler.update(merged, out)

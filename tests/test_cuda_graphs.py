@@ -24,7 +24,7 @@ from runtime.cuda_graphs import (
     pad_seqs,
 )
 from runtime.engine import Engine
-from runtime.pd_loop import PDLoop, SplitChoice
+from runtime.pd_loop import HostStreamDevice, PDLoop, SplitChoice
 from runtime.request import Request, RequestOutput
 from runtime.runner import ModelRunner
 from runtime.scheduler import StepPlan
@@ -162,7 +162,7 @@ def test_split_batch_sizes_are_bucketed_per_split() -> None:
 
 
 # ---- the runner and the PD loop --------------------------------------------------------------
-class StreamDevice:
+class StreamDevice(HostStreamDevice):
     """Host stand-in whose `context(stream)` makes `stream` current (as torch.cuda.stream)."""
 
     def __init__(self) -> None:

@@ -106,11 +106,15 @@ def test_mode_drift_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
         "fell_back": {"partition": {"mode": "off", "disabled_splits": {"120": "cuBLAS"}}},
         "disabled_other": {"partition": {"mode": "auto", "disabled_splits": {"120": "cuBLAS"}}},
     }
+    # Already disabled when the run began (e.g. at start-up): not a drift of this run.
+    monkeypatch.setattr(gs, "http_json", lambda url, *a, **kw: states["disabled_other"])
+    assert gs.mode_drift("http://x", {"partition": {"mode": "auto"}}, {"120"}) is None
+    assert gs.disabled_splits("http://x") == {"120"}
     applied_static = {"partition": {"mode": "static", "prefill_sms": 120}}
     for key, want in (
         ("held", None),
         ("fell_back", "partition mode changed during the run: static -> off"),
-        ("disabled_other", "splits disabled so far: ['120']"),
+        ("disabled_other", "splits disabled during the run: ['120']"),
     ):
         monkeypatch.setattr(gs, "http_json", lambda url, *a, _k=key, **kw: states[_k])
         applied = applied_static if key != "disabled_other" else {"partition": {"mode": "auto"}}

@@ -176,14 +176,17 @@ def test_split_decode_graphs_are_captured_at_start_up_for_the_mode(
     from runtime.partition_setup import capture_split_graphs
 
     captured: list[str] = []
+    target = types.SimpleNamespace(sms=0, set=lambda n: setattr(target, "sms", n))
 
-    def capture_for_streams(streams: dict, progress) -> None:
-        for i, (label, stream) in enumerate(streams.items()):
+    def capture_for_streams(streams: dict) -> None:
+        for label, stream in streams.items():
             assert stream == f"decode-stream-{label.split('/')[0]}"
+            # products planned for the split's decode SMs while its graphs are captured
+            assert target.sms == int(label.split("/")[1])
             captured.append(label)
-            progress(i + 1, len(streams), label, 0.1)
 
-    runner = types.SimpleNamespace(graph_registry=object(), capture_for_streams=capture_for_streams)
+    registry = types.SimpleNamespace(capture_errors={})
+    runner = types.SimpleNamespace(graph_registry=registry, capture_for_streams=capture_for_streams)
     pairs = {
         n: types.SimpleNamespace(decode=types.SimpleNamespace(stream=f"decode-stream-{n}"))
         for n in (64, 96, 120)
@@ -195,7 +198,32 @@ def test_split_decode_graphs_are_captured_at_start_up_for_the_mode(
         layout=types.SimpleNamespace(total_sms=132),
         pairs=pairs,
     )
-    assert capture_split_graphs(runner, green) == expected
-    assert captured == expected
+    assert capture_split_graphs(runner, green, target) == expected
+    assert captured == expected and target.sms == 0  # the whole GPU again afterwards
     no_graphs = types.SimpleNamespace(graph_registry=None)
     assert capture_split_graphs(no_graphs, green) == []
+
+
+def test_a_split_whose_decode_graphs_fail_to_capture_is_disabled_at_start_up(manager) -> None:
+    """(`manager`: a GreenContextPartition over stand-in pairs, auto mode.) cuBLAS failed on
+    the 12-SM decode side of 120/12 while its graphs were captured: out of service before
+    serving, not after a failed step."""
+    from runtime.partition_setup import capture_split_graphs
+
+    registry = types.SimpleNamespace(capture_errors={})
+    total = manager.layout.total_sms
+
+    def capture_for_streams(streams: dict) -> None:
+        for label in streams:
+            if label == f"120/{total - 120}":
+                registry.capture_errors[label] = "RuntimeError: CUBLAS_STATUS_EXECUTION_FAILED"
+
+    runner = types.SimpleNamespace(graph_registry=registry, capture_for_streams=capture_for_streams)
+    for n, pair in manager.pairs.items():
+        pair.decode = types.SimpleNamespace(stream=f"decode-{n}")
+    manager.set_mode("auto")
+    assert 120 in manager.splits
+    labels = capture_split_graphs(runner, manager)
+    assert f"120/{total - 120}" not in labels and labels
+    assert 120 not in manager.splits
+    assert "CUBLAS_STATUS_EXECUTION_FAILED" in manager.state().disabled_splits["120"]
