@@ -16,6 +16,7 @@
 #   bash bench/gpu_next.sh k REV          # j at 2-8 QPS, then score+chat again
 #   bash bench/gpu_next.sh l REV          # cuBLAS SM targets: products, then 8B score+chat
 #                                         #   and mixed with them
+#   bash bench/gpu_next.sh m REV          # llama-3.1-8b long-data, 3 sides in one run
 # Carry: .whl .fi_cache .cache/smollm2-tok. Results in $OUT: gpu-runtime-*.json (suite),
 # partition-*.json (serving; merge them with `python -m bench.gpu_serving --merge ...`),
 # server logs, fi_cache.tar.gz if the FlashInfer cache grew.
@@ -142,7 +143,14 @@ case $plan in
       --static-split 112 --start-qps 2 --max-probes 3 --score-start-qps 4 --chat-qps 1 \
       --score-slo ttft:3000 --parts score-chat,mixed --tag partition-8b-l \
       --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
-  *) echo "unknown plan $plan (a to l)"; exit 2 ;;
+  m)
+    # llama-3.1-8b long-data with all three sides in one run (plans c/e/f composed them).
+    python3 -m bench.gpu_serving "${common[@]}" --models random:llama-3.1-8b --start-s 40 \
+      --server-args "--partition auto --calibrate false --partition-tbt-slo-ms 120" \
+      --ladder 2,4,6,8 --slo ttft:3000,tbt:150 --slos "ttft:3000,tpot:80" \
+      --static-split 112 --parts long-data --tag partition-8b-m \
+      --deadline-s "$(( $(left) - 5 ))" || rc=1 ;;
+  *) echo "unknown plan $plan (a to m)"; exit 2 ;;
 esac
 cp $work/partition-*.json "$OUT/" 2>/dev/null
 tar czf "$OUT/serving-$plan.tar.gz" -C $work . 2>/dev/null
