@@ -57,6 +57,9 @@ _ENGINE_HELP = {
     "prefill_chunk_tokens": "chunk size for hybrid prefill",
     "enable_prefix_cache": "reuse KV blocks of shared prompt prefixes",
     "cuda_graphs": "capture decode steps in CUDA graphs",
+    "wait_for_shared_prefix_tokens": "a waiting request whose next N+ prompt tokens a running "
+    "request is prefilling now (a shared, not yet cached prefix) waits for them to be cached "
+    "rather than computing them twice (0: off)",
     "partition": "off | static:<prefill_sms> | auto (green-context SM split)",
     "partition_kv_switch": "split controller: KV usage (0-1) above which decode is favoured "
     "over prefill",

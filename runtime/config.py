@@ -35,6 +35,10 @@ class EngineConfig:
     hybrid_prefill: bool = True
     prefill_chunk_tokens: int = 2048  # C: token-wise ops run in chunks of C tokens
     enable_prefix_cache: bool = True
+    # A waiting request whose next >= this many prompt tokens are being prefilled right now by
+    # a running request (same per-user prefix, not cached yet) waits for them to be cached
+    # instead of computing them a second time in the same batch. 0 = off.
+    wait_for_shared_prefix_tokens: int = 256
     cuda_graphs: bool = True
     partition: str = "off"  # off | static:<prefill_sms> | auto
     # Split controller (Nexus Alg. 1) and the concurrent prefill/decode loop (runtime/pd_loop.py).
@@ -65,6 +69,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.wait_for_shared_prefix_tokens < 0:
+            raise ValueError("wait_for_shared_prefix_tokens must be >= 0")
         if self.prefill_token_budget < 1:
             raise ValueError("prefill_token_budget must be >= 1")
         if self.prefill_chunk_tokens < 1:

@@ -556,7 +556,9 @@ class Engine:
                     # Every request ran fine on the whole GPU: the split itself is broken
                     # (seen on the H200: cuBLAS failing on a 12-SM decode remainder). Never
                     # use it again rather than fail-and-re-run every step.
-                    self._green.disable_split(e.prefill_sms, str(e))
+                    self._green.disable_split(
+                        e.prefill_sms, f"work on it failed, then ran fine on the whole GPU: {e}"
+                    )
                 return outputs
         if pd is not None and self._pd_active:
             pd.fence(self._main_stream())
@@ -722,6 +724,7 @@ class Engine:
             "num_prefill_tokens": s.num_prefill_tokens,
             "num_decode_tokens": s.num_decode_tokens,
             "num_preemptions": s.num_preemptions,
+            "num_shared_prefix_waits": s.num_shared_prefix_waits,
             "num_failed_steps": self._num_failed_steps,
             "num_failed_requests": self._num_failed_requests,
             "device": str(self.device),

@@ -178,7 +178,7 @@ class GreenContextPartition:
                 self._active = TIME_SLICE
             mode = self._mode
         log.warning(
-            "split %d/%d disabled: work on it failed but ran on the whole GPU (%s); mode now %s",
+            "split %d/%d disabled (%s); mode now %s",
             prefill_sms,
             self.layout.total_sms - prefill_sms,
             reason[:300],

@@ -171,6 +171,7 @@ class Scheduler:
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
         self.num_preemptions = 0
+        self.num_shared_prefix_waits = 0  # (request, step) pairs deferred for a shared prefix
 
     # ---- queue management ---------------------------------------------------------------
     @property
@@ -390,20 +391,63 @@ class Scheduler:
             plan.prefill.append(self._seq(req, n, req.num_computed_tokens + n, done))
             budget -= n
 
+        wait_tokens = self.config.wait_for_shared_prefix_tokens
+        sharing = (
+            wait_tokens > 0 and self.config.enable_prefix_cache and self.bm.prefix_cache is not None
+        )
+        being_prefilled = self._blocks_being_prefilled() if sharing and admit else set()
         for req in self.ordered_waiting(now) if admit else []:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             first = not plan.prefill
             if budget <= 0 and not first:
                 break
+            if sharing and self._shared_tokens_being_prefilled(req, being_prefilled) >= wait_tokens:
+                # Its prefix is being computed right now: once cached, it is a hit. Skipped,
+                # not a stop: the requests after it in policy order may still run.
+                self.num_shared_prefix_waits += 1
+                continue
             seq = self._admit(req, budget, first, nothing_running=not self.running)
             if seq is None:
                 break
             plan.prefill.append(seq)
             budget -= seq.num_new_tokens
+            if sharing:
+                self._add_blocks_being_prefilled(req, being_prefilled)
             t = self._track[req.request_id]
             if t.first_scheduled_s is None:
                 t.first_scheduled_s = now
+
+    # ---- shared prefixes being prefilled -------------------------------------------------------
+    def _blocks_being_prefilled(self) -> set[int]:
+        """Chain hashes of the full blocks that running requests are prefilling now (or have
+        planned) and will keep: they enter the prefix cache when that prefill completes."""
+        out: set[int] = set()
+        for req in self.running:
+            if req.num_computed_tokens < req.num_tokens:
+                self._add_blocks_being_prefilled(req, out)
+        return out
+
+    def _add_blocks_being_prefilled(self, req: Request, out: set[int]) -> None:
+        t = self._track[req.request_id]
+        # Kept blocks: a scoring request keeps only what the pool could hold (suffix discard).
+        num_kept = min(len(self.bm.table(req.request_id)), req.num_tokens // self.block_size)
+        # Blocks before num_computed_tokens are in the cache already (hits or earlier chunks).
+        first = req.num_computed_tokens // self.block_size
+        out.update(t.block_hashes[first:num_kept])
+
+    def _shared_tokens_being_prefilled(self, req: Request, being_prefilled: set[int]) -> int:
+        """Tokens right after `req`'s cached prefix that a running request is computing now."""
+        if not being_prefilled:
+            return 0
+        prefix_blocks, _ = self._cached_prefix(req)  # also fills the block-hash memo
+        hashes = self._track[req.request_id].block_hashes
+        n = 0
+        for h in hashes[len(prefix_blocks) : (req.num_tokens - 1) // self.block_size]:
+            if h not in being_prefilled:
+                break
+            n += 1
+        return n * self.block_size
 
     def _chunk(self, remaining: int, budget: int, first: bool) -> int:
         """Tokens of a GENERATE prefill to run now."""

@@ -56,6 +56,7 @@ def make(
     cache: bool = True,
     max_num_seqs: int = 16,
     clock=None,
+    wait_tokens: int = 256,
 ) -> Scheduler:
     cfg = EngineConfig(
         block_size=BS,
@@ -63,6 +64,7 @@ def make(
         max_num_seqs=max_num_seqs,
         enable_prefix_cache=cache,
         prefill_policy=policy,
+        wait_for_shared_prefix_tokens=wait_tokens,
     )
     bm = BlockManager(num_blocks, BS, PrefixCache(BS) if cache else None)
     kwargs = {"clock": clock} if clock else {}
@@ -326,3 +328,66 @@ def test_cached_prefix_memo_follows_insertions_and_evictions() -> None:
     s.bm.free("hog")
     assert s.view(w).num_cached_tokens_now == 0
     s.bm.check_integrity()
+
+
+# ---- a shared prefix that is being prefilled is not computed twice ---------------------------
+def _users_burst(n_users: int, per_user: int) -> list[Request]:
+    """Scoring requests of `n_users` users (a 32-token profile each) arriving together."""
+    reqs = []
+    for i in range(per_user):
+        for u in range(n_users):
+            profile = list(range(1000 * (u + 1), 1000 * (u + 1) + 32))  # 8 full blocks
+            reqs.append(score(f"u{u}-{i}", profile + [7, 8, 9 + i]))
+    return reqs
+
+
+def test_same_user_requests_in_one_batch_wait_for_the_first_ones_prefix() -> None:
+    computed = {}
+    for wait in (0, 16):
+        s = make(num_blocks=128, budget=1000, wait_tokens=wait)
+        for r in _users_burst(n_users=3, per_user=4):
+            s.add(r)
+        outs = drive(s, FakeRunner())
+        assert len(outs) == 12 and all(o[-1].finished for o in outs.values())
+        computed[wait] = s.num_prefill_tokens
+        if wait:
+            # One request per user computed the profile; the other three only its tail.
+            assert s.num_shared_prefix_waits >= 9
+            assert s.bm.prefix_cache.hit_tokens == 3 * 3 * 32
+    assert computed[0] == 12 * 35  # every request computed its whole prompt
+    assert computed[16] == 3 * 35 + 9 * 3
+
+
+def test_a_request_with_another_prefix_is_not_held_up_behind_a_waiting_one() -> None:
+    s = make(num_blocks=128, budget=1000, wait_tokens=16)
+    leader, follower = _users_burst(n_users=1, per_user=2)
+    s.add(leader)
+    s.add(follower)
+    other = score("other", list(range(5000, 5030)))
+    s.add(other)
+    plan = s.schedule()
+    ids = [q.request.request_id for q in plan.prefill]
+    assert ids == ["u0-0", "other"]  # the follower waits; the next in order still runs
+    s.update(plan, FakeRunner().run(plan))
+    plan = s.schedule()
+    (seq,) = plan.prefill
+    assert seq.request.request_id == "u0-1" and seq.num_context_tokens == 32  # a hit
+
+
+def test_a_waiting_follower_runs_once_the_prefilling_leader_is_aborted() -> None:
+    s = make(num_blocks=128, budget=16, wait_tokens=16)
+    lead = gen("lead", 40, max_tokens=2)  # chunked: 16 tokens per step
+    s.add(lead)
+    plan = s.schedule()  # lead's first chunk
+    s.update(plan, FakeRunner().run(plan))
+    follower = gen("follow", 40, max_tokens=2)  # the same 40 prompt tokens
+    s.add(follower)
+    plan = s.schedule()
+    assert [q.request.request_id for q in plan.prefill] == ["lead"]  # follower waits
+    s.update(plan, FakeRunner().run(plan))
+    s.abort("lead")
+    plan = s.schedule()
+    (seq,) = plan.prefill
+    assert seq.request.request_id == "follow" and seq.num_context_tokens == 32  # lead's chunks
+    outs = drive(s, FakeRunner())
+    assert outs["follow"][-1].finished
