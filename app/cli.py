@@ -76,6 +76,9 @@ _ENGINE_HELP = {
     "favoured, time-slice when a decode step can wait for the prefill within it, else give "
     "prefill every SM the target allows (default: Nexus's relative decode slack, "
     "--partition-beta)",
+    "partition_layer_slicing": "split controller (auto, with --partition-tbt-slo-ms): when a "
+    "whole prefill would stall decode past the target, it may run the prefill on every SM in "
+    "slices of layers with a decode step between slices, if predicted faster than a split",
     "partition_min_decode_sms": "fewest SMs a decode partition may get (default: the device's "
     "minimum partition)",
     "partition_calibration": "partition cost-model calibration file (JSON); default: the cached "

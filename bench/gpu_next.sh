@@ -17,6 +17,8 @@
 #   bash bench/gpu_next.sh l REV          # cuBLAS SM targets: products, then 8B score+chat
 #                                         #   and mixed with them
 #   bash bench/gpu_next.sh m REV          # llama-3.1-8b long-data, 3 sides in one run
+#   bash bench/gpu_next.sh n REV          # next: auto with layer slicing, 8B score+chat and
+#                                         #   long-data
 # Carry: .whl .fi_cache .cache/smollm2-tok. Results in $OUT: gpu-runtime-*.json (suite),
 # partition-*.json (serving; merge them with `python -m bench.gpu_serving --merge ...`),
 # server logs, fi_cache.tar.gz if the FlashInfer cache grew.
@@ -150,7 +152,16 @@ case $plan in
       --ladder 2,4,6,8 --slo ttft:3000,tbt:150 --slos "ttft:3000,tpot:80" \
       --static-split 112 --parts long-data --tag partition-8b-m \
       --deadline-s "$(( $(left) - 5 ))" || rc=1 ;;
-  *) echo "unknown plan $plan (a to m)"; exit 2 ;;
+  n)
+    # Next: auto with layer slicing (--partition-layer-slicing) on llama-3.1-8b: score+chat
+    # (the case where the split costs scoring throughput), then long-data (3 sides).
+    python3 -m bench.gpu_serving "${common[@]}" --models random:llama-3.1-8b --start-s 40 \
+      --server-args "--partition auto --calibrate false --partition-tbt-slo-ms 120 --partition-layer-slicing true" \
+      --ladder 2,4,6,8 --slo ttft:3000,tbt:150 --slos "ttft:3000,tpot:80" \
+      --static-split 112 --start-qps 2 --max-probes 3 --score-start-qps 4 --chat-qps 1 \
+      --score-slo ttft:3000 --parts score-chat,long-data --tag partition-8b-n \
+      --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
+  *) echo "unknown plan $plan (a to n)"; exit 2 ;;
 esac
 cp $work/partition-*.json "$OUT/" 2>/dev/null
 tar czf "$OUT/serving-$plan.tar.gz" -C $work . 2>/dev/null

@@ -52,6 +52,8 @@ class EngineConfig:
     partition_min_decode_sms: int | None = None  # None = the device's minimum partition
     # TBT target (ms) for auto: replaces beta while prefill is favoured (see ControllerConfig).
     partition_tbt_slo_ms: float | None = None
+    # auto with a TBT target: may time-slice by slices of layers (see ControllerConfig).
+    partition_layer_slicing: bool = False
     # Cost-model calibration (runtime/partition_calibrate.py): an explicit file wins; else the
     # cached file for this GPU and model in partition_calibration_dir (None = the JCT
     # calibration folder); else `auto` profiles at start-up (when partition_startup_profile)

@@ -33,6 +33,7 @@ flapping; a manual pin wins over everything.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -304,6 +305,10 @@ class ControllerConfig:
     # (prefill gets every SM, decode waits for it, as `off`) whenever the predicted wait meets
     # the target, else the split with the most prefill SMs whose decode step meets it.
     tbt_slo_ms: float | None = None
+    # With a TBT target that time-slicing a whole prefill would miss: may also time-slice by
+    # slices of layers (prefill on every SM, a decode step between slices) when that is
+    # predicted to finish the prefill sooner than the best split meeting the target.
+    layer_slicing: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,6 +319,8 @@ class Decision:
     speedup_vs_time_slice: float  # serial-on-whole-GPU time / concurrent time, same work
     reason: str
     evaluations: int = 0
+    # Time-slicing by slices of this many layers (prefill_sms is TIME_SLICE); None = whole.
+    layers_per_slice: int | None = None
 
 
 class SplitController:
@@ -427,6 +434,17 @@ class SplitController:
             else:
                 break
         best_split = self.splits[idx]
+        if tbt_rule and cfg.allow_time_slice and cfg.layer_slicing:
+            sliced = self._layer_slices(p, d)
+            tp_split, td_split = ev(best_split)
+            if sliced is not None and (td_split > cfg.tbt_slo_ms or sliced[1] <= tp_split):
+                layers, tp_sliced = sliced
+                dec = self._settle(
+                    TIME_SLICE, f"layer slices of {layers} meet the TBT target", p, d, ev, None
+                )
+                return dataclasses.replace(
+                    dec, predicted_prefill_ms=tp_sliced, layers_per_slice=layers
+                )
         sp = self.speedup(best_split, p, d)
         choice = best_split
         reason = (
@@ -436,6 +454,23 @@ class SplitController:
         if cfg.allow_time_slice and sp < cfg.min_split_speedup and not tbt_rule:
             choice, reason = TIME_SLICE, f"time-slicing predicted faster (split speedup {sp:.2f})"
         return self._settle(choice, reason, p, d, ev, objective, time_slice_ok=not tbt_rule)
+
+    def _layer_slices(self, p: PrefillShape, d: DecodeShape) -> tuple[int, float] | None:
+        """(layers per slice, predicted prefill completion ms) for time-slicing the prefill by
+        slices of layers on the whole GPU with one decode step between slices, so that a
+        decode waits at most one slice; None when not even one layer fits the TBT target."""
+        assert self.config.tbt_slo_ms is not None
+        total = self.model.total_sms
+        tp = self.model.predict(PREFILL, p, total)
+        td = self.model.predict(DECODE, d, total)
+        num_layers = max(p.num_layers, 1)
+        per_layer_ms = tp / num_layers
+        room_ms = self.config.tbt_slo_ms - td
+        if not (per_layer_ms > 0 and room_ms >= per_layer_ms):
+            return None
+        layers = min(num_layers, int(room_ms // per_layer_ms))
+        num_slices = math.ceil(num_layers / layers)
+        return layers, tp + (num_slices - 1) * td
 
     def _settle(
         self,

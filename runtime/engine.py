@@ -248,7 +248,10 @@ class Engine:
         sc = g.streams()
         total = g.layout.total_sms
         decode_sms = total - sc.prefill_sms if sc.prefill_sms else total
-        return SplitChoice(sc.prefill_sms, decode_sms, sc.prefill_stream, sc.decode_stream)
+        layers = g.layers_per_slice if not sc.prefill_sms and pplan is not None else None
+        return SplitChoice(
+            sc.prefill_sms, decode_sms, sc.prefill_stream, sc.decode_stream, layers_per_slice=layers
+        )
 
     def _measure_activation_reserve(self) -> int:
         """Activation bytes to keep free beside the KV pool, measured, not guessed: two
@@ -700,6 +703,7 @@ class Engine:
             "cost_model_mape": None if g is None else g.cost_model_mape(),
             "partition_disabled_splits": len(st.disabled_splits),
             "pd_split_prefills": 0 if self.pd is None else self.pd.num_split_prefills,
+            "pd_layer_sliced_prefills": 0 if self.pd is None else self.pd.num_layer_sliced_prefills,
             "pd_overlapped_decode_steps": (
                 0 if self.pd is None else self.pd.num_overlapped_decode_steps
             ),

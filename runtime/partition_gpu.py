@@ -78,6 +78,7 @@ class GreenContextPartition:
         self._lock = threading.Lock()  # the admin API sets the mode from another thread
         self._mode = "off"
         self._active = TIME_SLICE
+        self._layers_per_slice: int | None = None  # auto's last choice: time-slice by layers
         self._last: StreamChoice | None = None
         self._last_decision = None
         self.measured: dict[str, float | None] = {"prefill_ms": None, "decode_ms": None}
@@ -191,14 +192,22 @@ class GreenContextPartition:
     ) -> int:
         """Pick the split for the next step (auto mode); returns the prefill SM count or 0."""
         with self._lock:
+            self._layers_per_slice = None
             if self._mode == "auto":
                 dec = self.controller.choose(prefill, decode, kv_usage)
                 self._last_decision = dec
                 self._active = dec.prefill_sms
+                self._layers_per_slice = dec.layers_per_slice
                 if prefill is not None:
                     self._choice_counts[dec.prefill_sms] += 1
                 self._log_choice(dec)
             return self._active
+
+    @property
+    def layers_per_slice(self) -> int | None:
+        """Set when the last `decide` chose to time-slice the prefill by slices of layers."""
+        with self._lock:
+            return self._layers_per_slice
 
     def _log_choice(self, dec: Any) -> None:
         """INFO when auto's choice changes, at most once a second (a flapping choice would

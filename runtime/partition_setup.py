@@ -37,6 +37,7 @@ def controller_config_from(config: EngineConfig) -> ControllerConfig:
         min_split_speedup=config.partition_min_split_speedup,
         allow_time_slice=config.partition_allow_time_slice,
         tbt_slo_ms=config.partition_tbt_slo_ms,
+        layer_slicing=config.partition_layer_slicing,
     )
 
 

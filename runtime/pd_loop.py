@@ -5,7 +5,9 @@ One engine-loop iteration (`PDLoop.step`):
      which marks its requests in flight); ask `choose(prefill_plan, decode_plan)` for a split.
      A time-slicing choice (prefill_sms == 0) runs both parts as one monolithic step on the
      whole-GPU stream (what `partition=off` does); a split embeds the batch on the prefill
-     stream and makes it the in-flight prefill.
+     stream and makes it the in-flight prefill. Time-slicing by layers (`layers_per_slice`
+     set, both streams the whole GPU's) also puts the prefill in flight: its slices and the
+     decode steps then alternate on one stream, so a decode waits at most one slice.
   2. launch prefill layer slices on the prefill stream, at most `max_queued_slices` ahead of
      the device, `layers_per_slice = max(1, slice_tokens // batch_tokens)` layers each, so
      the CPU returns quickly and keeps decode fed; the last slice computes the logits rows and
@@ -126,6 +128,9 @@ class SplitChoice:
     decode_sms: int
     prefill_stream: Any
     decode_stream: Any
+    # Time-slicing by layers (prefill_sms TIME_SLICE, both streams the whole GPU's): the
+    # prefill runs in flight, this many layers per slice, one decode step between slices.
+    layers_per_slice: int | None = None
 
 
 @dataclass(slots=True)
@@ -191,6 +196,7 @@ class PDLoop:
         self._last_stream: dict[str, Any] = {"prefill": cur, "decode": cur}
         self.num_prefill_batches = 0
         self.num_split_prefills = 0
+        self.num_layer_sliced_prefills = 0
         self.last_split = TIME_SLICE  # the split of the latest prefill start or decode step
         self.num_overlapped_decode_steps = 0
 
@@ -231,7 +237,7 @@ class PDLoop:
                 self.num_prefill_batches += 1
                 try:
                     choice = self.choose(pplan, dplan if dplan.decode else None)
-                    if choice.prefill_sms == TIME_SLICE:
+                    if choice.prefill_sms == TIME_SLICE and not choice.layers_per_slice:
                         return outputs + self._run_monolithic(pplan, dplan, choice.prefill_stream)
                     self._start_prefill(pplan, choice)
                 except Exception as e:
@@ -282,7 +288,10 @@ class PDLoop:
 
     # ---- prefill ----------------------------------------------------------------------------
     def _start_prefill(self, plan: StepPlan, choice: SplitChoice) -> None:
-        self.num_split_prefills += 1
+        if choice.layers_per_slice and choice.prefill_sms == TIME_SLICE:
+            self.num_layer_sliced_prefills += 1
+        else:
+            self.num_split_prefills += 1
         self.last_split = choice.prefill_sms
         stream = choice.prefill_stream
         self._use("prefill", stream)
@@ -293,7 +302,8 @@ class PDLoop:
             self.runner.prefill_backend.plan(batch)
             h = self.model.embed(batch.input_ids)
         num_tokens = int(batch.input_ids.shape[0])
-        per_slice = max(1, min(self.model.num_layers, self.slice_tokens // max(num_tokens, 1)))
+        per_slice = choice.layers_per_slice or self.slice_tokens // max(num_tokens, 1)
+        per_slice = max(1, min(self.model.num_layers, per_slice))
         self.inflight = _Inflight(plan, choice, batch, h, None, per_slice, start)
 
     def _pump(self) -> None:
@@ -303,9 +313,12 @@ class PDLoop:
             return
         pending = sum(1 for e in f.slice_events if not e.query())
         num_layers = self.model.num_layers
+        # Time-sliced by layers, prefill and decode share one stream: a second queued slice
+        # would sit between a decode step and the GPU, so only one is queued ahead.
+        max_queued = 1 if f.choice.layers_per_slice else self.max_queued_slices
         self.device.gemm_sms(f.choice.prefill_sms)
         with self.device.context(f.choice.prefill_stream):
-            while pending < self.max_queued_slices and f.next_layer < num_layers:
+            while pending < max_queued and f.next_layer < num_layers:
                 end = min(num_layers, f.next_layer + f.layers_per_slice)
                 f.h, f.residual = self.model.forward_layers(
                     f.h,
@@ -355,7 +368,9 @@ class PDLoop:
                     self.runner.outputs_from_hidden(f.hidden_rows, wanting, out)
         finally:
             self.scheduler.end_prefill(f.plan)
-        if self.observe is not None:
+        if self.observe is not None and not f.choice.layers_per_slice:
+            # (A layer-sliced prefill's span includes the decode steps between its slices:
+            # not a prefill latency the cost model could learn from.)
             ms = f.start_event.elapsed_time(f.done_event)
             shape = PrefillShape.from_seqs(
                 [(s.num_context_tokens, s.num_new_tokens) for s in f.plan.prefill],

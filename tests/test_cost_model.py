@@ -12,6 +12,7 @@ from runtime.cost_model import (
     TIME_SLICE,
     ControllerConfig,
     CostModel,
+    Decision,
     DecodeShape,
     PrefillShape,
     ProfileSample,
@@ -212,3 +213,44 @@ def test_tbt_target_gives_prefill_every_sm_the_target_allows() -> None:
     # Above the KV threshold the target does not apply: decode is favoured as before.
     high = SplitController(m, SPLITS, cfg).choose(p, d, kv_usage=0.9)
     assert high.prefill_sms < dec.prefill_sms
+
+
+def test_layer_slicing_when_it_finishes_the_prefill_before_the_best_split() -> None:
+    """A prefill too long for a whole time-slice under the TBT target: with layer slicing on,
+    the controller time-slices by slices of layers sized to the target (decode waits one
+    slice) when that is predicted to finish the prefill before the best split meeting the
+    target does; otherwise, and with it off, it splits."""
+    m = truth(kappa_d=0.05, kappa_p=0.02, decode_r_sat=0.3)
+    p, d = PrefillShape.from_seqs([(0, 8192)], num_layers=32), DecodeShape(8, 8 * 2048, 32)
+    whole_prefill = m.predict(PREFILL, p, TOTAL)
+    whole_decode = m.predict(DECODE, d, TOTAL)
+    per_layer = whole_prefill / 32
+    target = whole_decode + 4.5 * per_layer  # room for 4 layers a slice
+    assert target < sum(SplitController(m, SPLITS)._eval(TIME_SLICE, p, d)) / 2
+    base = dict(tbt_slo_ms=target, min_gain=0.0, hysteresis_sms=0)
+    sliced_ms = whole_prefill + 7 * whole_decode  # 8 slices, 7 decode steps between them
+
+    def choose(splits: list[int], **cfg) -> Decision:
+        return SplitController(m, splits, ControllerConfig(**base, **cfg)).choose(p, d, 0.2)
+
+    # Only small prefill splits (e.g. a larger decode floor): the split is slower.
+    small = [32, 64]
+    assert choose(small).prefill_sms == 64
+    assert choose(small).predicted_prefill_ms > sliced_ms
+    dec = choose(small, layer_slicing=True)
+    assert dec.prefill_sms == TIME_SLICE and dec.layers_per_slice == 4
+    assert dec.predicted_prefill_ms == pytest.approx(sliced_ms)
+    assert "layer slices of 4" in dec.reason
+    # Every split: 112 finishes sooner than the slices would, so it stays.
+    dec = choose(SPLITS, layer_slicing=True)
+    assert dec.prefill_sms != TIME_SLICE and dec.layers_per_slice is None
+    assert dec.predicted_prefill_ms < sliced_ms
+    # A target that not even one layer fits: layer slicing is no option.
+    tight = SplitController(
+        m,
+        small,
+        ControllerConfig(
+            **dict(base, tbt_slo_ms=whole_decode + 0.5 * per_layer), layer_slicing=True
+        ),
+    ).choose(p, d, 0.2)
+    assert tight.layers_per_slice is None

@@ -227,3 +227,25 @@ def test_a_split_whose_decode_graphs_fail_to_capture_is_disabled_at_start_up(man
     assert f"120/{total - 120}" not in labels and labels
     assert 120 not in manager.splits
     assert "CUBLAS_STATUS_EXECUTION_FAILED" in manager.state().disabled_splits["120"]
+
+
+def test_auto_hands_a_layer_sliced_time_slice_to_the_engine(manager) -> None:
+    """decide() returns TIME_SLICE and `layers_per_slice` says how to slice the prefill; the
+    next decision without that choice clears it."""
+    import dataclasses
+
+    from runtime.cost_model import DECODE, PREFILL
+
+    m = manager.cost_model
+    p = PrefillShape.from_seqs([(0, 8192)], num_layers=32)
+    d = DecodeShape(8, 8 * 2048, 32)
+    per_layer = m.predict(PREFILL, p, 132) / 32
+    target = m.predict(DECODE, d, 132) + 4.5 * per_layer
+    manager.controller.config = dataclasses.replace(
+        manager.controller.config, tbt_slo_ms=target, layer_slicing=True, hysteresis_sms=0
+    )
+    manager.controller.splits = [32, 64]  # only small prefill splits: slicing finishes first
+    assert manager.decide(p, d, kv_usage=0.2) == TIME_SLICE
+    assert manager.layers_per_slice == 4
+    assert manager.decide(None, d, kv_usage=0.2) == TIME_SLICE  # decode only
+    assert manager.layers_per_slice is None

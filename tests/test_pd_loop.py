@@ -92,6 +92,7 @@ def build(
     prefill_sms: int = 64,
     slice_tokens: int = 1,
     split_usable: Any = None,
+    layers_per_slice: int | None = None,
     **cfg: Any,
 ):
     config = EngineConfig(
@@ -103,6 +104,8 @@ def build(
 
     def choose(p, d) -> SplitChoice:
         choices.append((p is not None, d is not None))
+        if p is not None and layers_per_slice:  # time-slicing by layers
+            return SplitChoice(0, 132, "whole", "whole", layers_per_slice=layers_per_slice)
         if p is None or prefill_sms == 0:
             return SplitChoice(0, 132, "whole", "whole")
         return SplitChoice(prefill_sms, 132 - prefill_sms, "P", "D")
@@ -192,6 +195,50 @@ def test_same_tokens_as_monolithic_no_loss_no_duplicates(prefill_sms: int) -> No
         assert any(o[0] == "prefill" and o[2] == prefill_sms for o in observed)
     else:
         assert loop.num_split_prefills == 0
+
+
+def test_time_slicing_by_layers_interleaves_decode_steps_on_one_stream() -> None:
+    """Layer-sliced time-slicing: the prefill is in flight one layer-slice at a time on the
+    whole GPU's stream, a decode step runs between slices on that same stream, tokens are
+    those of the monolithic engine, and no prefill latency is fed to the cost model."""
+    ref = monolithic_tokens(make_reqs())
+    dev = FakeDevice()
+    eng, loop, _, observed = build(dev, layers_per_slice=1)  # tiny has 2 layers: 2 slices
+    order: list[str] = []
+    forward_layers, run = loop.model.forward_layers, loop.runner.run
+
+    def spy_layers(*a: Any, **k: Any) -> Any:
+        if a[3] is loop.runner.prefill_backend:
+            order.append(f"slice{a[4]}")  # (h, residual, positions, backend, start, end, ...)
+        return forward_layers(*a, **k)
+
+    def spy_run(plan: Any) -> Any:
+        order.append("decode")
+        return run(plan)
+
+    loop.model.forward_layers = spy_layers  # type: ignore[method-assign]
+    loop.runner.run = spy_run  # type: ignore[method-assign]
+    reqs = make_reqs()
+    eng.scheduler.add(reqs[0])
+    outs = loop.step()  # r0's prefill alone: 2 slices, then its first token
+    eng.scheduler.add(reqs[1])
+    eng.scheduler.add(reqs[2])
+    dev.hold = True  # slice events stay pending: the loop must alternate slice / decode
+    for _ in range(3):
+        outs += loop.step()
+    assert loop.busy and loop.num_layer_sliced_prefills == 2 and loop.num_split_prefills == 0
+    # One slice queued ahead at most; r0 decodes between the new batch's slices.
+    assert order[:2] == ["slice0", "slice1"] and order[2:5] == ["slice0", "decode", "decode"]
+    dev.hold = False
+    while loop.busy or eng.scheduler.has_work():
+        dev.release()
+        outs += loop.step()
+    assert tokens_by_id(outs) == ref
+    # Only the whole GPU's stream is used (it waited once on the loop's starting stream).
+    assert {s for s, _ in dev.waits} == {"whole"} and {o for _, o in dev.waits} == {"default"}
+    assert not [o for o in observed if o[0] == "prefill"]
+    assert [o for o in observed if o[0] == "decode"]
+    eng.block_manager.check_integrity()
 
 
 def test_request_moves_to_decode_only_after_prefill_completes() -> None:
