@@ -247,6 +247,20 @@ def latency_view(metrics: dict[str, Any] | None) -> dict[str, Any] | None:
     }
 
 
+def background_chat_view(path: Path) -> dict[str, Any]:
+    """The background chat's latencies over a whole score+chat side (its harness was stopped
+    by SIGTERM after the scoring search and wrote what completed)."""
+    try:
+        record = json.loads(path.read_text())
+        (run,) = record["runs"]
+    except (OSError, ValueError, KeyError) as exc:
+        return {"error": f"no background chat record: {type(exc).__name__}: {exc}"[:300]}
+    view = latency_view(run.get("metrics")) or {}
+    view["stopped_by_signal"] = record.get("stopped_by_signal")
+    view["file"] = path.name
+    return view
+
+
 def max_qps_view(record: dict[str, Any]) -> dict[str, Any]:
     """Max QPS, its latencies, and every probe's latencies keyed by QPS (for same-QPS ratios)."""
     search = record.get("max_qps_search") or {}
@@ -364,6 +378,13 @@ def build_summary(models: dict[str, Any]) -> dict[str, Any]:
         "p99_ttft_ratio_auto_vs_off": geomean(ttft),
         "cost_model_mape": sum(mapes) / len(mapes) if mapes else None,
         "score_qps_ratio_auto_vs_off_with_chat": sc or None,
+        # The other half of that trade: the background chat's P99 TBT over each side.
+        "chat_p99_tbt_ratio_auto_vs_off_with_scoring": {
+            model: m["score_chat"]["chat_p99_tbt_ratio_auto_vs_off"]
+            for model, m in models.items()
+            if (m.get("score_chat") or {}).get("chat_p99_tbt_ratio_auto_vs_off") is not None
+        }
+        or None,
         "ratios_are": "geometric mean over (model, workload) of auto/off; throughput = max "
         "QPS meeting the P99 SLO; latencies at the highest QPS both probed",
         "per_model_workload": per,
@@ -651,8 +672,9 @@ class Orchestrator:
                 continue
             apply_settings(srv.url, sides[side])
             chat_path = self.out_dir / f"{rec['slug']}-chatbg-{side}.json"
-            # The background chat outlasts the search (killed after it): every probe runs
-            # under chat load. Its own JSON is therefore not written; its load is recorded.
+            # The background chat outlasts the search (stopped by SIGTERM after it): every
+            # probe runs under chat load. bench.serve then writes what completed: the chat's
+            # own latencies under this side's scoring load (the other half of the trade).
             chat_s = self.search_s() * 2 + 10
             chat_count = (
                 ["--num-requests", str(a.num_requests * 20)]
@@ -700,16 +722,23 @@ class Orchestrator:
                 res[side] = view
             finally:
                 if bg.poll() is None:
-                    bg.terminate()
+                    bg.terminate()  # SIGTERM: bench.serve stops and writes what completed
                     try:
-                        bg.wait(10)
+                        bg.wait(20)
                     except subprocess.TimeoutExpired:
                         bg.kill()
+            if isinstance(res.get(side), dict):
+                res[side]["chat_background"] = background_chat_view(chat_path)
             self.save()
         if isinstance(res.get("off"), dict) and isinstance(res.get("auto"), dict):
             res["score_qps_ratio_auto_vs_off"] = ratio(
                 res["off"].get("max_qps"), res["auto"].get("max_qps")
             )
+            tbt = [
+                ((res[s].get("chat_background") or {}).get("tbt_ms") or {}).get("p99")
+                for s in ("off", "auto")
+            ]
+            res["chat_p99_tbt_ratio_auto_vs_off"] = ratio(tbt[0], tbt[1])
 
     def ablation(self, srv: Server, rec: dict[str, Any]) -> None:
         a = self.args

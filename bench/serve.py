@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
 import platform
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -302,8 +304,12 @@ async def run_once(
     opts: ClientOptions,
     slo: SLO | None = None,
     label: str = "",
+    stop: asyncio.Event | None = None,
 ) -> tuple[dict[str, Any], list[RequestResult]]:
-    """Send `requests` at `arrivals_s` and return (metrics, per-request results)."""
+    """Send `requests` at `arrivals_s` and return (metrics, per-request results).
+
+    `stop` (set e.g. by SIGTERM): send nothing more, cancel the requests still running, and
+    return the metrics of those that completed (`stopped_early` and `num_cut_off` say so)."""
     assert len(requests) == len(arrivals_s)
     progress = Progress(len(requests), label or "bench", opts.progress)
     sem = asyncio.Semaphore(opts.max_concurrency) if opts.max_concurrency else None
@@ -321,14 +327,33 @@ async def run_once(
 
         run_start = time.perf_counter()
         tasks: list[asyncio.Task[RequestResult]] = []
+        stop = stop or asyncio.Event()
         for req, at_s in zip(requests, arrivals_s, strict=True):
             delay_s = run_start + at_s - time.perf_counter()
             if delay_s > 0:
-                await asyncio.sleep(delay_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), delay_s)
+            if stop.is_set():
+                break
             tasks.append(asyncio.create_task(one(req, at_s, run_start)))
-        results = list(await asyncio.gather(*tasks))
+        stopper = asyncio.create_task(stop.wait())
+        pending = set(tasks)
+        while pending and not stop.is_set():
+            _, pending = await asyncio.wait(
+                pending | {stopper}, return_when=asyncio.FIRST_COMPLETED
+            )
+            pending.discard(stopper)
+        stopper.cancel()
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        results = [t.result() for t in tasks if not t.cancelled()]
         duration_s = time.perf_counter() - run_start
-    return compute_metrics(results, duration_s, slo), results
+    metrics = compute_metrics(results, duration_s, slo)
+    if stop.is_set():
+        metrics["stopped_early"] = True
+        metrics["num_cut_off"] = len(requests) - len(results)
+    return metrics, results
 
 
 # ---------------------------------------------------------------- max-QPS search
@@ -674,12 +699,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     }
     await warm_up(base_url, args, tok, opts)
     runs: list[dict[str, Any]] = []
+    # SIGTERM (e.g. a background load being ended by its harness) stops the run and still
+    # writes what completed: a background run's latencies are then not lost.
+    stop = asyncio.Event()
+    with contextlib.suppress(NotImplementedError, RuntimeError):  # not on every platform
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
 
     async def run_at(qps: float) -> dict[str, Any]:
         plan = make_plan(gen, args, qps)
         reset = await reset_before_run(base_url, args)
         metrics, _ = await run_once(
-            base_url, plan.requests, plan.arrivals_s, opts, slo, label=f"qps {qps:g}"
+            base_url, plan.requests, plan.arrivals_s, opts, slo, label=f"qps {qps:g}", stop=stop
         )
         runs.append(run_record(qps, metrics, plan, reset))
         return metrics
@@ -690,7 +720,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         record["max_qps_search"] = {k: v for k, v in search.items() if k != "probes"}
     else:
         for qps in qps_list:
+            if stop.is_set():
+                break
             await run_at(qps)
+    record["stopped_by_signal"] = stop.is_set()
     runs.sort(key=lambda r: math.inf if r["qps"] == "inf" else r["qps"])
     record["runs"] = runs
     record["prefix_cache_reset"] = {

@@ -672,3 +672,65 @@ def test_compare_mode_arguments():
         args = compare.build_parser().parse_args([*base, *extra])
         with pytest.raises(SystemExit):
             compare.check_mode(args)
+
+
+def test_sigterm_stops_the_run_and_still_writes_what_completed(
+    fake_server, tokenizer_file, tmp_path
+):
+    """A background load ended by its harness (SIGTERM) writes the latencies of the requests
+    that completed, says it was stopped, and exits cleanly."""
+    import signal
+    import subprocess
+    import sys
+
+    url, app = fake_server
+    app.state.seen.clear()
+    out = tmp_path / "bg.json"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "bench.serve",
+            "--url",
+            url,
+            "--workload",
+            "sharegpt",
+            "--scale",
+            "0.05",
+            "--duration",
+            "60",
+            "--qps",
+            "8",
+            "--seed",
+            "1",
+            "--tokenizer",
+            str(tokenizer_file),
+            "--no-reset-prefix-cache",
+            "--no-progress",
+            "--out",
+            str(out),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while len(app.state.seen) < 6 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        if len(app.state.seen) < 6:
+            proc.kill()
+            raise AssertionError(f"the background load never started: {proc.communicate()[1]}")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    record = json.loads(out.read_text())
+    assert record["stopped_by_signal"] is True
+    (run,) = record["runs"]
+    m = run["metrics"]
+    assert m["stopped_early"] is True and m["completed"] >= 1
+    assert m["duration_s"] < 30  # stopped, not run to its 60 s
+    assert m["itl_ms"]["p99"] is not None

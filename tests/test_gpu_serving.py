@@ -240,6 +240,12 @@ def test_cpu_dry_run_against_real_server(tmp_path: Path) -> None:
     assert s["p99_ttft_ratio_auto_vs_off"] == pytest.approx(math.sqrt(ratios[0] * ratios[1]))
     sc = m["score_chat"]
     assert sc["off"]["chat_still_running_at_end"] is True  # probes ran under chat load
+    # The background chat, stopped after the search, recorded its own latencies per side.
+    for side in ("off", "auto"):
+        chat = sc[side]["chat_background"]
+        assert chat["stopped_by_signal"] is True and chat["completed"] >= 1, chat
+        assert chat["tbt_ms"]["p99"] is not None
+    assert sc["chat_p99_tbt_ratio_auto_vs_off"] is not None
     abl = m["ablation"]
     assert set(abl) >= {"policy_alone", "partition_alone", "both"}
     assert [x["policy"] for x in abl["both"]["server_settings"]] == ["fcfs", "srjf-oneshot"]
