@@ -249,3 +249,33 @@ def test_auto_hands_a_layer_sliced_time_slice_to_the_engine(manager) -> None:
     assert manager.layers_per_slice == 4
     assert manager.decide(None, d, kv_usage=0.2) == TIME_SLICE  # decode only
     assert manager.layers_per_slice is None
+
+
+def test_the_engine_hands_layer_slices_to_the_pd_loop(manager) -> None:
+    """Engine._choose_split turns auto's layer-sliced time-slice into the PD loop's choice:
+    both streams the whole GPU's, `layers_per_slice` set; a decode-only choice has none."""
+    import dataclasses
+
+    from runtime.config import EngineConfig
+    from runtime.cost_model import DECODE, PREFILL
+    from runtime.engine import Engine
+    from runtime.scheduler import StepPlan
+
+    eng = Engine(EngineConfig(model="random:tiny", block_size=4, num_kv_blocks=64), lambda o: None)
+    eng._green = manager
+    layers = eng.model_config.num_layers
+    seq = types.SimpleNamespace
+    pplan = StepPlan(1, prefill=[seq(num_context_tokens=0, num_new_tokens=8192)])
+    dplan = StepPlan(2, decode=[seq(num_context_tokens=2048, num_new_tokens=1)] * 8)
+    p = PrefillShape.from_seqs([(0, 8192)], num_layers=layers)
+    d = DecodeShape(8, 8 * 2048, layers)
+    m = manager.cost_model
+    target = m.predict(DECODE, d, 132) + 1.5 * m.predict(PREFILL, p, 132) / layers
+    manager.controller.config = dataclasses.replace(
+        manager.controller.config, tbt_slo_ms=target, layer_slicing=True, hysteresis_sms=0
+    )
+    manager.controller.splits = [32, 64]
+    choice = eng._choose_split(pplan, dplan)
+    assert choice.prefill_sms == TIME_SLICE and choice.layers_per_slice == 1
+    assert choice.prefill_stream is choice.decode_stream is manager._whole
+    assert eng._choose_split(None, dplan).layers_per_slice is None
