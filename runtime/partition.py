@@ -24,7 +24,8 @@ class PartitionState:
     predicted_decode_ms: float | None = None
     measured_prefill_ms: float | None = None
     measured_decode_ms: float | None = None
-    # auto: how many prefill batches each choice got since the mode was set ("0" = time-slice)
+    # auto: prefill batches per choice since the mode was set ("0" = time-slice,
+    # "layer-sliced" = time-sliced by slices of layers)
     choice_counts: dict[str, int] = field(default_factory=dict)
     # splits taken out of service after failing at run time (split -> why)
     disabled_splits: dict[str, str] = field(default_factory=dict)

@@ -51,6 +51,9 @@ class StreamChoice:
     decode_stream: torch.cuda.Stream
 
 
+LAYER_SLICED = -1  # choice-count key: time-sliced by slices of layers ("layer-sliced")
+
+
 def parse_mode(spec: str) -> tuple[str, int | None]:
     if spec in ("off", "auto"):
         return spec, None
@@ -126,7 +129,10 @@ class GreenContextPartition:
                 predicted_decode_ms=None if dec is None else dec.predicted_decode_ms,
                 measured_prefill_ms=self.measured["prefill_ms"],
                 measured_decode_ms=self.measured["decode_ms"],
-                choice_counts={str(k): v for k, v in sorted(self._choice_counts.items())},
+                choice_counts={
+                    ("layer-sliced" if k == LAYER_SLICED else str(k)): v
+                    for k, v in sorted(self._choice_counts.items())
+                },
                 disabled_splits={str(k): v for k, v in sorted(self.disabled.items())},
             )
 
@@ -199,7 +205,8 @@ class GreenContextPartition:
                 self._active = dec.prefill_sms
                 self._layers_per_slice = dec.layers_per_slice
                 if prefill is not None:
-                    self._choice_counts[dec.prefill_sms] += 1
+                    key = LAYER_SLICED if dec.layers_per_slice else dec.prefill_sms
+                    self._choice_counts[key] += 1
                 self._log_choice(dec)
             return self._active
 

@@ -68,16 +68,20 @@
     setText("stat-prefix", isNum(hit) ? `prefix hit ${fmtPct(hit)}` : "");
   }
 
-  // What auto did since the mode was last set (prefill batches per choice; "0" = time-sliced),
+  // What auto did since the mode was last set (prefill batches per choice; "0" = time-sliced,
+  // "layer-sliced" = time-sliced by slices of layers),
   // and the splits taken out of service after failing on this device.
   function choicesText(part) {
     const parts = [];
     const counts = part.choice_counts || {};
     const total = Object.values(counts).reduce((a, b) => a + b, 0);
     if (total > 0) {
+      const label = (k) =>
+        k === "0" ? "time-sliced" : k === "layer-sliced" ? "time-sliced by layers" : k + " prefill SMs";
+      const order = (k) => (k === "layer-sliced" ? 0.5 : Number(k)); // after "0", before splits
       const items = Object.entries(counts)
-        .sort((a, b) => Number(a[0]) - Number(b[0]))
-        .map(([k, n]) => `${k === "0" ? "time-sliced" : k + " prefill SMs"} ${n} ` +
+        .sort((a, b) => order(a[0]) - order(b[0]))
+        .map(([k, n]) => `${label(k)} ${n} ` +
           `(${Math.round((100 * n) / total)} %)`);
       parts.push("Auto's choices since the mode was set (prefill batches): " + items.join(" · ") + ".");
     }

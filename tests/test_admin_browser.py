@@ -219,13 +219,14 @@ def test_admin_page_live_and_controls(
     page.wait_for_function("document.getElementById('mode-badge').textContent.trim() === 'auto'")
     assert partition.calls[-1] == "auto"
     # What the manager reports about auto's choices and failed splits reaches the page.
-    partition.choice_counts = {"0": 3, "64": 1}
+    partition.choice_counts = {"0": 2, "64": 1, "layer-sliced": 1}
     partition.disabled_splits = {"120": "CUBLAS_STATUS_EXECUTION_FAILED (test)"}
     page.wait_for_function(
-        "document.getElementById('choices-text').textContent.includes('time-sliced 3 (75 %)')"
+        "document.getElementById('choices-text').textContent.includes('time-sliced 2 (50 %)')"
     )
     choices = _text(page, "#choices-text")
     assert "64 prefill SMs 1 (25 %)" in choices
+    assert "time-sliced by layers 1 (25 %)" in choices
     assert "120 (CUBLAS_STATUS_EXECUTION_FAILED (test))" in choices
 
     page.locator(".policy-btn[data-policy='fcfs']").click()

@@ -247,6 +247,7 @@ def test_auto_hands_a_layer_sliced_time_slice_to_the_engine(manager) -> None:
     manager.controller.splits = [32, 64]  # only small prefill splits: slicing finishes first
     assert manager.decide(p, d, kv_usage=0.2) == TIME_SLICE
     assert manager.layers_per_slice == 4
+    assert manager.state().choice_counts == {"layer-sliced": 1}  # the admin page's key
     assert manager.decide(None, d, kv_usage=0.2) == TIME_SLICE  # decode only
     assert manager.layers_per_slice is None
 
