@@ -25,31 +25,15 @@ import json
 import os
 import platform
 import random
-import statistics
-import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
+from bench.bursts import Burst, git_revision, medians, run_burst, start_engines
 from runtime.config import EngineConfig
-from runtime.request import Request, RequestKind, RequestOutput
 
 MIN_PROMPT_TOKENS = 256
 MAX_PROMPT_TOKENS = 2048
-
-
-def _git_revision() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain"], capture_output=True, text=True
-        ).stdout
-        return out.stdout.strip() + ("+dirty" if dirty.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _prompts(num_requests: int, seed: int) -> list[list[int]]:
@@ -59,76 +43,28 @@ def _prompts(num_requests: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, 49000) for _ in range(n)] for n in lengths]
 
 
-class _Burst:
-    """Collects the finished outputs of one burst."""
-
-    def __init__(self) -> None:
-        self.finished: dict[str, RequestOutput] = {}
-        self.expected = 0
-        self.done = threading.Event()
-        self._lock = threading.Lock()
-
-    def sink(self, out: RequestOutput) -> None:
-        if not out.finished:
-            return
-        with self._lock:
-            self.finished[out.request_id] = out
-            if len(self.finished) >= self.expected:
-                self.done.set()
-
-
-def _run_burst(engine: Any, burst: _Burst, prompts: list[list[int]], tag: str) -> dict[str, float]:
-    burst.finished.clear()
-    burst.done.clear()
-    burst.expected = len(prompts)
-    steps_before = engine.stats()["num_steps"]
-    t0 = time.perf_counter()
-    for i, ids in enumerate(prompts):
-        engine.add(Request(f"{tag}-{i}", RequestKind.SCORE, list(ids), label_token_ids=[1, 2]))
-    if not burst.done.wait(timeout=3600):
-        raise TimeoutError("burst did not finish")
-    wall_s = time.perf_counter() - t0
-    outs = list(burst.finished.values())
-    bad = [o for o in outs if o.finish_reason == "error"]
-    if bad:
-        raise RuntimeError(f"requests failed: {bad[0].error}")
-    # Stats are published after each step; wait for the last one to be visible.
-    time.sleep(0.05)
-    num_tokens = sum(len(p) for p in prompts)
-    return {
-        "wall_s": wall_s,
-        "tokens_per_s": num_tokens / wall_s,
-        "num_forwards": float(engine.stats()["num_steps"] - steps_before),
-        "mean_latency_s": statistics.mean(o.e2e_s or 0.0 for o in outs),
-    }
-
-
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from runtime.engine import Engine  # lazily: loads torch
-
     prompts = _prompts(args.num_requests, args.seed)
     warm = _prompts(1, args.seed + 1)
     budgets = [int(b) for b in args.budgets.split(",")]
-    burst = _Burst()
-    engines: dict[int, Any] = {}
-    for b in budgets:
-        cfg = EngineConfig(
+    configs = {
+        b: EngineConfig(
             model=args.model,
             device=args.device,
             prefill_token_budget=b,
             enable_prefix_cache=False,
             cpu_kv_cache_gb=args.cpu_kv_cache_gb,
         )
-        engine = Engine(cfg, burst.sink)
-        engine.start()
-        _run_burst(engine, burst, warm, f"warm{b}")  # first-call allocations off the clock
-        engines[b] = engine
+        for b in budgets
+    }
+    burst = Burst()
+    engines = start_engines(configs, burst, warm)
     runs: dict[int, list[dict[str, float]]] = {b: [] for b in budgets}
     try:
         for r in range(args.repeats):
             for b in budgets:
                 # Only one engine computes at a time (the others are idle on their queues).
-                res = _run_burst(engines[b], burst, prompts, f"b{b}r{r}")
+                res = run_burst(engines[b], burst, prompts, f"b{b}r{r}")
                 runs[b].append(res)
                 print(
                     f"[budget {b:>6}] repeat {r + 1}/{args.repeats}: "
@@ -142,7 +78,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             engine.shutdown()
     results = []
     for b in budgets:
-        med = {k: statistics.median(x[k] for x in runs[b]) for k in runs[b][0]}
+        med = medians(runs[b])
         results.append(
             {
                 "prefill_token_budget": b,
@@ -189,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         {
             "command": "python -m bench.budget "
             + " ".join(argv if argv is not None else sys.argv[1:]),
-            "git_revision": _git_revision(),
+            "git_revision": git_revision(),
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "machine": {
                 "platform": platform.platform(),

@@ -24,12 +24,11 @@ import json
 import os
 import platform
 import random
-import statistics
 import sys
 import time
 from typing import Any
 
-from bench.budget import _Burst, _git_revision, _run_burst
+from bench.bursts import Burst, git_revision, medians, run_burst, start_engines
 from runtime.config import EngineConfig
 
 
@@ -45,25 +44,21 @@ def burst_prompts(users: int, items: int, profile: int, item: int, seed: int) ->
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from runtime.engine import Engine  # lazily: loads torch
-
     prompts = burst_prompts(
         args.users, args.items, args.profile_tokens, args.item_tokens, args.seed
     )
     warm = burst_prompts(1, 1, 64, 8, args.seed + 1)
-    burst = _Burst()
-    engines: dict[int, Any] = {}
-    for wait in (0, args.wait_tokens):
-        cfg = EngineConfig(
+    configs = {
+        wait: EngineConfig(
             model=args.model,
             device=args.device,
             wait_for_shared_prefix_tokens=wait,
             cpu_kv_cache_gb=args.cpu_kv_cache_gb,
         )
-        engine = Engine(cfg, burst.sink)
-        engine.start()
-        _run_burst(engine, burst, warm, f"warm{wait}")  # first-call allocations off the clock
-        engines[wait] = engine
+        for wait in (0, args.wait_tokens)
+    }
+    burst = Burst()
+    engines = start_engines(configs, burst, warm)
     runs: dict[int, list[dict[str, float]]] = {w: [] for w in engines}
     try:
         for r in range(args.repeats):
@@ -71,7 +66,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 engine.reset_prefix_cache()
                 time.sleep(0.05)  # the reset is applied on the engine thread
                 before = engine.stats()["num_prefill_tokens"]
-                res = _run_burst(engine, burst, prompts, f"w{wait}r{r}")
+                res = run_burst(engine, burst, prompts, f"w{wait}r{r}")
                 res["computed_tokens"] = float(engine.stats()["num_prefill_tokens"] - before)
                 runs[wait].append(res)
                 print(
@@ -86,7 +81,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             engine.shutdown()
     results = []
     for wait, rs in runs.items():
-        med = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
+        med = medians(rs)
         results.append(
             {"wait_for_shared_prefix_tokens": wait, **med, "wall_s_runs": [x["wall_s"] for x in rs]}
         )
@@ -133,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         {
             "command": "python -m bench.shared_prefix "
             + " ".join(argv if argv is not None else sys.argv[1:]),
-            "git_revision": _git_revision(),
+            "git_revision": git_revision(),
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "machine": {
                 "platform": platform.platform(),
