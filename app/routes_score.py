@@ -1,8 +1,9 @@
 """POST /v1/score: label-token scoring (prefill only), SGLang-compatible request shape.
 
 Each item becomes one SCORE engine request (query + item, or item + query with `item_first`);
-all items are submitted together so the engine batches them and shares the query's prefix
-blocks. With chat `messages`, the rendered conversation (generation prompt included) plays the
+all items are submitted together. With the query first, the first item computes the query and
+the others wait for its blocks to enter the prefix cache (the scheduler's
+`wait_for_shared_prefix_tokens`), so a long query is computed once per call, not per item. With chat `messages`, the rendered conversation (generation prompt included) plays the
 query's role. Text parts are joined as text before tokenising (so BPE merges across the seam
 are those of the full string); token-id parts are joined as ids.
 """
