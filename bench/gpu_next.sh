@@ -160,7 +160,11 @@ case $plan in
       --ladder 2,4,6,8 --slo ttft:3000,tbt:150 --slos "ttft:3000,tpot:80" \
       --static-split 112 --start-qps 2 --max-probes 3 --score-start-qps 4 --chat-qps 1 \
       --score-slo ttft:3000 --parts score-chat,long-data --tag partition-8b-n \
-      --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
+      --deadline-s "$(( $(left) - 170 ))" || rc=1
+    # Shared prefixes computed once (scheduler), on the GPU: 8 users x 4 cold 12k profiles.
+    timeout 160 python3 -m bench.shared_prefix --model random:llama-3.1-8b --device cuda \
+      --max-gpu-memory-gb 60 --users 8 --items 4 --profile-tokens 12000 --item-tokens 150 \
+      --repeats 2 --out "$OUT/shared-prefix-gpu-$(date +%F).json" || rc=1 ;;
   *) echo "unknown plan $plan (a to n)"; exit 2 ;;
 esac
 cp $work/partition-*.json "$OUT/" 2>/dev/null

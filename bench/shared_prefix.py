@@ -3,6 +3,8 @@
 
     python -m bench.shared_prefix --users 4 --items 4 --profile-tokens 1024 --repeats 3 \
         --out bench/results/shared-prefix-cpu-DATE.json
+    python -m bench.shared_prefix --model random:llama-3.1-8b --device cuda \
+        --max-gpu-memory-gb 60 --users 8 --items 4 --profile-tokens 12000 --item-tokens 150
 
 Method: two engines (`--model`, default SmolLM2-135M-Instruct, on `--device`, default cpu),
 prefix cache on, identical but for `wait_for_shared_prefix_tokens` (0 = off, and
@@ -54,6 +56,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             device=args.device,
             wait_for_shared_prefix_tokens=wait,
             cpu_kv_cache_gb=args.cpu_kv_cache_gb,
+            # Two engines share one GPU: each capped (weights, KV pool and activations).
+            max_gpu_memory_gb=args.max_gpu_memory_gb,
         )
         for wait in (0, args.wait_tokens)
     }
@@ -109,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu-kv-cache-gb", type=float, default=0.5)
+    p.add_argument(
+        "--max-gpu-memory-gb", type=float, default=None, help="cap per engine on a GPU (two run)"
+    )
     p.add_argument("--out", default=None, help="JSON file")
     args = p.parse_args(argv)
     t0 = time.time()
