@@ -424,7 +424,9 @@ class Scheduler:
         planned) and will keep: they enter the prefix cache when that prefill completes."""
         out: set[int] = set()
         for req in self.running:
-            if req.num_computed_tokens < req.num_tokens:
+            remaining = req.num_tokens - req.num_computed_tokens
+            # (One pending token after a computed prefix is a decode, as in _plan_prefills.)
+            if remaining > 1 or (remaining == 1 and req.num_computed_tokens == 0):
                 self._add_blocks_being_prefilled(req, out)
         return out
 
