@@ -20,16 +20,21 @@ median over repeats is kept. Through the engine directly: no HTTP, no tokenizer.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import random
 import sys
 import time
 from typing import Any
 
-from bench.bursts import Burst, git_revision, medians, run_burst, start_engines
+from bench.bursts import (
+    Burst,
+    alternate,
+    medians,
+    provenance,
+    run_burst,
+    start_engines,
+    write_json,
+)
 from runtime.config import EngineConfig
 
 MIN_PROMPT_TOKENS = 256
@@ -59,23 +64,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
     burst = Burst()
     engines = start_engines(configs, burst, warm)
-    runs: dict[int, list[dict[str, float]]] = {b: [] for b in budgets}
-    try:
-        for r in range(args.repeats):
-            for b in budgets:
-                # Only one engine computes at a time (the others are idle on their queues).
-                res = run_burst(engines[b], burst, prompts, f"b{b}r{r}")
-                runs[b].append(res)
-                print(
-                    f"[budget {b:>6}] repeat {r + 1}/{args.repeats}: "
-                    f"{res['tokens_per_s']:8.1f} tok/s  {res['wall_s']:7.2f} s  "
-                    f"{res['num_forwards']:.0f} forwards  mean latency {res['mean_latency_s']:.2f} s",
-                    file=sys.stderr,
-                    flush=True,
-                )
-    finally:
-        for engine in engines.values():
-            engine.shutdown()
+    runs = alternate(
+        engines,
+        args.repeats,
+        lambda b, engine, r: run_burst(engine, burst, prompts, f"b{b}r{r}"),
+        lambda b, r, res: (
+            f"[budget {b:>6}] repeat {r + 1}/{args.repeats}: "
+            f"{res['tokens_per_s']:8.1f} tok/s  {res['wall_s']:7.2f} s  "
+            f"{res['num_forwards']:.0f} forwards  mean latency {res['mean_latency_s']:.2f} s"
+        ),
+    )
     results = []
     for b in budgets:
         med = medians(runs[b])
@@ -121,20 +119,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['prefill_token_budget']:>8} {r['tokens_per_s']:>9.1f} {rel:>11} "
             f"{r['num_forwards']:>9.0f} {r['mean_latency_s']:>11.2f}"
         )
+    data.update(provenance("bench.budget", argv))
+    data["machine"]["loadavg_before"] = load_before
+    data["machine"]["loadavg_after"] = os.getloadavg()
     data.update(
         {
-            "command": "python -m bench.budget "
-            + " ".join(argv if argv is not None else sys.argv[1:]),
-            "git_revision": git_revision(),
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "machine": {
-                "platform": platform.platform(),
-                "processor": platform.processor() or platform.machine(),
-                "cpu_count": os.cpu_count(),
-                "python": platform.python_version(),
-                "loadavg_before": load_before,
-                "loadavg_after": os.getloadavg(),
-            },
             "model": args.model,
             "device": args.device,
             "seed": args.seed,
@@ -143,18 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             "duration_s": time.time() - t0,
         }
     )
-    try:
-        import torch
-
-        data["machine"]["torch"] = torch.__version__
-        data["machine"]["torch_threads"] = torch.get_num_threads()
-    except ImportError:
-        pass
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1)
-        print(f"wrote {args.out}")
+    write_json(args.out, data)
     return 0
 
 

@@ -4,10 +4,16 @@ up, run a burst until every answer is in, take medians over repeats."""
 
 from __future__ import annotations
 
+import datetime
+import json
+import os
+import platform
 import statistics
 import subprocess
+import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from runtime.config import EngineConfig
@@ -91,3 +97,54 @@ def start_engines(
 def medians(runs: list[dict[str, float]]) -> dict[str, float]:
     """Per key, the median over repeats."""
     return {k: statistics.median(x[k] for x in runs) for k in runs[0]}
+
+
+def alternate(
+    engines: dict[Any, Any],
+    repeats: int,
+    run_one: Callable[[Any, Any, int], dict[str, float]],
+    describe: Callable[[Any, int, dict[str, float]], str],
+) -> dict[Any, list[dict[str, float]]]:
+    """Repeats alternate the engines (A B A B ...) so a change in machine load hits all of
+    them; `run_one(key, engine, repeat)` measures one burst, `describe` prints it (stderr).
+    The engines are shut down at the end, also after a failure."""
+    runs: dict[Any, list[dict[str, float]]] = {k: [] for k in engines}
+    try:
+        for r in range(repeats):
+            for key, engine in engines.items():
+                res = run_one(key, engine, r)
+                runs[key].append(res)
+                print(describe(key, r, res), file=sys.stderr, flush=True)
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    return runs
+
+
+def provenance(prog: str, argv: list[str] | None) -> dict[str, Any]:
+    """What every result file records: the command, git revision, date and machine."""
+    import torch
+
+    return {
+        "command": f"python -m {prog} " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "git_revision": git_revision(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+        },
+    }
+
+
+def write_json(path: str | None, data: dict[str, Any]) -> None:
+    """Write a result file (folders made as needed); None: nothing to write."""
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+    print(f"wrote {path}")

@@ -21,16 +21,20 @@ Through the engine directly: no HTTP, no tokenizer.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import random
 import sys
 import time
 from typing import Any
 
-from bench.bursts import Burst, git_revision, medians, run_burst, start_engines
+from bench.bursts import (
+    Burst,
+    alternate,
+    medians,
+    provenance,
+    run_burst,
+    start_engines,
+    write_json,
+)
 from runtime.config import EngineConfig
 
 
@@ -63,26 +67,25 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
     burst = Burst()
     engines = start_engines(configs, burst, warm)
-    runs: dict[int, list[dict[str, float]]] = {w: [] for w in engines}
-    try:
-        for r in range(args.repeats):
-            for wait, engine in engines.items():
-                engine.reset_prefix_cache()
-                time.sleep(0.05)  # the reset is applied on the engine thread
-                before = engine.stats()["num_prefill_tokens"]
-                res = run_burst(engine, burst, prompts, f"w{wait}r{r}")
-                res["computed_tokens"] = float(engine.stats()["num_prefill_tokens"] - before)
-                runs[wait].append(res)
-                print(
-                    f"[wait {wait:>4}] repeat {r + 1}/{args.repeats}: {res['wall_s']:7.2f} s  "
-                    f"{res['computed_tokens']:8.0f} tokens computed  "
-                    f"mean latency {res['mean_latency_s']:.2f} s",
-                    file=sys.stderr,
-                    flush=True,
-                )
-    finally:
-        for engine in engines.values():
-            engine.shutdown()
+
+    def run_one(wait: int, engine: Any, r: int) -> dict[str, float]:
+        engine.reset_prefix_cache()
+        time.sleep(0.05)  # the reset is applied on the engine thread
+        before = engine.stats()["num_prefill_tokens"]
+        res = run_burst(engine, burst, prompts, f"w{wait}r{r}")
+        res["computed_tokens"] = float(engine.stats()["num_prefill_tokens"] - before)
+        return res
+
+    runs = alternate(
+        engines,
+        args.repeats,
+        run_one,
+        lambda wait, r, res: (
+            f"[wait {wait:>4}] repeat {r + 1}/{args.repeats}: {res['wall_s']:7.2f} s  "
+            f"{res['computed_tokens']:8.0f} tokens computed  "
+            f"mean latency {res['mean_latency_s']:.2f} s"
+        ),
+    )
     results = []
     for wait, rs in runs.items():
         med = medians(rs)
@@ -131,28 +134,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{data['computed_tokens_ratio_wait_vs_off']:.2f}x the tokens computed, "
         f"{data['mean_latency_ratio_wait_vs_off']:.2f}x the mean latency"
     )
+    data.update(provenance("bench.shared_prefix", argv))
     data.update(
         {
-            "command": "python -m bench.shared_prefix "
-            + " ".join(argv if argv is not None else sys.argv[1:]),
-            "git_revision": git_revision(),
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "machine": {
-                "platform": platform.platform(),
-                "cpu_count": os.cpu_count(),
-                "python": platform.python_version(),
-            },
             "model": args.model,
             "device": args.device,
             "settings": {k: v for k, v in vars(args).items() if k != "out"},
             "duration_s": time.time() - t0,
         }
     )
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1)
-        print(f"wrote {args.out}")
+    write_json(args.out, data)
     return 0
 
 

@@ -19,11 +19,9 @@ planned for the whole device, as before).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import threading
-from collections.abc import Iterator
 
 import torch
 
@@ -88,16 +86,6 @@ class BlasSmTarget:
             return
         self._local.sms = sms
         self.num_sets += 1
-
-    @contextlib.contextmanager
-    def target(self, sms: int) -> Iterator[None]:
-        """`sms` inside the block, the previous setting after it."""
-        prev = self.current
-        self.set(sms)
-        try:
-            yield
-        finally:
-            self.set(prev)
 
 
 _shared: BlasSmTarget | None = None

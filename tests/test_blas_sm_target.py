@@ -13,8 +13,8 @@ from runtime.blas_sm_target import BlasSmTarget, shared_blas_sm_target
 def test_without_cuda_it_says_why_and_does_nothing() -> None:
     t = BlasSmTarget()
     assert not t.available and t.reason == "no CUDA device"
-    with t.target(64):
-        assert t.current == 0  # nothing was set
+    t.set(64)
+    assert t.current == 0  # nothing was set
     assert t.num_sets == 0
 
 
