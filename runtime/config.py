@@ -71,6 +71,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.partition_layer_slicing and self.partition_tbt_slo_ms is None:
+            raise ValueError(
+                "partition_layer_slicing needs partition_tbt_slo_ms (the slices are sized to it)"
+            )
         if self.wait_for_shared_prefix_tokens < 0:
             raise ValueError("wait_for_shared_prefix_tokens must be >= 0")
         if self.prefill_token_budget < 1:

@@ -280,3 +280,11 @@ def test_the_engine_hands_layer_slices_to_the_pd_loop(manager) -> None:
     assert choice.prefill_sms == TIME_SLICE and choice.layers_per_slice == 1
     assert choice.prefill_stream is choice.decode_stream is manager._whole
     assert eng._choose_split(None, dplan).layers_per_slice is None
+
+
+def test_layer_slicing_without_a_tbt_target_is_refused_with_the_reason() -> None:
+    from runtime.config import EngineConfig
+
+    with pytest.raises(ValueError, match="needs partition_tbt_slo_ms"):
+        EngineConfig(partition_layer_slicing=True)
+    assert EngineConfig(partition_layer_slicing=True, partition_tbt_slo_ms=100.0)
