@@ -57,6 +57,8 @@ _ENGINE_HELP = {
     "prefill_chunk_tokens": "chunk size for hybrid prefill",
     "enable_prefix_cache": "reuse KV blocks of shared prompt prefixes",
     "cuda_graphs": "capture decode steps in CUDA graphs",
+    "fused_decode_max_batch": "decode graphs of batches up to this size (at most 8) run the "
+    "fused Triton decode kernels instead of FlashInfer + cuBLAS (0: never)",
     "wait_for_shared_prefix_tokens": "a waiting request whose next N+ prompt tokens a running "
     "request is prefilling now (a shared, not yet cached prefix) waits for them to be cached "
     "rather than computing them twice (0: off)",

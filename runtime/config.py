@@ -40,6 +40,10 @@ class EngineConfig:
     # instead of computing them a second time in the same batch. 0 = off.
     wait_for_shared_prefix_tokens: int = 256
     cuda_graphs: bool = True
+    # Decode graphs of batches up to this size run the fused Triton decode kernels
+    # (runtime/fused_decode.py; at most 8) instead of FlashInfer + cuBLAS. 0 = never. Default
+    # 1: measured on the H200, the fused kernels lose from batch 2 on (docs/benchmarks.md).
+    fused_decode_max_batch: int = 1
     partition: str = "off"  # off | static:<prefill_sms> | auto
     # Split controller (Nexus Alg. 1) and the concurrent prefill/decode loop (runtime/pd_loop.py).
     partition_kv_switch: float = 0.70  # KV usage where the favoured phase flips prefill -> decode
@@ -81,6 +85,8 @@ class EngineConfig:
             raise ValueError("prefill_token_budget must be >= 1")
         if self.prefill_chunk_tokens < 1:
             raise ValueError("prefill_chunk_tokens must be >= 1")
+        if not 0 <= self.fused_decode_max_batch <= 8:
+            raise ValueError("fused_decode_max_batch must be in 0..8")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -11,6 +11,9 @@ backend outside the graph (plan only fills the fixed buffers), copies inputs, an
 
 Padding rows attend to, and write into, `pad_block_id`: a block the caller reserves (the block
 manager must never hand it out), so padded rows never touch a live sequence's KV.
+
+Batch sizes up to `fused_max_batch` run the fused Triton decode (runtime/fused_decode.py:
+8 launches per layer, no FlashInfer plan) instead of the model's forward on FlashInfer.
 """
 
 from __future__ import annotations
@@ -66,10 +69,32 @@ def pad_seqs(seqs: list[SeqSlice], batch_size: int, pad_block_id: int) -> list[S
     return out
 
 
+class DecodeStep(Protocol):
+    """The forward one captured graph replays: `plan` (outside the graph) fills the fixed
+    buffers the forward reads; `forward` is what gets captured."""
+
+    def plan(self, batch: ForwardBatch) -> None: ...
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+
+class ModelDecodeStep:
+    """The model's own forward on a CUDA-graph-safe FlashInfer backend instance."""
+
+    def __init__(self, model: LlamaForCausalLM, backend: FlashInferBackend) -> None:
+        self.model = model
+        self.backend = backend
+
+    def plan(self, batch: ForwardBatch) -> None:
+        self.backend.plan(batch)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions, self.backend)
+
+
 @dataclass(slots=True)
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    backend: FlashInferBackend
+    step: DecodeStep
     input_ids: torch.Tensor  # [bs] int64
     positions: torch.Tensor  # [bs] int64
     hidden: torch.Tensor  # [bs, hidden] output
@@ -93,10 +118,12 @@ class DecodeGraphs:
         workspace: torch.Tensor | None = None,
         pool: Any = None,
         label: str = "whole GPU",
+        fused_max_batch: int = 0,
     ) -> None:
         """workspace: a FlashInfer float workspace to share with other sets (safe only while
         sets never replay concurrently: the runner runs one decode step at a time). pool: a
-        `torch.cuda.graph_pool_handle()` shared with other sets (None: one of its own)."""
+        `torch.cuda.graph_pool_handle()` shared with other sets (None: one of its own).
+        fused_max_batch: batch sizes up to this run the fused Triton decode (0: none)."""
         self.model = model
         self.k_caches, self.v_caches = k_caches, v_caches
         self.stream = stream
@@ -105,6 +132,8 @@ class DecodeGraphs:
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.workspace_bytes = workspace_bytes
         self.label = label
+        self.fused_max_batch = fused_max_batch
+        self.fused_errors: dict[int, str] = {}  # batch size -> why its fused step was dropped
         self.graphs: dict[int, _Graph] = {}
         self.capture_s: dict[int, float] = {}  # seconds spent capturing each size
         # Device bytes capture() added: allocated (live buffers, graph outputs) and reserved
@@ -130,7 +159,6 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every batch size on `self.stream` (largest first so the pool is reused).
         Warm-ups and capture write only the reserved pad block (every row is a pad row)."""
-        cfg = self.model.cfg
         dev = self.k_caches[0].device
         base = torch.cuda.memory_allocated(dev)
         base_reserved = torch.cuda.memory_reserved(dev)
@@ -138,57 +166,84 @@ class DecodeGraphs:
         self.stream.synchronize()
         for bs in sorted(self.batch_sizes, reverse=True):
             t0 = time.perf_counter()
-            be = FlashInferBackend(
-                self.k_caches,
-                self.v_caches,
-                cfg.num_q_heads,
-                cfg.num_kv_heads,
-                cfg.head_dim,
-                workspace=self.workspace,
-                graph_batch_size=bs,
-                max_blocks_per_seq=self.max_blocks_per_seq,
-            )
+            step = self._make_step(bs)
             ids = torch.zeros(bs, dtype=torch.int64, device=dev)
             pos = torch.zeros(bs, dtype=torch.int64, device=dev)
             dummy = ForwardBatch(ids, pos, [], torch.arange(bs, device=dev), True)
             dummy.seqs = self._pad(dummy, bs)
             with torch.cuda.stream(self.stream):
-                be.plan(dummy)
-                for _ in range(2):  # warm-up outside capture (allocations, lazy init)
-                    self.model(ids, pos, be)
+                step = self._warm_up(step, bs, dummy)
                 self.stream.synchronize()
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self._pool, stream=self.stream):
-                    hidden = self.model(ids, pos, be)
+                    hidden = step.forward(ids, pos)
                 if self._pool is None:
                     self._pool = g.pool()
-            self.graphs[bs] = _Graph(g, be, ids, pos, hidden)
+            self.graphs[bs] = _Graph(g, step, ids, pos, hidden)
             self.capture_s[bs] = time.perf_counter() - t0
         self.memory_bytes = max(0, torch.cuda.memory_allocated(dev) - base)
         # torch.cuda.graph() empties the cache on entry, so this may undercount (never over).
         self.reserved_bytes = max(0, torch.cuda.memory_reserved(dev) - base_reserved)
 
+    def _warm_up(self, step: DecodeStep, bs: int, dummy: ForwardBatch) -> DecodeStep:
+        """Two forwards outside capture (allocations, lazy init, Triton compiles). A fused
+        step that fails here (a kernel that does not compile on this GPU) is replaced by the
+        unfused one, said once: the engine still starts."""
+        try:
+            step.plan(dummy)
+            for _ in range(2):
+                step.forward(dummy.input_ids, dummy.positions)
+            return step
+        except Exception as e:
+            if not isinstance(step, ModelDecodeStep):
+                log.warning(
+                    "FALLBACK: fused decode failed for batch %d on %s (%s: %s); that batch "
+                    "size decodes with FlashInfer + cuBLAS",
+                    bs,
+                    self.label,
+                    type(e).__name__,
+                    e,
+                )
+                self.fused_errors[bs] = f"{type(e).__name__}: {e}"[:300]
+                return self._warm_up(self._make_step(bs, fused=False), bs, dummy)
+            raise
+
+    def _make_step(self, bs: int, fused: bool = True) -> DecodeStep:
+        if fused and bs <= self.fused_max_batch:
+            from runtime.fused_decode import FusedDecodeStep
+
+            return FusedDecodeStep(
+                self.model, self.k_caches, self.v_caches, bs, self.max_blocks_per_seq
+            )
+        cfg = self.model.cfg
+        backend = FlashInferBackend(
+            self.k_caches,
+            self.v_caches,
+            cfg.num_q_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            workspace=self.workspace,
+            graph_batch_size=bs,
+            max_blocks_per_seq=self.max_blocks_per_seq,
+        )
+        return ModelDecodeStep(self.model, backend)
+
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Replay for a decode batch (len(seqs) <= max_batch_size); returns hidden [n, H].
-        Called on the graphs' own stream (a split's green decode stream) it replays in place;
-        from another stream it hops onto `self.stream` and back (events, no host sync)."""
+        Plans, copies the inputs and replays on the CURRENT stream: a graph's kernels keep
+        the SM partition of the stream they were captured on wherever they are launched
+        (H200.md), so there is no need to hop onto `self.stream` (at batch 1 the two event
+        waits of a hop were ~5 % of the host work of a step)."""
         n = len(batch.seqs)
         bs = bucket_for(n, self.batch_sizes)
         g = self.graphs[bs]
         padded = ForwardBatch(
             batch.input_ids, batch.positions, self._pad(batch, bs), batch.logits_indices, True
         )
-        caller = torch.cuda.current_stream()
-        hop = caller.cuda_stream != self.stream.cuda_stream
-        if hop:
-            self.stream.wait_stream(caller)  # inputs were produced on the caller's stream
-        with torch.cuda.stream(self.stream):
-            g.backend.plan(padded)
-            g.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
-            g.positions[:n].copy_(batch.positions, non_blocking=True)
-            g.graph.replay()
-        if hop:
-            caller.wait_stream(self.stream)  # the caller reads `hidden` on its own stream
+        g.step.plan(padded)
+        g.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
+        g.positions[:n].copy_(batch.positions, non_blocking=True)
+        g.graph.replay()
         return g.hidden[:n]
 
 

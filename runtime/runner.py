@@ -183,6 +183,7 @@ class ModelRunner:
             # decode stream after the previous one), so no two sets ever replay concurrently.
             pool = torch.cuda.graph_pool_handle()
             max_blocks = min((limit + bs - 1) // bs, kv_pool.num_blocks)
+            fused = self._fused_decode_max_batch(config, model_config, kv_pool)
             whole = DecodeGraphs(
                 model,
                 kv_pool.k,
@@ -192,6 +193,7 @@ class ModelRunner:
                 max_blocks_per_seq=max_blocks,
                 batch_sizes=graph_batch_sizes(config.max_num_seqs),
                 pool=pool,
+                fused_max_batch=fused,
             )
             split_sizes = graph_batch_sizes(
                 config.max_num_seqs, split_graph_batch_sizes or SPLIT_BATCH_SIZES
@@ -209,6 +211,7 @@ class ModelRunner:
                     workspace=whole.workspace,
                     pool=pool,
                     label=label,
+                    fused_max_batch=fused,
                 )
 
             self.decode_graphs = whole
@@ -220,6 +223,22 @@ class ModelRunner:
                 "CUDA graphs need the FlashInfer backend and a pool with a pad block; "
                 "decoding eagerly"
             )
+
+    @staticmethod
+    def _fused_decode_max_batch(
+        config: EngineConfig, model_config: ModelConfig, kv_pool: KVPool
+    ) -> int:
+        """config.fused_decode_max_batch, or 0 (said once) where the fused kernels cannot
+        run this model."""
+        if config.fused_decode_max_batch == 0:
+            return 0
+        from runtime.fused_decode import unsupported_reason
+
+        why = unsupported_reason(model_config, kv_pool.dtype)
+        if why:
+            log.warning("fused small-batch decode off: %s; FlashInfer + cuBLAS decode it", why)
+            return 0
+        return config.fused_decode_max_batch
 
     # ---- decode graphs per stream -----------------------------------------------------------
     def ensure_split_graphs(self, stream: Any, label: str) -> None:
@@ -287,12 +306,17 @@ class ModelRunner:
             )
             if s.needs_output:
                 logits_rows.append(len(input_ids) - 1)
-        dev = self.device
+        # One host-to-device copy for all three (from pinned memory on CUDA: asynchronous).
+        T = len(input_ids)
+        host = torch.tensor(input_ids + positions + logits_rows, dtype=torch.int64)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        flat = host.to(self.device, non_blocking=True)
         return ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True),
-            positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
+            input_ids=flat[:T],
+            positions=flat[T : 2 * T],
             seqs=slices,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64).to(dev, non_blocking=True),
+            logits_indices=flat[2 * T :],
             is_decode=is_decode,
         )
 

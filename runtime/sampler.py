@@ -76,11 +76,11 @@ class Sampler:
     ) -> torch.Tensor:
         n, vocab = logits.shape
         dev = logits.device
-        temps = torch.tensor(
-            [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
-            dtype=logits.dtype,
-        ).to(dev, non_blocking=True)
-        x = logits / temps[:, None]
+        temp_list = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+        x = logits
+        if any(t != 1.0 for t in temp_list):
+            temps = torch.tensor(temp_list, dtype=logits.dtype).to(dev, non_blocking=True)
+            x = logits / temps[:, None]
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         top_p = [p.top_p for p in params]
         if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
@@ -100,14 +100,13 @@ class Sampler:
                 before = probs_sorted.cumsum(dim=-1) - probs_sorted
                 sorted_x.masked_fill_(before >= p_t[:, None], float("-inf"))
             x = torch.empty_like(x).scatter_(1, order, sorted_x)
-        probs = x.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_()
+        # The race in log space: argmax(p / E) = argmax(log p - log E) = argmax(x - log E),
+        # since log p and x differ by a per-row constant; no softmax needed.
+        noise = torch.empty_like(x).exponential_()
         for i, g in enumerate(generators):
             if g is not None and not greedy[i]:
-                noise[i] = torch.empty(vocab, dtype=probs.dtype, device=dev).exponential_(
-                    generator=g
-                )
-        sampled = (probs / noise).argmax(dim=-1)
+                noise[i] = torch.empty(vocab, dtype=x.dtype, device=dev).exponential_(generator=g)
+        sampled = (x - noise.log()).argmax(dim=-1)
         if any(greedy):
             greedy_t = torch.tensor(greedy, device=dev)
             sampled = torch.where(greedy_t, logits.argmax(dim=-1), sampled)

@@ -1,7 +1,14 @@
 from __future__ import annotations
 
+import os
+
+# Without CUDA, Triton kernels (runtime/decode_kernels.py) run under Triton's interpreter. It
+# is chosen when a kernel is defined, so it must be set before anything imports triton.
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

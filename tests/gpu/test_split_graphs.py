@@ -46,7 +46,11 @@ def test_split_graphs_match_eager_and_are_picked_per_stream() -> None:
     eng, _ = _engine()
     try:
         splits = eng._green.splits
-        chosen = [splits[len(splits) // 2], splits[-1]]
+        total = eng._green.layout.total_sms
+        # The smallest decode partitions (12 SMs on the H200) fail in cuBLAS and are taken
+        # out of service at start-up (docs/partition.md): pick the largest split below them.
+        usable = [s for s in splits if total - s >= 20]
+        chosen = [usable[len(usable) // 2], usable[-1]]
         res = split_graphs_check(eng, splits=chosen, batches=(5, 33), ctx_tokens=200, iters=1)
         failed = [c for c in res["checks"] if not c["ok"]]
         assert not failed, failed

@@ -1,0 +1,625 @@
+"""Triton kernels for small-batch decode (batch <= 8): fewer, fused launches per layer.
+
+Why: at batch 1 a decode step of Llama-3.1-8B on the H200 spent 0.5 ms in ~300 tiny kernels
+and 0.56 ms in the gaps between 466 launches, next to 4.0 ms of weight reads (docs/
+benchmarks.md, "decode profile"). These kernels cut a layer from ~14 launches to 8:
+
+    add_rmsnorm     residual += sum of the previous projection's split-K partials; x = norm
+    qkv_rope_write  x @ W_qkv^T (+ bias), RoPE on q and k, k and v written into the paged pool
+    decode_attention  split-KV attention over the paged pool (partials per KV split) ...
+    merge_attention   ... merged into the [M, Hq, D] output
+    gemv_splitk     o_proj: fp32 partials, reduced by the next add_rmsnorm
+    add_rmsnorm
+    gate_up_silu    x @ W_gate_up^T, then silu(gate) * up
+    gemv_splitk     down_proj: partials again
+
+Every kernel has a plain-torch twin in `runtime/fused_decode.py`'s tests' reference; on a
+machine without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1) in the
+CPU tests. Shapes, in the comments below: M rows (decode batch), K input features, N output
+features, S split-K or KV-split parts, H hidden size, D head dim.
+
+Rounding follows the unfused path where it is cheap to (projection outputs are rounded to
+the model dtype before RoPE / SiLU, the residual before the norm), so fused and unfused
+decode agree to bf16 noise.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rmsnorm_kernel(
+    parts_ptr,  # [S, M, H] fp32 split-K partials of the previous projection (unused if S == 0)
+    num_parts,
+    res_ptr,  # [M, H] model dtype, residual stream: updated in place (res += sum(parts))
+    w_ptr,  # [H] norm weight
+    out_ptr,  # [M, H] model dtype: rmsnorm(res) * w
+    M,
+    eps,
+    H: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    m = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_H)
+    mask = offs < H
+    dt = res_ptr.dtype.element_ty
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the previous kernel's partials and residual are final
+        tl.extra.cuda.gdc_launch_dependents()  # M programs only: let the next GEMV prefetch
+    r = tl.load(res_ptr + m * H + offs, mask=mask, other=0.0).to(tl.float32)
+    if num_parts > 0:
+        p = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for s in range(num_parts):
+            p += tl.load(parts_ptr + (s * M + m) * H + offs, mask=mask, other=0.0)
+        # Like the unfused path: the projection's output is rounded to the model dtype, the
+        # sum with the residual is stored rounded, and the norm uses the unrounded sum.
+        r += p.to(dt).to(tl.float32)
+        tl.store(res_ptr + m * H + offs, r.to(dt), mask=mask)
+    var = tl.sum(r * r, axis=0) / H
+    tl.store(out_ptr + m * H + offs, (r * tl.rsqrt(var + eps) * w).to(dt), mask=mask)
+
+
+@triton.jit
+def _qkv_rope_write_kernel(
+    x_ptr,  # [M, K] normed hidden states
+    w_ptr,  # [(Hq + 2 Hkv) * D, K] fused q|k|v weight
+    b_ptr,  # [(Hq + 2 Hkv) * D] bias (read only if HAS_BIAS)
+    pos_ptr,  # [M] int64 positions
+    cs_ptr,  # [P, D] fp32 RoPE cache: cos in [0, D/2), sin in [D/2, D)
+    q_ptr,  # [M, Hq, D] out: RoPE'd queries
+    kc_ptr,  # [num_slots, Hkv, D] this layer's K pool (flat slots)
+    vc_ptr,  # [num_slots, Hkv, D] this layer's V pool
+    slot_ptr,  # [M] int64 pool slot of each row's new token
+    M,
+    K,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    PAIRS: tl.constexpr,  # rotation pairs per program: rows j and j + D/2 of one head
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # One program = PAIRS rotation pairs of one head, so RoPE (which mixes output j with
+    # j + D/2) needs nothing from another program; the K/V write needs nothing either.
+    pid = tl.program_id(0)
+    per_head: tl.constexpr = (D // 2) // PAIRS
+    head = pid // per_head
+    j = (pid % per_head) * PAIRS + tl.arange(0, PAIRS)  # [PAIRS] in [0, D/2)
+    row1 = head * D + j
+    row2 = row1 + D // 2
+    m_offs = tl.arange(0, BLOCK_M)
+    m_mask = m_offs < M
+    k_offs = tl.arange(0, BLOCK_K)
+    # Accumulate element-wise and reduce once after the loop: a cross-thread reduction per
+    # K tile would cost more than the loads it follows.
+    acc1 = tl.zeros((BLOCK_M, PAIRS, BLOCK_K), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, PAIRS, BLOCK_K), dtype=tl.float32)
+    w1_ptr = w_ptr + row1[:, None].to(tl.int64) * K + k_offs[None, :]
+    w2_ptr = w_ptr + row2[:, None].to(tl.int64) * K + k_offs[None, :]
+    # Weights never depend on the previous kernel: the first tile loads before the wait, and
+    # each iteration loads the next tile before using the current one (one tile ahead).
+    w1 = tl.load(w1_ptr, mask=(k_offs < K)[None, :], other=0.0)
+    w2 = tl.load(w2_ptr, mask=(k_offs < K)[None, :], other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + k_offs
+        x = tl.load(
+            x_ptr + m_offs[:, None] * K + kk[None, :],
+            mask=m_mask[:, None] & (kk < K)[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        nxt = (kk + BLOCK_K < K)[None, :]
+        w1_next = tl.load(w1_ptr + k0 + BLOCK_K, mask=nxt, other=0.0)
+        w2_next = tl.load(w2_ptr + k0 + BLOCK_K, mask=nxt, other=0.0)
+        acc1 += x[:, None, :] * w1.to(tl.float32)[None, :, :]
+        acc2 += x[:, None, :] * w2.to(tl.float32)[None, :, :]
+        w1 = w1_next
+        w2 = w2_next
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    a1 = tl.sum(acc1, axis=2)  # [BLOCK_M, PAIRS]
+    a2 = tl.sum(acc2, axis=2)
+    if HAS_BIAS:
+        a1 += tl.load(b_ptr + row1).to(tl.float32)[None, :]
+        a2 += tl.load(b_ptr + row2).to(tl.float32)[None, :]
+    # Round like the unfused path (projection output in the model dtype, RoPE in fp32).
+    a1 = a1.to(q_ptr.dtype.element_ty).to(tl.float32)
+    a2 = a2.to(q_ptr.dtype.element_ty).to(tl.float32)
+    mask2 = m_mask[:, None]
+    if head < HQ + HKV:  # q or k: rotate
+        pos = tl.load(pos_ptr + m_offs, mask=m_mask, other=0)
+        cs_row = pos[:, None] * D + j[None, :]
+        cos = tl.load(cs_ptr + cs_row, mask=mask2, other=1.0)
+        sin = tl.load(cs_ptr + cs_row + D // 2, mask=mask2, other=0.0)
+        o1 = a1 * cos - a2 * sin
+        o2 = a2 * cos + a1 * sin
+        if head < HQ:
+            dst = q_ptr + (m_offs[:, None] * HQ + head) * D + j[None, :]
+            tl.store(dst, o1.to(q_ptr.dtype.element_ty), mask=mask2)
+            tl.store(dst + D // 2, o2.to(q_ptr.dtype.element_ty), mask=mask2)
+        else:
+            slot = tl.load(slot_ptr + m_offs, mask=m_mask, other=0)
+            dst = kc_ptr + (slot[:, None] * HKV + (head - HQ)) * D + j[None, :]
+            tl.store(dst, o1.to(kc_ptr.dtype.element_ty), mask=mask2)
+            tl.store(dst + D // 2, o2.to(kc_ptr.dtype.element_ty), mask=mask2)
+    else:  # v: written as is
+        slot = tl.load(slot_ptr + m_offs, mask=m_mask, other=0)
+        dst = vc_ptr + (slot[:, None] * HKV + (head - HQ - HKV)) * D + j[None, :]
+        tl.store(dst, a1.to(vc_ptr.dtype.element_ty), mask=mask2)
+        tl.store(dst + D // 2, a2.to(vc_ptr.dtype.element_ty), mask=mask2)
+
+
+@triton.jit
+def _gemv_splitk_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K]
+    out_ptr,  # [S, M, N] fp32 partial sums, S = number of K splits
+    M,
+    N,
+    K,
+    K_PER_SPLIT,  # a multiple of BLOCK_K
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rows < N
+    m_offs = tl.arange(0, BLOCK_M)
+    m_mask = m_offs < M
+    k_offs = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    k_start = split * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    w_tile = w_ptr + rows[:, None].to(tl.int64) * K + (k_start + k_offs)[None, :]
+    # First weight tile before the wait, then one tile ahead (see _qkv_rope_write_kernel).
+    w = tl.load(w_tile, mask=n_mask[:, None] & (k_start + k_offs < k_end)[None, :], other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    for k0 in range(k_start, k_end, BLOCK_K):
+        kk = k0 + k_offs
+        x = tl.load(
+            x_ptr + m_offs[:, None] * K + kk[None, :],
+            mask=m_mask[:, None] & (kk < k_end)[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        w_next = tl.load(
+            w_tile + (k0 - k_start + BLOCK_K),
+            mask=n_mask[:, None] & (kk + BLOCK_K < k_end)[None, :],
+            other=0.0,
+        )
+        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
+        w = w_next
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
+    dst = out_ptr + (split * M + m_offs[:, None]) * N + rows[None, :]
+    tl.store(dst, y, mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _gate_up_silu_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [2 INTER, K]: gate rows [0, INTER), up rows [INTER, 2 INTER)
+    out_ptr,  # [M, INTER] model dtype: silu(gate) * up
+    M,
+    INTER,
+    K,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rows < INTER
+    m_offs = tl.arange(0, BLOCK_M)
+    m_mask = m_offs < M
+    k_offs = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    wg_ptr = w_ptr + rows[:, None].to(tl.int64) * K + k_offs[None, :]
+    wu_ptr = w_ptr + (rows[:, None] + INTER).to(tl.int64) * K + k_offs[None, :]
+    # First weight tile before the wait, then one tile ahead (see _qkv_rope_write_kernel).
+    wmask = n_mask[:, None] & (k_offs < K)[None, :]
+    wg = tl.load(wg_ptr, mask=wmask, other=0.0)
+    wu = tl.load(wu_ptr, mask=wmask, other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + k_offs
+        x = tl.load(
+            x_ptr + m_offs[:, None] * K + kk[None, :],
+            mask=m_mask[:, None] & (kk < K)[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        nxt = n_mask[:, None] & (kk + BLOCK_K < K)[None, :]
+        wg_next = tl.load(wg_ptr + k0 + BLOCK_K, mask=nxt, other=0.0)
+        wu_next = tl.load(wu_ptr + k0 + BLOCK_K, mask=nxt, other=0.0)
+        acc_g += x[:, None, :] * wg.to(tl.float32)[None, :, :]
+        acc_u += x[:, None, :] * wu.to(tl.float32)[None, :, :]
+        wg = wg_next
+        wu = wu_next
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    dt = out_ptr.dtype.element_ty
+    g = tl.sum(acc_g, axis=2).to(dt).to(tl.float32)  # rounded like the unfused projection
+    u = tl.sum(acc_u, axis=2).to(dt).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(
+        out_ptr + m_offs[:, None] * INTER + rows[None, :],
+        y.to(dt),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr,  # [M, Hq, D]
+    kc_ptr,  # [num_slots, Hkv, D] (paged: slot = block * PAGE + offset)
+    vc_ptr,
+    table_ptr,  # [M, table_stride] int32 block ids per row
+    lens_ptr,  # [M] int64 tokens to attend to (context + this step's token)
+    part_o_ptr,  # [M, Hq, S, D] fp32 per-split outputs (normalised within the split)
+    part_lse_ptr,  # [M, Hq, S] fp32 per-split log-sum-exp (natural log); -inf if empty
+    table_stride,
+    sm_scale,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    GROUP: tl.constexpr,  # Hq // Hkv: the query heads that share one KV head
+    BLOCK_G: tl.constexpr,  # GROUP padded to >= 16 (tl.dot's minimum)
+    BLOCK_N: tl.constexpr,  # tokens per tile
+    PAGE: tl.constexpr,  # tokens per KV block
+    S: tl.constexpr,  # KV splits per (row, KV head)
+    DOT_F32: tl.constexpr,  # upcast the dot operands (Triton's interpreter: see the launcher)
+    USE_PDL: tl.constexpr,
+):
+    m = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # q and this step's K/V come from the previous kernel
+    seq_len = tl.load(lens_ptr + m)
+    # Split the sequence into S chunks of whole tiles; the last chunks may be empty.
+    chunk = tl.cdiv(tl.cdiv(seq_len, S), BLOCK_N) * BLOCK_N
+    start = s * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    g = tl.arange(0, BLOCK_G)
+    g_mask = g < GROUP
+    d = tl.arange(0, D)
+    q = tl.load(
+        q_ptr + (m * HQ + h * GROUP + g[:, None]) * D + d[None, :], mask=g_mask[:, None], other=0.0
+    )
+    if DOT_F32:
+        q = q.to(tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634  # exp2 domain: exp(x) = exp2(x * log2(e))
+    m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_G, D), dtype=tl.float32)
+    n_offs = tl.arange(0, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + n_offs
+        valid = tok < end
+        blk = tl.load(table_ptr + m * table_stride + tok // PAGE, mask=valid, other=0)
+        slot = blk.to(tl.int64) * PAGE + tok % PAGE
+        kv_off = (slot[:, None] * HKV + h) * D + d[None, :]
+        k = tl.load(kc_ptr + kv_off, mask=valid[:, None], other=0.0)
+        v = tl.load(vc_ptr + kv_off, mask=valid[:, None], other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N]
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    row = (m * HQ + h * GROUP + g) * S + s  # [BLOCK_G] index into [M, Hq, S]
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(
+        has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634, float("-inf")
+    )
+    tl.store(part_o_ptr + row[:, None] * D + d[None, :], out, mask=g_mask[:, None])
+    tl.store(part_lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _merge_attention_kernel(
+    part_o_ptr,  # [M, Hq, S, D] fp32
+    part_lse_ptr,  # [M, Hq, S] fp32
+    out_ptr,  # [M, Hq, D] model dtype
+    D: tl.constexpr,
+    S: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    row = tl.program_id(0)  # m * Hq + head
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # a small grid: let o_proj prefetch its weights
+    s = tl.arange(0, S)
+    d = tl.arange(0, D)
+    lse = tl.load(part_lse_ptr + row * S + s)
+    mx = tl.max(lse, axis=0)  # finite: split 0 always holds at least one token
+    w = tl.exp(lse - mx)  # empty splits: exp(-inf) = 0
+    o = tl.load(part_o_ptr + (row * S + s[:, None]) * D + d[None, :])
+    y = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + row * D + d, y.to(out_ptr.dtype.element_ty))
+
+
+# --------------------------------------------------------------------------- launchers
+# Block shapes per batch bucket. The element-wise accumulators hold BLOCK_M * rows * BLOCK_K
+# fp32 values per program (two sets for qkv and gate_up): kept at <= 32 per thread with 4
+# warps so nothing spills. Chosen by the sweep in `bench/gpu_suite.py` (section
+# `fused_decode`); see docs/benchmarks.md.
+
+
+# Triton's CPU interpreter (the CPU tests) computes bf16 arithmetic wrongly (seen with triton
+# 3.8: a bf16 product or dot came out as garbage while the same kernel on fp32 was exact), so
+# under it the attention kernel upcasts its dot operands; every other kernel does its
+# arithmetic in fp32 anyway. On a GPU the dots take bf16 operands (tensor cores).
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# Programmatic dependent launch (Hopper and newer): each kernel is launched while the one
+# before it finishes, loads its first weight tile, and waits (griddepcontrol.wait) for the
+# previous kernel's results only then; every kernel waits before it completes, so ordering
+# stays transitive. Captured into CUDA graphs as programmatic edges. `PDL["enabled"]` turns it
+# off (benchmarks compare both).
+PDL = {"enabled": True}
+
+
+@functools.cache
+def _pdl_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def _pdl(t: torch.Tensor) -> dict[str, bool]:
+    """Launch options: PDL where the GPU has it (never under the interpreter)."""
+    on = PDL["enabled"] and not _INTERPRETED and t.is_cuda and _pdl_capable(t.device.index or 0)
+    return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def block_m(num_rows: int) -> int:
+    """The padded row count the kernels are compiled for (1, 2, 4 or 8)."""
+    if not 1 <= num_rows <= 8:
+        raise ValueError(f"the fused decode kernels take 1..8 rows, got {num_rows}")
+    return _pow2(num_rows)
+
+
+# Tiles: (output rows per program, BLOCK_K, num_warps) per kernel and padded batch, plus for
+# the two gemv_splitk uses (o, down) the number of K splits (0: about GEMV_TARGET_PROGRAMS
+# programs). qkv's rows are rotation pairs (2 rows each); gate_up's are gate rows (plus as many
+# up rows). Batch 1's are the best of two sweeps on the H200 (bench/gpu_suite.py, section
+# `fused_decode`, which may override entries for a run); the others were not tuned (the fused
+# path is slower than cuBLAS there and off by default).
+TILES: dict[str, dict[int, tuple[int, ...]]] = {
+    "o": {1: (4, 512, 4, 1), 2: (8, 256, 4, 0), 4: (4, 256, 4, 0), 8: (4, 256, 4, 1)},
+    "down": {1: (16, 256, 8, 2), 2: (8, 256, 4, 0), 4: (4, 256, 4, 0), 8: (4, 256, 4, 2)},
+    "gate_up": {1: (2, 1024, 4), 2: (4, 256, 4), 4: (2, 256, 4), 8: (2, 128, 4)},
+    "qkv": {1: (4, 256, 8), 2: (4, 256, 4), 4: (2, 256, 4), 8: (2, 256, 4)},
+}
+ATTENTION_TILE = {"block_n": 64, "num_warps": 4}
+# Split-K programs: enough to keep every SM busy with several in flight.
+GEMV_TARGET_PROGRAMS = 1024
+
+
+def add_rmsnorm(
+    parts: torch.Tensor | None,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """residual [M, H] += parts.sum(0) (parts [S, M, H] fp32; None = nothing to add), in
+    place; returns rmsnorm(residual) * weight, [M, H] in residual's dtype."""
+    M, H = residual.shape
+    out = torch.empty_like(residual) if out is None else out
+    num_parts = 0 if parts is None else int(parts.shape[0])
+    block_h = _pow2(H)
+    _add_rmsnorm_kernel[(M,)](
+        residual if parts is None else parts,
+        num_parts,
+        residual,
+        weight,
+        out,
+        M,
+        eps,
+        H=H,
+        BLOCK_H=block_h,
+        num_warps=8 if block_h >= 2048 else 4,
+        **_pdl(residual),
+    )
+    return out
+
+
+def _tile(kind: str, num_rows: int, override: tuple[int, ...] | None) -> tuple[int, ...]:
+    return override or TILES[kind][block_m(num_rows)]
+
+
+def qkv_rope_write(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    slots: torch.Tensor,
+    num_q_heads: int,
+    tile: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """x [M, K] -> q [M, Hq, D] (RoPE'd); k (RoPE'd) and v written to k_flat / v_flat
+    [num_slots, Hkv, D] at `slots` [M]. weight: [(Hq + 2 Hkv) * D, K]. tile: (pairs,
+    BLOCK_K, num_warps), default TILES["qkv"]."""
+    M, K = x.shape
+    _, num_kv_heads, head_dim = k_flat.shape
+    pairs, block_k, warps = _tile("qkv", M, tile)
+    pairs = min(pairs, head_dim // 2)
+    q = torch.empty(M, num_q_heads, head_dim, dtype=x.dtype, device=x.device)
+    num_heads = num_q_heads + 2 * num_kv_heads
+    _qkv_rope_write_kernel[(num_heads * (head_dim // 2) // pairs,)](
+        x,
+        weight,
+        weight if bias is None else bias,
+        positions,
+        cos_sin,
+        q,
+        k_flat,
+        v_flat,
+        slots,
+        M,
+        K,
+        HQ=num_q_heads,
+        HKV=num_kv_heads,
+        D=head_dim,
+        PAIRS=pairs,
+        BLOCK_K=block_k,
+        BLOCK_M=block_m(M),
+        HAS_BIAS=bias is not None,
+        num_warps=warps,
+        **_pdl(x),
+    )
+    return q
+
+
+def gemv_splitk(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    num_splits: int | None = None,
+    tile: tuple[int, ...] | None = None,
+    kind: str = "o",
+) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T as fp32 partial sums [S, M, N] over S slices of K (summed
+    by the consumer, `add_rmsnorm`). tile: (BLOCK_N, BLOCK_K, num_warps, splits), default
+    TILES[kind] ("o" or "down"); splits 0 (and num_splits None): about GEMV_TARGET_PROGRAMS
+    programs."""
+    M, K = x.shape
+    N = weight.shape[0]
+    block_n, block_k, warps, tile_splits = _tile(kind, M, tile)
+    n_blocks = triton.cdiv(N, block_n)
+    num_splits = num_splits or tile_splits or None
+    if num_splits is None:
+        num_splits = max(1, min(triton.cdiv(GEMV_TARGET_PROGRAMS, n_blocks), K // (4 * block_k)))
+    k_per = triton.cdiv(triton.cdiv(K, num_splits), block_k) * block_k
+    num_splits = triton.cdiv(K, k_per)
+    out = torch.empty(num_splits, M, N, dtype=torch.float32, device=x.device)
+    _gemv_splitk_kernel[(n_blocks, num_splits)](
+        x,
+        weight,
+        out,
+        M,
+        N,
+        K,
+        k_per,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        BLOCK_M=block_m(M),
+        num_warps=warps,
+        **_pdl(x),
+    )
+    return out
+
+
+def gate_up_silu(
+    x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int, int] | None = None
+) -> torch.Tensor:
+    """x [M, K], weight [2 I, K] (gate | up) -> silu(x @ gate^T) * (x @ up^T), [M, I].
+    tile: (gate rows per program, BLOCK_K, num_warps), default TILES["gate_up"]."""
+    M, K = x.shape
+    inter = weight.shape[0] // 2
+    block_n, block_k, warps = _tile("gate_up", M, tile)
+    out = torch.empty(M, inter, dtype=x.dtype, device=x.device)
+    _gate_up_silu_kernel[(triton.cdiv(inter, block_n),)](
+        x,
+        weight,
+        out,
+        M,
+        inter,
+        K,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        BLOCK_M=block_m(M),
+        num_warps=warps,
+        **_pdl(x),
+    )
+    return out
+
+
+def attention_splits(num_rows: int, num_kv_heads: int, num_sms: int = 132) -> int:
+    """KV splits per (row, KV head): about one program per SM, at most 64."""
+    want = triton.cdiv(num_sms, num_rows * num_kv_heads)
+    return max(1, min(64, _pow2(want)))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    sm_scale: float,
+    num_splits: int,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """q [M, Hq, D]; pools [num_slots, Hkv, D] (slot = block * block_size + offset);
+    block_table [M, >= max blocks] int32; seq_lens [M] int64 (tokens to attend, >= 1);
+    num_splits a power of two. Returns the attention output [M, Hq, D] in q's dtype."""
+    M, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_flat.shape[1]
+    group = num_q_heads // num_kv_heads
+    if num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    part_o = torch.empty(M, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(M, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+    _decode_attention_kernel[(M, num_kv_heads, num_splits)](
+        q,
+        k_flat,
+        v_flat,
+        block_table,
+        seq_lens,
+        part_o,
+        part_lse,
+        block_table.stride(0),
+        sm_scale,
+        HQ=num_q_heads,
+        HKV=num_kv_heads,
+        D=head_dim,
+        GROUP=group,
+        BLOCK_G=max(16, _pow2(group)),
+        BLOCK_N=block_n or ATTENTION_TILE["block_n"],
+        PAGE=block_size,
+        S=num_splits,
+        DOT_F32=_INTERPRETED,
+        num_warps=num_warps or ATTENTION_TILE["num_warps"],
+        **_pdl(q),
+    )
+    out = torch.empty_like(q)
+    _merge_attention_kernel[(M * num_q_heads,)](
+        part_o, part_lse, out, D=head_dim, S=num_splits, num_warps=4, **_pdl(q)
+    )
+    return out

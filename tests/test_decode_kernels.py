@@ -1,0 +1,192 @@
+"""The fused small-batch decode kernels (runtime/decode_kernels.py) and FusedDecodeStep
+(runtime/fused_decode.py) against plain torch and against the model's unfused decode.
+
+Without CUDA the kernels run under Triton's interpreter (conftest sets TRITON_INTERPRET=1
+before anything imports triton): the same kernel code, executed on the CPU with numpy. On a
+GPU the same tests run the compiled kernels. Skipped where triton is not installed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from runtime import decode_kernels as dk  # noqa: E402
+from runtime import ops  # noqa: E402
+from runtime.attention.base import ForwardBatch, SeqSlice  # noqa: E402
+from runtime.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from runtime.fused_decode import FusedDecodeStep, unsupported_reason  # noqa: E402
+from runtime.kv_pool import KVPool  # noqa: E402
+from runtime.loader import _materialise, init_random_weights  # noqa: E402
+from runtime.model_config import RopeScaling  # noqa: E402
+from runtime.presets import get_preset  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# The interpreter rounds float32 -> bfloat16 toward zero (a bias of ~1 % over a few roundings);
+# its float16 rounds to nearest like the GPU, so the CPU run checks the kernels in float16.
+DT = torch.bfloat16 if DEV == "cuda" else torch.float16
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def poisoned(*shape: int, dtype: torch.dtype = DT) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("num_parts", [0, 1, 3])
+def test_add_rmsnorm(rows: int, num_parts: int) -> None:
+    g = torch.Generator().manual_seed(rows * 10 + num_parts)
+    H = 96  # not a power of two: the masked tail is exercised
+    res = torch.randn(rows, H, generator=g).to(DEV, DT)
+    parts = torch.randn(num_parts, rows, H, generator=g).to(DEV) if num_parts else None
+    w = torch.rand(H, generator=g).to(DEV, DT) + 0.5
+    ref_res = res.float() + (parts.sum(0) if parts is not None else 0)
+    ref_res = ref_res.to(DT)
+    ref = ops.rms_norm(ref_res.float(), w.float(), 1e-5)  # fp32 reference
+    out = poisoned(rows, H)
+    got = dk.add_rmsnorm(parts, res, w, 1e-5, out=out)
+    assert rel_err(res, ref_res) < 1e-2
+    assert not got.isnan().any()
+    assert rel_err(got, ref) < 1e-2
+
+
+def _pool(num_blocks: int, page: int, hkv: int, d: int, g: torch.Generator) -> torch.Tensor:
+    return torch.randn(num_blocks * page, hkv, d, generator=g).to(DEV, DT)
+
+
+@pytest.mark.parametrize("rows,bias", [(1, False), (2, True), (5, False)])
+def test_qkv_rope_write(rows: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(rows)
+    hq, hkv, d, K = 4, 2, 32, 80
+    n_out = (hq + 2 * hkv) * d
+    x = torch.randn(rows, K, generator=g).to(DEV, DT)
+    w = (torch.randn(n_out, K, generator=g) / K**0.5).to(DEV, DT)
+    b = (torch.randn(n_out, generator=g) * 0.1).to(DEV, DT) if bias else None
+    scaling = RopeScaling("llama3", 8.0, 1.0, 4.0, 64)
+    cs = ops.rope_cos_sin_cache(256, d, 10000.0, scaling).to(DEV)
+    pos = torch.randint(0, 256, (rows,), generator=g).to(DEV)
+    slots = torch.randperm(40, generator=g)[:rows].to(DEV)
+    kf = _pool(10, 4, hkv, d, g)
+    vf = kf.clone()
+    k_before, v_before = kf.clone(), vf.clone()
+    q = dk.qkv_rope_write(x, w, b, pos, cs, kf, vf, slots, hq)
+    # Reference: projection (rounded to bf16 like the unfused path), then RoPE in fp32.
+    qkv = (x.float() @ w.float().T + (b.float() if b is not None else 0)).to(DT)
+    rq, rk, rv = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    rq, rk = ops.apply_rope(rq.view(rows, hq, d), rk.view(rows, hkv, d), pos, cs)
+    assert rel_err(q, rq) < 1e-2
+    assert rel_err(kf[slots], rk) < 1e-2
+    assert rel_err(vf[slots], rv.view(rows, hkv, d)) < 1e-2
+    untouched = torch.ones(kf.shape[0], dtype=torch.bool, device=DEV)
+    untouched[slots] = False
+    assert torch.equal(kf[untouched], k_before[untouched])  # no other slot written
+    assert torch.equal(vf[untouched], v_before[untouched])
+
+
+@pytest.mark.parametrize("rows,K,N,splits", [(1, 256, 40, None), (3, 300, 24, 2), (8, 64, 8, 1)])
+def test_gemv_splitk(rows: int, K: int, N: int, splits: int | None) -> None:
+    g = torch.Generator().manual_seed(K + N)
+    x = torch.randn(rows, K, generator=g).to(DEV, DT)
+    w = torch.randn(N, K, generator=g).to(DEV, DT)
+    parts = dk.gemv_splitk(x, w, num_splits=splits)
+    assert parts.dtype == torch.float32 and parts.shape[1:] == (rows, N)
+    assert rel_err(parts.sum(0), x.float() @ w.float().T) < 1e-4
+
+
+@pytest.mark.parametrize("rows", [1, 4, 6])
+def test_gate_up_silu(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    K, inter = 64, 44
+    x = torch.randn(rows, K, generator=g).to(DEV, DT)
+    w = (torch.randn(2 * inter, K, generator=g) / K**0.5).to(DEV, DT)
+    ref = ops.silu_and_mul((x.float() @ w.float().T).to(DT).float())
+    assert rel_err(dk.gate_up_silu(x, w), ref) < 1e-2
+
+
+@pytest.mark.parametrize(
+    "lens,hq,hkv,splits", [([1], 8, 2, 4), ([37, 5, 64], 4, 4, 2), ([100, 3], 8, 1, 8)]
+)
+def test_decode_attention(lens: list[int], hq: int, hkv: int, splits: int) -> None:
+    g = torch.Generator().manual_seed(sum(lens))
+    d, page, num_blocks = 32, 4, 64
+    rows = len(lens)
+    kf, vf = _pool(num_blocks, page, hkv, d, g), _pool(num_blocks, page, hkv, d, g)
+    perm = torch.randperm(num_blocks, generator=g)
+    table = torch.zeros(rows, 40, dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(lens):
+        nb = -(-n // page)
+        table[i, :nb] = perm[start : start + nb].to(torch.int32)
+        start += nb
+    q = torch.randn(rows, hq, d, generator=g).to(DEV, DT)
+    lens_t = torch.tensor(lens, dtype=torch.int64, device=DEV)
+    out = dk.decode_attention(q, kf, vf, table.to(DEV), lens_t, page, d**-0.5, splits)
+    for i, n in enumerate(lens):
+        pos = torch.arange(n)
+        slots = (table[i, pos // page].long() * page + pos % page).to(DEV)
+        k = kf[slots].float().repeat_interleave(hq // hkv, dim=1)  # [n, hq, d]
+        v = vf[slots].float().repeat_interleave(hq // hkv, dim=1)
+        p = torch.einsum("hd,nhd->hn", q[i].float(), k).mul(d**-0.5).softmax(-1)
+        ref = torch.einsum("hn,nhd->hd", p, v)
+        assert rel_err(out[i], ref) < 1e-2, f"row {i} (len {n})"
+
+
+def _tiny_model(preset: str):
+    cfg = get_preset(preset)
+    model = _materialise(cfg, DT, torch.device(DEV))
+    init_random_weights(model, seed=3)
+    return model, cfg
+
+
+def _decode_batch(ctx_lens: list[int], page: int, blocks: list[list[int]]) -> ForwardBatch:
+    seqs = [
+        SeqSlice(i, 1, c, c + 1, b) for i, (c, b) in enumerate(zip(ctx_lens, blocks, strict=True))
+    ]
+    ids = torch.tensor([(97 * i + 5) % 1000 for i in range(len(ctx_lens))], device=DEV)
+    pos = torch.tensor(ctx_lens, device=DEV)
+    return ForwardBatch(ids, pos, seqs, torch.arange(len(ctx_lens), device=DEV), True)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2"])
+def test_fused_step_matches_unfused_decode(preset: str) -> None:
+    """A decode step through FusedDecodeStep gives the logits of the model's own forward
+    (torch attention backend) and writes the same K/V into the pool."""
+    model, cfg = _tiny_model(preset)
+    page, num_blocks = 4, 48
+    ctx_lens = [9, 30, 1]
+    blocks = [list(range(0, 3)), list(range(10, 18)), [40]]
+    pool = KVPool.for_model(cfg, num_blocks, page, DT, DEV)
+    g = torch.Generator().manual_seed(0)
+    for t in pool.k + pool.v:  # a filled pool: the context the step attends to
+        t.copy_(torch.randn(t.shape, generator=g).to(DEV, DT))
+    ref_pool = KVPool.for_model(cfg, num_blocks, page, DT, DEV)
+    for a, b in zip(ref_pool.k + ref_pool.v, pool.k + pool.v, strict=True):
+        a.copy_(b)
+    batch = _decode_batch(ctx_lens, page, blocks)
+    with torch.inference_mode():
+        be = TorchAttentionBackend(ref_pool)
+        be.plan(batch)
+        ref = model.compute_logits(model(batch.input_ids, batch.positions, be))
+        step = FusedDecodeStep(model, pool.k, pool.v, batch_size=3, max_blocks_per_seq=12)
+        step.plan(batch)
+        got = model.compute_logits(step.forward(batch.input_ids, batch.positions))
+    assert rel_err(got, ref) < 3e-2
+    for layer in range(cfg.num_layers):
+        assert rel_err(pool.k[layer], ref_pool.k[layer]) < 1e-2
+        assert rel_err(pool.v[layer], ref_pool.v[layer]) < 1e-2
+
+
+def test_fused_step_refuses_what_it_cannot_run() -> None:
+    assert "q/k norms" in unsupported_reason(get_preset("tiny-qwen3"), DT)
+    assert "float32" in unsupported_reason(get_preset("tiny"), torch.float32)
+    model, cfg = _tiny_model("tiny")
+    pool = KVPool.for_model(cfg, 4, 4, DT, DEV)
+    with pytest.raises(ValueError, match="1..8 rows"):
+        FusedDecodeStep(model, pool.k, pool.v, batch_size=9, max_blocks_per_seq=4)
+    step = FusedDecodeStep(model, pool.k, pool.v, batch_size=2, max_blocks_per_seq=4)
+    with pytest.raises(ValueError, match="2 decode rows got 1"):
+        step.plan(_decode_batch([3], 4, [[0]]))
