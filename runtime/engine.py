@@ -110,6 +110,11 @@ class Engine:
         self.config = config
         self._sink = sink
         self.device, self.dtype = resolve_device_dtype(config)
+        # What this process's allocator held before this engine: --max-gpu-memory-gb caps
+        # this engine alone, also beside another engine in the same process (benchmarks).
+        self._reserved_at_start = (
+            torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+        )
         torch.manual_seed(config.seed)
         model, model_config, tokenizer = load_model(
             config.model, self.dtype, self.device, seed=config.seed
@@ -137,7 +142,12 @@ class Engine:
                 )
                 torch.cuda.empty_cache()
         num_blocks = compute_num_blocks(
-            config, model_config, self.dtype, self.device, activation_bytes=activation_bytes
+            config,
+            model_config,
+            self.dtype,
+            self.device,
+            activation_bytes=activation_bytes,
+            baseline_reserved=self._reserved_at_start,
         )
         self.kv_pool = KVPool.for_model(
             model_config, num_blocks, config.block_size, self.dtype, self.device
@@ -292,7 +302,10 @@ class Engine:
         min_pool = (-(-self._max_model_len // bs) + NUM_RESERVED_BLOCKS) * bytes_per_block(
             mc, bs, self.dtype
         )
-        room = cuda_memory_budget_bytes(self.config, self.device) - min_pool - CUDA_SAFETY_BYTES
+        budget = cuda_memory_budget_bytes(
+            self.config, self.device, getattr(self, "_reserved_at_start", 0)
+        )
+        room = budget - min_pool - CUDA_SAFETY_BYTES
         fits = int((room - fixed) // slope) // bs * bs
         if fits >= self._max_score_tokens:
             return

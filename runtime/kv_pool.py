@@ -47,10 +47,14 @@ def activation_reserve_bytes(
     return t * per_token + mlp + logits + CUDA_SAFETY_BYTES
 
 
-def cuda_memory_budget_bytes(config: EngineConfig, device: torch.device) -> float:
+def cuda_memory_budget_bytes(
+    config: EngineConfig, device: torch.device, baseline_reserved: int = 0
+) -> float:
     """Bytes the KV pool and the activation reserve may share on `device`: the
     `gpu_memory_utilization` share of the device minus what is in use (this process's weights
-    and anything else on the GPU), capped by `max_gpu_memory_gb` minus what this process holds.
+    and anything else on the GPU), capped by `max_gpu_memory_gb` minus what this engine holds:
+    what this process's allocator holds beyond `baseline_reserved` (the amount it held before
+    the engine started, e.g. another engine in the same process, which is not this one's).
     Memory this process's caching allocator keeps cached but unused is released first: it would
     otherwise count as used and shrink the pool for nothing."""
     torch.cuda.empty_cache()
@@ -58,7 +62,8 @@ def cuda_memory_budget_bytes(config: EngineConfig, device: torch.device) -> floa
     budget = total_b * config.gpu_memory_utilization - (total_b - free_b)
     if config.max_gpu_memory_gb is not None:
         # memory_reserved: what this process's caching allocator holds (weights + cache).
-        budget = min(budget, config.max_gpu_memory_gb * GIB - torch.cuda.memory_reserved(device))
+        held = torch.cuda.memory_reserved(device) - baseline_reserved
+        budget = min(budget, config.max_gpu_memory_gb * GIB - held)
     return budget
 
 
@@ -68,8 +73,10 @@ def compute_num_blocks(
     dtype: torch.dtype,
     device: torch.device,
     activation_bytes: int | None = None,
+    baseline_reserved: int = 0,
 ) -> int:
     """How many KV blocks to allocate. Call after the weights are on the device.
+    baseline_reserved: see `cuda_memory_budget_bytes`.
 
     - `config.num_kv_blocks` wins when set.
     - CPU: `cpu_kv_cache_gb` worth of blocks.
@@ -87,7 +94,8 @@ def compute_num_blocks(
             reserve = activation_reserve_bytes(config, model_config, dtype)
         else:
             reserve = activation_bytes + CUDA_SAFETY_BYTES
-        n = int((cuda_memory_budget_bytes(config, device) - reserve) // per_block)
+        budget = cuda_memory_budget_bytes(config, device, baseline_reserved)
+        n = int((budget - reserve) // per_block)
         n -= NUM_RESERVED_BLOCKS
     else:
         n = int(config.cpu_kv_cache_gb * GIB // per_block)

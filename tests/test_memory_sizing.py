@@ -51,6 +51,11 @@ def test_budget_releases_cached_memory_first_and_applies_both_limits(fake_gpu) -
     capped = EngineConfig(model="random:tiny", gpu_memory_utilization=0.9, max_gpu_memory_gb=30)
     # The cap: 30 GiB minus the 10 GiB this process holds.
     assert cuda_memory_budget_bytes(capped, torch.device("cuda")) == pytest.approx(20 * GIB)
+    # ... of which 6 GiB were held before this engine started (another engine in the same
+    # process): the cap applies to this engine's own 4 GiB.
+    assert cuda_memory_budget_bytes(
+        capped, torch.device("cuda"), baseline_reserved=6 * GIB
+    ) == pytest.approx(26 * GIB)
 
 
 def test_num_blocks_is_budget_minus_reserve_over_block_bytes(fake_gpu) -> None:
