@@ -334,6 +334,16 @@ def _llama8b(num_blocks: int):
     return _MODEL["model"], _MODEL["cfg"], _MODEL["pool"]
 
 
+def _weight_bytes(model: Any) -> int:
+    """Bytes a decode step reads for the weights (the embedding table only when it is also
+    the LM head): the floor's weight term."""
+    return sum(
+        p.numel() * p.element_size()
+        for n, p in model.named_parameters()
+        if "embed_tokens" not in n or model.cfg.tie_word_embeddings
+    )
+
+
 def _batch(specs, block_lists, device="cuda", vocab=128000, is_decode=False):
     from runtime.attention.base import ForwardBatch, SeqSlice
 
@@ -385,11 +395,7 @@ def section_model() -> dict:
             ms = time_cuda(fn, iters=5, warmup=1)
             out[f"prefill_16384_hybrid_C{C}_ms"] = ms
         # Decode: batch B, 2k context each (2047 cached + 1 new), distinct random blocks.
-        w_bytes = sum(
-            p.numel() * p.element_size()
-            for n, p in model.named_parameters()
-            if "embed_tokens" not in n or cfg.tie_word_embeddings
-        )
+        w_bytes = _weight_bytes(model)
         perm = torch.randperm(34000 - 8).tolist()
         for B in (1, 16, 64, 256):
             ctx = 2047
@@ -618,11 +624,7 @@ def section_graphs() -> dict:
     model, cfg, pool = _llama8b(num_blocks=34000)
     ops.use_flashinfer(True)
     be = FlashInferBackend.from_pool(pool, cfg.num_q_heads)
-    w_bytes = sum(
-        p.numel() * p.element_size()
-        for n, p in model.named_parameters()
-        if "embed_tokens" not in n or cfg.tie_word_embeddings
-    )
+    w_bytes = _weight_bytes(model)
     perm = torch.randperm(34000 - 8).tolist()
     out: dict[str, Any] = {"copy_gbs": copy_gbs}
     with torch.inference_mode():
@@ -707,11 +709,7 @@ def section_decode_profile() -> dict:
     model, cfg, pool = _llama8b(num_blocks=num_blocks)
     ops.use_flashinfer(True)
     be = FlashInferBackend.from_pool(pool, cfg.num_q_heads)
-    w_bytes = sum(
-        p.numel() * p.element_size()
-        for n, p in model.named_parameters()
-        if "embed_tokens" not in n or cfg.tie_word_embeddings
-    )
+    w_bytes = _weight_bytes(model)
     out: dict[str, Any] = {"copy_gbs": copy_gbs, "weight_bytes": w_bytes}
     perm = torch.randperm(num_blocks - 8).tolist()
     s = torch.cuda.Stream()
@@ -1086,11 +1084,7 @@ def section_fused_decode() -> dict:
         model, cfg, pool = _llama8b(num_blocks=num_blocks)
         ops.use_flashinfer(True)
         be = FlashInferBackend.from_pool(pool, cfg.num_q_heads)
-        w_bytes = sum(
-            p.numel() * p.element_size()
-            for n, p in model.named_parameters()
-            if "embed_tokens" not in n or cfg.tie_word_embeddings
-        )
+        w_bytes = _weight_bytes(model)
         perm = torch.randperm(num_blocks - 8).tolist()
         sizes = (1, 2, 4, 8)
         batches = {
@@ -1424,11 +1418,7 @@ def section_engine() -> dict:
         out[f"prefill_mfu_{T}"] = _flops_prefill(cfg, T) / s / 1e12 / peak_tflops
         out[f"prefill_{T}_activation_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
         print(f"engine prefill {T}: {s * 1e3:.1f} ms MFU {out[f'prefill_mfu_{T}']:.3f}", flush=True)
-    w_bytes = sum(
-        p.numel() * p.element_size()
-        for n, p in eng.model.named_parameters()
-        if "embed_tokens" not in n or cfg.tie_word_embeddings
-    )
+    w_bytes = _weight_bytes(eng.model)
     ctx = 2047
     for B in (1, 16, 64, 256):
         plan, rids = _decode_plan(eng, B, ctx, B)
@@ -1674,8 +1664,8 @@ def _left_s() -> float:
     return DEADLINE["t"] - time.monotonic()
 
 
-def _save_partial() -> None:
-    """Write the results so far (a run killed at its time limit still leaves them)."""
+def _set_summary() -> None:
+    """Issue 5's headline figures measured in this run, when the engine section ran."""
     eng = RESULTS["sections"].get("engine") or {}
     if "decode_b1_over_floor" in eng:  # issue 5's headline figures measured in this run
         fused = RESULTS["sections"].get("fused_decode") or {}
@@ -1689,6 +1679,11 @@ def _save_partial() -> None:
                 "rel_err_vs_fp32"
             ),
         }
+
+
+def _save_partial() -> None:
+    """Write the results so far (a run killed at its time limit still leaves them)."""
+    _set_summary()
     out_dir = os.environ.get("OUT") or "bench/results"
     with open(os.path.join(out_dir, "partial.json"), "w") as f:
         json.dump(RESULTS, f, indent=1, default=str)
@@ -2236,19 +2231,6 @@ def section_http() -> dict:
     from bench.gpu_serving import wait_healthy
 
     smoke = DEADLINE["smoke"]
-    eng = RESULTS["sections"].get("engine") or {}
-    if "decode_b1_over_floor" in eng:  # issue 5's headline figures measured in this run
-        fused = RESULTS["sections"].get("fused_decode") or {}
-        RESULTS["summary"] = {
-            "prefill_mfu_16k": eng.get("prefill_mfu_16384"),
-            "decode_b1_over_floor": eng["decode_b1_over_floor"],
-            "decode_b64_over_floor": eng.get("decode_b64_over_floor"),
-            "fused_decode_b1_speedup_vs_unfused_graph": fused.get("b1_fused_speedup"),
-            "fused_decode_b1_rel_err_vs_fp32": (fused.get("fused_b1") or {}).get("rel_err_vs_fp32"),
-            "unfused_decode_b1_rel_err_vs_fp32": (fused.get("unfused_b1") or {}).get(
-                "rel_err_vs_fp32"
-            ),
-        }
     out_dir = os.environ.get("OUT") or "bench/results"
     model = "random:tiny" if smoke else "random:llama-3.1-8b"
     server_cmd = [
@@ -2472,19 +2454,7 @@ def main(argv: list[str] | None = None) -> int:
             RESULTS["errors"].append(f"{name}: {type(exc).__name__}: {exc}")
         print(f"--- section {name} took {time.perf_counter() - t0:.1f} s", flush=True)
         _save_partial()
-    eng = RESULTS["sections"].get("engine") or {}
-    if "decode_b1_over_floor" in eng:  # issue 5's headline figures measured in this run
-        fused = RESULTS["sections"].get("fused_decode") or {}
-        RESULTS["summary"] = {
-            "prefill_mfu_16k": eng.get("prefill_mfu_16384"),
-            "decode_b1_over_floor": eng["decode_b1_over_floor"],
-            "decode_b64_over_floor": eng.get("decode_b64_over_floor"),
-            "fused_decode_b1_speedup_vs_unfused_graph": fused.get("b1_fused_speedup"),
-            "fused_decode_b1_rel_err_vs_fp32": (fused.get("fused_b1") or {}).get("rel_err_vs_fp32"),
-            "unfused_decode_b1_rel_err_vs_fp32": (fused.get("unfused_b1") or {}).get(
-                "rel_err_vs_fp32"
-            ),
-        }
+    _set_summary()
     out_dir = os.environ.get("OUT") or "bench/results"
     date = dt.date.today().isoformat()
     path = os.path.join(out_dir, f"{args.tag}-{date}.json")
