@@ -302,9 +302,7 @@ class Engine:
         min_pool = (-(-self._max_model_len // bs) + NUM_RESERVED_BLOCKS) * bytes_per_block(
             mc, bs, self.dtype
         )
-        budget = cuda_memory_budget_bytes(
-            self.config, self.device, getattr(self, "_reserved_at_start", 0)
-        )
+        budget = cuda_memory_budget_bytes(self.config, self.device, self._reserved_at_start)
         room = budget - min_pool - CUDA_SAFETY_BYTES
         fits = int((room - fixed) // slope) // bs * bs
         if fits >= self._max_score_tokens:

@@ -76,6 +76,7 @@ def _engine_stub(max_model_len: int, max_score_tokens: int) -> types.SimpleNames
         device=torch.device("cuda"),
         _max_model_len=max_model_len,
         _max_score_tokens=max_score_tokens,
+        _reserved_at_start=0,
     )
     stub._fit = types.MethodType(Engine._fit_max_score_tokens, stub)
     return stub

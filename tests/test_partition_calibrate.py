@@ -86,10 +86,17 @@ class FakeGPU:
         }
 
 
-def _calibrate(tmp_path: Path, lines: list[str] | None = None, **kw: object):
-    gpu = FakeGPU()
+def _calibrate(
+    tmp_path: Path,
+    lines: list[str] | None = None,
+    gpu: FakeGPU | None = None,
+    measures: dict | None = None,
+    **kw: object,
+):
+    """Profile the fake GPU (or `gpu`, with `measures` replacing its measure functions)."""
+    gpu = gpu or FakeGPU()
     cal = calibrate_partition(
-        **gpu.measures(),
+        **(measures or gpu.measures()),
         device=DEVICE,
         total_sms=TOTAL,
         model=MODEL,
@@ -204,19 +211,9 @@ def test_a_split_that_fails_is_recorded_and_skipped(tmp_path: Path) -> None:
             raise RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED")
         return gpu.decode_ms(batch, ctx, sms)
 
-    measures = {**gpu.measures(), "measure_decode_ms": decode}
     lines: list[str] = []
-    cal = calibrate_partition(
-        **measures,
-        device=DEVICE,
-        total_sms=TOTAL,
-        model=MODEL,
-        num_layers=LAYERS,
-        splits=SPLITS,
-        shapes=SHAPES,
-        repeats=1,
-        cache_dir=str(tmp_path),
-        progress=lines.append,
+    _, cal = _calibrate(
+        tmp_path, lines, gpu=gpu, measures={**gpu.measures(), "measure_decode_ms": decode}
     )
     failed = cal.profile["failed_splits"]
     assert list(failed) == [str(SPLITS[-1])] and "CUBLAS_STATUS_EXECUTION_FAILED" in failed["99"]
