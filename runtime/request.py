@@ -52,6 +52,15 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # besides the model's EOS ids
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token + top-k alternatives
+    # Prompt logprobs (completions `echo` + `logprobs`): None = none; k >= 0: each prompt
+    # token's logprob (the first has none) + top-k alternatives, computed in the prefill.
+    prompt_logprobs: int | None = None
+    # Applied on the device to the logits before sampling (OpenAI / vLLM semantics):
+    presence_penalty: float = 0.0  # minus this for every token already generated
+    frequency_penalty: float = 0.0  # minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # prompt + output tokens: logit / p if > 0 else * p
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to logit
+    min_p: float = 0.0  # drop tokens whose probability is below min_p x the top one's
 
     @property
     def is_greedy(self) -> bool:
@@ -142,6 +151,10 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    # Prompt logprobs (first output only, when asked): one entry per prompt token, None first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     queue_s: float | None = None  # arrival -> first scheduled
     ttft_s: float | None = None  # arrival -> first token (engine clock)
     e2e_s: float | None = None  # arrival -> finish (engine clock)
+    prefill_s: float | None = None  # first scheduled -> first token (final output only)
+    decode_s: float | None = None  # first token -> finish (final output only)
