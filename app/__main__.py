@@ -6,4 +6,6 @@ import sys
 
 from app.cli import main
 
-sys.exit(main())
+# Guarded: the engine core runs in a spawned process, which imports this module again.
+if __name__ == "__main__":
+    sys.exit(main())

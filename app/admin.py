@@ -10,9 +10,9 @@ Routes (all under `/admin`):
   between runs so one run's prompts do not speed up the next).
 
 What the router reads from `app.state` (set by `app.main.create_app`):
-- `engine`: `runtime.engine.Engine` — `stats()`, `set_policy(name)`, `reset_prefix_cache()`,
-  `is_alive()` and the
-  attribute `partition` (a `runtime.partition.PartitionManager`).
+- `engine`: `app.engine_view.EngineView` — `stats()`, `is_alive()`, the coroutines
+  `set_policy(name)` and `reset_prefix_cache()`, and `partition` (`state()`, and the
+  coroutine `set_mode(spec)`).
 - `metrics` (optional): `recent()` -> `{"ttft_s": [...], "tpot_s": [...], "e2e_s": [...],
   "completed_total": int, "tokens_total": int}`, the recent latency samples and the counters.
   Without it, latencies are reported as missing and throughput comes from the same counters in
@@ -403,7 +403,7 @@ async def admin_set_partition(request: Request) -> JSONResponse:
             400, "the engine exposes no partition manager", "invalid_request_error", "mode"
         )
     try:
-        manager.set_mode(spec)
+        await manager.set_mode(spec)
     except ValueError as exc:
         return _error(
             400,
@@ -434,7 +434,7 @@ async def admin_set_policy(request: Request) -> JSONResponse:
     if engine is None:
         return _error(503, "the engine is starting; try again shortly", "service_unavailable")
     try:
-        engine.set_policy(body.policy)
+        await engine.set_policy(body.policy)
     except ValueError as exc:  # e.g. a policy the engine cannot build
         return _error(400, str(exc), "invalid_request_error", "policy")
     return JSONResponse(build_state(request.app))
@@ -452,10 +452,7 @@ async def admin_reset_prefix_cache(request: Request) -> JSONResponse:
     engine = getattr(request.app.state, "engine", None)
     if engine is None:
         return _error(503, "the engine is starting; try again shortly", "service_unavailable")
-    reset = getattr(engine, "reset_prefix_cache", None)
-    if not callable(reset):
-        return _error(400, "the engine has no prefix cache to reset", "invalid_request_error")
     # The count last published by the engine (before the reset takes effect); informative only.
     cached_before = engine.stats().get("prefix_cached_blocks")
-    reset()
+    await engine.reset_prefix_cache()
     return JSONResponse({"reset": "queued", "prefix_cached_blocks_before": cached_before})

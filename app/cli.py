@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 import threading
 import types
@@ -260,48 +261,60 @@ def _real_engine_factory(config: Any, sink: Any) -> Any:
 
 
 def _run_calibration(
-    engine: Any, settings: Settings, out_path: str | None = None, **grid: Any
+    engine: Any,
+    calibration_dir: str | None,
+    model_key: str,
+    out_path: str | None = None,
+    **grid: Any,
 ) -> tuple[Any, str | None]:
     """Profile `engine` (built, not started) and save: (the fitted JCTModel, the file)."""
     from runtime.calibrate import calibrate_engine, default_cache_dir
 
-    out_dir = None if out_path else (settings.calibration_dir or default_cache_dir())
+    out_dir = None if out_path else (calibration_dir or default_cache_dir())
     log.info(
-        "calibrating the JCT model on %s for %s (progress on stderr)",
-        engine.device_name,
-        settings.calibration_model_key,
+        "calibrating the JCT model on %s for %s (progress on stderr)", engine.device_name, model_key
     )
-    return calibrate_engine(
-        engine, model=settings.calibration_model_key, out_dir=out_dir, out_path=out_path, **grid
-    )
+    return calibrate_engine(engine, model=model_key, out_dir=out_dir, out_path=out_path, **grid)
 
 
-def _calibrating_factory(settings: Settings, factory: Any) -> Any:
-    """An engine factory that calibrates the engine it builds before it starts serving."""
+class CalibratingFactory:
+    """An engine factory that calibrates the engine it builds before it starts serving. A
+    module-level class (not a closure): it is pickled into the engine core process."""
 
-    def make(config: Any, sink: Any) -> Any:
-        engine = factory(config, sink)
-        jct, path = _run_calibration(engine, settings)
+    def __init__(self, factory: Any, calibration_dir: str | None, model_key: str) -> None:
+        self.factory = factory
+        self.calibration_dir = calibration_dir
+        self.model_key = model_key
+
+    def __call__(self, config: Any, sink: Any) -> Any:
+        engine = self.factory(config, sink)
+        jct, path = _run_calibration(engine, self.calibration_dir, self.model_key)
         # The engine's policies share its JCT model object: update it in place.
         engine.jct_model.adopt(jct)
         log.info("JCT model: calibrated now, saved to %s and in use: %r", path, jct)
         return engine
 
-    return make
+
+def _calibrating_factory(settings: Settings, factory: Any) -> Any:
+    return CalibratingFactory(factory, settings.calibration_dir, settings.calibration_model_key)
 
 
-def serve(settings: Settings, engine_factory: Any = None) -> int:
-    """Run the server in this (main) thread until SIGTERM/SIGINT. `engine_factory` is for
-    tests and embedding (default: the real engine)."""
-    from app.main import create_app
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the listening socket now, before the model loads, so a busy port is reported at
+    once. Raises OSError (the caller prints one line)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    if settings.calibrate:
-        engine_factory = _calibrating_factory(settings, engine_factory or _real_engine_factory)
-    app = create_app(settings, engine_factory=engine_factory)
+
+def _uvicorn_server(app: Any, settings: Settings) -> GracefulServer:
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -310,9 +323,117 @@ def serve(settings: Settings, engine_factory: Any = None) -> int:
         # Backstop only: the drain thread aborts stragglers after the grace period.
         timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 5,
     )
-    server = GracefulServer(config, app, settings.shutdown_grace_s)
-    server.run()
+    return GracefulServer(config, app, settings.shutdown_grace_s)
+
+
+def _configure_logging(settings: Settings) -> None:
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def serve(settings: Settings, engine_factory: Any = None, sock: socket.socket | None = None) -> int:
+    """Run the server until SIGTERM/SIGINT: the engine core in a process of its own and the
+    HTTP front end here (`--api-server-count 1`) or in N processes sharing the socket.
+    `engine_factory` is for tests and embedding (default: the real engine)."""
+    from app.main import create_app
+
+    _configure_logging(settings)
+    factory = engine_factory or _real_engine_factory
+    if settings.calibrate:
+        factory = _calibrating_factory(settings, factory)
+    if sock is None:
+        try:
+            sock = bind_socket(settings.host, settings.port)
+        except OSError as exc:
+            print(
+                f"greenlane: cannot listen on {settings.host}:{settings.port}: {exc.strerror}",
+                file=sys.stderr,
+            )
+            return 2
+    if settings.api_server_count > 1:
+        return _serve_many(settings, factory, sock)
+    app = create_app(settings, engine_factory=factory)
+    server = _uvicorn_server(app, settings)
+    server.run(sockets=[sock])
     return 0 if server.started else 1
+
+
+def _api_server_main(settings: Settings, handle: Any, sock: socket.socket) -> None:
+    """One of several API-server processes: HTTP front end on the shared socket, connected
+    to the engine core the launcher started."""
+    from app.main import create_app
+
+    _configure_logging(settings)
+    app = create_app(settings, core=handle)
+    server = _uvicorn_server(app, settings)
+    server.run(sockets=[sock])
+
+
+def _serve_many(settings: Settings, factory: Any, sock: socket.socket) -> int:
+    """Launcher of `--api-server-count N`: the engine core, then N API servers on one socket.
+    SIGTERM/SIGINT: the API servers stop admitting, the core finishes what runs within the
+    grace period, then everything exits."""
+    import asyncio
+    import multiprocessing as mp
+    import signal
+
+    from app.engine_view import load_frontend_tokenizer
+    from runtime.core.client import EngineCoreClient
+    from runtime.core.process import start_engine_core
+
+    config = settings.to_engine_config()
+    log.info(
+        "starting engine core: model=%s, %d API servers", config.model, settings.api_server_count
+    )
+    try:
+        handle, core_proc = start_engine_core(config, factory, log_level=settings.log_level)
+    except RuntimeError as exc:
+        print(f"greenlane: the engine could not start: {exc}", file=sys.stderr)
+        return 1
+    ctx = mp.get_context("spawn")
+    servers = [
+        ctx.Process(
+            target=_api_server_main, args=(settings, handle, sock), name=f"greenlane-api-{i}"
+        )
+        for i in range(settings.api_server_count)
+    ]
+    for p in servers:
+        p.start()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    log.info("serving on http://%s:%d", settings.host, settings.port)
+    while not stop.is_set() and core_proc.is_alive() and any(p.is_alive() for p in servers):
+        stop.wait(0.5)
+    for p in servers:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGTERM)  # type: ignore[arg-type]
+
+    async def shutdown_core() -> None:
+        client = EngineCoreClient(handle, load_frontend_tokenizer(handle.info), process=core_proc)
+        try:
+            await client.start(timeout_s=10)
+            await client.call(
+                "shutdown", settings.shutdown_grace_s, timeout_s=settings.shutdown_grace_s + 60
+            )
+        finally:
+            await client.close()
+
+    if core_proc.is_alive():
+        try:
+            asyncio.run(shutdown_core())
+        except Exception as exc:  # noqa: BLE001 - a dead core needs no shutdown
+            log.warning("engine core shutdown: %s", exc)
+    for p in servers:
+        p.join(settings.shutdown_grace_s + 10)
+        if p.is_alive():
+            p.kill()
+    core_proc.join(30)
+    if core_proc.is_alive():
+        core_proc.kill()
+    return 0
 
 
 def calibrate_command(
@@ -348,7 +469,15 @@ def calibrate_command(
     paths: list[str | None] = []
     try:
         if what in ("jct", "all"):
-            paths.append(_run_calibration(engine, settings, out_path, **grid)[1])
+            paths.append(
+                _run_calibration(
+                    engine,
+                    settings.calibration_dir,
+                    settings.calibration_model_key,
+                    out_path,
+                    **grid,
+                )[1]
+            )
         if what in ("partition", "all"):
             from runtime.partition_gpu import profile_engine  # lazily: loads torch
 
@@ -367,6 +496,55 @@ def calibrate_command(
     for path in paths:
         print(path)
     return 0
+
+
+_DTYPE_CHOICES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def check_choices(settings: Settings) -> None:
+    """Option values the engine would only reject after loading the model: checked first,
+    so a mistake costs one line and exit code 2, not a traceback minutes later."""
+    from policies import POLICY_NAMES
+    from runtime.presets import PRESETS
+
+    if settings.dtype not in _DTYPE_CHOICES:
+        raise ValueError(f"dtype: {settings.dtype!r} is not one of {', '.join(_DTYPE_CHOICES)}")
+    if settings.prefill_policy not in POLICY_NAMES:
+        raise ValueError(
+            f"prefill_policy: {settings.prefill_policy!r} is not one of {', '.join(POLICY_NAMES)}"
+        )
+    if settings.log_level.lower() not in _LOG_LEVELS:
+        raise ValueError(
+            f"log_level: {settings.log_level!r} is not one of {', '.join(_LOG_LEVELS)}"
+        )
+    device = settings.device
+    if not (device in ("auto", "cpu") or device == "cuda" or device.startswith("cuda:")):
+        raise ValueError(f"device: {device!r} is not auto, cpu, cuda or cuda:N")
+    model = settings.model
+    if model.startswith("random:"):
+        if model[7:] not in PRESETS:
+            raise ValueError(
+                f"model: unknown random preset {model[7:]!r}; available: {', '.join(sorted(PRESETS))}"
+            )
+    elif model != "default":
+        folder = os.path.expanduser(model)
+        if not os.path.isdir(folder):
+            raise ValueError(f"model: {model!r} is not a folder, 'default' or random:<preset>")
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            raise ValueError(f"model: the folder {model!r} has no config.json")
+
+
+def _one_line(exc: Exception) -> str:
+    """pydantic's multi-line validation errors as one line."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        parts = []
+        for e in errors():
+            loc = ".".join(str(x) for x in e.get("loc", ()))
+            parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
+        return "; ".join(parts)
+    return " ".join(str(exc).split())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -388,11 +566,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(
                 f"partition_calibration: no such file {settings.partition_calibration!r}"
             )
+        check_choices(settings)
     except ValueError as exc:
-        print(f"greenlane: invalid option: {exc}", file=sys.stderr)
+        print(f"greenlane: invalid option: {_one_line(exc)}", file=sys.stderr)
         return 2
     if args.command == "serve":
-        return serve(settings)
+        try:
+            sock = bind_socket(settings.host, settings.port)
+        except OSError as exc:
+            print(
+                f"greenlane: cannot listen on {settings.host}:{settings.port}: {exc.strerror}",
+                file=sys.stderr,
+            )
+            return 2
+        return serve(settings, sock=sock)
     if args.command == "calibrate":
         grid = {
             "uncached_tokens": args.uncached_tokens,

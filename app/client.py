@@ -1,11 +1,18 @@
 """The asyncio side of the engine: admission, per-request output queues, abort on disconnect.
 
-The engine calls `EngineClient.sink` on its own thread; the sink hops onto the event loop with
-`loop.call_soon_threadsafe` and feeds the request's `asyncio.Queue`. Nothing here blocks the loop.
+Outputs arrive on the event loop from the engine core client (runtime/core/client.py: one
+message per engine step, already turned into text by the output processor) and are fanned
+out to the requests' `asyncio.Queue`s. Nothing here blocks the loop.
 
-Admission is bounded: at most `max_in_flight` engine requests (the engine's running cap plus
-`max_queue` waiting ones) may be admitted and unfinished at once; beyond that `Overloaded`
-(-> 429 with Retry-After). While draining for shutdown, `Draining` (-> 503).
+Admission is bounded two ways (429 with Retry-After beyond either, 503 while draining):
+  - in flight: at most `max_in_flight` requests (`--max-num-seqs` running + `--max-queue`
+    waiting) admitted and unfinished at once on this API server;
+  - waiting: at most `max_queue` requests waiting in the engine for a place to run, counted
+    from the engine's last stats snapshot (`num_waiting`, at most 0.2 s old) plus what this
+    server sent since. So `--max-queue N` means what it says: N requests may wait beyond the
+    ones the engine is running, whatever `--max-num-seqs` is.
+A request that can never be admitted (more items than `max_in_flight`) is the route's 400.
+When the engine core dies, every request in flight gets a final error output at once.
 """
 
 from __future__ import annotations
@@ -19,11 +26,15 @@ from runtime.request import Request, RequestOutput
 log = logging.getLogger("greenlane.app")
 
 
-class EngineLike(Protocol):
-    """The part of `runtime.engine.Engine` the client uses."""
+class CoreLike(Protocol):
+    """The part of `runtime.core.client.EngineCoreClient` the client uses."""
 
-    def add(self, req: Request) -> None: ...
-    def abort(self, request_id: str) -> None: ...
+    on_outputs: Any
+    on_dead: Any
+    num_added_since_heartbeat: int
+
+    def add(self, reqs: list[Request]) -> None: ...
+    def abort(self, request_ids: list[str]) -> None: ...
     def is_alive(self) -> bool: ...
     def stats(self) -> dict[str, Any]: ...
 
@@ -41,37 +52,44 @@ class EngineDead(Exception):
 
 
 class EngineClient:
-    """Bridges HTTP handlers (event loop) and the engine (its own thread)."""
+    """Bridges HTTP handlers (event loop) and the engine core (its own process)."""
 
-    def __init__(self, max_in_flight: int) -> None:
+    def __init__(self, max_in_flight: int, max_queue: int | None = None) -> None:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
         self.max_in_flight = max_in_flight
-        self.engine: EngineLike | None = None
+        self.max_queue = max_in_flight if max_queue is None else max_queue
+        self.max_running = max(1, max_in_flight - self.max_queue)  # --max-num-seqs
+        self.core: CoreLike | None = None
         self.draining = False
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
 
     # ------------------------------------------------------------------ wiring
 
-    def attach(self, engine: EngineLike, loop: asyncio.AbstractEventLoop) -> None:
-        self.engine = engine
-        self._loop = loop
+    def attach(self, core: CoreLike) -> None:
+        self.core = core
+        core.on_outputs = self.deliver
+        core.on_dead = self.fail_all
 
-    def sink(self, out: RequestOutput) -> None:
-        """Called on the engine thread for every output."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        try:
-            loop.call_soon_threadsafe(self._deliver, out)
-        except RuntimeError:  # loop closed between the check and the call (shutdown)
-            pass
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        """Called on the event loop with one engine step's outputs."""
+        queues = self._queues
+        for out in outputs:
+            queue = queues.get(out.request_id)
+            if queue is not None:  # None: aborted and forgotten; drop late outputs
+                queue.put_nowait(out)
 
-    def _deliver(self, out: RequestOutput) -> None:
-        queue = self._queues.get(out.request_id)
-        if queue is not None:  # None: the request was aborted and forgotten; drop late outputs
-            queue.put_nowait(out)
+    def fail_all(self, reason: str) -> None:
+        """The engine core died: finish every request in flight with an error."""
+        for rid, queue in list(self._queues.items()):
+            queue.put_nowait(
+                RequestOutput(
+                    request_id=rid,
+                    finished=True,
+                    finish_reason="error",
+                    error=f"the engine stopped: {reason}",
+                )
+            )
 
     # ------------------------------------------------------------------ state
 
@@ -88,11 +106,24 @@ class EngineClient:
         """Register queues for all of `reqs` or none (a score call is admitted whole)."""
         if self.draining:
             raise Draining("server is shutting down")
-        if self.engine is None or not self.engine.is_alive():
+        core = self.core
+        if core is None or not core.is_alive():
             raise EngineDead("engine is not running")
         if len(self._queues) + len(reqs) > self.max_in_flight:
             raise Overloaded(
-                f"server queue is full ({len(self._queues)} requests in flight, limit {self.max_in_flight})"
+                f"server queue is full ({len(self._queues)} requests in flight, limit "
+                f"{self.max_in_flight})"
+            )
+        # Requests not running yet (waiting in the last snapshot, sent since, and these)
+        # take the free running places first; the rest wait.
+        stats = core.stats()
+        free = max(0, self.max_running - int(stats.get("num_running") or 0))
+        pending = int(stats.get("num_waiting") or 0) + core.num_added_since_heartbeat
+        waiting = max(0, pending + len(reqs) - free)
+        if waiting > self.max_queue:
+            raise Overloaded(
+                f"server queue is full ({waiting} requests would wait, --max-queue "
+                f"{self.max_queue})"
             )
         queues = []
         for req in reqs:
@@ -103,6 +134,15 @@ class EngineClient:
             queues.append(queue)
         return queues
 
+    def _submit(self, reqs: list[Request]) -> None:
+        assert self.core is not None
+        try:
+            self.core.add(reqs)
+        except Exception:
+            for r in reqs:
+                self._queues.pop(r.request_id, None)
+            raise EngineDead("engine is not running") from None
+
     def generate(self, req: Request) -> RequestStream:
         """Admit and submit `req` now; iterate the returned stream for its outputs.
 
@@ -112,18 +152,13 @@ class EngineClient:
         engine, so its KV blocks return to the pool.
         """
         (queue,) = self._admit([req])
-        try:
-            assert self.engine is not None
-            self.engine.add(req)
-        except BaseException:
-            self._queues.pop(req.request_id, None)
-            raise
+        self._submit([req])
         return RequestStream(self, req, queue)
 
     def _release(self, request_id: str, finished: bool) -> None:
         self._queues.pop(request_id, None)
-        if not finished and self.engine is not None:
-            self.engine.abort(request_id)
+        if not finished and self.core is not None:
+            self.core.abort([request_id])
 
     async def run_all(self, reqs: list[Request]) -> list[list[RequestOutput]]:
         """Submit all `reqs` at once (so the engine can batch them) and collect every output.
@@ -134,9 +169,7 @@ class EngineClient:
         results: list[list[RequestOutput]] = [[] for _ in reqs]
         done = [False] * len(reqs)
         try:
-            assert self.engine is not None
-            for req in reqs:
-                self.engine.add(req)
+            self._submit(reqs)
             for i, queue in enumerate(queues):
                 while not done[i]:
                     out = await queue.get()
@@ -144,8 +177,11 @@ class EngineClient:
                     done[i] = out.finished
             return results
         finally:
-            for i, req in enumerate(reqs):
-                self._release(req.request_id, done[i])
+            unfinished = [r.request_id for i, r in enumerate(reqs) if not done[i]]
+            for r in reqs:
+                self._queues.pop(r.request_id, None)
+            if unfinished and self.core is not None:
+                self.core.abort(unfinished)
 
 
 class RequestStream:

@@ -1,9 +1,10 @@
-"""The FastAPI app factory and its lifespan (engine start-up and shutdown).
+"""The FastAPI app factory and its lifespan (engine core start-up and shutdown).
 
 `create_app(settings)` wires: the engine client (admission + per-request queues), the engine
-(built in the lifespan, on a worker thread, because loading a model takes seconds), metrics,
-error handlers, the access-log middleware and the routers. Handlers find everything on
-`app.state`: `settings`, `client`, `engine`, `metrics`.
+core (a process of its own, started in the lifespan unless `core` names one already running,
+as with `--api-server-count N`), metrics, error handlers, the access-log middleware and the
+routers. Handlers find everything on `app.state`: `settings`, `client`, `engine` (an
+`app.engine_view.EngineView`), `metrics`.
 """
 
 from __future__ import annotations
@@ -22,30 +23,31 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.client import EngineClient
 from app.common import Trace, log_request
+from app.engine_view import EngineView, load_frontend_tokenizer
 from app.errors import install_error_handlers
 from app.metrics import Metrics
 from app.settings import Settings
 from runtime.config import EngineConfig
-from runtime.request import RequestOutput
+from runtime.core.client import EngineCoreClient
+from runtime.core.process import CoreHandle, default_engine_factory, start_engine_core
+from runtime.request import EngineOutput
 
 log = logging.getLogger("greenlane.app")
 
-EngineFactory = Callable[[EngineConfig, Callable[[RequestOutput], None]], Any]
+# engine_factory(config, sink) builds the engine inside the engine core process: it must be
+# picklable (a module-level callable), e.g. runtime.engine.Engine or a test's fake engine.
+EngineFactory = Callable[[EngineConfig, Callable[[list[EngineOutput]], None]], Any]
 
 # Paths whose requests are logged at DEBUG, not INFO (probes and scrapers would flood the log).
 _QUIET_PATHS = ("/health", "/metrics", "/admin")
 
 
-def _real_engine(config: EngineConfig, sink: Callable[[RequestOutput], None]) -> Any:
-    from runtime.engine import Engine  # imported lazily: loads torch
-
-    return Engine(config, sink)
-
-
 def stop_engine(app: FastAPI, grace_s: float) -> None:
     """Stop admitting, let running requests finish within `grace_s`, abort the rest.
 
-    Idempotent and thread-safe: the signal handler and the lifespan both call it."""
+    Idempotent; call it from any thread but the event loop's (the signal handler's drain
+    thread, the lifespan's worker thread). An API server that does not own the engine core
+    (one of several) only stops admitting: the launcher shuts the core down."""
     state = app.state
     with state.stop_lock:
         if state.engine_stopped:
@@ -53,9 +55,24 @@ def stop_engine(app: FastAPI, grace_s: float) -> None:
         state.engine_stopped = True
     state.client.start_draining()
     engine = getattr(state, "engine", None)
-    if engine is not None:
-        log.info("shutting down the engine (grace %.1f s)", grace_s)
-        engine.shutdown(grace_s)
+    loop = getattr(state, "loop", None)
+    if engine is None or loop is None or not state.owns_core:
+        return
+    log.info("shutting down the engine (grace %.1f s)", grace_s)
+    fut = asyncio.run_coroutine_threadsafe(engine.shutdown(grace_s), loop)
+    try:
+        fut.result(timeout=grace_s + 60.0)
+    except Exception as e:  # noqa: BLE001 - a dead core needs no shutdown
+        log.warning("engine shutdown: %s", e)
+
+
+def _join_core(process: Any, timeout_s: float = 30.0) -> None:
+    """Wait for the engine core process to exit after its shutdown; kill it if it hangs."""
+    process.join(timeout_s)
+    if process.is_alive():
+        log.warning("the engine core did not exit in %.0f s: killing it", timeout_s)
+        process.kill()
+        process.join(5)
 
 
 class AccessLogMiddleware:
@@ -109,35 +126,61 @@ class AccessLogMiddleware:
 
 
 def create_app(
-    settings: Settings | None = None, engine_factory: EngineFactory | None = None
+    settings: Settings | None = None,
+    engine_factory: EngineFactory | None = None,
+    core: CoreHandle | None = None,
 ) -> FastAPI:
-    """Build the app. `engine_factory(config, sink)` makes the engine (tests pass a fake)."""
+    """Build the app. Its lifespan starts an engine core process with `engine_factory(config,
+    sink)` (default: the real engine; tests pass a fake), or connects to the running `core`."""
     settings = settings or Settings()
-    factory = engine_factory or _real_engine
+    factory = engine_factory or default_engine_factory
     metrics = Metrics()
-    client = EngineClient(max_in_flight=settings.max_num_seqs + settings.max_queue)
+    client = EngineClient(
+        max_in_flight=settings.max_num_seqs + settings.max_queue, max_queue=settings.max_queue
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loop = asyncio.get_running_loop()
-        config = settings.to_engine_config()
-        log.info("starting engine: model=%s served as %r", config.model, settings.model_name)
-        engine = await asyncio.to_thread(factory, config, client.sink)
-        client.attach(engine, loop)
+        app.state.loop = asyncio.get_running_loop()
+        process = None
+        handle = core
+        if handle is None:
+            config = settings.to_engine_config()
+            log.info(
+                "starting engine core: model=%s served as %r", config.model, settings.model_name
+            )
+            handle, process = await asyncio.to_thread(
+                start_engine_core, config, factory, log_level=settings.log_level
+            )
+        app.state.owns_core = process is not None
+        tokenizer = await asyncio.to_thread(load_frontend_tokenizer, handle.info)
+        core_client = EngineCoreClient(handle, tokenizer, process=process)
+        try:
+            await core_client.start()
+        except Exception:
+            if process is not None:
+                process.kill()
+            raise
+        client.attach(core_client)
+        engine = EngineView(core_client, handle.info, tokenizer)
         app.state.engine = engine
         metrics.bind_engine(engine.stats, lambda: client.num_in_flight)
-        engine.start()
-        log.info("engine ready: max_model_len=%s", getattr(engine, "max_model_len", "?"))
+        log.info("engine ready: max_model_len=%s", engine.max_model_len)
         try:
             yield
         finally:
             await asyncio.to_thread(stop_engine, app, settings.shutdown_grace_s)
+            await core_client.close()
+            if process is not None:
+                await asyncio.to_thread(_join_core, process)
 
     app = FastAPI(title="Greenlane", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.client = client
     app.state.metrics = metrics
     app.state.engine = None
+    app.state.loop = None
+    app.state.owns_core = False
     app.state.engine_stopped = False
     app.state.stop_lock = threading.Lock()
 

@@ -58,6 +58,13 @@ class ServerSettings(BaseSettings):
         description="on SIGTERM/SIGINT, let running requests finish this long, then abort",
     )
     log_level: str = Field("info", description="debug | info | warning | error")
+    api_server_count: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="HTTP front-end processes (tokenizing, detokenizing, SSE), sharing the port "
+        "and one engine core process",
+    )
     calibrate: bool = Field(
         False,
         description="profile prefill times on this device at start-up (before serving), save the "

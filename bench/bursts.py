@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from runtime.config import EngineConfig
-from runtime.request import Request, RequestKind, RequestOutput
+from runtime.request import EngineOutput, Request, RequestKind
 
 
 def git_revision() -> str:
@@ -37,16 +37,17 @@ class Burst:
     """Collects the finished outputs of one burst."""
 
     def __init__(self) -> None:
-        self.finished: dict[str, RequestOutput] = {}
+        self.finished: dict[str, EngineOutput] = {}
         self.expected = 0
         self.done = threading.Event()
         self._lock = threading.Lock()
 
-    def sink(self, out: RequestOutput) -> None:
-        if not out.finished:
-            return
+    def sink(self, outs: list[EngineOutput]) -> None:
+        """The engine's sink: one step's outputs."""
         with self._lock:
-            self.finished[out.request_id] = out
+            for out in outs:
+                if out.finished:
+                    self.finished[out.request_id] = out
             if len(self.finished) >= self.expected:
                 self.done.set()
 

@@ -443,15 +443,16 @@ class Sink:
         self.tokens: dict[str, list[int]] = {}
         self.cv = threading.Condition()
 
-    def __call__(self, o: Any) -> None:
+    def __call__(self, outs: list[Any]) -> None:  # one engine step's outputs
         now = time.monotonic()
         with self.cv:
-            if o.new_token_ids:
-                self.events.setdefault(o.request_id, []).append(now)
-                self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-            if o.finished:
-                self.done[o.request_id] = o
-                self.cv.notify_all()
+            for o in outs:
+                if o.new_token_ids:
+                    self.events.setdefault(o.request_id, []).append(now)
+                    self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finished:
+                    self.done[o.request_id] = o
+            self.cv.notify_all()
 
     def wait(self, ids: list[str], timeout_s: float) -> bool:
         with self.cv:

@@ -21,7 +21,7 @@ import torch
 
 from runtime.config import EngineConfig
 from runtime.engine import Engine
-from runtime.request import Request, RequestKind, RequestOutput, SamplingParams
+from runtime.request import EngineOutput, Request, RequestKind, SamplingParams
 
 
 def main() -> None:
@@ -41,12 +41,13 @@ def main() -> None:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "checks": {},
     }
-    outs: dict[str, list[RequestOutput]] = {}
+    outs: dict[str, list[EngineOutput]] = {}
     cv = threading.Condition()
 
-    def sink(o: RequestOutput) -> None:
+    def sink(step_outs: list[EngineOutput]) -> None:  # one engine step's outputs
         with cv:
-            outs.setdefault(o.request_id, []).append(o)
+            for o in step_outs:
+                outs.setdefault(o.request_id, []).append(o)
             cv.notify_all()
 
     t0 = time.perf_counter()

@@ -1282,7 +1282,7 @@ def _engine(model: str = "random:llama-3.1-8b", **kw: Any):
 
 def _decode_plan(engine, B: int, ctx: int, step: int):
     from runtime.request import Request, RequestKind, SamplingParams
-    from runtime.scheduler import ScheduledSeq, StepPlan
+    from runtime.scheduler import Lease, ScheduledSeq, StepPlan
 
     seqs = []
     nb = (ctx + 1 + 15) // 16
@@ -1290,26 +1290,37 @@ def _decode_plan(engine, B: int, ctx: int, step: int):
         rid = f"dec{B}_{i}"
         blocks = engine.block_manager.allocate(rid, nb)
         req = Request(rid, RequestKind.GENERATE, [1] * ctx, sampling=SamplingParams(max_tokens=8))
+        # Decode inputs come from the device token table (row i: whatever it holds).
+        slot = i % engine.runner.token_slots.shape[0]
         seqs.append(
             ScheduledSeq(
                 request=req,
+                lease=Lease(req, rid, slot),
                 num_context_tokens=ctx,
                 num_new_tokens=1,
                 num_kept_tokens=ctx + 1,
                 block_ids=list(blocks),
-                input_ids=[(7 * i + 3) % 1000],
+                input_ids=[],
                 needs_output=True,
+                samples=True,
             )
         )
     return StepPlan(step_id=step, decode=seqs), [s.request.request_id for s in seqs]
+
+
+def _sample_and_wait(runner, hidden, wanting) -> None:
+    """LM head + sampling + the host waiting for the tokens (a decode step's tail)."""
+    from runtime.runner import PendingOutput
+
+    pending = PendingOutput(runner.device)
+    runner.outputs_from_hidden(hidden, wanting, pending)
+    pending.seal().result()
 
 
 def _decode_host_breakdown(engine, plan) -> dict[str, float]:
     """Where an engine decode step's wall time goes (median ms of 20): enqueueing the
     forward (batch build, plan, input copies, graph launch), waiting for it on the GPU, and
     LM head + sampling + the host transfer."""
-    from runtime.scheduler import RunnerOutput
-
     runner = engine.runner
     enq, fwd, tail = [], [], []
     with torch.inference_mode():
@@ -1320,7 +1331,7 @@ def _decode_host_breakdown(engine, plan) -> dict[str, float]:
             t1 = time.perf_counter()
             torch.cuda.synchronize()
             t2 = time.perf_counter()
-            runner.outputs_from_hidden(hidden, wanting, RunnerOutput())
+            _sample_and_wait(runner, hidden, wanting)
             t3 = time.perf_counter()
             enq.append(t1 - t0)
             fwd.append(t2 - t0)
@@ -1362,7 +1373,7 @@ def _decode_host_breakdown(engine, plan) -> dict[str, float]:
             host_us("graphs_run_total", lambda: graphs.run(batch))
             host_us(
                 "lm_head_and_sample",
-                lambda: runner.outputs_from_hidden(graphs.run(batch), list(seqs), RunnerOutput()),
+                lambda: _sample_and_wait(runner, graphs.run(batch), list(seqs)),
             )
 
     import cProfile
@@ -1586,9 +1597,8 @@ def section_correctness() -> dict:
     got: list[int] = []
     done = __import__("threading").Event()
 
-    def sink(o):
-        if o.finished:
-            got.extend(o.token_ids if hasattr(o, "token_ids") else [])
+    def sink(outs):  # the engine calls its sink with one step's outputs
+        if any(o.finished for o in outs):
             done.set()
 
     from runtime.config import EngineConfig
@@ -1743,7 +1753,7 @@ def _mil_probe_fn(
     from runtime.kv_pool import KVPool
     from runtime.request import Request, RequestKind
     from runtime.runner import ModelRunner, OutOfMemoryForStep
-    from runtime.scheduler import ScheduledSeq, StepPlan
+    from runtime.scheduler import Lease, ScheduledSeq, StepPlan
 
     dev = _dev()
     econf = EngineConfig(
@@ -1779,6 +1789,7 @@ def _mil_probe_fn(
             kept = 0 if hybrid_discard else T
             seq = ScheduledSeq(
                 request=req,
+                lease=Lease(req, "mil", -1),
                 num_context_tokens=0,
                 num_new_tokens=T,
                 num_kept_tokens=kept,
@@ -2091,11 +2102,12 @@ def _ours_score(eng, prompts: list[list[int]], labels: list[int], tag: str) -> t
     results: dict[str, Any] = {}
     eng._sink = None  # replaced below; the engine calls self._sink(out)
 
-    def sink(o) -> None:
-        if o.finished:
-            results[o.request_id] = o.label_probs if o.finish_reason != "error" else o
-            if len(results) == len(prompts):
-                done.set()
+    def sink(outs) -> None:  # one engine step's outputs
+        for o in outs:
+            if o.finished:
+                results[o.request_id] = o.label_probs if o.finish_reason != "error" else o
+        if len(results) == len(prompts):
+            done.set()
 
     eng._sink = sink
     t0 = time.perf_counter()

@@ -60,6 +60,10 @@ class BlockManager:
     def has(self, request_id: str) -> bool:
         return request_id in self._tables
 
+    def num_offered_blocks(self, request_id: str) -> int:
+        """How many of the table's leading blocks were offered to the prefix cache."""
+        return self._num_cached_blocks.get(request_id, 0)
+
     def table(self, request_id: str) -> list[int]:
         """The request's block ids in position order (the live list: do not mutate)."""
         return self._tables[request_id]

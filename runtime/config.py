@@ -40,6 +40,12 @@ class EngineConfig:
     # instead of computing them a second time in the same batch. 0 = off.
     wait_for_shared_prefix_tokens: int = 256
     cuda_graphs: bool = True
+    # Plan and launch step N+1 while the device runs step N (sampled tokens feed the next
+    # step on the device; the host sees them one step later). False: one step at a time.
+    overlap_scheduling: bool = True
+    # A long scoring prompt next to running decodes is prefilled in budget-sized chunks when
+    # the KV pool can hold its whole prompt until it finishes (else whole, hybrid prefill).
+    chunk_scoring_prefill: bool = True
     # Decode graphs of batches up to this size run the fused Triton decode kernels
     # (runtime/fused_decode.py; at most 8) instead of FlashInfer + cuBLAS. 0 = never. Default
     # 1: measured on the H200, the fused kernels lose from batch 2 on (docs/benchmarks.md).

@@ -1,24 +1,36 @@
-"""`Engine`: the background thread that owns all model work.
+"""`Engine`: the thread that owns all model work, and its one step loop.
 
-The app calls `add`, `abort`, `set_policy`, `stats` from any thread; they only touch a locked
-inbox (or a published stats snapshot). The engine thread loops:
-    drain inbox (add / abort / policy / failures) -> wait if idle ->
-    plan = scheduler.schedule() -> out = runner.run(plan) -> outputs = scheduler.update(plan, out)
-    -> sink(output) for each output
-The sink is called on the engine thread; it must not block (the app hops to its event loop).
+Other threads call `add`, `abort`, `set_policy`, `reset_prefix_cache`, `stats`: they only touch
+a locked inbox (or the stats snapshot, published at a fixed rate). The engine thread loops:
 
-Partitioning: `engine.partition` is a `runtime.partition.PartitionManager`. On CUDA with green
-contexts it is a `GreenContextPartition` (pairs pre-created at start-up, whatever the initial
-mode, so the admin page can switch at run time); elsewhere an `UnavailablePartition` that says
-why. While its mode is not `off` the loop runs `runtime.pd_loop.PDLoop` (prefill and decode
-concurrently on a pair of SM partitions, or time-sliced when the controller predicts that is
-faster); `off` is the monolithic step below. Mode changes from other threads reach the engine
-thread through the inbox.
+    apply the inbox (add / abort / policy / calls)
+    plan = scheduler.schedule(executor.capacity())      # token ids, no text
+    executor.launch(plan)                               # enqueue on the device, do not wait
+    for result in executor.results(block=...):          # steps launched earlier
+        outputs += scheduler.update(result.plan, result.output)
+    sink(outputs)                                       # EngineOutputs: token ids, one batch
 
-Failure containment: when a batched step raises, its requests are re-run one by one; only those
-that fail alone finish with FINISHED_ERROR (their KV is freed), and the loop keeps serving the
-others. Invalid requests
+Overlapped (`overlap_scheduling`, default on): one step stays queued ahead of the one whose
+results are applied, so the host plans and launches step N+1 while the device runs step N;
+step N's sampled tokens feed step N+1 on the device (runtime/runner.py token slots) and reach
+the host one step later (runtime/scheduler.py). Off: each step is collected before the next is
+planned. Greedy outputs are the same either way.
+
+Executors (runtime/executor/): `SerialExecutor` (the whole device; CPU too) and, on CUDA with
+green contexts, `SplitExecutor` (prefill and decode concurrently on a pair of SM partitions,
+or time-sliced when the controller predicts that is faster) while the partition mode is not
+`off`. Switching executors drains the old one first. `engine.partition` is a
+`runtime.partition.PartitionManager` (`UnavailablePartition` off CUDA, saying why).
+
+Failure containment: a step whose launch raises is re-run one request at a time after the
+steps before it have been collected, so only the request(s) at fault finish with
+FINISHED_ERROR and the loop keeps serving the others; a split whose work failed while the same
+requests then ran fine on the whole GPU is taken out of service. An asynchronous device error
+found when collecting a step fails the requests of every step in flight. Invalid requests
 (empty prompt, ids outside the vocabulary, too long) are failed one by one at `add`.
+
+Stats (`stats()`) are a snapshot rebuilt at most every `STATS_INTERVAL_S` on the engine thread
+(and when it goes idle), never per step; counters are O(1) per step.
 """
 
 from __future__ import annotations
@@ -39,6 +51,10 @@ from runtime.attention.torch_backend import TorchAttentionBackend
 from runtime.blas_sm_target import shared_blas_sm_target
 from runtime.block_manager import BlockManager
 from runtime.config import EngineConfig
+from runtime.executor.base import StepFailed, StepResult
+from runtime.executor.serial import SerialExecutor
+from runtime.executor.split import SplitChoice, SplitExecutor
+from runtime.executor.streams import stream_device_for
 from runtime.kv_pool import (
     CUDA_SAFETY_BYTES,
     NUM_RESERVED_BLOCKS,
@@ -50,15 +66,16 @@ from runtime.kv_pool import (
 from runtime.loader import load_model
 from runtime.partition import PartitionManager
 from runtime.partition_setup import capture_split_graphs, make_partition, profile_at_startup
-from runtime.pd_loop import CudaStreamDevice, PDLoop, SplitChoice, StepFailed
 from runtime.prefix_cache import PrefixCache
-from runtime.request import FINISH_REASONS, Request, RequestKind, RequestOutput, RequestStatus
+from runtime.request import FINISH_REASONS, EngineOutput, Request, RequestKind, RequestStatus
 from runtime.runner import ModelRunner, profile_activation_peak
-from runtime.scheduler import ScheduledSeq, Scheduler, StepPlan
+from runtime.scheduler import Lease, ScheduledSeq, Scheduler, StepPlan
 
 log = logging.getLogger("greenlane.engine")
 
-Sink = Callable[[RequestOutput], None]
+STATS_INTERVAL_S = 0.25
+
+Sink = Callable[[list[EngineOutput]], None]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -107,6 +124,8 @@ def make_attention_backend(
 
 class Engine:
     def __init__(self, config: EngineConfig, sink: Sink) -> None:
+        """sink(outputs) is called on the engine thread once per loop iteration with every
+        output of that iteration; it must not block."""
         self.config = config
         self._sink = sink
         self.device, self.dtype = resolve_device_dtype(config)
@@ -161,7 +180,7 @@ class Engine:
         )
         self.policy = self._make_policy(config.prefill_policy)
         self.scheduler = Scheduler(
-            config, self.block_manager, self.policy, tokenizer, model_config.eos_token_ids
+            config, self.block_manager, self.policy, model_config.eos_token_ids
         )
         self.partition: PartitionManager = self._make_partition()
         # Split mode runs prefill and decode at the same time: each needs its own backend
@@ -180,26 +199,27 @@ class Engine:
             decode_backend,
             max_model_len=self._max_model_len,
             num_sampleable_tokens=tokenizer.vocab_size,
+            num_token_slots=self.scheduler.slots.num_slots,
         )
-        self.pd: PDLoop | None = None
-        self._pd_active = False  # the last step ran in the PD loop (stream fencing on switch)
+        gemm_target = shared_blas_sm_target(config.split_gemm_sm_target)
+        self.stream_device = stream_device_for(self.device, gemm_target)
+        self.serial = SerialExecutor(config, self.runner, self.stream_device)
+        self.split: SplitExecutor | None = None
         if self._green is not None and self._partition_choice.action == "profile":
             self._profile_partition()
         if self._green is not None:
-            capture_split_graphs(
-                self.runner, self._green, shared_blas_sm_target(config.split_gemm_sm_target)
-            )
-            self.pd = PDLoop(
-                self.scheduler,
+            capture_split_graphs(self.runner, self._green, gemm_target)
+            self.split = SplitExecutor(
+                config,
                 self.runner,
-                CudaStreamDevice(shared_blas_sm_target(config.split_gemm_sm_target)),
+                self.stream_device,
                 self._choose_split,
                 self._green.observe,
-                slice_tokens=config.pd_slice_tokens,
-                max_queued_slices=config.pd_max_queued_slices,
-                chunk_tokens=config.prefill_chunk_tokens if config.hybrid_prefill else None,
                 split_usable=lambda sms: sms not in self._green.disabled,
             )
+        self.executor: SerialExecutor | SplitExecutor = self.serial
+        # Steps kept queued ahead of the one being collected (overlapped scheduling).
+        self._max_in_flight = 1 if config.overlap_scheduling else 0
 
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
@@ -210,7 +230,15 @@ class Engine:
         self._crashed: BaseException | None = None
         self._num_failed_steps = 0
         self._num_failed_requests = 0  # requests failed by a model error (not by input)
+        # Device time of decode steps and device idle between consecutive decode steps (the
+        # host was late): their ratio is the GPU idle fraction of a decode-bound server.
+        self._decode_device_s = 0.0
+        self._decode_idle_s = 0.0
+        self._num_decode_steps = 0
+        self._prev_had_decode = False
+        self._step_started_s: float | None = None  # engine clock at the current step's start
         self._stats: dict[str, Any] = {}
+        self._next_stats_s = 0.0
         if self._green is not None:
             self._green.submit = self._submit_call
         self._publish_stats()
@@ -339,6 +367,27 @@ class Engine:
         discard). This is the stricter (generation) limit."""
         return min(self._max_model_len, self.kv_pool_tokens - 1)
 
+    def info(self) -> dict[str, Any]:
+        """What a front end needs to know about this engine (plain values, picklable): limits,
+        vocabulary, EOS ids, device, and where its tokenizer comes from."""
+        from runtime.loader import tokenizer_dir
+
+        return {
+            "model": self.config.model,
+            "max_model_len": self.max_model_len,
+            "max_prompt_tokens": self.max_prompt_tokens,
+            "max_score_tokens": self.max_score_tokens,
+            "kv_pool_tokens": self.kv_pool_tokens,
+            "vocab_size": self.model_config.vocab_size,
+            "eos_token_ids": list(self.model_config.eos_token_ids),
+            "max_position_embeddings": self.model_config.max_position_embeddings,
+            "device": str(self.device),
+            "device_name": self.device_name,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "tokenizer_dir": str(tokenizer_dir(self.config.model)),
+            "max_num_seqs": self.config.max_num_seqs,
+        }
+
     # ---- thread-safe API ------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is not None:
@@ -351,26 +400,47 @@ class Engine:
 
     def add(self, req: Request) -> None:
         """Queue a request. Invalid or late requests get a final error/abort output."""
-        try:
-            error = self.validate(req)
-        except Exception as e:  # noqa: BLE001 - malformed input must fail only this request
-            error = f"invalid request: {type(e).__name__}: {e}"
+        self.add_many([req])
+
+    def add_many(self, reqs: list[Request]) -> None:
+        """Queue requests together (e.g. the items of one score call), so one step can take
+        them all. Invalid or late ones get a final error/abort output."""
+        failed: list[EngineOutput] = []
+        checked = []
+        for req in reqs:
+            try:
+                error = self.validate(req)
+            except Exception as e:  # noqa: BLE001 - malformed input must fail only this request
+                error = f"invalid request: {type(e).__name__}: {e}"
+            checked.append((req, error))
         with self._lock:
-            if error is None and not self._accepting:
-                error = "the engine is shutting down"
             started = self._thread is not None
-            if not self._accepting or (started and not self._thread.is_alive()):  # type: ignore[union-attr]
-                deliver_now = True  # shutting down, or the loop has exited (crash)
-            else:
-                deliver_now = False
-                self._inbox.append(("add", req) if error is None else ("fail", (req, error)))
-                self._wakeup.notify()
-        if deliver_now:
-            self._emit(self._failed_output(req, error or "the engine is not running"))
+            dead = started and not self._thread.is_alive()  # type: ignore[union-attr]
+            for req, error in checked:
+                if not self._accepting or dead:
+                    failed.append(
+                        _failed_output(
+                            req,
+                            error or "the engine is not running",
+                            RequestStatus.FINISHED_ABORTED
+                            if not self._accepting and error is None
+                            else RequestStatus.FINISHED_ERROR,
+                        )
+                    )
+                elif error is not None:
+                    self._inbox.append(("fail", (req, error)))
+                else:
+                    self._inbox.append(("add", req))
+            self._wakeup.notify()
+        if failed:
+            self._deliver(failed)
 
     def abort(self, request_id: str) -> None:
+        self.abort_many([request_id])
+
+    def abort_many(self, request_ids: list[str]) -> None:
         with self._lock:
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(("abort", list(request_ids)))
             self._wakeup.notify()
 
     def set_policy(self, name: str) -> None:
@@ -419,6 +489,7 @@ class Engine:
             )
             seq = ScheduledSeq(
                 request=req,
+                lease=Lease(req, rid, -1),
                 num_context_tokens=cached_tokens,
                 num_new_tokens=uncached_tokens,
                 num_kept_tokens=cached_tokens,
@@ -430,14 +501,31 @@ class Engine:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             t0 = time.perf_counter()
-            self.runner.run(plan)  # ends in .tolist(): synchronised
+            self.runner.run(plan)  # waits for the outputs
             return time.perf_counter() - t0
         finally:
             self.block_manager.free(rid)
 
     def stats(self) -> dict[str, Any]:
+        """The latest published snapshot (at most STATS_INTERVAL_S old while busy)."""
         with self._lock:
             return dict(self._stats)
+
+    def fresh_stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """A snapshot built for this call on the engine thread, between two steps (tests and
+        benchmarks; falls back to the latest snapshot after `timeout_s`)."""
+        if self._thread is None or not self._thread.is_alive():
+            self._publish_stats()
+            return self.stats()
+        done = threading.Event()
+
+        def publish() -> None:
+            self._publish_stats()
+            done.set()
+
+        self._submit_call(publish)
+        done.wait(timeout_s)
+        return self.stats()
 
     def shutdown(self, grace_s: float = 0.0) -> None:
         """Stop admitting; let queued and running requests finish within `grace_s`; abort the
@@ -494,52 +582,54 @@ class Engine:
         return None
 
     # ---- engine thread ------------------------------------------------------------------------
+    def _has_work(self) -> bool:
+        return self.scheduler.has_work() or self.executor.num_in_flight > 0
+
     def _loop(self) -> None:
         try:
             while True:
                 with self._lock:
                     while (
-                        not self._inbox
-                        and not self.scheduler.has_work()
-                        and self._stop_deadline_s is None
+                        not self._inbox and not self._has_work() and self._stop_deadline_s is None
                     ):
-                        self._wakeup.wait()
+                        self._publish_stats_locked()  # idle: the snapshot is exact
+                        self._wakeup.wait(timeout=STATS_INTERVAL_S)
                     items = list(self._inbox)
                     self._inbox.clear()
                     deadline = self._stop_deadline_s
+                outputs: list[EngineOutput] = []
                 for kind, payload in items:
-                    self._handle(kind, payload)
-                if deadline is not None and (
-                    time.monotonic() >= deadline or not self.scheduler.has_work()
-                ):
-                    self._abort_everything()
+                    outputs += self._handle(kind, payload)
+                if deadline is not None and (time.monotonic() >= deadline or not self._has_work()):
+                    self._deliver(outputs + self._abort_everything())
                     self._publish_stats()
                     return
-                outputs = self._step() if self.scheduler.has_work() else []
-                # Publish before emitting: whoever sees a final output then sees stats that
-                # already reflect it (blocks freed, counters updated).
-                self._publish_stats()
-                self._emit_all(outputs)
+                if self._has_work():
+                    outputs += self._step()
+                self._deliver(outputs)
+                if time.monotonic() >= self._next_stats_s:
+                    self._publish_stats()
         except BaseException as e:  # a bug outside step containment: say so, stop serving
             self._crashed = e
             log.exception("engine loop crashed")
             raise
 
-    def _handle(self, kind: str, payload: Any) -> None:
+    def _handle(self, kind: str, payload: Any) -> list[EngineOutput]:
         if kind == "add":
             req: Request = payload
             if self.scheduler.get(req.request_id) is not None:
-                self._emit(self._failed_output(req, f"duplicate request id {req.request_id!r}"))
-                return
+                return [_failed_output(req, f"duplicate request id {req.request_id!r}")]
             self.scheduler.add(req)
         elif kind == "fail":
             req, error = payload
-            self._emit(self._failed_output(req, error))
+            return [_failed_output(req, error)]
         elif kind == "abort":
-            out = self.scheduler.abort(payload)
-            if out is not None:
-                self.runner.release(payload)
-                self._emit(out)
+            outs = []
+            for rid in payload:
+                out = self.scheduler.abort(rid)
+                if out is not None:
+                    outs.append(out)
+            return outs
         elif kind == "policy":
             self.policy = payload
             self.scheduler.set_policy(payload)
@@ -548,164 +638,191 @@ class Engine:
         elif kind == "reset_prefix_cache":
             num_dropped = self.block_manager.drop_cached_blocks()
             log.info("prefix cache reset: %d idle blocks dropped", num_dropped)
+        return []
 
-    def _step(self) -> list[RequestOutput]:
-        """One loop iteration: the PD loop while partitioning is on (or a prefill of it is
-        still in flight), else the monolithic step."""
-        pd = self.pd
-        if pd is not None and (self._green.mode != "off" or pd.busy):
-            if not self._pd_active:
-                pd.enter(self._main_stream())
-            self._pd_active = True
-            try:
-                return pd.step()
-            except StepFailed as e:
-                self._num_failed_steps += 1
-                log.exception("split-mode step failed (%d requests)", len(e.plan.seqs))
-                pd.fence(self._main_stream())
-                self._pd_active = False  # the re-run below is monolithic
-                failed_before = self._num_failed_requests
-                outputs = self._rerun_one_by_one(e.plan)
-                if self._num_failed_requests == failed_before and e.prefill_sms:
-                    # Every request ran fine on the whole GPU: the split itself is broken
-                    # (seen on the H200: cuBLAS failing on a 12-SM decode remainder). Never
-                    # use it again rather than fail-and-re-run every step.
-                    self._green.disable_split(
-                        e.prefill_sms, f"work on it failed, then ran fine on the whole GPU: {e}"
-                    )
-                return outputs
-        if pd is not None and self._pd_active:
-            pd.fence(self._main_stream())
-            self._pd_active = False
-        return self._monolithic_step()
-
-    def _main_stream(self) -> Any:
-        """The stream monolithic steps run on: the engine thread's current CUDA stream (the
-        PD loop's host stand-in on CPU, where tests drive split mode)."""
-        if self.device.type == "cuda":
-            return torch.cuda.current_stream(self.device)
-        assert self.pd is not None
-        return self.pd.device.current_stream()
-
-    def _monolithic_step(self) -> list[RequestOutput]:
-        """One schedule -> run -> update; returns the outputs to emit."""
-        plan: StepPlan | None = None
-        try:
-            plan = self.scheduler.schedule()
-        except Exception as e:  # noqa: BLE001 - bookkeeping bug: fail everything queued
-            log.exception("scheduling failed")
-            ids = [r.request_id for r in self.scheduler.running + self.scheduler.waiting]
-            return self.scheduler.fail(ids, f"internal scheduler error: {e!r}")
-        outputs = self.scheduler.take_pending_outputs()
-        if plan.is_empty:
-            if not outputs:
-                time.sleep(0.001)  # nothing runnable (should not happen): do not spin hot
-            return outputs
-        try:
-            t0 = time.perf_counter()
-            result = self.runner.run(plan)
-            self._observe_prefill(plan, time.perf_counter() - t0)
-            outputs += self.scheduler.update(plan, result)
-        except Exception as e:  # noqa: BLE001 - contain it to the request at fault
-            self._num_failed_steps += 1
-            log.exception("model step failed (%d requests in the step)", len(plan.seqs))
-            if len(plan.seqs) == 1:
-                outputs += self._fail_seq(plan.seqs[0], e)
-            else:
-                outputs += self._rerun_one_by_one(plan)
+    def _pick_executor(self) -> list[EngineOutput]:
+        """The split executor while partitioning is on (or its work is still in flight), else
+        the serial one; a switch drains the old executor first."""
+        split = self.split
+        want: SerialExecutor | SplitExecutor = self.serial
+        if split is not None and (self._green.mode != "off" or split.busy):
+            want = split
+        if want is self.executor:
+            return []
+        outputs = self._drain()
+        main = self.stream_device.current_stream()
+        if want is self.serial and split is not None:
+            split.fence(main)
+        elif split is not None:
+            split.enter(main)
+        self.executor = want
         return outputs
 
-    def _rerun_one_by_one(self, plan: StepPlan) -> list[RequestOutput]:
-        """A batched step raised: run each of its requests alone, so only the one(s) at
-        fault fail and their batch mates carry on. Re-running is safe: the failed step's
-        partial KV writes go to the same slots and are overwritten."""
-        outputs: list[RequestOutput] = []
+    def _step(self) -> list[EngineOutput]:
+        """One iteration of the step loop: schedule -> launch -> apply what came back."""
+        outputs = self._pick_executor()
+        ex = self.executor
+        sched = self.scheduler
+        planned = False
+        if sched.has_work():
+            try:
+                plan = sched.schedule(ex.capacity())
+            except Exception as e:  # noqa: BLE001 - bookkeeping bug: fail everything queued
+                log.exception("scheduling failed")
+                ids = [r.request_id for r in sched.running + sched.waiting]
+                return outputs + sched.fail(ids, f"internal scheduler error: {e!r}")
+            outputs += sched.take_pending_outputs()
+            if not plan.is_empty:
+                self._step_started_s = time.monotonic()
+                try:
+                    ex.launch(plan)
+                    planned = True
+                except StepFailed as e:
+                    return outputs + self._recover(e)
+        in_flight = ex.num_in_flight
+        block = in_flight > 0 and (in_flight > self._max_in_flight or not planned)
+        try:
+            results = ex.results(block)
+        except StepFailed as e:
+            return outputs + self._recover(e)
+        for r in results:
+            outputs += self._apply(r)
+        if not planned and not results and not outputs and ex.num_in_flight == 0:
+            time.sleep(0.001)  # nothing runnable now (e.g. waiting for KV): do not spin hot
+        if ex.num_in_flight == 0:
+            self._step_started_s = None
+        return outputs
+
+    def _apply(self, result: StepResult) -> list[EngineOutput]:
+        outputs = self.scheduler.update(result.plan, result.output)
+        self._observe(result)
+        for rid in self.scheduler.take_released():
+            self.runner.release(rid)
+        return outputs
+
+    def _observe(self, result: StepResult) -> None:
+        """Online JCT refinement from prefill-only steps (device time from events) and the
+        decode step / idle counters."""
+        plan = result.plan
+        if result.device_s is not None and result.is_prefill_only:
+            # Whatever the policy and executor: SRJF reads this model, and so does the
+            # prefill-backlog estimate replicas report for routing.
+            self.jct_model.observe_batch(
+                [(s.num_new_tokens, s.num_context_tokens) for s in plan.prefill],
+                result.device_s,
+            )
+        has_decode = bool(plan.decode)
+        if has_decode and result.device_s is not None:
+            self._decode_device_s += result.device_s
+            self._num_decode_steps += 1
+            if self._prev_had_decode and result.idle_before_s is not None:
+                self._decode_idle_s += result.idle_before_s
+        self._prev_had_decode = has_decode
+
+    def _drain(self) -> list[EngineOutput]:
+        """Collect everything the current executor has in flight."""
+        try:
+            results = self.executor.drain()
+        except StepFailed as e:
+            return self._recover(e)
+        outputs: list[EngineOutput] = []
+        for r in results:
+            outputs += self._apply(r)
+        return outputs
+
+    def _recover(self, failure: StepFailed) -> list[EngineOutput]:
+        """A step failed. A failed launch: collect the steps before it, then re-run its
+        requests one at a time so only the culprit(s) fail. A device error found when
+        collecting: every step in flight is suspect (later steps read its samples), so their
+        requests fail."""
+        self._num_failed_steps += 1
+        plan = failure.plan
+        log.error("step failed (%d requests): %s", len(plan.seqs), failure, exc_info=failure.cause)
+        sched = self.scheduler
+        outputs: list[EngineOutput] = []
+        if not failure.rerun_ok:
+            lost = [plan]
+            while self.executor.num_in_flight:
+                try:
+                    lost += [r.plan for r in self.executor.drain()]
+                except StepFailed as e:
+                    lost.append(e.plan)
+            msg = f"internal error while running the model: {failure}"
+            for p in lost:
+                sched.retire(p)
+                self._num_failed_requests += len(p.seqs)
+                outputs += sched.fail([s.request.request_id for s in p.seqs], msg)
+            return outputs
+        outputs += self._drain()
+        if len(plan.seqs) == 1 and not failure.prefill_sms:
+            return outputs + self._fail_seq(plan.seqs[0], failure.cause)  # the culprit
+        failed_before = self._num_failed_requests
         for seq in plan.seqs:
-            is_prefill = seq in plan.prefill
-            sub = StepPlan(
-                step_id=plan.step_id,
-                prefill=[seq] if is_prefill else [],
-                decode=[] if is_prefill else [seq],
+            sub = (
+                StepPlan(plan.step_id, prefill=[seq])
+                if seq in plan.prefill
+                else StepPlan(plan.step_id, decode=[seq])
             )
             try:
-                outputs += self.scheduler.update(sub, self.runner.run(sub))
+                outputs += sched.update(sub, self.executor.run_alone(sub))
             except Exception as e:  # noqa: BLE001 - this request is (one of) the culprits
                 log.exception("request %s failed when run alone", seq.request.request_id)
                 outputs += self._fail_seq(seq, e)
+        for rid in sched.take_released():
+            self.runner.release(rid)
+        if (
+            self._num_failed_requests == failed_before
+            and failure.prefill_sms
+            and self._green is not None
+        ):
+            # Every request ran fine on the whole GPU: the split itself is broken (seen on the
+            # H200: cuBLAS failing on a 12-SM decode remainder). Never use it again rather
+            # than fail-and-re-run every step.
+            self._green.disable_split(
+                failure.prefill_sms, f"work on it failed, then ran fine on the whole GPU: {failure}"
+            )
         return outputs
 
-    def _fail_seq(self, seq: ScheduledSeq, e: Exception) -> list[RequestOutput]:
+    def _fail_seq(self, seq: ScheduledSeq, e: BaseException) -> list[EngineOutput]:
         self._num_failed_requests += 1
+        self.scheduler.retire(StepPlan(-1, prefill=[seq]))
         msg = f"internal error while running the model: {type(e).__name__}: {e}"
         return self.scheduler.fail([seq.request.request_id], msg)
 
-    def _observe_prefill(self, plan: StepPlan, measured_s: float) -> None:
-        """Online JCT refinement: feed prefill-only steps to the policy's JCT model, if it
-        has one (srjf). Mixed steps are skipped: their time includes decode work.
-        Hazard: on CUDA the step time is only right if the runner synchronised (it does,
-        through `.tolist()`, whenever the step produced outputs)."""
-        jct = getattr(self.policy, "jct_model", None)
-        if jct is None or plan.decode or not plan.prefill:
-            return
-        if not all(s.needs_output for s in plan.prefill):
-            return  # a chunk that produced nothing was not synchronised on
-        items = [(s.num_new_tokens, s.num_context_tokens) for s in plan.prefill]
-        jct.observe_batch(items, measured_s)
-
-    def _abort_everything(self) -> None:
-        if self.pd is not None and self.pd.busy:
-            try:  # let the device finish writing the in-flight prefill's KV first
-                self._emit_all(self.pd.drain())
-            except Exception:  # noqa: BLE001 - shutting down anyway
-                log.exception("draining the in-flight prefill failed")
-        ids = [r.request_id for r in self.scheduler.running + self.scheduler.waiting]
-        for rid in ids:
-            out = self.scheduler.abort(rid)
+    def _abort_everything(self) -> list[EngineOutput]:
+        outputs = self._drain()
+        sched = self.scheduler
+        for rid in [r.request_id for r in sched.running + sched.waiting]:
+            out = sched.abort(rid)
             if out is not None:
-                self._emit(out)
+                outputs.append(out)
+        for rid in sched.take_released():
+            self.runner.release(rid)
         with self._lock:  # anything that arrived meanwhile
             items = list(self._inbox)
             self._inbox.clear()
         for kind, payload in items:
             if kind in ("add", "fail"):
                 req = payload if kind == "add" else payload[0]
-                self._emit(
-                    self._failed_output(
+                outputs.append(
+                    _failed_output(
                         req, "the engine is shutting down", RequestStatus.FINISHED_ABORTED
                     )
                 )
+        return outputs
 
-    def _emit_all(self, outputs: list[RequestOutput]) -> None:
-        for o in outputs:
-            self._emit(o)
-
-    def _emit(self, out: RequestOutput) -> None:
-        if out.finished:
-            self.runner.release(out.request_id)
+    def _deliver(self, outputs: list[EngineOutput]) -> None:
+        if not outputs:
+            return
         try:
-            self._sink(out)
+            self._sink(outputs)
         except Exception:  # noqa: BLE001 - a broken sink must not kill the engine
-            log.exception("output sink raised for request %s", out.request_id)
+            log.exception("output sink raised for %d outputs", len(outputs))
 
-    @staticmethod
-    def _failed_output(
-        req: Request, error: str, status: RequestStatus = RequestStatus.FINISHED_ERROR
-    ) -> RequestOutput:
-        req.status = status
-        req.error = error
-        req.finish_s = time.monotonic()
-        return RequestOutput(
-            request_id=req.request_id,
-            finished=True,
-            finish_reason=FINISH_REASONS[status],
-            error=error,
-            num_prompt_tokens=req.num_prompt_tokens,
-            e2e_s=req.finish_s - req.arrival_s,
-        )
-
+    # ---- stats ----------------------------------------------------------------------------------
     def _partition_stats(self) -> dict[str, Any]:
         st = self.partition.state()
-        g = self._green
+        g, sp = self._green, self.split
         return {
             "partition": st.mode,
             "partition_available": st.available,
@@ -713,20 +830,35 @@ class Engine:
             "decode_sms": st.decode_sms,
             "cost_model_mape": None if g is None else g.cost_model_mape(),
             "partition_disabled_splits": len(st.disabled_splits),
-            "pd_split_prefills": 0 if self.pd is None else self.pd.num_split_prefills,
-            "pd_layer_sliced_prefills": 0 if self.pd is None else self.pd.num_layer_sliced_prefills,
-            "pd_overlapped_decode_steps": (
-                0 if self.pd is None else self.pd.num_overlapped_decode_steps
-            ),
+            "pd_split_prefills": 0 if sp is None else sp.num_split_prefills,
+            "pd_layer_sliced_prefills": 0 if sp is None else sp.num_layer_sliced_prefills,
+            "pd_overlapped_decode_steps": 0 if sp is None else sp.num_overlapped_decode_steps,
         }
 
+    def prefill_backlog_s(self) -> float:
+        """Predicted seconds of prefill work queued now (JCT model over the waiting requests
+        and unfinished prefills): a routing signal for replicas."""
+        return sum(self.jct_model.predict_s(u, c) for u, c in self.scheduler.prefill_backlog())
+
     def _publish_stats(self) -> None:
+        with self._lock:
+            self._publish_stats_locked()
+
+    def _publish_stats_locked(self) -> None:
+        """Rebuild the snapshot (caller holds the lock or is the engine thread before it
+        starts). Not per step: at most every STATS_INTERVAL_S, and when going idle."""
         bm = self.block_manager
         cache = bm.prefix_cache
         s = self.scheduler
+        step_s = self._step_started_s
         snap = {
             "num_waiting": s.num_waiting,
             "num_running": s.num_running,
+            "num_held": s.num_held,
+            "num_steps_in_flight": self.executor.num_in_flight,
+            "step_running_s": None if step_s is None else time.monotonic() - step_s,
+            "executor": self.executor.name,
+            "overlap_scheduling": self._max_in_flight > 0,
             "kv_blocks_used": bm.num_used_blocks,
             "kv_blocks_total": bm.num_blocks,
             "kv_block_size": bm.block_size,
@@ -740,8 +872,13 @@ class Engine:
             "num_decode_tokens": s.num_decode_tokens,
             "num_preemptions": s.num_preemptions,
             "num_shared_prefix_waits": s.num_shared_prefix_waits,
+            "num_chunked_scoring": s.num_chunked_scoring,
             "num_failed_steps": self._num_failed_steps,
             "num_failed_requests": self._num_failed_requests,
+            "decode_device_s": self._decode_device_s,
+            "decode_idle_s": self._decode_idle_s,
+            "num_decode_steps": self._num_decode_steps,
+            "prefill_backlog_s": self.prefill_backlog_s(),
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "attention_backend": self.backend.name,
@@ -750,9 +887,26 @@ class Engine:
             "jct_mape": self.jct_model.mape(),  # None until prefill steps were observed
             "jct_num_observed": self.jct_model.num_observed,
             "jct_source": self.jct_model.source,
+            "alive": self._crashed is None,
         }
-        with self._lock:
-            policy_pending = self._stats.get("policy")
-            self._stats = snap
-            if policy_pending is not None and any(k == "policy" for k, _ in self._inbox):
-                self._stats["policy"] = policy_pending
+        policy_pending = self._stats.get("policy")
+        self._stats = snap
+        if policy_pending is not None and any(k == "policy" for k, _ in self._inbox):
+            self._stats["policy"] = policy_pending
+        self._next_stats_s = time.monotonic() + STATS_INTERVAL_S
+
+
+def _failed_output(
+    req: Request, error: str, status: RequestStatus = RequestStatus.FINISHED_ERROR
+) -> EngineOutput:
+    req.status = status
+    req.error = error
+    req.finish_s = time.monotonic()
+    return EngineOutput(
+        request_id=req.request_id,
+        finished=True,
+        finish_reason=FINISH_REASONS[status],
+        error=error,
+        num_prompt_tokens=req.num_prompt_tokens,
+        e2e_s=req.finish_s - req.arrival_s,
+    )

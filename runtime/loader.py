@@ -46,6 +46,12 @@ def resolve_model_dir(spec: str) -> Path:
     return folder
 
 
+def tokenizer_dir(spec: str) -> Path:
+    """The folder holding the tokenizer of a model spec (random presets use the default
+    model's)."""
+    return resolve_model_dir("default" if spec.startswith(RANDOM_PREFIX) else spec)
+
+
 def load_tokenizer(spec: str) -> Tokenizer:
     """The tokenizer of a model spec (random presets use the default model's tokenizer)."""
     if spec.startswith(RANDOM_PREFIX):

@@ -29,6 +29,17 @@ def flashinfer_enabled() -> bool:
     return _FLASHINFER
 
 
+def h2d(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor without waiting for the device: from pinned memory
+    with a non-blocking copy on CUDA. (A plain `torch.tensor(values, device=cuda)` or a
+    list index on a CUDA tensor copies from pageable memory and synchronises the stream,
+    which would serialise the host with the step in flight.)"""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 # --- FlashInfer paths (GPU engineer). Used only when the switch is on, the tensor is on CUDA
 # and in a half dtype the kernels support; anything else takes the torch path below. The
 # kernels compute in float32 internally like the torch path; rounding differs slightly.

@@ -320,7 +320,7 @@ class EngineProbe:
         """ScheduledSeqs for (context_tokens, new_tokens) each; a decode keeps its new token's
         KV (blocks for context + 1), a prefill keeps only its context."""
         from runtime.request import Request, RequestKind
-        from runtime.scheduler import ScheduledSeq
+        from runtime.scheduler import Lease, ScheduledSeq
 
         bm = self.engine.block_manager
         rids: list[str] = []
@@ -337,12 +337,16 @@ class EngineProbe:
                 seqs.append(
                     ScheduledSeq(
                         request=req,
+                        # Token slot 0: a decode reads (and its sample writes) one row of the
+                        # token table; the values do not change the timing.
+                        lease=Lease(req, rid, 0 if decode else -1),
                         num_context_tokens=ctx,
                         num_new_tokens=new,
                         num_kept_tokens=kept,
                         block_ids=list(blocks),
-                        input_ids=[0] * new,
+                        input_ids=[] if decode else [0] * new,
                         needs_output=decode,
+                        samples=decode,
                     )
                 )
             yield seqs
@@ -351,12 +355,15 @@ class EngineProbe:
                 bm.free(rid)
 
     def _decode_step(self, seqs: list[Any]) -> None:
-        """One decode step as the PD loop runs it: forward, LM head, sampling (host sync)."""
-        from runtime.runner import RunnerOutput
+        """One decode step as the split executor runs it: forward, LM head, sampling, and the
+        host waiting for the sampled tokens."""
+        from runtime.runner import PendingOutput
 
         runner = self.engine.runner
         hidden, wanting = runner.forward_part(seqs, True, runner.decode_backend)
-        runner.outputs_from_hidden(hidden, wanting, RunnerOutput())
+        pending = PendingOutput(runner.device)
+        runner.outputs_from_hidden(hidden, wanting, pending)
+        pending.seal().result()
 
     # ---- the three measures ---------------------------------------------------------------------
     @torch.inference_mode()

@@ -1,8 +1,11 @@
-"""The one request object that flows server -> queue -> engine -> back.
+"""The request and its outputs, as they flow front end -> engine core -> front end.
 
-The app builds a `Request`, hands it to the engine, and receives `RequestOutput`s.
-The engine thread is the only writer of a request's mutable fields once it is added;
-the app only reads the outputs it is sent.
+The front end builds a `Request` (token ids and sampling parameters) and sends it to the
+engine core. The engine answers with `EngineOutput`s: token ids, logprobs, label
+probabilities, finish reasons, counts and timings - never text. The front end's output
+processor (runtime/core/output_processor.py) turns them into `RequestOutput`s with text,
+applying stop strings. Once added, the engine thread is the only writer of a request's
+mutable fields.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+
+import msgspec
 
 
 class RequestKind(enum.StrEnum):
@@ -85,7 +90,10 @@ class Request:
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose KV exists (cached prefix + computed)
+    num_computed_tokens: int = 0  # tokens whose KV exists or is being computed by a launched step
+    # Tokens sampled by launched steps whose values the host has not seen yet (overlapped
+    # scheduling: step N+1 is planned before step N's tokens reach the host).
+    num_output_placeholders: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at admission (for usage and metrics)
     num_preemptions: int = 0
     first_token_s: float | None = (
@@ -107,6 +115,11 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_total_tokens(self) -> int:
+        """Known tokens plus those sampled on the device and not yet seen by the host."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
@@ -123,16 +136,43 @@ class Request:
         return time.monotonic() - self.arrival_s
 
 
-@dataclass(slots=True)
-class TokenLogprob:
+class TokenLogprob(msgspec.Struct, array_like=True):
     token_id: int
     logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+    top: list[tuple[int, float]] = []  # (token_id, logprob), best first
+
+
+class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What the engine core sends back for one request after a step: token ids, never text.
+
+    For GENERATE: `new_token_ids` is the delta since the last output. For SCORE:
+    `label_probs` holds one probability per `label_token_ids` entry. `finished` is set on
+    the last output; `finish_reason` is "stop" (EOS or a stop token), "length", "abort" or
+    "error". Timings use the engine's monotonic clock (system-wide on Linux).
+    """
+
+    request_id: str
+    new_token_ids: list[int] = []
+    new_logprobs: list[TokenLogprob] = []
+    label_probs: list[float] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # first output only
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    queue_s: float | None = None  # arrival -> first scheduled
+    ttft_s: float | None = None  # arrival -> first token / probabilities
+    e2e_s: float | None = None  # arrival -> finish (final output)
+    prefill_s: float | None = None  # first scheduled -> first token (final output)
+    decode_s: float | None = None  # first token -> finish (final output)
 
 
 @dataclass(slots=True)
 class RequestOutput:
-    """What the engine sends back after a step, one per request that made progress.
+    """What a route receives for one request: an `EngineOutput` with its text, made by the
+    front end's output processor (detokenized, stop strings applied).
 
     For GENERATE: `new_token_ids` and `new_text` are the delta since the last output.
     For SCORE: `label_probs` holds one probability per `label_token_ids` entry.

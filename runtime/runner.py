@@ -1,4 +1,5 @@
-"""`ModelRunner.run(plan) -> RunnerOutput`: tensors in, tokens and label probabilities out.
+"""`ModelRunner.launch(plan) -> PendingOutput`: tensors in, tokens and label probabilities out,
+without waiting for the device (`run(plan)` waits).
 
 A step's prefill part and decode part are separate forward calls, each with its own
 `ForwardBatch` and attention backend instance. That is the seam for running them on two CUDA
@@ -20,7 +21,10 @@ GPU runtime (when the given backend is FlashInfer):
 Public pieces for a caller that drives the parts itself (e.g. on green-context streams):
 `build_batch`, `forward_part(seqs, is_decode, backend) -> (hidden, wanting)`,
 `outputs_from_hidden`, `decode_graphs`, `graph_registry`, `prefill_backend`, `decode_backend`.
-Sampling and label scoring stay on the device; each part ends with one `.tolist()`.
+Sampling and label scoring stay on the device. A sampled token is written to its request's row
+of the device token table (`token_slots`), where the request's next decode step reads its input:
+the host may plan and launch that step before it has seen the token (overlapped scheduling).
+Everything the host needs is copied to pinned memory once per part, behind an event.
 """
 
 from __future__ import annotations
@@ -44,8 +48,9 @@ from runtime.cuda_graphs import (
 from runtime.kv_pool import KVPool
 from runtime.model import LlamaForCausalLM
 from runtime.model_config import ModelConfig
-from runtime.request import RequestKind
-from runtime.sampler import Sampler, make_generator
+from runtime.ops import h2d
+from runtime.request import RequestKind, TokenLogprob
+from runtime.sampler import PenaltyState, Sampler, has_penalties, make_generator
 from runtime.scheduler import RunnerOutput, ScheduledSeq, StepPlan
 
 log = logging.getLogger("greenlane.runner")
@@ -126,6 +131,88 @@ class OutOfMemoryForStep(RuntimeError):
     """A step ran out of device memory; the message says how big it was."""
 
 
+class PendingOutput:
+    """A launched step's outputs on their way to the host.
+
+    The runner adds device tensors (sampled ids, logprobs, label probabilities, prompt
+    logprobs); `seal()` starts one non-blocking copy of each into pinned host memory and
+    records an event on the current stream. `ready()` polls it, `result()` waits for it and
+    builds the `RunnerOutput`. On CPU everything is already on the host."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._parts: list[tuple[str, Any, list[torch.Tensor]]] = []
+        self._event: Any = None
+        self._result: RunnerOutput | None = None
+
+    def add(self, kind: str, meta: Any, *tensors: torch.Tensor | None) -> None:
+        self._parts.append((kind, meta, [t for t in tensors if t is not None]))
+
+    def seal(self) -> PendingOutput:
+        if self.device.type == "cuda":
+            for _, _, tensors in self._parts:
+                for i, t in enumerate(tensors):
+                    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                    host.copy_(t, non_blocking=True)
+                    tensors[i] = host
+            self._event = torch.cuda.Event()
+            self._event.record()
+        return self
+
+    def ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+
+    def result(self) -> RunnerOutput:
+        if self._result is None:
+            self.wait()
+            self._result = _build_output(self._parts)
+            self._parts = []
+        return self._result
+
+
+def _build_output(parts: list[tuple[str, Any, list[torch.Tensor]]]) -> RunnerOutput:
+    out = RunnerOutput()
+    for kind, meta, tensors in parts:
+        if kind == "sample":
+            rids, want = meta
+            tokens = tensors[0].tolist()
+            chosen = tensors[1].tolist() if len(tensors) > 1 else None
+            top_v = tensors[2].tolist() if len(tensors) > 3 else None
+            top_i = tensors[3].tolist() if len(tensors) > 3 else None
+            for i, rid in enumerate(rids):
+                out.sampled_token_ids[rid] = tokens[i]
+                k = want[i]
+                if k is None or chosen is None:
+                    continue
+                top = list(zip(top_i[i][:k], top_v[i][:k], strict=True)) if k and top_i else []
+                out.logprobs[rid] = TokenLogprob(tokens[i], chosen[i], top)
+        elif kind == "score":
+            rids, counts = meta
+            flat = tensors[0].tolist()
+            pos = 0
+            for rid, n in zip(rids, counts, strict=True):
+                out.label_probs[rid] = flat[pos : pos + n]
+                pos += n
+        elif kind == "prompt":
+            rid, targets, k = meta
+            chosen = tensors[0].tolist()
+            top_v = tensors[1].tolist() if k else None
+            top_i = tensors[2].tolist() if k else None
+            out.prompt_logprobs[rid] = [
+                TokenLogprob(
+                    t,
+                    chosen[i],
+                    list(zip(top_i[i], top_v[i], strict=True)) if top_i and top_v else [],
+                )
+                for i, t in enumerate(targets)
+            ]
+    return out
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -141,12 +228,14 @@ class ModelRunner:
         capture_graphs: bool = True,
         num_sampleable_tokens: int | None = None,
         split_graph_batch_sizes: tuple[int, ...] | None = None,
+        num_token_slots: int | None = None,
     ) -> None:
         """max_model_len sizes the graphs' per-sequence block tables (default: the model's
         position limit). capture_graphs=False builds the graphs object without capturing
         (call `decode_graphs.capture()` later, e.g. on another stream).
         split_graph_batch_sizes: the batch sizes captured per split decode stream (default
-        `SPLIT_BATCH_SIZES`, cut at max_num_seqs, plus max_num_seqs itself)."""
+        `SPLIT_BATCH_SIZES`, cut at max_num_seqs, plus max_num_seqs itself).
+        num_token_slots: rows of the device token table (the scheduler's `SlotPool` size)."""
         self.config = config
         self.model = model
         # Sampling only picks ids the tokenizer can decode: a model whose embedding table is
@@ -157,6 +246,12 @@ class ModelRunner:
         self.model_config = model_config
         self.kv_pool = kv_pool
         self.device = kv_pool.device
+        # The device token table: row `slot` holds the last token sampled for the request
+        # leasing that slot, which its next decode step reads (overlapped scheduling: the
+        # host learns the token one step later).
+        slots = num_token_slots or 2 * config.max_num_seqs + 2
+        self.token_slots = torch.zeros(slots, dtype=torch.int64, device=self.device)
+        self.penalties = PenaltyState(self.num_sampleable_tokens, self.device)
         self.prefill_backend = backend
         self.uses_flashinfer = getattr(backend, "name", "") == "flashinfer"
         if self.uses_flashinfer:
@@ -167,6 +262,11 @@ class ModelRunner:
         self.decode_backend = decode_backend if decode_backend is not None else backend
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}  # seeded requests only
+        # Hazard: FlashInfer plans and the fused decode fill *persistent* pinned host buffers
+        # and copy them to the device asynchronously. Under overlapped scheduling the next
+        # step is planned while the previous one may not have consumed its copy yet, so each
+        # planner waits for the event recorded after its previous copies (`_guard_staging`).
+        self._staging_events: dict[int, Any] = {}
         self.decode_graphs = None  # the whole-GPU set (ordinary streams)
         self.graph_registry: DecodeGraphRegistry | None = None  # every set, by stream
         self.decode_stream = decode_stream
@@ -179,8 +279,8 @@ class ModelRunner:
             if self.decode_stream is None:
                 self.decode_stream = torch.cuda.Stream(self.device)
             # All sets share one graph memory pool and one FlashInfer float workspace: decode
-            # steps run one at a time (each ends in a host sync, and the PD loop orders a new
-            # decode stream after the previous one), so no two sets ever replay concurrently.
+            # steps of different sets never replay concurrently (one decode stream at a time,
+            # and a new decode stream is ordered after the previous one).
             pool = torch.cuda.graph_pool_handle()
             max_blocks = min((limit + bs - 1) // bs, kv_pool.num_blocks)
             fused = self._fused_decode_max_batch(config, model_config, kv_pool)
@@ -243,8 +343,8 @@ class ModelRunner:
     # ---- decode graphs per stream -----------------------------------------------------------
     def ensure_split_graphs(self, stream: Any, label: str) -> None:
         """`stream` is a split's (green) decode stream: capture its decode graphs now unless
-        already done (the PD loop calls this before the step's timing events, so a capture
-        is not measured as a decode step). No-op without CUDA graphs."""
+        already done (the split executor calls this before the step's timing events, so a
+        capture is not measured as a decode step). No-op without CUDA graphs."""
         if self.graph_registry is not None:
             self.graph_registry.register(stream, label)
             self.graph_registry.for_stream(stream)
@@ -265,36 +365,52 @@ class ModelRunner:
         return reg.for_stream(reg.current_stream())
 
     def release(self, request_id: str) -> None:
-        """Forget per-request state (its seeded generator) once it has finished."""
+        """Forget per-request state (seeded generator, penalty row). Call only once no
+        launched step uses the request any more (its lease was freed)."""
         self._generators.pop(request_id, None)
+        self.penalties.free(request_id)
 
+    # ---- steps ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> RunnerOutput:
-        out = RunnerOutput()
+    def launch(self, plan: StepPlan) -> PendingOutput:
+        """Enqueue a step (prefill part, then decode part) on the current stream without
+        waiting for the device; the outputs arrive through the returned `PendingOutput`."""
+        pending = PendingOutput(self.device)
         try:
             if plan.prefill:
-                self._run_part(plan.prefill, False, self.prefill_backend, out)
+                self._run_part(plan.prefill, False, self.prefill_backend, pending)
             if plan.decode:
-                self._run_part(plan.decode, True, self.decode_backend, out)
+                self._run_part(plan.decode, True, self.decode_backend, pending)
         except torch.cuda.OutOfMemoryError as e:
             # Free what the failed step cached so the next step starts clean; the engine
             # fails only the request(s) at fault (it re-runs a batch one request at a time).
             torch.cuda.empty_cache()
             raise OutOfMemoryForStep(describe_oom(plan)) from e
-        return out
+        return pending.seal()
+
+    def run(self, plan: StepPlan) -> RunnerOutput:
+        """One step, waited for (calibration, tests, re-runs of a failed batch)."""
+        return self.launch(plan).result()
 
     # ---- one forward ----------------------------------------------------------------------
     def build_batch(self, seqs: list[ScheduledSeq], is_decode: bool) -> ForwardBatch:
         """Flatten the sequences' new tokens; logits rows = last row of each sequence whose
-        step ends its pending tokens (it needs a sampled token or label scores)."""
+        step ends its pending tokens (it needs a sampled token or label scores). A decode's
+        input token is read on the device from its token slot."""
         input_ids: list[int] = []
         positions: list[int] = []
         slices: list[SeqSlice] = []
         logits_rows: list[int] = []
         for s in seqs:
             start = len(input_ids)
-            input_ids.extend(s.input_ids)
-            positions.extend(range(s.num_context_tokens, s.num_context_tokens + s.num_new_tokens))
+            if is_decode:
+                input_ids.append(s.lease.slot)
+                positions.append(s.num_context_tokens)
+            else:
+                input_ids.extend(s.input_ids)
+                positions.extend(
+                    range(s.num_context_tokens, s.num_context_tokens + s.num_new_tokens)
+                )
             slices.append(
                 SeqSlice(
                     query_start=start,
@@ -308,12 +424,12 @@ class ModelRunner:
                 logits_rows.append(len(input_ids) - 1)
         # One host-to-device copy for all three (from pinned memory on CUDA: asynchronous).
         T = len(input_ids)
-        host = torch.tensor(input_ids + positions + logits_rows, dtype=torch.int64)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        flat = host.to(self.device, non_blocking=True)
+        flat = h2d(input_ids + positions + logits_rows, torch.int64, self.device)
+        ids = flat[:T]
+        if is_decode:
+            ids = self.token_slots.index_select(0, ids)  # [T]: the previous steps' samples
         return ForwardBatch(
-            input_ids=flat[:T],
+            input_ids=ids,
             positions=flat[T : 2 * T],
             seqs=slices,
             logits_indices=flat[2 * T :],
@@ -325,53 +441,138 @@ class ModelRunner:
         seqs: list[ScheduledSeq],
         is_decode: bool,
         backend: AttentionBackend,
-        out: RunnerOutput,
+        pending: PendingOutput,
     ) -> None:
-        hidden, wanting = self.forward_part(seqs, is_decode, backend)
+        hidden, wanting = self.forward_part(seqs, is_decode, backend, pending)
         if wanting:
-            self.outputs_from_hidden(hidden, wanting, out)
+            self.outputs_from_hidden(hidden, wanting, pending)
+
+    def _guard_staging(self, key: object) -> None:
+        ev = self._staging_events.get(id(key))
+        if ev is not None:
+            ev.synchronize()
+
+    def _mark_staging(self, key: object) -> None:
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record()
+            self._staging_events[id(key)] = ev
 
     def forward_part(
-        self, seqs: list[ScheduledSeq], is_decode: bool, backend: AttentionBackend
+        self,
+        seqs: list[ScheduledSeq],
+        is_decode: bool,
+        backend: AttentionBackend,
+        pending: PendingOutput | None = None,
     ) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """One forward of a part (on the current stream). Returns the hidden states of the
-        rows that need an output, [N, hidden], and those sequences (in order)."""
+        rows that need an output, [N, hidden], and those sequences (in order). Prompt
+        logprobs asked by any prefill sequence go to `pending`."""
         # Pick (and, the first time on a split stream, capture) the graphs before building
         # the batch: capture synchronises the stream, and its warm-ups need no inputs.
         graphs = self.current_decode_graphs() if is_decode else None
         batch = self.build_batch(seqs, is_decode)
         if graphs is not None and len(seqs) <= graphs.max_batch_size:
+            self._guard_staging(graphs)
             hidden = graphs.run(batch)  # [n, hidden]: one row per sequence
+            self._mark_staging(graphs)
             rows = [i for i, s in enumerate(seqs) if s.needs_output]
             if len(rows) != len(seqs):
-                hidden = hidden[torch.tensor(rows, device=hidden.device)]
+                hidden = hidden.index_select(0, h2d(rows, torch.int64, self.device))
             return hidden, [seqs[i] for i in rows]
+        self._guard_staging(backend)
         backend.plan(batch)
+        self._mark_staging(backend)
         chunk = None
         if self.config.hybrid_prefill and not is_decode:
             chunk = self.config.prefill_chunk_tokens
         hidden = self.model(batch.input_ids, batch.positions, backend, chunk_tokens=chunk)
+        if not is_decode and pending is not None:
+            self.prompt_logprobs(hidden, batch, seqs, pending)
         wanting = [s for s in seqs if s.needs_output]
         return hidden[batch.logits_indices], wanting
 
-    def outputs_from_hidden(
-        self, hidden: torch.Tensor, wanting: list[ScheduledSeq], out: RunnerOutput
+    def prompt_logprobs(
+        self,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        seqs: list[ScheduledSeq],
+        pending: PendingOutput,
+        rows_per_chunk: int = 1024,
     ) -> None:
-        """LM head, sampling and label scoring on the device; one host transfer each."""
+        """For each prefill sequence asking for prompt logprobs: the logprob (and top-k) of
+        every prompt token this chunk predicts. hidden: [T, H] final-normed states of the
+        batch. The LM head runs over `rows_per_chunk` rows at a time ([rows, vocab] fp32)."""
+        for s, sl in zip(seqs, batch.seqs, strict=True):
+            k = s.request.sampling.prompt_logprobs
+            if k is None:
+                continue
+            prompt = s.request.prompt_token_ids
+            start = s.num_context_tokens + 1
+            targets = prompt[start : min(start + s.num_new_tokens, len(prompt))]
+            if not targets:
+                continue
+            tgt = h2d(targets, torch.int64, self.device)
+            chosen, top_v, top_i = [], [], []
+            for a in range(0, len(targets), rows_per_chunk):
+                b = min(a + rows_per_chunk, len(targets))
+                h = hidden[sl.query_start + a : sl.query_start + b]
+                logp = self.model.compute_logits(h).log_softmax(dim=-1)
+                chosen.append(logp.gather(1, tgt[a:b, None]).squeeze(1))
+                if k:
+                    v, i = logp.topk(min(k, logp.shape[-1]), dim=-1)
+                    top_v.append(v)
+                    top_i.append(i)
+            pending.add(
+                "prompt",
+                (s.request.request_id, targets, k),
+                torch.cat(chosen),
+                torch.cat(top_v) if k else None,
+                torch.cat(top_i) if k else None,
+            )
+
+    def outputs_from_hidden(
+        self, hidden: torch.Tensor, wanting: list[ScheduledSeq], pending: PendingOutput
+    ) -> None:
+        """LM head, sampling and label scoring on the device. Sampled tokens go to their
+        token slots (the next decode step reads them there) and, with everything else, to
+        `pending` for the host."""
         logits = self.model.compute_logits(hidden)  # [N, vocab] fp32
 
-        gen_rows = [i for i, s in enumerate(wanting) if s.request.kind == RequestKind.GENERATE]
+        gen_rows = [i for i, s in enumerate(wanting) if s.samples]
         score_rows = [i for i, s in enumerate(wanting) if s.request.kind == RequestKind.SCORE]
         if gen_rows:
-            reqs = [wanting[i].request for i in gen_rows]
+            seqs = [wanting[i] for i in gen_rows]
+            reqs = [s.request for s in seqs]
+            init = [s for s in seqs if s.init_penalties]
+            if init:
+                self.penalties.init_rows(
+                    [self.penalties.row(s.request.request_id) for s in init],
+                    [s.request.prompt_token_ids for s in init],
+                    [list(s.request.output_token_ids) for s in init],
+                )
+            pen_rows = [
+                self.penalties.row(r.request_id) if has_penalties(r.sampling) else None
+                for r in reqs
+            ]
             gens = [self._generator(r.request_id, r.sampling.seed) for r in reqs]
-            rows = logits if len(gen_rows) == len(wanting) else logits[gen_rows]
+            rows = logits
+            if len(gen_rows) != len(wanting):
+                rows = logits.index_select(0, h2d(gen_rows, torch.int64, self.device))
             rows = rows[:, : self.num_sampleable_tokens]  # a view: ids beyond are never drawn
-            sampled = self.sampler.sample(rows, [r.sampling for r in reqs], gens)
-            for r, tok, lp in zip(reqs, sampled.token_ids, sampled.logprobs, strict=True):
-                out.sampled_token_ids[r.request_id] = tok
-                if lp is not None:
-                    out.logprobs[r.request_id] = lp
+            sampled = self.sampler.sample(
+                rows, [r.sampling for r in reqs], gens, pen_rows, self.penalties
+            )
+            slots = h2d([s.lease.slot for s in seqs], torch.int64, self.device)
+            self.token_slots.index_copy_(0, slots, sampled.token_ids)
+            pending.add(
+                "sample",
+                ([r.request_id for r in reqs], [r.sampling.logprobs for r in reqs]),
+                sampled.token_ids,
+                sampled.chosen_logprobs,
+                sampled.top_logprobs,
+                sampled.top_ids,
+            )
         if score_rows:
             reqs = [wanting[i].request for i in score_rows]
             flat = label_probs(
@@ -379,12 +580,12 @@ class ModelRunner:
                 score_rows,
                 [r.label_token_ids for r in reqs],
                 [r.apply_softmax for r in reqs],
-            ).tolist()  # one host transfer for all scoring rows
-            pos = 0
-            for req in reqs:
-                n = len(req.label_token_ids)
-                out.label_probs[req.request_id] = flat[pos : pos + n]
-                pos += n
+            )
+            pending.add(
+                "score",
+                ([r.request_id for r in reqs], [len(r.label_token_ids) for r in reqs]),
+                flat,
+            )
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -416,10 +617,8 @@ def label_probs(
         row_l.extend([r] * len(labels))
         tok_l.extend(labels)
     use_l = [int(apply_softmax[j]) for j in seg_l]
-    meta = torch.tensor([row_l, tok_l, seg_l, use_l], dtype=torch.int64)
-    meta = meta.pin_memory() if dev.type == "cuda" else meta
-    row_t, tok_t, seg_t, use_t = meta.to(dev, non_blocking=True)
-    sel = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+    row_t, tok_t, seg_t, use_t = h2d([row_l, tok_l, seg_l, use_l], torch.int64, dev)
+    sel = h2d(rows, torch.int64, dev)
     full = logits.index_select(0, sel).log_softmax(dim=-1)  # [R, vocab]
     row_in_sel = seg_t  # row j of `full` is scoring row j
     vocab_lp = full[row_in_sel, tok_t]  # [L] log p over the whole vocabulary

@@ -1,51 +1,60 @@
 """The scheduler: which tokens of which requests run in the next step, and what came of them.
 
+It deals in token ids only: text, stop strings and output objects with text belong to the
+front end's output processor (runtime/core/output_processor.py).
+
 Queues
   - waiting: requests without KV (new, or preempted). Ordered at every decision by the prefill
     policy (`policy.score(view, now_s)`, lowest first, ties by arrival), where each view
     carries the cached-prefix length looked up *now* (continuous calibration; memoized per
     request and invalidated by the prefix cache's generation counter).
-  - running: requests holding KV blocks, in admission order: chunked prefills in progress and
-    decodes. Decode admission is FCFS (admission order).
+  - running: requests holding KV blocks, in admission order: prefills in progress and decodes.
+    Decode admission is FCFS (admission order).
 
-One step (`schedule()`), the monolithic `partition=off` shape (as in vLLM v1): decode tokens and
-prefill work share one token budget (`prefill_token_budget`):
+One step (`schedule(capacity)`), as in vLLM v1 there are no phases: every running request has
+tokens computed and tokens wanted, and a step gives tokens to the first to catch up:
   1. every running request with one pending token decodes (1 token each, FCFS). If it needs a
      new block and none is left, the most recently admitted running request is preempted
-     (recompute style: its blocks are freed, it goes back to waiting with its output so far,
-     `num_preemptions` += 1; it re-prefills prompt + output later, mostly from the cache);
-  2. chunked prefills in progress continue, then waiting requests are admitted in policy
-     order while the budget, `max_num_seqs` and the KV pool allow. The first prefill of a
-     step always runs so that prefill never starves behind decode: a SCORE request whole
-     (scoring prompts are never chunked: one forward, hybrid prefill bounds its memory), a
-     GENERATE prompt as a chunk of at least one block. A later request that does not fit
-     the remaining budget stops admission (strict policy order): SCORE waits for a step of
-     its own, GENERATE is chunked to the remaining budget.
+     (recompute style: it goes back to waiting with its output so far; it re-prefills prompt
+     + output later, mostly from the prefix cache);
+  2. prefills in progress continue, then waiting requests are admitted in policy order while
+     the budget (`capacity.prefill_token_budget`, which decode tokens share when
+     `capacity.decodes_share_budget`), `max_num_seqs` and the KV pool allow. The first
+     prefill of a step always runs (at least one block) so prefill never starves behind
+     decode. A GENERATE prompt is chunked to the remaining budget. A SCORE prompt runs whole
+     (hybrid prefill bounds its memory, suffix KV is discarded) unless decodes are running,
+     it does not fit the budget and the pool can hold its whole KV until it finishes: then it
+     is chunked like a GENERATE prompt, so a long scoring prompt never stalls decode for more
+     than a budget's worth of compute (`capacity.chunk_scoring`).
 KV admission
-  - GENERATE: blocks for all tokens to prefill at admission (minus prefix-cache hits), one
-    more block whenever decode crosses a block boundary.
-  - SCORE: only the full prompt blocks that the pool can hold right now are allocated
+  - GENERATE (and chunked SCORE): blocks for every token to prefill at admission (minus
+    prefix-cache hits), one more block whenever decode crosses a block boundary.
+  - whole SCORE: only the full prompt blocks that the pool can hold right now are allocated
     (suffix-KV discard: `num_kept_tokens`; the last partial block never is). After the answer
     everything is released; the kept full blocks stay in the prefix cache (cached-idle).
   - A prefix hit never covers the whole prompt: the last prompt token is always computed
     (its logits are the answer).
-Split mode (partition on, runtime/pd_loop.py): the two parts are scheduled separately, so a
-prefill batch can be *in flight* on its own SM partition across several engine-loop iterations
-while decode steps continue. `schedule_decode()` plans decodes only; `schedule_prefill()` plans
-chunk continuations and admissions only and marks their requests in flight; `end_prefill(plan)`
-clears the marks when the prefill's completion event has fired, then `update(plan, out)` applies
-it. Requests in flight are never decoded, re-chunked or chosen as preemption victims, and a
-request aborted/failed while in flight keeps its KV blocks reserved (not reusable) until
-`end_prefill`, because the GPU may still be writing them.
-The runner executes a `StepPlan`; `update(plan, out)` turns its results into
-`RequestOutput`s (tokens, detokenized text deltas, stop handling, finish states, timings).
+
+Overlapped execution. `schedule()` advances the counters of what it plans at once
+(`num_computed_tokens`, and one output placeholder per token to be sampled), so the next
+step can be planned before this one's results reach the host: a decode's input token is read
+on the device from the request's token slot (`Lease.slot`), where the previous step's sampler
+wrote it. `update(plan, out)` later applies the results in launch order: placeholders become
+tokens, stop tokens / EOS / max_tokens finish requests (one step late: a step already launched
+may have computed one surplus token for a request that has finished, and that token is
+dropped). Every admission of a request is a `Lease` (its KV blocks and token slot); a lease
+is released (blocks freed, slot returned) only once no launched step uses it any more, so a
+step in flight never writes into blocks another request already holds.
+With `capacity.hold_prefills` (the split executor runs a prefill asynchronously on its own SM
+partition), the requests of a launched prefill are *held*: not scheduled and never chosen as
+preemption victims until its results are applied.
 The scheduler runs on the engine thread only; it is not thread-safe.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -54,23 +63,18 @@ from runtime.config import EngineConfig
 from runtime.prefix_cache import extend_block_hashes
 from runtime.request import (
     FINISH_REASONS,
+    EngineOutput,
     Request,
     RequestKind,
-    RequestOutput,
     RequestStatus,
     TokenLogprob,
 )
-from runtime.tokenizer import IncrementalDetokenizer
 
 
 class PolicyLike(Protocol):
     name: str
 
     def score(self, req: Any, now_s: float) -> float: ...
-
-
-class DecodesText(Protocol):
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,17 +88,56 @@ class WaitingView:
     remaining_prompt_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class StepCapacity:
+    """What the executor can take in the next step (`Executor.capacity()`)."""
+
+    prefill_token_budget: int  # prefill tokens the step may plan (0: no prefill work now)
+    decodes_share_budget: bool = True  # decode tokens count against the budget (one batch)
+    hold_prefills: bool = False  # prefills run asynchronously: hold their requests
+    chunk_scoring: bool = True  # long scoring prompts next to decodes may be chunked
+
+
+@dataclass(slots=True)
+class Lease:
+    """One admission of a request: its KV blocks (block-manager table `key`), its token slot
+    (the device row its sampled tokens are written to; -1 when it samples nothing), and how
+    many launched steps still use them."""
+
+    request: Request
+    key: str
+    slot: int
+    num_inflight: int = 0  # launched steps including it whose results are not applied yet
+    held: bool = False  # an asynchronous prefill of it is in flight
+    # A step that samples into the slot was planned: from now on the pending token is the
+    # last sample (a decode reads it from the slot), not a prompt token the host knows.
+    sampled: bool = False
+    released: bool = False  # finished or preempted: free blocks and slot once num_inflight == 0
+
+
 @dataclass(slots=True)
 class ScheduledSeq:
     """One request's work in a step."""
 
     request: Request
+    lease: Lease
     num_context_tokens: int  # KV already in the pool (prefix hits + earlier steps)
     num_new_tokens: int  # tokens computed this step
     num_kept_tokens: int  # KV the pool holds after this step (< context + new: discarded)
     block_ids: list[int]  # snapshot of the block table (covers [0, num_kept_tokens))
-    input_ids: list[int]  # the new tokens
-    needs_output: bool  # this step reaches the last token: sample (GENERATE) or score (SCORE)
+    # The new tokens, for prefill parts. Empty for a decode: its one input token is read on
+    # the device from the lease's slot (the previous step's sample).
+    input_ids: list[int]
+    needs_output: bool  # this step reaches the last pending token: sample or score
+    # Sample a token into the lease's slot (GENERATE with max_tokens > 0).
+    samples: bool = False
+    # The final prefill chunk of a request with penalties: (re)initialise its penalty state
+    # from its prompt and the output it already has (after a preemption).
+    init_penalties: bool = False
+
+    @property
+    def slot(self) -> int:
+        return self.lease.slot
 
 
 @dataclass(slots=True)
@@ -112,6 +155,10 @@ class StepPlan:
         return sum(s.num_new_tokens for s in self.prefill) + len(self.decode)
 
     @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.prefill)
+
+    @property
     def seqs(self) -> list[ScheduledSeq]:
         return self.prefill + self.decode
 
@@ -123,21 +170,49 @@ class RunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     label_probs: dict[str, list[float]] = field(default_factory=dict)
+    # Prompt logprobs of this step's prefill chunk: one entry per chunk token whose next token
+    # is a prompt token (entry i is the logprob of token i + 1 of the chunk's positions).
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
 class _Tracking:
     """Per-request scheduler state that does not belong on `Request`."""
 
+    lease: Lease | None = None
     block_hashes: list[int] = field(default_factory=list)  # memo of full-block chain hashes
     cached_gen: int = -1  # prefix-cache generation of the memo below
     cached_evictions: int = 0  # prefix-cache eviction count of the memo
     cached_tokens_at: int = -1  # num_tokens the memo was computed for
     cached_blocks: list[int] = field(default_factory=list)
     first_scheduled_s: float | None = None
-    detok: IncrementalDetokenizer | None = None
-    text: str = ""  # generated text so far, including held-back text
-    num_sent_chars: int = 0  # prefix of `text` already sent
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # accumulated over chunks
+    prompt_logprobs_sent: bool = False
+
+
+class SlotPool:
+    """Rows of the device token table (one per admitted request that samples)."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self) -> int:
+        return self._free.pop()
+
+    def give(self, slot: int) -> None:
+        if slot >= 0:
+            self._free.append(slot)
+
+
+def num_token_slots(max_num_seqs: int) -> int:
+    """Rows of the device token table: the running requests, plus as many leases released
+    while a launched step still used them (each at most one step behind)."""
+    return 2 * max_num_seqs + 2
 
 
 class Scheduler:
@@ -146,7 +221,6 @@ class Scheduler:
         config: EngineConfig,
         block_manager: BlockManager,
         policy: PolicyLike,
-        tokenizer: DecodesText | None,
         eos_token_ids: Iterable[int] = (),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -154,24 +228,26 @@ class Scheduler:
         self.bm = block_manager
         self.block_size = block_manager.block_size
         self.policy = policy
-        self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
+        self.slots = SlotPool(num_token_slots(config.max_num_seqs))
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._track: dict[str, _Tracking] = {}
         self._arrival_seq: dict[str, int] = {}
         self._next_seq = 0
         self._next_step = 0
-        self._pending: list[RequestOutput] = []  # outputs produced outside update()
-        self._inflight: set[str] = set()  # split mode: prefill launched, not completed
-        self._deferred_free: set[str] = set()  # finished while in flight: blocks still held
+        self._pending: list[EngineOutput] = []  # outputs produced outside update()
+        self._num_leases = 0
+        self._num_unreleased = 0  # leases released by their request but still in use by steps
+        self._released: list[str] = []  # see take_released
         # Counters for stats().
         self.num_steps = 0
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
         self.num_preemptions = 0
         self.num_shared_prefix_waits = 0  # (request, step) pairs deferred for a shared prefix
+        self.num_chunked_scoring = 0  # scoring prompts admitted as chunks (next to decodes)
 
     # ---- queue management ---------------------------------------------------------------
     @property
@@ -182,7 +258,17 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def is_held(self, request_id: str) -> bool:
+        """An asynchronous prefill of it is in flight (split executor)."""
+        t = self._track.get(request_id)
+        return t is not None and t.lease is not None and t.lease.held
+
+    @property
+    def num_held(self) -> int:
+        return sum(1 for t in self._track.values() if t.lease is not None and t.lease.held)
+
     def has_work(self) -> bool:
+        """Requests to schedule or outputs to deliver (steps in flight are the executor's)."""
         return bool(self.waiting or self.running or self._pending)
 
     def get(self, request_id: str) -> Request | None:
@@ -195,7 +281,7 @@ class Scheduler:
         return None
 
     def add(self, req: Request) -> None:
-        if req.request_id in self._track or req.request_id in self._deferred_free:
+        if req.request_id in self._track:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         req.status = RequestStatus.WAITING
         self._track[req.request_id] = _Tracking()
@@ -206,15 +292,16 @@ class Scheduler:
     def set_policy(self, policy: PolicyLike) -> None:
         self.policy = policy
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Finish a waiting or running request as aborted, freeing its KV. None if unknown."""
+    def abort(self, request_id: str) -> EngineOutput | None:
+        """Finish a waiting or running request as aborted, freeing its KV (once no launched
+        step uses it). None if unknown or already finished."""
         req = self.get(request_id)
         if req is None:
             return None
         return self._finish(req, RequestStatus.FINISHED_ABORTED)
 
-    def fail(self, request_ids: Iterable[str], message: str) -> list[RequestOutput]:
-        """Finish requests with FINISHED_ERROR (e.g. their step raised), freeing their KV."""
+    def fail(self, request_ids: Iterable[str], message: str) -> list[EngineOutput]:
+        """Finish requests with FINISHED_ERROR (e.g. their step raised)."""
         outs = []
         for rid in request_ids:
             req = self.get(rid)
@@ -222,9 +309,23 @@ class Scheduler:
                 outs.append(self._finish(req, RequestStatus.FINISHED_ERROR, error=message))
         return outs
 
-    def take_pending_outputs(self) -> list[RequestOutput]:
+    def take_pending_outputs(self) -> list[EngineOutput]:
         outs, self._pending = self._pending, []
         return outs
+
+    def retire(self, plan: StepPlan) -> None:
+        """A launched step's results will never be applied (it failed): its seqs no longer
+        use their leases. Their requests are finished or re-run by the caller."""
+        for seq in plan.seqs:
+            self._retire_seq(seq)
+
+    def _retire_seq(self, seq: ScheduledSeq) -> None:
+        lease = seq.lease
+        lease.num_inflight -= 1
+        lease.held = False
+        if lease.released and lease.num_inflight == 0:
+            self._num_unreleased -= 1
+            self._free_lease(lease)
 
     # ---- prefix lookups (continuous calibration) -------------------------------------------
     def _cached_prefix(self, req: Request) -> tuple[list[int], int]:
@@ -233,6 +334,8 @@ class Scheduler:
         cache = self.bm.prefix_cache
         if cache is None or not self.config.enable_prefix_cache:
             return [], 0
+        if req.sampling.prompt_logprobs is not None:
+            return [], 0  # every prompt position's logits are wanted: compute them all
         t = self._track[req.request_id]
         num_tokens = req.num_tokens
         if t.cached_gen != cache.generation or t.cached_tokens_at != num_tokens:
@@ -279,66 +382,50 @@ class Scheduler:
         keyed.sort(key=lambda k: k[:3])
         return [k[3] for k in keyed]
 
+    def prefill_backlog(self) -> list[tuple[int, int]]:
+        """(uncached tokens, cached tokens) of the prefill work queued now: waiting requests
+        and the unfinished prefills of running ones (for the JCT model's backlog estimate)."""
+        out = []
+        for r in self.waiting:
+            _, cached = self._cached_prefix(r)
+            out.append((max(1, r.num_tokens - cached), cached))
+        for r in self.running:
+            lease = self._track[r.request_id].lease
+            remaining = r.num_total_tokens - r.num_computed_tokens
+            if remaining > 0 and lease is not None and not lease.sampled:
+                out.append((remaining, r.num_computed_tokens))
+        return out
+
     # ---- schedule -------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
-        """One monolithic step: decodes and prefill work under one token budget."""
-        plan = self._new_plan()
-        budget = self.config.prefill_token_budget
-        preempted_before = self.num_preemptions
-        budget -= self._plan_decodes(plan)
-        self._plan_prefills(plan, budget, admit=self.num_preemptions == preempted_before)
-        self._count(plan)
-        return plan
-
-    def schedule_decode(self) -> StepPlan:
-        """Split mode: a plan with the decode part only (requests in flight excluded)."""
-        plan = self._new_plan()
-        self._plan_decodes(plan)
-        self._count(plan)
-        return plan
-
-    def schedule_prefill(self, budget: int | None = None) -> StepPlan:
-        """Split mode: a plan with the prefill part only (chunk continuations, then admissions
-        in policy order); its requests are marked in flight until `end_prefill(plan)`."""
-        plan = self._new_plan()
-        b = self.config.prefill_token_budget if budget is None else budget
-        self._plan_prefills(plan, b, admit=True)
-        for s in plan.prefill:
-            self._inflight.add(s.request.request_id)
-        self._count(plan)
-        return plan
-
-    def end_prefill(self, plan: StepPlan) -> None:
-        """The prefill part of `plan` has completed on the device (or failed): its requests
-        are no longer in flight; blocks of those finished meanwhile are freed now."""
-        for s in plan.prefill:
-            rid = s.request.request_id
-            self._inflight.discard(rid)
-            if rid in self._deferred_free:
-                self._deferred_free.discard(rid)
-                self.bm.free(rid)
-
-    @property
-    def num_inflight(self) -> int:
-        return len(self._inflight)
-
-    def is_inflight(self, request_id: str) -> bool:
-        return request_id in self._inflight
-
-    def _new_plan(self) -> StepPlan:
+    def schedule(self, capacity: StepCapacity) -> StepPlan:
+        """Plan one step within `capacity`. The counters of what is planned advance now."""
         plan = StepPlan(step_id=self._next_step)
         self._next_step += 1
+        budget = capacity.prefill_token_budget
+        preempted_before = self.num_preemptions
+        num_decode = self._plan_decodes(plan)
+        if budget > 0:
+            if capacity.decodes_share_budget:
+                budget -= num_decode
+            admit = self.num_preemptions == preempted_before
+            self._plan_prefills(plan, budget, admit, capacity)
+        for seq in plan.prefill:
+            seq.lease.num_inflight += 1
+            if capacity.hold_prefills:
+                seq.lease.held = True
+        for seq in plan.decode:
+            seq.lease.num_inflight += 1
+        if not plan.is_empty:
+            self.num_steps += 1
+            self.num_prefill_tokens += plan.num_prefill_tokens
+            self.num_decode_tokens += len(plan.decode)
         return plan
 
-    def _count(self, plan: StepPlan) -> None:
-        self.num_steps += 0 if plan.is_empty else 1
-        self.num_prefill_tokens += sum(s.num_new_tokens for s in plan.prefill)
-        self.num_decode_tokens += len(plan.decode)
-
     def _victim(self, req: Request) -> Request:
-        """The most recently admitted running request not in flight (else `req` itself)."""
+        """The most recently admitted running request not held (else `req` itself)."""
         for r in reversed(self.running):
-            if r.request_id not in self._inflight:
+            lease = self._track[r.request_id].lease
+            if lease is not None and not lease.held:
                 return r
         return req
 
@@ -348,55 +435,66 @@ class Scheduler:
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted above as a victim
-            if req.request_id in self._inflight:
+            lease = self._track[req.request_id].lease
+            assert lease is not None
+            if lease.held or not lease.sampled:
+                continue  # prefilling (its pending tokens are prompt tokens: planned below)
+            computed = req.num_computed_tokens
+            if req.num_total_tokens - computed != 1:
                 continue
-            if req.num_tokens - req.num_computed_tokens != 1:
-                continue
-            if req.num_computed_tokens == 0:
-                continue  # a 1-token prompt: a prefill, handled below
-            need = self.bm.num_blocks_for(req.num_computed_tokens + 1)
+            if req.num_output_tokens + req.num_output_placeholders >= req.sampling.max_tokens:
+                continue  # its last token is in flight: the update finishes it
+            need = self.bm.num_blocks_for(computed + 1)
             ok = True
-            while len(self.bm.table(req.request_id)) < need:
+            while len(self.bm.table(lease.key)) < need:
                 if self.bm.num_free_blocks > 0:
-                    self.bm.append_blocks(req.request_id, 1)
+                    self.bm.append_blocks(lease.key, 1)
                     continue
                 victim = self._victim(req)
+                victim_lease = self._track[victim.request_id].lease
+                frees_now = victim_lease is not None and victim_lease.num_inflight == 0
                 self._preempt(victim)
-                if victim is req:
+                if victim is req or not frees_now:
+                    # A victim with a step in flight gives its blocks back when that step's
+                    # results are applied: try again next step rather than preempt more.
                     ok = False
                     break
             if not ok:
                 continue
-            plan.decode.append(self._seq(req, 1, req.num_computed_tokens + 1, True))
+            plan.decode.append(self._seq(req, lease, 1, computed + 1, True, decode=True))
         return len(plan.decode)
 
-    def _plan_prefills(self, plan: StepPlan, budget: int, admit: bool) -> None:
-        """Chunked prefills in progress, then admissions in policy order. No admissions in a
-        step that had to preempt (`admit` False): the pool is short, and re-admitting the
-        victim at once would only thrash."""
+    def _plan_prefills(
+        self, plan: StepPlan, budget: int, admit: bool, capacity: StepCapacity
+    ) -> None:
+        """Prefills in progress, then admissions in policy order. No admissions in a step that
+        had to preempt (`admit` False): the pool is short, and re-admitting the victim at once
+        would only thrash."""
         now = self.clock()
-        decoding = {s.request.request_id for s in plan.decode}
         for req in self.running:
-            if req.request_id in decoding or req.request_id in self._inflight:
+            lease = self._track[req.request_id].lease
+            assert lease is not None
+            if lease.held or req.status != RequestStatus.RUNNING:
                 continue
-            remaining = req.num_tokens - req.num_computed_tokens
-            if remaining <= 0:
-                continue
-            if remaining == 1 and req.num_computed_tokens > 0:
-                continue  # one pending token: the decode part plans it (as `_plan_decodes`)
+            remaining = req.num_total_tokens - req.num_computed_tokens
+            if remaining <= 0 or lease.sampled:
+                continue  # done, or decoding (planned above, or its last token in flight)
             n = self._chunk(remaining, budget, first=not plan.prefill)
             if n <= 0:
                 break
-            done = req.num_computed_tokens + n == req.num_tokens
-            plan.prefill.append(self._seq(req, n, req.num_computed_tokens + n, done))
+            done = req.num_computed_tokens + n == req.num_total_tokens
+            plan.prefill.append(self._seq(req, lease, n, req.num_computed_tokens + n, done))
             budget -= n
 
+        if not admit:
+            return
         wait_tokens = self.config.wait_for_shared_prefix_tokens
         sharing = (
             wait_tokens > 0 and self.config.enable_prefix_cache and self.bm.prefix_cache is not None
         )
-        being_prefilled = self._blocks_being_prefilled() if sharing and admit else set()
-        for req in self.ordered_waiting(now) if admit else []:
+        being_prefilled = self._blocks_being_prefilled() if sharing and self.waiting else set()
+        decoding = bool(plan.decode)
+        for req in self.ordered_waiting(now):
             if len(self.running) >= self.config.max_num_seqs:
                 break
             first = not plan.prefill
@@ -407,7 +505,8 @@ class Scheduler:
                 # not a stop: the requests after it in policy order may still run.
                 self.num_shared_prefix_waits += 1
                 continue
-            seq = self._admit(req, budget, first, nothing_running=not self.running)
+            chunk_ok = capacity.chunk_scoring and decoding
+            seq = self._admit(req, budget, first, chunk_ok, nothing_running=not self.running)
             if seq is None:
                 break
             plan.prefill.append(seq)
@@ -420,22 +519,26 @@ class Scheduler:
 
     # ---- shared prefixes being prefilled -------------------------------------------------------
     def _blocks_being_prefilled(self) -> set[int]:
-        """Chain hashes of the full blocks that running requests are prefilling now (or have
-        planned) and will keep: they enter the prefix cache when that prefill completes."""
+        """Chain hashes of the full blocks that running requests are prefilling now (planned,
+        or computed by a step whose results are not applied yet) and will keep: they enter the
+        prefix cache when that prefill's results are applied."""
         out: set[int] = set()
         for req in self.running:
-            remaining = req.num_tokens - req.num_computed_tokens
-            # (One pending token after a computed prefix is a decode, as in _plan_prefills.)
-            if remaining > 1 or (remaining == 1 and req.num_computed_tokens == 0):
-                self._add_blocks_being_prefilled(req, out)
+            self._add_blocks_being_prefilled(req, out)
         return out
 
     def _add_blocks_being_prefilled(self, req: Request, out: set[int]) -> None:
         t = self._track[req.request_id]
+        if t.lease is None:
+            return
         # Kept blocks: a scoring request keeps only what the pool could hold (suffix discard).
-        num_kept = min(len(self.bm.table(req.request_id)), req.num_tokens // self.block_size)
-        # Blocks before num_computed_tokens are in the cache already (hits or earlier chunks).
-        first = req.num_computed_tokens // self.block_size
+        num_kept = min(len(self.bm.table(t.lease.key)), req.num_tokens // self.block_size)
+        # Blocks already offered to the prefix cache (hits, applied chunks) need no waiting.
+        first = self.bm.num_offered_blocks(t.lease.key)
+        if first >= num_kept:
+            return
+        tokens = req.all_token_ids if req.output_token_ids else req.prompt_token_ids
+        extend_block_hashes(t.block_hashes, tokens[: num_kept * self.block_size], self.block_size)
         out.update(t.block_hashes[first:num_kept])
 
     def _shared_tokens_being_prefilled(self, req: Request, being_prefilled: set[int]) -> int:
@@ -452,19 +555,27 @@ class Scheduler:
         return n * self.block_size
 
     def _chunk(self, remaining: int, budget: int, first: bool) -> int:
-        """Tokens of a GENERATE prefill to run now."""
+        """Tokens of a chunked prefill to run now."""
         if first:
             return min(remaining, max(budget, self.block_size))
         return min(remaining, budget)
 
     def _admit(
-        self, req: Request, budget: int, first: bool, nothing_running: bool
+        self, req: Request, budget: int, first: bool, chunk_ok: bool, nothing_running: bool
     ) -> ScheduledSeq | None:
         """Allocate KV for a waiting request and move it to running; None to stop admitting."""
         bs = self.block_size
+        samples = req.kind == RequestKind.GENERATE and req.sampling.max_tokens > 0
+        if samples and self.slots.num_free == 0:
+            return None  # every token slot is in use by a lease in flight: wait a step
         prefix_blocks, cached = self._cached_prefix(req)
         num_new = req.num_tokens - cached
-        if req.kind == RequestKind.SCORE:
+        chunked_score = False
+        if req.kind == RequestKind.SCORE and num_new > budget and chunk_ok:
+            # Long scoring prompt next to decodes: chunk it if its whole KV fits now.
+            need = self.bm.num_blocks_for(req.num_tokens) - len(prefix_blocks)
+            chunked_score = self.bm.can_allocate(need, prefix_blocks)
+        if req.kind == RequestKind.SCORE and not chunked_score:
             if num_new > budget and not first:
                 return None  # runs in a step of its own, whole
             n = num_new
@@ -483,7 +594,7 @@ class Scheduler:
                 return None
             num_blocks_new = self.bm.num_blocks_for(req.num_tokens) - len(prefix_blocks)
             if not self.bm.can_allocate(num_blocks_new, prefix_blocks):
-                if nothing_running:
+                if nothing_running and self._num_unreleased == 0:
                     # Every block is free or evictable and it still does not fit: it never
                     # will (the engine validates lengths first; this is the backstop).
                     self._pending.append(
@@ -496,141 +607,184 @@ class Scheduler:
                     )
                 return None  # waits for blocks (strict policy order)
             num_kept = cached + n
-        self.bm.allocate(req.request_id, num_blocks_new, prefix_blocks)
+            if chunked_score:
+                self.num_chunked_scoring += 1
+        t = self._track[req.request_id]
+        lease = Lease(
+            req, f"{req.request_id}#{self._num_leases}", self.slots.take() if samples else -1
+        )
+        self._num_leases += 1
+        self.bm.allocate(lease.key, num_blocks_new, prefix_blocks)
+        t.lease = lease
         first_admission = req.num_preemptions == 0
         if first_admission:
             req.num_cached_tokens = cached
             if self.bm.prefix_cache is not None:
                 self.bm.prefix_cache.record_query(req.num_prompt_tokens, cached)
         req.num_computed_tokens = cached
+        req.num_output_placeholders = 0
         req.status = RequestStatus.RUNNING
         _remove(self.waiting, req)
         self.running.append(req)
         done = cached + n == req.num_tokens
-        return self._seq(req, n, num_kept, done)
+        return self._seq(req, lease, n, num_kept, done)
 
-    def _seq(self, req: Request, n: int, num_kept: int, needs_output: bool) -> ScheduledSeq:
+    def _seq(
+        self,
+        req: Request,
+        lease: Lease,
+        n: int,
+        num_kept: int,
+        needs_output: bool,
+        decode: bool = False,
+    ) -> ScheduledSeq:
+        """The step's work for `req`; advances its counters (overlapped scheduling)."""
         start = req.num_computed_tokens
-        return ScheduledSeq(
+        samples = needs_output and lease.slot >= 0
+        seq = ScheduledSeq(
             request=req,
+            lease=lease,
             num_context_tokens=start,
             num_new_tokens=n,
             num_kept_tokens=num_kept,
-            block_ids=list(self.bm.table(req.request_id)),
-            input_ids=_token_slice(req, start, n),
+            block_ids=list(self.bm.table(lease.key)),
+            input_ids=[] if decode else _token_slice(req, start, n),
             needs_output=needs_output,
+            samples=samples,
+            init_penalties=samples and not decode and _has_penalties(req),
         )
+        req.num_computed_tokens = start + n
+        if samples:
+            req.num_output_placeholders += 1
+            lease.sampled = True
+        return seq
 
     def _preempt(self, req: Request) -> None:
-        self.bm.free(req.request_id)
+        t = self._track[req.request_id]
+        assert t.lease is not None
+        self._release(t.lease)
+        t.lease = None
         _remove(self.running, req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
+        req.num_output_placeholders = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.append(req)
 
+    def _release(self, lease: Lease) -> None:
+        lease.released = True
+        if lease.num_inflight == 0:
+            self._free_lease(lease)
+        else:
+            self._num_unreleased += 1
+
+    def _free_lease(self, lease: Lease) -> None:
+        if lease.num_inflight < 0:
+            raise AssertionError(f"lease {lease.key} retired more often than launched")
+        self.bm.free(lease.key)
+        self.slots.give(lease.slot)
+        lease.slot = -1
+        if lease.request.is_finished:
+            self._released.append(lease.request.request_id)
+
+    def take_released(self) -> list[str]:
+        """Finished requests whose last lease was freed since the last call: nothing launched
+        uses them any more, so per-request device state (generators, penalty rows) may go."""
+        out, self._released = self._released, []
+        return out
+
     # ---- update ---------------------------------------------------------------------------
-    def update(self, plan: StepPlan, out: RunnerOutput) -> list[RequestOutput]:
-        """Apply a step's results; returns outputs for requests that made visible progress."""
+    def update(self, plan: StepPlan, out: RunnerOutput) -> list[EngineOutput]:
+        """Apply a launched step's results (in launch order per request); returns outputs for
+        requests that made visible progress."""
         outputs = self.take_pending_outputs()
         now = self.clock()
         for seq in plan.seqs:
             req = seq.request
-            if req.is_finished or req.status != RequestStatus.RUNNING:
-                continue  # aborted / failed / preempted meanwhile
-            req.num_computed_tokens += seq.num_new_tokens
-            self._cache_computed_blocks(req, seq)
-            if not seq.needs_output:
-                continue
-            if req.kind == RequestKind.SCORE:
-                req.first_token_s = now
-                outputs.append(
-                    self._finish(
-                        req,
-                        RequestStatus.FINISHED_STOPPED,
-                        label_probs=out.label_probs[req.request_id],
-                    )
-                )
-                continue
-            token = out.sampled_token_ids[req.request_id]
-            outputs.append(self._append_token(req, token, out.logprobs.get(req.request_id), now))
+            if not seq.lease.released and req.status == RequestStatus.RUNNING:
+                self._cache_computed_blocks(req, seq)
+                if req.sampling.prompt_logprobs is not None:
+                    self._collect_prompt_logprobs(req, out)
+                if seq.needs_output:
+                    outputs.append(self._apply_output(req, seq, out, now))
+            self._retire_seq(seq)
         return outputs
+
+    def _apply_output(
+        self, req: Request, seq: ScheduledSeq, out: RunnerOutput, now: float
+    ) -> EngineOutput:
+        if req.kind == RequestKind.SCORE:
+            req.first_token_s = now
+            return self._finish(
+                req, RequestStatus.FINISHED_STOPPED, label_probs=out.label_probs[req.request_id]
+            )
+        if not seq.samples:  # max_tokens == 0: the prompt (logprobs) was all that was asked
+            req.first_token_s = now
+            return self._finish(req, RequestStatus.FINISHED_LENGTH)
+        token = out.sampled_token_ids[req.request_id]
+        return self._append_token(req, token, out.logprobs.get(req.request_id), now)
+
+    def _collect_prompt_logprobs(self, req: Request, out: RunnerOutput) -> None:
+        chunk = out.prompt_logprobs.get(req.request_id)
+        if chunk is None:
+            return
+        t = self._track[req.request_id]
+        if t.prompt_logprobs is None:
+            t.prompt_logprobs = [None]  # the first prompt token has no logprob
+        room = req.num_prompt_tokens - len(t.prompt_logprobs)
+        t.prompt_logprobs.extend(chunk[:room])
 
     def _cache_computed_blocks(self, req: Request, seq: ScheduledSeq) -> None:
         if not self.config.enable_prefix_cache or self.bm.prefix_cache is None:
             return
-        t = self._track[req.request_id]
-        num_full = min(req.num_computed_tokens, seq.num_kept_tokens) // self.block_size
+        # Full blocks within what this step computed and keeps; their tokens are all known to
+        # the host (a step's input tokens were sampled by steps already applied).
+        num_full = (
+            min(seq.num_context_tokens + seq.num_new_tokens, seq.num_kept_tokens) // self.block_size
+        )
         if num_full == 0:
             return
-        tokens = req.all_token_ids
+        t = self._track[req.request_id]
+        tokens = req.all_token_ids if req.output_token_ids else req.prompt_token_ids
         extend_block_hashes(t.block_hashes, tokens[: num_full * self.block_size], self.block_size)
-        self.bm.cache_full_blocks(req.request_id, t.block_hashes[:num_full], tokens)
+        self.bm.cache_full_blocks(seq.lease.key, t.block_hashes[:num_full], tokens)
 
     def _append_token(
         self, req: Request, token: int, logprob: TokenLogprob | None, now: float
-    ) -> RequestOutput:
+    ) -> EngineOutput:
         sp = req.sampling
-        t = self._track[req.request_id]
+        req.num_output_placeholders -= 1
         req.output_token_ids.append(token)
         if req.first_token_s is None:
             req.first_token_s = now
         status = RequestStatus.RUNNING
-        is_stop_token = token in sp.stop_token_ids or (
-            not sp.ignore_eos and token in self.eos_token_ids
-        )
-        if is_stop_token:
+        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
             status = RequestStatus.FINISHED_STOPPED
         elif req.num_output_tokens >= sp.max_tokens:
             status = RequestStatus.FINISHED_LENGTH
-
-        # Text: the stop token's own text is never shown.
-        if not is_stop_token:
-            t.text += self._detok(req).add([token])
-        if status.is_finished:
-            t.text += self._detok(req).finish()
-        visible_end = len(t.text)
-        if sp.stop:
-            hit = _find_stop(t.text, sp.stop, max(0, t.num_sent_chars - _max_len(sp.stop)))
-            if hit is not None:
-                visible_end = hit
-                status = RequestStatus.FINISHED_STOPPED
-            elif not status.is_finished:
-                visible_end = len(t.text) - _held_back(t.text, sp.stop)
-        visible_end = max(visible_end, t.num_sent_chars)
-        new_text = t.text[t.num_sent_chars : visible_end]
-        t.num_sent_chars = visible_end
         logprobs = [logprob] if logprob is not None else []
         if status.is_finished:
-            return self._finish(
-                req, status, new_token_ids=[token], new_text=new_text, new_logprobs=logprobs
-            )
-        return RequestOutput(
+            return self._finish(req, status, new_token_ids=[token], new_logprobs=logprobs)
+        t = self._track[req.request_id]
+        return EngineOutput(
             request_id=req.request_id,
             new_token_ids=[token],
-            new_text=new_text,
             new_logprobs=logprobs,
+            prompt_logprobs=self._take_prompt_logprobs(t),
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
             num_output_tokens=req.num_output_tokens,
-            queue_s=self._queue_s(req),
+            queue_s=_sub(t.first_scheduled_s, req.arrival_s),
             ttft_s=req.first_token_s - req.arrival_s,
         )
 
-    def _detok(self, req: Request) -> IncrementalDetokenizer:
-        t = self._track[req.request_id]
-        if t.detok is None:
-            assert self.tokenizer is not None, "GENERATE requests need a tokenizer"
-            # A few prompt tokens give the detokenizer its joining context.
-            t.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids[-8:])  # type: ignore[arg-type]
-        return t.detok
-
-    def _queue_s(self, req: Request) -> float | None:
-        t = self._track.get(req.request_id)
-        if t is None or t.first_scheduled_s is None:
+    @staticmethod
+    def _take_prompt_logprobs(t: _Tracking) -> list[TokenLogprob | None] | None:
+        if t.prompt_logprobs is None or t.prompt_logprobs_sent:
             return None
-        return t.first_scheduled_s - req.arrival_s
+        t.prompt_logprobs_sent = True
+        return t.prompt_logprobs
 
     def _finish(
         self,
@@ -639,40 +793,58 @@ class Scheduler:
         *,
         error: str | None = None,
         label_probs: list[float] | None = None,
-        new_token_ids: Sequence[int] = (),
-        new_text: str = "",
+        new_token_ids: list[int] | None = None,
         new_logprobs: list[TokenLogprob] | None = None,
-    ) -> RequestOutput:
-        """Move a request to a finished state, free its KV, and build its last output."""
+    ) -> EngineOutput:
+        """Move a request to a finished state, release its KV, and build its last output."""
         now = self.clock()
         req.status = status
         req.finish_s = now
         req.error = error
-        if req.request_id in self._inflight:
-            self._deferred_free.add(req.request_id)  # the device may still write its blocks
-        else:
-            self.bm.free(req.request_id)
+        t = self._track.pop(req.request_id, None)
+        if t is not None and t.lease is not None:
+            self._release(t.lease)
         if not _remove(self.running, req):
             _remove(self.waiting, req)
-        queue_s = self._queue_s(req)
-        self._track.pop(req.request_id, None)
         self._arrival_seq.pop(req.request_id, None)
-        return RequestOutput(
+        first_scheduled = None if t is None else t.first_scheduled_s
+        first_token = req.first_token_s
+        return EngineOutput(
             request_id=req.request_id,
-            new_token_ids=list(new_token_ids),
-            new_text=new_text,
+            new_token_ids=new_token_ids or [],
             new_logprobs=new_logprobs or [],
             label_probs=label_probs,
+            prompt_logprobs=None if t is None else self._take_prompt_logprobs(t),
             finished=True,
             finish_reason=FINISH_REASONS[status],
             error=error,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
             num_output_tokens=req.num_output_tokens,
-            queue_s=queue_s,
-            ttft_s=None if req.first_token_s is None else req.first_token_s - req.arrival_s,
+            queue_s=_sub(first_scheduled, req.arrival_s),
+            ttft_s=_sub(first_token, req.arrival_s),
             e2e_s=now - req.arrival_s,
+            prefill_s=_sub(first_token, first_scheduled),
+            decode_s=_sub(now, first_token),
         )
+
+    # ---- checks -----------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Block-manager invariants plus: every running request holds a live lease."""
+        self.bm.check_integrity()
+        for req in self.running:
+            lease = self._track[req.request_id].lease
+            assert lease is not None and not lease.released, f"{req.request_id} has no lease"
+            assert self.bm.has(lease.key)
+
+
+def _sub(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+def _has_penalties(req: Request) -> bool:
+    sp = req.sampling
+    return bool(sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0)
 
 
 def _remove(requests: list[Request], req: Request) -> bool:
@@ -685,38 +857,12 @@ def _remove(requests: list[Request], req: Request) -> bool:
 
 
 def _token_slice(req: Request, start: int, n: int) -> list[int]:
-    """Tokens [start, start + n) of prompt + output without concatenating them (a decode
-    step must not copy the whole sequence)."""
+    """Tokens [start, start + n) of prompt + output without concatenating them (a step must
+    not copy the whole sequence). Only known tokens: prefill chunks never reach a
+    placeholder (a re-prefill after preemption starts with no placeholders)."""
     p = req.num_prompt_tokens
     if start >= p:
         return req.output_token_ids[start - p : start - p + n]
     if start + n <= p:
         return req.prompt_token_ids[start : start + n]
     return req.prompt_token_ids[start:] + req.output_token_ids[: start + n - p]
-
-
-def _max_len(stops: Sequence[str]) -> int:
-    return max((len(s) for s in stops), default=0)
-
-
-def _find_stop(text: str, stops: Sequence[str], start: int) -> int | None:
-    """Index of the earliest occurrence of any stop string at or after `start`."""
-    best: int | None = None
-    for s in stops:
-        if not s:
-            continue
-        i = text.find(s, start)
-        if i >= 0 and (best is None or i < best):
-            best = i
-    return best
-
-
-def _held_back(text: str, stops: Sequence[str]) -> int:
-    """Characters at the end of `text` that could begin a stop string (not sent yet)."""
-    held = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), held, -1):
-            if text.endswith(s[:k]):
-                held = k
-                break
-    return held

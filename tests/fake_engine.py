@@ -1,17 +1,21 @@
 """A stand-in for `runtime.engine.Engine` with the same interface, for testing the HTTP layer.
 
-It has no model: outputs follow a deterministic rule, on a background thread, so the app's
-threading (sink -> event loop), streaming, abort and admission paths run for real.
+It runs where the real engine runs: inside the engine core process (runtime/core/process.py),
+behind the same sockets, so the app's whole path (IPC, output processor, streaming, abort,
+admission) is exercised. It has no model: outputs follow a deterministic rule, on a thread.
 
-- Tokenizer: one token per UTF-8 byte (ids 0..255) plus chat specials; vocabulary of 300.
+- Tokenizer: one token per UTF-8 byte (ids 0..255) plus chat specials; vocabulary of 300. It
+  travels to the front end in `info()` (pickled).
 - GENERATE: echoes the prompt's non-special tokens, one per step; after one full echo it emits
-  EOS (finish "stop") unless `ignore_eos`; `max_tokens` ends it with "length"; stop strings end
-  it with "stop" (the stop string is not included). `logprobs=k`: the chosen token at -0.5 and
-  k alternatives below it.
+  EOS (finish "stop") unless `ignore_eos`; `max_tokens` ends it with "length"; a stop token id
+  ends it with "stop". (Stop strings are the front end's job.) `logprobs=k`: the chosen token
+  at -0.5 and k alternatives below it.
 - SCORE: logit(t) = ((sum(prompt) + 7 t) mod 13) / 4 for every vocabulary id t; label probs are
   the softmax over the labels (or over the whole vocabulary without `apply_softmax`).
 - A prompt containing the bytes "FAIL" fails with finish "error" (fault injection).
-- `pause()` / `resume()` hold every request in place (for queue-full and disconnect tests);
+- Test controls cross the process boundary as `control(name, *args)` (ServerThread.control):
+  "pause" / "resume" hold every request in place (queue-full and disconnect tests), "kill"
+  simulates a dead engine loop, "added" lists every request added (id, status, token counts).
   KV accounting is one block per `BLOCK_SIZE` tokens of a running request.
 """
 
@@ -23,15 +27,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 from runtime.config import EngineConfig
+from runtime.partition import UnavailablePartition
 from runtime.request import (
     FINISH_REASONS,
+    EngineOutput,
     Request,
     RequestKind,
-    RequestOutput,
     RequestStatus,
     TokenLogprob,
 )
@@ -92,11 +96,9 @@ def fake_label_probs(
 
 
 class _Running:
-    def __init__(self, req: Request, tokenizer: FakeTokenizer):
+    def __init__(self, req: Request):
         self.req = req
         self.echo = [t for t in req.prompt_token_ids if t < 256] or [ord("x")]
-        self.text = ""
-        self.tokenizer = tokenizer
         self.first_scheduled_s: float | None = None
 
 
@@ -104,15 +106,15 @@ class FakeEngine:
     """Same public surface as `runtime.engine.Engine` (see docs/internals.md)."""
 
     def __init__(
-        self, config: EngineConfig, sink: Callable[[RequestOutput], None], step_s: float = 0.002
+        self,
+        config: EngineConfig,
+        sink: Callable[[list[EngineOutput]], None],
+        step_s: float = 0.002,
     ):
         self.config = config
         self.sink = sink
         self.step_s = step_s
         self.tokenizer = FakeTokenizer()
-        self.model_config = SimpleNamespace(
-            vocab_size=VOCAB_SIZE, eos_token_ids=[IM_END], max_position_embeddings=MAX_MODEL_LEN
-        )
         self.max_model_len = min(config.max_model_len or MAX_MODEL_LEN, MAX_MODEL_LEN)
         self.max_prompt_tokens = self.max_model_len
         self.max_score_tokens = min(
@@ -120,6 +122,7 @@ class FakeEngine:
         )
         self.kv_blocks_total = 1000
         self.policy = config.prefill_policy
+        self.partition = UnavailablePartition("the fake engine has no GPU")
         self._lock = threading.Lock()
         self._inbox: deque[Request] = deque()
         self._aborts: deque[str] = deque()
@@ -129,26 +132,48 @@ class FakeEngine:
         self._stop = threading.Event()
         self._admitting = True
         self._thread = threading.Thread(target=self._loop, name="fake-engine", daemon=True)
-        self.added: list[Request] = []  # every request ever added (tests inspect them)
+        self.added: list[Request] = []  # every request ever added
+        self._num_cache_resets = 0
 
     # ------------------------------------------------------------------ public interface
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "model": self.config.model,
+            "max_model_len": self.max_model_len,
+            "max_prompt_tokens": self.max_prompt_tokens,
+            "max_score_tokens": self.max_score_tokens,
+            "vocab_size": VOCAB_SIZE,
+            "eos_token_ids": [IM_END],
+            "max_position_embeddings": MAX_MODEL_LEN,
+            "device": "fake",
+            "tokenizer": self.tokenizer,
+        }
 
     def start(self) -> None:
         self._thread.start()
 
     def add(self, req: Request) -> None:
+        self.add_many([req])
+
+    def add_many(self, reqs: list[Request]) -> None:
+        late = []
         with self._lock:
-            self.added.append(req)
-            if not self._admitting:
-                self._finish_locked_later(
-                    req, RequestStatus.FINISHED_ABORTED, "engine is shutting down"
-                )
-                return
-            self._inbox.append(req)
+            for req in reqs:
+                self.added.append(req)
+                if not self._admitting:
+                    late.append(req)
+                else:
+                    self._inbox.append(req)
+        for req in late:
+            self._finish_later(req, RequestStatus.FINISHED_ABORTED, "engine is shutting down")
 
     def abort(self, request_id: str) -> None:
+        self.abort_many([request_id])
+
+    def abort_many(self, request_ids: list[str]) -> None:
         with self._lock:
-            self._aborts.append(request_id)
+            self._aborts.extend(request_ids)
 
     def is_alive(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
@@ -166,10 +191,19 @@ class FakeEngine:
                 "prefix_query_tokens": sum(r.num_prompt_tokens for r in self.added),
                 "policy": self.policy,
                 "partition": "off",
+                "num_cache_resets": self._num_cache_resets,
+                "alive": True,
             }
 
     def set_policy(self, name: str) -> None:
+        from policies import POLICY_NAMES
+
+        if name not in POLICY_NAMES:
+            raise ValueError(f"unknown prefill policy {name!r}")
         self.policy = name
+
+    def reset_prefix_cache(self) -> None:
+        self._num_cache_resets += 1
 
     def shutdown(self, grace_s: float = 0.0) -> None:
         with self._lock:
@@ -190,35 +224,48 @@ class FakeEngine:
 
     # ------------------------------------------------------------------ test controls
 
-    def pause(self) -> None:
-        self._gate.clear()
-
-    def resume(self) -> None:
-        self._gate.set()
-
-    def kill(self) -> None:
-        """Simulate a dead engine loop."""
-        self._stop.set()
-        self._gate.set()
-        self._thread.join(timeout=5)
+    def control(self, name: str, *args: Any) -> Any:
+        if name == "pause":
+            self._gate.clear()
+        elif name == "resume":
+            self._gate.set()
+        elif name == "kill":  # simulate a dead engine loop
+            self._stop.set()
+            self._gate.set()
+            self._thread.join(timeout=5)
+        elif name == "added":
+            with self._lock:
+                return [
+                    {
+                        "request_id": r.request_id,
+                        "status": r.status.name,
+                        "num_prompt_tokens": r.num_prompt_tokens,
+                        "num_output_tokens": r.num_output_tokens,
+                    }
+                    for r in self.added
+                ]
+        else:
+            raise ValueError(f"unknown control {name!r}")
+        return None
 
     # ------------------------------------------------------------------ engine thread
 
-    def _finish_locked_later(self, req: Request, status: RequestStatus, error: str | None) -> None:
+    def _finish_later(self, req: Request, status: RequestStatus, error: str | None) -> None:
         req.status = status
         req.error = error
-        out = RequestOutput(
+        out = EngineOutput(
             request_id=req.request_id,
             finished=True,
             finish_reason=FINISH_REASONS[status],
             error=error,
             num_prompt_tokens=req.num_prompt_tokens,
         )
-        threading.Thread(target=self.sink, args=(out,), daemon=True).start()
+        threading.Thread(target=self.sink, args=([out],), daemon=True).start()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
             time.sleep(self.step_s)
+            outs: list[EngineOutput] = []
             with self._lock:
                 while self._aborts:
                     rid = self._aborts.popleft()
@@ -228,25 +275,26 @@ class FakeEngine:
                         self._inbox.remove(waiting)
                     req = run.req if run else waiting
                     if req is not None:
-                        self._emit(req, RequestStatus.FINISHED_ABORTED, error="aborted")
-                if not self._gate.is_set():
-                    continue
-                while self._inbox:
-                    req = self._inbox.popleft()
-                    req.status = RequestStatus.RUNNING
-                    self._running[req.request_id] = _Running(req, self.tokenizer)
-                    self._running[req.request_id].first_scheduled_s = time.monotonic()
-                for rid in list(self._running):
-                    self._step(self._running[rid])
+                        outs.append(self._out(req, RequestStatus.FINISHED_ABORTED, error="aborted"))
+                if self._gate.is_set():
+                    while self._inbox:
+                        req = self._inbox.popleft()
+                        req.status = RequestStatus.RUNNING
+                        self._running[req.request_id] = _Running(req)
+                        self._running[req.request_id].first_scheduled_s = time.monotonic()
+                    for rid in list(self._running):
+                        outs.append(self._step(self._running[rid]))
+            if outs:
+                self.sink(outs)
 
-    def _emit(self, req: Request, status: RequestStatus | None, **kw: Any) -> None:
+    def _out(self, req: Request, status: RequestStatus | None, **kw: Any) -> EngineOutput:
         finished = status is not None and status.is_finished
         if finished:
             req.status = status  # type: ignore[assignment]
             req.finish_s = time.monotonic()
             self._running.pop(req.request_id, None)
         now = time.monotonic()
-        out = RequestOutput(
+        return EngineOutput(
             request_id=req.request_id,
             finished=finished,
             finish_reason=FINISH_REASONS[status] if finished else None,  # type: ignore[index]
@@ -257,38 +305,30 @@ class FakeEngine:
             queue_s=0.0,
             **kw,
         )
-        self.sink(out)
 
-    def _step(self, run: _Running) -> None:
+    def _step(self, run: _Running) -> EngineOutput:
         req = run.req
         if b"FAIL" in bytes(t for t in req.prompt_token_ids if t < 256):
-            self._emit(
+            return self._out(
                 req, RequestStatus.FINISHED_ERROR, error="injected fault (prompt contains FAIL)"
             )
-            return
         if req.kind == RequestKind.SCORE:
             req.first_token_s = time.monotonic()
             probs = fake_label_probs(req.prompt_token_ids, req.label_token_ids, req.apply_softmax)
-            self._emit(req, RequestStatus.FINISHED_STOPPED, label_probs=probs)
-            return
+            return self._out(req, RequestStatus.FINISHED_STOPPED, label_probs=probs)
         sp = req.sampling
         n = req.num_output_tokens
         if n >= len(run.echo) and not sp.ignore_eos:
-            self._emit(req, RequestStatus.FINISHED_STOPPED)
-            return
+            req.output_token_ids.append(IM_END)
+            return self._out(req, RequestStatus.FINISHED_STOPPED, new_token_ids=[IM_END])
         tok = run.echo[n % len(run.echo)]
         req.output_token_ids.append(tok)
         if req.first_token_s is None:
             req.first_token_s = time.monotonic()
-        full = self.tokenizer.decode(req.output_token_ids)
         status: RequestStatus | None = None
-        for stop in sp.stop:
-            if stop in full:
-                full = full[: full.index(stop)]
-                status = RequestStatus.FINISHED_STOPPED
-        new_text = full[len(run.text) :] if len(full) >= len(run.text) else ""
-        run.text = full
-        if status is None and req.num_output_tokens >= sp.max_tokens:
+        if tok in sp.stop_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        elif req.num_output_tokens >= sp.max_tokens:
             status = RequestStatus.FINISHED_LENGTH
         logprobs = []
         if sp.logprobs is not None:
@@ -296,4 +336,4 @@ class FakeEngine:
             logprobs = [
                 TokenLogprob(token_id=tok, logprob=-0.5, top=[(tok, -0.5), *top][: sp.logprobs])
             ]
-        self._emit(req, status, new_token_ids=[tok], new_text=new_text, new_logprobs=logprobs)
+        return self._out(req, status, new_token_ids=[tok], new_logprobs=logprobs)

@@ -95,6 +95,29 @@ class FakePartition:
             return self._split_state()
 
 
+class AsyncPartition:
+    """A partition manager as the front end sees it (app/engine_view.py): `state()` at once,
+    `set_mode` a coroutine. Other attributes (e.g. `calls`) reach the wrapped manager."""
+
+    def __init__(self, manager: Any) -> None:
+        self._manager = manager
+
+    def state(self) -> PartitionState:
+        return self._manager.state()
+
+    async def set_mode(self, spec: str) -> PartitionState:
+        return self._manager.set_mode(spec)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._manager, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "_manager":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._manager, name, value)
+
+
 class FakeMetrics:
     """The `recent()` interface `app/admin.py` expects from `app.state.metrics`."""
 
@@ -141,7 +164,7 @@ class FakeEngine:
         tpot_s: float = 0.01,
         metrics: FakeMetrics | None = None,
     ) -> None:
-        self.partition = partition if partition is not None else FakePartition()
+        self.partition = partition if partition is not None else FakePartition()  # type: ignore[assignment]
         self.metrics = metrics if metrics is not None else FakeMetrics()
         self.policy = "srjf"
         self.policy_calls: list[str] = []
@@ -154,7 +177,15 @@ class FakeEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    # --- the Engine contract used by app/admin.py ---
+    @property
+    def partition(self) -> AsyncPartition:
+        return self._partition
+
+    @partition.setter
+    def partition(self, manager: Any) -> None:
+        self._partition = AsyncPartition(manager)
+
+    # --- the EngineView contract used by app/admin.py ---
     def stats(self) -> dict[str, Any]:
         with self._lock:
             used = sum(int(job["blocks"]) for job in self._running)
@@ -168,11 +199,14 @@ class FakeEngine:
                 "policy": self.policy,
             }
 
-    def set_policy(self, name: str) -> None:
+    async def set_policy(self, name: str) -> None:
         if name not in POLICY_NAMES:
             raise ValueError(f"unknown prefill policy {name!r}")
         self.policy_calls.append(name)
         self.policy = name
+
+    async def reset_prefix_cache(self) -> None:
+        return None
 
     def is_alive(self) -> bool:
         return self._thread is None or self._thread.is_alive()

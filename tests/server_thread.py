@@ -5,6 +5,7 @@ Tests start one per module (they are cheap with the fake engine, a few seconds w
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import threading
@@ -39,7 +40,28 @@ class ServerThread:
 
     @property
     def engine(self) -> Any:
+        """The app's view of the engine (runtime limits, tokenizer, stats snapshot)."""
         return self.app.state.engine
+
+    def control(self, name: str, *args: Any, timeout_s: float = 30.0) -> Any:
+        """A test control of the engine in the engine core process (see tests/fake_engine.py:
+        "pause", "resume", "kill", "added")."""
+        core = self.app.state.engine._core
+        loop = self.app.state.loop
+        fut = asyncio.run_coroutine_threadsafe(core.call("engine_control", name, *args), loop)
+        return fut.result(timeout_s)
+
+    @property
+    def core_pid(self) -> int:
+        """The engine core process's pid."""
+        return self.app.state.engine._core.handle.pid
+
+    def stats_after(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """The engine's stats from a heartbeat sent after this call (fresh, not cached)."""
+        core = self.app.state.engine._core
+        loop = self.app.state.loop
+        fut = asyncio.run_coroutine_threadsafe(core.call("stats"), loop)
+        return fut.result(timeout_s)
 
     def start(self, timeout_s: float = 300.0) -> ServerThread:
         self.thread.start()

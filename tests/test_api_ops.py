@@ -47,7 +47,7 @@ def _idle(server: ServerThread) -> bool:
 
 
 def test_queue_cap_gives_429_with_retry_after(server: ServerThread, http: httpx.Client) -> None:
-    server.engine.pause()
+    server.control("pause")
     try:
         body = {"messages": MSG, "stream": True, "max_tokens": 5}
         with (
@@ -64,7 +64,7 @@ def test_queue_cap_gives_429_with_retry_after(server: ServerThread, http: httpx.
             r = http.post("/v1/score", json={"query": "q", "items": ["a"], "label_token_ids": [1]})
             assert r.status_code == 429
     finally:
-        server.engine.resume()
+        server.control("resume")
     _wait_for(lambda: _idle(server))
     # Capacity is back.
     assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
@@ -81,13 +81,13 @@ def test_stream_disconnect_frees_kv(server: ServerThread, http: httpx.Client) ->
         lines = r.iter_lines()
         for _ in range(8):  # role chunk and a few deltas
             next(lines)
-        assert server.engine.stats()["kv_blocks_used"] > 0
-        rid = server.engine.added[-1].request_id
+        _wait_for(lambda: server.engine.stats()["kv_blocks_used"] > 0)
+        rid = server.control("added")[-1]["request_id"]
     # Leaving the block closes the connection mid-stream.
     _wait_for(lambda: _idle(server))
-    aborted = [q for q in server.engine.added if q.request_id == rid][0]
-    assert aborted.status.name == "FINISHED_ABORTED"
-    assert aborted.num_output_tokens < 200
+    aborted = [q for q in server.control("added") if q["request_id"] == rid][0]
+    assert aborted["status"] == "FINISHED_ABORTED"
+    assert aborted["num_output_tokens"] < 200
 
 
 def test_non_streaming_disconnect_aborts(server: ServerThread) -> None:
@@ -99,25 +99,27 @@ def test_non_streaming_disconnect_aborts(server: ServerThread) -> None:
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     ).encode()
-    num_added = len(server.engine.added)
-    server.engine.pause()
+    num_added = len(server.control("added"))
+    server.control("pause")
     try:
         with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
             sock.sendall(head + body)
             _wait_for(
                 lambda: (
-                    len(server.engine.added) > num_added
+                    len(server.control("added")) > num_added
                     and server.app.state.client.num_in_flight == 1
                 )
             )
         # The socket is closed: the server sees the disconnect and releases the request.
         _wait_for(lambda: server.app.state.client.num_in_flight == 0)
+        # The abort reaches the engine while it is still paused.
+        _wait_for(lambda: server.control("added")[num_added]["status"] == "FINISHED_ABORTED")
     finally:
-        server.engine.resume()
+        server.control("resume")
     _wait_for(lambda: _idle(server))
-    (req,) = server.engine.added[num_added:]
-    assert req.status.name == "FINISHED_ABORTED"
-    assert req.num_output_tokens == 0  # paused until after the abort: nothing was generated
+    (req,) = server.control("added")[num_added:]
+    assert req["status"] == "FINISHED_ABORTED"
+    assert req["num_output_tokens"] == 0  # paused until after the abort: nothing was generated
 
 
 def test_health_and_metrics(server: ServerThread, http: httpx.Client) -> None:
@@ -183,9 +185,44 @@ def test_dead_engine_and_draining() -> None:
         r = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
         srv.app.state.client.draining = False
-        srv.engine.kill()
+        srv.control("kill")
+        _wait_for(lambda: c.get("/health").status_code == 503)
         assert c.get("/health").json() == {"status": "engine_dead"}
         r = c.post("/v1/chat/completions", json={"messages": MSG, "stream": True})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+
+
+def test_killed_engine_core_fails_requests_in_flight_cleanly() -> None:
+    """The engine core process dies (SIGKILL) while streams and a non-streaming request are
+    running: /health turns 503, every request in flight ends with a clear error (an error
+    event in the stream, a 5xx JSON error otherwise), the server keeps answering."""
+    import os
+    import signal
+
+    body = {"messages": MSG, "stream": True, "max_tokens": 200, "ignore_eos": True}
+    with fake_server() as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        srv.control("pause")  # nothing finishes before the kill
+        results: dict[str, object] = {}
+
+        def non_streaming() -> None:
+            r = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 5})
+            results["plain"] = (r.status_code, r.json())
+
+        t = threading.Thread(target=non_streaming)
+        with c.stream("POST", "/v1/chat/completions", json=body) as s:
+            assert s.status_code == 200
+            lines = s.iter_lines()
+            next(lines)  # the role chunk: the request is admitted and streaming
+            t.start()
+            _wait_for(lambda: srv.app.state.client.num_in_flight == 2)
+            os.kill(srv.core_pid, signal.SIGKILL)
+            rest = "\n".join(lines)
+        t.join(30)
+        assert '"error"' in rest and "engine" in rest and rest.rstrip().endswith("[DONE]")
+        status, err = results["plain"]  # type: ignore[misc]
+        assert status >= 500 and "engine" in err["error"]["message"]  # type: ignore[index]
+        assert c.get("/health").status_code == 503
+        r = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
 
 

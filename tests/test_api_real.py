@@ -103,7 +103,7 @@ def test_disconnect_mid_stream_frees_kv(server: ServerThread, http: httpx.Client
         lines = r.iter_lines()
         for _ in range(6):
             next(lines)
-        assert engine.stats()["kv_blocks_used"] > baseline
+        assert server.stats_after()["kv_blocks_used"] > baseline
     deadline = time.monotonic() + 30
     while True:
         stats = engine.stats()
@@ -128,17 +128,17 @@ def test_multi_item_score_computes_the_shared_query_once(
     engine = server.engine
     query = "Rate how relevant this post is to a reader who likes sailing. " * 40
     num_query = len(engine.tokenizer.encode(query))
-    assert num_query > 2 * engine.config.wait_for_shared_prefix_tokens
+    assert num_query > 2 * 256  # the default wait_for_shared_prefix_tokens
     items = [" Post: a regatta report.", " Post: a cake recipe.", " Post: knots.", " Post: tides."]
-    before = engine.stats()["num_prefill_tokens"]
+    before = server.stats_after()["num_prefill_tokens"]
     r = http.post("/v1/score", json={"query": query, "items": items, "labels": ["Yes", "No"]})
     assert r.status_code == 200, r.text
     assert len(r.json()["scores"]) == 4
-    time.sleep(0.1)  # stats are published after each step
-    computed = engine.stats()["num_prefill_tokens"] - before
+    stats = server.stats_after()
+    computed = stats["num_prefill_tokens"] - before
     # Query once, plus each item and the query's last partial block at most (block-granular
     # hits): far below the 4 x query that computing it per item would cost.
-    assert num_query < computed < num_query + 4 * (engine.block_manager.block_size + 16), (
+    assert num_query < computed < num_query + 4 * (stats["kv_block_size"] + 16), (
         computed,
         num_query,
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -114,6 +115,8 @@ def test_cli_calibrate_then_serve_loads_it(
         for i in range(3):  # prefill-only steps: they feed the online error metric
             r = http.post("/v1/completions", json={"prompt": f"hello {i} " * 20, "max_tokens": 1})
             assert r.status_code == 200, r.text
+        srv.stats_after()  # the engine's snapshot now includes those steps
+        time.sleep(0.5)  # and a heartbeat has brought it to the front end
         text = http.get("/metrics").text
     assert "# HELP greenlane_jct_prediction_mape JCT model prediction error" in text
     (value,) = re.findall(r"^greenlane_jct_prediction_mape (\S+)$", text, re.M)

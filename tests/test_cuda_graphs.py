@@ -1,5 +1,5 @@
 """CPU tests of decode graphs per stream (runtime/cuda_graphs.py `DecodeGraphRegistry`, the
-runner's per-stream selection and the PD loop's lazy capture), with fake streams and a fake
+runner's per-stream selection and the split executor's lazy capture), with fake streams and a fake
 graph set that replays eagerly with real padding (pad rows write only the pool's pad block).
 The CUDA-graph kernels themselves are covered by tests/gpu/test_split_graphs.py."""
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_pd_loop import gen, torch_runner  # the PD-loop tests' helpers
+from test_split_executor import gen, split_engine, split_step, torch_runner
 
 from runtime.attention.base import ForwardBatch
 from runtime.attention.torch_backend import TorchAttentionBackend
@@ -24,10 +24,11 @@ from runtime.cuda_graphs import (
     pad_seqs,
 )
 from runtime.engine import Engine
-from runtime.pd_loop import HostStreamDevice, PDLoop, SplitChoice
-from runtime.request import Request, RequestOutput
+from runtime.executor.split import SplitChoice
+from runtime.executor.streams import HostEvent, HostStreamDevice
+from runtime.request import EngineOutput, Request
 from runtime.runner import ModelRunner
-from runtime.scheduler import StepPlan
+from runtime.scheduler import StepCapacity, StepPlan
 
 
 class FakeSet:
@@ -179,9 +180,7 @@ class StreamDevice(HostStreamDevice):
             self.current[0] = prev
 
     def event(self) -> Any:
-        from runtime.pd_loop import _HostEvent
-
-        return _HostEvent()
+        return HostEvent()
 
     def wait_stream(self, stream: Any, other: Any) -> None:
         self.waits.append((stream, other))
@@ -200,6 +199,7 @@ def build(dev: StreamDevice | None, split_sms: int, max_num_seqs: int = 256):
     )
     eng = Engine(config, lambda o: None)  # not started: used for its model, pool, scheduler
     runner = torch_runner(eng)
+    eng.runner = runner
     assert runner.graph_registry is None  # CPU: no graphs, eager decode as before
     current = dev.current if dev is not None else ["default"]
     made: dict[str, FakeSet] = {}
@@ -214,7 +214,10 @@ def reqs() -> list[Request]:
     return [gen(f"r{i}", n, m, seed=i) for i, (n, m) in enumerate([(37, 6), (9, 9), (21, 5)])]
 
 
-def tokens(outs: list[RequestOutput]) -> dict[str, list[int]]:
+CAP = StepCapacity(prefill_token_budget=8192)
+
+
+def tokens(outs: list[EngineOutput]) -> dict[str, list[int]]:
     d: dict[str, list[int]] = {}
     for o in outs:
         d.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -227,9 +230,9 @@ def eager_tokens() -> dict[str, list[int]]:
     runner.decode_graphs = None
     for r in reqs():
         eng.scheduler.add(r)
-    outs: list[RequestOutput] = []
+    outs: list[EngineOutput] = []
     while eng.scheduler.has_work():
-        plan = eng.scheduler.schedule()
+        plan = eng.scheduler.schedule(CAP)
         outs += eng.scheduler.update(plan, runner.run(plan))
     return tokens(outs)
 
@@ -242,10 +245,10 @@ def test_runner_picks_the_set_of_the_current_stream() -> None:
     runner.graph_registry.current_stream = lambda: current[0]  # type: ignore[union-attr]
     for r in reqs():
         eng.scheduler.add(r)
-    outs: list[RequestOutput] = []
+    outs: list[EngineOutput] = []
     step = 0
     while eng.scheduler.has_work():
-        plan = eng.scheduler.schedule()
+        plan = eng.scheduler.schedule(CAP)
         current[0] = "D" if step % 2 else "default"  # alternate split and ordinary streams
         outs += eng.scheduler.update(plan, runner.run(plan))
         step += 1
@@ -261,10 +264,10 @@ def test_batch_beyond_the_largest_graph_decodes_eagerly() -> None:
     eng, runner, made, whole = build(None, 0, max_num_seqs=2)
     for r in reqs():
         eng.scheduler.add(r)
-    plan = eng.scheduler.schedule()
+    plan = eng.scheduler.schedule(CAP)
     for _ in range(10):  # until two sequences decode together (max_num_seqs caps it at 2)
         eng.scheduler.update(plan, runner.run(plan))
-        plan = eng.scheduler.schedule()
+        plan = eng.scheduler.schedule(CAP)
         if len(plan.decode) == 2:
             break
     assert len(plan.decode) == 2
@@ -276,10 +279,10 @@ def test_batch_beyond_the_largest_graph_decodes_eagerly() -> None:
     assert whole.replays == [(2, 2)]
 
 
-def test_pd_loop_decodes_on_the_splits_own_graphs_captured_once() -> None:
+def test_split_executor_decodes_on_the_splits_own_graphs_captured_once() -> None:
     ref = eager_tokens()
     dev = StreamDevice()
-    eng, runner, made, whole = build(dev, 64)
+    _, runner, made, whole = build(dev, 64)
     splits: list[int] = []
 
     def choose(p: Any, d: Any) -> SplitChoice:
@@ -293,21 +296,20 @@ def test_pd_loop_decodes_on_the_splits_own_graphs_captured_once() -> None:
             else SplitChoice(0, 132, "whole", "whole")
         )
 
-    loop = PDLoop(eng.scheduler, runner, dev, choose, None, slice_tokens=1, max_queued_slices=1)
+    eng, ex, _ = split_engine(dev, choose, runner=runner, max_num_seqs=256)
     rs = reqs()
     eng.scheduler.add(rs[0])
-    outs: list[RequestOutput] = []
+    outs: list[EngineOutput] = []
     for i in range(300):
         if i == 2:
             eng.scheduler.add(rs[1])
         if i == 4:
             eng.scheduler.add(rs[2])
-        outs += loop.step()
-        if not eng.scheduler.has_work() and not loop.busy and i > 4:
+        outs += split_step(eng)
+        if not eng.scheduler.has_work() and not ex.busy and i > 4:
             break
-    outs += loop.drain()
     assert tokens(outs) == ref
-    assert loop.num_overlapped_decode_steps >= 1
+    assert ex.num_overlapped_decode_steps >= 1
     # decode on each split replayed graphs captured on that split's stream, captured once
     assert set(made) <= {"D64", "D96"} and "D96" in made
     assert all(s.num_captures == 1 and s.replays for s in made.values())

@@ -10,17 +10,18 @@ import pytest
 
 from runtime.config import EngineConfig
 from runtime.engine import Engine
-from runtime.request import Request, RequestKind, RequestOutput, SamplingParams
+from runtime.request import EngineOutput, Request, RequestKind, SamplingParams
 
 
 class Collector:
     def __init__(self) -> None:
-        self.outs: dict[str, list[RequestOutput]] = {}
+        self.outs: dict[str, list[EngineOutput]] = {}
         self._cv = threading.Condition()
 
-    def __call__(self, o: RequestOutput) -> None:
+    def __call__(self, outs: list[EngineOutput]) -> None:  # one engine step's outputs
         with self._cv:
-            self.outs.setdefault(o.request_id, []).append(o)
+            for o in outs:
+                self.outs.setdefault(o.request_id, []).append(o)
             self._cv.notify_all()
 
     def wait(self, *rids: str, timeout: float = 60.0) -> None:
@@ -33,7 +34,7 @@ class Collector:
     def tokens(self, rid: str) -> list[int]:
         return [t for o in self.outs[rid] for t in o.new_token_ids]
 
-    def last(self, rid: str) -> RequestOutput:
+    def last(self, rid: str) -> EngineOutput:
         return self.outs[rid][-1]
 
 
@@ -160,16 +161,16 @@ def test_validation_failures_come_back_through_the_sink(engine_and_sink) -> None
 
 def test_step_failure_fails_only_that_step(engine_and_sink, monkeypatch) -> None:
     engine, sink = engine_and_sink
-    real_run = engine.runner.run
+    real_launch = engine.runner.launch
     calls = {"n": 0}
 
     def flaky(plan):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("boom")
-        return real_run(plan)
+        return real_launch(plan)
 
-    monkeypatch.setattr(engine.runner, "run", flaky)
+    monkeypatch.setattr(engine.runner, "launch", flaky)
     engine.add(gen("victim", [5, 6, 7], max_tokens=3))
     sink.wait("victim")
     assert sink.last("victim").finish_reason == "error" and "boom" in sink.last("victim").error
@@ -188,16 +189,16 @@ def test_poisoned_request_in_a_batch_fails_alone(monkeypatch) -> None:
     mates finish normally (the engine re-runs the step one request at a time)."""
     engine, sink = make_engine()
     try:
-        real_run = engine.runner.run
+        real_launch = engine.runner.launch
         sizes: list[int] = []
 
         def poisoned(plan):
             sizes.append(len(plan.seqs))
             if any(POISON in s.request.prompt_token_ids for s in plan.seqs):
                 raise RuntimeError("poisoned input")
-            return real_run(plan)
+            return real_launch(plan)
 
-        monkeypatch.setattr(engine.runner, "run", poisoned)
+        monkeypatch.setattr(engine.runner, "launch", poisoned)
         with engine._lock:  # queue all three before the loop can pick one up alone
             for rid, toks in (("ok1", [1, 2, 3]), ("bad", [1, POISON, 3]), ("ok2", [7, 8])):
                 engine._inbox.append(("add", gen(rid, toks, max_tokens=3)))
@@ -308,11 +309,6 @@ def test_measure_prefill_for_calibration() -> None:
     assert st["policy"] == "srjf" and st["jct_num_observed"] >= 1  # online refinement fed
 
 
-class _CharTokenizer:
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(ord("a") + t % 26) for t in ids)
-
-
 def _greedy_with_components(device: str, prompts: list[list[int]], **overrides) -> list[list[int]]:
     """scheduler -> runner -> update by hand (no Engine thread, no tokenizer files), so it
     also runs on a GPU machine that has no converted model."""
@@ -326,7 +322,7 @@ def _greedy_with_components(device: str, prompts: list[list[int]], **overrides) 
     from runtime.prefix_cache import PrefixCache
     from runtime.presets import get_preset
     from runtime.runner import ModelRunner
-    from runtime.scheduler import Scheduler
+    from runtime.scheduler import Scheduler, StepCapacity
 
     cfg = EngineConfig(**{"block_size": 4, "num_kv_blocks": 256, **overrides})
     mc = get_preset("tiny")
@@ -335,15 +331,18 @@ def _greedy_with_components(device: str, prompts: list[list[int]], **overrides) 
     n_blocks = cfg.num_kv_blocks or 0
     pool = KVPool.for_model(mc, n_blocks, cfg.block_size, torch.float32, device)
     bm = BlockManager(n_blocks, cfg.block_size, PrefixCache(cfg.block_size))
-    sched = Scheduler(cfg, bm, make_policy("fcfs"), _CharTokenizer(), [])
-    runner = ModelRunner(cfg, model, mc, pool, TorchAttentionBackend(pool))
+    sched = Scheduler(cfg, bm, make_policy("fcfs"), [])
+    runner = ModelRunner(
+        cfg, model, mc, pool, TorchAttentionBackend(pool), num_token_slots=sched.slots.num_slots
+    )
+    cap = StepCapacity(prefill_token_budget=cfg.prefill_token_budget)
     for i, p in enumerate(prompts):
         sched.add(gen(f"r{i}", p, max_tokens=20))
     tokens: dict[str, list[int]] = {}
     for _ in range(1000):
         if not sched.has_work():
             break
-        plan = sched.schedule()
+        plan = sched.schedule(cap)
         for o in sched.update(plan, runner.run(plan)):
             tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
         bm.check_integrity()
@@ -371,10 +370,65 @@ def test_cpu_engine_exposes_an_unavailable_partition_that_says_why() -> None:
     try:
         st = engine.partition.state()
         assert not st.available and st.reason == "no CUDA device" and st.mode == "off"
-        assert engine.pd is None
+        assert engine.split is None and engine.executor is engine.serial
         stats = engine.stats()
         assert stats["partition"] == "off" and stats["cost_model_mape"] is None
         with pytest.raises(ValueError):
             engine.partition.set_mode("static:64")
     finally:
         engine.shutdown(0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_overlapped_scheduling_gives_the_same_greedy_tokens(device: str) -> None:
+    """Overlap on and off: the same greedy tokens for chat with chunked prefill, prefix hits,
+    preemption, EOS stops (surplus tokens dropped), scoring next to decodes (chunked), and
+    an abort; and every block back at the end."""
+    prompts = [PROFILE + [7, 8, 9], PROFILE[:13] + [1, 2], list(range(3000, 3021)), [42]]
+    # A stop token the "stop" request really produces (its 5th token when nothing stops it):
+    # under overlap the host learns it one step late and the step after it is surplus.
+    engine, sink = make_engine(device=device, dtype="float32", attention_backend="torch")
+    try:
+        engine.add(gen("free", PROFILE, max_tokens=8))
+        sink.wait("free")
+    finally:
+        engine.shutdown(0)
+    free = sink.tokens("free")
+    stop_id = free[4]
+    results = []
+    for overlap in (False, True):
+        engine, sink = make_engine(
+            device=device,
+            dtype="float32",
+            attention_backend="torch",
+            overlap_scheduling=overlap,
+            prefill_token_budget=8,
+            num_kv_blocks=32,
+            max_num_seqs=3,
+        )
+        try:
+            for i, p in enumerate(prompts):
+                engine.add(gen(f"r{i}", p, max_tokens=16))
+            engine.add(gen("stop", PROFILE, max_tokens=16, stop_token_ids=[stop_id]))
+            engine.add(score("s", PROFILE + list(range(500, 530))))
+            engine.add(gen("gone", list(range(900, 940)), max_tokens=50))
+            engine.abort("gone")
+            sink.wait("r0", "r1", "r2", "r3", "stop", "s", "gone")
+            engine.block_manager.check_integrity()
+            st = engine.fresh_stats()
+        finally:
+            engine.shutdown(0)
+        assert st["kv_blocks_used"] == 0
+        assert sink.last("stop").finish_reason == "stop"
+        assert sink.tokens("stop") == free[: free.index(stop_id) + 1]  # nothing after it
+        results.append(
+            (
+                [sink.tokens(f"r{i}") for i in range(len(prompts))],
+                sink.last("s").label_probs,
+                sink.last("gone").finish_reason,
+            )
+        )
+    (tok_off, probs_off, gone_off), (tok_on, probs_on, gone_on) = results
+    assert tok_on == tok_off and all(len(t) == 16 for t in tok_on)
+    assert probs_on == pytest.approx(probs_off, rel=1e-5, abs=1e-7)
+    assert gone_on == gone_off == "abort"

@@ -1,5 +1,6 @@
-"""The engine's handling of a failed split-mode step, on CPU: the PD loop runs on a host stand-in
-whose streams are labels, and a stand-in partition manager records what the engine asks of it.
+"""The engine's handling of a failed split-mode step, on CPU: the split executor runs on a host
+stand-in whose streams are labels, and a stand-in partition manager records what the engine
+asks of it.
 
 Seen on the H200: cuBLAS failed on a 12-SM decode partition. The engine must then re-run the
 step's requests on the whole GPU and, when they all run fine there, take the split out of
@@ -9,14 +10,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
-from test_pd_loop import gen, torch_runner  # the PD-loop tests' helpers
+from test_split_executor import RecordingPartition, gen, split_engine
 
-from runtime.config import EngineConfig
 from runtime.engine import Engine
-from runtime.pd_loop import HostStreamDevice, PDLoop, SplitChoice
-from runtime.request import RequestOutput
+from runtime.executor.split import SplitChoice
+from runtime.executor.streams import HostStreamDevice
+from runtime.request import EngineOutput
 
 SPLIT = 64
 
@@ -39,67 +41,50 @@ class LabelledStreams(HostStreamDevice):
         return on()
 
 
-class RecordingPartition:
-    """What `Engine._step` uses of GreenContextPartition: the mode and `disable_split`."""
-
-    def __init__(self) -> None:
-        self.mode = "auto"
-        self.disabled: dict[int, str] = {}
-
-    def disable_split(self, prefill_sms: int, reason: str) -> None:
-        self.disabled[prefill_sms] = reason
-
-    def cost_model_mape(self) -> float | None:  # read when the engine publishes its stats
-        return None
-
-
-def split_mode_engine(fail_when: Any) -> tuple[Engine, RecordingPartition, list[RequestOutput]]:
-    """An engine whose steps go through a PD loop that puts every prefill and decode on split
-    SPLIT (streams "P"/"D"); `fail_when(device, plan)` says when a runner step raises."""
-    outputs: list[RequestOutput] = []
-    config = EngineConfig(model="random:tiny", block_size=4, num_kv_blocks=128)
-    eng = Engine(config, outputs.append)  # not started: _step is driven by the test
-    runner = torch_runner(eng)
+def split_mode_engine(fail_when: Any) -> tuple[Engine, RecordingPartition]:
+    """An engine whose steps go through a split executor that puts every prefill and decode on
+    split SPLIT (streams "P"/"D"); `fail_when(device, plan)` says when a launch raises."""
     device = LabelledStreams()
-    run = runner.run
+    green_ref: list[RecordingPartition] = []
 
-    def guarded_run(plan: Any) -> Any:
+    def choose(p: Any, d: Any) -> SplitChoice:
+        # Like the real manager: a disabled split is never chosen again.
+        if SPLIT in green_ref[0].disabled:
+            return SplitChoice(0, 132, "host", "host")
+        return SplitChoice(SPLIT, 132 - SPLIT, "P", "D")
+
+    eng, ex, green = split_engine(device, choose)
+    green_ref.append(green)
+    runner = eng.runner
+    launch, outputs_from_hidden = runner.launch, runner.outputs_from_hidden
+
+    def guarded_launch(plan: Any) -> Any:
         if fail_when(device, plan):
             raise RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED (stand-in)")
-        return run(plan)
+        return launch(plan)
 
-    runner.run = guarded_run  # type: ignore[method-assign]
-    eng.runner = runner
-    green = RecordingPartition()
-    eng._green = green
-    eng.pd = PDLoop(
-        eng.scheduler,
-        runner,
-        device,
-        # Like the real manager: a disabled split is never chosen again.
-        lambda p, d: (
-            SplitChoice(0, 132, "host", "host")
-            if SPLIT in green.disabled
-            else SplitChoice(SPLIT, 132 - SPLIT, "P", "D")
-        ),
-        None,
-        slice_tokens=1,
-        split_usable=lambda sms: sms not in green.disabled,
-    )
-    return eng, green, outputs
+    def guarded_outputs(hidden: Any, wanting: Any, pending: Any) -> Any:
+        # A split prefill's sampling runs on its prefill stream, outside `launch`.
+        if fail_when(device, SimpleNamespace(seqs=wanting)):
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED (stand-in)")
+        return outputs_from_hidden(hidden, wanting, pending)
+
+    runner.launch = guarded_launch  # type: ignore[method-assign]
+    runner.outputs_from_hidden = guarded_outputs  # type: ignore[method-assign]
+    return eng, green
 
 
-def run_until_done(eng: Engine, max_steps: int = 200) -> list[RequestOutput]:
-    outs: list[RequestOutput] = []
+def run_until_done(eng: Engine, max_steps: int = 300) -> list[EngineOutput]:
+    outs: list[EngineOutput] = []
     for _ in range(max_steps):
-        if not eng.scheduler.has_work() and not eng.pd.busy:
+        if not eng.scheduler.has_work() and not eng.executor.num_in_flight:
             break
         outs += eng._step()
     return outs
 
 
 def test_a_split_that_fails_while_the_requests_run_fine_alone_is_disabled() -> None:
-    eng, green, _ = split_mode_engine(lambda dev, plan: dev.current == "D")
+    eng, green = split_mode_engine(lambda dev, plan: dev.current == "D")
     reqs = [gen("a", 12, 5, seed=1), gen("b", 20, 5, seed=2)]
     for r in reqs:
         eng.scheduler.add(r)
@@ -118,7 +103,7 @@ def test_a_request_at_fault_fails_alone_and_the_split_stays() -> None:
     def poisoned(dev: Any, plan: Any) -> bool:
         return any(s.request.request_id == "bad" for s in plan.seqs)
 
-    eng, green, _ = split_mode_engine(poisoned)
+    eng, green = split_mode_engine(poisoned)
     eng.scheduler.add(gen("good", 12, 4, seed=1))
     eng.scheduler.add(gen("bad", 10, 4, seed=3))
     outs = run_until_done(eng)

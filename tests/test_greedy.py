@@ -10,7 +10,7 @@ import torch
 
 from runtime.config import EngineConfig
 from runtime.engine import Engine
-from runtime.request import Request, RequestKind, RequestOutput, SamplingParams
+from runtime.request import EngineOutput, Request, RequestKind, SamplingParams
 
 NUM_TOKENS = 32
 SYSTEM = "You are a helpful assistant who answers briefly and precisely. " * 3
@@ -52,12 +52,13 @@ def _hf_greedy(model_dir, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def test_greedy_matches_transformers(default_model_dir) -> None:
-    outs: dict[str, list[RequestOutput]] = {}
+    outs: dict[str, list[EngineOutput]] = {}
     cv = threading.Condition()
 
-    def sink(o: RequestOutput) -> None:
+    def sink(step_outs: list[EngineOutput]) -> None:  # one engine step's outputs
         with cv:
-            outs.setdefault(o.request_id, []).append(o)
+            for o in step_outs:
+                outs.setdefault(o.request_id, []).append(o)
             cv.notify_all()
 
     cfg = EngineConfig(

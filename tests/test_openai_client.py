@@ -39,7 +39,9 @@ def test_chat_non_stream(client: openai.OpenAI) -> None:
     assert choice.message.role == "assistant"
     assert choice.message.content == "user\nHi\nassistant\n"
     assert choice.finish_reason == "stop"
-    assert resp.usage is not None and resp.usage.completion_tokens == len(choice.message.content)
+    # One token per character of text, plus the EOS that ended it (counted, not shown).
+    assert resp.usage is not None
+    assert resp.usage.completion_tokens == len(choice.message.content) + 1
 
 
 def test_chat_stream_with_usage(client: openai.OpenAI) -> None:

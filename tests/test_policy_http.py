@@ -32,9 +32,8 @@ import pytest
 from server_thread import ServerThread, running_server
 
 from policies.jct import JCTModel
-from runtime.request import RequestOutput
-
-pytest.importorskip("runtime.engine")
+from runtime.engine import Engine
+from runtime.request import EngineOutput
 
 MODEL = "random:tiny"
 MAX_MODEL_LEN = 16384  # > the preset's 4096: the blocker must outlive the submissions
@@ -42,21 +41,38 @@ LONG_TOKENS = 3000
 SHORT_TOKENS = (40, 10, 30, 20)  # arrival order of the shorts (after the long one)
 
 
+class RecordingEngine(Engine):
+    """The real engine, whose sink also remembers (num_prompt_tokens, finish_reason) of each
+    finished request in emit order; read through the test control "finished". (A module-level
+    class: it is built in the engine core process.)"""
+
+    def __init__(self, config: Any, sink: Callable[[list[EngineOutput]], None]) -> None:
+        self.finished: list[tuple[int, str | None]] = []
+
+        def record(outs: list[EngineOutput]) -> None:
+            self.finished.extend(
+                (o.num_prompt_tokens, o.finish_reason) for o in outs if o.finished
+            )
+            sink(outs)
+
+        super().__init__(config, record)
+
+    def control(self, name: str) -> Any:
+        if name != "finished":
+            raise ValueError(f"unknown control {name!r}")
+        return list(self.finished)
+
+
 class _Recorder:
-    """Wraps the engine's sink: remembers (num_prompt_tokens, finish_reason) in emit order."""
+    """The test side of RecordingEngine."""
 
     def __init__(self) -> None:
-        self.finished: list[tuple[int, str | None]] = []
-        self._lock = threading.Lock()
+        self.server: ServerThread | None = None
 
-    def wrap(self, sink: Callable[[RequestOutput], None]) -> Callable[[RequestOutput], None]:
-        def record(out: RequestOutput) -> None:
-            if out.finished:
-                with self._lock:
-                    self.finished.append((out.num_prompt_tokens, out.finish_reason))
-            sink(out)
-
-        return record
+    @property
+    def finished(self) -> list[tuple[int, str | None]]:
+        assert self.server is not None
+        return [tuple(x) for x in self.server.control("finished")]  # type: ignore[misc]
 
 
 @pytest.fixture(scope="module")
@@ -66,18 +82,14 @@ def recorder() -> _Recorder:
 
 @pytest.fixture(scope="module")
 def server(recorder: _Recorder, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
-    from runtime.engine import Engine
 
     calib = tmp_path_factory.mktemp("jct") / "cpu-like.json"
     JCTModel(a_s=0.01, b_s_per_token=1e-3, k_s_per_pair=0.0, device="cpu", model=MODEL).save(
         str(calib)
     )
 
-    def factory(config: Any, sink: Callable[[RequestOutput], None]) -> Any:
-        return Engine(config, recorder.wrap(sink))
-
     with running_server(
-        engine_factory=factory,
+        engine_factory=RecordingEngine,
         model=MODEL,
         device="cpu",
         max_num_seqs=1,
@@ -87,6 +99,7 @@ def server(recorder: _Recorder, tmp_path_factory: pytest.TempPathFactory) -> Ite
         jct_calibration=str(calib),
         calibration_dir=str(calib.parent),
     ) as srv:
+        recorder.server = srv
         yield srv
 
 

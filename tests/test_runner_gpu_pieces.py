@@ -12,7 +12,7 @@ from runtime.kv_pool import KVPool
 from runtime.presets import get_preset
 from runtime.request import Request, RequestKind
 from runtime.runner import describe_oom, label_probs
-from runtime.scheduler import ScheduledSeq, StepPlan
+from runtime.scheduler import Lease, ScheduledSeq, StepPlan
 
 
 def test_graph_batch_sizes_cover_max_num_seqs() -> None:
@@ -66,6 +66,7 @@ def test_oom_message_names_the_step() -> None:
     req = Request("r", RequestKind.SCORE, [1] * 100, label_token_ids=[1])
     seq = ScheduledSeq(
         request=req,
+        lease=Lease(req, req.request_id, -1),
         num_context_tokens=0,
         num_new_tokens=100,
         num_kept_tokens=96,

@@ -1,30 +1,28 @@
 """Scheduler with a fake runner: policy order, token budget, chunking, suffix-KV discard,
-preemption, abort, stop handling, and KV invariants throughout."""
+preemption, abort, stop tokens, overlapped scheduling (one step in flight), holds, and KV
+invariants throughout. (Text and stop strings: tests/test_output_processor.py.)"""
 
 from __future__ import annotations
 
 import random
 
+import pytest
+
 from policies import make_policy
 from runtime.block_manager import BlockManager
 from runtime.config import EngineConfig
 from runtime.prefix_cache import PrefixCache
-from runtime.request import Request, RequestKind, SamplingParams
-from runtime.scheduler import RunnerOutput, Scheduler, StepPlan
+from runtime.request import Request, RequestKind, SamplingParams, TokenLogprob
+from runtime.scheduler import RunnerOutput, Scheduler, StepCapacity, StepPlan
 
 BS = 4
 EOS = 99
 
 
-class CharTokenizer:
-    """Token id t decodes to chr(ord('a') + t % 26); EOS decodes to nothing (special)."""
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join("" if t == EOS else chr(ord("a") + t % 26) for t in ids)
-
-
 class FakeRunner:
-    """Samples a scripted token per request (default: token 1) and scores labels."""
+    """Samples a scripted token per request (default: token 1) and scores labels. Call `run`
+    right after `schedule` (as an executor's launch): the sample index of a request is its
+    output count including the placeholder this step added."""
 
     def __init__(self, script: dict[str, list[int]] | None = None) -> None:
         self.script = script or {}
@@ -36,15 +34,20 @@ class FakeRunner:
         for s in plan.seqs:
             # Every step must only touch KV the request owns, within its block table.
             assert s.num_kept_tokens <= len(s.block_ids) * BS
-            assert len(s.input_ids) == s.num_new_tokens
+            is_decode = s in plan.decode
+            assert len(s.input_ids) == (0 if is_decode else s.num_new_tokens)
+            r = s.request
+            if r.sampling.prompt_logprobs is not None and not is_decode:
+                start = s.num_context_tokens + 1
+                targets = r.prompt_token_ids[start : start + s.num_new_tokens]
+                out.prompt_logprobs[r.request_id] = [TokenLogprob(t, -float(t)) for t in targets]
             if not s.needs_output:
                 continue
-            r = s.request
             if r.kind == RequestKind.SCORE:
                 out.label_probs[r.request_id] = [0.25, 0.75]
-            else:
+            elif s.samples:
                 seq = self.script.get(r.request_id, [])
-                i = r.num_output_tokens
+                i = r.num_output_tokens + r.num_output_placeholders - 1
                 out.sampled_token_ids[r.request_id] = seq[i] if i < len(seq) else 1
         return out
 
@@ -68,7 +71,16 @@ def make(
     )
     bm = BlockManager(num_blocks, BS, PrefixCache(BS) if cache else None)
     kwargs = {"clock": clock} if clock else {}
-    return Scheduler(cfg, bm, make_policy(policy), CharTokenizer(), [EOS], **kwargs)
+    return Scheduler(cfg, bm, make_policy(policy), [EOS], **kwargs)
+
+
+def cap(s: Scheduler, **kw) -> StepCapacity:
+    return StepCapacity(prefill_token_budget=s.config.prefill_token_budget, **kw)
+
+
+def step(s: Scheduler, runner: FakeRunner, **kw) -> list:
+    plan = s.schedule(cap(s, **kw))
+    return s.take_pending_outputs() + s.update(plan, runner.run(plan))
 
 
 def gen(rid: str, n: int, max_tokens: int = 4, arrival: float = 0.0, **sp) -> Request:
@@ -85,52 +97,84 @@ def score(rid: str, tokens: list[int], arrival: float = 0.0) -> Request:
     return Request(rid, RequestKind.SCORE, tokens, label_token_ids=[1, 2], arrival_s=arrival)
 
 
-def drive(s: Scheduler, runner: FakeRunner, max_steps: int = 200) -> dict[str, list]:
+def drive(s: Scheduler, runner: FakeRunner, max_steps: int = 400, overlap: bool = False) -> dict:
+    """Run to completion. overlap: keep one step in flight, as the engine does (step N+1 is
+    planned before step N's results are applied)."""
     outs: dict[str, list] = {}
-    for _ in range(max_steps):
-        if not s.has_work():
-            break
-        plan = s.schedule()
-        for o in s.update(plan, runner.run(plan)):
+    inflight: list[tuple[StepPlan, RunnerOutput]] = []
+
+    def apply(plan: StepPlan, result: RunnerOutput) -> None:
+        for o in s.update(plan, result):
             outs.setdefault(o.request_id, []).append(o)
+
+    for _ in range(max_steps):
+        if not s.has_work() and not inflight:
+            break
+        plan = s.schedule(cap(s))
+        for o in s.take_pending_outputs():
+            outs.setdefault(o.request_id, []).append(o)
+        if not plan.is_empty:
+            inflight.append((plan, runner.run(plan)))
+        while inflight and (len(inflight) > (1 if overlap else 0) or plan.is_empty):
+            apply(*inflight.pop(0))
         s.bm.check_integrity()
-    assert not s.has_work()
+    assert not s.has_work() and not inflight
     return outs
 
 
-def test_generate_runs_to_max_tokens_and_frees_kv() -> None:
+def tokens(outs: dict, rid: str) -> list[int]:
+    return [t for o in outs[rid] for t in o.new_token_ids]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_generate_runs_to_max_tokens_and_frees_kv(overlap: bool) -> None:
     s = make()
     s.add(gen("a", 6, max_tokens=5))
-    outs = drive(s, FakeRunner())
-    toks = [t for o in outs["a"] for t in o.new_token_ids]
-    assert toks == [1] * 5 and outs["a"][-1].finish_reason == "length"
-    assert "".join(o.new_text for o in outs["a"]) == "bbbbb"
+    runner = FakeRunner()
+    outs = drive(s, runner, overlap=overlap)
+    assert tokens(outs, "a") == [1] * 5 and outs["a"][-1].finish_reason == "length"
+    # max_tokens is exact even one step ahead: no surplus step was planned.
+    assert sum(len(p.decode) for p in runner.plans) == 4
     # Only cached-idle blocks remain, none referenced.
     assert s.bm.num_used_blocks == 0
 
 
-def test_eos_and_stop_token_and_ignore_eos() -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_eos_and_stop_token_and_ignore_eos(overlap: bool) -> None:
     s = make()
     s.add(gen("eos", 3, max_tokens=10))
     s.add(gen("ign", 3, max_tokens=4, ignore_eos=True))
     s.add(gen("stop", 3, max_tokens=10, stop_token_ids=[7]))
-    outs = drive(s, FakeRunner({"eos": [2, EOS, 3], "ign": [2, EOS, 3, 4], "stop": [2, 7, 3]}))
+    script = {"eos": [2, EOS, 3], "ign": [2, EOS, 3, 4], "stop": [2, 7, 3]}
+    outs = drive(s, FakeRunner(script), overlap=overlap)
     assert outs["eos"][-1].finish_reason == "stop"
-    assert [t for o in outs["eos"] for t in o.new_token_ids] == [2, EOS]
-    assert "".join(o.new_text for o in outs["eos"]) == "c"
-    assert outs["ign"][-1].finish_reason == "length"
-    assert "".join(o.new_text for o in outs["stop"]) == "c"  # the stop token's text is hidden
+    assert tokens(outs, "eos") == [2, EOS]  # a surplus token computed after EOS is dropped
+    assert outs["ign"][-1].finish_reason == "length" and tokens(outs, "ign") == [2, EOS, 3, 4]
+    assert outs["stop"][-1].finish_reason == "stop" and tokens(outs, "stop") == [2, 7]
+    assert s.bm.num_used_blocks == 0
 
 
-def test_stop_string_is_cut_and_partial_matches_are_held_back() -> None:
-    s = make()
-    # tokens 2,3,4,5,6 -> "c d e f g"; stop "ef" appears after "cd"; "e" alone is held back.
-    s.add(gen("a", 3, max_tokens=10, stop=["ef", "xyz"]))
-    outs = drive(s, FakeRunner({"a": [2, 3, 4, 5, 6]}))
-    texts = [o.new_text for o in outs["a"]]
-    assert "".join(texts) == "cd"
-    assert texts[2] == ""  # "e" could start "ef": not sent yet
-    assert outs["a"][-1].finish_reason == "stop"
+def test_overlap_plans_the_next_decode_before_the_last_token_is_known() -> None:
+    """With a step in flight the scheduler already plans the next decode of the same request
+    (its input is a placeholder, read on the device); EOS found one step late finishes it and
+    the surplus step's result is dropped; its KV stays held until that step is applied."""
+    s = make(cache=False)
+    s.add(gen("a", 3, max_tokens=10))
+    runner = FakeRunner({"a": [2, EOS, 5]})
+    p0 = s.schedule(cap(s))  # prefill: samples token 0 into the slot
+    r0 = runner.run(p0)
+    p1 = s.schedule(cap(s))  # decode of the placeholder, before p0 is applied
+    assert [q.request.request_id for q in p1.decode] == ["a"] and p1.decode[0].input_ids == []
+    r1 = runner.run(p1)
+    assert s.update(p0, r0)[0].new_token_ids == [2]
+    p2 = s.schedule(cap(s))  # decodes the (unknown) EOS: a surplus step
+    r2 = runner.run(p2)
+    (last,) = s.update(p1, r1)
+    assert last.finished and last.finish_reason == "stop" and last.new_token_ids == [EOS]
+    assert s.bm.num_used_blocks > 0  # the surplus step p2 still writes its KV
+    assert s.update(p2, r2) == []  # dropped
+    assert s.bm.num_used_blocks == 0 and s.slots.num_free == s.slots.num_slots
+    assert not s.has_work()
 
 
 def test_fcfs_order_and_budget_batching() -> None:
@@ -171,11 +215,10 @@ def test_continuous_calibration_sees_new_cache_entries() -> None:
     b = score("b", profile + [3])
     s.add(a)
     assert s.view(a).num_cached_tokens_now == 0
-    plan = s.schedule()
-    s.update(plan, FakeRunner().run(plan))
+    step(s, FakeRunner())
     s.add(b)
     assert s.view(b).num_cached_tokens_now == 32  # the profile blocks a left behind
-    plan = s.schedule()
+    plan = s.schedule(cap(s))
     seq = plan.prefill[0]
     assert seq.num_context_tokens == 32 and seq.num_new_tokens == 1
     s.update(plan, FakeRunner().run(plan))
@@ -186,7 +229,7 @@ def test_continuous_calibration_sees_new_cache_entries() -> None:
 def test_score_keeps_only_full_prompt_blocks_in_cache() -> None:
     s = make(num_blocks=64)
     s.add(score("a", list(range(10, 31))))  # 21 tokens: 5 full blocks + 1 partial
-    plan = s.schedule()
+    plan = s.schedule(cap(s))
     seq = plan.prefill[0]
     assert seq.num_kept_tokens == 20 and len(seq.block_ids) == 5
     s.update(plan, FakeRunner().run(plan))
@@ -198,13 +241,13 @@ def test_score_keeps_only_full_prompt_blocks_in_cache() -> None:
 def test_score_discards_what_the_pool_cannot_hold() -> None:
     s = make(num_blocks=3)
     s.add(score("a", list(range(10, 31))))  # would keep 5 blocks; the pool has 3
-    plan = s.schedule()
+    plan = s.schedule(cap(s))
     assert plan.prefill[0].num_kept_tokens == 12
     s.update(plan, FakeRunner().run(plan))
     s.bm.check_integrity()
     s2 = make(cache=False)
     s2.add(score("b", list(range(10, 31))))
-    plan = s2.schedule()
+    plan = s2.schedule(cap(s2))
     assert plan.prefill[0].num_kept_tokens == 0 and plan.prefill[0].block_ids == []
 
 
@@ -215,8 +258,16 @@ def test_generate_prompt_is_chunked() -> None:
     outs = drive(s, runner)
     chunks = [p.prefill[0].num_new_tokens for p in runner.plans if p.prefill]
     assert chunks == [8, 8, 5]
+    # A last chunk of one prompt token is a prefill chunk (its input is a prompt token the
+    # host knows), not a decode (whose input is read from the token slot).
+    s = make(budget=8)
+    s.add(gen("b", 17, max_tokens=2))
+    runner = FakeRunner()
+    drive(s, runner)
+    assert [p.prefill[0].num_new_tokens for p in runner.plans if p.prefill] == [8, 8, 1]
+    assert [p.prefill[0].input_ids for p in runner.plans if p.prefill][-1] == [116]
     assert [p.prefill[0].needs_output for p in runner.plans[:3]] == [False, False, True]
-    assert len([t for o in outs["a"] for t in o.new_token_ids]) == 2
+    assert len(tokens(outs, "a")) == 2
 
 
 def test_preemption_when_decode_runs_out_of_blocks() -> None:
@@ -227,8 +278,21 @@ def test_preemption_when_decode_runs_out_of_blocks() -> None:
     outs = drive(s, FakeRunner())
     assert s.num_preemptions >= 1
     for rid in "ab":
-        assert len([t for o in outs[rid] for t in o.new_token_ids]) == 8
+        assert len(tokens(outs, rid)) == 8
         assert outs[rid][-1].finish_reason == "length"
+    assert s.bm.num_free_blocks == 6
+
+
+def test_preemption_under_overlap_waits_for_the_victims_step_instead_of_cascading() -> None:
+    """A victim whose step is in flight gives its blocks back only when that step is applied:
+    the scheduler then skips the needy decode for a step rather than preempting everyone."""
+    s = make(num_blocks=6, budget=64, cache=False)
+    for i, rid in enumerate("abc"):
+        s.add(gen(rid, 6, max_tokens=6, arrival=float(i)))
+    outs = drive(s, FakeRunner(), overlap=True)
+    for rid in "abc":
+        assert len(tokens(outs, rid)) == 6 and outs[rid][-1].finish_reason == "length"
+    assert 1 <= s.num_preemptions <= 6
     assert s.bm.num_free_blocks == 6
 
 
@@ -236,8 +300,7 @@ def test_abort_frees_kv_waiting_and_running() -> None:
     s = make()
     s.add(gen("a", 10, max_tokens=50))
     s.add(gen("w", 10, max_tokens=50))
-    plan = s.schedule()
-    s.update(plan, FakeRunner().run(plan))
+    step(s, FakeRunner())
     out = s.abort("a")
     assert out is not None and out.finished and out.finish_reason == "abort"
     assert s.abort("a") is None
@@ -250,7 +313,7 @@ def test_abort_frees_kv_waiting_and_running() -> None:
 def test_a_prompt_that_never_fits_fails_clearly() -> None:
     s = make(num_blocks=2, cache=False)
     s.add(gen("huge", 20, max_tokens=2))
-    plan = s.schedule()
+    plan = s.schedule(cap(s))
     assert plan.is_empty
     outs = s.take_pending_outputs()
     assert outs[0].finish_reason == "error" and "KV blocks" in (outs[0].error or "")
@@ -262,18 +325,20 @@ def test_max_num_seqs_bounds_running() -> None:
         s.add(gen(f"r{i}", 4, max_tokens=3, arrival=float(i)))
     runner = FakeRunner()
     for _ in range(3):
-        plan = s.schedule()
+        plan = s.schedule(cap(s))
         assert s.num_running <= 2
         s.update(plan, runner.run(plan))
 
 
-def test_random_workload_keeps_invariants() -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_random_workload_keeps_invariants(overlap: bool) -> None:
     rng = random.Random(0)
     s = make(num_blocks=20, budget=24, max_num_seqs=6)
     runner = FakeRunner()
     profiles = [[rng.randrange(1, 90) for _ in range(rng.randrange(8, 24))] for _ in range(3)]
     n_added = 0
     finished: set[str] = set()
+    inflight: list = []
     for step in range(600):
         if rng.random() < 0.3:
             rid = f"q{n_added}"
@@ -296,8 +361,13 @@ def test_random_workload_keeps_invariants() -> None:
             out = s.abort(victim.request_id)
             assert out is not None
             finished.add(victim.request_id)
-        plan = s.schedule()
-        for o in s.take_pending_outputs() + s.update(plan, runner.run(plan)):
+        plan = s.schedule(cap(s))
+        outs = s.take_pending_outputs()
+        if not plan.is_empty:
+            inflight.append((plan, runner.run(plan)))
+        while inflight and (len(inflight) > (1 if overlap else 0) or plan.is_empty):
+            outs += s.update(*inflight.pop(0))
+        for o in outs:
             if o.finished:
                 assert o.request_id not in finished
                 finished.add(o.request_id)
@@ -305,7 +375,9 @@ def test_random_workload_keeps_invariants() -> None:
         for r in s.waiting:  # the memoized cached-prefix lengths equal a fresh lookup
             _, fresh = s.bm.prefix_cache.match_prefix(r.all_token_ids)
             assert s.view(r).num_cached_tokens_now == min(fresh, (r.num_tokens - 1) // BS * BS)
-    drive(s, runner, max_steps=2000)
+    for plan, result in inflight:
+        s.update(plan, result)
+    drive(s, runner, max_steps=2000, overlap=overlap)
     assert s.bm.num_used_blocks == 0
     assert s.num_preemptions > 0  # the pool is small enough that preemption happened
 
@@ -319,8 +391,7 @@ def test_cached_prefix_memo_follows_insertions_and_evictions() -> None:
     s.add(score("a", prefix + [2]))
     # Run "a" alone: it caches the two prefix blocks.
     s.waiting.remove(w)
-    plan = s.schedule()
-    s.update(plan, FakeRunner().run(plan))
+    step(s, FakeRunner())
     s.waiting.append(w)
     assert s.view(w).num_cached_tokens_now == 8  # insertion seen
     s.bm.allocate("hog", 4)  # takes the 2 free blocks and evicts the 2 cached ones
@@ -365,11 +436,11 @@ def test_a_request_with_another_prefix_is_not_held_up_behind_a_waiting_one() -> 
     s.add(follower)
     other = score("other", list(range(5000, 5030)))
     s.add(other)
-    plan = s.schedule()
+    plan = s.schedule(cap(s))
     ids = [q.request.request_id for q in plan.prefill]
     assert ids == ["u0-0", "other"]  # the follower waits; the next in order still runs
     s.update(plan, FakeRunner().run(plan))
-    plan = s.schedule()
+    plan = s.schedule(cap(s))
     (seq,) = plan.prefill
     assert seq.request.request_id == "u0-1" and seq.num_context_tokens == 32  # a hit
 
@@ -378,16 +449,105 @@ def test_a_waiting_follower_runs_once_the_prefilling_leader_is_aborted() -> None
     s = make(num_blocks=128, budget=16, wait_tokens=16)
     lead = gen("lead", 40, max_tokens=2)  # chunked: 16 tokens per step
     s.add(lead)
-    plan = s.schedule()  # lead's first chunk
-    s.update(plan, FakeRunner().run(plan))
+    step(s, FakeRunner())  # lead's first chunk
     follower = gen("follow", 40, max_tokens=2)  # the same 40 prompt tokens
     s.add(follower)
-    plan = s.schedule()
+    plan = s.schedule(cap(s))
     assert [q.request.request_id for q in plan.prefill] == ["lead"]  # follower waits
     s.update(plan, FakeRunner().run(plan))
     s.abort("lead")
-    plan = s.schedule()
+    plan = s.schedule(cap(s))
     (seq,) = plan.prefill
     assert seq.request.request_id == "follow" and seq.num_context_tokens == 32  # lead's chunks
+    s.update(plan, FakeRunner().run(plan))
     outs = drive(s, FakeRunner())
     assert outs["follow"][-1].finished
+
+
+def test_a_follower_waits_while_the_leaders_prefill_is_in_flight() -> None:
+    """Overlapped: the leader's whole prefill was launched (its counters advanced) but its
+    blocks are not cached until its results are applied; the follower still waits for them."""
+    s = make(num_blocks=128, budget=1000, wait_tokens=16)
+    leader, follower = _users_burst(n_users=1, per_user=2)
+    s.add(leader)
+    p0 = s.schedule(cap(s))
+    s.add(follower)
+    p1 = s.schedule(cap(s))
+    assert p1.is_empty and s.num_shared_prefix_waits == 1
+    s.update(p0, FakeRunner().run(p0))
+    p2 = s.schedule(cap(s))
+    (seq,) = p2.prefill
+    assert seq.request.request_id == "u0-1" and seq.num_context_tokens == 32
+
+
+# ---- holds (split executor), chunked scoring, prompt logprobs, max_tokens 0 -------------------
+def test_held_prefills_are_neither_scheduled_nor_preempted_until_applied() -> None:
+    s = make(num_blocks=64, budget=64)
+    s.add(gen("a", 6, max_tokens=3))
+    held = StepCapacity(prefill_token_budget=64, decodes_share_budget=False, hold_prefills=True)
+    p0 = s.schedule(held)
+    assert p0.prefill and s.num_held == 1
+    p1 = s.schedule(StepCapacity(0, hold_prefills=True))  # no decode of a held request
+    assert p1.is_empty
+    assert s._victim(s.running[0]) is s.running[0]  # never a victim while held
+    s.update(p0, FakeRunner().run(p0))
+    assert s.num_held == 0
+    p2 = s.schedule(StepCapacity(0, hold_prefills=True))
+    assert [q.request.request_id for q in p2.decode] == ["a"]
+
+
+def test_long_scoring_prompt_is_chunked_only_next_to_decodes_and_when_its_kv_fits() -> None:
+    prompt = list(range(200, 240))  # 40 tokens, 10 blocks
+    # Next to a decoding request: chunked by the budget, KV for the whole prompt held.
+    s = make(num_blocks=64, budget=16)
+    s.add(gen("chat", 4, max_tokens=20, ignore_eos=True))
+    step(s, FakeRunner())  # chat prefilled: it decodes from now on
+    s.add(score("long", prompt))
+    runner = FakeRunner()
+    outs = drive(s, runner)
+    chunks = [
+        q.num_new_tokens for p in runner.plans for q in p.prefill if q.request.request_id == "long"
+    ]
+    assert len(chunks) > 1 and sum(chunks) == 40 and max(chunks) <= 16
+    assert outs["long"][-1].label_probs == [0.25, 0.75] and s.num_chunked_scoring == 1
+    assert all(len(p.decode) == 1 for p in runner.plans if p.prefill)  # decode never waited
+    assert s.bm.num_used_blocks == 0
+    # Alone (no decode to protect): whole, in one step.
+    s = make(num_blocks=64, budget=16)
+    s.add(score("long", prompt))
+    runner = FakeRunner()
+    drive(s, runner)
+    assert [q.num_new_tokens for q in runner.plans[0].prefill] == [40]
+    # Next to decodes but the pool cannot hold its whole KV: whole, with suffix discard.
+    s = make(num_blocks=8, budget=16)
+    s.add(gen("chat", 4, max_tokens=20, ignore_eos=True))
+    step(s, FakeRunner())
+    s.add(score("long", prompt))
+    runner = FakeRunner()
+    drive(s, runner)
+    (whole,) = [q for p in runner.plans for q in p.prefill if q.request.request_id == "long"]
+    assert whole.num_new_tokens == 40 and whole.num_kept_tokens < 40
+    assert s.num_chunked_scoring == 0
+
+
+def test_prompt_logprobs_are_gathered_over_chunks_and_never_use_the_prefix_cache() -> None:
+    s = make(budget=8)
+    prompt = list(range(300, 321))  # 21 tokens: three chunks of <= 8
+    s.add(Request("warm", RequestKind.SCORE, prompt, label_token_ids=[1]))
+    drive(s, FakeRunner())  # the prompt's full blocks are now cached
+    r = Request(
+        "lp",
+        RequestKind.GENERATE,
+        prompt,
+        SamplingParams(max_tokens=0, prompt_logprobs=2, temperature=0.0),
+    )
+    s.add(r)
+    runner = FakeRunner()
+    outs = drive(s, runner)
+    assert runner.plans[0].prefill[0].num_context_tokens == 0  # no prefix hit
+    (final,) = outs["lp"]
+    assert final.finished and final.finish_reason == "length" and final.new_token_ids == []
+    lps = final.prompt_logprobs
+    assert lps[0] is None and [lp.token_id for lp in lps[1:]] == prompt[1:]
+    assert all(not q.samples for p in runner.plans for q in p.prefill)  # nothing sampled
+    assert s.slots.num_free == s.slots.num_slots and s.bm.num_used_blocks == 0

@@ -56,7 +56,8 @@ def test_chat_stream_sequence(server: ServerThread, include_usage: bool) -> None
     # The fake engine echoes the rendered prompt's text (template specials dropped).
     assert text == "user\nBonjour\nassistant\n"
     if include_usage:
-        assert u["completion_tokens"] == len(text.encode())
+        # One token per byte of text, plus the EOS that ended it (counted, not shown).
+        assert u["completion_tokens"] == len(text.encode()) + 1
         assert (
             u["prompt_tokens"] > 0
             and u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]

@@ -179,6 +179,14 @@ class FlashInferBackend:
         t = torch.tensor(values, dtype=dtype, pin_memory=True)
         return t.to(self.device, non_blocking=True)
 
+    @staticmethod
+    def _host(values: list[int]) -> torch.Tensor:
+        """An int32 indptr-like plan argument as a pinned HOST tensor. Hazard: FlashInfer's
+        plan reads these on the host (`.to("cpu")`): given device tensors it copies them
+        back, which synchronises the stream and stalls the host behind the step in flight.
+        Given pinned host tensors, that is a no-op and its own device copies stay async."""
+        return torch.tensor(values, dtype=torch.int32, pin_memory=True)
+
     def plan(self, batch: ForwardBatch) -> None:
         self._deferred = []
         bs_tok = self.block_size
@@ -217,7 +225,7 @@ class FlashInferBackend:
             qo_indptr.append(qo_indptr[-1] + s.num_query_tokens)
         common = dict(causal=True, sm_scale=self.sm_scale, q_data_type=self.kv_dtype)
         if not has_context:
-            qo = self._to_dev(qo_indptr, torch.int32)
+            qo = self._host(qo_indptr)
             self._kernel_plan(
                 lambda hq: self._ragged.plan(qo, qo, hq, self.num_kv_heads, self.head_dim, **common)
             )
@@ -226,7 +234,7 @@ class FlashInferBackend:
             kv_indptr, kv_indices, last = self._paged_meta(
                 [(s.block_ids, s.num_context_tokens + s.num_query_tokens) for s in seqs]
             )
-            qo = self._to_dev(qo_indptr, torch.int32)
+            qo = self._host(qo_indptr)
             self._kernel_plan(
                 lambda hq: self._paged.plan(
                     qo,
@@ -259,8 +267,8 @@ class FlashInferBackend:
                     )
                 )
                 kv_indptr_l.append(base + s.num_context_tokens + s.num_query_tokens)
-            qo = self._to_dev(qo_indptr, torch.int32)
-            kvi = self._to_dev(kv_indptr_l, torch.int32)
+            qo = self._host(qo_indptr)
+            kvi = self._host(kv_indptr_l)
             self._kernel_plan(
                 lambda hq: self._ragged.plan(
                     qo, kvi, hq, self.num_kv_heads, self.head_dim, **common
@@ -279,7 +287,9 @@ class FlashInferBackend:
     def _paged_meta(
         self, seqs: list[tuple[list[int], int]]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(block_ids, kv_len) per sequence -> kv_indptr, kv_indices, kv_last_page_len."""
+        """(block_ids, kv_len) per sequence -> kv_indptr, kv_indices, kv_last_page_len: the
+        indptr and last-page lengths as pinned host tensors (plan reads them on the host), the
+        indices on the device (a graph-mode decode plan copies host indices blocking)."""
         indptr = [0]
         indices: list[int] = []
         last: list[int] = []
@@ -289,9 +299,9 @@ class FlashInferBackend:
             indptr.append(indptr[-1] + n_pages)
             last.append(kv_len - (n_pages - 1) * self.block_size)
         return (
-            self._to_dev(indptr, torch.int32),
+            self._host(indptr),
             self._to_dev(indices, torch.int32),
-            self._to_dev(last, torch.int32),
+            self._host(last),
         )
 
     def _plan_decode(self, seqs: list, write_slots: list[int]) -> None:

@@ -1,7 +1,8 @@
-"""CPU tests of the split-mode loop (runtime/pd_loop.py) with fake streams and events: a request
-moves to decode only after its prefill completes, decode keeps running meanwhile, no token is
-lost or duplicated (same greedy tokens as the monolithic engine), an abort during an in-flight
-prefill frees its KV only once the device is done, time-slicing runs monolithically."""
+"""CPU tests of the split executor (runtime/executor/split.py) with fake streams and events, driven
+by the engine's own step loop: a request moves to decode only after its prefill completes,
+decode keeps running meanwhile, no token is lost or duplicated (same greedy tokens as the serial
+executor), an abort during an in-flight prefill frees its KV only once the device is done,
+time-slicing runs as one step, the JCT model learns from split-mode prefills."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import pytest
 from runtime.attention.torch_backend import TorchAttentionBackend
 from runtime.config import EngineConfig
 from runtime.engine import Engine
-from runtime.pd_loop import HostStreamDevice, PDLoop, SplitChoice, StepFailed
-from runtime.request import Request, RequestKind, RequestOutput, SamplingParams
+from runtime.executor.base import StepFailed
+from runtime.executor.split import SplitChoice, SplitExecutor
+from runtime.request import EngineOutput, Request, RequestKind, SamplingParams
 from runtime.runner import ModelRunner
 
 
@@ -84,22 +86,94 @@ def torch_runner(eng: Engine) -> ModelRunner:
         pool,
         TorchAttentionBackend(pool),
         TorchAttentionBackend(pool),
+        num_token_slots=eng.scheduler.slots.num_slots,
     )
 
 
-def build(
+class RecordingPartition:
+    """What the engine uses of GreenContextPartition in split mode: the mode, the disabled
+    splits and `disable_split`, the cost model's error (for stats)."""
+
+    def __init__(self) -> None:
+        self.mode = "auto"
+        self.disabled: dict[int, str] = {}
+
+    def disable_split(self, prefill_sms: int, reason: str) -> None:
+        self.disabled[prefill_sms] = reason
+
+    def cost_model_mape(self) -> float | None:
+        return None
+
+
+def split_engine(
     device: Any,
-    prefill_sms: int = 64,
-    slice_tokens: int = 1,
-    split_usable: Any = None,
-    layers_per_slice: int | None = None,
+    choose: Any,
+    *,
+    observe: Any = None,
+    runner: ModelRunner | None = None,
     **cfg: Any,
-):
+) -> tuple[Engine, SplitExecutor, RecordingPartition]:
+    """An engine (not started: the test drives its steps) whose executor is a split executor
+    over `device` with `choose(prefill_plan, decode_plan) -> SplitChoice`."""
     config = EngineConfig(
-        model="random:tiny", prefill_policy="fcfs", block_size=4, num_kv_blocks=128, **cfg
+        **{
+            "model": "random:tiny",
+            "prefill_policy": "fcfs",
+            "block_size": 4,
+            "num_kv_blocks": 128,
+            "pd_slice_tokens": 1,
+            "pd_max_queued_slices": 1,
+            **cfg,
+        }
     )
-    eng = Engine(config, lambda o: None)  # not started: used for its model, pool, scheduler
-    runner = torch_runner(eng)
+    eng = Engine(config, lambda outs: None)
+    green = RecordingPartition()
+    eng.runner = runner or torch_runner(eng)
+    eng._green = green
+    ex = SplitExecutor(
+        config,
+        eng.runner,
+        device,
+        choose,
+        observe,
+        split_usable=lambda sms: sms not in green.disabled,
+    )
+    eng.split = ex
+    eng.stream_device = device
+    return eng, ex, green
+
+
+def split_step(eng: Engine) -> list[EngineOutput]:
+    """One iteration of the engine's loop that never blocks on the device (the fake device's
+    events complete only when the test releases them)."""
+    ex = eng.split
+    assert ex is not None
+    eng.executor = ex
+    sched = eng.scheduler
+    outs = sched.take_pending_outputs()
+    plan = sched.schedule(ex.capacity())
+    outs += sched.take_pending_outputs()
+    if not plan.is_empty:
+        ex.launch(plan)
+    for r in ex.results(block=False):
+        outs += eng._apply(r)
+    return outs
+
+
+def finish(eng: Engine, dev: Any) -> list[EngineOutput]:
+    """Release every event and run to the end."""
+    dev.hold = False
+    outs: list[EngineOutput] = []
+    for _ in range(1000):
+        dev.release()
+        if not eng.scheduler.has_work() and not eng.split.busy:
+            break
+        outs += split_step(eng)
+    assert not eng.scheduler.has_work() and not eng.split.busy
+    return outs
+
+
+def fixed_split(prefill_sms: int = 64, layers_per_slice: int | None = None) -> Any:
     choices: list[tuple[bool, bool]] = []
 
     def choose(p, d) -> SplitChoice:
@@ -110,18 +184,8 @@ def build(
             return SplitChoice(0, 132, "whole", "whole")
         return SplitChoice(prefill_sms, 132 - prefill_sms, "P", "D")
 
-    observed: list[tuple] = []
-    loop = PDLoop(
-        eng.scheduler,
-        runner,
-        device,
-        choose,
-        lambda *a: observed.append(a),
-        slice_tokens=slice_tokens,
-        max_queued_slices=1,
-        split_usable=split_usable,
-    )
-    return eng, loop, choices, observed
+    choose.choices = choices  # type: ignore[attr-defined]
+    return choose
 
 
 def gen(rid: str, n_prompt: int, max_tokens: int, seed: int = 0) -> Request:
@@ -134,28 +198,25 @@ def gen(rid: str, n_prompt: int, max_tokens: int, seed: int = 0) -> Request:
     )
 
 
-def tokens_by_id(outs: list[RequestOutput]) -> dict[str, list[int]]:
+def tokens_by_id(outs: list[EngineOutput]) -> dict[str, list[int]]:
     d: dict[str, list[int]] = {}
     for o in outs:
         d.setdefault(o.request_id, []).extend(o.new_token_ids)
     return d
 
 
-def monolithic_tokens(reqs: list[Request]) -> dict[str, list[int]]:
-    eng, _, _, _ = build(HostStreamDevice())
+def serial_tokens(reqs: list[Request]) -> dict[str, list[int]]:
+    """The same requests through the serial executor (the engine's own loop)."""
+    eng = Engine(
+        EngineConfig(model="random:tiny", prefill_policy="fcfs", block_size=4, num_kv_blocks=128),
+        lambda outs: None,
+    )
     for r in reqs:
         eng.scheduler.add(r)
-    outs: list[RequestOutput] = []
-    while eng.scheduler.has_work():
-        outs += eng._monolithic_step()
+    outs: list[EngineOutput] = []
+    while eng.scheduler.has_work() or eng.executor.num_in_flight:
+        outs += eng._step()
     return tokens_by_id(outs)
-
-
-def fresh(reqs: list[Request]) -> list[Request]:
-    return [
-        gen(r.request_id, r.num_prompt_tokens, r.sampling.max_tokens, seed=i)
-        for i, r in enumerate(reqs)
-    ]
 
 
 def make_reqs() -> list[Request]:
@@ -163,13 +224,14 @@ def make_reqs() -> list[Request]:
 
 
 @pytest.mark.parametrize("prefill_sms", [64, 0])
-def test_same_tokens_as_monolithic_no_loss_no_duplicates(prefill_sms: int) -> None:
-    ref = monolithic_tokens(make_reqs())
+def test_same_tokens_as_serial_no_loss_no_duplicates(prefill_sms: int) -> None:
+    ref = serial_tokens(make_reqs())
     dev = FakeDevice()
-    eng, loop, _, observed = build(dev, prefill_sms=prefill_sms)
+    observed: list[tuple] = []
+    eng, ex, _ = split_engine(dev, fixed_split(prefill_sms), observe=lambda *a: observed.append(a))
     rng = random.Random(1)
     reqs = make_reqs()
-    outs: list[RequestOutput] = []
+    outs: list[EngineOutput] = []
     eng.scheduler.add(reqs[0])
     for i in range(400):
         if i == 2:
@@ -177,62 +239,65 @@ def test_same_tokens_as_monolithic_no_loss_no_duplicates(prefill_sms: int) -> No
         if i == 5:
             eng.scheduler.add(reqs[2])
         dev.hold = rng.random() < 0.6  # events complete late, at random
-        outs += loop.step()
+        outs += split_step(eng)
         if rng.random() < 0.5:
             dev.release()
-        if not eng.scheduler.has_work() and not loop.busy and i > 5:
+        if not eng.scheduler.has_work() and not ex.busy and i > 5:
             break
-    dev.hold = False
-    dev.release()
-    outs += loop.drain()
+    outs += finish(eng, dev)
     got = tokens_by_id(outs)
-    assert got == ref  # every token once, in order, identical to the monolithic engine
+    assert got == ref  # every token once, in order, identical to the serial executor
     assert all(sum(o.finished for o in outs if o.request_id == r) == 1 for r in ref)
     assert eng.block_manager.num_used_blocks == 0  # every block freed (or cached-idle)
     eng.block_manager.check_integrity()
     if prefill_sms:
-        assert loop.num_split_prefills >= 1
+        assert ex.num_split_prefills >= 1
         assert any(o[0] == "prefill" and o[2] == prefill_sms for o in observed)
+        # The JCT model learns online from split-mode prefills too (device time, events).
+        assert eng.jct_model.num_observed >= 1
     else:
-        assert loop.num_split_prefills == 0
+        assert ex.num_split_prefills == 0
 
 
 def test_time_slicing_by_layers_interleaves_decode_steps_on_one_stream() -> None:
     """Layer-sliced time-slicing: the prefill is in flight one layer-slice at a time on the
     whole GPU's stream, a decode step runs between slices on that same stream, tokens are
-    those of the monolithic engine, and no prefill latency is fed to the cost model."""
-    ref = monolithic_tokens(make_reqs())
+    those of the serial executor, and no prefill latency is fed to the cost model."""
+    ref = serial_tokens(make_reqs())
     dev = FakeDevice()
-    eng, loop, _, observed = build(dev, layers_per_slice=1)  # tiny has 2 layers: 2 slices
+    observed: list[tuple] = []
+    eng, ex, _ = split_engine(
+        dev, fixed_split(layers_per_slice=1), observe=lambda *a: observed.append(a)
+    )  # tiny has 2 layers: 2 slices
     order: list[str] = []
-    forward_layers, run = loop.model.forward_layers, loop.runner.run
+    forward_layers, launch = ex.model.forward_layers, ex.runner.launch
 
     def spy_layers(*a: Any, **k: Any) -> Any:
-        if a[3] is loop.runner.prefill_backend:
+        if a[3] is ex.runner.prefill_backend:
             order.append(f"slice{a[4]}")  # (h, residual, positions, backend, start, end, ...)
         return forward_layers(*a, **k)
 
-    def spy_run(plan: Any) -> Any:
+    def spy_launch(plan: Any) -> Any:
         order.append("decode")
-        return run(plan)
+        return launch(plan)
 
-    loop.model.forward_layers = spy_layers  # type: ignore[method-assign]
-    loop.runner.run = spy_run  # type: ignore[method-assign]
+    ex.model.forward_layers = spy_layers  # type: ignore[method-assign]
+    ex.runner.launch = spy_launch  # type: ignore[method-assign]
     reqs = make_reqs()
     eng.scheduler.add(reqs[0])
-    outs = loop.step()  # r0's prefill alone: 2 slices, then its first token
+    outs = split_step(eng)  # r0's prefill alone: 2 slices
+    outs += split_step(eng)  # its first token
     eng.scheduler.add(reqs[1])
     eng.scheduler.add(reqs[2])
     dev.hold = True  # slice events stay pending: the loop must alternate slice / decode
     for _ in range(3):
-        outs += loop.step()
-    assert loop.busy and loop.num_layer_sliced_prefills == 2 and loop.num_split_prefills == 0
+        outs += split_step(eng)
+    assert ex.busy and ex.num_layer_sliced_prefills == 2 and ex.num_split_prefills == 0
     # One slice queued ahead at most; r0 decodes between the new batch's slices.
-    assert order[:2] == ["slice0", "slice1"] and order[2:5] == ["slice0", "decode", "decode"]
-    dev.hold = False
-    while loop.busy or eng.scheduler.has_work():
-        dev.release()
-        outs += loop.step()
+    assert order[:2] == ["slice0", "slice1"]
+    i = order.index("slice0", 2)
+    assert order[i + 1 : i + 3] == ["decode", "decode"]
+    outs += finish(eng, dev)
     assert tokens_by_id(outs) == ref
     # Only the whole GPU's stream is used (it waited once on the loop's starting stream).
     assert {s for s, _ in dev.waits} == {"whole"} and {o for _, o in dev.waits} == {"default"}
@@ -243,31 +308,31 @@ def test_time_slicing_by_layers_interleaves_decode_steps_on_one_stream() -> None
 
 def test_request_moves_to_decode_only_after_prefill_completes() -> None:
     dev = FakeDevice()
-    eng, loop, _, _ = build(dev, slice_tokens=1)  # 1 layer per slice (tiny has 2 layers)
+    eng, ex, _ = split_engine(dev, fixed_split())
     sched = eng.scheduler
     a = gen("a", 12, 20, seed=1)
     sched.add(a)
-    outs = loop.step()  # a's prefill completes at once (hold off)
+    outs = split_step(eng)  # a's prefill completes at once (hold off)
     assert [o.request_id for o in outs] == ["a"] and outs[0].new_token_ids
     b = gen("b", 40, 4, seed=2)
     sched.add(b)
     dev.hold = True
     n_a_before = a.num_output_tokens
-    out1 = loop.step()  # b's prefill launched (slice 1 pending); a decodes on "D"
-    assert loop.busy and sched.is_inflight("b")
+    out1 = split_step(eng)  # b's prefill launched (slice 1 pending); a decodes on "D"
+    assert ex.busy and sched.is_held("b")
     assert {o.request_id for o in out1} == {"a"}
     for _ in range(3):  # b's events still pending: a keeps decoding, b gets nothing
-        outs = loop.step()
+        outs = split_step(eng)
         assert {o.request_id for o in outs} == {"a"}
-        assert b.num_output_tokens == 0 and b.num_computed_tokens == 0
+        assert b.num_output_tokens == 0 and b.num_output_placeholders == 1
     assert a.num_output_tokens == n_a_before + 4
     # Decode ran on the pair's decode stream while b was in flight; never made to wait on "P".
     assert ("D", "P") not in dev.waits and ("P", "D") not in dev.waits
-    while loop.busy:
+    while ex.prefill is not None or sched.is_held("b"):
         dev.release()
-        outs = loop.step()
-    assert not sched.is_inflight("b") and b.num_output_tokens == 1
-    outs = loop.step()
+        split_step(eng)
+    assert b.num_output_tokens == 1
+    outs = split_step(eng)
     assert "b" in {o.request_id for o in outs}  # now decoding
     assert b.num_output_tokens == 2
 
@@ -275,60 +340,53 @@ def test_request_moves_to_decode_only_after_prefill_completes() -> None:
 def test_products_are_planned_for_the_partition_that_runs_them() -> None:
     """cuBLAS plans a product's tiling at launch (runtime/blas_sm_target.py): prefill slices and
     their logits rows for the prefill SMs, a split's decode step for the decode SMs, and
-    time-sliced or monolithic work for the whole GPU."""
+    time-sliced work for the whole GPU."""
     dev = FakeDevice()
-    eng, loop, _, _ = build(dev, prefill_sms=64, slice_tokens=1)
+    eng, ex, _ = split_engine(dev, fixed_split(64))
     seen: list[tuple[str, int]] = []
-    forward_layers, run = loop.model.forward_layers, loop.runner.run
+    forward_layers, launch = ex.model.forward_layers, ex.runner.launch
 
     def spy_layers(*a: Any, **k: Any) -> Any:
-        if a[3] is loop.runner.prefill_backend:  # (h, residual, positions, backend, ...)
+        if a[3] is ex.runner.prefill_backend:  # (h, residual, positions, backend, ...)
             seen.append(("prefill", dev.gemm))
         return forward_layers(*a, **k)
 
-    def spy_run(plan: Any) -> Any:
-        seen.append(("decode" if not plan.prefill else "monolithic", dev.gemm))
-        return run(plan)
+    def spy_launch(plan: Any) -> Any:
+        seen.append(("decode" if not plan.prefill else "time-sliced", dev.gemm))
+        return launch(plan)
 
-    loop.model.forward_layers = spy_layers  # type: ignore[method-assign]
-    loop.runner.run = spy_run  # type: ignore[method-assign]
+    ex.model.forward_layers = spy_layers  # type: ignore[method-assign]
+    ex.runner.launch = spy_launch  # type: ignore[method-assign]
     eng.scheduler.add(gen("a", 12, 6, seed=1))
-    loop.step()  # a's prefill on the split
+    split_step(eng)  # a's prefill on the split
     eng.scheduler.add(gen("b", 30, 3, seed=2))
     dev.hold = True
     for _ in range(3):
-        loop.step()  # b in flight on the split, a decoding beside it
-    dev.release()
-    while loop.busy or eng.scheduler.has_work():
-        dev.release()
-        loop.step()
+        split_step(eng)  # b in flight on the split, a decoding beside it
+    finish(eng, dev)
     assert ("prefill", 64) in seen and ("decode", 132 - 64) in seen
     assert {sms for what, sms in seen if what == "prefill"} == {64}
     # Beside an in-flight prefill: the decode SMs; alone (this test's choose): the whole GPU.
     assert {sms for what, sms in seen if what == "decode"} == {132 - 64, 0}
-    loop.fence("default")  # leaving split mode: back to the whole GPU
+    ex.fence("default")  # leaving split mode: back to the whole GPU
     assert dev.gemm == 0
 
 
 def test_abort_during_inflight_prefill_frees_kv_after_completion() -> None:
     dev = FakeDevice()
-    eng, loop, _, _ = build(dev, enable_prefix_cache=False)
+    eng, ex, _ = split_engine(dev, fixed_split(), enable_prefix_cache=False)
     sched, bm = eng.scheduler, eng.block_manager
     free0 = bm.num_free_blocks
     dev.hold = True
     sched.add(gen("x", 50, 4))
-    loop.step()
-    assert loop.busy and sched.is_inflight("x")
+    split_step(eng)
+    assert ex.busy and sched.is_held("x")
     held = free0 - bm.num_free_blocks
     assert held == bm.num_blocks_for(50)
     out = sched.abort("x")
     assert out is not None and out.finished
     assert bm.num_free_blocks == free0 - held  # the device may still write them: kept
-    with pytest.raises(ValueError):  # the id is still reserved
-        sched.add(gen("x", 5, 1))
-    dev.hold = False
-    dev.release()
-    outs = loop.drain()
+    outs = finish(eng, dev)
     assert not outs  # nothing more for an aborted request
     assert bm.num_free_blocks == free0
     assert not sched.has_work()
@@ -336,22 +394,19 @@ def test_abort_during_inflight_prefill_frees_kv_after_completion() -> None:
 
 def test_preemption_never_picks_an_inflight_request() -> None:
     dev = FakeDevice()
-    # 8-token blocks; 10 blocks: a decoding request and a big in-flight prefill fill the pool.
-    eng, loop, _, _ = build(dev, enable_prefix_cache=False)
+    eng, ex, _ = split_engine(dev, fixed_split(), enable_prefix_cache=False)
     sched, bm = eng.scheduler, eng.block_manager
     a = gen("a", 8, 200)
     sched.add(a)
-    loop.step()
+    split_step(eng)
     dev.hold = True
     big = gen("big", 4 * (bm.num_free_blocks - 1), 1)
     sched.add(big)
     for _ in range(12):  # a decodes until it needs a block that only preemption could give
-        loop.step()
-    assert sched.is_inflight("big") and big.status.name == "RUNNING"
+        split_step(eng)
+    assert sched.is_held("big") and big.status.name == "RUNNING"
     assert a.num_preemptions >= 1  # it preempted itself, not the in-flight prefill
-    dev.hold = False
-    dev.release()
-    loop.drain()
+    finish(eng, dev)
 
 
 def test_decode_leaves_a_split_taken_out_of_service_mid_prefill() -> None:
@@ -359,31 +414,30 @@ def test_decode_leaves_a_split_taken_out_of_service_mid_prefill() -> None:
     beside the prefill already in flight on it kept going to its decode stream (and failing)
     until that prefill finished. They must move to the whole GPU at once."""
     dev = FakeDevice()
-    disabled: set[int] = set()
-    eng, loop, _, _ = build(dev, slice_tokens=1, split_usable=lambda sms: sms not in disabled)
+    eng, ex, green = split_engine(dev, fixed_split())
     sched = eng.scheduler
-    a = gen("a", 12, 20, seed=1)
-    sched.add(a)
-    loop.step()  # a prefilled; decodes from now on
+    sched.add(gen("a", 12, 20, seed=1))
+    split_step(eng)  # a prefilled
+    split_step(eng)  # a's first token; it decodes from now on
     sched.add(gen("b", 40, 4, seed=2))
     dev.hold = True
-    loop.step()  # b in flight on split 64; a decodes on its pair's stream "D"
-    assert loop.busy and loop.last_split == 64
-    disabled.add(64)
-    loop.step()  # b still in flight: a's decode must not use "D" any more
-    assert loop.busy and loop.last_split == 0
+    split_step(eng)  # b in flight on split 64; a decodes on its pair's stream "D"
+    assert ex.busy and ex.last_split == 64
+    green.disabled[64] = "failed"
+    split_step(eng)  # b still in flight: a's decode must not use "D" any more
+    assert ex.busy and ex.last_split == 0
     assert ("whole", "D") in dev.waits  # the whole-GPU stream waits for D's queued work
 
 
 def test_a_time_sliced_step_is_never_blamed_on_the_previous_split() -> None:
     dev = FakeDevice()
-    eng, loop, _, _ = build(dev, prefill_sms=64)
+    eng, ex, _ = split_engine(dev, fixed_split(64))
     eng.scheduler.add(gen("a", 12, 3, seed=1))
-    loop.step()  # prefilled on split 64
-    assert loop.last_split == 64
-    loop.choose = lambda p, d: SplitChoice(0, 132, "whole", "whole")  # now: time-slice
+    split_step(eng)  # prefilled on split 64
+    assert ex.last_split == 64
+    ex.choose = lambda p, d: SplitChoice(0, 132, "whole", "whole")  # now: time-slice
     eng.scheduler.add(gen("b", 20, 3, seed=2))
-    loop.runner.run = lambda plan: (_ for _ in ()).throw(RuntimeError("boom"))
+    ex.runner.launch = lambda plan: (_ for _ in ()).throw(RuntimeError("boom"))
     with pytest.raises(StepFailed) as info:
-        loop.step()
+        split_step(eng)
     assert info.value.prefill_sms == 0

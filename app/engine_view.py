@@ -1,0 +1,79 @@
+"""What routes and the admin API see of the engine: its limits, tokenizer and stats, and its
+controls, as plain front-end objects over the engine core client (no tensors, no engine here).
+
+`app.state.engine` is an `EngineView`. Limits and the tokenizer come from the engine's `info()`
+at start-up; `stats()` and `partition.state()` from the latest heartbeat (at most 0.2 s old);
+controls (`set_policy`, `reset_prefix_cache`, `partition.set_mode`, `shutdown`) are calls to
+the engine core: coroutines, since they cross a process boundary.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from runtime.partition import PartitionState
+from runtime.tokenizer import Tokenizer
+
+
+def load_frontend_tokenizer(info: dict[str, Any]) -> Any:
+    """The tokenizer the engine uses: its object when the engine sent one (test engines),
+    else loaded from the engine's tokenizer folder."""
+    tok = info.get("tokenizer")
+    if tok is not None:
+        return tok
+    return Tokenizer.from_dir(info["tokenizer_dir"])
+
+
+class PartitionView:
+    def __init__(self, core: Any) -> None:
+        self._core = core
+
+    def state(self) -> PartitionState:
+        st = self._core.partition_state()
+        if not st:
+            return PartitionState(False, "the engine is starting", "off", 0, 0, 0)
+        return PartitionState(**st)
+
+    async def set_mode(self, spec: str) -> PartitionState:
+        """Raises ValueError (from the engine) for a spec it cannot apply."""
+        state = await self._core.call("set_partition", spec)
+        self._core.note(partition=state)  # seen at once, before the next heartbeat
+        return PartitionState(**state)
+
+
+class EngineView:
+    def __init__(self, core: Any, info: dict[str, Any], tokenizer: Any) -> None:
+        self._core = core
+        self.info = info
+        self.tokenizer = tokenizer
+        self.model_config = SimpleNamespace(
+            vocab_size=int(info["vocab_size"]),
+            eos_token_ids=tuple(info.get("eos_token_ids") or ()),
+            max_position_embeddings=int(
+                info.get("max_position_embeddings") or info["max_model_len"]
+            ),
+        )
+        self.max_model_len = int(info["max_model_len"])
+        self.max_prompt_tokens = int(info.get("max_prompt_tokens") or self.max_model_len)
+        self.max_score_tokens = int(info.get("max_score_tokens") or self.max_model_len)
+        self.partition = PartitionView(core)
+
+    def stats(self) -> dict[str, Any]:
+        return self._core.stats()
+
+    def is_alive(self) -> bool:
+        return self._core.is_alive()
+
+    async def set_policy(self, name: str) -> None:
+        """Raises ValueError for a policy the engine does not know."""
+        await self._core.call("set_policy", name)
+        self._core.note(policy=name)
+
+    async def reset_prefix_cache(self) -> None:
+        await self._core.call("reset_prefix_cache")
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Stop admitting, let running requests finish within `grace_s`, abort the rest; returns
+        when the engine has sent every final output."""
+        await self._core.call("shutdown", grace_s, timeout_s=grace_s + 60.0)

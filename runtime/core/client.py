@@ -1,0 +1,279 @@
+"""The API server's side of the engine core: an asyncio ZMQ client.
+
+One per API-server process, on its event loop. It sends requests, aborts and control calls;
+one task reads the engine's per-step output messages and runs them through the output
+processor (text, stop strings) before handing them to `on_outputs`; another reads call
+results and heartbeats (the engine's stats snapshot). The core is dead when its process exits,
+when its heartbeats stop for `heartbeat_timeout_s`, or when it reports its engine loop dead:
+then `on_dead(reason)` is called once, and every later call fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from runtime.core.messages import (
+    ENCODER,
+    OUTPUTS_DECODER,
+    REPLY_DECODER,
+    AbortRequests,
+    AddRequests,
+    Call,
+    CallResult,
+    Heartbeat,
+    Hello,
+    WireRequest,
+)
+from runtime.core.output_processor import OutputProcessor
+from runtime.core.process import CoreHandle
+from runtime.request import Request, RequestOutput
+
+log = logging.getLogger("greenlane.core")
+
+
+class EngineCoreError(RuntimeError):
+    """The engine core is dead or did not answer."""
+
+
+class EngineCoreClient:
+    def __init__(
+        self,
+        handle: CoreHandle,
+        tokenizer: Any,
+        *,
+        process: Any = None,
+        heartbeat_timeout_s: float = 5.0,
+        keepalive_s: float = 1.0,
+    ) -> None:
+        """process: the core's multiprocessing.Process when this API server started it (its
+        exit is then noticed at once); else its pid is checked."""
+        self.handle = handle
+        self.process = process
+        self.processor = OutputProcessor(tokenizer)
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.keepalive_s = keepalive_s
+        self.dead_reason: str | None = None
+        self._identity = f"api-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode()
+        self._ctx: zmq.asyncio.Context | None = None
+        self._in: Any = None
+        self._out: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._stats: dict[str, Any] = {}
+        self._partition: dict[str, Any] = {}
+        self._last_heartbeat_s = time.monotonic()
+        self._heartbeat = asyncio.Event()
+        self._out_ready = asyncio.Event()
+        # Requests sent since the last heartbeat that have produced no output yet: with the
+        # heartbeat's `num_waiting`, the front end's estimate of the engine's waiting queue.
+        self._unseen: set[str] = set()
+        self.on_outputs: Callable[[list[RequestOutput]], None] = lambda _o: None
+        self.on_dead: Callable[[str], None] = lambda _r: None
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    async def start(self, timeout_s: float = 30.0) -> None:
+        """Connect and wait for the first heartbeat."""
+        self._ctx = zmq.asyncio.Context()
+        for name, addr in (
+            ("_in", self.handle.input_address),
+            ("_out", self.handle.output_address),
+        ):
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, self._identity)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(addr)
+            setattr(self, name, sock)
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._read_outputs(), name="greenlane-core-outputs"),
+            loop.create_task(self._read_replies(), name="greenlane-core-replies"),
+            loop.create_task(self._keepalive(), name="greenlane-core-keepalive"),
+        ]
+        # Hello until the core has answered on both sockets: it acknowledges on the output
+        # socket (an empty Outputs) only once that connection exists, so no output is lost.
+        hello = Hello(self._identity.decode())
+        deadline = time.monotonic() + timeout_s
+        while not (self._heartbeat.is_set() and self._out_ready.is_set()):
+            if time.monotonic() > deadline:
+                raise EngineCoreError(f"no answer from the engine core in {timeout_s} s")
+            self._send(hello)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._out_ready.wait(), 0.1)
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks = []
+        for sock in (self._in, self._out):
+            if sock is not None:
+                sock.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add(self, reqs: list[Request]) -> None:
+        """Send requests to the engine (one message); their outputs come to `on_outputs`."""
+        if self.dead_reason is not None:
+            raise EngineCoreError(self.dead_reason)
+        for r in reqs:
+            self.processor.add(r)
+        self._unseen.update(r.request_id for r in reqs)
+        self._send(AddRequests([WireRequest.of(r) for r in reqs]))
+
+    def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.processor.drop(rid)
+            self._unseen.discard(rid)
+        if self.dead_reason is None and request_ids:
+            self._send(AbortRequests(list(request_ids)))
+
+    async def call(self, method: str, *args: Any, timeout_s: float = 30.0) -> Any:
+        """A control call; re-raises the engine's ValueError as ValueError."""
+        if self.dead_reason is not None:
+            raise EngineCoreError(self.dead_reason)
+        call_id = next(self._call_ids)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        self._send(Call(call_id, method, list(args)))
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            raise EngineCoreError(f"the engine core did not answer {method!r}") from None
+        finally:
+            self._calls.pop(call_id, None)
+
+    @property
+    def num_added_since_heartbeat(self) -> int:
+        """Requests sent since the last heartbeat that have not produced any output yet."""
+        return len(self._unseen)
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's latest stats snapshot (from the last heartbeat)."""
+        return dict(self._stats)
+
+    def partition_state(self) -> dict[str, Any]:
+        return dict(self._partition)
+
+    def note(self, *, partition: dict[str, Any] | None = None, policy: str | None = None) -> None:
+        """Apply the result of a control call to the cached snapshot until the next
+        heartbeat brings the engine's own."""
+        if partition is not None:
+            self._partition = dict(partition)
+        if policy is not None:
+            self._stats["policy"] = policy
+
+    def is_alive(self) -> bool:
+        return self.dead_reason is None
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _send(self, msg: Any) -> None:
+        # Unbounded queues: the send completes at once (the returned future is done).
+        self._in.send(ENCODER.encode(msg))
+
+    async def _read_outputs(self) -> None:
+        processor = self.processor
+        while True:
+            frame = await self._out.recv()
+            batch = OUTPUTS_DECODER.decode(frame).outputs
+            if not batch:  # the core's acknowledgement of this output connection
+                self._out_ready.set()
+                continue
+            outs: list[RequestOutput] = []
+            stopped: list[str] = []
+            unseen = self._unseen
+            for o in batch:
+                unseen.discard(o.request_id)
+                out, by_string = processor.process(o)
+                outs.append(out)
+                if by_string:
+                    stopped.append(o.request_id)
+            if stopped:  # finished here by a stop string: free the engine's work at once
+                self._send(AbortRequests(stopped))
+            try:
+                self.on_outputs(outs)
+            except Exception:  # noqa: BLE001 - one bad consumer must not stop the reader
+                log.exception("output consumer raised")
+
+    async def _read_replies(self) -> None:
+        while True:
+            frame = await self._in.recv()
+            msg = REPLY_DECODER.decode(frame)
+            if isinstance(msg, Heartbeat):
+                self._stats = msg.stats
+                self._partition = msg.partition
+                self._last_heartbeat_s = time.monotonic()
+                self._unseen.clear()
+                self._heartbeat.set()
+                if not msg.stats.get("alive", True):
+                    self._die("the engine loop died (see the engine core's log)")
+            elif isinstance(msg, CallResult):
+                fut = self._calls.get(msg.call_id)
+                if fut is None or fut.done():
+                    continue
+                if msg.ok:
+                    fut.set_result(msg.value)
+                elif msg.error_type == "ValueError":
+                    fut.set_exception(ValueError(msg.error))
+                else:
+                    fut.set_exception(EngineCoreError(f"{msg.error_type}: {msg.error}"))
+
+    async def _keepalive(self) -> None:
+        hello = Hello(self._identity.decode())
+        while True:
+            await asyncio.sleep(self.keepalive_s / 2)
+            reason = self._death_reason()
+            if reason is not None:
+                self._die(reason)
+                return
+            self._send(hello)
+
+    def _death_reason(self) -> str | None:
+        if self.process is not None and not self.process.is_alive():
+            return f"the engine core exited (code {self.process.exitcode})"
+        if self.process is None and not _pid_alive(self.handle.pid):
+            return f"the engine core (pid {self.handle.pid}) is gone"
+        silent_s = time.monotonic() - self._last_heartbeat_s
+        if silent_s > self.heartbeat_timeout_s:
+            return f"no heartbeat from the engine core for {silent_s:.1f} s"
+        return None
+
+    def _die(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        log.error("engine core is dead: %s", reason)
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(EngineCoreError(reason))
+        try:
+            self.on_dead(reason)
+        except Exception:  # noqa: BLE001
+            log.exception("on_dead raised")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

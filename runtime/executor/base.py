@@ -1,0 +1,80 @@
+"""The executor interface of the engine's one step loop:
+
+    plan = scheduler.schedule(executor.capacity())
+    executor.launch(plan)                       # enqueue on the device, do not wait
+    for result in executor.results(block):      # launched steps whose outputs are in
+        scheduler.update(result.plan, result.output)
+
+A step's results arrive after later steps were launched (overlapped scheduling); an executor
+returns every launched plan exactly once, as one result or as several results that split its
+seqs (the split executor returns a prefill and its decodes separately), in launch order per
+request. A launch that raises does so as `StepFailed`, naming the plan it covered; that plan
+is not in flight and the engine re-runs its requests one at a time with `run_alone`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from runtime.scheduler import RunnerOutput, StepCapacity, StepPlan
+
+
+@dataclass(slots=True)
+class StepResult:
+    plan: StepPlan
+    output: RunnerOutput
+    device_s: float | None = None  # device time of the step (events), when measured
+    idle_before_s: float | None = None  # device idle between the previous step and this one
+
+    @property
+    def is_prefill_only(self) -> bool:
+        return bool(self.plan.prefill) and not self.plan.decode
+
+
+class StepFailed(Exception):
+    """Launching (or finishing) a step raised; `plan` holds the requests it covered. Nothing
+    of it is in flight any more. `prefill_sms` is the split its work ran on (0: none).
+    `rerun_ok`: the failure was raised by the host while enqueueing (the device state is as
+    before it), so its requests may be re-run; False for a device error found when collecting
+    (later steps may have read its results)."""
+
+    def __init__(
+        self, plan: StepPlan, cause: BaseException, prefill_sms: int = 0, rerun_ok: bool = True
+    ) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.plan = plan
+        self.cause = cause
+        self.prefill_sms = prefill_sms
+        self.rerun_ok = rerun_ok
+
+
+class Executor(Protocol):
+    name: str
+
+    def capacity(self) -> StepCapacity:
+        """What the next step may hold."""
+        ...
+
+    def launch(self, plan: StepPlan) -> None:
+        """Enqueue `plan` (non-empty) on the device without waiting for it. Raises
+        StepFailed."""
+        ...
+
+    def results(self, block: bool) -> list[StepResult]:
+        """Launched steps whose outputs have reached the host, oldest first. With `block`,
+        waits until at least one has (if any is in flight). Raises StepFailed."""
+        ...
+
+    @property
+    def num_in_flight(self) -> int:
+        """Launched steps (or parts) whose results were not returned yet."""
+        ...
+
+    def drain(self) -> list[StepResult]:
+        """Wait for everything in flight; return its results."""
+        ...
+
+    def run_alone(self, plan: StepPlan) -> RunnerOutput:
+        """Run `plan` now on the whole device and wait (re-runs after a failure)."""
+        ...

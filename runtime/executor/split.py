@@ -1,0 +1,405 @@
+"""`SplitExecutor`: prefill and decode at the same time on a pair of SM partitions.
+
+A launched plan is split in two:
+  - its prefill part: the controller (`choose`) picks a split for it. Time-slicing (no split)
+    runs the whole plan as one step on the whole-GPU stream, like the serial executor. A split
+    starts the prefill *in flight* on the prefill partition's stream: it is embedded, then its
+    layers are launched in slices (`layers_per_slice = max(1, slice_tokens // batch tokens)`),
+    at most `max_queued_slices` ahead of the device, so the host returns quickly and keeps
+    decode fed. Time-slicing by layers (`layers_per_slice` from the controller, both streams
+    the whole GPU's) also puts it in flight: its slices and the decode steps then alternate on
+    one stream, so a decode waits at most one slice. While a prefill is in flight the
+    capacity offers no prefill budget, and the scheduler holds its requests.
+  - its decode part: launched at once on the decode stream of the split in flight (else of the
+    split the controller picks for decode alone), replaying that stream's own decode graphs (a
+    graph keeps the partition it was captured on). Decode steps queue back to back on it,
+    overlapped with the host like the serial executor's.
+When the prefill's completion event has fired (`query()`, no device-wide sync), its logits
+rows are sampled / scored on the prefill stream and its result is returned with the others.
+Streams: a phase that changes stream makes the new stream wait on the old one (events), so KV
+written on one partition is visible to the next user; the two streams of a pair never wait on
+each other while a prefill is in flight. Timings come from events on each stream and go to
+`observe` (the cost model's online refinement) when the step is collected.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from runtime.attention.base import ForwardBatch
+from runtime.config import EngineConfig
+from runtime.cost_model import TIME_SLICE, DecodeShape, PrefillShape
+from runtime.executor.base import StepFailed, StepResult
+from runtime.executor.streams import EventLike, StreamDevice
+from runtime.runner import PendingOutput
+from runtime.scheduler import RunnerOutput, StepCapacity, StepPlan
+
+
+@dataclass(slots=True)
+class SplitChoice:
+    prefill_sms: int  # TIME_SLICE (0) = no split: one monolithic step on `prefill_stream`
+    decode_sms: int
+    prefill_stream: Any
+    decode_stream: Any
+    # Time-slicing by layers (prefill_sms TIME_SLICE, both streams the whole GPU's): the
+    # prefill runs in flight, this many layers per slice, one decode step between slices.
+    layers_per_slice: int | None = None
+
+
+@dataclass(slots=True)
+class _Prefill:
+    """The prefill in flight."""
+
+    plan: StepPlan
+    choice: SplitChoice
+    batch: ForwardBatch
+    h: torch.Tensor  # [T, H] hidden state between slices (lives on the prefill stream)
+    residual: torch.Tensor | None
+    layers_per_slice: int
+    start_event: EventLike
+    next_layer: int = 0
+    hidden_rows: torch.Tensor | None = None  # [N, H] final-normed rows needing an output
+    slice_events: list[EventLike] = field(default_factory=list)
+    done_event: EventLike | None = None
+    overlapped_decode: bool = False  # a decode step ran while it was in flight
+
+
+@dataclass(slots=True)
+class _Launched:
+    """A step whose outputs are on their way to the host."""
+
+    kind: str  # "decode" | "whole" (time-sliced plan) | "prefill" (a finished split prefill)
+    plan: StepPlan
+    pending: PendingOutput
+    start: EventLike
+    end: EventLike
+    sms: int  # SMs it ran on (prefill or decode partition; 0 = the whole GPU)
+    other_sms: int = 0  # SMs of the phase running beside it (0: none)
+    layer_sliced: bool = False
+
+
+# observe(stage, shape, sms, measured_ms, other_sms): the cost model's online refinement.
+Observe = Callable[[str, PrefillShape | DecodeShape, int, float, int], None]
+Choose = Callable[[StepPlan | None, StepPlan | None], SplitChoice]
+
+
+class SplitExecutor:
+    name = "split"
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: Any,  # runtime.runner.ModelRunner
+        device: StreamDevice,
+        choose: Choose,
+        observe: Observe | None = None,
+        *,
+        split_usable: Callable[[int], bool] | None = None,
+    ) -> None:
+        """choose(prefill plan, decode plan): the controller's split for the next prefill (or
+        decode-only) launch. split_usable(prefill_sms): False once the partition manager has
+        taken that split out of service; decodes beside an in-flight prefill on it then use
+        the whole GPU."""
+        self.config = config
+        self.runner = runner
+        self.model = runner.model
+        self.device = device
+        self.choose = choose
+        self.observe = observe
+        self.slice_tokens = config.pd_slice_tokens
+        self.max_queued_slices = config.pd_max_queued_slices
+        self.chunk_tokens = config.prefill_chunk_tokens if config.hybrid_prefill else None
+        self.split_usable = split_usable or (lambda _sms: True)
+        self.prefill: _Prefill | None = None
+        self._queue: deque[_Launched] = deque()
+        cur = device.current_stream()
+        self._last_stream: dict[str, Any] = {"prefill": cur, "decode": cur}
+        self.num_prefill_batches = 0
+        self.num_split_prefills = 0
+        self.num_layer_sliced_prefills = 0
+        self.num_overlapped_decode_steps = 0
+        self.last_split = TIME_SLICE  # the split of the latest prefill start or decode launch
+        self._prompt_pending: PendingOutput | None = None  # prompt logprobs of the prefill
+
+    # ---- interface ----------------------------------------------------------------------------
+    def capacity(self) -> StepCapacity:
+        budget = self.config.prefill_token_budget if self.prefill is None else 0
+        return StepCapacity(
+            prefill_token_budget=budget,
+            decodes_share_budget=False,
+            hold_prefills=True,
+            chunk_scoring=False,  # a long scoring prompt runs beside decode, not before it
+        )
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queue) + (self.prefill is not None)
+
+    @property
+    def busy(self) -> bool:
+        return self.num_in_flight > 0
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> None:
+        dplan = StepPlan(plan.step_id, decode=plan.decode) if plan.decode else None
+        if plan.prefill:
+            pplan = StepPlan(plan.step_id, prefill=plan.prefill)
+            self.num_prefill_batches += 1
+            try:
+                choice = self.choose(pplan, dplan)
+                if choice.prefill_sms == TIME_SLICE and not choice.layers_per_slice:
+                    self._launch_whole(plan, choice.prefill_stream)
+                    return
+                self._start_prefill(pplan, choice)
+            except Exception as e:  # noqa: BLE001 - the engine re-runs the plan's requests
+                self.prefill = None
+                raise StepFailed(plan, e, self.last_split) from e
+        if dplan is not None:
+            try:
+                self._launch_decode(dplan)
+            except Exception as e:  # noqa: BLE001
+                raise StepFailed(dplan, e, self.last_split) from e
+        self._guarded_pump()
+
+    @torch.inference_mode()
+    def results(self, block: bool) -> list[StepResult]:
+        out: list[StepResult] = []
+        while True:
+            self._guarded_pump()
+            if self.prefill is not None and self._prefill_done():
+                self._finish_prefill()
+            while self._queue and self._queue[0].pending.ready():
+                out.append(self._collect(self._queue.popleft()))
+            if out or not block or self.num_in_flight == 0:
+                return out
+            if self._queue:
+                self._queue[0].pending.wait()
+            else:
+                self._wait_progress()
+
+    def drain(self) -> list[StepResult]:
+        out: list[StepResult] = []
+        while self.num_in_flight:
+            out += self.results(block=True)
+        return out
+
+    def run_alone(self, plan: StepPlan) -> RunnerOutput:
+        """Run on the whole GPU's stream after everything the executor queued."""
+        stream = self.device.current_stream()
+        self.fence(stream)
+        with self.device.context(stream):
+            out = self.runner.run(plan)
+        self.enter(stream)
+        return out
+
+    # ---- streams ------------------------------------------------------------------------------
+    def enter(self, stream: Any) -> None:
+        """Work ran on `stream` (after `fence(stream)`): order what follows after it."""
+        self._last_stream = {"prefill": stream, "decode": stream}
+
+    def fence(self, stream: Any) -> None:
+        """Make `stream` wait for everything the executor queued (before other work there),
+        and plan the products that follow for the whole GPU again."""
+        self.device.gemm_sms(0)
+        seen: list[Any] = []
+        for other in self._last_stream.values():
+            if other is not stream and all(other is not x for x in seen):
+                self.device.wait_stream(stream, other)
+                seen.append(other)
+
+    def _use(self, phase: str, stream: Any) -> None:
+        """`phase` runs on `stream` next: if it changes stream, order after the old one."""
+        prev = self._last_stream[phase]
+        if prev is not stream:
+            self.device.wait_stream(stream, prev)
+        self._last_stream[phase] = stream
+
+    # ---- launches -----------------------------------------------------------------------------
+    def _launch_whole(self, plan: StepPlan, stream: Any) -> None:
+        """Time-slicing: both parts as one step on the whole-GPU stream (as partition=off)."""
+        self.last_split = TIME_SLICE  # a failure here must not be blamed on an earlier split
+        self._use("prefill", stream)
+        self._use("decode", stream)
+        self.device.gemm_sms(0)
+        start, end = self.device.event(), self.device.event()
+        with self.device.context(stream):
+            start.record()
+            pending = self.runner.launch(plan)
+            end.record()
+        self._queue.append(_Launched("whole", plan, pending, start, end, TIME_SLICE))
+
+    def _launch_decode(self, plan: StepPlan) -> None:
+        f = self.prefill
+        if f is not None and self.split_usable(f.choice.prefill_sms):
+            split = f.choice
+            stream, sms, other = split.decode_stream, split.decode_sms, split.prefill_sms
+            f.overlapped_decode = True
+            self.num_overlapped_decode_steps += 1
+        else:
+            split = self.choose(None, plan)
+            stream, sms, other = split.decode_stream, split.decode_sms, 0
+        self.last_split = split.prefill_sms
+        self._use("decode", stream)
+        # Products (and a first graph capture) planned for the decode partition's SMs.
+        self.device.gemm_sms(0 if split.prefill_sms == TIME_SLICE else sms)
+        t0, t1 = self.device.event(), self.device.event()
+        with self.device.context(stream):
+            if split.prefill_sms != TIME_SLICE:
+                # A split's decode stream: decode graphs must be captured on it (a graph keeps
+                # the partition it was captured on; the whole-GPU set would escape the split).
+                # The first step here captures them, before t0 so it is not timed as decode.
+                self.runner.ensure_split_graphs(stream, f"{split.prefill_sms}/{sms}")
+            t0.record()
+            pending = self.runner.launch(plan)
+            t1.record()
+        self._queue.append(_Launched("decode", plan, pending, t0, t1, sms, other))
+
+    def _start_prefill(self, plan: StepPlan, choice: SplitChoice) -> None:
+        if choice.layers_per_slice and choice.prefill_sms == TIME_SLICE:
+            self.num_layer_sliced_prefills += 1
+        else:
+            self.num_split_prefills += 1
+        self.last_split = choice.prefill_sms
+        stream = choice.prefill_stream
+        self._use("prefill", stream)
+        start = self.device.event()
+        with self.device.context(stream):
+            start.record()
+            batch = self.runner.build_batch(plan.prefill, False)
+            self.runner.prefill_backend.plan(batch)
+            h = self.model.embed(batch.input_ids)
+        num_tokens = int(batch.input_ids.shape[0])
+        per_slice = choice.layers_per_slice or self.slice_tokens // max(num_tokens, 1)
+        per_slice = max(1, min(self.model.num_layers, per_slice))
+        self.prefill = _Prefill(plan, choice, batch, h, None, per_slice, start)
+
+    def _guarded_pump(self) -> None:
+        f = self.prefill
+        try:
+            self._pump()
+        except Exception as e:  # noqa: BLE001 - the engine re-runs the prefill's requests
+            assert f is not None
+            self.prefill = None
+            raise StepFailed(f.plan, e, f.choice.prefill_sms) from e
+
+    def _pump(self) -> None:
+        """Launch prefill slices while fewer than `max_queued_slices` are pending."""
+        f = self.prefill
+        if f is None or f.done_event is not None:
+            return
+        pending = sum(1 for e in f.slice_events if not e.query())
+        num_layers = self.model.num_layers
+        # Time-sliced by layers, prefill and decode share one stream: a second queued slice
+        # would sit between a decode step and the GPU, so only one is queued ahead.
+        max_queued = 1 if f.choice.layers_per_slice else self.max_queued_slices
+        self.device.gemm_sms(f.choice.prefill_sms)
+        with self.device.context(f.choice.prefill_stream):
+            while pending < max_queued and f.next_layer < num_layers:
+                end = min(num_layers, f.next_layer + f.layers_per_slice)
+                f.h, f.residual = self.model.forward_layers(
+                    f.h,
+                    f.residual,
+                    f.batch.positions,
+                    self.runner.prefill_backend,
+                    f.next_layer,
+                    end,
+                    self.chunk_tokens,
+                )
+                f.next_layer = end
+                ev = self.device.event()
+                if end == num_layers:
+                    self._final_rows(f)
+                    f.done_event = ev
+                ev.record()
+                f.slice_events.append(ev)
+                pending += 1
+
+    def _final_rows(self, f: _Prefill) -> None:
+        """After the last slice: the final-normed rows needing an output (and the prompt
+        logprobs of sequences asking for them, which need every row)."""
+        wants_prompt = any(s.request.sampling.prompt_logprobs is not None for s in f.plan.prefill)
+        if wants_prompt:
+            final = self.model.final_norm(f.h, f.residual)
+            self._prompt_pending = PendingOutput(self.runner.device)
+            self.runner.prompt_logprobs(final, f.batch, f.plan.prefill, self._prompt_pending)
+            if any(s.needs_output for s in f.plan.prefill):
+                f.hidden_rows = final[f.batch.logits_indices]
+        elif any(s.needs_output for s in f.plan.prefill):
+            idx = f.batch.logits_indices
+            res = None if f.residual is None else f.residual[idx]
+            f.hidden_rows = self.model.final_norm(f.h[idx], res)
+
+    def _prefill_done(self) -> bool:
+        f = self.prefill
+        return f is not None and f.done_event is not None and f.done_event.query()
+
+    def _wait_progress(self) -> None:
+        """Block the host on the oldest pending slice (a stream event, not a device sync)."""
+        f = self.prefill
+        if f is None:
+            return
+        for e in f.slice_events:
+            if not e.query():
+                e.synchronize()
+                return
+
+    def _finish_prefill(self) -> None:
+        """The prefill's layers are done: sample / score its rows on the prefill stream."""
+        f = self.prefill
+        assert f is not None and f.done_event is not None
+        self.prefill = None
+        try:
+            pending = self._prompt_pending or PendingOutput(self.runner.device)
+            self._prompt_pending = None
+            self.device.gemm_sms(f.choice.prefill_sms)
+            with self.device.context(f.choice.prefill_stream):
+                if f.hidden_rows is not None:
+                    wanting = [s for s in f.plan.prefill if s.needs_output]
+                    self.runner.outputs_from_hidden(f.hidden_rows, wanting, pending)
+                pending.seal()
+        except Exception as e:  # noqa: BLE001
+            raise StepFailed(f.plan, e, f.choice.prefill_sms) from e
+        sliced = bool(f.choice.layers_per_slice)
+        other = f.choice.decode_sms if f.overlapped_decode else 0
+        self._queue.append(
+            _Launched(
+                "prefill",
+                f.plan,
+                pending,
+                f.start_event,
+                f.done_event,
+                f.choice.prefill_sms,
+                other,
+                layer_sliced=sliced,
+            )
+        )
+
+    # ---- results ------------------------------------------------------------------------------
+    def _collect(self, f: _Launched) -> StepResult:
+        try:
+            output = f.pending.result()
+        except Exception as e:  # noqa: BLE001 - an asynchronous device error
+            raise StepFailed(f.plan, e, f.sms, rerun_ok=False) from e
+        f.end.synchronize()
+        ms = f.start.elapsed_time(f.end)
+        layers = self.model.num_layers
+        if self.observe is not None:
+            if f.kind == "decode":
+                kv = sum(s.num_context_tokens for s in f.plan.decode)
+                self.observe(
+                    "decode", DecodeShape(len(f.plan.decode), kv, layers), f.sms, ms, f.other_sms
+                )
+            elif f.kind == "prefill" and not f.layer_sliced:
+                # (A layer-sliced prefill's span includes the decode steps between its slices:
+                # not a prefill latency the cost model could learn from.)
+                shape = PrefillShape.from_seqs(
+                    [(s.num_context_tokens, s.num_new_tokens) for s in f.plan.prefill], layers
+                )
+                self.observe("prefill", shape, f.sms, ms, f.other_sms)
+        device_s = None if f.layer_sliced else ms / 1e3
+        return StepResult(f.plan, output, device_s, None)

@@ -1,0 +1,93 @@
+"""The stream and event operations executors use: CUDA, or a host stand-in (CPU and tests)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Protocol
+
+import torch
+
+
+class EventLike(Protocol):
+    def record(self, stream: Any = None) -> None: ...
+    def query(self) -> bool: ...
+    def synchronize(self) -> None: ...
+    def elapsed_time(self, end: Any) -> float: ...
+
+
+class StreamDevice(Protocol):
+    """Streams, events, and the SM count cuBLAS plans products for."""
+
+    def context(self, stream: Any) -> contextlib.AbstractContextManager[Any]: ...
+    def event(self) -> EventLike: ...
+    def wait_stream(self, stream: Any, other: Any) -> None: ...
+    def current_stream(self) -> Any: ...
+    def gemm_sms(self, sms: int) -> None:
+        """The next matrix products run on `sms` SMs (0: the whole GPU)."""
+
+
+class CudaStreamDevice:
+    def __init__(self, gemm_sm_target: Any = None) -> None:
+        """gemm_sm_target: a `runtime.blas_sm_target.BlasSmTarget` (None: cuBLAS plans every
+        product for the whole GPU)."""
+        self.gemm_sm_target = gemm_sm_target
+
+    def context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def gemm_sms(self, sms: int) -> None:
+        if self.gemm_sm_target is not None:
+            self.gemm_sm_target.set(sms)
+
+    def event(self) -> EventLike:
+        return torch.cuda.Event(enable_timing=True)
+
+    def wait_stream(self, stream: Any, other: Any) -> None:
+        stream.wait_stream(other)
+
+    def current_stream(self) -> Any:
+        return torch.cuda.current_stream()
+
+
+class HostEvent:
+    """Completes when recorded (host work is synchronous); times with perf_counter."""
+
+    def __init__(self) -> None:
+        self.t_s: float | None = None
+
+    def record(self, stream: Any = None) -> None:
+        self.t_s = time.perf_counter()
+
+    def query(self) -> bool:
+        return self.t_s is not None
+
+    def synchronize(self) -> None:
+        return None
+
+    def elapsed_time(self, end: HostEvent) -> float:
+        assert self.t_s is not None and end.t_s is not None
+        return (end.t_s - self.t_s) * 1e3
+
+
+class HostStreamDevice:
+    """CPU stand-in: streams are labels, work runs inline, events complete at once."""
+
+    def context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def event(self) -> EventLike:
+        return HostEvent()
+
+    def wait_stream(self, stream: Any, other: Any) -> None:
+        return None
+
+    def current_stream(self) -> Any:
+        return "host"
+
+    def gemm_sms(self, sms: int) -> None:
+        self.last_gemm_sms = sms  # what a CUDA device would have planned products for
+
+
+def stream_device_for(device: torch.device, gemm_sm_target: Any = None) -> StreamDevice:
+    return CudaStreamDevice(gemm_sm_target) if device.type == "cuda" else HostStreamDevice()
