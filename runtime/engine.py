@@ -567,8 +567,8 @@ class Engine:
                 )
             return None
         max_tokens = req.sampling.max_tokens
-        if max_tokens < 1:
-            return f"max_tokens must be >= 1, got {max_tokens}"
+        if max_tokens < 0:
+            return f"max_tokens must be >= 0, got {max_tokens}"
         if n + max_tokens > self._max_model_len:
             return (
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} "
