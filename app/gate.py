@@ -57,14 +57,15 @@ class Gate:
         if self._max_body_bytes is not None:
             return self._max_body_bytes
         engine = getattr(getattr(scope.get("app"), "state", None), "engine", None)
-        if engine is None:
+        max_model_len = getattr(engine, "max_model_len", None)
+        if max_model_len is None:
             return default_max_body_bytes(getattr(self.settings, "max_model_len", None))
-        self._max_body_bytes = default_max_body_bytes(engine.max_model_len)
+        self._max_body_bytes = default_max_body_bytes(max_model_len)
         log.info(
             "request bodies capped at %d bytes (64 per token of max_model_len %d, at least "
             "4 MiB; --max-body-bytes sets it)",
             self._max_body_bytes,
-            engine.max_model_len,
+            max_model_len,
         )
         return self._max_body_bytes
 
