@@ -24,7 +24,7 @@ from fastapi import Request
 
 from app.client import Draining, EngineClient, EngineDead, Overloaded
 from app.errors import APIError, bad_request
-from app.limits import check_num_messages
+from app.limits import check_num_messages, check_text_fits
 from app.security import bearer_token, same_secret, secret_of
 from app.settings import Settings
 
@@ -132,9 +132,13 @@ def vocab_size(engine: Any) -> int:
     return int(engine.model_config.vocab_size)
 
 
-def encode(engine: Any, text: str, add_special_tokens: bool = False) -> list[int]:
+def encode(
+    engine: Any, text: str, add_special_tokens: bool = False, param: str = "prompt"
+) -> list[int]:
     """Tokenise text. `add_special_tokens`: the tokenizer's own (e.g. Llama 3's BOS), as a text
-    prompt gets them (completions, scoring); labels and parts of a prompt get none."""
+    prompt gets them (completions, scoring); labels and parts of a prompt get none. A text
+    that cannot fit the context whatever its tokens is refused before tokenising."""
+    check_text_fits(engine, len(text), param)
     return list(engine.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
@@ -161,6 +165,7 @@ def chat_prompt_ids(engine: Any, messages: list[Any], param: str = "messages") -
         plain = [{"role": m.role, "content": m.text()} for m in messages]
     except ValueError as exc:
         raise bad_request(str(exc), param) from exc
+    check_text_fits(engine, sum(len(m["content"]) for m in plain), param)
     tokenizer = engine.tokenizer
     try:
         if hasattr(tokenizer, "encode_chat"):

@@ -168,6 +168,9 @@ async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
             "internal_error",
         ),
         status_code=500,
+        # Starlette re-raises after this reply and uvicorn then drops the connection: tell the
+        # client not to reuse it (else its next request meets a reset).
+        headers={"Connection": "close"},
     )
 
 

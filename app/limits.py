@@ -62,3 +62,24 @@ def check_num_labels(engine: Any, num: int, param: str) -> None:
         raise bad_request(
             f"{num} labels exceed the vocabulary's {vocab} tokens", param, "too_many_labels"
         )
+
+
+# A normalizer may shrink text before the model sees it (NFKC ligatures, accent stripping);
+# the bound leaves it this much room.
+_NORMALIZER_SLACK = 2
+
+
+def check_text_fits(engine: Any, num_chars: int, param: str) -> None:
+    """400 before tokenising when a text of `num_chars` characters cannot fit the context
+    however it tokenises: each token stands for at most `tokenizer.max_chars_per_token`
+    characters. Skipped for tokenizers that do not say (test doubles)."""
+    per_token = getattr(engine.tokenizer, "max_chars_per_token", None)
+    if per_token is None:
+        return
+    max_len = int(engine.max_model_len)
+    if num_chars > _NORMALIZER_SLACK * per_token * max_len:
+        raise bad_request(
+            f"a text of {num_chars} characters cannot fit this model's context of {max_len} tokens",
+            param,
+            "context_length_exceeded",
+        )

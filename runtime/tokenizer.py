@@ -61,6 +61,13 @@ class Tokenizer:
         self._template: jinja2.Template | None = (
             _compile_template(chat_template) if chat_template else None
         )
+        # The most characters of text one token can stand for: a token's string has one
+        # character per byte it covers (byte-level BPE) or per character (SentencePiece; a
+        # byte-fallback token's string is longer than its one byte). So a text longer than
+        # this x the context can never fit, and need not be tokenised to know it.
+        self.max_chars_per_token: int = max(
+            (len(t) for t in tok.get_vocab(with_added_tokens=True)), default=1
+        )
         # Special (control) tokens, longest first, to spot their text in chat messages.
         specials = sorted(
             (t.content for t in tok.get_added_tokens_decoder().values() if t.special and t.content),
