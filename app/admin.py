@@ -134,6 +134,7 @@ _EVENTS_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: _READ_RESPONSES[401],
     403: _READ_RESPONSES[403],
     429: _err("Too many event streams are open"),
+    "4XX": _err("Other client errors (a bad query parameter is a 400, not FastAPI's 422)"),
 }
 _CHANGE_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "The state after the change (reset: queued)"},

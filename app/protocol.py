@@ -49,7 +49,9 @@ TokenId = StrictInt  # range checked against the vocabulary in the routes
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: JSON types as the spec says them (`true` is not 1, `"5"` is not 5; an integer is
+    # still a valid float). Unknown fields are ignored (clients send extras such as `user`).
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Request):

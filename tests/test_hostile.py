@@ -340,3 +340,12 @@ def test_healthy_after_the_battery(http: httpx.Client, server: ServerThread) -> 
     r = http.post(CHAT, json={"messages": MSG, "max_tokens": 3})
     assert r.status_code == 200, r.text
     assert server.app.state.client.num_in_flight == 0
+
+
+def test_api_takes_json_bodies_only(http: httpx.Client, server: ServerThread) -> None:
+    # A cross-site page can POST text/plain without a preflight: it must not run a request.
+    num_added = len(server.engine.added)
+    raw = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    for ctype in ("text/plain", "application/x-www-form-urlencoded"):
+        assert_error(http.post(CMPL, content=raw, headers={"content-type": ctype}), 400)
+    assert len(server.engine.added) == num_added
