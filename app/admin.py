@@ -17,20 +17,26 @@ What the router reads from `app.state` (set by `app.main.create_app`):
   "completed_total": int, "tokens_total": int}`, the recent latency samples and the counters.
   Without it, latencies are reported as missing and throughput comes from the same counters in
   `engine.stats()` if the engine has them.
-- `settings` (optional): `admin_token` (str, SecretStr or None).
+- `settings` (optional): `admin_token` (str, SecretStr or None), `host`, `allowed_hosts`,
+  `admin_max_event_streams`.
 
-Changes (PUT, POST) are protected: with an admin token set, `Authorization: Bearer <token>` is required
-(401 otherwise); without one, only loopback clients (127.0.0.0/8, ::1) may change anything (403).
+Protection (threat model in docs/security.md):
+- With an admin token set, every /admin/api/* call needs `Authorization: Bearer <token>` (401
+  otherwise), reads included; compared in constant time.
+- Without one, reads are open and changes (PUT, POST) come only from loopback clients
+  (127.0.0.0/8, ::1) whose Host is local (a DNS-rebinding page has its own name there) and whose
+  Origin, if sent, is this site (403 otherwise).
+- A change needs a JSON content type (415 otherwise): a browser sends one cross-site only after
+  a CORS preflight, which this server never grants, so a web page cannot forge a change (CSRF).
+- At most `admin_max_event_streams` event streams are open at once (429 beyond).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import ipaddress
 import json
 import math
-import secrets
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
@@ -41,7 +47,17 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 from sse_starlette.sse import EventSourceResponse
+from starlette.types import Receive, Scope, Send
 
+from app.security import (
+    bearer_token,
+    host_allowed,
+    is_json_content_type,
+    is_loopback_address,
+    origin_allowed,
+    same_secret,
+    secret_of,
+)
 from policies import POLICY_NAMES
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
@@ -55,6 +71,7 @@ _THROUGHPUT_WINDOW_S = 5.0  # rates are averaged over counter samples this far a
 _SSE_DEFAULT_INTERVAL_S = 0.5
 _SSE_MIN_INTERVAL_S = 0.1
 _SSE_MAX_INTERVAL_S = 10.0
+_DEFAULT_MAX_EVENT_STREAMS = 8
 
 router = APIRouter()
 
@@ -77,10 +94,69 @@ class PolicyChange(BaseModel):
     policy: str
 
 
-def _error(status: int, message: str, err_type: str, param: str | None = None) -> JSONResponse:
+class ResetRequest(BaseModel):
+    """`POST /admin/api/prefix-cache/reset` takes no fields; the JSON type is what matters."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def _json_body(model: type[BaseModel], description: str, required: bool = True) -> dict[str, Any]:
+    """OpenAPI `requestBody` for a route that parses its body itself (after the auth check)."""
+    return {
+        "requestBody": {
+            "required": required,
+            "description": description,
+            "content": {"application/json": {"schema": model.model_json_schema()}},
+        }
+    }
+
+
+def _err(text: str) -> dict[str, Any]:
+    schema = {
+        "type": "object",
+        "required": ["error"],
+        "properties": {"error": {"type": "object", "required": ["message", "type"]}},
+    }
+    return {"description": text, "content": {"application/json": {"schema": schema}}}
+
+
+_READ_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The state snapshot (shape: app.admin.build_state)"},
+    401: _err("An admin token is set and was not given"),
+    403: _err("Host not allowed (DNS-rebinding guard)"),
+}
+_EVENTS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "Server-Sent Events: `event: state` with the snapshot as data",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    },
+    400: _err("interval_s is not a finite number"),
+    401: _READ_RESPONSES[401],
+    403: _READ_RESPONSES[403],
+    429: _err("Too many event streams are open"),
+    "4XX": _err("Other client errors (a bad query parameter is a 400, not FastAPI's 422)"),
+}
+_CHANGE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The state after the change (reset: queued)"},
+    400: _err("Invalid body"),
+    401: _err("An admin token is set and was not given"),
+    403: _err("Not a loopback client with a local Host and Origin (no token set)"),
+    415: _err("The body is not JSON"),
+    503: _err("The engine is starting"),
+}
+
+
+def _error(
+    status: int,
+    message: str,
+    err_type: str,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     """An OpenAI-style error body, like the rest of the API."""
     body = {"error": {"message": message, "type": err_type, "param": param, "code": None}}
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    if status == 401:
+        headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -95,8 +171,8 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
 async def _parse_body(request: Request, model: type[BaseModel]) -> BaseModel | JSONResponse:
     try:
         raw = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return _error(400, "request body must be JSON", "invalid_request_error")
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past the parser
+        return _error(400, "request body must be a JSON object", "invalid_request_error")
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
@@ -109,48 +185,63 @@ async def _parse_body(request: Request, model: type[BaseModel]) -> BaseModel | J
 # ---------------------------------------------------------------------------------------------
 
 
-def _configured_token(request: Request) -> str | None:
-    settings = getattr(request.app.state, "settings", None)
-    token = getattr(settings, "admin_token", None)
-    if token is not None and hasattr(token, "get_secret_value"):  # pydantic SecretStr
-        token = token.get_secret_value()
-    return token or None
+is_loopback = is_loopback_address  # the admin's rule for "a local client"
 
 
-def is_loopback(host: str | None) -> bool:
-    """True for 127.0.0.0/8 and ::1 (also as IPv4-mapped IPv6). Anything that is not an IP
-    address — Starlette's TestClient reports "testclient" — counts as remote, on purpose."""
-    if not host:
-        return False
-    try:
-        addr = ipaddress.ip_address(host.split("%", 1)[0])  # drop an IPv6 zone id
-    except ValueError:
-        return False
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
-    return addr.is_loopback
+def _settings(request: Request) -> Any:
+    return getattr(request.app.state, "settings", None)
+
+
+def _check_token(request: Request, token: str) -> JSONResponse | None:
+    given = bearer_token(request.headers)
+    if given is None:
+        return _error(
+            401, "admin token required: Authorization: Bearer <token>", "authentication_error"
+        )
+    if not same_secret(given, token):
+        return _error(401, "invalid admin token", "authentication_error")
+    return None
+
+
+def check_admin_read(request: Request) -> JSONResponse | None:
+    """None when the caller may read the admin state: anyone without a token set (the Host
+    rule of app/gate.py still applies on a loopback server), else the token's holder."""
+    token = secret_of(_settings(request), "admin_token")
+    return None if token is None else _check_token(request, token)
 
 
 def check_admin(request: Request) -> JSONResponse | None:
     """None when the caller may change settings, else the error response to send."""
-    token = _configured_token(request)
+    settings = _settings(request)
+    token = secret_of(settings, "admin_token")
     if token is not None:
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not given:
+        denied = _check_token(request, token)
+        if denied is not None:
+            return denied
+    else:
+        host = request.headers.get("host")
+        peer = request.client.host if request.client else None
+        if not is_loopback(peer):
             return _error(
-                401, "admin token required: Authorization: Bearer <token>", "authentication_error"
+                403,
+                "admin changes are allowed only from loopback clients when "
+                "GREENLANE_ADMIN_TOKEN is not set",
+                "permission_error",
             )
-        # compare_digest: no timing hint about how much of the token matched.
-        if not secrets.compare_digest(given.strip().encode(), token.encode()):
-            return _error(401, "invalid admin token", "authentication_error")
-        return None
-    host = request.client.host if request.client else None
-    if not is_loopback(host):
+        if not host_allowed(host, settings):
+            return _error(
+                403,
+                f"admin changes need a local Host (got {host!r}): a DNS-rebinding guard; "
+                "use localhost or 127.0.0.1, or set --allowed-hosts / an admin token",
+                "permission_error",
+            )
+        if not origin_allowed(request.headers.get("origin"), host, settings):
+            return _error(403, "cross-site admin changes are refused", "permission_error")
+    if not is_json_content_type(request.headers.get("content-type")):
         return _error(
-            403,
-            "admin changes are allowed only from loopback clients when "
-            "GREENLANE_ADMIN_TOKEN is not set",
-            "permission_error",
+            415,
+            "admin changes need a JSON body (Content-Type: application/json)",
+            "invalid_request_error",
         )
     return None
 
@@ -264,6 +355,18 @@ def json_safe(value: Any) -> Any:
     return value
 
 
+def _stream_snapshot(app: Any) -> str:
+    """The state as JSON for event streams: built at most once per `_SSE_MIN_INTERVAL_S / 2`
+    and shared by every open stream (each used to build its own: 200 streams, 100 % CPU)."""
+    now_s = time.monotonic()
+    cached = getattr(app.state, "admin_snapshot", None)
+    if cached is not None and now_s - cached[0] < _SSE_MIN_INTERVAL_S / 2:
+        return cached[1]
+    text = json.dumps(build_state(app))
+    app.state.admin_snapshot = (now_s, text)
+    return text
+
+
 def build_state(app: Any) -> dict[str, Any]:
     """The snapshot served by /admin/api/state and streamed by /admin/api/events (JSON-safe:
     no NaN or infinity, see `json_safe`)."""
@@ -351,30 +454,66 @@ async def admin_static(name: str) -> Response:
     return FileResponse(STATIC_DIR / name, media_type=media_type)
 
 
-@router.get("/admin/api/state")
+@router.get("/admin/api/state", responses=_READ_RESPONSES)
 async def admin_state(request: Request) -> JSONResponse:
+    denied = check_admin_read(request)
+    if denied is not None:
+        return denied
     return JSONResponse(build_state(request.app))
 
 
-@router.get("/admin/api/events")
+class _CountedEventSource(EventSourceResponse):
+    """An SSE response that gives its slot back when it ends, however it ends."""
+
+    def __init__(self, *args: Any, app_state: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._app_state = app_state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._app_state.admin_event_streams -= 1
+
+
+@router.get("/admin/api/events", responses=_EVENTS_RESPONSES)
 async def admin_events(request: Request, interval_s: float = _SSE_DEFAULT_INTERVAL_S) -> Response:
     """SSE stream of `state` events. sse-starlette cancels the generator when the client goes
     away or uvicorn shuts down; the disconnect check below also ends it between snapshots."""
+    denied = check_admin_read(request)
+    if denied is not None:
+        return denied
     if not math.isfinite(interval_s):
         return _error(
             400, "interval_s must be a finite number", "invalid_request_error", "interval_s"
         )
     interval_s = min(max(interval_s, _SSE_MIN_INTERVAL_S), _SSE_MAX_INTERVAL_S)
+    state = request.app.state
+    limit = getattr(_settings(request), "admin_max_event_streams", _DEFAULT_MAX_EVENT_STREAMS)
+    open_now = getattr(state, "admin_event_streams", 0)
+    if open_now >= limit:
+        return _error(
+            429,
+            f"{open_now} admin event streams are open, the limit (--admin-max-event-streams); "
+            "close one or poll /admin/api/state",
+            "rate_limit_error",
+            headers={"Retry-After": "5"},
+        )
+    state.admin_event_streams = open_now + 1
 
     async def stream() -> AsyncIterator[dict[str, str]]:
         while not await request.is_disconnected():
-            yield {"event": "state", "data": json.dumps(build_state(request.app))}
+            yield {"event": "state", "data": _stream_snapshot(request.app)}
             await asyncio.sleep(interval_s)
 
-    return EventSourceResponse(stream(), ping=15)
+    return _CountedEventSource(stream(), ping=15, app_state=state)
 
 
-@router.put("/admin/api/partition")
+@router.put(
+    "/admin/api/partition",
+    responses=_CHANGE_RESPONSES,
+    openapi_extra=_json_body(PartitionChange, "The SM split mode (prefill_sms with static)"),
+)
 async def admin_set_partition(request: Request) -> JSONResponse:
     denied = check_admin(request)
     if denied is not None:
@@ -414,7 +553,11 @@ async def admin_set_partition(request: Request) -> JSONResponse:
     return JSONResponse(build_state(request.app))
 
 
-@router.put("/admin/api/policy")
+@router.put(
+    "/admin/api/policy",
+    responses=_CHANGE_RESPONSES,
+    openapi_extra=_json_body(PolicyChange, "The prefill policy to switch to"),
+)
 async def admin_set_policy(request: Request) -> JSONResponse:
     denied = check_admin(request)
     if denied is not None:
@@ -440,7 +583,11 @@ async def admin_set_policy(request: Request) -> JSONResponse:
     return JSONResponse(build_state(request.app))
 
 
-@router.post("/admin/api/prefix-cache/reset")
+@router.post(
+    "/admin/api/prefix-cache/reset",
+    responses=_CHANGE_RESPONSES,
+    openapi_extra=_json_body(ResetRequest, "An empty JSON object", required=False),
+)
 async def admin_reset_prefix_cache(request: Request) -> JSONResponse:
     """Ask the engine to drop its idle prefix-cache blocks. The engine applies it on its own
     thread before its next step, so the reply means "queued", not "done": a request sent after
@@ -449,6 +596,10 @@ async def admin_reset_prefix_cache(request: Request) -> JSONResponse:
     denied = check_admin(request)
     if denied is not None:
         return denied
+    if await request.body():  # optional; when sent, it must be the empty object
+        body = await _parse_body(request, ResetRequest)
+        if isinstance(body, JSONResponse):
+            return body
     engine = getattr(request.app.state, "engine", None)
     if engine is None:
         return _error(503, "the engine is starting; try again shortly", "service_unavailable")

@@ -1,27 +1,37 @@
 """Helpers the route modules share: auth, model-name check, tokenising and limits, request
 traces (one log line + metrics per request), and running engine work until the client leaves.
+
+Tokenising and template rendering run off the event loop (`off_loop`), on a small thread pool:
+one huge prompt must not stall other clients' streams. The runtime tokenizer encodes without
+holding the GIL, so the loop keeps running while a worker tokenises.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import os
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from fastapi import Request
 
 from app.client import Draining, EngineClient, EngineDead, Overloaded
 from app.errors import APIError, bad_request
+from app.limits import check_num_messages, check_text_fits
+from app.security import bearer_token, same_secret, secret_of
 from app.settings import Settings
 
 log = logging.getLogger("greenlane.request")
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 def new_id(prefix: str) -> str:
@@ -91,12 +101,11 @@ def engine_of(request: Request) -> Any:
 
 async def require_api_key(request: Request) -> None:
     """FastAPI dependency on /v1/*: `Authorization: Bearer <api_key>` when a key is set."""
-    key = settings_of(request).api_key
-    if not key:
+    key = secret_of(settings_of(request), "api_key")
+    if key is None:
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or token.strip() != key:
+    token = bearer_token(request.headers)
+    if token is None or not same_secret(token, key):
         raise APIError(
             401,
             "Invalid or missing API key (send 'Authorization: Bearer <key>')",
@@ -123,24 +132,44 @@ def vocab_size(engine: Any) -> int:
     return int(engine.model_config.vocab_size)
 
 
-def encode(engine: Any, text: str) -> list[int]:
-    """Tokenise plain text (no special tokens added: templates and prompts carry their own)."""
-    return list(engine.tokenizer.encode(text))
+def encode(
+    engine: Any, text: str, add_special_tokens: bool = False, param: str = "prompt"
+) -> list[int]:
+    """Tokenise text. `add_special_tokens`: the tokenizer's own (e.g. Llama 3's BOS), as a text
+    prompt gets them (completions, scoring); labels and parts of a prompt get none. A text
+    that cannot fit the context whatever its tokens is refused before tokenising."""
+    check_text_fits(engine, len(text), param)
+    return list(engine.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+_prep_pool: ThreadPoolExecutor | None = None
+
+
+async def off_loop(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """Run request preparation (tokenising, template rendering, id checks) on the preparation
+    threads, not the event loop. Its APIErrors propagate as if called here."""
+    global _prep_pool
+    if _prep_pool is None:  # created on first use; the threads die with the process
+        _prep_pool = ThreadPoolExecutor(
+            max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="greenlane-prep"
+        )
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_prep_pool, functools.partial(fn, *args, **kwargs))
 
 
 def chat_prompt_ids(engine: Any, messages: list[Any], param: str = "messages") -> list[int]:
-    """Render chat messages with the model's template and tokenise them."""
+    """Render chat messages with the model's template and tokenise them; message content is
+    read as text (special-token text in it never becomes a control token)."""
+    check_num_messages(engine, len(messages), param)
     try:
         plain = [{"role": m.role, "content": m.text()} for m in messages]
     except ValueError as exc:
         raise bad_request(str(exc), param) from exc
+    check_text_fits(engine, sum(len(m["content"]) for m in plain), param)
     try:
-        rendered = engine.tokenizer.apply_chat_template(plain, add_generation_prompt=True)
+        return list(engine.tokenizer.encode_chat(plain, add_generation_prompt=True))
     except Exception as exc:  # a template may reject a role order, e.g. two system messages
         raise bad_request(f"chat template rejected the messages: {exc}", param) from exc
-    if isinstance(rendered, str):
-        return encode(engine, rendered)
-    return list(rendered)
 
 
 def check_token_ids(engine: Any, ids: list[int], param: str) -> None:

@@ -1,17 +1,21 @@
 """OpenAI-shaped errors: one exception type for the routes, handlers for everything else.
 
 Every error body is `{"error": {"message", "type", "param", "code"}}`. Bad input is a 4xx,
-never a 5xx: FastAPI's validation errors (422 by default) become 400 here, like OpenAI's.
+never a 5xx: FastAPI's validation errors (422 by default) become 400 here, like OpenAI's. A 500
+(a bug, or an engine failure) never carries exception text: the log has it, under the request
+id the body names. `ERROR_RESPONSES` describes all this in the OpenAPI spec.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("greenlane.app")
@@ -22,7 +26,9 @@ _ERROR_TYPES: dict[int, str] = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    403: "permission_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
@@ -50,6 +56,39 @@ class APIError(Exception):
         self.code = code
         self.err_type = err_type or _ERROR_TYPES.get(status_code, "invalid_request_error")
         self.headers = headers
+
+
+class _ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The OpenAI error shape (for the OpenAPI spec)."""
+
+    error: _ErrorDetail
+
+
+def _described(text: str) -> dict[str, Any]:
+    return {"model": ErrorResponse, "description": text}
+
+
+# OpenAPI `responses` for the API routers. Declaring 400 (and the 4XX range) also stops FastAPI
+# from documenting its default 422, which this server never sends.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: _described("Invalid request: malformed JSON, a field out of range, over the context"),
+    401: _described("Missing or wrong API key"),
+    403: _described("Host not allowed (DNS-rebinding guard)"),
+    404: _described("Unknown model"),
+    413: _described("Request body over --max-body-bytes"),
+    429: _described("Queue full; retry after Retry-After seconds"),
+    "4XX": _described("Other client errors, in the same shape"),
+    500: _described("Server or engine failure (details in the server log, by request id)"),
+    503: _described("Engine not running, or shutting down"),
+    504: _described("Request timed out"),
+}
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
@@ -111,12 +150,27 @@ async def _on_http_error(_: Request, exc: Exception) -> JSONResponse:
     )
 
 
-async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
-    # A bug in the app, not bad input: log the traceback, answer 500, keep serving.
-    log.exception("unhandled error while serving a request")
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    # A bug in the app, not bad input: log the traceback under the request's id, answer 500
+    # without the exception's text (it may quote internals or other requests), keep serving.
+    trace = getattr(request.state, "trace", None)
+    request_id = getattr(trace, "request_id", "-")
+    if request_id == "-":
+        request_id = f"err-{uuid.uuid4().hex[:16]}"
+        if trace is not None:
+            trace.request_id = request_id
+    log.error("unhandled error while serving request %s", request_id, exc_info=exc)
     return JSONResponse(
-        error_body(f"Internal server error: {type(exc).__name__}: {exc}", "server_error"),
+        error_body(
+            f"Internal server error (request {request_id}; the server log has the details)",
+            "server_error",
+            None,
+            "internal_error",
+        ),
         status_code=500,
+        # Starlette re-raises after this reply and uvicorn then drops the connection: tell the
+        # client not to reuse it (else its next request meets a reset).
+        headers={"Connection": "close"},
     )
 
 

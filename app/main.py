@@ -25,6 +25,7 @@ from app.client import EngineClient
 from app.common import Trace, log_request
 from app.engine_view import EngineView, load_frontend_tokenizer
 from app.errors import install_error_handlers
+from app.gate import Gate
 from app.metrics import Metrics
 from app.settings import Settings
 from runtime.config import EngineConfig
@@ -198,5 +199,6 @@ def create_app(
     else:  # only while app/admin.py is being written
         log.warning("admin API not available: app/admin.py is missing")
 
+    app.add_middleware(Gate, settings=settings)  # inside the access log: 413/403 are logged
     app.add_middleware(AccessLogMiddleware, metrics=metrics)
     return app

@@ -1,23 +1,57 @@
 """Pydantic wire models: OpenAI chat/completions/models and the SGLang-style /v1/score.
 
 Requests ignore unknown fields (the `openai` client sends extras such as `user`), but every field
-we read is validated: ranges here, vocabulary and context limits in the routes (they need the
-engine). Responses are plain models serialised with `model_dump(exclude_none=...)` where OpenAI
-omits empty fields.
+we read is validated: types, ranges and fixed counts here, before any tokenising; vocabulary,
+context and per-server counts in the routes (they need the engine; `app/limits.py`). Text
+fields are `Text`: valid Unicode (JSON's `"\ud800"` is a lone surrogate, which no tokenizer
+can encode). Token ids are `TokenId`: JSON integers only (`false` is not token 0). Responses are
+plain models serialised with `model_dump(exclude_none=...)` where OpenAI omits empty fields.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 MAX_LOGPROBS = 20  # OpenAI caps top logprobs at 20
+MAX_STOP_STRINGS = 16
+# A stop string is held back from the stream until it cannot be the start of a stop string,
+# so a long one delays streaming by as many characters; 256 covers any real stop sequence.
+MAX_STOP_CHARS = 256
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64-bit seeds
+MAX_TOP_K = 2**31 - 1  # top_k >= the vocabulary means no limit; beyond int32 is a mistake
+
+
+def _valid_unicode(value: str) -> str:
+    # JSON can carry lone surrogates ("\ud800"); they are not text and no tokenizer takes
+    # them. encode() is the fastest check (C); the message does not echo the value.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"text contains an unpaired UTF-16 surrogate at character {exc.start}"
+        ) from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+TokenId = StrictInt  # range checked against the vocabulary in the routes
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: JSON types as the spec says them (`true` is not 1, `"5"` is not 5; an integer is
+    # still a valid float). Unknown fields are ignored (clients send extras such as `user`).
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Request):
@@ -25,14 +59,14 @@ class StreamOptions(_Request):
 
 
 class ContentPart(_Request):
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessage(_Request):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         """The message as plain text; only text parts are supported."""
@@ -51,12 +85,12 @@ class ChatMessage(_Request):
 class _SamplingFields(_Request):
     """The sampling knobs chat and completions share."""
 
-    model: str | None = None
+    model: Text | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # -1 or 0: no limit
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)  # -1 or 0: no limit
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: Text | list[Text] | None = None
     n: int = Field(1, ge=1, le=1)  # one choice per prompt; n > 1 is not supported
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -67,13 +101,13 @@ class _SamplingFields(_Request):
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list):
-            if len(v) > 16:
-                raise ValueError("at most 16 stop strings")
-            if any(s == "" for s in v):
+        if isinstance(v, list) and len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        for s in [v] if isinstance(v, str) else v or []:
+            if s == "":
                 raise ValueError("stop strings must be non-empty")
-        elif v == "":
-            raise ValueError("stop string must be non-empty")
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
         return v
 
     def stop_list(self) -> list[str]:
@@ -108,7 +142,7 @@ class ChatCompletionRequest(_SamplingFields):
         )
 
 
-Prompt = str | list[int] | list[str] | list[list[int]]
+Prompt = Text | list[TokenId] | list[Text] | list[list[TokenId]]
 
 
 class CompletionRequest(_SamplingFields):
@@ -124,15 +158,21 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("echo is not supported")
         return v
 
+    @property
+    def num_prompts(self) -> int:
+        """How many prompts (engine requests) this call asks for."""
+        p = self.prompt
+        return len(p) if isinstance(p, list) and p and not isinstance(p[0], int) else 1
+
 
 class ScoreRequest(_Request):
     """SGLang-compatible scoring request, plus chat `messages` and label strings."""
 
-    model: str | None = None
-    query: str | list[int] | None = None
-    items: str | list[str] | list[list[int]] | None = None
-    label_token_ids: list[int] | None = None
-    labels: list[str] | None = None
+    model: Text | None = None
+    query: Text | list[TokenId] | None = None
+    items: Text | list[Text] | list[list[TokenId]] | None = None
+    label_token_ids: list[TokenId] | None = None
+    labels: list[Text] | None = None
     apply_softmax: bool = True
     item_first: bool = False
     messages: list[ChatMessage] | None = None

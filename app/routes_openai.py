@@ -8,6 +8,7 @@ content deltas, a chunk with `finish_reason`, a usage chunk when
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -27,12 +28,14 @@ from app.common import (
     encode,
     engine_of,
     new_id,
+    off_loop,
     require_api_key,
     settings_of,
     trace_of,
     until_disconnect,
 )
-from app.errors import APIError, bad_request, error_body
+from app.errors import ERROR_RESPONSES, APIError, bad_request, error_body
+from app.limits import check_num_requests
 from app.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,7 +47,17 @@ from app.protocol import (
 from runtime.request import Request as EngineRequest
 from runtime.request import RequestKind, RequestOutput, SamplingParams, TokenLogprob
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], responses=ERROR_RESPONSES)
+log = logging.getLogger("greenlane.request")
+
+# OpenAPI: with `"stream": true` the 200 answer is Server-Sent Events.
+_STREAM_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The completion (JSON), or with `stream` its chunks as Server-Sent "
+        "Events: `data: <chunk JSON>` lines, `data: [DONE]` last",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    }
+}
 
 SSE_PING_S = 15  # comment pings keep idle proxies from closing a long prefill's stream
 
@@ -100,18 +113,23 @@ class _Collected:
         return "".join(self.text_parts)
 
 
-def _raise_if_failed(col: _Collected, draining: bool) -> None:
+def _raise_if_failed(col: _Collected, draining: bool, request_id: str) -> None:
+    # The engine's reason may quote an exception: it goes to the log, not to the client.
     if col.finish_reason == "error":
+        log.error("engine failed request %s: %s", request_id, col.error or "unknown error")
         raise APIError(
             500,
-            f"The engine failed this request: {col.error or 'unknown error'}",
+            f"The engine failed request {request_id} (the server log has the details)",
             code="engine_error",
         )
     if col.finish_reason == "abort":
         if draining:
             raise APIError(503, "Request aborted: server is shutting down", code="shutting_down")
+        log.error("engine aborted request %s: %s", request_id, col.error or "no reason given")
         raise APIError(
-            500, f"Request aborted by the engine: {col.error or 'no reason given'}", code="aborted"
+            500,
+            f"The engine aborted request {request_id} (the server log has the details)",
+            code="aborted",
         )
 
 
@@ -159,9 +177,9 @@ def _json(obj: Any) -> dict[str, str]:
     return {"data": json.dumps(obj, separators=(",", ":"), ensure_ascii=False)}
 
 
-def _stream_error_event(col: _Collected, draining: bool) -> dict[str, str] | None:
+def _stream_error_event(col: _Collected, draining: bool, request_id: str) -> dict[str, str] | None:
     try:
-        _raise_if_failed(col, draining)
+        _raise_if_failed(col, draining, request_id)
     except APIError as err:
         return _json(error_body(err.message, err.err_type, err.param, err.code))
     return None
@@ -193,11 +211,11 @@ def _chat_logprobs(engine: Any, items: list[TokenLogprob]) -> dict[str, Any]:
     }
 
 
-@router.post("/chat/completions")
+@router.post("/chat/completions", responses=_STREAM_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     check_model(request, body.model)
     engine = engine_of(request)
-    prompt_ids = chat_prompt_ids(engine, body.messages)
+    prompt_ids = await off_loop(chat_prompt_ids, engine, body.messages)
     max_tokens = body.max_output_tokens or default_max_tokens(engine, len(prompt_ids))
     check_prompt_fits(engine, len(prompt_ids), max_tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -216,7 +234,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     if not body.stream:
         (col,) = await _run_non_streaming(request, [req])
         _fill_trace(request, request_id, [col])
-        _raise_if_failed(col, client_of(request).draining)
+        _raise_if_failed(col, client_of(request).draining, request_id)
         return {
             "id": request_id,
             "object": "chat.completion",
@@ -261,7 +279,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 if out.new_text or out.new_logprobs:
                     lp = _chat_logprobs(engine, out.new_logprobs) if body.logprobs else None
                     yield chunk({"content": out.new_text}, logprobs=lp)
-            err = _stream_error_event(col, client_of(request).draining)
+            err = _stream_error_event(col, client_of(request).draining, request_id)
             if err is not None:
                 yield err
             else:
@@ -294,12 +312,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 
 def _prompts_of(engine: Any, body: CompletionRequest) -> list[list[int]]:
     p = body.prompt
+    # Text prompts get the tokenizer's special tokens (e.g. a BOS), as vLLM and transformers
+    # give them; token-id prompts are taken as they are.
     if isinstance(p, str):
-        prompts = [encode(engine, p)]
+        prompts = [encode(engine, p, add_special_tokens=True)]
     elif len(p) > 0 and all(isinstance(x, int) for x in p):
         prompts = [list(p)]  # type: ignore[arg-type]
     elif len(p) > 0 and all(isinstance(x, str) for x in p):
-        prompts = [encode(engine, x) for x in p]  # type: ignore[arg-type]
+        prompts = [encode(engine, x, add_special_tokens=True) for x in p]  # type: ignore[arg-type]
     elif len(p) > 0:
         prompts = [list(x) for x in p]  # type: ignore[arg-type]
     else:
@@ -330,11 +350,12 @@ def _completion_logprobs(
     }
 
 
-@router.post("/completions")
+@router.post("/completions", responses=_STREAM_RESPONSES)
 async def completions(body: CompletionRequest, request: Request) -> Any:
     check_model(request, body.model)
     engine = engine_of(request)
-    prompts = _prompts_of(engine, body)
+    check_num_requests(client_of(request), body.num_prompts, "prompt")
+    prompts = await off_loop(_prompts_of, engine, body)
     if body.stream and len(prompts) > 1:
         raise bad_request("streaming supports a single prompt", "prompt", "unsupported")
 
@@ -357,7 +378,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         cols = await _run_non_streaming(request, reqs)
         _fill_trace(request, request_id, cols)
         for col in cols:
-            _raise_if_failed(col, client_of(request).draining)
+            _raise_if_failed(col, client_of(request).draining, request_id)
         return {
             "id": request_id,
             "object": "text_completion",
@@ -411,7 +432,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                     )
                     text_len += len(out.new_text)
                     yield chunk(out.new_text, logprobs=lp)
-            err = _stream_error_event(col, client_of(request).draining)
+            err = _stream_error_event(col, client_of(request).draining, request_id)
             if err is not None:
                 yield err
             else:

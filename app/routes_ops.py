@@ -1,16 +1,32 @@
-"""Operations endpoints: GET /health and GET /metrics (no API key: probes and scrapers)."""
+"""Operations endpoints: GET /health (open: probes) and GET /metrics (open to scrapers, unless
+an admin token is set: then `Authorization: Bearer <token>`, like the admin's other reads)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from app.admin import check_admin_read
 from app.metrics import CONTENT_TYPE
 
 router = APIRouter()
 
+_HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The engine loop is alive and the server admits requests"},
+    503: {"description": "The engine is not running, or the server is shutting down"},
+}
+_METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "Prometheus text exposition format",
+        "content": {CONTENT_TYPE: {"schema": {"type": "string"}}},
+    },
+    401: {"description": "An admin token is set and was not given"},
+}
 
-@router.get("/health")
+
+@router.get("/health", responses=_HEALTH_RESPONSES)
 async def health(request: Request) -> JSONResponse:
     """200 while the engine loop is alive and the server admits requests, 503 otherwise."""
     engine = getattr(request.app.state, "engine", None)
@@ -22,6 +38,9 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response, responses=_METRICS_RESPONSES)
 async def metrics(request: Request) -> Response:
+    denied = check_admin_read(request)
+    if denied is not None:
+        return denied
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)

@@ -5,11 +5,18 @@ all items are submitted together. With the query first, the first item computes 
 the others wait for its blocks to enter the prefix cache (the scheduler's
 `wait_for_shared_prefix_tokens`), so a long query is computed once per call, not per item. With chat `messages`, the rendered conversation (generation prompt included) plays the
 query's role. Text parts are joined as text before tokenising (so BPE merges across the seam
-are those of the full string); token-id parts are joined as ids.
+are those of the full string); token-id parts are joined as ids. A prompt that starts with text
+gets the tokenizer's special tokens around it (e.g. Llama 3's BOS first), as a text prompt does
+in vLLM and SGLang; one that starts with token ids (the client chose its first tokens) or with
+chat messages (whose template writes its own) gets none.
+
+Counts (items, labels) are checked before anything is tokenised, and tokenising runs off the
+event loop.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -24,17 +31,20 @@ from app.common import (
     encode,
     engine_of,
     new_id,
+    off_loop,
     require_api_key,
     settings_of,
     trace_of,
     until_disconnect,
 )
-from app.errors import APIError, bad_request
+from app.errors import ERROR_RESPONSES, APIError, bad_request
+from app.limits import check_num_labels, check_num_requests
 from app.protocol import ScoreRequest
 from runtime.request import Request as EngineRequest
 from runtime.request import RequestKind, SamplingParams
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], responses=ERROR_RESPONSES)
+log = logging.getLogger("greenlane.request")
 
 
 def _label_ids(engine: Any, body: ScoreRequest) -> tuple[list[int], list[str]]:
@@ -58,6 +68,16 @@ def _label_ids(engine: Any, body: ScoreRequest) -> tuple[list[int], list[str]]:
     return ids, labels
 
 
+def _special_tokens(engine: Any) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer puts before and after a text prompt (e.g. ([BOS], []))."""
+    bare = encode(engine, "a")
+    full = encode(engine, "a", add_special_tokens=True)
+    for start in range(len(full) - len(bare) + 1):
+        if full[start : start + len(bare)] == bare:
+            return full[:start], full[start + len(bare) :]
+    return [], []  # a post-processor that rewrites the text's own ids: add nothing
+
+
 def _prompts(engine: Any, body: ScoreRequest) -> list[list[int]]:
     """One token-id prompt per item."""
     items: list[str] | list[list[int]] | None
@@ -71,19 +91,24 @@ def _prompts(engine: Any, body: ScoreRequest) -> list[list[int]]:
         if isinstance(query, list):
             check_token_ids(engine, query, "query")
 
+    special = _special_tokens(engine) if body.messages is None else ([], [])
     if not items:
-        prompts = [query if isinstance(query, list) else encode(engine, query)]
+        prompts = [query if isinstance(query, list) else encode(engine, query, True)]
     else:
         prompts = []
         for item in items:
             if isinstance(item, list):
                 check_token_ids(engine, item, "items")
             if isinstance(query, str) and isinstance(item, str):
-                prompts.append(encode(engine, item + query if body.item_first else query + item))
+                text = item + query if body.item_first else query + item
+                prompts.append(encode(engine, text, add_special_tokens=True))
                 continue
             q_ids = query if isinstance(query, list) else encode(engine, query)
             i_ids = item if isinstance(item, list) else encode(engine, item)
-            prompts.append(i_ids + q_ids if body.item_first else q_ids + i_ids)
+            ids = i_ids + q_ids if body.item_first else q_ids + i_ids
+            if isinstance(item if body.item_first else query, str):  # text first: specials
+                ids = special[0] + ids + special[1]
+            prompts.append(ids)
     for ids in prompts:
         # A score is one forward pass: no output tokens, so only the prompt must fit.
         check_prompt_fits(engine, len(ids), 0, param="items", generate=False)
@@ -94,15 +119,15 @@ def _prompts(engine: Any, body: ScoreRequest) -> list[list[int]]:
 async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
     check_model(request, body.model)
     engine = engine_of(request)
-    label_ids, label_names = _label_ids(engine, body)
-    prompts = _prompts(engine, body)
     client = client_of(request)
-    if len(prompts) > client.max_in_flight:
-        raise bad_request(
-            f"{len(prompts)} items exceed this server's limit of {client.max_in_flight} per call",
-            "items",
-            "too_many_items",
-        )
+    check_num_requests(client, len(body.items) if isinstance(body.items, list) else 1, "items")
+    check_num_labels(
+        engine,
+        len(body.labels if body.labels is not None else body.label_token_ids or []),
+        "labels" if body.labels is not None else "label_token_ids",
+    )
+    label_ids, label_names = await off_loop(_label_ids, engine, body)
+    prompts = await off_loop(_prompts, engine, body)
 
     request_id = new_id("score")
     trace = trace_of(request)
@@ -130,9 +155,10 @@ async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
     for outs in results:
         final = outs[-1]
         if final.finish_reason == "error":
+            log.error("engine failed request %s: %s", final.request_id, final.error)
             raise APIError(
                 500,
-                f"The engine failed a scoring request: {final.error or 'unknown error'}",
+                f"The engine failed request {final.request_id} (the server log has the details)",
                 code="engine_error",
             )
         probs = next((o.label_probs for o in reversed(outs) if o.label_probs is not None), None)
@@ -141,10 +167,16 @@ async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
                 raise APIError(
                     503, "Request aborted: server is shutting down", code="shutting_down"
                 )
+            log.error(
+                "no label probabilities for request %s (%s: %s)",
+                final.request_id,
+                final.finish_reason,
+                final.error,
+            )
             raise APIError(
                 500,
-                f"The engine returned no label probabilities ({final.finish_reason}: "
-                f"{final.error or 'no reason given'})",
+                f"The engine returned no label probabilities for request {final.request_id} "
+                "(the server log has the details)",
                 code="engine_error",
             )
         scores.append(list(probs))

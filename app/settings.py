@@ -15,9 +15,10 @@ import dataclasses
 import logging
 import os
 import typing
+from pathlib import Path
 from typing import Any
 
-from pydantic import Field, create_model
+from pydantic import Field, create_model, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from runtime.calibrate import model_key, resolve_calibration
@@ -31,7 +32,10 @@ ENV_PREFIX = "GREENLANE_"
 class ServerSettings(BaseSettings):
     """The HTTP server's own options (not passed to the engine)."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+    # hide_input_in_errors: a bad option must not print the API key or admin token.
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, extra="ignore", hide_input_in_errors=True
+    )
 
     host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(8000, ge=0, le=65535, description="port to bind")
@@ -42,7 +46,34 @@ class ServerSettings(BaseSettings):
     api_key: str | None = Field(
         None, description="when set, /v1/* requires 'Authorization: Bearer <key>'"
     )
-    admin_token: str | None = Field(None, description="token for the admin API (/admin)")
+    api_key_file: str | None = Field(
+        None,
+        description="read the API key from this file (first line) instead of --api-key, which "
+        "shows in `ps`",
+    )
+    admin_token: str | None = Field(
+        None,
+        description="token for the admin API and the read endpoints (/admin/api/*, /metrics, "
+        "/docs); unset: admin changes only from loopback clients",
+    )
+    admin_token_file: str | None = Field(
+        None, description="read the admin token from this file (first line)"
+    )
+    allowed_hosts: str | None = Field(
+        None,
+        description="comma-separated extra Host names accepted when the server listens on a "
+        "loopback address (DNS-rebinding guard; localhost names and IP addresses are always "
+        "accepted; '*' accepts any)",
+    )
+    max_body_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="largest request body in bytes; larger ones get 413 (default: 64 bytes per "
+        "token of max_model_len, at least 4 MiB)",
+    )
+    admin_max_event_streams: int = Field(
+        8, ge=1, description="open /admin/api/events streams allowed at once; more get 429"
+    )
     max_queue: int = Field(
         256,
         ge=0,
@@ -76,6 +107,27 @@ class ServerSettings(BaseSettings):
         "and model (default $XDG_CACHE_HOME/greenlane/calibration or "
         "~/.cache/greenlane/calibration)",
     )
+
+    @model_validator(mode="after")
+    def _read_secret_files(self) -> ServerSettings:
+        """--api-key-file / --admin-token-file: the secret's first line (surrounding
+        whitespace dropped). Giving a secret both ways is a mistake, not a precedence rule."""
+        for name in ("api_key", "admin_token"):
+            path = getattr(self, f"{name}_file")
+            if path is None:
+                continue
+            flag = name.replace("_", "-")
+            if getattr(self, name):
+                raise ValueError(f"give --{flag} or --{flag}-file, not both")
+            try:
+                lines = Path(path).read_text(encoding="utf-8").splitlines()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"--{flag}-file {path!r} cannot be read: {exc}") from None
+            secret = lines[0].strip() if lines else ""
+            if not secret:
+                raise ValueError(f"--{flag}-file {path!r} is empty")
+            setattr(self, name, secret)
+        return self
 
 
 def _engine_field_definitions() -> dict[str, Any]:

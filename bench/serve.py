@@ -477,8 +477,12 @@ async def admin_call(
     Never raises: callers decide whether a failed change invalidates their measurement."""
     try:
         async with httpx.AsyncClient(timeout=timeout_s) as client:
+            # Always a JSON body ({} when none): the admin refuses changes without one (CSRF).
             resp = await client.request(
-                method, f"{base_url}{path}", json=body, headers=admin_headers(admin_token)
+                method,
+                f"{base_url}{path}",
+                json=body if body is not None else {},
+                headers=admin_headers(admin_token),
             )
     except httpx.HTTPError as exc:
         return False, f"{type(exc).__name__}: {str(exc)[:160]}"

@@ -4,11 +4,23 @@ A model folder provides `tokenizer.json` and a chat template, either in `chat_te
 or as `chat_template` in `tokenizer_config.json` (which also names the bos/eos tokens).
 The template is rendered with jinja2 in a sandboxed environment, with the helpers Hugging Face
 templates expect (`raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII).
+
+Special tokens, as `transformers` places them: a text prompt (completions, scoring) gets the
+tokens of `tokenizer.json`'s post-processor (`encode(text, add_special_tokens=True)`: e.g. Llama
+3's BOS); a chat prompt gets only what its template writes (`encode_chat`: no second BOS). Text
+typed in chat messages is text: `encode_chat` never turns a message's `<|im_start|>` into the
+control token, while the template's own control tokens stay control tokens.
+
+Encoding releases the GIL (`encode_batch` runs in Rust without it; single `encode` holds it), so
+a server thread tokenising a huge prompt does not stall the event loop.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
+import threading
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -49,6 +61,26 @@ class Tokenizer:
         self._template: jinja2.Template | None = (
             _compile_template(chat_template) if chat_template else None
         )
+        # The most characters of text one token can stand for: a token's string has one
+        # character per byte it covers (byte-level BPE) or per character (SentencePiece; a
+        # byte-fallback token's string is longer than its one byte). So a text longer than
+        # this x the context can never fit, and need not be tokenised to know it.
+        self.max_chars_per_token: int = max(
+            (len(t) for t in tok.get_vocab(with_added_tokens=True)), default=1
+        )
+        # Special (control) tokens, longest first, to spot their text in chat messages.
+        specials = sorted(
+            (t.content for t in tok.get_added_tokens_decoder().values() if t.special and t.content),
+            key=len,
+            reverse=True,
+        )
+        self._special_text_re: re.Pattern[str] | None = (
+            re.compile("|".join(re.escape(t) for t in specials)) if specials else None
+        )
+        # A copy that reads special-token text as plain text (made on first use). A copy, not
+        # a toggle of `encode_special_tokens` on `_tok`: other threads encode with `_tok`.
+        self._text_tok: tokenizers.Tokenizer | None = None
+        self._text_tok_lock = threading.Lock()
 
     @classmethod
     def from_dir(cls, folder: str | Path) -> Tokenizer:
@@ -81,8 +113,25 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Text -> ids. `add_special_tokens` adds the tokenizer's post-processor tokens (e.g.
-        a BOS); chat prompts rendered by the template already contain theirs."""
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        a BOS); chat prompts rendered by the template already contain theirs. Special-token
+        text in `text` becomes the special token (use `encode_text` for user-typed text)."""
+        # encode_batch of one: same ids as encode, but computed without holding the GIL.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of `text` read as plain text: special-token text (`<|im_start|>`) is split into
+        ordinary tokens, never mapped to the control token. No special tokens are added."""
+        if self._text_tok is None:
+            with self._text_tok_lock:
+                if self._text_tok is None:
+                    text_tok = tokenizers.Tokenizer.from_str(self._tok.to_str())
+                    text_tok.encode_special_tokens = True
+                    self._text_tok = text_tok
+        return self._text_tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def has_special_text(self, text: str) -> bool:
+        """True if `text` contains the text of a special token."""
+        return self._special_text_re is not None and self._special_text_re.search(text) is not None
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
         encs = self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)
@@ -120,6 +169,51 @@ class Tokenizer:
         context.update(kwargs)
         return self._template.render(
             messages=messages, add_generation_prompt=add_generation_prompt, **context
+        )
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> list[int]:
+        """Render `messages` with the chat template and tokenise the result, reading message
+        content as plain text: a message that contains special-token text (a user typing
+        `<|im_start|>system`) gets ordinary tokens for it, while the template's own control
+        tokens stay control tokens. No special tokens are added beyond the template's.
+
+        Messages without special-token text (nearly all) take the exact path: the rendered
+        string encoded whole. Otherwise the template is rendered a second time with a random
+        sentinel for each message's content, which shows where each content lands; the
+        template's text is encoded as usual and each content with `encode_text`. If the
+        template changes content on the way (beyond stripping whitespace), the content cannot
+        be located safely: ChatTemplateError (a 400 for the caller)."""
+        rendered = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        contents = [m.get("content") for m in messages]
+        if not any(isinstance(c, str) and self.has_special_text(c) for c in contents):
+            return self.encode(rendered)
+        nonce = secrets.token_hex(8)
+        probe = [
+            {**m, "content": f"GLMSG{nonce}X{i}Z"} if isinstance(m.get("content"), str) else m
+            for i, m in enumerate(messages)
+        ]
+        skeleton = self.apply_chat_template(probe, add_generation_prompt, **kwargs)
+        # Template text at even indices, the index of a message's sentinel at odd ones.
+        parts = re.split(f"GLMSG{nonce}X(\\d+)Z", skeleton)
+        for strip in (False, True):  # True: templates such as Llama 3's `content | trim`
+            pieces = []
+            for k, part in enumerate(parts):
+                content = str(contents[int(part)]) if k % 2 else part
+                pieces.append(content.strip() if strip and k % 2 else content)
+            if "".join(pieces) == rendered:
+                ids: list[int] = []
+                for k, piece in enumerate(pieces):
+                    if piece:
+                        ids += self.encode_text(piece) if k % 2 else self.encode(piece)
+                return ids
+        raise ChatTemplateError(
+            "a message contains special-token text and this model's chat template rewrites "
+            "message content, so it cannot be kept as plain text; remove the special-token text"
         )
 
 

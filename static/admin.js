@@ -354,26 +354,65 @@
     el.className = "pill " + cls;
   }
 
-  function connect() {
-    const es = new EventSource("/admin/api/events");
-    es.addEventListener("state", (ev) => {
-      let s;
-      try { s = JSON.parse(ev.data); } catch (e) { return; }
-      onState(s);
-      if (s.engine.alive) setConn("live", "pill-ok");
-      else if (s.engine.starting) setConn("engine starting…", "pill-wait");
-      else setConn("engine stopped", "pill-bad");
-    });
-    es.addEventListener("open", () => setConn("live", "pill-ok"));
-    // EventSource reconnects by itself; just say so.
-    es.addEventListener("error", () => setConn("reconnecting…", "pill-wait"));
+  function authHeaders() {
+    const token = $("token-input").value.trim();
+    return token ? { Authorization: "Bearer " + token } : {};
+  }
+
+  function onStateEvent(data) {
+    let s;
+    try { s = JSON.parse(data); } catch (e) { return; }
+    onState(s);
+    if (s.engine.alive) setConn("live", "pill-ok");
+    else if (s.engine.starting) setConn("engine starting…", "pill-wait");
+    else setConn("engine stopped", "pill-bad");
+  }
+
+  // The event stream is read with fetch, not EventSource: EventSource cannot send the
+  // Authorization header that the state needs when an admin token is set.
+  let streamAbort = null;
+  async function connect() {
+    if (streamAbort) streamAbort.abort();
+    const abort = new AbortController();
+    streamAbort = abort;
+    try {
+      const resp = await fetch("/admin/api/events", { headers: authHeaders(), signal: abort.signal });
+      if (resp.status === 401) {
+        setConn("admin token needed", "pill-bad");
+        return; // reconnects when the token changes
+      }
+      if (!resp.ok || !resp.body) throw new Error("HTTP " + resp.status);
+      setConn("live", "pill-ok");
+      const reader = resp.body.pipeThrough(new TextDecoderStream()).getReader();
+      let buf = "";
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        buf += value.replace(/\r\n/g, "\n");
+        let end;
+        while ((end = buf.indexOf("\n\n")) >= 0) {
+          const block = buf.slice(0, end);
+          buf = buf.slice(end + 2);
+          let event = "message";
+          const data = [];
+          for (const line of block.split("\n")) {
+            if (line.startsWith("event:")) event = line.slice(6).trim();
+            else if (line.startsWith("data:")) data.push(line.slice(5).replace(/^ /, ""));
+          }
+          if (event === "state" && data.length) onStateEvent(data.join("\n"));
+        }
+      }
+    } catch (e) {
+      if (abort.signal.aborted) return;
+    }
+    if (streamAbort !== abort) return;
+    setConn("reconnecting…", "pill-wait");
+    setTimeout(() => { if (streamAbort === abort) connect(); }, 1000);
   }
 
   // ---------------------------------------------------------------- changes
   async function put(path, body, okMessage) {
-    const headers = { "Content-Type": "application/json" };
-    const token = $("token-input").value.trim();
-    if (token) headers.Authorization = "Bearer " + token;
+    const headers = { "Content-Type": "application/json", ...authHeaders() };
     let resp;
     try {
       resp = await fetch(path, { method: "PUT", headers, body: JSON.stringify(body) });
@@ -396,6 +435,7 @@
     const tokenInput = $("token-input");
     tokenInput.value = sessionStorage.getItem(TOKEN_KEY) || "";
     tokenInput.addEventListener("input", () => sessionStorage.setItem(TOKEN_KEY, tokenInput.value.trim()));
+    tokenInput.addEventListener("change", () => connect());
     $("auto-btn").addEventListener("click", () => put("/admin/api/partition", { mode: "auto" }, "partition: auto"));
     $("off-btn").addEventListener("click", () => put("/admin/api/partition", { mode: "off" }, "partition: off"));
     $("split-range").addEventListener("input", showRangeValue);
@@ -411,7 +451,7 @@
     buildLegends();
     wireControls();
     try {
-      const resp = await fetch("/admin/api/state");
+      const resp = await fetch("/admin/api/state", { headers: authHeaders() });
       if (resp.ok) onState(await resp.json());
     } catch (e) {
       setConn("offline", "pill-bad");

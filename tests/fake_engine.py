@@ -74,6 +74,20 @@ class FakeTokenizer:
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """The template's tokens with each message's content read as text (bytes), as the
+        real tokenizer does: typed special-token text never becomes a control token."""
+        ids: list[int] = []
+        for m in messages:
+            ids += self.encode(f"<|im_start|>{m['role']}\n")
+            ids += list(str(m["content"]).encode("utf-8"))
+            ids += self.encode("<|im_end|>\n")
+        if add_generation_prompt:
+            ids += self.encode("<|im_start|>assistant\n")
+        return ids
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str:

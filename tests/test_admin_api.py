@@ -27,6 +27,7 @@ from runtime.partition import UnavailablePartition
 
 LOOPBACK = ("127.0.0.1", 50123)
 REMOTE = ("203.0.113.7", 50123)  # TEST-NET-3: never loopback
+LOCAL_URL = "http://127.0.0.1:8000"  # a local Host: loopback-only changes need one
 
 
 def make_app(token: str | None = None, engine: FakeEngine | None = None) -> FastAPI:
@@ -52,7 +53,7 @@ def test_token_required_when_set(path: str, body: dict) -> None:
     app = make_app(token="s3cret")
     engine: FakeEngine = app.state.engine
     # Loopback gives no pass when a token is configured.
-    client = TestClient(app, client=LOOPBACK)
+    client = TestClient(app, client=LOOPBACK, base_url=LOCAL_URL)
     for headers in (
         {},
         {"Authorization": "Bearer wrong"},
@@ -82,15 +83,23 @@ def test_no_token_loopback_only() -> None:
         assert r.json()["error"]["type"] == "permission_error"
     assert engine.partition.calls == []
 
-    r = TestClient(app, client=LOOPBACK).put("/admin/api/partition", json=body)
+    r = TestClient(app, client=LOOPBACK, base_url=LOCAL_URL).put("/admin/api/partition", json=body)
     assert r.status_code == 200, r.text
     assert r.json()["partition"]["prefill_sms"] == 48
     assert engine.partition.calls == ["static:48"]
 
 
-def test_reads_need_no_auth() -> None:
+def test_reads_need_the_token_when_one_is_set() -> None:
     client = TestClient(make_app(token="s3cret"), client=REMOTE)
-    assert client.get("/admin/api/state").status_code == 200
+    assert client.get("/admin/api/state").status_code == 401
+    assert client.get("/admin/api/events").status_code == 401
+    r = client.get("/admin/api/state", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+    r = client.get("/admin/api/state", headers={"Authorization": "Bearer s3cret"})
+    assert r.status_code == 200
+    # Without a token the state is open (the gate's Host rule guards a loopback server).
+    assert TestClient(make_app(), client=REMOTE).get("/admin/api/state").status_code == 200
+    # The page and its assets are open: the page asks for the token.
     page = client.get("/admin")
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
     assert "/admin/static/admin.js" in page.text
@@ -137,7 +146,7 @@ def test_is_loopback(host: str | None, expected: bool) -> None:
 )
 def test_bad_partition_is_400(body: object) -> None:
     app = make_app()
-    r = TestClient(app, client=LOOPBACK).put("/admin/api/partition", json=body)
+    r = TestClient(app, client=LOOPBACK, base_url=LOCAL_URL).put("/admin/api/partition", json=body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"]
@@ -145,7 +154,7 @@ def test_bad_partition_is_400(body: object) -> None:
 
 
 def test_non_json_body_is_400() -> None:
-    r = TestClient(make_app(), client=LOOPBACK).put(
+    r = TestClient(make_app(), client=LOOPBACK, base_url=LOCAL_URL).put(
         "/admin/api/policy", content=b"{not json", headers={"content-type": "application/json"}
     )
     assert r.status_code == 400
@@ -154,14 +163,14 @@ def test_non_json_body_is_400() -> None:
 @pytest.mark.parametrize("body", [{"policy": "lifo"}, {"policy": 3}, {}, {"policy": "FCFS"}])
 def test_bad_policy_is_400(body: object) -> None:
     app = make_app()
-    r = TestClient(app, client=LOOPBACK).put("/admin/api/policy", json=body)
+    r = TestClient(app, client=LOOPBACK, base_url=LOCAL_URL).put("/admin/api/policy", json=body)
     assert r.status_code == 400, r.text
     assert app.state.engine.policy_calls == []
 
 
 def test_unavailable_partition_reports_reason_and_refuses_static() -> None:
     engine = FakeEngine(partition=UnavailablePartition("no CUDA device"))
-    client = TestClient(make_app(engine=engine), client=LOOPBACK)
+    client = TestClient(make_app(engine=engine), client=LOOPBACK, base_url=LOCAL_URL)
     part = client.get("/admin/api/state").json()["partition"]
     assert part["available"] is False and part["reason"] == "no CUDA device"
     r = client.put("/admin/api/partition", json={"mode": "static", "prefill_sms": 64})
@@ -174,7 +183,7 @@ def test_unavailable_partition_reports_reason_and_refuses_static() -> None:
 
 def test_partition_pin_and_release() -> None:
     app = make_app()
-    client = TestClient(app, client=LOOPBACK)
+    client = TestClient(app, client=LOOPBACK, base_url=LOCAL_URL)
     pinned = client.put("/admin/api/partition", json={"mode": "static", "prefill_sms": 80})
     assert pinned.status_code == 200
     part = pinned.json()["partition"]
@@ -191,7 +200,7 @@ def test_partition_pin_and_release() -> None:
 
 def test_policy_switch() -> None:
     app = make_app()
-    client = TestClient(app, client=LOOPBACK)
+    client = TestClient(app, client=LOOPBACK, base_url=LOCAL_URL)
     r = client.put("/admin/api/policy", json={"policy": "spf"})
     assert r.status_code == 200 and r.json()["policy"]["current"] == "spf"
     assert app.state.engine.policy_calls == ["spf"]
@@ -253,7 +262,7 @@ def test_nan_statistics_become_null_not_a_500() -> None:
         return st
 
     engine.partition._split_state = nan_state  # type: ignore[method-assign]
-    client = TestClient(make_app(engine=engine), client=LOOPBACK)
+    client = TestClient(make_app(engine=engine), client=LOOPBACK, base_url=LOCAL_URL)
     for r, prefill_sms in (
         (client.get("/admin/api/state"), FAKE_TOTAL_SMS),
         (client.put("/admin/api/partition", json={"mode": "static", "prefill_sms": 80}), 80),
@@ -354,7 +363,7 @@ def test_engine_not_started_yet() -> None:
     """create_app sets app.state.engine = None until the lifespan has built the engine."""
     app = make_app()
     app.state.engine = None
-    client = TestClient(app, client=LOOPBACK)
+    client = TestClient(app, client=LOOPBACK, base_url=LOCAL_URL)
     state = client.get("/admin/api/state").json()
     assert state["engine"] == {"alive": False, "starting": True}
     assert state["partition"]["available"] is False
@@ -373,9 +382,10 @@ def test_router_inside_the_full_app() -> None:
 
     app = create_app(Settings(admin_token="full-app-token"), engine_factory=CoreFakeEngine)
     auth = {"Authorization": "Bearer full-app-token"}
-    with TestClient(app, client=REMOTE) as client:
+    with TestClient(app, client=REMOTE, base_url=LOCAL_URL) as client:
         assert client.get("/admin").status_code == 200
-        state = client.get("/admin/api/state").json()
+        assert client.get("/admin/api/state").status_code == 401
+        state = client.get("/admin/api/state", headers=auth).json()
         assert state["engine"]["alive"] is True
         assert state["latency"]["source"] == "metrics"  # the app's rolling windows
         assert state["partition"]["available"] is False
@@ -409,26 +419,34 @@ RESET = "/admin/api/prefix-cache/reset"
 def test_prefix_cache_reset_protection() -> None:
     engine = _ResettableEngine()
     app = make_app(token="s3cret", engine=engine)
-    loop_client = TestClient(app, client=LOOPBACK)
+    loop_client = TestClient(app, client=LOOPBACK, base_url=LOCAL_URL)
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         assert loop_client.post(RESET, headers=headers).status_code == 401
     assert engine.reset_calls == 0
-    r = TestClient(app, client=REMOTE).post(RESET, headers={"Authorization": "Bearer s3cret"})
+    remote = TestClient(app, client=REMOTE)
+    r = remote.post(RESET, json={}, headers={"Authorization": "Bearer s3cret"})
     assert r.status_code == 200, r.text
     assert r.json()["reset"] == "queued" and engine.reset_calls == 1
 
     open_app = make_app(token=None, engine=engine)
-    assert TestClient(open_app, client=REMOTE).post(RESET).status_code == 403
-    assert TestClient(open_app).post(RESET).status_code == 403  # "testclient" is not loopback
+    assert TestClient(open_app, client=REMOTE).post(RESET, json={}).status_code == 403
+    assert TestClient(open_app).post(RESET, json={}).status_code == 403  # "testclient": remote
     assert engine.reset_calls == 1
-    assert TestClient(open_app, client=LOOPBACK).post(RESET).status_code == 200
+    local = TestClient(open_app, client=LOOPBACK, base_url=LOCAL_URL)
+    assert local.post(RESET, json={}).status_code == 200
+    assert engine.reset_calls == 2
+    # CSRF: a web page can POST text/plain (or nothing) cross-site without a preflight.
+    for kwargs in ({}, {"content": b"{}", "headers": {"Content-Type": "text/plain"}}):
+        assert local.post(RESET, **kwargs).status_code == 415
+    assert local.post(RESET, json={"x": 1}).status_code == 400
     assert engine.reset_calls == 2
 
 
 def test_prefix_cache_reset_before_the_engine_started() -> None:
     app = make_app()
     app.state.engine = None
-    assert TestClient(app, client=LOOPBACK).post(RESET).status_code == 503
+    client = TestClient(app, client=LOOPBACK, base_url=LOCAL_URL)
+    assert client.post(RESET, json={}).status_code == 503
 
 
 def test_prefix_cache_reset_reaches_the_real_engine() -> None:
@@ -439,7 +457,7 @@ def test_prefix_cache_reset_reaches_the_real_engine() -> None:
     from app.settings import Settings
 
     app = create_app(Settings(model="random:tiny", max_num_seqs=4, block_size=4, admin_token=None))
-    with TestClient(app, client=LOOPBACK) as client:
+    with TestClient(app, client=LOOPBACK, base_url=LOCAL_URL) as client:
         engine = app.state.engine
         query = list(range(10, 60))  # 50 tokens: several full blocks of 4
         r = client.post(
@@ -448,7 +466,7 @@ def test_prefix_cache_reset_reaches_the_real_engine() -> None:
         assert r.status_code == 200, r.text
         # Stats reach the front end with the engine core's heartbeat (every 0.2 s).
         filled = _eventually(lambda: engine.stats()["prefix_cached_blocks"], lambda v: v > 0)
-        r = client.post(RESET)
+        r = client.post(RESET, json={})
         assert r.status_code == 200, r.text
         assert r.json()["prefix_cached_blocks_before"] == filled
         # The reset is applied before the engine's next step.
