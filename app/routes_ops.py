@@ -1,13 +1,17 @@
-"""Operations endpoints: GET /health and GET /metrics (no API key: probes and scrapers)."""
+"""Operations endpoints: GET /health, GET /metrics and GET /version (no API key: probes and
+scrapers); the tokenizer endpoints (app/routes_tokenize.py, behind the key) hang off this router
+too."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from app import __version__, routes_tokenize
 from app.metrics import CONTENT_TYPE
 
 router = APIRouter()
+router.include_router(routes_tokenize.router)
 
 
 @router.get("/health")
@@ -25,3 +29,8 @@ async def health(request: Request) -> JSONResponse:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": __version__}

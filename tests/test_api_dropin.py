@@ -321,3 +321,44 @@ def test_unimplemented_parameters_are_named(
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] is not None and err["param"].split(".")[0] == param, err
+
+
+# ----------------------------------------------------------------------------- tokenizer, version
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes(http: httpx.Client) -> None:
+    got = _ok(http.post("/tokenize", json={"prompt": "hey", "return_token_strs": True}))
+    assert got == {
+        "count": 3,
+        "max_model_len": 256,
+        "tokens": [104, 101, 121],
+        "token_strs": ["h", "e", "y"],
+    }
+    chat = _ok(http.post("/tokenize", json={"messages": MSG}))
+    assert chat["tokens"][0] == 256 and chat["count"] == len(chat["tokens"])  # <|im_start|>
+    assert _ok(http.post("/detokenize", json={"tokens": [256, 104, 105]})) == {
+        "prompt": "<|im_start|>hi"
+    }
+    bad = http.post("/detokenize", json={"tokens": [1, 300]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert http.post("/tokenize", json={"prompt": "a", "messages": MSG}).status_code == 400
+    info = _ok(http.get("/tokenizer_info"))
+    assert info["eos_token"] == "<|im_end|>" and info["model_max_length"] == 256
+
+
+def test_version(http: httpx.Client) -> None:
+    from app import __version__
+
+    assert _ok(http.get("/version")) == {"version": __version__}
+
+
+def test_tokenizer_endpoints_need_the_api_key() -> None:
+    with fake_server(api_key="k") as srv, httpx.Client(base_url=srv.url) as c:
+        assert c.post("/tokenize", json={"prompt": "a"}).status_code == 401
+        assert (
+            c.post(
+                "/tokenize", json={"prompt": "a"}, headers={"Authorization": "Bearer k"}
+            ).status_code
+            == 200
+        )
+        assert c.get("/version").status_code == 200
