@@ -2,7 +2,7 @@
 
 `create_app(settings)` wires: the engine client (admission + per-request queues), the engine
 (built in the lifespan, on a worker thread, because loading a model takes seconds), metrics,
-error handlers, the access-log middleware and the routers. Handlers find everything on
+error handlers, the access log (app/logs.py) and the routers. Handlers find everything on
 `app.state`: `settings`, `client`, `engine`, `metrics`.
 """
 
@@ -11,17 +11,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app import logs
 from app.client import EngineClient
-from app.common import Trace, log_request
 from app.errors import install_error_handlers
 from app.metrics import Metrics
 from app.settings import Settings
@@ -31,9 +29,6 @@ from runtime.request import RequestOutput
 log = logging.getLogger("greenlane.app")
 
 EngineFactory = Callable[[EngineConfig, Callable[[RequestOutput], None]], Any]
-
-# Paths whose requests are logged at DEBUG, not INFO (probes and scrapers would flood the log).
-_QUIET_PATHS = ("/health", "/metrics", "/admin")
 
 
 def _real_engine(config: EngineConfig, sink: Callable[[RequestOutput], None]) -> Any:
@@ -56,56 +51,6 @@ def stop_engine(app: FastAPI, grace_s: float) -> None:
     if engine is not None:
         log.info("shutting down the engine (grace %.1f s)", grace_s)
         engine.shutdown(grace_s)
-
-
-class AccessLogMiddleware:
-    """Pure ASGI middleware (streaming-safe): a `Trace` per request, then one log line and the
-    request metrics when the response has ended (or the client went away)."""
-
-    def __init__(self, app: ASGIApp, metrics: Metrics):
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path: str = scope["path"]
-        trace = Trace(endpoint="other", start_s=time.monotonic())
-        scope.setdefault("state", {})["trace"] = trace
-        status = 499  # if no response starts, the client went away first
-
-        async def send_wrapper(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = int(message["status"])
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_wrapper)
-        except BaseException:
-            status = 500 if status == 499 else status
-            raise
-        finally:
-            # The router records the matched route in the scope: its path template keeps the
-            # metrics' label set bounded (unmatched paths are "other").
-            route = scope.get("route")
-            trace.endpoint = getattr(route, "path", None) or "other"
-            endpoint = trace.endpoint
-            e2e_s = time.monotonic() - trace.start_s
-            self.metrics.observe_request(
-                endpoint,
-                status,
-                e2e_s,
-                trace.ttft_s,
-                trace.num_prompt_tokens,
-                trace.num_output_tokens,
-            )
-            if path.startswith(_QUIET_PATHS):
-                if log.isEnabledFor(logging.DEBUG):
-                    log_request(trace, status)
-            else:
-                log_request(trace, status)
 
 
 def create_app(
@@ -155,5 +100,5 @@ def create_app(
     else:  # only while app/admin.py is being written
         log.warning("admin API not available: app/admin.py is missing")
 
-    app.add_middleware(AccessLogMiddleware, metrics=metrics)
+    logs.install(app, settings, metrics)  # access-log middleware, log format, engine line
     return app

@@ -24,6 +24,7 @@ from sse_starlette.sse import EventSourceResponse
 from app.client import Draining, EngineDead, Overloaded, RequestStream
 from app.common import (
     admission_error,
+    begin_request_id,
     chat_prompt_ids,
     check_model,
     check_prompt_fits,
@@ -32,7 +33,6 @@ from app.common import (
     default_max_tokens,
     encode,
     engine_of,
-    new_id,
     require_api_key,
     settings_of,
     trace_of,
@@ -120,6 +120,7 @@ class _Collected:
         self.error: str | None = None
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
+        self.queue_s: float | None = None
         self.ttft_s: float | None = None
 
     def add(self, out: RequestOutput) -> None:
@@ -132,6 +133,8 @@ class _Collected:
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if self.ttft_s is None and out.ttft_s is not None:
             self.ttft_s = out.ttft_s
+        if self.queue_s is None and out.queue_s is not None:
+            self.queue_s = out.queue_s
         if out.finished:
             self.finish_reason = out.finish_reason or "stop"
             self.error = out.error
@@ -166,7 +169,12 @@ def _fill_trace(request: Request, request_id: str, cols: list[_Collected], n: in
     trace.num_output_tokens = sum(len(c.token_ids) for c in cols)
     ttfts = [c.ttft_s for c in cols if c.ttft_s is not None]
     trace.ttft_s = min(ttfts) if ttfts else None
+    queues = [c.queue_s for c in cols if c.queue_s is not None]
+    trace.queue_s = min(queues) if queues else None
     trace.finish_reason = ",".join(sorted({c.finish_reason or "-" for c in cols}))
+    failed = next((c for c in cols if c.finish_reason in ("error", "abort")), None)
+    if failed is not None and trace.error is None:
+        trace.error = f"{failed.finish_reason}: {failed.error or 'no reason given'}"
 
 
 def _usage_of(cols: list[_Collected], prompt_lens: list[int], n: int) -> dict[str, Any]:
@@ -296,20 +304,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     check_prompt_fits(engine, len(prompt_ids), max_tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
 
-    request_id = new_id("chatcmpl")
+    request_id, engine_base = begin_request_id(request, "chatcmpl")
     created = int(time.time())
     model_name = settings_of(request).model_name
     n = body.n
     reqs = [
         EngineRequest(
-            request_id=f"{request_id}-{i}",
+            request_id=f"{engine_base}-{i}",
             kind=RequestKind.GENERATE,
             prompt_token_ids=list(prompt_ids),
             sampling=_sampling(body, max_tokens, logprobs, seed=seed),
         )
         for i, seed in enumerate(_choice_seeds(body.seed, n))
     ]
-    trace_of(request).request_id = request_id
 
     if not body.stream:
         cols = await _run_non_streaming(request, reqs)
@@ -487,12 +494,12 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     want_logprobs = body.logprobs is not None
     prompt_logprobs = body.logprobs if body.echo and want_logprobs else None
 
-    request_id = new_id("cmpl")
+    request_id, engine_base = begin_request_id(request, "cmpl")
     created = int(time.time())
     model_name = settings_of(request).model_name
     reqs = [
         EngineRequest(
-            request_id=f"{request_id}-{p * n + i}",
+            request_id=f"{engine_base}-{p * n + i}",
             kind=RequestKind.GENERATE,
             prompt_token_ids=list(ids),
             sampling=_sampling(
@@ -502,7 +509,6 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         for p, ids in enumerate(prompts)
         for i, seed in enumerate(_choice_seeds(body.seed, n))
     ]
-    trace_of(request).request_id = request_id
     prompt_of_choice = [p for p in range(len(prompts)) for _ in range(n)]
 
     def echo_part(index: int, col: _Collected) -> tuple[str, list[LogprobEntry]]:

@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from app.common import (
+    begin_request_id,
     chat_prompt_ids,
     check_model,
     check_prompt_fits,
@@ -25,7 +26,6 @@ from app.common import (
     client_of,
     encode,
     engine_of,
-    new_id,
     require_api_key,
     settings_of,
     trace_of,
@@ -107,7 +107,7 @@ class _Scored:
 
 async def _run_scoring(
     request: Request,
-    request_id: str,
+    engine_base: str,
     prompts: list[list[int]],
     label_ids: list[int],
     apply_softmax: bool,
@@ -122,10 +122,9 @@ async def _run_scoring(
             "too_many_items",
         )
     trace = trace_of(request)
-    trace.request_id = request_id
     reqs = [
         EngineRequest(
-            request_id=f"{request_id}-{i}",
+            request_id=f"{engine_base}-{i}",
             kind=RequestKind.SCORE,
             prompt_token_ids=ids,
             sampling=SamplingParams(max_tokens=1, temperature=0.0),
@@ -172,6 +171,7 @@ async def _run_scoring(
     trace.num_prompt_tokens = scored.num_prompt_tokens
     trace.num_cached_tokens = scored.num_cached_tokens
     trace.ttft_s = min(scored.ttft_s) if scored.ttft_s else None
+    trace.queue_s = min(scored.queue_s) if scored.queue_s else None
     trace.finish_reason = "stop"
     return scored
 
@@ -193,11 +193,12 @@ async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
     engine = engine_of(request)
     label_ids, label_names = _label_ids(engine, body)
     prompts = _prompts(engine, body)
-    scored = await _run_scoring(request, new_id("score"), prompts, label_ids, body.apply_softmax)
+    request_id, engine_base = begin_request_id(request, "score")
+    scored = await _run_scoring(request, engine_base, prompts, label_ids, body.apply_softmax)
     scores = scored.probs
     top = [max(range(len(s)), key=s.__getitem__) for s in scores]
     return {
-        "id": trace_of(request).request_id,
+        "id": request_id,
         "object": "scoring",
         "model": settings_of(request).model_name,
         "scores": scores,
@@ -255,9 +256,12 @@ async def generative_scores(body: GenerativeScoreRequest, request: Request) -> d
         )
     check_token_ids(engine, body.label_token_ids, "label_token_ids")
     prompts = _generative_prompts(engine, body)
-    request_id = f"genscore-{body.request_id}" if body.request_id else new_id("genscore")
+    trace = trace_of(request)
+    if body.request_id and not trace.client_request_id:  # X-Request-Id wins, as in vLLM
+        trace.client_request_id = f"genscore-{body.request_id}"
+    request_id, engine_base = begin_request_id(request, "genscore")
     scored = await _run_scoring(
-        request, request_id, prompts, body.label_token_ids, body.apply_softmax
+        request, engine_base, prompts, body.label_token_ids, body.apply_softmax
     )
     return {
         "id": request_id,

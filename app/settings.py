@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import os
 import typing
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, create_model
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -58,6 +58,15 @@ class ServerSettings(BaseSettings):
         description="on SIGTERM/SIGINT, let running requests finish this long, then abort",
     )
     log_level: str = Field("info", description="debug | info | warning | error")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="text | json (one JSON object per log line)"
+    )
+    stats_log_interval_s: float = Field(
+        10.0,
+        ge=0,
+        description="log one engine line (throughput, running, waiting, KV usage, prefix hit "
+        "rate) this often; 0 turns it off",
+    )
     calibrate: bool = Field(
         False,
         description="profile prefill times on this device at start-up (before serving), save the "
