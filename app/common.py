@@ -18,6 +18,7 @@ from fastapi import Request
 from app.client import Draining, EngineClient, EngineDead, Overloaded
 from app.errors import APIError, bad_request
 from app.settings import Settings
+from runtime.request import RequestOutput
 
 T = TypeVar("T")
 
@@ -52,6 +53,13 @@ def trace_of(request: Request) -> Trace:
         trace = Trace(endpoint=request.url.path, start_s=time.monotonic())
         request.state.trace = trace
     return trace
+
+
+def observe_finished(request: Request, out: RequestOutput, num_output_tokens: int) -> None:
+    """Record a finished engine request (`out` is its final output) in the metrics."""
+    metrics = getattr(request.app.state, "metrics", None)
+    if metrics is not None:
+        metrics.observe_engine_request(out, num_output_tokens)
 
 
 def begin_request_id(request: Request, prefix: str) -> tuple[str, str]:

@@ -275,6 +275,7 @@ class EngineStatsLog:
 def install(app: FastAPI, settings: Settings, metrics: Metrics) -> None:
     """The access log (middleware), the log format and the periodic engine line for `app`."""
     app.add_middleware(AccessLogMiddleware, metrics=metrics)
+    metrics.model_name = settings.model_name  # the vllm:* series' model_name label
     _quiet_uvicorn_access_log()
     if settings.log_format == "json":
         # The process's handlers exist by now (`serve` configured logging before building

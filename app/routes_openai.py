@@ -33,6 +33,7 @@ from app.common import (
     default_max_tokens,
     encode,
     engine_of,
+    observe_finished,
     require_api_key,
     settings_of,
     trace_of,
@@ -122,6 +123,7 @@ class _Collected:
         self.num_cached_tokens = 0
         self.queue_s: float | None = None
         self.ttft_s: float | None = None
+        self.final: RequestOutput | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.text_parts.append(out.new_text)
@@ -138,6 +140,7 @@ class _Collected:
         if out.finished:
             self.finish_reason = out.finish_reason or "stop"
             self.error = out.error
+            self.final = out
 
     @property
     def text(self) -> str:
@@ -160,6 +163,11 @@ def _raise_if_failed(col: _Collected, draining: bool) -> None:
 
 
 def _fill_trace(request: Request, request_id: str, cols: list[_Collected], n: int = 1) -> None:
+    """Once per HTTP request, when its engine requests are done: the trace (its log line) and
+    each finished engine request's metrics."""
+    for col in cols:
+        if col.final is not None:
+            observe_finished(request, col.final, len(col.token_ids))
     trace = trace_of(request)
     trace.request_id = request_id
     # The n choices of a prompt share it: count its tokens once.

@@ -26,6 +26,7 @@ from app.common import (
     client_of,
     encode,
     engine_of,
+    observe_finished,
     require_api_key,
     settings_of,
     trace_of,
@@ -159,6 +160,7 @@ async def _run_scoring(
                 code="engine_error",
             )
         scored.probs.append(list(probs))
+        observe_finished(request, final, 0)
         scored.num_prompt_tokens += max(o.num_prompt_tokens for o in outs)
         scored.num_cached_tokens += max(o.num_cached_tokens for o in outs)
         for src, acc in (
