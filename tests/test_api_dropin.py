@@ -362,3 +362,21 @@ def test_tokenizer_endpoints_need_the_api_key() -> None:
             == 200
         )
         assert c.get("/version").status_code == 200
+
+
+# ----------------------------------------------------------------------------- admin page
+
+
+def test_admin_state_keeps_chat_and_scoring_latencies_apart(http: httpx.Client) -> None:
+    before = _ok(http.get("/admin/api/state"))["latency"]
+    for _ in range(3):
+        _ok(http.post("/v1/score", json={"query": "q", "items": ["a"], "label_token_ids": [65]}))
+    _ok(http.post(CHAT, json={"messages": MSG, "max_tokens": 3}))
+    after = _ok(http.get("/admin/api/state"))["latency"]
+    assert after["score"]["e2e_s"]["count"] - before["score"]["e2e_s"]["count"] == 3
+    assert after["chat"]["e2e_s"]["count"] - before["chat"]["e2e_s"]["count"] == 1
+    assert after["chat"]["tpot_s"]["count"] > before["chat"]["tpot_s"]["count"]
+    assert (
+        after["e2e_s"]["count"]
+        == after["chat"]["e2e_s"]["count"] + after["score"]["e2e_s"]["count"]
+    )
