@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.resources
 import ipaddress
 import json
 import math
@@ -44,7 +45,9 @@ from sse_starlette.sse import EventSourceResponse
 
 from policies import POLICY_NAMES
 
-STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
+# The page's files, found through the package: in a checkout `app/static` links to the
+# top-level static/; an installed wheel carries them in `app/static` itself.
+STATIC_DIR = Path(str(importlib.resources.files("app") / "static"))
 # Only these files are served under /admin/static/: a fixed list, so no path from the URL ever
 # reaches the file system.
 _STATIC_FILES: dict[str, str] = {
