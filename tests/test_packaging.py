@@ -61,6 +61,8 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
             shutil.copy2(path, src / name)
     dist = tmp / "dist"
     pip = [sys.executable, "-m", "pip"]
+    # Built with this environment's setuptools (no download): the dev extra pins >= 77, which
+    # reads pyproject's PEP 639 licence fields.
     _run(
         [
             *pip,
