@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.resources
 import json
 import math
 import time
@@ -60,7 +61,9 @@ from app.security import (
 )
 from policies import POLICY_NAMES
 
-STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
+# The page's files, found through the package: in a checkout `app/static` links to the
+# top-level static/; an installed wheel carries them in `app/static` itself.
+STATIC_DIR = Path(str(importlib.resources.files("app") / "static"))
 # Only these files are served under /admin/static/: a fixed list, so no path from the URL ever
 # reaches the file system.
 _STATIC_FILES: dict[str, str] = {
@@ -342,6 +345,20 @@ def _recent_metrics(app_state: Any, stats: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _latency_by_kind(recent: dict[str, Any]) -> dict[str, Any]:
+    """`chat` and `score` latency summaries from `recent()["by_kind"]`; without it (a metrics
+    source that does not tell kinds apart) everything counts as chat."""
+    by_kind = recent.get("by_kind")
+    if not isinstance(by_kind, dict):
+        by_kind = {"chat": recent, "score": {}}
+    chat, score = by_kind.get("chat") or {}, by_kind.get("score") or {}
+    return {
+        "chat": {k: _summary(chat.get(k) or []) for k in ("ttft_s", "tpot_s", "e2e_s")},
+        # A score's latency is its request's end to end (it has one token, no TPOT).
+        "score": {k: _summary(score.get(k) or []) for k in ("ttft_s", "e2e_s")},
+    }
+
+
 def json_safe(value: Any) -> Any:
     """`value` with every non-finite float (NaN, +-inf) replaced by None, recursively: strict
     JSON has no NaN, and one NaN statistic (a cost-model error before any measurement, say)
@@ -415,9 +432,12 @@ def _build_state(app: Any) -> dict[str, Any]:
         "policy": {"current": stats.get("policy"), "available": list(POLICY_NAMES)},
         "latency": {
             "source": recent["source"],
+            # All traffic together, then chat (chat + completions) and scoring apart: a
+            # scoring burst must not hide in (or inflate) the chat percentiles.
             "ttft_s": _summary(recent.get("ttft_s") or []),
             "tpot_s": _summary(recent.get("tpot_s") or []),
             "e2e_s": _summary(recent.get("e2e_s") or []),
+            **_latency_by_kind(recent),
         },
         "throughput": {
             "completed_total": completed,

@@ -29,6 +29,7 @@ from typing import Any
 
 import uvicorn
 
+from app import __version__
 from app.settings import ENV_PREFIX, Settings, engine_field_names
 
 log = logging.getLogger("greenlane.app")
@@ -164,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="greenlane",
         description="Greenlane: one-GPU LLM serving for scoring and streaming chat.",
     )
+    parser.add_argument("--version", action="version", version=f"greenlane {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser(
         "serve",

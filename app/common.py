@@ -1,5 +1,6 @@
 """Helpers the route modules share: auth, model-name check, tokenising and limits, request
-traces (one log line + metrics per request), and running engine work until the client leaves.
+traces (what the one log line and the metrics of a request need; app/logs.py writes them),
+request ids, and running engine work until the client leaves.
 
 Tokenising and template rendering run off the event loop (`off_loop`), on a small thread pool:
 one huge prompt must not stall other clients' streams. The runtime tokenizer encodes without
@@ -11,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import logging
 import os
 import time
 import uuid
@@ -27,8 +27,7 @@ from app.errors import APIError, bad_request
 from app.limits import check_num_messages, check_text_fits
 from app.security import bearer_token, same_secret, secret_of
 from app.settings import Settings
-
-log = logging.getLogger("greenlane.request")
+from runtime.request import RequestOutput
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -48,11 +47,14 @@ class Trace:
     endpoint: str
     start_s: float
     request_id: str = "-"
+    client_request_id: str | None = None  # a usable X-Request-Id the client sent
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    queue_s: float | None = None
     ttft_s: float | None = None
     finish_reason: str | None = None
+    error: str | None = None  # why the request failed (the log line's reason)
 
 
 def trace_of(request: Request) -> Trace:
@@ -63,22 +65,26 @@ def trace_of(request: Request) -> Trace:
     return trace
 
 
-def log_request(trace: Trace, status: int) -> None:
-    total_s = time.monotonic() - trace.start_s
-    ttft = f"{trace.ttft_s:.4f}" if trace.ttft_s is not None else "-"
-    log.info(
-        "id=%s endpoint=%s status=%d prompt_tokens=%d cached_tokens=%d output_tokens=%d "
-        "ttft_s=%s total_s=%.4f finish=%s",
-        trace.request_id,
-        trace.endpoint,
-        status,
-        trace.num_prompt_tokens,
-        trace.num_cached_tokens,
-        trace.num_output_tokens,
-        ttft,
-        total_s,
-        trace.finish_reason or "-",
-    )
+def observe_finished(request: Request, out: RequestOutput, num_output_tokens: int) -> None:
+    """Record a finished engine request (`out` is its final output) in the metrics."""
+    metrics = getattr(request.app.state, "metrics", None)
+    if metrics is not None:
+        metrics.observe_engine_request(out, num_output_tokens)
+
+
+def begin_request_id(request: Request, prefix: str) -> tuple[str, str]:
+    """(the id the client sees, the base of its engine requests' ids).
+
+    The client's X-Request-Id when it sent a usable one (then engine ids get a random suffix:
+    clients may reuse an id, and engine ids must be unique), else `<prefix>-<hex>` for both."""
+    trace = trace_of(request)
+    given = trace.client_request_id
+    if given:
+        public, base = given, f"{given}-{uuid.uuid4().hex[:8]}"
+    else:
+        public = base = new_id(prefix)
+    trace.request_id = public
+    return public, base
 
 
 # ----------------------------------------------------------------------------- dependencies

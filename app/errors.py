@@ -115,12 +115,20 @@ def _loc_to_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
     return ".".join(parts) or None
 
 
-async def _on_api_error(_: Request, exc: Exception) -> JSONResponse:
+def _note(request: Request, message: str) -> None:
+    """Give the request's access-log line its reason (app/logs.py)."""
+    trace = getattr(request.state, "trace", None)
+    if trace is not None:
+        trace.error = message
+
+
+async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
+    _note(request, exc.message)
     return error_response(exc)
 
 
-async def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:
+async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
     first = errors[0] if errors else {}
@@ -136,12 +144,14 @@ async def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:
         )
         message = f"Invalid request: {details}"
         code = "invalid_value"
+    _note(request, message)
     return JSONResponse(error_body(message, "invalid_request_error", param, code), status_code=400)
 
 
-async def _on_http_error(_: Request, exc: Exception) -> JSONResponse:
+async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     status = exc.status_code
+    _note(request, str(exc.detail))
     code = {404: "not_found", 405: "method_not_allowed"}.get(status)
     return JSONResponse(
         error_body(str(exc.detail), _ERROR_TYPES.get(status, "invalid_request_error"), None, code),
@@ -160,6 +170,7 @@ async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         if trace is not None:
             trace.request_id = request_id
     log.error("unhandled error while serving request %s", request_id, exc_info=exc)
+    _note(request, f"internal error: {type(exc).__name__}")
     return JSONResponse(
         error_body(
             f"Internal server error (request {request_id}; the server log has the details)",

@@ -12,17 +12,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app import logs
 from app.client import EngineClient
-from app.common import Trace, log_request
 from app.engine_view import EngineView, load_frontend_tokenizer
 from app.errors import install_error_handlers
 from app.gate import Gate
@@ -38,9 +36,6 @@ log = logging.getLogger("greenlane.app")
 # engine_factory(config, sink) builds the engine inside the engine core process: it must be
 # picklable (a module-level callable), e.g. runtime.engine.Engine or a test's fake engine.
 EngineFactory = Callable[[EngineConfig, Callable[[list[EngineOutput]], None]], Any]
-
-# Paths whose requests are logged at DEBUG, not INFO (probes and scrapers would flood the log).
-_QUIET_PATHS = ("/health", "/metrics", "/admin")
 
 
 def stop_engine(app: FastAPI, grace_s: float) -> None:
@@ -74,56 +69,6 @@ def _join_core(process: Any, timeout_s: float = 30.0) -> None:
         log.warning("the engine core did not exit in %.0f s: killing it", timeout_s)
         process.kill()
         process.join(5)
-
-
-class AccessLogMiddleware:
-    """Pure ASGI middleware (streaming-safe): a `Trace` per request, then one log line and the
-    request metrics when the response has ended (or the client went away)."""
-
-    def __init__(self, app: ASGIApp, metrics: Metrics):
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path: str = scope["path"]
-        trace = Trace(endpoint="other", start_s=time.monotonic())
-        scope.setdefault("state", {})["trace"] = trace
-        status = 499  # if no response starts, the client went away first
-
-        async def send_wrapper(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = int(message["status"])
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_wrapper)
-        except BaseException:
-            status = 500 if status == 499 else status
-            raise
-        finally:
-            # The router records the matched route in the scope: its path template keeps the
-            # metrics' label set bounded (unmatched paths are "other").
-            route = scope.get("route")
-            trace.endpoint = getattr(route, "path", None) or "other"
-            endpoint = trace.endpoint
-            e2e_s = time.monotonic() - trace.start_s
-            self.metrics.observe_request(
-                endpoint,
-                status,
-                e2e_s,
-                trace.ttft_s,
-                trace.num_prompt_tokens,
-                trace.num_output_tokens,
-            )
-            if path.startswith(_QUIET_PATHS):
-                if log.isEnabledFor(logging.DEBUG):
-                    log_request(trace, status)
-            else:
-                log_request(trace, status)
 
 
 def create_app(
@@ -200,5 +145,5 @@ def create_app(
         log.warning("admin API not available: app/admin.py is missing")
 
     app.add_middleware(Gate, settings=settings)  # inside the access log: 413/403 are logged
-    app.add_middleware(AccessLogMiddleware, metrics=metrics)
+    logs.install(app, settings, metrics)  # access-log middleware, log format, engine line
     return app

@@ -1,11 +1,12 @@
 """Pydantic wire models: OpenAI chat/completions/models and the SGLang-style /v1/score.
 
-Requests ignore unknown fields (the `openai` client sends extras such as `user`), but every field
-we read is validated: types, ranges and fixed counts here, before any tokenising; vocabulary,
-context and per-server counts in the routes (they need the engine; `app/limits.py`). Text
-fields are `Text`: valid Unicode (JSON's `"\ud800"` is a lone surrogate, which no tokenizer
-can encode). Token ids are `TokenId`: JSON integers only (`false` is not token 0). Responses are
-plain models serialised with `model_dump(exclude_none=...)` where OpenAI omits empty fields.
+Every field we read is validated: types, ranges and fixed counts here, before any tokenising;
+vocabulary, context and per-server counts in the routes (they need the engine; `app/limits.py`).
+Text fields are `Text`: valid Unicode (JSON's `"\ud800"` is a lone surrogate, which no tokenizer
+can encode). Token ids are `TokenId`: JSON integers only (`false` is not token 0). Chat and
+completions never ignore a parameter silently: the ones we do not implement, and unknown ones,
+are kept (`extra="allow"`) so that the route can answer a 400 naming them (`unsupported_param`,
+the table in README "OpenAI parameters"). Responses are plain dicts shaped like OpenAI's.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def _valid_unicode(value: str) -> str:
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 TokenId = StrictInt  # range checked against the vocabulary in the routes
+MAX_CHOICES = 16  # n: each choice is an engine request (the prompt's KV is shared via the cache)
 
 
 class _Request(BaseModel):
@@ -55,7 +57,12 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
+    model_config = ConfigDict(extra="forbid")  # a stream option we do not know is a 400
+
     include_usage: bool = False
+    # Obfuscation pads chunks against length side channels; we send no padding field, which
+    # clients ignore either way, so both values are accepted.
+    include_obfuscation: bool | None = None
 
 
 class ContentPart(_Request):
@@ -91,12 +98,41 @@ class _SamplingFields(_Request):
     top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)  # -1 or 0: no limit
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: Text | list[Text] | None = None
-    n: int = Field(1, ge=1, le=1)  # one choice per prompt; n > 1 is not supported
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices per prompt (seeds seed + i)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # accepted, not applied
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # accepted, not applied
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)  # vLLM/SGLang extension
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM/SGLang extension
+    stop_token_ids: list[int] | None = Field(None, max_length=64)  # vLLM/SGLang extension
+    # Accepted with no effect on the output by OpenAI's own definition (identification, billing
+    # and cache-routing hints); listed so they are not "unknown".
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    metadata: dict[str, str] | None = None
+
+    model_config = ConfigDict(extra="allow")  # see `unsupported_param`
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return v
+        if len(v) > 300:
+            raise ValueError("at most 300 logit_bias entries")
+        for key, bias in v.items():
+            if not key.strip().lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        return v
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(k): float(b) for k, b in (self.logit_bias or {}).items()}
 
     @field_validator("stop")
     @classmethod
@@ -147,16 +183,47 @@ Prompt = Text | list[TokenId] | list[Text] | list[list[TokenId]]
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
-    max_tokens: int = Field(16, ge=1)
+    # 0 is allowed: with `echo` and `logprobs` it asks only for the prompt's token logprobs
+    # (lm-evaluation-harness' loglikelihood requests); the engine finishes after the prefill.
+    max_tokens: int = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: bool = False  # the prompt's text (and, with logprobs, its token logprobs) first
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)  # only = n (see the README)
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
+
+# Parameters of OpenAI's chat/completions APIs that we do not implement, with the values that
+# mean "off" (accepted, since they ask for nothing). Any other value is a 400 naming the
+# parameter. Parameters not listed here nor declared on the request models are unknown: a 400.
+_NOT_IMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "tools": ((None, []), "tool calling is not supported"),
+    "tool_choice": ((None, "none"), "tool calling is not supported"),
+    "functions": ((None, []), "function calling is not supported"),
+    "function_call": ((None, "none"), "function calling is not supported"),
+    "parallel_tool_calls": ((None, True, False), ""),  # meaningless without tools
+    "response_format": ((None, {"type": "text"}), "only response_format {'type': 'text'}"),
+    "suffix": ((None, ""), "suffix (insertion) is not supported"),
+    "audio": ((None,), "audio output is not supported"),
+    "modalities": ((None, ["text"]), "only the text modality is supported"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "reasoning_effort": ((None,), "reasoning_effort is not supported"),
+    "verbosity": ((None,), "verbosity is not supported"),
+    "web_search_options": ((None,), "web search is not supported"),
+    "store": ((None, False), "stored completions are not supported"),
+    "service_tier": ((None, "auto", "default"), "only the default service tier exists"),
+}
+
+
+def unsupported_param(body: BaseModel) -> tuple[str, str] | None:
+    """(parameter, message) for the first parameter of `body` we would otherwise ignore: a
+    known-but-not-implemented one set to a value that asks for something, or an unknown one."""
+    for name, value in (body.model_extra or {}).items():
+        spec = _NOT_IMPLEMENTED.get(name)
+        if spec is None:
+            return name, f"unknown parameter {name!r}: this server does not implement it"
+        accepted, why = spec
+        if not any(value == ok for ok in accepted):
+            return name, f"{name}={value!r} is not supported: {why}"
+    return None
 
     @property
     def num_prompts(self) -> int:
@@ -166,16 +233,18 @@ class CompletionRequest(_SamplingFields):
 
 
 class ScoreRequest(_Request):
-    """SGLang-compatible scoring request, plus chat `messages` and label strings."""
+    """SGLang's `/v1/score` request, with its defaults (`apply_softmax` false: each label's
+    probability over the whole vocabulary), plus two extensions: label strings (`labels`, each
+    one token) and chat `messages` in the query's place."""
 
     model: Text | None = None
     query: Text | list[TokenId] | None = None
     items: Text | list[Text] | list[list[TokenId]] | None = None
     label_token_ids: list[TokenId] | None = None
-    labels: list[Text] | None = None
-    apply_softmax: bool = True
+    labels: list[Text] | None = None  # extension
+    apply_softmax: bool = False  # SGLang's default; true: softmax over the labels only
     item_first: bool = False
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = None  # extension
 
     @model_validator(mode="after")
     def _check(self) -> ScoreRequest:
@@ -196,6 +265,35 @@ class ScoreRequest(_Request):
         if isinstance(self.items, list) and len(self.items) == 0:
             raise ValueError("items must not be empty")
         return self
+
+
+class GenerativeScoreRequest(_Request):
+    """vLLM's `/v1/generative-scores` request. Its sampling knobs do not change next-token
+    probabilities there either; we accept only their neutral values so none is ignored."""
+
+    model: str | None = None
+    query: str | list[int]
+    items: list[str] | list[list[int]] = Field(..., min_length=1)
+    label_token_ids: list[int] = Field(..., min_length=1)
+    apply_softmax: bool = True  # vLLM's default (SGLang's /v1/score defaults to false)
+    item_first: bool = False
+    add_special_tokens: bool = True  # for a text query; items never get special tokens
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    priority: int = 0
+    request_id: str | None = Field(None, max_length=128)
+
+    def non_neutral_param(self) -> str | None:
+        """The first knob set to a value that would change probabilities in a sampler (they
+        come from the raw next-token logits here), or None."""
+        neutral = {
+            "temperature": self.temperature in (None, 0.0, 1.0),
+            "top_k": self.top_k in (None, 0, -1),
+            "top_p": self.top_p in (None, 1.0),
+            "priority": self.priority == 0,
+        }
+        return next((name for name, ok in neutral.items() if not ok), None)
 
 
 # ----------------------------------------------------------------------------- responses

@@ -1,12 +1,18 @@
 """OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models.
 
-Streaming answers are SSE (`data: <json>\n\n` per event, `data: [DONE]` last): a role chunk,
-content deltas, a chunk with `finish_reason`, a usage chunk when
-`stream_options.include_usage`. A client that disconnects aborts its request.
+Streaming answers are SSE (`data: <json>\n\n` per event, `data: [DONE]` last): per choice a
+role chunk (chat), content deltas and a chunk with `finish_reason`; then a usage chunk when
+`stream_options.include_usage`. A client that disconnects aborts its requests.
+
+`n` choices are `n` engine requests with the same prompt (seeds `seed + i` when a seed is
+given); the prefix cache lets them share the prompt's KV. Completions with `echo` put the
+prompt first, and with `logprobs` also its token logprobs (computed by the engine in the
+prefill: `SamplingParams.prompt_logprobs`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -15,10 +21,12 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from sse_starlette.sse import EventSourceResponse
+from starlette.background import BackgroundTask
 
 from app.client import Draining, EngineDead, Overloaded, RequestStream
 from app.common import (
     admission_error,
+    begin_request_id,
     chat_prompt_ids,
     check_model,
     check_prompt_fits,
@@ -27,7 +35,7 @@ from app.common import (
     default_max_tokens,
     encode,
     engine_of,
-    new_id,
+    observe_finished,
     off_loop,
     require_api_key,
     settings_of,
@@ -42,6 +50,7 @@ from app.protocol import (
     ModelCard,
     ModelList,
     _SamplingFields,
+    unsupported_param,
     usage,
 )
 from runtime.request import Request as EngineRequest
@@ -65,18 +74,49 @@ SSE_PING_S = 15  # comment pings keep idle proxies from closing a long prefill's
 # ----------------------------------------------------------------------------- shared pieces
 
 
-def _sampling(body: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _check_params(engine: Any, body: _SamplingFields) -> None:
+    """400 for a parameter we would otherwise ignore, and for token ids outside the vocabulary."""
+    found = unsupported_param(body)
+    if found is not None:
+        param, message = found
+        raise bad_request(message, param, "unsupported_parameter")
+    if body.logit_bias:
+        check_token_ids(engine, list(body.logit_bias_ids()), "logit_bias")
+    if body.stop_token_ids:
+        check_token_ids(engine, list(body.stop_token_ids), "stop_token_ids")
+
+
+def _sampling(
+    body: _SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    *,
+    seed: int | None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
     top_k = body.top_k or 0
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=0 if top_k < 0 else top_k,
-        seed=body.seed,
+        seed=seed,
         stop=body.stop_list(),
+        stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=body.logit_bias_ids(),
+        min_p=body.min_p or 0.0,
     )
+
+
+def _choice_seeds(seed: int | None, n: int) -> list[int | None]:
+    """Choice i samples with seed + i, so n seeded choices differ and each is reproducible."""
+    return [None] * n if seed is None else [seed + i for i in range(n)]
 
 
 def _token_text(engine: Any, token_id: int) -> str:
@@ -90,23 +130,31 @@ class _Collected:
         self.text_parts: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
+        self.queue_s: float | None = None
         self.ttft_s: float | None = None
+        self.final: RequestOutput | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.text_parts.append(out.new_text)
         self.token_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.new_logprobs)
+        if self.prompt_logprobs is None and out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.num_prompt_tokens = max(self.num_prompt_tokens, out.num_prompt_tokens)
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if self.ttft_s is None and out.ttft_s is not None:
             self.ttft_s = out.ttft_s
+        if self.queue_s is None and out.queue_s is not None:
+            self.queue_s = out.queue_s
         if out.finished:
             self.finish_reason = out.finish_reason or "stop"
             self.error = out.error
+            self.final = out
 
     @property
     def text(self) -> str:
@@ -133,15 +181,40 @@ def _raise_if_failed(col: _Collected, draining: bool, request_id: str) -> None:
         )
 
 
-def _fill_trace(request: Request, request_id: str, cols: list[_Collected]) -> None:
+def _fill_trace(request: Request, request_id: str, cols: list[_Collected], n: int = 1) -> None:
+    """Once per HTTP request, when its engine requests are done: the trace (its log line) and
+    each finished engine request's metrics."""
+    for col in cols:
+        if col.final is not None:
+            observe_finished(request, col.final, len(col.token_ids))
     trace = trace_of(request)
     trace.request_id = request_id
-    trace.num_prompt_tokens = sum(c.num_prompt_tokens for c in cols)
-    trace.num_cached_tokens = sum(c.num_cached_tokens for c in cols)
+    # The n choices of a prompt share it: count its tokens once.
+    per_prompt = [cols[i : i + n] for i in range(0, len(cols), n)]
+    trace.num_prompt_tokens = sum(max(c.num_prompt_tokens for c in g) for g in per_prompt)
+    trace.num_cached_tokens = sum(max(c.num_cached_tokens for c in g) for g in per_prompt)
     trace.num_output_tokens = sum(len(c.token_ids) for c in cols)
     ttfts = [c.ttft_s for c in cols if c.ttft_s is not None]
     trace.ttft_s = min(ttfts) if ttfts else None
+    queues = [c.queue_s for c in cols if c.queue_s is not None]
+    trace.queue_s = min(queues) if queues else None
     trace.finish_reason = ",".join(sorted({c.finish_reason or "-" for c in cols}))
+    failed = next((c for c in cols if c.finish_reason in ("error", "abort")), None)
+    if failed is not None and trace.error is None:
+        trace.error = f"{failed.finish_reason}: {failed.error or 'no reason given'}"
+
+
+def _usage_of(cols: list[_Collected], prompt_lens: list[int], n: int) -> dict[str, Any]:
+    """Usage like OpenAI's: each prompt counted once, every choice's completion tokens."""
+    groups = [cols[i * n : (i + 1) * n] for i in range(len(prompt_lens))]
+    return usage(
+        sum(
+            max(c.num_prompt_tokens for c in g) or p
+            for g, p in zip(groups, prompt_lens, strict=True)
+        ),
+        sum(len(c.token_ids) for c in cols),
+        sum(max(c.num_cached_tokens for c in g) for g in groups),
+    )
 
 
 def _openai_finish_reason(reason: str | None) -> str | None:
@@ -162,24 +235,74 @@ async def _run_non_streaming(request: Request, reqs: list[EngineRequest]) -> lis
     return cols
 
 
-def _open_stream(request: Request, req: EngineRequest) -> RequestStream:
+async def _open_streams(request: Request, reqs: list[EngineRequest]) -> list[RequestStream]:
+    """Admit and submit every request, or none: a later admission failure closes (aborts)
+    the ones already opened before the HTTP error is raised."""
+    streams: list[RequestStream] = []
     try:
-        return client_of(request).generate(req)
+        for req in reqs:
+            streams.append(client_of(request).generate(req))
     except (Overloaded, Draining, EngineDead) as exc:
+        for stream in streams:
+            await stream.aclose()
         raise admission_error(exc, settings_of(request)) from exc
+    return streams
 
 
-def _sse(events: AsyncIterator[dict[str, Any]]) -> EventSourceResponse:
-    return EventSourceResponse(events, sep="\n", ping=SSE_PING_S)
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Every stream's outputs as they arrive, tagged with the stream's index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _sse(
+    events: AsyncIterator[dict[str, Any]], streams: list[RequestStream]
+) -> EventSourceResponse:
+    """The SSE response. Hazard: when the client goes away while the generator is suspended
+    at a `yield`, its `finally` runs only when the generator is finalised, which may be much
+    later; closing the streams in the response's background task (run once the response has
+    ended, disconnect or not) releases their engine requests at once (idempotent)."""
+
+    async def close() -> None:
+        for stream in streams:
+            await stream.aclose()
+
+    return EventSourceResponse(events, sep="\n", ping=SSE_PING_S, background=BackgroundTask(close))
 
 
 def _json(obj: Any) -> dict[str, str]:
     return {"data": json.dumps(obj, separators=(",", ":"), ensure_ascii=False)}
 
 
-def _stream_error_event(col: _Collected, draining: bool, request_id: str) -> dict[str, str] | None:
+def _stream_error_event(
+    cols: list[_Collected], draining: bool, request_id: str
+) -> dict[str, str] | None:
     try:
-        _raise_if_failed(col, draining, request_id)
+        for col in cols:
+            _raise_if_failed(col, draining, request_id)
     except APIError as err:
         return _json(error_body(err.message, err.err_type, err.param, err.code))
     return None
@@ -215,26 +338,31 @@ def _chat_logprobs(engine: Any, items: list[TokenLogprob]) -> dict[str, Any]:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     check_model(request, body.model)
     engine = engine_of(request)
+    _check_params(engine, body)
     prompt_ids = await off_loop(chat_prompt_ids, engine, body.messages)
     max_tokens = body.max_output_tokens or default_max_tokens(engine, len(prompt_ids))
     check_prompt_fits(engine, len(prompt_ids), max_tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
 
-    request_id = new_id("chatcmpl")
+    request_id, engine_base = begin_request_id(request, "chatcmpl")
     created = int(time.time())
     model_name = settings_of(request).model_name
-    req = EngineRequest(
-        request_id=request_id,
-        kind=RequestKind.GENERATE,
-        prompt_token_ids=prompt_ids,
-        sampling=_sampling(body, max_tokens, logprobs),
-    )
-    trace_of(request).request_id = request_id
+    n = body.n
+    reqs = [
+        EngineRequest(
+            request_id=f"{engine_base}-{i}",
+            kind=RequestKind.GENERATE,
+            prompt_token_ids=list(prompt_ids),
+            sampling=_sampling(body, max_tokens, logprobs, seed=seed),
+        )
+        for i, seed in enumerate(_choice_seeds(body.seed, n))
+    ]
 
     if not body.stream:
-        (col,) = await _run_non_streaming(request, [req])
-        _fill_trace(request, request_id, [col])
-        _raise_if_failed(col, client_of(request).draining, request_id)
+        cols = await _run_non_streaming(request, reqs)
+        _fill_trace(request, request_id, cols, n)
+        for col in cols:
+            _raise_if_failed(col, client_of(request).draining, request_id)
         return {
             "id": request_id,
             "object": "chat.completion",
@@ -242,21 +370,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             "model": model_name,
             "choices": [
                 {
-                    "index": 0,
+                    "index": i,
                     "message": {"role": "assistant", "content": col.text},
                     "logprobs": _chat_logprobs(engine, col.logprobs) if body.logprobs else None,
                     "finish_reason": _openai_finish_reason(col.finish_reason),
                 }
+                for i, col in enumerate(cols)
             ],
-            "usage": usage(
-                col.num_prompt_tokens or len(prompt_ids), len(col.token_ids), col.num_cached_tokens
-            ),
+            "usage": _usage_of(cols, [len(prompt_ids)], n),
         }
 
-    stream = _open_stream(request, req)
+    streams = await _open_streams(request, reqs)
 
     def chunk(
-        delta: dict[str, Any], finish: str | None = None, logprobs: Any = None
+        index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None
     ) -> dict[str, str]:
         return _json(
             {
@@ -265,61 +392,66 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 "created": created,
                 "model": model_name,
                 "choices": [
-                    {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+                    {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
                 ],
             }
         )
 
     async def events() -> AsyncIterator[dict[str, str]]:
-        col = _Collected()
+        cols = [_Collected() for _ in streams]
+        merged = _merged(streams)
         try:
-            yield chunk({"role": "assistant", "content": ""})
-            async for out in stream:
+            for i in range(n):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            async for i, out in merged:
+                col = cols[i]
                 col.add(out)
                 if out.new_text or out.new_logprobs:
                     lp = _chat_logprobs(engine, out.new_logprobs) if body.logprobs else None
-                    yield chunk({"content": out.new_text}, logprobs=lp)
-            err = _stream_error_event(col, client_of(request).draining, request_id)
+                    yield chunk(i, {"content": out.new_text}, logprobs=lp)
+                if out.finished and col.finish_reason not in ("error", "abort"):
+                    yield chunk(i, {}, finish=_openai_finish_reason(col.finish_reason))
+            err = _stream_error_event(cols, client_of(request).draining, request_id)
             if err is not None:
                 yield err
-            else:
-                yield chunk({}, finish=_openai_finish_reason(col.finish_reason))
-                if body.include_usage:
-                    yield _json(
-                        {
-                            "id": request_id,
-                            "object": "chat.completion.chunk",
-                            "created": created,
-                            "model": model_name,
-                            "choices": [],
-                            "usage": usage(
-                                col.num_prompt_tokens or len(prompt_ids),
-                                len(col.token_ids),
-                                col.num_cached_tokens,
-                            ),
-                        }
-                    )
+            elif body.include_usage:
+                yield _json(
+                    {
+                        "id": request_id,
+                        "object": "chat.completion.chunk",
+                        "created": created,
+                        "model": model_name,
+                        "choices": [],
+                        "usage": _usage_of(cols, [len(prompt_ids)], n),
+                    }
+                )
             yield {"data": "[DONE]"}
         finally:
-            await stream.aclose()  # aborts the request when the client went away mid-stream
-            _fill_trace(request, request_id, [col])
+            await merged.aclose()
+            for stream in streams:
+                await stream.aclose()  # aborts the request when the client went away
+            _fill_trace(request, request_id, cols, n)
 
-    return _sse(events())
+    return _sse(events(), streams)
 
 
 # ----------------------------------------------------------------------------- completions
 
 
-def _prompts_of(engine: Any, body: CompletionRequest) -> list[list[int]]:
+def _prompts_of(engine: Any, body: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+    """Token ids of each prompt and its text (for `echo`: the string given, or the ids
+    decoded)."""
     p = body.prompt
-    # Text prompts get the tokenizer's special tokens (e.g. a BOS), as vLLM and transformers
-    # give them; token-id prompts are taken as they are.
+    texts: list[str] | None = None
     if isinstance(p, str):
-        prompts = [encode(engine, p, add_special_tokens=True)]
+        # Text prompts get the tokenizer's special tokens (e.g. a BOS), as vLLM and
+        # transformers give them; token-id prompts are taken as they are.
+        prompts, texts = [encode(engine, p, add_special_tokens=True)], [p]
     elif len(p) > 0 and all(isinstance(x, int) for x in p):
         prompts = [list(p)]  # type: ignore[arg-type]
     elif len(p) > 0 and all(isinstance(x, str) for x in p):
         prompts = [encode(engine, x, add_special_tokens=True) for x in p]  # type: ignore[arg-type]
+        texts = list(p)  # type: ignore[arg-type]
     elif len(p) > 0:
         prompts = [list(x) for x in p]  # type: ignore[arg-type]
     else:
@@ -327,21 +459,35 @@ def _prompts_of(engine: Any, body: CompletionRequest) -> list[list[int]]:
     for ids in prompts:
         check_token_ids(engine, ids, "prompt")
         check_prompt_fits(engine, len(ids), body.max_tokens)
-    return prompts
+    if texts is None:
+        texts = [engine.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
+    return prompts, texts
+
+
+LogprobEntry = tuple[int, TokenLogprob | None]
 
 
 def _completion_logprobs(
-    engine: Any, items: list[TokenLogprob], text_offset_start: int
+    engine: Any, entries: list[LogprobEntry], text_offset_start: int
 ) -> dict[str, Any]:
+    """The legacy `logprobs` object. `top_logprobs` holds the token itself and its top
+    alternatives (so up to logprobs + 1 entries, as OpenAI documents); an entry without a
+    logprob (the first prompt token) is null in both lists."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     offset = text_offset_start
-    for lp in items:
-        text = _token_text(engine, lp.token_id)
+    for token_id, lp in entries:
+        text = _token_text(engine, token_id)
         tokens.append(text)
-        token_logprobs.append(lp.logprob)
-        top_logprobs.append({_token_text(engine, t): v for t, v in lp.top})
         offsets.append(offset)
         offset += len(text)
+        if lp is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        token_logprobs.append(lp.logprob)
+        top = {text: lp.logprob}
+        top.update({_token_text(engine, t): v for t, v in lp.top})
+        top_logprobs.append(top)
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
@@ -350,62 +496,103 @@ def _completion_logprobs(
     }
 
 
+def _prompt_entries(prompt_ids: list[int], col: _Collected) -> list[LogprobEntry]:
+    """(token id, logprob) for each prompt token, from the engine's prompt logprobs."""
+    got = col.prompt_logprobs
+    if got is None:
+        raise APIError(
+            501,
+            "echo with logprobs needs prompt logprobs, which this engine did not return",
+            param="echo",
+            code="prompt_logprobs_unavailable",
+        )
+    if len(got) != len(prompt_ids):
+        raise APIError(
+            500,
+            f"the engine returned {len(got)} prompt logprobs for {len(prompt_ids)} prompt tokens",
+            code="engine_error",
+        )
+    return list(zip(prompt_ids, got, strict=True))
+
+
 @router.post("/completions", responses=_STREAM_RESPONSES)
 async def completions(body: CompletionRequest, request: Request) -> Any:
     check_model(request, body.model)
     engine = engine_of(request)
-    check_num_requests(client_of(request), body.num_prompts, "prompt")
-    prompts = await off_loop(_prompts_of, engine, body)
-    if body.stream and len(prompts) > 1:
-        raise bad_request("streaming supports a single prompt", "prompt", "unsupported")
+    _check_params(engine, body)
+    if body.best_of is not None and body.best_of != body.n:
+        raise bad_request(
+            f"best_of={body.best_of} with n={body.n} is not supported: every sampled choice is "
+            "returned, none is ranked out (best_of may only equal n)",
+            "best_of",
+            "unsupported_parameter",
+        )
+    if body.max_tokens == 0 and not body.echo:
+        raise bad_request(
+            "max_tokens 0 asks for no output: use it with echo (prompt logprobs)",
+            "max_tokens",
+        )
+    check_num_requests(client_of(request), body.num_prompts * body.n, "prompt")
+    prompts, prompt_texts = await off_loop(_prompts_of, engine, body)
+    n = body.n
+    want_logprobs = body.logprobs is not None
+    prompt_logprobs = body.logprobs if body.echo and want_logprobs else None
 
-    request_id = new_id("cmpl")
+    request_id, engine_base = begin_request_id(request, "cmpl")
     created = int(time.time())
     model_name = settings_of(request).model_name
     reqs = [
         EngineRequest(
-            request_id=f"{request_id}-{i}",
+            request_id=f"{engine_base}-{p * n + i}",
             kind=RequestKind.GENERATE,
-            prompt_token_ids=ids,
-            sampling=_sampling(body, body.max_tokens, body.logprobs),
+            prompt_token_ids=list(ids),
+            sampling=_sampling(
+                body, body.max_tokens, body.logprobs, seed=seed, prompt_logprobs=prompt_logprobs
+            ),
         )
-        for i, ids in enumerate(prompts)
+        for p, ids in enumerate(prompts)
+        for i, seed in enumerate(_choice_seeds(body.seed, n))
     ]
-    trace_of(request).request_id = request_id
-    want_logprobs = body.logprobs is not None
+    prompt_of_choice = [p for p in range(len(prompts)) for _ in range(n)]
+
+    def echo_part(index: int, col: _Collected) -> tuple[str, list[LogprobEntry]]:
+        """The echoed prompt's text and logprob entries for choice `index` (empty without
+        echo)."""
+        if not body.echo:
+            return "", []
+        p = prompt_of_choice[index]
+        entries = _prompt_entries(prompts[p], col) if want_logprobs else []
+        return prompt_texts[p], entries
 
     if not body.stream:
         cols = await _run_non_streaming(request, reqs)
-        _fill_trace(request, request_id, cols)
+        _fill_trace(request, request_id, cols, n)
         for col in cols:
             _raise_if_failed(col, client_of(request).draining, request_id)
+        choices = []
+        for i, col in enumerate(cols):
+            echo_text, echo_entries = echo_part(i, col)
+            entries = echo_entries + [(lp.token_id, lp) for lp in col.logprobs]
+            choices.append(
+                {
+                    "index": i,
+                    "text": echo_text + col.text,
+                    "logprobs": _completion_logprobs(engine, entries, 0) if want_logprobs else None,
+                    "finish_reason": _openai_finish_reason(col.finish_reason),
+                }
+            )
         return {
             "id": request_id,
             "object": "text_completion",
             "created": created,
             "model": model_name,
-            "choices": [
-                {
-                    "index": i,
-                    "text": col.text,
-                    "logprobs": _completion_logprobs(engine, col.logprobs, 0)
-                    if want_logprobs
-                    else None,
-                    "finish_reason": _openai_finish_reason(col.finish_reason),
-                }
-                for i, col in enumerate(cols)
-            ],
-            "usage": usage(
-                sum(c.num_prompt_tokens or len(p) for c, p in zip(cols, prompts, strict=True)),
-                sum(len(c.token_ids) for c in cols),
-                sum(c.num_cached_tokens for c in cols),
-            ),
+            "choices": choices,
+            "usage": _usage_of(cols, [len(ids) for ids in prompts], n),
         }
 
-    (req,) = reqs
-    stream = _open_stream(request, req)
+    streams = await _open_streams(request, reqs)
 
-    def chunk(text: str, finish: str | None = None, logprobs: Any = None) -> dict[str, str]:
+    def chunk(index: int, text: str, finish: str | None = None, logprobs: Any = None) -> dict:
         return _json(
             {
                 "id": request_id,
@@ -413,31 +600,47 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                 "created": created,
                 "model": model_name,
                 "choices": [
-                    {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+                    {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
                 ],
             }
         )
 
     async def events() -> AsyncIterator[dict[str, str]]:
-        col = _Collected()
-        text_len = 0
+        cols = [_Collected() for _ in streams]
+        text_lens = [0] * len(streams)
+        merged = _merged(streams)
         try:
-            async for out in stream:
+            async for i, out in merged:
+                col = cols[i]
+                first = not col.text_parts
                 col.add(out)
+                if first and body.echo and col.finish_reason not in ("error", "abort"):
+                    # The prompt goes first, in a chunk of its own (with its logprobs).
+                    try:
+                        echo_text, echo_entries = echo_part(i, col)
+                    except APIError as err:
+                        yield _json(error_body(err.message, err.err_type, err.param, err.code))
+                        break
+                    lp = _completion_logprobs(engine, echo_entries, 0) if want_logprobs else None
+                    text_lens[i] = len(echo_text)
+                    yield chunk(i, echo_text, logprobs=lp)
                 if out.new_text or out.new_logprobs:
                     lp = (
-                        _completion_logprobs(engine, out.new_logprobs, text_len)
+                        _completion_logprobs(
+                            engine, [(x.token_id, x) for x in out.new_logprobs], text_lens[i]
+                        )
                         if want_logprobs
                         else None
                     )
-                    text_len += len(out.new_text)
-                    yield chunk(out.new_text, logprobs=lp)
-            err = _stream_error_event(col, client_of(request).draining, request_id)
-            if err is not None:
-                yield err
+                    text_lens[i] += len(out.new_text)
+                    yield chunk(i, out.new_text, logprobs=lp)
+                if out.finished and col.finish_reason not in ("error", "abort"):
+                    yield chunk(i, "", finish=_openai_finish_reason(col.finish_reason))
             else:
-                yield chunk("", finish=_openai_finish_reason(col.finish_reason))
-                if body.include_usage:
+                err = _stream_error_event(cols, client_of(request).draining, request_id)
+                if err is not None:
+                    yield err
+                elif body.include_usage:
                     yield _json(
                         {
                             "id": request_id,
@@ -445,16 +648,14 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                             "created": created,
                             "model": model_name,
                             "choices": [],
-                            "usage": usage(
-                                col.num_prompt_tokens or len(req.prompt_token_ids),
-                                len(col.token_ids),
-                                col.num_cached_tokens,
-                            ),
+                            "usage": _usage_of(cols, [len(ids) for ids in prompts], n),
                         }
                     )
             yield {"data": "[DONE]"}
         finally:
-            await stream.aclose()
-            _fill_trace(request, request_id, [col])
+            await merged.aclose()
+            for stream in streams:
+                await stream.aclose()
+            _fill_trace(request, request_id, cols, n)
 
-    return _sse(events())
+    return _sse(events(), streams)

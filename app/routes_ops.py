@@ -1,5 +1,7 @@
-"""Operations endpoints: GET /health (open: probes) and GET /metrics (open to scrapers, unless
-an admin token is set: then `Authorization: Bearer <token>`, like the admin's other reads)."""
+"""Operations endpoints: GET /health (open: probes), GET /metrics (open to scrapers, unless an
+admin token is set: then `Authorization: Bearer <token>`, like the admin's other reads) and GET
+/version; the tokenizer endpoints (app/routes_tokenize.py, behind the API key) hang off this
+router too."""
 
 from __future__ import annotations
 
@@ -8,10 +10,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from app import __version__, routes_tokenize
 from app.admin import check_admin_read
 from app.metrics import CONTENT_TYPE
 
 router = APIRouter()
+router.include_router(routes_tokenize.router)
 
 _HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "The engine loop is alive and the server admits requests"},
@@ -44,3 +48,8 @@ async def metrics(request: Request) -> Response:
     if denied is not None:
         return denied
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": __version__}

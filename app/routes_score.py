@@ -1,4 +1,5 @@
-"""POST /v1/score: label-token scoring (prefill only), SGLang-compatible request shape.
+"""POST /v1/score: label-token scoring (prefill only), SGLang's request and response; and
+POST /v1/generative-scores, the same work in vLLM's shapes.
 
 Each item becomes one SCORE engine request (query + item, or item + query with `item_first`);
 all items are submitted together. With the query first, the first item computes the query and
@@ -18,11 +19,13 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
 from app.common import (
+    begin_request_id,
     chat_prompt_ids,
     check_model,
     check_prompt_fits,
@@ -30,7 +33,7 @@ from app.common import (
     client_of,
     encode,
     engine_of,
-    new_id,
+    observe_finished,
     off_loop,
     require_api_key,
     settings_of,
@@ -39,7 +42,7 @@ from app.common import (
 )
 from app.errors import ERROR_RESPONSES, APIError, bad_request
 from app.limits import check_num_labels, check_num_requests
-from app.protocol import ScoreRequest
+from app.protocol import GenerativeScoreRequest, ScoreRequest
 from runtime.request import Request as EngineRequest
 from runtime.request import RequestKind, SamplingParams
 
@@ -115,31 +118,44 @@ def _prompts(engine: Any, body: ScoreRequest) -> list[list[int]]:
     return prompts
 
 
-@router.post("/score")
-async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
-    check_model(request, body.model)
-    engine = engine_of(request)
-    client = client_of(request)
-    check_num_requests(client, len(body.items) if isinstance(body.items, list) else 1, "items")
-    check_num_labels(
-        engine,
-        len(body.labels if body.labels is not None else body.label_token_ids or []),
-        "labels" if body.labels is not None else "label_token_ids",
-    )
-    label_ids, label_names = await off_loop(_label_ids, engine, body)
-    prompts = await off_loop(_prompts, engine, body)
+@dataclass(slots=True)
+class _Scored:
+    """One scoring call's results: per-item label probabilities and what the engine reported."""
 
-    request_id = new_id("score")
+    probs: list[list[float]]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    server_s: float
+    queue_s: list[float]
+    ttft_s: list[float]
+    e2e_s: list[float]
+
+
+async def _run_scoring(
+    request: Request,
+    engine_base: str,
+    prompts: list[list[int]],
+    label_ids: list[int],
+    apply_softmax: bool,
+) -> _Scored:
+    """Submit one SCORE engine request per prompt (together, so they batch and share the
+    query's prefix) and collect each one's label probabilities."""
+    client = client_of(request)
+    if len(prompts) > client.max_in_flight:
+        raise bad_request(
+            f"{len(prompts)} items exceed this server's limit of {client.max_in_flight} per call",
+            "items",
+            "too_many_items",
+        )
     trace = trace_of(request)
-    trace.request_id = request_id
     reqs = [
         EngineRequest(
-            request_id=f"{request_id}-{i}",
+            request_id=f"{engine_base}-{i}",
             kind=RequestKind.SCORE,
             prompt_token_ids=ids,
             sampling=SamplingParams(max_tokens=1, temperature=0.0),
             label_token_ids=list(label_ids),
-            apply_softmax=body.apply_softmax,
+            apply_softmax=apply_softmax,
         )
         for i, ids in enumerate(prompts)
     ]
@@ -147,11 +163,7 @@ async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
     results = await until_disconnect(
         request, client.run_all(reqs), settings_of(request).request_timeout_s
     )
-    server_s = time.monotonic() - start_s
-
-    scores: list[list[float]] = []
-    num_prompt = num_cached = 0
-    queue_s, ttft_s, e2e_s = [], [], []
+    scored = _Scored([], 0, 0, time.monotonic() - start_s, [], [], [])
     for outs in results:
         final = outs[-1]
         if final.finish_reason == "error":
@@ -179,36 +191,133 @@ async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
                 "(the server log has the details)",
                 code="engine_error",
             )
-        scores.append(list(probs))
-        num_prompt += max(o.num_prompt_tokens for o in outs)
-        num_cached += max(o.num_cached_tokens for o in outs)
-        for src, acc in ((final.queue_s, queue_s), (final.ttft_s, ttft_s), (final.e2e_s, e2e_s)):
+        scored.probs.append(list(probs))
+        observe_finished(request, final, 0)
+        scored.num_prompt_tokens += max(o.num_prompt_tokens for o in outs)
+        scored.num_cached_tokens += max(o.num_cached_tokens for o in outs)
+        for src, acc in (
+            (final.queue_s, scored.queue_s),
+            (final.ttft_s, scored.ttft_s),
+            (final.e2e_s, scored.e2e_s),
+        ):
             if src is not None:
                 acc.append(src)
-
-    top = [max(range(len(s)), key=s.__getitem__) for s in scores]
-    trace.num_prompt_tokens, trace.num_cached_tokens = num_prompt, num_cached
-    trace.ttft_s = min(ttft_s) if ttft_s else None
+    trace.num_prompt_tokens = scored.num_prompt_tokens
+    trace.num_cached_tokens = scored.num_cached_tokens
+    trace.ttft_s = min(scored.ttft_s) if scored.ttft_s else None
+    trace.queue_s = min(scored.queue_s) if scored.queue_s else None
     trace.finish_reason = "stop"
+    return scored
+
+
+def _usage(scored: _Scored) -> dict[str, Any]:
+    return {
+        "prompt_tokens": scored.num_prompt_tokens,
+        "completion_tokens": 0,  # a score samples nothing
+        "total_tokens": scored.num_prompt_tokens,
+        "prompt_tokens_details": {"cached_tokens": scored.num_cached_tokens},
+    }
+
+
+@router.post("/score")
+async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
+    """SGLang's response (`scores`, `model`, `usage`, `object`) plus our extensions: `id`,
+    the labels and their ids, the top label per item, and per-item engine timings."""
+    check_model(request, body.model)
+    engine = engine_of(request)
+    check_num_requests(
+        client_of(request), len(body.items) if isinstance(body.items, list) else 1, "items"
+    )
+    check_num_labels(
+        engine,
+        len(body.labels if body.labels is not None else body.label_token_ids or []),
+        "labels" if body.labels is not None else "label_token_ids",
+    )
+    label_ids, label_names = await off_loop(_label_ids, engine, body)
+    prompts = await off_loop(_prompts, engine, body)
+    request_id, engine_base = begin_request_id(request, "score")
+    scored = await _run_scoring(request, engine_base, prompts, label_ids, body.apply_softmax)
+    scores = scored.probs
+    top = [max(range(len(s)), key=s.__getitem__) for s in scores]
     return {
         "id": request_id,
         "object": "scoring",
         "model": settings_of(request).model_name,
+        "scores": scores,
+        "usage": _usage(scored),
+        # Extensions (not in SGLang's response):
         "label_token_ids": label_ids,
         "labels": label_names,
-        "scores": scores,
         "top_labels": [label_names[i] for i in top],
         "top_label_token_ids": [label_ids[i] for i in top],
-        "usage": {
-            "prompt_tokens": num_prompt,
-            "completion_tokens": 0,
-            "total_tokens": num_prompt,
-            "prompt_tokens_details": {"cached_tokens": num_cached},
-        },
         "timing": {
-            "server_s": server_s,
-            "queue_s": queue_s,  # per item: arrival -> first scheduled (engine clock)
-            "ttft_s": ttft_s,  # per item: arrival -> probabilities ready
-            "e2e_s": e2e_s,
+            "server_s": scored.server_s,
+            "queue_s": scored.queue_s,  # per item: arrival -> first scheduled (engine clock)
+            "ttft_s": scored.ttft_s,  # per item: arrival -> probabilities ready
+            "e2e_s": scored.e2e_s,
         },
+    }
+
+
+def _generative_prompts(engine: Any, body: GenerativeScoreRequest) -> list[list[int]]:
+    """vLLM's construction: the query tokenised on its own (with special tokens unless
+    `add_special_tokens` is false), each item without, joined as token ids."""
+    if isinstance(body.query, str):
+        query = list(
+            engine.tokenizer.encode(body.query, add_special_tokens=body.add_special_tokens)
+        )
+    else:
+        query = list(body.query)
+        check_token_ids(engine, query, "query")
+    prompts = []
+    for item in body.items:
+        if isinstance(item, str):
+            item_ids = encode(engine, item)
+        else:
+            item_ids = list(item)
+            check_token_ids(engine, item_ids, "items")
+        ids = item_ids + query if body.item_first else query + item_ids
+        check_prompt_fits(engine, len(ids), 0, param="items", generate=False)
+        prompts.append(ids)
+    return prompts
+
+
+@router.post("/generative-scores")
+async def generative_scores(body: GenerativeScoreRequest, request: Request) -> dict[str, Any]:
+    """vLLM's generative scores: the same engine work as /v1/score, in vLLM's request and
+    response shapes (`results[i].token_probs` keyed by token id as a string)."""
+    check_model(request, body.model)
+    engine = engine_of(request)
+    param = body.non_neutral_param()
+    if param is not None:
+        raise bad_request(
+            f"{param}={getattr(body, param)!r} is not supported: generative scores are the raw "
+            "next-token probabilities, so only its neutral value is accepted",
+            param,
+            "unsupported_parameter",
+        )
+    check_token_ids(engine, body.label_token_ids, "label_token_ids")
+    prompts = await off_loop(_generative_prompts, engine, body)
+    trace = trace_of(request)
+    if body.request_id and not trace.client_request_id:  # X-Request-Id wins, as in vLLM
+        trace.client_request_id = f"genscore-{body.request_id}"
+    request_id, engine_base = begin_request_id(request, "genscore")
+    scored = await _run_scoring(
+        request, engine_base, prompts, body.label_token_ids, body.apply_softmax
+    )
+    return {
+        "id": request_id,
+        "object": "generative_score",
+        "created": int(time.time()),
+        "model": settings_of(request).model_name,
+        "results": [
+            {
+                "index": i,
+                "token_probs": {
+                    str(t): p for t, p in zip(body.label_token_ids, probs, strict=True)
+                },
+            }
+            for i, probs in enumerate(scored.probs)
+        ],
+        "usage": _usage(scored),
     }

@@ -16,7 +16,7 @@ import logging
 import os
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, create_model, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -95,6 +95,15 @@ class ServerSettings(BaseSettings):
         le=64,
         description="HTTP front-end processes (tokenizing, detokenizing, SSE), sharing the port "
         "and one engine core process",
+    )
+    log_format: Literal["text", "json"] = Field(
+        "text", description="text | json (one JSON object per log line)"
+    )
+    stats_log_interval_s: float = Field(
+        10.0,
+        ge=0,
+        description="log one engine line (throughput, running, waiting, KV usage, prefix hit "
+        "rate) this often; 0 turns it off",
     )
     calibrate: bool = Field(
         False,

@@ -7,7 +7,8 @@ into a Hugging Face-format folder our loader reads.
 Output: `<cache>/models/SmolLM2-135M-Instruct/` with `model.safetensors` (float32: the Q4_1
 weights dequantised; bf16 would round them again and we compare logits against `transformers`
 at 1e-4), `config.json`, `generation_config.json`, `tokenizer.json`, `tokenizer_config.json`
-and `chat_template.jinja`. `<cache>` is `$GREENLANE_CACHE_DIR` or `<repo>/.cache`.
+and `chat_template.jinja`. `<cache>` is `$GREENLANE_CACHE_DIR`, else `<repo>/.cache` in a source
+checkout, else `$XDG_CACHE_HOME/greenlane` (`~/.cache/greenlane`) for an installed package.
 
 The conversion (transformers' GGUF reader + `gguf` + `accelerate`, all imported lazily here
 only) writes into a temporary sibling folder that is renamed into place at the end, so an
@@ -39,11 +40,23 @@ def _log(msg: str) -> None:
     print(f"[greenlane.convert] {msg}", file=sys.stderr, flush=True)
 
 
+def is_source_checkout() -> bool:
+    """True when this code runs from the repository (a clone, or an editable install), not
+    from an installed wheel: the repository root has pyproject.toml beside runtime/."""
+    return (Path(__file__).resolve().parent.parent / "pyproject.toml").is_file()
+
+
 def cache_dir() -> Path:
+    """Where converted models live: `$GREENLANE_CACHE_DIR`; else, in a source checkout, the
+    repository's `.cache` (what `make serve` uses); else `$XDG_CACHE_HOME/greenlane`
+    (default `~/.cache/greenlane`), never inside site-packages."""
     env = os.environ.get("GREENLANE_CACHE_DIR")
     if env:
         return Path(env).expanduser()
-    return Path(__file__).resolve().parent.parent / ".cache"
+    if is_source_checkout():
+        return Path(__file__).resolve().parent.parent / ".cache"
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "greenlane"
 
 
 def default_model_dir() -> Path:

@@ -46,6 +46,14 @@
   }
 
   // ---------------------------------------------------------------- tiles
+  // Chat and scoring latencies apart (a server that does not split them: all of it is chat).
+  const EMPTY = { count: 0, p50: null, p90: null, p99: null };
+  function chatLatency(s) {
+    return s.latency.chat || { ttft_s: s.latency.ttft_s, tpot_s: s.latency.tpot_s };
+  }
+  function scoreLatency(s) {
+    return s.latency.score || { ttft_s: EMPTY, e2e_s: EMPTY };
+  }
   function setText(id, text) {
     const el = $(id);
     if (el.textContent !== text) el.textContent = text;
@@ -56,11 +64,13 @@
     setText("stat-kv", fmtPct(s.kv.usage));
     setText("stat-kv-blocks", isNum(s.kv.blocks_total)
       ? `${s.kv.blocks_used} / ${s.kv.blocks_total} blocks` : "");
-    const t = s.latency.ttft_s, p = s.latency.tpot_s;
+    const t = chatLatency(s).ttft_s, p = chatLatency(s).tpot_s, e = scoreLatency(s).e2e_s;
     setText("stat-ttft", fmtMs(ms(t.p50)));
     setText("stat-ttft-p99", t.count ? `p99 ${fmtMs(ms(t.p99))} (n=${t.count})` : "no samples yet");
     setText("stat-tpot", fmtMs(ms(p.p50)));
     setText("stat-tpot-p99", p.count ? `p99 ${fmtMs(ms(p.p99))} (n=${p.count})` : "no samples yet");
+    setText("stat-score", fmtMs(ms(e.p50)));
+    setText("stat-score-p99", e.count ? `p99 ${fmtMs(ms(e.p99))} (n=${e.count})` : "no samples yet");
     setText("stat-tokps", isNum(s.throughput.tokens_per_s) ? fmtNum(s.throughput.tokens_per_s, 1) + " tok/s" : "–");
     setText("stat-reqps", isNum(s.throughput.requests_per_s) ? s.throughput.requests_per_s.toFixed(2) + " req/s" : "");
     setText("stat-completed", fmtNum(s.throughput.completed_total));
@@ -215,14 +225,19 @@
       { label: "running", color: COLORS.decode, get: (s) => s.queues.running },
     ] },
     ttft: { unit: "ms", series: [
-      { label: "p50", color: COLORS.p50, get: (s) => ms(s.latency.ttft_s.p50) },
-      { label: "p90", color: COLORS.violet, get: (s) => ms(s.latency.ttft_s.p90) },
-      { label: "p99", color: COLORS.p99, get: (s) => ms(s.latency.ttft_s.p99) },
+      { label: "p50", color: COLORS.p50, get: (s) => ms(chatLatency(s).ttft_s.p50) },
+      { label: "p90", color: COLORS.violet, get: (s) => ms(chatLatency(s).ttft_s.p90) },
+      { label: "p99", color: COLORS.p99, get: (s) => ms(chatLatency(s).ttft_s.p99) },
     ] },
     tpot: { unit: "ms", series: [
-      { label: "p50", color: COLORS.p50, get: (s) => ms(s.latency.tpot_s.p50) },
-      { label: "p90", color: COLORS.violet, get: (s) => ms(s.latency.tpot_s.p90) },
-      { label: "p99", color: COLORS.p99, get: (s) => ms(s.latency.tpot_s.p99) },
+      { label: "p50", color: COLORS.p50, get: (s) => ms(chatLatency(s).tpot_s.p50) },
+      { label: "p90", color: COLORS.violet, get: (s) => ms(chatLatency(s).tpot_s.p90) },
+      { label: "p99", color: COLORS.p99, get: (s) => ms(chatLatency(s).tpot_s.p99) },
+    ] },
+    score: { unit: "ms", series: [
+      { label: "p50", color: COLORS.p50, get: (s) => ms(scoreLatency(s).e2e_s.p50) },
+      { label: "p90", color: COLORS.violet, get: (s) => ms(scoreLatency(s).e2e_s.p90) },
+      { label: "p99", color: COLORS.p99, get: (s) => ms(scoreLatency(s).e2e_s.p99) },
     ] },
     throughput: { unit: "tok/s", series: [
       { label: "tokens/s", color: COLORS.brand, get: (s) => s.throughput.tokens_per_s },

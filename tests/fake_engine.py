@@ -12,6 +12,8 @@ admission) is exercised. It has no model: outputs follow a deterministic rule, o
   at -0.5 and k alternatives below it.
 - SCORE: logit(t) = ((sum(prompt) + 7 t) mod 13) / 4 for every vocabulary id t; label probs are
   the softmax over the labels (or over the whole vocabulary without `apply_softmax`).
+- `prompt_logprobs=k` (completions echo): the first output carries `fake_prompt_logprobs`;
+  `max_tokens == 0` finishes after that first output with no token (finish "length").
 - A prompt containing the bytes "FAIL" fails with finish "error" (fault injection).
 - Test controls cross the process boundary as `control(name, *args)` (ServerThread.control):
   "pause" / "resume" hold every request in place (queue-full and disconnect tests), "kill"
@@ -107,6 +109,22 @@ def fake_label_probs(
     pool = [logits[t] for t in label_ids] if apply_softmax else logits
     z = sum(math.exp(x) for x in pool)
     return [math.exp(logits[t]) / z for t in label_ids]
+
+
+def fake_prompt_logprobs(req: Request) -> list[TokenLogprob | None] | None:
+    """Prompt logprobs when `sampling.prompt_logprobs` is set: None for the first token; token
+    t at position j gets -0.25 * (1 + (t + j) % 4), and is the most likely one (top of its
+    alternatives) when (t + j) is even, else token (t + 1) % 256 at -0.1 is."""
+    k = req.sampling.prompt_logprobs
+    if k is None:
+        return None
+    out: list[TokenLogprob | None] = [None]
+    for j, tok in enumerate(req.prompt_token_ids[1:], start=1):
+        lp = -0.25 * (1 + (tok + j) % 4)
+        rivals = [(tok, lp)] if (tok + j) % 2 == 0 else [((tok + 1) % 256, -0.1), (tok, lp)]
+        rivals += [((tok + 2 + i) % 256, -3.0 - i) for i in range(k)]
+        out.append(TokenLogprob(token_id=tok, logprob=lp, top=rivals[:k]))
+    return out
 
 
 class _Running:
@@ -332,6 +350,11 @@ class FakeEngine:
             return self._out(req, RequestStatus.FINISHED_STOPPED, label_probs=probs)
         sp = req.sampling
         n = req.num_output_tokens
+        # The first step is the prefill: it carries the prompt logprobs when asked for.
+        prompt_lps = fake_prompt_logprobs(req) if n == 0 else None
+        prompt_kw = {} if prompt_lps is None else {"prompt_logprobs": prompt_lps}
+        if sp.max_tokens == 0:  # prefill only: finished with no sampled token
+            return self._out(req, RequestStatus.FINISHED_LENGTH, **prompt_kw)
         if n >= len(run.echo) and not sp.ignore_eos:
             req.output_token_ids.append(IM_END)
             return self._out(req, RequestStatus.FINISHED_STOPPED, new_token_ids=[IM_END])
@@ -350,4 +373,4 @@ class FakeEngine:
             logprobs = [
                 TokenLogprob(token_id=tok, logprob=-0.5, top=[(tok, -0.5), *top][: sp.logprobs])
             ]
-        return self._out(req, status, new_token_ids=[tok], new_logprobs=logprobs)
+        return self._out(req, status, new_token_ids=[tok], new_logprobs=logprobs, **prompt_kw)

@@ -54,7 +54,8 @@ JSON_CASES: list[tuple[str, Any, int, str | None]] = [
     (CHAT, {"messages": MSG, "top_p": 0}, 400, "top_p"),
     (CHAT, {"messages": MSG, "top_p": 1.5}, 400, "top_p"),
     (CHAT, {"messages": MSG, "top_k": -2}, 400, "top_k"),
-    (CHAT, {"messages": MSG, "n": 3}, 400, "n"),
+    (CHAT, {"messages": MSG, "n": 0}, 400, "n"),
+    (CHAT, {"messages": MSG, "n": 17}, 400, "n"),
     (CHAT, {"messages": MSG, "stream": "yes please"}, 400, "stream"),
     (CHAT, {"messages": MSG, "stop": ""}, 400, "stop"),
     (CHAT, {"messages": MSG, "top_logprobs": 3}, 400, None),
@@ -72,8 +73,8 @@ JSON_CASES: list[tuple[str, Any, int, str | None]] = [
     (CMPL, {"prompt": "abc", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
     (CMPL, {"prompt": "abc", "logprobs": 21}, 400, "logprobs"),
     (CMPL, {"prompt": "abc", "logprobs": -1}, 400, "logprobs"),
-    (CMPL, {"prompt": "abc", "echo": True}, 400, "echo"),
-    (CMPL, {"prompt": ["a", "b"], "stream": True}, 400, "prompt"),
+    (CMPL, {"prompt": "abc", "max_tokens": 0}, 400, "max_tokens"),  # 0 only with echo
+    (CMPL, {"prompt": "abc", "max_tokens": -1, "echo": True}, 400, "max_tokens"),
     (CMPL, {"prompt": "abc", "model": "nope"}, 404, "model"),
     (SCORE, {}, 400, None),
     (SCORE, {"query": "q", "items": ["a"]}, 400, None),  # no labels

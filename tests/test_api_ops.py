@@ -43,6 +43,7 @@ def _idle(server: ServerThread) -> bool:
         server.app.state.client.num_in_flight == 0
         and stats["kv_blocks_used"] == 0  # referenced blocks only (cached-idle ones excluded)
         and stats["num_running"] == 0
+        and stats["num_waiting"] == 0  # an abort reaches a waiting request a step later
     )
 
 

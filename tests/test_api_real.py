@@ -64,7 +64,10 @@ def test_score_matches_transformers(
     query = "<|im_start|>user\nIs Paris the capital of France? Answer yes or no.<|im_end|>\n<|im_start|>assistant\n"
     items = ["", "Well,", "I think"]
     labels = ["yes", "no", "Yes", "No"]
-    r = http.post("/v1/score", json={"query": query, "items": items, "labels": labels})
+    r = http.post(
+        "/v1/score",
+        json={"query": query, "items": items, "labels": labels, "apply_softmax": True},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     tok = server.engine.tokenizer
@@ -82,11 +85,8 @@ def test_score_matches_transformers(
         expected = torch.softmax(logits[label_ids], dim=-1).tolist()
         assert scores == pytest.approx(expected, abs=1e-4)
         assert abs(sum(scores) - 1.0) < 1e-5
-    # Without softmax over the labels: full-vocabulary probabilities.
-    r = http.post(
-        "/v1/score",
-        json={"query": query, "items": [""], "label_token_ids": label_ids, "apply_softmax": False},
-    )
+    # SGLang's default (apply_softmax false): full-vocabulary probabilities.
+    r = http.post("/v1/score", json={"query": query, "items": [""], "label_token_ids": label_ids})
     with torch.no_grad():
         logits = model(torch.tensor([tok.encode(query)])).logits[0, -1].float()
     expected = torch.softmax(logits, dim=-1)[label_ids].tolist()

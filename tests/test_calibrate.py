@@ -122,7 +122,7 @@ def test_cli_calibrate_then_serve_loads_it(
     (value,) = re.findall(r"^greenlane_jct_prediction_mape (\S+)$", text, re.M)
     assert math.isfinite(float(value)) and float(value) >= 0.0
     assert f'greenlane_jct_model_info{{source="calibration:{path}"}} 1.0' in text
-    (steps,) = re.findall(r"^greenlane_jct_observed_steps (\S+)$", text, re.M)
+    (steps,) = re.findall(r"^greenlane_jct_observed_steps_total (\S+)$", text, re.M)
     assert float(steps) >= 1
 
 

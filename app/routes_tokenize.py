@@ -1,0 +1,120 @@
+"""vLLM's tokenizer endpoints: POST /tokenize, POST /detokenize, GET /tokenizer_info.
+
+Same request and response shapes as vLLM's, so clients that tokenize through the server
+(lm-evaluation-harness' remote tokenizer, for one) work unchanged. Behind the API key, like
+/v1/*: they expose the model's vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import Field, model_validator
+
+from app.common import (
+    chat_prompt_ids,
+    check_model,
+    check_token_ids,
+    engine_of,
+    require_api_key,
+    settings_of,
+)
+from app.errors import bad_request
+from app.protocol import ChatMessage, _Request
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+class TokenizeRequest(_Request):
+    """vLLM's two shapes in one: a text `prompt` (special tokens added by default), or chat
+    `messages` rendered with the model's template (no extra special tokens by default)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+def _token_str(engine: Any, token_id: int) -> str:
+    piece = getattr(engine.tokenizer, "id_to_token", None)
+    text = piece(token_id) if callable(piece) else None
+    return text if text is not None else engine.tokenizer.decode([token_id], False)
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+    check_model(request, body.model)
+    engine = engine_of(request)
+    if body.messages is not None:
+        if body.continue_final_message:
+            raise bad_request(
+                "continue_final_message is not supported", "continue_final_message", "unsupported"
+            )
+        if not body.add_generation_prompt:
+            raise bad_request(
+                "add_generation_prompt false is not supported (chat prompts end with the "
+                "assistant's turn)",
+                "add_generation_prompt",
+                "unsupported",
+            )
+        tokens = chat_prompt_ids(engine, body.messages)
+        bos = getattr(engine.tokenizer, "bos_token_id", None)
+        if body.add_special_tokens and bos is not None and tokens[:1] != [bos]:
+            tokens = [bos, *tokens]
+    else:
+        add = True if body.add_special_tokens is None else body.add_special_tokens
+        tokens = list(engine.tokenizer.encode(body.prompt or "", add_special_tokens=add))
+    out: dict[str, Any] = {
+        "count": len(tokens),
+        "max_model_len": int(engine.max_model_len),
+        "tokens": tokens,
+    }
+    if body.return_token_strs:
+        out["token_strs"] = [_token_str(engine, t) for t in tokens]
+    return out
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, str]:
+    check_model(request, body.model)
+    engine = engine_of(request)
+    check_token_ids(engine, body.tokens, "tokens")
+    return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request) -> dict[str, Any]:
+    """What vLLM's endpoint returns that a client needs: the special tokens, the chat
+    template and the context length."""
+    engine = engine_of(request)
+    tok = engine.tokenizer
+    special = dict(getattr(tok, "special_tokens", {}) or {})
+    eos_ids = list(engine.model_config.eos_token_ids or [])
+    if special.get("eos_token") is None and eos_ids:
+        special["eos_token"] = tok.decode([eos_ids[0]], skip_special_tokens=False)
+    return {
+        "tokenizer_class": type(tok).__name__,
+        "model": settings_of(request).model_name,
+        "model_max_length": int(engine.max_model_len),
+        "vocab_size": int(engine.model_config.vocab_size),
+        "bos_token": special.get("bos_token"),
+        "eos_token": special.get("eos_token"),
+        "pad_token": special.get("pad_token"),
+        "unk_token": special.get("unk_token"),
+        "chat_template": getattr(tok, "chat_template", None),
+    }

@@ -1,0 +1,382 @@
+"""Drop-in compatibility of the request surface (fake engine): SGLang's /v1/score defaults and
+response, vLLM's /v1/generative-scores, completions `echo` with prompt logprobs (the requests
+lm-evaluation-harness sends), `n` choices, the sampling parameters mapped onto
+`SamplingParams`, and a 400 naming every parameter we do not implement."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from fake_engine import FakeEngine, fake_label_probs, fake_prompt_logprobs
+from server_thread import ServerThread, fake_server, parse_sse_strict, running_server
+
+from runtime.request import Request, RequestKind, SamplingParams
+
+CHAT = "/v1/chat/completions"
+CMPL = "/v1/completions"
+MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerThread]:
+    with fake_server() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerThread) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        yield c
+
+
+def _ok(r: httpx.Response) -> dict[str, Any]:
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _err(r: httpx.Response, param: str) -> str:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    assert param in err["message"], err
+    return err["message"]
+
+
+def _added(server: ServerThread, prefix: str) -> list[Request]:
+    return [r for r in server.engine.added if r.request_id.startswith(prefix)]
+
+
+# ----------------------------------------------------------------------------- /v1/score
+
+
+def test_score_defaults_to_full_vocabulary_probabilities(http: httpx.Client) -> None:
+    """SGLang's apply_softmax defaults to false: each label's probability over the whole
+    vocabulary (the labels' probabilities need not sum to 1)."""
+    body = {"query": "q", "items": ["a", "b"], "label_token_ids": [65, 66]}
+    got = _ok(http.post("/v1/score", json=body))
+    for item, scores in zip("ab", got["scores"], strict=True):
+        ids = [ord("q"), ord(item)]
+        assert scores == pytest.approx(fake_label_probs(ids, [65, 66], False))
+        assert sum(scores) < 0.5  # a vocabulary of 300: two labels hold a small share
+    softmaxed = _ok(http.post("/v1/score", json={**body, "apply_softmax": True}))
+    for item, scores in zip("ab", softmaxed["scores"], strict=True):
+        assert scores == pytest.approx(fake_label_probs([ord("q"), ord(item)], [65, 66], True))
+        assert sum(scores) == pytest.approx(1.0)
+    # SGLang's response fields, with their meaning; ours beside them.
+    assert got["object"] == "scoring" and got["model"] == "SmolLM2-135M-Instruct"
+    assert got["usage"]["prompt_tokens"] == 4 and got["usage"]["completion_tokens"] == 0
+    assert got["usage"]["total_tokens"] == 4
+    assert got["label_token_ids"] == [65, 66] and got["labels"] == ["A", "B"]
+    assert len(got["timing"]["e2e_s"]) == 2
+
+
+def test_score_token_ids_and_item_first(http: httpx.Client) -> None:
+    body = {"query": [1, 2], "items": [[3], [4, 5]], "label_token_ids": [7], "item_first": True}
+    got = _ok(http.post("/v1/score", json=body))
+    assert got["scores"][0] == pytest.approx(fake_label_probs([3, 1, 2], [7], False))
+    assert got["scores"][1] == pytest.approx(fake_label_probs([4, 5, 1, 2], [7], False))
+
+
+# ----------------------------------------------------------------------------- vLLM's shape
+
+
+def test_generative_scores_in_vllms_shape(http: httpx.Client) -> None:
+    body = {"query": "q", "items": ["a", "bc"], "label_token_ids": [65, 66]}
+    got = _ok(http.post("/v1/generative-scores", json=body))
+    assert got["object"] == "generative_score" and got["id"].startswith("genscore-")
+    assert [r["index"] for r in got["results"]] == [0, 1]
+    # vLLM's default is apply_softmax true: the labels' probabilities sum to 1.
+    for result, ids in zip(got["results"], ([113, 97], [113, 98, 99]), strict=True):
+        probs = result["token_probs"]
+        assert list(probs) == ["65", "66"]
+        assert list(probs.values()) == pytest.approx(fake_label_probs(ids, [65, 66], True))
+    assert got["usage"]["prompt_tokens"] == 5
+    raw = _ok(
+        http.post(
+            "/v1/generative-scores",
+            json={**body, "apply_softmax": False, "request_id": "abc", "temperature": 0},
+        )
+    )
+    assert raw["id"] == "genscore-abc"
+    assert list(raw["results"][0]["token_probs"].values()) == pytest.approx(
+        fake_label_probs([113, 97], [65, 66], False)
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [({"temperature": 0.7}, "temperature"), ({"top_k": 5}, "top_k"), ({"top_p": 0.5}, "top_p")],
+)
+def test_generative_scores_refuse_sampling_knobs(
+    http: httpx.Client, extra: dict[str, Any], param: str
+) -> None:
+    body = {"query": "q", "items": ["a"], "label_token_ids": [65], **extra}
+    _err(http.post("/v1/generative-scores", json=body), param)
+
+
+# ----------------------------------------------------------------------------- echo + logprobs
+
+
+def _expected_prompt_logprobs(ids: list[int], k: int) -> list[float | None]:
+    req = Request("x", RequestKind.GENERATE, ids, SamplingParams(prompt_logprobs=k))
+    return [None if lp is None else lp.logprob for lp in fake_prompt_logprobs(req) or []]
+
+
+def test_echo_with_logprobs_returns_prompt_token_logprobs(
+    server: ServerThread, http: httpx.Client
+) -> None:
+    """What lm-evaluation-harness' local-completions sends for a loglikelihood request."""
+    body = {"prompt": "abcd", "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    got = _ok(http.post(CMPL, json=body))
+    (choice,) = got["choices"]
+    assert choice["text"] == "abcd" + "a"  # the prompt, then the one generated token
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["a", "b", "c", "d", "a"]
+    assert lp["token_logprobs"][:4] == _expected_prompt_logprobs([97, 98, 99, 100], 1)
+    assert lp["token_logprobs"][4] == -0.5  # the generated token's
+    assert lp["top_logprobs"][0] is None and lp["text_offset"] == [0, 1, 2, 3, 4]
+    # "b" (98) at position 1 is odd: its top alternative "c" (99) at -0.1 beats it.
+    assert lp["top_logprobs"][1] == {"b": lp["token_logprobs"][1], "c": -0.1}
+    assert got["usage"]["prompt_tokens"] == 4 and got["usage"]["completion_tokens"] == 1
+    (req,) = _added(server, got["id"])
+    assert req.sampling.prompt_logprobs == 1 and req.sampling.logprobs == 1
+
+
+def test_max_tokens_zero_with_echo_is_prompt_only(http: httpx.Client) -> None:
+    body = {"prompt": [5, 6, 7], "echo": True, "logprobs": 0, "max_tokens": 0}
+    (choice,) = _ok(http.post(CMPL, json=body))["choices"]
+    assert choice["finish_reason"] == "length"
+    assert choice["logprobs"]["token_logprobs"] == _expected_prompt_logprobs([5, 6, 7], 0)
+    assert len(choice["logprobs"]["tokens"]) == 3
+
+
+def test_batched_token_prompts_with_echo(http: httpx.Client) -> None:
+    body = {"prompt": [[97, 98], [99, 100, 101]], "echo": True, "logprobs": 1, "max_tokens": 1}
+    got = _ok(http.post(CMPL, json=body))
+    lens = [len(c["logprobs"]["token_logprobs"]) for c in got["choices"]]
+    assert lens == [3, 4]
+    assert [c["text"] for c in got["choices"]] == ["aba", "cdec"]
+
+
+def test_echo_without_logprobs_and_streamed_echo(server: ServerThread, http: httpx.Client) -> None:
+    got = _ok(http.post(CMPL, json={"prompt": "xy", "echo": True, "max_tokens": 2}))
+    assert got["choices"][0]["text"] == "xyxy" and got["choices"][0]["logprobs"] is None
+    assert _added(server, got["id"])[0].sampling.prompt_logprobs is None
+    body = {"prompt": "xy", "echo": True, "logprobs": 1, "max_tokens": 2, "stream": True}
+    with http.stream("POST", CMPL, json=body) as r:
+        payloads = parse_sse_strict(r.read())
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    first = chunks[0]["choices"][0]
+    assert first["text"] == "xy" and first["logprobs"]["token_logprobs"][0] is None
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert text == "xyxy"
+    offsets = [
+        o
+        for c in chunks
+        if c["choices"][0]["logprobs"]
+        for o in c["choices"][0]["logprobs"]["text_offset"]
+    ]
+    assert offsets == [0, 1, 2, 3]
+
+
+class _NoPromptLogprobsEngine(FakeEngine):
+    """An engine that does not compute prompt logprobs (the real one until it does)."""
+
+    def add(self, req: Request) -> None:
+        req.sampling.prompt_logprobs = None
+        super().add(req)
+
+
+def test_engine_without_prompt_logprobs_is_a_clear_501() -> None:
+    with running_server(_NoPromptLogprobsEngine) as srv, httpx.Client(base_url=srv.url) as c:
+        r = c.post(CMPL, json={"prompt": "ab", "echo": True, "logprobs": 1, "max_tokens": 1})
+        assert r.status_code == 501, r.text
+        assert r.json()["error"]["code"] == "prompt_logprobs_unavailable"
+
+
+# ----------------------------------------------------------------------------- n choices
+
+
+def test_chat_n_choices_with_seeds(server: ServerThread, http: httpx.Client) -> None:
+    body = {"messages": MSG, "n": 3, "seed": 5, "max_tokens": 4}
+    got = _ok(http.post(CHAT, json=body))
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2]
+    assert {c["message"]["content"] for c in got["choices"]} == {"user"}
+    reqs = _added(server, got["id"])
+    assert [r.sampling.seed for r in reqs] == [5, 6, 7]
+    assert len({tuple(r.prompt_token_ids) for r in reqs}) == 1
+    # The prompt is counted once, every choice's tokens are.
+    assert got["usage"]["prompt_tokens"] == len(reqs[0].prompt_token_ids)
+    assert got["usage"]["completion_tokens"] == 12
+    unseeded = _ok(http.post(CHAT, json={**body, "seed": None}))
+    assert [r.sampling.seed for r in _added(server, unseeded["id"])] == [None] * 3
+
+
+def test_chat_n_choices_streamed(http: httpx.Client) -> None:
+    body = {"messages": MSG, "n": 2, "max_tokens": 3, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    with http.stream("POST", CHAT, json=body) as r:
+        payloads = parse_sse_strict(r.read())
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    for i in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        assert mine[0]["delta"]["role"] == "assistant"
+        assert "".join(c["delta"].get("content", "") for c in mine) == "use"
+        assert mine[-1]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_completions_n_over_several_prompts(http: httpx.Client) -> None:
+    body = {"prompt": ["ab", "cd"], "n": 2, "max_tokens": 2, "echo": True}
+    got = _ok(http.post(CMPL, json=body))
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in got["choices"]] == ["abab", "abab", "cdcd", "cdcd"]
+    assert got["usage"]["prompt_tokens"] == 4 and got["usage"]["completion_tokens"] == 8
+    streamed = {**body, "stream": True, "echo": False}
+    with http.stream("POST", CMPL, json=streamed) as r:
+        chunks = [json.loads(p) for p in parse_sse_strict(r.read())[:-1]]
+    texts = [
+        "".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i)
+        for i in range(4)
+    ]
+    assert texts == ["ab", "ab", "cd", "cd"]
+
+
+def test_best_of_only_equal_to_n(http: httpx.Client) -> None:
+    assert http.post(CMPL, json={"prompt": "a", "n": 2, "best_of": 2}).status_code == 200
+    _err(http.post(CMPL, json={"prompt": "a", "n": 1, "best_of": 3}), "best_of")
+
+
+def test_openai_client_n(server: ServerThread) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    resp = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MSG, n=2)
+    assert [c.index for c in resp.choices] == [0, 1]
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def test_sampling_parameters_reach_the_engine(server: ServerThread, http: httpx.Client) -> None:
+    body = {
+        "messages": MSG,
+        "max_tokens": 2,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.25,
+        "repetition_penalty": 1.2,
+        "logit_bias": {"65": 5, "66": -100},
+        "min_p": 0.1,
+        "stop_token_ids": [10, 11],
+        "user": "someone",
+        "response_format": {"type": "text"},
+        "tool_choice": "none",
+        "tools": [],
+    }
+    got = _ok(http.post(CHAT, json=body))
+    (req,) = _added(server, got["id"])
+    sp = req.sampling
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -0.25, 1.2)
+    assert sp.logit_bias == {65: 5.0, 66: -100.0} and sp.min_p == 0.1
+    assert sp.stop_token_ids == [10, 11]
+    plain = _ok(http.post(CMPL, json={"prompt": "a", "max_tokens": 1}))
+    (req,) = _added(server, plain["id"])
+    assert (req.sampling.repetition_penalty, req.sampling.logit_bias) == (1.0, {})
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [
+        (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (CHAT, {"tool_choice": "auto"}, "tool_choice"),
+        (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+        (CHAT, {"audio": {"voice": "alloy"}}, "audio"),
+        (CHAT, {"reasoning_effort": "low"}, "reasoning_effort"),
+        (CHAT, {"store": True}, "store"),
+        (CHAT, {"totally_new_knob": 1}, "totally_new_knob"),
+        (
+            CHAT,
+            {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+            "stream_options",
+        ),
+        (CMPL, {"suffix": "end"}, "suffix"),
+        (CMPL, {"guided_json": {}}, "guided_json"),
+        (CHAT, {"logit_bias": {"300": 1}}, "logit_bias"),
+        (CHAT, {"logit_bias": {"a": 1}}, "logit_bias"),
+        (CHAT, {"logit_bias": {"5": 101}}, "logit_bias"),
+        (CMPL, {"stop_token_ids": [300]}, "stop_token_ids"),
+        (CMPL, {"repetition_penalty": 0}, "repetition_penalty"),
+        (CMPL, {"min_p": 1.5}, "min_p"),
+    ],
+)
+def test_unimplemented_parameters_are_named(
+    http: httpx.Client, path: str, extra: dict[str, Any], param: str
+) -> None:
+    body = {"messages": MSG} if path == CHAT else {"prompt": "a"}
+    r = http.post(path, json={**body, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] is not None and err["param"].split(".")[0] == param, err
+
+
+# ----------------------------------------------------------------------------- tokenizer, version
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes(http: httpx.Client) -> None:
+    got = _ok(http.post("/tokenize", json={"prompt": "hey", "return_token_strs": True}))
+    assert got == {
+        "count": 3,
+        "max_model_len": 256,
+        "tokens": [104, 101, 121],
+        "token_strs": ["h", "e", "y"],
+    }
+    chat = _ok(http.post("/tokenize", json={"messages": MSG}))
+    assert chat["tokens"][0] == 256 and chat["count"] == len(chat["tokens"])  # <|im_start|>
+    assert _ok(http.post("/detokenize", json={"tokens": [256, 104, 105]})) == {
+        "prompt": "<|im_start|>hi"
+    }
+    bad = http.post("/detokenize", json={"tokens": [1, 300]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert http.post("/tokenize", json={"prompt": "a", "messages": MSG}).status_code == 400
+    info = _ok(http.get("/tokenizer_info"))
+    assert info["eos_token"] == "<|im_end|>" and info["model_max_length"] == 256
+
+
+def test_version(http: httpx.Client) -> None:
+    from app import __version__
+
+    assert _ok(http.get("/version")) == {"version": __version__}
+
+
+def test_tokenizer_endpoints_need_the_api_key() -> None:
+    with fake_server(api_key="k") as srv, httpx.Client(base_url=srv.url) as c:
+        assert c.post("/tokenize", json={"prompt": "a"}).status_code == 401
+        assert (
+            c.post(
+                "/tokenize", json={"prompt": "a"}, headers={"Authorization": "Bearer k"}
+            ).status_code
+            == 200
+        )
+        assert c.get("/version").status_code == 200
+
+
+# ----------------------------------------------------------------------------- admin page
+
+
+def test_admin_state_keeps_chat_and_scoring_latencies_apart(http: httpx.Client) -> None:
+    before = _ok(http.get("/admin/api/state"))["latency"]
+    for _ in range(3):
+        _ok(http.post("/v1/score", json={"query": "q", "items": ["a"], "label_token_ids": [65]}))
+    _ok(http.post(CHAT, json={"messages": MSG, "max_tokens": 3}))
+    after = _ok(http.get("/admin/api/state"))["latency"]
+    assert after["score"]["e2e_s"]["count"] - before["score"]["e2e_s"]["count"] == 3
+    assert after["chat"]["e2e_s"]["count"] - before["chat"]["e2e_s"]["count"] == 1
+    assert after["chat"]["tpot_s"]["count"] > before["chat"]["tpot_s"]["count"]
+    assert (
+        after["e2e_s"]["count"]
+        == after["chat"]["e2e_s"]["count"] + after["score"]["e2e_s"]["count"]
+    )
