@@ -53,8 +53,17 @@ def connect_ray(address: str | None, num_cpus: float | None = None, num_gpus: in
     )
 
 
-def deploy(config: ClusterConfig, host: str, port: int, blocking_timeout_s: float = 600.0) -> str:
-    """Start Serve's HTTP proxy on host:port and run the application; returns its base URL."""
+def deploy(
+    config: ClusterConfig,
+    host: str,
+    port: int,
+    blocking_timeout_s: float = 600.0,
+    log_level: str = "WARNING",
+) -> str:
+    """Start Serve's HTTP proxy on host:port and run the application; returns its base URL.
+
+    `log_level` is Serve's for the deployments (INFO logs a line per request and per stats
+    report)."""
     from ray import serve
 
     from app.cluster.deployment import build_app
@@ -65,6 +74,7 @@ def deploy(config: ClusterConfig, host: str, port: int, blocking_timeout_s: floa
         name=config.app_name,
         route_prefix=config.route_prefix,
         blocking=False,
+        logging_config={"log_level": log_level.upper()},
     )
     _wait_running(config.app_name, blocking_timeout_s)
     return f"http://{host}:{port}{config.route_prefix.rstrip('/')}"
