@@ -12,6 +12,7 @@ import pytest
 from app.cluster.config import ClusterConfig
 from app.cluster.routing import (
     AffinityConfig,
+    KeyHomes,
     ReplicaLoad,
     choose,
     rendezvous_order,
@@ -150,3 +151,24 @@ def test_config_validation() -> None:
         ).replica_admission_limit()
         == 12
     )
+
+
+def test_two_choice_homes_stick_and_balance_keys() -> None:
+    replicas = [f"r{i:02d}" for i in range(64)]
+    homes = KeyHomes()
+    placed = {f"user:{i}": homes.order(f"user:{i}", replicas)[0] for i in range(64 * 20)}
+    # Sticky: the same key keeps its home; it is one of the key's two rendezvous choices.
+    for k, home in list(placed.items())[:200]:
+        assert homes.order(k, replicas)[0] == home
+        assert home in rendezvous_order(k, replicas)[:2]
+    two_choice = max(Counter(placed.values()).values())
+    one_choice = max(Counter(rendezvous_order(k, replicas)[0] for k in placed).values())
+    assert two_choice <= 20 * 1.3 < one_choice
+    # A home that leaves: its keys are placed again among the survivors.
+    gone = placed["user:0"]
+    survivors = [r for r in replicas if r != gone]
+    assert homes.order("user:0", survivors)[0] in rendezvous_order("user:0", survivors)[:2]
+    # `choose` with placed homes sends a key to its placed home.
+    loads_all = {r: ReplicaLoad(queue=0) for r in survivors}
+    choice = choose("user:0", loads_all, CFG, random.Random(0), homes)
+    assert choice.ranks[0] == [homes.order("user:0", survivors)[0]]

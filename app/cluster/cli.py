@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--replica-num-gpus", type=float, default=None, help="default: 1 when Ray sees GPUs, else 0"
     )
     c.add_argument("--router", choices=ROUTERS, default="affinity")
-    c.add_argument("--max-queue-gap", type=int, default=4, help="affinity bound, requests")
+    c.add_argument("--max-queue-gap", type=int, default=8, help="affinity bound, requests")
     c.add_argument(
         "--max-backlog-gap-s",
         type=float,

@@ -31,7 +31,7 @@ class ClusterConfig:
     replica_num_gpus: float = 0.0
     # Routing: "affinity" (ours, app/cluster/router.py) or "power-of-two" (Ray's default).
     router: str = "affinity"
-    max_queue_gap: int = 4
+    max_queue_gap: int = 8
     max_backlog_gap_s: float | None = 2.0
     route_prefix_tokens: int = DEFAULT_PREFIX_TOKENS
     route_prefix_chars: int = DEFAULT_PREFIX_CHARS

@@ -22,7 +22,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from app.cluster.routing import AffinityConfig, ReplicaLoad, choose
+from app.cluster.routing import AffinityConfig, KeyHomes, ReplicaLoad, choose
 
 log = logging.getLogger("greenlane.cluster")
 
@@ -42,6 +42,7 @@ class PrefixAffinityRouter(RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         self._affinity = AffinityConfig(**kwargs)
         self._rng = random.Random()
+        self._homes = KeyHomes()
         self.num_home = self.num_spill = self.num_no_key = 0
 
     async def _queue_lens(self, replicas: list[RunningReplica]) -> dict[ReplicaID, int]:
@@ -90,7 +91,7 @@ class PrefixAffinityRouter(RequestRouter):
             )
         if not loads:
             return []
-        choice = choose(key, loads, self._affinity, self._rng)
+        choice = choose(key, loads, self._affinity, self._rng, self._homes)
         if choice.reason == "home":
             self.num_home += 1
         elif choice.reason == "spill":

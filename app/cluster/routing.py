@@ -22,12 +22,15 @@ of a prompt; a deployment whose prompts open with a longer common header should 
 
 Choice (`choose`), given each replica's load:
 * no key -> power of two choices: two random replicas, the less loaded wins (Ray's default);
-* key -> its home, the replica ranked first for the key by rendezvous hashing (highest
-  `hash(key, replica)`). Every router instance computes the same home without shared state, and
-  when a replica leaves or joins only the keys it held (or ~1/N of them) move. The home is
-  chosen while `queue(home) <= min queue + max_queue_gap` and, when every replica reports a
-  predicted prefill backlog, `backlog(home) <= min backlog + max_backlog_gap_s`; otherwise the
-  request spills to the less loaded of two random other replicas.
+* key -> its home. A key seen for the first time is placed on the one of its two first
+  rendezvous choices (highest `hash(key, replica)`) that holds fewer keys, and stays there
+  (`KeyHomes`); when its home leaves, it is placed again the same way. Two choices keep the
+  number of keys per replica close to the mean, where rendezvous hashing alone leaves the
+  busiest replica with ~1.5x the mean (20 keys a replica, 64 replicas; bench/sim_cluster.py).
+  The home is chosen while `queue(home) <= min queue + max_queue_gap` and, when every replica
+  reports a predicted prefill backlog, `backlog(home) <= min backlog + max_backlog_gap_s`;
+  otherwise the request spills (`spill`): by default to the less loaded of two random other
+  replicas.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,16 +52,22 @@ DEFAULT_PREFIX_CHARS = 1024
 class AffinityConfig:
     """The knobs of the affinity rule (README "More than one GPU")."""
 
-    max_queue_gap: int = 4  # home kept while its queue <= least-loaded queue + this
+    max_queue_gap: int = 8  # home kept while its queue <= least-loaded queue + this
     max_backlog_gap_s: float | None = 2.0  # same for predicted prefill backlog (None: ignore)
     prefix_tokens: int = DEFAULT_PREFIX_TOKENS  # key window for token-id prompts
     prefix_chars: int = DEFAULT_PREFIX_CHARS  # key window for text prompts
+    # Where a request whose home is over the bound goes: "power-of-two" (two random others,
+    # the less loaded) or "next-in-order" (the key's next rendezvous choice within the bound,
+    # so a user's spills land on one or two replicas that then cache its prefix too).
+    spill: str = "power-of-two"
 
     def __post_init__(self) -> None:
         if self.max_queue_gap < 0:
             raise ValueError("max_queue_gap must be >= 0")
         if self.max_backlog_gap_s is not None and self.max_backlog_gap_s < 0:
             raise ValueError("max_backlog_gap_s must be >= 0")
+        if self.spill not in ("power-of-two", "next-in-order"):
+            raise ValueError(f"spill must be power-of-two or next-in-order, got {self.spill!r}")
         if self.prefix_tokens < 1 or self.prefix_chars < 1:
             raise ValueError("prefix_tokens and prefix_chars must be >= 1")
 
@@ -214,21 +224,65 @@ def home_is_within_bound(
     return True
 
 
+class KeyHomes:
+    """Two-choice home placement: a key seen for the first time is placed on whichever of its
+    two rendezvous choices holds fewer keys, and stays there (bounded LRU map). Key counts per
+    replica then stay within a few keys of the mean (balls into bins with two choices), where
+    plain rendezvous hashing leaves the busiest replica ~1.5x the mean at 20 keys a replica.
+
+    State is per router instance: two ingress replicas may place a new key differently, so a
+    key has at most two homes (its two choices)."""
+
+    def __init__(self, capacity: int = 1_000_000) -> None:
+        self.capacity = capacity
+        self._homes: OrderedDict[str, str] = OrderedDict()
+        self._num_keys: Counter[str] = Counter()
+
+    def order(self, key: str, ids: Sequence[str]) -> list[str]:
+        """`ids` in the key's order of preference: its placed home first."""
+        ranked = rendezvous_order(key, ids)
+        home = self._homes.get(key)
+        if home is None or home not in ids:
+            first, second = ranked[0], ranked[1] if len(ranked) > 1 else ranked[0]
+            home = second if self._num_keys[second] < self._num_keys[first] else first
+            self._place(key, home)
+        else:
+            self._homes.move_to_end(key)
+        return [home, *(r for r in ranked if r != home)]
+
+    def _place(self, key: str, home: str) -> None:
+        old = self._homes.pop(key, None)
+        if old is not None:
+            self._num_keys[old] -= 1
+        self._homes[key] = home
+        self._num_keys[home] += 1
+        while len(self._homes) > self.capacity:
+            _, evicted = self._homes.popitem(last=False)
+            self._num_keys[evicted] -= 1
+
+
 def choose(
     key: str | None,
     loads: Mapping[str, ReplicaLoad],
     cfg: AffinityConfig,
     rng: random.Random,
+    homes: KeyHomes | None = None,
 ) -> Choice:
-    """Where one request should go (see the module docstring). `loads` must not be empty."""
+    """Where one request should go (see the module docstring). `loads` must not be empty.
+    With `homes`, a key's home is placed by two choices (`KeyHomes`), else by rendezvous."""
     ids = sorted(loads)  # a stable order, so a seeded rng reproduces a run
     if len(ids) == 1:
         return Choice([ids], "single")
     if key is None:
         return Choice([power_of_two(ids, rng)], "no-key")
-    home = rendezvous_order(key, ids)[0]
-    others = [r for r in ids if r != home]
-    if home_is_within_bound(loads[home], list(loads.values()), cfg):
+    order = homes.order(key, ids) if homes is not None else rendezvous_order(key, ids)
+    home, others = order[0], order[1:]
+    everyone = list(loads.values())
+    if home_is_within_bound(loads[home], everyone, cfg):
         # If the home turns the request away (full), fall through to a spill at once.
         return Choice([[home], power_of_two(others, rng)], "home")
+    if cfg.spill == "next-in-order":
+        # The least-loaded replica is always within the bound: the walk ends.
+        nxt = next(r for r in others if home_is_within_bound(loads[r], everyone, cfg))
+        return Choice([[nxt], power_of_two(others, rng)], "spill")
     return Choice([power_of_two(others, rng)], "spill")
