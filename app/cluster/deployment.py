@@ -186,3 +186,16 @@ def build_app(config: ClusterConfig) -> Any:
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
     )
     return ingress.bind(replicas, directory, config)
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """Serve config files' entry (`import_path: app.cluster.deployment:app_builder`, as in
+    deploy/rayservice.yaml): `args` holds `ClusterConfig` fields, and `replica_settings` the
+    replicas' `Settings` fields (model, engine and server options)."""
+    from app.settings import Settings
+
+    fields = dict(args)
+    settings = Settings(**dict(fields.pop("replica_settings", {}) or {}))
+    settings.to_engine_config(resolve_calibration=False)  # bad options fail the deploy, clearly
+    config = ClusterConfig(replica_settings=settings.model_dump(exclude={"host", "port"}), **fields)
+    return build_app(config)
