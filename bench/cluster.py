@@ -92,8 +92,10 @@ def routing_side(router: str, args: argparse.Namespace, replica_settings: dict[s
         app_name=f"bench-{router}",
         num_replicas=args.replicas,
         replica_num_cpus=1.0,
+        replica_num_gpus=args.replica_num_gpus,
         router=router,
         routing_stats_period_s=0.25,
+        **({} if args.max_queue_gap is None else {"max_queue_gap": args.max_queue_gap}),
         max_queued_requests=10_000,  # open loop: queueing shows as latency, not 429s
     )
     url = deploy(config, "127.0.0.1", args.port)
@@ -154,9 +156,9 @@ def free_port() -> int:
 
 def _start_direct_server(replica_settings: dict[str, Any], port: int) -> subprocess.Popen:
     flags: list[str] = []
-    for key in ("model", "num_kv_blocks", "max_num_seqs", "max_queue", "log_level"):
-        if replica_settings.get(key) is not None:
-            flags += ["--" + key.replace("_", "-"), str(replica_settings[key])]
+    for key, value in replica_settings.items():
+        if value is not None:
+            flags += ["--" + key.replace("_", "-"), str(value)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as a Ray replica with num_cpus=1 runs
     proc = subprocess.Popen(
         [sys.executable, "-m", "app", "serve", "--host", "127.0.0.1", "--port", str(port), *flags],
@@ -189,6 +191,7 @@ def streaming_side_by_side(args: argparse.Namespace, replica_settings: dict[str,
         app_name="bench-itl",
         num_replicas=1,
         replica_num_cpus=1.0,
+        replica_num_gpus=args.replica_num_gpus,
         routing_stats_period_s=1.0,
     )
     ray_url = deploy(config, "127.0.0.1", args.port)
@@ -263,6 +266,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--model", default="random:tiny")
     p.add_argument("--num-kv-blocks", type=int, default=1000, help="per replica")
+    p.add_argument("--replica-num-gpus", type=float, default=0.0, help="0.5: two share a GPU")
+    p.add_argument(
+        "--replica-setting",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another `serve` option for every replica and the direct server (repeatable), "
+        "e.g. max_gpu_memory_gb=60",
+    )
     p.add_argument("--scale", type=float, default=0.1)
     p.add_argument("--num-requests", type=int, default=240)
     p.add_argument("--qps", type=float, default=3.0)
@@ -272,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8765, help="the ingress's port (loopback)")
     p.add_argument("--workdir", default="/tmp/greenlane-bench-cluster")
     p.add_argument("--only-streaming", action="store_true", help="skip the routing comparison")
+    p.add_argument("--skip-streaming", action="store_true", help="skip the ITL comparison")
+    p.add_argument("--max-queue-gap", type=int, default=None, help="affinity bound (default: 8)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
@@ -280,11 +294,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from app.cluster.cli import connect_ray
 
-    replica_settings = {
+    replica_settings: dict[str, Any] = {
         "model": args.model,
         "num_kv_blocks": args.num_kv_blocks,
         "log_level": "warning",
     }
+    for item in args.replica_setting:
+        key, _, value = item.partition("=")
+        replica_settings[key.strip()] = value.strip()
     record: dict[str, Any] = {
         "tool": "greenlane bench.cluster",
         "command": shlex.join(["python", "-m", "bench.cluster", *(argv or sys.argv[1:])]),
@@ -295,10 +312,12 @@ def main(argv: list[str] | None = None) -> int:
         "replicas": args.replicas,
     }
     connect_ray(None, num_cpus=args.replicas + 1)
+    record["replica_num_gpus"] = args.replica_num_gpus
     try:
         routers = () if args.only_streaming else ("affinity", "power-of-two")
         sides = [routing_side(r, args, replica_settings) for r in routers]
-        record["streaming"] = streaming_side_by_side(args, replica_settings)
+        if not args.skip_streaming:
+            record["streaming"] = streaming_side_by_side(args, replica_settings)
     finally:
         from ray import serve
 
@@ -321,11 +340,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{s['p99_latency_ms']:.0f} ms, median {s['median_latency_ms']:.0f} ms, "
             f"{s['completed']} ok / {s['failed']} failed"
         )
-    st = record["streaming"]
-    print(
-        f"ITL median: direct {st['itl_median_ms_direct']:.2f} ms, through Ray "
-        f"{st['itl_median_ms_through_ray']:.2f} ms, added {st['added_ms']:+.2f} ms"
-    )
+    if "streaming" in record:
+        st = record["streaming"]
+        print(
+            f"ITL median: direct {st['itl_median_ms_direct']:.2f} ms, through Ray "
+            f"{st['itl_median_ms_through_ray']:.2f} ms, added {st['added_ms']:+.2f} ms"
+        )
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

@@ -38,7 +38,9 @@ REPLICA_SETTINGS = {
 }
 
 
-@pytest.fixture(scope="session")
+# Module scope: Ray starts once for all the cluster tests (they all live here) and stops as soon
+# as they are done, so its processes do not sit on CI's 2 cores during the rest of the suite.
+@pytest.fixture(scope="module")
 def cluster() -> Iterator[str]:
     # 2 replicas + room for a replacement while the killed one is still being cleaned up.
     connect_ray(None, num_cpus=3)

@@ -53,6 +53,7 @@ log = logging.getLogger("greenlane.cluster")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _REPLICA_FAILURES = (ActorDiedError, ActorUnavailableError, RayActorError)
 _RESET_TIMEOUT_S = 30.0
+_HEALTH_TIMEOUT_S = 10.0
 
 fastapi_app = FastAPI(title="Greenlane cluster", version="0.1.0")
 install_error_handlers(fastapi_app)  # unknown paths and methods: OpenAI-shaped 404/405
@@ -177,7 +178,11 @@ class GreenlaneIngress:
         return gen, head, first
 
     async def _collect(self, gen: Any) -> bytes:
-        parts = [chunk async for chunk in gen]
+        try:
+            parts = [chunk async for chunk in gen]
+        except BaseException:
+            gen.cancel()  # the client went away (Serve cancels us): stop the replica's side
+            raise
         return b"".join(parts)
 
     async def _relay(self, request: Request, endpoint: str) -> Response:
@@ -258,7 +263,12 @@ class GreenlaneIngress:
 
     @fastapi_app.get("/health")
     async def health(self, request: Request) -> Response:
-        return await self._relay(request, "/health")
+        """One replica's `/health`, reached through the router (the whole data path); 503 when
+        no replica answers within `_HEALTH_TIMEOUT_S` (none running, all being replaced)."""
+        try:
+            return await asyncio.wait_for(self._relay(request, "/health"), _HEALTH_TIMEOUT_S)
+        except TimeoutError:
+            return _error(503, f"no replica answered within {_HEALTH_TIMEOUT_S:g} s", "no_replica")
 
     async def _reports(self) -> dict[str, dict[str, Any]]:
         return await self._directory.snapshot.remote(self._max_report_age_s)
