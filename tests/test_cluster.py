@@ -80,6 +80,29 @@ def score_body(query: list[int], item: int, **extra: Any) -> dict[str, Any]:
     return {"query": query, "items": [[item, item + 1]], "label_token_ids": [11, 12], **extra}
 
 
+# ----------------------------------------------------------------------------- config files
+
+
+def test_app_builder_for_serve_config_files() -> None:
+    """deploy/rayservice.yaml's entry: ClusterConfig fields + replica Settings; bad options fail
+    the deploy with the reason (no cluster needed to check)."""
+    import yaml
+
+    from app.cluster.deployment import app_builder
+
+    manifest = yaml.safe_load(open("deploy/rayservice.yaml"))
+    serve_config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    (application,) = serve_config["applications"]
+    assert application["import_path"] == "app.cluster.deployment:app_builder"
+    assert application["args"]["replica_num_gpus"] == 1
+    built = app_builder({**application["args"], "replica_settings": {"model": "random:tiny"}})
+    assert type(built).__name__ == "Application"
+    with pytest.raises(ValueError, match="block_size"):
+        app_builder({"replica_settings": {"model": "random:tiny", "block_size": 3}})
+    with pytest.raises(ValueError, match="router"):
+        app_builder({"router": "random"})
+
+
 # ----------------------------------------------------------------------------- endpoints
 
 
