@@ -37,6 +37,7 @@ import random
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 from app.cluster.routing import AffinityConfig, KeyHomes, ReplicaLoad, choose
 from bench.sim import (
@@ -435,6 +436,11 @@ def main(argv: list[str] | None = None) -> int:
     data["command"] = "python -m bench.sim_cluster " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
+    from bench.serve import git_revision, machine_info
+
+    data["date"] = datetime.now(UTC).isoformat(timespec="seconds")
+    data["git"] = git_revision()
+    data["machine"] = machine_info()
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=1)
     for res in data["results"]:

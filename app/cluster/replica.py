@@ -16,6 +16,7 @@ time of the queue, from the JCT model). Without it the stats say `prefill_backlo
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import threading
@@ -43,8 +44,6 @@ def response_head(status: int, headers: list[tuple[str, str]]) -> dict[str, Any]
 
 
 def error_head_and_body(status: int, message: str, code: str) -> tuple[dict[str, Any], bytes]:
-    import json
-
     body = json.dumps(
         {"error": {"message": message, "type": "service_unavailable", "param": None, "code": code}}
     ).encode()
