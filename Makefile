@@ -10,10 +10,10 @@ MODEL ?= default
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 ifeq ($(HAS_GPU),1)
   TORCH_REQ := torch
-  EXTRAS := .[gpu,convert,dev]
+  EXTRAS := .[gpu,convert,dev,cluster]
 else
   TORCH_REQ := torch==2.13.0
-  EXTRAS := .[convert,dev]
+  EXTRAS := .[convert,dev,cluster]
   # Triton's CPU interpreter runs the fused decode kernels in the tests (a CUDA torch brings
   # its own Triton). 3.8: 3.6's interpreter fails under numpy >= 2.4.
   CPU_EXTRA := triton==3.8.0

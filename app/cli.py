@@ -220,6 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="timings per point, median kept (default: CPU 2, GPU 3)",
     )
     _add_settings_options(cal, [*engine_field_names(), *_CALIBRATE_SETTINGS])
+    sub.add_parser(
+        "cluster",
+        help="serve replicas on Ray Serve behind one endpoint (`greenlane cluster --help`)",
+        add_help=False,
+    )
     return parser
 
 
@@ -550,6 +555,11 @@ def _one_line(exc: Exception) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["cluster"]:  # its own options: app/cluster/cli.py (needs the `cluster` extra)
+        from app.cluster.cli import main as cluster_main
+
+        return cluster_main(argv[1:])
     args = build_parser().parse_args(argv)
     extra = ("command", "out", "uncached_tokens", "cached_tokens", "repeats", "what")
     overrides = {k: v for k, v in vars(args).items() if k not in extra}

@@ -1,0 +1,361 @@
+"""Greenlane on Ray Serve (app/cluster/): a local Ray cluster with 2 replicas of random:tiny,
+started once for this session. Every endpoint through the ingress; one user's requests on one
+replica (prefix-cache hits counted there); SSE relayed unbuffered; overload is 429; a killed
+replica is replaced while the service keeps answering (this test runs last: it kills one)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from server_thread import free_port, parse_sse_strict
+
+ray = pytest.importorskip("ray", reason="needs the `cluster` extra (ray[serve])")
+from ray import serve  # noqa: E402
+
+from app.cluster.cli import connect_ray, deploy  # noqa: E402
+from app.cluster.config import ClusterConfig  # noqa: E402
+
+pytestmark = pytest.mark.cluster
+
+APP = "greenlane-test"
+STATS_PERIOD_S = 0.25
+# Small admission limits so that overload is reachable: each replica admits 4 + 4 requests,
+# and 4 more may wait in the ingress for a free replica.
+REPLICA_SETTINGS = {
+    "model": "random:tiny",
+    "max_num_seqs": 4,
+    "max_queue": 4,
+    "cpu_kv_cache_gb": 0.25,
+    "log_level": "warning",
+}
+
+
+# Module scope: Ray starts once for all the cluster tests (they all live here) and stops as soon
+# as they are done, so its processes do not sit on CI's 2 cores during the rest of the suite.
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    # 2 replicas + room for a replacement while the killed one is still being cleaned up.
+    connect_ray(None, num_cpus=3)
+    config = ClusterConfig(
+        replica_settings=REPLICA_SETTINGS,
+        app_name=APP,
+        num_replicas=2,
+        replica_num_cpus=1.0,
+        routing_stats_period_s=STATS_PERIOD_S,
+        max_queued_requests=4,
+        health_check_period_s=1.0,
+        health_check_timeout_s=10.0,
+    )
+    url = deploy(config, "127.0.0.1", free_port(), blocking_timeout_s=300)
+    try:
+        yield url
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def replicas(url: str) -> dict[str, dict[str, Any]]:
+    return httpx.get(url + "/cluster/replicas", timeout=30).json()["replicas"]
+
+
+def wait_reports_newer_than(url: str, t: float, timeout_s: float = 20.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        reps = replicas(url)
+        if reps and all(r["reported_at_s"] > t for r in reps.values()):
+            return reps
+        time.sleep(STATS_PERIOD_S)
+    raise TimeoutError("replica reports did not refresh")
+
+
+def score_body(query: list[int], item: int, **extra: Any) -> dict[str, Any]:
+    return {"query": query, "items": [[item, item + 1]], "label_token_ids": [11, 12], **extra}
+
+
+# ----------------------------------------------------------------------------- config files
+
+
+def test_app_builder_for_serve_config_files() -> None:
+    """deploy/rayservice.yaml's entry: ClusterConfig fields + replica Settings; bad options fail
+    the deploy with the reason (no cluster needed to check)."""
+    import yaml
+
+    from app.cluster.deployment import app_builder
+
+    manifest = yaml.safe_load(open("deploy/rayservice.yaml"))
+    serve_config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    (application,) = serve_config["applications"]
+    assert application["import_path"] == "app.cluster.deployment:app_builder"
+    assert application["args"]["replica_num_gpus"] == 1
+    built = app_builder({**application["args"], "replica_settings": {"model": "random:tiny"}})
+    assert type(built).__name__ == "Application"
+    with pytest.raises(ValueError, match="block_size"):
+        app_builder({"replica_settings": {"model": "random:tiny", "block_size": 3}})
+    with pytest.raises(ValueError, match="router"):
+        app_builder({"router": "random"})
+
+
+# ----------------------------------------------------------------------------- endpoints
+
+
+def test_every_endpoint_through_the_ingress(cluster: str) -> None:
+    client = openai.OpenAI(base_url=cluster + "/v1", api_key="none", max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == ["random:tiny"]
+
+    chat = client.chat.completions.create(
+        model="random:tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=5
+    )
+    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 5
+    stream = client.chat.completions.create(
+        model="random:tiny",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+    comp = client.completions.create(model="random:tiny", prompt="Hello", max_tokens=4)
+    assert comp.choices[0].finish_reason == "length" and comp.usage.completion_tokens == 4
+    comp_stream = list(
+        client.completions.create(model="random:tiny", prompt="Hello", max_tokens=4, stream=True)
+    )
+    assert sum(1 for c in comp_stream if c.choices and c.choices[0].text) >= 1
+
+    # Raw SSE, parsed strictly: the ingress relays the replica's events byte for byte.
+    resp = httpx.post(
+        cluster + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "stream": True},
+        timeout=60,
+    )
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+    payloads = parse_sse_strict(resp.content)
+    assert payloads[-1] == "[DONE]"
+    events = [json.loads(p) for p in payloads[:-1]]
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+    score = httpx.post(cluster + "/v1/score", json=score_body(list(range(20, 60)), 7), timeout=60)
+    assert score.status_code == 200, score.text
+    probs = score.json()["scores"][0]
+    assert len(probs) == 2 and abs(sum(probs) - 1.0) < 1e-4
+    assert score.headers["x-greenlane-replica"] in replicas(cluster)
+
+    assert httpx.get(cluster + "/health", timeout=30).json() == {"status": "ok"}
+    metrics = httpx.get(cluster + "/metrics", timeout=30)
+    assert metrics.status_code == 200
+    assert "greenlane_cluster_replicas 2.0" in metrics.text
+    assert 'greenlane_cluster_requests_total{endpoint="/v1/score",status="200"}' in metrics.text
+    assert metrics.text.count("greenlane_cluster_replica_queue_depth{replica=") == 2
+
+
+def test_errors_keep_the_openai_shape(cluster: str) -> None:
+    bad = httpx.post(cluster + "/v1/chat/completions", json={"messages": []}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    garbage = httpx.post(cluster + "/v1/completions", content=b"{nope", timeout=30)
+    assert garbage.status_code == 400
+    assert garbage.json()["error"]["type"] == "invalid_request_error"
+    missing = httpx.get(cluster + "/v1/nothing", timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+def test_sse_is_relayed_chunk_by_chunk(cluster: str) -> None:
+    """Events reach the client as the engine makes them, not in one buffered piece."""
+    arrivals: list[float] = []
+    body = {
+        "messages": [{"role": "user", "content": "Tell me a story"}],
+        "max_tokens": 48,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", cluster + "/v1/chat/completions", json=body, timeout=60) as resp:
+        raw = b""
+        for chunk in resp.iter_raw():
+            arrivals.append(time.monotonic())
+            raw += chunk
+    assert len(parse_sse_strict(raw)) == 48 + 3  # role chunk, 48 tokens, finish, [DONE]
+    assert len(arrivals) >= 10
+    assert arrivals[-1] - arrivals[0] > 0.02  # spread over the decode, not all at the end
+
+
+# ----------------------------------------------------------------------------- affinity
+
+
+def test_one_users_requests_land_on_one_replica_and_hit_its_cache(cluster: str) -> None:
+    httpx.post(cluster + "/admin/api/prefix-cache/reset", timeout=60).raise_for_status()
+    profile = list(range(300, 300 + 320))  # 20 KV blocks of 16: the key window is 256 ids
+    before = time.time()
+    homes = set()
+    for i in range(6):
+        r = httpx.post(cluster + "/v1/score", json=score_body(profile, 40 + 2 * i), timeout=60)
+        assert r.status_code == 200, r.text
+        homes.add(r.headers["x-greenlane-replica"])
+    assert len(homes) == 1
+    (home,) = homes
+    reps = wait_reports_newer_than(cluster, time.time())
+    assert set(reps) >= {home} and len(reps) == 2
+    other = next(r for r in reps if r != home)
+    # The profile was computed once, on the home; the other five requests found it cached.
+    assert reps[home]["prefix_hit_tokens"] >= 5 * 320 - 5 * 16
+    assert reps[other]["prefix_hit_tokens"] == 0
+    assert before < reps[home]["reported_at_s"]
+
+    # An explicit user sticks too, even with prompts too short to have a prefix key.
+    users = {}
+    for name in ("alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi"):
+        seen = set()
+        for i in range(3):
+            r = httpx.post(
+                cluster + "/v1/completions",
+                json={"prompt": f"hi {i}", "max_tokens": 1, "user": name},
+                timeout=60,
+            )
+            assert r.status_code == 200, r.text
+            seen.add(r.headers["x-greenlane-replica"])
+        assert len(seen) == 1, name
+        users[name] = seen.pop()
+    assert len(set(users.values())) == 2  # 8 users over 2 replicas: both get some (p = 1 - 2^-7)
+
+
+def test_prefix_cache_reset_reaches_every_replica(cluster: str) -> None:
+    r = httpx.post(cluster + "/admin/api/prefix-cache/reset", timeout=60)
+    assert r.status_code == 200
+    reply = r.json()
+    assert len(reply["replicas"]) == 2
+    reps = replicas(cluster)
+    assert all(s["reset_epoch_done"] >= reply["reset_epoch"] for s in reps.values())
+
+
+# ----------------------------------------------------------------------------- overload
+
+
+def test_overload_is_429_with_retry_after(cluster: str) -> None:
+    """2 replicas x (4 running + 4 queued) + 4 waiting in the ingress = 20 admitted; 40 long
+    requests at once: the rest are turned away at once, not left hanging."""
+
+    async def burst() -> list[httpx.Response]:
+        body = {"prompt": "Once upon a time", "max_tokens": 128, "ignore_eos": True}
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(
+                *(client.post(cluster + "/v1/completions", json=body) for _ in range(40))
+            )
+
+    started = time.monotonic()
+    responses = asyncio.run(burst())
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 429}, codes
+    assert codes.count(429) >= 10 and codes.count(200) >= 8
+    for r in responses:
+        if r.status_code == 429:
+            assert int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["type"] == "rate_limit_error"
+    assert time.monotonic() - started < 110
+
+
+# ----------------------------------------------------------------------------- faults (last)
+
+
+def _replica_actor(replica_id: str) -> Any:
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["name"].endswith(f"#GreenlaneReplica#{replica_id}"):
+            return ray.get_actor(entry["name"], namespace=entry["namespace"])
+    raise LookupError(replica_id)
+
+
+def test_killed_replica_is_replaced_and_the_service_answers_throughout(cluster: str) -> None:
+    # Find the victim: the home of user "victim", so a request can be put in flight on it.
+    probe = httpx.post(
+        cluster + "/v1/completions",
+        json={"prompt": "x", "max_tokens": 1, "user": "victim"},
+        timeout=60,
+    )
+    victim = probe.headers["x-greenlane-replica"]
+    survivor = next(r for r in replicas(cluster) if r != victim)
+
+    # Background load for the whole test: short requests from many users, one at a time.
+    stop = threading.Event()
+    results: list[tuple[int, str]] = []
+
+    def load() -> None:
+        i = 0
+        with httpx.Client(timeout=120) as client:
+            while not stop.is_set():
+                i += 1
+                r = client.post(
+                    cluster + "/v1/completions",
+                    json={"prompt": "hello", "max_tokens": 2, "user": f"u{i % 7}"},
+                )
+                results.append((r.status_code, r.text[:200]))
+
+    loader = threading.Thread(target=load, daemon=True)
+    loader.start()
+
+    # A non-streamed request and a stream, both in flight on the victim when it dies.
+    slow = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "user": "victim"}
+    outcome: dict[str, Any] = {}
+
+    def non_streamed() -> None:
+        r = httpx.post(cluster + "/v1/completions", json=slow, timeout=120)
+        outcome["plain"] = (r.status_code, r.headers.get("x-greenlane-replica"), r.json())
+
+    stream_started = threading.Event()
+
+    def streamed() -> None:
+        raw = b""
+        with httpx.stream(
+            "POST", cluster + "/v1/completions", json={**slow, "stream": True}, timeout=120
+        ) as resp:
+            for chunk in resp.iter_raw():
+                raw += chunk
+                stream_started.set()
+        outcome["stream"] = raw
+
+    threads = [threading.Thread(target=non_streamed), threading.Thread(target=streamed)]
+    for t in threads:
+        t.start()
+    assert stream_started.wait(60)
+    time.sleep(0.2)
+    ray.kill(_replica_actor(victim), no_restart=True)
+    for t in threads:
+        t.join(120)
+
+    # The non-streamed request had sent nothing back: it was retried on the other replica.
+    status, served_by, body = outcome["plain"]
+    assert status == 200 and served_by == survivor
+    assert body["usage"]["completion_tokens"] == 400
+    # The stream had started: it ends with a clear error event, then [DONE].
+    payloads = parse_sse_strict(outcome["stream"])
+    assert payloads[-1] == "[DONE]"
+    assert json.loads(payloads[-2])["error"]["code"] == "replica_failed"
+
+    # Ray replaces the replica; the service answers all along.
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        reps = replicas(cluster)
+        if len(reps) == 2 and victim not in reps:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"replica not replaced: {replicas(cluster)}")
+    new = next(r for r in reps if r != survivor)
+    r = httpx.post(
+        cluster + "/v1/completions",
+        json={"prompt": "x", "max_tokens": 1, "user": "victim"},
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.headers["x-greenlane-replica"] in (new, survivor)
+    stop.set()
+    loader.join(120)
+    assert len(results) >= 5
+    failed = [res for res in results if res[0] != 200]
+    assert not failed, failed[:3]
