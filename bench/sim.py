@@ -489,9 +489,11 @@ def _jct_record(model: JCTModel) -> dict[str, Any]:
     return {**model.coefficients, "source": model.source}
 
 
-def cold_slo_s(service: Service, mean_prompt_tokens: float) -> float:
-    """The default P99 SLO: SLO_MULTIPLE x the median cold prefill of a mean-length prompt."""
-    return SLO_MULTIPLE * service.median_s(round(mean_prompt_tokens), 0)
+def cold_slo_s(
+    service: Service, mean_prompt_tokens: float, multiple: float = SLO_MULTIPLE
+) -> float:
+    """The default P99 SLO: `multiple` x the median cold prefill of a mean-length prompt."""
+    return multiple * service.median_s(round(mean_prompt_tokens), 0)
 
 
 def run_experiment(
@@ -508,18 +510,20 @@ def run_experiment(
     token_budget: int = DEFAULT_TOKEN_BUDGET,
     block_size: int = DEFAULT_BLOCK_SIZE,
     slo_p99_s: float | None = None,
+    slo_multiple: float = SLO_MULTIPLE,
     gamma: float | None = None,
     fairness_lambda: float | None = None,
     search: bool = True,
 ) -> dict[str, Any]:
     """Everything `python -m bench.sim` writes, as a JSON-ready dict. Every run starts with an
-    empty cache and a fresh copy of the scheduler's JCT model."""
+    empty cache and a fresh copy of the scheduler's JCT model. The SLO is `slo_p99_s`, else
+    `slo_multiple` x the median cold prefill of a mean-length prompt."""
     setup = setup or build_setup()
     wl = make_workload(workload_name, num_requests, seed, scale)
     if cache_tokens is None:
         cache_tokens = int(cache_fraction * wl.working_set_tokens)
     if slo_p99_s is None:
-        slo_p99_s = cold_slo_s(setup.service, wl.mean_prompt_tokens)
+        slo_p99_s = cold_slo_s(setup.service, wl.mean_prompt_tokens, slo_multiple)
 
     def runner(name: str) -> Callable[[float, float | None], RunStats]:
         def run(qps: float, fail_above_s: float | None = None) -> RunStats:
