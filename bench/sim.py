@@ -234,6 +234,9 @@ def simulate(
     fail_above_s: float | None = None,
     jct_model: JCTModel | None = None,
     arrivals_s: Sequence[float] | None = None,
+    latencies_out: list[float] | None = None,
+    step_overhead_s: float = 0.0,
+    request_overhead_s: float = 0.0,
 ) -> RunStats:
     """Run one (policy, QPS) point.
 
@@ -241,7 +244,11 @@ def simulate(
     `jct_model`, when given, observes every forward (the engine's online refinement: pass the
     model the policy ranks with). `arrivals_s` replaces the workload's unit-rate arrivals / QPS
     (one per request). With `fail_above_s`, stop as soon as more than 1% of the requests are
-    certain to exceed that latency (the max-QPS search; the result is then `stopped_early`)."""
+    certain to exceed that latency (the max-QPS search; the result is then `stopped_early`).
+    `latencies_out` receives every completed request's latency (completion order).
+    `step_overhead_s` is added to every forward (host work on the engine thread between
+    forwards: it delays everything behind it); `request_overhead_s` to every request's latency
+    only (HTTP and front-end work done beside the GPU). Both are 0 unless measured."""
     noise_rng = random.Random(f"noise:{seed}")
     if cache is None:
         if cache_tokens is None:
@@ -273,6 +280,8 @@ def simulate(
     next_arrival = 0
 
     def stats(stopped: bool = False) -> RunStats:
+        if latencies_out is not None:
+            latencies_out.extend(latencies)
         return _stats(
             policy.name,
             qps,
@@ -313,17 +322,18 @@ def simulate(
         for r, hit in zip(batch, hits, strict=True):
             r.num_cached_tokens_now = hit
             items.append(prefill_work(r))
-        duration = service.forward_s(items, noise_rng)
+        duration = service.forward_s(items, noise_rng) + step_overhead_s
         forwards += 1
         extrapolated += not all(service.in_range(u, c) for u, c in items)
         if jct_model is not None:
-            jct_model.observe_batch(items, duration)
+            jct_model.observe_batch(items, duration)  # the engine times the whole step
         now += duration
         cache.release()
+        # (The forward's requests all finish at its end: scoring answers come with the logits.)
         chosen = {id(r) for r in batch}
         waiting = [r for r in waiting if id(r) not in chosen]
         for r, (_u, c) in zip(batch, items, strict=True):
-            latency = now - r.arrival_s
+            latency = now - r.arrival_s + request_overhead_s
             latencies.append(latency)
             hit_tokens += c
             prompt_tokens += r.num_prompt_tokens

@@ -303,3 +303,49 @@ def test_interim_profile_is_what_the_committed_results_give() -> None:
     assert {p.uncached for p in measured} == {1024, 4096, 16384, 32768}
     assert all(p.cached == 0 and len(p.seconds) == len(SOURCES) for p in measured)
     assert all(p.origin == "derived" for p in shipped.points if p.cached > 0)
+
+
+def test_overheads_delay_requests_and_only_step_overhead_loads_the_gpu() -> None:
+    reqs = [SimRequestSpec(f"r{i}", 0.0, None, 0, 1000) for i in range(3)]
+    wl = sim.Workload(make_workload("short-scoring", 1, 0).spec, reqs, {})
+    svc = JCTService(JCTModel(), noise_sigma=0.0)
+
+    def run(**kw) -> sim.RunStats:
+        return sim.simulate(
+            wl, make_policy("fcfs"), 1.0, service=svc, cache_tokens=0, token_budget=1, **kw
+        )
+
+    base = run()
+    step = run(step_overhead_s=0.1)
+    req = run(request_overhead_s=0.1)
+    assert step.makespan_s == pytest.approx(base.makespan_s + 0.3)  # three forwards
+    assert step.max_latency_s == pytest.approx(base.max_latency_s + 0.3)
+    assert req.makespan_s == base.makespan_s
+    assert req.max_latency_s == pytest.approx(base.max_latency_s + 0.1)
+
+
+def test_sweep_reports_mean_and_spread_over_seeds(tmp_path) -> None:
+    from bench import sim_sweep
+
+    out = tmp_path / "s.json"
+    argv = ["--workload", "post-recommendation", "--sweep", "lambda", "--values", "0,0.1"]
+    argv += ["--seeds", "0,1", "--policies", "srjf", "--qps", "6", "--num-requests", "150"]
+    assert sim_sweep.main([*argv, "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["policies"] == ["fcfs", "srjf"]  # FCFS joins as the baseline
+    assert len(data["raw"]) == 4
+    agg = {(e["value"], e["policy"]): e for e in data["aggregate"]}
+    for lam in (0.0, 0.1):
+        per_seed = [r["max_qps_at_slo"]["srjf"] for r in data["raw"] if r["value"] == lam]
+        s = agg[(lam, "srjf")]["max_qps"]
+        assert s["mean"] == pytest.approx(sum(per_seed) / 2)
+        assert (s["min"], s["max"]) == (min(per_seed), max(per_seed))
+        ratios = [
+            r["max_qps_at_slo"]["srjf"] / r["max_qps_at_slo"]["fcfs"]
+            for r in data["raw"]
+            if r["value"] == lam
+        ]
+        assert agg[(lam, "srjf")]["max_qps_over_fcfs"]["mean"] == pytest.approx(sum(ratios) / 2)
+    # FCFS does not depend on lambda: it ran once per seed and is the same for every value.
+    assert agg[(0.0, "fcfs")]["max_qps"] == agg[(0.1, "fcfs")]["max_qps"]
+    assert "λ" in sim_sweep.markdown(data)
