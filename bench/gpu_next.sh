@@ -19,6 +19,10 @@
 #   bash bench/gpu_next.sh m REV          # llama-3.1-8b long-data, 3 sides in one run
 #   bash bench/gpu_next.sh n REV          # next: auto with layer slicing, 8B score+chat and
 #                                         #   long-data
+#   bash bench/gpu_next.sh o REV          # issue 17: prefill profile, then SRJF vs FCFS over
+#                                         #   HTTP (post recommendation, KV pool 0.5x/1x/default)
+#   bash bench/gpu_next.sh p REV          # issue 17, second call: SPF and srjf-oneshot, the
+#                                         #   default pool, credit verification
 # Carry: .whl .fi_cache .cache/smollm2-tok. Results in $OUT: gpu-runtime-*.json (suite),
 # partition-*.json (serving; merge them with `python -m bench.gpu_serving --merge ...`),
 # server logs, fi_cache.tar.gz if the FlashInfer cache grew.
@@ -165,7 +169,30 @@ case $plan in
     timeout 160 python3 -m bench.shared_prefix --model random:llama-3.1-8b --device cuda \
       --max-gpu-memory-gb 60 --users 8 --items 4 --profile-tokens 12000 --item-tokens 150 \
       --repeats 2 --out "$OUT/shared-prefix-gpu-$(date +%F).json" || rc=1 ;;
-  *) echo "unknown plan $plan (a to n)"; exit 2 ;;
+  o)
+    # Issue 17 in one call (DEADLINE_S=560): the prefill profile (the simulator's service
+    # times; its JCT calibration is served), then max QPS at the P99 SLO by bisection per policy
+    # on post recommendation (full scale) with the KV pool at 0.5x the working set (FCFS and
+    # SRJF, two repeats), 1x, the default size, and SPF / srjf-oneshot at 0.5x, in that order:
+    # what would overrun the deadline is skipped and recorded (expected: the last two parts).
+    python3 -m bench.gpu_scheduling --model random:llama-3.1-8b --rev "$rev" \
+      --out-dir $work/sched --duration-s 6 --start-s 30 --profile-s 75 \
+      --parts "post-recommendation:0.5:fcfs,srjf:2;post-recommendation:1:fcfs,srjf:1;post-recommendation:default:fcfs,srjf:1;post-recommendation:0.5:spf,srjf-oneshot:1" \
+      --command "bash bench/gpu_next.sh o $rev" \
+      --deadline-s "$(( $(left) - 15 ))" || rc=1
+    cp $work/sched/gpu-scheduling-*.json $work/sched/prefill-profile-*.json "$OUT/" ;;
+  p)
+    # Issue 17, what plan o leaves out: SPF and srjf-oneshot next to FCFS at 0.5x, the default
+    # pool, credit verification (scale 0.25: 60 users x 10k-15k tokens, so that 1x its working
+    # set fits the H200) at 0.5x and 1x. Uses the calibration plan o measured if carried.
+    python3 -m bench.gpu_scheduling --model random:llama-3.1-8b --rev "$rev" \
+      --out-dir $work/sched --duration-s 6 --start-s 30 --no-profile \
+      $( [ -f bench/results/jct-calibration-h200.json ] && echo --jct-calibration bench/results/jct-calibration-h200.json ) \
+      --parts "post-recommendation:0.5:fcfs,spf,srjf-oneshot:1;post-recommendation:default:fcfs,srjf:1;credit-verification:0.5:fcfs,srjf:1;credit-verification:1:fcfs,srjf:1" \
+      --tag gpu-scheduling-p --command "bash bench/gpu_next.sh p $rev" \
+      --deadline-s "$(( $(left) - 15 ))" || rc=1
+    cp $work/sched/gpu-scheduling-*.json "$OUT/" ;;
+  *) echo "unknown plan $plan (a to p)"; exit 2 ;;
 esac
 cp $work/partition-*.json "$OUT/" 2>/dev/null
 tar czf "$OUT/serving-$plan.tar.gz" -C $work . 2>/dev/null

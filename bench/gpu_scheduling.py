@@ -530,6 +530,13 @@ class Orchestrator:
 
     def run(self) -> int:
         self.load_workloads()
+        if self.args.dry_run:
+            plan = self.plan()
+            total = sum(t for _, t in plan)
+            for step, t in plan:
+                print(f"  {step:55s} ~{t:5.0f} s")
+            print(f"total ~{total:.0f} s (deadline {self.args.deadline_s:.0f} s); nothing run")
+            return 0
         self.save()
         if self.args.profile:
             self.run_profile()
@@ -691,6 +698,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="bench.serve --tokenizer (default: the default model's)")
     p.add_argument("--record-requests", type=int, default=400, help="request shapes recorded")
     p.add_argument("--smoke", action="store_true", help="CPU plumbing check (random:tiny)")
+    p.add_argument(
+        "--dry-run", action="store_true", help="print the plan's time estimates; run nothing"
+    )
     p.add_argument("--report", metavar="RESULTS_JSON", help="no runs: print the table (and --plot)")
     p.add_argument("--plot", help="with --report: latency-vs-QPS PNG")
     return p
