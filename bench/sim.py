@@ -43,7 +43,7 @@ from bench.sim_profile import (
     ProfileService,
     fit_jct,
 )
-from bench.sim_workloads import WORKLOAD_NAMES, Workload, make_workload
+from bench.sim_workloads import WORKLOAD_NAMES, SimRequestSpec, Workload, make_workload
 from policies import JCTModel, Policy, make_policy, prefill_work
 
 SLO_MULTIPLE = 10.0  # default P99 SLO = 10x the median cold prefill of a mean-length prompt
@@ -346,6 +346,51 @@ def simulate(
     return stats()
 
 
+def prime_cache(
+    cache: BlockPrefixCache,
+    requests: Sequence[Any],
+    service: Service,
+    jct_model: JCTModel | None = None,
+) -> None:
+    """One forward per request, in order, before a run (`bench.serve --prime-prefixes`): the
+    cache then holds what it keeps of every user's profile, least recent first. The scheduler's
+    model observes these forwards, as the engine's does. `requests`: SimRequestSpec-like."""
+    rng = random.Random("prime")
+    for r in requests:
+        view = SimRequest(
+            r.request_id,
+            0.0,
+            r.num_prompt_tokens,
+            r.prefix_key,
+            r.prefix_tokens,
+            r.item_key,
+            0,
+            r.num_prompt_tokens,
+        )
+        view.num_cached_tokens_now = cache.admit([view])[0]
+        items = [prefill_work(view)]
+        duration = service.forward_s(items, rng)
+        if jct_model is not None:
+            jct_model.observe_batch(items, duration)
+        cache.release()
+
+
+def priming_requests(workload: Workload) -> list[SimRequestSpec]:
+    """One request per user, in user order: the user's first request in the workload (its
+    post), or its profile plus the shortest suffix if it never appears."""
+    first: dict[str, SimRequestSpec] = {}
+    for r in workload.requests:
+        if r.prefix_key is not None and r.prefix_key not in first:
+            first[r.prefix_key] = r
+    out = []
+    for user, tokens in workload.prefix_tokens_by_user.items():
+        r = first.get(user)
+        suffix = r.num_prompt_tokens - r.prefix_tokens if r else workload.spec.suffix_min_tokens
+        item = r.item_key if r else None
+        out.append(SimRequestSpec(f"prime-{user}", 0.0, user, tokens, tokens + suffix, item))
+    return out
+
+
 def _stats(
     name: str,
     qps: float,
@@ -524,16 +569,19 @@ def run_experiment(
     gamma: float | None = None,
     fairness_lambda: float | None = None,
     search: bool = True,
+    prime: bool = False,
 ) -> dict[str, Any]:
     """Everything `python -m bench.sim` writes, as a JSON-ready dict. Every run starts with an
-    empty cache and a fresh copy of the scheduler's JCT model. The SLO is `slo_p99_s`, else
-    `slo_multiple` x the median cold prefill of a mean-length prompt."""
+    empty cache (with `prime`: one request per user first, as a running service's cache) and
+    a fresh copy of the scheduler's JCT model. The SLO is `slo_p99_s`, else `slo_multiple` x
+    the median cold prefill of a mean-length prompt."""
     setup = setup or build_setup()
     wl = make_workload(workload_name, num_requests, seed, scale)
     if cache_tokens is None:
         cache_tokens = int(cache_fraction * wl.working_set_tokens)
     if slo_p99_s is None:
         slo_p99_s = cold_slo_s(setup.service, wl.mean_prompt_tokens, slo_multiple)
+    priming = priming_requests(wl) if prime else []
 
     def runner(name: str) -> Callable[[float, float | None], RunStats]:
         def run(qps: float, fail_above_s: float | None = None) -> RunStats:
@@ -541,12 +589,15 @@ def run_experiment(
             # refinement must not leak across runs.
             jct = setup.new_jct()
             pol = make_policy(name, jct_model=jct, gamma=gamma, fairness_lambda=fairness_lambda)
+            cache = BlockPrefixCache(cache_tokens, block_size)
+            if prime:
+                prime_cache(cache, priming, setup.service, jct if setup.online_refit else None)
             return simulate(
                 wl,
                 pol,
                 qps,
                 service=setup.service,
-                cache=BlockPrefixCache(cache_tokens, block_size),
+                cache=cache,
                 token_budget=token_budget,
                 seed=seed,
                 fail_above_s=fail_above_s,
@@ -577,6 +628,7 @@ def run_experiment(
         **setup.record,
         "gamma_tokens_per_s": gamma,
         "fairness_lambda": fairness_lambda,
+        "primed": prime,
         "slo_p99_s": slo_p99_s,
         "results": results,
         "max_qps_at_slo": max_qps,
@@ -680,6 +732,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gamma", type=float, help="SPF aging, tokens per second of wait")
     p.add_argument("--fairness-lambda", type=float, help="SRJF offset, s of JCT per s of wait")
     p.add_argument("--no-search", action="store_true", help="skip the max-QPS-at-SLO search")
+    p.add_argument(
+        "--prime",
+        action="store_true",
+        help="each run starts from a primed cache (one request per user), not an empty one",
+    )
     p.add_argument("--out", required=True)
     p.add_argument("--plot")
     args = p.parse_args(argv)
@@ -703,6 +760,7 @@ def main(argv: list[str] | None = None) -> int:
         gamma=args.gamma,
         fairness_lambda=args.fairness_lambda,
         search=not args.no_search,
+        prime=args.prime,
     )
     data["command"] = "python -m bench.sim " + " ".join(argv if argv is not None else sys.argv[1:])
     with open(args.out, "w", encoding="utf-8") as f:

@@ -67,6 +67,7 @@ def sweep(
     fairness_lambda: float | None = None,
     token_budget: int = DEFAULT_TOKEN_BUDGET,
     slo_multiple: float = SLO_MULTIPLE,
+    prime: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Run every (value, seed); returns raw per-seed results and the aggregates."""
@@ -98,6 +99,7 @@ def sweep(
                 setup=setup,
                 token_budget=token_budget,
                 slo_multiple=slo_multiple,
+                prime=prime,
                 **kwargs,
             )
             if kind == "lambda":
@@ -144,6 +146,7 @@ def sweep(
         "fairness_lambda": fairness_lambda if kind == "cache" else None,
         "token_budget": token_budget,
         "slo_multiple": slo_multiple,
+        "primed": prime,
         **setup.record,
         "raw": raw,
         "aggregate": aggregate(raw, values, policies, qps_list),
@@ -231,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         default=SLO_MULTIPLE,
         help="P99 SLO = this x the median cold prefill of a mean-length prompt",
     )
+    p.add_argument("--prime", action="store_true", help="runs start from a primed cache")
     add_setup_args(p)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -252,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         fairness_lambda=args.fairness_lambda,
         token_budget=args.prefill_token_budget,
         slo_multiple=args.slo_multiple,
+        prime=args.prime,
     )
     data["command"] = "python -m bench.sim_sweep " + " ".join(
         argv if argv is not None else sys.argv[1:]

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import statistics
 import sys
 import zlib
@@ -44,42 +43,21 @@ import numpy as np
 from bench.serve import arrival_times_s, search_max_qps
 from bench.sim import (
     BlockPrefixCache,
-    SimRequest,
     SimSetup,
     add_setup_args,
     build_setup,
+    prime_cache,
     run_experiment,
     simulate,
 )
 from bench.sim_workloads import from_bench_requests
 from bench.workloads import WorkloadGenerator, load_tokenizer
-from policies import JCTModel, make_policy, prefill_work
+from policies import JCTModel, make_policy
 
 ISSUE_POINT = {
     4.0: {"mean": 0.48, "p99": 0.96},
     8.0: {"mean": 0.20, "p99": 0.33, "completed_per_s": 1.62},
 }
-
-
-def prime(cache: BlockPrefixCache, setup: SimSetup, jct: JCTModel, reqs: list[Any]) -> None:
-    """One forward per request, in order (bench.serve --prime-prefixes); the scheduler's
-    model observes them, as the engine's does."""
-    rng = random.Random("prime")
-    for r in reqs:
-        view = SimRequest(
-            r.request_id,
-            0.0,
-            r.num_prompt_tokens,
-            r.prefix_key,
-            r.prefix_tokens,
-            r.item_key,
-            0,
-            r.num_prompt_tokens,
-        )
-        view.num_cached_tokens_now = cache.admit([view])[0]
-        items = [prefill_work(view)]
-        jct.observe_batch(items, setup.service.forward_s(items, rng))
-        cache.release()
 
 
 class Replayer:
@@ -130,7 +108,8 @@ class Replayer:
         timeout_s = float(s["request_timeout_s"][workload])
         gen = self.gen(workload, seed)
         cache.reset()
-        prime(cache, self.setup, jct, from_bench_requests(workload, gen.group_requests()).requests)
+        priming = from_bench_requests(workload, gen.group_requests()).requests
+        prime_cache(cache, priming, self.setup.service, jct)
         probes: dict[str, Any] = {}
 
         async def run_at(qps: float) -> dict[str, Any]:

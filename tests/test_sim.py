@@ -349,3 +349,25 @@ def test_sweep_reports_mean_and_spread_over_seeds(tmp_path) -> None:
     # FCFS does not depend on lambda: it ran once per seed and is the same for every value.
     assert agg[(0.0, "fcfs")]["max_qps"] == agg[(0.1, "fcfs")]["max_qps"]
     assert "λ" in sim_sweep.markdown(data)
+
+
+def test_primed_runs_start_with_the_users_cached() -> None:
+    wl = make_workload("post-recommendation", 100, seed=0)
+    prime = sim.priming_requests(wl)
+    assert [r.prefix_key for r in prime] == list(wl.prefix_tokens_by_user)
+    cache = sim.BlockPrefixCache(wl.working_set_tokens * 2)
+    svc = sim.build_setup().service
+    sim.prime_cache(cache, prime, svc)
+    # A cache as large as the working set keeps every profile: each user's next request hits.
+    for r in prime:
+        view = sim.SimRequest("x", 0.0, r.prefix_tokens + 150, r.prefix_key, r.prefix_tokens)
+        assert cache.peek(view) == r.prefix_tokens // 16 * 16
+    cold = sim.run_experiment(
+        "post-recommendation", ["fcfs"], [2.0], num_requests=100, search=False
+    )
+    warm = sim.run_experiment(
+        "post-recommendation", ["fcfs"], [2.0], num_requests=100, search=False, prime=True
+    )
+    assert warm["primed"] and not cold["primed"]
+    hit = lambda d: d["results"][0]["cache_hit_token_fraction"]  # noqa: E731
+    assert hit(warm) > hit(cold)
