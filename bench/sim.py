@@ -47,6 +47,7 @@ from bench.sim_workloads import WORKLOAD_NAMES, SimRequestSpec, Workload, make_w
 from policies import JCTModel, Policy, make_policy, prefill_work
 
 SLO_MULTIPLE = 10.0  # default P99 SLO = 10x the median cold prefill of a mean-length prompt
+MIN_SPAN_SLOS = 10.0  # a run's arrivals span at least this many SLOs (run_experiment)
 DEFAULT_TOKEN_BUDGET = 8192  # EngineConfig.prefill_token_budget's default
 DEFAULT_BLOCK_SIZE = 16  # EngineConfig.block_size's default
 
@@ -433,20 +434,22 @@ def max_qps_at_slo(
     """Highest QPS whose P99 meets the SLO: doubling to bracket, then bisection.
 
     `run(qps, fail_above_s)` returns RunStats. Assumes P99 grows with QPS (it does with the
-    common-random-number arrivals, up to noise); returns 0.0 if even `start_qps` fails.
+    common-random-number arrivals, up to noise); returns 0.0 if even `start_qps` fails and
+    `max_qps` if that passes (a cap, e.g. the burst capacity: no longer run sustains more).
     """
 
     def meets(qps: float) -> bool:
         st = run(qps, slo_p99_s)
         return not st.stopped_early and st.p99_latency_s <= slo_p99_s
 
+    start_qps = min(start_qps, max_qps)
     if not meets(start_qps):
         lo, hi = 0.0, start_qps
     else:
-        lo, hi = start_qps, start_qps * 2
-        while hi <= max_qps and meets(hi):
-            lo, hi = hi, hi * 2
-        if hi > max_qps:
+        lo, hi = start_qps, min(start_qps * 2, max_qps)
+        while hi > lo and meets(hi):
+            lo, hi = hi, min(hi * 2, max_qps)
+        if hi <= lo:
             return lo
     while hi - lo > rel_tol * hi:
         mid = (lo + hi) / 2
@@ -570,11 +573,18 @@ def run_experiment(
     fairness_lambda: float | None = None,
     search: bool = True,
     prime: bool = False,
+    min_span_slos: float = MIN_SPAN_SLOS,
 ) -> dict[str, Any]:
     """Everything `python -m bench.sim` writes, as a JSON-ready dict. Every run starts with an
     empty cache (with `prime`: one request per user first, as a running service's cache) and
     a fresh copy of the scheduler's JCT model. The SLO is `slo_p99_s`, else `slo_multiple` x
-    the median cold prefill of a mean-length prompt."""
+    the median cold prefill of a mean-length prompt.
+
+    Finite runs flatter a max-QPS search: a run shorter than the SLO passes at any load its
+    backlog can drain within the SLO. So a run at `qps` has at least `qps * min_span_slos *
+    SLO` requests (arrivals spanning that many SLOs; the first `num_requests` are the same
+    for every QPS), and the search is capped at the policy's burst capacity (all
+    `num_requests` at once: requests / makespan; a steady load above it cannot be served)."""
     setup = setup or build_setup()
     wl = make_workload(workload_name, num_requests, seed, scale)
     if cache_tokens is None:
@@ -582,9 +592,16 @@ def run_experiment(
     if slo_p99_s is None:
         slo_p99_s = cold_slo_s(setup.service, wl.mean_prompt_tokens, slo_multiple)
     priming = priming_requests(wl) if prime else []
+    longer: dict[int, Workload] = {num_requests: wl}
+
+    def workload_for(qps: float) -> Workload:
+        n = max(num_requests, math.ceil(qps * min_span_slos * slo_p99_s))
+        if n not in longer:
+            longer[n] = make_workload(workload_name, n, seed, scale)
+        return longer[n]
 
     def runner(name: str) -> Callable[[float, float | None], RunStats]:
-        def run(qps: float, fail_above_s: float | None = None) -> RunStats:
+        def run(qps: float, fail_above_s: float | None = None, burst: bool = False) -> RunStats:
             # A fresh policy and model per run: srjf-oneshot's memory and the online
             # refinement must not leak across runs.
             jct = setup.new_jct()
@@ -593,7 +610,7 @@ def run_experiment(
             if prime:
                 prime_cache(cache, priming, setup.service, jct if setup.online_refit else None)
             return simulate(
-                wl,
+                wl if burst else workload_for(qps),
                 pol,
                 qps,
                 service=setup.service,
@@ -608,13 +625,16 @@ def run_experiment(
 
     results = []
     max_qps: dict[str, float] = {}
+    capacity: dict[str, float] = {}
     for name in policy_names:
         run = runner(name)
         for qps in qps_list:
             st = run(qps)
             results.append({k: getattr(st, k) for k in st.__slots__ if k != "stopped_early"})
         if search:
-            max_qps[name] = round(max_qps_at_slo(run, slo_p99_s), 4)
+            burst = run(1e9, None, True)
+            capacity[name] = round(num_requests / burst.makespan_s, 4)
+            max_qps[name] = round(max_qps_at_slo(run, slo_p99_s, max_qps=capacity[name]), 4)
     return {
         "workload": workload_name,
         "workload_note": wl.spec.note,
@@ -630,8 +650,10 @@ def run_experiment(
         "fairness_lambda": fairness_lambda,
         "primed": prime,
         "slo_p99_s": slo_p99_s,
+        "min_span_slos": min_span_slos,
         "results": results,
         "max_qps_at_slo": max_qps,
+        "burst_capacity_qps": capacity,
     }
 
 

@@ -27,7 +27,8 @@ Service-time model (no fitted formula: interpolation of the measurements):
 * median(u, c): for each measured cached level c_j with >= 2 batch-1 points, time is
   piecewise-linear in u between measured points; above the largest u it follows the power law
   through the last two points (log-log: prefill time grows faster than linearly, by attention);
-  below the smallest u it is flat (a forward of a few tokens costs its floor, not less). Between
+  below the smallest u it is flat (a forward of a few tokens costs its floor, not less), except
+  for the extra cost of a cached prefix, which shrinks with u (attention: u * c pairs). Between
   levels it is linear in c (attention grows linearly in the cached length for a fixed u);
   above the largest level it is extrapolated from the two largest.
 * noise: the median times a ratio drawn from the measured repeats (seconds / median) of the
@@ -289,6 +290,15 @@ class ProfileService:
         """Interpolated median seconds of one prefill of `uncached` tokens after `cached`."""
         u = float(max(uncached, 1))
         c = float(max(cached, 0))
+        u_min = float(self._u_range[0])
+        if u < u_min and c > 0:
+            # Below the grid the token-wise part is flat (the floor) but attention to the
+            # cached prefix still scales with the query count (u * c pairs).
+            flat = self._grid_s(u_min, 0.0)
+            return max(flat + (u / u_min) * (self._grid_s(u_min, c) - flat), 1e-6)
+        return self._grid_s(u, c)
+
+    def _grid_s(self, u: float, c: float) -> float:
         vals = [_interp(u, xs, ys) for xs, ys in self._curves]
         cs = self._cs
         if len(cs) == 1:

@@ -4,6 +4,7 @@ max-QPS search, and service times independent of the scheduler's JCT model."""
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -114,6 +115,7 @@ def test_profile_service_interpolates_the_measurements() -> None:
     assert s.median_s(1000, 10000) == pytest.approx(0.200)
     assert s.median_s(550, 0) == pytest.approx(0.055)  # linear between measured points
     assert s.median_s(10, 0) == pytest.approx(0.010)  # flat below: a forward costs its floor
+    assert s.median_s(10, 10000) == pytest.approx(0.011)  # ... but cached attention scales
     assert s.median_s(20000, 0) == pytest.approx(2.0 * 2 ** (1.30103), rel=1e-3)  # power law
     assert s.median_s(100, 5000) == pytest.approx(0.015)  # linear in the cached length
     assert s.in_range(500, 5000) and not s.in_range(20000, 0)
@@ -211,7 +213,13 @@ def test_simulator_is_deterministic_and_json_has_required_keys(tmp_path) -> None
     assert len(d1["results"]) == 6
     for row in d1["results"]:
         assert {"policy", "qps", "mean_latency_s", "p99_latency_s", "completed"} <= set(row)
-        assert row["completed"] == 200
+        # At least 200 requests, more when 200 arrive within 10 SLOs (finite runs flatter).
+        span = d1["min_span_slos"] * d1["slo_p99_s"]
+        assert row["completed"] == max(200, math.ceil(row["qps"] * span))
+    assert d1["results"][0]["completed"] == 200 and d1["results"][1]["completed"] > 200
+    assert set(d1["burst_capacity_qps"]) == set(d1["max_qps_at_slo"])
+    for name, q in d1["max_qps_at_slo"].items():
+        assert q <= d1["burst_capacity_qps"][name]  # no search beyond what a burst sustains
     assert set(d1["max_qps_at_slo"]) == {"fcfs", "srjf", "srjf-oneshot"}
     # Another seed draws other requests.
     assert sim.main([*args[:-3], "8", "--num-requests", "200", "--out", str(out2)]) == 0
@@ -229,6 +237,9 @@ def test_max_qps_search_brackets_and_bisects() -> None:
     assert sim.max_qps_at_slo(run, 3.0) == pytest.approx(3.0, rel=0.02)
     assert sim.max_qps_at_slo(run, 0.01) == pytest.approx(0.01, rel=0.02)
     assert sim.max_qps_at_slo(run, 3.0) <= 3.0
+    # A cap (the burst capacity) ends the doubling: a system that always passes gets the cap.
+    assert sim.max_qps_at_slo(run, 1e9, max_qps=5.0) == 5.0
+    assert sim.max_qps_at_slo(run, 3.0, max_qps=2.5) == 2.5
 
 
 def test_batching_packs_short_prompts_up_to_the_budget() -> None:
