@@ -175,8 +175,11 @@ case $plan in
     # on post recommendation (full scale) with the KV pool at 0.5x the working set (FCFS and
     # SRJF, two repeats), 1x, the default size, and SPF / srjf-oneshot at 0.5x, in that order:
     # what would overrun the deadline is skipped and recorded (expected: the last two parts).
+    # FCFS's first probes: the simulator's predictions for this protocol (interim profile),
+    # rounded down; every other search starts at FCFS's measured max QPS.
     python3 -m bench.gpu_scheduling --model random:llama-3.1-8b --rev "$rev" \
-      --out-dir $work/sched --duration-s 6 --start-s 30 --profile-s 75 \
+      --out-dir $work/sched --duration-s 8 --start-s 30 --profile-s 75 \
+      --start-qps "post-recommendation@0.5=5,post-recommendation@1=12,post-recommendation@default=20" \
       --parts "post-recommendation:0.5:fcfs,srjf:2;post-recommendation:1:fcfs,srjf:1;post-recommendation:default:fcfs,srjf:1;post-recommendation:0.5:spf,srjf-oneshot:1" \
       --command "bash bench/gpu_next.sh o $rev" \
       --deadline-s "$(( $(left) - 15 ))" || rc=1
@@ -186,7 +189,8 @@ case $plan in
     # pool, credit verification (scale 0.25: 60 users x 10k-15k tokens, so that 1x its working
     # set fits the H200) at 0.5x and 1x. Uses the calibration plan o measured if carried.
     python3 -m bench.gpu_scheduling --model random:llama-3.1-8b --rev "$rev" \
-      --out-dir $work/sched --duration-s 6 --start-s 30 --no-profile \
+      --out-dir $work/sched --duration-s 8 --start-s 30 --no-profile \
+      --start-qps "post-recommendation@0.5=5,post-recommendation@default=20,credit-verification=3" \
       $( [ -f bench/results/jct-calibration-h200.json ] && echo --jct-calibration bench/results/jct-calibration-h200.json ) \
       --parts "post-recommendation:0.5:fcfs,spf,srjf-oneshot:1;post-recommendation:default:fcfs,srjf:1;credit-verification:0.5:fcfs,srjf:1;credit-verification:1:fcfs,srjf:1" \
       --tag gpu-scheduling-p --command "bash bench/gpu_next.sh p $rev" \

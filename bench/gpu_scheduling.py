@@ -413,7 +413,8 @@ class Orchestrator:
         if first and first.get("max_qps") and (policy != "fcfs" or repeat > 1):
             start, why = first["max_qps"], "FCFS's max QPS in repeat 1"
         else:
-            start, why = self.start_qps.get(workload, 2.0), "--start-qps"
+            key = f"{workload}@{pool}" if f"{workload}@{pool}" in self.start_qps else workload
+            start, why = self.start_qps.get(key, 2.0), f"--start-qps {key}"
         applied = apply_settings(srv.url, f"policy={policy}")
         http_json(srv.url + "/admin/api/prefix-cache/reset", "POST", {})
         wait_idle(srv.url)
@@ -675,7 +676,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8300)
     p.add_argument("--parts", default=DEFAULT_PARTS, help="workload:pool:policies:repeats;...")
     p.add_argument("--scales", default=DEFAULT_SCALES, help="workload=scale,...")
-    p.add_argument("--start-qps", default=DEFAULT_START_QPS, help="FCFS's first probe per workload")
+    p.add_argument(
+        "--start-qps",
+        default=DEFAULT_START_QPS,
+        help="FCFS's first probe: workload=QPS or workload@pool=QPS (the latter wins)",
+    )
     p.add_argument(
         "--slo-ms", default=DEFAULT_SLO_MS, help="P99 end-to-end latency SLO per workload (ms)"
     )

@@ -190,7 +190,8 @@ class Replayer:
                         if first and first["max_qps"] and (policy != "fcfs" or repeat > 1):
                             start = first["max_qps"]
                         else:
-                            start = float(self.settings["start_qps"].get(wl, 2.0))
+                            starts = self.settings["start_qps"]
+                            start = float(starts.get(key, starts.get(wl, 2.0)))
                         r = self.search(wl, policy, repeat - 1, start, cache, jct)
                         r["repeat"] = repeat
                         sim_res.setdefault(policy, []).append(r)
