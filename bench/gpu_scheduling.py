@@ -54,16 +54,18 @@ from bench.gpu_serving import Budget, Server, apply_settings, http_json, run_har
 DEFAULT_PARTS = (
     "post-recommendation:0.5:fcfs,srjf:2;"
     "post-recommendation:1:fcfs,srjf:1;"
-    "post-recommendation:0.5:spf,srjf-oneshot:1;"
     "post-recommendation:default:fcfs,srjf:1;"
-    "credit-verification:0.5:fcfs,srjf:1;"
-    "credit-verification:1:fcfs,srjf:1"
+    "post-recommendation:0.5:spf,srjf-oneshot:1;"
+    "credit-verification:0.5:fcfs,srjf:1"
 )
 # credit-verification at full scale (40k-60k-token histories, 60 users: ~3M tokens) needs
 # ~390 GB of KV at 1x its working set for an 8B model; at 0.25 (10k-15k, ~750k tokens, ~98 GB)
 # both 0.5x and 1x fit an H200.
 DEFAULT_SCALES = "post-recommendation=1,credit-verification=0.25"
-DEFAULT_START_QPS = "post-recommendation=4,credit-verification=3"
+DEFAULT_START_QPS = (
+    "post-recommendation@0.5=4.5,post-recommendation@1=30,post-recommendation@default=40,"
+    "post-recommendation=4,credit-verification=4"
+)
 # P99 SLO per workload (ms of end-to-end latency): 10x the median cold prefill of a mean-length
 # prompt on the H200 (interim profile: 14,150 tokens 0.36 s; 12,516 at scale 0.25 of credit
 # 0.31 s), as the simulator's default SLO, so that SRJF's default fairness offset (0.1: a cold
@@ -684,7 +686,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--slo-ms", default=DEFAULT_SLO_MS, help="P99 end-to-end latency SLO per workload (ms)"
     )
-    p.add_argument("--duration-s", type=float, default=8.0, help="arrivals per probe (s)")
+    p.add_argument(
+        "--duration-s",
+        type=float,
+        default=14.0,
+        help="arrivals per probe (s); a probe much shorter than the SLO passes loads it cannot "
+        "sustain (its backlog drains within the SLO)",
+    )
     p.add_argument("--num-requests", type=int, default=6, help="requests per probe (--smoke)")
     p.add_argument("--request-timeout-s", type=float, help="default: the SLO + 2 s")
     p.add_argument("--max-probes", type=int, default=4)
