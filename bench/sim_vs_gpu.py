@@ -63,8 +63,11 @@ ISSUE_POINT = {
 class Replayer:
     """The simulated side of one bench.gpu_scheduling results file."""
 
-    def __init__(self, gpu: dict[str, Any], setup: SimSetup, tokenizer: Any) -> None:
+    def __init__(
+        self, gpu: dict[str, Any], setup: SimSetup, tokenizer: Any, planned: bool = False
+    ) -> None:
         self.gpu = gpu
+        self.planned = planned  # replay every planned search, not only those the GPU did
         self.setup = setup
         self.tok = tokenizer
         self.settings = gpu["settings"]
@@ -170,7 +173,7 @@ class Replayer:
         for wl, pool, gparts in groups:
             key = f"{wl}@{pool}"
             gpu_res = (self.gpu["results"].get(wl) or {}).get(pool) or {}
-            if key not in self.gpu["servers"] or not gpu_res:
+            if key not in self.gpu["servers"] or not (gpu_res or self.planned):
                 continue
             cache = BlockPrefixCache(self.pool_tokens(key))
             jct = self.setup.new_jct()  # one server: one model, refined across its searches
@@ -184,7 +187,7 @@ class Replayer:
                             for r in gpu_res.get(policy, [])
                             if r.get("repeat") == repeat and "max_qps" in r
                         ]
-                        if not done:
+                        if not done and not self.planned:
                             continue  # the GPU did not get to it
                         first = next((r for r in sim_res.get("fcfs", []) if r["repeat"] == 1), None)
                         if first and first["max_qps"] and (policy != "fcfs" or repeat > 1):
@@ -197,12 +200,95 @@ class Replayer:
                         sim_res.setdefault(policy, []).append(r)
                         print(
                             f"sim {key} {policy} r{repeat}: max QPS {r['max_qps']} "
-                            f"(GPU {done[0]['max_qps']})",
+                            f"(GPU {done[0]['max_qps'] if done else '-'})",
                             file=sys.stderr,
                             flush=True,
                         )
             out[key] = {"gpu": gpu_res, "sim": sim_res, "pool_tokens": self.pool_tokens(key)}
         return out
+
+
+def planned_file(args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
+    """What bench.gpu_scheduling would record before measuring anything, for `--predict`: its
+    settings, workload shapes and pool sizes (`default` pools: `--default-pool-blocks`)."""
+    from bench.gpu_scheduling import parse_map, parse_parts, pool_blocks
+
+    parts = parse_parts(args.parts)
+    scales, slo_ms = parse_map(args.scales_map), parse_map(args.slo_ms)
+    repeats = max(p["repeats"] for p in parts)
+    workloads: dict[str, Any] = {}
+    for wl in dict.fromkeys(p["workload"] for p in parts):
+        per_seed = {}
+        for seed in range(repeats):
+            g = WorkloadGenerator(wl, tokenizer, seed, scales.get(wl, 1.0), verify=False)
+            users = g.group_prefix_tokens()
+            per_seed[str(seed)] = {
+                "users": users,
+                "working_set_tokens": sum(users.values()),
+                "first_requests": [[r.group, r.num_prompt_tokens] for r in g.take(20)],
+            }
+        workloads[wl] = {"scale": scales.get(wl, 1.0), **per_seed["0"], "per_seed": per_seed}
+    servers = {}
+    for p in parts:
+        ws = workloads[p["workload"]]["working_set_tokens"]
+        blocks = (
+            args.default_pool_blocks
+            if p["pool"] == "default"
+            else pool_blocks(ws, float(p["pool"]))
+        )
+        servers[f"{p['workload']}@{p['pool']}"] = {"num_kv_blocks": blocks}
+    return {
+        "settings": {
+            "parts": parts,
+            "slo_p99_ms": slo_ms,
+            "request_timeout_s": {w: v / 1e3 + 2.0 for w, v in slo_ms.items()},
+            "duration_s": args.duration_s,
+            "num_requests": None,
+            "max_probes": args.max_probes,
+            "search_factor": args.search_factor,
+            "start_qps": parse_map(args.start_qps),
+        },
+        "workloads": workloads,
+        "servers": servers,
+        "results": {},
+    }
+
+
+def predict(args: argparse.Namespace, setup: SimSetup, tokenizer: Any) -> dict[str, Any]:
+    """The simulator's prediction of a bench.gpu_scheduling run (before it runs)."""
+    plan = planned_file(args, tokenizer)
+    replayed = Replayer(plan, setup, tokenizer, planned=True).replay()
+    rows = []
+    for key, v in replayed.items():
+        sim = v["sim"]
+        fcfs = {r["repeat"]: r for r in sim.get("fcfs", [])}
+        for policy, reps in sim.items():
+            for r in reps:
+                base = fcfs.get(r["repeat"])
+                q = str(float(r["start_qps"]))
+                mine = r["probes"].get(q) or {}
+                theirs = (base or {}).get("probes", {}).get(q) or {}
+                rows.append(
+                    {
+                        "server": key,
+                        "policy": policy,
+                        "repeat": r["repeat"],
+                        "max_qps": r["max_qps"],
+                        "ratio_to_fcfs": r["max_qps"] / base["max_qps"]
+                        if base and base["max_qps"] and r["max_qps"]
+                        else None,
+                        "p99_at_start_over_fcfs": mine["p99_ms"] / theirs["p99_ms"]
+                        if mine.get("p99_ms") and theirs.get("p99_ms")
+                        else None,
+                        "all_probes_passed": all(
+                            (p["p99_ms"] or 1e18)
+                            <= plan["settings"]["slo_p99_ms"][key.split("@")[0]]
+                            and not p["failed"]
+                            for p in r["probes"].values()
+                        ),
+                    }
+                )
+    return {"plan": plan["settings"], "rows": rows, "replayed": replayed}
 
 
 def ratios(by_policy: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -381,6 +467,23 @@ def markdown_rows(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def markdown_predict(rows: list[dict[str, Any]]) -> str:
+    def f(v: Any) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
+    lines = [
+        "| server | policy | repeat | predicted max QPS | ÷ FCFS | P99 at FCFS's max ÷ FCFS |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lb = " (≥: every probe passed)" if r["all_probes_passed"] else ""
+        lines.append(
+            f"| {r['server']} | {r['policy']} | {r['repeat']} | {f(r['max_qps'])}{lb} "
+            f"| {f(r['ratio_to_fcfs'])} | {f(r['p99_at_start_over_fcfs'])} |"
+        )
+    return "\n".join(lines)
+
+
 def markdown_issue(data: dict[str, Any]) -> str:
     lines = [
         "| scale | step overhead (ms) | requests | QPS | scheduler JCT "
@@ -408,6 +511,28 @@ def main(argv: list[str] | None = None) -> int:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--gpu", help="a bench.gpu_scheduling results JSON")
     mode.add_argument("--issue-point", action="store_true")
+    mode.add_argument(
+        "--predict",
+        action="store_true",
+        help="predict a bench.gpu_scheduling run from its options (below) before it runs",
+    )
+    g = p.add_argument_group("--predict: the bench.gpu_scheduling options to predict")
+    from bench import gpu_scheduling as gs
+
+    g.add_argument("--parts", default=gs.DEFAULT_PARTS)
+    g.add_argument("--scales-map", default=gs.DEFAULT_SCALES, help="its --scales")
+    g.add_argument("--slo-ms", default=gs.DEFAULT_SLO_MS)
+    g.add_argument("--start-qps", default=gs.DEFAULT_START_QPS)
+    g.add_argument("--duration-s", type=float, default=14.0)
+    g.add_argument("--max-probes", type=int, default=4)
+    g.add_argument("--search-factor", type=float, default=1.5)
+    g.add_argument(
+        "--default-pool-blocks",
+        type=int,
+        default=54_000,
+        help="KV blocks of a `default` pool (the H200 engine runs sized 53,805-55,713 for the "
+        "8B model: bench/results/gpu-runtime-*.json, kv_pool_blocks)",
+    )
     add_setup_args(p)
     p.add_argument("--tokenizer", help="for bench.workloads (default: the default model's)")
     p.add_argument("--scales", default="1,0.5", help="--issue-point: workload scales to try")
@@ -437,6 +562,11 @@ def main(argv: list[str] | None = None) -> int:
         data = compare(gpu, setup, tok)
         data.update({"gpu_file": args.gpu, **setup.record})
         table = markdown_rows(data["rows"])
+    elif args.predict:
+        setup = _setup(args)
+        data = predict(args, setup, tok)
+        data.update(setup.record)
+        table = markdown_predict(data["rows"])
     else:
         setup = _setup(args)
         data = issue_point(

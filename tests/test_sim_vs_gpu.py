@@ -102,3 +102,22 @@ def test_issue_point_replay(tok) -> None:
         assert e["mean"]["gpu"] == 0.20 and e["p99"]["gpu"] == 0.33
         assert e["mean"]["sim_mean"] < 1.0  # SRJF helps in overload, as on the GPU
     assert "(0.20)" in svg.markdown_issue(data)
+
+
+def test_predict_a_planned_run(tok, tmp_path) -> None:
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    out = tmp_path / "pred.json"
+    argv = ["--predict", "--tokenizer", str(path), "--out", str(out)]
+    argv += ["--parts", "post-recommendation:0.5:fcfs,srjf:1", "--scales-map"]
+    argv += ["post-recommendation=0.25", "--duration-s", "4", "--max-probes", "3"]
+    assert svg.main(argv) == 0
+    data = json.loads(out.read_text())
+    rows = {r["policy"]: r for r in data["rows"]}
+    assert rows["fcfs"]["ratio_to_fcfs"] == 1.0
+    # FCFS started at --start-qps; SRJF at FCFS's predicted max, so its first probe is the
+    # P99 comparison at FCFS's max QPS.
+    sim = data["replayed"]["post-recommendation@0.5"]["sim"]
+    assert sim["srjf"][0]["start_qps"] == sim["fcfs"][0]["max_qps"]
+    assert rows["srjf"]["p99_at_start_over_fcfs"] is not None
+    assert data["plan"]["duration_s"] == 4.0
