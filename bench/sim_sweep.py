@@ -2,10 +2,10 @@
 
     python -m bench.sim_sweep --workload post-recommendation --sweep cache \
         --values 0.25,0.5,0.75,1,2 --seeds 0,1,2,3,4 --policies fcfs,spf,srjf,srjf-oneshot \
-        --out bench/results/sim-sweeps/cache-post.json
+        --prime --out bench/results/sim-honest/cache-post-recommendation-primed.json
     python -m bench.sim_sweep --workload post-recommendation --sweep lambda \
         --values 0,0.01,0.03,0.1,0.3,1 --seeds 0,1,2,3,4 --policies fcfs,srjf --qps 6,9 \
-        --out bench/results/sim-sweeps/lambda-post.json
+        --prime --out bench/results/sim-honest/lambda-post-recommendation-slo10-primed.json
 
 `--sweep cache`: the KV pool as a fraction of the working set. `--sweep lambda`: SRJF's fairness
 offset (FCFS and SPF do not depend on it; they run once per seed as the baseline). Per (value,
