@@ -323,7 +323,7 @@ class Orchestrator:
             scale = self.scales.get(wl, 1.0)
             per_seed = {}
             for seed in range(repeats):
-                gen = WorkloadGenerator(wl, tok, seed, scale)
+                gen = WorkloadGenerator(wl, tok, seed, scale, verify=False)
                 users = gen.group_prefix_tokens()
                 per_seed[str(seed)] = {
                     "users": users,
