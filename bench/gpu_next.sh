@@ -19,6 +19,10 @@
 #   bash bench/gpu_next.sh m REV          # llama-3.1-8b long-data, 3 sides in one run
 #   bash bench/gpu_next.sh n REV          # next: auto with layer slicing, 8B score+chat and
 #                                         #   long-data
+#   bash bench/gpu_next.sh o REV          # issue 17: prefill profile, then SRJF vs FCFS over
+#                                         #   HTTP (post recommendation, KV pool 0.5x)
+#   bash bench/gpu_next.sh p REV          # issue 17: KV pool 1x and default
+#   bash bench/gpu_next.sh q REV          # issue 17: SPF, srjf-oneshot; credit verification
 # Carry: .whl .fi_cache .cache/smollm2-tok. Results in $OUT: gpu-runtime-*.json (suite),
 # partition-*.json (serving; merge them with `python -m bench.gpu_serving --merge ...`),
 # server logs, fi_cache.tar.gz if the FlashInfer cache grew.
@@ -165,7 +169,41 @@ case $plan in
     timeout 160 python3 -m bench.shared_prefix --model random:llama-3.1-8b --device cuda \
       --max-gpu-memory-gb 60 --users 8 --items 4 --profile-tokens 12000 --item-tokens 150 \
       --repeats 2 --out "$OUT/shared-prefix-gpu-$(date +%F).json" || rc=1 ;;
-  *) echo "unknown plan $plan (a to n)"; exit 2 ;;
+  o)
+    # Issue 17 in one call (DEADLINE_S=560): the prefill profile (the simulator's service
+    # times; its JCT calibration is served), then max QPS at the P99 SLO by bisection, FCFS and
+    # SRJF, two repeats, post recommendation at full scale with the KV pool at 0.5x the working
+    # set: issue 17's target. 14-s probes: shorter ones flatter FCFS (its backlog drains within
+    # the SLO), see docs/scheduling.md. The 1x part is expected to be skipped (recorded); plans
+    # p and q measure the rest. FCFS's first probe: the simulator's prediction, rounded down.
+    python3 -m bench.gpu_scheduling --model random:llama-3.1-8b --rev "$rev" \
+      --out-dir $work/sched --duration-s 14 --start-s 30 --profile-s 75 \
+      --start-qps "post-recommendation@0.5=4.5,post-recommendation@1=30" \
+      --parts "post-recommendation:0.5:fcfs,srjf:2;post-recommendation:1:fcfs,srjf:1" \
+      --command "bash bench/gpu_next.sh o $rev" \
+      --deadline-s "$(( $(left) - 15 ))" || rc=1
+    cp $work/sched/gpu-scheduling-*.json $work/sched/prefill-profile-*.json "$OUT/"
+    cp $work/sched/gpu-scheduling-work/jct-calibration.json "$OUT/jct-calibration-h200.json" ;;
+  p|q)
+    # Issue 17, the rest (one call each, DEADLINE_S=560), serving the JCT calibration plan o
+    # measured when it is carried as bench/results/jct-calibration-h200.json:
+    #   p: post recommendation at 1x the working set and at the default pool (FCFS, SRJF);
+    #   q: SPF and srjf-oneshot beside FCFS at 0.5x, credit verification (scale 0.25: 60 users
+    #      x 10k-15k tokens, so that 1x its working set fits the H200) at 0.5x.
+    if [ "$plan" = p ]; then
+      parts="post-recommendation:1:fcfs,srjf:1;post-recommendation:default:fcfs,srjf:1"
+    else
+      parts="post-recommendation:0.5:fcfs,spf,srjf-oneshot:1;credit-verification:0.5:fcfs,srjf:1"
+    fi
+    cal=bench/results/jct-calibration-h200.json
+    python3 -m bench.gpu_scheduling --model random:llama-3.1-8b --rev "$rev" \
+      --out-dir $work/sched --duration-s 14 --start-s 30 --no-profile \
+      $( [ -f $cal ] && echo --jct-calibration $cal ) \
+      --start-qps "post-recommendation@0.5=4.5,post-recommendation@1=30,post-recommendation@default=40,credit-verification=4" \
+      --parts "$parts" --tag gpu-scheduling-$plan --command "bash bench/gpu_next.sh $plan $rev" \
+      --deadline-s "$(( $(left) - 15 ))" || rc=1
+    cp $work/sched/gpu-scheduling-*.json "$OUT/" ;;
+  *) echo "unknown plan $plan (a to q)"; exit 2 ;;
 esac
 cp $work/partition-*.json "$OUT/" 2>/dev/null
 tar czf "$OUT/serving-$plan.tar.gz" -C $work . 2>/dev/null

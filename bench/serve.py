@@ -365,12 +365,17 @@ async def search_max_qps(
     start_qps: float,
     max_probes: int = 8,
     rel_tol: float = 0.05,
+    factor: float = 2.0,
 ) -> dict[str, Any]:
-    """Highest QPS whose run meets the P99 SLO: double until a probe fails, then bisect.
+    """Highest QPS whose run meets the P99 SLO: multiply by `factor` until a probe fails (or,
+    when the first fails, divide until one passes), then bisect.
 
     At most `max_probes` runs. Stops early once the bracket [pass, fail] is within `rel_tol`.
-    Assumes latency grows with load (probes are noisy; every probe is reported).
+    Assumes latency grows with load (probes are noisy; every probe is reported). A factor
+    below 2 brackets a good first guess (`start_qps`) in fewer probes.
     """
+    if factor <= 1.0:
+        raise ValueError("the search factor must be > 1")
     best: float | None = None  # highest passing QPS seen
     fail: float | None = None  # lowest failing QPS seen
     qps = start_qps
@@ -384,12 +389,13 @@ async def search_max_qps(
         else:
             fail = qps if fail is None else min(fail, qps)
         if fail is None:
-            qps *= 2.0
+            qps *= factor
+        elif best is None:
+            qps = fail / factor
         else:
-            low = best or 0.0
-            if low > 0 and (fail - low) / fail <= rel_tol:
+            if (fail - best) / fail <= rel_tol:
                 break
-            qps = (low + fail) / 2.0
+            qps = (best + fail) / 2.0
     return {"max_qps": best, "lowest_failing_qps": fail, "slo": slo.as_dict(), "probes": probes}
 
 
@@ -509,6 +515,45 @@ async def reset_prefix_cache(base_url: str, admin_token: str | None) -> dict[str
     return {"done": True, "blocks_before": reply.get("prefix_cached_blocks_before")}
 
 
+async def prefix_cache_counters(base_url: str, admin_token: str | None) -> dict[str, int] | None:
+    """The server's cumulative prefix-cache counters (`/admin/api/state`), None if unreadable."""
+    ok, reply = await admin_call(base_url, "GET", "/admin/api/state", admin_token)
+    if not ok or not isinstance(reply, dict):
+        return None
+    pc = reply.get("prefix_cache") or {}
+    if pc.get("hit_tokens") is None or pc.get("query_tokens") is None:
+        return None
+    return {"hit_tokens": int(pc["hit_tokens"]), "query_tokens": int(pc["query_tokens"])}
+
+
+def prefix_cache_delta(
+    before: dict[str, int] | None, after: dict[str, int] | None
+) -> dict[str, Any] | None:
+    """Prompt tokens the server looked up and found cached between two counter readings (the
+    engine counts each request once, when it is admitted)."""
+    if before is None or after is None:
+        return None
+    hit = after["hit_tokens"] - before["hit_tokens"]
+    query = after["query_tokens"] - before["query_tokens"]
+    return {"hit_tokens": hit, "query_tokens": query, "hit_rate": hit / query if query > 0 else None}
+
+
+async def prime_prefixes(
+    base_url: str, gen: WorkloadGenerator, opts: ClientOptions
+) -> dict[str, Any]:
+    """Send one request per shared-prefix group (user order), one at a time, unrecorded: the
+    prefix cache then holds what it keeps of every user's profile, least recent first, as in
+    a running service (a fresh cache would make every run start with all users cold)."""
+    reqs = gen.group_requests()
+    quiet = ClientOptions(**{**{f: getattr(opts, f) for f in opts.__slots__}, "progress": False})
+    t0 = time.perf_counter()
+    failed = 0
+    for req in reqs:
+        _, results = await run_once(base_url, [req], [0.0], quiet)
+        failed += sum(1 for r in results if not r.success)
+    return {"requests": len(reqs), "failed": failed, "wall_s": round(time.perf_counter() - t0, 2)}
+
+
 # ---------------------------------------------------------------- CLI
 
 
@@ -567,6 +612,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="search the highest QPS meeting the P99 --slo (start: first --qps)",
     )
     p.add_argument("--max-probes", type=int, default=8)
+    p.add_argument(
+        "--prime-prefixes",
+        action="store_true",
+        help="before each run (after its reset; once with --no-reset-prefix-cache) send one "
+        "request per user of a grouped scoring workload, one at a time, unrecorded",
+    )
+    p.add_argument(
+        "--search-factor",
+        type=float,
+        default=2.0,
+        help="--find-max-qps: multiply (or divide) the QPS by this until the SLO brackets",
+    )
     p.add_argument("--out", required=True, help="result JSON path")
     p.add_argument("--plot", help="PNG of latency percentiles vs QPS")
     return p
@@ -623,9 +680,12 @@ def run_record(
     metrics: dict[str, Any],
     plan: Plan,
     prefix_cache_reset: dict[str, Any] | None = None,
+    prefix_cache: dict[str, Any] | None = None,
+    prime: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One run's JSON; `prefix_cache_reset` is what `reset_prefix_cache` returned before it
-    (None: no reset was asked for)."""
+    (None: no reset was asked for), `prefix_cache` the server's hit counters over the run
+    (`prefix_cache_delta`), `prime` what `prime_prefixes` did before it."""
     prompt = [r.num_prompt_tokens for r in plan.requests]
     out = [r.max_output_tokens for r in plan.requests if r.api == "chat"]
     return {
@@ -634,6 +694,8 @@ def run_record(
         "mean_prompt_tokens": float(np.mean(prompt)) if prompt else 0.0,
         "mean_requested_output_tokens": float(np.mean(out)) if out else None,
         "prefix_cache_reset": prefix_cache_reset,
+        "prefix_cache": prefix_cache,
+        "prime": prime,
         "metrics": metrics,
     }
 
@@ -699,6 +761,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "request_timeout_s": opts.request_timeout_s,
         "warmup_requests": args.warmup_requests,
         "reset_prefix_cache": args.reset_prefix_cache,
+        "prime_prefixes": args.prime_prefixes,
+        "search_factor": args.search_factor,
         "slo": slo.as_dict() if slo else None,
     }
     await warm_up(base_url, args, tok, opts)
@@ -709,18 +773,30 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     with contextlib.suppress(NotImplementedError, RuntimeError):  # not on every platform
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
 
+    primed: list[dict[str, Any]] = []
+
     async def run_at(qps: float) -> dict[str, Any]:
         plan = make_plan(gen, args, qps)
         reset = await reset_before_run(base_url, args)
+        prime = None
+        if args.prime_prefixes and (reset is not None or not primed):
+            prime = await prime_prefixes(base_url, gen, opts)
+            primed.append(prime)
+        before = await prefix_cache_counters(base_url, args.admin_token)
         metrics, _ = await run_once(
             base_url, plan.requests, plan.arrivals_s, opts, slo, label=f"qps {qps:g}", stop=stop
         )
-        runs.append(run_record(qps, metrics, plan, reset))
+        after = await prefix_cache_counters(base_url, args.admin_token)
+        runs.append(
+            run_record(qps, metrics, plan, reset, prefix_cache_delta(before, after), prime)
+        )
         return metrics
 
     if args.find_max_qps:
         assert slo is not None
-        search = await search_max_qps(run_at, slo, qps_list[0], args.max_probes)
+        search = await search_max_qps(
+            run_at, slo, qps_list[0], args.max_probes, factor=args.search_factor
+        )
         record["max_qps_search"] = {k: v for k, v in search.items() if k != "probes"}
     else:
         for qps in qps_list:

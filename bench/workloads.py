@@ -273,38 +273,62 @@ class WorkloadGenerator:
         question = self._question_ids if num_tokens > len(self._question_ids) else []
         return self.pool.sample(rng, num_tokens - len(question)) + question
 
+    def _grouped_score(self, spec: WorkloadSpec, rid: str, user: int, post: int) -> WorkloadRequest:
+        """User `user`'s profile + item `post` (grouped scoring workloads)."""
+        query = self._prefix(spec, user)
+        item_rng = self._rng(spec.name, "item", user, post)
+        item = self._score_item(item_rng, spec.item.sample(item_rng, self.scale))
+        return self._score_request(spec, rid, query, item, f"user{user}")
+
+    def _score_request(
+        self, spec: WorkloadSpec, rid: str, query: list[int], item: list[int], group: str
+    ) -> WorkloadRequest:
+        if self.verify:
+            # The question tokens are not single words; check the whole item round-trips.
+            if encode_ids(self.tok, self.pool.text(item)) != item:
+                raise AssertionError("score item does not round-trip through the tokenizer")
+        return WorkloadRequest(
+            rid,
+            "score",
+            spec.name,
+            len(query) + len(item),
+            1,
+            group=group,
+            query_token_ids=query,
+            item_token_ids=item,
+            label_token_ids=self._label_ids,
+            labels=self._label_strs,
+        )
+
+    def group_requests(self) -> list[WorkloadRequest]:
+        """One request per shared-prefix group, in user order, each with the group's first
+        item: what priming the prefix cache sends (`bench.serve --prime-prefixes`). Empty for
+        workloads without groups."""
+        spec = SPECS.get(self.name)
+        if spec is None or spec.api != "score" or not spec.num_users:
+            return []
+        return [
+            self._grouped_score(spec, f"{self.name}-{self.seed}-prime{u}", u, 0)
+            for u in range(spec.num_users)
+        ]
+
+    def group_prefix_tokens(self) -> dict[str, int]:
+        """Tokens of each group's shared prefix: their sum is the workload's working set (what
+        a prefix cache must hold for every request after a user's first to hit)."""
+        return {r.group: len(r.query_token_ids) for r in self.group_requests()}
+
     def _make(self, spec: WorkloadSpec, index: int, rng: random.Random) -> WorkloadRequest:
         rid = f"{self.name}-{self.seed}-{index}"
         if spec.api == "score":
             if spec.num_users:
                 user = rng.randrange(spec.num_users)
                 post = rng.randrange(spec.items_per_user)
-                query = self._prefix(spec, user)
-                item_rng = self._rng(spec.name, "item", user, post)
-                item = self._score_item(item_rng, spec.item.sample(item_rng, self.scale))
-                group = f"user{user}"
-            else:
-                total = spec.prompt.sample(rng, self.scale)
-                item_len = min(len(self._question_ids) + 1, total)
-                query = self.pool.sample(rng, total - item_len)
-                item = self._score_item(rng, item_len)
-                group = ""
-            if self.verify:
-                # The question tokens are not single words; check the whole item round-trips.
-                if encode_ids(self.tok, self.pool.text(item)) != item:
-                    raise AssertionError("score item does not round-trip through the tokenizer")
-            return WorkloadRequest(
-                rid,
-                "score",
-                spec.name,
-                len(query) + len(item),
-                1,
-                group=group,
-                query_token_ids=query,
-                item_token_ids=item,
-                label_token_ids=self._label_ids,
-                labels=self._label_strs,
-            )
+                return self._grouped_score(spec, rid, user, post)
+            total = spec.prompt.sample(rng, self.scale)
+            item_len = min(len(self._question_ids) + 1, total)
+            query = self.pool.sample(rng, total - item_len)
+            item = self._score_item(rng, item_len)
+            return self._score_request(spec, rid, query, item, "")
         num_prompt = spec.prompt.sample(rng, self.scale)
         num_output = spec.output.sample(rng, self.scale)
         ids = self.pool.sample(rng, num_prompt)

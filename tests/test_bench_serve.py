@@ -734,3 +734,79 @@ def test_sigterm_stops_the_run_and_still_writes_what_completed(
     assert m["stopped_early"] is True and m["completed"] >= 1
     assert m["duration_s"] < 30  # stopped, not run to its 60 s
     assert m["itl_ms"]["p99"] is not None
+
+
+async def test_search_factor_brackets_a_good_first_guess_in_fewer_probes():
+    calls: list[float] = []
+
+    async def run_at(qps: float) -> dict[str, Any]:
+        calls.append(qps)
+        return _fake_metrics(100.0 if qps <= 7.3 else 10_000.0)
+
+    out = await serve.search_max_qps(
+        run_at, SLO(ttft_ms=500), start_qps=4.0, max_probes=4, factor=1.5
+    )
+    assert calls == [4.0, 6.0, 9.0, 7.5]  # x1.5 until a failure, then bisection
+    assert out["max_qps"] == 6.0 and out["lowest_failing_qps"] == 7.5
+    calls.clear()
+    out = await serve.search_max_qps(
+        run_at, SLO(ttft_ms=500), start_qps=12.0, max_probes=3, factor=1.5
+    )
+    assert calls == [12.0, 8.0, 8.0 / 1.5]  # a failing first guess: divide until one passes
+    assert out["max_qps"] == pytest.approx(8.0 / 1.5)
+    with pytest.raises(ValueError):
+        await serve.search_max_qps(run_at, SLO(ttft_ms=500), start_qps=1.0, factor=1.0)
+
+
+def test_prime_prefixes_sends_one_request_per_user_before_the_runs(
+    fake_server, tokenizer_file, tmp_path
+):
+    url, app = fake_server
+    _reset_log(app)
+    common = [
+        "--url",
+        url,
+        "--workload",
+        "post-recommendation",
+        "--scale",
+        "0.01",
+        "--num-requests",
+        "4",
+        "--qps",
+        "inf,500",
+        "--seed",
+        "3",
+        "--tokenizer",
+        str(tokenizer_file),
+        "--no-progress",
+        "--prime-prefixes",
+    ]
+    record = run_cli([*common, "--out", str(tmp_path / "p.json")])
+    # After each reset: 20 priming requests (one per user), then the run's 4.
+    assert app.state.log == (["reset"] + ["score"] * 24) * 2
+    bodies = [b for kind, b in app.state.seen if kind == "score"]
+    prime = [tuple(b["query"]) for b in bodies[:20]]
+    assert len(set(prime)) == 20  # every user's profile once
+    assert all(tuple(b["query"]) in set(prime) for b in bodies[20:24])  # runs reuse them
+    assert [r["prime"]["requests"] for r in record["runs"]] == [20, 20]
+    # The fake server has no prefix-cache counters: the per-run hit rate says so (None).
+    assert [r["prefix_cache"] for r in record["runs"]] == [None, None]
+    assert record["options"]["prime_prefixes"] is True
+    # Without resets the cache is primed once, before the first run.
+    _reset_log(app)
+    record = run_cli([*common, "--no-reset-prefix-cache", "--out", str(tmp_path / "q.json")])
+    assert app.state.log == ["score"] * (20 + 4 + 4)
+    by_qps = {r["qps"]: r for r in record["runs"]}  # runs are listed by QPS; inf ran first
+    assert by_qps["inf"]["prime"]["requests"] == 20 and by_qps[500.0]["prime"] is None
+
+
+def test_prefix_cache_delta():
+    a = {"hit_tokens": 100, "query_tokens": 1000}
+    b = {"hit_tokens": 700, "query_tokens": 2000}
+    assert serve.prefix_cache_delta(a, b) == {
+        "hit_tokens": 600,
+        "query_tokens": 1000,
+        "hit_rate": 0.6,
+    }
+    assert serve.prefix_cache_delta(None, b) is None
+    assert serve.prefix_cache_delta(a, a)["hit_rate"] is None

@@ -1,0 +1,326 @@
+"""Measure a prefill profile (bench/sim_profile.py's format) through the engine.
+
+    python -m bench.prefill_profile --model random:llama-3.1-8b --device cuda \
+        --out $OUT/prefill-profile-h200.json --jct-out /tmp/jct-h200.json     # < 1 min on an H200
+    python -m bench.prefill_profile --model random:tiny --device cpu --out /tmp/p.json  # seconds
+
+Method: one engine (not started: `Engine.measure_prefill(u, c)` runs one real prefill of u new
+tokens after c tokens of context already in the KV pool, device synchronised, and returns its
+wall time). Cold points are c = 0; warm points (c > 0) time a prefill over a cached prefix.
+Batch points (`--batch-points u:c:B`) time one forward over B such prefills (the engine batches
+short scoring prompts and warm posts up to its token budget). One untimed warm-up pass over the
+grid (first-call costs: kernel plans, allocator growth), then `--repeats` timed passes, each over
+the whole grid in a shuffled order (seeded), so that slow drift shows up as noise at every point
+rather than as a bias at some; repeat i of every point comes from pass i, which
+`PrefillProfile.split_repeats` relies on. `--deadline-s` stops after the last complete pass that
+fits (the file says how many passes were done).
+
+`--jct-out FILE` also writes the JCT calibration (greenlane-jct/1) an engine would fit on the
+calibration half of the repeats: give it to the servers (`--jct-calibration FILE`), and the
+simulator's default setup fits the very same model (bench/sim.py, `build_setup`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import random
+import subprocess
+import sys
+import time
+from typing import Any
+
+from bench.sim_profile import PrefillProfile, ProfilePoint, fit_jct
+
+# GPU grid: the scoring workloads' range (150-token posts after 11k-17k profiles, cold 11k-17k
+# prompts, short prompts) in ~4.4 s per pass for an 8B model on an H200 (interim profile's
+# estimate); 32k-token cold prefills are in the committed engine results already.
+GPU_UNCACHED = (64, 150, 512, 2048, 8192, 16384)
+GPU_CACHED = (0, 4096, 16384, 32768)
+GPU_BATCH_POINTS = ((150, 16384, 4), (150, 16384, 16), (512, 0, 8), (1024, 0, 8))
+GPU_REPEATS = 5
+CPU_UNCACHED = (16, 64, 256)
+CPU_CACHED = (0, 256)
+CPU_BATCH_POINTS = ((16, 256, 4),)
+CPU_REPEATS = 3
+
+
+def git_revision(given: str | None) -> dict[str, Any]:
+    """The revision of the tree this runs from, read now; `given` (--rev) is kept beside it
+    (a device copy may carry no or stale git metadata: both are recorded, the reader decides)."""
+    rec: dict[str, Any] = {"given": given}
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        if head.returncode == 0:
+            rec["read_at_run_time"] = head.stdout.strip()
+            rec["dirty"] = bool(dirty.stdout.strip())
+        else:
+            rec["read_at_run_time"] = None
+            rec["error"] = (head.stderr or "").strip()[:200]
+    except (OSError, subprocess.SubprocessError) as exc:
+        rec["read_at_run_time"] = None
+        rec["error"] = f"{type(exc).__name__}: {exc}"[:200]
+    return rec
+
+
+def measure_batch(engine: Any, items: list[tuple[int, int]]) -> float:
+    """Seconds of one prefill forward over several scoring requests, each of u new tokens after
+    c tokens of context in the pool: `Engine.measure_prefill` for a batch (same method: a step
+    plan straight to the runner, before the engine thread starts). Uses the engine's block
+    manager, runner and plan types; raises if they changed shape (the caller records it)."""
+    import torch
+
+    from runtime.request import Request, RequestKind
+    from runtime.scheduler import ScheduledSeq, StepPlan
+
+    if getattr(engine, "_thread", None) is not None:
+        raise RuntimeError("measure_batch must run before the engine thread starts")
+    rids: list[str] = []
+    try:
+        seqs = []
+        for i, (u, c) in enumerate(items):
+            rid = f"__measure_batch_{i}__"
+            blocks = engine.block_manager.allocate(rid, engine.block_manager.num_blocks_for(c))
+            rids.append(rid)
+            req = Request(rid, RequestKind.SCORE, [0] * (c + u), label_token_ids=[0])
+            seqs.append(
+                ScheduledSeq(
+                    request=req,
+                    num_context_tokens=c,
+                    num_new_tokens=u,
+                    num_kept_tokens=c,
+                    block_ids=list(blocks),
+                    input_ids=[0] * u,
+                    needs_output=True,
+                )
+            )
+        plan = StepPlan(step_id=-1, prefill=seqs)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+        t0 = time.perf_counter()
+        engine.runner.run(plan)  # ends in .tolist(): synchronised
+        return time.perf_counter() - t0
+    finally:
+        for rid in rids:
+            engine.block_manager.free(rid)
+
+
+def grid_points(
+    uncached: list[int], cached: list[int], batch_points: list[tuple[int, int, int]], limit: int
+) -> list[tuple[int, int, int]]:
+    """(u, c, B) points to measure: the batch-1 grid within the prompt limit, then the batch
+    points whose members fit it."""
+    pts = [(u, c, 1) for c in cached for u in uncached if u + c <= limit]
+    pts += [(u, c, b) for u, c, b in batch_points if u + c <= limit and b > 1]
+    return pts
+
+
+def measure_profile(
+    engine: Any,
+    points: list[tuple[int, int, int]],
+    repeats: int,
+    *,
+    warmup_passes: int = 1,
+    deadline_s: float | None = None,
+    seed: int = 0,
+    say: Any = None,
+) -> tuple[dict[tuple[int, int, int], list[float]], dict[str, Any]]:
+    """Seconds per point, one value per complete pass, and a record of what happened."""
+    say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    t_start = time.monotonic()
+    rng = random.Random(seed)
+    errors: dict[str, str] = {}
+
+    def one(u: int, c: int, b: int) -> float | None:
+        key = f"{u}:{c}:{b}"
+        if key in errors:
+            return None
+        try:
+            if b == 1:
+                return float(engine.measure_prefill(u, c))
+            return measure_batch(engine, [(u, c)] * b)
+        except Exception as exc:  # noqa: BLE001 - one point failing must not end the profile
+            errors[key] = f"{type(exc).__name__}: {exc}"[:300]
+            say(f"[profile] point u={u} c={c} B={b} failed: {errors[key]}")
+            return None
+
+    for _ in range(warmup_passes):
+        for p in points:
+            one(*p)
+    warm_s = time.monotonic() - t_start
+    values: dict[tuple[int, int, int], list[float]] = {p: [] for p in points}
+    passes = 0
+    pass_s: list[float] = []
+    for r in range(repeats):
+        if (
+            deadline_s is not None
+            and passes
+            and (time.monotonic() - t_start + max(pass_s) > deadline_s)
+        ):
+            say(f"[profile] stopping after {passes} passes: the next would pass the deadline")
+            break
+        t0 = time.monotonic()
+        order = list(points)
+        rng.shuffle(order)
+        got = {p: one(*p) for p in order}
+        for p, v in got.items():
+            if v is not None:
+                values[p].append(v)
+        passes += 1
+        pass_s.append(time.monotonic() - t0)
+        say(f"[profile] pass {r + 1}/{repeats} took {pass_s[-1]:.1f} s")
+    record = {
+        "warmup_passes": warmup_passes,
+        "warmup_s": round(warm_s, 2),
+        "passes_done": passes,
+        "passes_asked": repeats,
+        "pass_s": [round(s, 2) for s in pass_s],
+        "errors": errors,
+        "pass_order": "shuffled per pass (seeded); value i of every point is from pass i",
+    }
+    return values, record
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.prefill_profile", description=__doc__)
+    p.add_argument("--model", default="random:llama-3.1-8b")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-gpu-memory-gb", type=float)
+    p.add_argument("--uncached", help="comma list of uncached token counts (default per device)")
+    p.add_argument("--cached", help="comma list of cached token counts (default per device)")
+    p.add_argument("--batch-points", help="comma list of u:c:B (B prefills in one forward)")
+    p.add_argument("--repeats", type=int, help=f"timed passes (default GPU {GPU_REPEATS})")
+    p.add_argument("--warmup-passes", type=int, default=1)
+    p.add_argument("--deadline-s", type=float, help="stop after the last pass that fits")
+    p.add_argument("--seed", type=int, default=0, help="pass order shuffle")
+    p.add_argument("--rev", help="git revision as the caller knows it (recorded beside git's)")
+    p.add_argument("--no-progress", action="store_true", help="no per-pass lines on stderr")
+    p.add_argument("--out", required=True, help="profile JSON")
+    p.add_argument("--jct-out", help="also write the JCT calibration of the calibration half")
+    return p
+
+
+def _ints(text: str | None, default: tuple[int, ...]) -> list[int]:
+    return [int(x) for x in text.split(",") if x] if text else list(default)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    t0 = time.monotonic()
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    import torch
+
+    from runtime.calibrate import model_key
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+
+    config = EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_gpu_memory_gb=args.max_gpu_memory_gb,
+        partition="off",
+        jct_calibration=None,
+    )
+    engine = Engine(config, lambda _out: None)
+    init_s = time.monotonic() - t0
+    on_cpu = engine.device.type == "cpu"
+    try:
+        uncached = _ints(args.uncached, CPU_UNCACHED if on_cpu else GPU_UNCACHED)
+        cached = _ints(args.cached, CPU_CACHED if on_cpu else GPU_CACHED)
+        if args.batch_points:
+            batch = [tuple(int(v) for v in x.split(":")) for x in args.batch_points.split(",")]
+        else:
+            batch = list(CPU_BATCH_POINTS if on_cpu else GPU_BATCH_POINTS)
+        if any(len(b) != 3 for b in batch):
+            raise SystemExit("--batch-points takes u:c:B items")
+        limit = engine.max_prompt_tokens
+        points = grid_points(uncached, cached, batch, limit)  # type: ignore[arg-type]
+        repeats = args.repeats or (CPU_REPEATS if on_cpu else GPU_REPEATS)
+        print(
+            f"[profile] {engine.device_name}, {args.model}: {len(points)} points x {repeats} "
+            f"passes (engine built in {init_s:.1f} s; prompt limit {limit})",
+            file=sys.stderr,
+            flush=True,
+        )
+        deadline = None if args.deadline_s is None else args.deadline_s - init_s
+        values, record = measure_profile(
+            engine,
+            points,
+            repeats,
+            warmup_passes=args.warmup_passes,
+            deadline_s=deadline,
+            seed=args.seed,
+            say=(lambda _msg: None) if args.no_progress else None,
+        )
+        device_name = engine.device_name
+        block_size = engine.block_manager.block_size
+        backend = getattr(getattr(engine, "backend", None), "name", None)
+    finally:
+        engine.shutdown()
+    skipped = [f"{u}:{c}:{b}" for (u, c, b), v in values.items() if not v]
+    pts = [
+        ProfilePoint(
+            u,
+            c,
+            tuple(v),
+            b,
+            "measured",
+            "Engine.measure_prefill" if b == 1 else "bench.prefill_profile.measure_batch",
+        )
+        for (u, c, b), v in values.items()
+        if v
+    ]
+    profile = PrefillProfile(
+        pts,
+        device=device_name,
+        model=args.model,
+        origin="measured",
+        note=f"measured through the engine by bench.prefill_profile ({record['passes_done']} "
+        "passes)",
+        provenance={
+            "command": "python -m bench.prefill_profile "
+            + " ".join(argv if argv is not None else sys.argv[1:]),
+            "git_revision": git_revision(args.rev),
+            "date": started,
+            "device": device_name,
+            "engine": {
+                "dtype": args.dtype,
+                "attention_backend": backend,
+                "block_size": block_size,
+                "prompt_limit": limit,
+                "init_s": round(init_s, 2),
+            },
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "measurement": record,
+            "points_without_values": skipped,
+            "wall_s": round(time.monotonic() - t0, 2),
+        },
+        block_size=block_size,
+    )
+    profile.save(args.out)
+    print(f"[profile] wrote {args.out} ({len(pts)} points)", file=sys.stderr, flush=True)
+    if args.jct_out:
+        calib, _ = profile.split_repeats()
+        jct = fit_jct(calib, source="fit")
+        jct.device, jct.model = device_name, model_key(args.model)
+        jct.save(args.jct_out)
+        print(f"[profile] wrote {args.jct_out}: {jct!r}", file=sys.stderr, flush=True)
+    print(json.dumps(profile.describe()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,604 @@
+"""How far the simulator's predictions are from the GPU's, per cache size.
+
+    python -m bench.sim_vs_gpu --gpu bench/results/gpu-scheduling-DATE.json \
+        --profile bench/results/prefill-profile-gpu-scheduling-DATE.json \
+        --out bench/results/sim-vs-gpu-DATE.json
+    python -m bench.sim_vs_gpu --issue-point --out bench/results/sim-vs-gpu-issue-point.json
+
+`--gpu`: for every (workload, pool) that bench.gpu_scheduling measured, the simulator replays
+the GPU protocol: the same requests (bench.workloads with the run's seeds and scale; the
+recorded request shapes are checked), the same Poisson arrival times per probe
+(bench.serve.arrival_times_s), the same pool (the server's KV blocks x 16 tokens), a cache
+reset and primed before each search and carried across its probes, one scheduler JCT model per
+server refined online across all its searches (as the engine's), the same P99 SLO, request
+timeout and search (bench.serve.search_max_qps itself, same start, factor and probe budget).
+Service times come from `--profile` (default: the one the GPU run measured, if the file is
+here, else the interim profile), the scheduler's JCT from its calibration half, as the servers
+loaded it. Reported per (workload, pool) and policy: max QPS and its ratio to FCFS on each
+side, per repeat and mean, and the simulator's relative error on the ratio (issue 17's target:
+within 20 %). The simulator's own protocol (primed, >= 1,000 requests spanning >= 10 SLOs, fine
+bisection: the sustained ratio) is reported beside it.
+
+`--issue-point`: issue 17's one GPU data point (post recommendation, KV pool about half the
+working set, one server switched between FCFS and SRJF, one round each at 4 and 8 QPS: SRJF's
+mean latency 0.48x / 0.20x FCFS's, P99 0.96x / 0.33x, completed requests per second 1.62x at
+8 QPS). Its request count, scale and calibration were not recorded: the replay assumes
+`bench.compare`'s protocol (cache reset before each side, no priming) and sweeps the unknowns
+(`--scale`, `--num-requests`, `--seeds`), and both JCT models a server could have had.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.serve import arrival_times_s, search_max_qps
+from bench.sim import (
+    BlockPrefixCache,
+    SimSetup,
+    add_setup_args,
+    build_setup,
+    prime_cache,
+    run_experiment,
+    simulate,
+)
+from bench.sim_workloads import from_bench_requests
+from bench.workloads import WorkloadGenerator, load_tokenizer
+from policies import JCTModel, make_policy
+
+ISSUE_POINT = {
+    4.0: {"mean": 0.48, "p99": 0.96},
+    8.0: {"mean": 0.20, "p99": 0.33, "completed_per_s": 1.62},
+}
+
+
+class Replayer:
+    """The simulated side of one bench.gpu_scheduling results file."""
+
+    def __init__(
+        self, gpu: dict[str, Any], setup: SimSetup, tokenizer: Any, planned: bool = False
+    ) -> None:
+        self.gpu = gpu
+        self.planned = planned  # replay every planned search, not only those the GPU did
+        self.setup = setup
+        self.tok = tokenizer
+        self.settings = gpu["settings"]
+        self._gens: dict[tuple[str, int], WorkloadGenerator] = {}
+
+    def gen(self, workload: str, seed: int) -> WorkloadGenerator:
+        key = (workload, seed)
+        if key not in self._gens:
+            scale = self.gpu["workloads"][workload]["scale"]
+            g = WorkloadGenerator(workload, self.tok, seed, scale, verify=False)
+            recorded = self.gpu["workloads"][workload]["per_seed"][str(seed)]["first_requests"]
+            mine = [[r.group, r.num_prompt_tokens] for r in g.take(len(recorded))]
+            if mine != recorded:
+                raise ValueError(
+                    f"{workload} seed {seed}: the generator here does not make the requests the "
+                    "GPU run sent (bench/workloads.py changed?)"
+                )
+            self._gens[key] = g
+        return self._gens[key]
+
+    def pool_tokens(self, key: str) -> int:
+        srv = self.gpu["servers"][key]
+        blocks = srv.get("num_kv_blocks") or (srv.get("kv_at_start") or {}).get("blocks_total")
+        if not blocks:
+            raise ValueError(f"{key}: the GPU file does not say how large the pool was")
+        return int(blocks) * 16
+
+    def search(
+        self,
+        workload: str,
+        policy: str,
+        seed: int,
+        start_qps: float,
+        cache: BlockPrefixCache,
+        jct: JCTModel,
+    ) -> dict[str, Any]:
+        from bench.metrics import SLO
+
+        s = self.settings
+        slo_ms = float(s["slo_p99_ms"][workload])
+        timeout_s = float(s["request_timeout_s"][workload])
+        gen = self.gen(workload, seed)
+        cache.reset()
+        priming = from_bench_requests(workload, gen.group_requests()).requests
+        prime_cache(cache, priming, self.setup.service, jct)
+        probes: dict[str, Any] = {}
+
+        async def run_at(qps: float) -> dict[str, Any]:
+            if s.get("duration_s"):
+                arrivals = arrival_times_s(qps, seed, 1.0, None, float(s["duration_s"]))
+            else:
+                arrivals = arrival_times_s(qps, seed, 1.0, int(s["num_requests"]), None)
+            wl = from_bench_requests(workload, gen.take(len(arrivals)))
+            lat: list[float] = []
+            st = simulate(
+                wl,
+                make_policy(policy, jct_model=jct),
+                qps,
+                service=self.setup.service,
+                cache=cache,
+                seed=zlib.crc32(f"{workload}:{policy}:{seed}:{qps}".encode()),
+                jct_model=jct,
+                arrivals_s=arrivals,
+                latencies_out=lat,
+            )
+            ok = [x for x in lat if x <= timeout_s]
+            p99 = float(np.percentile(np.asarray(ok), 99)) * 1e3 if ok else None
+            mean = float(np.mean(ok)) * 1e3 if ok else None
+            probes[str(float(qps))] = {
+                "p99_ms": p99,
+                "mean_ms": mean,
+                "completed": len(ok),
+                "failed": len(lat) - len(ok),
+                "hit_rate": st.cache_hit_token_fraction,
+            }
+            return {
+                "completed": len(ok),
+                "failed": len(lat) - len(ok),
+                "e2el_ms": {"p99": p99},
+            }
+
+        out = asyncio.run(
+            search_max_qps(
+                run_at,
+                SLO(e2el_ms=slo_ms),
+                start_qps,
+                int(s["max_probes"]),
+                factor=float(s["search_factor"]),
+            )
+        )
+        return {"max_qps": out["max_qps"], "start_qps": start_qps, "probes": probes}
+
+    def replay(self) -> dict[str, Any]:
+        """Every (workload, pool) the GPU measured, its searches in the GPU's order."""
+        out: dict[str, Any] = {}
+        parts = self.settings["parts"]
+        groups: list[tuple[str, str, list[dict[str, Any]]]] = []
+        for p in parts:
+            if groups and groups[-1][0] == p["workload"] and groups[-1][1] == p["pool"]:
+                groups[-1][2].append(p)
+            else:
+                groups.append((p["workload"], p["pool"], [p]))
+        for wl, pool, gparts in groups:
+            key = f"{wl}@{pool}"
+            gpu_res = (self.gpu["results"].get(wl) or {}).get(pool) or {}
+            if key not in self.gpu["servers"] or not (gpu_res or self.planned):
+                continue
+            cache = BlockPrefixCache(self.pool_tokens(key))
+            jct = self.setup.new_jct()  # one server: one model, refined across its searches
+            sim_res: dict[str, list[dict[str, Any]]] = {}
+            for part in gparts:
+                for repeat in range(1, part["repeats"] + 1):
+                    order = part["policies"] if repeat % 2 else part["policies"][::-1]
+                    for policy in order:
+                        done = [
+                            r
+                            for r in gpu_res.get(policy, [])
+                            if r.get("repeat") == repeat and "max_qps" in r
+                        ]
+                        if not done and not self.planned:
+                            continue  # the GPU did not get to it
+                        first = next((r for r in sim_res.get("fcfs", []) if r["repeat"] == 1), None)
+                        if first and first["max_qps"] and (policy != "fcfs" or repeat > 1):
+                            start = first["max_qps"]
+                        else:
+                            starts = self.settings["start_qps"]
+                            start = float(starts.get(key, starts.get(wl, 2.0)))
+                        r = self.search(wl, policy, repeat - 1, start, cache, jct)
+                        r["repeat"] = repeat
+                        sim_res.setdefault(policy, []).append(r)
+                        print(
+                            f"sim {key} {policy} r{repeat}: max QPS {r['max_qps']} "
+                            f"(GPU {done[0]['max_qps'] if done else '-'})",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+            out[key] = {"gpu": gpu_res, "sim": sim_res, "pool_tokens": self.pool_tokens(key)}
+        return out
+
+
+def planned_file(args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
+    """What bench.gpu_scheduling would record before measuring anything, for `--predict`: its
+    settings, workload shapes and pool sizes (`default` pools: `--default-pool-blocks`)."""
+    from bench.gpu_scheduling import parse_map, parse_parts, pool_blocks
+
+    parts = parse_parts(args.parts)
+    scales, slo_ms = parse_map(args.scales_map), parse_map(args.slo_ms)
+    repeats = max(p["repeats"] for p in parts)
+    workloads: dict[str, Any] = {}
+    for wl in dict.fromkeys(p["workload"] for p in parts):
+        per_seed = {}
+        for seed in range(repeats):
+            g = WorkloadGenerator(wl, tokenizer, seed, scales.get(wl, 1.0), verify=False)
+            users = g.group_prefix_tokens()
+            per_seed[str(seed)] = {
+                "users": users,
+                "working_set_tokens": sum(users.values()),
+                "first_requests": [[r.group, r.num_prompt_tokens] for r in g.take(20)],
+            }
+        workloads[wl] = {"scale": scales.get(wl, 1.0), **per_seed["0"], "per_seed": per_seed}
+    servers = {}
+    for p in parts:
+        ws = workloads[p["workload"]]["working_set_tokens"]
+        blocks = (
+            args.default_pool_blocks
+            if p["pool"] == "default"
+            else pool_blocks(ws, float(p["pool"]))
+        )
+        servers[f"{p['workload']}@{p['pool']}"] = {"num_kv_blocks": blocks}
+    return {
+        "settings": {
+            "parts": parts,
+            "slo_p99_ms": slo_ms,
+            "request_timeout_s": {w: v / 1e3 + 2.0 for w, v in slo_ms.items()},
+            "duration_s": args.duration_s,
+            "num_requests": None,
+            "max_probes": args.max_probes,
+            "search_factor": args.search_factor,
+            "start_qps": parse_map(args.start_qps),
+        },
+        "workloads": workloads,
+        "servers": servers,
+        "results": {},
+    }
+
+
+def predict(args: argparse.Namespace, setup: SimSetup, tokenizer: Any) -> dict[str, Any]:
+    """The simulator's prediction of a bench.gpu_scheduling run (before it runs)."""
+    plan = planned_file(args, tokenizer)
+    replayed = Replayer(plan, setup, tokenizer, planned=True).replay()
+    rows = []
+    for key, v in replayed.items():
+        sim = v["sim"]
+        fcfs = {r["repeat"]: r for r in sim.get("fcfs", [])}
+        for policy, reps in sim.items():
+            for r in reps:
+                base = fcfs.get(r["repeat"])
+                q = str(float(r["start_qps"]))
+                mine = r["probes"].get(q) or {}
+                theirs = (base or {}).get("probes", {}).get(q) or {}
+                rows.append(
+                    {
+                        "server": key,
+                        "policy": policy,
+                        "repeat": r["repeat"],
+                        "max_qps": r["max_qps"],
+                        "ratio_to_fcfs": r["max_qps"] / base["max_qps"]
+                        if base and base["max_qps"] and r["max_qps"]
+                        else None,
+                        "p99_at_start_over_fcfs": mine["p99_ms"] / theirs["p99_ms"]
+                        if mine.get("p99_ms") and theirs.get("p99_ms")
+                        else None,
+                        "all_probes_passed": all(
+                            (p["p99_ms"] or 1e18)
+                            <= plan["settings"]["slo_p99_ms"][key.split("@")[0]]
+                            and not p["failed"]
+                            for p in r["probes"].values()
+                        ),
+                    }
+                )
+    return {"plan": plan["settings"], "rows": rows, "replayed": replayed}
+
+
+def ratios(by_policy: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per policy: max QPS per repeat and its ratio to FCFS's of the same repeat."""
+    fcfs = {r["repeat"]: r["max_qps"] for r in by_policy.get("fcfs", []) if "max_qps" in r}
+    out = {}
+    for policy, reps in by_policy.items():
+        per = [
+            (r["repeat"], r["max_qps"], r["max_qps"] / fcfs[r["repeat"]])
+            for r in reps
+            if "max_qps" in r and r["max_qps"] and fcfs.get(r["repeat"])
+        ]
+        out[policy] = {
+            "max_qps": [q for _, q, _ in per],
+            "ratio_to_fcfs": [x for _, _, x in per],
+            "ratio_mean": statistics.fmean([x for _, _, x in per]) if per else None,
+        }
+    return out
+
+
+def compare(gpu: dict[str, Any], setup: SimSetup, tokenizer: Any) -> dict[str, Any]:
+    replayed = Replayer(gpu, setup, tokenizer).replay()
+    rows = []
+    for key, both in replayed.items():
+        g, s = ratios(both["gpu"]), ratios(both["sim"])
+        wl, pool = key.split("@")
+        standard = run_experiment(
+            wl,
+            list(both["sim"]),
+            [],
+            scale=gpu["workloads"][wl]["scale"],
+            setup=setup,
+            cache_tokens=both["pool_tokens"],
+            slo_p99_s=float(gpu["settings"]["slo_p99_ms"][wl]) / 1e3,
+            prime=True,
+        )["max_qps_at_slo"]
+        for policy in both["sim"]:
+            gr, sr = g.get(policy, {}).get("ratio_mean"), s[policy]["ratio_mean"]
+            std_ratio = (
+                standard[policy] / standard["fcfs"]
+                if standard.get("fcfs") and policy in standard
+                else None
+            )
+            rows.append(
+                {
+                    "workload": wl,
+                    "pool": pool,
+                    "pool_tokens": both["pool_tokens"],
+                    "policy": policy,
+                    "gpu_max_qps": g.get(policy, {}).get("max_qps"),
+                    "sim_max_qps": s[policy]["max_qps"],
+                    "gpu_ratio_to_fcfs": gr,
+                    "sim_ratio_to_fcfs": sr,
+                    "sim_ratio_relative_error": (sr / gr - 1.0) if gr and sr else None,
+                    "within_20_percent": (abs(sr / gr - 1.0) <= 0.2) if gr and sr else None,
+                    "sim_standard_protocol_max_qps": standard.get(policy),
+                    "sim_standard_protocol_ratio_to_fcfs": std_ratio,
+                }
+            )
+    return {"rows": rows, "replayed": replayed}
+
+
+def issue_point(
+    setup: SimSetup,
+    scales: list[float],
+    counts: list[int],
+    seeds: list[int],
+    tokenizer: Any,
+    pool_fraction: float = 0.5,
+    step_overheads_s: tuple[float, ...] = (0.0,),
+) -> dict[str, Any]:
+    """SRJF/FCFS ratios at 4 and 8 QPS under bench.compare's protocol (see the docstring)."""
+    jct_models = {"fallback-default (refined online)": JCTModel(), "profile-fitted": None}
+    rows = []
+    for scale, step_s in [(sc, st) for sc in scales for st in step_overheads_s]:
+        for seed in seeds:
+            gen = WorkloadGenerator("post-recommendation", tokenizer, seed, scale, verify=False)
+            pool = int(pool_fraction * sum(gen.group_prefix_tokens().values()))
+            for n in counts:
+                wl = from_bench_requests("post-recommendation", gen.take(n))
+                for qps in ISSUE_POINT:
+                    arrivals = arrival_times_s(qps, seed, 1.0, n, None)
+                    for jname, template in jct_models.items():
+                        got = {}
+                        for policy in ("fcfs", "srjf"):
+                            jct = setup.new_jct() if template is None else JCTModel()
+                            lat: list[float] = []
+                            st = simulate(
+                                wl,
+                                make_policy(policy, jct_model=jct),
+                                qps,
+                                service=setup.service,
+                                cache_tokens=pool,
+                                seed=seed,
+                                jct_model=jct,
+                                arrivals_s=arrivals,
+                                latencies_out=lat,
+                                step_overhead_s=step_s,
+                            )
+                            got[policy] = {
+                                "mean": float(np.mean(lat)),
+                                "p99": float(np.percentile(np.asarray(lat), 99)),
+                                "completed_per_s": n / (st.makespan_s - arrivals[0]),
+                            }
+                        rows.append(
+                            {
+                                "scale": scale,
+                                "step_overhead_s": step_s,
+                                "seed": seed,
+                                "num_requests": n,
+                                "qps": qps,
+                                "jct": jname,
+                                **{
+                                    k: got["srjf"][k] / got["fcfs"][k]
+                                    for k in ("mean", "p99", "completed_per_s")
+                                },
+                                "fcfs_p99_s": got["fcfs"]["p99"],
+                            }
+                        )
+    summary = []
+    for scale, step_s in [(sc, st) for sc in scales for st in step_overheads_s]:
+        for n in counts:
+            for qps, gpu in ISSUE_POINT.items():
+                for jname in jct_models:
+                    sel = [
+                        r
+                        for r in rows
+                        if r["scale"] == scale
+                        and r["step_overhead_s"] == step_s
+                        and r["num_requests"] == n
+                        and r["qps"] == qps
+                        and r["jct"] == jname
+                    ]
+                    entry = {
+                        "scale": scale,
+                        "step_overhead_s": step_s,
+                        "num_requests": n,
+                        "qps": qps,
+                        "jct": jname,
+                    }
+                    for k in ("mean", "p99", "completed_per_s"):
+                        vals = [r[k] for r in sel]
+                        entry[k] = {
+                            "sim_mean": statistics.fmean(vals),
+                            "sim_min": min(vals),
+                            "sim_max": max(vals),
+                            "gpu": gpu.get(k),
+                        }
+                    summary.append(entry)
+    return {
+        "gpu_point": ISSUE_POINT,
+        "pool_fraction": pool_fraction,
+        "rows": rows,
+        "summary": summary,
+    }
+
+
+def markdown_rows(rows: list[dict[str, Any]]) -> str:
+    def f(v: Any, d: int = 2) -> str:
+        return "-" if v is None else f"{v:.{d}f}"
+
+    lines = [
+        "| workload @ pool | policy | GPU max QPS (repeats) | sim max QPS (replay) | GPU ÷ FCFS "
+        "| sim ÷ FCFS | sim error | sim ÷ FCFS, long primed runs |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        g = ", ".join(f(x) for x in r["gpu_max_qps"] or []) or "-"
+        s = ", ".join(f(x) for x in r["sim_max_qps"] or []) or "-"
+        err = r["sim_ratio_relative_error"]
+        lines.append(
+            f"| {r['workload']} @ {r['pool']} | {r['policy']} | {g} | {s} "
+            f"| {f(r['gpu_ratio_to_fcfs'])} | {f(r['sim_ratio_to_fcfs'])} "
+            f"| {'-' if err is None else f'{err:+.0%}'} "
+            f"| {f(r['sim_standard_protocol_ratio_to_fcfs'])} |"
+        )
+    return "\n".join(lines)
+
+
+def markdown_predict(rows: list[dict[str, Any]]) -> str:
+    def f(v: Any) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
+    lines = [
+        "| server | policy | repeat | predicted max QPS | ÷ FCFS | P99 at FCFS's max ÷ FCFS |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lb = " (≥: every probe passed)" if r["all_probes_passed"] else ""
+        lines.append(
+            f"| {r['server']} | {r['policy']} | {r['repeat']} | {f(r['max_qps'])}{lb} "
+            f"| {f(r['ratio_to_fcfs'])} | {f(r['p99_at_start_over_fcfs'])} |"
+        )
+    return "\n".join(lines)
+
+
+def markdown_issue(data: dict[str, Any]) -> str:
+    lines = [
+        "| scale | step overhead (ms) | requests | QPS | scheduler JCT "
+        "| mean SRJF÷FCFS sim [min, max] (GPU) | P99 SRJF÷FCFS sim (GPU) "
+        "| completed/s SRJF÷FCFS sim (GPU) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for e in data["summary"]:
+        cells = []
+        for k in ("mean", "p99", "completed_per_s"):
+            v = e[k]
+            gpu = "-" if v["gpu"] is None else f"{v['gpu']:.2f}"
+            cells.append(f"{v['sim_mean']:.2f} [{v['sim_min']:.2f}, {v['sim_max']:.2f}] ({gpu})")
+        lines.append(
+            f"| {e['scale']:g} | {e['step_overhead_s'] * 1e3:g} | {e['num_requests']} "
+            f"| {e['qps']:g} | {e['jct']} | " + " | ".join(cells) + " |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.sim_vs_gpu", description=__doc__.split("\n")[0]
+    )
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--gpu", help="a bench.gpu_scheduling results JSON")
+    mode.add_argument("--issue-point", action="store_true")
+    mode.add_argument(
+        "--predict",
+        action="store_true",
+        help="predict a bench.gpu_scheduling run from its options (below) before it runs",
+    )
+    g = p.add_argument_group("--predict: the bench.gpu_scheduling options to predict")
+    from bench import gpu_scheduling as gs
+
+    g.add_argument("--parts", default=gs.DEFAULT_PARTS)
+    g.add_argument("--scales-map", default=gs.DEFAULT_SCALES, help="its --scales")
+    g.add_argument("--slo-ms", default=gs.DEFAULT_SLO_MS)
+    g.add_argument("--start-qps", default=gs.DEFAULT_START_QPS)
+    g.add_argument("--duration-s", type=float, default=14.0)
+    g.add_argument("--max-probes", type=int, default=4)
+    g.add_argument("--search-factor", type=float, default=1.5)
+    g.add_argument(
+        "--default-pool-blocks",
+        type=int,
+        default=54_000,
+        help="KV blocks of a `default` pool (the H200 engine runs sized 53,805-55,713 for the "
+        "8B model: bench/results/gpu-runtime-*.json, kv_pool_blocks)",
+    )
+    add_setup_args(p)
+    p.add_argument("--tokenizer", help="for bench.workloads (default: the default model's)")
+    p.add_argument("--scales", default="1,0.5", help="--issue-point: workload scales to try")
+    p.add_argument("--num-requests", default="100,200", help="--issue-point: run lengths")
+    p.add_argument("--seeds", default="0,1,2,3,4", help="--issue-point")
+    p.add_argument(
+        "--step-overheads-ms",
+        default="0",
+        help="--issue-point: host time per engine step to try (not measured yet; 0 = none)",
+    )
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    tok = load_tokenizer(args.tokenizer)
+    if args.gpu:
+        gpu = json.loads(Path(args.gpu).read_text())
+        measured = (gpu.get("profile") or {}).get("path")
+        if args.profile is None and args.service == "profile" and measured:
+            local = Path(args.gpu).parent / Path(measured).name
+            args.profile = str(local) if local.exists() else None
+            if args.profile is None:
+                print(
+                    f"warning: the GPU run's profile {Path(measured).name} is not next to the "
+                    "results; using the interim profile",
+                    file=sys.stderr,
+                )
+        setup = _setup(args)
+        data = compare(gpu, setup, tok)
+        data.update({"gpu_file": args.gpu, **setup.record})
+        table = markdown_rows(data["rows"])
+    elif args.predict:
+        setup = _setup(args)
+        data = predict(args, setup, tok)
+        data.update(setup.record)
+        table = markdown_predict(data["rows"])
+    else:
+        setup = _setup(args)
+        data = issue_point(
+            setup,
+            [float(x) for x in args.scales.split(",")],
+            [int(x) for x in args.num_requests.split(",")],
+            [int(x) for x in args.seeds.split(",")],
+            tok,
+            step_overheads_s=tuple(float(x) / 1e3 for x in args.step_overheads_ms.split(",")),
+        )
+        data.update(setup.record)
+        table = markdown_issue(data)
+    data["command"] = "python -m bench.sim_vs_gpu " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(data, indent=1, default=str) + "\n")
+    print(table)
+    return 0
+
+
+def _setup(args: argparse.Namespace) -> SimSetup:
+    return build_setup(
+        service=args.service,
+        profile_path=args.profile,
+        jct_profile_path=args.jct_profile,
+        calibration_path=args.calibration,
+        noise_sigma=args.noise,
+        online_refit=not args.no_online_refit,
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

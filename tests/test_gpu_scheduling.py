@@ -1,0 +1,227 @@
+"""Issue 17's GPU tooling on the CPU: the prefill profile through the real engine (random:tiny),
+and the HTTP plan (bench/gpu_scheduling.py) against a real random:tiny server with tiny
+parameters. Proves the plumbing (profile -> JCT calibration -> servers, pool sizing, admin
+switches, priming, search, ratios, the report), not performance."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from bench import gpu_scheduling as gs
+from bench import prefill_profile
+from bench.sim_profile import PrefillProfile
+from policies import JCTModel
+
+pytest.importorskip("runtime.engine")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_parts_maps_and_pool_sizing() -> None:
+    parts = gs.parse_parts("post-recommendation:0.5:fcfs,srjf:2; credit-verification:default:spf:1")
+    assert parts[0] == {
+        "workload": "post-recommendation",
+        "pool": "0.5",
+        "policies": ["fcfs", "srjf"],
+        "repeats": 2,
+    }
+    assert parts[1]["pool"] == "default"
+    for bad in ("x:0.5:fcfs", "x:-1:fcfs:1", "x:0.5::1", "x:0.5:fcfs:0", ""):
+        with pytest.raises(ValueError):
+            gs.parse_parts(bad)
+    assert gs.parse_map("a=1,b=0.25") == {"a": 1.0, "b": 0.25}
+    assert gs.pool_blocks(274_245, 0.5) == 8571  # ceil(137,122.5 / 16)
+    assert gs.pool_blocks(16, 0.01) == 1
+
+
+def _search(repeat: int, start: float, max_qps: float, probes: dict) -> dict:
+    return {
+        "repeat": repeat,
+        "start_qps": start,
+        "max_qps": max_qps,
+        "max_qps_is_lower_bound": False,
+        "hit_rate_over_search": 0.5,
+        "probes": {str(float(q)): {"p99_ms": p99, "mean_ms": p99 / 2} for q, p99 in probes.items()},
+    }
+
+
+def test_summary_arithmetic() -> None:
+    """Max-QPS ratios per repeat; the P99 ratio at the policy's first probe (FCFS's max QPS of
+    repeat 1), which FCFS also probed in every repeat."""
+    results = {
+        "post": {
+            "0.5": {
+                "fcfs": [
+                    _search(1, 4.0, 4.0, {4: 1000.0, 6: 9000.0, 5: 4000.0}),
+                    _search(2, 4.0, 5.0, {4: 800.0, 6: 7000.0, 5: 2000.0}),
+                ],
+                "srjf": [
+                    _search(1, 4.0, 8.0, {4: 500.0, 6: 900.0, 9: 5000.0, 8: 2000.0}),
+                    _search(2, 4.0, 6.0, {4: 200.0, 6: 2500.0, 9: 9000.0}),
+                    {"repeat": 3, "skipped": "device time"},
+                ],
+            }
+        }
+    }
+    s = gs.summarize(results)["post@0.5"]
+    assert s["srjf"]["max_qps_over_fcfs"]["mean"] == pytest.approx((8 / 4 + 6 / 5) / 2)
+    assert s["srjf"]["max_qps_over_fcfs"]["min"] == pytest.approx(1.2)
+    assert s["srjf"]["p99_at_fcfs_max_qps_over_fcfs"]["mean"] == pytest.approx((0.5 + 0.25) / 2)
+    assert s["srjf"]["max_qps"] == {"mean": 7.0, "min": 6.0, "max": 8.0, "n": 2}
+    assert s["srjf"]["skipped_or_failed"] == [{"repeat": 3, "skipped": "device time"}]
+    assert s["fcfs"]["max_qps_over_fcfs"]["mean"] == 1.0
+    table = gs.markdown(
+        {"summary": gs.summarize(results), "settings": {"slo_p99_ms": {"post": 3000}}}
+    )
+    assert "| post@0.5 | srjf | 7.00 [6.00, 8.00] | 1.60 [1.20, 2.00] |" in table
+
+
+def test_prefill_profile_through_the_real_engine(tmp_path: Path) -> None:
+    out, jct_out = tmp_path / "p.json", tmp_path / "jct.json"
+    rc = prefill_profile.main(
+        [
+            "--model",
+            "random:tiny",
+            "--device",
+            "cpu",
+            "--uncached",
+            "8,32",
+            "--cached",
+            "0,64",
+            "--batch-points",
+            "8:64:2",
+            "--repeats",
+            "2",
+            "--warmup-passes",
+            "0",
+            "--rev",
+            "abc",
+            "--out",
+            str(out),
+            "--jct-out",
+            str(jct_out),
+        ]
+    )
+    assert rc == 0
+    prof = PrefillProfile.load(out)
+    assert prof.origin == "measured" and prof.device == "cpu"
+    keys = {(p.uncached, p.cached, p.batch) for p in prof.points}
+    assert keys == {(8, 0, 1), (32, 0, 1), (8, 64, 1), (32, 64, 1), (8, 64, 2)}
+    assert all(len(p.seconds) == 2 and min(p.seconds) > 0 for p in prof.points)
+    prov = prof.provenance
+    assert prov["git_revision"]["given"] == "abc" and prov["measurement"]["passes_done"] == 2
+    assert prov["command"].startswith("python -m bench.prefill_profile")
+    # The calibration file is the engine's format, fitted on the first pass (even repeats).
+    jct = JCTModel.load(str(jct_out))
+    assert jct.model == "random:tiny"
+    assert [s.seconds for s in jct._base] == [p.seconds[0] for p in prof.points if p.batch == 1]
+
+
+def test_plan_against_a_real_tiny_server(tmp_path: Path) -> None:
+    rc = gs.main(
+        [
+            "--smoke",
+            "--model",
+            "random:tiny",
+            "--device",
+            "cpu",
+            "--rev",
+            "test-rev",
+            "--out-dir",
+            str(tmp_path),
+            "--deadline-s",
+            "240",
+            "--port",
+            str(_free_port()),
+            "--parts",
+            "post-recommendation:0.5:fcfs,srjf:2",
+            "--scales",
+            "post-recommendation=0.02",
+            "--start-qps",
+            "post-recommendation=2",
+            "--slo-ms",
+            "post-recommendation=20000",
+            "--max-probes",
+            "2",
+            "--num-requests",
+            "4",
+            "--start-s",
+            "60",
+            "--profile-s",
+            "90",
+            "--profile-args",
+            "--uncached 8,32 --cached 0,64 --batch-points 8:64:2 --repeats 2 --warmup-passes 0",
+        ]
+    )
+    res = json.loads(next(tmp_path.glob("gpu-scheduling-*.json")).read_text())
+    assert rc == 0, res["errors"]
+    for key in ("command", "git_revision", "device", "date", "plan", "summary", "results"):
+        assert key in res
+    assert res["git_revision"]["given"] == "test-rev"
+    # The profile ran first and every server served with its calibration.
+    assert res["profile"]["ok"]
+    server = res["servers"]["post-recommendation@0.5"]
+    assert "--jct-calibration" in server["server_cmd"]
+    # The pool: half the working set of the workload actually sent, in blocks.
+    ws = res["workloads"]["post-recommendation"]["working_set_tokens"]
+    assert server["num_kv_blocks"] == gs.pool_blocks(ws, 0.5)
+    assert server["kv_at_start"]["blocks_total"] == server["num_kv_blocks"]
+    runs = res["results"]["post-recommendation"]["0.5"]
+    assert [r["repeat"] for r in runs["fcfs"]] == [1, 2] and len(runs["srjf"]) == 2
+    for policy, reps in runs.items():
+        for r in reps:
+            assert r["server_policy"] == policy  # the admin switch reached the server
+            assert r["probes"] and r["hit_rate_over_search"] is not None
+            first = r["probes"][str(float(r["start_qps"]))]
+            assert first["prime"]["requests"] == 20  # primed once per search, before it
+    # Every search after FCFS's first starts at FCFS's max QPS of repeat 1.
+    q1 = runs["fcfs"][0]["max_qps"]
+    assert all(r["start_qps"] == q1 for r in runs["srjf"] + runs["fcfs"][1:])
+    s = res["summary"]["post-recommendation@0.5"]["srjf"]
+    assert s["max_qps_over_fcfs"]["n"] == 2 and s["p99_at_fcfs_max_qps_over_fcfs"]["n"] == 2
+    # The report renders the table and the plot from the file alone.
+    png = tmp_path / "plot.png"
+    assert (
+        gs.main(["--report", str(next(tmp_path.glob("gpu-scheduling-*.json"))), "--plot", str(png)])
+        == 0
+    )
+    assert png.stat().st_size > 0
+
+
+def test_parts_past_the_deadline_are_skipped_and_recorded(tmp_path: Path) -> None:
+    rc = gs.main(
+        [
+            "--smoke",
+            "--model",
+            "random:tiny",
+            "--device",
+            "cpu",
+            "--out-dir",
+            str(tmp_path),
+            "--deadline-s",
+            "20",
+            "--port",
+            str(_free_port()),
+            "--parts",
+            "post-recommendation:0.5:fcfs,srjf:1",
+            "--scales",
+            "post-recommendation=0.02",
+            "--start-s",
+            "60",
+            "--profile-s",
+            "90",
+        ]
+    )
+    res = json.loads(next(tmp_path.glob("gpu-scheduling-*.json")).read_text())
+    assert rc == 0
+    assert res["skipped"][0].startswith("profile")
+    assert any(s.startswith("post-recommendation@0.5") for s in res["skipped"])
+    assert res["results"] == {} and res["summary"] == {}

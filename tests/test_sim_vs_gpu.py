@@ -1,0 +1,123 @@
+"""bench.sim_vs_gpu: the simulator replays a GPU results file's protocol, and the issue's data
+point. Synthetic GPU numbers: this checks the replay and the arithmetic, not the GPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from toy_tokenizer import make_tokenizer
+
+from bench import sim_vs_gpu as svg
+from bench.sim import build_setup
+from bench.workloads import WorkloadGenerator
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+def _gpu_file(tok, first_requests=None) -> dict:
+    wl, scale = "post-recommendation", 0.25
+    gen = WorkloadGenerator(wl, tok, 0, scale, verify=False)
+    users = gen.group_prefix_tokens()
+    shape = first_requests or [[r.group, r.num_prompt_tokens] for r in gen.take(50)]
+
+    def search(repeat, start, max_qps, p99s):
+        return {
+            "repeat": repeat,
+            "start_qps": start,
+            "max_qps": max_qps,
+            "max_qps_is_lower_bound": False,
+            "probes": {str(float(q)): {"p99_ms": v} for q, v in p99s.items()},
+        }
+
+    return {
+        "settings": {
+            "parts": [{"workload": wl, "pool": "0.5", "policies": ["fcfs", "srjf"], "repeats": 1}],
+            "slo_p99_ms": {wl: 1000.0},
+            "request_timeout_s": {wl: 3.0},
+            "duration_s": 4.0,
+            "num_requests": None,
+            "max_probes": 3,
+            "search_factor": 1.5,
+            "start_qps": {wl: 8.0},
+        },
+        "workloads": {
+            wl: {
+                "scale": scale,
+                "working_set_tokens": sum(users.values()),
+                "per_seed": {"0": {"users": users, "first_requests": shape}},
+            }
+        },
+        "servers": {f"{wl}@0.5": {"num_kv_blocks": sum(users.values()) // 32}},
+        "results": {
+            wl: {
+                "0.5": {
+                    "fcfs": [search(1, 8.0, 8.0, {8: 900.0, 12: 5000.0})],
+                    "srjf": [search(1, 8.0, 12.0, {8: 300.0, 12: 800.0})],
+                }
+            }
+        },
+    }
+
+
+def test_replay_follows_the_gpu_protocol(tok) -> None:
+    gpu = _gpu_file(tok)
+    setup = build_setup()
+    data = svg.compare(gpu, setup, tok)
+    rows = {r["policy"]: r for r in data["rows"]}
+    assert set(rows) == {"fcfs", "srjf"}
+    assert rows["srjf"]["gpu_ratio_to_fcfs"] == pytest.approx(1.5)
+    assert rows["fcfs"]["sim_ratio_to_fcfs"] == pytest.approx(1.0)
+    sim = data["replayed"]["post-recommendation@0.5"]["sim"]
+    fcfs, srjf = sim["fcfs"][0], sim["srjf"][0]
+    assert fcfs["start_qps"] == 8.0  # FCFS starts where the GPU's did
+    assert srjf["start_qps"] == fcfs["max_qps"]  # SRJF at the simulated FCFS's max QPS
+    assert len(fcfs["probes"]) <= 3  # the GPU's probe budget
+    r = rows["srjf"]
+    assert r["sim_ratio_to_fcfs"] == pytest.approx(srjf["max_qps"] / fcfs["max_qps"])
+    assert r["sim_ratio_relative_error"] == pytest.approx(r["sim_ratio_to_fcfs"] / 1.5 - 1)
+    assert data["replayed"]["post-recommendation@0.5"]["pool_tokens"] == (
+        gpu["servers"]["post-recommendation@0.5"]["num_kv_blocks"] * 16
+    )
+    # Deterministic: the same file replays to the same numbers.
+    again = svg.compare(gpu, build_setup(), tok)
+    assert json.dumps(again["rows"]) == json.dumps(data["rows"])
+    assert "| post-recommendation @ 0.5 | srjf |" in svg.markdown_rows(data["rows"])
+
+
+def test_replay_refuses_other_requests_than_the_gpu_sent(tok) -> None:
+    gpu = _gpu_file(tok, first_requests=[["user0", 12]])
+    with pytest.raises(ValueError, match="does not make the requests"):
+        svg.compare(gpu, build_setup(), tok)
+
+
+def test_issue_point_replay(tok) -> None:
+    data = svg.issue_point(build_setup(), [1.0], [60], [0], tok)
+    assert len(data["summary"]) == 4  # 2 QPS x 2 scheduler models
+    at8 = [e for e in data["summary"] if e["qps"] == 8.0]
+    for e in at8:
+        assert e["mean"]["gpu"] == 0.20 and e["p99"]["gpu"] == 0.33
+        assert e["mean"]["sim_mean"] < 1.0  # SRJF helps in overload, as on the GPU
+    assert "(0.20)" in svg.markdown_issue(data)
+
+
+def test_predict_a_planned_run(tok, tmp_path) -> None:
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    out = tmp_path / "pred.json"
+    argv = ["--predict", "--tokenizer", str(path), "--out", str(out)]
+    argv += ["--parts", "post-recommendation:0.5:fcfs,srjf:1", "--scales-map"]
+    argv += ["post-recommendation=0.25", "--duration-s", "4", "--max-probes", "3"]
+    assert svg.main(argv) == 0
+    data = json.loads(out.read_text())
+    rows = {r["policy"]: r for r in data["rows"]}
+    assert rows["fcfs"]["ratio_to_fcfs"] == 1.0
+    # FCFS started at --start-qps; SRJF at FCFS's predicted max, so its first probe is the
+    # P99 comparison at FCFS's max QPS.
+    sim = data["replayed"]["post-recommendation@0.5"]["sim"]
+    assert sim["srjf"][0]["start_qps"] == sim["fcfs"][0]["max_qps"]
+    assert rows["srjf"]["p99_at_start_over_fcfs"] is not None
+    assert data["plan"]["duration_s"] == 4.0
