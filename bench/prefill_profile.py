@@ -78,41 +78,7 @@ def measure_batch(engine: Any, items: list[tuple[int, int]]) -> float:
     c tokens of context in the pool: `Engine.measure_prefill` for a batch (same method: a step
     plan straight to the runner, before the engine thread starts). Uses the engine's block
     manager, runner and plan types; raises if they changed shape (the caller records it)."""
-    import torch
-
-    from runtime.request import Request, RequestKind
-    from runtime.scheduler import ScheduledSeq, StepPlan
-
-    if getattr(engine, "_thread", None) is not None:
-        raise RuntimeError("measure_batch must run before the engine thread starts")
-    rids: list[str] = []
-    try:
-        seqs = []
-        for i, (u, c) in enumerate(items):
-            rid = f"__measure_batch_{i}__"
-            blocks = engine.block_manager.allocate(rid, engine.block_manager.num_blocks_for(c))
-            rids.append(rid)
-            req = Request(rid, RequestKind.SCORE, [0] * (c + u), label_token_ids=[0])
-            seqs.append(
-                ScheduledSeq(
-                    request=req,
-                    num_context_tokens=c,
-                    num_new_tokens=u,
-                    num_kept_tokens=c,
-                    block_ids=list(blocks),
-                    input_ids=[0] * u,
-                    needs_output=True,
-                )
-            )
-        plan = StepPlan(step_id=-1, prefill=seqs)
-        if engine.device.type == "cuda":
-            torch.cuda.synchronize(engine.device)
-        t0 = time.perf_counter()
-        engine.runner.run(plan)  # ends in .tolist(): synchronised
-        return time.perf_counter() - t0
-    finally:
-        for rid in rids:
-            engine.block_manager.free(rid)
+    return engine.measure_prefill_batch([(u, c) for u, c in items])
 
 
 def grid_points(

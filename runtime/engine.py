@@ -475,36 +475,47 @@ class Engine:
 
     def measure_prefill(self, uncached_tokens: int, cached_tokens: int) -> float:
         """Seconds of one real prefill of `uncached_tokens` new tokens after `cached_tokens`
-        of context already in the pool (runtime.calibrate's `measure`). Call before `start()`
-        (the engine thread must not be running). The new tokens' KV is discarded (as for a
-        scoring request), so only the context needs pool blocks; the context's KV values are
+        of context already in the pool (runtime.calibrate's `measure`)."""
+        return self.measure_prefill_batch([(uncached_tokens, cached_tokens)])
+
+    def measure_prefill_batch(self, items: list[tuple[int, int]]) -> float:
+        """Seconds of one real prefill step over several sequences, (uncached, cached) tokens
+        each (the JCT profiles: runtime/calibrate.py, bench/prefill_profile.py). Call before
+        `start()` (the engine thread must not be running). The new tokens' KV is discarded
+        (as for scoring requests), so only the contexts need pool blocks; their KV values are
         whatever the pool holds, which does not change the timing."""
         if self._thread is not None:
             raise RuntimeError("measure_prefill must run before the engine thread starts")
-        rid = "__measure_prefill__"
-        blocks = self.block_manager.allocate(rid, self.block_manager.num_blocks_for(cached_tokens))
+        bm = self.block_manager
+        keys: list[str] = []
         try:
-            req = Request(
-                rid, RequestKind.SCORE, [0] * (cached_tokens + uncached_tokens), label_token_ids=[0]
-            )
-            seq = ScheduledSeq(
-                request=req,
-                lease=Lease(req, rid, -1),
-                num_context_tokens=cached_tokens,
-                num_new_tokens=uncached_tokens,
-                num_kept_tokens=cached_tokens,
-                block_ids=list(blocks),
-                input_ids=[0] * uncached_tokens,
-                needs_output=True,
-            )
-            plan = StepPlan(step_id=-1, prefill=[seq])
+            seqs = []
+            for i, (uncached, cached) in enumerate(items):
+                key = f"__measure_prefill_{i}__"
+                blocks = bm.allocate(key, bm.num_blocks_for(cached))
+                keys.append(key)
+                req = Request(key, RequestKind.SCORE, [0] * (cached + uncached), label_token_ids=[0])
+                seqs.append(
+                    ScheduledSeq(
+                        request=req,
+                        lease=Lease(req, key, -1),
+                        num_context_tokens=cached,
+                        num_new_tokens=uncached,
+                        num_kept_tokens=cached,
+                        block_ids=list(blocks),
+                        input_ids=[0] * uncached,
+                        needs_output=True,
+                    )
+                )
+            plan = StepPlan(step_id=-1, prefill=seqs)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             t0 = time.perf_counter()
             self.runner.run(plan)  # waits for the outputs
             return time.perf_counter() - t0
         finally:
-            self.block_manager.free(rid)
+            for key in keys:
+                bm.free(key)
 
     def stats(self) -> dict[str, Any]:
         """The latest published snapshot (at most STATS_INTERVAL_S old while busy)."""
