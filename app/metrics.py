@@ -83,7 +83,9 @@ _NAMED_STATS = {
 }
 # engine.stats() keys that only grow: exported as counters. Everything `num_*` or `pd_*` is a
 # count, except the two queue depths.
-_GAUGE_NUM_KEYS = {"num_waiting", "num_running"}
+_GAUGE_NUM_KEYS = {"num_waiting", "num_running", "num_held", "num_steps_in_flight"}
+# Cumulative seconds (device time of decode steps, device idle between them): counters too.
+_COUNTER_SECONDS_KEYS = {"decode_device_s", "decode_idle_s"}
 _JCT_MAPE_HELP = (
     "JCT model prediction error: mean |predicted - measured| / measured prefill step time over "
     "the last 100 observed prefill-only steps (a fraction: 0.1 = 10%; each prediction is made "
@@ -168,7 +170,8 @@ class _EngineCollector(Collector):
                 continue
             safe = "".join(c if c.isalnum() else "_" for c in key)
             doc = f"engine.stats()['{key}']"
-            if key.startswith(("num_", "pd_")) and key not in _GAUGE_NUM_KEYS:
+            counts = key.startswith(("num_", "pd_")) and key not in _GAUGE_NUM_KEYS
+            if counts or key in _COUNTER_SECONDS_KEYS:
                 yield CounterMetricFamily(f"greenlane_engine_{safe}", doc, value=float(value))
             else:
                 yield GaugeMetricFamily(f"greenlane_engine_{safe}", doc, value=float(value))

@@ -35,6 +35,7 @@ import json
 import math
 import random
 import sys
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -43,13 +44,48 @@ from app.cluster.routing import AffinityConfig, KeyHomes, ReplicaLoad, choose
 from bench.sim import (
     DEFAULT_TOKEN_BUDGET,
     SLO_MULTIPLE,
-    LRUPrefixCache,
     SimRequest,
     max_qps_at_slo,
     percentile,
 )
 from bench.sim_workloads import POSTS_PER_USER, SPECS, SimRequestSpec, Workload, WorkloadSpec
 from policies import JCTModel, Policy, make_policy, prefill_work
+
+
+class LRUPrefixCache:
+    """Whole-prefix LRU with a token capacity per replica: the cluster simulator's cache model (a
+    user's profile is cached whole or not at all). Coarser than bench/sim.py's block-level
+    cache, which models one GPU's pool exactly; here what matters is which replica holds a
+    user's profile."""
+
+    def __init__(self, capacity_tokens: int) -> None:
+        self.capacity_tokens = capacity_tokens
+        self.used_tokens = 0
+        self._entries: OrderedDict[str, int] = OrderedDict()
+
+    def peek(self, key: str | None) -> int:
+        """Cached tokens for `key` without touching recency (what a policy looks up)."""
+        return self._entries.get(key, 0) if key is not None else 0
+
+    def touch(self, key: str | None) -> int:
+        """Cached tokens for `key`, marking it most recently used (a forward reads it)."""
+        if key is None or key not in self._entries:
+            return 0
+        self._entries.move_to_end(key)
+        return self._entries[key]
+
+    def insert(self, key: str | None, num_tokens: int) -> None:
+        if key is None or num_tokens <= 0 or num_tokens > self.capacity_tokens:
+            return
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return
+        while self.used_tokens + num_tokens > self.capacity_tokens:
+            _, evicted = self._entries.popitem(last=False)
+            self.used_tokens -= evicted
+        self._entries[key] = num_tokens
+        self.used_tokens += num_tokens
+
 
 ROUTERS = ("affinity", "power-of-two", "round-robin")
 USERS_PER_REPLICA = 20
@@ -186,8 +222,8 @@ def simulate_cluster(
             r.num_prompt_tokens,
             r.prefix_key,
             r.prefix_tokens,
-            0,
-            r.num_prompt_tokens,
+            num_cached_tokens_now=0,
+            remaining_prompt_tokens=r.num_prompt_tokens,
         )
         for r in workload.requests
     ]

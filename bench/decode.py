@@ -1,0 +1,360 @@
+"""Decode speed through the product path: streamed `/v1/completions` against a running server.
+
+For each batch size B it opens B concurrent streams with prompts of `--context` random token ids
+(distinct per stream, never one repeated token; the prefix cache is reset first, so prompts are
+cold), `ignore_eos`, and measures what a client sees: the gaps between content chunks (ITL)
+once every stream is decoding, and the decode tokens/s of the server. Beside it, from the same
+window:
+  - the bandwidth floor of one decode step: the weight bytes a step reads (the embedding table
+    only when it is also the LM head) plus the KV bytes of the batch's contexts, over the copy
+    bandwidth measured in this run (device-to-device, read + write bytes; `--copy-gbs` when the
+    client has no GPU), and the ITL's ratio to it;
+  - the engine-level decode step time (device time of decode steps, CUDA events, from the
+    engine's counters) and the GPU idle fraction between consecutive decode steps: engine
+    diagnostics, read from /metrics (absent on servers that do not export them);
+  - the CPU use of the server's processes (the API server(s) and the engine core: psutil over
+    the process tree listening on the port), and optionally a py-spy profile of each.
+
+    python -m bench.decode --url http://127.0.0.1:8000 --shape llama-3.1-8b --batches 1,16,64 \
+        --context 2048 --output-tokens 160 --out decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.bursts import provenance
+from runtime.presets import get_preset
+
+# Engine counters (runtime/engine.py stats, exported by app/metrics.py under these names).
+_COUNTERS = {
+    "decode_device_s": (
+        "greenlane_engine_decode_device_s",
+        "greenlane_engine_decode_device_s_total",
+    ),
+    "decode_idle_s": ("greenlane_engine_decode_idle_s", "greenlane_engine_decode_idle_s_total"),
+    "num_decode_steps": (
+        "greenlane_engine_num_decode_steps",
+        "greenlane_engine_num_decode_steps_total",
+    ),
+    "num_decode_tokens": (
+        "greenlane_engine_num_decode_tokens",
+        "greenlane_engine_num_decode_tokens_total",
+    ),
+}
+
+
+def decode_bytes(shape: str, batch: int, context: int, dtype_bytes: int = 2) -> tuple[int, int]:
+    """(weight bytes, KV bytes) one decode step of `batch` sequences of `context` tokens reads."""
+    cfg = get_preset(shape)
+    params = cfg.num_params
+    if not cfg.tie_word_embeddings:
+        params -= cfg.vocab_size * cfg.hidden_size  # the embedding: B rows, not the table
+    kv = batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+    return params * dtype_bytes, kv
+
+
+def measure_copy_gbs() -> float | None:
+    """Device-to-device copy bandwidth (read + write bytes), median of 10 (None without CUDA)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(12):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n / statistics.median(times[2:]) / 1e9
+
+
+def read_counters(client: httpx.Client) -> dict[str, float] | None:
+    try:
+        text = client.get("/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        name, _, rest = line.partition(" ")
+        base = name.split("{", 1)[0]
+        for key, names in _COUNTERS.items():
+            if base in names:
+                try:
+                    values[key] = float(rest.split()[0])
+                except (ValueError, IndexError):
+                    pass
+    return values if len(values) == len(_COUNTERS) else None
+
+
+def server_processes(port: int) -> list[Any]:
+    """The process listening on `port` and its descendants (API servers, engine core)."""
+    import psutil
+
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN:
+            if conn.pid is None:
+                continue
+            root = psutil.Process(conn.pid)
+            # The listener may be one of several API servers: climb to the launcher.
+            parent = root.parent()
+            if parent is not None and "greenlane" in " ".join(parent.cmdline()) + parent.name():
+                root = parent
+            return [root, *root.children(recursive=True)]
+    return []
+
+
+class CpuMeter:
+    def __init__(self, procs: list[Any]) -> None:
+        self.procs = procs
+
+    def start(self) -> None:
+        for p in self.procs:
+            try:
+                p.cpu_percent(None)
+            except Exception:  # noqa: BLE001 - a process may have exited
+                pass
+
+    def read(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for p in self.procs:
+            try:
+                name = f"{p.pid}:{' '.join(p.cmdline()[1:4])[:60] or p.name()}"
+                out[name] = p.cpu_percent(None)
+            except Exception:  # noqa: BLE001
+                pass
+        return out
+
+
+async def one_stream(
+    client: httpx.AsyncClient,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    t_start: list[float],
+) -> list[float]:
+    """Times (monotonic) of content chunks of one streamed completion."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    times: list[float] = []
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            choices = chunk.get("choices") or []
+            if choices and choices[0].get("text"):
+                times.append(time.monotonic())
+    t_start.append(time.monotonic())
+    return times
+
+
+async def run_batch(
+    url: str, model: str, batch: int, context: int, max_tokens: int, vocab: int, seed: int
+) -> list[list[float]]:
+    rng = random.Random(seed + batch)
+    # Random ids from the middle of the vocabulary (ordinary tokens), distinct per stream.
+    prompts = [
+        [rng.randrange(1000, min(vocab, 40000)) for _ in range(context)] for _ in range(batch)
+    ]
+    limits = httpx.Limits(max_connections=batch + 8, max_keepalive_connections=batch + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        done: list[float] = []
+        return await asyncio.gather(
+            *(one_stream(client, model, p, max_tokens, done) for p in prompts)
+        )
+
+
+def itl_window(streams: list[list[float]]) -> tuple[list[float], float, float, int]:
+    """Gaps between consecutive chunks of each stream inside the window where every stream
+    was decoding (after the last stream's first chunk, before the first stream's last one):
+    (gaps, window start, window end, tokens in the window)."""
+    start = max(s[0] for s in streams if s)
+    end = min(s[-1] for s in streams if s)
+    gaps: list[float] = []
+    tokens = 0
+    for s in streams:
+        inside = [t for t in s if start <= t <= end]
+        tokens += len(inside)
+        gaps += [b - a for a, b in zip(inside, inside[1:], strict=False)]
+    return gaps, start, end, tokens
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    k = (len(v) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def py_spy(procs: list[Any], seconds: float, out_dir: Path, tag: str) -> list[str]:
+    """Start a py-spy `top`-style profile (raw samples) of each server process; returns files."""
+    files = []
+    for p in procs:
+        path = out_dir / f"pyspy-{tag}-{p.pid}.txt"
+        cmd = [
+            "py-spy",
+            "record",
+            "--pid",
+            str(p.pid),
+            "--duration",
+            str(int(seconds)),
+            "--format",
+            "raw",
+            "--rate",
+            "200",
+            "--output",
+            str(path),
+            "--nonblocking",
+        ]
+        try:
+            subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            files.append(str(path))
+        except OSError:
+            pass
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--shape", required=True, help="the random:<preset> the server runs (floor)")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--context", type=int, default=2048, help="prompt tokens per stream")
+    ap.add_argument("--output-tokens", type=int, default=160)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--copy-gbs", type=float, default=None, help="skip measuring: use this")
+    ap.add_argument("--label", default="", help="what server this is (revision, options)")
+    ap.add_argument("--py-spy-s", type=float, default=0.0, help="profile the server this long")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+
+    copy_gbs = args.copy_gbs or measure_copy_gbs()
+    cfg = get_preset(args.shape)
+    port = httpx.URL(args.url).port or 80
+    with httpx.Client(base_url=args.url, timeout=60) as client:
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        procs = server_processes(port)
+        result: dict[str, Any] = {
+            **provenance("bench.decode", argv),
+            "label": args.label,
+            "url": args.url,
+            "shape": args.shape,
+            "model": model,
+            "context_tokens": args.context,
+            "output_tokens": args.output_tokens,
+            "copy_gbs_read_plus_write": copy_gbs,
+            "server_processes": [p.pid for p in procs],
+            "points": [],
+        }
+        out_dir = Path(args.out).parent
+        for batch in [int(b) for b in args.batches.split(",") if b]:
+            for rep in range(args.repeats):
+                client.post("/admin/api/prefix-cache/reset", json={})
+                cpu = CpuMeter(procs)
+                before = read_counters(client)
+                cpu.start()
+                spy = []
+                if args.py_spy_s and rep == 0:
+                    spy = py_spy(
+                        procs, args.py_spy_s, out_dir, f"{args.label or 'server'}-b{batch}"
+                    )
+                t0 = time.monotonic()
+                streams = asyncio.run(
+                    run_batch(
+                        args.url,
+                        model,
+                        batch,
+                        args.context,
+                        args.output_tokens,
+                        cfg.vocab_size,
+                        args.seed + rep,
+                    )
+                )
+                wall = time.monotonic() - t0
+                cpu_pct = cpu.read()
+                after = read_counters(client)
+                gaps, w0, w1, tokens = itl_window(streams)
+                w_bytes, kv_bytes = decode_bytes(
+                    args.shape, batch, args.context + args.output_tokens // 2
+                )
+                floor_ms = (w_bytes + kv_bytes) / (copy_gbs * 1e9) * 1e3 if copy_gbs else None
+                point: dict[str, Any] = {
+                    "batch": batch,
+                    "repeat": rep,
+                    "itl_median_ms": (pct(gaps, 0.5) or 0) * 1e3,
+                    "itl_p90_ms": (pct(gaps, 0.9) or 0) * 1e3,
+                    "itl_p99_ms": (pct(gaps, 0.99) or 0) * 1e3,
+                    "num_gaps": len(gaps),
+                    "decode_tokens_per_s": tokens / (w1 - w0) if w1 > w0 else None,
+                    "wall_s": wall,
+                    "weight_bytes": w_bytes,
+                    "kv_bytes": kv_bytes,
+                    "floor_ms": floor_ms,
+                    "itl_over_floor": (pct(gaps, 0.5) or 0) * 1e3 / floor_ms if floor_ms else None,
+                    "server_cpu_percent": cpu_pct,
+                    "py_spy_files": spy,
+                }
+                if before and after and after["num_decode_steps"] > before["num_decode_steps"]:
+                    steps = after["num_decode_steps"] - before["num_decode_steps"]
+                    dev = after["decode_device_s"] - before["decode_device_s"]
+                    idle = after["decode_idle_s"] - before["decode_idle_s"]
+                    point["engine_decode_step_ms"] = dev / steps * 1e3
+                    point["engine_decode_steps"] = steps
+                    point["gpu_idle_fraction_between_decode_steps"] = (
+                        idle / (idle + dev) if idle + dev > 0 else None
+                    )
+                    point["itl_over_engine_step"] = (
+                        point["itl_median_ms"] / point["engine_decode_step_ms"]
+                    )
+                result["points"].append(point)
+                print(
+                    f"B={batch} rep={rep}: ITL median {point['itl_median_ms']:.2f} ms"
+                    f" (floor {floor_ms or float('nan'):.2f} ms, x{point['itl_over_floor'] or float('nan'):.2f}),"
+                    f" {point['decode_tokens_per_s'] or 0:.0f} tok/s,"
+                    f" engine step {point.get('engine_decode_step_ms', float('nan')):.2f} ms,"
+                    f" GPU idle {point.get('gpu_idle_fraction_between_decode_steps', float('nan'))},"
+                    f" CPU {sorted(cpu_pct.values(), reverse=True)[:3]}",
+                    flush=True,
+                )
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
