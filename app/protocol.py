@@ -190,6 +190,12 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False  # the prompt's text (and, with logprobs, its token logprobs) first
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)  # only = n (see the README)
 
+    @property
+    def num_prompts(self) -> int:
+        """How many prompts (engine requests) this call asks for."""
+        p = self.prompt
+        return len(p) if isinstance(p, list) and p and not isinstance(p[0], int) else 1
+
 
 # Parameters of OpenAI's chat/completions APIs that we do not implement, with the values that
 # mean "off" (accepted, since they ask for nothing). Any other value is a 400 naming the
@@ -224,12 +230,6 @@ def unsupported_param(body: BaseModel) -> tuple[str, str] | None:
         if not any(value == ok for ok in accepted):
             return name, f"{name}={value!r} is not supported: {why}"
     return None
-
-    @property
-    def num_prompts(self) -> int:
-        """How many prompts (engine requests) this call asks for."""
-        p = self.prompt
-        return len(p) if isinstance(p, list) and p and not isinstance(p[0], int) else 1
 
 
 class ScoreRequest(_Request):

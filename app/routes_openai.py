@@ -57,7 +57,7 @@ from runtime.request import Request as EngineRequest
 from runtime.request import RequestKind, RequestOutput, SamplingParams, TokenLogprob
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], responses=ERROR_RESPONSES)
-log = logging.getLogger("greenlane.request")
+log = logging.getLogger("greenlane.app")  # details beside the one access line
 
 # OpenAPI: with `"stream": true` the 200 answer is Server-Sent Events.
 _STREAM_RESPONSES: dict[int | str, dict[str, Any]] = {

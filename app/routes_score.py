@@ -47,7 +47,7 @@ from runtime.request import Request as EngineRequest
 from runtime.request import RequestKind, SamplingParams
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], responses=ERROR_RESPONSES)
-log = logging.getLogger("greenlane.request")
+log = logging.getLogger("greenlane.app")  # details beside the one access line
 
 
 def _label_ids(engine: Any, body: ScoreRequest) -> tuple[list[int], list[str]]:

@@ -12,6 +12,8 @@ window:
   - the engine-level decode step time (device time of decode steps, CUDA events, from the
     engine's counters) and the GPU idle fraction between consecutive decode steps: engine
     diagnostics, read from /metrics (absent on servers that do not export them);
+  - optionally (`--prefill-check N`), one cold N-token scoring prompt end to end and its
+    model FLOP rate against the measured matmul peak (prefill must not regress);
   - the CPU use of the server's processes (the API server(s) and the engine core: psutil over
     the process tree listening on the port), and optionally a py-spy profile of each.
 
@@ -25,7 +27,6 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -65,28 +66,48 @@ def decode_bytes(shape: str, batch: int, context: int, dtype_bytes: int = 2) -> 
     return params * dtype_bytes, kv
 
 
-def measure_copy_gbs() -> float | None:
-    """Device-to-device copy bandwidth (read + write bytes), median of 10 (None without CUDA)."""
+def measure_ceilings() -> dict[str, float] | None:
+    """The GPU's measured bf16 matmul rate and copy bandwidth (bench/gpu_suite.py's
+    ceilings), or None without CUDA on this side."""
     try:
         import torch
     except ImportError:
         return None
     if not torch.cuda.is_available():
         return None
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(12):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    del a, b
+    from bench.gpu_suite import section_ceilings
+
+    out = section_ceilings()
     torch.cuda.empty_cache()
-    return 2 * n / statistics.median(times[2:]) / 1e9
+    return out
+
+
+def prefill_check(
+    url: str, model: str, shape: str, num_tokens: int, peak_tflops: float | None
+) -> dict[str, Any]:
+    """One cold scoring prompt of `num_tokens` random ids end to end (HTTP): seconds, and the
+    model FLOPs it did over that time against the measured matmul peak."""
+    from bench.gpu_suite import _flops_prefill
+
+    cfg = get_preset(shape)
+    rng = random.Random(12345)
+    prompt = [rng.randrange(1000, min(cfg.vocab_size, 40000)) for _ in range(num_tokens)]
+    body = {"model": model, "query": prompt, "label_token_ids": [1, 2]}
+    with httpx.Client(base_url=url, timeout=600) as c:
+        c.post("/admin/api/prefix-cache/reset", json={})
+        t0 = time.monotonic()
+        r = c.post("/v1/score", json=body)
+        e2e_s = time.monotonic() - t0
+    r.raise_for_status()
+    server_s = r.json().get("timing", {}).get("server_s")
+    tflops = _flops_prefill(cfg, num_tokens) / e2e_s / 1e12
+    return {
+        "num_tokens": num_tokens,
+        "e2e_s": e2e_s,
+        "server_s": server_s,
+        "tflops_e2e": tflops,
+        "fraction_of_peak_e2e": tflops / peak_tflops if peak_tflops else None,
+    }
 
 
 def read_counters(client: httpx.Client) -> dict[str, float] | None:
@@ -261,10 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--copy-gbs", type=float, default=None, help="skip measuring: use this")
     ap.add_argument("--label", default="", help="what server this is (revision, options)")
     ap.add_argument("--py-spy-s", type=float, default=0.0, help="profile the server this long")
+    ap.add_argument("--prefill-check", type=int, default=0, help="also: one cold scoring prompt")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
 
-    copy_gbs = args.copy_gbs or measure_copy_gbs()
+    ceilings = None if args.copy_gbs else measure_ceilings()
+    copy_gbs = args.copy_gbs or (ceilings or {}).get("copy_gbs_read_plus_write")
     cfg = get_preset(args.shape)
     port = httpx.URL(args.url).port or 80
     with httpx.Client(base_url=args.url, timeout=60) as client:
@@ -279,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             "context_tokens": args.context,
             "output_tokens": args.output_tokens,
             "copy_gbs_read_plus_write": copy_gbs,
+            "ceilings": ceilings,
             "server_processes": [p.pid for p in procs],
             "points": [],
         }
@@ -287,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             for rep in range(args.repeats):
                 client.post("/admin/api/prefix-cache/reset", json={})
                 cpu = CpuMeter(procs)
+                time.sleep(0.5)  # engine counters reach /metrics with a heartbeat (0.2 s)
                 before = read_counters(client)
                 cpu.start()
                 spy = []
@@ -308,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 wall = time.monotonic() - t0
                 cpu_pct = cpu.read()
+                time.sleep(0.5)
                 after = read_counters(client)
                 gaps, w0, w1, tokens = itl_window(streams)
                 w_bytes, kv_bytes = decode_bytes(
@@ -352,6 +378,12 @@ def main(argv: list[str] | None = None) -> int:
                     f" CPU {sorted(cpu_pct.values(), reverse=True)[:3]}",
                     flush=True,
                 )
+        if args.prefill_check:
+            peak = (ceilings or {}).get("matmul_bf16_tflops")
+            result["prefill_check"] = prefill_check(
+                args.url, model, args.shape, args.prefill_check, peak
+            )
+            print(f"prefill check: {result['prefill_check']}", flush=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
 

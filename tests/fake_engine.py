@@ -23,6 +23,7 @@ admission) is exercised. It has no model: outputs follow a deterministic rule, o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import threading
@@ -270,9 +271,14 @@ class FakeEngine:
                 return [
                     {
                         "request_id": r.request_id,
+                        "kind": str(r.kind),
                         "status": r.status.name,
+                        "prompt_token_ids": list(r.prompt_token_ids),
                         "num_prompt_tokens": r.num_prompt_tokens,
                         "num_output_tokens": r.num_output_tokens,
+                        "label_token_ids": list(r.label_token_ids),
+                        "apply_softmax": r.apply_softmax,
+                        "sampling": dataclasses.asdict(r.sampling),
                     }
                     for r in self.added
                 ]

@@ -10,6 +10,7 @@ import contextlib
 import socket
 import threading
 import time
+from types import SimpleNamespace
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -50,6 +51,17 @@ class ServerThread:
         loop = self.app.state.loop
         fut = asyncio.run_coroutine_threadsafe(core.call("engine_control", name, *args), loop)
         return fut.result(timeout_s)
+
+    def added(self) -> list[Any]:
+        """Every request the (fake) engine was given, as attribute records: `request_id`,
+        `kind`, `status` (a name such as "FINISHED_ABORTED"), `prompt_token_ids`, token
+        counts, `label_token_ids`, `apply_softmax`, `sampling` (SamplingParams' fields)."""
+        out = []
+        for r in self.control("added"):
+            rec = dict(r)
+            rec["sampling"] = SimpleNamespace(**rec.get("sampling", {}))
+            out.append(SimpleNamespace(**rec))
+        return out
 
     @property
     def core_pid(self) -> int:

@@ -48,7 +48,7 @@ def _err(r: httpx.Response, param: str) -> str:
 
 
 def _added(server: ServerThread, prefix: str) -> list[Request]:
-    return [r for r in server.engine.added if r.request_id.startswith(prefix)]
+    return [r for r in server.added() if r.request_id.startswith(prefix)]
 
 
 # ----------------------------------------------------------------------------- /v1/score
@@ -187,9 +187,10 @@ def test_echo_without_logprobs_and_streamed_echo(server: ServerThread, http: htt
 class _NoPromptLogprobsEngine(FakeEngine):
     """An engine that does not compute prompt logprobs (the real one until it does)."""
 
-    def add(self, req: Request) -> None:
-        req.sampling.prompt_logprobs = None
-        super().add(req)
+    def add_many(self, reqs: list[Request]) -> None:
+        for req in reqs:
+            req.sampling.prompt_logprobs = None
+        super().add_many(reqs)
 
 
 def test_engine_without_prompt_logprobs_is_a_clear_501() -> None:

@@ -148,11 +148,11 @@ CASES: list[tuple[str, str, str | None]] = [
 def test_hostile_field_is_a_400(
     http: httpx.Client, server: ServerThread, path: str, raw: str, param: str | None
 ) -> None:
-    num_added = len(server.engine.added)
+    num_added = len(server.added())
     err = assert_error(post_raw(http, path, raw.encode()), 400)
     if param is not None:
         assert err["param"] is not None and err["param"].split(".")[0] == param, err
-    assert len(server.engine.added) == num_added  # validated before admission
+    assert len(server.added()) == num_added  # validated before admission
 
 
 @pytest.mark.parametrize(("method", "path"), JSON_ENDPOINTS)
@@ -344,8 +344,8 @@ def test_healthy_after_the_battery(http: httpx.Client, server: ServerThread) -> 
 
 def test_api_takes_json_bodies_only(http: httpx.Client, server: ServerThread) -> None:
     # A cross-site page can POST text/plain without a preflight: it must not run a request.
-    num_added = len(server.engine.added)
+    num_added = len(server.added())
     raw = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
     for ctype in ("text/plain", "application/x-www-form-urlencoded"):
         assert_error(http.post(CMPL, content=raw, headers={"content-type": ctype}), 400)
-    assert len(server.engine.added) == num_added
+    assert len(server.added()) == num_added

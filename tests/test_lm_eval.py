@@ -82,7 +82,7 @@ def _fake_loglikelihood(context: str, continuation: str) -> tuple[float, bool]:
 def test_lm_eval_against_the_fake_engine(tmp_path: Path) -> None:
     with fake_server(max_model_len=256) as srv:
         run = _run_lm_eval(srv, "SmolLM2-135M-Instruct", tmp_path)
-        echo_requests = [r for r in srv.engine.added if r.sampling.prompt_logprobs == 1]
+        echo_requests = [r for r in srv.added() if r.sampling.prompt_logprobs == 1]
     acc = run["results"]["results"][TASK]["acc,none"]
     assert 0.0 <= acc <= 1.0
     assert len(run["samples"]) == LIMIT

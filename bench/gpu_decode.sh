@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Issue 12 on the H200: decode through HTTP (bench.decode), old revision vs this one, one run.
+#   bash bench/gpu_decode.sh sanity REV   # this revision: GPU tests of the engine, then a short
+#                                         # decode run on the 8B shape (B=1, 64)
+#   bash bench/gpu_decode.sh old REV      # the old revision (.old_rev/old.tar.gz): 8B B=1,16,64
+#                                         # and 3B 48 streams
+#   bash bench/gpu_decode.sh new REV      # this revision: the same, plus the 16k prefill check,
+#                                         # 3B with 2 API servers, py-spy of the 48-stream run
+# Carry: .whl .fi_cache .cache/smollm2-tok (and .old_rev for `old`). Results: $OUT/*.json,
+# fi_cache.tar.gz when the FlashInfer cache grew, server logs as one tarball.
+set -u
+part=${1:-sanity}; rev=${2:-unknown}; t0=$(date +%s)
+export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source bench/gpu_setup.sh
+export PATH=/tmp/site/bin:$PATH
+new=$PWD
+logs=/tmp/serverlogs; mkdir -p $logs
+echo "setup done in $(( $(date +%s) - t0 )) s"
+
+serve() {  # serve DIR MODEL PORT LOG [server args...]: start, wait for /health (420 s)
+  local dir=$1 model=$2 port=$3 log=$4; shift 4
+  (cd "$dir" && PYTHONPATH=/tmp/site:$dir exec python3 -m app serve --model "$model" \
+     --port "$port" --max-num-seqs 128 "$@" >"$log" 2>&1) &
+  for _ in $(seq 1 420); do
+    curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && return 0
+    kill -0 $! 2>/dev/null || { echo "server exited:"; tail -30 "$log"; return 1; }
+    sleep 1
+  done
+  echo "server did not come up:"; tail -30 "$log"; return 1
+}
+stop() {  # stop PORT
+  local pid; pid=$(python3 -c "import psutil,sys
+for c in psutil.net_connections('tcp'):
+    if c.laddr and c.laddr.port==$1 and c.status=='LISTEN' and c.pid: print(c.pid); break")
+  [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null
+  for _ in $(seq 1 60); do curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1 || break; sleep 1; done
+  sleep 3
+}
+decode() {  # decode TAG SHAPE BATCHES CONTEXT OUTPUT [extra]
+  local tag=$1 shape=$2 batches=$3 ctx=$4 outn=$5; shift 5
+  python3 -m bench.decode --url http://127.0.0.1:8100 --shape "$shape" --batches "$batches" \
+    --context "$ctx" --output-tokens "$outn" --label "$tag" --out "$OUT/decode-$tag.json" "$@"
+}
+
+rc=0
+case $part in
+  sanity)
+    python3 -m pytest -q -x tests/gpu -k "not mil and not 32b" -p no:cacheprovider 2>&1 | tail -15 || rc=1
+    serve "$new" random:llama-3.1-8b 8100 $logs/new-8b.log && {
+      decode new-8b-sanity llama-3.1-8b 1,64 2048 96 --repeats 1 || rc=1; stop 8100; }
+    ;;
+  old)
+    mkdir -p /tmp/old && tar xzf .old_rev/old.tar.gz -C /tmp/old
+    serve /tmp/old random:llama-3.1-8b 8100 $logs/old-8b.log && {
+      decode old-8b llama-3.1-8b 1,16,64 2048 160 || rc=1; stop 8100; }
+    serve /tmp/old random:qwen2.5-3b 8100 $logs/old-3b.log && {
+      decode old-3b qwen2.5-3b 48 512 256 || rc=1; stop 8100; }
+    ;;
+  new)
+    serve "$new" random:llama-3.1-8b 8100 $logs/new-8b.log && {
+      decode new-8b llama-3.1-8b 1,16,64 2048 160 --prefill-check 16384 || rc=1; stop 8100; }
+    serve "$new" random:qwen2.5-3b 8100 $logs/new-3b.log && {
+      decode new-3b qwen2.5-3b 48 512 256 --py-spy-s 6 || rc=1; stop 8100; }
+    serve "$new" random:qwen2.5-3b 8100 $logs/new-3b-api2.log --api-server-count 2 && {
+      decode new-3b-api2 qwen2.5-3b 48 512 256 || rc=1; stop 8100; }
+    ;;
+esac
+# What comes back: results, the JIT cache if it grew, logs and profiles in one tarball.
+after=$(find ~/.cache/flashinfer -name '*.so' 2>/dev/null | wc -l)
+if [ "$after" -gt "$fi_modules_before" ]; then
+  tar czf "$OUT/fi_cache.tar.gz" -C ~/.cache flashinfer && echo "fi cache: $after modules"
+fi
+cp "$OUT"/pyspy-* $logs/ 2>/dev/null; rm -f "$OUT"/pyspy-*
+tar czf "$OUT/logs-$part.tar.gz" -C /tmp serverlogs
+echo "done in $(( $(date +%s) - t0 )) s, rc=$rc"
+exit $rc
