@@ -10,8 +10,8 @@ import contextlib
 import socket
 import threading
 import time
-from types import SimpleNamespace
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import uvicorn
