@@ -45,7 +45,8 @@ decode() {  # decode TAG SHAPE BATCHES CONTEXT OUTPUT [extra]
 rc=0
 case $part in
   sanity)
-    python3 -m pytest -q -x tests/gpu -k "not mil and not 32b" -p no:cacheprovider 2>&1 | tail -15 || rc=1
+    python3 -m pytest -q tests/gpu -p no:cacheprovider --tb=short 2>&1 | tee $logs/pytest-gpu.txt \
+      | grep -E "^(FAILED|ERROR|E )|passed|failed" | head -40
     serve "$new" random:llama-3.1-8b 8100 $logs/new-8b.log && {
       decode new-8b-sanity llama-3.1-8b 1,64 2048 96 --repeats 1 || rc=1; stop 8100; }
     ;;

@@ -117,27 +117,31 @@ def test_overlap_on_and_off_give_the_same_greedy_tokens() -> None:
 def test_penalties_and_logit_bias_act_inside_graph_decode() -> None:
     rng = random.Random(11)
     prompt = [rng.randrange(100, 30000) for _ in range(60)]
+    forced = 4242
+    lengths = {"a": 32, "b": 32, "c": 8, "d": 16}
     eng, sink = _engine()
     try:
-        eng.add(_gen("plain", prompt, 32))
-        sink.wait(["plain"])
-        forced = 4242
+        # The same batch twice (same sizes at every step, so the same graphs and products):
+        # first without any penalty, then with one per request but "a".
+        eng.add_many([_gen(f"plain-{k}", prompt, n) for k, n in lengths.items()])
+        sink.wait([f"plain-{k}" for k in lengths])
         eng.add_many(
             [
-                _gen("plain2", prompt, 32),
-                _gen("presence", prompt, 32, presence_penalty=100.0),
-                _gen("bias", prompt, 8, logit_bias={forced: 100.0}),
-                _gen("rep", prompt, 16, repetition_penalty=1e9),
+                _gen("a", prompt, lengths["a"]),
+                _gen("b", prompt, lengths["b"], presence_penalty=100.0),
+                _gen("c", prompt, lengths["c"], logit_bias={forced: 100.0}),
+                _gen("d", prompt, lengths["d"], repetition_penalty=1e9),
             ]
         )
-        sink.wait(["plain2", "presence", "bias", "rep"])
+        sink.wait(list(lengths))
         assert eng.runner.decode_graphs is not None and eng.runner.decode_graphs.graphs
     finally:
         eng.shutdown(0)
-    plain = sink.tokens("plain")
-    assert sink.tokens("plain2") == plain  # batch mates with penalties change nothing
-    presence = sink.tokens("presence")
+    plain = sink.tokens("plain-a")
+    assert len(set(plain)) < len(plain)  # the random model repeats itself when left alone
+    assert sink.tokens("a") == plain  # batch mates with penalties change nothing
+    presence = sink.tokens("b")
     assert len(set(presence)) == len(presence) == 32  # nothing generated twice
-    assert sink.tokens("bias") == [forced] * 8
-    rep = sink.tokens("rep")
+    assert sink.tokens("c") == [forced] * 8
+    rep = sink.tokens("d")
     assert not set(rep) & set(prompt)  # prompt tokens pushed down (their logits were > 0)
