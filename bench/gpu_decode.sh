@@ -58,6 +58,8 @@ case $part in
       decode old-3b qwen2.5-3b 48 512 256 || rc=1; stop 8100; }
     ;;
   new)
+    python3 -m pytest -q tests/gpu/test_overlap_gpu.py -p no:cacheprovider --tb=short 2>&1 \
+      | tee $logs/pytest-gpu.txt | grep -E "^(FAILED|ERROR|E )|passed|failed" | head -30
     serve "$new" random:llama-3.1-8b 8100 $logs/new-8b.log && {
       decode new-8b llama-3.1-8b 1,16,64 2048 160 --prefill-check 16384 || rc=1; stop 8100; }
     serve "$new" random:qwen2.5-3b 8100 $logs/new-3b.log && {
