@@ -23,7 +23,11 @@ serve() {  # serve DIR MODEL PORT LOG [server args...]: start, wait for /health 
      --port "$port" --max-num-seqs 128 "$@" >"$log" 2>&1) &
   for _ in $(seq 1 420); do
     curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && return 0
-    kill -0 $! 2>/dev/null || { echo "server exited:"; tail -30 "$log"; return 1; }
+    kill -0 $! 2>/dev/null || { echo "server exited:"; grep -v '^ ' "$log" | tail -12; return 1; }
+    if [ -z "${dumped:-}" ] && grep -q "waiting for the engine core" "$log"; then
+      dumped=1  # a stuck start-up: what every Python process is doing
+      for p in $(pgrep -f "python3"); do echo "== py-spy $p"; py-spy dump --pid $p 2>&1 | head -40; done
+    fi
     sleep 1
   done
   echo "server did not come up:"; tail -30 "$log"; return 1

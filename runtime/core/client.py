@@ -107,9 +107,21 @@ class EngineCoreClient:
         # socket (an empty Outputs) only once that connection exists, so no output is lost.
         hello = Hello(self._identity.decode())
         deadline = time.monotonic() + timeout_s
+        last_log = time.monotonic()
         while not (self._heartbeat.is_set() and self._out_ready.is_set()):
-            if time.monotonic() > deadline:
-                raise EngineCoreError(f"no answer from the engine core in {timeout_s} s")
+            now = time.monotonic()
+            if now > deadline:
+                raise EngineCoreError(
+                    f"no answer from the engine core in {timeout_s} s (heartbeat: "
+                    f"{self._heartbeat.is_set()}, output connection: {self._out_ready.is_set()})"
+                )
+            if now - last_log > 2.0:
+                last_log = now
+                log.info(
+                    "waiting for the engine core: heartbeat %s, output connection %s",
+                    self._heartbeat.is_set(),
+                    self._out_ready.is_set(),
+                )
             self._send(hello)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._out_ready.wait(), 0.1)

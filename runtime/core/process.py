@@ -178,9 +178,14 @@ class EngineCore:
         elif isinstance(msg, Call):
             self._call(client, msg)
         elif isinstance(msg, Hello):
-            if client not in self._acked and self._ack_output(client):
-                self._acked.add(client)
-                self._heartbeat(time.monotonic(), [client])
+            if client not in self._acked:
+                acked = self._ack_output(client)
+                log.debug(
+                    "hello from %r: output connection %s", client, "up" if acked else "not up"
+                )
+                if acked:
+                    self._acked.add(client)
+                    self._heartbeat(time.monotonic(), [client])
 
     def _call(self, client: bytes, call: Call) -> None:
         def reply(value: Any = None, error: BaseException | None = None) -> None:
