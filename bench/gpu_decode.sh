@@ -55,6 +55,11 @@ case $part in
       decode new-8b-sanity llama-3.1-8b 1,64 2048 96 --repeats 1 || rc=1; stop 8100; }
     ;;
   old)
+    # First: this revision's single-API-server start-up on the GPU (it failed once), in debug.
+    serve "$new" random:qwen2.5-3b 8101 $logs/diag.log --log-level debug && {
+      curl -s http://127.0.0.1:8101/v1/completions -H 'Content-Type: application/json' \
+        -d '{"prompt": [1000, 2000, 3000], "max_tokens": 4}' | head -c 300; echo; stop 8101; }
+    grep -E "waiting for the engine core|hello from|no answer" $logs/diag.log | head -8
     mkdir -p /tmp/old && tar xzf .old_rev/old.tar.gz -C /tmp/old
     serve /tmp/old random:llama-3.1-8b 8100 $logs/old-8b.log && {
       decode old-8b llama-3.1-8b 1,16,64 2048 160 || rc=1; stop 8100; }
