@@ -1,11 +1,14 @@
-"""The API server's side of the engine core: an asyncio ZMQ client.
+"""The API server's side of the engine core.
 
-One per API-server process, on its event loop. It sends requests, aborts and control calls;
-one task reads the engine's per-step output messages and runs them through the output
-processor (text, stop strings) before handing them to `on_outputs`; another reads call
-results and heartbeats (the engine's stats snapshot). The core is dead when its process exits,
-when its heartbeats stop for `heartbeat_timeout_s`, or when it reports its engine loop dead:
-then `on_dead(reason)` is called once, and every later call fails.
+One per API-server process. It sends requests, aborts and control calls from the event loop
+on a send-only socket; a reader thread receives everything the core sends (per-step outputs,
+call results, heartbeats with the engine's stats snapshot) on the other socket, blocking in
+ZMQ without the GIL, and hands each message to the event loop, where outputs go through the
+output processor (text, stop strings) to `on_outputs`. (Why not asyncio ZMQ sockets: one
+socket read and written from coroutines at once stalled under uvloop on the H200 - the core's
+heartbeats never arrived - and a thread per direction has no such mode.) The core is dead when
+its process exits, when its heartbeats stop for `heartbeat_timeout_s`, or when it reports its
+engine loop dead: then `on_dead(reason)` is called once, and every later call fails.
 """
 
 from __future__ import annotations
@@ -15,24 +18,24 @@ import contextlib
 import itertools
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from runtime.core.messages import (
+    CORE_DECODER,
     ENCODER,
-    OUTPUTS_DECODER,
-    REPLY_DECODER,
     AbortRequests,
     AddRequests,
     Call,
     CallResult,
     Heartbeat,
     Hello,
+    Outputs,
     WireRequest,
 )
 from runtime.core.output_processor import OutputProcessor
@@ -65,9 +68,12 @@ class EngineCoreClient:
         self.keepalive_s = keepalive_s
         self.dead_reason: str | None = None
         self._identity = f"api-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode()
-        self._ctx: zmq.asyncio.Context | None = None
-        self._in: Any = None
-        self._out: Any = None
+        self._ctx: zmq.Context | None = None
+        self._in: Any = None  # send-only, event loop thread
+        self._out: Any = None  # receive-only, reader thread
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: threading.Thread | None = None
+        self._closing = False
         self._tasks: list[asyncio.Task[None]] = []
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()
@@ -84,8 +90,10 @@ class EngineCoreClient:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self, timeout_s: float = 30.0) -> None:
-        """Connect and wait for the first heartbeat."""
-        self._ctx = zmq.asyncio.Context()
+        """Connect and wait until the core has answered on the output connection and sent
+        its first heartbeat."""
+        self._loop = loop = asyncio.get_running_loop()
+        self._ctx = zmq.Context()
         for name, addr in (
             ("_in", self.handle.input_address),
             ("_out", self.handle.output_address),
@@ -97,14 +105,13 @@ class EngineCoreClient:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(addr)
             setattr(self, name, sock)
-        loop = asyncio.get_running_loop()
-        self._tasks = [
-            loop.create_task(self._read_outputs(), name="greenlane-core-outputs"),
-            loop.create_task(self._read_replies(), name="greenlane-core-replies"),
-            loop.create_task(self._keepalive(), name="greenlane-core-keepalive"),
-        ]
-        # Hello until the core has answered on both sockets: it acknowledges on the output
-        # socket (an empty Outputs) only once that connection exists, so no output is lost.
+        self._reader = threading.Thread(
+            target=self._read_loop, name="greenlane-core-reader", daemon=True
+        )
+        self._reader.start()
+        self._tasks = [loop.create_task(self._keepalive(), name="greenlane-core-keepalive")]
+        # Hello until the core has answered on both: it acknowledges on the output socket (an
+        # empty Outputs) only once that connection exists, so no output is lost.
         hello = Hello(self._identity.decode())
         deadline = time.monotonic() + timeout_s
         last_log = time.monotonic()
@@ -127,18 +134,21 @@ class EngineCoreClient:
                 await asyncio.wait_for(self._out_ready.wait(), 0.1)
 
     async def close(self) -> None:
+        self._closing = True
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks = []
-        for sock in (self._in, self._out):
-            if sock is not None:
-                sock.close(linger=0)
+        if self._in is not None:
+            self._in.close(linger=0)
         if self._ctx is not None:
-            self._ctx.term()
+            # Terminating the context wakes the reader thread (ETERM), which closes its socket.
+            await asyncio.to_thread(self._ctx.term)
             self._ctx = None
+        if self._reader is not None:
+            self._reader.join(timeout=5)
 
     # ---- requests -----------------------------------------------------------------------------
     def add(self, reqs: list[Request]) -> None:
@@ -197,55 +207,73 @@ class EngineCoreClient:
 
     # ---- internals ----------------------------------------------------------------------------
     def _send(self, msg: Any) -> None:
-        # Unbounded queues: the send completes at once (the returned future is done).
-        self._in.send(ENCODER.encode(msg))
+        """Send on the send-only socket (event loop thread). Unbounded queues: it only waits
+        when the core's connection is not up yet, and then the message is retried by its
+        sender (hello) or the core is dead (everything else fails with it)."""
+        try:
+            self._in.send(ENCODER.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            if not isinstance(msg, Hello):
+                log.warning("engine core not connected: %s not sent", type(msg).__name__)
 
-    async def _read_outputs(self) -> None:
-        processor = self.processor
-        while True:
-            frame = await self._out.recv()
-            batch = OUTPUTS_DECODER.decode(frame).outputs
-            if not batch:  # the core's acknowledgement of this output connection
-                self._out_ready.set()
-                continue
-            outs: list[RequestOutput] = []
-            stopped: list[str] = []
-            unseen = self._unseen
-            for o in batch:
-                unseen.discard(o.request_id)
-                out, by_string = processor.process(o)
-                outs.append(out)
-                if by_string:
-                    stopped.append(o.request_id)
-            if stopped:  # finished here by a stop string: free the engine's work at once
-                self._send(AbortRequests(stopped))
-            try:
-                self.on_outputs(outs)
-            except Exception:  # noqa: BLE001 - one bad consumer must not stop the reader
-                log.exception("output consumer raised")
+    def _read_loop(self) -> None:
+        """Reader thread: receive everything the core sends, hand it to the event loop."""
+        sock, loop = self._out, self._loop
+        assert loop is not None
+        try:
+            while True:
+                frame = sock.recv()
+                loop.call_soon_threadsafe(self._on_message, CORE_DECODER.decode(frame))
+        except zmq.ContextTerminated:
+            pass
+        except Exception:  # noqa: BLE001 - say why; the keepalive declares the core dead
+            if not self._closing:
+                log.exception("engine core reader stopped")
+        finally:
+            sock.close(linger=0)
 
-    async def _read_replies(self) -> None:
-        while True:
-            frame = await self._in.recv()
-            msg = REPLY_DECODER.decode(frame)
-            if isinstance(msg, Heartbeat):
-                self._stats = msg.stats
-                self._partition = msg.partition
-                self._last_heartbeat_s = time.monotonic()
-                self._unseen.clear()
-                self._heartbeat.set()
-                if not msg.stats.get("alive", True):
-                    self._die("the engine loop died (see the engine core's log)")
-            elif isinstance(msg, CallResult):
-                fut = self._calls.get(msg.call_id)
-                if fut is None or fut.done():
-                    continue
-                if msg.ok:
-                    fut.set_result(msg.value)
-                elif msg.error_type == "ValueError":
-                    fut.set_exception(ValueError(msg.error))
-                else:
-                    fut.set_exception(EngineCoreError(f"{msg.error_type}: {msg.error}"))
+    def _on_message(self, msg: Any) -> None:
+        """One message from the core, on the event loop."""
+        if isinstance(msg, Outputs):
+            self._on_outputs(msg.outputs)
+        elif isinstance(msg, Heartbeat):
+            self._stats = msg.stats
+            self._partition = msg.partition
+            self._last_heartbeat_s = time.monotonic()
+            self._unseen.clear()
+            self._heartbeat.set()
+            if not msg.stats.get("alive", True):
+                self._die("the engine loop died (see the engine core's log)")
+        elif isinstance(msg, CallResult):
+            fut = self._calls.get(msg.call_id)
+            if fut is None or fut.done():
+                return
+            if msg.ok:
+                fut.set_result(msg.value)
+            elif msg.error_type == "ValueError":
+                fut.set_exception(ValueError(msg.error))
+            else:
+                fut.set_exception(EngineCoreError(f"{msg.error_type}: {msg.error}"))
+
+    def _on_outputs(self, batch: list[Any]) -> None:
+        if not batch:  # the core's acknowledgement of this output connection
+            self._out_ready.set()
+            return
+        processor, unseen = self.processor, self._unseen
+        outs: list[RequestOutput] = []
+        stopped: list[str] = []
+        for o in batch:
+            unseen.discard(o.request_id)
+            out, by_string = processor.process(o)
+            outs.append(out)
+            if by_string:
+                stopped.append(o.request_id)
+        if stopped:  # finished here by a stop string: free the engine's work at once
+            self._send(AbortRequests(stopped))
+        try:
+            self.on_outputs(outs)
+        except Exception:  # noqa: BLE001 - one bad consumer must not stop the others
+            log.exception("output consumer raised")
 
     async def _keepalive(self) -> None:
         hello = Hello(self._identity.decode())

@@ -8,8 +8,11 @@ and validates them on decode. One message per engine step carries every output o
 for one client, so the cost per token is a few microseconds.
 
 Client -> core (DEALER -> ROUTER `input`): Hello, AddRequests, AbortRequests, Call.
-Core -> client (ROUTER `input` -> DEALER): CallResult, Heartbeat (stats, at a fixed rate).
-Core -> client (ROUTER `output` -> DEALER, the engine thread's own socket): Outputs.
+Core -> client (ROUTER `output` -> DEALER): Outputs (the engine thread, once per step),
+Heartbeat (stats, at a fixed rate) and CallResult (the core's main thread), under one lock.
+Each client socket goes one way only: the front end sends on one from its event loop and
+receives on the other in a reader thread (no socket is shared between threads, and no
+asyncio ZMQ socket is needed).
 """
 
 from __future__ import annotations
@@ -97,9 +100,8 @@ class Outputs(msgspec.Struct, tag="outputs"):
 
 
 ClientMessage = Hello | AddRequests | AbortRequests | Call
-CoreReply = CallResult | Heartbeat
+CoreMessage = Outputs | Heartbeat | CallResult
 
 ENCODER = msgspec.msgpack.Encoder()
 CLIENT_DECODER = msgspec.msgpack.Decoder(ClientMessage)
-REPLY_DECODER = msgspec.msgpack.Decoder(CoreReply)
-OUTPUTS_DECODER = msgspec.msgpack.Decoder(Outputs)
+CORE_DECODER = msgspec.msgpack.Decoder(CoreMessage)

@@ -1,8 +1,9 @@
 """The engine core process: an `Engine` behind two ZMQ ROUTER sockets.
 
-    API server(s) --DEALER--> `input` ROUTER  (input thread: requests, aborts, calls;
-                  <--------- replies and heartbeats with the stats snapshot, every 0.2 s)
-                  <--DEALER-- `output` ROUTER (engine thread: one message of outputs per step)
+    API server(s) --DEALER--> `input` ROUTER  (main thread: requests, aborts, calls)
+                  <--DEALER-- `output` ROUTER (the engine thread: one message of outputs per
+                              step; the main thread: call results, and heartbeats with the
+                              stats snapshot every 0.2 s; sends under one lock)
 
 The engine thread runs the step loop (runtime/engine.py) and sends outputs from its sink; the
 process's main thread owns the input socket. Each request remembers which client sent it, so
@@ -83,8 +84,9 @@ class EngineCore:
         self, factory: EngineFactory, config: Any, input_address: str, output_address: str
     ) -> None:
         self._ctx = zmq.Context()
-        # Outputs: sent by the engine thread (and, rarely, by a caller of engine.add that is
-        # refused at once), hence the lock. Unbounded queues: an output is never dropped.
+        # Everything to the clients: outputs from the engine thread (and, rarely, from a caller
+        # of engine.add refused at once), heartbeats and call results from the main thread:
+        # hence the lock. Unbounded queues: an output is never dropped.
         self._out = self._ctx.socket(zmq.ROUTER)
         self._out.setsockopt(zmq.SNDHWM, 0)
         # Sending to a client whose output connection is not up raises instead of dropping
@@ -93,7 +95,7 @@ class EngineCore:
         self._out.setsockopt(zmq.LINGER, 1000)
         self._out.bind(output_address)
         self._out_lock = threading.Lock()
-        # Requests and calls in, replies and heartbeats out: the main thread alone uses it.
+        # Requests and calls in: the main thread alone uses it.
         self._in = self._ctx.socket(zmq.ROUTER)
         self._in.setsockopt(zmq.SNDHWM, 0)
         self._in.setsockopt(zmq.RCVHWM, 0)
@@ -151,7 +153,7 @@ class EngineCore:
                     self._handle(client, frame)
             while not self._replies.empty():
                 client, reply = self._replies.get()
-                self._in.send_multipart([client, ENCODER.encode(reply)])
+                self._send(client, ENCODER.encode(reply))
             now = time.monotonic()
             if now >= next_beat:
                 next_beat = now + HEARTBEAT_S
@@ -252,7 +254,14 @@ class EngineCore:
             stats, part = {"alive": bool(engine.is_alive())}, {}
         frame = ENCODER.encode(Heartbeat(stats, part, now))
         for client in clients or list(self._clients):
-            self._in.send_multipart([client, frame])
+            self._send(client, frame)
+
+    def _send(self, client: bytes, frame: bytes) -> None:
+        with self._out_lock:
+            try:
+                self._out.send_multipart([client, frame])
+            except zmq.ZMQError:
+                pass  # its output connection is not up (yet, or any more)
 
     def _forget_silent_clients(self, now: float) -> None:
         for client, seen in list(self._clients.items()):
