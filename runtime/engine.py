@@ -722,13 +722,14 @@ class Engine:
                 [(s.num_new_tokens, s.num_context_tokens) for s in plan.prefill],
                 result.device_s,
             )
-        has_decode = bool(plan.decode)
-        if has_decode and result.device_s is not None:
+        # Decode-only steps: a step with prefill work is not a decode step's time.
+        decode_only = bool(plan.decode) and not plan.prefill
+        if decode_only and result.device_s is not None:
             self._decode_device_s += result.device_s
             self._num_decode_steps += 1
             if self._prev_had_decode and result.idle_before_s is not None:
                 self._decode_idle_s += result.idle_before_s
-        self._prev_had_decode = has_decode
+        self._prev_had_decode = decode_only
 
     def _drain(self) -> list[EngineOutput]:
         """Collect everything the current executor has in flight."""

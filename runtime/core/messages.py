@@ -102,6 +102,15 @@ class Outputs(msgspec.Struct, tag="outputs"):
 ClientMessage = Hello | AddRequests | AbortRequests | Call
 CoreMessage = Outputs | Heartbeat | CallResult
 
-ENCODER = msgspec.msgpack.Encoder()
+def _enc_hook(obj: Any) -> Any:
+    """Values msgspec does not encode itself: numpy scalars (stats and cost-model figures are
+    often numpy floats) as Python numbers; anything else is a bug at the call site."""
+    item = getattr(obj, "item", None)
+    if callable(item):
+        return item()
+    raise NotImplementedError(f"cannot send a {type(obj).__name__} to the engine core's peer")
+
+
+ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 CLIENT_DECODER = msgspec.msgpack.Decoder(ClientMessage)
 CORE_DECODER = msgspec.msgpack.Decoder(CoreMessage)

@@ -136,7 +136,15 @@ class EngineCore:
 
     # ---- main thread ----------------------------------------------------------------------------
     def serve(self) -> None:
-        """Start the engine and serve the input socket until shut down (or the engine dies)."""
+        """Start the engine and serve the input socket until shut down (or the engine dies).
+        The sockets are closed whatever happens, so the process can exit (a ZMQ context with
+        open sockets would keep it alive, unresponsive)."""
+        try:
+            self._serve()
+        finally:
+            self._close()
+
+    def _serve(self) -> None:
         self.engine.start()
         poller = zmq.Poller()
         poller.register(self._in, zmq.POLLIN)
@@ -150,7 +158,10 @@ class EngineCore:
                     except zmq.Again:
                         break
                     self._clients[client] = time.monotonic()
-                    self._handle(client, frame)
+                    try:
+                        self._handle(client, frame)
+                    except Exception:  # noqa: BLE001 - one bad message must not stop the core
+                        log.exception("handling a message from client %r failed", client)
             while not self._replies.empty():
                 client, reply = self._replies.get()
                 self._send(client, ENCODER.encode(reply))
@@ -162,7 +173,6 @@ class EngineCore:
                 if not self.engine.is_alive() and not self._stopping:
                     log.error("the engine loop died; the engine core exits")
                     break
-        self._close()
 
     def _handle(self, client: bytes, frame: bytes) -> None:
         try:
@@ -249,10 +259,10 @@ class EngineCore:
             stats = dict(engine.stats())
             stats["alive"] = bool(engine.is_alive()) and bool(stats.get("alive", True))
             part = _asdict(engine.partition.state())
+            frame = ENCODER.encode(Heartbeat(stats, part, now))
         except Exception:  # noqa: BLE001 - a stats bug must not stop the heartbeat
             log.exception("building the heartbeat failed")
-            stats, part = {"alive": bool(engine.is_alive())}, {}
-        frame = ENCODER.encode(Heartbeat(stats, part, now))
+            frame = ENCODER.encode(Heartbeat({"alive": bool(engine.is_alive())}, {}, now))
         for client in clients or list(self._clients):
             self._send(client, frame)
 
