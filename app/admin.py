@@ -85,10 +85,10 @@ router = APIRouter()
 
 
 class PartitionChange(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # strict: `false` is not 0 SMs
 
     mode: Literal["auto", "off", "static"]
-    prefill_sms: int | None = None  # required (and only used) when mode is "static"
+    prefill_sms: int | None = None  # required with mode "static", refused with the others
 
 
 class PolicyChange(BaseModel):
@@ -551,6 +551,13 @@ async def admin_set_partition(request: Request) -> JSONResponse:
                 "prefill_sms",
             )
         spec = f"static:{body.prefill_sms}"
+    elif body.prefill_sms is not None:
+        return _error(
+            400,
+            f"prefill_sms applies only to mode static (mode {body.mode} chooses no fixed split)",
+            "invalid_request_error",
+            "prefill_sms",
+        )
     else:
         spec = body.mode
     engine = getattr(request.app.state, "engine", None)

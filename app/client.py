@@ -206,6 +206,19 @@ class RequestStream:
             self._close()
         return out
 
+    def ready(self) -> list[RequestOutput]:
+        """The outputs already queued, without waiting (up to and including the finished
+        one): a streaming route sends them as one write."""
+        outs: list[RequestOutput] = []
+        queue = self._queue
+        while not (self.finished or self._closed) and not queue.empty():
+            out = queue.get_nowait()
+            outs.append(out)
+            if out.finished:
+                self.finished = True
+                self._close()
+        return outs
+
     def _close(self) -> None:
         if not self._closed:
             self._closed = True

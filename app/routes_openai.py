@@ -20,8 +20,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from sse_starlette.sse import EventSourceResponse
-from starlette.background import BackgroundTask
 
 from app.client import Draining, EngineDead, Overloaded, RequestStream
 from app.common import (
@@ -53,6 +51,7 @@ from app.protocol import (
     unsupported_param,
     usage,
 )
+from app.sse import DONE, SSEResponse
 from runtime.request import Request as EngineRequest
 from runtime.request import RequestKind, RequestOutput, SamplingParams, TokenLogprob
 
@@ -249,11 +248,17 @@ async def _open_streams(request: Request, reqs: list[EngineRequest]) -> list[Req
     return streams
 
 
-async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Every stream's outputs as they arrive, tagged with the stream's index."""
+Batch = list[tuple[int, RequestOutput]]
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[Batch]:
+    """Every stream's outputs as they arrive, tagged with the stream's index, in batches of
+    what is ready at once (one engine step usually brings one output per stream; a slow
+    reader's backlog comes out as one batch, one write)."""
     if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
+        stream = streams[0]
+        async for out in stream:
+            yield [(0, out)] + [(0, o) for o in stream.ready()]
         return
     queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
 
@@ -268,43 +273,71 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Requ
     try:
         remaining = len(streams)
         while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            else:
-                yield i, item
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            batch: Batch = []
+            for i, item in items:
+                if item is None:
+                    remaining -= 1
+                else:
+                    batch.append((i, item))
+            if batch:
+                yield batch
     finally:
         for task in tasks:
             task.cancel()
 
 
-def _sse(
-    events: AsyncIterator[dict[str, Any]], streams: list[RequestStream]
-) -> EventSourceResponse:
+def _sse(batches: AsyncIterator[list[str]], streams: list[RequestStream]) -> SSEResponse:
     """The SSE response. Hazard: when the client goes away while the generator is suspended
     at a `yield`, its `finally` runs only when the generator is finalised, which may be much
-    later; closing the streams in the response's background task (run once the response has
-    ended, disconnect or not) releases their engine requests at once (idempotent)."""
+    later; closing the streams once the response has ended (disconnect or not) releases
+    their engine requests at once (idempotent)."""
 
     async def close() -> None:
         for stream in streams:
             await stream.aclose()
 
-    return EventSourceResponse(events, sep="\n", ping=SSE_PING_S, background=BackgroundTask(close))
+    return SSEResponse(batches, on_close=close, ping_s=SSE_PING_S)
 
 
-def _json(obj: Any) -> dict[str, str]:
-    return {"data": json.dumps(obj, separators=(",", ":"), ensure_ascii=False)}
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
 
 
-def _stream_error_event(
-    cols: list[_Collected], draining: bool, request_id: str
-) -> dict[str, str] | None:
+def _chat_content_chunk(head: str, index: int, text: str, logprobs: Any) -> str:
+    """A chat chunk with a content delta, from the template `head` (`_chunk_head`): the
+    per-token path. The same JSON as the dict of the other chunks (tests/test_sse_response.py)."""
+    lp = "null" if logprobs is None else _dumps(logprobs)
+    return (
+        f'{head}{index},"delta":{{"content":{_dumps(text)}}},'
+        f'"logprobs":{lp},"finish_reason":null}}]}}'
+    )
+
+
+def _completion_chunk(head: str, index: int, text: str, finish: str | None, logprobs: Any) -> str:
+    """A text-completion chunk from the template `head` (`_chunk_head`)."""
+    lp = "null" if logprobs is None else _dumps(logprobs)
+    fin = "null" if finish is None else _dumps(finish)
+    return f'{head}{index},"text":{_dumps(text)},"logprobs":{lp},"finish_reason":{fin}}}]}}'
+
+
+def _chunk_head(request_id: str, obj: str, created: int, model_name: str) -> str:
+    """A stream chunk's JSON up to its one choice's index: what every chunk of a response
+    shares (key order as the dicts give it)."""
+    return (
+        f'{{"id":{_dumps(request_id)},"object":"{obj}","created":{created},'
+        f'"model":{_dumps(model_name)},"choices":[{{"index":'
+    )
+
+
+def _stream_error_event(cols: list[_Collected], draining: bool, request_id: str) -> str | None:
     try:
         for col in cols:
             _raise_if_failed(col, draining, request_id)
     except APIError as err:
-        return _json(error_body(err.message, err.err_type, err.param, err.code))
+        return _dumps(error_body(err.message, err.err_type, err.param, err.code))
     return None
 
 
@@ -382,10 +415,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 
     streams = await _open_streams(request, reqs)
 
+    head = _chunk_head(request_id, "chat.completion.chunk", created, model_name)
+
     def chunk(
         index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None
-    ) -> dict[str, str]:
-        return _json(
+    ) -> str:
+        return _dumps(
             {
                 "id": request_id,
                 "object": "chat.completion.chunk",
@@ -397,35 +432,43 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             }
         )
 
-    async def events() -> AsyncIterator[dict[str, str]]:
+    async def events() -> AsyncIterator[list[str]]:
         cols = [_Collected() for _ in streams]
         merged = _merged(streams)
         try:
-            for i in range(n):
-                yield chunk(i, {"role": "assistant", "content": ""})
-            async for i, out in merged:
-                col = cols[i]
-                col.add(out)
-                if out.new_text or out.new_logprobs:
-                    lp = _chat_logprobs(engine, out.new_logprobs) if body.logprobs else None
-                    yield chunk(i, {"content": out.new_text}, logprobs=lp)
-                if out.finished and col.finish_reason not in ("error", "abort"):
-                    yield chunk(i, {}, finish=_openai_finish_reason(col.finish_reason))
+            yield [chunk(i, {"role": "assistant", "content": ""}) for i in range(n)]
+            async for batch in merged:
+                payloads = []
+                for i, out in batch:
+                    col = cols[i]
+                    col.add(out)
+                    if out.new_text or out.new_logprobs:
+                        lp = _chat_logprobs(engine, out.new_logprobs) if body.logprobs else None
+                        payloads.append(_chat_content_chunk(head, i, out.new_text, lp))
+                    if out.finished and col.finish_reason not in ("error", "abort"):
+                        payloads.append(
+                            chunk(i, {}, finish=_openai_finish_reason(col.finish_reason))
+                        )
+                yield payloads
+            tail = []
             err = _stream_error_event(cols, client_of(request).draining, request_id)
             if err is not None:
-                yield err
+                tail.append(err)
             elif body.include_usage:
-                yield _json(
-                    {
-                        "id": request_id,
-                        "object": "chat.completion.chunk",
-                        "created": created,
-                        "model": model_name,
-                        "choices": [],
-                        "usage": _usage_of(cols, [len(prompt_ids)], n),
-                    }
+                tail.append(
+                    _dumps(
+                        {
+                            "id": request_id,
+                            "object": "chat.completion.chunk",
+                            "created": created,
+                            "model": model_name,
+                            "choices": [],
+                            "usage": _usage_of(cols, [len(prompt_ids)], n),
+                        }
+                    )
                 )
-            yield {"data": "[DONE]"}
+            tail.append(DONE)
+            yield tail
         finally:
             await merged.aclose()
             for stream in streams:
@@ -592,56 +635,64 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 
     streams = await _open_streams(request, reqs)
 
-    def chunk(index: int, text: str, finish: str | None = None, logprobs: Any = None) -> dict:
-        return _json(
-            {
-                "id": request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": model_name,
-                "choices": [
-                    {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-                ],
-            }
-        )
+    head = _chunk_head(request_id, "text_completion", created, model_name)
 
-    async def events() -> AsyncIterator[dict[str, str]]:
+    def chunk(index: int, text: str, finish: str | None = None, logprobs: Any = None) -> str:
+        return _completion_chunk(head, index, text, finish, logprobs)
+
+    async def events() -> AsyncIterator[list[str]]:
         cols = [_Collected() for _ in streams]
         text_lens = [0] * len(streams)
         merged = _merged(streams)
+        failed = False
         try:
-            async for i, out in merged:
-                col = cols[i]
-                first = not col.text_parts
-                col.add(out)
-                if first and body.echo and col.finish_reason not in ("error", "abort"):
-                    # The prompt goes first, in a chunk of its own (with its logprobs).
-                    try:
-                        echo_text, echo_entries = echo_part(i, col)
-                    except APIError as err:
-                        yield _json(error_body(err.message, err.err_type, err.param, err.code))
-                        break
-                    lp = _completion_logprobs(engine, echo_entries, 0) if want_logprobs else None
-                    text_lens[i] = len(echo_text)
-                    yield chunk(i, echo_text, logprobs=lp)
-                if out.new_text or out.new_logprobs:
-                    lp = (
-                        _completion_logprobs(
-                            engine, [(x.token_id, x) for x in out.new_logprobs], text_lens[i]
+            async for batch in merged:
+                payloads: list[str] = []
+                for i, out in batch:
+                    col = cols[i]
+                    first = not col.text_parts
+                    col.add(out)
+                    if first and body.echo and col.finish_reason not in ("error", "abort"):
+                        # The prompt goes first, in a chunk of its own (with its logprobs).
+                        try:
+                            echo_text, echo_entries = echo_part(i, col)
+                        except APIError as err:
+                            payloads.append(
+                                _dumps(error_body(err.message, err.err_type, err.param, err.code))
+                            )
+                            failed = True
+                            break
+                        lp = (
+                            _completion_logprobs(engine, echo_entries, 0) if want_logprobs else None
                         )
-                        if want_logprobs
-                        else None
-                    )
-                    text_lens[i] += len(out.new_text)
-                    yield chunk(i, out.new_text, logprobs=lp)
-                if out.finished and col.finish_reason not in ("error", "abort"):
-                    yield chunk(i, "", finish=_openai_finish_reason(col.finish_reason))
-            else:
-                err = _stream_error_event(cols, client_of(request).draining, request_id)
-                if err is not None:
-                    yield err
-                elif body.include_usage:
-                    yield _json(
+                        text_lens[i] = len(echo_text)
+                        payloads.append(chunk(i, echo_text, logprobs=lp))
+                    if out.new_text or out.new_logprobs:
+                        lp = (
+                            _completion_logprobs(
+                                engine, [(x.token_id, x) for x in out.new_logprobs], text_lens[i]
+                            )
+                            if want_logprobs
+                            else None
+                        )
+                        text_lens[i] += len(out.new_text)
+                        payloads.append(chunk(i, out.new_text, logprobs=lp))
+                    if out.finished and col.finish_reason not in ("error", "abort"):
+                        payloads.append(
+                            chunk(i, "", finish=_openai_finish_reason(col.finish_reason))
+                        )
+                if failed:
+                    payloads.append(DONE)
+                    yield payloads
+                    return
+                yield payloads
+            tail = []
+            err = _stream_error_event(cols, client_of(request).draining, request_id)
+            if err is not None:
+                tail.append(err)
+            elif body.include_usage:
+                tail.append(
+                    _dumps(
                         {
                             "id": request_id,
                             "object": "text_completion",
@@ -651,7 +702,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                             "usage": _usage_of(cols, [len(ids) for ids in prompts], n),
                         }
                     )
-            yield {"data": "[DONE]"}
+                )
+            tail.append(DONE)
+            yield tail
         finally:
             await merged.aclose()
             for stream in streams:

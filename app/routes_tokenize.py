@@ -20,10 +20,10 @@ from app.common import (
     require_api_key,
     settings_of,
 )
-from app.errors import bad_request
+from app.errors import ERROR_RESPONSES, bad_request
 from app.protocol import ChatMessage, _Request
 
-router = APIRouter(dependencies=[Depends(require_api_key)])
+router = APIRouter(dependencies=[Depends(require_api_key)], responses=ERROR_RESPONSES)
 
 
 class TokenizeRequest(_Request):

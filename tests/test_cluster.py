@@ -145,7 +145,11 @@ def test_every_endpoint_through_the_ingress(cluster: str) -> None:
     assert all(e["object"] == "chat.completion.chunk" for e in events)
     assert events[-1]["choices"][0]["finish_reason"] == "length"
 
-    score = httpx.post(cluster + "/v1/score", json=score_body(list(range(20, 60)), 7), timeout=60)
+    score = httpx.post(
+        cluster + "/v1/score",
+        json=score_body(list(range(20, 60)), 7, apply_softmax=True),
+        timeout=60,
+    )
     assert score.status_code == 200, score.text
     probs = score.json()["scores"][0]
     assert len(probs) == 2 and abs(sum(probs) - 1.0) < 1e-4

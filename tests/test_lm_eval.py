@@ -7,11 +7,8 @@ tests/data/lm_eval/, run with `--limit`.
 
 - Against the fake engine (its prompt logprobs are a known rule): lm-eval's recorded
   loglikelihood and greediness of every choice must equal what that rule gives.
-- Against the real engine on `random:tiny`: the same run must complete. The engine computes
-  prompt logprobs only once `SamplingParams.prompt_logprobs` is implemented in runtime/; until
-  then the server answers such requests with a 501, and this test is skipped saying so. To
-  enable it, set ENGINE_HAS_PROMPT_LOGPROBS = True (test_real_engine_still_lacks_prompt_logprobs
-  fails as soon as the engine returns them, as a reminder).
+- Against the real engine on `random:tiny` (prompt logprobs computed in the prefill,
+  `SamplingParams.prompt_logprobs`): the same run must complete with real loglikelihoods.
 """
 
 from __future__ import annotations
@@ -27,8 +24,6 @@ import pytest
 from server_thread import ServerThread, fake_server, running_server
 
 pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra (pip install -e .[dev])")
-
-ENGINE_HAS_PROMPT_LOGPROBS = False  # flip when runtime/ computes SamplingParams.prompt_logprobs
 
 TASK_DIR = Path(__file__).resolve().parent / "data" / "lm_eval"
 TASK = "greenlane_tiny_mc"
@@ -105,31 +100,17 @@ def real_server() -> ServerThread:
         yield srv
 
 
-def _engine_returns_prompt_logprobs(srv: ServerThread) -> bool:
+def test_real_engine_returns_prompt_logprobs(real_server: ServerThread) -> None:
+    """echo + logprobs on the real engine: one logprob per prompt token but the first."""
     body = {"prompt": "Hello there", "echo": True, "logprobs": 1, "max_tokens": 1}
-    r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
-    if r.status_code == 501:
-        assert r.json()["error"]["code"] == "prompt_logprobs_unavailable"
-        return False
+    r = httpx.post(f"{real_server.url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
-    return True
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][0] is None
+    assert all(v is not None and v <= 0.0 for v in lp["token_logprobs"][1:])
+    assert len(lp["tokens"]) >= 3  # the prompt's tokens and the one generated
 
 
-def test_real_engine_still_lacks_prompt_logprobs(real_server: ServerThread) -> None:
-    """Keeps the skip below honest: fails once the engine computes prompt logprobs."""
-    if ENGINE_HAS_PROMPT_LOGPROBS:
-        assert _engine_returns_prompt_logprobs(real_server)
-    else:
-        assert not _engine_returns_prompt_logprobs(real_server), (
-            "the engine now returns prompt logprobs: set ENGINE_HAS_PROMPT_LOGPROBS = True"
-        )
-
-
-@pytest.mark.skipif(
-    not ENGINE_HAS_PROMPT_LOGPROBS,
-    reason="the engine does not compute prompt logprobs yet (SamplingParams.prompt_logprobs); "
-    "set ENGINE_HAS_PROMPT_LOGPROBS = True in tests/test_lm_eval.py when it does",
-)
 def test_lm_eval_against_the_real_engine(real_server: ServerThread, tmp_path: Path) -> None:
     run = _run_lm_eval(real_server, "random:tiny", tmp_path)
     assert 0.0 <= run["results"]["results"][TASK]["acc,none"] <= 1.0

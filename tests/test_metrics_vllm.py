@@ -113,7 +113,8 @@ def test_every_dashboard_series_exists_with_model_name(server: ServerThread) -> 
     assert _value(text, "vllm:e2e_request_latency_seconds_count") == 5
     assert _value(text, "vllm:request_success_total", finished_reason="length") == 2
     assert _value(text, "vllm:request_success_total", finished_reason="stop") == 3
-    assert _value(text, "vllm:generation_tokens_total") == 5 + 5 + 3
+    # The completion echoes its 3 prompt tokens, then EOS: counted, as vLLM counts it.
+    assert _value(text, "vllm:generation_tokens_total") == 5 + 5 + 3 + 1
     assert _value(text, "vllm:request_prompt_tokens_bucket", le="+Inf") == 5
     assert _value(text, "vllm:num_requests_swapped") == 0
     assert 'vllm:kv_cache_usage_perc{model_name="dash-model"}' in text

@@ -209,13 +209,12 @@ def test_server_prompts_get_llama3_bos_like_transformers(llama3_dir: Path, hf_ll
     with running_server(FakeEngine) as srv:
         srv.engine.tokenizer = ours
         srv.engine.model_config.vocab_size = ours.vocab_size
-        added = srv.added()
         with httpx.Client(base_url=srv.url, timeout=30) as c:
 
             def post(path: str, body: dict[str, Any], n: int = 1) -> list[list[int]]:
                 r = c.post(path, json=body)
                 assert r.status_code == 200, r.text
-                return [list(req.prompt_token_ids) for req in added[-n:]]
+                return [list(req.prompt_token_ids) for req in srv.added()[-n:]]
 
             (ids,) = post("/v1/completions", {"prompt": "Hello world", "max_tokens": 1})
             assert ids == hf_llama3("Hello world")["input_ids"]

@@ -19,12 +19,14 @@ MAX_GAP_S = 0.25
 STEP_S = 0.01
 
 
+def _factory(config: Any, sink: Any) -> FakeEngine:
+    """Module-level: the engine core process unpickles it."""
+    return FakeEngine(config, sink, step_s=STEP_S)
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerThread]:
-    def factory(config: Any, sink: Any) -> FakeEngine:
-        return FakeEngine(config, sink, step_s=STEP_S)
-
-    with running_server(factory) as srv:
+    with running_server(_factory) as srv:
         yield srv
 
 
