@@ -535,7 +535,11 @@ def prefix_cache_delta(
         return None
     hit = after["hit_tokens"] - before["hit_tokens"]
     query = after["query_tokens"] - before["query_tokens"]
-    return {"hit_tokens": hit, "query_tokens": query, "hit_rate": hit / query if query > 0 else None}
+    return {
+        "hit_tokens": hit,
+        "query_tokens": query,
+        "hit_rate": hit / query if query > 0 else None,
+    }
 
 
 async def prime_prefixes(
@@ -787,9 +791,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             base_url, plan.requests, plan.arrivals_s, opts, slo, label=f"qps {qps:g}", stop=stop
         )
         after = await prefix_cache_counters(base_url, args.admin_token)
-        runs.append(
-            run_record(qps, metrics, plan, reset, prefix_cache_delta(before, after), prime)
-        )
+        runs.append(run_record(qps, metrics, plan, reset, prefix_cache_delta(before, after), prime))
         return metrics
 
     if args.find_max_qps:

@@ -494,7 +494,9 @@ class Engine:
                 key = f"__measure_prefill_{i}__"
                 blocks = bm.allocate(key, bm.num_blocks_for(cached))
                 keys.append(key)
-                req = Request(key, RequestKind.SCORE, [0] * (cached + uncached), label_token_ids=[0])
+                req = Request(
+                    key, RequestKind.SCORE, [0] * (cached + uncached), label_token_ids=[0]
+                )
                 seqs.append(
                     ScheduledSeq(
                         request=req,

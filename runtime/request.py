@@ -117,7 +117,9 @@ class Request:
     @property
     def num_total_tokens(self) -> int:
         """Known tokens plus those sampled on the device and not yet seen by the host."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
+        return (
+            len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
+        )
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -26,7 +26,10 @@ def feed(proc: OutputProcessor, rid: str, tokens: list[int], last_reason: str | 
     for i, t in enumerate(tokens):
         finished = last_reason is not None and i == len(tokens) - 1
         eo = EngineOutput(
-            rid, new_token_ids=[t], finished=finished, finish_reason=last_reason if finished else None
+            rid,
+            new_token_ids=[t],
+            finished=finished,
+            finish_reason=last_reason if finished else None,
         )
         outs.append(proc.process(eo))
     return outs

@@ -50,9 +50,7 @@ class RecordingEngine(Engine):
         self.finished: list[tuple[int, str | None]] = []
 
         def record(outs: list[EngineOutput]) -> None:
-            self.finished.extend(
-                (o.num_prompt_tokens, o.finish_reason) for o in outs if o.finished
-            )
+            self.finished.extend((o.num_prompt_tokens, o.finish_reason) for o in outs if o.finished)
             sink(outs)
 
         super().__init__(config, record)

@@ -58,8 +58,7 @@ def test_top_k_and_top_p_restrict_support() -> None:
     probs = logits[0].softmax(-1)[order]
     n_nucleus = int((probs.cumsum(0) < 0.8).sum()) + 1  # smallest prefix reaching 0.8
     seen_p = {
-        int(s.sample(logits, [SamplingParams(top_p=0.8)], [None]).token_ids[0])
-        for _ in range(300)
+        int(s.sample(logits, [SamplingParams(top_p=0.8)], [None]).token_ids[0]) for _ in range(300)
     }
     assert seen_p <= set(order[:n_nucleus])
 

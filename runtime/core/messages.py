@@ -102,6 +102,7 @@ class Outputs(msgspec.Struct, tag="outputs"):
 ClientMessage = Hello | AddRequests | AbortRequests | Call
 CoreMessage = Outputs | Heartbeat | CallResult
 
+
 def _enc_hook(obj: Any) -> Any:
     """Values msgspec does not encode itself: numpy scalars (stats and cost-model figures are
     often numpy floats) as Python numbers; anything else is a bug at the call site."""
