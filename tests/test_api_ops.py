@@ -244,3 +244,50 @@ def test_concurrent_requests_all_complete(server: ServerThread) -> None:
         t.join()
     assert set(statuses) <= {200, 429} and 200 in statuses
     _wait_for(lambda: _idle(server))
+
+
+_ORPHAN_PARENT = """
+import sys, time
+sys.path.insert(0, "tests")
+from fake_engine import FakeEngine
+from runtime.core.process import start_engine_core
+from runtime.config import EngineConfig
+
+if __name__ == "__main__":
+    handle, proc = start_engine_core(EngineConfig(), FakeEngine, timeout_s=60)
+    print(handle.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_engine_core_exits_when_its_api_server_is_killed(tmp_path) -> None:  # noqa: ANN001
+    """SIGKILL the process that started the engine core: the core notices (its parent is
+    gone) and exits on its own instead of holding the device as an orphan."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "parent.py"
+    script.write_text(_ORPHAN_PARENT)
+    parent = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=os.getcwd()
+    )
+    try:
+        core_pid = int(parent.stdout.readline())  # type: ignore[union-attr]
+
+        def alive(pid: int) -> bool:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            # A zombie (exited, not reaped by init yet) counts as gone.
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split(") ")[1][0] != "Z"
+
+        assert alive(core_pid)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        _wait_for(lambda: not alive(core_pid), timeout_s=15)
+    finally:
+        parent.kill()

@@ -107,6 +107,10 @@ class EngineCore:
         self._replies: queue.SimpleQueue[tuple[bytes, CallResult]] = queue.SimpleQueue()
         self._stopping = False
         self._done = threading.Event()
+        # The process that started this one (the API server, or the launcher of several):
+        # when it is gone (killed, crashed) nobody can shut this core down, so it exits
+        # itself rather than hold the GPU as an orphan.
+        self._parent_pid = os.getppid()
         self.engine = factory(config, self._sink)
 
     # ---- engine thread ------------------------------------------------------------------------
@@ -172,6 +176,15 @@ class EngineCore:
                 self._forget_silent_clients(now)
                 if not self.engine.is_alive() and not self._stopping:
                     log.error("the engine loop died; the engine core exits")
+                    break
+                if os.getppid() != self._parent_pid and not self._stopping:
+                    log.error(
+                        "the process that started the engine core (pid %d) is gone; the "
+                        "engine core stops",
+                        self._parent_pid,
+                    )
+                    self._stopping = True
+                    self.engine.shutdown(0.0)
                     break
 
     def _handle(self, client: bytes, frame: bytes) -> None:
