@@ -108,6 +108,29 @@ def _dev(values: list, device: torch.device) -> torch.Tensor:
     return h2d(values, torch.int64, device)
 
 
+def _inverse_cdf(
+    x: torch.Tensor, generators: Sequence[torch.Generator | None], greedy: list[bool]
+) -> torch.Tensor:
+    """Sample each row of logits `x` [N, V] by inverting its CDF with one uniform draw.
+
+    The CPU path: exact like the exponential race, but one random number per row instead of
+    V (CPU `exponential_` over a 49k vocabulary costs ~0.7 ms a row; this ~0.04 ms)."""
+    n, vocab = x.shape
+    cdf = x.softmax(dim=-1).cumsum_(dim=-1)  # [N, V]
+    u = torch.rand(n, 1)
+    for i, g in enumerate(generators):
+        if g is not None and not greedy[i]:
+            u[i] = torch.rand(1, generator=g)
+    # right=True: the first index whose cumulative mass exceeds u, so a token of zero mass
+    # (masked) is never picked; u is scaled by the row's total against rounding in the sum.
+    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab - 1)
+    # u * total may round up to the total itself: the clamp then lands on the last token,
+    # which may be masked; take the row's most likely token instead (probability ~1e-7).
+    masked = x.gather(1, idx) == float("-inf")
+    idx = torch.where(masked, x.argmax(dim=-1, keepdim=True), idx)
+    return idx.squeeze(1)
+
+
 def _dev_f(values: list[float], device: torch.device) -> torch.Tensor:
     return h2d(values, torch.float32, device)
 
@@ -225,13 +248,18 @@ class Sampler:
                 before = probs_sorted.cumsum(dim=-1) - probs_sorted
                 sorted_x.masked_fill_(before >= p_t[:, None], float("-inf"))
             x = torch.empty_like(x).scatter_(1, order, sorted_x)
-        # The race in log space: argmax(p / E) = argmax(log p - log E) = argmax(x - log E),
-        # since log p and x differ by a per-row constant; no softmax needed.
-        noise = torch.empty_like(x).exponential_()
-        for i, g in enumerate(generators):
-            if g is not None and not greedy[i]:
-                noise[i] = torch.empty(vocab, dtype=x.dtype, device=dev).exponential_(generator=g)
-        sampled = (x - noise.log()).argmax(dim=-1)
+        if dev.type == "cpu":
+            sampled = _inverse_cdf(x, generators, greedy)
+        else:
+            # The race in log space: argmax(p / E) = argmax(log p - log E) = argmax(x - log E),
+            # since log p and x differ by a per-row constant; no softmax and no host sync.
+            noise = torch.empty_like(x).exponential_()
+            for i, g in enumerate(generators):
+                if g is not None and not greedy[i]:
+                    noise[i] = torch.empty(vocab, dtype=x.dtype, device=dev).exponential_(
+                        generator=g
+                    )
+            sampled = (x - noise.log()).argmax(dim=-1)
         if any(greedy):
             sampled = torch.where(_dev(greedy, dev).bool(), x.argmax(dim=-1), sampled)
         return sampled

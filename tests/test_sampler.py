@@ -74,6 +74,20 @@ def test_empirical_distribution_follows_temperature() -> None:
     assert torch.allclose(counts / 4000, expected, atol=0.03)
 
 
+def test_batched_unseeded_rows_follow_their_distribution() -> None:
+    """Many rows at once, no generators (the CPU inverse-CDF path draws one uniform per
+    row): frequencies match the softmax, and a token cut by top_k is never drawn."""
+    torch.manual_seed(0)
+    row = torch.tensor([1.5, 1.0, 0.0, -0.5, 3.0])
+    logits = row.repeat(6000, 1)
+    params = [SamplingParams(temperature=1.0, top_k=4)] * 6000
+    got = Sampler().sample(logits, params, [None] * 6000).token_ids
+    counts = torch.bincount(torch.as_tensor(got), minlength=5).float()
+    assert counts[3] == 0  # the least likely token is outside the top 4
+    expected = torch.tensor([1.5, 1.0, 0.0, float("-inf"), 3.0]).softmax(-1)
+    assert torch.allclose(counts / 6000, expected, atol=0.02)
+
+
 def test_logprobs_with_alternatives() -> None:
     logits = _logits(2)
     params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.0)]
