@@ -141,10 +141,33 @@ def server_processes(port: int) -> list[Any]:
             root = psutil.Process(conn.pid)
             # The listener may be one of several API servers: climb to the launcher.
             parent = root.parent()
-            if parent is not None and "greenlane" in " ".join(parent.cmdline()) + parent.name():
+            if parent is not None and "app serve" in " ".join(parent.cmdline()):
                 root = parent
-            return [root, *root.children(recursive=True)]
+            return [p for p in [root, *root.children(recursive=True)] if _running(p)]
     return []
+
+
+def _running(proc: Any) -> bool:
+    try:
+        return proc.status() != "zombie"
+    except Exception:  # noqa: BLE001 - gone already
+        return False
+
+
+def _role(proc: Any) -> str:
+    """What a server process is: the engine core is the one process that loads torch (the
+    API servers never do); other spawned children are API servers (--api-server-count)."""
+    cmd = " ".join(proc.cmdline())
+    if "resource_tracker" in cmd:
+        return "resource-tracker"
+    if "app serve" in cmd:
+        return "app-serve"
+    try:
+        if any("libtorch" in m.path for m in proc.memory_maps(grouped=True)):
+            return "engine-core"
+    except Exception:  # noqa: BLE001 - no access: say so
+        return "spawned"
+    return "api-server"
 
 
 class CpuMeter:
@@ -162,8 +185,7 @@ class CpuMeter:
         out: dict[str, float] = {}
         for p in self.procs:
             try:
-                name = f"{p.pid}:{' '.join(p.cmdline()[1:4])[:60] or p.name()}"
-                out[name] = p.cpu_percent(None)
+                out[f"{p.pid}:{_role(p)}"] = p.cpu_percent(None)
             except Exception:  # noqa: BLE001
                 pass
         return out

@@ -6,6 +6,9 @@
 #                                         # and 3B 48 streams
 #   bash bench/gpu_decode.sh new REV      # this revision: the same, plus the 16k prefill check,
 #                                         # 3B with 2 API servers, py-spy of the 48-stream run
+#   bash bench/gpu_decode.sh final REV    # one call for the record: this revision's 3B with 1, 2
+#                                         # and 4 API servers (py-spy on 1), 8B B=1,16,64 with
+#                                         # the prefill check, then the old revision's 3B
 # Carry: .whl .fi_cache .cache/smollm2-tok (and .old_rev for `old`). Results: $OUT/*.json,
 # fi_cache.tar.gz when the FlashInfer cache grew, server logs as one tarball.
 set -u
@@ -75,6 +78,19 @@ case $part in
       decode new-3b qwen2.5-3b 48 512 256 --py-spy-s 6 || rc=1; stop 8100; }
     serve "$new" random:qwen2.5-3b 8100 $logs/new-3b-api2.log --api-server-count 2 && {
       decode new-3b-api2 qwen2.5-3b 48 512 256 || rc=1; stop 8100; }
+    ;;
+  final)
+    serve "$new" random:qwen2.5-3b 8100 $logs/new-3b.log && {
+      decode new-3b qwen2.5-3b 48 512 256 --py-spy-s 6 || rc=1; stop 8100; }
+    for n in 2 4; do
+      serve "$new" random:qwen2.5-3b 8100 $logs/new-3b-api$n.log --api-server-count $n && {
+        decode new-3b-api$n qwen2.5-3b 48 512 256 || rc=1; stop 8100; }
+    done
+    serve "$new" random:llama-3.1-8b 8100 $logs/new-8b.log && {
+      decode new-8b llama-3.1-8b 1,16,64 2048 160 --prefill-check 16384 || rc=1; stop 8100; }
+    mkdir -p /tmp/old && tar xzf .old_rev/old.tar.gz -C /tmp/old
+    serve /tmp/old random:qwen2.5-3b 8100 $logs/old-3b.log && {
+      decode old-3b qwen2.5-3b 48 512 256 || rc=1; stop 8100; }
     ;;
 esac
 # What comes back: results, the JIT cache if it grew, logs and profiles in one tarball.
