@@ -26,14 +26,17 @@ serve() {  # serve DIR MODEL PORT LOG [server args...]: start, wait for /health 
      --port "$port" --max-num-seqs 128 "$@" >"$log" 2>&1) &
   for _ in $(seq 1 420); do
     curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && return 0
-    kill -0 $! 2>/dev/null || { echo "server exited:"; grep -v '^ ' "$log" | tail -12; return 1; }
+    kill -0 $! 2>/dev/null || { echo "server exited:"; grep -v '^ ' "$log" | tail -12; cleanup; return 1; }
     if [ -z "${dumped:-}" ] && grep -q "waiting for the engine core" "$log"; then
       dumped=1  # a stuck start-up: what every Python process is doing
       for p in $(pgrep -f "python3"); do echo "== py-spy $p"; py-spy dump --pid $p 2>&1 | head -40; done
     fi
     sleep 1
   done
-  echo "server did not come up:"; tail -30 "$log"; return 1
+  echo "server did not come up:"; tail -30 "$log"; cleanup; return 1
+}
+cleanup() {  # whatever a failed or stopped server left (launcher, API servers, engine core)
+  pkill -9 -f "app serve" 2>/dev/null; pkill -9 -f "multiprocessing.spawn" 2>/dev/null; sleep 2
 }
 stop() {  # stop PORT
   local pid; pid=$(python3 -c "import psutil,sys
@@ -41,7 +44,7 @@ for c in psutil.net_connections('tcp'):
     if c.laddr and c.laddr.port==$1 and c.status=='LISTEN' and c.pid: print(c.pid); break")
   [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null
   for _ in $(seq 1 60); do curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1 || break; sleep 1; done
-  sleep 3
+  sleep 3; cleanup
 }
 decode() {  # decode TAG SHAPE BATCHES CONTEXT OUTPUT [extra]
   local tag=$1 shape=$2 batches=$3 ctx=$4 outn=$5; shift 5

@@ -129,9 +129,17 @@ class EngineCoreClient:
                     self._heartbeat.is_set(),
                     self._out_ready.is_set(),
                 )
-            self._send(hello)
+            # Wait on the event not set yet. Hazard: awaiting an event that is already set
+            # does not yield to the loop (Python 3.12's wait_for awaits it directly), so this
+            # loop would spin and the reader thread's callbacks, the heartbeat among them,
+            # would never run.
+            if not self._out_ready.is_set():
+                self._send(hello)
+                pending = self._out_ready
+            else:
+                pending = self._heartbeat
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._out_ready.wait(), 0.1)
+                await asyncio.wait_for(pending.wait(), 0.1)
 
     async def close(self) -> None:
         self._closing = True

@@ -1,0 +1,84 @@
+"""The engine core client's start-up against a scripted core (raw ZMQ sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import threading
+import time
+
+import zmq
+
+from runtime.core.client import EngineCoreClient
+from runtime.core.messages import CLIENT_DECODER, ENCODER, Heartbeat, Hello, Outputs
+from runtime.core.process import CoreHandle
+
+
+def _scripted_core(in_addr: str, out_addr: str, heartbeat_delay_s: float, stop: threading.Event):
+    """Acknowledge the first Hello at once; send the first heartbeat `heartbeat_delay_s`
+    later (a core busy at start-up), then one every 0.2 s."""
+    ctx = zmq.Context()
+    inp, out = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+    out.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    inp.bind(in_addr)
+    out.bind(out_addr)
+    client, acked_s, next_beat_s = None, None, 0.0
+    try:
+        while not stop.is_set():
+            if inp.poll(10):
+                ident, frame = inp.recv_multipart()
+                if isinstance(CLIENT_DECODER.decode(frame), Hello) and acked_s is None:
+                    try:
+                        out.send_multipart([ident, ENCODER.encode(Outputs([]))])
+                    except zmq.ZMQError:
+                        continue  # output connection not up yet: the client says hello again
+                    client, acked_s = ident, time.monotonic()
+                    next_beat_s = acked_s + heartbeat_delay_s
+            now = time.monotonic()
+            if client is not None and now >= next_beat_s:
+                out.send_multipart([client, ENCODER.encode(Heartbeat({"alive": True}, {}, now))])
+                next_beat_s = now + 0.2
+    finally:
+        inp.close(0)
+        out.close(0)
+        ctx.term()
+
+
+def test_start_keeps_the_loop_running_until_the_first_heartbeat() -> None:
+    """Between the core's acknowledgement and its first heartbeat, `start()` must yield to
+    the event loop (else the reader thread's callbacks, the heartbeat's among them, never run
+    and start-up times out: seen on the H200 with Python 3.12; this test fails there without
+    the fix, and passes on 3.11 either way)."""
+    folder = tempfile.mkdtemp(prefix="greenlane-test-core-")
+    in_addr, out_addr = f"ipc://{folder}/input", f"ipc://{folder}/output"
+    stop = threading.Event()
+    core = threading.Thread(target=_scripted_core, args=(in_addr, out_addr, 0.5, stop))
+    core.start()
+
+    async def main() -> int:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        tick_task = asyncio.create_task(ticker())
+        client = EngineCoreClient(CoreHandle(in_addr, out_addr, {}, os.getpid()), tokenizer=None)
+        try:
+            await client.start(timeout_s=10.0)
+        finally:
+            tick_task.cancel()
+            await client.close()
+        return ticks
+
+    try:
+        t0 = time.monotonic()
+        ticks = asyncio.run(main())
+        assert time.monotonic() - t0 < 5.0
+        assert ticks >= 20  # the loop ran other tasks during the 0.5 s wait
+    finally:
+        stop.set()
+        core.join(5)
