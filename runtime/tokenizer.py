@@ -28,6 +28,7 @@ from typing import Any
 import jinja2
 import jinja2.sandbox
 import tokenizers
+import tokenizers.decoders
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -217,14 +218,31 @@ class Tokenizer:
         )
 
 
+def _decode_stream(tokenizer: Any, context: list[int], skip_special_tokens: bool) -> Any:
+    """tokenizers' own incremental decoder for `tokenizer` when it wraps a Hugging Face
+    tokenizer (None otherwise, e.g. test tokenizers)."""
+    hf = getattr(tokenizer, "_tok", None)
+    stream_cls = getattr(tokenizers.decoders, "DecodeStream", None)
+    if not isinstance(hf, tokenizers.Tokenizer) or stream_cls is None:
+        return None
+    try:
+        return stream_cls(ids=list(context), skip_special_tokens=skip_special_tokens)
+    except TypeError:  # tokenizers < 0.22: no context ids, which SentencePiece spacing needs
+        return None
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas for streaming.
 
     Byte-level BPE can split one UTF-8 character over several tokens; decoding such a prefix
-    gives U+FFFD. We decode a short window [prefix_offset, end) and only emit once the text no
-    longer ends with U+FFFD. Decoding the window together with a few earlier tokens (not the
-    new tokens alone) keeps tokenizer-specific joining (e.g. SentencePiece's leading space)
-    identical to a full decode. `finish()` flushes whatever is pending (a truly invalid byte
+    gives U+FFFD, so text is emitted only once a character is complete. The prompt's last
+    tokens are context: tokenizer-specific joining (e.g. SentencePiece's leading space) then
+    matches a full decode.
+
+    Two ways, the same text: with a Hugging Face tokenizer, its `DecodeStream` (Rust, one call
+    per token: the per-token cost of a stream on the API server); with any other tokenizer,
+    decoding a short window [prefix_offset, end) twice per step and emitting once the text no
+    longer ends with U+FFFD. `finish()` flushes whatever is pending (a truly invalid byte
     sequence then shows as U+FFFD, exactly as the full decode would).
     """
 
@@ -241,7 +259,11 @@ class IncrementalDetokenizer:
         # as context; tokens from read_offset on are pending.
         self._read_offset = len(self.ids)
         self._prefix_offset = max(0, len(self.ids) - 5)
+        self._context_end = len(self.ids)
         self.text = ""  # everything emitted so far (generated part only)
+        self._stream = _decode_stream(
+            tokenizer, self.ids[self._prefix_offset :], skip_special_tokens
+        )
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -249,6 +271,11 @@ class IncrementalDetokenizer:
     def add(self, new_ids: list[int]) -> str:
         """Append generated ids; returns the newly complete text (may be "")."""
         self.ids.extend(new_ids)
+        if self._stream is not None:
+            step, hf = self._stream.step, self._tok._tok  # type: ignore[attr-defined]
+            delta = "".join([piece for i in new_ids if (piece := step(hf, i)) is not None])
+            self.text += delta
+            return delta
         prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset])
         full_text = self._decode(self.ids[self._prefix_offset :])
         if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
@@ -261,6 +288,15 @@ class IncrementalDetokenizer:
 
     def finish(self) -> str:
         """Emit any pending text, even if it ends in an incomplete character."""
+        if self._stream is not None:
+            # What a full decode of context + output gives beyond the context, less what was
+            # emitted: the held-back bytes of an incomplete character (usually nothing).
+            start = max(0, self._context_end - 5)
+            context_text = self._decode(self.ids[start : self._context_end])
+            full_text = self._decode(self.ids[start:])[len(context_text) :]
+            delta = full_text[len(self.text) :] if full_text.startswith(self.text) else ""
+            self.text += delta
+            return delta
         prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset])
         full_text = self._decode(self.ids[self._prefix_offset :])
         delta = full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""

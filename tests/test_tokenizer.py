@@ -92,8 +92,13 @@ def test_single_token_id(tok: Tokenizer) -> None:
     assert tok.single_token_id("") is None
 
 
-def _stream(tok: Tokenizer, ids: list[int], rng: random.Random, **kw) -> tuple[str, list[str]]:
+def _stream(
+    tok: Tokenizer, ids: list[int], rng: random.Random, window: bool = False, **kw
+) -> tuple[str, list[str]]:
     detok = IncrementalDetokenizer(tok, **kw)
+    assert detok._stream is not None  # a Hugging Face tokenizer: its DecodeStream
+    if window:
+        detok._stream = None  # the way of tokenizers without one
     deltas: list[str] = []
     i = 0
     while i < len(ids):
@@ -105,24 +110,25 @@ def _stream(tok: Tokenizer, ids: list[int], rng: random.Random, **kw) -> tuple[s
     return detok.text, deltas
 
 
-def test_incremental_detokenizer_equals_full_decode(tok: Tokenizer) -> None:
+@pytest.mark.parametrize("window", [False, True], ids=["decode-stream", "window"])
+def test_incremental_detokenizer_equals_full_decode(tok: Tokenizer, window: bool) -> None:
     rng = random.Random(0)
     for text in TEXTS:
         ids = tok.encode(text)
         for skip in (True, False):
-            streamed, deltas = _stream(tok, ids, rng, skip_special_tokens=skip)
+            streamed, deltas = _stream(tok, ids, rng, window, skip_special_tokens=skip)
             assert streamed == tok.decode(ids, skip_special_tokens=skip)
             # valid UTF-8 overall: no delta may carry a replacement char from a split character
             assert not any("\ufffd" in d for d in deltas)
     # random token sequences (may be invalid UTF-8: then U+FFFD appears in both)
     for _ in range(30):
         ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 40))]
-        assert _stream(tok, ids, rng)[0] == tok.decode(ids)
+        assert _stream(tok, ids, rng, window)[0] == tok.decode(ids)
     # random mixes of byte-fallback-heavy text
     alphabet = "aé東🙂 \nж"
     for _ in range(30):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30)))
-        assert _stream(tok, tok.encode(text), rng)[0] == text
+        assert _stream(tok, tok.encode(text), rng, window)[0] == text
 
 
 def test_detokenizer_holds_back_split_character(tok: Tokenizer) -> None:
