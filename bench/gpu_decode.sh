@@ -85,7 +85,7 @@ case $part in
   final)
     serve "$new" random:qwen2.5-3b 8100 $logs/new-3b.log && {
       decode new-3b qwen2.5-3b 48 512 256 --py-spy-s 6 || rc=1; stop 8100; }
-    for n in 2 4; do
+    for n in ${API_COUNTS:-2 4}; do
       serve "$new" random:qwen2.5-3b 8100 $logs/new-3b-api$n.log --api-server-count $n && {
         decode new-3b-api$n qwen2.5-3b 48 512 256 || rc=1; stop 8100; }
     done

@@ -187,7 +187,10 @@ def test_sse_is_relayed_chunk_by_chunk(cluster: str) -> None:
         for chunk in resp.iter_raw():
             arrivals.append(time.monotonic())
             raw += chunk
-    assert len(parse_sse_strict(raw)) == 48 + 3  # role chunk, 48 tokens, finish, [DONE]
+    payloads = parse_sse_strict(raw)
+    # role chunk, up to 48 content chunks (a sampled token that ends inside a UTF-8 character
+    # shows with the next one), finish, [DONE]
+    assert 24 + 3 <= len(payloads) <= 48 + 3 and payloads[-1] == "[DONE]"
     assert len(arrivals) >= 10
     assert arrivals[-1] - arrivals[0] > 0.02  # spread over the decode, not all at the end
 
