@@ -388,7 +388,7 @@ def _serve_many(settings: Settings, factory: Any, sock: socket.socket) -> int:
 
     from app.engine_view import load_frontend_tokenizer
     from runtime.core.client import EngineCoreClient
-    from runtime.core.process import start_engine_core
+    from runtime.core.process import remove_ipc_folder, start_engine_core
 
     config = settings.to_engine_config()
     log.info(
@@ -440,6 +440,8 @@ def _serve_many(settings: Settings, factory: Any, sock: socket.socket) -> int:
     core_proc.join(30)
     if core_proc.is_alive():
         core_proc.kill()
+        core_proc.join(5)
+    remove_ipc_folder(handle.input_address)
     return 0
 
 

@@ -28,7 +28,12 @@ from app.metrics import Metrics
 from app.settings import Settings
 from runtime.config import EngineConfig
 from runtime.core.client import EngineCoreClient
-from runtime.core.process import CoreHandle, default_engine_factory, start_engine_core
+from runtime.core.process import (
+    CoreHandle,
+    default_engine_factory,
+    remove_ipc_folder,
+    start_engine_core,
+)
 from runtime.request import EngineOutput
 
 log = logging.getLogger("greenlane.app")
@@ -106,6 +111,8 @@ def create_app(
         except Exception:
             if process is not None:
                 process.kill()
+                process.join(5)
+                remove_ipc_folder(handle.input_address)
             raise
         client.attach(core_client)
         engine = EngineView(core_client, handle.info, tokenizer)
@@ -119,6 +126,7 @@ def create_app(
             await core_client.close()
             if process is not None:
                 await asyncio.to_thread(_join_core, process)
+                remove_ipc_folder(handle.input_address)
 
     app = FastAPI(title="Greenlane", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings

@@ -21,6 +21,15 @@ from runtime.request import EngineOutput, Request, RequestKind
 
 
 def git_revision() -> str:
+    """The tree's revision, read at run time. A device copy may carry stale git metadata
+    (seen: an old HEAD, "+dirty"); a plan that knows better exports GREENLANE_REVISION (the
+    revision as read on the machine that sent the tree), recorded beside what git says."""
+    given = os.environ.get("GREENLANE_REVISION")
+    read = _git_head()
+    return read if not given else f"{given} (git here reads {read})"
+
+
+def _git_head() -> str:
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True

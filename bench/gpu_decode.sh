@@ -13,6 +13,9 @@
 # fi_cache.tar.gz when the FlashInfer cache grew, server logs as one tarball.
 set -u
 part=${1:-sanity}; rev=${2:-unknown}; t0=$(date +%s)
+# Pass REV as a literal from the machine that sends the tree (the copy's git metadata may be
+# stale): result files record it as the revision.
+export GREENLANE_REVISION=$rev
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source bench/gpu_setup.sh
 export PATH=/tmp/site/bin:$PATH

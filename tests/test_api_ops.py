@@ -291,3 +291,13 @@ def test_engine_core_exits_when_its_api_server_is_killed(tmp_path) -> None:  # n
         _wait_for(lambda: not alive(core_pid), timeout_s=15)
     finally:
         parent.kill()
+
+
+def test_the_engine_cores_socket_folder_is_removed_at_shutdown() -> None:
+    import os
+
+    with fake_server() as srv:
+        address = srv.app.state.engine._core.handle.input_address
+        folder = os.path.dirname(address.removeprefix("ipc://"))
+        assert os.path.isdir(folder)
+    assert not os.path.exists(folder)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import tempfile
 import threading
 import time
 
@@ -45,13 +44,12 @@ def _scripted_core(in_addr: str, out_addr: str, heartbeat_delay_s: float, stop: 
         ctx.term()
 
 
-def test_start_keeps_the_loop_running_until_the_first_heartbeat() -> None:
+def test_start_keeps_the_loop_running_until_the_first_heartbeat(tmp_path) -> None:  # noqa: ANN001
     """Between the core's acknowledgement and its first heartbeat, `start()` must yield to
     the event loop (else the reader thread's callbacks, the heartbeat's among them, never run
     and start-up times out: seen on the H200 with Python 3.12; this test fails there without
     the fix, and passes on 3.11 either way)."""
-    folder = tempfile.mkdtemp(prefix="greenlane-test-core-")
-    in_addr, out_addr = f"ipc://{folder}/input", f"ipc://{folder}/output"
+    in_addr, out_addr = f"ipc://{tmp_path}/input", f"ipc://{tmp_path}/output"
     stop = threading.Event()
     core = threading.Thread(target=_scripted_core, args=(in_addr, out_addr, 0.5, stop))
     core.start()

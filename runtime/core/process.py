@@ -23,6 +23,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import signal
 import tempfile
 import threading
@@ -65,9 +66,19 @@ class CoreHandle:
     pid: int
 
 
+IPC_PREFIX = "greenlane-core-"
+
+
+def remove_ipc_folder(address: str) -> None:
+    """Remove the private folder of an `ipc_addresses` address (nothing for others)."""
+    folder = os.path.dirname(address.removeprefix("ipc://"))
+    if address.startswith("ipc://") and os.path.basename(folder).startswith(IPC_PREFIX):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def ipc_addresses() -> tuple[str, str, str]:
     """(input, output) ipc:// addresses in a fresh private folder, and the folder."""
-    folder = tempfile.mkdtemp(prefix="greenlane-core-")
+    folder = tempfile.mkdtemp(prefix=IPC_PREFIX)
     return f"ipc://{folder}/input", f"ipc://{folder}/output", folder
 
 
@@ -83,6 +94,7 @@ class EngineCore:
     def __init__(
         self, factory: EngineFactory, config: Any, input_address: str, output_address: str
     ) -> None:
+        self._input_address = input_address
         self._ctx = zmq.Context()
         # Everything to the clients: outputs from the engine thread (and, rarely, from a caller
         # of engine.add refused at once), heartbeats and call results from the main thread:
@@ -305,6 +317,7 @@ class EngineCore:
         self._out.close()
         self._in.close()
         self._ctx.term()
+        remove_ipc_folder(self._input_address)  # a core killed outright: its starter does
 
 
 def _asdict(state: Any) -> dict[str, Any]:
