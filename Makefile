@@ -48,7 +48,7 @@ $(STAMP): pyproject.toml Makefile
 model: $(MODEL_DIR)/config.json
 
 $(MODEL_DIR)/config.json: | $(STAMP)
-	$(PY) -m runtime.convert
+	$(PY) -m runtime.model.convert
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .ruff_cache

@@ -488,7 +488,7 @@ def calibrate_command(
                 )[1]
             )
         if what in ("partition", "all"):
-            from runtime.partition_gpu import profile_engine  # lazily: loads torch
+            from runtime.partition.gpu import profile_engine  # lazily: loads torch
 
             log.info(
                 "profiling the partition cost model on %s (progress on stderr)", engine.device_name
@@ -515,7 +515,7 @@ def check_choices(settings: Settings) -> None:
     """Option values the engine would only reject after loading the model: checked first,
     so a mistake costs one line and exit code 2, not a traceback minutes later."""
     from policies import POLICY_NAMES
-    from runtime.presets import PRESETS
+    from runtime.model.presets import PRESETS
 
     if settings.dtype not in _DTYPE_CHOICES:
         raise ValueError(f"dtype: {settings.dtype!r} is not one of {', '.join(_DTYPE_CHOICES)}")

@@ -5,7 +5,7 @@ field (generated from the dataclass, so a new engine option is settable here wit
 `to_engine_config()` builds the frozen `EngineConfig` the engine takes, choosing the JCT
 calibration file to load (explicit `--jct-calibration`, else the cached one for this device and
 model in `--calibration-dir`, else none: the documented fallback) and logging the choice. The
-partition cost model's file is chosen by the engine (runtime/partition_calibrate.py), in
+partition cost model's file is chosen by the engine (runtime/partition/calibrate.py), in
 `--partition-calibration-dir`, which defaults to `--calibration-dir`.
 """
 

@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 
 from bench.bursts import provenance
-from runtime.presets import get_preset
+from runtime.model.presets import get_preset
 
 # Engine counters (runtime/engine.py stats, exported by app/metrics.py under these names).
 _COUNTERS = {

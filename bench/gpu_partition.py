@@ -43,11 +43,11 @@ RESULTS: dict[str, Any] = {"sections": {}, "errors": {}}
 def _tok_patch(folder: str) -> None:
     """Random presets load the default model's tokenizer; point it at a carried folder."""
     import runtime.engine
-    import runtime.loader
+    import runtime.model.loader
     from runtime.tokenizer import Tokenizer
 
     if Path(folder, "tokenizer.json").is_file():
-        runtime.loader.load_tokenizer = lambda spec: Tokenizer.from_dir(folder)  # type: ignore[assignment]
+        runtime.model.loader.load_tokenizer = lambda spec: Tokenizer.from_dir(folder)  # type: ignore[assignment]
         _ = runtime.engine
 
 
@@ -81,7 +81,7 @@ def _batch(specs: list[tuple[int, int, int]], blocks: list[list[int]], is_decode
 
 # ------------------------------------------------------------------------------------- profile
 def section_profile(engine: Any) -> dict:
-    from runtime.cost_model import (
+    from runtime.partition.cost_model import (
         DECODE,
         PREFILL,
         CostModel,
@@ -609,9 +609,9 @@ def main() -> int:
         ).stdout.strip()
     except Exception:  # noqa: BLE001
         RESULTS["git"] = None
-    from runtime import ops
     from runtime.config import EngineConfig
     from runtime.engine import Engine
+    from runtime.model import ops
 
     try:
         ops.use_flashinfer(True)

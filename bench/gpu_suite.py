@@ -9,7 +9,7 @@ Sections:
   green      SM layout from the driver, pair creation over every split, SM-limit check
   backend    FlashInfer backend vs a float32 reference over the paged pool, all kernel modes,
              pool writes (kept slots written, discarded slots untouched)
-  ops        FlashInfer rmsnorm / fused_add_rmsnorm / silu_and_mul / rope vs runtime.ops torch
+  ops        FlashInfer rmsnorm / fused_add_rmsnorm / silu_and_mul / rope vs runtime.model.ops torch
   kernels    FlashInfer ragged prefill 8k and paged decode b64x2k timings
   profile    cost-model profile: stage latency vs SM split for model-shaped prefill/decode work
              on green streams, alone and concurrent; fit + held-out validation
@@ -91,7 +91,7 @@ def section_ceilings() -> dict:
 
 # --------------------------------------------------------------------------- green contexts
 def section_green() -> dict:
-    from runtime import green_ctx
+    from runtime.partition import green_ctx
 
     reason = green_ctx.green_contexts_unavailable_reason()
     if reason:
@@ -245,7 +245,7 @@ def section_backend() -> dict:
 
 # --------------------------------------------------------------------------- ops
 def section_ops() -> dict:
-    from runtime import ops
+    from runtime.model import ops
 
     out = {}
     T, H, inter = 1000, 4096, 14336
@@ -319,9 +319,9 @@ _MODEL: dict[str, Any] = {}
 
 def _llama8b(num_blocks: int):
     """random:llama-3.1-8b in bf16 + a random-filled KV pool (never time on zeros)."""
-    from runtime.kv_pool import KVPool
-    from runtime.loader import _materialise, init_random_weights
-    from runtime.presets import get_preset
+    from runtime.kv.kv_pool import KVPool
+    from runtime.model.loader import _materialise, init_random_weights
+    from runtime.model.presets import get_preset
 
     if "model" not in _MODEL:
         cfg = get_preset("llama-3.1-8b")
@@ -367,9 +367,9 @@ def _flops_prefill(cfg, T: int) -> float:
 def section_model() -> dict:
     """Prefill MFU (1k..32k) and decode step vs floor (b1..b256 at 2k), llama-3.1-8b bf16,
     FlashInfer backend + FlashInfer ops; plus model-level backend/hybrid logit agreement."""
-    from runtime import ops
     from runtime.attention.flashinfer_backend import FlashInferBackend
     from runtime.attention.torch_backend import TorchAttentionBackend
+    from runtime.model import ops
 
     ceil = RESULTS["sections"].get("ceilings") or section_ceilings()
     peak_tflops, copy_gbs = ceil["matmul_bf16_tflops"], ceil["copy_gbs_read_plus_write"]
@@ -446,9 +446,10 @@ def section_model() -> dict:
 def section_profile() -> dict:
     """Cost-model profile on green pairs with llama-3.1-8b layers; held-out validation;
     concurrent vs time-sliced for the same work at each split."""
-    from runtime import green_ctx, ops
     from runtime.attention.flashinfer_backend import FlashInferBackend
-    from runtime.cost_model import (
+    from runtime.model import ops
+    from runtime.partition import green_ctx
+    from runtime.partition.cost_model import (
         DECODE,
         PREFILL,
         CostModel,
@@ -616,8 +617,8 @@ def section_profile() -> dict:
 
 def section_graphs() -> dict:
     """Decode CUDA graphs (runtime/cuda_graphs.py) vs eager, llama-3.1-8b, 2k contexts."""
-    from runtime import ops
     from runtime.attention.flashinfer_backend import FlashInferBackend
+    from runtime.model import ops
 
     ceil = RESULTS["sections"].get("ceilings") or section_ceilings()
     copy_gbs = ceil["copy_gbs_read_plus_write"]
@@ -699,9 +700,9 @@ def section_decode_profile() -> dict:
     import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
 
-    from runtime import ops
     from runtime.attention.flashinfer_backend import FlashInferBackend
     from runtime.cuda_graphs import DecodeGraphs
+    from runtime.model import ops
 
     ceil = RESULTS["sections"].get("ceilings") or section_ceilings()
     copy_gbs = ceil["copy_gbs_read_plus_write"]
@@ -901,8 +902,8 @@ def _sweep_projections(M: int, stream: torch.cuda.Stream, sweep: dict, best: dic
     """llama-3.1-8b projection shapes at M rows: each fused kernel's tiles vs cuBLAS."""
     import torch.nn.functional as F
 
-    from runtime import decode_kernels as dk
-    from runtime.ops import rope_cos_sin_cache
+    from runtime.model import decode_kernels as dk
+    from runtime.model.ops import rope_cos_sin_cache
 
     H, inter, hq, hkv, d, n_w = 4096, 14336, 32, 8, 128, 8
     x_h = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
@@ -972,7 +973,7 @@ def _sweep_projections(M: int, stream: torch.cuda.Stream, sweep: dict, best: dic
 def _sweep_attention(M: int, stream: torch.cuda.Stream, sweep: dict, best: dict) -> None:
     """Fused decode attention at M rows x 2k contexts, 32 layers of distinct pools: splits
     and tokens per tile."""
-    from runtime import decode_kernels as dk
+    from runtime.model import decode_kernels as dk
 
     hq, hkv, d, ctx, page, layers = 32, 8, 128, 2048, 16, 32
     n_blocks = M * ctx // page
@@ -1030,7 +1031,7 @@ def _fused_vs_fp32(out: dict, model, cfg, pool, batches: dict, logits_of: dict) 
     (torch attention backend): the fused kernels round differently from the unfused path, so
     they are judged by their distance to the exact answer, next to the unfused one's."""
     from runtime.attention.torch_backend import TorchAttentionBackend
-    from runtime.kv_pool import KVPool
+    from runtime.kv.kv_pool import KVPool
 
     model.float()
     model.rotary.rebuild(torch.device("cuda"))
@@ -1056,15 +1057,15 @@ def _fused_vs_fp32(out: dict, model, cfg, pool, batches: dict, logits_of: dict) 
 
 
 def section_fused_decode() -> dict:
-    """Issue 5's batch-1 decode target: the fused Triton decode (runtime/fused_decode.py,
+    """Issue 5's batch-1 decode target: the fused Triton decode (runtime/model/fused_decode.py,
     8 launches a layer) against the unfused CUDA-graph decode (FlashInfer + cuBLAS),
     llama-3.1-8b bf16, 2k contexts, batch 1/2/4/8: graph step + LM head over the floor, logits
     of each against the eager forward. First a tile sweep of each kernel (GB/s vs cuBLAS);
     the step is then timed with the default tiles and with the sweep's best."""
-    from runtime import decode_kernels as dk
-    from runtime import ops
     from runtime.attention.flashinfer_backend import FlashInferBackend
     from runtime.cuda_graphs import DecodeGraphs
+    from runtime.model import decode_kernels as dk
+    from runtime.model import ops
 
     ceil = RESULTS["sections"].get("ceilings") or section_ceilings()
     copy_gbs = ceil["copy_gbs_read_plus_write"]
@@ -1189,13 +1190,13 @@ def section_fused_decode() -> dict:
 
 def section_gemm_sm_target() -> dict:
     """cuBLAS products on green-context partitions, planned for the whole GPU (cuBLAS's default)
-    against planned for the partition's SM count (`runtime/blas_sm_target.py`), llama-3.1-8b
-    projection shapes in bf16: prefill (8k tokens) on the 112-SM prefill side, decode
+    against planned for the partition's SM count (`runtime/partition/blas_sm_target.py`),
+    llama-3.1-8b projection shapes in bf16: prefill (8k tokens) on the 112-SM prefill side, decode
     (M = 1, 16, 64) on the 20- and 12-SM decode sides (cuBLAS failed on 12 SMs when serving).
     Each variant's result is checked against the whole-GPU product; a failing variant is
     recorded and the others still run."""
-    from runtime.blas_sm_target import BlasSmTarget
-    from runtime.green_ctx import create_pairs, read_sm_layout
+    from runtime.partition.blas_sm_target import BlasSmTarget
+    from runtime.partition.green_ctx import create_pairs, read_sm_layout
 
     out: dict[str, Any] = {}
     target = BlasSmTarget()
@@ -1469,7 +1470,7 @@ def _hf_pair(cfg, seed: int, folder: str):
 
     import transformers
 
-    from runtime.convert import default_model_dir
+    from runtime.model.convert import default_model_dir
 
     hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf_config())
     torch.manual_seed(seed)
@@ -1493,10 +1494,10 @@ def _hf_pair(cfg, seed: int, folder: str):
 
 
 def _ours_logits(model, ids: torch.Tensor, flashinfer: bool, rows: int) -> torch.Tensor:
-    from runtime import ops
     from runtime.attention.flashinfer_backend import FlashInferBackend
     from runtime.attention.torch_backend import TorchAttentionBackend
-    from runtime.kv_pool import KVPool
+    from runtime.kv.kv_pool import KVPool
+    from runtime.model import ops
 
     T = ids.numel()
     dt = next(model.parameters()).dtype
@@ -1523,8 +1524,8 @@ def section_correctness() -> dict:
     fp32 kernels); FlashInfer vs torch backend at 8B against an fp32 forward."""
     import dataclasses
 
-    from runtime.loader import load_model
-    from runtime.presets import get_preset
+    from runtime.model.loader import load_model
+    from runtime.model.presets import get_preset
 
     out: dict[str, Any] = {}
     T, rows = 512, 64
@@ -1575,7 +1576,7 @@ def section_correctness() -> dict:
     # Greedy 16 tokens through the engine (fp32: torch backend, paged KV) vs transformers.
     import transformers
 
-    from runtime.loader import load_tokenizer
+    from runtime.model.loader import load_tokenizer
     from runtime.request import Request, RequestKind, SamplingParams
 
     folder = "/tmp/hf_llama-small"
@@ -1634,8 +1635,8 @@ def section_correctness() -> dict:
 def section_fi_vs_torch() -> dict:
     """8B, 3000 tokens: FlashInfer (kernels+ops) vs torch backend (bf16), each vs an fp32
     forward of the same weights; hybrid on vs off and prefix hit vs cold via the engine."""
-    from runtime.loader import _materialise, init_random_weights
-    from runtime.presets import get_preset
+    from runtime.model.loader import _materialise, init_random_weights
+    from runtime.model.presets import get_preset
 
     cfg = get_preset("llama-3.1-8b")
     model = _materialise(cfg, torch.bfloat16, torch.device("cuda"))
@@ -1750,7 +1751,7 @@ def _mil_probe_fn(
     remaining layers only add time (a 32B prompt of 10^5 tokens: ~1 min at full depth)."""
     from runtime.attention.torch_backend import TorchAttentionBackend
     from runtime.config import EngineConfig
-    from runtime.kv_pool import KVPool
+    from runtime.kv.kv_pool import KVPool
     from runtime.request import Request, RequestKind
     from runtime.runner import ModelRunner, OutOfMemoryForStep
     from runtime.scheduler import Lease, ScheduledSeq, StepPlan
@@ -1899,8 +1900,8 @@ def _mil_for_model(
     The cap is applied with set_per_process_memory_fraction to this process's caching
     allocator: limit = cap - memory the device already uses outside the allocator (CUDA
     context, cuBLAS/FlashInfer modules), so that everything this process holds counts."""
-    from runtime.loader import _materialise, init_random_weights
-    from runtime.presets import get_preset
+    from runtime.model.loader import _materialise, init_random_weights
+    from runtime.model.presets import get_preset
 
     dev = _dev()
     cfg = get_preset(preset)
@@ -2042,7 +2043,7 @@ def _hf_from_ours(model, cfg):
     with the loader's own HF->ours table and the fused rows sliced back out."""
     import transformers
 
-    from runtime.loader import _target
+    from runtime.model.loader import _target
 
     hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf_config())
     dtype = next(model.parameters()).dtype
@@ -2132,7 +2133,7 @@ def section_score() -> dict:
     """Scoring throughput, engine vs transformers (same GPU, same weights, bf16, sdpa), on
     short-scoring and post-recommendation-like prompts; then the prefill token budget sweep
     on short prompts."""
-    from runtime import ops
+    from runtime.model import ops
 
     smoke = DEADLINE["smoke"]
     model_name = "random:tiny" if smoke else "random:llama-3.1-8b"

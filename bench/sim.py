@@ -60,7 +60,7 @@ class BlockPrefixCache:
     A request's full prompt blocks form two chains: its prefix's (`prefix_tokens // block`
     blocks, shared by every request of the user) and a branch after it (the post's blocks,
     shared only by a repeat of the same post). A chain is cached as its leading blocks
-    [0, k). As in `runtime.block_manager`: a forward pins the blocks it hits, allocates fresh
+    [0, k). As in `runtime.kv.block_manager`: a forward pins the blocks it hits, allocates fresh
     blocks for as much of the rest as the pool can hold (evicting least recently used cached
     blocks), and on completion releases all of them, tail first, into the LRU; eviction takes
     a chain's tail blocks first. One forward at a time: `admit` then `release`.

@@ -42,7 +42,7 @@ class TokenizerLike(Protocol):
 def load_tokenizer(path: str | None) -> TokenizerLike:
     """Load `tokenizer.json` (a file or a model folder holding one).
 
-    Without a path, use the default model folder (`runtime.convert.ensure_default_model()`),
+    Without a path, use the default model folder (`runtime.model.convert.ensure_default_model()`),
     which is what `python -m app serve` loads by default.
     """
     from pathlib import Path
@@ -51,7 +51,7 @@ def load_tokenizer(path: str | None) -> TokenizerLike:
 
     if path is None:
         try:
-            from runtime.convert import ensure_default_model
+            from runtime.model.convert import ensure_default_model
         except ImportError as exc:  # the converter is another module; say what to do instead
             raise SystemExit(f"no --tokenizer and no default model: {exc}") from exc
         path = str(ensure_default_model())

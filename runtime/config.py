@@ -47,7 +47,7 @@ class EngineConfig:
     # the KV pool can hold its whole prompt until it finishes (else whole, hybrid prefill).
     chunk_scoring_prefill: bool = True
     # Decode graphs of batches up to this size run the fused Triton decode kernels
-    # (runtime/fused_decode.py; at most 8) instead of FlashInfer + cuBLAS. 0 = never. Default
+    # (runtime/model/fused_decode.py; at most 8) instead of FlashInfer + cuBLAS. 0 = never. Default
     # 1: measured on the H200, the fused kernels lose from batch 2 on (docs/benchmarks.md).
     fused_decode_max_batch: int = 1
     partition: str = "off"  # off | static:<prefill_sms> | auto
@@ -64,7 +64,7 @@ class EngineConfig:
     partition_tbt_slo_ms: float | None = None
     # auto with a TBT target: may time-slice by slices of layers (see ControllerConfig).
     partition_layer_slicing: bool = False
-    # Cost-model calibration (runtime/partition_calibrate.py): an explicit file wins; else the
+    # Cost-model calibration (runtime/partition/calibrate.py): an explicit file wins; else the
     # cached file for this GPU and model in partition_calibration_dir (None = the JCT
     # calibration folder); else `auto` profiles at start-up (when partition_startup_profile)
     # and caches the result; else the built-in H200 fallback if it matches, else uncalibrated.
@@ -73,7 +73,8 @@ class EngineConfig:
     partition_startup_profile: bool = True
     pd_slice_tokens: int = 32768  # prefill layers per launch = max(1, this // batch tokens)
     pd_max_queued_slices: int = 2  # prefill slices queued ahead on the prefill stream
-    # Plan cuBLAS products on a split for that split's SM count (runtime/blas_sm_target.py).
+    # Plan cuBLAS products on a split for that split's SM count
+    # (runtime/partition/blas_sm_target.py).
     # Off by default: measured on the H200 it made prefill products 3 % and decode GEMVs up to
     # 1.7x slower, and did not stop cuBLAS failing on 12 SMs (docs/benchmarks.md).
     split_gemm_sm_target: bool = False

@@ -12,7 +12,7 @@ backend outside the graph (plan only fills the fixed buffers), copies inputs, an
 Padding rows attend to, and write into, `pad_block_id`: a block the caller reserves (the block
 manager must never hand it out), so padded rows never touch a live sequence's KV.
 
-Batch sizes up to `fused_max_batch` run the fused Triton decode (runtime/fused_decode.py:
+Batch sizes up to `fused_max_batch` run the fused Triton decode (runtime/model/fused_decode.py:
 8 launches per layer, no FlashInfer plan) instead of the model's forward on FlashInfer.
 """
 
@@ -29,7 +29,7 @@ import torch
 
 from runtime.attention.base import ForwardBatch, SeqSlice
 from runtime.attention.flashinfer_backend import FlashInferBackend
-from runtime.model import LlamaForCausalLM
+from runtime.model.llama import LlamaForCausalLM
 
 log = logging.getLogger("greenlane.cuda_graphs")
 
@@ -210,7 +210,7 @@ class DecodeGraphs:
 
     def _make_step(self, bs: int, fused: bool = True) -> DecodeStep:
         if fused and bs <= self.fused_max_batch:
-            from runtime.fused_decode import FusedDecodeStep
+            from runtime.model.fused_decode import FusedDecodeStep
 
             return FusedDecodeStep(
                 self.model, self.k_caches, self.v_caches, bs, self.max_blocks_per_seq

@@ -48,14 +48,13 @@ from policies import make_policy
 from policies.jct import JCTModel
 from runtime.attention.base import AttentionBackend
 from runtime.attention.torch_backend import TorchAttentionBackend
-from runtime.blas_sm_target import shared_blas_sm_target
-from runtime.block_manager import BlockManager
 from runtime.config import EngineConfig
 from runtime.executor.base import StepFailed, StepResult
 from runtime.executor.serial import SerialExecutor
 from runtime.executor.split import SplitChoice, SplitExecutor
 from runtime.executor.streams import stream_device_for
-from runtime.kv_pool import (
+from runtime.kv.block_manager import BlockManager
+from runtime.kv.kv_pool import (
     CUDA_SAFETY_BYTES,
     NUM_RESERVED_BLOCKS,
     KVPool,
@@ -63,10 +62,11 @@ from runtime.kv_pool import (
     compute_num_blocks,
     cuda_memory_budget_bytes,
 )
-from runtime.loader import load_model
+from runtime.kv.prefix_cache import PrefixCache
+from runtime.model.loader import load_model
 from runtime.partition import PartitionManager
-from runtime.partition_setup import capture_split_graphs, make_partition, profile_at_startup
-from runtime.prefix_cache import PrefixCache
+from runtime.partition.blas_sm_target import shared_blas_sm_target
+from runtime.partition.setup import capture_split_graphs, make_partition, profile_at_startup
 from runtime.request import FINISH_REASONS, EngineOutput, Request, RequestKind, RequestStatus
 from runtime.runner import ModelRunner, profile_activation_peak
 from runtime.scheduler import Lease, ScheduledSeq, Scheduler, StepPlan
@@ -246,7 +246,7 @@ class Engine:
     # ---- partition ------------------------------------------------------------------------
     def _make_partition(self) -> PartitionManager:
         """GreenContextPartition on CUDA with green contexts (any mode), else an
-        UnavailablePartition that says why (runtime/partition_setup.py)."""
+        UnavailablePartition that says why (runtime/partition/setup.py)."""
         setup = make_partition(self.config, self.device, self.device_name)
         self._green: Any = setup.green
         self._partition_choice: Any = setup.calibration_choice
@@ -263,7 +263,7 @@ class Engine:
 
     def _choose_split(self, pplan: StepPlan | None, dplan: StepPlan | None) -> SplitChoice:
         """The controller's split for the next prefill batch (or decode-only step)."""
-        from runtime.cost_model import DecodeShape, PrefillShape
+        from runtime.partition.cost_model import DecodeShape, PrefillShape
 
         g = self._green
         num_layers = self.model_config.num_layers
@@ -370,7 +370,7 @@ class Engine:
     def info(self) -> dict[str, Any]:
         """What a front end needs to know about this engine (plain values, picklable): limits,
         vocabulary, EOS ids, device, and where its tokenizer comes from."""
-        from runtime.loader import tokenizer_dir
+        from runtime.model.loader import tokenizer_dir
 
         return {
             "model": self.config.model,

@@ -7,7 +7,7 @@ streams (prefill on one SM partition, decode on the other); on CPU the two calls
 one after the other.
 
 GPU runtime (when the given backend is FlashInfer):
-- `runtime.ops.use_flashinfer(True)`: norms, SiLU-and-mul and RoPE use FlashInfer kernels;
+- `runtime.model.ops.use_flashinfer(True)`: norms, SiLU-and-mul and RoPE use FlashInfer kernels;
 - a second FlashInfer instance (its own workspace) serves decode unless one is passed, so the
   prefill and decode parts may run concurrently on two streams;
 - with `config.cuda_graphs`, decode batches of up to `max_batch_size` sequences replay a
@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 
-from runtime import ops
 from runtime.attention.base import AttentionBackend, ForwardBatch, SeqSlice
 from runtime.config import EngineConfig
 from runtime.cuda_graphs import (
@@ -45,10 +44,11 @@ from runtime.cuda_graphs import (
     Progress,
     graph_batch_sizes,
 )
-from runtime.kv_pool import KVPool
-from runtime.model import LlamaForCausalLM
-from runtime.model_config import ModelConfig
-from runtime.ops import h2d
+from runtime.kv.kv_pool import KVPool
+from runtime.model import ops
+from runtime.model.config import ModelConfig
+from runtime.model.llama import LlamaForCausalLM
+from runtime.model.ops import h2d
 from runtime.request import RequestKind, TokenLogprob
 from runtime.sampler import PenaltyState, Sampler, has_penalties, make_generator
 from runtime.scheduler import RunnerOutput, ScheduledSeq, StepPlan
@@ -332,7 +332,7 @@ class ModelRunner:
         run this model."""
         if config.fused_decode_max_batch == 0:
             return 0
-        from runtime.fused_decode import unsupported_reason
+        from runtime.model.fused_decode import unsupported_reason
 
         why = unsupported_reason(model_config, kv_pool.dtype)
         if why:

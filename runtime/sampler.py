@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.ops import h2d
+from runtime.model.ops import h2d
 from runtime.request import SamplingParams
 
 

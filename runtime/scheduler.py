@@ -58,9 +58,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from runtime.block_manager import BlockManager
 from runtime.config import EngineConfig
-from runtime.prefix_cache import extend_block_hashes
+from runtime.kv.block_manager import BlockManager
+from runtime.kv.prefix_cache import extend_block_hashes
 from runtime.request import (
     FINISH_REASONS,
     EngineOutput,

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import os
 
-# Without CUDA, Triton kernels (runtime/decode_kernels.py) run under Triton's interpreter. It
+# Without CUDA, Triton kernels (runtime/model/decode_kernels.py) run under Triton's interpreter. It
 # is chosen when a kernel is defined, so it must be set before anything imports triton.
 import pytest
 import torch
@@ -23,6 +23,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def default_model_dir():
     """The converted SmolLM2-135M-Instruct folder (converted once into the ignored cache)."""
-    from runtime.convert import ensure_default_model
+    from runtime.model.convert import ensure_default_model
 
     return ensure_default_model()

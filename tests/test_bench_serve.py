@@ -418,7 +418,7 @@ def test_small_run_against_the_real_smollm2_server(tmp_path):
     pytest.importorskip("runtime.engine", reason="runtime.engine not written yet")
     from server_thread import running_server
 
-    from runtime.convert import ensure_default_model
+    from runtime.model.convert import ensure_default_model
 
     model_dir = ensure_default_model()
     with running_server(None, model="default") as srv:

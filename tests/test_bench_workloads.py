@@ -146,9 +146,9 @@ def test_bad_arguments(tok, pool):
 def test_real_tokenizer_exact_counts():
     """With the server's own tokenizer (the default SmolLM2 model), counts are exact too."""
     try:
-        from runtime.convert import ensure_default_model  # noqa: F401
+        from runtime.model.convert import ensure_default_model  # noqa: F401
     except ImportError:
-        pytest.skip("runtime.convert not available yet")
+        pytest.skip("runtime.model.convert not available yet")
     tok = load_tokenizer(None)
     pool = WordPool(tok)
     for name in ("post-recommendation", "mixed", "short-scoring"):

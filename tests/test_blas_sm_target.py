@@ -1,12 +1,12 @@
-"""runtime/blas_sm_target.py off CUDA: unavailable with the reason, and a no-op (the GPU side
-is measured and checked by bench/gpu_suite.py's gemm_sm_target section)."""
+"""runtime/partition/blas_sm_target.py off CUDA: unavailable with the reason, and a no-op (the GPU
+side is measured and checked by bench/gpu_suite.py's gemm_sm_target section)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from runtime.blas_sm_target import BlasSmTarget, shared_blas_sm_target
+from runtime.partition.blas_sm_target import BlasSmTarget, shared_blas_sm_target
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU behaviour")

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from runtime.block_manager import BlockManager, NoFreeBlocksError
-from runtime.prefix_cache import PrefixCache, extend_block_hashes
+from runtime.kv.block_manager import BlockManager, NoFreeBlocksError
+from runtime.kv.prefix_cache import PrefixCache, extend_block_hashes
 
 
 def test_allocate_free_roundtrip() -> None:

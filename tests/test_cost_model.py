@@ -1,4 +1,4 @@
-"""CPU tests of the stage cost model and the split controller (runtime/cost_model.py)."""
+"""CPU tests of the stage cost model and the split controller (runtime/partition/cost_model.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from runtime.cost_model import (
+from runtime.partition.cost_model import (
     DECODE,
     PREFILL,
     TIME_SLICE,

@@ -1,5 +1,5 @@
-"""The fused small-batch decode kernels (runtime/decode_kernels.py) and FusedDecodeStep
-(runtime/fused_decode.py) against plain torch and against the model's unfused decode.
+"""The fused small-batch decode kernels (runtime/model/decode_kernels.py) and FusedDecodeStep
+(runtime/model/fused_decode.py) against plain torch and against the model's unfused decode.
 
 Without CUDA the kernels run under Triton's interpreter (conftest sets TRITON_INTERPRET=1
 before anything imports triton): the same kernel code, executed on the CPU with numpy. On a
@@ -12,15 +12,15 @@ import torch
 
 pytest.importorskip("triton")
 
-from runtime import decode_kernels as dk  # noqa: E402
-from runtime import ops  # noqa: E402
 from runtime.attention.base import ForwardBatch, SeqSlice  # noqa: E402
 from runtime.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from runtime.fused_decode import FusedDecodeStep, unsupported_reason  # noqa: E402
-from runtime.kv_pool import KVPool  # noqa: E402
-from runtime.loader import _materialise, init_random_weights  # noqa: E402
-from runtime.model_config import RopeScaling  # noqa: E402
-from runtime.presets import get_preset  # noqa: E402
+from runtime.kv.kv_pool import KVPool  # noqa: E402
+from runtime.model import decode_kernels as dk  # noqa: E402
+from runtime.model import ops  # noqa: E402
+from runtime.model.config import RopeScaling  # noqa: E402
+from runtime.model.fused_decode import FusedDecodeStep, unsupported_reason  # noqa: E402
+from runtime.model.loader import _materialise, init_random_weights  # noqa: E402
+from runtime.model.presets import get_preset  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter rounds float32 -> bfloat16 toward zero (a bias of ~1 % over a few roundings);

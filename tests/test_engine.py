@@ -316,11 +316,11 @@ def _greedy_with_components(device: str, prompts: list[list[int]], **overrides) 
 
     from policies import make_policy
     from runtime.attention.torch_backend import TorchAttentionBackend
-    from runtime.block_manager import BlockManager
-    from runtime.kv_pool import KVPool
-    from runtime.loader import _materialise, init_random_weights
-    from runtime.prefix_cache import PrefixCache
-    from runtime.presets import get_preset
+    from runtime.kv.block_manager import BlockManager
+    from runtime.kv.kv_pool import KVPool
+    from runtime.kv.prefix_cache import PrefixCache
+    from runtime.model.loader import _materialise, init_random_weights
+    from runtime.model.presets import get_preset
     from runtime.runner import ModelRunner
     from runtime.scheduler import Scheduler, StepCapacity
 

@@ -14,8 +14,8 @@ import torch
 
 from runtime.config import EngineConfig
 from runtime.engine import Engine
-from runtime.kv_pool import bytes_per_block, compute_num_blocks, cuda_memory_budget_bytes
-from runtime.presets import get_preset
+from runtime.kv.kv_pool import bytes_per_block, compute_num_blocks, cuda_memory_budget_bytes
+from runtime.model.presets import get_preset
 
 GIB = 1 << 30
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.loader import load_model
-from runtime.model_config import ModelConfig, RopeScaling
-from runtime.presets import PRESETS
+from runtime.model.config import ModelConfig, RopeScaling
+from runtime.model.loader import load_model
+from runtime.model.presets import PRESETS
 
 transformers = pytest.importorskip("transformers")
 
@@ -208,7 +208,7 @@ def test_random_preset_is_seeded_and_sane_in_bf16() -> None:
 def test_large_presets_have_published_sizes(preset: str, num_params: int) -> None:
     cfg = PRESETS[preset]
     assert cfg.num_params == num_params
-    from runtime.model import LlamaForCausalLM
+    from runtime.model.llama import LlamaForCausalLM
 
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
@@ -294,7 +294,7 @@ def test_loader_errors(tmp_path: Path, default_model_dir: Path) -> None:
 def test_hybrid_prefill_bounds_mlp_rows(monkeypatch) -> None:
     """The point of hybrid prefill: the [rows, 2 * intermediate] MLP activation never covers
     more than C rows, while attention still sees all T tokens at once."""
-    from runtime import ops
+    from runtime.model import ops
 
     model, cfg, _ = load_model("random:tiny", torch.float32, "cpu", seed=0)
     mlp_rows: list[int] = []

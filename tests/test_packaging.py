@@ -105,7 +105,7 @@ def test_version_and_cache_location(installed: Path, tmp_path: Path) -> None:
         [str(installed / "bin" / "greenlane"), "--version"], cwd=tmp_path, env=_env(tmp_path)
     )
     assert out.stdout.strip() == f"greenlane {__version__}"
-    probe = "import app, runtime.convert as c; print(app.__file__); print(c.cache_dir())"
+    probe = "import app, runtime.model.convert as c; print(app.__file__); print(c.cache_dir())"
     lines = _run([str(installed / "bin" / "python"), "-c", probe], cwd=tmp_path, env=_env(tmp_path))
     app_file, cache = lines.stdout.split()
     assert Path(app_file).is_relative_to(installed), app_file  # the wheel's, not the checkout's

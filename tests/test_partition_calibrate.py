@@ -1,5 +1,5 @@
 """CPU tests of the partition cost model's profile and calibration file
-(runtime/partition_calibrate.py): profile -> fit -> file -> reload with synthetic measures drawn
+(runtime/partition/calibrate.py): profile -> fit -> file -> reload with synthetic measures drawn
 from a known model; progress lines and the time budget; key and mismatch handling; the
 start-up choice (explicit > cached > profile > H200 fallback > uncalibrated); the CLI's
 `calibrate --what partition` on an engine without green contexts."""
@@ -13,15 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.cost_model import (
-    DECODE,
-    PREFILL,
-    CostModel,
-    DecodeShape,
-    PrefillShape,
-    SaturationCurve,
-)
-from runtime.partition_calibrate import (
+from runtime.partition.calibrate import (
     CALIBRATION_FORMAT,
     H200_SEED,
     STARTUP_SHAPES,
@@ -36,6 +28,14 @@ from runtime.partition_calibrate import (
     pick_splits,
     plan_points,
     profile_partition,
+)
+from runtime.partition.cost_model import (
+    DECODE,
+    PREFILL,
+    CostModel,
+    DecodeShape,
+    PrefillShape,
+    SaturationCurve,
 )
 
 TOTAL = 132

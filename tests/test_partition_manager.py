@@ -11,9 +11,9 @@ import pytest
 import torch
 from test_cost_model import truth  # the tests' shared toy cost model
 
-import runtime.partition_gpu as pg
-from runtime.cost_model import TIME_SLICE, ControllerConfig, DecodeShape, PrefillShape
-from runtime.green_ctx import SmLayout
+import runtime.partition.gpu as pg
+from runtime.partition.cost_model import TIME_SLICE, ControllerConfig, DecodeShape, PrefillShape
+from runtime.partition.green_ctx import SmLayout
 
 
 @pytest.fixture
@@ -87,11 +87,11 @@ def test_a_pinned_split_that_fails_falls_back_to_off(manager) -> None:
     assert manager.state().disabled_splits == {"112": "launch failure"}
 
 
-# ---------------------------------------------------------------- engine set-up (partition_setup)
+# ---------------------------------------------------------------- engine set-up (partition.setup)
 def test_no_cuda_means_unavailable_with_the_reason() -> None:
     from runtime.config import EngineConfig
     from runtime.partition import UnavailablePartition
-    from runtime.partition_setup import make_partition
+    from runtime.partition.setup import make_partition
 
     setup = make_partition(EngineConfig(model="random:tiny"), torch.device("cpu"), "cpu")
     assert isinstance(setup.manager, UnavailablePartition) and setup.green is None
@@ -99,7 +99,7 @@ def test_no_cuda_means_unavailable_with_the_reason() -> None:
 
 
 def _stand_in_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    import runtime.green_ctx as gc
+    import runtime.partition.green_ctx as gc
 
     monkeypatch.setattr(gc, "green_contexts_unavailable_reason", lambda _i=0: "")
     monkeypatch.setattr(
@@ -118,7 +118,7 @@ def test_setup_loads_the_file_and_keeps_its_failed_splits_disabled(
     from test_partition_calibrate import _calibrate
 
     from runtime.config import EngineConfig
-    from runtime.partition_setup import make_partition
+    from runtime.partition.setup import make_partition
 
     _stand_in_cuda(monkeypatch)
     _, cal = _calibrate(tmp_path)
@@ -141,7 +141,7 @@ def test_setup_falls_back_when_the_pairs_cannot_be_made(
 ) -> None:
     from runtime.config import EngineConfig
     from runtime.partition import UnavailablePartition
-    from runtime.partition_setup import make_partition
+    from runtime.partition.setup import make_partition
 
     _stand_in_cuda(monkeypatch)
     monkeypatch.setattr(
@@ -173,7 +173,7 @@ def test_split_decode_graphs_are_captured_at_start_up_for_the_mode(
 ) -> None:
     """auto captures every usable split's set before serving (a lazy capture stalls the loop
     once per split), static its own, off none."""
-    from runtime.partition_setup import capture_split_graphs
+    from runtime.partition.setup import capture_split_graphs
 
     captured: list[str] = []
     target = types.SimpleNamespace(sms=0, set=lambda n: setattr(target, "sms", n))
@@ -208,7 +208,7 @@ def test_a_split_whose_decode_graphs_fail_to_capture_is_disabled_at_start_up(man
     """(`manager`: a GreenContextPartition over stand-in pairs, auto mode.) cuBLAS failed on
     the 12-SM decode side of 120/12 while its graphs were captured: out of service before
     serving, not after a failed step."""
-    from runtime.partition_setup import capture_split_graphs
+    from runtime.partition.setup import capture_split_graphs
 
     registry = types.SimpleNamespace(capture_errors={})
     total = manager.layout.total_sms
@@ -234,7 +234,7 @@ def test_auto_hands_a_layer_sliced_time_slice_to_the_engine(manager) -> None:
     next decision without that choice clears it."""
     import dataclasses
 
-    from runtime.cost_model import DECODE, PREFILL
+    from runtime.partition.cost_model import DECODE, PREFILL
 
     m = manager.cost_model
     p = PrefillShape.from_seqs([(0, 8192)], num_layers=32)
@@ -258,8 +258,8 @@ def test_the_engine_hands_layer_slices_to_the_pd_loop(manager) -> None:
     import dataclasses
 
     from runtime.config import EngineConfig
-    from runtime.cost_model import DECODE, PREFILL
     from runtime.engine import Engine
+    from runtime.partition.cost_model import DECODE, PREFILL
     from runtime.scheduler import StepPlan
 
     eng = Engine(EngineConfig(model="random:tiny", block_size=4, num_kv_blocks=64), lambda o: None)

@@ -3,8 +3,8 @@ generation counter, hit counters."""
 
 from __future__ import annotations
 
-from runtime.block_manager import BlockManager
-from runtime.prefix_cache import PrefixCache, chain_hash, extend_block_hashes
+from runtime.kv.block_manager import BlockManager
+from runtime.kv.prefix_cache import PrefixCache, chain_hash, extend_block_hashes
 
 BS = 4
 

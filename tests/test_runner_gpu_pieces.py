@@ -8,8 +8,8 @@ import torch
 
 from runtime.attention.base import SeqSlice
 from runtime.cuda_graphs import bucket_for, graph_batch_sizes, pad_seqs
-from runtime.kv_pool import KVPool
-from runtime.presets import get_preset
+from runtime.kv.kv_pool import KVPool
+from runtime.model.presets import get_preset
 from runtime.request import Request, RequestKind
 from runtime.runner import describe_oom, label_probs
 from runtime.scheduler import Lease, ScheduledSeq, StepPlan
@@ -98,7 +98,7 @@ class _SpyMeter:
 def test_profile_activation_peak_runs_one_forward_as_configured(hybrid: bool) -> None:
     from runtime.attention.torch_backend import TorchAttentionBackend
     from runtime.config import EngineConfig
-    from runtime.loader import load_model
+    from runtime.model.loader import load_model
     from runtime.runner import profile_activation_peak
 
     model, mc, _ = load_model("random:tiny", torch.float32, "cpu")
@@ -131,7 +131,7 @@ def test_profile_activation_peak_runs_one_forward_as_configured(hybrid: bool) ->
 def test_profile_activation_peak_needs_a_meter_off_cuda() -> None:
     from runtime.attention.torch_backend import TorchAttentionBackend
     from runtime.config import EngineConfig
-    from runtime.loader import load_model
+    from runtime.model.loader import load_model
     from runtime.runner import profile_activation_peak
 
     model, mc, _ = load_model("random:tiny", torch.float32, "cpu")

@@ -9,9 +9,9 @@ import random
 import pytest
 
 from policies import make_policy
-from runtime.block_manager import BlockManager
 from runtime.config import EngineConfig
-from runtime.prefix_cache import PrefixCache
+from runtime.kv.block_manager import BlockManager
+from runtime.kv.prefix_cache import PrefixCache
 from runtime.request import Request, RequestKind, SamplingParams, TokenLogprob
 from runtime.scheduler import RunnerOutput, Scheduler, StepCapacity, StepPlan
 

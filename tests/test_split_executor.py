@@ -338,9 +338,9 @@ def test_request_moves_to_decode_only_after_prefill_completes() -> None:
 
 
 def test_products_are_planned_for_the_partition_that_runs_them() -> None:
-    """cuBLAS plans a product's tiling at launch (runtime/blas_sm_target.py): prefill slices and
-    their logits rows for the prefill SMs, a split's decode step for the decode SMs, and
-    time-sliced work for the whole GPU."""
+    """cuBLAS plans a product's tiling at launch (runtime/partition/blas_sm_target.py): prefill
+    slices and their logits rows for the prefill SMs, a split's decode step for the decode SMs,
+    and time-sliced work for the whole GPU."""
     dev = FakeDevice()
     eng, ex, _ = split_engine(dev, fixed_split(64))
     seen: list[tuple[str, int]] = []

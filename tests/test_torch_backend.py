@@ -10,7 +10,7 @@ import torch
 
 from runtime.attention.base import ForwardBatch, SeqSlice
 from runtime.attention.torch_backend import TorchAttentionBackend
-from runtime.kv_pool import KVPool
+from runtime.kv.kv_pool import KVPool
 
 HQ, HKV, D, BS = 4, 2, 8, 4
 

@@ -5,7 +5,7 @@ whose attention layers call `backend.forward(layer_idx, q, k, v)`. One backend i
 CUDA stream that runs model work (prefill and decode run concurrently on different streams
 when the GPU is partitioned), so planned metadata and workspaces are never shared.
 
-KV layout (see `runtime/kv_pool.py`): per layer, `k` and `v` tensors shaped
+KV layout (see `runtime/kv/kv_pool.py`): per layer, `k` and `v` tensors shaped
 [num_blocks, block_size, num_kv_heads, head_dim]. Token position p of a sequence lives in
 block `block_ids[p // block_size]` at offset `p % block_size`.
 """

@@ -20,7 +20,7 @@ Kernel choice per step (`plan`):
 Suffix-KV discard: tokens at positions >= num_kept_tokens are attended from this step's k/v
 (which live only as long as the layer's forward: the per-layer scratch) and never written.
 
-KV layout (runtime/kv_pool.py): per layer k and v, each [num_blocks, block_size, Hkv, D]
+KV layout (runtime/kv/kv_pool.py): per layer k and v, each [num_blocks, block_size, Hkv, D]
 (FlashInfer's "NHD" paged layout with page_size = block_size).
 """
 
@@ -168,7 +168,7 @@ class FlashInferBackend:
 
     @classmethod
     def from_pool(cls, kv_pool: Any, num_q_heads: int, **kwargs: Any) -> FlashInferBackend:
-        """Build over a `runtime.kv_pool.KVPool` (its per-layer `k` / `v` lists)."""
+        """Build over a `runtime.kv.kv_pool.KVPool` (its per-layer `k` / `v` lists)."""
         return cls(
             kv_pool.k, kv_pool.v, num_q_heads, kv_pool.num_kv_heads, kv_pool.head_dim, **kwargs
         )

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.attention.base import ForwardBatch
-from runtime.kv_pool import KVPool
+from runtime.kv.kv_pool import KVPool
 
 
 @dataclass(slots=True)

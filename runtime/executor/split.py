@@ -33,9 +33,9 @@ import torch
 
 from runtime.attention.base import ForwardBatch
 from runtime.config import EngineConfig
-from runtime.cost_model import TIME_SLICE, DecodeShape, PrefillShape
 from runtime.executor.base import StepFailed, StepResult
 from runtime.executor.streams import EventLike, StreamDevice
+from runtime.partition.cost_model import TIME_SLICE, DecodeShape, PrefillShape
 from runtime.runner import PendingOutput
 from runtime.scheduler import RunnerOutput, StepCapacity, StepPlan
 

@@ -29,8 +29,8 @@ class StreamDevice(Protocol):
 
 class CudaStreamDevice:
     def __init__(self, gemm_sm_target: Any = None) -> None:
-        """gemm_sm_target: a `runtime.blas_sm_target.BlasSmTarget` (None: cuBLAS plans every
-        product for the whole GPU)."""
+        """gemm_sm_target: a `runtime.partition.blas_sm_target.BlasSmTarget` (None: cuBLAS plans
+        every product for the whole GPU)."""
         self.gemm_sm_target = gemm_sm_target
 
     def context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:

@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from runtime.model_config import RopeScaling
+from runtime.model.config import RopeScaling
 
 _FLASHINFER = False
 

@@ -2,7 +2,7 @@
 weights, for performance work on machines that have no checkpoints.
 
 Tokenizer: every random preset uses the SmolLM2 tokenizer from the converted default model
-(`runtime/convert.py`). Its ids are < 49152, which is <= every preset's vocab_size, so any
+(`runtime/model/convert.py`). Its ids are < 49152, which is <= every preset's vocab_size, so any
 text it encodes is a valid input; the model's extra vocabulary rows are simply never produced
 by the tokenizer (they can still be sampled: they decode to "").
 The `tiny*` presets are small models for tests (fast on CPU) with each supported architecture.
@@ -10,7 +10,7 @@ The `tiny*` presets are small models for tests (fast on CPU) with each supported
 
 from __future__ import annotations
 
-from runtime.model_config import ModelConfig, RopeScaling
+from runtime.model.config import ModelConfig, RopeScaling
 
 SMOLLM2_VOCAB = 49152
 

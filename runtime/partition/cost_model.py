@@ -261,7 +261,7 @@ class CostModel:
         out["num_observations"] = len(all_e)
         return out
 
-    # ---- persistence (runtime/partition_calibrate.py writes the calibration file) -----------
+    # ---- persistence (runtime/partition/calibrate.py writes the calibration file) -----------
     def to_dict(self) -> dict:
         """The fitted parameters (JSON-ready); `from_dict` inverts it."""
         return {

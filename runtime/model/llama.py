@@ -2,7 +2,7 @@
 
 Parameter names follow Hugging Face's, minus the `model.` prefix, except for the two fused
 projections: `layers.N.self_attn.qkv_proj` (= q_proj | k_proj | v_proj stacked on the output
-dim) and `layers.N.mlp.gate_up_proj` (= gate_proj | up_proj). `runtime/loader.py` does the
+dim) and `layers.N.mlp.gate_up_proj` (= gate_proj | up_proj). `runtime/model/loader.py` does the
 mapping.
 
 The residual stream is carried separately (`h`, `residual`) so every norm after the first is a
@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime import ops
 from runtime.attention.base import AttentionBackend
-from runtime.model_config import ModelConfig
+from runtime.model import ops
+from runtime.model.config import ModelConfig
 
 
 class RMSNorm(nn.Module):

@@ -13,7 +13,7 @@ benchmarks.md, "decode profile"). These kernels cut a layer from ~14 launches to
     gate_up_silu    x @ W_gate_up^T, then silu(gate) * up
     gemv_splitk     down_proj: partials again
 
-Every kernel has a plain-torch twin in `runtime/fused_decode.py`'s tests' reference; on a
+Every kernel has a plain-torch twin in `runtime/model/fused_decode.py`'s tests' reference; on a
 machine without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1) in the
 CPU tests. Shapes, in the comments below: M rows (decode batch), K input features, N output
 features, S split-K or KV-split parts, H hidden size, D head dim.

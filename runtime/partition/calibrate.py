@@ -7,7 +7,7 @@
     cal = load_partition_calibration(path, device=..., total_sms=..., model=...)
     cost_model = cal.cost_model()
 
-The measure functions are the engine's (runtime/partition_gpu.py `EngineProbe`); this module
+The measure functions are the engine's (runtime/partition/gpu.py `EngineProbe`); this module
 only orders the points, times the profile, fits and reads/writes files, so it stays free of
 tensors and is tested on the CPU with synthetic measures. Their contract:
 
@@ -46,7 +46,14 @@ from typing import Any
 import numpy as np
 
 from runtime.calibrate import default_cache_dir
-from runtime.cost_model import DECODE, PREFILL, CostModel, DecodeShape, PrefillShape, ProfileSample
+from runtime.partition.cost_model import (
+    DECODE,
+    PREFILL,
+    CostModel,
+    DecodeShape,
+    PrefillShape,
+    ProfileSample,
+)
 
 log = logging.getLogger("greenlane.partition")
 

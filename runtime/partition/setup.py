@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from runtime.config import EngineConfig
-from runtime.cost_model import ControllerConfig
 from runtime.partition import PartitionManager, UnavailablePartition
+from runtime.partition.cost_model import ControllerConfig
 
 log = logging.getLogger("greenlane.partition")
 
@@ -45,11 +45,11 @@ def controller_config_from(config: EngineConfig) -> ControllerConfig:
 class PartitionSetup:
     manager: PartitionManager  # what the engine exposes as `engine.partition`
     green: Any = None  # the GreenContextPartition, or None when partitioning is unavailable
-    calibration_choice: Any = None  # runtime.partition_calibrate.CalibrationChoice, or None
+    calibration_choice: Any = None  # runtime.partition.calibrate.CalibrationChoice, or None
 
 
 def make_partition(config: EngineConfig, device: torch.device, device_name: str) -> PartitionSetup:
-    from runtime.green_ctx import green_contexts_unavailable_reason
+    from runtime.partition.green_ctx import green_contexts_unavailable_reason
 
     if device.type != "cuda":
         reason = "no CUDA device"
@@ -59,7 +59,7 @@ def make_partition(config: EngineConfig, device: torch.device, device_name: str)
         # Outside the try below: a bad explicit --partition-calibration must stop the
         # start-up, not be swallowed.
         from runtime.calibrate import model_key
-        from runtime.partition_calibrate import choose_partition_calibration
+        from runtime.partition.calibrate import choose_partition_calibration
 
         total_sms = torch.cuda.get_device_properties(device).multi_processor_count
         choice = choose_partition_calibration(
@@ -75,7 +75,7 @@ def make_partition(config: EngineConfig, device: torch.device, device_name: str)
             "%s", choice.reason
         )
         try:
-            from runtime.partition_gpu import GreenContextPartition
+            from runtime.partition.gpu import GreenContextPartition
 
             t0 = time.perf_counter()
             green = GreenContextPartition(
@@ -113,7 +113,7 @@ def profile_at_startup(engine: Any, green: Any, choice: Any) -> None:
     model on a few pre-created splits, fit, cache the file, install the parameters, and take
     out of service any split that failed. A failure keeps the fallback chosen at start-up
     (built-in H200 parameters or none) and says so."""
-    from runtime.partition_gpu import profile_engine
+    from runtime.partition.gpu import profile_engine
 
     try:
         cal = profile_engine(engine, full=False, cache_dir=engine.config.partition_calibration_dir)

@@ -6,7 +6,7 @@ Every block is in exactly one of three states:
   - referenced:  ref >= 1, held by the block tables of `ref` requests.
 A block is taken from the free list first, then by evicting the LRU cached-idle block.
 `check_integrity()` verifies that partition and that ref counts equal the number of holders.
-Plain Python: no torch (the device tensors live in `runtime/kv_pool.py`).
+Plain Python: no torch (the device tensors live in `runtime/kv/kv_pool.py`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from runtime.prefix_cache import PrefixCache
+from runtime.kv.prefix_cache import PrefixCache
 
 
 class NoFreeBlocksError(RuntimeError):

@@ -1,0 +1,1 @@
+"""The KV cache: device block pool (kv_pool), block bookkeeping (block_manager), prefix cache."""
