@@ -51,7 +51,7 @@ class EngineConfig:
     # 1: measured on the H200, the fused kernels lose from batch 2 on (docs/benchmarks.md).
     fused_decode_max_batch: int = 1
     partition: str = "off"  # off | static:<prefill_sms> | auto
-    # Split controller (Nexus Alg. 1) and the concurrent prefill/decode loop (runtime/pd_loop.py).
+    # Split controller (Nexus Alg. 1) and the split executor (runtime/executor/split.py).
     partition_kv_switch: float = 0.70  # KV usage where the favoured phase flips prefill -> decode
     partition_alpha: float = 1.3  # prefill slack when decode is favoured
     partition_beta: float = 1.1  # decode slack when prefill is favoured
