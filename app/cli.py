@@ -76,6 +76,9 @@ _ENGINE_HELP = {
     "than time-slicing the whole GPU",
     "partition_allow_time_slice": "split controller: may give every SM to one phase at a time "
     "when that is predicted faster",
+    "tbt_slo_ms": "time-between-tokens target in ms, any --partition mode: in a step with "
+    "decodes, prefill chunks and admissions are cut so that the step's predicted time (JCT "
+    "model + recent decode step time) stays within it; --prefill-token-budget still caps it",
     "partition_tbt_slo_ms": "split controller (auto): TBT target in ms; while prefill is "
     "favoured, time-slice when a decode step can wait for the prefill within it, else give "
     "prefill every SM the target allows (default: Nexus's relative decode slack, "

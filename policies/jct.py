@@ -209,6 +209,25 @@ class JCTModel:
             total += self.b_s_per_token * u + self.k_s_per_pair * attention_pairs(u, c)
         return total
 
+    def marginal_s(self, uncached_tokens: int, cached_tokens: int = 0) -> float:
+        """Seconds `uncached_tokens` add to a forward that runs anyway (a step with decodes
+        already pays the floor `a`: the weights are read once for both)."""
+        u = max(0, uncached_tokens)
+        return self.b_s_per_token * u + self.k_s_per_pair * attention_pairs(
+            u, max(0, cached_tokens)
+        )
+
+    def max_tokens_within(self, seconds: float, cached_tokens: int = 0) -> int:
+        """The most new tokens whose `marginal_s` after `cached_tokens` fits in `seconds`."""
+        if seconds <= 0.0:
+            return 0
+        b = self.b_s_per_token + self.k_s_per_pair * max(0, cached_tokens)
+        k = self.k_s_per_pair
+        if k <= 0.0:
+            return int(seconds / b) if b > 0.0 else 1 << 62
+        # k/2 u^2 + b u = seconds, the positive root
+        return int((-b + math.sqrt(b * b + 2.0 * k * seconds)) / k)
+
     @property
     def coefficients(self) -> dict[str, float]:
         return {

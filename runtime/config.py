@@ -27,6 +27,12 @@ class EngineConfig:
 
     max_num_seqs: int = 256  # running requests (decode batch) cap
     prefill_token_budget: int = 8192  # tokens per prefill step (short prompts batched up to this)
+    # Time-between-tokens target (ms) for every mode: in a step with decodes, the prefill
+    # work (chunks, admissions) is cut so that its predicted time (the JCT model's marginal
+    # cost) plus the recent decode step time stays within it. prefill_token_budget still caps
+    # it; a prefill always gets at least MIN_TBT_CHUNK_TOKENS (progress even when the decodes
+    # alone exceed the target). None: the token budget alone sizes prefill work.
+    tbt_slo_ms: float | None = None
     prefill_policy: str = "srjf"  # srjf | spf | fcfs
     fairness_lambda: float | None = None  # SRJF fairness offset (None = policy default)
     spf_gamma: float | None = None  # SPF aging weight (None = policy default)
@@ -111,6 +117,8 @@ class EngineConfig:
             raise ValueError("partition_kv_switch must be in [0, 1]")
         if self.partition_alpha < 1.0 or self.partition_beta < 1.0:
             raise ValueError("partition_alpha and partition_beta must be >= 1")
+        if self.tbt_slo_ms is not None and not self.tbt_slo_ms > 0:
+            raise ValueError("tbt_slo_ms must be > 0")
         if self.partition_tbt_slo_ms is not None and not self.partition_tbt_slo_ms > 0:
             raise ValueError("partition_tbt_slo_ms must be > 0")
         if self.pd_slice_tokens < 1 or self.pd_max_queued_slices < 1:

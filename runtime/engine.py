@@ -35,6 +35,7 @@ Stats (`stats()`) are a snapshot rebuilt at most every `STATS_INTERVAL_S` on the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -236,6 +237,11 @@ class Engine:
         self._decode_idle_s = 0.0
         self._num_decode_steps = 0
         self._prev_had_decode = False
+        # --tbt-slo-ms: prefill work per step is cut to fit the target next to the decodes,
+        # whose step time is this running average of decode-only steps (serial executor: the
+        # split executor's controller has its own target, --partition-tbt-slo-ms).
+        self._tbt_s = None if config.tbt_slo_ms is None else config.tbt_slo_ms / 1e3
+        self._decode_step_avg_s = 0.0
         self._step_started_s: float | None = None  # engine clock at the current step's start
         self._stats: dict[str, Any] = {}
         self._next_stats_s = 0.0
@@ -678,8 +684,16 @@ class Engine:
         sched = self.scheduler
         planned = False
         if sched.has_work():
+            capacity = ex.capacity()
+            if self._tbt_s is not None and ex.name == "serial":
+                capacity = dataclasses.replace(
+                    capacity,
+                    tbt_s=self._tbt_s,
+                    decode_step_s=self._decode_step_avg_s,
+                    prefill_cost=self.jct_model,
+                )
             try:
-                plan = sched.schedule(ex.capacity())
+                plan = sched.schedule(capacity)
             except Exception as e:  # noqa: BLE001 - bookkeeping bug: fail everything queued
                 log.exception("scheduling failed")
                 ids = [r.request_id for r in sched.running + sched.waiting]
@@ -729,6 +743,10 @@ class Engine:
         if decode_only and result.device_s is not None:
             self._decode_device_s += result.device_s
             self._num_decode_steps += 1
+            avg = self._decode_step_avg_s
+            self._decode_step_avg_s = (
+                result.device_s if avg == 0.0 else 0.9 * avg + 0.1 * result.device_s
+            )
             if self._prev_had_decode and result.idle_before_s is not None:
                 self._decode_idle_s += result.idle_before_s
         self._prev_had_decode = decode_only

@@ -88,6 +88,18 @@ class WaitingView:
     remaining_prompt_tokens: int
 
 
+class PrefillCost(Protocol):
+    """Marginal prefill time (the JCT model, `policies.jct.JCTModel`)."""
+
+    def marginal_s(self, uncached_tokens: int, cached_tokens: int = 0) -> float: ...
+    def max_tokens_within(self, seconds: float, cached_tokens: int = 0) -> int: ...
+
+
+# With a TBT target, the first prefill chunk of a step gets at least this many tokens: prefill
+# must progress even when the decodes alone take longer than the target.
+MIN_TBT_CHUNK_TOKENS = 256
+
+
 @dataclass(frozen=True, slots=True)
 class StepCapacity:
     """What the executor can take in the next step (`Executor.capacity()`)."""
@@ -96,6 +108,11 @@ class StepCapacity:
     decodes_share_budget: bool = True  # decode tokens count against the budget (one batch)
     hold_prefills: bool = False  # prefills run asynchronously: hold their requests
     chunk_scoring: bool = True  # long scoring prompts next to decodes may be chunked
+    # A time-between-tokens target (EngineConfig.tbt_slo_ms): in a step with decodes, the
+    # prefill work planned may add at most tbt_s - decode_step_s seconds by `prefill_cost`.
+    tbt_s: float | None = None
+    decode_step_s: float = 0.0  # recent decode step time (the engine's running average)
+    prefill_cost: PrefillCost | None = None
 
 
 @dataclass(slots=True)
@@ -237,6 +254,7 @@ class Scheduler:
         self._arrival_seq: dict[str, int] = {}
         self._next_seq = 0
         self._next_step = 0
+        self._time_left_s: float | None = None  # TBT seconds left for this step's prefill work
         self._pending: list[EngineOutput] = []  # outputs produced outside update()
         self._num_leases = 0
         self._num_unreleased = 0  # leases released by their request but still in use by steps
@@ -408,6 +426,11 @@ class Scheduler:
             if capacity.decodes_share_budget:
                 budget -= num_decode
             admit = self.num_preemptions == preempted_before
+            self._time_left_s = (
+                capacity.tbt_s - capacity.decode_step_s
+                if capacity.tbt_s is not None and capacity.prefill_cost is not None and num_decode
+                else None
+            )
             self._plan_prefills(plan, budget, admit, capacity)
         for seq in plan.prefill:
             seq.lease.num_inflight += 1
@@ -479,9 +502,13 @@ class Scheduler:
             remaining = req.num_total_tokens - req.num_computed_tokens
             if remaining <= 0 or lease.sampled:
                 continue  # done, or decoding (planned above, or its last token in flight)
-            n = self._chunk(remaining, budget, first=not plan.prefill)
+            first = not plan.prefill
+            n = self._chunk(
+                remaining, self._timed(budget, req.num_computed_tokens, first, capacity), first
+            )
             if n <= 0:
                 break
+            self._spend(n, req.num_computed_tokens, capacity)
             done = req.num_computed_tokens + n == req.num_total_tokens
             plan.prefill.append(self._seq(req, lease, n, req.num_computed_tokens + n, done))
             budget -= n
@@ -506,9 +533,12 @@ class Scheduler:
                 self.num_shared_prefix_waits += 1
                 continue
             chunk_ok = capacity.chunk_scoring and decoding
-            seq = self._admit(req, budget, first, chunk_ok, nothing_running=not self.running)
+            seq = self._admit(
+                req, budget, first, chunk_ok, nothing_running=not self.running, capacity=capacity
+            )
             if seq is None:
                 break
+            self._spend(seq.num_new_tokens, seq.num_context_tokens, capacity)
             plan.prefill.append(seq)
             budget -= seq.num_new_tokens
             if sharing:
@@ -554,6 +584,18 @@ class Scheduler:
             n += 1
         return n * self.block_size
 
+    def _timed(self, budget: int, cached: int, first: bool, capacity: StepCapacity) -> int:
+        """`budget` cut to what the step's TBT time left allows for a prefill after `cached`
+        tokens (the first chunk of a step gets at least MIN_TBT_CHUNK_TOKENS)."""
+        if self._time_left_s is None or capacity.prefill_cost is None:
+            return budget
+        fits = capacity.prefill_cost.max_tokens_within(self._time_left_s, cached)
+        return min(budget, max(fits, MIN_TBT_CHUNK_TOKENS) if first else fits)
+
+    def _spend(self, num_tokens: int, cached: int, capacity: StepCapacity) -> None:
+        if self._time_left_s is not None and capacity.prefill_cost is not None:
+            self._time_left_s -= capacity.prefill_cost.marginal_s(num_tokens, cached)
+
     def _chunk(self, remaining: int, budget: int, first: bool) -> int:
         """Tokens of a chunked prefill to run now."""
         if first:
@@ -561,7 +603,13 @@ class Scheduler:
         return min(remaining, budget)
 
     def _admit(
-        self, req: Request, budget: int, first: bool, chunk_ok: bool, nothing_running: bool
+        self,
+        req: Request,
+        budget: int,
+        first: bool,
+        chunk_ok: bool,
+        nothing_running: bool,
+        capacity: StepCapacity,
     ) -> ScheduledSeq | None:
         """Allocate KV for a waiting request and move it to running; None to stop admitting."""
         bs = self.block_size
@@ -569,6 +617,7 @@ class Scheduler:
         if samples and self.slots.num_free == 0:
             return None  # every token slot is in use by a lease in flight: wait a step
         prefix_blocks, cached = self._cached_prefix(req)
+        budget = self._timed(budget, cached, first, capacity)
         num_new = req.num_tokens - cached
         chunked_score = False
         if req.kind == RequestKind.SCORE and num_new > budget and chunk_ok:

@@ -432,3 +432,30 @@ def test_overlapped_scheduling_gives_the_same_greedy_tokens(device: str) -> None
     assert tok_on == tok_off and all(len(t) == 16 for t in tok_on)
     assert probs_on == pytest.approx(probs_off, rel=1e-5, abs=1e-7)
     assert gone_on == gone_off == "abort"
+
+
+def test_tbt_target_reaches_the_scheduler_with_the_decode_step_time(monkeypatch) -> None:
+    """--tbt-slo-ms: every step's capacity carries the target, the JCT model as the prefill
+    cost and the running average of decode-only steps (non-zero once decodes ran)."""
+    engine, sink = make_engine(tbt_slo_ms=50.0)
+    seen = []
+    schedule = engine.scheduler.schedule
+
+    def recording(capacity):
+        seen.append(capacity)
+        return schedule(capacity)
+
+    monkeypatch.setattr(engine.scheduler, "schedule", recording)
+    try:
+        sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        engine.add(Request("r", RequestKind.GENERATE, list(range(5, 25)), sp))
+        sink.wait("r")
+    finally:
+        engine.shutdown()
+    assert seen and all(c.tbt_s == 0.05 and c.prefill_cost is engine.jct_model for c in seen)
+    assert seen[-1].decode_step_s > 0.0
+
+
+def test_tbt_target_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="tbt_slo_ms"):
+        EngineConfig(tbt_slo_ms=0.0)

@@ -156,3 +156,16 @@ def test_calibrate_with_synthetic_measure(tmp_path) -> None:
 def test_calibrate_needs_enough_points() -> None:
     with pytest.raises(ValueError):
         calibrate(true_s, device="cpu", model="m", max_total_tokens=100, progress=None)
+
+
+@pytest.mark.parametrize("cached", [0, 4096, 65536])
+def test_max_tokens_within_inverts_the_marginal_cost(cached: int) -> None:
+    """The TBT budget's arithmetic: the largest u whose marginal time fits, no more."""
+    m = JCTModel(*TRUE)
+    assert m.marginal_s(1000, cached) == pytest.approx(m.predict_s(1000, cached) - TRUE[0])
+    for seconds in (1e-4, 3e-3, 0.02, 0.08, 1.5):
+        u = m.max_tokens_within(seconds, cached)
+        assert m.marginal_s(u, cached) <= seconds + 1e-12
+        assert m.marginal_s(u + 1, cached) > seconds
+    assert m.max_tokens_within(0.0, cached) == 0
+    assert JCTModel(0.01, 1e-4, 0.0).max_tokens_within(0.05) == 500  # no attention term

@@ -551,3 +551,76 @@ def test_prompt_logprobs_are_gathered_over_chunks_and_never_use_the_prefix_cache
     assert lps[0] is None and [lp.token_id for lp in lps[1:]] == prompt[1:]
     assert all(not q.samples for p in runner.plans for q in p.prefill)  # nothing sampled
     assert s.slots.num_free == s.slots.num_slots and s.bm.num_used_blocks == 0
+
+
+# ----------------------------------------------------------------------------- TBT target
+
+
+class LinearCost:
+    """A prefill cost of `per_token_s` per new token (the JCT model's shape without the
+    attention term)."""
+
+    def __init__(self, per_token_s: float) -> None:
+        self.per_token_s = per_token_s
+
+    def marginal_s(self, uncached_tokens: int, cached_tokens: int = 0) -> float:
+        return self.per_token_s * uncached_tokens
+
+    def max_tokens_within(self, seconds: float, cached_tokens: int = 0) -> int:
+        return int(seconds / self.per_token_s + 1e-9) if seconds > 0 else 0
+
+
+def _decoding(budget: int = 4096) -> Scheduler:
+    """A scheduler whose one request ("chat") is decoding."""
+    s = make(num_blocks=4096, budget=budget, max_num_seqs=8)
+    s.add(gen("chat", 4, max_tokens=50, ignore_eos=True))
+    step(s, FakeRunner())
+    return s
+
+
+def _prefill_sizes(plan: StepPlan) -> dict[str, int]:
+    return {q.request.request_id: q.num_new_tokens for q in plan.prefill}
+
+
+def test_tbt_target_cuts_a_long_prefill_next_to_decodes() -> None:
+    """(tbt 50 ms - decode step 10 ms) / 0.1 ms per token = 400 tokens of prefill per step."""
+    tbt = {"tbt_s": 0.05, "decode_step_s": 0.01, "prefill_cost": LinearCost(1e-4)}
+    s = _decoding()
+    s.add(gen("long", 3000, max_tokens=1))
+    plan = s.schedule(cap(s, **tbt))
+    assert len(plan.decode) == 1 and _prefill_sizes(plan) == {"long": 400}
+    # The following chunks too (the request is prefilling: its context grows).
+    s.update(plan, FakeRunner().run(plan))
+    plan = s.schedule(cap(s, **tbt))
+    assert _prefill_sizes(plan) == {"long": 400}
+    # Without decodes there is nothing to protect: the token budget alone.
+    s = make(num_blocks=4096, budget=4096)
+    s.add(gen("long", 3000, max_tokens=1))
+    assert _prefill_sizes(s.schedule(cap(s, **tbt))) == {"long": 3000}
+    # Without a target: the token budget alone, decodes or not.
+    s = _decoding(budget=1024)
+    s.add(gen("long", 3000, max_tokens=1))
+    assert _prefill_sizes(s.schedule(cap(s))) == {"long": 1023}  # the decode token shares it
+
+
+def test_tbt_target_shares_its_time_between_admissions_and_keeps_prefill_moving() -> None:
+    tbt = {"tbt_s": 0.05, "decode_step_s": 0.01, "prefill_cost": LinearCost(1e-4)}
+    s = _decoding()
+    for rid, first_token in (("a", 1000), ("b", 2000)):  # no prefix shared with anything
+        sp = SamplingParams(max_tokens=1, temperature=0.0)
+        s.add(Request(rid, RequestKind.GENERATE, list(range(first_token, first_token + 300)), sp))
+    assert _prefill_sizes(s.schedule(cap(s, **tbt))) == {"a": 300, "b": 100}
+    # Decodes alone already past the target: the first chunk still gets the minimum.
+    from runtime.scheduler import MIN_TBT_CHUNK_TOKENS
+
+    s = _decoding()
+    s.add(gen("long", 3000, max_tokens=1))
+    slow = {**tbt, "decode_step_s": 0.08}
+    assert _prefill_sizes(s.schedule(cap(s, **slow))) == {"long": MIN_TBT_CHUNK_TOKENS}
+
+
+def test_tbt_target_chunks_a_long_scoring_prompt_next_to_decodes() -> None:
+    tbt = {"tbt_s": 0.05, "decode_step_s": 0.01, "prefill_cost": LinearCost(1e-4)}
+    s = _decoding()
+    s.add(score("sc", list(range(200, 1200))))  # 1000 tokens; the pool holds its KV
+    assert _prefill_sizes(s.schedule(cap(s, **tbt))) == {"sc": 400}
