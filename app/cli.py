@@ -96,8 +96,6 @@ _ENGINE_HELP = {
     "start-up (seconds; cached for later starts)",
     "pd_slice_tokens": "split mode: prefill layers per launch = max(1, this // batch tokens)",
     "pd_max_queued_slices": "split mode: prefill slices queued ahead on the prefill stream",
-    "split_gemm_sm_target": "split mode: plan cuBLAS matrix products for the partition's SM "
-    "count (cublasSetSmCountTarget) rather than the whole GPU (slower on the H200, measured)",
 }
 
 

@@ -14,8 +14,6 @@
 #                                         #   captured at start-up)
 #   bash bench/gpu_next.sh j REV          # llama-3.1-8b mixed and arxiv (3 sides each)
 #   bash bench/gpu_next.sh k REV          # j at 2-8 QPS, then score+chat again
-#   bash bench/gpu_next.sh l REV          # cuBLAS SM targets: products, then 8B score+chat
-#                                         #   and mixed with them
 #   bash bench/gpu_next.sh m REV          # llama-3.1-8b long-data, 3 sides in one run
 #   bash bench/gpu_next.sh n REV          # next: auto with layer slicing, 8B score+chat and
 #                                         #   long-data
@@ -137,17 +135,6 @@ case $plan in
       --ladder 2,4,6,8 --slo ttft:3000,tbt:150 --slos "ttft:3000,tpot:80" \
       --static-split 112 --start-qps 2 --max-probes 3 --score-start-qps 4 --chat-qps 1 \
       --score-slo ttft:3000 --parts mixed,arxiv,score-chat --tag partition-8b-k \
-      --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
-  l)
-    # cuBLAS planned for each partition's SMs (cublasSetSmCountTarget): the product-level
-    # comparison, then llama-3.1-8b score+chat (off, auto) and mixed (3 sides) with it.
-    python3 -m bench.gpu_suite --rev "$rev" --tag gpu-gemm-target --deadline-s 100 \
-      --sections gemm_sm_target || rc=1
-    python3 -m bench.gpu_serving "${common[@]}" --models random:llama-3.1-8b --start-s 60 \
-      --server-args "--partition auto --calibrate false --partition-tbt-slo-ms 120" \
-      --ladder 2,4,6,8 --slo ttft:3000,tbt:150 --slos "ttft:3000,tpot:80" \
-      --static-split 112 --start-qps 2 --max-probes 3 --score-start-qps 4 --chat-qps 1 \
-      --score-slo ttft:3000 --parts score-chat,mixed --tag partition-8b-l \
       --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
   m)
     # llama-3.1-8b long-data with all three sides in one run (plans c/e/f composed them).

@@ -20,7 +20,6 @@ Sections:
   fi_vs_torch 8B FlashInfer vs torch backend, each against an fp32 forward
   decode_profile  where the decode step's time goes: graph step, kernels, GEMV bandwidth
   decode_attention  B=1..64 decode attention: tensor-core vs CUDA-core FlashInfer kernels
-  gemm_sm_target  cuBLAS products on partitions: planned for the whole GPU vs for the split
   fused_decode  fused Triton small-batch decode: kernel tile sweep vs cuBLAS, whole step vs
              the unfused graph decode at batch 1/2/4/8, logits vs eager
 """
@@ -1188,90 +1187,6 @@ def section_fused_decode() -> dict:
     return out
 
 
-def section_gemm_sm_target() -> dict:
-    """cuBLAS products on green-context partitions, planned for the whole GPU (cuBLAS's default)
-    against planned for the partition's SM count (`runtime/partition/blas_sm_target.py`),
-    llama-3.1-8b projection shapes in bf16: prefill (8k tokens) on the 112-SM prefill side, decode
-    (M = 1, 16, 64) on the 20- and 12-SM decode sides (cuBLAS failed on 12 SMs when serving).
-    Each variant's result is checked against the whole-GPU product; a failing variant is
-    recorded and the others still run."""
-    from runtime.partition.blas_sm_target import BlasSmTarget
-    from runtime.partition.green_ctx import create_pairs, read_sm_layout
-
-    out: dict[str, Any] = {}
-    target = BlasSmTarget()
-    check("cublasSetSmCountTarget found", target.available, target.reason)
-    if not target.available:
-        return out
-    total = read_sm_layout(0).total_sms
-    pairs = create_pairs([112, 120], 0)
-    shapes = {
-        "qkv": (4096, 6144),
-        "o": (4096, 4096),
-        "gate_up": (4096, 28672),
-        "down": (14336, 4096),
-    }
-    weights = {
-        k: torch.randn(n, kk, device="cuda", dtype=torch.bfloat16) * kk**-0.5
-        for k, (kk, n) in shapes.items()
-    }  # [out, in], as nn.Linear holds them
-
-    def time_on(stream: Any, sms: int, x: torch.Tensor, w: torch.Tensor) -> tuple[float, Any]:
-        target.set(sms)
-        try:
-            with torch.cuda.stream(stream):
-                y = torch.nn.functional.linear(x, w)
-            stream.synchronize()
-            ms = time_cuda(
-                lambda: torch.nn.functional.linear(x, w), iters=10, warmup=2, stream=stream
-            )
-            return ms, y
-        finally:
-            target.set(0)
-
-    whole = torch.cuda.Stream()
-    variants = [
-        ("prefill112", pairs[112].prefill.stream, 112, (8192,)),
-        ("decode20", pairs[112].decode.stream, total - 112, (1, 16, 64)),
-        ("decode12", pairs[120].decode.stream, total - 120, (1, 16, 64)),
-    ]
-    for name, stream, sms, rows in variants:
-        for m in rows:
-            for op, w in weights.items():
-                x = torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16)
-                ref_ms, ref = time_on(whole, 0, x, w)
-                key = f"{name}_m{m}_{op}"
-                out[f"{key}_whole_gpu_ms"] = ref_ms
-                for label, tgt in (("default", 0), ("targeted", sms)):
-                    try:
-                        ms, y = time_on(stream, tgt, x, w)
-                        out[f"{key}_{label}_ms"] = ms
-                        out[f"{key}_{label}_rel_err"] = rel_err(y.float(), ref.float())
-                    except Exception as exc:  # noqa: BLE001 - recorded (seen: cuBLAS on 12 SMs)
-                        out[f"{key}_{label}_error"] = f"{type(exc).__name__}: {exc}"[:200]
-                        torch.cuda.synchronize()
-        summary = {
-            k[len(name) + 1 :]: round(v, 3) if isinstance(v, float) else v
-            for k, v in out.items()
-            if k.startswith(name)
-        }
-        print(f"gemm_sm_target {name}: {json.dumps(summary)}", flush=True)
-    for name, _, _sms, rows in variants:
-        for m in rows:
-            d = sum(out.get(f"{name}_m{m}_{op}_default_ms", float("nan")) for op in weights)
-            t = sum(out.get(f"{name}_m{m}_{op}_targeted_ms", float("nan")) for op in weights)
-            w_ = sum(out[f"{name}_m{m}_{op}_whole_gpu_ms"] for op in weights)
-            out[f"{name}_m{m}_layer_default_over_targeted"] = d / t
-            out[f"{name}_m{m}_layer_targeted_over_whole_gpu"] = t / w_
-    errs = [v for k, v in out.items() if k.endswith("_targeted_rel_err")]
-    check(
-        "targeted products match the whole-GPU product",
-        bool(errs) and max(errs) < 1e-2,
-        f"max rel err {max(errs) if errs else None}",
-    )
-    return out
-
-
 # --------------------------------------------------------------------------- issue 5: engine
 def _engine(model: str = "random:llama-3.1-8b", **kw: Any):
     from runtime.config import EngineConfig
@@ -2371,7 +2286,6 @@ SECTIONS: dict[str, Callable[[], dict]] = {
     "graphs": section_graphs,
     "decode_profile": section_decode_profile,
     "decode_attention": section_decode_attention,
-    "gemm_sm_target": section_gemm_sm_target,
     "fused_decode": section_fused_decode,
     "mil8b": section_mil8b,
     "mil32b": section_mil32b,

@@ -79,11 +79,6 @@ class EngineConfig:
     partition_startup_profile: bool = True
     pd_slice_tokens: int = 32768  # prefill layers per launch = max(1, this // batch tokens)
     pd_max_queued_slices: int = 2  # prefill slices queued ahead on the prefill stream
-    # Plan cuBLAS products on a split for that split's SM count
-    # (runtime/partition/blas_sm_target.py).
-    # Off by default: measured on the H200 it made prefill products 3 % and decode GEMVs up to
-    # 1.7x slower, and did not stop cuBLAS failing on 12 SMs (docs/benchmarks.md).
-    split_gemm_sm_target: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -66,7 +66,6 @@ from runtime.kv.kv_pool import (
 from runtime.kv.prefix_cache import PrefixCache
 from runtime.model.loader import load_model
 from runtime.partition import PartitionManager
-from runtime.partition.blas_sm_target import shared_blas_sm_target
 from runtime.partition.setup import capture_split_graphs, make_partition, profile_at_startup
 from runtime.request import FINISH_REASONS, EngineOutput, Request, RequestKind, RequestStatus
 from runtime.runner import ModelRunner, profile_activation_peak
@@ -202,14 +201,13 @@ class Engine:
             num_sampleable_tokens=tokenizer.vocab_size,
             num_token_slots=self.scheduler.slots.num_slots,
         )
-        gemm_target = shared_blas_sm_target(config.split_gemm_sm_target)
-        self.stream_device = stream_device_for(self.device, gemm_target)
+        self.stream_device = stream_device_for(self.device)
         self.serial = SerialExecutor(config, self.runner, self.stream_device)
         self.split: SplitExecutor | None = None
         if self._green is not None and self._partition_choice.action == "profile":
             self._profile_partition()
         if self._green is not None:
-            capture_split_graphs(self.runner, self._green, gemm_target)
+            capture_split_graphs(self.runner, self._green)
             self.split = SplitExecutor(
                 config,
                 self.runner,

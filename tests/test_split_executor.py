@@ -52,7 +52,6 @@ class FakeDevice:
         self.auto_complete_on_sync = False
         self.pending: list[FakeEvent] = []
         self.waits: list[tuple[Any, Any]] = []
-        self.gemm = 0  # the SM count cuBLAS products would be planned for (0: whole GPU)
 
     def context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
@@ -65,9 +64,6 @@ class FakeDevice:
 
     def current_stream(self) -> Any:
         return "default"
-
-    def gemm_sms(self, sms: int) -> None:
-        self.gemm = sms
 
     def release(self) -> None:
         for e in self.pending:
@@ -335,41 +331,6 @@ def test_request_moves_to_decode_only_after_prefill_completes() -> None:
     outs = split_step(eng)
     assert "b" in {o.request_id for o in outs}  # now decoding
     assert b.num_output_tokens == 2
-
-
-def test_products_are_planned_for_the_partition_that_runs_them() -> None:
-    """cuBLAS plans a product's tiling at launch (runtime/partition/blas_sm_target.py): prefill
-    slices and their logits rows for the prefill SMs, a split's decode step for the decode SMs,
-    and time-sliced work for the whole GPU."""
-    dev = FakeDevice()
-    eng, ex, _ = split_engine(dev, fixed_split(64))
-    seen: list[tuple[str, int]] = []
-    forward_layers, launch = ex.model.forward_layers, ex.runner.launch
-
-    def spy_layers(*a: Any, **k: Any) -> Any:
-        if a[3] is ex.runner.prefill_backend:  # (h, residual, positions, backend, ...)
-            seen.append(("prefill", dev.gemm))
-        return forward_layers(*a, **k)
-
-    def spy_launch(plan: Any) -> Any:
-        seen.append(("decode" if not plan.prefill else "time-sliced", dev.gemm))
-        return launch(plan)
-
-    ex.model.forward_layers = spy_layers  # type: ignore[method-assign]
-    ex.runner.launch = spy_launch  # type: ignore[method-assign]
-    eng.scheduler.add(gen("a", 12, 6, seed=1))
-    split_step(eng)  # a's prefill on the split
-    eng.scheduler.add(gen("b", 30, 3, seed=2))
-    dev.hold = True
-    for _ in range(3):
-        split_step(eng)  # b in flight on the split, a decoding beside it
-    finish(eng, dev)
-    assert ("prefill", 64) in seen and ("decode", 132 - 64) in seen
-    assert {sms for what, sms in seen if what == "prefill"} == {64}
-    # Beside an in-flight prefill: the decode SMs; alone (this test's choose): the whole GPU.
-    assert {sms for what, sms in seen if what == "decode"} == {132 - 64, 0}
-    ex.fence("default")  # leaving split mode: back to the whole GPU
-    assert dev.gemm == 0
 
 
 def test_abort_during_inflight_prefill_frees_kv_after_completion() -> None:

@@ -203,9 +203,7 @@ class SplitExecutor:
         self._last_stream = {"prefill": stream, "decode": stream}
 
     def fence(self, stream: Any) -> None:
-        """Make `stream` wait for everything the executor queued (before other work there),
-        and plan the products that follow for the whole GPU again."""
-        self.device.gemm_sms(0)
+        """Make `stream` wait for everything the executor queued (before other work there)."""
         seen: list[Any] = []
         for other in self._last_stream.values():
             if other is not stream and all(other is not x for x in seen):
@@ -225,7 +223,6 @@ class SplitExecutor:
         self.last_split = TIME_SLICE  # a failure here must not be blamed on an earlier split
         self._use("prefill", stream)
         self._use("decode", stream)
-        self.device.gemm_sms(0)
         start, end = self.device.event(), self.device.event()
         with self.device.context(stream):
             start.record()
@@ -245,8 +242,6 @@ class SplitExecutor:
             stream, sms, other = split.decode_stream, split.decode_sms, 0
         self.last_split = split.prefill_sms
         self._use("decode", stream)
-        # Products (and a first graph capture) planned for the decode partition's SMs.
-        self.device.gemm_sms(0 if split.prefill_sms == TIME_SLICE else sms)
         t0, t1 = self.device.event(), self.device.event()
         with self.device.context(stream):
             if split.prefill_sms != TIME_SLICE:
@@ -297,7 +292,6 @@ class SplitExecutor:
         # Time-sliced by layers, prefill and decode share one stream: a second queued slice
         # would sit between a decode step and the GPU, so only one is queued ahead.
         max_queued = 1 if f.choice.layers_per_slice else self.max_queued_slices
-        self.device.gemm_sms(f.choice.prefill_sms)
         with self.device.context(f.choice.prefill_stream):
             while pending < max_queued and f.next_layer < num_layers:
                 end = min(num_layers, f.next_layer + f.layers_per_slice)
@@ -356,7 +350,6 @@ class SplitExecutor:
         try:
             pending = self._prompt_pending or PendingOutput(self.runner.device)
             self._prompt_pending = None
-            self.device.gemm_sms(f.choice.prefill_sms)
             with self.device.context(f.choice.prefill_stream):
                 if f.hidden_rows is not None:
                     wanting = [s for s in f.plan.prefill if s.needs_output]

@@ -17,28 +17,17 @@ class EventLike(Protocol):
 
 
 class StreamDevice(Protocol):
-    """Streams, events, and the SM count cuBLAS plans products for."""
+    """Streams and events."""
 
     def context(self, stream: Any) -> contextlib.AbstractContextManager[Any]: ...
     def event(self) -> EventLike: ...
     def wait_stream(self, stream: Any, other: Any) -> None: ...
     def current_stream(self) -> Any: ...
-    def gemm_sms(self, sms: int) -> None:
-        """The next matrix products run on `sms` SMs (0: the whole GPU)."""
 
 
 class CudaStreamDevice:
-    def __init__(self, gemm_sm_target: Any = None) -> None:
-        """gemm_sm_target: a `runtime.partition.blas_sm_target.BlasSmTarget` (None: cuBLAS plans
-        every product for the whole GPU)."""
-        self.gemm_sm_target = gemm_sm_target
-
     def context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.stream(stream)
-
-    def gemm_sms(self, sms: int) -> None:
-        if self.gemm_sm_target is not None:
-            self.gemm_sm_target.set(sms)
 
     def event(self) -> EventLike:
         return torch.cuda.Event(enable_timing=True)
@@ -85,9 +74,6 @@ class HostStreamDevice:
     def current_stream(self) -> Any:
         return "host"
 
-    def gemm_sms(self, sms: int) -> None:
-        self.last_gemm_sms = sms  # what a CUDA device would have planned products for
 
-
-def stream_device_for(device: torch.device, gemm_sm_target: Any = None) -> StreamDevice:
-    return CudaStreamDevice(gemm_sm_target) if device.type == "cuda" else HostStreamDevice()
+def stream_device_for(device: torch.device) -> StreamDevice:
+    return CudaStreamDevice() if device.type == "cuda" else HostStreamDevice()

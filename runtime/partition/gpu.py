@@ -292,18 +292,10 @@ class EngineProbe:
     Hazard: must run before the engine thread starts (it uses the pool and the runner)."""
 
     def __init__(self, engine: Any) -> None:
-        from runtime.partition.blas_sm_target import shared_blas_sm_target
-
         self.engine = engine
         self.green: GreenContextPartition = engine._green
         self.total_sms = self.green.layout.total_sms
         self._serial = 0
-        # Products planned for each partition's SMs, as the PD loop plans them when serving.
-        self._gemm_target = shared_blas_sm_target(engine.config.split_gemm_sm_target)
-
-    def _gemm_sms(self, sms: int) -> None:
-        if self._gemm_target is not None:
-            self._gemm_target.set(0 if sms >= self.total_sms else sms)
 
     # ---- streams for an SM count ------------------------------------------------------------
     def _prefill_stream(self, sms: int) -> torch.cuda.Stream:
@@ -370,7 +362,6 @@ class EngineProbe:
     def prefill_ms(self, num_tokens: int, context_tokens: int, sms: int) -> float:
         runner = self.engine.runner
         stream = self._prefill_stream(sms)
-        self._gemm_sms(sms)
         with self._seqs([(context_tokens, num_tokens)], decode=False) as seqs:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -384,7 +375,6 @@ class EngineProbe:
     @torch.inference_mode()
     def decode_ms(self, batch_size: int, context_tokens: int, sms: int) -> float:
         stream = self._decode_stream(sms)
-        self._gemm_sms(sms)
         if sms < self.total_sms:
             # Graphs captured on an ordinary stream would run on every SM: use (capturing
             # now, outside the timed region) the set bound to this split's decode stream.
@@ -414,7 +404,6 @@ class EngineProbe:
         pair = self.green.pairs[prefill_sms]
         ps, ds = pair.prefill.stream, pair.decode.stream
         decode_sms = self.total_sms - prefill_sms
-        self._gemm_sms(decode_sms)
         runner.ensure_split_graphs(ds, f"{prefill_sms}/{decode_sms}")
         (num_tokens, p_ctx), (batch, d_ctx) = prefill, decode
         with (
@@ -423,13 +412,11 @@ class EngineProbe:
         ):
             torch.cuda.synchronize()
             p0, p1 = _timing_events()
-            self._gemm_sms(prefill_sms)
             with torch.cuda.stream(ps):
                 p0.record()
                 runner.forward_part(pseqs, False, runner.prefill_backend)
                 p1.record()
             steps: list[tuple[Any, Any]] = []
-            self._gemm_sms(decode_sms)
             with torch.cuda.stream(ds):
                 while not p1.query() and len(steps) < max_decode_steps:
                     a, b = _timing_events()
@@ -485,20 +472,17 @@ def profile_engine(
     )
     fractions = pc.FULL_SPLIT_FRACTIONS if full else pc.STARTUP_SPLIT_FRACTIONS
     probe = EngineProbe(engine)
-    try:
-        return pc.calibrate_partition(
-            **probe.measures(),
-            device=engine.device_name,
-            total_sms=total,
-            model=model_key(cfg.model),
-            num_layers=engine.model_config.num_layers,
-            splits=pc.pick_splits(g.splits, fractions, total),
-            shapes=shapes,
-            repeats=pc.FULL_REPEATS if full else pc.STARTUP_REPEATS,
-            max_seconds=pc.FULL_MAX_S if full else pc.STARTUP_MAX_S,
-            cache_dir=cache_dir,
-            out_path=out_path,
-            **({"progress": progress} if progress is not None else {}),
-        )
-    finally:
-        probe._gemm_sms(total)  # the whole GPU again for what follows
+    return pc.calibrate_partition(
+        **probe.measures(),
+        device=engine.device_name,
+        total_sms=total,
+        model=model_key(cfg.model),
+        num_layers=engine.model_config.num_layers,
+        splits=pc.pick_splits(g.splits, fractions, total),
+        shapes=shapes,
+        repeats=pc.FULL_REPEATS if full else pc.STARTUP_REPEATS,
+        max_seconds=pc.FULL_MAX_S if full else pc.STARTUP_MAX_S,
+        cache_dir=cache_dir,
+        out_path=out_path,
+        **({"progress": progress} if progress is not None else {}),
+    )

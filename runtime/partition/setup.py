@@ -131,7 +131,7 @@ def profile_at_startup(engine: Any, green: Any, choice: Any) -> None:
         )
 
 
-def capture_split_graphs(runner: Any, green: Any, gemm_sm_target: Any = None) -> list[str]:
+def capture_split_graphs(runner: Any, green: Any) -> list[str]:
     """Capture at start-up the decode graph sets of the splits the initial mode will use: every
     usable split in `auto`, the pinned one in `static`, none in `off` (a later switch from the
     admin page captures on first use). Returns the labels captured.
@@ -139,9 +139,7 @@ def capture_split_graphs(runner: Any, green: Any, gemm_sm_target: Any = None) ->
     Why up front: a set is otherwise captured inside the first decode step on its split, which
     stalls the engine loop for the capture (~1.6 s for 15 batch sizes of an 8B model on the
     H200) once per split, i.e. many seconds of stalls spread over the first minute of serving
-    in auto. All sets share one graph memory pool, so this costs start-up time, not memory.
-    gemm_sm_target (a BlasSmTarget, or None): each set's products are planned for its
-    split's decode SMs while it is captured (a graph keeps the kernels chosen then)."""
+    in auto. All sets share one graph memory pool, so this costs start-up time, not memory."""
     if runner.graph_registry is None:
         return []
     mode = green.mode
@@ -154,24 +152,18 @@ def capture_split_graphs(runner: Any, green: Any, gemm_sm_target: Any = None) ->
     total = green.layout.total_sms
     labels = []
     t0 = time.perf_counter()
-    try:
-        for i, s in enumerate(splits):
-            label = f"{s}/{total - s}"
-            if gemm_sm_target is not None:
-                gemm_sm_target.set(total - s)
-            runner.capture_for_streams({label: green.pairs[s].decode.stream})
-            why = runner.graph_registry.capture_errors.get(label)
-            if why is not None:
-                # Seen on the H200: cuBLAS failing on a 12-SM decode side. Decoding there would
-                # fail the same way (or run eagerly, several times slower): out of service now
-                # rather than after a failed step while serving.
-                green.disable_split(s, f"decode graphs could not be captured: {why}")
-                continue
-            labels.append(label)
-            log.info("decode graphs: split %s done (%d/%d)", label, i + 1, len(splits))
-    finally:
-        if gemm_sm_target is not None:
-            gemm_sm_target.set(0)
+    for i, s in enumerate(splits):
+        label = f"{s}/{total - s}"
+        runner.capture_for_streams({label: green.pairs[s].decode.stream})
+        why = runner.graph_registry.capture_errors.get(label)
+        if why is not None:
+            # Seen on the H200: cuBLAS failing on a 12-SM decode side. Decoding there would
+            # fail the same way (or run eagerly, several times slower): out of service now
+            # rather than after a failed step while serving.
+            green.disable_split(s, f"decode graphs could not be captured: {why}")
+            continue
+        labels.append(label)
+        log.info("decode graphs: split %s done (%d/%d)", label, i + 1, len(splits))
     log.info(
         "decode graphs for %d split(s) captured in %.1f s", len(labels), time.perf_counter() - t0
     )
