@@ -52,7 +52,7 @@ from runtime.attention.torch_backend import TorchAttentionBackend
 from runtime.config import EngineConfig
 from runtime.executor.base import StepFailed, StepResult
 from runtime.executor.serial import SerialExecutor
-from runtime.executor.split import SplitChoice, SplitExecutor
+from runtime.executor.split import SplitExecutor
 from runtime.executor.streams import stream_device_for
 from runtime.kv.block_manager import BlockManager
 from runtime.kv.kv_pool import (
@@ -65,7 +65,7 @@ from runtime.kv.kv_pool import (
 )
 from runtime.kv.prefix_cache import PrefixCache
 from runtime.model.loader import load_model
-from runtime.partition import PartitionManager
+from runtime.partition import PartitionManager, SplitChoice
 from runtime.partition.setup import capture_split_graphs, make_partition, profile_at_startup
 from runtime.request import FINISH_REASONS, EngineOutput, Request, RequestKind, RequestStatus
 from runtime.runner import ModelRunner, profile_activation_peak
@@ -286,14 +286,7 @@ class Engine:
             )
         )
         bm = self.block_manager
-        g.decide(p, d, bm.num_used_blocks / max(bm.num_blocks, 1))
-        sc = g.streams()
-        total = g.layout.total_sms
-        decode_sms = total - sc.prefill_sms if sc.prefill_sms else total
-        layers = g.layers_per_slice if not sc.prefill_sms and pplan is not None else None
-        return SplitChoice(
-            sc.prefill_sms, decode_sms, sc.prefill_stream, sc.decode_stream, layers_per_slice=layers
-        )
+        return g.decide(p, d, bm.num_used_blocks / max(bm.num_blocks, 1))
 
     def _measure_activation_reserve(self) -> int:
         """Activation bytes to keep free beside the KV pool, measured, not guessed: two

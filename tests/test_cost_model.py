@@ -6,13 +6,13 @@ import random
 
 import pytest
 
+from runtime.partition import SplitDecision
 from runtime.partition.cost_model import (
     DECODE,
     PREFILL,
     TIME_SLICE,
     ControllerConfig,
     CostModel,
-    Decision,
     DecodeShape,
     PrefillShape,
     ProfileSample,
@@ -230,7 +230,7 @@ def test_layer_slicing_when_it_finishes_the_prefill_before_the_best_split() -> N
     base = dict(tbt_slo_ms=target, min_gain=0.0, hysteresis_sms=0)
     sliced_ms = whole_prefill + 7 * whole_decode  # 8 slices, 7 decode steps between them
 
-    def choose(splits: list[int], **cfg) -> Decision:
+    def choose(splits: list[int], **cfg) -> SplitDecision:
         return SplitController(m, splits, ControllerConfig(**base, **cfg)).choose(p, d, 0.2)
 
     # Only small prefill splits (e.g. a larger decode floor): the split is slower.

@@ -24,8 +24,8 @@ from runtime.cuda_graphs import (
     pad_seqs,
 )
 from runtime.engine import Engine
-from runtime.executor.split import SplitChoice
 from runtime.executor.streams import HostEvent, HostStreamDevice
+from runtime.partition import SplitChoice, SplitDecision
 from runtime.request import EngineOutput, Request
 from runtime.runner import ModelRunner
 from runtime.scheduler import StepCapacity, StepPlan
@@ -288,12 +288,12 @@ def test_split_executor_decodes_on_the_splits_own_graphs_captured_once() -> None
     def choose(p: Any, d: Any) -> SplitChoice:
         # Prefill batches split 64/68; decode alone alternates whole-GPU and 96/36 split.
         if p is not None:
-            return SplitChoice(64, 68, "P64", "D64")
+            return SplitChoice(SplitDecision(64), "P64", "D64", 68)
         splits.append(len(splits) % 2)
         return (
-            SplitChoice(96, 36, "P96", "D96")
+            SplitChoice(SplitDecision(96), "P96", "D96", 36)
             if splits[-1]
-            else SplitChoice(0, 132, "whole", "whole")
+            else SplitChoice(SplitDecision(0), "whole", "whole", 132)
         )
 
     eng, ex, _ = split_engine(dev, choose, runner=runner, max_num_seqs=256)

@@ -16,8 +16,8 @@ from typing import Any
 from test_split_executor import RecordingPartition, gen, split_engine
 
 from runtime.engine import Engine
-from runtime.executor.split import SplitChoice
 from runtime.executor.streams import HostStreamDevice
+from runtime.partition import SplitChoice, SplitDecision
 from runtime.request import EngineOutput
 
 SPLIT = 64
@@ -50,8 +50,8 @@ def split_mode_engine(fail_when: Any) -> tuple[Engine, RecordingPartition]:
     def choose(p: Any, d: Any) -> SplitChoice:
         # Like the real manager: a disabled split is never chosen again.
         if SPLIT in green_ref[0].disabled:
-            return SplitChoice(0, 132, "host", "host")
-        return SplitChoice(SPLIT, 132 - SPLIT, "P", "D")
+            return SplitChoice(SplitDecision(0), "host", "host", 132)
+        return SplitChoice(SplitDecision(SPLIT), "P", "D", 132 - SPLIT)
 
     eng, ex, green = split_engine(device, choose)
     green_ref.append(green)

@@ -16,16 +16,32 @@ from runtime.partition.cost_model import TIME_SLICE, ControllerConfig, DecodeSha
 from runtime.partition.green_ctx import SmLayout
 
 
+class _Stream:
+    """A stream stand-in: records what it was made to wait for."""
+
+    def __init__(self) -> None:
+        self.waited_for: list[object] = []
+
+    def wait_stream(self, other: object) -> None:
+        self.waited_for.append(other)
+
+
 @pytest.fixture
 def manager(monkeypatch: pytest.MonkeyPatch) -> pg.GreenContextPartition:
     layout = SmLayout(total_sms=132, min_partition_sms=8, alignment_sms=8)
     monkeypatch.setattr(pg, "read_sm_layout", lambda _i=0: layout)
+
+    def side() -> types.SimpleNamespace:
+        return types.SimpleNamespace(stream=_Stream())
+
     monkeypatch.setattr(
         pg,
         "create_pairs",
-        lambda splits, _i=0: {s: types.SimpleNamespace(prefill=None, decode=None) for s in splits},
+        lambda splits, _i=0: {
+            s: types.SimpleNamespace(prefill=side(), decode=side()) for s in splits
+        },
     )
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: object())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _Stream())
     model = truth(kappa_d=0.05, kappa_p=0.02, decode_r_sat=0.3)
     model.total_sms = 132
     return pg.GreenContextPartition(
@@ -37,7 +53,7 @@ def test_auto_counts_its_choices_and_logs_changes(manager, caplog) -> None:
     caplog.set_level(logging.INFO, logger="greenlane.partition")
     p = PrefillShape.from_seqs([(0, 8192)], num_layers=4)
     d = DecodeShape(64, 64 * 2048, 32)
-    chosen = [manager.decide(p, d, kv_usage=0.2) for _ in range(3)]
+    chosen = [manager.decide(p, d, kv_usage=0.2).prefill_sms for _ in range(3)]
     manager.decide(None, d, kv_usage=0.2)  # decode only: not a prefill batch, not counted
     counts = manager.state().choice_counts
     want: dict[str, int] = {}
@@ -48,14 +64,16 @@ def test_auto_counts_its_choices_and_logs_changes(manager, caplog) -> None:
     # A new mode starts a new count.
     manager.set_mode("static:64")
     assert manager.state().choice_counts == {}
-    assert manager.decide(p, d, kv_usage=0.2) == 64  # pinned: no auto decisions to count
+    assert (
+        manager.decide(p, d, kv_usage=0.2).prefill_sms == 64
+    )  # pinned: no auto decisions to count
     assert manager.state().choice_counts == {}
 
 
 def test_time_slice_is_counted_as_zero(manager) -> None:
     manager.controller.config = ControllerConfig(tbt_slo_ms=1e9)  # any wait meets the target
     p = PrefillShape.from_seqs([(0, 512)], num_layers=4)
-    assert manager.decide(p, DecodeShape(8, 8 * 2048, 32), kv_usage=0.2) == TIME_SLICE
+    assert manager.decide(p, DecodeShape(8, 8 * 2048, 32), kv_usage=0.2).prefill_sms == TIME_SLICE
     assert manager.state().choice_counts == {"0": 1}
 
 
@@ -63,7 +81,7 @@ def test_a_failed_split_is_taken_out_of_service(manager, caplog) -> None:
     caplog.set_level(logging.WARNING, logger="greenlane.partition")
     p = PrefillShape.from_seqs([(0, 8192)], num_layers=32)
     d = DecodeShape(64, 64 * 2048, 32)
-    chosen = manager.decide(p, d, kv_usage=0.2)
+    chosen = manager.decide(p, d, kv_usage=0.2).prefill_sms
     assert chosen in manager.splits
     manager.disable_split(chosen, "RuntimeError: CUBLAS_STATUS_EXECUTION_FAILED")
     assert chosen not in manager.splits and chosen not in manager.controller.splits
@@ -72,7 +90,7 @@ def test_a_failed_split_is_taken_out_of_service(manager, caplog) -> None:
     assert state.disabled_splits == {str(chosen): "RuntimeError: CUBLAS_STATUS_EXECUTION_FAILED"}
     assert chosen not in state.splits
     for _ in range(3):  # auto never goes back to it
-        assert manager.decide(p, d, kv_usage=0.2) != chosen
+        assert manager.decide(p, d, kv_usage=0.2).prefill_sms != chosen
     with pytest.raises(ValueError, match="disabled after it failed"):
         manager.set_mode(f"static:{chosen}")
 
@@ -82,7 +100,7 @@ def test_a_pinned_split_that_fails_falls_back_to_off(manager) -> None:
     manager.disable_split(112, "launch failure")
     assert manager.mode == "off" and manager.controller.pinned is None
     p = PrefillShape.from_seqs([(0, 512)], num_layers=4)
-    assert manager.decide(p, DecodeShape(8, 8 * 2048, 32), kv_usage=0.2) == TIME_SLICE
+    assert manager.decide(p, DecodeShape(8, 8 * 2048, 32), kv_usage=0.2).prefill_sms == TIME_SLICE
     manager.disable_split(112, "again")  # idempotent
     assert manager.state().disabled_splits == {"112": "launch failure"}
 
@@ -227,8 +245,8 @@ def test_a_split_whose_decode_graphs_fail_to_capture_is_disabled_at_start_up(man
 
 
 def test_auto_hands_a_layer_sliced_time_slice_to_the_engine(manager) -> None:
-    """decide() returns TIME_SLICE and `layers_per_slice` says how to slice the prefill; the
-    next decision without that choice clears it."""
+    """decide() returns a TIME_SLICE choice whose `layers_per_slice` says how to slice the
+    prefill; a decision without a prefill has none."""
     import dataclasses
 
     from runtime.partition.cost_model import DECODE, PREFILL
@@ -242,11 +260,11 @@ def test_auto_hands_a_layer_sliced_time_slice_to_the_engine(manager) -> None:
         manager.controller.config, tbt_slo_ms=target, layer_slicing=True, hysteresis_sms=0
     )
     manager.controller.splits = [32, 64]  # only small prefill splits: slicing finishes first
-    assert manager.decide(p, d, kv_usage=0.2) == TIME_SLICE
-    assert manager.layers_per_slice == 4
+    choice = manager.decide(p, d, kv_usage=0.2)
+    assert choice.prefill_sms == TIME_SLICE and choice.layers_per_slice == 4
     assert manager.state().choice_counts == {"layer-sliced": 1}  # the admin page's key
-    assert manager.decide(None, d, kv_usage=0.2) == TIME_SLICE  # decode only
-    assert manager.layers_per_slice is None
+    choice = manager.decide(None, d, kv_usage=0.2)  # decode only
+    assert choice.prefill_sms == TIME_SLICE and choice.layers_per_slice is None
 
 
 def test_the_engine_hands_layer_slices_to_the_pd_loop(manager) -> None:
@@ -285,3 +303,23 @@ def test_layer_slicing_without_a_tbt_target_is_refused_with_the_reason() -> None
     with pytest.raises(ValueError, match="needs partition_tbt_slo_ms"):
         EngineConfig(partition_layer_slicing=True)
     assert EngineConfig(partition_layer_slicing=True, partition_tbt_slo_ms=100.0)
+
+
+def test_a_change_of_split_orders_the_new_streams_after_the_old(manager) -> None:
+    """decide() binds the decision to its streams; when the split changes, the new streams
+    wait for the old ones (KV written on one partition is visible to the next user)."""
+    manager.set_mode("static:64")
+    p = PrefillShape.from_seqs([(0, 512)], num_layers=4)
+    d = DecodeShape(8, 8 * 2048, 32)
+    first = manager.decide(p, d, kv_usage=0.2)
+    assert first.prefill_sms == 64 and first.decode_sms == 132 - 64
+    assert first.prefill_stream is manager.pairs[64].prefill.stream
+    manager.set_mode("off")
+    second = manager.decide(p, d, kv_usage=0.2)
+    assert second.prefill_sms == TIME_SLICE and second.decode_sms == 132
+    assert second.prefill_stream is second.decode_stream is manager._whole
+    assert set(map(id, manager._whole.waited_for)) == {
+        id(first.prefill_stream),
+        id(first.decode_stream),
+    }
+    assert manager.decide(p, d, kv_usage=0.2).decision.reason == "off"  # the same type

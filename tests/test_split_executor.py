@@ -16,7 +16,8 @@ from runtime.attention.torch_backend import TorchAttentionBackend
 from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.executor.base import StepFailed
-from runtime.executor.split import SplitChoice, SplitExecutor
+from runtime.executor.split import SplitExecutor
+from runtime.partition import SplitChoice, SplitDecision
 from runtime.request import EngineOutput, Request, RequestKind, SamplingParams
 from runtime.runner import ModelRunner
 
@@ -175,10 +176,12 @@ def fixed_split(prefill_sms: int = 64, layers_per_slice: int | None = None) -> A
     def choose(p, d) -> SplitChoice:
         choices.append((p is not None, d is not None))
         if p is not None and layers_per_slice:  # time-slicing by layers
-            return SplitChoice(0, 132, "whole", "whole", layers_per_slice=layers_per_slice)
+            return SplitChoice(
+                SplitDecision(0, layers_per_slice=layers_per_slice), "whole", "whole", 132
+            )
         if p is None or prefill_sms == 0:
-            return SplitChoice(0, 132, "whole", "whole")
-        return SplitChoice(prefill_sms, 132 - prefill_sms, "P", "D")
+            return SplitChoice(SplitDecision(0), "whole", "whole", 132)
+        return SplitChoice(SplitDecision(prefill_sms), "P", "D", 132 - prefill_sms)
 
     choose.choices = choices  # type: ignore[attr-defined]
     return choose
@@ -396,7 +399,7 @@ def test_a_time_sliced_step_is_never_blamed_on_the_previous_split() -> None:
     eng.scheduler.add(gen("a", 12, 3, seed=1))
     split_step(eng)  # prefilled on split 64
     assert ex.last_split == 64
-    ex.choose = lambda p, d: SplitChoice(0, 132, "whole", "whole")  # now: time-slice
+    ex.choose = lambda p, d: SplitChoice(SplitDecision(0), "whole", "whole", 132)  # now: time-slice
     eng.scheduler.add(gen("b", 20, 3, seed=2))
     ex.runner.launch = lambda plan: (_ for _ in ()).throw(RuntimeError("boom"))
     with pytest.raises(StepFailed) as info:

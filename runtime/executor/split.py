@@ -35,20 +35,10 @@ from runtime.attention.base import ForwardBatch
 from runtime.config import EngineConfig
 from runtime.executor.base import StepFailed, StepResult
 from runtime.executor.streams import EventLike, StreamDevice
-from runtime.partition.cost_model import TIME_SLICE, DecodeShape, PrefillShape
+from runtime.partition import TIME_SLICE, SplitChoice
+from runtime.partition.cost_model import DecodeShape, PrefillShape
 from runtime.runner import PendingOutput
 from runtime.scheduler import RunnerOutput, StepCapacity, StepPlan
-
-
-@dataclass(slots=True)
-class SplitChoice:
-    prefill_sms: int  # TIME_SLICE (0) = no split: one monolithic step on `prefill_stream`
-    decode_sms: int
-    prefill_stream: Any
-    decode_stream: Any
-    # Time-slicing by layers (prefill_sms TIME_SLICE, both streams the whole GPU's): the
-    # prefill runs in flight, this many layers per slice, one decode step between slices.
-    layers_per_slice: int | None = None
 
 
 @dataclass(slots=True)

@@ -11,8 +11,44 @@ partition set-up).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
+
+TIME_SLICE = 0  # the decision "no split: every SM to one phase at a time" (like partition=off)
+
+
+@dataclass(frozen=True, slots=True)
+class SplitDecision:
+    """Where the next step's prefill runs: the one type for a split decision, whoever makes it
+    (the controller in auto, a pin in static, off). Predictions are NaN when none was made."""
+
+    prefill_sms: int  # TIME_SLICE (0) = no split
+    # Time-slicing by slices of this many layers (prefill_sms is TIME_SLICE); None = whole.
+    layers_per_slice: int | None = None
+    predicted_prefill_ms: float = math.nan
+    predicted_decode_ms: float = math.nan
+    speedup_vs_time_slice: float = 1.0  # serial-on-whole-GPU time / concurrent time
+    reason: str = ""
+    evaluations: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SplitChoice:
+    """A decision bound to the streams that carry it out (the split executor's input)."""
+
+    decision: SplitDecision
+    prefill_stream: Any  # TIME_SLICE: both streams are the whole GPU's
+    decode_stream: Any
+    decode_sms: int
+
+    @property
+    def prefill_sms(self) -> int:
+        return self.decision.prefill_sms
+
+    @property
+    def layers_per_slice(self) -> int | None:
+        return self.decision.layers_per_slice
 
 
 @dataclass(slots=True)

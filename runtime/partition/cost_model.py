@@ -40,6 +40,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from runtime.partition import TIME_SLICE, SplitDecision
+
 PREFILL = "prefill"
 DECODE = "decode"
 
@@ -289,7 +291,6 @@ class CostModel:
 
 
 # ---------------------------------------------------------------------------------- controller
-TIME_SLICE = 0  # the decision "no split: every SM to one phase at a time" (like partition=off)
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,18 +310,6 @@ class ControllerConfig:
     # slices of layers (prefill on every SM, a decode step between slices) when that is
     # predicted to finish the prefill sooner than the best split meeting the target.
     layer_slicing: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    prefill_sms: int  # TIME_SLICE (0) = no split
-    predicted_prefill_ms: float
-    predicted_decode_ms: float
-    speedup_vs_time_slice: float  # serial-on-whole-GPU time / concurrent time, same work
-    reason: str
-    evaluations: int = 0
-    # Time-slicing by slices of this many layers (prefill_sms is TIME_SLICE); None = whole.
-    layers_per_slice: int | None = None
 
 
 class SplitController:
@@ -373,22 +362,28 @@ class SplitController:
         )
         return serial / tp
 
-    def choose(self, p: PrefillShape | None, d: DecodeShape | None, kv_usage: float) -> Decision:
+    def choose(
+        self, p: PrefillShape | None, d: DecodeShape | None, kv_usage: float
+    ) -> SplitDecision:
         cfg = self.config
         if self.pinned is not None:
             tp, td = self._eval(self.pinned, p, d) if p and d else (math.nan, math.nan)
             sp = self.speedup(self.pinned, p, d) if p and d else math.nan
-            return Decision(self.pinned, tp, td, sp, "pinned")
+            return SplitDecision(
+                self.pinned,
+                predicted_prefill_ms=tp,
+                predicted_decode_ms=td,
+                speedup_vs_time_slice=sp,
+                reason="pinned",
+            )
         if not self.model.calibrated:
             # No parameters for this device/model: any split choice would be a guess, and
             # time-slicing is what `off` does (logged once at start-up by the engine).
-            return Decision(
-                TIME_SLICE, math.nan, math.nan, 1.0, "cost model uncalibrated: time-slicing"
-            )
+            return SplitDecision(TIME_SLICE, reason="cost model uncalibrated: time-slicing")
         if p is None or d is None:
             # One phase only: nothing to overlap; it gets the whole GPU. `current` is left
             # alone: hysteresis is about consecutive prefill batches, not decode-only gaps.
-            return Decision(TIME_SLICE, math.nan, math.nan, 1.0, "one phase only")
+            return SplitDecision(TIME_SLICE, reason="one phase only")
         favour_prefill = kv_usage < cfg.kv_switch
         evals: dict[int, tuple[float, float]] = {}
         self._num_evals = 0
@@ -482,7 +477,7 @@ class SplitController:
         objective: Callable[[int], float] | None,
         *,
         time_slice_ok: bool = True,
-    ) -> Decision:
+    ) -> SplitDecision:
         """Apply hysteresis to a choice, make it current, and describe it. A rule's choice
         (objective None), or leaving a time-slice that misses the TBT target
         (time_slice_ok False), is never held back by hysteresis."""
@@ -510,4 +505,11 @@ class SplitController:
         self.current = choice
         tp, td = ev(choice)
         sp_final = self.speedup(choice, p, d)
-        return Decision(choice, tp, td, sp_final, reason, evaluations=self._num_evals)
+        return SplitDecision(
+            choice,
+            predicted_prefill_ms=tp,
+            predicted_decode_ms=td,
+            speedup_vs_time_slice=sp_final,
+            reason=reason,
+            evaluations=self._num_evals,
+        )

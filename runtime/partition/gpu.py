@@ -24,15 +24,13 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from runtime.partition import PartitionState
+from runtime.partition import TIME_SLICE, PartitionState, SplitChoice, SplitDecision
 from runtime.partition.cost_model import (
-    TIME_SLICE,
     ControllerConfig,
     CostModel,
     DecodeShape,
@@ -42,13 +40,6 @@ from runtime.partition.cost_model import (
 from runtime.partition.green_ctx import GreenPair, SmLayout, create_pairs, read_sm_layout
 
 log = logging.getLogger("greenlane.partition")
-
-
-@dataclass(slots=True)
-class StreamChoice:
-    prefill_sms: int  # TIME_SLICE (0) = no split
-    prefill_stream: torch.cuda.Stream
-    decode_stream: torch.cuda.Stream
 
 
 LAYER_SLICED = -1  # choice-count key: time-sliced by slices of layers ("layer-sliced")
@@ -81,8 +72,7 @@ class GreenContextPartition:
         self._lock = threading.Lock()  # the admin API sets the mode from another thread
         self._mode = "off"
         self._active = TIME_SLICE
-        self._layers_per_slice: int | None = None  # auto's last choice: time-slice by layers
-        self._last: StreamChoice | None = None
+        self._last: SplitChoice | None = None
         self._last_decision = None
         self.measured: dict[str, float | None] = {"prefill_ms": None, "decode_ms": None}
         # set_mode from another thread hands the change to the engine thread through this
@@ -195,26 +185,36 @@ class GreenContextPartition:
     # ---- runner hooks ------------------------------------------------------------------------
     def decide(
         self, prefill: PrefillShape | None, decode: DecodeShape | None, kv_usage: float
-    ) -> int:
-        """Pick the split for the next step (auto mode); returns the prefill SM count or 0."""
+    ) -> SplitChoice:
+        """The split for the next step and its streams: auto's controller decides; static
+        and off keep theirs. When the split changed since the last call, the new streams wait
+        for the work queued on the old ones (events, no sync)."""
         with self._lock:
-            self._layers_per_slice = None
             if self._mode == "auto":
                 dec = self.controller.choose(prefill, decode, kv_usage)
                 self._last_decision = dec
                 self._active = dec.prefill_sms
-                self._layers_per_slice = dec.layers_per_slice
                 if prefill is not None:
                     key = LAYER_SLICED if dec.layers_per_slice else dec.prefill_sms
                     self._choice_counts[key] += 1
                 self._log_choice(dec)
-            return self._active
-
-    @property
-    def layers_per_slice(self) -> int | None:
-        """Set when the last `decide` chose to time-slice the prefill by slices of layers."""
-        with self._lock:
-            return self._layers_per_slice
+            else:
+                dec = SplitDecision(self._active, reason=self._mode)
+        total = self.layout.total_sms
+        if dec.prefill_sms == TIME_SLICE:
+            choice = SplitChoice(dec, self._whole, self._whole, total)
+        else:
+            pair = self.pairs[dec.prefill_sms]
+            choice = SplitChoice(
+                dec, pair.prefill.stream, pair.decode.stream, total - dec.prefill_sms
+            )
+        last = self._last
+        if last is not None and last.prefill_sms != choice.prefill_sms:
+            for new in {choice.prefill_stream, choice.decode_stream}:
+                for old in {last.prefill_stream, last.decode_stream}:
+                    new.wait_stream(old)
+        self._last = choice
+        return choice
 
     def _log_choice(self, dec: Any) -> None:
         """INFO when auto's choice changes, at most once a second (a flapping choice would
@@ -230,24 +230,6 @@ class GreenContextPartition:
                 dec.predicted_prefill_ms,
                 dec.predicted_decode_ms,
             )
-
-    def streams(self) -> StreamChoice:
-        """The (prefill, decode) streams for the active split. When the split changed since the
-        last call, the new streams wait for work queued on the old ones (events, no sync)."""
-        with self._lock:
-            active = self._active
-        if active == TIME_SLICE:
-            choice = StreamChoice(TIME_SLICE, self._whole, self._whole)
-        else:
-            pair = self.pairs[active]
-            choice = StreamChoice(active, pair.prefill.stream, pair.decode.stream)
-        last = self._last
-        if last is not None and last.prefill_sms != choice.prefill_sms:
-            for new in {choice.prefill_stream, choice.decode_stream}:
-                for old in {last.prefill_stream, last.decode_stream}:
-                    new.wait_stream(old)
-        self._last = choice
-        return choice
 
     def observe(
         self,
