@@ -6,6 +6,8 @@ Routes (all under `/admin`):
 - `GET  /admin/api/events`      SSE: the same snapshot as event `state` every `interval_s`.
 - `PUT  /admin/api/partition`   `{"mode": "auto"|"off"|"static", "prefill_sms": int}`.
 - `PUT  /admin/api/policy`      `{"policy": "srjf"|"spf"|"fcfs"|"srjf-oneshot"}`.
+- `PUT  /admin/api/prefill`     `{"prefill_token_budget": int, "tbt_slo_ms": float|null}` (either;
+  the budget at most the one the server started with).
 - `POST /admin/api/prefix-cache/reset`  drop every idle prefix-cache block (benchmarks call it
   between runs so one run's prompts do not speed up the next).
 
@@ -89,6 +91,16 @@ class PartitionChange(BaseModel):
 
     mode: Literal["auto", "off", "static"]
     prefill_sms: int | None = None  # required with mode "static", refused with the others
+
+
+class PrefillChange(BaseModel):
+    """Either or both; a field left out keeps its value; `tbt_slo_ms: null` removes the
+    target."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    prefill_token_budget: int | None = None
+    tbt_slo_ms: float | None = None
 
 
 class PolicyChange(BaseModel):
@@ -430,6 +442,10 @@ def _build_state(app: Any) -> dict[str, Any]:
             "hit_rate": hit / query if hit is not None and query else None,
         },
         "policy": {"current": stats.get("policy"), "available": list(POLICY_NAMES)},
+        "prefill": {
+            "token_budget": stats.get("prefill_token_budget"),
+            "tbt_slo_ms": stats.get("tbt_slo_ms"),
+        },
         "latency": {
             "source": recent["source"],
             # All traffic together, then chat (chat + completions) and scoring apart: a
@@ -607,6 +623,54 @@ async def admin_set_policy(request: Request) -> JSONResponse:
         await engine.set_policy(body.policy)
     except ValueError as exc:  # e.g. a policy the engine cannot build
         return _error(400, str(exc), "invalid_request_error", "policy")
+    return JSONResponse(build_state(request.app))
+
+
+@router.put(
+    "/admin/api/prefill",
+    responses=_CHANGE_RESPONSES,
+    openapi_extra=_json_body(PrefillChange, "The per-step prefill limits"),
+)
+async def admin_set_prefill(request: Request) -> JSONResponse:
+    """The prefill token budget per step (at most the one the server started with: activation
+    memory was reserved for it) and the time-between-tokens target (`--tbt-slo-ms`)."""
+    denied = check_admin(request)
+    if denied is not None:
+        return denied
+    body = await _parse_body(request, PrefillChange)
+    if isinstance(body, JSONResponse):
+        return body
+    assert isinstance(body, PrefillChange)
+    given = body.model_fields_set
+    if not given:
+        return _error(
+            400,
+            "give prefill_token_budget, tbt_slo_ms or both",
+            "invalid_request_error",
+            "prefill_token_budget",
+        )
+    engine = getattr(request.app.state, "engine", None)
+    if engine is None:
+        return _error(503, "the engine is starting; try again shortly", "service_unavailable")
+    stats = engine.stats()
+    budget = (
+        body.prefill_token_budget
+        if "prefill_token_budget" in given
+        else stats.get("prefill_token_budget")
+    )
+    tbt = body.tbt_slo_ms if "tbt_slo_ms" in given else stats.get("tbt_slo_ms")
+    if budget is None:
+        return _error(
+            400,
+            "prefill_token_budget may not be null",
+            "invalid_request_error",
+            "prefill_token_budget",
+        )
+    try:
+        await engine.set_prefill_limits(budget, tbt)
+    except ValueError as exc:
+        param = "tbt_slo_ms" if "tbt_slo_ms" in str(exc) else "prefill_token_budget"
+        return _error(400, str(exc), "invalid_request_error", param)
     return JSONResponse(build_state(request.app))
 
 

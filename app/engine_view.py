@@ -70,6 +70,14 @@ class EngineView:
         await self._core.call("set_policy", name)
         self._core.note(policy=name)
 
+    async def set_prefill_limits(self, prefill_token_budget: int, tbt_slo_ms: float | None) -> None:
+        """Raises ValueError for limits the engine refuses (a budget above the one it was
+        sized for, a non-positive target)."""
+        await self._core.call("set_prefill_limits", prefill_token_budget, tbt_slo_ms)
+        self._core.note(
+            stats={"prefill_token_budget": prefill_token_budget, "tbt_slo_ms": tbt_slo_ms}
+        )
+
     async def reset_prefix_cache(self) -> None:
         await self._core.call("reset_prefix_cache")
 

@@ -448,6 +448,24 @@ class Engine:
             self._stats["policy"] = policy.name
             self._wakeup.notify()
 
+    def set_prefill_limits(self, prefill_token_budget: int, tbt_slo_ms: float | None) -> None:
+        """Change the per-step prefill token budget and the TBT target at run time
+        (thread-safe; applied before the next step). The budget may only go down from the
+        configured one: activation memory was reserved for that (ValueError, raised here)."""
+        cap = self.config.prefill_token_budget
+        if not 1 <= prefill_token_budget <= cap:
+            raise ValueError(
+                f"prefill_token_budget must be in [1, {cap}] (the engine reserved activation "
+                f"memory for {cap}; restart with a larger --prefill-token-budget to go higher)"
+            )
+        if tbt_slo_ms is not None and not tbt_slo_ms > 0:
+            raise ValueError("tbt_slo_ms must be > 0, or null for no target")
+        with self._lock:
+            self._inbox.append(("prefill_limits", (prefill_token_budget, tbt_slo_ms)))
+            self._stats["prefill_token_budget"] = prefill_token_budget
+            self._stats["tbt_slo_ms"] = tbt_slo_ms
+            self._wakeup.notify()
+
     def reset_prefix_cache(self) -> None:
         """Drop every prefix-cache block no running request holds (thread-safe; applied on
         the engine thread before its next step)."""
@@ -643,6 +661,13 @@ class Engine:
         elif kind == "policy":
             self.policy = payload
             self.scheduler.set_policy(payload)
+        elif kind == "prefill_limits":
+            budget, tbt_ms = payload
+            self._tbt_s = None if tbt_ms is None else tbt_ms / 1e3
+            self.serial.set_prefill_token_budget(budget)
+            if self.split is not None:
+                self.split.set_prefill_token_budget(budget)
+            log.info("prefill limits: budget %d tokens, TBT target %s ms", budget, tbt_ms)
         elif kind == "call":
             payload()
         elif kind == "reset_prefix_cache":
@@ -889,6 +914,8 @@ class Engine:
             "prefix_query_tokens": cache.query_tokens if cache else 0,
             "prefix_cached_blocks": len(cache) if cache else 0,
             "policy": self.policy.name,
+            "prefill_token_budget": self.serial.prefill_token_budget,
+            "tbt_slo_ms": None if self._tbt_s is None else self._tbt_s * 1e3,
             **self._partition_stats(),
             "num_steps": s.num_steps,
             "num_prefill_tokens": s.num_prefill_tokens,
@@ -912,10 +939,14 @@ class Engine:
             "jct_source": self.jct_model.source,
             "alive": self._crashed is None,
         }
-        policy_pending = self._stats.get("policy")
+        pending = {k: self._stats.get(k) for k in ("policy", "prefill_token_budget", "tbt_slo_ms")}
         self._stats = snap
-        if policy_pending is not None and any(k == "policy" for k, _ in self._inbox):
-            self._stats["policy"] = policy_pending
+        # A change still in the inbox: show what was asked for, not what it replaces.
+        if any(k == "policy" for k, _ in self._inbox) and pending["policy"] is not None:
+            self._stats["policy"] = pending["policy"]
+        if any(k == "prefill_limits" for k, _ in self._inbox):
+            self._stats["prefill_token_budget"] = pending["prefill_token_budget"]
+            self._stats["tbt_slo_ms"] = pending["tbt_slo_ms"]
         self._next_stats_s = time.monotonic() + STATS_INTERVAL_S
 
 

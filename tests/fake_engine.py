@@ -155,6 +155,10 @@ class FakeEngine:
         )
         self.kv_blocks_total = 1000
         self.policy = config.prefill_policy
+        self.prefill_limits: tuple[int, float | None] = (
+            config.prefill_token_budget,
+            config.tbt_slo_ms,
+        )
         self.partition = UnavailablePartition("the fake engine has no GPU")
         self._lock = threading.Lock()
         self._inbox: deque[Request] = deque()
@@ -223,6 +227,8 @@ class FakeEngine:
                 "prefix_hit_tokens": 0,
                 "prefix_query_tokens": sum(r.num_prompt_tokens for r in self.added),
                 "policy": self.policy,
+                "prefill_token_budget": self.prefill_limits[0],
+                "tbt_slo_ms": self.prefill_limits[1],
                 "partition": "off",
                 "num_cache_resets": self._num_cache_resets,
                 "alive": True,
@@ -237,6 +243,16 @@ class FakeEngine:
 
     def reset_prefix_cache(self) -> None:
         self._num_cache_resets += 1
+
+    def set_prefill_limits(self, prefill_token_budget: int, tbt_slo_ms: float | None) -> None:
+        """As the engine: the budget may only go down from the configured one."""
+        if not 1 <= prefill_token_budget <= self.config.prefill_token_budget:
+            raise ValueError(
+                f"prefill_token_budget must be in [1, {self.config.prefill_token_budget}]"
+            )
+        if tbt_slo_ms is not None and not tbt_slo_ms > 0:
+            raise ValueError("tbt_slo_ms must be > 0, or null for no target")
+        self.prefill_limits = (prefill_token_budget, tbt_slo_ms)
 
     def shutdown(self, grace_s: float = 0.0) -> None:
         with self._lock:

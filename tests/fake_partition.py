@@ -168,6 +168,8 @@ class FakeEngine:
         self.metrics = metrics if metrics is not None else FakeMetrics()
         self.policy = "srjf"
         self.policy_calls: list[str] = []
+        self.prefill_budget_cap = 8192  # the budget the server "started" with
+        self.prefill_limits: tuple[int, float | None] = (8192, None)
         self.max_running = max_running
         self.prefill_s, self.tpot_s = prefill_s, tpot_s
         self.kv_blocks_total = 256
@@ -197,6 +199,8 @@ class FakeEngine:
                 "prefix_hit_tokens": 0,
                 "prefix_query_tokens": 0,
                 "policy": self.policy,
+                "prefill_token_budget": self.prefill_limits[0],
+                "tbt_slo_ms": self.prefill_limits[1],
             }
 
     async def set_policy(self, name: str) -> None:
@@ -204,6 +208,13 @@ class FakeEngine:
             raise ValueError(f"unknown prefill policy {name!r}")
         self.policy_calls.append(name)
         self.policy = name
+
+    async def set_prefill_limits(self, prefill_token_budget: int, tbt_slo_ms: float | None) -> None:
+        if not 1 <= prefill_token_budget <= self.prefill_budget_cap:
+            raise ValueError(f"prefill_token_budget must be in [1, {self.prefill_budget_cap}]")
+        if tbt_slo_ms is not None and not tbt_slo_ms > 0:
+            raise ValueError("tbt_slo_ms must be > 0, or null for no target")
+        self.prefill_limits = (prefill_token_budget, tbt_slo_ms)
 
     async def reset_prefix_cache(self) -> None:
         return None

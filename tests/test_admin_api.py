@@ -485,3 +485,49 @@ def _eventually(read, ok, timeout_s: float = 10.0):
             return value
         assert time.monotonic() < deadline, f"last value {value!r}"
         time.sleep(0.05)
+
+
+# --- prefill limits ---------------------------------------------------------------------------
+
+
+def test_prefill_limits_change_and_show_in_the_state() -> None:
+    app = make_app()
+    client = TestClient(app, client=LOOPBACK, base_url=LOCAL_URL)
+    assert client.get("/admin/api/state").json()["prefill"] == {
+        "token_budget": 8192,
+        "tbt_slo_ms": None,
+    }
+    r = client.put("/admin/api/prefill", json={"prefill_token_budget": 2048})
+    assert r.status_code == 200, r.text
+    assert r.json()["prefill"] == {"token_budget": 2048, "tbt_slo_ms": None}
+    r = client.put("/admin/api/prefill", json={"tbt_slo_ms": 80.0})  # the budget is kept
+    assert r.json()["prefill"] == {"token_budget": 2048, "tbt_slo_ms": 80.0}
+    r = client.put("/admin/api/prefill", json={"tbt_slo_ms": None})  # null removes the target
+    assert r.json()["prefill"] == {"token_budget": 2048, "tbt_slo_ms": None}
+    assert app.state.engine.prefill_limits == (2048, None)
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prefill_token_budget": 16384}, "prefill_token_budget"),  # above the sized budget
+        ({"prefill_token_budget": 0}, "prefill_token_budget"),
+        ({"prefill_token_budget": "2048"}, "prefill_token_budget"),  # strict: no strings
+        ({"prefill_token_budget": None}, "prefill_token_budget"),
+        ({"tbt_slo_ms": -5}, "tbt_slo_ms"),
+        ({}, "prefill_token_budget"),
+        ({"budget": 1}, None),
+    ],
+)
+def test_bad_prefill_limits_are_400(body: dict, param: str | None) -> None:
+    app = make_app()
+    r = TestClient(app, client=LOOPBACK, base_url=LOCAL_URL).put("/admin/api/prefill", json=body)
+    assert r.status_code == 400, r.text
+    if param is not None:
+        assert r.json()["error"]["param"] == param
+    assert app.state.engine.prefill_limits == (8192, None)
+
+
+def test_prefill_limits_need_the_token_when_one_is_set() -> None:
+    client = TestClient(make_app(token="s3cret"), client=LOOPBACK, base_url=LOCAL_URL)
+    assert client.put("/admin/api/prefill", json={"prefill_token_budget": 1024}).status_code == 401

@@ -459,3 +459,22 @@ def test_tbt_target_reaches_the_scheduler_with_the_decode_step_time(monkeypatch)
 def test_tbt_target_must_be_positive() -> None:
     with pytest.raises(ValueError, match="tbt_slo_ms"):
         EngineConfig(tbt_slo_ms=0.0)
+
+
+def test_prefill_limits_change_at_run_time_and_never_above_the_sized_budget() -> None:
+    engine, sink = make_engine(prefill_token_budget=2048)
+    try:
+        with pytest.raises(ValueError, match="reserved activation memory for 2048"):
+            engine.set_prefill_limits(4096, None)
+        with pytest.raises(ValueError, match="tbt_slo_ms"):
+            engine.set_prefill_limits(1024, 0.0)
+        engine.set_prefill_limits(512, 40.0)
+        assert engine.stats()["prefill_token_budget"] == 512  # shown at once (pending)
+        sp = SamplingParams(max_tokens=2, temperature=0.0)
+        engine.add(Request("r", RequestKind.GENERATE, list(range(5, 25)), sp))
+        sink.wait("r")  # the engine thread has applied its inbox
+        assert engine.serial.prefill_token_budget == 512 and engine._tbt_s == 0.04
+        stats = engine.fresh_stats()
+        assert stats["prefill_token_budget"] == 512 and stats["tbt_slo_ms"] == 40.0
+    finally:
+        engine.shutdown()

@@ -202,13 +202,21 @@ class EngineCoreClient:
     def partition_state(self) -> dict[str, Any]:
         return dict(self._partition)
 
-    def note(self, *, partition: dict[str, Any] | None = None, policy: str | None = None) -> None:
+    def note(
+        self,
+        *,
+        partition: dict[str, Any] | None = None,
+        policy: str | None = None,
+        stats: dict[str, Any] | None = None,
+    ) -> None:
         """Apply the result of a control call to the cached snapshot until the next
         heartbeat brings the engine's own."""
         if partition is not None:
             self._partition = dict(partition)
         if policy is not None:
             self._stats["policy"] = policy
+        if stats:
+            self._stats.update(stats)
 
     def is_alive(self) -> bool:
         return self.dead_reason is None

@@ -262,6 +262,9 @@ class EngineCore:
         if method == "reset_prefix_cache":
             engine.reset_prefix_cache()
             return None
+        if method == "set_prefill_limits":
+            engine.set_prefill_limits(int(args[0]), None if args[1] is None else float(args[1]))
+            return None
         if method == "set_partition":
             return _asdict(engine.partition.set_mode(args[0]))
         if method == "partition_state":

@@ -10,6 +10,7 @@ engine publishes their totals: HTTP inter-token latency vs the device's own step
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,13 @@ class SerialExecutor:
 
     def capacity(self) -> StepCapacity:
         return self._capacity
+
+    @property
+    def prefill_token_budget(self) -> int:
+        return self._capacity.prefill_token_budget
+
+    def set_prefill_token_budget(self, num_tokens: int) -> None:
+        self._capacity = dataclasses.replace(self._capacity, prefill_token_budget=num_tokens)
 
     @property
     def num_in_flight(self) -> int:

@@ -115,10 +115,14 @@ class SplitExecutor:
         self.num_overlapped_decode_steps = 0
         self.last_split = TIME_SLICE  # the split of the latest prefill start or decode launch
         self._prompt_pending: PendingOutput | None = None  # prompt logprobs of the prefill
+        self.prefill_token_budget = config.prefill_token_budget  # lowered at run time only
+
+    def set_prefill_token_budget(self, num_tokens: int) -> None:
+        self.prefill_token_budget = num_tokens
 
     # ---- interface ----------------------------------------------------------------------------
     def capacity(self) -> StepCapacity:
-        budget = self.config.prefill_token_budget if self.prefill is None else 0
+        budget = self.prefill_token_budget if self.prefill is None else 0
         return StepCapacity(
             prefill_token_budget=budget,
             decodes_share_budget=False,
