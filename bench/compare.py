@@ -137,8 +137,11 @@ class AdminChange:
 def parse_settings(text: str) -> list[AdminChange]:
     """`"policy=fcfs,partition=static:64"` -> the admin calls that set it, in the given order.
 
-    Keys: `policy` (srjf | spf | fcfs | srjf-oneshot; the server validates) and `partition`
-    (off | auto | static:<prefill_sms>)."""
+    Keys: `policy` (srjf | spf | fcfs | srjf-oneshot; the server validates), `partition`
+    (off | auto | static:<prefill_sms>), `budget` (prefill tokens per step, at most the
+    server's start-up budget) and `tbt` (the TBT target in ms, or `none`): the last two in one
+    `PUT /admin/api/prefill`, so a baseline's prefill budget is swept in one server run."""
+    prefill: dict[str, Any] = {}
     changes: list[AdminChange] = []
     seen: set[str] = set()
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -163,8 +166,19 @@ def parse_settings(text: str) -> list[AdminChange]:
                 changes.append(AdminChange("/admin/api/partition", {"mode": mode}))
             else:
                 raise ValueError(f"partition must be off, auto or static:<n>, got {value!r}")
+        elif key == "budget":
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"budget must be a positive token count, got {value!r}")
+            prefill["prefill_token_budget"] = int(value)
+        elif key == "tbt":
+            try:
+                prefill["tbt_slo_ms"] = None if value.lower() == "none" else float(value)
+            except ValueError:
+                raise ValueError(f"tbt must be milliseconds or none, got {value!r}") from None
         else:
-            raise ValueError(f"unknown setting {key!r} (use policy=... and/or partition=...)")
+            raise ValueError(f"unknown setting {key!r} (use policy=, partition=, budget=, tbt=)")
+    if prefill:
+        changes.append(AdminChange("/admin/api/prefill", prefill))
     if not changes:
         raise ValueError("empty settings")
     return changes
@@ -176,6 +190,7 @@ def _state_summary(state: dict[str, Any]) -> dict[str, Any]:
     return {
         "policy": (state.get("policy") or {}).get("current"),
         "partition": {k: part.get(k) for k in ("available", "mode", "prefill_sms", "decode_sms")},
+        "prefill": state.get("prefill"),
     }
 
 

@@ -640,7 +640,9 @@ class Orchestrator:
         w: dict[str, Any] = {}
         rec["workloads"][wl] = w
         sides = sides_for(self.smoke, rec.get("best_static_split") if not self.smoke else None)
-        if self.args.sides:
+        if self.args.side:
+            sides = custom_sides(self.args.side)
+        elif self.args.sides:
             sides = {k: v for k, v in sides.items() if k in self.args.sides.split(",")}
         for side, settings in sides.items():
             if self.budget.left_s() < self.side_s() * 0.8:
@@ -664,7 +666,11 @@ class Orchestrator:
         }
         rec["score_chat"] = res
         sides = sides_for(self.smoke, None)
-        for side in ("off", "auto"):
+        names: list[str] = ["off", "auto"]
+        if self.args.side:  # the baselines and auto of --side, as in the workload parts
+            sides = custom_sides(self.args.side)
+            names = list(sides)
+        for side in names:
             if self.args.sides and side not in self.args.sides.split(","):
                 continue
             if self.budget.left_s() < self.search_s():
@@ -956,6 +962,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--sides", help="run only these sides of each workload (comma list of off,auto,static)"
     )
     p.add_argument(
+        "--side",
+        action="append",
+        default=[],
+        help="NAME:SETTINGS (repeat): the sides of each workload instead of off/auto/static, "
+        "e.g. off-2k:partition=off,budget=2048 (bench.compare's settings: policy, partition, "
+        "budget, tbt); sides named off* are baselines, auto is compared with the best",
+    )
+    p.add_argument(
         "--screen-fracs",
         default="0.5,0.75",
         help="candidate static splits as fractions of the SMs (nearest pre-created)",
@@ -1000,13 +1014,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def custom_sides(specs: list[str]) -> dict[str, str]:
+    """`--side NAME:SETTINGS` (repeated) -> {name: settings}, in the order given. Baselines are
+    the sides whose name starts with "off" (e.g. `off-2k:partition=off,budget=2048`,
+    `off-tbt:partition=off,budget=8192,tbt=80`)."""
+    sides: dict[str, str] = {}
+    for spec in specs:
+        name, sep, settings = spec.partition(":")
+        if not sep or not name or not settings or name in sides:
+            raise SystemExit(f"--side wants NAME:SETTINGS with a new name, got {spec!r}")
+        sides[name] = settings
+    return sides
+
+
 def add_comparisons(w: dict[str, Any]) -> None:
-    """(Re)compute auto/static vs off for one workload's sides."""
+    """(Re)compute auto/static vs off for one workload's sides, and, when several baselines
+    ran (sides named off*), auto vs the best of them (the highest max QPS)."""
     off = w.get("off")
     for side in ("auto", "static"):
         other = w.get(side)
         if off and other and "max_qps" in off and "max_qps" in other:
             w[f"{side}_vs_off"] = compare_modes(off, other)
+    baselines = {
+        k: v
+        for k, v in w.items()
+        if k.startswith("off") and isinstance(v, dict) and v.get("max_qps") is not None
+    }
+    auto = w.get("auto")
+    if len(baselines) > 1 and auto and auto.get("max_qps") is not None:
+        best = max(baselines, key=lambda k: baselines[k]["max_qps"])
+        w["best_baseline"] = best
+        w["auto_vs_best_baseline"] = compare_modes(baselines[best], auto)
 
 
 def merge_records(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:

@@ -645,7 +645,16 @@ def test_parse_settings():
         AdminChange("/admin/api/policy", {"policy": "srjf"}),
     ]
     assert parse_settings("partition=off") == [AdminChange("/admin/api/partition", {"mode": "off"})]
+    # The baseline's knobs: one PUT for both, after the others.
+    assert parse_settings("budget=2048,partition=off,tbt=80") == [
+        AdminChange("/admin/api/partition", {"mode": "off"}),
+        AdminChange("/admin/api/prefill", {"prefill_token_budget": 2048, "tbt_slo_ms": 80.0}),
+    ]
+    assert parse_settings("tbt=none") == [AdminChange("/admin/api/prefill", {"tbt_slo_ms": None})]
     for bad in (
+        "budget=0",
+        "budget=lots",
+        "tbt=soon",
         "",
         "policy",
         "policy=",

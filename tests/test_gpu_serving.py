@@ -64,6 +64,28 @@ def test_compare_modes_and_summary_arithmetic() -> None:
     assert gs.ratio(0.0, 1.0) is None and gs.ratio(None, 1.0) is None
 
 
+def test_custom_sides_and_auto_against_the_best_baseline() -> None:
+    """#13's comparison: several tuned baselines (sides named off*) in one run; auto is judged
+    against the one with the highest max QPS."""
+    sides = gs.custom_sides(
+        ["off-2k:partition=off,budget=2048", "off-8k:partition=off", "auto:partition=auto"]
+    )
+    assert list(sides) == ["off-2k", "off-8k", "auto"]
+    with pytest.raises(SystemExit):
+        gs.custom_sides(["off-2k:partition=off", "off-2k:partition=auto"])
+    with pytest.raises(SystemExit):
+        gs.custom_sides(["no-settings"])
+
+    def side(max_qps: float) -> dict:
+        probe = {"ttft_ms": {"p99": 100.0, "mean": 50.0}, "tbt_ms": {"p99": 10.0, "mean": 5.0}}
+        return {"max_qps": max_qps, "probes": {"2.0": probe}}
+
+    w = {"off-2k": side(6.0), "off-8k": side(4.0), "auto": side(5.0), "off-tbt": {"error": "x"}}
+    gs.add_comparisons(w)
+    assert w["best_baseline"] == "off-2k"
+    assert w["auto_vs_best_baseline"]["throughput_ratio"] == pytest.approx(5.0 / 6.0)
+
+
 def test_ladder_is_judged_against_each_slo() -> None:
     def run(qps, ttft_p99, tbt_p99, tpot_p99):
         pct = lambda v: {"p99": v, "mean": v / 2}  # noqa: E731
