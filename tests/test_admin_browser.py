@@ -26,7 +26,13 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from fake_partition import FAKE_SPLITS, FAKE_TOTAL_SMS, FakeEngine, FakePartition
+from fake_partition import (
+    FAKE_SPLITS,
+    FAKE_TOTAL_SMS,
+    AsyncPartition,
+    FakeEngine,
+    FakePartition,
+)
 from fastapi import FastAPI
 
 from runtime.partition import UnavailablePartition
@@ -100,6 +106,12 @@ def _fake_server() -> Iterator[Served]:
         engine.shutdown()
 
 
+def _set_partition(engine: Any, manager: Any) -> None:
+    """Give the app a stand-in partition manager as the front end holds one (async set_mode:
+    app/engine_view.py); the fake engine wraps what it is given itself."""
+    engine.partition = manager if isinstance(engine, FakeEngine) else AsyncPartition(manager)
+
+
 def _full_app_server() -> Iterator[Served]:
     try:
         import runtime.engine  # noqa: F401  (the real engine; the app imports it lazily)
@@ -114,7 +126,7 @@ def _full_app_server() -> Iterator[Served]:
         stop()
         pytest.skip("create_app stored no app.state.engine")
     # Test-only: pretend SM partitioning exists so the controls have something to drive.
-    app.state.engine.partition = FakePartition()
+    _set_partition(app.state.engine, FakePartition())
 
     def one_request(i: int) -> None:
         try:
@@ -260,7 +272,7 @@ def test_admin_page_live_and_controls(
     errors.clear()
 
     # --- no partitioning on this machine: the page says why ---
-    engine.partition = UnavailablePartition("no CUDA device (test stand-in)")
+    _set_partition(engine, UnavailablePartition("no CUDA device (test stand-in)"))
     page.reload()
     _wait_updates(page, 2)
     reason = page.locator("#partition-reason")
