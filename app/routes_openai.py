@@ -201,6 +201,10 @@ def _fill_trace(request: Request, request_id: str, cols: list[_Collected], n: in
     failed = next((c for c in cols if c.finish_reason in ("error", "abort")), None)
     if failed is not None and trace.error is None:
         trace.error = f"{failed.finish_reason}: {failed.error or 'no reason given'}"
+    elif trace.error is None and any(c.final is None for c in cols):
+        # The response ended before the engine finished (the client went away mid-stream):
+        # the rest of the request was aborted.
+        trace.error = "client disconnected before the end: the request was aborted"
 
 
 def _usage_of(cols: list[_Collected], prompt_lens: list[int], n: int) -> dict[str, Any]:

@@ -76,7 +76,10 @@ def test_queue_cap_gives_429_with_retry_after(server: ServerThread, http: httpx.
     assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_items"
 
 
-def test_stream_disconnect_frees_kv(server: ServerThread, http: httpx.Client) -> None:
+def test_stream_disconnect_frees_kv(
+    server: ServerThread, http: httpx.Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="greenlane.request")
     body = {"messages": MSG, "stream": True, "max_tokens": 200, "ignore_eos": True}
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         lines = r.iter_lines()
@@ -89,6 +92,8 @@ def test_stream_disconnect_frees_kv(server: ServerThread, http: httpx.Client) ->
     aborted = [q for q in server.control("added") if q["request_id"] == rid][0]
     assert aborted["status"] == "FINISHED_ABORTED"
     assert aborted["num_output_tokens"] < 200
+    # Its one log line says why it ended early.
+    _wait_for(lambda: any("client disconnected" in r.getMessage() for r in caplog.records))
 
 
 def test_non_streaming_disconnect_aborts(server: ServerThread) -> None:
