@@ -69,7 +69,7 @@ from runtime.partition import PartitionManager, SplitChoice
 from runtime.partition.setup import capture_split_graphs, make_partition, profile_at_startup
 from runtime.request import FINISH_REASONS, EngineOutput, Request, RequestKind, RequestStatus
 from runtime.runner import ModelRunner, profile_activation_peak
-from runtime.scheduler import Lease, ScheduledSeq, Scheduler, StepPlan
+from runtime.scheduler import Lease, ScaledCost, ScheduledSeq, Scheduler, StepPlan
 
 log = logging.getLogger("greenlane.engine")
 
@@ -240,6 +240,7 @@ class Engine:
         # split executor's controller has its own target, --partition-tbt-slo-ms).
         self._tbt_s = None if config.tbt_slo_ms is None else config.tbt_slo_ms / 1e3
         self._decode_step_avg_s = 0.0
+        self._prefill_cost = ScaledCost(self.jct_model)
         self._step_started_s: float | None = None  # engine clock at the current step's start
         self._stats: dict[str, Any] = {}
         self._next_stats_s = 0.0
@@ -706,7 +707,7 @@ class Engine:
                     capacity,
                     tbt_s=self._tbt_s,
                     decode_step_s=self._decode_step_avg_s,
-                    prefill_cost=self.jct_model,
+                    prefill_cost=self._prefill_cost,
                 )
             try:
                 plan = sched.schedule(capacity)
@@ -754,6 +755,18 @@ class Engine:
                 [(s.num_new_tokens, s.num_context_tokens) for s in plan.prefill],
                 result.device_s,
             )
+        # Mixed steps: how far the marginal prefill time (step less the recent decode step) is
+        # from the JCT model's prediction corrects the TBT cut (a running ratio, bounded).
+        avg = self._decode_step_avg_s
+        if plan.decode and plan.prefill and result.device_s is not None and avg > 0.0:
+            predicted = sum(
+                self.jct_model.marginal_s(s.num_new_tokens, s.num_context_tokens)
+                for s in plan.prefill
+            )
+            if predicted > 1e-6:
+                ratio = min(10.0, max(0.1, (result.device_s - avg) / predicted))
+                cost = self._prefill_cost
+                cost.scale = 0.8 * cost.scale + 0.2 * ratio
         # Decode-only steps: a step with prefill work is not a decode step's time.
         decode_only = bool(plan.decode) and not plan.prefill
         if decode_only and result.device_s is not None:
@@ -916,6 +929,7 @@ class Engine:
             "policy": self.policy.name,
             "prefill_token_budget": self.serial.prefill_token_budget,
             "tbt_slo_ms": None if self._tbt_s is None else self._tbt_s * 1e3,
+            "tbt_cost_scale": self._prefill_cost.scale,
             **self._partition_stats(),
             "num_steps": s.num_steps,
             "num_prefill_tokens": s.num_prefill_tokens,

@@ -95,6 +95,22 @@ class PrefillCost(Protocol):
     def max_tokens_within(self, seconds: float, cached_tokens: int = 0) -> int: ...
 
 
+@dataclass(slots=True)
+class ScaledCost:
+    """`cost` times `scale`: the engine's online correction of the JCT model's marginal cost,
+    learned from steps that mixed prefill with decodes (the JCT model itself learns only from
+    prefill-only steps, which a TBT target makes rare)."""
+
+    cost: PrefillCost
+    scale: float = 1.0
+
+    def marginal_s(self, uncached_tokens: int, cached_tokens: int = 0) -> float:
+        return self.scale * self.cost.marginal_s(uncached_tokens, cached_tokens)
+
+    def max_tokens_within(self, seconds: float, cached_tokens: int = 0) -> int:
+        return self.cost.max_tokens_within(seconds / self.scale, cached_tokens)
+
+
 # With a TBT target, the first prefill chunk of a step gets at least this many tokens: prefill
 # must progress even when the decodes alone take longer than the target.
 MIN_TBT_CHUNK_TOKENS = 256

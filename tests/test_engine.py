@@ -5,6 +5,7 @@ containment, seeds, shutdown."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -452,7 +453,7 @@ def test_tbt_target_reaches_the_scheduler_with_the_decode_step_time(monkeypatch)
         sink.wait("r")
     finally:
         engine.shutdown()
-    assert seen and all(c.tbt_s == 0.05 and c.prefill_cost is engine.jct_model for c in seen)
+    assert seen and all(c.tbt_s == 0.05 and c.prefill_cost.cost is engine.jct_model for c in seen)
     assert seen[-1].decode_step_s > 0.0
 
 
@@ -478,3 +479,26 @@ def test_prefill_limits_change_at_run_time_and_never_above_the_sized_budget() ->
         assert stats["prefill_token_budget"] == 512 and stats["tbt_slo_ms"] == 40.0
     finally:
         engine.shutdown()
+
+
+def test_tbt_cut_learns_how_wrong_the_jct_model_is_in_mixed_steps() -> None:
+    """A JCT model that predicts ~nothing (coefficients far too small for this CPU): steps that
+    mix prefill chunks with a decode measure much more, and the correction scale grows (so the
+    TBT cut shrinks the chunks); its bound keeps one odd step from running away."""
+    engine, sink = make_engine(tbt_slo_ms=50.0, prefill_token_budget=64, num_kv_blocks=512)
+    jct = engine.jct_model
+    jct.a_s, jct.b_s_per_token, jct.k_s_per_pair = 1e-9, 1e-7, 0.0
+    jct.refit_every = 10**9  # keep it wrong: this test is about the correction
+    try:
+        sp = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        engine.add(Request("chat", RequestKind.GENERATE, list(range(5, 25)), sp))
+        while engine.fresh_stats()["num_decode_steps"] < 3:
+            time.sleep(0.01)
+        long_sp = SamplingParams(max_tokens=1, temperature=0.0)
+        engine.add(Request("long", RequestKind.GENERATE, list(range(30, 30 + 900)), long_sp))
+        sink.wait("long")
+        scale = engine.fresh_stats()["tbt_cost_scale"]
+    finally:
+        engine.abort("chat")
+        engine.shutdown()
+    assert 1.0 < scale <= 10.0

@@ -624,3 +624,11 @@ def test_tbt_target_chunks_a_long_scoring_prompt_next_to_decodes() -> None:
     s = _decoding()
     s.add(score("sc", list(range(200, 1200))))  # 1000 tokens; the pool holds its KV
     assert _prefill_sizes(s.schedule(cap(s, **tbt))) == {"sc": 400}
+
+
+def test_scaled_cost_corrects_both_ways() -> None:
+    from runtime.scheduler import ScaledCost
+
+    cost = ScaledCost(LinearCost(1e-4), scale=2.0)  # the model under-predicts by half
+    assert cost.marginal_s(100) == pytest.approx(0.02)
+    assert cost.max_tokens_within(0.04) == 200
