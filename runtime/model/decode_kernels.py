@@ -2,7 +2,7 @@
 
 Why: at batch 1 a decode step of Llama-3.1-8B on the H200 spent 0.5 ms in ~300 tiny kernels
 and 0.56 ms in the gaps between 466 launches, next to 4.0 ms of weight reads (docs/
-benchmarks.md, "decode profile"). These kernels cut a layer from ~14 launches to 8:
+benchmarks.md, "Where a decode step's time goes"). These kernels cut a layer from ~14 launches to 8:
 
     add_rmsnorm     residual += sum of the previous projection's split-K partials; x = norm
     qkv_rope_write  x @ W_qkv^T (+ bias), RoPE on q and k, k and v written into the paged pool
