@@ -21,6 +21,8 @@
 #                                         #   HTTP (post recommendation, KV pool 0.5x)
 #   bash bench/gpu_next.sh p REV          # issue 17: KV pool 1x and default
 #   bash bench/gpu_next.sh q REV          # issue 17: SPF, srjf-oneshot; credit verification
+#   bash bench/gpu_next.sh r REV          # issue 13: off at 2k/8k/TBT-cut budgets vs auto, 3B
+#                                         #   mixed and scoring next to chat
 # Carry: .whl .fi_cache .cache/smollm2-tok. Results in $OUT: gpu-runtime-*.json (suite),
 # partition-*.json (serving; merge them with `python -m bench.gpu_serving --merge ...`),
 # server logs, fi_cache.tar.gz if the FlashInfer cache grew.
@@ -171,6 +173,20 @@ case $plan in
       --deadline-s "$(( $(left) - 15 ))" || rc=1
     cp $work/sched/gpu-scheduling-*.json $work/sched/prefill-profile-*.json "$OUT/"
     cp $work/sched/gpu-scheduling-work/jct-calibration.json "$OUT/jct-calibration-h200.json" ;;
+  r)
+    # Issue 13: the split against the strongest single-GPU baselines, one server, one call
+    # (DEADLINE_S=400): chunked prefill at 2,048 and 8,192 tokens, chunked prefill cut to a
+    # TBT target (--tbt-slo-ms, chunking scoring prompts too), auto (TBT target 80 ms) on
+    # qwen2.5-3b mixed (ladder), then scoring next to chat, as far as the deadline allows.
+    python3 -m bench.gpu_serving "${common[@]}" --models random:qwen2.5-3b --start-s 45 \
+      --server-args "--partition auto --calibrate false --partition-tbt-slo-ms 80 --prefill-token-budget 8192" \
+      --ladder 3,6,9 --slo ttft:2000,tbt:100 --slos "ttft:2000,tpot:60" \
+      --side off-2k:partition=off,budget=2048,tbt=none \
+      --side off-8k:partition=off,budget=8192,tbt=none \
+      --side off-tbt:partition=off,budget=8192,tbt=80 \
+      --side auto:partition=auto,budget=8192,tbt=none \
+      --score-start-qps 4 --max-probes 3 --chat-qps 2 --score-slo ttft:3000 \
+      --parts mixed,score-chat --tag partition-3b-r --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
   p|q)
     # Issue 17, the rest (one call each, DEADLINE_S=560), serving the JCT calibration plan o
     # measured when it is carried as bench/results/jct-calibration-h200.json:
@@ -190,7 +206,7 @@ case $plan in
       --parts "$parts" --tag gpu-scheduling-$plan --command "bash bench/gpu_next.sh $plan $rev" \
       --deadline-s "$(( $(left) - 15 ))" || rc=1
     cp $work/sched/gpu-scheduling-*.json "$OUT/" ;;
-  *) echo "unknown plan $plan (a to q)"; exit 2 ;;
+  *) echo "unknown plan $plan (a to r)"; exit 2 ;;
 esac
 cp $work/partition-*.json "$OUT/" 2>/dev/null
 tar czf "$OUT/serving-$plan.tar.gz" -C $work . 2>/dev/null
