@@ -1,5 +1,5 @@
-"""An interim prefill profile derived from H200 results already committed (until a measured one
-exists): `python -m bench.derive_profile --out bench/profiles/h200-llama-3.1-8b-derived.json`.
+"""The interim prefill profile derived from H200 results committed before one was measured:
+`python -m bench.derive_profile --out bench/profiles/h200-llama-3.1-8b-derived.json`.
 
 What is measured and what is derived (every point says which, and where its numbers come from):
 
@@ -21,8 +21,11 @@ What is measured and what is derived (every point says which, and where its numb
   query-key pair is the count policies/jct.py uses for Llama-3.1-8B.
   Derived points carry one value; the simulator draws their noise from the measured points.
 
-The profile is labelled `origin: derived` and must be replaced by a measured one
-(`python -m bench.prefill_profile`, plan `o` of bench/gpu_next.sh).
+The profile is labelled `origin: derived`. It has been replaced as the simulator's default by
+the one plan `o` of bench/gpu_next.sh measured on 2026-12-01
+(`bench/results/prefill-profile-gpu-scheduling-2026-12-01.json`, bench.sim_profile.DEFAULT_PROFILE);
+it stays (bench.sim_profile.INTERIM_PROFILE) so that the results computed on it can be
+reproduced and the two compared (`--profile bench/profiles/h200-llama-3.1-8b-derived.json`).
 """
 
 from __future__ import annotations

@@ -489,11 +489,12 @@ def build_setup(
     noise_sigma: float | None = None,
     online_refit: bool = True,
 ) -> SimSetup:
-    """Service `profile` (default): times from `profile_path` (default: the committed interim
-    H200 profile); the scheduler's JCT model from `calibration_path` if given, else fitted on
-    `jct_profile_path` if given, else on the calibration half of the profile's repeats (the
-    service then uses the other half). Service `jct`: the old model, service = the scheduler's
-    JCT (fallback default or `calibration_path`) x log-normal(`noise_sigma`, default 0.05)."""
+    """Service `profile` (default): times from `profile_path` (default: DEFAULT_PROFILE, the
+    H200 profile measured on 2026-12-01); the scheduler's JCT model from `calibration_path` if
+    given, else fitted on `jct_profile_path` if given, else on the calibration half of the
+    profile's repeats (the service then uses the other half). Service `jct`: the old model,
+    service = the scheduler's JCT (fallback default or `calibration_path`) x
+    log-normal(`noise_sigma`, default 0.05)."""
     if service == "jct":
         if profile_path or jct_profile_path:
             raise ValueError(

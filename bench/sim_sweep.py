@@ -22,6 +22,7 @@ import argparse
 import json
 import statistics
 import sys
+from datetime import UTC, datetime
 from typing import Any
 
 from bench.sim import (
@@ -261,6 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     data["command"] = "python -m bench.sim_sweep " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
+    from bench.serve import git_revision, machine_info
+
+    # Which code and profile made the numbers (the profile is in data["service"]).
+    data["date"] = datetime.now(UTC).isoformat(timespec="seconds")
+    data["git"] = git_revision()
+    data["machine"] = machine_info()
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=1)
     print(markdown(data))

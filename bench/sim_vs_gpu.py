@@ -13,11 +13,15 @@ reset and primed before each search and carried across its probes, one scheduler
 server refined online across all its searches (as the engine's), the same P99 SLO, request
 timeout and search (bench.serve.search_max_qps itself, same start, factor and probe budget).
 Service times come from `--profile` (default: the one the GPU run measured, if the file is
-here, else the interim profile), the scheduler's JCT from its calibration half, as the servers
-loaded it. Reported per (workload, pool) and policy: max QPS and its ratio to FCFS on each
-side, per repeat and mean, and the simulator's relative error on the ratio (issue 17's target:
-within 20 %). The simulator's own protocol (primed, >= 1,000 requests spanning >= 10 SLOs, fine
-bisection: the sustained ratio) is reported beside it.
+beside the results, else bench.sim_profile.DEFAULT_PROFILE), the scheduler's JCT from its
+calibration half, as the servers loaded it. Reported per (workload, pool) and policy: max QPS
+and its ratio to FCFS on each side, per repeat and mean, and the simulator's relative error on
+the ratio (issue 17's target: within 20 %); beside it, on each side, the P99 and mean latency
+at the policy's first probe over FCFS's there (the GPU run's "at FCFS's max QPS", as
+bench.gpu_scheduling.summarize pairs them) and the prefix-cache hit rate (mean over a search's
+probes, mean over repeats). The simulator's own protocol (primed, >= 1,000 requests spanning
+>= 10 SLOs, fine bisection: the sustained ratio) is reported beside it. The output records the
+command, git revision, date and machine.
 
 `--issue-point`: issue 17's one GPU data point (post recommendation, KV pool about half the
 working set, one server switched between FCFS and SRJF, one round each at 4 and 8 QPS: SRJF's
@@ -35,6 +39,7 @@ import json
 import statistics
 import sys
 import zlib
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +55,7 @@ from bench.sim import (
     run_experiment,
     simulate,
 )
+from bench.sim_profile import DEFAULT_PROFILE
 from bench.sim_workloads import from_bench_requests
 from bench.workloads import WorkloadGenerator, load_tokenizer
 from policies import JCTModel, make_policy
@@ -309,11 +315,42 @@ def ratios(by_policy: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, An
     return out
 
 
+def _mean(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.fmean(vals) if vals else None
+
+
+def at_first_probe(by_policy: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per policy: P99 and mean latency at its first probe over FCFS's at the same QPS and
+    repeat (both sides probe FCFS's repeat-1 max QPS there: bench.gpu_scheduling.summarize's
+    "at FCFS's max QPS"), and the hit rate (mean of the probes', mean over repeats). Mean over
+    repeats; None where a side lacks the numbers."""
+    fcfs = {r["repeat"]: r for r in by_policy.get("fcfs", []) if "probes" in r}
+    out: dict[str, dict[str, Any]] = {}
+    for policy, reps in by_policy.items():
+        p99s: list[float | None] = []
+        means: list[float | None] = []
+        hits: list[float | None] = []
+        for r in reps:
+            if "probes" not in r:
+                continue  # skipped on the GPU
+            hits.append(_mean([p.get("hit_rate") for p in r["probes"].values()]))
+            base = fcfs.get(r["repeat"])
+            q = str(float(r["start_qps"]))
+            mine = r["probes"].get(q) or {}
+            theirs = (base or {}).get("probes", {}).get(q) or {}
+            for k, acc in (("p99_ms", p99s), ("mean_ms", means)):
+                acc.append(mine[k] / theirs[k] if mine.get(k) and theirs.get(k) else None)
+        out[policy] = {"p99": _mean(p99s), "mean": _mean(means), "hit_rate": _mean(hits)}
+    return out
+
+
 def compare(gpu: dict[str, Any], setup: SimSetup, tokenizer: Any) -> dict[str, Any]:
     replayed = Replayer(gpu, setup, tokenizer).replay()
     rows = []
     for key, both in replayed.items():
         g, s = ratios(both["gpu"]), ratios(both["sim"])
+        g_first, s_first = at_first_probe(both["gpu"]), at_first_probe(both["sim"])
         wl, pool = key.split("@")
         standard = run_experiment(
             wl,
@@ -346,6 +383,12 @@ def compare(gpu: dict[str, Any], setup: SimSetup, tokenizer: Any) -> dict[str, A
                     "within_20_percent": (abs(sr / gr - 1.0) <= 0.2) if gr and sr else None,
                     "sim_standard_protocol_max_qps": standard.get(policy),
                     "sim_standard_protocol_ratio_to_fcfs": std_ratio,
+                    "gpu_p99_at_first_probe_over_fcfs": g_first.get(policy, {}).get("p99"),
+                    "sim_p99_at_first_probe_over_fcfs": s_first[policy]["p99"],
+                    "gpu_mean_at_first_probe_over_fcfs": g_first.get(policy, {}).get("mean"),
+                    "sim_mean_at_first_probe_over_fcfs": s_first[policy]["mean"],
+                    "gpu_hit_rate": g_first.get(policy, {}).get("hit_rate"),
+                    "sim_hit_rate": s_first[policy]["hit_rate"],
                 }
             )
     return {"rows": rows, "replayed": replayed}
@@ -452,8 +495,9 @@ def markdown_rows(rows: list[dict[str, Any]]) -> str:
 
     lines = [
         "| workload @ pool | policy | GPU max QPS (repeats) | sim max QPS (replay) | GPU ÷ FCFS "
-        "| sim ÷ FCFS | sim error | sim ÷ FCFS, long primed runs |",
-        "|---|---|---|---|---|---|---|---|",
+        "| sim ÷ FCFS | sim error | sim ÷ FCFS, long primed runs "
+        "| P99 at first probe ÷ FCFS, GPU / sim | mean there, GPU / sim | hit rate, GPU / sim |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         g = ", ".join(f(x) for x in r["gpu_max_qps"] or []) or "-"
@@ -463,7 +507,12 @@ def markdown_rows(rows: list[dict[str, Any]]) -> str:
             f"| {r['workload']} @ {r['pool']} | {r['policy']} | {g} | {s} "
             f"| {f(r['gpu_ratio_to_fcfs'])} | {f(r['sim_ratio_to_fcfs'])} "
             f"| {'-' if err is None else f'{err:+.0%}'} "
-            f"| {f(r['sim_standard_protocol_ratio_to_fcfs'])} |"
+            f"| {f(r['sim_standard_protocol_ratio_to_fcfs'])} "
+            f"| {f(r['gpu_p99_at_first_probe_over_fcfs'])} / "
+            f"{f(r['sim_p99_at_first_probe_over_fcfs'])} "
+            f"| {f(r['gpu_mean_at_first_probe_over_fcfs'])} / "
+            f"{f(r['sim_mean_at_first_probe_over_fcfs'])} "
+            f"| {f(r['gpu_hit_rate'])} / {f(r['sim_hit_rate'])} |"
         )
     return "\n".join(lines)
 
@@ -556,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.profile is None:
                 print(
                     f"warning: the GPU run's profile {Path(measured).name} is not next to the "
-                    "results; using the interim profile",
+                    f"results; using the default profile {DEFAULT_PROFILE.name}",
                     file=sys.stderr,
                 )
         setup = _setup(args)
@@ -583,6 +632,13 @@ def main(argv: list[str] | None = None) -> int:
     data["command"] = "python -m bench.sim_vs_gpu " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
+    from bench.serve import git_revision, machine_info
+
+    # Simulator results depend on the code and the profile, not on the machine's speed; the
+    # revision says which code, the machine only where it ran.
+    data["date"] = datetime.now(UTC).isoformat(timespec="seconds")
+    data["git"] = git_revision()
+    data["machine"] = machine_info()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(data, indent=1, default=str) + "\n")
     print(table)

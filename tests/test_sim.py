@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 
@@ -208,7 +209,7 @@ def test_simulator_is_deterministic_and_json_has_required_keys(tmp_path) -> None
     assert d1 == d2
     assert (tmp_path / "a.png").stat().st_size > 0
     assert {"results", "slo_p99_s", "max_qps_at_slo", "service", "scheduler_jct"} <= set(d1)
-    assert d1["service"]["kind"] == "profile" and d1["service"]["origin"] == "derived"
+    assert d1["service"]["kind"] == "profile" and d1["service"]["origin"] == "measured"
     assert "calibration half" in d1["scheduler_jct"]["how"]
     assert len(d1["results"]) == 6
     for row in d1["results"]:
@@ -251,8 +252,8 @@ def test_batching_packs_short_prompts_up_to_the_budget() -> None:
     alone = sim.simulate(wl, make_policy("fcfs"), 100.0, service=old, token_budget=1, **kwargs)
     # With the JCT service, serving one at a time pays only the per-forward floor per request.
     assert 0 < alone.makespan_s - batched.makespan_s < model.a_s * len(wl.requests)
-    # With the profile, batching amortises small forwards that cost their floor (the interim
-    # H200 profile: ~5.8 ms for any forward under ~290 tokens).
+    # With the profile, batching amortises small forwards that cost their floor (the measured
+    # H200 profile: ~8.5-9 ms for any forward of 64-150 tokens).
     prof = sim.build_setup().service
     small = [SimRequestSpec(f"r{i}", i / 1000, None, 0, 100) for i in range(200)]
     swl = sim.Workload(wl.spec, small, {})
@@ -305,9 +306,9 @@ def test_interim_profile_is_what_the_committed_results_give() -> None:
     """The shipped interim profile is reproducible from the committed H200 result files:
     measured points carry those files' numbers, everything else says it is derived."""
     from bench.derive_profile import SOURCES, derive
-    from bench.sim_profile import DEFAULT_PROFILE
+    from bench.sim_profile import INTERIM_PROFILE
 
-    shipped = PrefillProfile.load(DEFAULT_PROFILE)
+    shipped = PrefillProfile.load(INTERIM_PROFILE)
     assert shipped.origin == "derived" and "INTERIM" in shipped.note
     assert [p.to_dict() for p in derive().points] == [p.to_dict() for p in shipped.points]
     measured = [p for p in shipped.points if p.origin == "measured"]
@@ -382,3 +383,28 @@ def test_primed_runs_start_with_the_users_cached() -> None:
     assert warm["primed"] and not cold["primed"]
     hit = lambda d: d["results"][0]["cache_hit_token_fraction"]  # noqa: E731
     assert hit(warm) > hit(cold)
+
+
+def test_default_profile_is_the_measured_h200_one() -> None:
+    """The simulator's default service times are the profile plan o measured on the H200
+    (every point measured, with its provenance), the one the GPU scheduling run belongs to;
+    and the scheduler model fitted on its calibration half is the calibration the GPU servers
+    loaded, so a replay ranks with the servers' model."""
+    from bench.sim_profile import DEFAULT_PROFILE, INTERIM_PROFILE, REPO_DIR
+
+    assert DEFAULT_PROFILE != INTERIM_PROFILE
+    prof = PrefillProfile.load(DEFAULT_PROFILE)
+    assert prof.origin == "measured" and prof.device == "NVIDIA H200"
+    assert prof.model == "random:llama-3.1-8b"
+    assert all(p.origin == "measured" and len(p.seconds) == 5 for p in prof.points)
+    assert {p.cached for p in prof.points} >= {0, 4096, 16384, 32768}
+    assert any(p.batch > 1 for p in prof.points)  # batch points: the batch rule is corrected
+    prov = prof.provenance
+    assert prov["git_revision"]["given"] and "bench.prefill_profile" in prov["command"]
+    results = REPO_DIR / "bench" / "results"
+    gpu = json.loads((results / "gpu-scheduling-2026-12-01.json").read_text())
+    assert Path(gpu["profile"]["path"]).name == DEFAULT_PROFILE.name
+    served = json.loads((results / "jct-calibration-h200.json").read_text())["coefficients"]
+    fitted = sim.build_setup().jct_template.coefficients
+    for k, v in served.items():
+        assert fitted[k] == pytest.approx(v, rel=1e-9)

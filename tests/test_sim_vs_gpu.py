@@ -121,3 +121,50 @@ def test_predict_a_planned_run(tok, tmp_path) -> None:
     assert sim["srjf"][0]["start_qps"] == sim["fcfs"][0]["max_qps"]
     assert rows["srjf"]["p99_at_start_over_fcfs"] is not None
     assert data["plan"]["duration_s"] == 4.0
+
+
+def test_first_probe_ratios_and_hit_rates_pair_by_repeat() -> None:
+    """P99 / mean at the policy's first probe over FCFS's at that QPS (same repeat), hit rate
+    as the mean of the probes'; a search the GPU skipped counts for nothing."""
+
+    def rep(repeat: int, start: float, probes: dict) -> dict:
+        return {"repeat": repeat, "start_qps": start, "max_qps": start, "probes": probes}
+
+    by_policy = {
+        "fcfs": [
+            rep(
+                1,
+                4.0,
+                {
+                    "4.0": {"p99_ms": 1000.0, "mean_ms": 500.0, "hit_rate": 0.4},
+                    "6.0": {"p99_ms": 9000.0, "mean_ms": 4000.0, "hit_rate": 0.6},
+                },
+            ),
+            rep(2, 4.0, {"4.0": {"p99_ms": 2000.0, "mean_ms": 1000.0, "hit_rate": 0.5}}),
+        ],
+        "srjf": [
+            rep(1, 4.0, {"4.0": {"p99_ms": 500.0, "mean_ms": 100.0, "hit_rate": 0.7}}),
+            rep(2, 4.0, {"4.0": {"p99_ms": 3000.0, "mean_ms": None, "hit_rate": 0.9}}),
+            {"repeat": 3, "skipped": "device time"},
+        ],
+    }
+    got = svg.at_first_probe(by_policy)
+    assert got["fcfs"] == {"p99": 1.0, "mean": 1.0, "hit_rate": pytest.approx((0.5 + 0.5) / 2)}
+    assert got["srjf"]["p99"] == pytest.approx((0.5 + 1.5) / 2)
+    assert got["srjf"]["mean"] == pytest.approx(0.2)  # repeat 2 has no mean: left out
+    assert got["srjf"]["hit_rate"] == pytest.approx(0.8)
+
+
+def test_gpu_mode_records_revision_date_and_machine(tok, tmp_path, monkeypatch) -> None:
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    gpu_path, out = tmp_path / "gpu.json", tmp_path / "out.json"
+    gpu_path.write_text(json.dumps(_gpu_file(tok)))
+    argv = ["--gpu", str(gpu_path), "--tokenizer", str(path), "--out", str(out)]
+    assert svg.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert {"command", "date", "git", "machine", "service", "scheduler_jct"} <= set(data)
+    assert "revision" in data["git"] and "platform" in data["machine"]
+    row = next(r for r in data["rows"] if r["policy"] == "srjf")
+    assert row["gpu_p99_at_first_probe_over_fcfs"] == pytest.approx(300.0 / 900.0)
+    assert row["sim_hit_rate"] is not None and row["gpu_hit_rate"] is None  # none recorded
