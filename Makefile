@@ -27,11 +27,12 @@ serve: setup model
 	$(PY) -m app serve --host $(HOST) --port $(PORT) --model $(MODEL)
 
 # On a GPU machine the suite runs twice: everything but tests/gpu with CUDA hidden (exactly
-# what the CPU CI runs: CPU-assumed shapes and timings), then tests/gpu on the GPU.
+# what the CPU CI runs: CPU-assumed shapes and timings), then every GPU test (tests/gpu and
+# the tests marked gpu elsewhere) and the Triton kernel tests, compiled, on the GPU.
 test: setup model
 ifeq ($(HAS_GPU),1)
 	CUDA_VISIBLE_DEVICES= $(PY) -m pytest -q --ignore=tests/gpu
-	$(PY) -m pytest -q tests/gpu
+	$(PY) -m pytest -q -m "gpu or kernels"
 else
 	$(PY) -m pytest -q
 endif

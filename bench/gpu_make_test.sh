@@ -4,8 +4,19 @@
 # included), carried one per call while the machine stays warm; the last call installs them and
 # runs the README's `make test`.
 #
-#   bash bench/gpu_make_test.sh prepare          # here: .whp/{a,b,...}/ (ignored), sizes printed
-#   bash bench/gpu_make_test.sh run              # there: join, install, make test (log in $OUT)
+#   bash bench/gpu_make_test.sh prepare     # here: .whp/{a,b,c,d,e}/part (ignored), sizes printed
+#   bash bench/gpu_make_test.sh stash       # there, in each call: the carried piece to /tmp/whp
+#   bash bench/gpu_make_test.sh run         # there, last: join, install, make test (log in $OUT)
+#
+# The calls, back to back (the machine goes back 30 s after a call). Seen there on 2026-12-01:
+# carrying .whp/b removed the .whp/a an earlier call carried, and a call with no carry removed
+# .whp/c, while .whl and .fi_cache outlived calls that carried other paths; /tmp stays while the
+# machine does. So every call moves its piece out to /tmp/whp:
+#   run(carry=[".whl", ".fi_cache", ".whp/a"], command="bash bench/gpu_make_test.sh stash; <other work>")
+#   run(carry=[".whp/b"], command="bash bench/gpu_make_test.sh stash")      # c, d likewise
+#   run(carry=[".whp/e"], command="bash bench/gpu_make_test.sh stash && GREENLANE_REVISION=<sha> timeout 575 bash bench/gpu_make_test.sh run")
+# Measured 2026-12-01: five pieces (15 + 4 x 58 MB), each stash call ~5 s of device time; the
+# install ~1 min; make test's CUDA-hidden pass 7 min on that machine.
 #
 # prepare resolves the project's extras (gpu, convert, dev, cluster) for CPython 3.12 x86-64,
 # keeps what the device image lacks (its package list: the device tool's KINDS.md), and leaves
@@ -18,7 +29,7 @@ cd "$(dirname "$0")/.."
 mode=${1:-}
 case $mode in
 prepare)
-  work=${WORK:-/tmp/gl-wheels}; part_mb=${PART_MB:-57}; first_mb=${FIRST_MB:-18}
+  work=${WORK:-/tmp/gl-wheels}; part_mb=${PART_MB:-57}; first_mb=${FIRST_MB:-14}
   rm -rf "$work" .whp && mkdir -p "$work/local" "$work/wh" .whp
   pip=(.venv/bin/python -m pip)
   # sdist-only dependencies of lm-eval, built here (pure Python), and a stand-in for torch so the
@@ -81,11 +92,13 @@ EOF
   done
   sha256sum "$work/wheels.tar" | cut -d' ' -f1 >.whp/a/sha256
   du -sh .whp/* ;;
+stash)
+  mkdir -p /tmp/whp && cp -r .whp/* /tmp/whp/ && ls /tmp/whp ;;
 run)
   export PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
   out=${OUT:-/tmp}
-  cat .whp/*/part >/tmp/wheels.tar
-  [ "$(sha256sum /tmp/wheels.tar | cut -d' ' -f1)" = "$(cat .whp/a/sha256)" ] || { echo "pieces missing or corrupt"; exit 1; }
+  cat /tmp/whp/*/part >/tmp/wheels.tar
+  [ "$(sha256sum /tmp/wheels.tar | cut -d' ' -f1)" = "$(cat /tmp/whp/a/sha256)" ] || { echo "pieces missing or corrupt: $(ls /tmp/whp)"; exit 1; }
   tar xf /tmp/wheels.tar -C /tmp
   # A venv over the image's CUDA torch. The image's python is itself a venv (and may lack
   # ensurepip), so the new one gets the image's packages through a .pth that runs
@@ -112,5 +125,5 @@ run)
   set -o pipefail
   { date -u; echo "revision: ${GREENLANE_REVISION:-unknown}"; nvidia-smi -L; } >"$out/make-test.log"
   make test 2>&1 | tee -a "$out/make-test.log" ;;
-*) echo "usage: $0 prepare|run"; exit 2 ;;
+*) echo "usage: $0 prepare|stash|run"; exit 2 ;;
 esac

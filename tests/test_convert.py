@@ -79,7 +79,27 @@ def test_write_atomically(tmp_path: Path) -> None:
             (tmp / f).write_text("x")
 
     convert.write_atomically(out, complete)
-    assert convert.is_converted(out) and list(out.parent.iterdir()) == [out]
+    assert list(out.parent.iterdir()) == [out]
+    # Complete but from an older conversion (no version mark): converted again.
+    assert not convert.is_converted(out)
+    gen = {"eos_token_id": 2, "greenlane_conversion": convert.CONVERSION_VERSION}
+    (out / "generation_config.json").write_text(json.dumps(gen))
+    assert convert.is_converted(out)
+
+
+def test_special_tokens_follow_the_gguf(default_model_dir: Path) -> None:
+    """bos/eos/pad/unk in the converted files are the ones the GGUF's metadata names, whatever
+    transformers' GGUF reader made of them (5.17 named <|im_start|> as eos)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    ids = convert.gguf_special_token_ids(convert.find_gguf())
+    assert ids["eos"] != ids["bos"]
+    tok = HFTokenizer.from_file(str(default_model_dir / "tokenizer.json"))
+    tcfg = json.loads((default_model_dir / "tokenizer_config.json").read_text())
+    gen = json.loads((default_model_dir / "generation_config.json").read_text())
+    for key, token_id in ids.items():
+        assert tok.token_to_id(tcfg[f"{key}_token"]) == token_id, key
+    assert gen["eos_token_id"] == ids["eos"] and gen["bos_token_id"] == ids["bos"]
 
 
 def test_cache_dir_env(monkeypatch, tmp_path: Path) -> None:

@@ -86,9 +86,18 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
             [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]
         ).stdout.strip()
     )
-    # Dependencies from this environment; .pth files in it (an editable install of the
-    # checkout) are not processed, so only the wheel provides greenlane's own packages.
-    (site / "_greenlane_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # Dependencies from this environment: its site-packages and any other site folder on its
+    # path (a venv layered over another one, like make test's on the GPU image, reaches the
+    # lower one's packages through a .pth). Lines naming folders, not .pth processing: the
+    # editable install of the checkout stays out, so only the wheel provides greenlane's own
+    # packages.
+    purelib = sysconfig.get_paths()["purelib"]
+    sites = [purelib] + [
+        p
+        for p in sys.path
+        if p != purelib and p.endswith(("site-packages", "dist-packages")) and Path(p).is_dir()
+    ]
+    (site / "_greenlane_test_deps.pth").write_text("\n".join(sites) + "\n")
     _run([*pip, "--python", str(python), "install", "-q", "--no-deps", "--no-index", str(wheel)])
     return env_dir
 

