@@ -19,7 +19,9 @@ planned. Greedy outputs are the same either way.
 Executors (runtime/executor/): `SerialExecutor` (the whole device; CPU too) and, on CUDA with
 green contexts, `SplitExecutor` (prefill and decode concurrently on a pair of SM partitions,
 or time-sliced when the controller predicts that is faster) while the partition mode is not
-`off`. Switching executors drains the old one first. `engine.partition` is a
+`off`. In `auto` with a TBT target the controller is asked before a step is planned whether to
+cut the queue's head prefill into chunks sized to the target (`_auto_capacity`); its chunk is
+then the step's prefill token cap. Switching executors drains the old one first. `engine.partition` is a
 `runtime.partition.PartitionManager` (`UnavailablePartition` off CUDA, saying why).
 
 Failure containment: a step whose launch raises is re-run one request at a time after the
@@ -69,7 +71,14 @@ from runtime.partition import PartitionManager, SplitChoice
 from runtime.partition.setup import capture_split_graphs, make_partition, profile_at_startup
 from runtime.request import FINISH_REASONS, EngineOutput, Request, RequestKind, RequestStatus
 from runtime.runner import ModelRunner, profile_activation_peak
-from runtime.scheduler import Lease, ScaledCost, ScheduledSeq, Scheduler, StepPlan
+from runtime.scheduler import (
+    Lease,
+    ScaledCost,
+    ScheduledSeq,
+    Scheduler,
+    StepCapacity,
+    StepPlan,
+)
 
 log = logging.getLogger("greenlane.engine")
 
@@ -236,11 +245,14 @@ class Engine:
         self._num_decode_steps = 0
         self._prev_had_decode = False
         # --tbt-slo-ms: prefill work per step is cut to fit the target next to the decodes,
-        # whose step time is this running average of decode-only steps (serial executor: the
-        # split executor's controller has its own target, --partition-tbt-slo-ms).
+        # whose step time is this running average of decode-only steps (serial executor; in
+        # auto the controller sizes its chunks with the same arithmetic: _auto_capacity).
         self._tbt_s = None if config.tbt_slo_ms is None else config.tbt_slo_ms / 1e3
         self._decode_step_avg_s = 0.0
         self._prefill_cost = ScaledCost(self.jct_model)
+        # auto: the controller's choice for the step being planned, when it chose chunks
+        # (`_auto_capacity`); the launch of that step carries it out (`_choose_split`).
+        self._planned_choice: SplitChoice | None = None
         self._step_started_s: float | None = None  # engine clock at the current step's start
         self._stats: dict[str, Any] = {}
         self._next_stats_s = 0.0
@@ -266,11 +278,72 @@ class Engine:
             self._inbox.append(("call", fn))
             self._wakeup.notify()
 
+    def _auto_capacity(self, capacity: StepCapacity) -> StepCapacity:
+        """auto with a TBT target, before a step is planned: the controller chooses how to run
+        the head of the prefill queue beside the decodes, chunked time-slicing included (the
+        prefill cut into chunks sized to the target, on the whole GPU). When it chooses
+        chunks, the step is planned as `off` plans one, its prefill tokens capped at the
+        decision's `chunk_tokens`, and launched on the whole GPU with that decision
+        (`_choose_split`). Otherwise the step is planned whole and the controller chooses for
+        the planned batch at launch (split, layer slices, or a whole time-slice)."""
+        from runtime.partition.cost_model import ChunkInput, DecodeShape, PrefillShape
+
+        self._planned_choice = None
+        g = self._green
+        target_ms = self._chunk_tbt_ms()
+        if g is None or g.mode != "auto" or target_ms is None:
+            return capacity
+        if capacity.prefill_token_budget <= 0:
+            return capacity  # a prefill is in flight on a split or in layer slices
+        look = self.scheduler.outlook(self.config.chunk_scoring_prefill)
+        if not (look.prefill_tokens and look.num_decodes and look.prefill_chunkable):
+            return capacity  # nothing to cut, or nothing to protect: planned whole
+        layers = self.model_config.num_layers
+        p = PrefillShape.from_seqs([(look.prefill_context_tokens, look.prefill_tokens)], layers)
+        d = DecodeShape(look.num_decodes, look.decode_context_tokens, layers)
+        chunk = ChunkInput(
+            self._prefill_cost,
+            look.prefill_context_tokens,
+            target_ms,
+            self._decode_step_avg_s * 1e3,
+        )
+        bm = self.block_manager
+        kv_usage = bm.num_used_blocks / max(bm.num_blocks, 1)
+        choice = g.decide(p, d, kv_usage, chunk=chunk, record=False)
+        chunk_tokens = choice.decision.chunk_tokens
+        if not chunk_tokens:
+            return capacity
+        self._planned_choice = choice
+        # As the serial executor plans a step (decodes share the budget the activation reserve
+        # was sized for); the decision's chunk caps the prefill tokens.
+        return StepCapacity(
+            prefill_token_budget=min(
+                capacity.prefill_token_budget, chunk_tokens + look.num_decodes
+            ),
+            decodes_share_budget=True,
+            hold_prefills=False,
+            chunk_scoring=self.config.chunk_scoring_prefill,
+        )
+
+    def _chunk_tbt_ms(self) -> float | None:
+        """auto's target for chunked time-slicing: `--tbt-slo-ms` (also as changed on the admin
+        page), else the controller's (`--partition-tbt-slo-ms`)."""
+        if self._tbt_s is not None:
+            return self._tbt_s * 1e3
+        g = self._green
+        return None if g is None else g.controller.config.tbt_slo_ms
+
     def _choose_split(self, pplan: StepPlan | None, dplan: StepPlan | None) -> SplitChoice:
-        """The controller's split for the next prefill batch (or decode-only step)."""
+        """The controller's split for the next prefill batch (or decode-only step); for a
+        prefill planned as chunks (`_auto_capacity`), that decision."""
         from runtime.partition.cost_model import DecodeShape, PrefillShape
 
         g = self._green
+        planned = self._planned_choice
+        if pplan is not None and planned is not None:
+            self._planned_choice = None
+            g.record(planned.decision)
+            return planned
         num_layers = self.model_config.num_layers
         p = (
             None
@@ -702,7 +775,9 @@ class Engine:
         planned = False
         if sched.has_work():
             capacity = ex.capacity()
-            if self._tbt_s is not None and ex.name == "serial":
+            if ex is self.split:
+                capacity = self._auto_capacity(capacity)
+            elif self._tbt_s is not None and ex.name == "serial":
                 capacity = dataclasses.replace(
                     capacity,
                     tbt_s=self._tbt_s,

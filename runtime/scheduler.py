@@ -116,6 +116,27 @@ class ScaledCost:
 MIN_TBT_CHUNK_TOKENS = 256
 
 
+def tbt_chunk_tokens(cost: PrefillCost, time_left_s: float, cached_tokens: int) -> int:
+    """The first prefill chunk of a step under a TBT target: the most new tokens after
+    `cached_tokens` whose marginal cost fits `time_left_s` (the target less the decode step),
+    at least MIN_TBT_CHUNK_TOKENS. The scheduler's cut (`--tbt-slo-ms`) and auto's chunked
+    option (runtime/partition/cost_model.py) both size chunks with it."""
+    return max(cost.max_tokens_within(time_left_s, cached_tokens), MIN_TBT_CHUNK_TOKENS)
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutlook:
+    """What the next step would start with, before it is planned (`Scheduler.outlook`): the
+    head of the prefill queue and the decode batch. For `--partition auto`, whose controller
+    chooses how the step runs (chunked, split, layer slices) before the scheduler plans it."""
+
+    prefill_tokens: int  # tokens the head prefill has left to compute (0: no prefill queued)
+    prefill_context_tokens: int  # its context: prefix-cache hits or chunks computed earlier
+    prefill_chunkable: bool  # it may be cut by tokens across steps
+    num_decodes: int
+    decode_context_tokens: int  # KV tokens the decodes read
+
+
 @dataclass(frozen=True, slots=True)
 class StepCapacity:
     """What the executor can take in the next step (`Executor.capacity()`)."""
@@ -271,6 +292,8 @@ class Scheduler:
         self._next_seq = 0
         self._next_step = 0
         self._time_left_s: float | None = None  # TBT seconds left for this step's prefill work
+        # (step id, waiting count, policy order) computed by `outlook` for the next step
+        self._order_memo: tuple[int, int, list[Request]] | None = None
         self._pending: list[EngineOutput] = []  # outputs produced outside update()
         self._num_leases = 0
         self._num_unreleased = 0  # leases released by their request but still in use by steps
@@ -430,6 +453,52 @@ class Scheduler:
                 out.append((remaining, r.num_computed_tokens))
         return out
 
+    # ---- outlook (before a step is planned) ------------------------------------------------
+    def outlook(self, chunk_scoring: bool = True) -> StepOutlook:
+        """The head of the prefill queue and the decode batch the next `schedule` would start
+        from (same order: a prefill in progress, else the first waiting request in policy
+        order; the decodes as `_plan_decodes` picks them, before any preemption). Changes
+        nothing; the policy order computed here is reused by the next `schedule` if the
+        waiting queue is unchanged. `chunk_scoring`: whether the executor may chunk a long
+        scoring prompt next to decodes (`StepCapacity.chunk_scoring`)."""
+        num_decodes = decode_ctx = 0
+        head: tuple[int, int, bool] | None = None
+        for req in self.running:
+            lease = self._track[req.request_id].lease
+            if lease is None or lease.held or req.status != RequestStatus.RUNNING:
+                continue
+            remaining = req.num_total_tokens - req.num_computed_tokens
+            if lease.sampled:
+                room = req.num_output_tokens + req.num_output_placeholders
+                if remaining == 1 and room < req.sampling.max_tokens:
+                    num_decodes += 1
+                    decode_ctx += req.num_computed_tokens
+            elif remaining > 0 and head is None:
+                # Admitted with the KV of its whole prompt: it may continue by chunks.
+                head = (remaining, req.num_computed_tokens, True)
+        self._order_memo = None
+        if head is None and self.waiting and len(self.running) < self.config.max_num_seqs:
+            ordered = self.ordered_waiting(self.clock())
+            self._order_memo = (self._next_step, len(self.waiting), ordered)
+            req = ordered[0]
+            prefix_blocks, cached = self._cached_prefix(req)
+            chunkable = req.kind != RequestKind.SCORE
+            if not chunkable and chunk_scoring and num_decodes:
+                # As `_admit`: a scoring prompt is chunked next to decodes when its whole KV
+                # fits the pool now (else it runs whole, hybrid, its suffix KV discarded).
+                need = self.bm.num_blocks_for(req.num_tokens) - len(prefix_blocks)
+                chunkable = self.bm.can_allocate(need, prefix_blocks)
+            head = (req.num_tokens - cached, cached, chunkable)
+        tokens, context, chunkable = head if head is not None else (0, 0, False)
+        return StepOutlook(tokens, context, chunkable, num_decodes, decode_ctx)
+
+    def _waiting_in_order(self, now_s: float) -> list[Request]:
+        """`ordered_waiting`, or the order `outlook` just computed for this step."""
+        memo, self._order_memo = self._order_memo, None
+        if memo is not None and memo[0] == self._next_step - 1 and memo[1] == len(self.waiting):
+            return memo[2]
+        return self.ordered_waiting(now_s)
+
     # ---- schedule -------------------------------------------------------------------------
     def schedule(self, capacity: StepCapacity) -> StepPlan:
         """Plan one step within `capacity`. The counters of what is planned advance now."""
@@ -537,7 +606,7 @@ class Scheduler:
         )
         being_prefilled = self._blocks_being_prefilled() if sharing and self.waiting else set()
         decoding = bool(plan.decode)
-        for req in self.ordered_waiting(now):
+        for req in self._waiting_in_order(now):
             if len(self.running) >= self.config.max_num_seqs:
                 break
             first = not plan.prefill
@@ -605,8 +674,9 @@ class Scheduler:
         tokens (the first chunk of a step gets at least MIN_TBT_CHUNK_TOKENS)."""
         if self._time_left_s is None or capacity.prefill_cost is None:
             return budget
-        fits = capacity.prefill_cost.max_tokens_within(self._time_left_s, cached)
-        return min(budget, max(fits, MIN_TBT_CHUNK_TOKENS) if first else fits)
+        if first:
+            return min(budget, tbt_chunk_tokens(capacity.prefill_cost, self._time_left_s, cached))
+        return min(budget, capacity.prefill_cost.max_tokens_within(self._time_left_s, cached))
 
     def _spend(self, num_tokens: int, cached: int, capacity: StepCapacity) -> None:
         if self._time_left_s is not None and capacity.prefill_cost is not None:

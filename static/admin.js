@@ -79,16 +79,19 @@
   }
 
   // What auto did since the mode was last set (prefill batches per choice; "0" = time-sliced,
-  // "layer-sliced" = time-sliced by slices of layers),
+  // "layer-sliced" = time-sliced by slices of layers, "chunked" = time-sliced with the prefill
+  // cut into chunks sized to the TBT target),
   // and the splits taken out of service after failing on this device.
   function choicesText(part) {
     const parts = [];
     const counts = part.choice_counts || {};
     const total = Object.values(counts).reduce((a, b) => a + b, 0);
     if (total > 0) {
-      const label = (k) =>
-        k === "0" ? "time-sliced" : k === "layer-sliced" ? "time-sliced by layers" : k + " prefill SMs";
-      const order = (k) => (k === "layer-sliced" ? 0.5 : Number(k)); // after "0", before splits
+      const special = { "0": "time-sliced", "layer-sliced": "time-sliced by layers",
+        "chunked": "time-sliced in chunks" };
+      const label = (k) => special[k] || k + " prefill SMs";
+      // After "0", before the splits.
+      const order = (k) => (k === "layer-sliced" ? 0.5 : k === "chunked" ? 0.25 : Number(k));
       const items = Object.entries(counts)
         .sort((a, b) => order(a[0]) - order(b[0]))
         .map(([k, n]) => `${label(k)} ${n} ` +

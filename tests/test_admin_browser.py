@@ -240,6 +240,12 @@ def test_admin_page_live_and_controls(
     assert "64 prefill SMs 1 (25 %)" in choices
     assert "time-sliced by layers 1 (25 %)" in choices
     assert "120 (CUBLAS_STATUS_EXECUTION_FAILED (test))" in choices
+    # auto's chunked time-slicing (prefill cut to the TBT target) has its own label.
+    partition.choice_counts = {"chunked": 3, "64": 1}
+    page.wait_for_function(
+        "document.getElementById('choices-text').textContent.includes("
+        "'time-sliced in chunks 3 (75 %)')"
+    )
 
     page.locator(".policy-btn[data-policy='fcfs']").click()
     page.wait_for_selector(".policy-btn.active[data-policy='fcfs']")

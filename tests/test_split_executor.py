@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from runtime.engine import Engine
 from runtime.executor.base import StepFailed
 from runtime.executor.split import SplitExecutor
 from runtime.partition import SplitChoice, SplitDecision
+from runtime.partition.cost_model import ControllerConfig
 from runtime.request import EngineOutput, Request, RequestKind, SamplingParams
 from runtime.runner import ModelRunner
 
@@ -89,11 +91,13 @@ def torch_runner(eng: Engine) -> ModelRunner:
 
 class RecordingPartition:
     """What the engine uses of GreenContextPartition in split mode: the mode, the disabled
-    splits and `disable_split`, the cost model's error (for stats)."""
+    splits and `disable_split`, the cost model's error (for stats), the controller's config
+    (no TBT target: auto plans every step whole and `choose` decides at launch)."""
 
     def __init__(self) -> None:
         self.mode = "auto"
         self.disabled: dict[int, str] = {}
+        self.controller = SimpleNamespace(config=ControllerConfig())
 
     def disable_split(self, prefill_sms: int, reason: str) -> None:
         self.disabled[prefill_sms] = reason

@@ -20,12 +20,20 @@ TIME_SLICE = 0  # the decision "no split: every SM to one phase at a time" (like
 
 @dataclass(frozen=True, slots=True)
 class SplitDecision:
-    """Where the next step's prefill runs: the one type for a split decision, whoever makes it
-    (the controller in auto, a pin in static, off). Predictions are NaN when none was made."""
+    """Where and how the next step's prefill runs: the one type for a split decision, whoever
+    makes it (the controller in auto, a pin in static, off). Predictions are NaN when none was
+    made. `predicted_prefill_ms` is the time to finish the prefill (on its split, or over its
+    layer slices or chunk steps with the decode steps between them), `predicted_decode_ms` how
+    long a decode step takes (time-sliced: waits) meanwhile."""
 
     prefill_sms: int  # TIME_SLICE (0) = no split
     # Time-slicing by slices of this many layers (prefill_sms is TIME_SLICE); None = whole.
     layers_per_slice: int | None = None
+    # Time-slicing with the prefill cut into chunks of at most this many tokens per step, each
+    # step one whole-GPU forward of the decodes and a chunk sized to the TBT target
+    # (prefill_sms is TIME_SLICE): it caps the step's prefill tokens when the step is planned.
+    # None = the prefill is not cut by the decision.
+    chunk_tokens: int | None = None
     predicted_prefill_ms: float = math.nan
     predicted_decode_ms: float = math.nan
     speedup_vs_time_slice: float = 1.0  # serial-on-whole-GPU time / concurrent time
@@ -50,6 +58,10 @@ class SplitChoice:
     def layers_per_slice(self) -> int | None:
         return self.decision.layers_per_slice
 
+    @property
+    def chunk_tokens(self) -> int | None:
+        return self.decision.chunk_tokens
+
 
 @dataclass(slots=True)
 class PartitionState:
@@ -66,7 +78,8 @@ class PartitionState:
     measured_prefill_ms: float | None = None
     measured_decode_ms: float | None = None
     # auto: prefill batches per choice since the mode was set ("0" = time-slice,
-    # "layer-sliced" = time-sliced by slices of layers)
+    # "layer-sliced" = time-sliced by slices of layers, "chunked" = time-sliced with the
+    # prefill cut into chunks sized to the TBT target)
     choice_counts: dict[str, int] = field(default_factory=dict)
     # splits taken out of service after failing at run time (split -> why)
     disabled_splits: dict[str, str] = field(default_factory=dict)

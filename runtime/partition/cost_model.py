@@ -37,6 +37,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -293,6 +294,28 @@ class CostModel:
 # ---------------------------------------------------------------------------------- controller
 
 
+class MarginalPrefillCost(Protocol):
+    """Whole-GPU marginal prefill seconds (`policies.jct.JCTModel`, or the engine's online
+    correction of it, `runtime.scheduler.ScaledCost`)."""
+
+    def marginal_s(self, uncached_tokens: int, cached_tokens: int = 0) -> float: ...
+    def max_tokens_within(self, seconds: float, cached_tokens: int = 0) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkInput:
+    """The chunked time-slicing option of `SplitController.choose`: the prefill is the head of
+    the queue, may be cut by tokens across steps, and each step's chunk is sized so that the
+    decodes plus the chunk meet `tbt_slo_ms`."""
+
+    prefill_cost: MarginalPrefillCost
+    context_tokens: int  # the prefill's context (prefix-cache hits or earlier chunks)
+    tbt_slo_ms: float  # the chunks' target (--tbt-slo-ms, else the controller's)
+    # Measured whole-GPU decode step (ms), for an uncalibrated cost model; a calibrated one
+    # predicts it (corrected online by the same measurements).
+    decode_step_ms: float = 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class ControllerConfig:
     kv_switch: float = 0.70  # KV usage at which the objective flips from prefill to decode
@@ -363,8 +386,18 @@ class SplitController:
         return serial / tp
 
     def choose(
-        self, p: PrefillShape | None, d: DecodeShape | None, kv_usage: float
+        self,
+        p: PrefillShape | None,
+        d: DecodeShape | None,
+        kv_usage: float,
+        *,
+        chunk: ChunkInput | None = None,
     ) -> SplitDecision:
+        """How to run the next prefill `p` beside the decode batch `d` (None: that phase has
+        no work). `chunk`: `p` is the head of the prefill queue, not yet planned, and may be
+        cut by tokens across steps; chunked time-slicing then competes with the splits and
+        layer slices (`_versus`), and a whole-GPU time-slice is always cut to chunks. Without
+        it, `p` is what will run whole (a planned batch, or an unchunkable prompt)."""
         cfg = self.config
         if self.pinned is not None:
             tp, td = self._eval(self.pinned, p, d) if p and d else (math.nan, math.nan)
@@ -376,14 +409,108 @@ class SplitController:
                 speedup_vs_time_slice=sp,
                 reason="pinned",
             )
+        chunked = None
+        if chunk is not None and p is not None and d is not None and cfg.allow_time_slice:
+            chunked = self._chunked(p, d, chunk)
         if not self.model.calibrated:
             # No parameters for this device/model: any split choice would be a guess, and
-            # time-slicing is what `off` does (logged once at start-up by the engine).
+            # time-slicing is what `off` does (logged once at start-up by the engine), with
+            # the prefill cut to the TBT target when it may be.
+            if chunked is not None:
+                return dataclasses.replace(
+                    chunked, reason="cost model uncalibrated: chunked time-slicing"
+                )
             return SplitDecision(TIME_SLICE, reason="cost model uncalibrated: time-slicing")
         if p is None or d is None:
             # One phase only: nothing to overlap; it gets the whole GPU. `current` is left
             # alone: hysteresis is about consecutive prefill batches, not decode-only gaps.
             return SplitDecision(TIME_SLICE, reason="one phase only")
+        if chunked is None:
+            return self._choose_whole(p, d, kv_usage)
+        assert chunk is not None
+        if chunked.chunk_tokens is not None and chunked.chunk_tokens >= p.num_tokens:
+            if chunked.predicted_decode_ms <= chunk.tbt_slo_ms:
+                # One step holds the whole prefill within the target: nothing beats giving
+                # it every SM (as `off`), and no split needs evaluating.
+                self.current = TIME_SLICE
+                return dataclasses.replace(
+                    chunked, reason="the prefill fits the TBT target in one step"
+                )
+        return self._versus(chunked, chunk, self._choose_whole(p, d, kv_usage), kv_usage)
+
+    def _chunked(self, p: PrefillShape, d: DecodeShape, chunk: ChunkInput) -> SplitDecision:
+        """Time-slicing with the prefill `p` cut into chunks: every step runs the decodes and
+        one chunk on the whole GPU, the chunk being the most tokens whose marginal cost fits
+        the target after the decode step (`tbt_chunk_tokens`: the arithmetic of the
+        scheduler's `--tbt-slo-ms` cut). Predicted prefill: until the last chunk is done (the
+        chunks' marginal cost plus one decode step per chunk step); predicted decode: one
+        step (decodes + the first chunk), which is what a decode waits."""
+        from runtime.scheduler import MIN_TBT_CHUNK_TOKENS, tbt_chunk_tokens
+
+        m = self.model
+        decode_ms = (
+            m.predict(DECODE, d, m.total_sms) if m.calibrated else max(0.0, chunk.decode_step_ms)
+        )
+        room_ms = chunk.tbt_slo_ms - decode_ms
+        cost, ctx, n = chunk.prefill_cost, chunk.context_tokens, max(p.num_tokens, 1)
+        tokens = tbt_chunk_tokens(cost, room_ms / 1e3, ctx)
+        all_ms = cost.marginal_s(n, ctx) * 1e3
+        if tokens >= n:
+            steps = 1
+        else:
+            # The cut is by time, so each step fills the room (chunks shrink as the context
+            # grows), but takes at least MIN_TBT_CHUNK_TOKENS.
+            by_time = math.ceil(all_ms / room_ms) if room_ms > 0 else n
+            steps = max(2, min(by_time, math.ceil(n / MIN_TBT_CHUNK_TOKENS)))
+        return SplitDecision(
+            TIME_SLICE,
+            chunk_tokens=tokens,
+            predicted_prefill_ms=steps * decode_ms + all_ms,
+            predicted_decode_ms=decode_ms + cost.marginal_s(min(tokens, n), ctx) * 1e3,
+            reason="chunked time-slicing",
+            evaluations=1,
+        )
+
+    def _versus(
+        self, chunked: SplitDecision, chunk: ChunkInput, best: SplitDecision, kv_usage: float
+    ) -> SplitDecision:
+        """Chunked time-slicing against the best whole-prefill choice (`_choose_whole`):
+        whatever meets the TBT target and finishes the prefill first; a split or layer slices
+        must be predicted faster by `min_split_speedup`. A whole-GPU time-slice is always cut
+        into chunks (a decode then waits for one chunk, not for the whole prefill), and while
+        decode is favoured (KV usage above the switch) or without a split target, a split is
+        kept as that rule chose it."""
+        cfg = self.config
+        evaluations = best.evaluations + 1
+
+        def pick_chunked(reason: str) -> SplitDecision:
+            self.current = TIME_SLICE
+            return dataclasses.replace(chunked, reason=reason, evaluations=evaluations)
+
+        if best.prefill_sms == TIME_SLICE and not best.layers_per_slice:
+            return pick_chunked("chunked time-slicing (a whole prefill cut to the TBT target)")
+        if kv_usage >= cfg.kv_switch or cfg.tbt_slo_ms is None:
+            return best
+        what = "layer slices" if best.layers_per_slice else f"split {best.prefill_sms}"
+        chunk_ok = chunked.predicted_decode_ms <= chunk.tbt_slo_ms
+        # Layer slices are sized to the target; a split's decode step is predicted.
+        best_ok = bool(best.layers_per_slice) or best.predicted_decode_ms <= cfg.tbt_slo_ms
+        if chunk_ok and not best_ok:
+            return pick_chunked(f"chunked time-slicing ({what} misses the TBT target)")
+        if chunk_ok and chunked.predicted_prefill_ms <= (
+            best.predicted_prefill_ms * cfg.min_split_speedup
+        ):
+            return pick_chunked(f"chunks finish the prefill before {what}")
+        if not chunk_ok and not best_ok and chunked.predicted_decode_ms < best.predicted_decode_ms:
+            return pick_chunked(
+                "chunked time-slicing (nothing meets the TBT target; it is closest)"
+            )
+        return dataclasses.replace(best, evaluations=evaluations)
+
+    def _choose_whole(self, p: PrefillShape, d: DecodeShape, kv_usage: float) -> SplitDecision:
+        """Nexus's rule with the TBT target for a prefill `p` that runs whole: a whole-GPU
+        time-slice, a split, or (layer slicing on) slices of layers."""
+        cfg = self.config
         favour_prefill = kv_usage < cfg.kv_switch
         evals: dict[int, tuple[float, float]] = {}
         self._num_evals = 0

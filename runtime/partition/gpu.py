@@ -31,6 +31,7 @@ import torch
 
 from runtime.partition import TIME_SLICE, PartitionState, SplitChoice, SplitDecision
 from runtime.partition.cost_model import (
+    ChunkInput,
     ControllerConfig,
     CostModel,
     DecodeShape,
@@ -42,7 +43,18 @@ from runtime.partition.green_ctx import GreenPair, SmLayout, create_pairs, read_
 log = logging.getLogger("greenlane.partition")
 
 
-LAYER_SLICED = -1  # choice-count key: time-sliced by slices of layers ("layer-sliced")
+# Choice-count keys besides the splits (0 = a whole time-slice): time-sliced by slices of layers
+# ("layer-sliced") or with the prefill cut into chunks sized to the TBT target ("chunked").
+LAYER_SLICED = -1
+CHUNKED = -2
+_CHOICE_LABELS = {LAYER_SLICED: "layer-sliced", CHUNKED: "chunked"}
+
+
+def choice_key(dec: SplitDecision) -> int:
+    """The choice-count key of a decision (see LAYER_SLICED / CHUNKED)."""
+    if dec.chunk_tokens:
+        return CHUNKED
+    return LAYER_SLICED if dec.layers_per_slice else dec.prefill_sms
 
 
 def parse_mode(spec: str) -> tuple[str, int | None]:
@@ -120,8 +132,7 @@ class GreenContextPartition:
                 measured_prefill_ms=self.measured["prefill_ms"],
                 measured_decode_ms=self.measured["decode_ms"],
                 choice_counts={
-                    ("layer-sliced" if k == LAYER_SLICED else str(k)): v
-                    for k, v in sorted(self._choice_counts.items())
+                    _CHOICE_LABELS.get(k, str(k)): v for k, v in sorted(self._choice_counts.items())
                 },
                 disabled_splits={str(k): v for k, v in sorted(self.disabled.items())},
             )
@@ -184,20 +195,28 @@ class GreenContextPartition:
 
     # ---- runner hooks ------------------------------------------------------------------------
     def decide(
-        self, prefill: PrefillShape | None, decode: DecodeShape | None, kv_usage: float
+        self,
+        prefill: PrefillShape | None,
+        decode: DecodeShape | None,
+        kv_usage: float,
+        *,
+        chunk: ChunkInput | None = None,
+        record: bool = True,
     ) -> SplitChoice:
         """The split for the next step and its streams: auto's controller decides; static
         and off keep theirs. When the split changed since the last call, the new streams wait
-        for the work queued on the old ones (events, no sync)."""
+        for the work queued on the old ones (events, no sync). `chunk`: `prefill` is the head
+        of the queue, not yet planned, and may be chunked (`SplitController.choose`).
+        `record` False: the decision may not be carried out as made (the engine asks before
+        planning a step; only a chunked answer is kept), so it is neither counted nor logged
+        here; `record` does that when it is."""
         with self._lock:
             if self._mode == "auto":
-                dec = self.controller.choose(prefill, decode, kv_usage)
+                dec = self.controller.choose(prefill, decode, kv_usage, chunk=chunk)
                 self._last_decision = dec
                 self._active = dec.prefill_sms
-                if prefill is not None:
-                    key = LAYER_SLICED if dec.layers_per_slice else dec.prefill_sms
-                    self._choice_counts[key] += 1
-                self._log_choice(dec)
+                if record:
+                    self._record_locked(dec, prefill is not None)
             else:
                 dec = SplitDecision(self._active, reason=self._mode)
         total = self.layout.total_sms
@@ -216,16 +235,37 @@ class GreenContextPartition:
         self._last = choice
         return choice
 
-    def _log_choice(self, dec: Any) -> None:
+    def record(self, dec: SplitDecision) -> None:
+        """Count and log a prefill decision of auto's that `decide` made with `record` False
+        and the engine then carried out (a chunked step)."""
+        with self._lock:
+            if self._mode == "auto":
+                self._record_locked(dec, True)
+
+    def _record_locked(self, dec: SplitDecision, has_prefill: bool) -> None:
+        if has_prefill:
+            self._choice_counts[choice_key(dec)] += 1
+        self._log_choice(dec)
+
+    def _log_choice(self, dec: SplitDecision) -> None:
         """INFO when auto's choice changes, at most once a second (a flapping choice would
         otherwise flood the log); the counts in `state()` keep the full picture."""
         last, t_last = self._logged_choice
         now = time.monotonic()
-        if dec.prefill_sms != last and now - t_last >= 1.0:
-            self._logged_choice = (dec.prefill_sms, now)
+        key = choice_key(dec)
+        if key != last and now - t_last >= 1.0:
+            self._logged_choice = (key, now)
+            if dec.chunk_tokens:
+                what = f"time-slice in chunks of <= {dec.chunk_tokens} tokens"
+            elif dec.layers_per_slice:
+                what = f"time-slice by {dec.layers_per_slice} layers"
+            elif dec.prefill_sms == TIME_SLICE:
+                what = "time-slice"
+            else:
+                what = f"{dec.prefill_sms} prefill SMs"
             log.info(
                 "auto split: %s (%s; predicted prefill %.1f ms, decode %.1f ms)",
-                "time-slice" if dec.prefill_sms == TIME_SLICE else f"{dec.prefill_sms} prefill SMs",
+                what,
                 dec.reason,
                 dec.predicted_prefill_ms,
                 dec.predicted_decode_ms,

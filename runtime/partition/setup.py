@@ -27,7 +27,9 @@ log = logging.getLogger("greenlane.partition")
 
 
 def controller_config_from(config: EngineConfig) -> ControllerConfig:
-    """The split controller's thresholds from the engine config."""
+    """The split controller's thresholds from the engine config. Its TBT target is
+    `--partition-tbt-slo-ms`, else `--tbt-slo-ms` (which any mode honours): one target for
+    the splits and for auto's chunked time-slicing unless both are given."""
     return ControllerConfig(
         kv_switch=config.partition_kv_switch,
         alpha=config.partition_alpha,
@@ -36,7 +38,11 @@ def controller_config_from(config: EngineConfig) -> ControllerConfig:
         min_gain=config.partition_min_gain,
         min_split_speedup=config.partition_min_split_speedup,
         allow_time_slice=config.partition_allow_time_slice,
-        tbt_slo_ms=config.partition_tbt_slo_ms,
+        tbt_slo_ms=(
+            config.partition_tbt_slo_ms
+            if config.partition_tbt_slo_ms is not None
+            else config.tbt_slo_ms
+        ),
         layer_slicing=config.partition_layer_slicing,
     )
 

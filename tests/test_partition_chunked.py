@@ -1,0 +1,320 @@
+"""auto's chunked time-slicing (issue 13): the split controller weighs "time-slice with the
+prefill cut into chunks sized to the TBT target" against the splits and layer slices, and the
+engine plans the step with the chosen chunk as its prefill token cap. CPU only: the toy cost
+model of tests/test_cost_model.py, and GreenContextPartition over the stand-in pairs of
+tests/test_partition_manager.py."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from test_cost_model import SPLITS, TOTAL, truth
+from test_partition_manager import manager  # noqa: F401 - the fixture
+from test_scheduler import LinearCost, _decoding, _prefill_sizes, cap
+from test_split_executor import FakeDevice, gen, split_engine
+
+from runtime.partition import SplitDecision
+from runtime.partition.cost_model import (
+    DECODE,
+    PREFILL,
+    TIME_SLICE,
+    ChunkInput,
+    ControllerConfig,
+    CostModel,
+    DecodeShape,
+    PrefillShape,
+    SaturationCurve,
+    SplitController,
+)
+from runtime.request import Request, RequestKind
+from runtime.scheduler import MIN_TBT_CHUNK_TOKENS
+
+# --------------------------------------------------------------------------- the controller
+P = PrefillShape.from_seqs([(0, 8192)], num_layers=32)
+D = DecodeShape(64, 64 * 2048, 32)
+
+
+def _model() -> CostModel:
+    return truth(kappa_d=0.05, kappa_p=0.02, decode_r_sat=0.3)
+
+
+def _consistent_cost(m: CostModel) -> LinearCost:
+    """A marginal prefill cost that agrees with the cost model's whole-GPU prefill of P (the
+    two prefill models of today, made to agree so the comparison is about the options)."""
+    return LinearCost(m.predict(PREFILL, P, TOTAL) / P.num_tokens / 1e3)
+
+
+def _choose(splits: list[int], target_ms: float, chunkable: bool = True, **cfg: Any):
+    m = _model()
+    ctl = SplitController(
+        m,
+        splits,
+        ControllerConfig(tbt_slo_ms=target_ms, min_gain=0.0, hysteresis_sms=0, **cfg),
+    )
+    chunk = ChunkInput(_consistent_cost(m), 0, target_ms) if chunkable else None
+    return ctl, ctl.choose(P, D, kv_usage=0.2, chunk=chunk)
+
+
+def test_chunks_when_the_cost_model_says_the_split_loses() -> None:
+    """Only small prefill splits (a larger decode floor): each meets the target but its prefill
+    runs on few SMs; cutting the prefill into chunks on the whole GPU finishes it sooner."""
+    m = _model()
+    td = m.predict(DECODE, D, TOTAL)
+    target = 2.5 * td
+    ctl, dec = _choose([32, 64], target)
+    assert dec.prefill_sms == TIME_SLICE and dec.chunk_tokens is not None
+    assert dec.layers_per_slice is None
+    assert dec.reason == "chunks finish the prefill before split 64"
+    # What it was weighed against: the split the rule picks for the whole prefill.
+    _, whole = _choose([32, 64], target, chunkable=False)
+    assert whole.prefill_sms == 64 and whole.predicted_decode_ms <= target
+    assert dec.predicted_prefill_ms < whole.predicted_prefill_ms
+    assert ctl.current == TIME_SLICE  # hysteresis starts over from the time-slice
+
+
+def test_chunk_size_meets_the_target_per_the_model_and_is_the_schedulers_cut() -> None:
+    m = _model()
+    cost = _consistent_cost(m)
+    td = m.predict(DECODE, D, TOTAL)
+    target = 2.5 * td
+    _, dec = _choose([32, 64], target)
+    n = dec.chunk_tokens
+    assert n is not None and MIN_TBT_CHUNK_TOKENS < n < P.num_tokens
+    # The decodes plus one chunk meet the target; one token more would not.
+    assert td + cost.marginal_s(n) * 1e3 <= target < td + cost.marginal_s(n + 1) * 1e3
+    assert dec.predicted_decode_ms == pytest.approx(td + cost.marginal_s(n) * 1e3)
+    # Finishing the prefill: its whole marginal cost plus a decode step per chunk step.
+    steps = -(-P.num_tokens // n)
+    assert dec.predicted_prefill_ms == pytest.approx(steps * td + cost.marginal_s(8192) * 1e3)
+    # The scheduler's --tbt-slo-ms cut, given the same cost, target and decode step, plans
+    # exactly that chunk.
+    s = _decoding(budget=8192)
+    s.add(gen_prompt("long", 3 * n))
+    plan = s.schedule(cap(s, tbt_s=target / 1e3, decode_step_s=td / 1e3, prefill_cost=cost))
+    assert _prefill_sizes(plan) == {"long": n}
+
+
+def gen_prompt(rid: str, n: int) -> Request:
+    from runtime.request import SamplingParams
+
+    return Request(
+        rid, RequestKind.GENERATE, list(range(100, 100 + n)), SamplingParams(max_tokens=1)
+    )
+
+
+def test_the_split_is_taken_when_predicted_to_win() -> None:
+    """Every split: the largest prefill split meeting the target finishes the prefill before
+    chunks small enough for the target would (their decode steps add up)."""
+    m = _model()
+    target = 3 * m.predict(DECODE, D, TOTAL)
+    ctl, dec = _choose(SPLITS, target)
+    assert dec.prefill_sms != TIME_SLICE and dec.chunk_tokens is None
+    assert dec.predicted_decode_ms <= target and dec.reason == "TBT target"
+    chunks = ctl._chunked(P, D, ChunkInput(_consistent_cost(m), 0, target))
+    assert chunks.predicted_decode_ms <= target  # chunks would meet it too, only slower
+    assert chunks.predicted_prefill_ms > dec.predicted_prefill_ms
+    # Demanding a 2x predicted gain of the split (min_split_speedup) flips it to chunks.
+    _, dec = _choose(SPLITS, target, min_split_speedup=2.0)
+    assert dec.chunk_tokens is not None
+
+
+def test_unchunkable_prefill_takes_the_split_and_a_split_missing_the_target_never_wins() -> None:
+    m = _model()
+    target = 2.5 * m.predict(DECODE, D, TOTAL)
+    # A whole-prompt scoring prefill (no KV room to chunk it): no chunk option; the split.
+    _, dec = _choose([32, 64], target, chunkable=False)
+    assert dec.prefill_sms == 64 and dec.chunk_tokens is None
+    # The only split left starves decode past the target: chunks.
+    probe = SplitController(m, [120], ControllerConfig(allow_time_slice=False))
+    assert probe._eval(120, P, D)[1] > target
+    _, dec = _choose([120], target)
+    assert dec.chunk_tokens is not None and "split 120 misses the TBT target" in dec.reason
+
+
+def test_a_prefill_that_fits_one_step_runs_whole_cut_to_the_target() -> None:
+    m = _model()
+    p = PrefillShape.from_seqs([(0, 512)], num_layers=32)
+    ctl = SplitController(m, SPLITS, ControllerConfig(tbt_slo_ms=1e3))
+    dec = ctl.choose(p, D, 0.2, chunk=ChunkInput(_consistent_cost(m), 0, 1e3))
+    assert dec.prefill_sms == TIME_SLICE and dec.chunk_tokens is not None
+    assert dec.chunk_tokens >= 512 and dec.reason == "the prefill fits the TBT target in one step"
+    assert dec.evaluations == 1  # no split was evaluated
+
+
+def test_above_the_kv_switch_a_split_stays_but_a_whole_time_slice_is_cut() -> None:
+    m = _model()
+    target = 3 * m.predict(DECODE, D, TOTAL)
+    cost = _consistent_cost(m)
+    ctl = SplitController(m, SPLITS, ControllerConfig(tbt_slo_ms=target, min_gain=0.0))
+    # Decode favoured: Nexus's rule picks a split for decode; chunks do not override it.
+    whole = SplitController(m, SPLITS, ControllerConfig(tbt_slo_ms=target, min_gain=0.0))
+    want = whole.choose(P, D, kv_usage=0.9).prefill_sms
+    assert want != TIME_SLICE
+    assert ctl.choose(P, D, kv_usage=0.9, chunk=ChunkInput(cost, 0, target)).prefill_sms == want
+    # Where the rule would time-slice the whole prefill (split predicted slower), it is cut.
+    ts = SplitController(m, SPLITS, ControllerConfig(tbt_slo_ms=target, min_split_speedup=100.0))
+    assert ts.choose(P, D, kv_usage=0.9).prefill_sms == TIME_SLICE
+    dec = ts.choose(P, D, kv_usage=0.9, chunk=ChunkInput(cost, 0, target))
+    assert dec.chunk_tokens is not None and "whole prefill cut" in dec.reason
+
+
+def test_uncalibrated_auto_chunks_with_the_measured_decode_step() -> None:
+    ctl = SplitController(CostModel(TOTAL), SPLITS, ControllerConfig(tbt_slo_ms=50.0))
+    cost = LinearCost(1e-4)  # 0.1 ms per token
+    dec = ctl.choose(P, D, 0.2, chunk=ChunkInput(cost, 0, 50.0, decode_step_ms=10.0))
+    assert dec.prefill_sms == TIME_SLICE and dec.chunk_tokens == 400  # (50 - 10) / 0.1
+    assert dec.reason == "cost model uncalibrated: chunked time-slicing"
+    assert ctl.choose(P, D, 0.2).chunk_tokens is None  # unchunkable: a whole time-slice
+
+
+def test_without_time_slicing_allowed_there_are_no_chunks() -> None:
+    _, dec = _choose([32, 64], 2.5 * _model().predict(DECODE, D, TOTAL), allow_time_slice=False)
+    assert dec.prefill_sms == 64 and dec.chunk_tokens is None
+
+
+# ------------------------------------------------------------------------ partition manager
+def test_a_decision_asked_before_planning_is_counted_only_when_carried_out(manager) -> None:  # noqa: F811
+    m = manager.cost_model
+    target = 2.5 * m.predict(DECODE, D, TOTAL)
+    manager.controller.config = dataclasses.replace(
+        manager.controller.config, tbt_slo_ms=target, hysteresis_sms=0
+    )
+    manager.controller.splits = [32, 64]
+    chunk = ChunkInput(_consistent_cost(m), 0, target)
+    choice = manager.decide(P, D, 0.2, chunk=chunk, record=False)
+    assert choice.chunk_tokens is not None and choice.prefill_sms == TIME_SLICE
+    assert choice.prefill_stream is choice.decode_stream is manager._whole
+    assert manager.state().choice_counts == {}
+    manager.record(choice.decision)
+    assert manager.state().choice_counts == {"chunked": 1}  # the admin page's key
+
+
+# ------------------------------------------------------------------------------ the engine
+def _flat_model() -> CostModel:
+    """Per layer: prefill 1 ms per 1,000 tokens, decode 1 ms; both linear in SMs, no
+    contention. With 2 layers (random:tiny): 2 us a prefill token, 2 ms a decode step."""
+    m = CostModel(TOTAL, calibrated=True, source="test")
+    m.base = {PREFILL: [0.0, 1.0, 0.0], DECODE: [1.0, 0.0, 0.0]}
+    m.curve = {PREFILL: SaturationCurve(1.0, 1.0), DECODE: SaturationCurve(1.0, 1.0)}
+    return m
+
+
+TARGET_MS = 2.7  # the 2 ms decode step + 350 prefill tokens; split 16's decode (2.28 ms) meets it
+CHUNK = 350
+
+
+def _auto_engine(manager, **cfg: Any):  # noqa: F811
+    """An engine in auto whose split executor asks `manager` (GreenContextPartition over
+    stand-ins) through the engine's own `_choose_split`; a JCT model agreeing with the cost
+    model; only split 16 (its prefill on 16 SMs is slow, its decode meets the target)."""
+    dev = FakeDevice()
+    eng, ex, _ = split_engine(dev, None, num_kv_blocks=512, **cfg)
+    manager.set_cost_model(_flat_model())
+    manager.controller.splits = [16]
+    manager.controller.config = ControllerConfig(tbt_slo_ms=TARGET_MS, hysteresis_sms=0)
+    eng._green = manager
+    ex.choose = eng._choose_split
+    ex.split_usable = lambda sms: sms not in manager.disabled
+    jct = eng.jct_model
+    jct.a_s, jct.b_s_per_token, jct.k_s_per_pair = 0.0, 2e-6, 0.0
+    launched: list[Any] = []
+    launch = ex.launch
+
+    def spy(plan: Any) -> None:
+        launched.append(plan)
+        launch(plan)
+
+    ex.launch = spy  # type: ignore[method-assign]
+    return eng, ex, launched
+
+
+def _run(eng, until: Any, max_steps: int = 200) -> None:
+    for _ in range(max_steps):
+        if until():
+            return
+        eng._step()
+    raise AssertionError("did not get there")
+
+
+def _decoding_chat(eng) -> None:
+    eng.scheduler.add(gen("chat", 8, 200, seed=1))
+    _run(eng, lambda: eng.scheduler.running and eng.scheduler.running[0].num_output_tokens > 0)
+    eng._green.set_mode("auto")  # count from here (the chat's prefill ran alone: "0")
+
+
+def test_auto_caps_the_steps_prefill_at_the_chosen_chunk(manager) -> None:  # noqa: F811
+    eng, ex, launched = _auto_engine(manager)
+    _decoding_chat(eng)
+    launched.clear()
+    eng.scheduler.add(gen("long", 1000, 1))
+    eng._step()
+    plan = launched[0]
+    assert _sizes(plan) == {"long": CHUNK}
+    assert [s.request.request_id for s in plan.decode] == ["chat"]  # one whole-GPU step
+    assert manager.state().choice_counts == {"chunked": 1}
+    _run(eng, lambda: eng.scheduler.get("long") is None)
+    assert [_sizes(p).get("long") for p in launched if p.prefill] == [CHUNK, CHUNK, 300]
+    assert ex.num_split_prefills == 0 and ex.num_layer_sliced_prefills == 0
+    assert manager.state().choice_counts == {"chunked": 3}
+
+
+def test_auto_runs_an_unchunkable_scoring_prompt_on_the_split(manager) -> None:  # noqa: F811
+    """No room in the KV pool for the scoring prompt's KV: it runs whole (hybrid prefill), so
+    there is no chunk option; a whole time-slice would miss the target, split 16 meets it."""
+    # (Without the prefix cache a whole scoring prompt keeps none of its KV, so the KV usage
+    # the controller sees stays where the hog puts it.)
+    eng, ex, launched = _auto_engine(manager, enable_prefix_cache=False)
+    _decoding_chat(eng)
+    launched.clear()
+    bm = eng.block_manager
+    bm.allocate("hog", 200)  # KV usage stays below the switch (prefill favoured)
+    assert bm.num_free_blocks < 1600 // 4 and bm.num_used_blocks / bm.num_blocks < 0.7
+    prompt = list(range(100, 1700))
+    eng.scheduler.add(Request("sc", RequestKind.SCORE, prompt, label_token_ids=[1]))
+    eng._step()
+    assert _sizes(launched[0]) == {"sc": 1600}
+    assert ex.num_split_prefills == 1
+    assert manager.state().choice_counts == {"16": 1}
+    # With room for its KV the same prompt is chunked like a chat prompt.
+    bm.free("hog")
+    _run(eng, lambda: eng.scheduler.get("sc") is None)
+    launched.clear()
+    eng.scheduler.add(Request("sc2", RequestKind.SCORE, prompt[::-1], label_token_ids=[1]))
+    eng._step()
+    assert _sizes(launched[0]) == {"sc2": CHUNK}
+
+
+def test_auto_uses_the_partition_target_unless_tbt_slo_ms_is_given(manager) -> None:  # noqa: F811
+    from runtime.config import EngineConfig
+    from runtime.partition.setup import controller_config_from
+
+    eng, _, _ = _auto_engine(manager)
+    assert eng._chunk_tbt_ms() == TARGET_MS  # --partition-tbt-slo-ms
+    eng._tbt_s = 0.05  # --tbt-slo-ms (or the admin page's TBT target)
+    assert eng._chunk_tbt_ms() == pytest.approx(50.0)
+    # --tbt-slo-ms alone also becomes the controller's target; with both, each keeps its own.
+    assert controller_config_from(EngineConfig(tbt_slo_ms=60.0)).tbt_slo_ms == 60.0
+    both = EngineConfig(tbt_slo_ms=60.0, partition_tbt_slo_ms=80.0)
+    assert controller_config_from(both).tbt_slo_ms == 80.0
+
+
+def test_without_a_target_auto_plans_as_before(manager) -> None:  # noqa: F811
+    eng, ex, launched = _auto_engine(manager)
+    manager.controller.config = ControllerConfig()
+    _decoding_chat(eng)
+    launched.clear()
+    eng.scheduler.add(gen("long", 1000, 1))
+    eng._step()
+    assert _sizes(launched[0]) == {"long": 1000}  # whole: the controller decides at launch
+    assert "chunked" not in manager.state().choice_counts
+
+
+def _sizes(plan: Any) -> dict[str, int]:
+    return {s.request.request_id: s.num_new_tokens for s in plan.prefill}
+
+
+def test_split_decision_has_one_type() -> None:
+    dec = SplitDecision(TIME_SLICE, chunk_tokens=512)
+    assert dec.chunk_tokens == 512 and dec.layers_per_slice is None
