@@ -78,11 +78,14 @@ _ENGINE_HELP = {
     "when that is predicted faster",
     "tbt_slo_ms": "time-between-tokens target in ms, any --partition mode: in a step with "
     "decodes, prefill chunks and admissions are cut so that the step's predicted time (JCT "
-    "model + recent decode step time) stays within it; --prefill-token-budget still caps it",
-    "partition_tbt_slo_ms": "split controller (auto): TBT target in ms; while prefill is "
-    "favoured, time-slice when a decode step can wait for the prefill within it, else give "
-    "prefill every SM the target allows (default: Nexus's relative decode slack, "
-    "--partition-beta)",
+    "model + recent decode step time) stays within it; --prefill-token-budget still caps it. "
+    "In auto: the target of its chunked time-slicing, and of the split controller when "
+    "--partition-tbt-slo-ms is not given",
+    "partition_tbt_slo_ms": "split controller (auto): TBT target in ms (default: "
+    "--tbt-slo-ms); per step auto takes, of prefill chunks cut to the target on the whole GPU, "
+    "a split and layer slices, what meets it and finishes the prefill first (a whole prefill: "
+    "time-slice when a decode step can wait for it, else give prefill every SM the target "
+    "allows); without any target: Nexus's relative decode slack, --partition-beta",
     "partition_layer_slicing": "split controller (auto, with --partition-tbt-slo-ms): when a "
     "whole prefill would stall decode past the target, it may run the prefill on every SM in "
     "slices of layers with a decode step between slices, if predicted faster than a split",
