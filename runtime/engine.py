@@ -821,9 +821,12 @@ class Engine:
 
     def _observe(self, result: StepResult) -> None:
         """Online JCT refinement from prefill-only steps (device time from events) and the
-        decode step / idle counters."""
+        decode step / idle counters. Steps that ran on a split's partition teach neither the
+        JCT model nor the decode step average: both model the whole GPU (they size auto's and
+        the scheduler's chunks), and a split's partition is slower."""
         plan = result.plan
-        if result.device_s is not None and result.is_prefill_only:
+        whole = not result.on_split
+        if result.device_s is not None and result.is_prefill_only and whole:
             # Whatever the policy and executor: SRJF reads this model, and so does the
             # prefill-backlog estimate replicas report for routing.
             self.jct_model.observe_batch(
@@ -848,9 +851,10 @@ class Engine:
             self._decode_device_s += result.device_s
             self._num_decode_steps += 1
             avg = self._decode_step_avg_s
-            self._decode_step_avg_s = (
-                result.device_s if avg == 0.0 else 0.9 * avg + 0.1 * result.device_s
-            )
+            if whole:
+                self._decode_step_avg_s = (
+                    result.device_s if avg == 0.0 else 0.9 * avg + 0.1 * result.device_s
+                )
             if self._prev_had_decode and result.idle_before_s is not None:
                 self._decode_idle_s += result.idle_before_s
         self._prev_had_decode = decode_only

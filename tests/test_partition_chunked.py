@@ -7,6 +7,7 @@ tests/test_partition_manager.py."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -318,3 +319,21 @@ def _sizes(plan: Any) -> dict[str, int]:
 def test_split_decision_has_one_type() -> None:
     dec = SplitDecision(TIME_SLICE, chunk_tokens=512)
     assert dec.chunk_tokens == 512 and dec.layers_per_slice is None
+
+
+def test_steps_on_a_split_teach_neither_the_jct_model_nor_the_decode_average() -> None:
+    """Both model the whole GPU and size the chunks; a split's partition runs slower."""
+    from runtime.executor.base import StepResult
+    from runtime.scheduler import RunnerOutput, StepPlan
+
+    eng, _, _ = split_engine(FakeDevice(), None)
+    seq = SimpleNamespace(num_new_tokens=512, num_context_tokens=0)
+    dseq = SimpleNamespace(num_new_tokens=1, num_context_tokens=64)
+    prefill, decode = StepPlan(1, prefill=[seq]), StepPlan(2, decode=[dseq])
+    for plan in (prefill, decode):
+        eng._observe(StepResult(plan, RunnerOutput(), 0.5, None, on_split=True))
+    assert eng.jct_model.num_observed == 0 and eng._decode_step_avg_s == 0.0
+    assert eng._num_decode_steps == 1  # still a decode step of the device's
+    eng._observe(StepResult(prefill, RunnerOutput(), 0.05))
+    eng._observe(StepResult(decode, RunnerOutput(), 0.01))
+    assert eng.jct_model.num_observed == 1 and eng._decode_step_avg_s == pytest.approx(0.01)

@@ -26,6 +26,9 @@ class StepResult:
     output: RunnerOutput
     device_s: float | None = None  # device time of the step (events), when measured
     idle_before_s: float | None = None  # device idle between the previous step and this one
+    # It ran on a split's SM partition, not the whole GPU: its time says nothing about the
+    # whole-GPU models (JCT, the decode step average the TBT cut uses).
+    on_split: bool = False
 
     @property
     def is_prefill_only(self) -> bool:

@@ -73,6 +73,7 @@ class _Launched:
     sms: int  # SMs it ran on (prefill or decode partition; 0 = the whole GPU)
     other_sms: int = 0  # SMs of the phase running beside it (0: none)
     layer_sliced: bool = False
+    on_split: bool = False  # ran on a split's partition (not the whole GPU)
 
 
 # observe(stage, shape, sms, measured_ms, other_sms): the cost model's online refinement.
@@ -248,7 +249,18 @@ class SplitExecutor:
             t0.record()
             pending = self.runner.launch(plan)
             t1.record()
-        self._queue.append(_Launched("decode", plan, pending, t0, t1, sms, other))
+        self._queue.append(
+            _Launched(
+                "decode",
+                plan,
+                pending,
+                t0,
+                t1,
+                sms,
+                other,
+                on_split=split.prefill_sms != TIME_SLICE,
+            )
+        )
 
     def _start_prefill(self, plan: StepPlan, choice: SplitChoice) -> None:
         if choice.layers_per_slice and choice.prefill_sms == TIME_SLICE:
@@ -365,6 +377,7 @@ class SplitExecutor:
                 f.choice.prefill_sms,
                 other,
                 layer_sliced=sliced,
+                on_split=f.choice.prefill_sms != TIME_SLICE,
             )
         )
 
@@ -391,4 +404,4 @@ class SplitExecutor:
                 )
                 self.observe("prefill", shape, f.sms, ms, f.other_sms)
         device_s = None if f.layer_sliced else ms / 1e3
-        return StepResult(f.plan, output, device_s, None)
+        return StepResult(f.plan, output, device_s, None, on_split=f.on_split)
