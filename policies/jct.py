@@ -209,6 +209,23 @@ class JCTModel:
             total += self.b_s_per_token * u + self.k_s_per_pair * attention_pairs(u, c)
         return total
 
+    def predict_totals_s(self, uncached_tokens: float, attention_pairs: float) -> float:
+        """Predicted seconds for one forward over prefills totalling `uncached_tokens` new
+        tokens and `attention_pairs` query-key pairs (the floor paid once): the whole-GPU
+        prefill of the SM-partition cost model (runtime/partition/cost_model.py), so that
+        the splits and the chunks are predicted by one prefill model."""
+        return (
+            self.a_s
+            + self.b_s_per_token * max(0.0, uncached_tokens)
+            + self.k_s_per_pair * max(0.0, attention_pairs)
+        )
+
+    @property
+    def calibrated(self) -> bool:
+        """Fitted to this device (a calibration file or a profile), not the first-principles
+        fallback default."""
+        return self.source != "fallback-default"
+
     def marginal_s(self, uncached_tokens: int, cached_tokens: int = 0) -> float:
         """Seconds `uncached_tokens` add to a forward that runs anyway (a step with decodes
         already pays the floor `a`: the weights are read once for both)."""

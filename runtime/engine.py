@@ -258,7 +258,28 @@ class Engine:
         self._next_stats_s = 0.0
         if self._green is not None:
             self._green.submit = self._submit_call
+            self._share_prefill_model()
         self._publish_stats()
+
+    def _share_prefill_model(self) -> None:
+        """One prefill model: the split controller predicts a prefill's whole-GPU latency with
+        the JCT model that sizes the chunks (and the cost model adds what SM shares change),
+        so auto weighs chunks and splits on one scale. Only while the JCT model is fitted to
+        this device (a file, or a calibration run later): its first-principles fallback (an 8B
+        model's) would replace a fitted cost model's own prefill base with a guess."""
+        jct = self.jct_model
+
+        def whole_prefill_ms(shape: Any) -> float | None:
+            if not jct.calibrated:
+                return None
+            return jct.predict_totals_s(shape.num_tokens, shape.attention_pairs) * 1e3
+
+        self._green.share_prefill_model(whole_prefill_ms)
+        log.info(
+            "partition cost model: whole-GPU prefill from the JCT model while it is fitted to "
+            "this device (now: %s)",
+            jct.source,
+        )
 
     # ---- partition ------------------------------------------------------------------------
     def _make_partition(self) -> PartitionManager:

@@ -337,3 +337,24 @@ def test_steps_on_a_split_teach_neither_the_jct_model_nor_the_decode_average() -
     eng._observe(StepResult(prefill, RunnerOutput(), 0.05))
     eng._observe(StepResult(decode, RunnerOutput(), 0.01))
     assert eng.jct_model.num_observed == 1 and eng._decode_step_avg_s == pytest.approx(0.01)
+
+
+def test_one_prefill_model_whole_gpu_prefill_comes_from_the_jct_model(manager) -> None:  # noqa: F811
+    """Once the JCT model is fitted to the device, the cost model predicts a prefill's
+    whole-GPU latency with it (and adds what SM shares change), also after a new cost model
+    is installed; with the JCT fallback default it keeps its own fit."""
+    eng, _, _ = _auto_engine(manager)
+    eng._share_prefill_model()
+    p = PrefillShape.from_seqs([(0, 1000)], num_layers=2)
+    assert manager.cost_model.predict(PREFILL, p, TOTAL) == pytest.approx(2.0)  # its own fit
+    jct = eng.jct_model
+    jct.a_s, jct.b_s_per_token, jct.k_s_per_pair = 1e-3, 1e-5, 0.0
+    jct.source = "calibration:test"
+    for _ in range(2):
+        m = manager.cost_model
+        whole_ms = jct.predict_s(1000, 0) * 1e3
+        assert whole_ms == pytest.approx(11.0)
+        assert m.predict(PREFILL, p, TOTAL) == pytest.approx(whole_ms)
+        assert m.predict(PREFILL, p, 66) == pytest.approx(2 * whole_ms)  # linear in SMs
+        assert m.predict(DECODE, D, TOTAL) == pytest.approx(32.0)  # decode: its own fit
+        manager.set_cost_model(_flat_model())  # e.g. after the start-up profile

@@ -161,9 +161,20 @@ class CostModel:
         self.correction: dict[str, float] = {}
         self.ema = 0.2
         self.errors: dict[str, _ErrorLog] = {}
+        # One prefill model (issue 13): when set, a prefill's whole-GPU latency (ms) comes from
+        # here -- the JCT model that the scheduler's and auto's chunks are sized with -- and
+        # this model adds what SM shares change (saturation curve, contention, per-split
+        # corrections). None (or it answers None): its own fitted base (the calibration file's).
+        self.whole_prefill_ms: Callable[[PrefillShape], float | None] | None = None
 
     # ---- prediction -----------------------------------------------------------------------
     def base_ms(self, stage: str, shape: Shape) -> float:
+        """Whole-GPU latency of `stage` for `shape` (ms), before any correction."""
+        if stage == PREFILL and self.whole_prefill_ms is not None:
+            assert isinstance(shape, PrefillShape)
+            ms = self.whole_prefill_ms(shape)
+            if ms is not None:
+                return ms
         return float(np.dot(self.base[stage], shape.features()))
 
     def _correction(self, stage: str, regime: str, sms: int) -> float:

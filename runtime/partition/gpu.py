@@ -100,11 +100,20 @@ class GreenContextPartition:
 
     def set_cost_model(self, model: CostModel) -> None:
         """Install new parameters (after a start-up profile); the controller uses them from its
-        next decision. Online corrections learned so far are dropped with the old model."""
+        next decision. Online corrections learned so far are dropped with the old model; a
+        shared prefill model (`share_prefill_model`) stays."""
         with self._lock:
+            model.whole_prefill_ms = self.cost_model.whole_prefill_ms
             self.cost_model = model
             self.controller.model = model
         log.info("partition cost model now from %s", model.source)
+
+    def share_prefill_model(self, whole_prefill_ms: Callable[[PrefillShape], float | None]) -> None:
+        """Predict whole-GPU prefill latency (ms) with `whole_prefill_ms` (the engine's JCT
+        model; None: the cost model's own fit), now and in any cost model installed later: one
+        prefill model for the splits and the chunks (`CostModel.whole_prefill_ms`)."""
+        with self._lock:
+            self.cost_model.whole_prefill_ms = whole_prefill_ms
 
     @property
     def mode(self) -> str:
