@@ -37,11 +37,11 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Protocol
 
 import numpy as np
 
 from runtime.partition import TIME_SLICE, SplitDecision
+from runtime.scheduler import MIN_TBT_CHUNK_TOKENS, PrefillCost, tbt_chunk_tokens
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -305,21 +305,15 @@ class CostModel:
 # ---------------------------------------------------------------------------------- controller
 
 
-class MarginalPrefillCost(Protocol):
-    """Whole-GPU marginal prefill seconds (`policies.jct.JCTModel`, or the engine's online
-    correction of it, `runtime.scheduler.ScaledCost`)."""
-
-    def marginal_s(self, uncached_tokens: int, cached_tokens: int = 0) -> float: ...
-    def max_tokens_within(self, seconds: float, cached_tokens: int = 0) -> int: ...
-
-
 @dataclass(frozen=True, slots=True)
 class ChunkInput:
     """The chunked time-slicing option of `SplitController.choose`: the prefill is the head of
     the queue, may be cut by tokens across steps, and each step's chunk is sized so that the
     decodes plus the chunk meet `tbt_slo_ms`."""
 
-    prefill_cost: MarginalPrefillCost
+    # Whole-GPU marginal prefill seconds: the JCT model, as the engine corrects it online
+    # (`runtime.scheduler.ScaledCost`).
+    prefill_cost: PrefillCost
     context_tokens: int  # the prefill's context (prefix-cache hits or earlier chunks)
     tbt_slo_ms: float  # the chunks' target (--tbt-slo-ms, else the controller's)
     # Measured whole-GPU decode step (ms), for an uncalibrated cost model; a calibrated one
@@ -456,8 +450,6 @@ class SplitController:
         scheduler's `--tbt-slo-ms` cut). Predicted prefill: until the last chunk is done (the
         chunks' marginal cost plus one decode step per chunk step); predicted decode: one
         step (decodes + the first chunk), which is what a decode waits."""
-        from runtime.scheduler import MIN_TBT_CHUNK_TOKENS, tbt_chunk_tokens
-
         m = self.model
         decode_ms = (
             m.predict(DECODE, d, m.total_sms) if m.calibrated else max(0.0, chunk.decode_step_ms)
