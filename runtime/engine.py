@@ -253,6 +253,9 @@ class Engine:
         # auto: the controller's choice for the step being planned, when it chose chunks
         # (`_auto_capacity`); the launch of that step carries it out (`_choose_split`).
         self._planned_choice: SplitChoice | None = None
+        self._planned_chunk: Any = None  # its ChunkInput (to predict the planned step)
+        # step id -> predicted ms of a launched chunked step, scored when its result is in
+        self._chunked_predicted_ms: dict[int, float] = {}
         self._step_started_s: float | None = None  # engine clock at the current step's start
         self._stats: dict[str, Any] = {}
         self._next_stats_s = 0.0
@@ -334,7 +337,7 @@ class Engine:
         chunk_tokens = choice.decision.chunk_tokens
         if not chunk_tokens:
             return capacity
-        self._planned_choice = choice
+        self._planned_choice, self._planned_chunk = choice, chunk
         # As the serial executor plans a step (decodes share the budget the activation reserve
         # was sized for); the decision's chunk caps the prefill tokens.
         return StepCapacity(
@@ -360,12 +363,21 @@ class Engine:
         from runtime.partition.cost_model import DecodeShape, PrefillShape
 
         g = self._green
+        num_layers = self.model_config.num_layers
         planned = self._planned_choice
         if pplan is not None and planned is not None:
             self._planned_choice = None
             g.record(planned.decision)
+            # The planned step's own prediction, scored when it is collected (`_observe`).
+            seqs = [] if dplan is None else dplan.decode
+            d = DecodeShape(len(seqs), sum(s.num_context_tokens for s in seqs), num_layers)
+            items = [(s.num_new_tokens, s.num_context_tokens) for s in pplan.prefill]
+            if len(self._chunked_predicted_ms) > 64:
+                self._chunked_predicted_ms.clear()  # steps that failed never came back
+            self._chunked_predicted_ms[pplan.step_id] = g.predict_chunked_step_ms(
+                items, d, self._planned_chunk
+            )
             return planned
-        num_layers = self.model_config.num_layers
         p = (
             None
             if pplan is None
@@ -847,6 +859,9 @@ class Engine:
         the scheduler's chunks), and a split's partition is slower."""
         plan = result.plan
         whole = not result.on_split
+        predicted_ms = self._chunked_predicted_ms.pop(plan.step_id, None)
+        if predicted_ms is not None and result.device_s is not None:
+            self._green.score_chunked_step(predicted_ms, result.device_s * 1e3)
         if result.device_s is not None and result.is_prefill_only and whole:
             # Whatever the policy and executor: SRJF reads this model, and so does the
             # prefill-backlog estimate replicas report for routing.
@@ -990,6 +1005,8 @@ class Engine:
             "prefill_sms": st.prefill_sms,
             "decode_sms": st.decode_sms,
             "cost_model_mape": None if g is None else g.cost_model_mape(),
+            # per kind: mape_prefill/decode_concurrent (splits), mape_chunked_step, ...
+            "cost_model_errors": None if g is None else g.cost_model_errors(),
             "partition_disabled_splits": len(st.disabled_splits),
             "pd_split_prefills": 0 if sp is None else sp.num_split_prefills,
             "pd_layer_sliced_prefills": 0 if sp is None else sp.num_layer_sliced_prefills,

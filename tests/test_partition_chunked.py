@@ -358,3 +358,20 @@ def test_one_prefill_model_whole_gpu_prefill_comes_from_the_jct_model(manager) -
         assert m.predict(PREFILL, p, 66) == pytest.approx(2 * whole_ms)  # linear in SMs
         assert m.predict(DECODE, D, TOTAL) == pytest.approx(32.0)  # decode: its own fit
         manager.set_cost_model(_flat_model())  # e.g. after the start-up profile
+
+
+def test_chunked_steps_are_scored_against_their_prediction(manager) -> None:  # noqa: F811
+    """The issue's per-kind error: each chunked step's predicted time (its decodes plus its
+    chunk's marginal cost) against the measured one (the fake device: 1 ms a step)."""
+    eng, _, launched = _auto_engine(manager)
+    _decoding_chat(eng)
+    eng.scheduler.add(gen("long", 1000, 1))
+    _run(eng, lambda: eng.scheduler.get("long") is None)
+    errors = manager.cost_model_errors()
+    # 2 ms decode + 350 tokens x 2 us = 2.7 ms predicted for the first two chunks, 2.6 for
+    # the last; each measured 1 ms.
+    want = (2 * (2.7 - 1) / 1 + (2.6 - 1) / 1) / 3
+    assert errors["mape_chunked_step"] == pytest.approx(want)
+    assert eng._chunked_predicted_ms == {}
+    stats = eng.fresh_stats()
+    assert stats["cost_model_errors"]["mape_chunked_step"] == pytest.approx(want)

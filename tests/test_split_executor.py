@@ -105,6 +105,9 @@ class RecordingPartition:
     def cost_model_mape(self) -> float | None:
         return None
 
+    def cost_model_errors(self) -> dict[str, float]:
+        return {}
+
 
 def split_engine(
     device: Any,

@@ -264,7 +264,16 @@ class CostModel:
                 self.correction[k] = (1 - self.ema) * c + self.ema * c * measured_ms / pred
         return err
 
+    def score(self, key: str, predicted_ms: float, measured_ms: float) -> float:
+        """Record how far a prediction made elsewhere from this model was off (e.g. a chunked
+        time-slice step, key "chunked/step"), without refining anything. Returns
+        |error| / measured."""
+        return self.errors.setdefault(key, _ErrorLog()).add(predicted_ms, measured_ms)
+
     def error_stats(self) -> dict[str, float | int]:
+        """Out-of-sample |predicted - measured| / measured: `mape_<stage>_<regime>` (a split's
+        prefill and decode are the concurrent regime), `mape_chunked_step` (auto's chunked
+        time-slice steps), and `mape` over all of them."""
         out: dict[str, float | int] = {}
         all_e: list[float] = []
         for key, log in self.errors.items():
@@ -450,10 +459,7 @@ class SplitController:
         scheduler's `--tbt-slo-ms` cut). Predicted prefill: until the last chunk is done (the
         chunks' marginal cost plus one decode step per chunk step); predicted decode: one
         step (decodes + the first chunk), which is what a decode waits."""
-        m = self.model
-        decode_ms = (
-            m.predict(DECODE, d, m.total_sms) if m.calibrated else max(0.0, chunk.decode_step_ms)
-        )
+        decode_ms = self._whole_decode_ms(d, chunk)
         room_ms = chunk.tbt_slo_ms - decode_ms
         cost, ctx, n = chunk.prefill_cost, chunk.context_tokens, max(p.num_tokens, 1)
         tokens = tbt_chunk_tokens(cost, room_ms / 1e3, ctx)
@@ -472,6 +478,24 @@ class SplitController:
             predicted_decode_ms=decode_ms + cost.marginal_s(min(tokens, n), ctx) * 1e3,
             reason="chunked time-slicing",
             evaluations=1,
+        )
+
+    def _whole_decode_ms(self, d: DecodeShape, chunk: ChunkInput) -> float:
+        """A decode step on the whole GPU: the cost model's, else (uncalibrated) measured."""
+        m = self.model
+        if m.calibrated:
+            return m.predict(DECODE, d, m.total_sms)
+        return max(0.0, chunk.decode_step_ms)
+
+    def chunked_step_ms(
+        self, prefill: list[tuple[int, int]], d: DecodeShape, chunk: ChunkInput
+    ) -> float:
+        """Predicted time of a planned chunked time-slice step: its decodes `d` plus the
+        marginal cost of its prefill parts ((new tokens, context tokens) each), as `_chunked`
+        predicts it (scored against the measured step: `CostModel.score`)."""
+        cost = chunk.prefill_cost
+        return self._whole_decode_ms(d, chunk) + 1e3 * sum(
+            cost.marginal_s(n, c) for n, c in prefill
         )
 
     def _versus(

@@ -297,6 +297,24 @@ class GreenContextPartition:
         else:
             self.record_measured(None, per_layer * shape.num_layers)
 
+    def predict_chunked_step_ms(
+        self, prefill: list[tuple[int, int]], decode: DecodeShape, chunk: ChunkInput
+    ) -> float:
+        """The controller's prediction for a planned chunked step (`chunked_step_ms`)."""
+        with self._lock:
+            return self.controller.chunked_step_ms(prefill, decode, chunk)
+
+    def score_chunked_step(self, predicted_ms: float, measured_ms: float) -> None:
+        """A chunked time-slice step's measured time against its prediction (per-kind error:
+        `mape_chunked_step` in `cost_model_errors`)."""
+        with self._lock:
+            self.cost_model.score("chunked/step", predicted_ms, measured_ms)
+
+    def cost_model_errors(self) -> dict[str, float | int]:
+        """The cost model's out-of-sample errors by kind (`CostModel.error_stats`)."""
+        with self._lock:
+            return self.cost_model.error_stats()
+
     def cost_model_mape(self) -> float | None:
         with self._lock:
             stats = self.cost_model.error_stats()
