@@ -256,6 +256,7 @@ class Engine:
         self._planned_chunk: Any = None  # its ChunkInput (to predict the planned step)
         # step id -> predicted ms of a launched chunked step, scored when its result is in
         self._chunked_predicted_ms: dict[int, float] = {}
+        self._kv_usage_before_plan = 0.0  # KV usage when the current step was planned
         self._step_started_s: float | None = None  # engine clock at the current step's start
         self._stats: dict[str, Any] = {}
         self._next_stats_s = 0.0
@@ -331,9 +332,7 @@ class Engine:
             target_ms,
             self._decode_step_avg_s * 1e3,
         )
-        bm = self.block_manager
-        kv_usage = bm.num_used_blocks / max(bm.num_blocks, 1)
-        choice = g.decide(p, d, kv_usage, chunk=chunk, record=False)
+        choice = g.decide(p, d, self._kv_usage(), chunk=chunk, record=False)
         chunk_tokens = choice.decision.chunk_tokens
         if not chunk_tokens:
             return capacity
@@ -392,8 +391,16 @@ class Engine:
                 len(dplan.decode), sum(s.num_context_tokens for s in dplan.decode), num_layers
             )
         )
+        # A prefill is judged at the KV usage from before its step was planned: its own blocks
+        # are not decode pressure (a whole scoring prompt takes every free block to cache its
+        # prefix, which would put every such prompt in the decode-favoured regime), and the
+        # decision made before planning (`_auto_capacity`) saw the same.
+        kv_usage = self._kv_usage_before_plan if pplan is not None else self._kv_usage()
+        return g.decide(p, d, kv_usage)
+
+    def _kv_usage(self) -> float:
         bm = self.block_manager
-        return g.decide(p, d, bm.num_used_blocks / max(bm.num_blocks, 1))
+        return bm.num_used_blocks / max(bm.num_blocks, 1)
 
     def _measure_activation_reserve(self) -> int:
         """Activation bytes to keep free beside the KV pool, measured, not guessed: two
@@ -817,6 +824,7 @@ class Engine:
                     decode_step_s=self._decode_step_avg_s,
                     prefill_cost=self._prefill_cost,
                 )
+            self._kv_usage_before_plan = self._kv_usage()
             try:
                 plan = sched.schedule(capacity)
             except Exception as e:  # noqa: BLE001 - bookkeeping bug: fail everything queued

@@ -264,9 +264,7 @@ def test_auto_caps_the_steps_prefill_at_the_chosen_chunk(manager) -> None:  # no
 def test_auto_runs_an_unchunkable_scoring_prompt_on_the_split(manager) -> None:  # noqa: F811
     """No room in the KV pool for the scoring prompt's KV: it runs whole (hybrid prefill), so
     there is no chunk option; a whole time-slice would miss the target, split 16 meets it."""
-    # (Without the prefix cache a whole scoring prompt keeps none of its KV, so the KV usage
-    # the controller sees stays where the hog puts it.)
-    eng, ex, launched = _auto_engine(manager, enable_prefix_cache=False)
+    eng, ex, launched = _auto_engine(manager)
     _decoding_chat(eng)
     launched.clear()
     bm = eng.block_manager
@@ -274,8 +272,19 @@ def test_auto_runs_an_unchunkable_scoring_prompt_on_the_split(manager) -> None: 
     assert bm.num_free_blocks < 1600 // 4 and bm.num_used_blocks / bm.num_blocks < 0.7
     prompt = list(range(100, 1700))
     eng.scheduler.add(Request("sc", RequestKind.SCORE, prompt, label_token_ids=[1]))
+    usage_at_launch: list[float] = []
+    launch = ex.launch
+
+    def spy(plan: Any) -> None:
+        usage_at_launch.append(bm.num_used_blocks / bm.num_blocks)
+        launch(plan)
+
+    ex.launch = spy  # type: ignore[method-assign]
     eng._step()
     assert _sizes(launched[0]) == {"sc": 1600}
+    # Admitted, it took every free block to cache its prefix; judged at the usage from before
+    # the step was planned (its own blocks are not decode pressure), it gets the split.
+    assert usage_at_launch[0] > 0.9
     assert ex.num_split_prefills == 1
     assert manager.state().choice_counts == {"16": 1}
     # With room for its KV the same prompt is chunked like a chat prompt.
