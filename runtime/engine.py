@@ -21,8 +21,9 @@ green contexts, `SplitExecutor` (prefill and decode concurrently on a pair of SM
 or time-sliced when the controller predicts that is faster) while the partition mode is not
 `off`. In `auto` with a TBT target the controller is asked before a step is planned whether to
 cut the queue's head prefill into chunks sized to the target (`_auto_capacity`); its chunk is
-then the step's prefill token cap. Switching executors drains the old one first. `engine.partition` is a
-`runtime.partition.PartitionManager` (`UnavailablePartition` off CUDA, saying why).
+then the step's prefill token cap. Switching executors drains the old one first.
+`engine.partition` is a `runtime.partition.PartitionManager` (`UnavailablePartition` off CUDA,
+saying why).
 
 Failure containment: a step whose launch raises is re-run one request at a time after the
 steps before it have been collected, so only the request(s) at fault finish with
@@ -68,6 +69,7 @@ from runtime.kv.kv_pool import (
 from runtime.kv.prefix_cache import PrefixCache
 from runtime.model.loader import load_model
 from runtime.partition import PartitionManager, SplitChoice
+from runtime.partition.cost_model import ChunkInput, DecodeShape, PrefillShape
 from runtime.partition.setup import capture_split_graphs, make_partition, profile_at_startup
 from runtime.request import FINISH_REASONS, EngineOutput, Request, RequestKind, RequestStatus
 from runtime.runner import ModelRunner, profile_activation_peak
@@ -253,7 +255,7 @@ class Engine:
         # auto: the controller's choice for the step being planned, when it chose chunks
         # (`_auto_capacity`); the launch of that step carries it out (`_choose_split`).
         self._planned_choice: SplitChoice | None = None
-        self._planned_chunk: Any = None  # its ChunkInput (to predict the planned step)
+        self._planned_chunk: ChunkInput | None = None  # its input (to predict that step)
         # step id -> predicted ms of a launched chunked step, scored when its result is in
         self._chunked_predicted_ms: dict[int, float] = {}
         self._kv_usage_before_plan = 0.0  # KV usage when the current step was planned
@@ -311,9 +313,7 @@ class Engine:
         decision's `chunk_tokens`, and launched on the whole GPU with that decision
         (`_choose_split`). Otherwise the step is planned whole and the controller chooses for
         the planned batch at launch (split, layer slices, or a whole time-slice)."""
-        from runtime.partition.cost_model import ChunkInput, DecodeShape, PrefillShape
-
-        self._planned_choice = None
+        self._planned_choice = self._planned_chunk = None
         g = self._green
         target_ms = self._chunk_tbt_ms()
         if g is None or g.mode != "auto" or target_ms is None:
@@ -332,7 +332,7 @@ class Engine:
             target_ms,
             self._decode_step_avg_s * 1e3,
         )
-        choice = g.decide(p, d, self._kv_usage(), chunk=chunk, record=False)
+        choice = g.decide(p, d, self._kv_usage_before_plan, chunk=chunk, record=False)
         chunk_tokens = choice.decision.chunk_tokens
         if not chunk_tokens:
             return capacity
@@ -359,13 +359,12 @@ class Engine:
     def _choose_split(self, pplan: StepPlan | None, dplan: StepPlan | None) -> SplitChoice:
         """The controller's split for the next prefill batch (or decode-only step); for a
         prefill planned as chunks (`_auto_capacity`), that decision."""
-        from runtime.partition.cost_model import DecodeShape, PrefillShape
-
         g = self._green
         num_layers = self.model_config.num_layers
         planned = self._planned_choice
-        if pplan is not None and planned is not None:
-            self._planned_choice = None
+        chunk = self._planned_chunk
+        if pplan is not None and planned is not None and chunk is not None:
+            self._planned_choice = self._planned_chunk = None
             g.record(planned.decision)
             # The planned step's own prediction, scored when it is collected (`_observe`).
             seqs = [] if dplan is None else dplan.decode
@@ -373,9 +372,7 @@ class Engine:
             items = [(s.num_new_tokens, s.num_context_tokens) for s in pplan.prefill]
             if len(self._chunked_predicted_ms) > 64:
                 self._chunked_predicted_ms.clear()  # steps that failed never came back
-            self._chunked_predicted_ms[pplan.step_id] = g.predict_chunked_step_ms(
-                items, d, self._planned_chunk
-            )
+            self._chunked_predicted_ms[pplan.step_id] = g.predict_chunked_step_ms(items, d, chunk)
             return planned
         p = (
             None
@@ -814,6 +811,7 @@ class Engine:
         sched = self.scheduler
         planned = False
         if sched.has_work():
+            self._kv_usage_before_plan = self._kv_usage()
             capacity = ex.capacity()
             if ex is self.split:
                 capacity = self._auto_capacity(capacity)
@@ -824,7 +822,6 @@ class Engine:
                     decode_step_s=self._decode_step_avg_s,
                     prefill_cost=self._prefill_cost,
                 )
-            self._kv_usage_before_plan = self._kv_usage()
             try:
                 plan = sched.schedule(capacity)
             except Exception as e:  # noqa: BLE001 - bookkeeping bug: fail everything queued
