@@ -28,7 +28,10 @@ within `beta` of its best), above it favour decode (minimise decode latency with
 `alpha` of its best); greedy search over the pre-created splits from the current one; then the
 split is kept only if running the phases concurrently is predicted faster than time-slicing the
 whole GPU for the same work (H200.md: with eager kernels it often is not); hysteresis stops
-flapping; a manual pin wins over everything.
+flapping; a manual pin wins over everything. With a TBT target it also weighs, for a prefill
+that may be cut by tokens, chunked time-slicing (chunks sized to the target on the whole GPU,
+`ChunkInput`) against the best split or layer slices, and takes what meets the target and
+finishes the prefill first (docs/partition.md, "How auto chooses").
 """
 
 from __future__ import annotations
