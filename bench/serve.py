@@ -6,6 +6,11 @@ as latency (as in `vllm bench serve`). Chat requests stream (SSE) and every cont
 arrival time is recorded; scoring requests go to `/v1/score` as token ids. Runs are bounded:
 by a request count or a duration, a per-request timeout, and a bounded number of search probes.
 
+`--server vllm` targets vLLM's OpenAI server instead (bench/peer/, issue 18): the same bodies,
+scoring to its `/generative_scoring` (same fields as our `/v1/score`), the prefix-cache reset to
+its `/reset_prefix_cache` (served with VLLM_SERVER_DEV_MODE=1) and the hit counters from its
+Prometheus `/metrics`.
+
 See bench/README.md for the output format and examples.
 """
 
@@ -60,6 +65,21 @@ class ClientOptions:
     api_key: str | None = None
     progress: bool = True
     tokenizer: TokenizerLike | None = None  # to count output tokens when usage is missing
+    score_path: str = "/v1/score"  # vLLM: /generative_scoring (SERVER_APIS)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerApi:
+    """Where a server kind takes scoring requests and prefix-cache resets (`--server`)."""
+
+    score_path: str
+    reset_path: str
+
+
+SERVER_APIS: dict[str, ServerApi] = {
+    "greenlane": ServerApi("/v1/score", "/admin/api/prefix-cache/reset"),
+    "vllm": ServerApi("/generative_scoring", "/reset_prefix_cache"),
+}
 
 
 # ---------------------------------------------------------------- arrivals
@@ -206,7 +226,7 @@ async def _send_score(
     result: RequestResult,
     start: float,
 ) -> None:
-    resp = await client.post(f"{base_url}/v1/score", json=score_body(req, opts))
+    resp = await client.post(f"{base_url}{opts.score_path}", json=score_body(req, opts))
     result.e2el_s = result.ttft_s = time.perf_counter() - start
     if resp.status_code != 200:
         result.error = _error_text(resp.status_code, resp.content)
@@ -500,7 +520,9 @@ async def admin_call(
         return True, {}
 
 
-async def reset_prefix_cache(base_url: str, admin_token: str | None) -> dict[str, Any]:
+async def reset_prefix_cache(
+    base_url: str, admin_token: str | None, path: str = SERVER_APIS["greenlane"].reset_path
+) -> dict[str, Any]:
     """Ask the server to drop its idle prefix-cache blocks (`POST /admin/api/prefix-cache/reset`).
 
     Call it only BETWEEN runs: within a run, prefixes shared by one user's requests are what the
@@ -508,15 +530,20 @@ async def reset_prefix_cache(base_url: str, admin_token: str | None) -> dict[str
     sent after this returns find a cold cache (blocks still held by requests that the client
     gave up on, e.g. after a timeout, survive until those requests end).
     Returns {"done": bool, "error": str (when not done), "blocks_before": int | None}."""
-    ok, reply = await admin_call(base_url, "POST", "/admin/api/prefix-cache/reset", admin_token)
+    ok, reply = await admin_call(base_url, "POST", path, admin_token)
     if not ok:
         return {"done": False, "error": reply}
     assert isinstance(reply, dict)
     return {"done": True, "blocks_before": reply.get("prefix_cached_blocks_before")}
 
 
-async def prefix_cache_counters(base_url: str, admin_token: str | None) -> dict[str, int] | None:
-    """The server's cumulative prefix-cache counters (`/admin/api/state`), None if unreadable."""
+async def prefix_cache_counters(
+    base_url: str, admin_token: str | None, server: str = "greenlane"
+) -> dict[str, int] | None:
+    """The server's cumulative prefix-cache counters (`/admin/api/state`; vLLM: `/metrics`),
+    None if unreadable."""
+    if server == "vllm":
+        return await vllm_prefix_cache_counters(base_url)
     ok, reply = await admin_call(base_url, "GET", "/admin/api/state", admin_token)
     if not ok or not isinstance(reply, dict):
         return None
@@ -524,6 +551,34 @@ async def prefix_cache_counters(base_url: str, admin_token: str | None) -> dict[
     if pc.get("hit_tokens") is None or pc.get("query_tokens") is None:
         return None
     return {"hit_tokens": int(pc["hit_tokens"]), "query_tokens": int(pc["query_tokens"])}
+
+
+def parse_vllm_prefix_counters(metrics_text: str) -> dict[str, int] | None:
+    """vLLM's `vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total` (tokens,
+    summed over engines) from Prometheus text; None when absent."""
+    sums = {"hit_tokens": 0.0, "query_tokens": 0.0}
+    seen = set()
+    names = {
+        "vllm:prefix_cache_hits_total": "hit_tokens",
+        "vllm:prefix_cache_queries_total": "query_tokens",
+    }
+    for line in metrics_text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            sums[names[name]] += float(line.rsplit(" ", 1)[1])
+            seen.add(name)
+    return {k: int(v) for k, v in sums.items()} if len(seen) == 2 else None
+
+
+async def vllm_prefix_cache_counters(base_url: str) -> dict[str, int] | None:
+    try:
+        async with httpx.AsyncClient(timeout=30.0) as client:
+            resp = await client.get(f"{base_url}/metrics")
+    except httpx.HTTPError:
+        return None
+    return parse_vllm_prefix_counters(resp.text) if resp.status_code == 200 else None
 
 
 def prefix_cache_delta(
@@ -606,6 +661,13 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__.split("\n")[0])
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--server",
+        choices=sorted(SERVER_APIS),
+        default="greenlane",
+        help="the server's kind: vllm sends scoring to /generative_scoring, resets its prefix "
+        "cache at /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1) and reads hits from /metrics",
+    )
     add_common_args(p)
     rate = p.add_mutually_exclusive_group(required=True)
     rate.add_argument("--qps", help="one rate or a comma list (a sweep); 'inf' allowed")
@@ -722,7 +784,8 @@ async def reset_before_run(base_url: str, args: argparse.Namespace) -> dict[str,
     warned about, and the run goes on (its result then may include cache carry-over)."""
     if not args.reset_prefix_cache:
         return None
-    reset = await reset_prefix_cache(base_url, args.admin_token)
+    server = getattr(args, "server", "greenlane")
+    reset = await reset_prefix_cache(base_url, args.admin_token, SERVER_APIS[server].reset_path)
     if not reset["done"]:
         print(
             f"\nwarning: prefix-cache reset failed ({reset['error']}); this run may reuse "
@@ -747,6 +810,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     tok = load_tokenizer(args.tokenizer)
     gen = WorkloadGenerator(args.workload, tok, args.seed, args.scale)
     opts = options_from_args(args, tok)
+    opts.score_path = SERVER_APIS[args.server].score_path
     record: dict[str, Any] = {
         "tool": "greenlane bench.serve",
         "command": shlex.join([Path(sys.executable).name, "-m", "bench.serve", *sys.argv[1:]]),
@@ -759,6 +823,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     await resolve_model(base_url, opts, record["server"])
     record["options"] = {
         "model": opts.model,
+        "server": args.server,
+        "score_path": opts.score_path,
         "ignore_eos": opts.ignore_eos,
         "temperature": opts.temperature,
         "max_concurrency": opts.max_concurrency,
@@ -786,11 +852,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         if args.prime_prefixes and (reset is not None or not primed):
             prime = await prime_prefixes(base_url, gen, opts)
             primed.append(prime)
-        before = await prefix_cache_counters(base_url, args.admin_token)
+        before = await prefix_cache_counters(base_url, args.admin_token, args.server)
         metrics, _ = await run_once(
             base_url, plan.requests, plan.arrivals_s, opts, slo, label=f"qps {qps:g}", stop=stop
         )
-        after = await prefix_cache_counters(base_url, args.admin_token)
+        after = await prefix_cache_counters(base_url, args.admin_token, args.server)
         runs.append(run_record(qps, metrics, plan, reset, prefix_cache_delta(before, after), prime))
         return metrics
 

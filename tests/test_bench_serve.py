@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from toy_tokenizer import make_tokenizer
 
 from bench import serve
@@ -82,6 +82,36 @@ def fake_app(tok: Any) -> FastAPI:
         n = len(body["query"]) + len(body["items"][0])
         await asyncio.sleep(0.001 * n / 100)
         return JSONResponse({"scores": [[0.7, 0.3]], "usage": {"prompt_tokens": n}})
+
+    # vLLM's spellings (bench.serve --server vllm): generative scoring, the dev-mode prefix
+    # cache reset (an empty 200), Prometheus counters of prefix-cache tokens.
+    app.state.vllm_hits = 0
+
+    @app.post("/generative_scoring")
+    async def vllm_score(request: Request) -> JSONResponse:
+        body = await request.json()
+        app.state.seen.append(("vllm-score", body))
+        app.state.log.append("vllm-score")
+        n = len(body["query"]) + len(body["items"][0])
+        app.state.vllm_hits += len(body["query"])
+        data = [{"index": 0, "object": "score", "score": 0.7}]
+        return JSONResponse({"object": "list", "data": data, "usage": {"prompt_tokens": n}})
+
+    @app.post("/reset_prefix_cache")
+    async def vllm_reset() -> Response:
+        app.state.log.append("vllm-reset")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def vllm_metrics() -> Response:
+        text = (
+            "# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of tokens.\n"
+            "# TYPE vllm:prefix_cache_hits_total counter\n"
+            f'vllm:prefix_cache_hits_total{{engine="0",model_name="m"}} {app.state.vllm_hits}.0\n'
+            f'vllm:prefix_cache_queries_total{{engine="0",model_name="m"}} '
+            f"{2 * app.state.vllm_hits}.0\n"
+        )
+        return Response(text, media_type="text/plain")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
@@ -819,3 +849,55 @@ def test_prefix_cache_delta():
     }
     assert serve.prefix_cache_delta(None, b) is None
     assert serve.prefix_cache_delta(a, a)["hit_rate"] is None
+
+
+def test_server_vllm_uses_vllm_endpoints(fake_server, tokenizer_file, tmp_path):
+    """--server vllm: the same score bodies to /generative_scoring, resets at
+    /reset_prefix_cache, prefix-cache hits from /metrics."""
+    url, app = fake_server
+    _reset_log(app)
+    record = run_cli(
+        [
+            "--url",
+            url,
+            "--server",
+            "vllm",
+            "--workload",
+            "post-recommendation",
+            "--scale",
+            "0.01",
+            "--num-requests",
+            "6",
+            "--qps",
+            "inf",
+            "--seed",
+            "3",
+            "--tokenizer",
+            str(tokenizer_file),
+            "--no-progress",
+            "--out",
+            str(tmp_path / "v.json"),
+        ]
+    )
+    assert app.state.log == ["vllm-reset"] + ["vllm-score"] * 6
+    assert record["metrics"]["completed"] == 6 and record["metrics"]["failed"] == 0
+    assert record["options"]["server"] == "vllm"
+    assert record["options"]["score_path"] == "/generative_scoring"
+    assert record["prefix_cache_reset"]["done_before_every_run"] is True
+    bodies = [b for kind, b in app.state.seen if kind == "vllm-score"]
+    queries = sum(len(b["query"]) for b in bodies)
+    pc = record["runs"][0]["prefix_cache"]
+    assert pc["hit_tokens"] == queries and pc["hit_rate"] == pytest.approx(0.5)
+    assert all(b["label_token_ids"] or b["labels"] for b in bodies)
+
+
+def test_parse_vllm_prefix_counters():
+    text = (
+        "# TYPE vllm:prefix_cache_hits_total counter\n"
+        'vllm:prefix_cache_hits_total{engine="0"} 10.0\n'
+        'vllm:prefix_cache_hits_total{engine="1"} 5.0\n'
+        'vllm:prefix_cache_queries_total{engine="0"} 40.0\n'
+        "vllm:num_requests_running 2.0\n"
+    )
+    assert serve.parse_vllm_prefix_counters(text) == {"hit_tokens": 15, "query_tokens": 40}
+    assert serve.parse_vllm_prefix_counters("vllm:num_requests_running 2.0\n") is None
