@@ -1,0 +1,300 @@
+#!/usr/bin/env bash
+# Device side of issue 18: Greenlane and vLLM 0.24.0 side by side on one H200, the same
+# random weights, the same workloads and seeds, runs alternating between the two servers.
+# One mode a device call, back to back (the machine goes back 30 s after a call; /tmp, the
+# servers started here with setsid and ~/.cache stay while it is held). bench/peer/README.md
+# lists the calls with their carry lists and times.
+#
+#   bash bench/peer/run.sh stash              # each piece's call: .peer_whp/X -> /tmp/peer_whp
+#   bash bench/peer/run.sh setup REV          # join + unpack vLLM, install Greenlane, export the
+#                                             # 8B folder, start both servers, same answers
+#   bash bench/peer/run.sh scoring REV        # (a) post-recommendation, max QPS at the P99 SLO
+#   bash bench/peer/run.sh chat REV [8b|3b]   # (b) 48 chat streams: tokens/s, ITL
+#   bash bench/peer/run.sh long REV [MNBT..]  # (c) long prompts next to chat; vLLM at its default
+#                                             # chunked prefill, then each --max-num-batched-tokens
+#   bash bench/peer/run.sh longest REV        # (d) longest scoring prompt under the same cap
+#
+# Results: $OUT/peer-<mode>-<stamp>.json (every run's bench.serve record, each with a "peer"
+# entry: command, Greenlane revision, vLLM version, device, date, server command lines) and the
+# server logs as one tarball. Settings: the PEER_* variables below. REV is the Greenlane commit
+# the lead runs from.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+source bench/wheel_pieces.sh
+mode=${1:-}; rev=${2:-unknown}; shift 2 2>/dev/null || shift $#
+sub=""
+t0=$(date +%s); deadline=${DEADLINE_S:-570}
+left() { echo $(( deadline - ($(date +%s) - t0) )); }
+export OUT=${OUT:-/tmp/peer-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
+W=/tmp/peer                      # work folder on the device: models, logs, state
+VSITE=/tmp/vllm-site             # vLLM and its packages (PYTHONPATH of the vLLM server only)
+GL_PORT=8100; VL_PORT=8200
+GL=http://127.0.0.1:$GL_PORT; VL=http://127.0.0.1:$VL_PORT
+SEED=${PEER_SEED:-0}
+MAX_LEN=${PEER_MAX_MODEL_LEN:-32768}         # both servers: prompt + output limit
+MEM_GB=${PEER_MEM_GB:-64}                    # both servers' GPU memory cap (both run at once)
+CAP_GB=${PEER_CAP_GB:-24}                    # (d): the cap of the README's 8B figure
+STAMP=$(date -u +%Y%m%dT%H%M%SZ)
+RES=$W/res/$STAMP                # this call's results (collect sends them)
+mkdir -p "$W/logs" "$RES"
+
+gl_env() {  # Greenlane's packages (bench/gpu_setup.sh installed them into /tmp/site)
+  export PYTHONPATH=/tmp/site:$PWD
+  if [ -d /tmp/glcache ]; then export GREENLANE_CACHE_DIR=/tmp/glcache; fi
+  return 0
+}
+healthy() { curl -sf -m 3 "$1/health" >/dev/null; }
+wait_up() {  # URL NAME LOG TIMEOUT_S START_EPOCH PIDFILE
+  local end=$(( $(date +%s) + $4 ))
+  while [ "$(date +%s)" -lt "$end" ]; do
+    if healthy "$1"; then echo "$2 up after $(( $(date +%s) - $5 )) s"; return 0; fi
+    if ! kill -0 "$(cat "$6")" 2>/dev/null; then
+      echo "$2 exited during start-up; log tail:"; tail -c 3000 "$3"; return 1
+    fi
+    sleep 2
+  done
+  echo "$2 NOT up after $4 s; log tail:"; tail -c 3000 "$3"; return 1
+}
+stop_one() {  # greenlane|vllm (its process group: vLLM's engine-core children too)
+  local f="$W/$1.pid" url=$GL
+  [ "$1" = vllm ] && url=$VL
+  if [ -f "$f" ]; then
+    kill -TERM -- "-$(cat "$f")" 2>/dev/null || kill "$(cat "$f")" 2>/dev/null
+    rm -f "$f"
+  fi
+  rm -f "$W/$1.cfg"
+  for _ in $(seq 40); do healthy "$url" || return 0; sleep 1; done
+  echo "$1 still answering after 40 s"
+}
+stop_servers() { stop_one vllm; stop_one greenlane; }
+# start_greenlane MODEL "ARGS" / start_vllm FOLDER "ARGS": started with setsid, so they run on
+# into the next calls while the machine is held; a call asking for the configuration already
+# running (and healthy) reuses it. Greenlane first: vLLM sizes its KV cache at start-up.
+start_greenlane() {
+  local model=$1 args=$2 cfg="$1|$2" ts log
+  if [ "$(cat "$W/greenlane.cfg" 2>/dev/null)" = "$cfg" ] && healthy $GL; then
+    echo "greenlane already up ($cfg)"; return 0
+  fi
+  stop_one greenlane
+  ts=$(date +%s); log="$W/logs/greenlane-$ts.log"
+  gl_env
+  echo "python3 -m app serve --model $model --port $GL_PORT --seed $SEED $args" | tee "$log"
+  # shellcheck disable=SC2086
+  setsid python3 -m app serve --model "$model" --port $GL_PORT --seed "$SEED" $args \
+    >>"$log" 2>&1 </dev/null & echo $! >"$W/greenlane.pid"
+  wait_up $GL greenlane "$log" 300 "$ts" "$W/greenlane.pid" || return 1
+  echo "$cfg" >"$W/greenlane.cfg"
+}
+start_vllm() {
+  local folder=$1 args=$2 cfg="$1|$2" ts log
+  if [ "$(cat "$W/vllm.cfg" 2>/dev/null)" = "$cfg" ] && healthy $VL; then
+    echo "vllm already up ($cfg)"; return 0
+  fi
+  stop_one vllm
+  ts=$(date +%s); log="$W/logs/vllm-$ts.log"
+  # Its own site folder only on the path (Greenlane's newer FastAPI and FlashInfer stay out);
+  # dev mode for /reset_prefix_cache; FlashInfer is not carried, so its sampler is off (it only
+  # serves top-p/top-k sampling: greedy and plain sampling run the same code either way).
+  echo "python3 -m vllm.entrypoints.openai.api_server --model $folder --served-model-name peer --port $VL_PORT --seed $SEED --enable-prefix-caching --return-tokens-as-token-ids $args" | tee "$log"
+  # shellcheck disable=SC2086
+  env PYTHONPATH=$VSITE VLLM_SERVER_DEV_MODE=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
+    setsid python3 -m vllm.entrypoints.openai.api_server --model "$folder" \
+    --served-model-name peer --port $VL_PORT --seed "$SEED" --enable-prefix-caching \
+    --return-tokens-as-token-ids $args >>"$log" 2>&1 </dev/null & echo $! >"$W/vllm.pid"
+  wait_up $VL vllm "$log" 420 "$ts" "$W/vllm.pid" || return 1
+  echo "$cfg" >"$W/vllm.cfg"
+  grep -hiE "KV cache|max_num_batched_tokens|chunked prefill|Maximum concurrency|backend|graph" \
+    "$log" | tail -12
+}
+mem_frac() {  # GB -> vLLM's --gpu-memory-utilization (a fraction of the whole GPU)
+  python3 -c "import torch,sys; print(round(float(sys.argv[1])*2**30/torch.cuda.mem_get_info()[1], 4))" "$1"
+}
+folder_of() { echo "$W/models/$1"; }
+# start_servers PRESET ["VLLM_EXTRA"]: both on the preset's weights at the shared memory cap,
+# Greenlane on random:PRESET (the same weights as the folder: same seed, device, dtype; setup's
+# same_answers check shows it), vLLM on the exported folder.
+start_servers() {
+  local preset=$1 extra=${2:-} frac
+  frac=$(mem_frac "$MEM_GB")
+  start_greenlane "random:$preset" "--max-gpu-memory-gb $MEM_GB --max-model-len $MAX_LEN" \
+    || return 1
+  start_vllm "$(folder_of "$preset")" \
+    "--gpu-memory-utilization $frac --max-model-len $MAX_LEN $extra"
+}
+export_model() {  # PRESET: the HF folder of random:PRESET, written here (CUDA, bf16, SEED)
+  local f; f=$(folder_of "$1")
+  [ -f "$f/greenlane_export.json" ] && return 0
+  gl_env
+  python3 -m bench.peer.export_hf --preset "$1" --out "$f" --device cuda --seed "$SEED"
+}
+record_meta() {  # JSON MODE REV COMMAND: add the "peer" entry (revisions, device, date)
+  python3 - "$@" <<'PYEOF'
+import datetime, json, os, subprocess, sys
+path, mode, rev, cmd = sys.argv[1:5]
+def sh(c):
+    try:
+        return subprocess.run(c, shell=True, capture_output=True, text=True, timeout=30).stdout.strip()
+    except Exception as e:  # noqa: BLE001
+        return f"error: {e}"
+def cfg(name):
+    p = f"/tmp/peer/{name}.cfg"
+    return open(p).read().strip() if os.path.exists(p) else None
+meta = {
+    "mode": mode, "command": cmd, "greenlane_revision": rev,
+    "vllm_version": sh("cd /tmp && PYTHONPATH=/tmp/vllm-site python3 -c 'import vllm; print(vllm.__version__)' 2>/dev/null | tail -1"),
+    "device": sh("nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader"),
+    "torch": sh("python3 -c 'import torch; print(torch.__version__, torch.version.cuda)'"),
+    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    "greenlane_server": cfg("greenlane"), "vllm_server": cfg("vllm"),
+}
+try:
+    doc = json.load(open(path))
+except (OSError, ValueError):
+    doc = {}
+doc["peer"] = meta
+json.dump(doc, open(path, "w"), indent=1)
+PYEOF
+}
+collect() {  # $OUT takes at most 8 files: this call's results in one JSON, the logs in a tarball
+  python3 - "$RES" "$OUT/peer-$mode${sub:+-$sub}-$STAMP.json" "$mode" "$rev" <<'PYEOF'
+import json, pathlib, sys
+res, out, mode, rev = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+runs = {p.stem: json.loads(p.read_text()) for p in sorted(res.glob("*.json"))}
+json.dump({"mode": mode, "greenlane_revision": rev, "runs": runs}, open(out, "w"), indent=1)
+print(f"{out}: {len(runs)} results")
+PYEOF
+  tar czf "$OUT/peer-logs-$mode${sub:+-$sub}.tar.gz" -C "$W" logs 2>/dev/null || true
+}
+# bench SIDE NAME ARGS...: bench.serve against one server -> $RES/NAME-SIDE.json, then
+# collect (so a call stopped at its limit still brings back every run that finished).
+bench() {
+  local side=$1 name=$2; shift 2
+  local url=$GL
+  [ "$side" = vllm ] && url=$VL
+  gl_env
+  local out="$RES/$name-$side.json"
+  python3 -m bench.serve --url "$url" --server "$side" --seed "$SEED" --no-progress \
+    --tokenizer "$(folder_of "${PEER_PRESET:-llama-3.1-8b}")" --out "$out" "$@" 2>&1 | tail -n 4
+  record_meta "$out" "$mode" "$rev" "python3 -m bench.serve --url $url --server $side --seed $SEED $*"
+  collect
+}
+# alternate NAME ROUNDS RUN_S ARGS...: greenlane, vllm, then vllm, greenlane (ABBA), ...; a
+# run starts only while RUN_S (its expected length) + 25 s are left before the deadline.
+alternate() {
+  local name=$1 rounds=$2 run_s=$3 r side order; shift 3
+  for r in $(seq "$rounds"); do
+    order="greenlane vllm"; [ $((r % 2)) = 0 ] && order="vllm greenlane"
+    for side in $order; do
+      if [ "$(left)" -le $((run_s + 25)) ]; then
+        echo "deadline: $name round $r $side skipped"; return 0
+      fi
+      echo "== $name round $r: $side ($(left) s left)"
+      bench "$side" "$name-r$r" "$@"
+    done
+  done
+}
+
+case $mode in
+stash)
+  wp_stash .peer_whp /tmp/peer_whp ;;
+setup)
+  # 1. vLLM: join the pieces, unpack the site folder (pip's --no-deps --target layout, made by
+  #    prepare.sh), check its imports and FastAPI app on this machine.
+  if [ ! -f "$VSITE/.complete" ]; then
+    wp_join /tmp/peer_whp /tmp/vllm-site.tar.xz || exit 1
+    rm -rf "$VSITE" /tmp/site-unpack && mkdir -p /tmp/site-unpack
+    python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter='tar')" \
+      /tmp/vllm-site.tar.xz /tmp/site-unpack || exit 1
+    mv /tmp/site-unpack/site "$VSITE" && touch "$VSITE/.complete" && rm -f /tmp/vllm-site.tar.xz
+  fi
+  echo "vLLM site ready ($(du -sh $VSITE | cut -f1)), $(left) s left"
+  (cd /tmp && PYTHONPATH=$VSITE VLLM_SERVER_DEV_MODE=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
+     python3 "$OLDPWD/bench/peer/check_vllm.py" --json "$OUT/peer-check-vllm.json") || exit 1
+  # 2. Greenlane: its wheels, FlashInfer kernels, tokenizer (carried .whl .fi_cache
+  #    .cache/smollm2-tok), as every Greenlane GPU run installs them.
+  source bench/gpu_setup.sh || exit 1
+  # 3. The 8B folder (16 GB, bf16, written from the GPU), then both servers on it.
+  export_model llama-3.1-8b || exit 1
+  echo "exported, $(left) s left"
+  start_servers llama-3.1-8b || { collect; exit 1; }
+  # 4. Same weights, same answers (exit 1 on a mismatch: then no benchmark means anything).
+  gl_env
+  python3 -m bench.peer.same_answers --greenlane $GL --vllm $VL \
+    --tokenizer "$(folder_of llama-3.1-8b)" --out "$RES/same-answers.json"
+  rc=$?
+  record_meta "$RES/same-answers.json" setup "$rev" "python3 -m bench.peer.same_answers"
+  collect; exit $rc ;;
+scoring)
+  # (a) post-recommendation at full scale through each server's scoring path (Greenlane
+  # /v1/score, vLLM /generative_scoring: query + item token ids, Yes/No label ids), prefix
+  # caching on in both, primed (one request per user first), max QPS at P99 latency <= 3 s by
+  # bisection over 14-s probes (issue 17's setting), two rounds, ABBA.
+  start_servers llama-3.1-8b || { collect; exit 1; }
+  alternate scoring "${PEER_ROUNDS:-2}" 110 --workload post-recommendation --duration 14 \
+    --qps "${PEER_SCORE_QPS:-6}" --find-max-qps --slo e2el:3000 --max-probes 4 \
+    --search-factor 1.5 --prime-prefixes --warmup-requests 2 --request-timeout 60
+  collect ;;
+chat)
+  # (b) 48 chat streams: sharegpt-like requests, 48 in flight (closed loop), ignore_eos;
+  # output tokens/s and the gaps between tokens. 8B, then 3B in its own call.
+  sub=${1:-8b}; preset=llama-3.1-8b
+  [ "$sub" = 3b ] && preset=qwen2.5-3b
+  export_model "$preset" || exit 1
+  start_servers "$preset" || { collect; exit 1; }
+  PEER_PRESET=$preset alternate "chat-$sub" "${PEER_ROUNDS:-2}" 60 --workload sharegpt \
+    --num-requests 240 --qps inf --max-concurrency 48 --warmup-requests 4 --request-timeout 120
+  collect ;;
+long)
+  # (c) long prompts next to chat: mixed (60% sharegpt + 40% long-data, 1k-16k-token prompts)
+  # at a fixed QPS; P99 TTFT and time between tokens. Both at their defaults first (vLLM's
+  # chunked prefill at its default budget), then vLLM restarted at each
+  # --max-num-batched-tokens of the sweep (about a minute each: its compile cache is warm)
+  # against the same Greenlane, which stays up.
+  sweep=("$@"); [ ${#sweep[@]} -gt 0 ] || sweep=(2048 4096 16384)
+  args=(--workload mixed --duration 40 --qps "${PEER_LONG_QPS:-3}" --warmup-requests 2
+        --request-timeout 120)
+  start_servers llama-3.1-8b || { collect; exit 1; }
+  alternate long-default 1 80 "${args[@]}"
+  for m in "${sweep[@]}"; do
+    [ "$(left)" -gt 190 ] || { echo "deadline: the sweep stops before $m"; break; }
+    start_servers llama-3.1-8b "--max-num-batched-tokens $m" || break
+    bench vllm "long-mnbt$m" "${args[@]}"
+  done
+  collect ;;
+longest)
+  # (d) the longest scoring prompt each server takes under the same GPU memory cap (24 GB, the
+  # README's 8B figure), one server at a time, bisection by requests (bench/peer/longest_prompt.py).
+  stop_servers
+  big=${PEER_LONGEST_HI:-262144}
+  if start_greenlane random:llama-3.1-8b "--max-gpu-memory-gb $CAP_GB --max-model-len $big"; then
+    gl_env
+    python3 -m bench.peer.longest_prompt --url $GL --server greenlane --hi "$big" \
+      --out "$RES/longest-greenlane.json"
+    record_meta "$RES/longest-greenlane.json" longest "$rev" "bench.peer.longest_prompt greenlane"
+    collect
+  fi
+  stop_one greenlane
+  # vLLM sizes its KV cache at start-up and refuses a --max-model-len it cannot hold, naming the
+  # longest it could ("... estimated maximum model length is N"): start at the same length, and
+  # on that refusal again at N.
+  frac=$(mem_frac "$CAP_GB"); len=$big
+  for attempt in 1 2; do
+    if start_vllm "$(folder_of llama-3.1-8b)" "--gpu-memory-utilization $frac --max-model-len $len"; then
+      gl_env
+      python3 -m bench.peer.longest_prompt --url $VL --server vllm --hi "$len" \
+        --out "$RES/longest-vllm.json"
+      record_meta "$RES/longest-vllm.json" longest "$rev" "bench.peer.longest_prompt vllm"
+      break
+    fi
+    n=$(cat "$W"/logs/vllm-*.log | grep -oE "estimated maximum model length is [0-9]+" \
+        | grep -oE "[0-9]+$" | tail -1)
+    stop_one vllm
+    [ -n "$n" ] && [ "$attempt" = 1 ] || break
+    len=$n; echo "vLLM: again at --max-model-len $len"
+  done
+  stop_servers
+  collect ;;
+*) echo "usage: $0 stash|setup|scoring|chat|long|longest REV [args]"; exit 2 ;;
+esac
