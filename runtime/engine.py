@@ -69,7 +69,7 @@ from runtime.kv.kv_pool import (
 from runtime.kv.prefix_cache import PrefixCache
 from runtime.model.loader import load_model
 from runtime.partition import PartitionManager, SplitChoice
-from runtime.partition.cost_model import ChunkInput, DecodeShape, PrefillShape
+from runtime.partition.cost_model import PREFILL, ChunkInput, DecodeShape, PrefillShape
 from runtime.partition.setup import capture_split_graphs, make_partition, profile_at_startup
 from runtime.request import FINISH_REASONS, EngineOutput, Request, RequestKind, RequestStatus
 from runtime.runner import ModelRunner, profile_activation_peak
@@ -284,6 +284,33 @@ class Engine:
         log.info(
             "partition cost model: whole-GPU prefill from the JCT model while it is fitted to "
             "this device (now: %s)",
+            jct.source,
+        )
+        self._seed_prefill_scale()
+
+    def _seed_prefill_scale(self) -> None:
+        """Until the JCT model is fitted to this device, the chunks' marginal cost (`--tbt-slo-ms`
+        and auto's) starts scaled to the partition cost model's whole-GPU prefill fit, when
+        that is calibrated (a file, the start-up profile or the labelled fallback): the JCT
+        fallback is an 8B model's first-principles guess, and the online correction
+        (`ScaledCost`, from mixed steps) would otherwise start from 1. Ratio of the two
+        models' whole prefills at the start-up profile's shapes, bounded as the correction."""
+        jct, model = self.jct_model, self._green.cost_model
+        if jct.calibrated or not model.calibrated:
+            return
+        layers = self.model_config.num_layers
+        ratios = []
+        for tokens, context in ((4096, 0), (1024, 4096)):
+            shape = PrefillShape.from_seqs([(context, tokens)], layers)
+            jct_ms = jct.predict_totals_s(shape.num_tokens, shape.attention_pairs) * 1e3
+            ratios.append(model.base_ms(PREFILL, shape) / jct_ms)
+        scale = min(10.0, max(0.1, sum(ratios) / len(ratios)))
+        self._prefill_cost.scale = scale
+        log.info(
+            "prefill cost for TBT chunks scaled by %.2f to the partition cost model (%s) until "
+            "the JCT model is fitted (now: %s)",
+            scale,
+            model.source,
             jct.source,
         )
 

@@ -384,3 +384,19 @@ def test_chunked_steps_are_scored_against_their_prediction(manager) -> None:  # 
     assert eng._chunked_predicted_ms == {}
     stats = eng.fresh_stats()
     assert stats["cost_model_errors"]["mape_chunked_step"] == pytest.approx(want)
+
+
+def test_a_fallback_jct_model_is_scaled_to_the_partition_cost_model(manager) -> None:  # noqa: F811
+    """The JCT fallback (an 8B model's guess) sizes the chunks until fitted: the engine starts
+    its online correction at the ratio of the cost model's whole-GPU prefill to it."""
+    eng, _, _ = _auto_engine(manager)
+    jct = eng.jct_model
+    jct.b_s_per_token = 4e-6  # twice the flat model's 2 us a token (2 layers x 1 us)
+    eng._share_prefill_model()
+    assert eng._prefill_cost.scale == pytest.approx(0.5)
+    assert eng._prefill_cost.max_tokens_within(0.7e-3) == 350  # as the cost model says
+    # A JCT model fitted to the device is not second-guessed.
+    eng._prefill_cost.scale = 1.0
+    jct.source = "calibration:test"
+    eng._share_prefill_model()
+    assert eng._prefill_cost.scale == 1.0
