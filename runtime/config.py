@@ -36,7 +36,9 @@ class EngineConfig:
     prefill_policy: str = "srjf"  # srjf | spf | fcfs
     fairness_lambda: float | None = None  # SRJF fairness offset (None = policy default)
     spf_gamma: float | None = None  # SPF aging weight (None = policy default)
-    jct_calibration: str | None = None  # path of a JCT calibration file
+    # The JCT model's calibration: a calibration-<device>--<model>.json (its `jct` section) or
+    # an old greenlane-jct/1 file (runtime/calibrate.py).
+    jct_calibration: str | None = None
 
     hybrid_prefill: bool = True
     prefill_chunk_tokens: int = 2048  # C: token-wise ops run in chunks of C tokens
@@ -68,12 +70,15 @@ class EngineConfig:
     partition_min_decode_sms: int | None = None  # None = the device's minimum partition
     # TBT target (ms) for auto: replaces beta while prefill is favoured (see ControllerConfig).
     partition_tbt_slo_ms: float | None = None
-    # auto with a TBT target: may time-slice by slices of layers (see ControllerConfig).
+    # auto with a TBT target (partition_tbt_slo_ms, else tbt_slo_ms): may time-slice by slices
+    # of layers (see ControllerConfig).
     partition_layer_slicing: bool = False
-    # Cost-model calibration (runtime/partition/calibrate.py): an explicit file wins; else the
-    # cached file for this GPU and model in partition_calibration_dir (None = the JCT
-    # calibration folder); else `auto` profiles at start-up (when partition_startup_profile)
-    # and caches the result; else the built-in H200 fallback if it matches, else uncalibrated.
+    # Cost-model calibration (runtime/partition/calibrate.py), the `partition` section of the
+    # calibration file: an explicit file wins (that file, or an old greenlane-partition/1 one);
+    # else the cached file for this GPU and model in partition_calibration_dir (None = the
+    # default calibration folder); else `auto` profiles at start-up (when
+    # partition_startup_profile) and writes its section; else the built-in H200 fallback if it
+    # matches, else uncalibrated.
     partition_calibration: str | None = None
     partition_calibration_dir: str | None = None
     partition_startup_profile: bool = True
@@ -83,9 +88,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.partition_layer_slicing and self.partition_tbt_slo_ms is None:
+        if (
+            self.partition_layer_slicing
+            and self.partition_tbt_slo_ms is None
+            and self.tbt_slo_ms is None
+        ):
             raise ValueError(
-                "partition_layer_slicing needs partition_tbt_slo_ms (the slices are sized to it)"
+                "partition_layer_slicing needs partition_tbt_slo_ms or tbt_slo_ms (a TBT "
+                "target: the slices are sized to it)"
             )
         if self.wait_for_shared_prefix_tokens < 0:
             raise ValueError("wait_for_shared_prefix_tokens must be >= 0")

@@ -1,0 +1,34 @@
+"""EngineConfig's cross-option checks (runtime/config.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.config import EngineConfig
+from runtime.partition.setup import controller_config_from
+
+
+def test_layer_slicing_takes_either_tbt_target() -> None:
+    # auto's controller takes --partition-tbt-slo-ms, else --tbt-slo-ms (docs/partition.md,
+    # "how auto chooses"): either one sizes the layer slices.
+    with pytest.raises(ValueError, match="needs partition_tbt_slo_ms or tbt_slo_ms"):
+        EngineConfig(partition="auto", partition_layer_slicing=True)
+    only_tbt = EngineConfig(partition="auto", partition_layer_slicing=True, tbt_slo_ms=80.0)
+    cc = controller_config_from(only_tbt)
+    assert cc.layer_slicing and cc.tbt_slo_ms == 80.0
+    only_partition = EngineConfig(
+        partition="auto", partition_layer_slicing=True, partition_tbt_slo_ms=60.0
+    )
+    assert controller_config_from(only_partition).tbt_slo_ms == 60.0
+    both = EngineConfig(
+        partition="auto", partition_layer_slicing=True, tbt_slo_ms=80.0, partition_tbt_slo_ms=60.0
+    )
+    assert controller_config_from(both).tbt_slo_ms == 60.0
+
+
+def test_layer_slicing_with_only_tbt_slo_ms_through_the_cli_options() -> None:
+    from app.settings import Settings
+
+    s = Settings(partition="auto", partition_layer_slicing=True, tbt_slo_ms=80.0)
+    cfg = s.to_engine_config(resolve_calibration=False)
+    assert cfg.partition_layer_slicing and cfg.partition_tbt_slo_ms is None
