@@ -1,12 +1,14 @@
 """Command line: `greenlane serve|calibrate [options]` / `python -m app serve|calibrate ...`.
 
 * `serve`: the HTTP server. `--calibrate` first profiles prefill on the serving device (before
-  the port opens), saves the JCT calibration to the cache folder and uses it.
-* `calibrate`: only the profile: builds the engine for `--model`/`--device`, measures, writes
-  `<calibration-dir>/jct-<device>--<model>.json` (or `--out FILE`) and exits. Later `serve`
-  runs on the same device and model load that file automatically. `--what partition` profiles
-  the SM-partition cost model instead (`partition-<device>--<model>.json`; CUDA with green
-  contexts), `--what all` both.
+  the port opens), saves the JCT model's section of the calibration file in the cache folder
+  and uses it.
+* `calibrate`: only the profile: builds the engine for `--model`/`--device` once, profiles
+  every model the device supports (the JCT model; on CUDA with green contexts also the
+  SM-partition cost model) and writes their sections of one file,
+  `<calibration-dir>/calibration-<device>--<model>.json` (or `--out FILE`), then exits. Later
+  `serve` runs on the same device and model load it automatically. `--what jct|partition`
+  restricts the profile to one model (the file's other section is kept).
 
 Every option is also settable by its `GREENLANE_*` environment variable; a flag given on the
 command line wins over the environment. Options are generated from `Settings`' fields (server
@@ -54,7 +56,8 @@ _ENGINE_HELP = {
     "prefill_policy": "srjf | spf | fcfs",
     "fairness_lambda": "SRJF fairness offset",
     "spf_gamma": "SPF aging weight",
-    "jct_calibration": "path of a JCT calibration file",
+    "jct_calibration": "calibration file for the JCT model: a calibration-<device>--<model>.json "
+    "(its jct section) or an old jct-*.json; default: the cached file for this device and model",
     "hybrid_prefill": "run token-wise ops of long prefills in chunks",
     "prefill_chunk_tokens": "chunk size for hybrid prefill",
     "enable_prefix_cache": "reuse KV blocks of shared prompt prefixes",
@@ -86,15 +89,17 @@ _ENGINE_HELP = {
     "a split and layer slices, what meets it and finishes the prefill first (a whole prefill: "
     "time-slice when a decode step can wait for it, else give prefill every SM the target "
     "allows); without any target: Nexus's relative decode slack, --partition-beta",
-    "partition_layer_slicing": "split controller (auto, with --partition-tbt-slo-ms): when a "
+    "partition_layer_slicing": "split controller (auto, with --partition-tbt-slo-ms or "
+    "--tbt-slo-ms): when a "
     "whole prefill would stall decode past the target, it may run the prefill on every SM in "
     "slices of layers with a decode step between slices, if predicted faster than a split",
     "partition_min_decode_sms": "fewest SMs a decode partition may get (default: the device's "
     "minimum partition)",
-    "partition_calibration": "partition cost-model calibration file (JSON); default: the cached "
-    "file for this GPU and model, else a start-up profile in auto mode",
-    "partition_calibration_dir": "folder of partition calibration files (default: "
-    "--calibration-dir)",
+    "partition_calibration": "calibration file for the partition cost model: a "
+    "calibration-<device>--<model>.json (its partition section) or an old partition-*.json; "
+    "default: the cached file for this GPU and model, else a start-up profile in auto mode",
+    "partition_calibration_dir": "folder whose calibration file holds the partition section "
+    "(default: --calibration-dir)",
     "partition_startup_profile": "in auto mode with no calibration file, profile the GPU at "
     "start-up (seconds; cached for later starts)",
     "pd_slice_tokens": "split mode: prefill layers per launch = max(1, this // batch tokens)",
@@ -180,26 +185,29 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings_options(serve, list(Settings.model_fields))
     cal = sub.add_parser(
         "calibrate",
-        help="profile prefill times on this device and save the JCT calibration",
-        description="Build the engine for --model on --device, time prefills over a grid of "
-        "(uncached, cached) token counts (one progress line per point with an ETA), fit the "
-        "JCT model and write it to <calibration-dir>/jct-<device>--<model>.json (or --out). "
-        "`serve` on the same device and model then loads it automatically.",
+        help="profile this device and save its calibration file",
+        description="Build the engine for --model on --device once and profile what the "
+        "device supports: prefills over a grid of (uncached, cached) token counts for the JCT "
+        "model, and on CUDA with green contexts prefill and decode on the whole GPU and on "
+        "pre-created splits for the SM-partition cost model (one progress line per point with "
+        "an ETA). Writes one file, <calibration-dir>/calibration-<device>--<model>.json (or "
+        "--out), with a jct and a partition section. `serve` on the same device and model "
+        "then loads it automatically.",
     )
     cal.add_argument(
         "--what",
-        choices=("jct", "partition", "all"),
-        default="jct",
-        help="jct: the prefill JCT model (default); partition: the SM-partition "
-        "cost model (CUDA with green contexts: times prefill and decode alone on "
-        "the whole GPU and on 5 pre-created splits, and together, then writes "
-        "<calibration-dir>/partition-<device>--<model>.json); all: both",
+        choices=("all", "jct", "partition"),
+        default="all",
+        help="all: every model the device supports (default; the partition section only on "
+        "CUDA with green contexts); jct: only the prefill JCT model; partition: only the "
+        "SM-partition cost model (times prefill and decode alone on the whole GPU and on 5 "
+        "pre-created splits, and together). A restricted run keeps the file's other section",
     )
     cal.add_argument(
         "--out",
         default=None,
         metavar="FILE",
-        help="write the calibration here instead of the cache folder (not with --what all)",
+        help="write the calibration file here instead of the cache folder",
     )
     cal.add_argument(
         "--uncached-tokens",
@@ -272,20 +280,14 @@ def _real_engine_factory(config: Any, sink: Any) -> Any:
 
 
 def _run_calibration(
-    engine: Any,
-    calibration_dir: str | None,
-    model_key: str,
-    out_path: str | None = None,
-    **grid: Any,
+    engine: Any, calibration_dir: str | None, model_key: str
 ) -> tuple[Any, str | None]:
-    """Profile `engine` (built, not started) and save: (the fitted JCTModel, the file)."""
-    from runtime.calibrate import calibrate_engine, default_cache_dir
+    """`serve --calibrate`: profile `engine` (built, not started) for the JCT model and write
+    its section of the calibration file: (the fitted JCTModel, the file)."""
+    from runtime.calibrate import calibrate_device
 
-    out_dir = None if out_path else (calibration_dir or default_cache_dir())
-    log.info(
-        "calibrating the JCT model on %s for %s (progress on stderr)", engine.device_name, model_key
-    )
-    return calibrate_engine(engine, model=model_key, out_dir=out_dir, out_path=out_path, **grid)
+    run = calibrate_device(engine, model=model_key, what="jct", cache_dir=calibration_dir)
+    return run.jct, (run.paths or [None])[0]
 
 
 class CalibratingFactory:
@@ -454,22 +456,17 @@ def calibrate_command(
     out_path: str | None,
     grid: dict[str, Any],
     engine_factory: Any = None,
-    what: str = "jct",
+    what: str = "all",
 ) -> int:
-    """`greenlane calibrate`: build the engine, profile (`what`: jct, partition or all),
-    save, print the path of each file written."""
+    """`greenlane calibrate`: build the engine once, profile (`what`: all the device supports,
+    jct or partition: runtime/calibrate.py `calibrate_device`), write the one calibration file,
+    print the path of each file written (one, unless --partition-calibration-dir differs)."""
     import dataclasses
 
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    if what == "all" and out_path:
-        print(
-            "greenlane: --out names one file; use it with --what jct or --what partition",
-            file=sys.stderr,
-        )
-        return 2
     # The profile measures the device; loading an old calibration first would be pointless,
     # and the engine must not run its own start-up partition profile.
     config = dataclasses.replace(
@@ -478,35 +475,30 @@ def calibrate_command(
         partition_calibration=None,
         partition_startup_profile=False,
     )
-    engine = (engine_factory or _real_engine_factory)(config, lambda _out: None)
-    paths: list[str | None] = []
-    try:
-        if what in ("jct", "all"):
-            paths.append(
-                _run_calibration(
-                    engine,
-                    settings.calibration_dir,
-                    settings.calibration_model_key,
-                    out_path,
-                    **grid,
-                )[1]
-            )
-        if what in ("partition", "all"):
-            from runtime.partition.gpu import profile_engine  # lazily: loads torch
+    from runtime.calibrate import calibrate_device
 
-            log.info(
-                "profiling the partition cost model on %s (progress on stderr)", engine.device_name
-            )
-            cal = profile_engine(
-                engine, full=True, cache_dir=config.partition_calibration_dir, out_path=out_path
-            )
-            paths.append(cal.path)
+    engine = (engine_factory or _real_engine_factory)(config, lambda _out: None)
+    try:
+        log.info("calibrating %s on %s (progress on stderr)", what, engine.device_name)
+        run = calibrate_device(
+            engine,
+            model=settings.calibration_model_key,
+            what=what,
+            out_path=out_path,
+            cache_dir=settings.calibration_dir,
+            partition_cache_dir=config.partition_calibration_dir,
+            grid=grid,
+        )
     except ValueError as exc:
         print(f"greenlane: calibration failed: {exc}", file=sys.stderr)
         return 1
     finally:
         engine.shutdown()
-    for path in paths:
+    if run.partition_skipped:
+        print(
+            f"greenlane: partition section not profiled: {run.partition_skipped}", file=sys.stderr
+        )
+    for path in run.paths or []:
         print(path)
     return 0
 

@@ -3,10 +3,12 @@
 `Settings` holds the server's own options plus one field per `runtime.config.EngineConfig`
 field (generated from the dataclass, so a new engine option is settable here without an edit);
 `to_engine_config()` builds the frozen `EngineConfig` the engine takes, choosing the JCT
-calibration file to load (explicit `--jct-calibration`, else the cached one for this device and
-model in `--calibration-dir`, else none: the documented fallback) and logging the choice. The
-partition cost model's file is chosen by the engine (runtime/partition/calibrate.py), in
-`--partition-calibration-dir`, which defaults to `--calibration-dir`.
+model's calibration file (explicit `--jct-calibration`, else the cached
+`calibration-<device>--<model>.json` with a `jct` section in `--calibration-dir`, else an old
+`jct-<device>--<model>.json` there, else none: the documented fallback) and logging the choice
+(runtime/calibrate.py). The partition cost model's section is chosen by the engine
+(runtime/partition/calibrate.py), in `--partition-calibration-dir`, which defaults to
+`--calibration-dir`: by default both sections live in the same file.
 """
 
 from __future__ import annotations
@@ -107,13 +109,14 @@ class ServerSettings(BaseSettings):
     )
     calibrate: bool = Field(
         False,
-        description="profile prefill times on this device at start-up (before serving), save the "
-        "JCT calibration in calibration_dir and use it",
+        description="profile prefill times on this device at start-up (before serving), save "
+        "them as the jct section of the calibration file in calibration_dir and use it",
     )
     calibration_dir: str | None = Field(
         None,
-        description="folder of calibration files (JCT and partition cost model) keyed by device "
-        "and model (default $XDG_CACHE_HOME/greenlane/calibration or "
+        description="folder of calibration files, one per device and model "
+        "(calibration-<device>--<model>.json: the JCT model's and the partition cost model's "
+        "sections; default $XDG_CACHE_HOME/greenlane/calibration or "
         "~/.cache/greenlane/calibration)",
     )
 

@@ -53,7 +53,14 @@ DEFAULT_K_S_PER_PAIR = (
     4 * DEFAULT_NUM_LAYERS * DEFAULT_HIDDEN / (DEFAULT_PEAK_FLOPS * DEFAULT_MFU_ATTENTION)
 )
 
+# The JCT model's own format: an old standalone file (`jct-<device>--<model>.json`, still read)
+# and the `jct` section of the one calibration file.
 CALIBRATION_FORMAT = "greenlane-jct/1"
+# The one calibration file per (device, model) (`calibration-<device>--<model>.json`, written by
+# runtime/calibrate.py): `format`, `device`, `model`, and a section per model (`jct`: this
+# model's `to_dict()`; `partition`: the SM-partition cost model's), either of which may be absent.
+CALIBRATION_FILE_FORMAT = "greenlane-calibration/1"
+JCT_SECTION = "jct"
 
 _PRIOR_WEIGHT = 0.02  # weight of each prior pseudo-sample relative to one observation
 
@@ -143,13 +150,23 @@ def fit_coefficients(
     return (a, b, k)
 
 
+def file_slug(name: str) -> str:
+    """A device or model name as it appears in calibration file names (lower case, runs of
+    other characters than a-z, 0-9 and "." become "-")."""
+    return re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-") or "unknown"
+
+
+def one_calibration_filename(device_name: str, model_name: str) -> str:
+    """File name of THE calibration file of a (device, model) pair (every model's section),
+    e.g. `calibration-nvidia-h200--llama-3.1-8b.json`."""
+    return f"calibration-{file_slug(device_name)}--{file_slug(model_name)}.json"
+
+
 def calibration_filename(device_name: str, model_name: str) -> str:
-    """File name of the calibration for a (device, model) pair, e.g. `jct-nvidia-h200--llama.json`."""
-
-    def slug(s: str) -> str:
-        return re.sub(r"[^a-z0-9.]+", "-", s.lower()).strip("-") or "unknown"
-
-    return f"jct-{slug(device_name)}--{slug(model_name)}.json"
+    """The OLD JCT-only file name for a (device, model) pair, e.g. `jct-nvidia-h200--llama.json`
+    (still read; new calibrations go to the one file, runtime/calibrate.py
+    `calibration_file_name`)."""
+    return f"jct-{file_slug(device_name)}--{file_slug(model_name)}.json"
 
 
 class JCTModel:
@@ -343,7 +360,10 @@ class JCTModel:
         }
 
     def save(self, path: str) -> None:
-        """Write a JSON calibration file (atomically: temp file + rename)."""
+        """Write this model alone as a standalone `greenlane-jct/1` file (atomically: temp file
+        + rename), which every reader accepts. The profiler writes the one calibration file
+        instead (runtime/calibrate.py `write_section`, this model's `to_dict()` as its `jct`
+        section)."""
         tmp = f"{path}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(self.to_dict(), f, indent=1)
@@ -351,15 +371,37 @@ class JCTModel:
 
     @classmethod
     def load(cls, path: str, *, device: str | None = None, model: str | None = None) -> JCTModel:
-        """Read a calibration file; when `device`/`model` are given they must match its keys."""
+        """Read a calibration file: the one file's `jct` section, or an old standalone
+        `greenlane-jct/1` file. When `device`/`model` are given they must match its keys.
+        ValueError: another format, or a one file without a `jct` section."""
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-        if data.get("format") != CALIBRATION_FORMAT:
-            raise ValueError(f"{path}: not a {CALIBRATION_FORMAT} calibration file")
+        if isinstance(data, dict) and data.get("format") == CALIBRATION_FILE_FORMAT:
+            data = data.get(JCT_SECTION)
+            if not isinstance(data, dict):
+                raise ValueError(f"{path}: this calibration file has no {JCT_SECTION} section")
+        if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT:
+            raise ValueError(
+                f"{path}: not a {CALIBRATION_FILE_FORMAT} file with a {JCT_SECTION} section "
+                f"nor a {CALIBRATION_FORMAT} one"
+            )
+        return cls.from_dict(data, source=f"calibration:{path}", device=device, model=model)
+
+    @classmethod
+    def from_dict(
+        cls,
+        data: dict,
+        *,
+        source: str,
+        device: str | None = None,
+        model: str | None = None,
+    ) -> JCTModel:
+        """The model of a `to_dict()` (a `jct` section); `device`/`model` as in `load`."""
+        where = source.removeprefix("calibration:")
         if device is not None and data["device"] != device:
-            raise ValueError(f"{path}: calibrated on {data['device']!r}, not {device!r}")
+            raise ValueError(f"{where}: calibrated on {data['device']!r}, not {device!r}")
         if model is not None and data["model"] != model:
-            raise ValueError(f"{path}: calibrated for {data['model']!r}, not {model!r}")
+            raise ValueError(f"{where}: calibrated for {data['model']!r}, not {model!r}")
         coef = data["coefficients"]
         jct = cls(
             float(coef["a_s"]),
@@ -367,7 +409,7 @@ class JCTModel:
             float(coef["k_s_per_pair"]),
             device=data["device"],
             model=data["model"],
-            source=f"calibration:{path}",
+            source=source,
         )
         jct._base = [
             JCTSample(tuple((int(u), int(c)) for u, c in s["items"]), float(s["seconds"]))
@@ -377,10 +419,17 @@ class JCTModel:
 
     @classmethod
     def for_device(cls, directory: str, device: str, model: str) -> JCTModel:
-        """The calibration for (device, model) from `directory`, else the fallback default."""
-        path = os.path.join(directory, calibration_filename(device, model))
-        if os.path.exists(path):
-            return cls.load(path, device=device, model=model)
+        """The calibration for (device, model) from `directory` (the one file's `jct` section,
+        else the old `jct-...json`), else the fallback default."""
+        one = os.path.join(directory, one_calibration_filename(device, model))
+        if os.path.exists(one):
+            with open(one, encoding="utf-8") as f:
+                has_jct = JCT_SECTION in json.load(f)  # it may hold only the partition section
+            if has_jct:
+                return cls.load(one, device=device, model=model)
+        old = os.path.join(directory, calibration_filename(device, model))
+        if os.path.exists(old):
+            return cls.load(old, device=device, model=model)
         return cls()
 
     def __repr__(self) -> str:

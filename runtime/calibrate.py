@@ -12,22 +12,52 @@ return its wall time with the device synchronised before and after. The engine s
 the model runner) provides it (`Engine.measure_prefill`); this module only drives the profile,
 fits and saves, so it stays free of tensors and is testable with a synthetic `measure`.
 
-It also owns the calibration *cache*: files are named by (device, model) and kept in one folder
-(`default_cache_dir()`), and `resolve_calibration` decides which file a start-up loads (an
-explicit path, else the cached file for this device and model, else none: the JCT model's
-documented fallback default).
+It also owns the calibration *file* and *cache*: one file per (device, model),
+`calibration-<device>--<model>.json` in one folder (`default_cache_dir()`), format
+`greenlane-calibration/1`, with a section per model:
+
+    {"format": "greenlane-calibration/1", "device": "NVIDIA H200", "model": "random:qwen2.5-3b",
+     "updated": "2026-12-01T19:30:00+00:00",
+     "jct": {...JCTModel.to_dict(), "format": "greenlane-jct/1"},
+     "partition": {...PartitionCalibration.to_dict(), "format": "greenlane-partition/1"}}
+
+Either section may be missing (a CPU has no partition section). `write_section` replaces one
+section and keeps the other (atomically); `read_section` reads one, from the one file or from
+the old single-model files (`jct-<device>--<model>.json`, `partition-<device>--<model>.json`),
+which are still accepted and logged once when read. `resolve_calibration` decides which file a
+start-up loads for the JCT model (an explicit path, else the cached file for this device and
+model, else none: the JCT model's documented fallback default); runtime/partition/calibrate.py
+does the same for the cost model. `calibrate_device` is the one profiler: the JCT points, and
+on a GPU with green contexts the partition points, on one engine, into the one file.
 """
 
 from __future__ import annotations
 
+import datetime as _dt
+import json
+import logging
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from policies.jct import JCTModel, calibration_filename
+from policies.jct import (
+    CALIBRATION_FILE_FORMAT,
+    JCT_SECTION,
+    JCTModel,
+    calibration_filename,
+    one_calibration_filename,
+)
+from policies.jct import CALIBRATION_FORMAT as JCT_FORMAT
+
+log = logging.getLogger("greenlane.calibration")
+
+PARTITION_SECTION = "partition"
+# The old single-model files: their format tag (that of the section they became) by section.
+OLD_FORMATS = {JCT_SECTION: JCT_FORMAT, PARTITION_SECTION: "greenlane-partition/1"}
 
 MeasureFn = Callable[[int, int], float]
 
@@ -83,9 +113,10 @@ def calibrate(
     progress: Callable[[str], None] | None = _print_progress,
 ) -> tuple[JCTModel, str | None]:
     """Measure each grid point `repeats` times (median kept, after `warmup` untimed runs of the
-    first point), fit the JCT model, and save it to `out_path` or `out_dir`/<device, model
-    file name>. Returns (model, path written or None). Raises ValueError if the grid is empty
-    or the fit fails."""
+    first point), fit the JCT model, and write it as the `jct` section of the calibration file
+    `out_path` or `out_dir`/calibration-<device>--<model>.json (another section there is
+    kept). Returns (model, path written or None). Raises ValueError if the grid is empty or
+    the fit fails."""
     grid = profile_grid(uncached_tokens, cached_tokens, max_total_tokens)
     if len(grid) < 3:
         raise ValueError(f"calibration needs >= 3 profile points, got {grid}")
@@ -112,14 +143,11 @@ def calibrate(
     say(f"[calibrate] fit {jct!r}; worst relative error on the profile {worst:.1%}")
     path = out_path
     if path is None and out_dir is not None:
-        os.makedirs(os.path.expanduser(out_dir), exist_ok=True)
-        path = os.path.join(os.path.expanduser(out_dir), calibration_filename(device, model))
+        path = calibration_file_path(out_dir, device, model)
     if path is not None:
-        parent = os.path.dirname(os.path.abspath(path))
-        os.makedirs(parent, exist_ok=True)
-        jct.save(path)
+        path = write_section(path, JCT_SECTION, jct.to_dict(), device=device, model=model)
         jct.source = f"calibration:{path}"
-        say(f"[calibrate] wrote {path}")
+        say(f"[calibrate] wrote the {JCT_SECTION} section of {path}")
     return jct, path
 
 
@@ -132,6 +160,107 @@ def default_cache_dir() -> str:
     """`$XDG_CACHE_HOME/greenlane/calibration`, else `~/.cache/greenlane/calibration`."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "greenlane", "calibration")
+
+
+def calibration_file_path(directory: str | None, device: str, model: str) -> str:
+    """`directory` (None: `default_cache_dir()`)/calibration-<device>--<model>.json."""
+    folder = os.path.expanduser(directory or default_cache_dir())
+    return os.path.join(folder, one_calibration_filename(device, model))
+
+
+_old_files_logged: set[str] = set()
+
+
+def _note_old_file(path: str, section: str) -> None:
+    """Say once per file that an old single-model file was read (no silent fallback)."""
+    if path in _old_files_logged:
+        return
+    _old_files_logged.add(path)
+    log.warning(
+        "calibration: read the old %s file %s (%s); still accepted. `python -m app calibrate` "
+        "writes the one file calibration-<device>--<model>.json (greenlane-calibration/1) with "
+        "every section",
+        section,
+        path,
+        OLD_FORMATS[section],
+    )
+
+
+def read_section(path: str, section: str) -> tuple[dict[str, Any] | None, bool]:
+    """One section of a calibration file: (its dict or None when the one file lacks it,
+    whether `path` is an old single-model file). An old file of `section`'s model is that
+    section whole (and is logged once). ValueError: not JSON, or neither the one file nor an
+    old file of this section's model. OSError: unreadable."""
+    path = os.path.expanduser(path)
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON ({e})") from e
+    fmt = data.get("format") if isinstance(data, dict) else None
+    if fmt == CALIBRATION_FILE_FORMAT:
+        got = data.get(section)
+        if got is not None and not isinstance(got, dict):
+            raise ValueError(f"{path}: malformed {section} section")
+        return got, False
+    if fmt == OLD_FORMATS[section]:
+        _note_old_file(path, section)
+        return data, True
+    raise ValueError(
+        f"{path}: not a {CALIBRATION_FILE_FORMAT} file nor an old {OLD_FORMATS[section]} one"
+    )
+
+
+def write_section(
+    path: str, section: str, content: dict[str, Any], *, device: str, model: str
+) -> str:
+    """Write `content` as `section` of the calibration file `path` and return the path written.
+
+    The other sections already there are kept when the file is for the same device and model
+    (else they are dropped, and that is logged); an old single-model file of the other model at
+    `path` becomes that section (it is not lost). Atomic: a temp file in the same folder, then a
+    rename, so a server starting meanwhile reads the old file or the new one, never half."""
+    path = os.path.expanduser(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    sections: dict[str, Any] = {}
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                old = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            log.warning("calibration: %s is unreadable (%s); replacing it", path, e)
+            old = None
+        fmt = old.get("format") if isinstance(old, dict) else None
+        if fmt == CALIBRATION_FILE_FORMAT:
+            if (old.get("device"), old.get("model")) == (device, model):
+                sections = {k: old[k] for k in OLD_FORMATS if isinstance(old.get(k), dict)}
+            else:
+                log.warning(
+                    "calibration: %s was for device %r, model %r; its sections are replaced by "
+                    "this one for device %r, model %r",
+                    path,
+                    old.get("device"),
+                    old.get("model"),
+                    device,
+                    model,
+                )
+        else:
+            other = [k for k, f in OLD_FORMATS.items() if f == fmt and k != section]
+            if other:
+                sections[other[0]] = old  # an old file of the other model: keep it as a section
+    sections[section] = content
+    data: dict[str, Any] = {
+        "format": CALIBRATION_FILE_FORMAT,
+        "device": device,
+        "model": model,
+        "updated": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+    }
+    data.update({k: sections[k] for k in OLD_FORMATS if k in sections})
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+    return path
 
 
 def model_key(model_spec: str) -> str:
@@ -161,11 +290,14 @@ def device_name_for(device_spec: str) -> str:
 def resolve_calibration(
     explicit_path: str | None, cache_dir: str | None, device_spec: str, model_spec: str
 ) -> tuple[str | None, str]:
-    """Which calibration file an engine should load, and why (one line for the log).
+    """Which calibration file an engine should load for its JCT model, and why (one line for
+    the log). `JCTModel.load` reads the path returned, whichever of the two formats it is.
 
-    1. `explicit_path` (e.g. `--jct-calibration`) wins; it must exist (FileNotFoundError).
-    2. else the cached file for this device and model in `cache_dir` (default
-       `default_cache_dir()`), if present;
+    1. `explicit_path` (e.g. `--jct-calibration`) wins: the one file (it must have a `jct`
+       section) or an old `greenlane-jct/1` file; missing: FileNotFoundError, no `jct`
+       section or another format: ValueError.
+    2. else, in `cache_dir` (default `default_cache_dir()`), the one file for this device and
+       model if it has a `jct` section, else the old `jct-<device>--<model>.json` (logged);
     3. else None: the engine uses `JCTModel()`'s fallback default (an H100/H200-class
        Llama-3.1-8B model derived from FLOP counts, not measured) and refines it online.
     """
@@ -173,7 +305,11 @@ def resolve_calibration(
         path = os.path.expanduser(explicit_path)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"JCT calibration file not found: {path}")
-        return path, f"JCT model: explicit calibration file {path}"
+        section, old = read_section(path, JCT_SECTION)
+        if section is None:
+            raise ValueError(f"{path}: this calibration file has no {JCT_SECTION} section")
+        kind = f"old {JCT_FORMAT} file" if old else f"calibration file, {JCT_SECTION} section"
+        return path, f"JCT model: explicit {kind} {path}"
     directory = os.path.expanduser(cache_dir or default_cache_dir())
     key = model_key(model_spec)
     # Find candidates by the model part of the name first, so that the common case (no
@@ -183,18 +319,33 @@ def resolve_calibration(
         candidates = [n for n in os.listdir(directory) if n.endswith(model_suffix)]
     except OSError:
         candidates = []
+    problem = ""
     if candidates:
         device = device_name_for(device_spec)
-        path = os.path.join(directory, calibration_filename(device, key))
-        if os.path.isfile(path):
-            return path, f"JCT model: cached calibration {path} (device {device!r}, model {key!r})"
-        where = f"no calibration for device {device!r}, model {key!r} in {directory}"
+        one = os.path.join(directory, one_calibration_filename(device, key))
+        if os.path.isfile(one):
+            try:
+                section, _ = read_section(one, JCT_SECTION)
+            except (OSError, ValueError) as e:
+                section, problem = None, f"{one} unusable ({e}); "
+            if section is not None:
+                return one, (
+                    f"JCT model: cached calibration {one} (device {device!r}, model {key!r})"
+                )
+        old = os.path.join(directory, calibration_filename(device, key))
+        if os.path.isfile(old):
+            _note_old_file(old, JCT_SECTION)
+            return old, (
+                f"JCT model: {problem}cached calibration {old} (old {JCT_FORMAT} file, still "
+                f"read; device {device!r}, model {key!r})"
+            )
+        where = f"no JCT calibration for device {device!r}, model {key!r} in {directory}"
     else:
         where = f"no calibration for model {key!r} in {directory}"
     return None, (
-        f"JCT model: {where}; using the fallback default (H100/H200-class Llama-3.1-8B, "
-        "derived not measured; refined online). Run `python -m app calibrate` to profile "
-        "this device."
+        f"JCT model: {problem}{where}; using the fallback default (H100/H200-class "
+        "Llama-3.1-8B, derived not measured; refined online). Run `python -m app calibrate` "
+        "to profile this device."
     )
 
 
@@ -226,3 +377,86 @@ def calibrate_engine(
         repeats=repeats or (CPU_REPEATS if on_cpu else DEFAULT_REPEATS),
         progress=progress,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# The one profiler: every model the device supports, one engine, one file
+# ---------------------------------------------------------------------------------------------
+CALIBRATE_WHAT = ("all", "jct", "partition")
+
+
+@dataclass(slots=True)
+class CalibrationRun:
+    """What `calibrate_device` did: the models fitted (None: not profiled), the files written
+    (one, unless `--partition-calibration-dir` puts the partition section elsewhere), and why
+    the partition points were not profiled (None when they were or were not asked for)."""
+
+    jct: JCTModel | None = None
+    partition: Any = None  # runtime.partition.calibrate.PartitionCalibration
+    paths: list[str] | None = None
+    partition_skipped: str | None = None
+
+
+def partition_unavailable_reason(engine: Any) -> str | None:
+    """Why `engine` cannot profile the SM-partition cost model (no green-context pairs), or
+    None when it can."""
+    if getattr(engine, "_green", None) is not None:
+        return None
+    return f"SM partitioning is unavailable: {engine.partition.state().reason}"
+
+
+def calibrate_device(
+    engine: Any,
+    *,
+    model: str,
+    what: str = "all",
+    out_path: str | None = None,
+    cache_dir: str | None = None,
+    partition_cache_dir: str | None = None,
+    grid: dict[str, Any] | None = None,
+    progress: Callable[[str], None] | None = _print_progress,
+) -> CalibrationRun:
+    """`python -m app calibrate`: profile a built, not yet started engine for every model its
+    device supports and write their sections of one calibration file (`out_path`, else
+    `cache_dir`'s file for this device and model). `what`: "all" (the JCT points, then on a
+    GPU with green contexts the partition points; elsewhere the partition part is skipped and
+    `partition_skipped` says why), "jct" or "partition" (ValueError where unavailable).
+    `grid`: the JCT profile's `uncached_tokens` / `cached_tokens` / `repeats` overrides. The
+    partition section goes to `partition_cache_dir`'s file when that is given and no
+    `out_path` is (`--partition-calibration-dir`)."""
+    if what not in CALIBRATE_WHAT:
+        raise ValueError(f"what must be one of {CALIBRATE_WHAT}, got {what!r}")
+    run = CalibrationRun(paths=[])
+    why_not = partition_unavailable_reason(engine)
+    if what == "partition" and why_not:
+        raise ValueError(why_not)
+    if what in ("jct", "all"):
+        log.info("calibrating the JCT model on %s for %s", engine.device_name, model)
+        run.jct, path = calibrate_engine(
+            engine,
+            model=model,
+            out_dir=None if out_path else (cache_dir or default_cache_dir()),
+            out_path=out_path,
+            progress=progress,
+            **{k: v for k, v in (grid or {}).items() if v is not None},
+        )
+        if path is not None:
+            run.paths.append(path)
+    if what in ("partition", "all"):
+        if why_not:
+            run.partition_skipped = why_not
+            log.info("calibration: partition section not profiled (%s)", why_not)
+        else:
+            from runtime.partition.gpu import profile_engine  # lazily: loads torch
+
+            log.info("profiling the partition cost model on %s", engine.device_name)
+            run.partition = profile_engine(
+                engine,
+                full=True,
+                cache_dir=partition_cache_dir or cache_dir,
+                out_path=out_path,
+                progress=progress,
+            )
+            if run.partition.path not in run.paths:
+                run.paths.append(run.partition.path)
+    return run

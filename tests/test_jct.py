@@ -13,6 +13,7 @@ from policies.jct import (
     DEFAULT_K_S_PER_PAIR,
     JCTModel,
     calibration_filename,
+    one_calibration_filename,
 )
 from runtime.calibrate import calibrate, profile_grid
 
@@ -120,6 +121,41 @@ def test_save_load_round_trip(tmp_path) -> None:
     assert JCTModel.for_device(str(tmp_path), "cpu", "x").source == "fallback-default"
 
 
+def test_load_reads_the_one_file_jct_section(tmp_path) -> None:
+    m = JCTModel(device="NVIDIA H200", model="llama-3.1-8b")
+    m.fit([(u, c, true_s(u, c)) for u, c in GRID])
+    one = tmp_path / one_calibration_filename("NVIDIA H200", "llama-3.1-8b")
+    assert one.name == "calibration-nvidia-h200--llama-3.1-8b.json"
+    one.write_text(
+        json.dumps(
+            {
+                "format": "greenlane-calibration/1",
+                "device": "NVIDIA H200",
+                "model": "llama-3.1-8b",
+                "jct": m.to_dict(),
+                "partition": {"format": "greenlane-partition/1"},
+            }
+        )
+    )
+    back = JCTModel.load(str(one), device="NVIDIA H200")
+    assert back.coefficients == pytest.approx(m.coefficients) and len(back._base) == len(GRID)
+    assert back.source == f"calibration:{one}"
+    # for_device prefers the one file to an old file of the same pair.
+    JCTModel(device="NVIDIA H200", model="llama-3.1-8b").save(
+        str(tmp_path / calibration_filename("NVIDIA H200", "llama-3.1-8b"))
+    )
+    found = JCTModel.for_device(str(tmp_path), "NVIDIA H200", "llama-3.1-8b")
+    assert found.source == f"calibration:{one}"
+    one.write_text(json.dumps({"format": "greenlane-calibration/1", "partition": {}}))
+    with pytest.raises(ValueError, match="no jct section"):
+        JCTModel.load(str(one))
+    found = JCTModel.for_device(str(tmp_path), "NVIDIA H200", "llama-3.1-8b")
+    assert found.source.endswith(calibration_filename("NVIDIA H200", "llama-3.1-8b"))
+    one.write_text(json.dumps({"format": "greenlane-partition/1"}))
+    with pytest.raises(ValueError, match="not a greenlane-calibration/1"):
+        JCTModel.load(str(one))
+
+
 def test_calibration_filename_is_keyed_and_safe() -> None:
     name = calibration_filename("NVIDIA H200 (MIG 1g)", "models/SmolLM2-135M")
     assert name == "jct-nvidia-h200-mig-1g--models-smollm2-135m.json"
@@ -148,7 +184,8 @@ def test_calibrate_with_synthetic_measure(tmp_path) -> None:
     assert all(u + c <= 20_000 for u, c in grid)
     assert len(calls) == 1 + 2 * len(grid)
     assert (m.a_s, m.b_s_per_token, m.k_s_per_pair) == pytest.approx(TRUE, rel=1e-6)
-    assert path is not None and path.endswith(calibration_filename("cpu", "tiny"))
+    assert path is not None and path.endswith(one_calibration_filename("cpu", "tiny"))
+    assert json.loads(open(path).read())["format"] == "greenlane-calibration/1"
     assert JCTModel.load(path).coefficients == pytest.approx(m.coefficients)
     assert sum("[calibrate" in line for line in lines) == len(grid) + 2
 

@@ -13,10 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from policies.jct import JCTModel, one_calibration_filename
+from runtime.calibrate import read_section, write_section
 from runtime.partition.calibrate import (
     CALIBRATION_FORMAT,
     H200_SEED,
     STARTUP_SHAPES,
+    PartitionCalibration,
     ProfileShapes,
     calibrate_partition,
     choose_partition_calibration,
@@ -113,10 +116,14 @@ def _calibrate(
 
 def test_profile_fit_file_reload_round_trip(tmp_path: Path) -> None:
     gpu, cal = _calibrate(tmp_path)
-    path = tmp_path / partition_calibration_filename(DEVICE, MODEL)
+    path = tmp_path / one_calibration_filename(DEVICE, MODEL)
+    assert path.name == "calibration-fake-gpu--random-tiny.json"
     assert cal.path == str(path) and path.is_file()
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # the temp file was renamed
-    data = json.loads(path.read_text())
+    whole = json.loads(path.read_text())
+    assert whole["format"] == "greenlane-calibration/1" and "jct" not in whole
+    assert (whole["device"], whole["model"]) == (DEVICE, MODEL)
+    data = whole["partition"]
     assert data["format"] == CALIBRATION_FORMAT
     assert (data["device"], data["total_sms"], data["model"]) == (DEVICE, TOTAL, MODEL)
     assert data["created"] and data["source"] == "profile"
@@ -223,7 +230,7 @@ def test_a_split_that_fails_is_recorded_and_skipped(tmp_path: Path) -> None:
     # ... and the other splits were still profiled and fitted.
     assert {s.sms for s in cal.samples if s.stage == PREFILL} >= {TOTAL, *SPLITS[:-1]}
     on_disk = json.loads(Path(str(cal.path)).read_text())
-    assert list(on_disk["profile"]["failed_splits"]) == ["99"]
+    assert list(on_disk["partition"]["profile"]["failed_splits"]) == ["99"]
 
 
 def test_a_whole_gpu_failure_is_not_blamed_on_a_split() -> None:
@@ -277,10 +284,13 @@ def test_load_validates_format_sm_count_and_names(tmp_path: Path, caplog) -> Non
     assert ok.device == DEVICE and "using it anyway" in caplog.text
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"format": "greenlane-jct/1"}))
-    with pytest.raises(ValueError, match="not a greenlane-partition"):
+    with pytest.raises(ValueError, match="nor an old greenlane-partition/1"):
+        load_partition_calibration(str(bad))
+    bad.write_text(json.dumps({"format": "greenlane-calibration/1", "jct": {}}))
+    with pytest.raises(ValueError, match="no partition section"):
         load_partition_calibration(str(bad))
     data = json.loads(Path(path).read_text())
-    del data["parameters"]["kappa"]
+    del data["partition"]["parameters"]["kappa"]
     bad.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="malformed"):
         load_partition_calibration(str(bad))
@@ -307,7 +317,7 @@ def test_startup_choice_order(tmp_path: Path) -> None:
     # Nothing cached: auto profiles (no fallback for this device), off/static start uncalibrated.
     c = _choose(cache)
     assert c.action == "profile" and c.calibration is None and "profiling" in c.reason
-    assert c.path == str(cache / partition_calibration_filename(DEVICE, MODEL))
+    assert c.path == str(cache / one_calibration_filename(DEVICE, MODEL))
     assert not c.cost_model(TOTAL).calibrated
     c = _choose(cache, mode="off")
     assert c.action == "uncalibrated" and "not used" in c.reason and "time-slices" in c.reason
@@ -329,6 +339,57 @@ def test_startup_choice_order(tmp_path: Path) -> None:
         _choose(cache, explicit_path=str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="SMs"):
         _choose(cache, explicit_path=str(explicit), total_sms=TOTAL + 2)
+
+
+def _old_file(cal: PartitionCalibration, folder: Path) -> Path:
+    """`cal` written as an old standalone greenlane-partition/1 file (what was cached before
+    the one calibration file)."""
+    old = folder / partition_calibration_filename(cal.device, cal.model)
+    old.write_text(json.dumps(cal.to_dict()))
+    return old
+
+
+def test_old_partition_files_are_still_read_and_logged_once(tmp_path: Path, caplog) -> None:
+    _, cal = _calibrate(tmp_path / "profiled")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    old = _old_file(cal, cache)
+    assert old.name == "partition-fake-gpu--random-tiny.json"
+    with caplog.at_level(logging.WARNING, logger="greenlane.calibration"):
+        c = _choose(cache)
+        again = _choose(cache)
+    assert c.action == again.action == "cached" and c.path == str(old)
+    assert "old greenlane-partition/1 file" in c.reason
+    assert c.cost_model(TOTAL).to_dict() == cal.cost_model().to_dict()
+    assert caplog.text.count(f"read the old partition file {old}") == 1  # once, not per read
+    # Explicit: an old file and the one file both load.
+    assert _choose(cache, explicit_path=str(old)).calibration.parameters == cal.parameters
+    assert _choose(cache, explicit_path=str(cal.path)).calibration.parameters == cal.parameters
+    # The one file wins over the old file once it has a partition section.
+    _calibrate(cache)
+    c = _choose(cache)
+    assert c.action == "cached" and c.path == str(cache / one_calibration_filename(DEVICE, MODEL))
+    assert "old greenlane" not in c.reason
+
+
+def test_a_one_file_with_only_the_jct_section_falls_through(tmp_path: Path) -> None:
+    # The JCT calibration was written first (e.g. `serve --calibrate`); the cost model has no
+    # section yet: an old partition file if any, else auto profiles into the same file.
+    one = tmp_path / one_calibration_filename(DEVICE, MODEL)
+    jct = JCTModel(0.01, 1e-4, 1e-9, device=DEVICE, model=MODEL)
+    section = jct.to_dict()
+    write_section(str(one), "jct", section, device=DEVICE, model=MODEL)
+    c = _choose(tmp_path)
+    assert c.action == "profile" and c.path == str(one) and "unusable" not in c.reason
+    with pytest.raises(ValueError, match="no partition section"):
+        _choose(tmp_path, explicit_path=str(one))
+    # The profile writes its section beside the JCT one, which is kept.
+    _, cal = _calibrate(tmp_path)
+    assert cal.path == str(one)
+    assert read_section(str(one), "jct")[0] == section
+    assert read_section(str(one), "partition")[0] == cal.to_dict()
+    assert JCTModel.load(str(one)).coefficients == jct.coefficients
+    assert _choose(tmp_path).action == "cached"
 
 
 def test_unusable_cached_file_is_reported_and_replaced_by_a_profile(tmp_path: Path) -> None:
@@ -382,20 +443,6 @@ def test_shapes_shrink_to_the_engine_limits_and_splits_are_picked() -> None:
 def test_cli_partition_calibration_needs_green_contexts(tmp_path: Path, capsys) -> None:
     from app.cli import main
 
-    rc = main(
-        [
-            "calibrate",
-            "--what",
-            "all",
-            "--out",
-            str(tmp_path / "x.json"),
-            "--model",
-            "random:tiny",
-            "--device",
-            "cpu",
-        ]
-    )
-    assert rc == 2 and "--out names one file" in capsys.readouterr().err
     rc = main(
         [
             "calibrate",

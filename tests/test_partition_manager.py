@@ -142,7 +142,7 @@ def test_setup_loads_the_file_and_keeps_its_failed_splits_disabled(
     _, cal = _calibrate(tmp_path)
     path = Path(str(cal.path))
     data = json.loads(path.read_text())
-    data["profile"]["failed_splits"] = {"120": "CUBLAS_STATUS_EXECUTION_FAILED (test)"}
+    data["partition"]["profile"]["failed_splits"] = {"120": "CUBLAS_STATUS_EXECUTION_FAILED (test)"}
     path.write_text(json.dumps(data))
     cfg = EngineConfig(model="random:tiny", partition="auto", partition_calibration=str(cal.path))
     caplog.set_level(logging.INFO, logger="greenlane.partition")

@@ -3,7 +3,7 @@
     samples = profile_partition(measure_prefill_ms, measure_decode_ms, splits, shapes,
                                 total_sms=132, num_layers=36)
     cal = fit_calibration(samples, device="NVIDIA H200", total_sms=132, model="random:qwen2.5-3b")
-    path = cal.save_to_cache(cache_dir)          # <cache>/partition-nvidia-h200--random-qwen2.5-3b.json
+    path = cal.save_to_cache(cache_dir)   # <cache>/calibration-nvidia-h200--random-qwen2.5-3b.json
     cal = load_partition_calibration(path, device=..., total_sms=..., model=...)
     cost_model = cal.cost_model()
 
@@ -21,22 +21,26 @@ tensors and is tested on the CPU with synthetic measures. Their contract:
   while decode steps run on its decode partition (decode_step_ms NaN if none completed).
   Optional: without it the contention terms stay 0.
 
+The calibration is the `partition` section of the one calibration file per (device, model)
+(runtime/calibrate.py: `calibration-<device>--<model>.json`, beside the JCT model's `jct`
+section); writing it keeps the other section. The old `partition-<device>--<model>.json`
+(`greenlane-partition/1`, the section alone) is still read, and logged once when it is.
+
 Which calibration a start-up uses (`choose_partition_calibration`, the JCT convention of
-runtime/calibrate.py): an explicit `--partition-calibration` file wins (it must load); else the
-cached file for this device, SM count and model in the calibration folder; else, in `auto`, a
-short profile now (written to the cache); else the fallback: the parameters fitted on the
-issue-6 H200 run, only for that device, SM count and model, labelled as such; else none (the
-controller time-slices until calibrated).
+runtime/calibrate.py): an explicit `--partition-calibration` file wins (it must load: the one
+file with a `partition` section, or an old file); else the cached file for this device, SM
+count and model in the calibration folder (the one file's section, else the old file); else,
+in `auto`, a short profile now (written to the one file); else the fallback: the parameters
+fitted on the issue-6 H200 run, only for that device, SM count and model, labelled as such;
+else none (the controller time-slices until calibrated).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import logging
 import math
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -45,7 +49,14 @@ from typing import Any
 
 import numpy as np
 
-from runtime.calibrate import default_cache_dir
+from policies.jct import file_slug
+from runtime.calibrate import (
+    PARTITION_SECTION,
+    calibration_file_path,
+    default_cache_dir,
+    read_section,
+    write_section,
+)
 from runtime.partition.cost_model import (
     DECODE,
     PREFILL,
@@ -57,6 +68,7 @@ from runtime.partition.cost_model import (
 
 log = logging.getLogger("greenlane.partition")
 
+# The `partition` section's format (and that of the old standalone files).
 CALIBRATION_FORMAT = "greenlane-partition/1"
 
 PrefillPoint = tuple[int, int]  # (num_tokens, context_tokens)
@@ -341,14 +353,11 @@ def _measure_point(
 
 
 # ----------------------------------------------------------------------------- the calibration
-def _slug(s: str) -> str:
-    return re.sub(r"[^a-z0-9.]+", "-", s.lower()).strip("-") or "unknown"
-
-
 def partition_calibration_filename(device: str, model: str) -> str:
-    """File name of the partition calibration for (device, model), e.g.
-    `partition-nvidia-h200--random-qwen2.5-3b.json` (the JCT files' naming)."""
-    return f"partition-{_slug(device)}--{_slug(model)}.json"
+    """The OLD partition-only file name for (device, model), e.g.
+    `partition-nvidia-h200--random-qwen2.5-3b.json` (still read; new calibrations go to the
+    one file, runtime/calibrate.py `calibration_file_path`)."""
+    return f"partition-{file_slug(device)}--{file_slug(model)}.json"
 
 
 def _sample_to_dict(s: ProfileSample) -> dict[str, Any]:
@@ -422,22 +431,17 @@ class PartitionCalibration:
         }
 
     def save(self, path: str) -> str:
-        """Write atomically (a temp file in the same folder, then rename): a server starting
-        meanwhile reads the old file or the new one, never half of one."""
-        path = os.path.expanduser(path)
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=1)
-        os.replace(tmp, path)
-        self.path = path
-        return path
+        """Write as the `partition` section of the calibration file `path`, keeping its other
+        section (runtime/calibrate.py `write_section`: atomic, a server starting meanwhile
+        reads the old file or the new one, never half of one)."""
+        self.path = write_section(
+            path, PARTITION_SECTION, self.to_dict(), device=self.device, model=self.model
+        )
+        return self.path
 
     def save_to_cache(self, cache_dir: str | None = None) -> str:
-        directory = os.path.expanduser(cache_dir or default_cache_dir())
-        return self.save(
-            os.path.join(directory, partition_calibration_filename(self.device, self.model))
-        )
+        """Write into the cache folder's calibration file for this device and model."""
+        return self.save(calibration_file_path(cache_dir, self.device, self.model))
 
 
 def fit_error(model: CostModel, samples: Sequence[ProfileSample]) -> dict[str, Any]:
@@ -563,21 +567,21 @@ def load_partition_calibration(
     model: str | None = None,
     strict: bool = True,
 ) -> PartitionCalibration:
-    """Read and validate a calibration file.
+    """Read and validate the `partition` section of a calibration file (or an old
+    `greenlane-partition/1` file, logged once).
 
-    ValueError: not a calibration file (format, malformed parameters), or its SM count differs
+    ValueError: not a calibration file (format, malformed parameters), a calibration file
+    without a `partition` section, or its SM count differs
     from `total_sms` (its curves are in SM shares of another partitioning: never usable).
     A different `device` or `model` name is a ValueError with `strict` (a cached file, whose
     name promised a match), else a warning: an explicit file is the operator's choice (the
     JCT convention: `--jct-calibration` is loaded as given)."""
     path = os.path.expanduser(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not JSON ({e})") from e
-    if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT:
-        raise ValueError(f"{path}: not a {CALIBRATION_FORMAT} calibration file")
+    data, _old = read_section(path, PARTITION_SECTION)
+    if data is None:
+        raise ValueError(f"{path}: this calibration file has no {PARTITION_SECTION} section")
+    if data.get("format") != CALIBRATION_FORMAT:
+        raise ValueError(f"{path}: its {PARTITION_SECTION} section is not {CALIBRATION_FORMAT}")
     try:
         cal = PartitionCalibration(
             device=str(data["device"]),
@@ -697,23 +701,29 @@ def choose_partition_calibration(
             "explicit", cal, path, f"partition cost model: explicit calibration file {path}"
         )
     directory = os.path.expanduser(cache_dir or default_cache_dir())
-    cached = os.path.join(directory, partition_calibration_filename(device, model))
+    cached = calibration_file_path(directory, device, model)
+    old = os.path.join(directory, partition_calibration_filename(device, model))
     problem = ""
-    if os.path.isfile(cached):
+    for path in (cached, old):
+        if not os.path.isfile(path):
+            continue
         try:
+            if path == cached and read_section(path, PARTITION_SECTION)[0] is None:
+                continue  # the one file holds only the JCT model's section
             cal = load_partition_calibration(
-                cached, device=device, total_sms=total_sms, model=model, strict=True
+                path, device=device, total_sms=total_sms, model=model, strict=True
             )
+            kind = "" if path == cached else f" (old {CALIBRATION_FORMAT} file, still read)"
             return CalibrationChoice(
                 "cached",
                 cal,
-                cached,
-                f"partition cost model: cached calibration {cached} (device {device!r}, "
-                f"{total_sms} SMs, model {model!r}, profiled {cal.created})",
+                path,
+                f"partition cost model: {problem}cached calibration {path}{kind} (device "
+                f"{device!r}, {total_sms} SMs, model {model!r}, profiled {cal.created})",
             )
         except (OSError, ValueError) as e:
-            problem = f"cached calibration {cached} unusable ({e}); "
-    else:
+            problem += f"cached calibration {path} unusable ({e}); "
+    if not problem:
         problem = f"no calibration for device {device!r}, model {model!r} in {directory}; "
     seed = fallback_calibration(device, total_sms, model)
     seed_note = (
@@ -739,7 +749,7 @@ def choose_partition_calibration(
         if mode != "auto"
         else ""
     )
-    tail = "run `python -m app calibrate --what partition` to profile this GPU"
+    tail = "run `python -m app calibrate` to profile this GPU"
     if seed is not None:
         return CalibrationChoice(
             "fallback",
