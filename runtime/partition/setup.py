@@ -5,9 +5,11 @@ profile.
 pre-created whatever the initial mode, so the admin page can switch at run time), else an
 `UnavailablePartition` that says why; a failure to create the pairs falls back too, and says
 so. The cost model's parameters come from `choose_partition_calibration` (explicit file >
-cached file > start-up profile in auto > built-in H200 fallback > uncalibrated); splits that
-failed when the file was profiled start disabled. `profile_at_startup` runs the bounded
-profile when that choice says so, and keeps the fallback (and says so) if it fails.
+the cached calibration file's `partition` section > an old `partition-*.json` > start-up
+profile in auto > built-in H200 fallback > uncalibrated); splits that failed when the file was
+profiled start disabled. `profile_at_startup` runs the bounded profile when that choice says
+so and writes its section of the calibration file (the JCT section there is kept), and keeps
+the fallback (and says so) if it fails.
 """
 
 from __future__ import annotations
@@ -115,8 +117,9 @@ def make_partition(config: EngineConfig, device: torch.device, device_name: str)
 
 
 def profile_at_startup(engine: Any, green: Any, choice: Any) -> None:
-    """The bounded start-up profile (`--partition auto`, no calibration file): measure the
-    model on a few pre-created splits, fit, cache the file, install the parameters, and take
+    """The bounded start-up profile (`--partition auto`, no partition calibration): measure the
+    model on a few pre-created splits, fit, write the `partition` section of the calibration
+    file for this GPU and model (runtime/calibrate.py), install the parameters, and take
     out of service any split that failed. A failure keeps the fallback chosen at start-up
     (built-in H200 parameters or none) and says so."""
     from runtime.partition.gpu import profile_engine
