@@ -152,7 +152,7 @@ class _EngineCollector(Collector):
         if isinstance(stats.get("jct_source"), str):
             info = GaugeMetricFamily(
                 "greenlane_jct_model_info",
-                "the JCT model in use: source is fallback-default, fit or calibration:<file>",
+                "the JCT model in use: source is fallback-shape (derived for this model), fallback-default, fit or calibration:<file>",
                 labels=["source"],
             )
             info.add_metric([stats["jct_source"]], 1.0)

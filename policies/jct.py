@@ -52,6 +52,10 @@ DEFAULT_B_S_PER_TOKEN = 2 * DEFAULT_PARAMS_NON_EMBEDDING / (DEFAULT_PEAK_FLOPS *
 DEFAULT_K_S_PER_PAIR = (
     4 * DEFAULT_NUM_LAYERS * DEFAULT_HIDDEN / (DEFAULT_PEAK_FLOPS * DEFAULT_MFU_ATTENTION)
 )
+# `a` for another shape (JCTModel.for_shape): its weights read once at the low end of the
+# copy bandwidth, plus launches; 16.06 GB of Llama-3.1-8B bf16 weights -> 5.0 ms, DEFAULT_A_S.
+DEFAULT_WEIGHT_READ_BYTES_PER_S = 3.3e12
+DEFAULT_LAUNCH_S = 1.3e-4
 
 # The JCT model's own format: an old standalone file (`jct-<device>--<model>.json`, still read)
 # and the `jct` section of the one calibration file.
@@ -197,7 +201,8 @@ class JCTModel:
         self.k_s_per_pair = k_s_per_pair
         self.device = device
         self.model = model
-        self.source = source  # "fallback-default", "fit", or "calibration:<path>"
+        # "fallback-default", "fallback-shape" (for_shape), "fit", or "calibration:<path>"
+        self.source = source
         self.window = window
         self.refit_every = refit_every
         self._base: list[JCTSample] = []
@@ -239,9 +244,35 @@ class JCTModel:
 
     @property
     def calibrated(self) -> bool:
-        """Fitted to this device (a calibration file or a profile), not the first-principles
-        fallback default."""
-        return self.source != "fallback-default"
+        """Fitted to this device (a calibration file or a profile), not a first-principles
+        fallback (the default's or `for_shape`'s)."""
+        return not self.source.startswith("fallback")
+
+    @classmethod
+    def for_shape(
+        cls,
+        *,
+        non_embedding_params: float,
+        num_layers: int,
+        attention_width: int,
+        weight_bytes: float,
+        model: str,
+    ) -> JCTModel:
+        """The first-principles fallback for a model of this shape on an H100/H200-class GPU:
+        the default's derivation (comment at DEFAULT_*) with this model's numbers instead of
+        Llama-3.1-8B's, so an uncalibrated 3B model is not predicted at an 8B model's cost.
+        `attention_width` = query heads x head dim; `weight_bytes` = all weights in memory.
+        Derived, not measured: a calibration replaces it, online refinement corrects it."""
+        return cls(
+            a_s=weight_bytes / DEFAULT_WEIGHT_READ_BYTES_PER_S + DEFAULT_LAUNCH_S,
+            b_s_per_token=2 * non_embedding_params / (DEFAULT_PEAK_FLOPS * DEFAULT_MFU_GEMM),
+            k_s_per_pair=4
+            * num_layers
+            * attention_width
+            / (DEFAULT_PEAK_FLOPS * DEFAULT_MFU_ATTENTION),
+            model=model,
+            source="fallback-shape",
+        )
 
     def marginal_s(self, uncached_tokens: int, cached_tokens: int = 0) -> float:
         """Seconds `uncached_tokens` add to a forward that runs anyway (a step with decodes

@@ -26,7 +26,7 @@ section and keeps the other (atomically); `read_section` reads one, from the one
 the old single-model files (`jct-<device>--<model>.json`, `partition-<device>--<model>.json`),
 which are still accepted and logged once when read. `resolve_calibration` decides which file a
 start-up loads for the JCT model (an explicit path, else the cached file for this device and
-model, else none: the JCT model's documented fallback default); runtime/partition/calibrate.py
+model, else none: the JCT model's documented first-principles fallback); runtime/partition/calibrate.py
 does the same for the cost model. `calibrate_device` is the one profiler: the JCT points, and
 on a GPU with green contexts the partition points, on one engine, into the one file.
 """
@@ -298,8 +298,9 @@ def resolve_calibration(
        section or another format: ValueError.
     2. else, in `cache_dir` (default `default_cache_dir()`), the one file for this device and
        model if it has a `jct` section, else the old `jct-<device>--<model>.json` (logged);
-    3. else None: the engine uses `JCTModel()`'s fallback default (an H100/H200-class
-       Llama-3.1-8B model derived from FLOP counts, not measured) and refines it online.
+    3. else None: the engine uses the JCT model's first-principles fallback for this model's
+       shape (`JCTModel.for_shape`: FLOP counts and weight bytes on an H100/H200-class GPU,
+       not measured) and refines it online.
     """
     if explicit_path:
         path = os.path.expanduser(explicit_path)
@@ -343,9 +344,9 @@ def resolve_calibration(
     else:
         where = f"no calibration for model {key!r} in {directory}"
     return None, (
-        f"JCT model: {problem}{where}; using the fallback default (H100/H200-class "
-        "Llama-3.1-8B, derived not measured; refined online). Run `python -m app calibrate` "
-        "to profile this device."
+        f"JCT model: {problem}{where}; using the fallback (derived from the model's shape "
+        "for an H100/H200-class GPU, not measured; refined online). Run `python -m app "
+        "calibrate` to profile this device."
     )
 
 

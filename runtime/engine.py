@@ -98,6 +98,21 @@ _DTYPES = {
 }
 
 
+def _fallback_jct_model(model_config: Any, model_name: str, dtype: torch.dtype) -> JCTModel:
+    """Without a calibration: the JCT model's first-principles fallback for this model's shape
+    (an H100/H200-class GPU assumed, refined online; `python -m app calibrate` measures it)."""
+    embed = model_config.vocab_size * model_config.hidden_size
+    embeddings = embed * (1 if model_config.tie_word_embeddings else 2)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return JCTModel.for_shape(
+        non_embedding_params=model_config.num_params - embeddings,
+        num_layers=model_config.num_layers,
+        attention_width=model_config.q_size,
+        weight_bytes=model_config.num_params * itemsize,
+        model=model_name,
+    )
+
+
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
     """auto: cuda + bfloat16 when CUDA is available, else cpu + float32."""
     if config.device == "auto":
@@ -187,7 +202,9 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, config.block_size, cache)
         # One JCT model for the engine's life: switching policies keeps what it learned.
         self.jct_model = (
-            JCTModel.load(config.jct_calibration) if config.jct_calibration else JCTModel()
+            JCTModel.load(config.jct_calibration)
+            if config.jct_calibration
+            else _fallback_jct_model(model_config, config.model, self.dtype)
         )
         self.policy = self._make_policy(config.prefill_policy)
         self.scheduler = Scheduler(

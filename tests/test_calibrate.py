@@ -63,7 +63,7 @@ def test_calibrate_real_engine_writes_keyed_file(tmp_path: Path) -> None:
 def test_resolve_calibration_order_old_files(tmp_path: Path) -> None:
     # Old single-model files (jct-<device>--<model>.json) are still found and loaded.
     path, why = resolve_calibration(None, str(tmp_path), "cpu", MODEL)
-    assert path is None and "fallback default" in why
+    assert path is None and "using the fallback" in why
     cached = tmp_path / calibration_filename("cpu", MODEL)
     JCTModel(device="cpu", model=MODEL).save(str(cached))
     # A file for another model or device is not picked.
@@ -194,6 +194,8 @@ def test_no_calibration_is_the_labelled_fallback(tmp_path: Path) -> None:
     s = Settings(model=MODEL, device="cpu", calibration_dir=str(tmp_path))
     engine = Engine(s.to_engine_config(), lambda _o: None)
     try:
-        assert engine.stats()["jct_source"] == "fallback-default"
+        # The first-principles fallback derived for this model's shape (JCTModel.for_shape).
+        assert engine.stats()["jct_source"] == "fallback-shape"
+        assert not engine.jct_model.calibrated
     finally:
         engine.shutdown()

@@ -502,3 +502,30 @@ def test_tbt_cut_learns_how_wrong_the_jct_model_is_in_mixed_steps() -> None:
         engine.abort("chat")
         engine.shutdown()
     assert 1.0 < scale <= 10.0
+
+
+def test_uncalibrated_jct_model_is_derived_for_this_model() -> None:
+    """Without a calibration the JCT model is the first-principles fallback for the served
+    model's shape, not the 8B default (an uncalibrated small model priced as an 8B one made
+    the TBT cut's chunks far smaller than needed)."""
+    from policies.jct import DEFAULT_B_S_PER_TOKEN, JCTModel
+    from runtime.model.presets import get_preset
+
+    engine = Engine(EngineConfig(model="random:tiny", block_size=4, num_kv_blocks=64), Collector())
+    try:
+        jct = engine.jct_model
+        cfg = get_preset("tiny")
+        embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+        expected = JCTModel.for_shape(
+            non_embedding_params=cfg.num_params - embeddings,
+            num_layers=cfg.num_layers,
+            attention_width=cfg.q_size,
+            weight_bytes=cfg.num_params * 4,  # float32 on the CPU
+            model="random:tiny",
+        )
+        assert jct.source == "fallback-shape" and not jct.calibrated
+        assert jct.coefficients == pytest.approx(expected.coefficients)
+        assert jct.b_s_per_token < DEFAULT_B_S_PER_TOKEN / 1000
+        assert engine.stats()["jct_source"] == "fallback-shape"
+    finally:
+        engine.shutdown(0)
