@@ -23,6 +23,8 @@
 #   bash bench/gpu_next.sh q REV          # issue 17: SPF, srjf-oneshot; credit verification
 #   bash bench/gpu_next.sh r REV          # issue 13: off at 2k/8k/TBT-cut budgets vs auto, 3B
 #                                         #   mixed and scoring next to chat
+#   bash bench/gpu_next.sh s|t REV        # issue 13: auto with chunks vs the tuned baselines,
+#                                         #   bisection (s: 3B, t: 8B; run each twice)
 # Carry: .whl .fi_cache .cache/smollm2-tok. Results in $OUT: gpu-runtime-*.json (suite),
 # partition-*.json (serving; merge them with `python -m bench.gpu_serving --merge ...`),
 # server logs, fi_cache.tar.gz if the FlashInfer cache grew.
@@ -187,6 +189,22 @@ case $plan in
       --side auto:partition=auto,budget=8192,tbt=none \
       --score-start-qps 4 --max-probes 3 --chat-qps 2 --score-slo ttft:3000 \
       --parts mixed,score-chat --tag partition-3b-r --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
+  s|t)
+    # Issue 13's evaluation of auto with the chunked option (one call per model and repeat,
+    # DEADLINE_S=560): s = qwen2.5-3b, t = llama-3.1-8b. Sides: the tuned baselines of plan r
+    # (off at 2,048 tokens; off with chunks cut to an 80 ms TBT target) and auto (80 ms);
+    # max QPS at the P99 SLO by bisection on mixed, then scoring next to chat. The server
+    # calibrates its JCT model at start-up (auto's one prefill model needs it; every side
+    # shares it). Run each plan twice (two repeats) and merge with gpu_serving --merge.
+    if [ "$plan" = s ]; then m=random:qwen2.5-3b q0=12 sq0=16; else m=random:llama-3.1-8b q0=6 sq0=6; fi
+    python3 -m bench.gpu_serving "${common[@]}" --models $m --start-s 120 \
+      --server-args "--partition auto --calibrate true --partition-tbt-slo-ms 80 --prefill-token-budget 8192" \
+      --start-qps $q0 --max-probes 4 --slo ttft:2000,tbt:100 \
+      --side off-2k:partition=off,budget=2048,tbt=none \
+      --side off-tbt:partition=off,budget=8192,tbt=80 \
+      --side auto:partition=auto,budget=8192,tbt=none \
+      --score-start-qps $sq0 --chat-qps 2 --score-slo ttft:3000 \
+      --parts mixed,score-chat --tag partition-$plan --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
   p|q)
     # Issue 17, the rest (one call each, DEADLINE_S=560), serving the JCT calibration plan o
     # measured when it is carried as bench/results/jct-calibration-h200.json:
@@ -206,7 +224,7 @@ case $plan in
       --parts "$parts" --tag gpu-scheduling-$plan --command "bash bench/gpu_next.sh $plan $rev" \
       --deadline-s "$(( $(left) - 15 ))" || rc=1
     cp $work/sched/gpu-scheduling-*.json "$OUT/" ;;
-  *) echo "unknown plan $plan (a to r)"; exit 2 ;;
+  *) echo "unknown plan $plan (a to t)"; exit 2 ;;
 esac
 cp $work/partition-*.json "$OUT/" 2>/dev/null
 tar czf "$OUT/serving-$plan.tar.gz" -C $work . 2>/dev/null
