@@ -263,6 +263,17 @@ class EngineStatsLog:
             "kv_usage": round(used / total, 4) if isinstance(used, int) and total else None,
             "prefix_hit_rate": round(hit / query, 4) if query else None,
         }
+        if stats.get("tbt_slo_ms") is not None:
+            # What sizes each step's prefill under the TBT target: the correction of the JCT
+            # model's marginal cost and the decode step over this interval (a target missed in
+            # the field is read from these).
+            steps = delta("num_decode_steps")
+            scale = stats.get("tbt_cost_scale")
+            fields["tbt_slo_ms"] = stats["tbt_slo_ms"]
+            fields["tbt_cost_scale"] = round(scale, 3) if isinstance(scale, float) else None
+            fields["decode_step_ms"] = (
+                round(1e3 * delta("decode_device_s") / steps, 2) if steps else None
+            )
         idle = not (fields["prompt_tokens_per_s"] or fields["generation_tokens_per_s"]) and not (
             fields["running"] or fields["waiting"]
         )

@@ -172,3 +172,17 @@ def test_engine_stats_sample_is_computed_from_deltas() -> None:
     idle = busy | {"num_running": 0, "kv_blocks_used": 0}
     assert log.sample(idle, 4.0) is not None  # the first idle line is written
     assert log.sample(idle, 6.0) is None  # and not repeated
+
+
+def test_engine_stats_line_says_what_sizes_tbt_chunks() -> None:
+    log = EngineStatsLog(app=None, interval_s=10)  # type: ignore[arg-type]
+    base = {"num_prefill_tokens": 0, "num_decode_tokens": 0, "num_running": 1, "num_waiting": 0}
+    base |= {"num_decode_steps": 10, "decode_device_s": 0.05, "tbt_slo_ms": None}
+    log.sample(base, 0.0)
+    later = base | {"num_decode_tokens": 40, "num_decode_steps": 20, "decode_device_s": 0.09}
+    assert "tbt_cost_scale" not in log.sample(later, 1.0)  # no target: nothing about it
+    target = later | {"tbt_slo_ms": 80.0, "tbt_cost_scale": 0.71234}
+    target |= {"num_decode_tokens": 80, "num_decode_steps": 30, "decode_device_s": 0.12}
+    fields = log.sample(target, 2.0)
+    assert fields["tbt_slo_ms"] == 80.0 and fields["tbt_cost_scale"] == 0.712
+    assert fields["decode_step_ms"] == 3.0  # 30 ms of device time over 10 decode steps
