@@ -344,9 +344,9 @@ def resolve_calibration(
     else:
         where = f"no calibration for model {key!r} in {directory}"
     return None, (
-        f"JCT model: {problem}{where}; using the fallback (derived from the model's shape "
-        "for an H100/H200-class GPU, not measured; refined online). Run `python -m app "
-        "calibrate` to profile this device."
+        f"JCT model: {problem}{where}; using the fallback (first principles for an "
+        "H100/H200-class GPU: on CUDA from the model's shape, elsewhere Llama-3.1-8B's; not "
+        "measured, refined online). Run `python -m app calibrate` to profile this device."
     )
 
 

@@ -98,9 +98,16 @@ _DTYPES = {
 }
 
 
-def _fallback_jct_model(model_config: Any, model_name: str, dtype: torch.dtype) -> JCTModel:
-    """Without a calibration: the JCT model's first-principles fallback for this model's shape
-    (an H100/H200-class GPU assumed, refined online; `python -m app calibrate` measures it)."""
+def _fallback_jct_model(
+    model_config: Any, model_name: str, dtype: torch.dtype, device_type: str
+) -> JCTModel:
+    """Without a calibration: on CUDA, the JCT model's first-principles fallback for this
+    model's shape (an H100/H200-class GPU assumed, refined online). Elsewhere the documented
+    8B default, as before: no GPU derivation fits a CPU (SmolLM2 prefill on a 2-core VM ran
+    ~5,000x slower than its shape's GPU figure, ~200x slower than the 8B default, which the
+    TBT cut's bounded online correction gets closer to); `python -m app calibrate` measures."""
+    if device_type != "cuda":
+        return JCTModel()
     embed = model_config.vocab_size * model_config.hidden_size
     embeddings = embed * (1 if model_config.tie_word_embeddings else 2)
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -204,7 +211,7 @@ class Engine:
         self.jct_model = (
             JCTModel.load(config.jct_calibration)
             if config.jct_calibration
-            else _fallback_jct_model(model_config, config.model, self.dtype)
+            else _fallback_jct_model(model_config, config.model, self.dtype, self.device.type)
         )
         self.policy = self._make_policy(config.prefill_policy)
         self.scheduler = Scheduler(

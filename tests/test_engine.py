@@ -504,28 +504,33 @@ def test_tbt_cut_learns_how_wrong_the_jct_model_is_in_mixed_steps() -> None:
     assert 1.0 < scale <= 10.0
 
 
-def test_uncalibrated_jct_model_is_derived_for_this_model() -> None:
-    """Without a calibration the JCT model is the first-principles fallback for the served
-    model's shape, not the 8B default (an uncalibrated small model priced as an 8B one made
-    the TBT cut's chunks far smaller than needed)."""
+def test_uncalibrated_jct_model_is_derived_for_this_model_on_cuda() -> None:
+    """Without a calibration a CUDA engine's JCT model is the first-principles fallback for the
+    served model's shape, not the 8B default (an uncalibrated 3B server priced its prefill as
+    an 8B one); on the CPU it stays the 8B default (no GPU derivation fits a CPU)."""
+    import torch
+
     from policies.jct import DEFAULT_B_S_PER_TOKEN, JCTModel
+    from runtime.engine import _fallback_jct_model
     from runtime.model.presets import get_preset
 
+    cfg = get_preset("qwen2.5-3b")
+    jct = _fallback_jct_model(cfg, "random:qwen2.5-3b", torch.bfloat16, "cuda")
+    embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    expected = JCTModel.for_shape(
+        non_embedding_params=cfg.num_params - embeddings,
+        num_layers=cfg.num_layers,
+        attention_width=cfg.q_size,
+        weight_bytes=cfg.num_params * 2,
+        model="random:qwen2.5-3b",
+    )
+    assert jct.source == "fallback-shape" and not jct.calibrated
+    assert jct.coefficients == pytest.approx(expected.coefficients)
+    assert jct.b_s_per_token < 0.5 * DEFAULT_B_S_PER_TOKEN
+    cpu = _fallback_jct_model(cfg, "random:qwen2.5-3b", torch.float32, "cpu")
+    assert cpu.source == "fallback-default" and cpu.coefficients == JCTModel().coefficients
     engine = Engine(EngineConfig(model="random:tiny", block_size=4, num_kv_blocks=64), Collector())
     try:
-        jct = engine.jct_model
-        cfg = get_preset("tiny")
-        embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
-        expected = JCTModel.for_shape(
-            non_embedding_params=cfg.num_params - embeddings,
-            num_layers=cfg.num_layers,
-            attention_width=cfg.q_size,
-            weight_bytes=cfg.num_params * 4,  # float32 on the CPU
-            model="random:tiny",
-        )
-        assert jct.source == "fallback-shape" and not jct.calibrated
-        assert jct.coefficients == pytest.approx(expected.coefficients)
-        assert jct.b_s_per_token < DEFAULT_B_S_PER_TOKEN / 1000
-        assert engine.stats()["jct_source"] == "fallback-shape"
+        assert engine.stats()["jct_source"] == "fallback-default"  # this CPU engine
     finally:
         engine.shutdown(0)
