@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
+from sdpa_reference import CausalSDPA
 
 from runtime.model.config import ModelConfig, RopeScaling
 from runtime.model.loader import load_model
@@ -23,27 +23,6 @@ PROMPTS = [
     "Zürich, 東京 and São Paulo are cities; 🙂 is an emoji.",
     "Once upon a time, " * 12,
 ]
-
-
-class CausalSDPA:
-    """Test-only attention backend: one sequence, no KV cache, causal SDPA over this call's
-    q/k/v (GQA by repeating kv heads). Positions are assumed to be one contiguous run."""
-
-    name = "test-sdpa"
-
-    def plan(self, batch: object) -> None:
-        pass
-
-    def forward(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        rep = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
-        )
-        return o.transpose(0, 1)
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:

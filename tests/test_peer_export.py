@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
+from sdpa_reference import CausalSDPA
 
 from bench.peer.export_hf import export, hf_tensors, shard_plan
 from runtime.config import EngineConfig
@@ -25,24 +25,6 @@ PROMPTS = [
     "Once upon a time, " * 6,
 ]
 NUM_TOKENS = 12
-
-
-class CausalSDPA:
-    """One sequence, no KV cache: causal SDPA over this call's q/k/v (GQA by repetition)."""
-
-    name = "test-sdpa"
-
-    def plan(self, batch: object) -> None:
-        pass
-
-    def forward(self, layer_idx: int, q, k, v):  # noqa: ARG002 - backend interface
-        rep = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
-        )
-        return o.transpose(0, 1)
 
 
 def _logits(model, ids: list[int]) -> torch.Tensor:
