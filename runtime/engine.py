@@ -110,12 +110,11 @@ def _fallback_jct_model(
         return JCTModel()
     embed = model_config.vocab_size * model_config.hidden_size
     embeddings = embed * (1 if model_config.tie_word_embeddings else 2)
-    itemsize = torch.empty((), dtype=dtype).element_size()
     return JCTModel.for_shape(
         non_embedding_params=model_config.num_params - embeddings,
         num_layers=model_config.num_layers,
         attention_width=model_config.q_size,
-        weight_bytes=model_config.num_params * itemsize,
+        weight_bytes=model_config.num_params * dtype.itemsize,
         model=model_name,
     )
 

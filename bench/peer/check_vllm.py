@@ -15,24 +15,15 @@ import sys
 import time
 import traceback
 
+try:
+    from bench.peer.import_scan import START_UP_MODULES
+except ModuleNotFoundError:  # run as a script (the device, prepare.sh): its folder is on the path
+    from import_scan import START_UP_MODULES
+
 MODULES = (
     "vllm",
-    "vllm.entrypoints.openai.api_server",
-    "vllm.entrypoints.generate.generative_scoring.serving",
-    "vllm.v1.engine.core",
-    "vllm.v1.engine.core_client",
-    "vllm.v1.executor.uniproc_executor",
-    "vllm.v1.executor.multiproc_executor",
-    "vllm.v1.worker.gpu_worker",
-    "vllm.v1.worker.gpu_model_runner",
-    "vllm.model_executor.models.llama",
-    "vllm.model_executor.models.qwen2",
-    "vllm.model_executor.model_loader.default_loader",
-    "vllm.v1.attention.backends.flash_attn",
-    "vllm.v1.sample.sampler",
+    *START_UP_MODULES,
     "vllm.v1.structured_output",
-    "vllm.tokenizers.hf",
-    "vllm.compilation.backends",
     "vllm.entrypoints.chat_utils",
     "vllm.entrypoints.openai.completion.serving",
     "vllm.entrypoints.openai.chat_completion.serving",
@@ -40,7 +31,7 @@ MODULES = (
     "vllm.entrypoints.serve",
     "vllm.entrypoints.openai.models.api_router",
     "vllm.entrypoints.serve.sagemaker.api_router",
-    "vllm.entrypoints.generate.api_router",
+    # (and vllm.entrypoints.generate.api_router, among START_UP_MODULES)
     "vllm.entrypoints.serve.disagg.api_router",
     "vllm.entrypoints.serve.elastic_ep.api_router",
     "vllm.entrypoints.serve.render.api_router",

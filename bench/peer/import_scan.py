@@ -19,12 +19,12 @@ import json
 import sys
 from pathlib import Path
 
-# The server, the engine core process, the GPU worker, the two model families, the attention
-# backend vLLM picks on Hopper (FLASH_ATTN), the sampler, the tokenizer and the generative
-# scoring endpoint.
-ROOTS = (
+# vLLM's start-up as the benchmark uses it: the server, the engine core process, the GPU worker,
+# the two model families, the attention backend vLLM picks on Hopper (FLASH_ATTN), the sampler,
+# the tokenizer and the generative scoring endpoint. check_vllm.py imports these (and the app's
+# routers) on the device; the scan below starts from them.
+START_UP_MODULES = (
     "vllm.entrypoints.openai.api_server",
-    "vllm.entrypoints.cli.main",
     "vllm.v1.engine.core",
     "vllm.v1.engine.core_client",
     "vllm.v1.executor.uniproc_executor",
@@ -38,10 +38,12 @@ ROOTS = (
     "vllm.v1.sample.sampler",
     "vllm.entrypoints.generate.generative_scoring.serving",
     "vllm.entrypoints.generate.api_router",
-    "vllm.platforms.cuda",
     "vllm.compilation.backends",
     "vllm.tokenizers.hf",
 )
+# The scan also walks the CLI entry and the CUDA platform (check_vllm.py imports the latter only
+# where a GPU is present).
+ROOTS = (*START_UP_MODULES, "vllm.entrypoints.cli.main", "vllm.platforms.cuda")
 OPTIONAL_EXC = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
 
 
