@@ -80,6 +80,11 @@ def _fi_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return flashinfer.activation.silu_and_mul(x.contiguous())
 
 
+# FlashInfer's RoPE kernel is compiled for these head sizes only and raises for others (32, as
+# the tiny test presets have, seen on the H200); other sizes take the torch path below.
+_FI_ROPE_HEAD_DIMS = (64, 128, 256, 512)
+
+
 def _fi_apply_rope(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,7 +176,7 @@ def apply_rope(
     """Neox-style RoPE (rotate halves), as Llama and Qwen use.
     q: [T, Hq, D], k: [T, Hkv, D], positions: [T] int64, cache: [P, D] float32.
     Returns new (q, k) in the input dtype; the rotation itself is computed in float32."""
-    if _fi_ok(q) and cos_sin_cache.dtype == torch.float32:
+    if _fi_ok(q) and cos_sin_cache.dtype == torch.float32 and q.shape[-1] in _FI_ROPE_HEAD_DIMS:
         return _fi_apply_rope(q, k, positions, cos_sin_cache)
     cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)  # [T,1,D/2]
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
