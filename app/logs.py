@@ -265,12 +265,15 @@ class EngineStatsLog:
         }
         if stats.get("tbt_slo_ms") is not None:
             # What sizes each step's prefill under the TBT target: the correction of the JCT
-            # model's marginal cost and the decode step over this interval (a target missed in
+            # model's marginal cost (scale, fixed cost of a mixed step) and the decode step over
+            # this interval (a target missed in
             # the field is read from these).
             steps = delta("num_decode_steps")
             scale = stats.get("tbt_cost_scale")
             fields["tbt_slo_ms"] = stats["tbt_slo_ms"]
             fields["tbt_cost_scale"] = round(scale, 3) if isinstance(scale, float) else None
+            offset = stats.get("tbt_cost_offset_ms")
+            fields["tbt_cost_offset_ms"] = round(offset, 2) if isinstance(offset, float) else None
             fields["decode_step_ms"] = (
                 round(1e3 * delta("decode_device_s") / steps, 2) if steps else None
             )

@@ -25,6 +25,8 @@
 #                                         #   mixed and scoring next to chat
 #   bash bench/gpu_next.sh s|t REV        # issue 13: auto with chunks vs the tuned baselines,
 #                                         #   bisection (s: 3B, t: 8B; run each twice)
+#   bash bench/gpu_next.sh u REV          # issue 13: off-2k vs off-tbt after the TBT cut's
+#                                         #   affine correction, one probe each (3 min)
 # Carry: .whl .fi_cache .cache/smollm2-tok. Results in $OUT: gpu-runtime-*.json (suite),
 # partition-*.json (serving; merge them with `python -m bench.gpu_serving --merge ...`),
 # server logs, fi_cache.tar.gz if the FlashInfer cache grew.
@@ -205,6 +207,18 @@ case $plan in
       --side auto:partition=auto,budget=8192,tbt=none \
       --score-start-qps $sq0 --chat-qps 2 --score-slo ttft:3000 \
       --parts mixed,score-chat --tag partition-$plan --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
+  u)
+    # Issue 13, a short check (DEADLINE_S=200) of the TBT cut's affine online correction
+    # (CorrectedCost): off at 2,048 tokens and off cut to an 80 ms TBT target, qwen2.5-3b, mixed
+    # at 24 QPS and scoring at 16 QPS next to chat, one probe each. Plan s at df91e1a (single
+    # factor) measured off-tbt's P99 ITL at 97 ms (mixed, 24 QPS) and 158 ms next to scoring.
+    python3 -m bench.gpu_serving "${common[@]}" --models random:qwen2.5-3b --start-s 50 \
+      --server-args "--partition auto --calibrate true --partition-tbt-slo-ms 80 --prefill-token-budget 8192" \
+      --ladder 24 --slo ttft:2000,tbt:100 --max-probes 1 \
+      --side off-2k:partition=off,budget=2048,tbt=none \
+      --side off-tbt:partition=off,budget=8192,tbt=80 \
+      --score-start-qps 16 --chat-qps 2 --score-slo ttft:3000 \
+      --parts mixed,score-chat --tag partition-u --deadline-s "$(( $(left) - 5 ))" || rc=1 ;;
   p|q)
     # Issue 17, the rest (one call each, DEADLINE_S=560), serving the JCT calibration plan o
     # measured when it is carried as bench/results/jct-calibration-h200.json:
@@ -224,7 +238,7 @@ case $plan in
       --parts "$parts" --tag gpu-scheduling-$plan --command "bash bench/gpu_next.sh $plan $rev" \
       --deadline-s "$(( $(left) - 15 ))" || rc=1
     cp $work/sched/gpu-scheduling-*.json "$OUT/" ;;
-  *) echo "unknown plan $plan (a to t)"; exit 2 ;;
+  *) echo "unknown plan $plan (a to u)"; exit 2 ;;
 esac
 cp $work/partition-*.json "$OUT/" 2>/dev/null
 tar czf "$OUT/serving-$plan.tar.gz" -C $work . 2>/dev/null

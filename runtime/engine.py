@@ -74,8 +74,8 @@ from runtime.partition.setup import capture_split_graphs, make_partition, profil
 from runtime.request import FINISH_REASONS, EngineOutput, Request, RequestKind, RequestStatus
 from runtime.runner import ModelRunner, profile_activation_peak
 from runtime.scheduler import (
+    CorrectedCost,
     Lease,
-    ScaledCost,
     ScheduledSeq,
     Scheduler,
     StepCapacity,
@@ -274,7 +274,7 @@ class Engine:
         # auto the controller sizes its chunks with the same arithmetic: _auto_capacity).
         self._tbt_s = None if config.tbt_slo_ms is None else config.tbt_slo_ms / 1e3
         self._decode_step_avg_s = 0.0
-        self._prefill_cost = ScaledCost(self.jct_model)
+        self._prefill_cost = CorrectedCost(self.jct_model)
         # auto: the controller's choice for the step being planned, when it chose chunks
         # (`_auto_capacity`); the launch of that step carries it out (`_choose_split`).
         self._planned_choice: SplitChoice | None = None
@@ -316,7 +316,7 @@ class Engine:
         and auto's) starts scaled to the partition cost model's whole-GPU prefill fit, when
         that is calibrated (a file, the start-up profile or the labelled fallback): the JCT
         fallback is an 8B model's first-principles guess, and the online correction
-        (`ScaledCost`, from mixed steps) would otherwise start from 1. Ratio of the two
+        (`CorrectedCost`, from mixed steps) would otherwise start from 1. Ratio of the two
         models' whole prefills at the start-up profile's shapes, bounded as the correction."""
         jct, model = self.jct_model, self._green.cost_model
         if jct.calibrated or not model.calibrated:
@@ -381,6 +381,7 @@ class Engine:
             look.prefill_context_tokens,
             target_ms,
             self._decode_step_avg_s * 1e3,
+            self._prefill_cost.offset_s * 1e3,
         )
         choice = g.decide(p, d, self._kv_usage_before_plan, chunk=chunk, record=False)
         chunk_tokens = choice.decision.chunk_tokens
@@ -869,7 +870,7 @@ class Engine:
                 capacity = dataclasses.replace(
                     capacity,
                     tbt_s=self._tbt_s,
-                    decode_step_s=self._decode_step_avg_s,
+                    decode_step_s=self._decode_step_avg_s + self._prefill_cost.offset_s,
                     prefill_cost=self._prefill_cost,
                 )
             try:
@@ -924,18 +925,15 @@ class Engine:
                 [(s.num_new_tokens, s.num_context_tokens) for s in plan.prefill],
                 result.device_s,
             )
-        # Mixed steps: how far the marginal prefill time (step less the recent decode step) is
-        # from the JCT model's prediction corrects the TBT cut (a running ratio, bounded).
+        # Mixed whole-GPU steps: what the step took beyond the recent decode step, against the
+        # JCT model's marginal cost of its prefill, corrects the TBT cut (offset and scale).
         avg = self._decode_step_avg_s
-        if plan.decode and plan.prefill and result.device_s is not None and avg > 0.0:
+        if plan.decode and plan.prefill and result.device_s is not None and avg > 0.0 and whole:
             predicted = sum(
                 self.jct_model.marginal_s(s.num_new_tokens, s.num_context_tokens)
                 for s in plan.prefill
             )
-            if predicted > 1e-6:
-                ratio = min(10.0, max(0.1, (result.device_s - avg) / predicted))
-                cost = self._prefill_cost
-                cost.scale = 0.8 * cost.scale + 0.2 * ratio
+            self._prefill_cost.observe(predicted, result.device_s - avg)
         # Decode-only steps: a step with prefill work is not a decode step's time.
         decode_only = bool(plan.decode) and not plan.prefill
         if decode_only and result.device_s is not None:
@@ -1102,6 +1100,7 @@ class Engine:
             "prefill_token_budget": self.serial.prefill_token_budget,
             "tbt_slo_ms": None if self._tbt_s is None else self._tbt_s * 1e3,
             "tbt_cost_scale": self._prefill_cost.scale,
+            "tbt_cost_offset_ms": self._prefill_cost.offset_s * 1e3,
             **self._partition_stats(),
             "num_steps": s.num_steps,
             "num_prefill_tokens": s.num_prefill_tokens,

@@ -96,19 +96,69 @@ class PrefillCost(Protocol):
 
 
 @dataclass(slots=True)
-class ScaledCost:
-    """`cost` times `scale`: the engine's online correction of the JCT model's marginal cost,
-    learned from steps that mixed prefill with decodes (the JCT model itself learns only from
-    prefill-only steps, which a TBT target makes rare)."""
+class CorrectedCost:
+    """The JCT model's marginal prefill cost as the engine corrects it online from steps that
+    mixed prefill with decodes (the JCT model itself learns only from prefill-only steps, which
+    a TBT target makes rare): such a step takes `offset_s + scale * marginal` beyond the decode
+    step. Affine, not one factor: a mixed step runs without the decode CUDA graphs and pays a
+    fixed cost that a short chunk (a 150-token scoring suffix) magnifies and a long chunk
+    hides. A single factor swung 1.3-8.6x within one H200 workload (3B, plan s) and cut the
+    next chunk wrongly either way. `offset_s` is per step: callers add it to the decode step
+    (`StepCapacity.decode_step_s`, `ChunkInput.step_offset_ms`); `marginal_s` is per prefill.
+
+    `observe` fits both by exponentially weighted least squares over recent mixed steps, O(1)
+    a step. While the steps' predicted costs are too alike to tell a slope from an offset, the
+    scale is kept and the offset absorbs the difference."""
 
     cost: PrefillCost
     scale: float = 1.0
+    offset_s: float = 0.0
+    # Exponentially weighted sums of (x = predicted marginal s, y = measured extra s).
+    _w: float = 0.0
+    _sx: float = 0.0
+    _sy: float = 0.0
+    _sxx: float = 0.0
+    _sxy: float = 0.0
+
+    DECAY = 0.95  # weight of the past per observation: ~20 recent mixed steps
+    MIN_SCALE, MAX_SCALE = 0.1, 10.0
+    MAX_OFFSET_S = 0.25
+    # Fit a slope only when x varies by at least this fraction of its mean (coefficient of
+    # variation) and a few steps are in.
+    MIN_CV = 0.25
+    MIN_WEIGHT = 3.0
 
     def marginal_s(self, uncached_tokens: int, cached_tokens: int = 0) -> float:
         return self.scale * self.cost.marginal_s(uncached_tokens, cached_tokens)
 
     def max_tokens_within(self, seconds: float, cached_tokens: int = 0) -> int:
         return self.cost.max_tokens_within(seconds / self.scale, cached_tokens)
+
+    def observe(self, predicted_s: float, extra_s: float) -> None:
+        """One mixed step: the JCT model's marginal cost of its prefill parts (`predicted_s`)
+        and what the step measured beyond the recent decode step (`extra_s`)."""
+        if predicted_s <= 1e-9:
+            return
+        d = self.DECAY
+        self._w = d * self._w + 1.0
+        self._sx = d * self._sx + predicted_s
+        self._sy = d * self._sy + extra_s
+        self._sxx = d * self._sxx + predicted_s * predicted_s
+        self._sxy = d * self._sxy + predicted_s * extra_s
+        n = self._w
+        mx, my = self._sx / n, self._sy / n
+        var_x = max(0.0, self._sxx / n - mx * mx)
+        scale = self.scale
+        if n >= self.MIN_WEIGHT and var_x >= (self.MIN_CV * mx) ** 2:
+            scale = (self._sxy / n - mx * my) / var_x
+        scale = min(self.MAX_SCALE, max(self.MIN_SCALE, scale))
+        offset = my - scale * mx
+        if not 0.0 <= offset <= self.MAX_OFFSET_S:
+            # Out of bounds (noise, or a fixed cost the long chunks hide): keep the mean
+            # right with the offset at its bound.
+            offset = min(self.MAX_OFFSET_S, max(0.0, offset))
+            scale = min(self.MAX_SCALE, max(self.MIN_SCALE, (my - offset) / mx))
+        self.scale, self.offset_s = scale, offset
 
 
 # With a TBT target, the first prefill chunk of a step gets at least this many tokens: prefill
@@ -148,7 +198,9 @@ class StepCapacity:
     # A time-between-tokens target (EngineConfig.tbt_slo_ms): in a step with decodes, the
     # prefill work planned may add at most tbt_s - decode_step_s seconds by `prefill_cost`.
     tbt_s: float | None = None
-    decode_step_s: float = 0.0  # recent decode step time (the engine's running average)
+    # The step's time before its prefill work: the recent decode step plus the fixed cost a
+    # step that mixes in prefill adds (`CorrectedCost.offset_s`).
+    decode_step_s: float = 0.0
     prefill_cost: PrefillCost | None = None
 
 

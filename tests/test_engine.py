@@ -483,8 +483,8 @@ def test_prefill_limits_change_at_run_time_and_never_above_the_sized_budget() ->
 
 def test_tbt_cut_learns_how_wrong_the_jct_model_is_in_mixed_steps() -> None:
     """A JCT model that predicts ~nothing (coefficients far too small for this CPU): steps that
-    mix prefill chunks with a decode measure much more, and the correction scale grows (so the
-    TBT cut shrinks the chunks); its bound keeps one odd step from running away."""
+    mix prefill chunks with a decode measure much more, and the correction (fixed cost and
+    scale, bounded) grows to what they measure, so the TBT cut shrinks the chunks."""
     engine, sink = make_engine(tbt_slo_ms=50.0, prefill_token_budget=64, num_kv_blocks=512)
     jct = engine.jct_model
     jct.a_s, jct.b_s_per_token, jct.k_s_per_pair = 1e-9, 1e-7, 0.0
@@ -497,11 +497,18 @@ def test_tbt_cut_learns_how_wrong_the_jct_model_is_in_mixed_steps() -> None:
         long_sp = SamplingParams(max_tokens=1, temperature=0.0)
         engine.add(Request("long", RequestKind.GENERATE, list(range(30, 30 + 900)), long_sp))
         sink.wait("long")
-        scale = engine.fresh_stats()["tbt_cost_scale"]
+        stats = engine.fresh_stats()
+        cost = engine._prefill_cost
+        # What the correction now predicts for one of these 64-token chunks next to the decode
+        predicted_extra_s = cost.offset_s + cost.marginal_s(63, 500)
     finally:
         engine.abort("chat")
         engine.shutdown()
-    assert 1.0 < scale <= 10.0
+    assert 1.0 <= stats["tbt_cost_scale"] <= 10.0
+    assert 0.0 < stats["tbt_cost_offset_ms"] <= 250.0
+    # The JCT model alone predicts ~6 us for such a chunk; the corrected cost is of the order a
+    # CPU step measures (milliseconds), so the chunk cut follows the device, not the model.
+    assert predicted_extra_s > 100 * jct.marginal_s(63, 500)
 
 
 def test_uncalibrated_jct_model_is_derived_for_this_model_on_cuda() -> None:

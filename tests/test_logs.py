@@ -181,8 +181,9 @@ def test_engine_stats_line_says_what_sizes_tbt_chunks() -> None:
     log.sample(base, 0.0)
     later = base | {"num_decode_tokens": 40, "num_decode_steps": 20, "decode_device_s": 0.09}
     assert "tbt_cost_scale" not in log.sample(later, 1.0)  # no target: nothing about it
-    target = later | {"tbt_slo_ms": 80.0, "tbt_cost_scale": 0.71234}
+    target = later | {"tbt_slo_ms": 80.0, "tbt_cost_scale": 0.71234, "tbt_cost_offset_ms": 12.3456}
     target |= {"num_decode_tokens": 80, "num_decode_steps": 30, "decode_device_s": 0.12}
     fields = log.sample(target, 2.0)
     assert fields["tbt_slo_ms"] == 80.0 and fields["tbt_cost_scale"] == 0.712
+    assert fields["tbt_cost_offset_ms"] == 12.35  # rounded to 0.01 ms
     assert fields["decode_step_ms"] == 3.0  # 30 ms of device time over 10 decode steps

@@ -626,9 +626,61 @@ def test_tbt_target_chunks_a_long_scoring_prompt_next_to_decodes() -> None:
     assert _prefill_sizes(s.schedule(cap(s, **tbt))) == {"sc": 400}
 
 
-def test_scaled_cost_corrects_both_ways() -> None:
-    from runtime.scheduler import ScaledCost
+def test_corrected_cost_scales_both_ways() -> None:
+    from runtime.scheduler import CorrectedCost
 
-    cost = ScaledCost(LinearCost(1e-4), scale=2.0)  # the model under-predicts by half
+    cost = CorrectedCost(LinearCost(1e-4), scale=2.0)  # the model under-predicts by half
     assert cost.marginal_s(100) == pytest.approx(0.02)
     assert cost.max_tokens_within(0.04) == 200
+
+
+def test_corrected_cost_learns_a_mixed_steps_fixed_cost_apart_from_its_slope() -> None:
+    """Mixed steps that cost 12 ms + 2x the model's marginal (a fixed cost for running without
+    the decode graphs), with short scoring suffixes and long chunks interleaved as on the H200
+    (plan s): the fit recovers both, so a long chunk is cut right after a run of short ones. A
+    single factor (what the engine kept before) lands far off for one kind or the other."""
+    from runtime.scheduler import CorrectedCost
+
+    per_token_s = 1e-5
+    cost = CorrectedCost(LinearCost(per_token_s))
+    true = lambda tokens: 0.012 + 2.0 * per_token_s * tokens  # noqa: E731
+    tokens_seq = [150, 150, 4000, 150, 2000, 150, 150, 3000] * 6
+    for n in tokens_seq:
+        cost.observe(per_token_s * n, true(n))
+    assert cost.offset_s == pytest.approx(0.012, rel=0.02)
+    assert cost.scale == pytest.approx(2.0, rel=0.02)
+    # The TBT cut: 80 ms target, 4 ms decode step: room for the chunk after the fixed cost.
+    room_s = 0.080 - 0.004 - cost.offset_s
+    assert cost.max_tokens_within(room_s) == pytest.approx(3200, rel=0.03)
+    assert true(cost.max_tokens_within(room_s)) + 0.004 <= 0.080 * 1.01
+    # Only short suffixes for a while (their costs too alike for a slope): the slope is kept,
+    # the offset still matches what they measure.
+    for _ in range(40):
+        cost.observe(per_token_s * 150, true(150))
+    assert cost.scale == pytest.approx(2.0, rel=0.05)
+    assert cost.offset_s + cost.marginal_s(150) == pytest.approx(true(150), rel=0.01)
+    assert cost.max_tokens_within(0.080 - 0.004 - cost.offset_s) == pytest.approx(3200, rel=0.05)
+    # The single running factor the engine kept before, on the same steps, then cuts the long
+    # chunk to under a third of what fits.
+    factor = 1.0
+    for n in tokens_seq + [150] * 40:
+        factor = 0.8 * factor + 0.2 * min(10.0, max(0.1, true(n) / (per_token_s * n)))
+    assert LinearCost(per_token_s).max_tokens_within(0.076 / factor) < 3200 / 3
+
+
+def test_corrected_cost_stays_in_bounds_and_keeps_the_mean() -> None:
+    """Steps cheaper than the model at every size (a negative intercept would fit): the offset
+    stays at 0 and the scale takes the ratio of means; absurd measurements hit the bounds."""
+    from runtime.scheduler import CorrectedCost
+
+    cost = CorrectedCost(LinearCost(1e-5))
+    for n in (1000, 3000) * 10:
+        cost.observe(1e-5 * n, 0.5 * 1e-5 * n - 0.002)  # 0.5x slope, -2 ms intercept
+    assert cost.offset_s == 0.0
+    assert 0.3 < cost.scale < 0.5
+    for _ in range(50):
+        cost.observe(1e-5 * 100, 5.0)  # 5 s for a 100-token chunk
+    assert cost.offset_s <= CorrectedCost.MAX_OFFSET_S
+    assert cost.scale <= CorrectedCost.MAX_SCALE
+    cost.observe(0.0, 1.0)  # no prefill predicted: nothing learned
+    assert cost.scale <= CorrectedCost.MAX_SCALE

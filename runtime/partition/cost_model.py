@@ -324,13 +324,16 @@ class ChunkInput:
     decodes plus the chunk meet `tbt_slo_ms`."""
 
     # Whole-GPU marginal prefill seconds: the JCT model, as the engine corrects it online
-    # (`runtime.scheduler.ScaledCost`).
+    # (`runtime.scheduler.CorrectedCost`).
     prefill_cost: PrefillCost
     context_tokens: int  # the prefill's context (prefix-cache hits or earlier chunks)
     tbt_slo_ms: float  # the chunks' target (--tbt-slo-ms, else the controller's)
     # Measured whole-GPU decode step (ms), for an uncalibrated cost model; a calibrated one
     # predicts it (corrected online by the same measurements).
     decode_step_ms: float = 0.0
+    # What a step that mixes a chunk with decodes takes beyond the decode step, whatever the
+    # chunk's size (it runs without the decode graphs): `CorrectedCost.offset_s`, in ms.
+    step_offset_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -462,7 +465,7 @@ class SplitController:
         scheduler's `--tbt-slo-ms` cut). Predicted prefill: until the last chunk is done (the
         chunks' marginal cost plus one decode step per chunk step); predicted decode: one
         step (decodes + the first chunk), which is what a decode waits."""
-        decode_ms = self._whole_decode_ms(d, chunk)
+        decode_ms = self._whole_decode_ms(d, chunk) + chunk.step_offset_ms  # with a chunk
         room_ms = chunk.tbt_slo_ms - decode_ms
         cost, ctx, n = chunk.prefill_cost, chunk.context_tokens, max(p.num_tokens, 1)
         tokens = tbt_chunk_tokens(cost, room_ms / 1e3, ctx)
@@ -497,8 +500,10 @@ class SplitController:
         marginal cost of its prefill parts ((new tokens, context tokens) each), as `_chunked`
         predicts it (scored against the measured step: `CostModel.score`)."""
         cost = chunk.prefill_cost
-        return self._whole_decode_ms(d, chunk) + 1e3 * sum(
-            cost.marginal_s(n, c) for n, c in prefill
+        return (
+            self._whole_decode_ms(d, chunk)
+            + chunk.step_offset_ms
+            + 1e3 * sum(cost.marginal_s(n, c) for n, c in prefill)
         )
 
     def _versus(
