@@ -445,6 +445,19 @@ def _build_state(app: Any) -> dict[str, Any]:
         "prefill": {
             "token_budget": stats.get("prefill_token_budget"),
             "tbt_slo_ms": stats.get("tbt_slo_ms"),
+            # How the TBT cut sizes chunks (the online correction of the chunk cost) and how
+            # steps that mixed prefill with decodes came out against it (counters since start;
+            # ratios over the recent ones).
+            "tbt_cut": {
+                "cost_scale": stats.get("tbt_cost_scale"),
+                "cost_offset_ms": stats.get("tbt_cost_offset_ms"),
+                "num_mixed_steps": stats.get("num_mixed_steps"),
+                "num_mixed_steps_over_tbt": stats.get("num_mixed_steps_over_tbt"),
+                **{
+                    f"mixed_step_ratio_p{q}": stats.get(f"mixed_step_ratio_p{q}")
+                    for q in (50, 90, 99)
+                },
+            },
         },
         "latency": {
             "source": recent["source"],
@@ -468,6 +481,8 @@ def _build_state(app: Any) -> dict[str, Any]:
             "predicted_decode_ms": partition.get("predicted_decode_ms"),
             "measured_decode_ms": partition.get("measured_decode_ms"),
             "mape": stats.get("cost_model_mape"),
+            # per kind (splits' prefill/decode, chunked steps), with counts
+            "errors": stats.get("cost_model_errors"),
         },
     }
 

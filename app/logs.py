@@ -277,6 +277,14 @@ class EngineStatsLog:
             fields["decode_step_ms"] = (
                 round(1e3 * delta("decode_device_s") / steps, 2) if steps else None
             )
+            # Steps mixing prefill with decodes over this interval: how many exceeded the
+            # target, and measured / predicted over the recent ones (P99).
+            mixed = delta("num_mixed_steps")
+            fields["mixed_steps_over_tbt"] = (
+                f"{int(delta('num_mixed_steps_over_tbt'))}/{int(mixed)}" if mixed else None
+            )
+            ratio = stats.get("mixed_step_ratio_p99")
+            fields["mixed_step_ratio_p99"] = round(ratio, 2) if isinstance(ratio, float) else None
         idle = not (fields["prompt_tokens_per_s"] or fields["generation_tokens_per_s"]) and not (
             fields["running"] or fields["waiting"]
         )

@@ -112,6 +112,38 @@ def apply_settings(base_url: str, settings: str) -> dict[str, Any]:
     return _state_summary(state)
 
 
+def engine_counters(base_url: str) -> dict[str, Any]:
+    """What the engine says of how it ran (for one side's run: read before and after, then
+    `engine_during`): the TBT cut's mixed steps and auto's choices ({} if unreadable)."""
+    try:
+        st = http_json(base_url + "/admin/api/state")
+    except Exception:  # noqa: BLE001 - the run is still worth its latencies
+        return {}
+    return {
+        "tbt_cut": (st.get("prefill") or {}).get("tbt_cut") or {},
+        "choice_counts": (st.get("partition") or {}).get("choice_counts") or {},
+        "cost_model_errors": (st.get("cost_model") or {}).get("errors"),
+    }
+
+
+def engine_during(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The counters of `engine_counters` over one run (after - before); the rest as after."""
+    if not after:
+        return {"unreadable": True}
+    cut_b, cut_a = before.get("tbt_cut") or {}, after["tbt_cut"]
+    out = {
+        k: (v - cut_b.get(k, 0) if k.startswith("num_") and isinstance(v, int) else v)
+        for k, v in cut_a.items()
+    }
+    choices_b = before.get("choice_counts") or {}
+    choices = {k: v - choices_b.get(k, 0) for k, v in after["choice_counts"].items()}
+    return {
+        "tbt_cut": out,
+        "choice_counts": {k: v for k, v in choices.items() if v},
+        "cost_model_errors_at_end": after.get("cost_model_errors"),
+    }
+
+
 def disabled_splits(base_url: str) -> set[str]:
     """Splits the server has taken out of service so far (empty if the state is unreadable)."""
     try:
@@ -581,6 +613,7 @@ class Orchestrator:
         of --ladder, judged afterwards against each SLO of --slo and --slos."""
         applied = apply_settings(srv.url, settings)
         before = disabled_splits(srv.url)
+        counters = engine_counters(srv.url)
         path = self.out_dir / f"{rec['slug']}-{wl}-{side}.json"
         rates = (
             ["--qps", self.args.ladder]
@@ -625,6 +658,7 @@ class Orchestrator:
             {
                 "settings": settings,
                 "server_settings": applied,
+                "engine_during_run": engine_during(counters, engine_counters(srv.url)),
                 "file": path.name,
                 "wall_s": e["wall_s"],
             }

@@ -275,6 +275,13 @@ class Engine:
         self._tbt_s = None if config.tbt_slo_ms is None else config.tbt_slo_ms / 1e3
         self._decode_step_avg_s = 0.0
         self._prefill_cost = CorrectedCost(self.jct_model)
+        # Mixed whole-GPU steps (prefill + decodes): how many, how many took longer than the
+        # TBT target, and measured / predicted time of the recent ones (the prediction the cut
+        # works from: decode step + correction). A target missed at the P99 is read from their
+        # tail; the mean alone is what the correction fits.
+        self._num_mixed_steps = 0
+        self._num_mixed_steps_over_tbt = 0
+        self._mixed_step_ratios: deque[float] = deque(maxlen=512)
         # auto: the controller's choice for the step being planned, when it chose chunks
         # (`_auto_capacity`); the launch of that step carries it out (`_choose_split`).
         self._planned_choice: SplitChoice | None = None
@@ -933,7 +940,13 @@ class Engine:
                 self.jct_model.marginal_s(s.num_new_tokens, s.num_context_tokens)
                 for s in plan.prefill
             )
-            self._prefill_cost.observe(predicted, result.device_s - avg)
+            cost = self._prefill_cost
+            step_s = avg + cost.offset_s + cost.scale * predicted  # as the cut saw it
+            self._mixed_step_ratios.append(result.device_s / step_s)
+            self._num_mixed_steps += 1
+            if self._tbt_s is not None and result.device_s > self._tbt_s:
+                self._num_mixed_steps_over_tbt += 1
+            cost.observe(predicted, result.device_s - avg)
         # Decode-only steps: a step with prefill work is not a decode step's time.
         decode_only = bool(plan.decode) and not plan.prefill
         if decode_only and result.device_s is not None:
@@ -1101,6 +1114,9 @@ class Engine:
             "tbt_slo_ms": None if self._tbt_s is None else self._tbt_s * 1e3,
             "tbt_cost_scale": self._prefill_cost.scale,
             "tbt_cost_offset_ms": self._prefill_cost.offset_s * 1e3,
+            "num_mixed_steps": self._num_mixed_steps,
+            "num_mixed_steps_over_tbt": self._num_mixed_steps_over_tbt,
+            **_quantiles("mixed_step_ratio", self._mixed_step_ratios, (50, 90, 99)),
             **self._partition_stats(),
             "num_steps": s.num_steps,
             "num_prefill_tokens": s.num_prefill_tokens,
@@ -1133,6 +1149,15 @@ class Engine:
             self._stats["prefill_token_budget"] = pending["prefill_token_budget"]
             self._stats["tbt_slo_ms"] = pending["tbt_slo_ms"]
         self._next_stats_s = time.monotonic() + STATS_INTERVAL_S
+
+
+def _quantiles(name: str, values: deque[float], percents: tuple[int, ...]) -> dict[str, Any]:
+    """`{name}_p{q}` for each percent (nearest rank; None while empty). Sorts a bounded
+    window: called at the stats rate, not per step."""
+    xs = sorted(values)
+    return {
+        f"{name}_p{q}": xs[min(len(xs) - 1, (q * len(xs)) // 100)] if xs else None for q in percents
+    }
 
 
 def _failed_output(

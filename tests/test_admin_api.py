@@ -493,17 +493,29 @@ def _eventually(read, ok, timeout_s: float = 10.0):
 def test_prefill_limits_change_and_show_in_the_state() -> None:
     app = make_app()
     client = TestClient(app, client=LOOPBACK, base_url=LOCAL_URL)
-    assert client.get("/admin/api/state").json()["prefill"] == {
-        "token_budget": 8192,
-        "tbt_slo_ms": None,
+
+    def limits(state: dict) -> dict:
+        return {k: state["prefill"][k] for k in ("token_budget", "tbt_slo_ms")}
+
+    state = client.get("/admin/api/state").json()
+    assert limits(state) == {"token_budget": 8192, "tbt_slo_ms": None}
+    # How the cut is doing: keys always there (null where the engine does not report them).
+    assert set(state["prefill"]["tbt_cut"]) == {
+        "cost_scale",
+        "cost_offset_ms",
+        "num_mixed_steps",
+        "num_mixed_steps_over_tbt",
+        "mixed_step_ratio_p50",
+        "mixed_step_ratio_p90",
+        "mixed_step_ratio_p99",
     }
     r = client.put("/admin/api/prefill", json={"prefill_token_budget": 2048})
     assert r.status_code == 200, r.text
-    assert r.json()["prefill"] == {"token_budget": 2048, "tbt_slo_ms": None}
+    assert limits(r.json()) == {"token_budget": 2048, "tbt_slo_ms": None}
     r = client.put("/admin/api/prefill", json={"tbt_slo_ms": 80.0})  # the budget is kept
-    assert r.json()["prefill"] == {"token_budget": 2048, "tbt_slo_ms": 80.0}
+    assert limits(r.json()) == {"token_budget": 2048, "tbt_slo_ms": 80.0}
     r = client.put("/admin/api/prefill", json={"tbt_slo_ms": None})  # null removes the target
-    assert r.json()["prefill"] == {"token_budget": 2048, "tbt_slo_ms": None}
+    assert limits(r.json()) == {"token_budget": 2048, "tbt_slo_ms": None}
     assert app.state.engine.prefill_limits == (2048, None)
 
 

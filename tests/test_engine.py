@@ -505,6 +505,12 @@ def test_tbt_cut_learns_how_wrong_the_jct_model_is_in_mixed_steps() -> None:
         engine.abort("chat")
         engine.shutdown()
     assert 1.0 <= stats["tbt_cost_scale"] <= 10.0
+    # Every mixed step is counted and its measured / predicted time kept (the tail is what a
+    # P99 target is judged by); quantiles are ordered.
+    assert stats["num_mixed_steps"] > 0
+    assert 0 <= stats["num_mixed_steps_over_tbt"] <= stats["num_mixed_steps"]
+    p50, p90, p99 = (stats[f"mixed_step_ratio_p{q}"] for q in (50, 90, 99))
+    assert 0.0 < p50 <= p90 <= p99
     assert 0.0 < stats["tbt_cost_offset_ms"] <= 250.0
     # The JCT model alone predicts ~6 us for such a chunk; the corrected cost is of the order a
     # CPU step measures (milliseconds), so the chunk cut follows the device, not the model.
@@ -541,3 +547,14 @@ def test_uncalibrated_jct_model_is_derived_for_this_model_on_cuda() -> None:
         assert engine.stats()["jct_source"] == "fallback-default"  # this CPU engine
     finally:
         engine.shutdown(0)
+
+
+def test_quantiles_nearest_rank() -> None:
+    from collections import deque
+
+    from runtime.engine import _quantiles
+
+    assert _quantiles("x", deque(), (50, 99)) == {"x_p50": None, "x_p99": None}
+    values = deque(float(v) for v in range(100, 0, -1))  # 1..100, unsorted
+    q = _quantiles("x", values, (50, 90, 99))
+    assert q == {"x_p50": 51.0, "x_p90": 91.0, "x_p99": 100.0}

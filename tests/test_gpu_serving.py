@@ -121,6 +121,33 @@ def test_ladder_is_judged_against_each_slo() -> None:
     assert none["max_qps"] is None and gs.compare_modes(none, va)["throughput_ratio"] is None
 
 
+def test_engine_counters_over_one_run_are_differences() -> None:
+    before = {
+        "tbt_cut": {"num_mixed_steps": 10, "num_mixed_steps_over_tbt": 2, "cost_scale": 1.5},
+        "choice_counts": {"chunked": 5, "112": 1},
+    }
+    after = {
+        "tbt_cut": {
+            "num_mixed_steps": 40,
+            "num_mixed_steps_over_tbt": 5,
+            "cost_scale": 1.7,
+            "mixed_step_ratio_p99": 1.3,
+        },
+        "choice_counts": {"chunked": 9, "112": 1, "96": 2},
+        "cost_model_errors": {"mape_chunked_step": 0.1},
+    }
+    d = gs.engine_during(before, after)
+    assert d["tbt_cut"] == {
+        "num_mixed_steps": 30,
+        "num_mixed_steps_over_tbt": 3,
+        "cost_scale": 1.7,  # not a counter: as after the run
+        "mixed_step_ratio_p99": 1.3,
+    }
+    assert d["choice_counts"] == {"chunked": 4, "96": 2}  # unchanged ones left out
+    assert d["cost_model_errors_at_end"] == {"mape_chunked_step": 0.1}
+    assert gs.engine_during(before, {}) == {"unreadable": True}
+
+
 def test_mode_drift_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     """A pin on a split that fails falls back to `off` mid-run: that run is not static:N."""
     states = {
@@ -268,6 +295,10 @@ def test_cpu_dry_run_against_real_server(tmp_path: Path) -> None:
         assert chat["stopped_by_signal"] is True and chat["completed"] >= 1, chat
         assert chat["tbt_ms"]["p99"] is not None
     assert sc["chat_p99_tbt_ratio_auto_vs_off"] is not None
+    # What the engine said of each side's run (read from the admin state before and after).
+    during = wl["off"]["engine_during_run"]
+    assert isinstance(during["tbt_cut"]["num_mixed_steps"], int), during
+    assert during["tbt_cut"]["num_mixed_steps"] >= 0
     abl = m["ablation"]
     assert set(abl) >= {"policy_alone", "partition_alone", "both"}
     assert [x["policy"] for x in abl["both"]["server_settings"]] == ["fcfs", "srjf-oneshot"]
