@@ -293,6 +293,72 @@ def background_chat_view(path: Path) -> dict[str, Any]:
     return view
 
 
+def chat_by_probe(
+    chat_run: dict[str, Any], score_runs: list[dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """The background chat's latencies per scoring probe, keyed like `max_qps_view`'s probes.
+
+    A probe gets the chat requests (`chat_run["requests"]`, from `bench.serve
+    --record-requests`) sent inside its wall-clock window (its metrics' `started_unix_s` ..
+    `ended_unix_s`): each request counts once, under the scoring load it started into, and
+    those sent between probes count for none. TBT = the pooled inter-token gaps of those
+    requests (ITL). Figures are None for a probe without completed chat requests."""
+    from bench.metrics import summarize_ms
+
+    by_probe: dict[str, dict[str, Any]] = {}
+    for run in score_runs:
+        start_s, end_s = run["metrics"]["started_unix_s"], run["metrics"]["ended_unix_s"]
+        sent = [r for r in chat_run["requests"] if start_s <= r["start_unix_s"] < end_s]
+        ok = [r for r in sent if r["ok"]]
+        ttft = summarize_ms([r["ttft_s"] for r in ok])
+        tbt = summarize_ms([gap for r in ok for gap in r["itl_s"]])
+        tpot = summarize_ms([r["tpot_s"] for r in ok if r["tpot_s"] is not None])
+        by_probe[str(run["qps"])] = {
+            "completed": len(ok),
+            "failed": len(sent) - len(ok),
+            "ttft_ms": {"p99": ttft["p99"]},
+            "tbt_ms": {"p50": tbt["median"], "p99": tbt["p99"]},
+            "tpot_ms": {"p99": tpot["p99"]},
+        }
+    return by_probe
+
+
+def background_chat_by_probe(chat_path: Path, score_path: Path) -> dict[str, Any] | None:
+    """`chat_by_probe` of a background chat's and a scoring search's files; None when the
+    chat record is unreadable (`background_chat_view` says why)."""
+    try:
+        (chat_run,) = json.loads(chat_path.read_text())["runs"]
+        score_runs = json.loads(score_path.read_text())["runs"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return chat_by_probe(chat_run, score_runs)
+
+
+def add_chat_at_common_qps(sc: dict[str, Any]) -> None:
+    """(Re)compute each score+chat side's `chat_at_common_qps`: its chat figures at the highest
+    scoring QPS that every side with per-probe chat figures probed (the searches probe
+    different rates, and the whole-run chat figures mix them); with two sides or more, their
+    chat P99 ITL there (`chat_p99_itl_at_common_score_qps`)."""
+    sc.pop("chat_p99_itl_at_common_score_qps", None)
+    sides: dict[str, dict[str, Any]] = {}
+    for name, side in sc.items():
+        if isinstance(side, dict) and "chat_background_by_probe" in side:
+            side.pop("chat_at_common_qps", None)
+            if side["chat_background_by_probe"]:
+                sides[name] = side["chat_background_by_probe"]
+    common = set.intersection(*(set(by_probe) for by_probe in sides.values())) if sides else set()
+    if not common:
+        return
+    q = max(common, key=float)
+    for name, by_probe in sides.items():
+        sc[name]["chat_at_common_qps"] = {"qps": float(q), **by_probe[q]}
+    if len(sides) >= 2:
+        sc["chat_p99_itl_at_common_score_qps"] = {
+            "qps": float(q),
+            **{name: by_probe[q]["tbt_ms"]["p99"] for name, by_probe in sides.items()},
+        }
+
+
 def max_qps_view(record: dict[str, Any]) -> dict[str, Any]:
     """Max QPS, its latencies, and every probe's latencies keyed by QPS (for same-QPS ratios)."""
     search = record.get("max_qps_search") or {}
@@ -690,7 +756,8 @@ class Orchestrator:
         add_comparisons(w)
 
     def score_chat(self, srv: Server, rec: dict[str, Any]) -> None:
-        """Scoring max QPS (P99 TTFT SLO) while chat streams at a fixed QPS in the background."""
+        """Scoring max QPS (P99 TTFT SLO) while chat streams at a fixed QPS in the background;
+        the chat's latencies over the whole search and per scoring probe (`chat_by_probe`)."""
         a = self.args
         res: dict[str, Any] = {
             "chat_workload": "sharegpt",
@@ -714,7 +781,8 @@ class Orchestrator:
             chat_path = self.out_dir / f"{rec['slug']}-chatbg-{side}.json"
             # The background chat outlasts the search (stopped by SIGTERM after it): every
             # probe runs under chat load. bench.serve then writes what completed: the chat's
-            # own latencies under this side's scoring load (the other half of the trade).
+            # own latencies under this side's scoring load (the other half of the trade), per
+            # request, to be split by probe (the sides' searches probe different loads).
             chat_s = self.search_s() * 2 + 10
             chat_count = (
                 ["--num-requests", str(a.num_requests * 20)]
@@ -739,6 +807,7 @@ class Orchestrator:
                     "7",
                     "--no-reset-prefix-cache",
                     "--no-progress",
+                    "--record-requests",
                     "--out",
                     str(chat_path),
                 ],
@@ -769,7 +838,11 @@ class Orchestrator:
                         bg.kill()
             if isinstance(res.get(side), dict):
                 res[side]["chat_background"] = background_chat_view(chat_path)
+                res[side]["chat_background_by_probe"] = background_chat_by_probe(
+                    chat_path, self.out_dir / res[side]["file"]
+                )
             self.save()
+        add_chat_at_common_qps(res)
         if isinstance(res.get("off"), dict) and isinstance(res.get("auto"), dict):
             res["score_qps_ratio_auto_vs_off"] = ratio(
                 res["off"].get("max_qps"), res["auto"].get("max_qps")
@@ -1093,11 +1166,14 @@ def merge_records(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         wls[name] = w
     out["workloads"] = wls
     sc = {**(a.get("score_chat") or {}), **(b.get("score_chat") or {})}
+    # Copies: add_chat_at_common_qps rewrites keys of the sides (the inputs stay as they were).
+    sc = {k: {**v} if isinstance(v, dict) else v for k, v in sc.items()}
     if sc:
         if isinstance(sc.get("off"), dict) and isinstance(sc.get("auto"), dict):
             sc["score_qps_ratio_auto_vs_off"] = ratio(
                 sc["off"].get("max_qps"), sc["auto"].get("max_qps")
             )
+        add_chat_at_common_qps(sc)
         out["score_chat"] = sc
     return out
 

@@ -317,6 +317,34 @@ def make_client(opts: ClientOptions) -> httpx.AsyncClient:
     )
 
 
+# Wall-clock instants are rounded to 0.1 ms and per-request latencies to 10 us: finer than the
+# client's timing noise (its event loop), and short enough for a run's worth of token gaps.
+UNIX_S_DECIMALS = 4
+LATENCY_S_DECIMALS = 5
+
+
+def request_records(results: list[RequestResult], started_unix_s: float) -> list[dict[str, Any]]:
+    """Per-request timings (`--record-requests`), seconds: when each request was sent (wall
+    clock, `started_unix_s` = the run's start), its TTFT, TPOT and inter-token gaps (the gaps
+    that `compute_metrics` pools as ITL). Failed requests have only `start_unix_s` and `ok`."""
+
+    def rounded(value_s: float | None) -> float | None:
+        return None if value_s is None else round(value_s, LATENCY_S_DECIMALS)
+
+    records: list[dict[str, Any]] = []
+    for r in results:
+        rec: dict[str, Any] = {
+            "start_unix_s": round(started_unix_s + r.send_s, UNIX_S_DECIMALS),
+            "ok": r.success,
+        }
+        if r.success:
+            rec["ttft_s"] = rounded(r.ttft_s)
+            rec["tpot_s"] = rounded(r.tpot_s)
+            rec["itl_s"] = [rounded(gap) for gap in r.itl_s]
+        records.append(rec)
+    return records
+
+
 async def run_once(
     base_url: str,
     requests: list[WorkloadRequest],
@@ -328,6 +356,8 @@ async def run_once(
 ) -> tuple[dict[str, Any], list[RequestResult]]:
     """Send `requests` at `arrivals_s` and return (metrics, per-request results).
 
+    The metrics hold the run's wall-clock window (`started_unix_s`, `ended_unix_s`: from the
+    first send to the last request drained), so that runs of separate processes line up.
     `stop` (set e.g. by SIGTERM): send nothing more, cancel the requests still running, and
     return the metrics of those that completed (`stopped_early` and `num_cut_off` say so)."""
     assert len(requests) == len(arrivals_s)
@@ -346,6 +376,7 @@ async def run_once(
             return res
 
         run_start = time.perf_counter()
+        started_unix_s = time.time()
         tasks: list[asyncio.Task[RequestResult]] = []
         stop = stop or asyncio.Event()
         for req, at_s in zip(requests, arrivals_s, strict=True):
@@ -369,7 +400,10 @@ async def run_once(
         await asyncio.gather(*tasks, return_exceptions=True)
         results = [t.result() for t in tasks if not t.cancelled()]
         duration_s = time.perf_counter() - run_start
+        ended_unix_s = time.time()
     metrics = compute_metrics(results, duration_s, slo)
+    metrics["started_unix_s"] = round(started_unix_s, UNIX_S_DECIMALS)
+    metrics["ended_unix_s"] = round(ended_unix_s, UNIX_S_DECIMALS)
     if stop.is_set():
         metrics["stopped_early"] = True
         metrics["num_cut_off"] = len(requests) - len(results)
@@ -690,6 +724,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=2.0,
         help="--find-max-qps: multiply (or divide) the QPS by this until the SLO brackets",
     )
+    p.add_argument(
+        "--record-requests",
+        action="store_true",
+        help="also write every request's send time (wall clock), TTFT, TPOT and inter-token "
+        "gaps (runs[].requests, seconds): to line a background load up with another run",
+    )
     p.add_argument("--out", required=True, help="result JSON path")
     p.add_argument("--plot", help="PNG of latency percentiles vs QPS")
     return p
@@ -833,6 +873,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "reset_prefix_cache": args.reset_prefix_cache,
         "prime_prefixes": args.prime_prefixes,
         "search_factor": args.search_factor,
+        "record_requests": args.record_requests,
         "slo": slo.as_dict() if slo else None,
     }
     await warm_up(base_url, args, tok, opts)
@@ -853,11 +894,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             prime = await prime_prefixes(base_url, gen, opts)
             primed.append(prime)
         before = await prefix_cache_counters(base_url, args.admin_token, args.server)
-        metrics, _ = await run_once(
+        metrics, results = await run_once(
             base_url, plan.requests, plan.arrivals_s, opts, slo, label=f"qps {qps:g}", stop=stop
         )
         after = await prefix_cache_counters(base_url, args.admin_token, args.server)
-        runs.append(run_record(qps, metrics, plan, reset, prefix_cache_delta(before, after), prime))
+        run = run_record(qps, metrics, plan, reset, prefix_cache_delta(before, after), prime)
+        if args.record_requests:
+            run["requests"] = request_records(results, metrics["started_unix_s"])
+        runs.append(run)
         return metrics
 
     if args.find_max_qps:

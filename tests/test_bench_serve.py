@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from toy_tokenizer import make_tokenizer
 
 from bench import serve
-from bench.metrics import SLO
+from bench.metrics import SLO, summarize_ms
 from bench.workloads import encode_ids
 
 TOKEN_DELAY_S = 0.002
@@ -225,6 +225,8 @@ def test_chat_sweep_against_fake_server(fake_server, tokenizer_file, tmp_path):
         assert m["itl_ms"]["median"] >= TOKEN_DELAY_S * 1e3 * 0.9
         assert m["ttft_ms"]["mean"] <= m["e2el_ms"]["mean"]
         assert m["goodput"] == pytest.approx(m["completed"] / m["duration_s"])
+        assert m["started_unix_s"] < m["ended_unix_s"]  # every run's wall-clock window
+        assert "requests" not in run  # per-request timings only with --record-requests
     bodies = [b for kind, b in app.state.seen if kind == "chat"]
     assert all(
         b["stream"] and b["ignore_eos"] and b["stream_options"]["include_usage"] for b in bodies
@@ -238,6 +240,57 @@ def test_chat_sweep_against_fake_server(fake_server, tokenizer_file, tmp_path):
     assert plot.stat().st_size > 1000
     assert record["git"].keys() == {"revision", "dirty"}
     assert "bench.serve" in record["command"]
+
+
+def test_record_requests_writes_per_request_timings_inside_the_run_windows(
+    fake_server, tokenizer_file, tmp_path
+):
+    """--record-requests: each request's send time (wall clock) lies in its run's window, and
+    its TTFT, TPOT and token gaps give back the run's percentiles (up to the rounding)."""
+    url, app = fake_server
+    app.state.count = 0
+    record = run_cli(
+        [
+            "--url",
+            url,
+            "--workload",
+            "sharegpt",
+            "--scale",
+            "0.05",
+            "--num-requests",
+            "10",
+            "--qps",
+            "50,inf",
+            "--seed",
+            "3",
+            "--tokenizer",
+            str(tokenizer_file),
+            "--record-requests",
+            "--out",
+            str(tmp_path / "r.json"),
+            "--no-progress",
+        ]
+    )
+    assert record["options"]["record_requests"] is True
+    first, second = record["runs"]
+    assert first["metrics"]["ended_unix_s"] <= second["metrics"]["started_unix_s"]
+    for run in record["runs"]:
+        m, reqs = run["metrics"], run["requests"]
+        start_s, end_s = m["started_unix_s"], m["ended_unix_s"]
+        assert end_s - start_s == pytest.approx(m["duration_s"], abs=0.05)
+        assert len(reqs) == 10 and all(start_s <= r["start_unix_s"] < end_s for r in reqs)
+        failed = [r for r in reqs if not r["ok"]]
+        assert len(failed) == m["failed"] == 2
+        assert all(set(r) == {"start_unix_s", "ok"} for r in failed)
+        ok = [r for r in reqs if r["ok"]]
+        # One content chunk per token: a request of n tokens has n - 1 gaps.
+        assert sum(len(r["itl_s"]) + 1 for r in ok) == m["total_output_tokens"]
+        for key, values_s in (
+            ("ttft_ms", [r["ttft_s"] for r in ok]),
+            ("tpot_ms", [r["tpot_s"] for r in ok if r["tpot_s"] is not None]),
+            ("itl_ms", [gap for r in ok for gap in r["itl_s"]]),
+        ):
+            assert summarize_ms(values_s)["p99"] == pytest.approx(m[key]["p99"], abs=0.01)
 
 
 def test_without_ignore_eos_output_lengths_are_reported_inexact(

@@ -121,6 +121,83 @@ def test_ladder_is_judged_against_each_slo() -> None:
     assert none["max_qps"] is None and gs.compare_modes(none, va)["throughput_ratio"] is None
 
 
+def test_background_chat_is_split_by_scoring_probe() -> None:
+    """A chat request counts under the scoring probe whose wall-clock window it was sent in
+    (start inclusive, end exclusive); requests sent outside every window count nowhere."""
+
+    def req(start_s: float, ttft_s: float, gaps_s: list[float]) -> dict:
+        tpot_s = sum(gaps_s) / len(gaps_s) if gaps_s else None
+        return {
+            "start_unix_s": start_s,
+            "ok": True,
+            "ttft_s": ttft_s,
+            "tpot_s": tpot_s,
+            "itl_s": gaps_s,
+        }
+
+    chat_run = {
+        "requests": [
+            req(99.0, 9.0, [9.0]),  # before the first probe
+            req(100.0, 0.1, [0.01, 0.02]),  # probe 2.0, at its start
+            req(105.0, 0.3, [0.03]),  # probe 2.0
+            {"start_unix_s": 106.0, "ok": False},  # probe 2.0, failed
+            req(110.0, 9.0, [9.0]),  # at probe 2.0's end: between probes
+            req(112.0, 1.0, [0.1, 0.2, 0.3]),  # probe 4.0
+            req(126.0, 9.0, [9.0]),  # after the last probe
+        ]
+    }
+
+    def probe(qps: float, start_s: float, end_s: float) -> dict:
+        return {"qps": qps, "metrics": {"started_unix_s": start_s, "ended_unix_s": end_s}}
+
+    runs = [probe(2.0, 100.0, 110.0), probe(4.0, 111.0, 120.0), probe(8.0, 121.0, 125.0)]
+    by_probe = gs.chat_by_probe(chat_run, runs)
+    assert list(by_probe) == list(gs.max_qps_view({"runs": runs})["probes"])  # same keys
+    p2, p4, p8 = by_probe["2.0"], by_probe["4.0"], by_probe["8.0"]
+    assert (p2["completed"], p2["failed"], p4["completed"]) == (2, 1, 1)
+    # numpy's linear percentiles, in ms: TTFT [100, 300], gaps [10, 20, 30], TPOT [15, 30].
+    assert p2["ttft_ms"]["p99"] == pytest.approx(298.0)
+    assert p2["tbt_ms"] == {"p50": pytest.approx(20.0), "p99": pytest.approx(29.8)}
+    assert p2["tpot_ms"]["p99"] == pytest.approx(29.85)
+    assert p4["ttft_ms"]["p99"] == pytest.approx(1000.0)
+    assert p4["tbt_ms"] == {"p50": pytest.approx(200.0), "p99": pytest.approx(298.0)}
+    assert p8 == {
+        "completed": 0,
+        "failed": 0,
+        "ttft_ms": {"p99": None},
+        "tbt_ms": {"p50": None, "p99": None},
+        "tpot_ms": {"p99": None},
+    }
+
+    # Chat figures compared at the highest scoring QPS that every side probed (16, not 32
+    # which one side alone reached, nor "4.0", the highest as text).
+    def figures(tbt_p99_ms: float) -> dict:
+        return {"completed": 3, "tbt_ms": {"p50": 1.0, "p99": tbt_p99_ms}}
+
+    sc = {
+        "chat_qps": 2.0,
+        "off": {"chat_background_by_probe": {"4.0": figures(50.0), "16.0": figures(181.0)}},
+        "auto": {
+            "chat_background_by_probe": {
+                "4.0": figures(40.0),
+                "16.0": figures(106.0),
+                "32.0": figures(300.0),
+            }
+        },
+        "static": {"chat_background_by_probe": None},  # chat record unreadable: left out
+        "off-2k": {"error": "x"},
+    }
+    gs.add_chat_at_common_qps(sc)
+    assert sc["chat_p99_itl_at_common_score_qps"] == {"qps": 16.0, "off": 181.0, "auto": 106.0}
+    assert sc["auto"]["chat_at_common_qps"] == {"qps": 16.0, **figures(106.0)}
+    assert "chat_at_common_qps" not in sc["static"]
+    # Recomputed (e.g. after a merge) with one side only: no comparison is left behind.
+    del sc["auto"]
+    gs.add_chat_at_common_qps(sc)
+    assert "chat_p99_itl_at_common_score_qps" not in sc
+    assert sc["off"]["chat_at_common_qps"]["qps"] == 16.0
+
+
 def test_engine_counters_over_one_run_are_differences() -> None:
     before = {
         "tbt_cut": {"num_mixed_steps": 10, "num_mixed_steps_over_tbt": 2, "cost_scale": 1.5},
@@ -218,6 +295,13 @@ def test_merge_keeps_every_call_and_recomputes_the_summary(tmp_path: Path) -> No
         {"score_chat": {"auto": {"max_qps": 2.0}}},
     )["score_chat"]
     assert sc["off"]["max_qps"] == 6.0 and sc["score_qps_ratio_auto_vs_off"] == pytest.approx(1 / 3)
+    # Sides measured by different calls: their chat is compared at the scoring QPS both probed.
+    probes = {"4.0": {"tbt_ms": {"p99": 50.0}}, "8.0": {"tbt_ms": {"p99": 90.0}}}
+    sc = gs.merge_records(
+        {"score_chat": {"off": {"chat_background_by_probe": probes}}},
+        {"score_chat": {"auto": {"chat_background_by_probe": {"4.0": probes["4.0"]}}}},
+    )["score_chat"]
+    assert sc["chat_p99_itl_at_common_score_qps"] == {"qps": 4.0, "off": 50.0, "auto": 50.0}
     s = merged["summary"]
     assert s["throughput_ratio_auto_vs_off"] == pytest.approx((2.0 * 0.5 * 4.0) ** (1 / 3))
     assert s["cost_model_mape"] == pytest.approx(0.2)
@@ -295,6 +379,15 @@ def test_cpu_dry_run_against_real_server(tmp_path: Path) -> None:
         assert chat["stopped_by_signal"] is True and chat["completed"] >= 1, chat
         assert chat["tbt_ms"]["p99"] is not None
     assert sc["chat_p99_tbt_ratio_auto_vs_off"] is not None
+    # ... and per scoring probe, over the chat requests sent inside each probe's window.
+    for side in ("off", "auto"):
+        by_probe = sc[side]["chat_background_by_probe"]
+        assert set(by_probe) == set(sc[side]["probes"]), side
+        chat = sc[side]["chat_background"]
+        assert sum(p["completed"] for p in by_probe.values()) <= chat["completed"]
+    common = sc["chat_p99_itl_at_common_score_qps"]
+    assert set(common) == {"qps", "off", "auto"}
+    assert sc["off"]["chat_at_common_qps"]["qps"] == common["qps"]
     # What the engine said of each side's run (read from the admin state before and after).
     during = wl["off"]["engine_during_run"]
     assert isinstance(during["tbt_cut"]["num_mixed_steps"], int), during
