@@ -175,6 +175,27 @@ def run_cli(argv: list[str]) -> dict[str, Any]:
     return json.loads(Path(out).read_text())
 
 
+def _sharegpt_sweep(url: str, tokenizer_file: Path) -> list[str]:
+    """bench.serve arguments of the sharegpt sweep the fake-server tests share: 10 requests at
+    50 QPS, then all at once (seed 3)."""
+    return [
+        "--url",
+        url,
+        "--workload",
+        "sharegpt",
+        "--scale",
+        "0.05",
+        "--num-requests",
+        "10",
+        "--qps",
+        "50,inf",
+        "--seed",
+        "3",
+        "--tokenizer",
+        str(tokenizer_file),
+    ]
+
+
 def test_chat_sweep_against_fake_server(fake_server, tokenizer_file, tmp_path):
     url, app = fake_server
     app.state.seen.clear()
@@ -183,20 +204,7 @@ def test_chat_sweep_against_fake_server(fake_server, tokenizer_file, tmp_path):
     plot = tmp_path / "chat.png"
     record = run_cli(
         [
-            "--url",
-            url,
-            "--workload",
-            "sharegpt",
-            "--scale",
-            "0.05",
-            "--num-requests",
-            "10",
-            "--qps",
-            "50,inf",
-            "--seed",
-            "3",
-            "--tokenizer",
-            str(tokenizer_file),
+            *_sharegpt_sweep(url, tokenizer_file),
             "--out",
             str(out),
             "--plot",
@@ -251,20 +259,7 @@ def test_record_requests_writes_per_request_timings_inside_the_run_windows(
     app.state.count = 0
     record = run_cli(
         [
-            "--url",
-            url,
-            "--workload",
-            "sharegpt",
-            "--scale",
-            "0.05",
-            "--num-requests",
-            "10",
-            "--qps",
-            "50,inf",
-            "--seed",
-            "3",
-            "--tokenizer",
-            str(tokenizer_file),
+            *_sharegpt_sweep(url, tokenizer_file),
             "--record-requests",
             "--out",
             str(tmp_path / "r.json"),
