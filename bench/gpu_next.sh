@@ -27,6 +27,8 @@
 #                                         #   bisection (s: 3B, t: 8B; run each twice)
 #   bash bench/gpu_next.sh u REV          # issue 13: off-2k vs off-tbt after the TBT cut's
 #                                         #   affine correction, one probe each (3 min)
+#   bash bench/gpu_next.sh v REV          # issue 13: off-tbt alone, mixed at 24 QPS, with the
+#                                         #   mixed-step diagnostics (under 2 min)
 # Carry: .whl .fi_cache .cache/smollm2-tok. Results in $OUT: gpu-runtime-*.json (suite),
 # partition-*.json (serving; merge them with `python -m bench.gpu_serving --merge ...`),
 # server logs, fi_cache.tar.gz if the FlashInfer cache grew.
@@ -219,6 +221,16 @@ case $plan in
       --side off-tbt:partition=off,budget=8192,tbt=80 \
       --score-start-qps 16 --chat-qps 2 --score-slo ttft:3000 \
       --parts mixed,score-chat --tag partition-u --deadline-s "$(( $(left) - 5 ))" || rc=1 ;;
+  v)
+    # Issue 13, the shortest look (DEADLINE_S=100) at why --tbt-slo-ms misses its target at
+    # the P99: off cut to 80 ms, qwen2.5-3b, mixed at 24 QPS, one probe; the side's
+    # engine_during_run says how many mixed steps went over the target and measured/predicted.
+    python3 -m bench.gpu_serving "${common[@]}" --models random:qwen2.5-3b --start-s 30 \
+      --server-args "--partition off --calibrate true --tbt-slo-ms 80 --prefill-token-budget 8192" \
+      --ladder 24 --slo ttft:2000,tbt:100 --max-probes 1 \
+      --side off-tbt:partition=off,budget=8192,tbt=80 \
+      --parts mixed --tag partition-v --deadline-s "$(( $(left) - 3 ))" || rc=1
+    python3 -c "import json,glob; d=json.load(open(glob.glob('$work/partition-v-*.json')[0])); print(json.dumps(d['models']['random:qwen2.5-3b']['workloads']['mixed']['off-tbt'].get('engine_during_run')))" ;;
   p|q)
     # Issue 17, the rest (one call each, DEADLINE_S=560), serving the JCT calibration plan o
     # measured when it is carried as bench/results/jct-calibration-h200.json:
@@ -238,7 +250,7 @@ case $plan in
       --parts "$parts" --tag gpu-scheduling-$plan --command "bash bench/gpu_next.sh $plan $rev" \
       --deadline-s "$(( $(left) - 15 ))" || rc=1
     cp $work/sched/gpu-scheduling-*.json "$OUT/" ;;
-  *) echo "unknown plan $plan (a to u)"; exit 2 ;;
+  *) echo "unknown plan $plan (a to v)"; exit 2 ;;
 esac
 cp $work/partition-*.json "$OUT/" 2>/dev/null
 tar czf "$OUT/serving-$plan.tar.gz" -C $work . 2>/dev/null
