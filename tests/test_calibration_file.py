@@ -12,7 +12,12 @@ import types
 from pathlib import Path
 
 import pytest
-from test_partition_calibrate import DEVICE, LAYERS, MODEL, SHAPES, SPLITS, TOTAL, FakeGPU
+from test_partition_calibrate import (
+    DEVICE,
+    MODEL,
+    TOTAL,
+    fake_profile,
+)
 
 from policies.jct import JCTModel, one_calibration_filename
 from runtime import calibrate as cal_mod
@@ -23,7 +28,6 @@ from runtime.calibrate import (
     write_section,
 )
 from runtime.partition.calibrate import (
-    calibrate_partition,
     choose_partition_calibration,
     load_partition_calibration,
 )
@@ -121,18 +125,8 @@ def fake_partition_profile(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
 
     def profile_engine(engine, *, full, cache_dir=None, out_path=None, progress=None):
         calls.append({"full": full, "cache_dir": cache_dir, "out_path": out_path})
-        return calibrate_partition(
-            **FakeGPU().measures(),
-            device=engine.device_name,
-            total_sms=TOTAL,
-            model=MODEL,
-            num_layers=LAYERS,
-            splits=SPLITS,
-            shapes=SHAPES,
-            repeats=1,
-            cache_dir=cache_dir,
-            out_path=out_path,
-            progress=None,
+        return fake_profile(
+            device=engine.device_name, cache_dir=cache_dir, out_path=out_path, progress=None
         )
 
     monkeypatch.setattr(gpu_mod, "profile_engine", profile_engine)

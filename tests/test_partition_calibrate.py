@@ -89,6 +89,24 @@ class FakeGPU:
         }
 
 
+def fake_profile(gpu: FakeGPU | None = None, measures: dict | None = None, **kw: object):
+    """`calibrate_partition` on the fake GPU (or `gpu`, with `measures` replacing its measure
+    functions) with this module's device, model, splits and shapes, one repeat; `kw` adds to
+    or overrides them."""
+    gpu = gpu or FakeGPU()
+    args: dict = {
+        "device": DEVICE,
+        "total_sms": TOTAL,
+        "model": MODEL,
+        "num_layers": LAYERS,
+        "splits": SPLITS,
+        "shapes": SHAPES,
+        "repeats": 1,
+        **kw,
+    }
+    return calibrate_partition(**(measures or gpu.measures()), **args)
+
+
 def _calibrate(
     tmp_path: Path,
     lines: list[str] | None = None,
@@ -98,18 +116,12 @@ def _calibrate(
 ):
     """Profile the fake GPU (or `gpu`, with `measures` replacing its measure functions)."""
     gpu = gpu or FakeGPU()
-    cal = calibrate_partition(
-        **(measures or gpu.measures()),
-        device=DEVICE,
-        total_sms=TOTAL,
-        model=MODEL,
-        num_layers=LAYERS,
-        splits=SPLITS,
-        shapes=SHAPES,
-        repeats=1,
+    cal = fake_profile(
+        gpu,
+        measures,
         cache_dir=str(tmp_path),
         progress=(lines.append if lines is not None else None),
-        **kw,  # type: ignore[arg-type]
+        **kw,
     )
     return gpu, cal
 
