@@ -451,6 +451,8 @@ def _build_state(app: Any) -> dict[str, Any]:
             "tbt_cut": {
                 "cost_scale": stats.get("tbt_cost_scale"),
                 "cost_offset_ms": stats.get("tbt_cost_offset_ms"),
+                # The cut aims at the target / this (the tail of waited / predicted steps).
+                "tail_factor": stats.get("tbt_tail_factor"),
                 "num_mixed_steps": stats.get("num_mixed_steps"),
                 "num_mixed_steps_over_tbt": stats.get("num_mixed_steps_over_tbt"),
                 **{

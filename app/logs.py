@@ -274,6 +274,8 @@ class EngineStatsLog:
             fields["tbt_cost_scale"] = round(scale, 3) if isinstance(scale, float) else None
             offset = stats.get("tbt_cost_offset_ms")
             fields["tbt_cost_offset_ms"] = round(offset, 2) if isinstance(offset, float) else None
+            tail = stats.get("tbt_tail_factor")
+            fields["tbt_tail_factor"] = round(tail, 2) if isinstance(tail, float) else None
             fields["decode_step_ms"] = (
                 round(1e3 * delta("decode_device_s") / steps, 2) if steps else None
             )

@@ -80,6 +80,7 @@ from runtime.scheduler import (
     Scheduler,
     StepCapacity,
     StepPlan,
+    TailFactor,
 )
 
 log = logging.getLogger("greenlane.engine")
@@ -282,6 +283,9 @@ class Engine:
         self._num_mixed_steps = 0
         self._num_mixed_steps_over_tbt = 0
         self._mixed_step_ratios: deque[float] = deque(maxlen=512)
+        # The cut aims at the target / this factor: the tail of what decodes waited for mixed
+        # steps (host gap included) over their prediction. Whole-GPU steps only.
+        self._tbt_tail = TailFactor()
         # auto: the controller's choice for the step being planned, when it chose chunks
         # (`_auto_capacity`); the launch of that step carries it out (`_choose_split`).
         self._planned_choice: SplitChoice | None = None
@@ -410,9 +414,10 @@ class Engine:
         """auto's target for chunked time-slicing: `--tbt-slo-ms` (also as changed on the admin
         page), else the controller's (`--partition-tbt-slo-ms`)."""
         if self._tbt_s is not None:
-            return self._tbt_s * 1e3
+            return self._tbt_s * 1e3 / self._tbt_tail.factor
         g = self._green
-        return None if g is None else g.controller.config.tbt_slo_ms
+        target = None if g is None else g.controller.config.tbt_slo_ms
+        return None if target is None else target / self._tbt_tail.factor
 
     def _choose_split(self, pplan: StepPlan | None, dplan: StepPlan | None) -> SplitChoice:
         """The controller's split for the next prefill batch (or decode-only step); for a
@@ -876,7 +881,7 @@ class Engine:
             elif self._tbt_s is not None and ex.name == "serial":
                 capacity = dataclasses.replace(
                     capacity,
-                    tbt_s=self._tbt_s,
+                    tbt_s=self._tbt_s / self._tbt_tail.factor,
                     decode_step_s=self._decode_step_avg_s + self._prefill_cost.offset_s,
                     prefill_cost=self._prefill_cost,
                 )
@@ -944,8 +949,14 @@ class Engine:
             step_s = avg + cost.offset_s + cost.scale * predicted  # as the cut saw it
             self._mixed_step_ratios.append(result.device_s / step_s)
             self._num_mixed_steps += 1
-            if self._tbt_s is not None and result.device_s > self._tbt_s:
-                self._num_mixed_steps_over_tbt += 1
+            target_s = self._chunk_tbt_ms()
+            if target_s is not None:
+                target_s *= self._tbt_tail.factor / 1e3  # the target itself, not the aim
+                if result.device_s > target_s:
+                    self._num_mixed_steps_over_tbt += 1
+                # What the step's decodes waited: the host's gap before it, then the step.
+                waited_s = result.device_s + (result.idle_before_s or 0.0)
+                self._tbt_tail.observe(step_s, waited_s, target_s)
             cost.observe(predicted, result.device_s - avg)
         # Decode-only steps: a step with prefill work is not a decode step's time.
         decode_only = bool(plan.decode) and not plan.prefill
@@ -1114,6 +1125,7 @@ class Engine:
             "tbt_slo_ms": None if self._tbt_s is None else self._tbt_s * 1e3,
             "tbt_cost_scale": self._prefill_cost.scale,
             "tbt_cost_offset_ms": self._prefill_cost.offset_s * 1e3,
+            "tbt_tail_factor": self._tbt_tail.factor,
             "num_mixed_steps": self._num_mixed_steps,
             "num_mixed_steps_over_tbt": self._num_mixed_steps_over_tbt,
             **_quantiles("mixed_step_ratio", self._mixed_step_ratios, (50, 90, 99)),

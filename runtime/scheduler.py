@@ -54,6 +54,7 @@ The scheduler runs on the engine thread only; it is not thread-safe.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -159,6 +160,46 @@ class CorrectedCost:
             offset = min(self.MAX_OFFSET_S, max(0.0, offset))
             scale = min(self.MAX_SCALE, max(self.MIN_SCALE, (my - offset) / mx))
         self.scale, self.offset_s = scale, offset
+
+
+@dataclass(slots=True)
+class TailFactor:
+    """How far below the TBT target the cut aims a step's predicted time, so that the target
+    holds at the tail and not only on average: the cut divides the target by `factor`.
+
+    `CorrectedCost` fits the mean mixed step; a P99 target needs its tail. On the H200 (3B,
+    plan u) the correction had the mean right and `--tbt-slo-ms 80` still gave a P99 ITL of
+    99.7 ms. The ratio observed is what a decode waited (the device idle before the step, i.e.
+    the host's gap, plus the step's device time) over what the cut predicted for the step,
+    taken only from steps predicted to fill at least MIN_FILL of the target: those are the
+    steps the cut sized, and a short step's ratio (host gap over a few ms) says nothing about a
+    full one. `factor` is the QUANTILE of the recent ratios, recomputed every RECOMPUTE_EVERY
+    observations (a sort of WINDOW floats, not per step), within [1, MAX_FACTOR]: never
+    above the target, and never so far below that one stall starves prefill."""
+
+    factor: float = 1.0
+    _ratios: deque[float] = field(default_factory=lambda: deque(maxlen=256))
+    _since: int = 0
+
+    QUANTILE = 0.99  # the target is a P99; mixed steps carry most tokens under long prompts
+    MIN_FILL = 0.5
+    MIN_SAMPLES = 32
+    RECOMPUTE_EVERY = 16
+    MAX_FACTOR = 1.5
+
+    def observe(self, predicted_s: float, waited_s: float, target_s: float) -> None:
+        """One mixed step: its predicted time as the cut saw it, what a decode waited for it
+        (host gap + device time), and the TBT target it was cut to."""
+        if predicted_s < self.MIN_FILL * target_s or predicted_s <= 0.0:
+            return
+        self._ratios.append(waited_s / predicted_s)
+        self._since += 1
+        if self._since < self.RECOMPUTE_EVERY or len(self._ratios) < self.MIN_SAMPLES:
+            return
+        self._since = 0
+        xs = sorted(self._ratios)
+        q = xs[min(len(xs) - 1, int(self.QUANTILE * len(xs)))]
+        self.factor = min(self.MAX_FACTOR, max(1.0, q))
 
 
 # With a TBT target, the first prefill chunk of a step gets at least this many tokens: prefill

@@ -512,6 +512,7 @@ def test_tbt_cut_learns_how_wrong_the_jct_model_is_in_mixed_steps() -> None:
     p50, p90, p99 = (stats[f"mixed_step_ratio_p{q}"] for q in (50, 90, 99))
     assert 0.0 < p50 <= p90 <= p99
     assert 0.0 < stats["tbt_cost_offset_ms"] <= 250.0
+    assert 1.0 <= stats["tbt_tail_factor"] <= 1.5  # the cut's aim: target / this
     # The JCT model alone predicts ~6 us for such a chunk; the corrected cost is of the order a
     # CPU step measures (milliseconds), so the chunk cut follows the device, not the model.
     assert predicted_extra_s > 100 * jct.marginal_s(63, 500)

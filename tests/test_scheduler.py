@@ -684,3 +684,31 @@ def test_corrected_cost_stays_in_bounds_and_keeps_the_mean() -> None:
     assert cost.scale <= CorrectedCost.MAX_SCALE
     cost.observe(0.0, 1.0)  # no prefill predicted: nothing learned
     assert cost.scale <= CorrectedCost.MAX_SCALE
+
+
+def test_tail_factor_aims_below_the_target_by_the_tail_of_full_steps() -> None:
+    """Mixed steps cut to an 80 ms target whose mean is right but 3 % wait 25 % longer (host
+    gaps, a slow step): the factor becomes that tail, so the cut's aim (target / factor) puts
+    those steps back at the target. Short steps, however late in relative terms, do not count;
+    the factor is never below 1 nor above its bound."""
+    from runtime.scheduler import TailFactor
+
+    tail = TailFactor()
+    target_s = 0.080
+    assert tail.factor == 1.0
+    for _ in range(200):
+        tail.observe(0.010, 0.030, target_s)  # a short step waiting 3x its prediction
+    assert tail.factor == 1.0
+    for i in range(256):
+        tail.observe(0.078, 0.078 * (1.25 if i % 32 == 0 else 1.0), target_s)
+    assert tail.factor == pytest.approx(1.25)
+    assert 0.078 / tail.factor * 1.25 <= target_s
+    early = TailFactor()
+    for _ in range(TailFactor.MIN_SAMPLES - 1):
+        early.observe(0.078, 0.2, target_s)
+    assert early.factor == 1.0  # too few steps to read a tail from
+    fast, stalled = TailFactor(), TailFactor()
+    for _ in range(64):
+        fast.observe(0.078, 0.050, target_s)
+        stalled.observe(0.078, 1.0, target_s)
+    assert fast.factor == 1.0 and stalled.factor == TailFactor.MAX_FACTOR

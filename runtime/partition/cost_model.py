@@ -327,7 +327,9 @@ class ChunkInput:
     # (`runtime.scheduler.CorrectedCost`).
     prefill_cost: PrefillCost
     context_tokens: int  # the prefill's context (prefix-cache hits or earlier chunks)
-    tbt_slo_ms: float  # the chunks' target (--tbt-slo-ms, else the controller's)
+    # The chunks' aim: the target (--tbt-slo-ms, else the controller's) divided by the
+    # engine's measured tail factor (`runtime.scheduler.TailFactor`).
+    tbt_slo_ms: float
     # Measured whole-GPU decode step (ms), for an uncalibrated cost model; a calibrated one
     # predicts it (corrected online by the same measurements).
     decode_step_ms: float = 0.0
@@ -343,7 +345,7 @@ class ControllerConfig:
     beta: float = 1.1  # decode slack when prefill is favoured
     hysteresis_sms: int = 8  # ignore split changes smaller than this
     min_gain: float = 0.05  # a change must improve the objective by this fraction
-    min_split_speedup: float = 1.0  # split only if concurrent beats time-slicing by this
+    min_split_speedup: float = 1.1  # split only if concurrent beats time-slicing by this
     allow_time_slice: bool = True
     # A TBT target (ms) replaces beta's relative slack while prefill is favoured: time-slice
     # (prefill gets every SM, decode waits for it, as `off`) whenever the predicted wait meets
@@ -527,9 +529,11 @@ class SplitController:
         if kv_usage >= cfg.kv_switch or cfg.tbt_slo_ms is None:
             return best
         what = "layer slices" if best.layers_per_slice else f"split {best.prefill_sms}"
+        # Both against the engine's aim (`chunk.tbt_slo_ms`: the target less the tail
+        # headroom the engine measured), not one against the aim and one against the target.
         chunk_ok = chunked.predicted_decode_ms <= chunk.tbt_slo_ms
         # Layer slices are sized to the target; a split's decode step is predicted.
-        best_ok = bool(best.layers_per_slice) or best.predicted_decode_ms <= cfg.tbt_slo_ms
+        best_ok = bool(best.layers_per_slice) or best.predicted_decode_ms <= chunk.tbt_slo_ms
         if chunk_ok and not best_ok:
             return pick_chunked(f"chunked time-slicing ({what} misses the TBT target)")
         if chunk_ok and chunked.predicted_prefill_ms <= (
