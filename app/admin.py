@@ -140,6 +140,15 @@ _READ_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: _err("An admin token is set and was not given"),
     403: _err("Host not allowed (DNS-rebinding guard)"),
 }
+_STEPS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The engine's recent steps, oldest first (app.admin.admin_steps)"},
+    400: _err("`limit` is not an integer from 1 to the number of steps kept"),
+    401: _READ_RESPONSES[401],
+    403: _READ_RESPONSES[403],
+    404: _err("This engine keeps no step trace"),
+    503: _err("The engine is starting"),
+}
+STEP_TRACE_MAX = 4096  # runtime.engine.STEP_TRACE_LEN (app/ does not import the engine)
 _EVENTS_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "Server-Sent Events: `event: state` with the snapshot as data",
@@ -513,6 +522,35 @@ async def admin_state(request: Request) -> JSONResponse:
     if denied is not None:
         return denied
     return JSONResponse(build_state(request.app))
+
+
+@router.get("/admin/api/steps", responses=_STEPS_RESPONSES)
+async def admin_steps(request: Request, limit: str = "512") -> JSONResponse:
+    """The engine's most recent steps, one object each: how many decodes and prefill tokens
+    it ran, its device time, the device idle before it (the host's gap) and, for a step that
+    mixed prefill with decodes on the whole GPU, what the TBT cut predicted for it. What a
+    long gap between tokens was made of is read here (bench.gpu_serving summarises it per run)."""
+    denied = check_admin_read(request)
+    if denied is not None:
+        return denied
+    try:
+        num = int(limit)
+    except ValueError:
+        num = 0
+    if not 1 <= num <= STEP_TRACE_MAX:
+        msg = f"limit must be an integer from 1 to {STEP_TRACE_MAX}, got {limit!r}"
+        return _error(400, msg, "invalid_request_error", "limit")
+    engine = getattr(request.app.state, "engine", None)
+    if engine is None:
+        return _error(503, "the engine is starting; try again shortly", "service_unavailable")
+    trace = getattr(engine, "step_trace", None)
+    if trace is None:
+        return _error(404, "this engine keeps no step trace", "not_found_error")
+    try:
+        steps = await trace(num)
+    except ValueError as exc:
+        return _error(404, str(exc), "not_found_error")
+    return JSONResponse({"steps": steps})
 
 
 class _CountedEventSource(EventSourceResponse):

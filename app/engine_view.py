@@ -81,6 +81,11 @@ class EngineView:
     async def reset_prefix_cache(self) -> None:
         await self._core.call("reset_prefix_cache")
 
+    async def step_trace(self, limit: int) -> list[dict[str, Any]]:
+        """The engine's most recent `limit` steps (runtime.engine.STEP_TRACE_FIELDS); raises
+        ValueError when the engine keeps none."""
+        return await self._core.call("step_trace", limit)
+
     async def shutdown(self, grace_s: float) -> None:
         """Stop admitting, let running requests finish within `grace_s`, abort the rest; returns
         when the engine has sent every final output."""

@@ -144,6 +144,67 @@ def engine_during(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
     }
 
 
+def step_gaps(base_url: str, over_ms: tuple[float, ...] = (50.0, 80.0, 100.0)) -> dict[str, Any]:
+    """What decodes waited per step over the last steps the engine kept (/admin/api/steps, up
+    to 4,096: the end of a side's search, i.e. its highest rates), by kind of step: waited =
+    the device idle before the step (the host's gap) + its device time. Says which steps make
+    the gaps between tokens that exceed a target ({"unreadable": True} if the server keeps no
+    trace)."""
+    try:
+        steps = http_json(base_url + "/admin/api/steps?limit=4096")["steps"]
+    except Exception:  # noqa: BLE001 - the run is still worth its latencies
+        return {"unreadable": True}
+    return summarize_steps(steps, over_ms)
+
+
+def summarize_steps(
+    steps: list[dict[str, Any]], over_ms: tuple[float, ...] = (50.0, 80.0, 100.0)
+) -> dict[str, Any]:
+    """`step_gaps` on a list of steps (runtime.engine.STEP_TRACE_FIELDS, with age_s)."""
+
+    def kind(st: dict[str, Any]) -> str:
+        where = "split " if st["on_split"] else ""
+        if st["num_decodes"] and st["num_prefill_tokens"]:
+            return where + "mixed"
+        return where + ("decode" if st["num_decodes"] else "prefill")
+
+    def waited(st: dict[str, Any]) -> float | None:
+        if st["device_ms"] is None:
+            return None
+        return st["device_ms"] + (st["idle_before_ms"] or 0.0)
+
+    by_kind: dict[str, list[float]] = {}
+    for st in steps:
+        w = waited(st)
+        if w is not None:
+            by_kind.setdefault(kind(st), []).append(w)
+
+    def q(xs: list[float], p: float) -> float:
+        return round(xs[min(len(xs) - 1, int(p * len(xs)))], 2)
+
+    kinds = {}
+    for k, ws in sorted(by_kind.items()):
+        xs = sorted(ws)
+        kinds[k] = {
+            "num_steps": len(xs),
+            "waited_ms_p50": q(xs, 0.5),
+            "waited_ms_p90": q(xs, 0.9),
+            "waited_ms_p99": q(xs, 0.99),
+            "waited_ms_max": round(xs[-1], 2),
+            **{f"num_over_{t:g}_ms": sum(1 for x in xs if x > t) for t in over_ms},
+        }
+    with_decodes = [st for st in steps if st["num_decodes"] and waited(st) is not None]
+    longest = sorted(with_decodes, key=lambda st: -(waited(st) or 0.0))[:8]
+    return {
+        "num_steps": len(steps),
+        "span_s": round(steps[0]["age_s"] - steps[-1]["age_s"], 2) if steps else 0.0,
+        "by_kind": kinds,
+        "longest_with_decodes": [
+            {"kind": kind(st), "waited_ms": round(waited(st) or 0.0, 2), **st} for st in longest
+        ],
+    }
+
+
 def disabled_splits(base_url: str) -> set[str]:
     """Splits the server has taken out of service so far (empty if the state is unreadable)."""
     try:
@@ -725,6 +786,7 @@ class Orchestrator:
                 "settings": settings,
                 "server_settings": applied,
                 "engine_during_run": engine_during(counters, engine_counters(srv.url)),
+                "step_gaps_at_end": step_gaps(srv.url),
                 "file": path.name,
                 "wall_s": e["wall_s"],
             }

@@ -86,6 +86,19 @@ from runtime.scheduler import (
 log = logging.getLogger("greenlane.engine")
 
 STATS_INTERVAL_S = 0.25
+# Steps kept for `step_trace` (the admin API's /admin/api/steps): a few seconds of a busy server.
+STEP_TRACE_LEN = 4096
+STEP_TRACE_FIELDS = (
+    "end_s",  # engine clock (monotonic s) when the result was applied
+    "on_split",  # ran on a split's partition (else the whole GPU)
+    "num_decodes",
+    "num_prefill_seqs",
+    "num_prefill_tokens",
+    "prefill_context_tokens",  # context the prefill parts attend to (cache hits, earlier chunks)
+    "device_ms",  # the step's device time (events), None where unmeasured
+    "idle_before_ms",  # device idle since the previous step (the host's gap), None if unknown
+    "predicted_ms",  # the TBT cut's prediction (mixed whole-GPU steps), else None
+)
 
 Sink = Callable[[list[EngineOutput]], None]
 
@@ -286,6 +299,9 @@ class Engine:
         # The cut aims at the target / this factor: the tail of what decodes waited for mixed
         # steps (host gap included) over their prediction. Whole-GPU steps only.
         self._tbt_tail = TailFactor()
+        # One tuple per applied step (STEP_TRACE_FIELDS), for finding what makes a long gap
+        # between tokens: appended in O(1), read only on request (`step_trace`).
+        self._step_trace: deque[tuple[Any, ...]] = deque(maxlen=STEP_TRACE_LEN)
         # auto: the controller's choice for the step being planned, when it chose chunks
         # (`_auto_capacity`); the launch of that step carries it out (`_choose_split`).
         self._planned_choice: SplitChoice | None = None
@@ -940,6 +956,7 @@ class Engine:
         # Mixed whole-GPU steps: what the step took beyond the recent decode step, against the
         # JCT model's marginal cost of its prefill, corrects the TBT cut (offset and scale).
         avg = self._decode_step_avg_s
+        predicted_step_s: float | None = None
         if plan.decode and plan.prefill and result.device_s is not None and avg > 0.0 and whole:
             predicted = sum(
                 self.jct_model.marginal_s(s.num_new_tokens, s.num_context_tokens)
@@ -947,6 +964,7 @@ class Engine:
             )
             cost = self._prefill_cost
             step_s = avg + cost.offset_s + cost.scale * predicted  # as the cut saw it
+            predicted_step_s = step_s
             self._mixed_step_ratios.append(result.device_s / step_s)
             self._num_mixed_steps += 1
             target_s = self._chunk_tbt_ms()
@@ -958,6 +976,7 @@ class Engine:
                 waited_s = result.device_s + (result.idle_before_s or 0.0)
                 self._tbt_tail.observe(step_s, waited_s, target_s)
             cost.observe(predicted, result.device_s - avg)
+        self._trace(result, predicted_step_s)
         # Decode-only steps: a step with prefill work is not a decode step's time.
         decode_only = bool(plan.decode) and not plan.prefill
         if decode_only and result.device_s is not None:
@@ -971,6 +990,35 @@ class Engine:
             if self._prev_had_decode and result.idle_before_s is not None:
                 self._decode_idle_s += result.idle_before_s
         self._prev_had_decode = decode_only
+
+    def _trace(self, result: StepResult, predicted_s: float | None) -> None:
+        plan = result.plan
+        self._step_trace.append(
+            (
+                time.monotonic(),
+                result.on_split,
+                len(plan.decode),
+                len(plan.prefill),
+                sum(s.num_new_tokens for s in plan.prefill),
+                sum(s.num_context_tokens for s in plan.prefill),
+                None if result.device_s is None else result.device_s * 1e3,
+                None if result.idle_before_s is None else result.idle_before_s * 1e3,
+                None if predicted_s is None else predicted_s * 1e3,
+            )
+        )
+
+    def step_trace(self, limit: int = STEP_TRACE_LEN) -> list[dict[str, Any]]:
+        """The most recent `limit` applied steps, oldest first, as dicts of STEP_TRACE_FIELDS
+        with `end_s` made relative to now (`age_s`, seconds ago). Any thread: the copy of the
+        deque is one C call under the GIL, and the engine thread only appends."""
+        rows = list(self._step_trace)[-max(0, limit) :] if limit > 0 else []
+        now = time.monotonic()
+        out = []
+        for row in rows:
+            d = dict(zip(STEP_TRACE_FIELDS, row, strict=True))
+            d["age_s"] = now - d.pop("end_s")
+            out.append(d)
+        return out
 
     def _drain(self) -> list[EngineOutput]:
         """Collect everything the current executor has in flight."""

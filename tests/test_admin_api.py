@@ -475,6 +475,59 @@ def test_prefix_cache_reset_reaches_the_real_engine() -> None:
         _eventually(lambda: engine.stats()["prefix_cached_blocks"], lambda v: v == 0)
 
 
+def test_step_trace_of_the_real_engine() -> None:
+    """Full app, real engine on random:tiny: after a scoring request and a chat request, the
+    steps endpoint lists the steps that ran them (prefill tokens, decodes, device time), oldest
+    first; a bad limit is a 400 naming it."""
+    pytest.importorskip("runtime.engine", reason="runtime.engine not written yet")
+    from app.main import create_app
+    from app.settings import Settings
+
+    app = create_app(Settings(model="random:tiny", max_num_seqs=4, block_size=4, admin_token=None))
+    with TestClient(app, client=LOOPBACK, base_url=LOCAL_URL) as client:
+        query = list(range(10, 60))
+        r = client.post(
+            "/v1/score", json={"query": query, "items": [[70, 71]], "label_token_ids": [1, 2]}
+        )
+        assert r.status_code == 200, r.text
+        r = client.post(
+            "/v1/completions",
+            json={"model": "random:tiny", "prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True},
+        )
+        assert r.status_code == 200, r.text
+        r = client.get("/admin/api/steps", params={"limit": 100})
+        assert r.status_code == 200, r.text
+        steps = r.json()["steps"]
+        assert 0 < len(steps) <= 100
+        assert set(steps[0]) == {
+            "age_s",
+            "on_split",
+            "num_decodes",
+            "num_prefill_seqs",
+            "num_prefill_tokens",
+            "prefill_context_tokens",
+            "device_ms",
+            "idle_before_ms",
+            "predicted_ms",
+        }
+        ages = [s["age_s"] for s in steps]
+        assert ages == sorted(ages, reverse=True) and ages[-1] >= 0.0
+        assert sum(s["num_prefill_tokens"] for s in steps) >= len(query) + 2 + 3
+        assert sum(s["num_decodes"] for s in steps) >= 3  # 4 tokens: 1 from prefill, 3 decodes
+        assert all(s["device_ms"] is None or s["device_ms"] >= 0.0 for s in steps)
+        one = client.get("/admin/api/steps", params={"limit": 1}).json()["steps"]
+        assert len(one) == 1
+        for bad in ("0", "x", "5000"):
+            r = client.get("/admin/api/steps", params={"limit": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "limit", r.text
+
+
+def test_step_trace_of_an_engine_without_one_is_404() -> None:
+    client = TestClient(make_app(), client=LOOPBACK, base_url=LOCAL_URL)
+    r = client.get("/admin/api/steps")
+    assert r.status_code == 404 and "step trace" in r.json()["error"]["message"]
+
+
 def _eventually(read, ok, timeout_s: float = 10.0):
     import time
 

@@ -501,6 +501,7 @@ def test_tbt_cut_learns_how_wrong_the_jct_model_is_in_mixed_steps() -> None:
         cost = engine._prefill_cost
         # What the correction now predicts for one of these 64-token chunks next to the decode
         predicted_extra_s = cost.offset_s + cost.marginal_s(63, 500)
+        trace = engine.step_trace()
     finally:
         engine.abort("chat")
         engine.shutdown()
@@ -513,6 +514,10 @@ def test_tbt_cut_learns_how_wrong_the_jct_model_is_in_mixed_steps() -> None:
     assert 0.0 < p50 <= p90 <= p99
     assert 0.0 < stats["tbt_cost_offset_ms"] <= 250.0
     assert 1.0 <= stats["tbt_tail_factor"] <= 1.5  # the cut's aim: target / this
+    # The step trace has the mixed steps with what the cut predicted for them.
+    mixed = [st for st in trace if st["num_decodes"] and st["num_prefill_tokens"]]
+    assert len(mixed) >= 1 and all(st["predicted_ms"] > 0.0 for st in mixed)
+    assert all(st["device_ms"] >= 0.0 for st in trace)
     # The JCT model alone predicts ~6 us for such a chunk; the corrected cost is of the order a
     # CPU step measures (milliseconds), so the chunk cut follows the device, not the model.
     assert predicted_extra_s > 100 * jct.marginal_s(63, 500)

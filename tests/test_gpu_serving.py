@@ -225,6 +225,38 @@ def test_engine_counters_over_one_run_are_differences() -> None:
     assert gs.engine_during(before, {}) == {"unreadable": True}
 
 
+def test_step_gaps_say_which_steps_made_the_long_waits() -> None:
+    def step(age_s, decodes, prefill, device_ms, idle_ms=1.0, split=False):
+        return {
+            "age_s": age_s,
+            "on_split": split,
+            "num_decodes": decodes,
+            "num_prefill_seqs": 1 if prefill else 0,
+            "num_prefill_tokens": prefill,
+            "prefill_context_tokens": 0,
+            "device_ms": device_ms,
+            "idle_before_ms": idle_ms,
+            "predicted_ms": None,
+        }
+
+    steps = [step(10.0 - 0.01 * i, 8, 0, 10.0) for i in range(100)]  # decode-only, 11 ms
+    steps += [step(8.0, 8, 4096, 90.0, idle_ms=5.0), step(7.9, 0, 8192, 150.0)]
+    steps += [step(7.8, 8, 2048, 40.0), step(7.7, 8, 2048, 40.0, idle_ms=None, split=True)]
+    d = gs.summarize_steps(steps)
+    assert d["num_steps"] == 104 and d["span_s"] == pytest.approx(2.3)
+    kinds = d["by_kind"]
+    assert kinds["decode"]["num_steps"] == 100 and kinds["decode"]["waited_ms_p99"] == 11.0
+    assert kinds["decode"]["num_over_50_ms"] == 0
+    assert kinds["mixed"]["num_steps"] == 2 and kinds["mixed"]["waited_ms_max"] == 95.0
+    assert kinds["mixed"]["num_over_80_ms"] == 1 and kinds["mixed"]["num_over_100_ms"] == 0
+    assert kinds["prefill"]["num_over_100_ms"] == 1  # no decode waited for it
+    assert kinds["split mixed"]["waited_ms_max"] == 40.0  # no idle known on a split
+    longest = d["longest_with_decodes"]
+    assert [x["waited_ms"] for x in longest[:2]] == [95.0, 41.0]
+    assert all(x["num_decodes"] for x in longest)
+    assert gs.summarize_steps([])["by_kind"] == {}
+
+
 def test_mode_drift_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     """A pin on a split that fails falls back to `off` mid-run: that run is not static:N."""
     states = {

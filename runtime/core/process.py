@@ -272,6 +272,11 @@ class EngineCore:
         if method == "stats":  # fresh, for tests and benchmarks (heartbeats carry the rest)
             fresh = getattr(engine, "fresh_stats", None)
             return fresh() if fresh is not None else engine.stats()
+        if method == "step_trace":
+            trace = getattr(engine, "step_trace", None)
+            if trace is None:
+                raise ValueError("this engine keeps no step trace")
+            return trace(int(args[0]))
         if method == "ping":
             return True
         if method == "engine_control":  # test engines' controls (e.g. pause a fake engine)
