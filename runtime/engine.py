@@ -92,6 +92,7 @@ STEP_TRACE_FIELDS = (
     "end_s",  # engine clock (monotonic s) when the result was applied
     "on_split",  # ran on a split's partition (else the whole GPU)
     "num_decodes",
+    "decode_context_tokens",  # KV tokens the decodes read
     "num_prefill_seqs",
     "num_prefill_tokens",
     "prefill_context_tokens",  # context the prefill parts attend to (cache hits, earlier chunks)
@@ -998,6 +999,7 @@ class Engine:
                 time.monotonic(),
                 result.on_split,
                 len(plan.decode),
+                sum(s.num_context_tokens for s in plan.decode),
                 len(plan.prefill),
                 sum(s.num_new_tokens for s in plan.prefill),
                 sum(s.num_context_tokens for s in plan.prefill),

@@ -503,6 +503,7 @@ def test_step_trace_of_the_real_engine() -> None:
             "age_s",
             "on_split",
             "num_decodes",
+            "decode_context_tokens",
             "num_prefill_seqs",
             "num_prefill_tokens",
             "prefill_context_tokens",

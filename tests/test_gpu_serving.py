@@ -231,6 +231,7 @@ def test_step_gaps_say_which_steps_made_the_long_waits() -> None:
             "age_s": age_s,
             "on_split": split,
             "num_decodes": decodes,
+            "decode_context_tokens": 100 * decodes,
             "num_prefill_seqs": 1 if prefill else 0,
             "num_prefill_tokens": prefill,
             "prefill_context_tokens": 0,
