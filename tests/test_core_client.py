@@ -80,3 +80,38 @@ def test_start_keeps_the_loop_running_until_the_first_heartbeat(tmp_path) -> Non
     finally:
         stop.set()
         core.join(5)
+
+
+def test_a_core_shutting_down_does_not_report_its_engine_dead(tmp_path) -> None:  # noqa: ANN001
+    """Seen on every replica Ray stopped: the engine thread ends inside the shutdown call and a
+    heartbeat sent before the call's reply said the engine had died, so the client logged an
+    error and failed its own shutdown. While stopping, only a crash is reported."""
+    from types import SimpleNamespace
+
+    from runtime.core.messages import CORE_DECODER
+    from runtime.core.process import EngineCore
+
+    crashed = False
+    engine = SimpleNamespace(
+        is_alive=lambda: False,  # the engine thread has ended
+        stats=lambda: {"alive": not crashed},
+        partition=SimpleNamespace(state=lambda: {}),
+    )
+    core = EngineCore(
+        lambda config, sink: engine, None, f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
+    )
+    sent: list[bytes] = []
+    core._send = lambda client, frame: sent.append(frame)  # type: ignore[method-assign]
+    try:
+
+        def beat() -> bool:
+            core._heartbeat(time.monotonic(), [b"client"])
+            return CORE_DECODER.decode(sent[-1]).stats["alive"]
+
+        assert beat() is False  # not stopping: the engine died
+        core._stopping = True
+        assert beat() is True  # a shutdown in progress
+        crashed = True
+        assert beat() is False  # a crash while stopping is still one
+    finally:
+        core._close()

@@ -288,14 +288,18 @@ class EngineCore:
 
     def _heartbeat(self, now: float, clients: list[bytes] | None = None) -> None:
         engine = self.engine
+        # While a shutdown call runs, the engine thread ends before the call's reply is sent:
+        # a heartbeat in between must not tell the clients the engine died (they would log an
+        # error and fail the shutdown call). A crash is still reported (the stats' flag).
+        running = bool(engine.is_alive()) or self._stopping
         try:
             stats = dict(engine.stats())
-            stats["alive"] = bool(engine.is_alive()) and bool(stats.get("alive", True))
+            stats["alive"] = running and bool(stats.get("alive", True))
             part = _asdict(engine.partition.state())
             frame = ENCODER.encode(Heartbeat(stats, part, now))
         except Exception:  # noqa: BLE001 - a stats bug must not stop the heartbeat
             log.exception("building the heartbeat failed")
-            frame = ENCODER.encode(Heartbeat({"alive": bool(engine.is_alive())}, {}, now))
+            frame = ENCODER.encode(Heartbeat({"alive": running}, {}, now))
         for client in clients or list(self._clients):
             self._send(client, frame)
 
