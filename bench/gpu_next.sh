@@ -231,6 +231,11 @@ case $plan in
       --side off-tbt:partition=off,budget=8192,tbt=80 \
       --parts mixed --tag partition-v --deadline-s "$(( $(left) - 3 ))" || rc=1
     python3 -c "import json,glob; d=json.load(open(glob.glob('$work/partition-v-*.json')[0])); print(json.dumps(d['models']['random:qwen2.5-3b']['workloads']['mixed']['off-tbt'].get('engine_during_run')))" ;;
+  w)
+    # Issue 12, where the decode step's time goes at the batch sizes its targets name (8B x16
+    # at 2k contexts, 3B x48 at 640): CUDA-graph step vs floor, kernels by kind (DEADLINE_S=240).
+    python3 -m bench.gpu_suite --rev "$rev" --tag gpu-decode-breakdown \
+      --deadline-s "$(( $(left) - 10 ))" --sections ceilings,decode_breakdown || rc=1 ;;
   p|q)
     # Issue 17, the rest (one call each, DEADLINE_S=560), serving the JCT calibration plan o
     # measured when it is carried as bench/results/jct-calibration-h200.json:
@@ -250,7 +255,7 @@ case $plan in
       --parts "$parts" --tag gpu-scheduling-$plan --command "bash bench/gpu_next.sh $plan $rev" \
       --deadline-s "$(( $(left) - 15 ))" || rc=1
     cp $work/sched/gpu-scheduling-*.json "$OUT/" ;;
-  *) echo "unknown plan $plan (a to v)"; exit 2 ;;
+  *) echo "unknown plan $plan (a to w)"; exit 2 ;;
 esac
 cp $work/partition-*.json "$OUT/" 2>/dev/null
 tar czf "$OUT/serving-$plan.tar.gz" -C $work . 2>/dev/null

@@ -19,6 +19,7 @@ Sections:
              tokens through the engine (fp32) vs transformers.generate
   fi_vs_torch 8B FlashInfer vs torch backend, each against an fp32 forward
   decode_profile  where the decode step's time goes: graph step, kernels, GEMV bandwidth
+  decode_breakdown  the same at issue 12's batch sizes (8B x16, 3B x48), kernels by kind
   decode_attention  B=1..64 decode attention: tensor-core vs CUDA-core FlashInfer kernels
   fused_decode  fused Triton small-batch decode: kernel tile sweep vs cuBLAS, whole step vs
              the unfused graph decode at batch 1/2/4/8, logits vs eager
@@ -807,6 +808,142 @@ def section_decode_profile() -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     return out
+
+
+def _preset_model(preset: str, num_blocks: int) -> tuple[Any, Any, Any]:
+    """A random-weight bf16 model of `preset` and a random-filled KV pool (never time on
+    zeros); not cached (callers free it)."""
+    from runtime.kv.kv_pool import KVPool
+    from runtime.model.loader import _materialise, init_random_weights
+    from runtime.model.presets import get_preset
+
+    cfg = get_preset(preset)
+    model = _materialise(cfg, torch.bfloat16, torch.device("cuda"))
+    init_random_weights(model, 0)
+    pool = KVPool.for_model(cfg, num_blocks, 16, torch.bfloat16, "cuda")
+    for t in pool.k + pool.v:
+        t.normal_()
+    return model, cfg, pool
+
+
+# Kernel-name substrings -> what the kernel does in a decode step (first match wins).
+_KERNEL_KINDS = (
+    (
+        "attention",
+        ("batchdecode", "batchprefill", "mergestate", "merge_state", "attention", "fmha"),
+    ),
+    ("gemm", ("gemm", "gemv", "cutlass", "xmma", "splitk", "cublas", "matmul")),
+    ("norm", ("rmsnorm", "rms_norm", "layernorm")),
+    ("rope", ("rope", "rotary")),
+    ("kv write", ("index_copy", "indexcopy", "scatter", "appendpaged", "append_paged")),
+    ("activation", ("silu", "act_and_mul", "gelu")),
+    ("sampling/logits", ("argmax", "softmax", "topk", "sort", "sampling")),
+)
+
+
+def _kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, keys in _KERNEL_KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def section_decode_breakdown() -> dict:
+    """Where a decode step's time goes at the batch sizes issue 12's targets name (8B at 16
+    streams, 3B at 48), as `decode_profile` does for 8B at 1 and 64: the CUDA-graph step
+    (layers + LM head) against its bandwidth floor, and the kernels inside it grouped by kind
+    (GEMMs, attention, norms, RoPE, KV write, activation, other) plus the gaps between them.
+    Configs: GREENLANE_DECODE_BREAKDOWN, comma-separated preset:batch:context (default
+    llama-3.1-8b:16:2048,qwen2.5-3b:48:640: 48 chat streams of 512-token prompts, halfway
+    through 256 output tokens)."""
+    from runtime.model import ops
+
+    spec = os.environ.get("GREENLANE_DECODE_BREAKDOWN", "llama-3.1-8b:16:2048,qwen2.5-3b:48:640")
+    ceil = RESULTS["sections"].get("ceilings") or section_ceilings()
+    copy_gbs = ceil["copy_gbs_read_plus_write"]
+    out: dict[str, Any] = {"copy_gbs": copy_gbs, "configs": spec}
+    _MODEL.clear()
+    ops.use_flashinfer(True)
+    for item in spec.split(","):
+        preset, batch_s, ctx_s = item.strip().split(":")
+        key = f"{preset}_b{batch_s}_ctx{ctx_s}"
+        try:
+            r = _decode_breakdown_one(preset, int(batch_s), int(ctx_s), copy_gbs, key)
+        except Exception as exc:  # noqa: BLE001 - one config's failure must not lose the rest
+            r = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        out[key] = r
+        print(f"decode breakdown {key}: {json.dumps(r, default=str)[:1200]}", flush=True)
+        _free()
+    return out
+
+
+def _decode_breakdown_one(preset: str, B: int, ctx: int, copy_gbs: float, key: str) -> dict:
+    """One config of `section_decode_breakdown` (its model and pool are freed on return)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from runtime.attention.flashinfer_backend import FlashInferBackend
+    from runtime.cuda_graphs import DecodeGraphs
+
+    blocks_per_seq = -(-(ctx + 1) // 16)
+    num_blocks = B * blocks_per_seq + 64
+    model, cfg, pool = _preset_model(preset, num_blocks)
+    be = FlashInferBackend.from_pool(pool, cfg.num_q_heads)
+    w_bytes = _weight_bytes(model)
+    perm = torch.randperm(num_blocks - 8).tolist()
+    s = torch.cuda.Stream()
+    r: dict[str, Any] = {"weight_bytes": w_bytes}
+    with torch.inference_mode():
+        graphs = DecodeGraphs(
+            model,
+            pool.k,
+            pool.v,
+            s,
+            pad_block_id=num_blocks - 1,
+            max_blocks_per_seq=blocks_per_seq + 1,
+            batch_sizes=(B,),
+        )
+        graphs.capture()
+        blocks = [perm[i * blocks_per_seq : (i + 1) * blocks_per_seq] for i in range(B)]
+        b = _batch([(ctx, 1, ctx + 1)] * B, blocks, is_decode=True)
+        be.plan(b)
+        ref = model.compute_logits(model(b.input_ids, b.positions, be)).float()
+        s.wait_stream(torch.cuda.current_stream())
+        got = model.compute_logits(graphs.run(b)).float()
+        torch.cuda.synchronize()
+        e = rel_err(got, ref)
+        check(f"decode-breakdown graph {key} matches eager", e < 2e-2, f"rel_err={e:.2e}")
+
+        def fn() -> Any:
+            return model.compute_logits(graphs.run(b))
+
+        ms = time_cuda(fn, iters=20, warmup=3, stream=s)
+        kv_bytes = B * ctx * cfg.num_layers * 2 * cfg.kv_size * 2
+        floor = (w_bytes + kv_bytes) / copy_gbs / 1e6
+        r.update({"graph_step_ms": ms, "floor_ms": floor, "over_floor": ms / floor})
+        with torch.cuda.stream(s):
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    fn()
+                s.synchronize()
+        top, total_us, n_k = _kernel_table(prof, 3, top=20)
+        by_kind: dict[str, float] = {}
+        for ev in prof.key_averages():
+            us = getattr(ev, "self_device_time_total", 0) or 0
+            if us > 0:
+                kind = _kernel_kind(ev.key)
+                by_kind[kind] = by_kind.get(kind, 0.0) + us / 3 / 1e3
+        r.update(
+            {
+                "kernels_per_step": n_k,
+                "kernel_ms_per_step": total_us / 1e3,
+                "gaps_ms": ms - total_us / 1e3,
+                "ms_by_kind": {k: round(v, 4) for k, v in sorted(by_kind.items())},
+                "top_kernels": top,
+            }
+        )
+        graphs.graphs.clear()
+    return r
 
 
 def section_decode_attention() -> dict:
@@ -2285,6 +2422,7 @@ SECTIONS: dict[str, Callable[[], dict]] = {
     "profile": section_profile,
     "graphs": section_graphs,
     "decode_profile": section_decode_profile,
+    "decode_breakdown": section_decode_breakdown,
     "decode_attention": section_decode_attention,
     "fused_decode": section_fused_decode,
     "mil8b": section_mil8b,
