@@ -436,6 +436,19 @@ class Engine:
         target = None if g is None else g.controller.config.tbt_slo_ms
         return None if target is None else target / self._tbt_tail.factor
 
+    def _cut_target_s(self) -> float | None:
+        """The TBT target the running executor cuts mixed steps to (s), else None: the serial
+        executor's `--tbt-slo-ms`, or auto's target on the split executor. Only steps cut to a
+        target are counted against it and teach the tail factor (an `off` side with a fixed
+        budget would otherwise fill it with steps no cut sized)."""
+        if self.executor is self.serial:
+            return self._tbt_s
+        g = self._green
+        if g is None or g.mode != "auto":
+            return None
+        target_ms = self._chunk_tbt_ms()
+        return None if target_ms is None else target_ms * self._tbt_tail.factor / 1e3
+
     def _choose_split(self, pplan: StepPlan | None, dplan: StepPlan | None) -> SplitChoice:
         """The controller's split for the next prefill batch (or decode-only step); for a
         prefill planned as chunks (`_auto_capacity`), that decision."""
@@ -968,9 +981,8 @@ class Engine:
             predicted_step_s = step_s
             self._mixed_step_ratios.append(result.device_s / step_s)
             self._num_mixed_steps += 1
-            target_s = self._chunk_tbt_ms()
+            target_s = self._cut_target_s()
             if target_s is not None:
-                target_s *= self._tbt_tail.factor / 1e3  # the target itself, not the aim
                 if result.device_s > target_s:
                     self._num_mixed_steps_over_tbt += 1
                 # What the step's decodes waited: the host's gap before it, then the step.

@@ -523,6 +523,33 @@ def test_tbt_cut_learns_how_wrong_the_jct_model_is_in_mixed_steps() -> None:
     assert predicted_extra_s > 100 * jct.marginal_s(63, 500)
 
 
+def test_mixed_steps_are_judged_against_the_running_executors_cut_only() -> None:
+    """The target a mixed step is counted against (and teaches the tail factor with): the
+    serial executor's --tbt-slo-ms, or auto's target on the split executor; an `off` side
+    with only a fixed budget has none, even when auto's target is configured."""
+    from types import SimpleNamespace
+
+    engine, _ = make_engine(prefill_token_budget=64, num_kv_blocks=64)
+    try:
+        assert engine.executor is engine.serial
+        assert engine._cut_target_s() is None
+        engine._tbt_s = 0.05
+        assert engine._cut_target_s() == 0.05
+        engine._tbt_s = None
+        controller = SimpleNamespace(config=SimpleNamespace(tbt_slo_ms=80.0))
+        engine._green = SimpleNamespace(mode="off", controller=controller)
+        assert engine._cut_target_s() is None  # serial, no --tbt-slo-ms: no cut
+        engine.executor = SimpleNamespace(name="split")  # the split executor is running
+        assert engine._cut_target_s() is None  # mode off: no cut there either
+        engine._green.mode = "auto"
+        engine._tbt_tail.factor = 1.25
+        assert engine._cut_target_s() == pytest.approx(0.080)  # the target, not the aim
+        assert engine._chunk_tbt_ms() == pytest.approx(80.0 / 1.25)
+    finally:
+        engine.executor, engine._green = engine.serial, None
+        engine.shutdown()
+
+
 def test_uncalibrated_jct_model_is_derived_for_this_model_on_cuda() -> None:
     """Without a calibration a CUDA engine's JCT model is the first-principles fallback for the
     served model's shape, not the 8B default (an uncalibrated 3B server priced its prefill as
