@@ -178,9 +178,10 @@ class TailFactor:
     above the target, and never so far below that one stall starves prefill."""
 
     factor: float = 1.0
-    _ratios: deque[float] = field(default_factory=lambda: deque(maxlen=256))
+    _ratios: deque[float] = field(default_factory=lambda: deque(maxlen=TailFactor.WINDOW))
     _since: int = 0
 
+    WINDOW = 256
     QUANTILE = 0.99  # the target is a P99; mixed steps carry most tokens under long prompts
     MIN_FILL = 0.5
     MIN_SAMPLES = 32
