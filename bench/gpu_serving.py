@@ -144,17 +144,25 @@ def engine_during(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
     }
 
 
-def step_gaps(base_url: str, over_ms: tuple[float, ...] = (50.0, 80.0, 100.0)) -> dict[str, Any]:
+def step_gaps(
+    base_url: str,
+    over_ms: tuple[float, ...] = (50.0, 80.0, 100.0),
+    save_to: Path | None = None,
+) -> dict[str, Any]:
     """What decodes waited per step over the last steps the engine kept (/admin/api/steps, up
     to 4,096: the end of a side's search, i.e. its highest rates), by kind of step: waited =
     the device idle before the step (the host's gap) + its device time. Says which steps make
     the gaps between tokens that exceed a target ({"unreadable": True} if the server keeps no
-    trace)."""
+    trace). `save_to`: also write the steps there (for `python -m bench.step_fit`)."""
     try:
         steps = http_json(base_url + "/admin/api/steps?limit=4096")["steps"]
     except Exception:  # noqa: BLE001 - the run is still worth its latencies
         return {"unreadable": True}
-    return summarize_steps(steps, over_ms)
+    out = summarize_steps(steps, over_ms)
+    if save_to is not None:
+        save_to.write_text(json.dumps({"steps": steps}))
+        out["file"] = save_to.name
+    return out
 
 
 def summarize_steps(
@@ -786,7 +794,7 @@ class Orchestrator:
                 "settings": settings,
                 "server_settings": applied,
                 "engine_during_run": engine_during(counters, engine_counters(srv.url)),
-                "step_gaps_at_end": step_gaps(srv.url),
+                "step_gaps_at_end": step_gaps(srv.url, save_to=path.with_suffix(".steps.json")),
                 "file": path.name,
                 "wall_s": e["wall_s"],
             }

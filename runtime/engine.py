@@ -96,6 +96,8 @@ STEP_TRACE_FIELDS = (
     "num_prefill_seqs",
     "num_prefill_tokens",
     "prefill_context_tokens",  # context the prefill parts attend to (cache hits, earlier chunks)
+    # Query-key pairs the prefill parts' attention computes: sum of n * (context + n / 2).
+    "prefill_attention_pairs",
     "device_ms",  # the step's device time (events), None where unmeasured
     "idle_before_ms",  # device idle since the previous step (the host's gap), None if unknown
     "predicted_ms",  # the TBT cut's prediction (mixed whole-GPU steps), else None
@@ -1015,6 +1017,10 @@ class Engine:
                 len(plan.prefill),
                 sum(s.num_new_tokens for s in plan.prefill),
                 sum(s.num_context_tokens for s in plan.prefill),
+                sum(
+                    s.num_new_tokens * (s.num_context_tokens + s.num_new_tokens / 2)
+                    for s in plan.prefill
+                ),
                 None if result.device_s is None else result.device_s * 1e3,
                 None if result.idle_before_s is None else result.idle_before_s * 1e3,
                 None if predicted_s is None else predicted_s * 1e3,

@@ -507,6 +507,7 @@ def test_step_trace_of_the_real_engine() -> None:
             "num_prefill_seqs",
             "num_prefill_tokens",
             "prefill_context_tokens",
+            "prefill_attention_pairs",
             "device_ms",
             "idle_before_ms",
             "predicted_ms",

@@ -235,6 +235,7 @@ def test_step_gaps_say_which_steps_made_the_long_waits() -> None:
             "num_prefill_seqs": 1 if prefill else 0,
             "num_prefill_tokens": prefill,
             "prefill_context_tokens": 0,
+            "prefill_attention_pairs": prefill * prefill / 2,
             "device_ms": device_ms,
             "idle_before_ms": idle_ms,
             "predicted_ms": None,
