@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from runtime.attention.base import ForwardBatch
+from runtime.attention.base import ForwardBatch, IndexSpans
 
 DEFAULT_WORKSPACE_BYTES = 128 << 20
 
@@ -174,10 +174,13 @@ class FlashInferBackend:
         )
 
     # ------------------------------------------------------------------ planning
-    def _to_dev(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+    def _to_dev(self, values: list[int] | IndexSpans, dtype: torch.dtype) -> torch.Tensor:
         # Pinned host tensor + non_blocking copy on the current stream: no host sync.
-        t = torch.tensor(values, dtype=dtype, pin_memory=True)
-        return t.to(self.device, non_blocking=True)
+        if isinstance(values, IndexSpans):
+            t = values.tensor(pin_memory=True)
+        else:
+            t = torch.tensor(values, dtype=dtype, pin_memory=True)
+        return t.to(self.device, dtype=dtype, non_blocking=True)
 
     @staticmethod
     def _host(values: list[int]) -> torch.Tensor:
@@ -191,8 +194,10 @@ class FlashInferBackend:
         self._deferred = []
         bs_tok = self.block_size
         seqs = batch.seqs
-        write_rows: list[int] = []
-        write_slots: list[int] = []
+        # Built span by span (IndexSpans): a long prompt's or context's indices in one tensor
+        # op each, not a Python loop over its tokens.
+        write_rows = IndexSpans()
+        write_slots = IndexSpans()
         all_rows_written = True
         has_context = False
         has_discard = False
@@ -204,10 +209,8 @@ class FlashInferBackend:
                 raise ValueError("block_ids do not cover num_kept_tokens")
             has_context |= ctx > 0
             has_discard |= kept < ctx + nq
-            for i in range(kept - ctx):
-                pos = ctx + i
-                write_rows.append(s.query_start + i)
-                write_slots.append(s.block_ids[pos // bs_tok] * bs_tok + pos % bs_tok)
+            write_rows.add_range(s.query_start, s.query_start + kept - ctx)
+            write_slots.add_slots(s.block_ids, ctx, kept, bs_tok)
             if kept - ctx != nq:
                 all_rows_written = False
         rows_t = None if all_rows_written else self._to_dev(write_rows, torch.int64)
@@ -251,22 +254,16 @@ class FlashInferBackend:
             )
             self._plan = _Plan("paged", rows_t, slots_t)
         else:
-            gather_slots: list[int] = []
-            gather_dst: list[int] = []
-            new_dst: list[int] = []
+            gather_slots = IndexSpans()
+            gather_dst = IndexSpans()
+            new_dst = IndexSpans()
             kv_indptr_l = [0]
             for s in seqs:
-                base = kv_indptr_l[-1]
-                for p in range(s.num_context_tokens):
-                    gather_slots.append(s.block_ids[p // bs_tok] * bs_tok + p % bs_tok)
-                    gather_dst.append(base + p)
-                new_dst.extend(
-                    range(
-                        base + s.num_context_tokens,
-                        base + s.num_context_tokens + s.num_query_tokens,
-                    )
-                )
-                kv_indptr_l.append(base + s.num_context_tokens + s.num_query_tokens)
+                base, ctx = kv_indptr_l[-1], s.num_context_tokens
+                gather_slots.add_slots(s.block_ids, 0, ctx, bs_tok)
+                gather_dst.add_range(base, base + ctx)
+                new_dst.add_range(base + ctx, base + ctx + s.num_query_tokens)
+                kv_indptr_l.append(base + ctx + s.num_query_tokens)
             qo = self._host(qo_indptr)
             kvi = self._host(kv_indptr_l)
             self._kernel_plan(
@@ -304,7 +301,7 @@ class FlashInferBackend:
             self._host(last),
         )
 
-    def _plan_decode(self, seqs: list, write_slots: list[int]) -> None:
+    def _plan_decode(self, seqs: list, write_slots: IndexSpans) -> None:
         if self.graph_batch_size is not None and len(seqs) != self.graph_batch_size:
             raise ValueError(
                 f"graph instance for batch {self.graph_batch_size} got {len(seqs)} sequences"
