@@ -698,7 +698,6 @@ def section_decode_profile() -> dict:
     bandwidth at M = batch (8 distinct weights per shape, so L2 holds none), with the default
     BLAS and with cuBLASLt."""
     import torch.nn.functional as F
-    from torch.profiler import ProfilerActivity, profile
 
     from runtime.attention.flashinfer_backend import FlashInferBackend
     from runtime.cuda_graphs import DecodeGraphs
@@ -712,6 +711,7 @@ def section_decode_profile() -> dict:
     be = FlashInferBackend.from_pool(pool, cfg.num_q_heads)
     w_bytes = _weight_bytes(model)
     out: dict[str, Any] = {"copy_gbs": copy_gbs, "weight_bytes": w_bytes}
+
     perm = torch.randperm(num_blocks - 8).tolist()
     s = torch.cuda.Stream()
     with torch.inference_mode():
@@ -728,35 +728,9 @@ def section_decode_profile() -> dict:
         for B in (1, 64):
             blocks = [perm[i * 128 : (i + 1) * 128] for i in range(B)]
             b = _batch([(2047, 1, 2048)] * B, blocks, is_decode=True)
-            be.plan(b)
-            ref = model.compute_logits(model(b.input_ids, b.positions, be)).float()
-            s.wait_stream(torch.cuda.current_stream())
-            got = model.compute_logits(graphs.run(b)).float()
-            torch.cuda.synchronize()
-            e = rel_err(got, ref)
-            check(f"decode-profile graph b{B} matches eager", e < 2e-2, f"rel_err={e:.2e}")
-            fn = lambda: model.compute_logits(graphs.run(b))  # noqa: E731, B023
-            ms = time_cuda(fn, iters=20, warmup=3, stream=s)
             kv_bytes = B * 2048 * cfg.num_layers * 2 * cfg.kv_size * 2
-            floor = (w_bytes + kv_bytes) / copy_gbs / 1e6
-            r: dict[str, Any] = {"graph_step_ms": ms, "floor_ms": floor, "over_floor": ms / floor}
-            try:
-                with torch.cuda.stream(s):
-                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                        for _ in range(3):
-                            fn()
-                        s.synchronize()
-                top, total_us, n_k = _kernel_table(prof, 3)
-                r.update(
-                    {
-                        "kernels_per_step": n_k,
-                        "kernel_ms_per_step": total_us / 1e3,
-                        "gaps_ms": ms - total_us / 1e3,
-                        "top_kernels": top,
-                    }
-                )
-            except Exception as exc:  # noqa: BLE001 - profiler support varies (CUPTI)
-                r["profile_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            name = f"decode-profile graph b{B}"
+            r = _graph_decode_step(model, be, graphs, s, b, name, w_bytes + kv_bytes, copy_gbs)
             out[f"b{B}"] = r
             print(f"decode profile b{B}: {json.dumps(r, default=str)[:900]}", flush=True)
         graphs.graphs.clear()  # free the captured graphs before the GEMV runs
@@ -849,6 +823,75 @@ def _kernel_kind(name: str) -> str:
     return "other"
 
 
+def _graph_vs_eager(
+    model: Any, be: Any, graphs: Any, s: torch.cuda.Stream, b: Any
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(graph logits, eager logits, relative error) of one decode batch: the eager forward
+    through `be`, then the captured graph replayed on `s` after it."""
+    be.plan(b)
+    ref = model.compute_logits(model(b.input_ids, b.positions, be)).float()
+    s.wait_stream(torch.cuda.current_stream())
+    got = model.compute_logits(graphs.run(b)).float()
+    torch.cuda.synchronize()
+    return got, ref, rel_err(got, ref)
+
+
+def _graph_decode_step(
+    model: Any,
+    be: Any,
+    graphs: Any,
+    s: torch.cuda.Stream,
+    b: Any,
+    name: str,
+    floor_bytes: int,
+    copy_gbs: float,
+    top: int = 14,
+    by_kind: bool = False,
+) -> dict[str, Any]:
+    """A captured decode step (layers + LM head) on batch `b`: checked against the eager
+    forward (`name`), timed, set against its floor (bytes it reads at the copy bandwidth), and
+    its kernels profiled over three replays (summed kernel time vs the step = launch gaps;
+    `by_kind`: grouped by what they do; a profiler failure is recorded, not raised)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _, _, e = _graph_vs_eager(model, be, graphs, s, b)
+    check(f"{name} matches eager", e < 2e-2, f"rel_err={e:.2e}")
+
+    def fn() -> Any:
+        return model.compute_logits(graphs.run(b))
+
+    ms = time_cuda(fn, iters=20, warmup=3, stream=s)
+    floor_ms = floor_bytes / copy_gbs / 1e6
+    r: dict[str, Any] = {"graph_step_ms": ms, "floor_ms": floor_ms, "over_floor": ms / floor_ms}
+    try:
+        with torch.cuda.stream(s):
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    fn()
+                s.synchronize()
+    except Exception as exc:  # noqa: BLE001 - profiler support varies (CUPTI)
+        r["profile_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        return r
+    table, total_us, n_k = _kernel_table(prof, 3, top=top)
+    r.update(
+        {
+            "kernels_per_step": n_k,
+            "kernel_ms_per_step": total_us / 1e3,
+            "gaps_ms": ms - total_us / 1e3,
+        }
+    )
+    if by_kind:
+        kinds: dict[str, float] = {}
+        for ev in prof.key_averages():
+            us = getattr(ev, "self_device_time_total", 0) or 0
+            if us > 0:
+                kind = _kernel_kind(ev.key)
+                kinds[kind] = kinds.get(kind, 0.0) + us / 3 / 1e3
+        r["ms_by_kind"] = {k: round(v, 4) for k, v in sorted(kinds.items())}
+    r["top_kernels"] = table
+    return r
+
+
 def section_decode_breakdown() -> dict:
     """Where a decode step's time goes at the batch sizes issue 12's targets name (8B at 16
     streams, 3B at 48), as `decode_profile` does for 8B at 1 and 64: the CUDA-graph step
@@ -880,7 +923,6 @@ def section_decode_breakdown() -> dict:
 
 def _decode_breakdown_one(preset: str, B: int, ctx: int, copy_gbs: float, key: str) -> dict:
     """One config of `section_decode_breakdown` (its model and pool are freed on return)."""
-    from torch.profiler import ProfilerActivity, profile
 
     from runtime.attention.flashinfer_backend import FlashInferBackend
     from runtime.cuda_graphs import DecodeGraphs
@@ -906,41 +948,20 @@ def _decode_breakdown_one(preset: str, B: int, ctx: int, copy_gbs: float, key: s
         graphs.capture()
         blocks = [perm[i * blocks_per_seq : (i + 1) * blocks_per_seq] for i in range(B)]
         b = _batch([(ctx, 1, ctx + 1)] * B, blocks, is_decode=True)
-        be.plan(b)
-        ref = model.compute_logits(model(b.input_ids, b.positions, be)).float()
-        s.wait_stream(torch.cuda.current_stream())
-        got = model.compute_logits(graphs.run(b)).float()
-        torch.cuda.synchronize()
-        e = rel_err(got, ref)
-        check(f"decode-breakdown graph {key} matches eager", e < 2e-2, f"rel_err={e:.2e}")
-
-        def fn() -> Any:
-            return model.compute_logits(graphs.run(b))
-
-        ms = time_cuda(fn, iters=20, warmup=3, stream=s)
         kv_bytes = B * ctx * cfg.num_layers * 2 * cfg.kv_size * 2
-        floor = (w_bytes + kv_bytes) / copy_gbs / 1e6
-        r.update({"graph_step_ms": ms, "floor_ms": floor, "over_floor": ms / floor})
-        with torch.cuda.stream(s):
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(3):
-                    fn()
-                s.synchronize()
-        top, total_us, n_k = _kernel_table(prof, 3, top=20)
-        by_kind: dict[str, float] = {}
-        for ev in prof.key_averages():
-            us = getattr(ev, "self_device_time_total", 0) or 0
-            if us > 0:
-                kind = _kernel_kind(ev.key)
-                by_kind[kind] = by_kind.get(kind, 0.0) + us / 3 / 1e3
         r.update(
-            {
-                "kernels_per_step": n_k,
-                "kernel_ms_per_step": total_us / 1e3,
-                "gaps_ms": ms - total_us / 1e3,
-                "ms_by_kind": {k: round(v, 4) for k, v in sorted(by_kind.items())},
-                "top_kernels": top,
-            }
+            _graph_decode_step(
+                model,
+                be,
+                graphs,
+                s,
+                b,
+                f"decode-breakdown graph {key}",
+                w_bytes + kv_bytes,
+                copy_gbs,
+                top=20,
+                by_kind=True,
+            )
         )
         graphs.graphs.clear()
     return r
@@ -1270,12 +1291,7 @@ def section_fused_decode() -> dict:
                 out[f"{label}_fused_errors"] = graphs.fused_errors
                 for B in sizes:
                     b = batches[B]
-                    be.plan(b)
-                    ref = model.compute_logits(model(b.input_ids, b.positions, be)).float()
-                    stream.wait_stream(torch.cuda.current_stream())
-                    got = model.compute_logits(graphs.run(b)).float()
-                    torch.cuda.synchronize()
-                    e = rel_err(got, ref)
+                    got, ref, e = _graph_vs_eager(model, be, graphs, stream, b)
                     logits_of[(label, B)] = got.cpu()
                     same = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
                     if label == "unfused":  # the same kernels as eager: must agree closely

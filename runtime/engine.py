@@ -430,13 +430,18 @@ class Engine:
         )
 
     def _chunk_tbt_ms(self) -> float | None:
-        """auto's target for chunked time-slicing: `--tbt-slo-ms` (also as changed on the admin
-        page), else the controller's (`--partition-tbt-slo-ms`)."""
+        """auto's aim for chunked time-slicing (ms): its target (`_auto_tbt_ms`) divided by the
+        measured tail factor."""
+        target_ms = self._auto_tbt_ms()
+        return None if target_ms is None else target_ms / self._tbt_tail.factor
+
+    def _auto_tbt_ms(self) -> float | None:
+        """auto's TBT target itself (ms): `--tbt-slo-ms` (also as changed on the admin page),
+        else the controller's (`--partition-tbt-slo-ms`)."""
         if self._tbt_s is not None:
-            return self._tbt_s * 1e3 / self._tbt_tail.factor
+            return self._tbt_s * 1e3
         g = self._green
-        target = None if g is None else g.controller.config.tbt_slo_ms
-        return None if target is None else target / self._tbt_tail.factor
+        return None if g is None else g.controller.config.tbt_slo_ms
 
     def _cut_target_s(self) -> float | None:
         """The TBT target the running executor cuts mixed steps to (s), else None: the serial
@@ -448,8 +453,8 @@ class Engine:
         g = self._green
         if g is None or g.mode != "auto":
             return None
-        target_ms = self._chunk_tbt_ms()
-        return None if target_ms is None else target_ms * self._tbt_tail.factor / 1e3
+        target_ms = self._auto_tbt_ms()
+        return None if target_ms is None else target_ms / 1e3
 
     def _choose_split(self, pplan: StepPlan | None, dplan: StepPlan | None) -> SplitChoice:
         """The controller's split for the next prefill batch (or decode-only step); for a
