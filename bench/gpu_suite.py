@@ -806,7 +806,8 @@ _KERNEL_KINDS = (
         "attention",
         ("batchdecode", "batchprefill", "mergestate", "merge_state", "attention", "fmha"),
     ),
-    ("gemm", ("gemm", "gemv", "cutlass", "xmma", "splitk", "cublas", "matmul")),
+    # nvjet_*: cuBLAS's GEMM kernels on Hopper (plan w's H200 ran them for every projection).
+    ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk", "cublas", "matmul")),
     ("norm", ("rmsnorm", "rms_norm", "layernorm")),
     ("rope", ("rope", "rotary")),
     ("kv write", ("index_copy", "indexcopy", "scatter", "appendpaged", "append_paged")),
