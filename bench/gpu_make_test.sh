@@ -4,7 +4,7 @@
 # included), carried one per call while the machine stays warm; the last call installs them and
 # runs the README's `make test`.
 #
-#   bash bench/gpu_make_test.sh prepare     # here: .whp/{a,b,c,d,e}/part (ignored), sizes printed
+#   bash bench/gpu_make_test.sh prepare     # here: .whp/{a,b,...,f}/part (ignored), sizes printed
 #   bash bench/gpu_make_test.sh stash       # there, in each call: the carried piece to /tmp/whp
 #   bash bench/gpu_make_test.sh install     # there, last piece's call: join, install, convert
 #   bash bench/gpu_make_test.sh test        # there, next call: make test (log in $OUT); over
@@ -17,12 +17,15 @@
 # .whp/c, while .whl and .fi_cache outlived calls that carried other paths; /tmp stays while the
 # machine does. So every call moves its piece out to /tmp/whp:
 #   run(carry=[".whl", ".fi_cache", ".whp/a"], command="bash bench/gpu_make_test.sh stash; <other work>")
-#   run(carry=[".whp/b"], command="bash bench/gpu_make_test.sh stash")      # c, d likewise
-#   run(carry=[".whp/e"], command="bash bench/gpu_make_test.sh stash && bash bench/gpu_make_test.sh install")
+#   run(carry=[".whp/b"], command="bash bench/gpu_make_test.sh stash")      # c, d, e likewise
+#   run(carry=[".whp/f"], command="bash bench/gpu_make_test.sh stash && bash bench/gpu_make_test.sh install")
 #   run(command="GREENLANE_REVISION=<sha> bash bench/gpu_make_test.sh test cuda-hidden")
 #   run(command="GREENLANE_REVISION=<sha> bash bench/gpu_make_test.sh test gpu")
 # Measured 2026-12-01: five pieces (15 + 4 x 58 MB), each stash call ~5 s of device time; the
 # install ~1 min; make test's CUDA-hidden pass 7 min on that machine, the GPU tests ~1.5 min.
+# Since 2026-12-02 the pieces are 50 MB (PART_MB): the working tree is 7.6 MB now, and a 57 MB
+# piece with it no longer fits a call's 64 MiB. Six pieces (a 14 MB, b-e 50 MB, f the rest),
+# six stash calls, the last one also installing; the GPU pass took 134 s at 85d6f65.
 # The venv made by install stays while the machine is held: bench/gpu_cluster.sh uses it (ray).
 #
 # prepare resolves the project's extras (gpu, convert, dev, cluster) for CPython 3.12 x86-64,
@@ -37,7 +40,7 @@ source bench/wheel_pieces.sh
 mode=${1:-}
 case $mode in
 prepare)
-  work=${WORK:-/tmp/gl-wheels}; part_mb=${PART_MB:-57}; first_mb=${FIRST_MB:-14}
+  work=${WORK:-/tmp/gl-wheels}; part_mb=${PART_MB:-50}; first_mb=${FIRST_MB:-14}
   rm -rf "$work" .whp && mkdir -p "$work/local" "$work/wh" .whp
   pip=(.venv/bin/python -m pip)
   # sdist-only dependencies of lm-eval, built here (pure Python), and a stand-in for torch so the
