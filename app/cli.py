@@ -62,6 +62,8 @@ _ENGINE_HELP = {
     "prefill_chunk_tokens": "chunk size for hybrid prefill",
     "enable_prefix_cache": "reuse KV blocks of shared prompt prefixes",
     "cuda_graphs": "capture decode steps in CUDA graphs",
+    "prefill_graph_max_tokens": "prefill parts of up to this many tokens replay piecewise CUDA "
+    "graphs (dense work per token bucket, attention eager between; 0: off)",
     "fused_decode_max_batch": "decode graphs of batches up to this size (at most 8) run the "
     "fused Triton decode kernels instead of FlashInfer + cuBLAS (0: never)",
     "wait_for_shared_prefix_tokens": "a waiting request whose next N+ prompt tokens a running "

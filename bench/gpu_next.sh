@@ -29,6 +29,11 @@
 #                                         #   affine correction, one probe each (3 min)
 #   bash bench/gpu_next.sh v REV          # issue 13: off-tbt alone, mixed at 24 QPS, with the
 #                                         #   mixed-step diagnostics (under 2 min)
+#   bash bench/gpu_next.sh w REV          # issue 12: decode step kernels by kind (8B x16, 3B x48)
+#   bash bench/gpu_next.sh x REV          # piecewise prefill graphs: eager vs graph timing of
+#                                         #   one prefill part, then their GPU tests
+#   bash bench/gpu_next.sh y REV          # issue 17: post recommendation at pool 1x, FCFS and
+#                                         #   SRJF, two repeats of six probes (finer bisection)
 # Carry: .whl .fi_cache .cache/smollm2-tok. Results in $OUT: gpu-runtime-*.json (suite),
 # partition-*.json (serving; merge them with `python -m bench.gpu_serving --merge ...`),
 # server logs, fi_cache.tar.gz if the FlashInfer cache grew.
@@ -241,26 +246,38 @@ case $plan in
     # at 2k contexts, 3B x48 at 640): CUDA-graph step vs floor, kernels by kind (DEADLINE_S=240).
     python3 -m bench.gpu_suite --rev "$rev" --tag gpu-decode-breakdown \
       --deadline-s "$(( $(left) - 10 ))" --sections ceilings,decode_breakdown || rc=1 ;;
-  p|q)
+  x)
+    # Piecewise prefill graphs (runtime/prefill_graphs.py; issues 12 and 13), DEADLINE_S=220:
+    # eager vs graph time of one prefill part of 16..2048 tokens (with their hidden states
+    # compared), then the GPU tests (captured graphs vs eager, an engine scoring alike).
+    python3 -m bench.gpu_suite --rev "$rev" --tag gpu-prefill-graphs \
+      --deadline-s "$(( $(left) - 120 ))" --sections prefill_graphs || rc=1
+    timeout "$(( $(left) - 5 ))" python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/gpu/test_prefill_graphs_gpu.py >"$OUT/pytest-prefill-graphs.log" 2>&1 || rc=1
+    tail -5 "$OUT/pytest-prefill-graphs.log" ;;
+  p|q|y)
     # Issue 17, the rest (one call each, DEADLINE_S=560), serving the JCT calibration plan o
     # measured when it is carried as bench/results/jct-calibration-h200.json:
     #   p: post recommendation at 1x the working set and at the default pool (FCFS, SRJF);
     #   q: SPF and srjf-oneshot beside FCFS at 0.5x, credit verification (scale 0.25: 60 users
-    #      x 10k-15k tokens, so that 1x its working set fits the H200) at 0.5x.
-    if [ "$plan" = p ]; then
-      parts="post-recommendation:1:fcfs,srjf:1;post-recommendation:default:fcfs,srjf:1"
-    else
-      parts="post-recommendation:0.5:fcfs,spf,srjf-oneshot:1;credit-verification:0.5:fcfs,srjf:1"
-    fi
+    #      x 10k-15k tokens, so that 1x its working set fits the H200) at 0.5x;
+    #   y: p's 1x part alone, two repeats with six probes a search (p's four probes at a 1.5
+    #      step only bounded SRJF / FCFS between 1.2 and 1.9), 12-s probes.
+    probes=4; dur=14
+    case $plan in
+      p) parts="post-recommendation:1:fcfs,srjf:1;post-recommendation:default:fcfs,srjf:1" ;;
+      q) parts="post-recommendation:0.5:fcfs,spf,srjf-oneshot:1;credit-verification:0.5:fcfs,srjf:1" ;;
+      y) parts="post-recommendation:1:fcfs,srjf:2"; probes=6; dur=12 ;;
+    esac
     cal=bench/results/jct-calibration-h200.json
     python3 -m bench.gpu_scheduling --model random:llama-3.1-8b --rev "$rev" \
-      --out-dir $work/sched --duration-s 14 --start-s 30 --no-profile \
+      --out-dir $work/sched --duration-s $dur --max-probes $probes --start-s 30 --no-profile \
       $( [ -f $cal ] && echo --jct-calibration $cal ) \
       --start-qps "post-recommendation@0.5=4.5,post-recommendation@1=30,post-recommendation@default=40,credit-verification=4" \
       --parts "$parts" --tag gpu-scheduling-$plan --command "bash bench/gpu_next.sh $plan $rev" \
       --deadline-s "$(( $(left) - 15 ))" || rc=1
     cp $work/sched/gpu-scheduling-*.json "$OUT/" ;;
-  *) echo "unknown plan $plan (a to w)"; exit 2 ;;
+  *) echo "unknown plan $plan (a to y)"; exit 2 ;;
 esac
 cp $work/partition-*.json "$OUT/" 2>/dev/null
 tar czf "$OUT/serving-$plan.tar.gz" -C $work . 2>/dev/null

@@ -20,6 +20,8 @@ Sections:
   fi_vs_torch 8B FlashInfer vs torch backend, each against an fp32 forward
   decode_profile  where the decode step's time goes: graph step, kernels, GEMV bandwidth
   decode_breakdown  the same at issue 12's batch sizes (8B x16, 3B x48), kernels by kind
+  prefill_graphs  piecewise prefill graphs vs the eager forward for one part of 16..2048
+             tokens (fresh, after 4k of context): host and wall ms, hidden states compared
   decode_attention  B=1..64 decode attention: tensor-core vs CUDA-core FlashInfer kernels
   fused_decode  fused Triton small-batch decode: kernel tile sweep vs cuBLAS, whole step vs
              the unfused graph decode at batch 1/2/4/8, logits vs eager
@@ -31,6 +33,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -966,6 +969,94 @@ def _decode_breakdown_one(preset: str, B: int, ctx: int, copy_gbs: float, key: s
         )
         graphs.graphs.clear()
     return r
+
+
+def section_prefill_graphs() -> dict:
+    """What the piecewise prefill graphs (runtime/prefill_graphs.py) save against the eager
+    forward for one prefill part of T tokens: a fresh prompt (ragged attention) and a chunk
+    after 4,096 tokens of cached context (paged), T = 16..2048. Per T: the host's time to
+    enqueue the part (plan + forward, before any wait) and the wall time to its end (what a
+    launch-bound step costs the decodes beside it), median of 10, each path after warm-ups;
+    the hidden states of both paths compared. Engine-level diagnostic, not a serving figure.
+    Model: GREENLANE_PREFILL_GRAPHS_PRESET (default qwen2.5-3b)."""
+    preset = os.environ.get("GREENLANE_PREFILL_GRAPHS_PRESET", "qwen2.5-3b")
+    try:
+        return _prefill_graphs_one(preset)
+    finally:
+        _free()
+
+
+def _prefill_graphs_one(preset: str) -> dict:
+    """`section_prefill_graphs` for one preset (its model and pool are freed on return)."""
+    from runtime.attention.flashinfer_backend import FlashInferBackend
+    from runtime.model import ops
+    from runtime.prefill_graphs import PrefillGraphs, prefill_graph_sizes
+
+    ctx = 4096
+    sizes = (16, 64, 160, 512, 1024, 2048)
+    num_blocks = (ctx + 2048) // 16 + 2 * 2048 // 16 + 64
+    _MODEL.clear()
+    ops.use_flashinfer(True)
+    model, cfg, pool = _preset_model(preset, num_blocks)
+    be = FlashInferBackend.from_pool(pool, cfg.num_q_heads)
+    s = torch.cuda.Stream()
+    out: dict[str, Any] = {"preset": preset, "context_tokens": ctx}
+    with torch.inference_mode():
+        pg = PrefillGraphs(model, pool.device, torch.bfloat16, prefill_graph_sizes(2048), stream=s)
+        pg.capture()
+        out.update(capture_s=round(pg.capture_s, 2), memory_mib=pg.memory_bytes / 2**20)
+        print(f"prefill graphs: {len(pg.token_sizes)} buckets in {pg.capture_s:.1f} s", flush=True)
+        ctx_blocks = list(range(ctx // 16))
+        free = list(range(ctx // 16, num_blocks - 1))
+
+        def timed(fn: Callable[[], torch.Tensor]) -> tuple[float, float]:
+            hosts, walls = [], []
+            for i in range(13):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                t2 = time.perf_counter()
+                if i >= 3:
+                    hosts.append((t1 - t0) * 1e3)
+                    walls.append((t2 - t0) * 1e3)
+            return statistics.median(hosts), statistics.median(walls)
+
+        for kind in ("fresh", "after_context"):
+            for T in sizes:
+                c = 0 if kind == "fresh" else ctx
+                need = -(-(c + T) // 16)
+                blocks = (ctx_blocks if c else []) + free[: need - (len(ctx_blocks) if c else 0)]
+                b = _batch([(c, T, c + T)], [blocks], vocab=cfg.vocab_size)
+
+                def eager(b: Any = b) -> torch.Tensor:
+                    be.plan(b)
+                    return model(b.input_ids, b.positions, be)
+
+                def graphed(b: Any = b) -> torch.Tensor:
+                    be.plan(b)
+                    return pg.run(b.input_ids, b.positions, be)
+
+                want = eager().clone()
+                got = graphed().clone()
+                err = rel_err(got, want)
+                check(
+                    f"prefill-graphs {kind} T={T} matches eager", err < 2e-2, f"rel_err={err:.2e}"
+                )
+                eh, ew = timed(eager)
+                gh, gw = timed(graphed)
+                r = {
+                    "eager_host_ms": round(eh, 3),
+                    "eager_wall_ms": round(ew, 3),
+                    "graph_host_ms": round(gh, 3),
+                    "graph_wall_ms": round(gw, 3),
+                    "wall_speedup": round(ew / gw, 2),
+                }
+                out[f"{kind}_T{T}"] = r
+                print(f"prefill graphs {kind} T={T}: {r}", flush=True)
+        pg.graphs.clear()
+    return out
 
 
 def section_decode_attention() -> dict:
@@ -2440,6 +2531,7 @@ SECTIONS: dict[str, Callable[[], dict]] = {
     "graphs": section_graphs,
     "decode_profile": section_decode_profile,
     "decode_breakdown": section_decode_breakdown,
+    "prefill_graphs": section_prefill_graphs,
     "decode_attention": section_decode_attention,
     "fused_decode": section_fused_decode,
     "mil8b": section_mil8b,

@@ -48,6 +48,10 @@ class EngineConfig:
     # instead of computing them a second time in the same batch. 0 = off.
     wait_for_shared_prefix_tokens: int = 256
     cuda_graphs: bool = True
+    # Prefill parts of up to this many tokens on the whole GPU replay piecewise CUDA graphs
+    # (runtime/prefill_graphs.py: the dense work per token bucket, attention eager between);
+    # longer ones run eagerly. Needs cuda_graphs and FlashInfer. 0 = off.
+    prefill_graph_max_tokens: int = 2048
     # Plan and launch step N+1 while the device runs step N (sampled tokens feed the next
     # step on the device; the host sees them one step later). False: one step at a time.
     overlap_scheduling: bool = True
@@ -106,6 +110,8 @@ class EngineConfig:
             raise ValueError("prefill_token_budget must be >= 1")
         if self.prefill_chunk_tokens < 1:
             raise ValueError("prefill_chunk_tokens must be >= 1")
+        if self.prefill_graph_max_tokens < 0:
+            raise ValueError("prefill_graph_max_tokens must be >= 0 (0 = off)")
         if not 0 <= self.fused_decode_max_batch <= 8:
             raise ValueError("fused_decode_max_batch must be in 0..8")
         if self.max_num_seqs < 1:

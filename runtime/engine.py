@@ -71,6 +71,7 @@ from runtime.model.loader import load_model
 from runtime.partition import PartitionManager, SplitChoice
 from runtime.partition.cost_model import PREFILL, ChunkInput, DecodeShape, PrefillShape
 from runtime.partition.setup import capture_split_graphs, make_partition, profile_at_startup
+from runtime.prefill_graphs import prefill_graph_bytes, prefill_graph_max_tokens
 from runtime.request import FINISH_REASONS, EngineOutput, Request, RequestKind, RequestStatus
 from runtime.runner import ModelRunner, profile_activation_peak
 from runtime.scheduler import (
@@ -511,8 +512,14 @@ class Engine:
 
         n1 = max(1, min(cfg.prefill_token_budget, self._max_model_len))
         n2 = max(n1 + 1, min(2 * n1, self._max_model_len))
-        p1 = profile_activation_peak(cfg, self.model, mc, n1, backend_for)
-        p2 = profile_activation_peak(cfg, self.model, mc, n2, backend_for)
+        # The piecewise prefill graphs hold their buffers and pool for the engine's life: a
+        # fixed part of the reserve (over by that much if the backend turns out not to be
+        # FlashInfer, which they need).
+        graphs = 0
+        if cfg.cuda_graphs:
+            graphs = prefill_graph_bytes(self.model, prefill_graph_max_tokens(cfg), self.dtype)
+        p1 = profile_activation_peak(cfg, self.model, mc, n1, backend_for) + graphs
+        p2 = profile_activation_peak(cfg, self.model, mc, n2, backend_for) + graphs
         slope = max(0.0, (p2 - p1) / (n2 - n1))  # bytes per extra prompt token
         fixed = max(0.0, p1 - slope * n1)
         if cfg.max_score_tokens is None and slope > 0:

@@ -49,6 +49,7 @@ from runtime.model import ops
 from runtime.model.config import ModelConfig
 from runtime.model.llama import LlamaForCausalLM
 from runtime.model.ops import h2d
+from runtime.prefill_graphs import PrefillGraphs, prefill_graph_max_tokens, prefill_graph_sizes
 from runtime.request import RequestKind, TokenLogprob
 from runtime.sampler import PenaltyState, Sampler, has_penalties, make_generator
 from runtime.scheduler import RunnerOutput, ScheduledSeq, StepPlan
@@ -268,6 +269,7 @@ class ModelRunner:
         # planner waits for the event recorded after its previous copies (`_guard_staging`).
         self._staging_events: dict[int, Any] = {}
         self.decode_graphs = None  # the whole-GPU set (ordinary streams)
+        self.prefill_graphs: PrefillGraphs | None = None  # piecewise, whole GPU
         self.graph_registry: DecodeGraphRegistry | None = None  # every set, by stream
         self.decode_stream = decode_stream
         graphs_ok = self.uses_flashinfer and kv_pool.pad_block_id is not None
@@ -318,6 +320,14 @@ class ModelRunner:
             self.graph_registry = DecodeGraphRegistry(make_split_set, whole)
             if capture_graphs:
                 whole.capture()
+            sizes = prefill_graph_sizes(prefill_graph_max_tokens(config))
+            if sizes:
+                # Their own pool: their intermediates must not alias a decode graph's.
+                self.prefill_graphs = PrefillGraphs(
+                    model, self.device, kv_pool.dtype, sizes, stream=self.decode_stream
+                )
+                if capture_graphs:
+                    self.capture_prefill_graphs()
         elif config.cuda_graphs and self.device.type == "cuda":
             log.warning(
                 "CUDA graphs need the FlashInfer backend and a pool with a pad block; "
@@ -339,6 +349,32 @@ class ModelRunner:
             log.warning("fused small-batch decode off: %s; FlashInfer + cuBLAS decode it", why)
             return 0
         return config.fused_decode_max_batch
+
+    def capture_prefill_graphs(self) -> None:
+        """Capture the piecewise prefill graphs; a failure (e.g. out of memory) is said once
+        and prefill parts run eagerly."""
+        pg = self.prefill_graphs
+        if pg is None:
+            return
+        try:
+            pg.capture()
+        except Exception as e:  # noqa: BLE001 - any failure: prefill runs eagerly, said once
+            log.warning(
+                "FALLBACK: prefill graphs could not be captured (%s: %s); prefill parts run "
+                "eagerly",
+                type(e).__name__,
+                e,
+            )
+            self.prefill_graphs = None
+            torch.cuda.empty_cache()
+            return
+        log.info(
+            "prefill graphs captured in %.2f s: %d token buckets up to %d, %.0f MiB",
+            pg.capture_s,
+            len(pg.token_sizes),
+            pg.max_tokens,
+            pg.memory_bytes / 2**20,
+        )
 
     # ---- decode graphs per stream -----------------------------------------------------------
     def ensure_split_graphs(self, stream: Any, label: str) -> None:
@@ -483,10 +519,17 @@ class ModelRunner:
         self._guard_staging(backend)
         backend.plan(batch)
         self._mark_staging(backend)
-        chunk = None
-        if self.config.hybrid_prefill and not is_decode:
-            chunk = self.config.prefill_chunk_tokens
-        hidden = self.model(batch.input_ids, batch.positions, backend, chunk_tokens=chunk)
+        pg = self.prefill_graphs
+        num_tokens = int(batch.input_ids.shape[0])
+        if not is_decode and pg is not None and pg.captured and pg.bucket_for(num_tokens):
+            # A prefill part here runs on the whole GPU (the split executor's partitioned
+            # prefill runs the layers itself), where these graphs belong.
+            hidden = pg.run(batch.input_ids, batch.positions, backend)
+        else:
+            chunk = None
+            if self.config.hybrid_prefill and not is_decode:
+                chunk = self.config.prefill_chunk_tokens
+            hidden = self.model(batch.input_ids, batch.positions, backend, chunk_tokens=chunk)
         if not is_decode and pending is not None:
             self.prompt_logprobs(hidden, batch, seqs, pending)
         wanting = [s for s in seqs if s.needs_output]

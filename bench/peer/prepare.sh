@@ -23,7 +23,9 @@ cd "$(dirname "$0")/../.."
 source bench/wheel_pieces.sh
 mode=${1:-prepare}
 work=${WORK:-/tmp/gl-peer}
-part_mb=${PART_MB:-57}; first_mb=${FIRST_MB:-57}
+# 50 MiB pieces: a call carries its piece plus the working tree (7.6 MB on 2026-12-02), under
+# the device's 64 MiB; 57 MiB pieces stopped fitting as the tree grew.
+part_mb=${PART_MB:-50}; first_mb=${FIRST_MB:-50}
 VLLM_VERSION=0.24.0
 plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform any)
 for p in manylinux_2_{5,17,24,26,27,28,31,34,35}_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do

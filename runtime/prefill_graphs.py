@@ -1,0 +1,240 @@
+"""Piecewise CUDA graphs for the prefill part of a step on the whole GPU.
+
+Why: a step that prefills a few hundred tokens next to decodes ran the model eagerly, ~11
+launches a layer through Python wrappers, and the host could not launch them as fast as the
+GPU ran them. On the H200 (3B, plan s, 2026-12-02) such a step took 25-30 ms of device time
+for a 70-160-token prefill next to a 3.8 ms decode graph, and its time varied with the host's
+jitter, which is what the TBT cut could not predict (issue 13) and part of the host overhead of
+issue 12.
+
+What: the dense work of the model (embedding, norms, q/k/v projection, RoPE, o_proj, MLP) is
+captured as CUDA graphs per token bucket, cut at attention, which runs eagerly between them
+(its plan depends on the batch's sequences, contexts and prefix hits; FlashInfer planned it
+before the step, as for eager steps). A bucket of `n` tokens holds `num_layers + 1` graphs:
+
+    graph 0      embed -> layer 0's input norm -> q, k, v of layer 0
+    graph i      layer i-1's o_proj, post-attention norm and MLP -> layer i's input norm ->
+                 q, k, v of layer i                                   (i = 1 .. L-1)
+    graph L      layer L-1's o_proj, norm and MLP -> the final norm -> hidden
+
+and a step of T <= n tokens replays them with attention over its T real rows in between.
+
+Buffers: every graph reads and writes views `[:n]` of one set of static tensors sized for the
+largest bucket (token ids, positions, the residual stream, q, k, v, the attention output, the
+final hidden states), so the buckets share them; intermediates live in the graphs' own memory
+pool (captured largest first). Rows T..n are padding: they hold whatever an earlier step left
+(finite values) and only ever mix with themselves, since every captured op is row-wise;
+attention and the KV writes see the first T rows only.
+
+Hazards:
+- A graph keeps the SM partition of the stream it was captured on (H200.md): these are
+  captured on an ordinary stream and run on every SM, so they serve only prefill parts that
+  run on the whole GPU (`ModelRunner.forward_part`; the split executor's partitioned prefill
+  runs the layers itself and never comes here).
+- The returned hidden states are a view of a static buffer that the next replay overwrites:
+  the caller consumes them (logits rows, prompt logprobs) on the same stream before the next
+  step's prefill is enqueued, which stream order makes safe.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import Any
+
+import torch
+
+from runtime.attention.base import AttentionBackend
+from runtime.config import EngineConfig
+from runtime.model.llama import LlamaForCausalLM
+
+log = logging.getLogger("greenlane.prefill_graphs")
+
+# Buckets: dense near the small steps that are launch-bound (a chunk's suffix, a short chat
+# prompt next to decodes), coarser above, where the GPU work of a step grows to cover its
+# launches and padding costs compute.
+DEFAULT_TOKEN_SIZES = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1280, 1536, 2048)
+
+
+def prefill_graph_max_tokens(config: EngineConfig) -> int:
+    """The largest bucket: `prefill_graph_max_tokens`, cut at the step's token budget (a part
+    is never longer, a long scoring prompt running alone excepted) and, with hybrid prefill, at
+    its chunk (a longer part runs its token-wise ops in chunks, eagerly)."""
+    m = min(config.prefill_graph_max_tokens, config.prefill_token_budget)
+    if config.hybrid_prefill:
+        m = min(m, config.prefill_chunk_tokens)
+    return max(0, m)
+
+
+def prefill_graph_sizes(
+    max_tokens: int, sizes: tuple[int, ...] = DEFAULT_TOKEN_SIZES
+) -> tuple[int, ...]:
+    """The token buckets to capture: `sizes` up to max_tokens, plus max_tokens itself (0: none)."""
+    if max_tokens <= 0:
+        return ()
+    return tuple(sorted({s for s in sizes if s <= max_tokens} | {max_tokens}))
+
+
+def prefill_graph_bytes(model: LlamaForCausalLM, max_tokens: int, dtype: torch.dtype) -> int:
+    """Device bytes the graphs of buckets up to `max_tokens` hold: the static buffers plus an
+    estimate of the pool's peak (the largest bucket's MLP intermediates dominate). The engine
+    adds it to the activation reserve when it sizes the KV pool."""
+    if max_tokens <= 0:
+        return 0
+    c = model.cfg
+    elem = torch.empty((), dtype=dtype).element_size()
+    static = max_tokens * (3 * c.hidden_size + 2 * c.q_size + 2 * c.kv_size) * elem
+    static += 2 * max_tokens * 8  # token ids, positions (int64)
+    pool = max_tokens * (3 * c.intermediate_size + 3 * c.hidden_size + c.q_size + 2 * c.kv_size)
+    return static + pool * elem
+
+
+class PrefillGraphs:
+    """The piecewise graphs of the whole GPU, one set of `num_layers + 1` per token bucket.
+
+    `capture()` records them on `stream`; `run(input_ids, positions, attn)` replays a bucket
+    for a prefill part of T <= max_tokens tokens with attention (planned by the caller) between
+    its graphs. `graphs[n][s]` needs only `replay()`: CPU tests put stand-ins there that run
+    segment `s` (`_segment(s, n)`) directly, exercising the buffers, padding and boundaries.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        device: torch.device,
+        dtype: torch.dtype,
+        token_sizes: tuple[int, ...],
+        *,
+        stream: Any = None,
+        pool: Any = None,
+    ) -> None:
+        if not token_sizes:
+            raise ValueError("PrefillGraphs needs at least one token bucket")
+        self.model = model
+        self.token_sizes = tuple(sorted(token_sizes))
+        self.stream = stream
+        self._pool = pool
+        self.graphs: dict[int, list[Any]] = {}  # bucket -> num_layers + 1 CUDA graphs
+        self.capture_s = 0.0
+        self.memory_bytes = 0
+        c = model.cfg
+        m = self.max_tokens
+        self.input_ids = torch.zeros(m, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(m, dtype=torch.int64, device=device)
+        self.residual = torch.zeros(m, c.hidden_size, dtype=dtype, device=device)
+        self.q = torch.zeros(m, c.num_q_heads, c.head_dim, dtype=dtype, device=device)
+        self.k = torch.zeros(m, c.num_kv_heads, c.head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(m, c.num_kv_heads, c.head_dim, dtype=dtype, device=device)
+        self.attn_out = torch.zeros(m, c.q_size, dtype=dtype, device=device)
+        self.hidden = torch.zeros(m, c.hidden_size, dtype=dtype, device=device)
+
+    @property
+    def captured(self) -> bool:
+        return bool(self.graphs)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.token_sizes[-1]
+
+    @property
+    def num_segments(self) -> int:
+        return self.model.num_layers + 1
+
+    def bucket_for(self, num_tokens: int) -> int | None:
+        """Smallest bucket >= num_tokens, or None when the part is too long for a graph."""
+        i = bisect.bisect_left(self.token_sizes, num_tokens)
+        if num_tokens < 1 or i == len(self.token_sizes):
+            return None
+        return self.token_sizes[i]
+
+    # ---- segments: what each graph records ----------------------------------------------------
+    def _qkv(self, i: int, x: torch.Tensor, n: int) -> None:
+        """Layer i's q, k, v (normed, RoPE'd) of the first n rows into the static buffers."""
+        q, k, v = self.model.layers[i].self_attn.project_qkv(
+            x, self.positions[:n], self.model.rotary
+        )
+        self.q[:n].copy_(q)
+        self.k[:n].copy_(k)
+        self.v[:n].copy_(v)
+
+    def _add_norm(self, norm: Any, h: torch.Tensor, n: int) -> torch.Tensor:
+        """residual += h; returns norm(residual). The FlashInfer op updates the residual in
+        place; the torch one returns a new tensor, copied back."""
+        res = self.residual[:n]
+        x, new_res = norm.add_forward(h, res)
+        if new_res is not res:
+            res.copy_(new_res)
+        return x
+
+    def _after_attention(self, i: int, n: int) -> torch.Tensor:
+        """Layer i from its attention output on: o_proj, post-attention norm, MLP."""
+        layer = self.model.layers[i]
+        a = layer.self_attn.o_proj(self.attn_out[:n])
+        return layer.mlp(self._add_norm(layer.post_attention_layernorm, a, n))
+
+    def _segment(self, s: int, n: int) -> None:
+        model = self.model
+        last = model.num_layers
+        if s == 0:
+            h = model.embed(self.input_ids[:n])
+            self.residual[:n].copy_(h)
+            self._qkv(0, model.layers[0].input_layernorm(h), n)
+        elif s < last:
+            h = self._after_attention(s - 1, n)
+            self._qkv(s, self._add_norm(model.layers[s].input_layernorm, h, n), n)
+        else:
+            h = self._after_attention(last - 1, n)
+            self.hidden[:n].copy_(self._add_norm(model.norm, h, n))
+
+    # ---- capture and replay ------------------------------------------------------------------
+    def capture(self) -> None:
+        """Warm up and capture every bucket on `self.stream`, largest first (one pool)."""
+        dev = self.input_ids.device
+        base = torch.cuda.memory_allocated(dev)
+        t0 = time.perf_counter()
+        self.stream.synchronize()
+        for n in sorted(self.token_sizes, reverse=True):
+            with torch.cuda.stream(self.stream):
+                for s in range(self.num_segments):  # cuBLAS handles, workspaces, lazy init
+                    self._segment(s, n)
+                self.stream.synchronize()
+                graphs = []
+                for s in range(self.num_segments):
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=self._pool, stream=self.stream):
+                        self._segment(s, n)
+                    if self._pool is None:
+                        self._pool = g.pool()
+                    graphs.append(g)
+            self.graphs[n] = graphs
+        self.capture_s = time.perf_counter() - t0
+        self.memory_bytes = max(0, torch.cuda.memory_allocated(dev) - base)
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        """A prefill part of T tokens (input_ids, positions: [T] on the device; `attn` already
+        planned for it) -> final hidden states [T, H], a view of the static buffer."""
+        T = int(input_ids.shape[0])
+        n = self.bucket_for(T)
+        if n is None or n not in self.graphs:
+            raise ValueError(f"no captured prefill graph for {T} tokens")
+        graphs = self.graphs[n]
+        self.input_ids[:T].copy_(input_ids, non_blocking=True)
+        self.positions[:T].copy_(positions, non_blocking=True)
+        q, k, v, out = self.q[:T], self.k[:T], self.v[:T], self.attn_out[:T]
+        graphs[0].replay()
+        for i in range(self.model.num_layers):
+            o = attn.forward(i, q, k, v)  # [T, Hq, D]
+            out.copy_(o.reshape(T, -1))
+            graphs[i + 1].replay()
+        return self.hidden[:T]
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "captured": bool(self.graphs),
+            "token_sizes": list(self.token_sizes),
+            "capture_s": round(self.capture_s, 3),
+            "memory_bytes": self.memory_bytes,
+        }

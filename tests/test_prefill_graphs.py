@@ -1,0 +1,181 @@
+"""CPU tests of the piecewise prefill graphs (runtime/prefill_graphs.py): the segments, their
+shared static buffers and the padding give the eager forward's hidden states, and an engine
+whose prefill parts replay them gives the eager engine's greedy tokens and label scores.
+
+On CPU the "graphs" are stand-ins that run their segment directly (`EagerGraph`); what a
+captured CUDA graph adds (recording, replay) is covered by tests/gpu/test_prefill_graphs_gpu.py.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_engine import Collector
+
+from runtime.attention.base import ForwardBatch, SeqSlice
+from runtime.attention.torch_backend import TorchAttentionBackend
+from runtime.config import EngineConfig
+from runtime.engine import Engine
+from runtime.prefill_graphs import (
+    PrefillGraphs,
+    prefill_graph_bytes,
+    prefill_graph_max_tokens,
+    prefill_graph_sizes,
+)
+from runtime.request import Request, RequestKind, SamplingParams
+
+
+class EagerGraph:
+    """Stands in for one captured segment: `replay` runs the segment on the static buffers."""
+
+    def __init__(self, pg: PrefillGraphs, segment: int, num_tokens: int, log: list) -> None:
+        self.pg, self.segment, self.num_tokens, self.log = pg, segment, num_tokens, log
+
+    def replay(self) -> None:
+        self.log.append((self.num_tokens, self.segment))
+        self.pg._segment(self.segment, self.num_tokens)
+
+
+def eager_capture(pg: PrefillGraphs) -> list[tuple[int, int]]:
+    log: list[tuple[int, int]] = []
+    pg.graphs = {
+        n: [EagerGraph(pg, s, n, log) for s in range(pg.num_segments)] for n in pg.token_sizes
+    }
+    return log
+
+
+def tiny_engine(**overrides) -> tuple[Engine, Collector]:
+    sink = Collector()
+    cfg = EngineConfig(
+        model="random:tiny", prefill_policy="fcfs", block_size=4, num_kv_blocks=128, **overrides
+    )
+    eng = Engine(cfg, sink)
+    # random:tiny's norms start at ones, alike in every layer: make them differ (seeded, the
+    # same in every engine) so a segment that used the wrong layer's norm would show.
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in eng.model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+    return eng, sink
+
+
+def test_buckets_and_the_largest_one() -> None:
+    assert prefill_graph_sizes(0) == ()
+    assert prefill_graph_sizes(100) == (16, 32, 64, 96, 100)
+    assert prefill_graph_sizes(2048)[-1] == 2048
+    cfg = EngineConfig(prefill_graph_max_tokens=4096, prefill_token_budget=8192)
+    assert prefill_graph_max_tokens(cfg) == 2048  # cut at the hybrid-prefill chunk
+    cfg = EngineConfig(prefill_graph_max_tokens=4096, prefill_token_budget=1000)
+    assert prefill_graph_max_tokens(cfg) == 1000  # ... and at the step budget
+    assert prefill_graph_max_tokens(EngineConfig(prefill_graph_max_tokens=0)) == 0
+    with pytest.raises(ValueError, match="prefill_graph_max_tokens"):
+        EngineConfig(prefill_graph_max_tokens=-1)
+
+
+def test_segments_with_padding_match_the_eager_forward() -> None:
+    eng, _ = tiny_engine()
+    model, pool = eng.model, eng.kv_pool
+    pg = PrefillGraphs(model, pool.device, pool.k[0].dtype, (4, 16, 32))
+    log = eager_capture(pg)
+    assert pg.bucket_for(17) == 32 and pg.bucket_for(33) is None and pg.bucket_for(0) is None
+    rng = random.Random(0)
+
+    def batch(specs: list[tuple[int, int, int, list[int]]]) -> ForwardBatch:
+        ids, pos, seqs = [], [], []
+        for ctx, n, kept, blocks in specs:
+            seqs.append(SeqSlice(len(ids), n, ctx, kept, blocks))
+            ids += [rng.randrange(5, 500) for _ in range(n)]
+            pos += range(ctx, ctx + n)
+        rows = torch.tensor([s.query_start + s.num_query_tokens - 1 for s in seqs])
+        return ForwardBatch(torch.tensor(ids), torch.tensor(pos), seqs, rows, False)
+
+    steps = [
+        # two fresh prompts: 15 tokens in the 16 bucket
+        [(0, 9, 9, [0, 1, 2]), (0, 6, 6, [3, 4])],
+        # a continuation over cached context, and a prompt whose suffix KV is discarded
+        # (scoring): 25 tokens in the 32 bucket, rows 15..31 hold nothing of this step
+        [(9, 5, 14, [0, 1, 2, 3]), (0, 20, 12, [5, 6, 7])],
+        # 3 tokens after larger steps: the padding rows hold their leftovers
+        [(14, 3, 17, [0, 1, 2, 3, 8])],
+    ]
+    for specs in steps:
+        b = batch(specs)
+        eager_be, graph_be = TorchAttentionBackend(pool), TorchAttentionBackend(pool)
+        eager_be.plan(b)
+        want = model(b.input_ids, b.positions, eager_be)
+        graph_be.plan(b)
+        got = pg.run(b.input_ids, b.positions, graph_be)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Each step replayed one bucket's segments, in order.
+    segs = model.num_layers + 1
+    assert log == [(n, s) for n in (16, 32, 4) for s in range(segs)]
+    with pytest.raises(ValueError, match="no captured prefill graph for 40 tokens"):
+        pg.run(torch.zeros(40, dtype=torch.int64), torch.arange(40), TorchAttentionBackend(pool))
+
+
+def _gen(rid: str, tokens: list[int], max_tokens: int) -> Request:
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    return Request(rid, RequestKind.GENERATE, tokens, sp)
+
+
+def _workload() -> list[Request]:
+    rng = random.Random(1)
+    profile = [rng.randrange(5, 4000) for _ in range(30)]
+    reqs = [
+        _gen("a", profile + [rng.randrange(5, 4000) for _ in range(7)], 12),
+        _gen("b", profile[:17] + [rng.randrange(5, 4000) for _ in range(5)], 9),
+        _gen("long", [rng.randrange(5, 4000) for _ in range(90)], 6),  # in budget-sized chunks
+        _gen("c", [rng.randrange(5, 4000) for _ in range(3)], 10),
+    ]
+    for i in range(3):
+        item = [rng.randrange(5, 4000) for _ in range(4 + i)]
+        reqs.append(Request(f"s{i}", RequestKind.SCORE, profile + item, label_token_ids=[10, 20]))
+    return reqs
+
+
+def test_engine_with_prefill_graphs_gives_the_eager_engines_tokens_and_scores() -> None:
+    results = []
+    for graphs in (False, True):
+        # Budget 24: prompts are chunked, so parts land in several buckets next to decodes.
+        eng, sink = tiny_engine(prefill_token_budget=24, max_num_seqs=4)
+        log: list[tuple[int, int]] = []
+        if graphs:
+            pg = PrefillGraphs(eng.model, eng.kv_pool.device, eng.kv_pool.k[0].dtype, (8, 16, 24))
+            log = eager_capture(pg)
+            eng.runner.prefill_graphs = pg
+        eng.start()
+        try:
+            reqs = _workload()
+            for r in reqs:
+                eng.add(r)
+            sink.wait(*(r.request_id for r in reqs))
+        finally:
+            eng.shutdown(0)
+        gens = {
+            r.request_id: sink.tokens(r.request_id) for r in reqs if r.kind is RequestKind.GENERATE
+        }
+        scores = {
+            r.request_id: sink.last(r.request_id).label_probs
+            for r in reqs
+            if r.kind is RequestKind.SCORE
+        }
+        results.append((gens, scores))
+        if graphs:
+            assert {n for n, _ in log} >= {8, 24}, "the graphs served prefill parts"
+    (g0, s0), (g1, s1) = results
+    assert g1 == g0
+    assert all(len(t) > 0 for t in g1.values())
+    for rid, probs in s0.items():
+        assert s1[rid] == pytest.approx(probs, rel=1e-4, abs=1e-6)
+
+
+def test_reserved_bytes_grow_with_the_largest_bucket() -> None:
+    eng, _ = tiny_engine()
+    small = prefill_graph_bytes(eng.model, 256, torch.bfloat16)
+    large = prefill_graph_bytes(eng.model, 2048, torch.bfloat16)
+    assert prefill_graph_bytes(eng.model, 0, torch.bfloat16) == 0
+    assert large == 8 * small > 0
