@@ -1041,12 +1041,31 @@ def _prefill_graphs_one(preset: str) -> dict:
                 want = eager().clone()
                 got = graphed().clone()
                 err = rel_err(got, want)
+                # The graphs' GEMMs run at the bucket's row count, where cuBLAS may pick another
+                # kernel than at T (bf16 rounding then compounds over a random model's layers):
+                # the check compares with the eager forward at the same row count, the part
+                # plus a filler sequence up to the bucket.
+                n = pg.bucket_for(T) or T
+                same_shape_err = err
+                if n > T:
+                    num_fill_blocks = (n - T + 15) // 16
+                    fill = free[-num_fill_blocks:]
+                    bp = _batch(
+                        [(c, T, c + T), (0, n - T, n - T)], [blocks, fill], vocab=cfg.vocab_size
+                    )
+                    bp.input_ids[:T].copy_(b.input_ids)
+                    be.plan(bp)
+                    same_shape_err = rel_err(got, model(bp.input_ids, bp.positions, be)[:T])
                 check(
-                    f"prefill-graphs {kind} T={T} matches eager", err < 2e-2, f"rel_err={err:.2e}"
+                    f"prefill-graphs {kind} T={T} matches eager at the bucket's rows",
+                    same_shape_err < 5e-3,
+                    f"rel_err={same_shape_err:.2e} (vs eager at T rows: {err:.2e})",
                 )
                 eh, ew = timed(eager)
                 gh, gw = timed(graphed)
                 r = {
+                    "rel_err_vs_eager": err,
+                    "rel_err_vs_eager_same_rows": same_shape_err,
                     "eager_host_ms": round(eh, 3),
                     "eager_wall_ms": round(ew, 3),
                     "graph_host_ms": round(gh, 3),
