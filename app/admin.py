@@ -470,6 +470,13 @@ def _build_state(app: Any) -> dict[str, Any]:
                 },
             },
         },
+        # The interpreter's full collections stop the step loop: how many, how long in all,
+        # the longest pause of any collection since the engine started.
+        "gc": {
+            "full_collections": stats.get("gc_full_collections"),
+            "full_ms_total": stats.get("gc_full_ms_total"),
+            "pause_ms_max_ever": stats.get("gc_pause_ms_max_ever"),
+        },
         "latency": {
             "source": recent["source"],
             # All traffic together, then chat (chat + completions) and scoring apart: a

@@ -63,7 +63,10 @@ _ENGINE_HELP = {
     "enable_prefix_cache": "reuse KV blocks of shared prompt prefixes",
     "cuda_graphs": "capture decode steps in CUDA graphs",
     "prefill_graph_max_tokens": "prefill parts of up to this many tokens replay piecewise CUDA "
-    "graphs (dense work per token bucket, attention eager between; 0: off)",
+    "graphs (dense work per token bucket, attention eager between; 0: off; at most "
+    "--prefill-chunk-tokens)",
+    "fused_rope_kv_write": "FlashInfer path: RoPE and the K/V pool write in one launch per "
+    "layer instead of three",
     "fused_decode_max_batch": "decode graphs of batches up to this size (at most 8) run the "
     "fused Triton decode kernels instead of FlashInfer + cuBLAS (0: never)",
     "wait_for_shared_prefix_tokens": "a waiting request whose next N+ prompt tokens a running "

@@ -287,6 +287,11 @@ class EngineStatsLog:
             )
             ratio = stats.get("mixed_step_ratio_p99")
             fields["mixed_step_ratio_p99"] = round(ratio, 2) if isinstance(ratio, float) else None
+        # The collector's pauses over this interval (a full collection stops the step loop).
+        full = delta("gc_full_collections")
+        if full or (stats.get("gc_pause_ms_max") or 0) >= 10.0:
+            fields["gc_full_collections"] = int(full)
+            fields["gc_pause_ms_max"] = stats.get("gc_pause_ms_max")
         idle = not (fields["prompt_tokens_per_s"] or fields["generation_tokens_per_s"]) and not (
             fields["running"] or fields["waiting"]
         )

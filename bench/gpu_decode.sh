@@ -6,6 +6,8 @@
 #                                         # and 3B 48 streams
 #   bash bench/gpu_decode.sh new REV      # this revision: the same, plus the 16k prefill check,
 #                                         # 3B with 2 API servers, py-spy of the 48-stream run
+#   bash bench/gpu_decode.sh fused REV    # --fused-rope-kv-write off vs on, one server each way
+#                                         # in alternating order: 3B 48 streams, 8B B=1,16,64
 #   bash bench/gpu_decode.sh final REV    # one call for the record: this revision's 3B with 1, 2
 #                                         # and 4 API servers (py-spy on 1), 8B B=1,16,64 with
 #                                         # the prefill check, then the old revision's 3B
@@ -84,6 +86,18 @@ case $part in
       decode new-3b qwen2.5-3b 48 512 256 --py-spy-s 6 || rc=1; stop 8100; }
     serve "$new" random:qwen2.5-3b 8100 $logs/new-3b-api2.log --api-server-count 2 && {
       decode new-3b-api2 qwen2.5-3b 48 512 256 || rc=1; stop 8100; }
+    ;;
+  fused)
+    # Issue 12: RoPE + K/V write in one launch a layer (3 -> 1), A/B on one machine. Order
+    # off, on for 3B and on, off for 8B, so that neither side always runs first.
+    for f in false true; do
+      serve "$new" random:qwen2.5-3b 8100 $logs/fused-$f-3b.log --fused-rope-kv-write $f && {
+        decode fused-$f-3b qwen2.5-3b 48 512 256 || rc=1; stop 8100; }
+    done
+    for f in true false; do
+      serve "$new" random:llama-3.1-8b 8100 $logs/fused-$f-8b.log --fused-rope-kv-write $f && {
+        decode fused-$f-8b llama-3.1-8b 1,16,64 2048 160 || rc=1; stop 8100; }
+    done
     ;;
   final)
     serve "$new" random:qwen2.5-3b 8100 $logs/new-3b.log && {

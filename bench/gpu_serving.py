@@ -123,6 +123,7 @@ def engine_counters(base_url: str) -> dict[str, Any]:
         "tbt_cut": (st.get("prefill") or {}).get("tbt_cut") or {},
         "choice_counts": (st.get("partition") or {}).get("choice_counts") or {},
         "cost_model_errors": (st.get("cost_model") or {}).get("errors"),
+        "gc": st.get("gc") or {},
     }
 
 
@@ -137,10 +138,16 @@ def engine_during(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
     }
     choices_b = before.get("choice_counts") or {}
     choices = {k: v - choices_b.get(k, 0) for k, v in after["choice_counts"].items()}
+    gc_b, gc_a = before.get("gc") or {}, after.get("gc") or {}
+    gc_during = {
+        k: (v - (gc_b.get(k) or 0) if isinstance(v, int | float) and k.startswith("full") else v)
+        for k, v in gc_a.items()
+    }
     return {
         "tbt_cut": out,
         "choice_counts": {k: v for k, v in choices.items() if v},
         "cost_model_errors_at_end": after.get("cost_model_errors"),
+        "gc": gc_during,
     }
 
 

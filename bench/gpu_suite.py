@@ -19,7 +19,8 @@ Sections:
              tokens through the engine (fp32) vs transformers.generate
   fi_vs_torch 8B FlashInfer vs torch backend, each against an fp32 forward
   decode_profile  where the decode step's time goes: graph step, kernels, GEMV bandwidth
-  decode_breakdown  the same at issue 12's batch sizes (8B x16, 3B x48), kernels by kind
+  decode_breakdown  the same at issue 12's batch sizes (8B x16, 3B x48), kernels by kind,
+             and again with RoPE + the K/V write fused (--fused-rope-kv-write)
   prefill_graphs  piecewise prefill graphs vs the eager forward for one part of 16..2048
              tokens (fresh, after 4k of context): host and wall ms, hidden states compared
   decode_attention  B=1..64 decode attention: tensor-core vs CUDA-core FlashInfer kernels
@@ -968,6 +969,34 @@ def _decode_breakdown_one(preset: str, B: int, ctx: int, copy_gbs: float, key: s
             )
         )
         graphs.graphs.clear()
+        # The same step with RoPE and the K/V write fused into one launch a layer
+        # (--fused-rope-kv-write), A/B in this process: step time, kernels, gaps.
+        fused = DecodeGraphs(
+            model,
+            pool.k,
+            pool.v,
+            s,
+            pad_block_id=num_blocks - 1,
+            max_blocks_per_seq=blocks_per_seq + 1,
+            batch_sizes=(B,),
+            fuse_rope_kv_write=True,
+        )
+        fused.capture()
+        f = _graph_decode_step(
+            model,
+            be,
+            fused,
+            s,
+            b,
+            f"decode-breakdown graph {key} fused rope+kv write",
+            w_bytes + kv_bytes,
+            copy_gbs,
+            top=0,
+            by_kind=True,
+        )
+        keep = ("graph_step_ms", "over_floor", "kernels_per_step", "kernel_ms_per_step", "gaps_ms")
+        r["fused_rope_kv_write"] = {k: f.get(k) for k in (*keep, "ms_by_kind")}
+        fused.graphs.clear()
     return r
 
 

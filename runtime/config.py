@@ -50,8 +50,13 @@ class EngineConfig:
     cuda_graphs: bool = True
     # Prefill parts of up to this many tokens on the whole GPU replay piecewise CUDA graphs
     # (runtime/prefill_graphs.py: the dense work per token bucket, attention eager between);
-    # longer ones run eagerly. Needs cuda_graphs and FlashInfer. 0 = off.
-    prefill_graph_max_tokens: int = 2048
+    # longer ones run eagerly. Needs cuda_graphs and FlashInfer. 0 = off. 1024: on the H200
+    # (3B) a part of 16-512 tokens took 0.41-0.79x the eager wall time, 1024 a tie in
+    # isolation (GPU-bound; in a busy server the eager host work is longer), 2048 1.07x.
+    prefill_graph_max_tokens: int = 1024
+    # FlashInfer path: RoPE on q and k and the K/V pool write in one Triton launch per layer
+    # (runtime/attention/rope_kv_write.py) instead of three. Off until measured on the GPU.
+    fused_rope_kv_write: bool = False
     # Plan and launch step N+1 while the device runs step N (sampled tokens feed the next
     # step on the device; the host sees them one step later). False: one step at a time.
     overlap_scheduling: bool = True

@@ -119,6 +119,7 @@ class DecodeGraphs:
         pool: Any = None,
         label: str = "whole GPU",
         fused_max_batch: int = 0,
+        fuse_rope_kv_write: bool = False,
     ) -> None:
         """workspace: a FlashInfer float workspace to share with other sets (safe only while
         sets never replay concurrently: the runner runs one decode step at a time). pool: a
@@ -133,6 +134,7 @@ class DecodeGraphs:
         self.workspace_bytes = workspace_bytes
         self.label = label
         self.fused_max_batch = fused_max_batch
+        self.fuse_rope_kv_write = fuse_rope_kv_write  # passed to each size's FlashInfer backend
         self.fused_errors: dict[int, str] = {}  # batch size -> why its fused step was dropped
         self.graphs: dict[int, _Graph] = {}
         self.capture_s: dict[int, float] = {}  # seconds spent capturing each size
@@ -225,6 +227,7 @@ class DecodeGraphs:
             workspace=self.workspace,
             graph_batch_size=bs,
             max_blocks_per_seq=self.max_blocks_per_seq,
+            fuse_rope_kv_write=self.fuse_rope_kv_write,
         )
         return ModelDecodeStep(self.model, backend)
 

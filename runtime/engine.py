@@ -57,6 +57,7 @@ from runtime.executor.base import StepFailed, StepResult
 from runtime.executor.serial import SerialExecutor
 from runtime.executor.split import SplitExecutor
 from runtime.executor.streams import stream_device_for
+from runtime.gc_watch import GcWatch
 from runtime.kv.block_manager import BlockManager
 from runtime.kv.kv_pool import (
     CUDA_SAFETY_BYTES,
@@ -158,18 +159,19 @@ def make_attention_backend(
     """The attention backend for `config.attention_backend` (auto = FlashInfer on CUDA when
     it can be used). Falls back to torch SDPA, saying why once in the log."""
     want = config.attention_backend
+    fuse = config.fused_rope_kv_write
     if want == "torch" or (want == "auto" and pool.device.type != "cuda"):
-        return TorchAttentionBackend(pool)
+        return TorchAttentionBackend(pool, fuse_rope_kv_write=fuse)
     if pool.device.type != "cuda":
         log.warning("attention backend flashinfer needs CUDA; falling back to torch SDPA")
-        return TorchAttentionBackend(pool)
+        return TorchAttentionBackend(pool, fuse_rope_kv_write=fuse)
     try:  # the GPU runtime provides this module; absent or broken -> the torch fallback
         from runtime.attention.flashinfer_backend import FlashInferBackend
 
-        return FlashInferBackend.from_pool(pool, num_q_heads)
+        return FlashInferBackend.from_pool(pool, num_q_heads, fuse_rope_kv_write=fuse)
     except Exception as e:  # noqa: BLE001 - any import/init failure means "cannot use it"
         log.warning("FlashInfer attention unavailable (%s); falling back to torch SDPA", e)
-        return TorchAttentionBackend(pool)
+        return TorchAttentionBackend(pool, fuse_rope_kv_write=fuse)
 
 
 class Engine:
@@ -303,6 +305,8 @@ class Engine:
         # The cut aims at the target / this factor: the tail of what decodes waited for mixed
         # steps (host gap included) over their prediction. Whole-GPU steps only.
         self._tbt_tail = TailFactor()
+        # The collector's pauses (a full collection stops this loop): stats, not per step.
+        self._gc = GcWatch()
         # One tuple per applied step (STEP_TRACE_FIELDS), for finding what makes a long gap
         # between tokens: appended in O(1), read only on request (`step_trace`).
         self._step_trace: deque[tuple[Any, ...]] = deque(maxlen=STEP_TRACE_LEN)
@@ -607,6 +611,7 @@ class Engine:
     def start(self) -> None:
         if self._thread is not None:
             return
+        self._gc.install()
         self._thread = threading.Thread(target=self._loop, name="greenlane-engine", daemon=True)
         self._thread.start()
 
@@ -784,6 +789,7 @@ class Engine:
             self._thread.join()
         else:
             self._abort_everything()
+        self._gc.uninstall()
 
     # ---- validation -------------------------------------------------------------------------
     def validate(self, req: Request) -> str | None:
@@ -1206,6 +1212,7 @@ class Engine:
             "tbt_cost_scale": self._prefill_cost.scale,
             "tbt_cost_offset_ms": self._prefill_cost.offset_s * 1e3,
             "tbt_tail_factor": self._tbt_tail.factor,
+            **self._gc.take_window(),
             "num_mixed_steps": self._num_mixed_steps,
             "num_mixed_steps_over_tbt": self._num_mixed_steps_over_tbt,
             **_quantiles("mixed_step_ratio", self._mixed_step_ratios, (50, 90, 99)),

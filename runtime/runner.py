@@ -259,7 +259,11 @@ class ModelRunner:
             ops.use_flashinfer(True)
             if decode_backend is None:
                 # Own workspace: the decode part may run concurrently with the prefill part.
-                decode_backend = type(backend).from_pool(kv_pool, model_config.num_q_heads)  # type: ignore[attr-defined]
+                decode_backend = type(backend).from_pool(  # type: ignore[attr-defined]
+                    kv_pool,
+                    model_config.num_q_heads,
+                    fuse_rope_kv_write=config.fused_rope_kv_write,
+                )
         self.decode_backend = decode_backend if decode_backend is not None else backend
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}  # seeded requests only
@@ -296,6 +300,7 @@ class ModelRunner:
                 batch_sizes=graph_batch_sizes(config.max_num_seqs),
                 pool=pool,
                 fused_max_batch=fused,
+                fuse_rope_kv_write=config.fused_rope_kv_write,
             )
             split_sizes = graph_batch_sizes(
                 config.max_num_seqs, split_graph_batch_sizes or SPLIT_BATCH_SIZES
@@ -314,6 +319,7 @@ class ModelRunner:
                     pool=pool,
                     label=label,
                     fused_max_batch=fused,
+                    fuse_rope_kv_write=config.fused_rope_kv_write,
                 )
 
             self.decode_graphs = whole
@@ -324,7 +330,12 @@ class ModelRunner:
             if sizes:
                 # Their own pool: their intermediates must not alias a decode graph's.
                 self.prefill_graphs = PrefillGraphs(
-                    model, self.device, kv_pool.dtype, sizes, stream=self.decode_stream
+                    model,
+                    self.device,
+                    kv_pool.dtype,
+                    sizes,
+                    stream=self.decode_stream,
+                    rotate_in_attention=bool(getattr(backend, "fuses_rope", False)),
                 )
                 if capture_graphs:
                     self.capture_prefill_graphs()

@@ -175,9 +175,14 @@ class TailFactor:
     steps the cut sized, and a short step's ratio (host gap over a few ms) says nothing about a
     full one. `factor` is the QUANTILE of the recent ratios, recomputed every RECOMPUTE_EVERY
     observations (a sort of WINDOW floats, not per step), within [1, MAX_FACTOR]: never
-    above the target, and never so far below that one stall starves prefill."""
+    above the target, and never so far below that one stall starves prefill.
 
-    factor: float = 1.0
+    Until MIN_SAMPLES steps are in, the factor is MAX_FACTOR: a new server has no tail to read,
+    and its first steps are the likeliest to run long (the cost correction has not learned its
+    scale yet, the decode step's time is unknown). On the H200 (3B, plan v at 4af23c2, a fresh
+    server) the first second of steps, cut at the target itself, took up to 104 ms for 80."""
+
+    factor: float = 1.5  # = MAX_FACTOR until MIN_SAMPLES steps are in
     _ratios: deque[float] = field(default_factory=lambda: deque(maxlen=TailFactor.WINDOW))
     _since: int = 0
 

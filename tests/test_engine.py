@@ -453,7 +453,13 @@ def test_tbt_target_reaches_the_scheduler_with_the_decode_step_time(monkeypatch)
         sink.wait("r")
     finally:
         engine.shutdown()
-    assert seen and all(c.tbt_s == 0.05 and c.prefill_cost.cost is engine.jct_model for c in seen)
+    # A new server aims below the target by the tail factor's bound until it has read a tail.
+    from runtime.scheduler import TailFactor
+
+    aim = 0.05 / TailFactor.MAX_FACTOR
+    assert seen and all(
+        c.tbt_s == pytest.approx(aim) and c.prefill_cost.cost is engine.jct_model for c in seen
+    )
     assert seen[-1].decode_step_s > 0.0
 
 

@@ -222,6 +222,9 @@ def _auto_engine(manager, **cfg: Any):  # noqa: F811
     ex.split_usable = lambda sms: sms not in manager.disabled
     jct = eng.jct_model
     jct.a_s, jct.b_s_per_token, jct.k_s_per_pair = 0.0, 2e-6, 0.0
+    # Chunks sized at the target itself: a tail already read as on time (a new engine aims
+    # below the target by the tail factor's bound until it has seen 32 steps).
+    eng._tbt_tail.factor = 1.0
     launched: list[Any] = []
     launch = ex.launch
 

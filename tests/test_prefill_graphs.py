@@ -71,6 +71,7 @@ def test_buckets_and_the_largest_one() -> None:
     cfg = EngineConfig(prefill_graph_max_tokens=4096, prefill_token_budget=1000)
     assert prefill_graph_max_tokens(cfg) == 1000  # ... and at the step budget
     assert prefill_graph_max_tokens(EngineConfig(prefill_graph_max_tokens=0)) == 0
+    assert prefill_graph_max_tokens(EngineConfig()) == 1024  # the default
     with pytest.raises(ValueError, match="prefill_graph_max_tokens"):
         EngineConfig(prefill_graph_max_tokens=-1)
 

@@ -695,18 +695,20 @@ def test_tail_factor_aims_below_the_target_by_the_tail_of_full_steps() -> None:
 
     tail = TailFactor()
     target_s = 0.080
-    assert tail.factor == 1.0
+    assert tail.factor == TailFactor.MAX_FACTOR  # no tail read yet: aim at the bound
     for _ in range(200):
         tail.observe(0.010, 0.030, target_s)  # a short step waiting 3x its prediction
-    assert tail.factor == 1.0
+    assert tail.factor == TailFactor.MAX_FACTOR  # ... and short steps do not count
     for i in range(256):
         tail.observe(0.078, 0.078 * (1.25 if i % 32 == 0 else 1.0), target_s)
     assert tail.factor == pytest.approx(1.25)
     assert 0.078 / tail.factor * 1.25 <= target_s
     early = TailFactor()
     for _ in range(TailFactor.MIN_SAMPLES - 1):
-        early.observe(0.078, 0.2, target_s)
-    assert early.factor == 1.0  # too few steps to read a tail from
+        early.observe(0.078, 0.050, target_s)
+    assert early.factor == TailFactor.MAX_FACTOR  # too few steps to read a tail from
+    early.observe(0.078, 0.050, target_s)
+    assert early.factor == 1.0  # enough on-time steps: the cut aims at the target itself
     fast, stalled = TailFactor(), TailFactor()
     for _ in range(64):
         fast.observe(0.078, 0.050, target_s)

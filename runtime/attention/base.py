@@ -108,10 +108,18 @@ class IndexSpans:
             self._ints = []
 
 
+# (positions [T] int64, cos/sin cache [P, D] float32): RoPE for the backend to apply.
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
 class AttentionBackend(Protocol):
     """Computes causal attention for a planned batch and keeps the paged KV pool up to date."""
 
     name: str
+    # True: the model passes q and k un-rotated with `rope=` and the backend rotates them in
+    # the same launch as the pool write (runtime/attention/rope_kv_write.py). A backend must
+    # honour `rope=` either way; the model passes it only to one that fuses.
+    fuses_rope: bool
 
     def plan(self, batch: ForwardBatch) -> None:
         """Prepare per-step metadata (slot mapping, index tensors, kernel plans). Called once
@@ -119,10 +127,16 @@ class AttentionBackend(Protocol):
         ...
 
     def forward(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: Rope | None = None,
     ) -> torch.Tensor:
-        """q: [T, num_q_heads, head_dim]; k, v: [T, num_kv_heads, head_dim], RoPE applied.
-        Writes k/v of kept positions into the pool for `layer_idx`, then returns the
-        attention output [T, num_q_heads, head_dim] (each query attends to its sequence's
-        positions <= its own: cached context from the pool plus this step's new tokens)."""
+        """q: [T, num_q_heads, head_dim]; k, v: [T, num_kv_heads, head_dim], RoPE applied
+        (or, with `rope`, to be applied here). Writes k/v of kept positions into the pool for
+        `layer_idx`, then returns the attention output [T, num_q_heads, head_dim] (each query
+        attends to its sequence's positions <= its own: cached context from the pool plus this
+        step's new tokens)."""
         ...

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from runtime.attention.base import ForwardBatch, IndexSpans
+from runtime.attention.base import ForwardBatch, IndexSpans, Rope
 
 DEFAULT_WORKSPACE_BYTES = 128 << 20
 
@@ -57,6 +57,8 @@ class _Plan:
     gather_dst: torch.Tensor | None = None  # [C] rows in the buffer
     new_dst: torch.Tensor | None = None  # [T] rows in the buffer for this step's tokens
     total_kv: int = 0
+    # With the fused RoPE + pool write: each row's slot, -1 where not written; else None.
+    token_slots: torch.Tensor | None = None
 
 
 class FlashInferBackend:
@@ -77,12 +79,15 @@ class FlashInferBackend:
         graph_batch_size: int | None = None,
         max_blocks_per_seq: int | None = None,
         workspace: torch.Tensor | None = None,
+        fuse_rope_kv_write: bool = False,
     ) -> None:
         """k_caches/v_caches: one [num_blocks, block_size, Hkv, D] tensor per layer.
 
         graph_batch_size: build a CUDA-graph-safe decode-only instance for exactly this many
         sequences (fixed index buffers; `plan` only fills them). max_blocks_per_seq sizes those
-        buffers (required with graph_batch_size)."""
+        buffers (required with graph_batch_size). fuse_rope_kv_write: the model passes q and k
+        un-rotated and this backend rotates them in the launch that writes the pool
+        (runtime/attention/rope_kv_write.py) instead of RoPE + two `index_copy_`."""
         import flashinfer
 
         if v_caches is None:  # FlashInferBackend(kv_pool): the engine's call
@@ -109,6 +114,7 @@ class FlashInferBackend:
         # first forward of each step and the kernel plans run there, on the same stream.
         self._deferred: list = []
         self.graph_batch_size = graph_batch_size
+        self.fuses_rope = bool(fuse_rope_kv_write) and head_dim % 2 == 0
         # One workspace per instance == per stream (see module docstring). `workspace` may be
         # shared only between instances that never run concurrently (e.g. the decode graphs
         # of one stream, replayed one at a time).
@@ -232,7 +238,9 @@ class FlashInferBackend:
             self._kernel_plan(
                 lambda hq: self._ragged.plan(qo, qo, hq, self.num_kv_heads, self.head_dim, **common)
             )
-            self._plan = _Plan("ragged", rows_t, slots_t)
+            self._plan = _Plan(
+                "ragged", rows_t, slots_t, token_slots=self._token_slots(batch, rows_t, slots_t)
+            )
         elif not has_discard:
             kv_indptr, kv_indices, last = self._paged_meta(
                 [(s.block_ids, s.num_context_tokens + s.num_query_tokens) for s in seqs]
@@ -252,7 +260,9 @@ class FlashInferBackend:
                     **common,
                 )
             )
-            self._plan = _Plan("paged", rows_t, slots_t)
+            self._plan = _Plan(
+                "paged", rows_t, slots_t, token_slots=self._token_slots(batch, rows_t, slots_t)
+            )
         else:
             gather_slots = IndexSpans()
             gather_dst = IndexSpans()
@@ -279,6 +289,7 @@ class FlashInferBackend:
                 gather_dst=self._to_dev(gather_dst, torch.int64),
                 new_dst=self._to_dev(new_dst, torch.int64),
                 total_kv=kv_indptr_l[-1],
+                token_slots=self._token_slots(batch, rows_t, slots_t),
             )
 
     def _paged_meta(
@@ -327,7 +338,19 @@ class FlashInferBackend:
         if self._static_slots is not None:
             self._static_slots.copy_(slots, non_blocking=True)
             slots = self._static_slots
-        self._plan = _Plan("decode", None, slots)
+        # A decode row always writes its token: the slots are the per-row slots.
+        self._plan = _Plan("decode", None, slots, token_slots=slots if self.fuses_rope else None)
+
+    def _token_slots(
+        self, batch: ForwardBatch, rows: torch.Tensor | None, slots: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Each row's pool slot (-1: not written) for the fused RoPE + write, else None."""
+        if not self.fuses_rope:
+            return None
+        if rows is None:  # every row written, in order
+            return slots
+        out = torch.full((batch.num_tokens,), -1, dtype=torch.int64, device=self.device)
+        return out.index_copy_(0, rows, slots)
 
     # ------------------------------------------------------------------ forward
     def _write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, plan: _Plan) -> None:
@@ -343,7 +366,12 @@ class FlashInferBackend:
         vc.index_copy_(0, plan.write_slots, v.to(vc.dtype))
 
     def forward(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: Rope | None = None,
     ) -> torch.Tensor:
         plan = self._plan
         if plan is None:
@@ -355,7 +383,18 @@ class FlashInferBackend:
             for fn in self._deferred:
                 fn(self.num_q_heads)
             self._deferred = []
-        self._write(layer_idx, k, v, plan)
+        if rope is not None and plan.token_slots is not None and rope[1].dtype == torch.float32:
+            from runtime.attention.rope_kv_write import rope_kv_write
+
+            kc = self.k_caches[layer_idx].view(-1, self.num_kv_heads, self.head_dim)
+            vc = self.v_caches[layer_idx].view(-1, self.num_kv_heads, self.head_dim)
+            q, k = rope_kv_write(q, k, v, *rope, plan.token_slots, kc, vc)
+        else:
+            if rope is not None:  # asked to rotate, but not fusing here: RoPE, then the writes
+                from runtime.model import ops
+
+                q, k = ops.apply_rope(q, k, *rope)
+            self._write(layer_idx, k, v, plan)
         caches = (self.k_caches[layer_idx], self.v_caches[layer_idx])
         if plan.mode == "decode":
             return self._decode.run(q, caches)

@@ -12,13 +12,18 @@ context length; a decode batch runs one padded SDPA call. GQA via `enable_gqa`.
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from runtime.attention.base import ForwardBatch
+from runtime.attention.base import ForwardBatch, Rope
 from runtime.kv.kv_pool import KVPool
+from runtime.model import ops
+
+log = logging.getLogger("greenlane.attention")
 
 
 @dataclass(slots=True)
@@ -40,8 +45,16 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def __init__(self, kv_pool: KVPool) -> None:
+    def __init__(self, kv_pool: KVPool, fuse_rope_kv_write: bool = False) -> None:
+        """fuse_rope_kv_write: rotate q/k and write the pool in one Triton launch
+        (runtime/attention/rope_kv_write.py; interpreted without CUDA: for tests)."""
         self.pool = kv_pool
+        # Triton needs CUDA, or its interpreter (the CPU tests set TRITON_INTERPRET=1).
+        runs = kv_pool.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+        if fuse_rope_kv_write and not runs:
+            log.warning("fused RoPE + KV write needs CUDA (Triton); the torch backend runs unfused")
+        self.fuses_rope = fuse_rope_kv_write and runs
+        self._token_slots: torch.Tensor | None = None  # [T] slot per row, -1: not written
         self._write_rows: torch.Tensor | None = None  # [W] rows of this step's k/v to keep
         self._write_slots: torch.Tensor | None = None  # [W] their pool slots
         self._all_rows_written = False
@@ -82,6 +95,7 @@ class TorchAttentionBackend:
         self._all_rows_written = int(rows.numel()) == batch.num_tokens
         self._write_rows = rows.to(dev, non_blocking=True)
         self._write_slots = slot_mapping[rows].to(dev, non_blocking=True)
+        self._token_slots = slot_mapping.to(dev, non_blocking=True) if self.fuses_rope else None
         self._seqs = seq_plans
         self._decode = self._plan_decode(batch) if batch.is_decode else None
 
@@ -107,12 +121,31 @@ class TorchAttentionBackend:
 
     # ---- forward -------------------------------------------------------------------------
     def forward(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: Rope | None = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]."""
         assert self._write_rows is not None and self._write_slots is not None, "plan() first"
         k_pool = self.pool.flat_k(layer_idx)  # [slots, Hkv, D]
         v_pool = self.pool.flat_v(layer_idx)
+        if rope is not None and self._token_slots is not None:
+            from runtime.attention.rope_kv_write import rope_kv_write
+
+            q, k = rope_kv_write(q, k, v, *rope, self._token_slots, k_pool, v_pool)
+        else:
+            if rope is not None:
+                q, k = ops.apply_rope(q, k, *rope)
+            self._write(k, v, k_pool, v_pool)
+        return self._attend(q, k, v, k_pool, v_pool)
+
+    def _write(
+        self, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
+    ) -> None:
+        assert self._write_rows is not None and self._write_slots is not None
         if self._all_rows_written:
             k_pool.index_copy_(0, self._write_slots, k.to(k_pool.dtype))
             v_pool.index_copy_(0, self._write_slots, v.to(v_pool.dtype))
@@ -120,6 +153,14 @@ class TorchAttentionBackend:
             k_pool.index_copy_(0, self._write_slots, k.index_select(0, self._write_rows))
             v_pool.index_copy_(0, self._write_slots, v.index_select(0, self._write_rows))
 
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+    ) -> torch.Tensor:
         if self._decode is not None:
             d = self._decode
             keys = k_pool[d.gather_slots].transpose(1, 2)  # [B, Hkv, L, D]

@@ -46,6 +46,7 @@ from runtime.core.messages import (
     Hello,
     Outputs,
 )
+from runtime.gc_watch import freeze_startup_objects
 from runtime.request import EngineOutput
 
 log = logging.getLogger("greenlane.core")
@@ -161,6 +162,9 @@ class EngineCore:
             self._close()
 
     def _serve(self) -> None:
+        # This process exists to run the step loop: what start-up built (torch, Triton,
+        # FlashInfer, the model, the pool's bookkeeping) never needs collecting again.
+        freeze_startup_objects()
         self.engine.start()
         poller = zmq.Poller()
         poller.register(self._in, zmq.POLLIN)

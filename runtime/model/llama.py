@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.attention.base import AttentionBackend
+from runtime.attention.base import AttentionBackend, Rope
 from runtime.model import ops
 from runtime.model.config import ModelConfig
 
@@ -86,9 +86,14 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def project_qkv(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        apply_rope: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [t, H] (normed) -> q [t, Hq, D], k [t, Hkv, D] (normed, RoPE'd), v [t, Hkv, D]."""
+        """x: [t, H] (normed) -> q [t, Hq, D], k [t, Hkv, D] (normed, RoPE'd unless
+        apply_rope is False: the attention backend then rotates them), v [t, Hkv, D]."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -100,8 +105,31 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = rotary(q, k, positions)
+        if apply_rope:
+            q, k = rotary(q, k, positions)
         return q, k, v
+
+
+def rope_for(
+    attn: AttentionBackend, positions: torch.Tensor, rotary: RotaryEmbedding
+) -> Rope | None:
+    """What to pass as `rope=` to `attn.forward`: the positions and RoPE cache when the
+    backend rotates q and k itself (fused with its pool write), else None (already rotated)."""
+    return (positions, rotary.cos_sin_cache) if getattr(attn, "fuses_rope", False) else None
+
+
+def attend(
+    attn: AttentionBackend,
+    layer_idx: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rope: Rope | None,
+) -> torch.Tensor:
+    """`attn.forward`, with `rope=` only when there is one (backends written before it)."""
+    if rope is None:
+        return attn.forward(layer_idx, q, k, v)
+    return attn.forward(layer_idx, q, k, v, rope=rope)
 
 
 class MLP(nn.Module):
@@ -140,8 +168,9 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole-batch layer: h, residual [T, H] -> (mlp_out [T, H], residual [T, H])."""
         x, residual = self._input_norm(h, residual)
-        q, k, v = self.self_attn.project_qkv(x, positions, rotary)
-        o = attn.forward(self.layer_idx, q, k, v)  # [T, Hq, D]
+        rope = rope_for(attn, positions, rotary)
+        q, k, v = self.self_attn.project_qkv(x, positions, rotary, apply_rope=rope is None)
+        o = attend(attn, self.layer_idx, q, k, v, rope)  # [T, Hq, D]
         a = self.self_attn.o_proj(o.reshape(o.shape[0], -1))
         x, residual = self.post_attention_layernorm.add_forward(a, residual)
         return self.mlp(x), residual
@@ -167,6 +196,7 @@ class DecoderLayer(nn.Module):
         q_buf = h.new_empty(T, sa.num_q_heads, sa.head_dim)
         k_buf = h.new_empty(T, sa.num_kv_heads, sa.head_dim)
         v_buf = h.new_empty(T, sa.num_kv_heads, sa.head_dim)
+        rope = rope_for(attn, positions, rotary)
         for s in range(0, T, chunk_tokens):
             e = min(s + chunk_tokens, T)
             if fresh:
@@ -174,12 +204,12 @@ class DecoderLayer(nn.Module):
             else:
                 x, r = self.input_layernorm.add_forward(h[s:e], residual[s:e])
                 residual[s:e] = r
-            q, k, v = sa.project_qkv(x, positions[s:e], rotary)
+            q, k, v = sa.project_qkv(x, positions[s:e], rotary, apply_rope=rope is None)
             q_buf[s:e] = q
             k_buf[s:e] = k
             v_buf[s:e] = v
         # Attention over every token at once (it needs the whole prompt anyway).
-        o = attn.forward(self.layer_idx, q_buf, k_buf, v_buf).reshape(T, -1)  # [T, Hq*D]
+        o = attend(attn, self.layer_idx, q_buf, k_buf, v_buf, rope).reshape(T, -1)
         del q_buf, k_buf, v_buf
         # Phase 2: residual += o_proj(o); h = mlp(norm(residual)), chunk by chunk into h's buffer.
         for s in range(0, T, chunk_tokens):

@@ -49,7 +49,7 @@ def test_captured_prefill_graphs_match_the_eager_forward() -> None:
     from runtime.attention.base import ForwardBatch, SeqSlice
     from runtime.engine import make_attention_backend
 
-    eng, _ = _engine()
+    eng, _ = _engine(prefill_graph_max_tokens=2048)  # every bucket, not only the default's
     try:
         pg = eng.runner.prefill_graphs
         assert pg is not None and pg.captured, "prefill graphs were not captured"
@@ -121,7 +121,7 @@ def test_engine_scores_alike_with_and_without_prefill_graphs(monkeypatch) -> Non
     items = [[rng.randrange(5, 30000) for _ in range(rng.randrange(20, 200))] for _ in range(6)]
     chats = [[rng.randrange(5, 30000) for _ in range(rng.randrange(30, 400))] for _ in range(4)]
     results = []
-    for max_tokens in (0, 2048):
+    for max_tokens in (0, 1024):
         eng, sink = _engine(prefill_graph_max_tokens=max_tokens, prefill_token_budget=1024)
         assert (eng.runner.prefill_graphs is not None) == (max_tokens > 0)
         eng.start()

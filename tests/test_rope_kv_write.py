@@ -1,0 +1,159 @@
+"""The fused RoPE + K/V pool write (runtime/attention/rope_kv_write.py) against the unfused
+torch path (RoPE, then two index copies): strided q/k/v views of a fused projection output,
+GQA, tokens that are not written (a discarded suffix), fp32 and bf16. Without CUDA the kernel
+runs under Triton's interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.attention.rope_kv_write import (
+    rope_kv_write,
+    rope_kv_write_reference,
+    unsupported_reason,
+)
+from runtime.model import ops
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(dtype: torch.dtype, T: int, hq: int, hkv: int, d: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(T, (hq + 2 * hkv) * d, generator=g).to(dtype).to(DEV)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.view(T, hq, d), k.view(T, hkv, d), v.view(T, hkv, d)  # strided views
+    positions = torch.randint(0, 500, (T,), generator=g).to(DEV)
+    cache = ops.rope_cos_sin_cache(512, d, 10000.0, None, DEV)
+    num_slots = 64
+    slots = torch.randperm(num_slots, generator=g)[:T]
+    slots[T // 2 :: 3] = -1  # some tokens are not written
+    pools = [torch.zeros(num_slots, hkv, d, dtype=dtype, device=DEV) for _ in range(4)]
+    return q, k, v, positions, cache, slots.to(DEV), pools
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize(
+    "dtype,T,hq,hkv,d",
+    [
+        (torch.float32, 13, 4, 2, 16),
+        (torch.bfloat16, 9, 8, 1, 32),
+        (torch.float32, 1, 2, 2, 8),
+        (torch.bfloat16, 20, 6, 2, 24),  # D / 2 = 12: a masked half block
+    ],
+)
+def test_fused_rope_and_pool_write_match_the_unfused_path(dtype, T, hq, hkv, d) -> None:
+    q, k, v, pos, cache, slots, (kf, vf, kr, vr) = _case(dtype, T, hq, hkv, d)
+    q1, k1 = rope_kv_write(q, k, v, pos, cache, slots, kf, vf)
+    q2, k2 = rope_kv_write_reference(q, k, v, pos, cache, slots, kr, vr)
+    tol = {"rtol": 0, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(q1, q2, **tol)
+    torch.testing.assert_close(k1, k2, **tol)
+    torch.testing.assert_close(kf, kr, **tol)
+    assert torch.equal(vf, vr)  # v is copied, not computed
+    assert q1.is_contiguous() and k1.is_contiguous()
+    # Unwritten slots stay untouched (zeros); written ones hold the token's rotated k.
+    written = slots[slots >= 0]
+    untouched = torch.ones(kf.shape[0], dtype=torch.bool, device=DEV)
+    untouched[written] = False
+    assert not kf[untouched].any() and not vf[untouched].any()
+    assert q1.abs().sum() > 0 and not torch.equal(q1, q.contiguous())  # it did rotate
+
+
+def test_what_it_refuses() -> None:
+    q = torch.zeros(2, 2, 8)
+    pool = torch.zeros(4, 1, 8)
+    assert unsupported_reason(q, pool, torch.zeros(4, 8)) == ""
+    assert "float32" in unsupported_reason(q, pool, torch.zeros(4, 8, dtype=torch.float64))
+    assert "odd head_dim" in unsupported_reason(torch.zeros(2, 2, 7), pool, torch.zeros(4, 7))
+    assert "KV pool" in unsupported_reason(q, pool.to(torch.float64), torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="packed"):
+        rope_kv_write(
+            q.transpose(1, 2),
+            q,
+            q,
+            torch.zeros(2, dtype=torch.int64),
+            torch.zeros(4, 8),
+            torch.zeros(2, dtype=torch.int64),
+            pool,
+            pool,
+        )
+
+
+def test_engine_with_the_fused_rope_gives_the_same_tokens_and_scores() -> None:
+    """The model's wiring: with a backend that fuses, layers pass q/k un-rotated plus `rope=`
+    (whole-batch and hybrid-chunked layers, and the piecewise prefill graphs' segments), and an
+    engine's greedy tokens and label scores match the unfused engine's (fp32 on CPU)."""
+    import random
+
+    from test_engine import Collector
+    from test_prefill_graphs import eager_capture
+
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+    from runtime.prefill_graphs import PrefillGraphs
+    from runtime.request import Request, RequestKind, SamplingParams
+
+    rng = random.Random(5)
+    profile = [rng.randrange(5, 4000) for _ in range(21)]
+    prompts = [profile + [rng.randrange(5, 4000) for _ in range(n)] for n in (3, 9)]
+    prompts.append([rng.randrange(5, 4000) for _ in range(40)])  # hybrid-chunked (chunk 16)
+    results = []
+    for fuse in (False, True):
+        cfg = EngineConfig(
+            model="random:tiny",
+            prefill_policy="fcfs",
+            block_size=4,
+            num_kv_blocks=128,
+            prefill_token_budget=64,
+            prefill_chunk_tokens=16,
+            fused_rope_kv_write=fuse,
+        )
+        sink = Collector()
+        eng = Engine(cfg, sink)
+        assert eng.backend.fuses_rope is fuse
+        log: list = []
+        if fuse:  # prefill parts of up to 24 tokens through graphs that leave q/k un-rotated
+            pg = PrefillGraphs(
+                eng.model, eng.kv_pool.device, torch.float32, (8, 24), rotate_in_attention=True
+            )
+            log = eager_capture(pg)
+            eng.runner.prefill_graphs = pg
+        eng.start()
+        try:
+            reqs = [
+                Request(
+                    f"g{i}",
+                    RequestKind.GENERATE,
+                    p,
+                    SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0),
+                )
+                for i, p in enumerate(prompts)
+            ]
+            reqs.append(Request("s", RequestKind.SCORE, profile + [7, 8], label_token_ids=[3, 4]))
+            for r in reqs:
+                eng.add(r)
+            sink.wait(*(r.request_id for r in reqs))
+            # Then a short prompt alone: a part small enough for the graphs.
+            late = Request(
+                "late",
+                RequestKind.GENERATE,
+                prompts[0][:11],
+                SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0),
+            )
+            eng.add(late)
+            sink.wait("late")
+            reqs.insert(0, late)
+        finally:
+            eng.shutdown(0)
+        if fuse:
+            assert log, "no prefill part went through the graphs"
+        results.append(
+            (
+                {r.request_id: sink.tokens(r.request_id) for r in reqs[:-1]},
+                sink.last("s").label_probs,
+            )
+        )
+    (g0, s0), (g1, s1) = results
+    assert g1 == g0 and all(len(t) == 6 for t in g0.values())
+    assert s1 == pytest.approx(s0, rel=1e-4, abs=1e-6)
