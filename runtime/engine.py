@@ -103,6 +103,9 @@ STEP_TRACE_FIELDS = (
     "device_ms",  # the step's device time (events), None where unmeasured
     "idle_before_ms",  # device idle since the previous step (the host's gap), None if unknown
     "predicted_ms",  # the TBT cut's prediction (mixed whole-GPU steps), else None
+    # The collector's pauses (ms, any generation) since the previous traced step: a host gap
+    # with a large one was the collector's.
+    "gc_ms",
 )
 
 Sink = Callable[[list[EngineOutput]], None]
@@ -1042,6 +1045,7 @@ class Engine:
                 None if result.device_s is None else result.device_s * 1e3,
                 None if result.idle_before_s is None else result.idle_before_s * 1e3,
                 None if predicted_s is None else predicted_s * 1e3,
+                self._gc.take_pause_ms(),
             )
         )
 

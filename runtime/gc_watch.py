@@ -42,6 +42,7 @@ class GcWatch:
         self.full_ms_total = 0.0
         self.max_ms = 0.0  # longest pause since the last take_window()
         self.max_ms_ever = 0.0
+        self._pause_ms = 0.0  # every collection's pause since the last take_pause_ms()
         self._t0: float | None = None
         self._installed = False
 
@@ -65,9 +66,15 @@ class GcWatch:
         self._t0 = None
         self.max_ms = max(self.max_ms, ms)
         self.max_ms_ever = max(self.max_ms_ever, ms)
+        self._pause_ms += ms
         if info.get("generation") == 2:
             self.num_full += 1
             self.full_ms_total += ms
+
+    def take_pause_ms(self) -> float:
+        """Pause time (ms, any generation) since the last call: the step trace's `gc_ms`."""
+        ms, self._pause_ms = self._pause_ms, 0.0
+        return round(ms, 3)
 
     def take_window(self) -> dict[str, float | int]:
         """The stats fields; the window's longest pause restarts."""

@@ -217,6 +217,12 @@ class PrefillGraphs:
                     if self._pool is None:
                         self._pool = g.pool()
                     graphs.append(g)
+                # One replay each now: a graph's first launch also uploads it to the device,
+                # which would otherwise land on the first step that uses this bucket. Safe: the
+                # graphs write only the static buffers and their pool (attention is outside).
+                for g in graphs:
+                    g.replay()
+                self.stream.synchronize()
             self.graphs[n] = graphs
         self.capture_s = time.perf_counter() - t0
         self.memory_bytes = max(0, torch.cuda.memory_allocated(dev) - base)

@@ -31,6 +31,8 @@ def test_full_collections_and_the_longest_pause_are_counted() -> None:
     w._on_gc("start", {"generation": 1})
     clock.t += 0.005
     w._on_gc("stop", {"generation": 1})
+    assert abs(w.take_pause_ms() - 37.0) < 1e-6  # every collection since the last take
+    assert w.take_pause_ms() == 0.0
     second = w.take_window()
     assert abs(second["gc_pause_ms_max"] - 5.0) < 1e-6  # the window restarted
     assert abs(second["gc_pause_ms_max_ever"] - 30.0) < 1e-6
