@@ -31,7 +31,8 @@
 #                                         #   mixed-step diagnostics (under 2 min)
 #   bash bench/gpu_next.sh w REV          # issue 12: decode step kernels by kind (8B x16, 3B x48)
 #   bash bench/gpu_next.sh x REV          # piecewise prefill graphs: eager vs graph timing of
-#                                         #   one prefill part, then their GPU tests
+#                                         #   one prefill part, then their GPU tests and the
+#                                         #   fused RoPE + K/V write's
 #   bash bench/gpu_next.sh y REV          # issue 17: post recommendation at pool 1x, FCFS and
 #                                         #   SRJF, two repeats of six probes (finer bisection)
 # Carry: .whl .fi_cache .cache/smollm2-tok. Results in $OUT: gpu-runtime-*.json (suite),
@@ -252,8 +253,10 @@ case $plan in
     # compared), then the GPU tests (captured graphs vs eager, an engine scoring alike).
     python3 -m bench.gpu_suite --rev "$rev" --tag gpu-prefill-graphs \
       --deadline-s "$(( $(left) - 120 ))" --sections prefill_graphs || rc=1
-    timeout "$(( $(left) - 5 ))" python3 -m pytest -q -m gpu -p no:cacheprovider \
-      tests/gpu/test_prefill_graphs_gpu.py >"$OUT/pytest-prefill-graphs.log" 2>&1 || rc=1
+    # With them: the fused RoPE + K/V write's GPU tests and its Triton kernel compiled.
+    timeout "$(( $(left) - 5 ))" python3 -m pytest -q -m "gpu or kernels" -p no:cacheprovider \
+      tests/gpu/test_prefill_graphs_gpu.py tests/gpu/test_rope_kv_write_gpu.py \
+      tests/test_rope_kv_write.py >"$OUT/pytest-prefill-graphs.log" 2>&1 || rc=1
     tail -5 "$OUT/pytest-prefill-graphs.log" ;;
   p|q|y)
     # Issue 17, the rest (one call each, DEADLINE_S=560), serving the JCT calibration plan o
