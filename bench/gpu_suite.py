@@ -20,7 +20,8 @@ Sections:
   fi_vs_torch 8B FlashInfer vs torch backend, each against an fp32 forward
   decode_profile  where the decode step's time goes: graph step, kernels, GEMV bandwidth
   decode_breakdown  the same at issue 12's batch sizes (8B x16, 3B x48), kernels by kind,
-             and again with RoPE + the K/V write fused (--fused-rope-kv-write)
+             and again with RoPE + the K/V write fused (--fused-rope-kv-write), without
+             split-KV decode attention, and with both
   prefill_graphs  piecewise prefill graphs vs the eager forward for one part of 16..2048
              tokens (fresh, after 4k of context): host and wall ms, hidden states compared
   decode_attention  B=1..64 decode attention: tensor-core vs CUDA-core FlashInfer kernels
@@ -971,32 +972,44 @@ def _decode_breakdown_one(preset: str, B: int, ctx: int, copy_gbs: float, key: s
         graphs.graphs.clear()
         # The same step with RoPE and the K/V write fused into one launch a layer
         # (--fused-rope-kv-write), A/B in this process: step time, kernels, gaps.
-        fused = DecodeGraphs(
-            model,
-            pool.k,
-            pool.v,
-            s,
-            pad_block_id=num_blocks - 1,
-            max_blocks_per_seq=blocks_per_seq + 1,
-            batch_sizes=(B,),
-            fuse_rope_kv_write=True,
-        )
-        fused.capture()
-        f = _graph_decode_step(
-            model,
-            be,
-            fused,
-            s,
-            b,
-            f"decode-breakdown graph {key} fused rope+kv write",
-            w_bytes + kv_bytes,
-            copy_gbs,
-            top=0,
-            by_kind=True,
-        )
+        # Variants of the same step, A/B in this process: RoPE and the K/V write fused into
+        # one launch a layer (--fused-rope-kv-write); decode attention without split-KV (no
+        # merge kernel); both. Step time, kernels, gaps; each checked against the eager forward.
         keep = ("graph_step_ms", "over_floor", "kernels_per_step", "kernel_ms_per_step", "gaps_ms")
-        r["fused_rope_kv_write"] = {k: f.get(k) for k in (*keep, "ms_by_kind")}
-        fused.graphs.clear()
+        variants = {
+            "fused_rope_kv_write": {"fuse_rope_kv_write": True},
+            "no_split_kv": {"decode_split_kv": False},
+            "fused_and_no_split_kv": {"fuse_rope_kv_write": True, "decode_split_kv": False},
+        }
+        for name, kw in variants.items():
+            try:
+                g2 = DecodeGraphs(
+                    model,
+                    pool.k,
+                    pool.v,
+                    s,
+                    pad_block_id=num_blocks - 1,
+                    max_blocks_per_seq=blocks_per_seq + 1,
+                    batch_sizes=(B,),
+                    **kw,
+                )
+                g2.capture()
+                v = _graph_decode_step(
+                    model,
+                    be,
+                    g2,
+                    s,
+                    b,
+                    f"decode-breakdown graph {key} {name}",
+                    w_bytes + kv_bytes,
+                    copy_gbs,
+                    top=0,
+                    by_kind=True,
+                )
+                r[name] = {k: v.get(k) for k in (*keep, "ms_by_kind")}
+                g2.graphs.clear()
+            except Exception as exc:  # noqa: BLE001 - one variant's failure keeps the rest
+                r[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     return r
 
 

@@ -80,6 +80,7 @@ class FlashInferBackend:
         max_blocks_per_seq: int | None = None,
         workspace: torch.Tensor | None = None,
         fuse_rope_kv_write: bool = False,
+        decode_split_kv: bool = True,
     ) -> None:
         """k_caches/v_caches: one [num_blocks, block_size, Hkv, D] tensor per layer.
 
@@ -87,7 +88,11 @@ class FlashInferBackend:
         sequences (fixed index buffers; `plan` only fills them). max_blocks_per_seq sizes those
         buffers (required with graph_batch_size). fuse_rope_kv_write: the model passes q and k
         un-rotated and this backend rotates them in the launch that writes the pool
-        (runtime/attention/rope_kv_write.py) instead of RoPE + two `index_copy_`."""
+        (runtime/attention/rope_kv_write.py) instead of RoPE + two `index_copy_`.
+        decode_split_kv=False: decode attention without split-KV (no merge kernel; one work
+        unit per sequence and KV head): fewer launches, worse when batch x KV heads is well
+        under the SM count or contexts are long. An experiment (gpu_suite decode_breakdown),
+        not an engine option yet; it must not change between a graph's capture and replays."""
         import flashinfer
 
         if v_caches is None:  # FlashInferBackend(kv_pool): the engine's call
@@ -115,6 +120,7 @@ class FlashInferBackend:
         self._deferred: list = []
         self.graph_batch_size = graph_batch_size
         self.fuses_rope = bool(fuse_rope_kv_write) and head_dim % 2 == 0
+        self.decode_split_kv = decode_split_kv
         # One workspace per instance == per stream (see module docstring). `workspace` may be
         # shared only between instances that never run concurrently (e.g. the decode graphs
         # of one stream, replayed one at a time).
@@ -332,6 +338,7 @@ class FlashInferBackend:
                 sm_scale=self.sm_scale,
                 q_data_type=self.kv_dtype,
                 kv_data_type=self.kv_dtype,
+                **({} if self.decode_split_kv else {"disable_split_kv": True}),
             )
         )
         slots = self._to_dev(write_slots, torch.int64)
