@@ -477,6 +477,8 @@ def _build_state(app: Any) -> dict[str, Any]:
             "full_ms_total": stats.get("gc_full_ms_total"),
             "pause_ms_max_ever": stats.get("gc_pause_ms_max_ever"),
         },
+        # Piecewise prefill graphs (None: none captured: CPU, FlashInfer off, or turned off).
+        "prefill_graphs": stats.get("prefill_graphs"),
         "latency": {
             "source": recent["source"],
             # All traffic together, then chat (chat + completions) and scoring apart: a

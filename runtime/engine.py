@@ -259,6 +259,9 @@ class Engine:
             num_token_slots=self.scheduler.slots.num_slots,
         )
         self.stream_device = stream_device_for(self.device)
+        pg = self.runner.prefill_graphs
+        # Fixed after start-up: read once, not per stats snapshot.
+        self._prefill_graphs_summary = pg.summary() if pg is not None and pg.captured else None
         self.serial = SerialExecutor(config, self.runner, self.stream_device)
         self.split: SplitExecutor | None = None
         if self._green is not None and self._partition_choice.action == "profile":
@@ -1217,6 +1220,7 @@ class Engine:
             "tbt_cost_offset_ms": self._prefill_cost.offset_s * 1e3,
             "tbt_tail_factor": self._tbt_tail.factor,
             **self._gc.take_window(),
+            "prefill_graphs": self._prefill_graphs_summary,
             "num_mixed_steps": self._num_mixed_steps,
             "num_mixed_steps_over_tbt": self._num_mixed_steps_over_tbt,
             **_quantiles("mixed_step_ratio", self._mixed_step_ratios, (50, 90, 99)),
