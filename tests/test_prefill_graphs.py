@@ -135,6 +135,12 @@ def _workload() -> list[Request]:
     for i in range(3):
         item = [rng.randrange(5, 4000) for _ in range(4 + i)]
         reqs.append(Request(f"s{i}", RequestKind.SCORE, profile + item, label_token_ids=[10, 20]))
+    # Prompt logprobs (echo): read from the hidden states the graphs leave in a static buffer.
+    sp = SamplingParams(
+        max_tokens=3, ignore_eos=True, temperature=0.0, logprobs=2, prompt_logprobs=2
+    )
+    prompt = [rng.randrange(5, 4000) for _ in range(9)]
+    reqs.append(Request("echo", RequestKind.GENERATE, prompt, sp))
     return reqs
 
 
@@ -159,6 +165,15 @@ def test_engine_with_prefill_graphs_gives_the_eager_engines_tokens_and_scores() 
         gens = {
             r.request_id: sink.tokens(r.request_id) for r in reqs if r.kind is RequestKind.GENERATE
         }
+        echo = sink.outs["echo"]
+        gens["echo prompt logprobs"] = [
+            None if t is None else (t.token_id, round(t.logprob, 4))
+            for t in echo[0].prompt_logprobs
+        ]
+        gens["echo logprobs"] = [
+            (t.token_id, round(t.logprob, 4)) for o in echo for t in o.new_logprobs
+        ]
+        assert len(gens["echo prompt logprobs"]) == 9 and len(gens["echo logprobs"]) == 3
         scores = {
             r.request_id: sink.last(r.request_id).label_probs
             for r in reqs
