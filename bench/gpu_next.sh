@@ -35,6 +35,8 @@
 #                                         #   fused RoPE + K/V write's
 #   bash bench/gpu_next.sh y REV          # issue 17: post recommendation at pool 1x, FCFS and
 #                                         #   SRJF, two repeats of six probes (finer bisection)
+#   bash bench/gpu_next.sh z REV          # issue 13: --merge-mixed-steps off vs on (3B mixed at
+#                                         #   24 QPS, off-2k and off-tbt, one probe each)
 # Carry: .whl .fi_cache .cache/smollm2-tok. Results in $OUT: gpu-runtime-*.json (suite),
 # partition-*.json (serving; merge them with `python -m bench.gpu_serving --merge ...`),
 # server logs, fi_cache.tar.gz if the FlashInfer cache grew.
@@ -242,6 +244,20 @@ case $plan in
       --side off-tbt:partition=off,budget=8192,tbt=80 \
       --parts mixed --tag partition-v --deadline-s "$(( $(left) - 3 ))" || rc=1
     python3 -c "import json,glob; d=json.load(open(glob.glob('$work/partition-v-*.json')[0])); print(json.dumps(d['models']['random:qwen2.5-3b']['workloads']['mixed']['off-tbt'].get('engine_during_run')))" ;;
+  z)
+    # Issue 13: a step's prefill parts and decodes as one forward (--merge-mixed-steps) off vs
+    # on, one server each, qwen2.5-3b mixed at 24 QPS, one probe per side: off-2k (the tuned
+    # baseline) and off-tbt (80 ms). DEADLINE_S=200.
+    share=2
+    for m in false true; do
+      python3 -m bench.gpu_serving "${common[@]}" --models random:qwen2.5-3b --start-s 30 \
+        --server-args "--partition off --calibrate true --tbt-slo-ms 80 --prefill-token-budget 8192 --merge-mixed-steps $m" \
+        --ladder 24 --slo ttft:2000,tbt:100 --max-probes 1 \
+        --side off-2k:partition=off,budget=2048,tbt=none \
+        --side off-tbt:partition=off,budget=8192,tbt=80 \
+        --parts mixed --tag partition-z-merge-$m --deadline-s "$(( ($(left) - 5) / share ))" || rc=1
+      share=1  # the second run gets what is left
+    done ;;
   w)
     # Issue 12, where the decode step's time goes at the batch sizes its targets name (8B x16
     # at 2k contexts, 3B x48 at 640): CUDA-graph step vs floor, kernels by kind (DEADLINE_S=240).
@@ -280,7 +296,7 @@ case $plan in
       --parts "$parts" --tag gpu-scheduling-$plan --command "bash bench/gpu_next.sh $plan $rev" \
       --deadline-s "$(( $(left) - 15 ))" || rc=1
     cp $work/sched/gpu-scheduling-*.json "$OUT/" ;;
-  *) echo "unknown plan $plan (a to y)"; exit 2 ;;
+  *) echo "unknown plan $plan (a to z)"; exit 2 ;;
 esac
 cp $work/partition-*.json "$OUT/" 2>/dev/null
 tar czf "$OUT/serving-$plan.tar.gz" -C $work . 2>/dev/null

@@ -57,6 +57,11 @@ class EngineConfig:
     # FlashInfer path: RoPE on q and k and the K/V pool write in one Triton launch per layer
     # (runtime/attention/rope_kv_write.py) instead of three. Off until measured on the GPU.
     fused_rope_kv_write: bool = False
+    # A step with prefill parts and decodes runs them as one forward (the weights read once;
+    # the decode rows ride in the prefill graphs) instead of the prefill forward then the
+    # decode graph; not for prefill parts that discard their suffix KV (scoring). Off until
+    # measured on the GPU.
+    merge_mixed_steps: bool = False
     # Plan and launch step N+1 while the device runs step N (sampled tokens feed the next
     # step on the device; the host sees them one step later). False: one step at a time.
     overlap_scheduling: bool = True

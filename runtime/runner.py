@@ -29,6 +29,7 @@ Everything the host needs is copied to pinned memory once per part, behind an ev
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -424,6 +425,9 @@ class ModelRunner:
         waiting for the device; the outputs arrive through the returned `PendingOutput`."""
         pending = PendingOutput(self.device)
         try:
+            if plan.prefill and plan.decode and self._mergeable(plan.prefill):
+                self._run_merged(plan.prefill, plan.decode, pending)
+                return pending.seal()
             if plan.prefill:
                 self._run_part(plan.prefill, False, self.prefill_backend, pending)
             if plan.decode:
@@ -439,48 +443,97 @@ class ModelRunner:
         """One step, waited for (calibration, tests, re-runs of a failed batch)."""
         return self.launch(plan).result()
 
+    # ---- a step's two parts as one forward -----------------------------------------------
+    def _mergeable(self, prefill: list[ScheduledSeq]) -> bool:
+        """Whether a step's prefill and decode parts run as one forward
+        (`merge_mixed_steps`): not when a prefill part discards its suffix KV (a scoring
+        request), which the pool-only attention of a batch with decodes cannot read."""
+        if not self.config.merge_mixed_steps:
+            return False
+        return all(s.num_kept_tokens == s.num_context_tokens + s.num_new_tokens for s in prefill)
+
+    def _run_merged(
+        self, prefill: list[ScheduledSeq], decode: list[ScheduledSeq], pending: PendingOutput
+    ) -> None:
+        """Prefill parts and decodes in one forward on the prefill backend: the weights are
+        read once per step instead of twice (the prefill part's forward, then the decode
+        graph), the decodes' rows ride along in the prefill graphs' buckets."""
+        batch = self.build_batch(prefill, False, decode=decode)
+        backend = self.prefill_backend
+        self._guard_staging(backend)
+        backend.plan(batch)
+        self._mark_staging(backend)
+        hidden = self._prefill_forward(batch, backend)
+        head = dataclasses.replace(batch, seqs=batch.seqs[: len(prefill)])
+        self.prompt_logprobs(hidden, head, prefill, pending)
+        wanting = [s for s in (*prefill, *decode) if s.needs_output]
+        if wanting:
+            self.outputs_from_hidden(hidden[batch.logits_indices], wanting, pending)
+
+    def _prefill_forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+        """The final hidden states of a planned non-decode batch: the prefill graphs' bucket
+        when one fits, else the model eagerly (hybrid-chunked when long)."""
+        pg = self.prefill_graphs
+        if pg is not None and pg.captured and pg.bucket_for(batch.num_tokens):
+            # A prefill part here runs on the whole GPU (the split executor's partitioned
+            # prefill runs the layers itself), where these graphs belong.
+            return pg.run(batch.input_ids, batch.positions, backend)
+        chunk = self.config.prefill_chunk_tokens if self.config.hybrid_prefill else None
+        return self.model(batch.input_ids, batch.positions, backend, chunk_tokens=chunk)
+
     # ---- one forward ----------------------------------------------------------------------
-    def build_batch(self, seqs: list[ScheduledSeq], is_decode: bool) -> ForwardBatch:
+    def build_batch(
+        self,
+        seqs: list[ScheduledSeq],
+        is_decode: bool,
+        decode: list[ScheduledSeq] | None = None,
+    ) -> ForwardBatch:
         """Flatten the sequences' new tokens; logits rows = last row of each sequence whose
         step ends its pending tokens (it needs a sampled token or label scores). A decode's
-        input token is read on the device from its token slot."""
+        input token is read on the device from its token slot. `decode`: decodes appended
+        after the prefill `seqs` (a merged step; the batch is then not a decode batch)."""
+        prefill, decodes = ([], seqs) if is_decode else (seqs, list(decode or ()))
         input_ids: list[int] = []
+        slot_rows: list[int] = []  # decode rows' token slots, after the prefill tokens
         positions: list[int] = []
         slices: list[SeqSlice] = []
         logits_rows: list[int] = []
-        for s in seqs:
-            start = len(input_ids)
-            if is_decode:
-                input_ids.append(s.lease.slot)
-                positions.append(s.num_context_tokens)
-            else:
-                input_ids.extend(s.input_ids)
-                positions.extend(
-                    range(s.num_context_tokens, s.num_context_tokens + s.num_new_tokens)
-                )
-            slices.append(
-                SeqSlice(
-                    query_start=start,
-                    num_query_tokens=s.num_new_tokens,
-                    num_context_tokens=s.num_context_tokens,
-                    num_kept_tokens=s.num_kept_tokens,
-                    block_ids=s.block_ids,
-                )
-            )
+        for s in prefill:
+            slices.append(self._slice(s, len(input_ids)))
+            input_ids.extend(s.input_ids)
+            positions.extend(range(s.num_context_tokens, s.num_context_tokens + s.num_new_tokens))
             if s.needs_output:
                 logits_rows.append(len(input_ids) - 1)
-        # One host-to-device copy for all three (from pinned memory on CUDA: asynchronous).
-        T = len(input_ids)
-        flat = h2d(input_ids + positions + logits_rows, torch.int64, self.device)
+        P = len(input_ids)
+        for s in decodes:
+            slices.append(self._slice(s, P + len(slot_rows)))
+            slot_rows.append(s.lease.slot)
+            positions.append(s.num_context_tokens)
+            if s.needs_output:
+                logits_rows.append(P + len(slot_rows) - 1)
+        # One host-to-device copy for all (from pinned memory on CUDA: asynchronous).
+        T = P + len(slot_rows)
+        flat = h2d(input_ids + slot_rows + positions + logits_rows, torch.int64, self.device)
         ids = flat[:T]
-        if is_decode:
-            ids = self.token_slots.index_select(0, ids)  # [T]: the previous steps' samples
+        if slot_rows:  # [D]: the previous steps' samples, read on the device
+            from_slots = self.token_slots.index_select(0, flat[P:T])
+            ids = from_slots if not P else torch.cat([flat[:P], from_slots])
         return ForwardBatch(
             input_ids=ids,
             positions=flat[T : 2 * T],
             seqs=slices,
             logits_indices=flat[2 * T :],
-            is_decode=is_decode,
+            is_decode=not prefill,
+        )
+
+    @staticmethod
+    def _slice(s: ScheduledSeq, start: int) -> SeqSlice:
+        return SeqSlice(
+            query_start=start,
+            num_query_tokens=s.num_new_tokens,
+            num_context_tokens=s.num_context_tokens,
+            num_kept_tokens=s.num_kept_tokens,
+            block_ids=s.block_ids,
         )
 
     def _run_part(
@@ -530,17 +583,10 @@ class ModelRunner:
         self._guard_staging(backend)
         backend.plan(batch)
         self._mark_staging(backend)
-        pg = self.prefill_graphs
-        num_tokens = int(batch.input_ids.shape[0])
-        if not is_decode and pg is not None and pg.captured and pg.bucket_for(num_tokens):
-            # A prefill part here runs on the whole GPU (the split executor's partitioned
-            # prefill runs the layers itself), where these graphs belong.
-            hidden = pg.run(batch.input_ids, batch.positions, backend)
+        if is_decode:  # eager decode (no graph for this stream or batch size)
+            hidden = self.model(batch.input_ids, batch.positions, backend)
         else:
-            chunk = None
-            if self.config.hybrid_prefill and not is_decode:
-                chunk = self.config.prefill_chunk_tokens
-            hidden = self.model(batch.input_ids, batch.positions, backend, chunk_tokens=chunk)
+            hidden = self._prefill_forward(batch, backend)
         if not is_decode and pending is not None:
             self.prompt_logprobs(hidden, batch, seqs, pending)
         wanting = [s for s in seqs if s.needs_output]
