@@ -1,7 +1,7 @@
 """GPU: piecewise prefill graphs (runtime/prefill_graphs.py). Captured at engine start-up, they
 give the eager forward's hidden states for prefill parts of several sizes (fresh prompts,
 cached context, a discarded scoring suffix, padding rows left by a larger step), and an engine
-that replays them scores like one that runs prefill eagerly.
+that replays them (also with `merge_mixed_steps`) scores like one that runs prefill eagerly.
 
 Model: random:qwen2.5-3b with a small KV pool (head_dim 128, whose FlashInfer kernels the
 device run has cached). bf16: the graphs' GEMMs run at the bucket's row count, where cuBLAS may
@@ -121,8 +121,13 @@ def test_engine_scores_alike_with_and_without_prefill_graphs(monkeypatch) -> Non
     items = [[rng.randrange(5, 30000) for _ in range(rng.randrange(20, 200))] for _ in range(6)]
     chats = [[rng.randrange(5, 30000) for _ in range(rng.randrange(30, 400))] for _ in range(4)]
     results = []
-    for max_tokens in (0, 1024):
-        eng, sink = _engine(prefill_graph_max_tokens=max_tokens, prefill_token_budget=1024)
+    # Eager prefill; prefill graphs; prefill graphs with a step's parts merged into one forward.
+    for max_tokens, merge in ((0, False), (1024, False), (1024, True)):
+        eng, sink = _engine(
+            prefill_graph_max_tokens=max_tokens,
+            prefill_token_budget=1024,
+            merge_mixed_steps=merge,
+        )
         assert (eng.runner.prefill_graphs is not None) == (max_tokens > 0)
         eng.start()
         try:
@@ -151,10 +156,11 @@ def test_engine_scores_alike_with_and_without_prefill_graphs(monkeypatch) -> Non
         finally:
             eng.shutdown(0)
     assert replays, "no prefill part replayed the graphs"
-    eager, graphs = results
-    for rid, (out, tokens) in eager.items():
-        g_out, g_tokens = graphs[rid]
-        if rid.startswith("s"):
-            assert g_out.label_probs == pytest.approx(out.label_probs, abs=2e-2), rid
-        else:
-            assert len(g_tokens) == len(tokens) == 16, rid
+    eager = results[0]
+    for other in results[1:]:
+        for rid, (out, tokens) in eager.items():
+            g_out, g_tokens = other[rid]
+            if rid.startswith("s"):
+                assert g_out.label_probs == pytest.approx(out.label_probs, abs=2e-2), rid
+            else:
+                assert len(g_tokens) == len(tokens) == 16, rid
