@@ -35,7 +35,7 @@ attention and the KV writes see the first T rows only.
 Hazards:
 - A graph keeps the SM partition of the stream it was captured on (H200.md): these are
   captured on an ordinary stream and run on every SM, so they serve only prefill parts that
-  run on the whole GPU (`ModelRunner.forward_part`; the split executor's partitioned prefill
+  run on the whole GPU (`ModelRunner._prefill_forward`; the split executor's partitioned prefill
   runs the layers itself and never comes here).
 - The returned hidden states are a view of a static buffer that the next replay overwrites:
   the caller consumes them (logits rows, prompt logprobs) on the same stream before the next
