@@ -70,10 +70,32 @@ def ratio_summary(measured: np.ndarray, predicted: np.ndarray) -> dict[str, floa
     }
 
 
+HOST_GAP_MS = 20.0  # a device idle this long before a step is a host stall, not scheduling
+
+
+def host_gaps(steps: list[dict[str, Any]], over_ms: float = HOST_GAP_MS) -> dict[str, Any]:
+    """The host's long gaps (device idle before a step over `over_ms`): how many, the longest,
+    and how many came with a collector pause (the step's `gc_ms`, where traced) of at least
+    half the gap."""
+    gaps = [s for s in steps if (s.get("idle_before_ms") or 0.0) > over_ms]
+    with_gc = [s for s in gaps if (s.get("gc_ms") or 0.0) >= 0.5 * s["idle_before_ms"]]
+    return {
+        "over_ms": over_ms,
+        "num_gaps": len(gaps),
+        "max_gap_ms": max((s["idle_before_ms"] for s in gaps), default=None),
+        "num_with_gc_pause": len(with_gc),
+        "gc_traced": any("gc_ms" in s for s in steps),
+    }
+
+
 def fit(steps: list[dict[str, Any]]) -> dict[str, Any]:
-    """The comparison for one set of steps (see the module docstring)."""
+    """The comparison for one set of steps (see the module docstring), and the host gaps."""
     mixed = mixed_steps(steps)
-    out: dict[str, Any] = {"num_steps": len(steps), "num_mixed_steps": len(mixed)}
+    out: dict[str, Any] = {
+        "num_steps": len(steps),
+        "num_mixed_steps": len(mixed),
+        "host_gaps": host_gaps(steps),
+    }
     if len(mixed) < 8:
         out["error"] = "fewer than 8 mixed whole-GPU steps"
         return out
@@ -104,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
         res = fit(data["steps"] if isinstance(data, dict) else data)
         results[path.name] = res
         print(f"{path.name}: {res['num_mixed_steps']} mixed steps of {res['num_steps']}")
+        g = res["host_gaps"]
+        gc_note = f", {g['num_with_gc_pause']} with a collector pause" if g["gc_traced"] else ""
+        print(
+            f"  host gaps over {g['over_ms']:g} ms: {g['num_gaps']} (longest {g['max_gap_ms']}){gc_note}"
+        )
         if "error" in res:
             print(f"  {res['error']}")
             continue

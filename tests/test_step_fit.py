@@ -63,3 +63,22 @@ def test_too_few_steps_say_so_and_the_cli_writes_json(tmp_path, capsys) -> None:
     assert step_fit.main([str(trace), "--json", str(out)]) == 0
     assert "+decodes" in capsys.readouterr().out
     assert json.loads(out.read_text())["side.steps.json"]["num_mixed_steps"] == 100
+
+
+def test_host_gaps_and_the_collector() -> None:
+    steps = _steps(40)
+    steps[5]["idle_before_ms"] = 101.0
+    steps[5]["gc_ms"] = 97.0  # the collector's pause made it
+    steps[9]["idle_before_ms"] = 35.0
+    steps[9]["gc_ms"] = 0.0  # something else did
+    g = step_fit.host_gaps(steps)
+    assert g["num_gaps"] == 2 and g["max_gap_ms"] == 101.0
+    assert g["num_with_gc_pause"] == 1 and g["gc_traced"]
+    old = step_fit.host_gaps(_steps(40))  # a trace from before gc_ms
+    assert old == {
+        "over_ms": step_fit.HOST_GAP_MS,
+        "num_gaps": 0,
+        "max_gap_ms": None,
+        "num_with_gc_pause": 0,
+        "gc_traced": False,
+    }
