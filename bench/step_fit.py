@@ -128,9 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{path.name}: {res['num_mixed_steps']} mixed steps of {res['num_steps']}")
         g = res["host_gaps"]
         gc_note = f", {g['num_with_gc_pause']} with a collector pause" if g["gc_traced"] else ""
-        print(
-            f"  host gaps over {g['over_ms']:g} ms: {g['num_gaps']} (longest {g['max_gap_ms']}){gc_note}"
-        )
+        longest = "-" if g["max_gap_ms"] is None else f"{g['max_gap_ms']:.1f} ms"
+        print(f"  host gaps over {g['over_ms']:g} ms: {g['num_gaps']} (longest {longest}){gc_note}")
         if "error" in res:
             print(f"  {res['error']}")
             continue
