@@ -208,6 +208,8 @@ case $plan in
     # max QPS at the P99 SLO by bisection on mixed, then scoring next to chat. The server
     # calibrates its JCT model at start-up (auto's one prefill model needs it; every side
     # shares it). Run each plan twice (two repeats) and merge with gpu_serving --merge.
+    # SERVER_EXTRA: more server options for every side (e.g. "--merge-mixed-steps true
+    # --prefill-graph-max-tokens 2048" once plan z and the prefill-graph section say so).
     if [ "$plan" = s ]; then m=random:qwen2.5-3b q0=12 sq0=16; else m=random:llama-3.1-8b q0=6 sq0=6; fi
     # First the FlashInfer backend against its fp32 reference in every planning mode (seconds;
     # the plan's index building changed in 2026-12-01's fourth session): serving numbers from a
@@ -215,7 +217,7 @@ case $plan in
     python3 -m bench.gpu_suite --rev "$rev" --tag gpu-backend-check --deadline-s 60 \
       --sections backend || rc=1
     python3 -m bench.gpu_serving "${common[@]}" --models $m --start-s 120 \
-      --server-args "--partition auto --calibrate true --partition-tbt-slo-ms 80 --prefill-token-budget 8192" \
+      --server-args "--partition auto --calibrate true --partition-tbt-slo-ms 80 --prefill-token-budget 8192 ${SERVER_EXTRA:-}" \
       --start-qps $q0 --max-probes 4 --slo ttft:2000,tbt:100 \
       --side off-2k:partition=off,budget=2048,tbt=none \
       --side off-tbt:partition=off,budget=8192,tbt=80 \
