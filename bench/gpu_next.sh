@@ -208,8 +208,8 @@ case $plan in
     # max QPS at the P99 SLO by bisection on mixed, then scoring next to chat. The server
     # calibrates its JCT model at start-up (auto's one prefill model needs it; every side
     # shares it). Run each plan twice (two repeats) and merge with gpu_serving --merge.
-    # SERVER_EXTRA: more server options for every side (e.g. "--merge-mixed-steps true
-    # --prefill-graph-max-tokens 2048" once plan z and the prefill-graph section say so).
+    # SERVER_EXTRA: more server options for every side (e.g. "--merge-mixed-steps true" once
+    # plan z says it helps).
     if [ "$plan" = s ]; then m=random:qwen2.5-3b q0=12 sq0=16; else m=random:llama-3.1-8b q0=6 sq0=6; fi
     # First the FlashInfer backend against its fp32 reference in every planning mode (seconds;
     # the plan's index building changed in 2026-12-01's fourth session): serving numbers from a
