@@ -30,8 +30,10 @@ KV admission
   - GENERATE (and chunked SCORE): blocks for every token to prefill at admission (minus
     prefix-cache hits), one more block whenever decode crosses a block boundary.
   - whole SCORE: only the full prompt blocks that the pool can hold right now are allocated
-    (suffix-KV discard: `num_kept_tokens`; the last partial block never is). After the answer
-    everything is released; the kept full blocks stay in the prefix cache (cached-idle).
+    (suffix-KV discard: `num_kept_tokens`), and the last partial block only after a prefix hit
+    (so that attention reads the cached context from the pool rather than a per-layer copy of
+    it). After the answer everything is released; the kept full blocks stay in the prefix
+    cache (cached-idle).
   - A prefix hit never covers the whole prompt: the last prompt token is always computed
     (its logits are the answer).
 
@@ -820,8 +822,18 @@ class Scheduler:
                 keep_new = max(
                     0, min(num_full - len(prefix_blocks), self.bm.num_free_blocks - pinned)
                 )
-            num_blocks_new = keep_new
             num_kept = (len(prefix_blocks) + keep_new) * bs
+            # After a prefix hit, keep the last partial block too when the pool has one more
+            # block: then every new token is written and attention reads the cached context
+            # from the pool (FlashInfer's paged prefill) instead of copying the whole context
+            # into a buffer in every layer (its path for a discarded suffix after a hit). The
+            # block is freed with the request (a partial block is never cached).
+            whole_kept = keep_new == num_full - len(prefix_blocks)
+            if prefix_blocks and whole_kept and req.num_tokens % bs:
+                if self.bm.num_free_blocks - pinned > keep_new:
+                    keep_new += 1
+                    num_kept = req.num_tokens
+            num_blocks_new = keep_new
         else:
             n = self._chunk(num_new, budget, first)
             if n <= 0:

@@ -714,3 +714,28 @@ def test_tail_factor_aims_below_the_target_by_the_tail_of_full_steps() -> None:
         fast.observe(0.078, 0.050, target_s)
         stalled.observe(0.078, 1.0, target_s)
     assert fast.factor == 1.0 and stalled.factor == TailFactor.MAX_FACTOR
+
+
+def test_score_after_a_prefix_hit_keeps_its_partial_block_for_the_step() -> None:
+    """After a hit the whole prompt is written (the backend then attends from the pool, no
+    per-layer copy of the context); the partial block is freed with the request, never cached;
+    without room for it the suffix is discarded as before."""
+    s = make(num_blocks=64)
+    s.add(score("a", list(range(10, 31))))  # 21 tokens: 5 full blocks + 1 partial
+    plan = s.schedule(cap(s))
+    s.update(plan, FakeRunner().run(plan))
+    s.add(score("b", list(range(10, 30)) + [99, 98, 97]))  # 23 tokens: a 5-block hit
+    plan = s.schedule(cap(s))
+    seq = plan.prefill[0]
+    assert seq.num_context_tokens == 20 and seq.num_kept_tokens == 23
+    assert len(seq.block_ids) == 6
+    s.update(plan, FakeRunner().run(plan))
+    s.bm.check_integrity()
+    assert s.bm.num_used_blocks == 0 and len(s.bm.prefix_cache) == 5  # partial never cached
+    tight = make(num_blocks=5)
+    tight.add(score("a", list(range(10, 31))))
+    plan = tight.schedule(cap(tight))
+    tight.update(plan, FakeRunner().run(plan))
+    tight.add(score("b", list(range(10, 30)) + [99, 98, 97]))
+    plan = tight.schedule(cap(tight))
+    assert plan.prefill[0].num_kept_tokens == 20  # no sixth block: the suffix is discarded
