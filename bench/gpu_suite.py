@@ -941,7 +941,13 @@ def _decode_breakdown_one(preset: str, B: int, ctx: int, copy_gbs: float, key: s
     perm = torch.randperm(num_blocks - 8).tolist()
     s = torch.cuda.Stream()
     r: dict[str, Any] = {"weight_bytes": w_bytes}
-    with torch.inference_mode():
+    blocks = [perm[i * blocks_per_seq : (i + 1) * blocks_per_seq] for i in range(B)]
+    b = _batch([(ctx, 1, ctx + 1)] * B, blocks, is_decode=True)
+    kv_bytes = B * ctx * cfg.num_layers * 2 * cfg.kv_size * 2
+
+    def measure(label: str, top: int, **kw: Any) -> dict[str, Any]:
+        """This config's decode step captured with DecodeGraphs options `kw`: checked against
+        the eager forward, timed and profiled (its graphs freed after)."""
         graphs = DecodeGraphs(
             model,
             pool.k,
@@ -950,28 +956,18 @@ def _decode_breakdown_one(preset: str, B: int, ctx: int, copy_gbs: float, key: s
             pad_block_id=num_blocks - 1,
             max_blocks_per_seq=blocks_per_seq + 1,
             batch_sizes=(B,),
+            **kw,
         )
         graphs.capture()
-        blocks = [perm[i * blocks_per_seq : (i + 1) * blocks_per_seq] for i in range(B)]
-        b = _batch([(ctx, 1, ctx + 1)] * B, blocks, is_decode=True)
-        kv_bytes = B * ctx * cfg.num_layers * 2 * cfg.kv_size * 2
-        r.update(
-            _graph_decode_step(
-                model,
-                be,
-                graphs,
-                s,
-                b,
-                f"decode-breakdown graph {key}",
-                w_bytes + kv_bytes,
-                copy_gbs,
-                top=20,
-                by_kind=True,
-            )
+        name = f"decode-breakdown graph {key}{label}"
+        out = _graph_decode_step(
+            model, be, graphs, s, b, name, w_bytes + kv_bytes, copy_gbs, top=top, by_kind=True
         )
         graphs.graphs.clear()
-        # The same step with RoPE and the K/V write fused into one launch a layer
-        # (--fused-rope-kv-write), A/B in this process: step time, kernels, gaps.
+        return out
+
+    with torch.inference_mode():
+        r.update(measure("", top=20))
         # Variants of the same step, A/B in this process: RoPE and the K/V write fused into
         # one launch a layer (--fused-rope-kv-write); decode attention without split-KV (no
         # merge kernel); both. Step time, kernels, gaps; each checked against the eager forward.
@@ -983,31 +979,8 @@ def _decode_breakdown_one(preset: str, B: int, ctx: int, copy_gbs: float, key: s
         }
         for name, kw in variants.items():
             try:
-                g2 = DecodeGraphs(
-                    model,
-                    pool.k,
-                    pool.v,
-                    s,
-                    pad_block_id=num_blocks - 1,
-                    max_blocks_per_seq=blocks_per_seq + 1,
-                    batch_sizes=(B,),
-                    **kw,
-                )
-                g2.capture()
-                v = _graph_decode_step(
-                    model,
-                    be,
-                    g2,
-                    s,
-                    b,
-                    f"decode-breakdown graph {key} {name}",
-                    w_bytes + kv_bytes,
-                    copy_gbs,
-                    top=0,
-                    by_kind=True,
-                )
+                v = measure(f" {name}", top=0, **kw)
                 r[name] = {k: v.get(k) for k in (*keep, "ms_by_kind")}
-                g2.graphs.clear()
             except Exception as exc:  # noqa: BLE001 - one variant's failure keeps the rest
                 r[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     return r

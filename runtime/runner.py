@@ -460,9 +460,7 @@ class ModelRunner:
         graph), the decodes' rows ride along in the prefill graphs' buckets."""
         batch = self.build_batch(prefill, False, decode=decode)
         backend = self.prefill_backend
-        self._guard_staging(backend)
-        backend.plan(batch)
-        self._mark_staging(backend)
+        self._plan_attention(backend, batch)
         hidden = self._prefill_forward(batch, backend)
         head = dataclasses.replace(batch, seqs=batch.seqs[: len(prefill)])
         self.prompt_logprobs(hidden, head, prefill, pending)
@@ -547,6 +545,12 @@ class ModelRunner:
         if wanting:
             self.outputs_from_hidden(hidden, wanting, pending)
 
+    def _plan_attention(self, backend: AttentionBackend, batch: ForwardBatch) -> None:
+        """Plan `backend` for `batch` once its previous plan's staged copies are consumed."""
+        self._guard_staging(backend)
+        backend.plan(batch)
+        self._mark_staging(backend)
+
     def _guard_staging(self, key: object) -> None:
         ev = self._staging_events.get(id(key))
         if ev is not None:
@@ -580,9 +584,7 @@ class ModelRunner:
             if len(rows) != len(seqs):
                 hidden = hidden.index_select(0, h2d(rows, torch.int64, self.device))
             return hidden, [seqs[i] for i in rows]
-        self._guard_staging(backend)
-        backend.plan(batch)
-        self._mark_staging(backend)
+        self._plan_attention(backend, batch)
         if is_decode:  # eager decode (no graph for this stream or batch size)
             hidden = self.model(batch.input_ids, batch.positions, backend)
         else:

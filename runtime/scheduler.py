@@ -184,16 +184,16 @@ class TailFactor:
     scale yet, the decode step's time is unknown). On the H200 (3B, plan v at 4af23c2, a fresh
     server) the first second of steps, cut at the target itself, took up to 104 ms for 80."""
 
-    factor: float = 1.5  # = MAX_FACTOR until MIN_SAMPLES steps are in
-    _ratios: deque[float] = field(default_factory=lambda: deque(maxlen=TailFactor.WINDOW))
-    _since: int = 0
-
     WINDOW = 256
     QUANTILE = 0.99  # the target is a P99; mixed steps carry most tokens under long prompts
     MIN_FILL = 0.5
     MIN_SAMPLES = 32
     RECOMPUTE_EVERY = 16
     MAX_FACTOR = 1.5
+
+    factor: float = MAX_FACTOR  # until MIN_SAMPLES steps are in
+    _ratios: deque[float] = field(default_factory=lambda: deque(maxlen=TailFactor.WINDOW))
+    _since: int = 0
 
     def observe(self, predicted_s: float, waited_s: float, target_s: float) -> None:
         """One mixed step: its predicted time as the cut saw it, what a decode waited for it

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from runtime.attention.base import ForwardBatch, IndexSpans, Rope
+from runtime.model import ops
 
 DEFAULT_WORKSPACE_BYTES = 128 << 20
 
@@ -120,6 +121,11 @@ class FlashInferBackend:
         self._deferred: list = []
         self.graph_batch_size = graph_batch_size
         self.fuses_rope = bool(fuse_rope_kv_write) and head_dim % 2 == 0
+        self._rope_kv_write: Any = None
+        if self.fuses_rope:  # Triton, imported only when asked for
+            from runtime.attention.rope_kv_write import rope_kv_write
+
+            self._rope_kv_write = rope_kv_write
         self.decode_split_kv = decode_split_kv
         # One workspace per instance == per stream (see module docstring). `workspace` may be
         # shared only between instances that never run concurrently (e.g. the decode graphs
@@ -391,15 +397,11 @@ class FlashInferBackend:
                 fn(self.num_q_heads)
             self._deferred = []
         if rope is not None and plan.token_slots is not None and rope[1].dtype == torch.float32:
-            from runtime.attention.rope_kv_write import rope_kv_write
-
             kc = self.k_caches[layer_idx].view(-1, self.num_kv_heads, self.head_dim)
             vc = self.v_caches[layer_idx].view(-1, self.num_kv_heads, self.head_dim)
-            q, k = rope_kv_write(q, k, v, *rope, plan.token_slots, kc, vc)
+            q, k = self._rope_kv_write(q, k, v, *rope, plan.token_slots, kc, vc)
         else:
             if rope is not None:  # asked to rotate, but not fusing here: RoPE, then the writes
-                from runtime.model import ops
-
                 q, k = ops.apply_rope(q, k, *rope)
             self._write(layer_idx, k, v, plan)
         caches = (self.k_caches[layer_idx], self.v_caches[layer_idx])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,11 @@ class TorchAttentionBackend:
         if fuse_rope_kv_write and not runs:
             log.warning("fused RoPE + KV write needs CUDA (Triton); the torch backend runs unfused")
         self.fuses_rope = fuse_rope_kv_write and runs
+        self._rope_kv_write: Any = None
+        if self.fuses_rope:  # Triton, imported only when asked for
+            from runtime.attention.rope_kv_write import rope_kv_write
+
+            self._rope_kv_write = rope_kv_write
         self._token_slots: torch.Tensor | None = None  # [T] slot per row, -1: not written
         self._write_rows: torch.Tensor | None = None  # [W] rows of this step's k/v to keep
         self._write_slots: torch.Tensor | None = None  # [W] their pool slots
@@ -133,9 +139,7 @@ class TorchAttentionBackend:
         k_pool = self.pool.flat_k(layer_idx)  # [slots, Hkv, D]
         v_pool = self.pool.flat_v(layer_idx)
         if rope is not None and self._token_slots is not None:
-            from runtime.attention.rope_kv_write import rope_kv_write
-
-            q, k = rope_kv_write(q, k, v, *rope, self._token_slots, k_pool, v_pool)
+            q, k = self._rope_kv_write(q, k, v, *rope, self._token_slots, k_pool, v_pool)
         else:
             if rope is not None:
                 q, k = ops.apply_rope(q, k, *rope)

@@ -12,35 +12,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from gpu_engines import chat_and_scoring, rel_err, run_to_end, small_engine
 
 pytestmark = pytest.mark.gpu
-
-
-def _engine(**kw):  # type: ignore[no-untyped-def]
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from bench.gpu_partition import Sink
-    from runtime.config import EngineConfig
-    from runtime.engine import Engine
-
-    sink = Sink()
-    cfg = EngineConfig(
-        model="random:qwen2.5-3b",
-        attention_backend="flashinfer",
-        cuda_graphs=True,
-        num_kv_blocks=1200,
-        max_num_seqs=16,
-        max_model_len=4096,
-        prefill_policy="fcfs",
-        **kw,
-    )
-    return Engine(cfg, sink), sink
-
-
-def _rel_err(a, b) -> float:  # type: ignore[no-untyped-def]
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-6))
 
 
 def test_captured_prefill_graphs_match_the_eager_forward() -> None:
@@ -49,7 +23,7 @@ def test_captured_prefill_graphs_match_the_eager_forward() -> None:
     from runtime.attention.base import ForwardBatch, SeqSlice
     from runtime.engine import make_attention_backend
 
-    eng, _ = _engine(prefill_graph_max_tokens=2048)  # every bucket, not only the default's
+    eng, _ = small_engine(prefill_graph_max_tokens=2048)  # every bucket, not only the default's
     try:
         pg = eng.runner.prefill_graphs
         assert pg is not None and pg.captured, "prefill graphs were not captured"
@@ -98,7 +72,7 @@ def test_captured_prefill_graphs_match_the_eager_forward() -> None:
                 want = model(fb.input_ids, fb.positions, eager_be).clone()
                 graph_be.plan(fb)
                 got = pg.run(fb.input_ids, fb.positions, graph_be).clone()
-                errs.append(_rel_err(got, want))
+                errs.append(rel_err(got, want))
         assert max(errs) < 2e-2, errs
     finally:
         eng.shutdown(0)
@@ -106,7 +80,6 @@ def test_captured_prefill_graphs_match_the_eager_forward() -> None:
 
 def test_engine_scores_alike_with_and_without_prefill_graphs(monkeypatch) -> None:
     from runtime.prefill_graphs import PrefillGraphs
-    from runtime.request import Request, RequestKind, SamplingParams
 
     replays = []
     real_run = PrefillGraphs.run
@@ -116,45 +89,20 @@ def test_engine_scores_alike_with_and_without_prefill_graphs(monkeypatch) -> Non
         return real_run(self, input_ids, positions, attn)
 
     monkeypatch.setattr(PrefillGraphs, "run", counting_run)
-    rng = random.Random(3)
-    profile = [rng.randrange(5, 30000) for _ in range(600)]
-    items = [[rng.randrange(5, 30000) for _ in range(rng.randrange(20, 200))] for _ in range(6)]
-    chats = [[rng.randrange(5, 30000) for _ in range(rng.randrange(30, 400))] for _ in range(4)]
     results = []
     # Eager prefill; prefill graphs; prefill graphs with a step's parts merged into one forward.
     for max_tokens, merge in ((0, False), (1024, False), (1024, True)):
-        eng, sink = _engine(
+        eng, sink = small_engine(
             prefill_graph_max_tokens=max_tokens,
             prefill_token_budget=1024,
             merge_mixed_steps=merge,
         )
         assert (eng.runner.prefill_graphs is not None) == (max_tokens > 0)
-        eng.start()
-        try:
-            reqs = [
-                Request(
-                    f"chat{i}",
-                    RequestKind.GENERATE,
-                    c,
-                    SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0),
-                )
-                for i, c in enumerate(chats)
-            ]
-            reqs += [
-                Request(f"s{i}", RequestKind.SCORE, profile + it, label_token_ids=[11, 22, 33])
-                for i, it in enumerate(items)
-            ]
-            for r in reqs:
-                eng.add(r)
-            assert sink.wait([r.request_id for r in reqs], timeout_s=120)
-            results.append(
-                {
-                    r.request_id: (sink.done[r.request_id], sink.tokens.get(r.request_id, []))
-                    for r in reqs
-                }
-            )
-        finally:
-            eng.shutdown(0)
+        # Fresh requests per engine (a request is mutable state), the same ones each time.
+        reqs = chat_and_scoring(
+            seed=3, profile_tokens=600, num_items=6, item_max=200, chat_max=400, max_tokens=16
+        )
+        results.append(run_to_end(eng, sink, reqs))
     assert replays, "no prefill part replayed the graphs"
     eager = results[0]
     for other in results[1:]:

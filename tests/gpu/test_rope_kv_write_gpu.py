@@ -11,12 +11,9 @@ import dataclasses
 import random
 
 import pytest
+from gpu_engines import chat_and_scoring, rel_err, run_to_end, small_engine
 
 pytestmark = pytest.mark.gpu
-
-
-def _rel_err(a, b) -> float:  # type: ignore[no-untyped-def]
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-6))
 
 
 def test_fused_forward_matches_the_unfused_one_in_every_mode() -> None:
@@ -68,70 +65,30 @@ def test_fused_forward_matches_the_unfused_one_in_every_mode() -> None:
             for be in backends:
                 be.plan(fb)
                 outs.append(model(fb.input_ids, fb.positions, be))
-            err = _rel_err(outs[1], outs[0])
+            err = rel_err(outs[1], outs[0])
             assert err < 1e-2, (specs, err)
         for layer in range(cfg.num_layers):
-            assert _rel_err(pools[1].k[layer], pools[0].k[layer]) < 1e-2
+            assert rel_err(pools[1].k[layer], pools[0].k[layer]) < 1e-2
             assert torch.equal(pools[1].v[layer], pools[0].v[layer]) or (
-                _rel_err(pools[1].v[layer], pools[0].v[layer]) < 1e-2
+                rel_err(pools[1].v[layer], pools[0].v[layer]) < 1e-2
             )
 
 
 def test_engine_with_fused_rope_scores_like_without() -> None:
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from bench.gpu_partition import Sink
-    from runtime.config import EngineConfig
-    from runtime.engine import Engine
-    from runtime.request import Request, RequestKind, SamplingParams
-
-    rng = random.Random(4)
-    profile = [rng.randrange(5, 30000) for _ in range(500)]
-    items = [[rng.randrange(5, 30000) for _ in range(rng.randrange(20, 150))] for _ in range(5)]
-    chats = [[rng.randrange(5, 30000) for _ in range(rng.randrange(30, 300))] for _ in range(4)]
     results = []
     for fuse in (False, True):
-        sink = Sink()
-        eng = Engine(
-            EngineConfig(
-                model="random:qwen2.5-3b",
-                attention_backend="flashinfer",
-                num_kv_blocks=1200,
-                max_num_seqs=16,
-                max_model_len=4096,
-                prefill_policy="fcfs",
-                fused_rope_kv_write=fuse,
-            ),
-            sink,
-        )
+        eng, sink = small_engine(fused_rope_kv_write=fuse)
         assert eng.backend.fuses_rope is fuse
         assert eng.runner.prefill_graphs is not None
         assert eng.runner.prefill_graphs.rotate_in_attention is fuse
-        eng.start()
-        try:
-            reqs = [
-                Request(
-                    f"chat{i}",
-                    RequestKind.GENERATE,
-                    c,
-                    SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0),
-                )
-                for i, c in enumerate(chats)
-            ]
-            reqs += [
-                Request(f"s{i}", RequestKind.SCORE, profile + it, label_token_ids=[11, 22, 33])
-                for i, it in enumerate(items)
-            ]
-            for r in reqs:
-                eng.add(r)
-            assert sink.wait([r.request_id for r in reqs], timeout_s=120)
-            results.append({r.request_id: sink.done[r.request_id] for r in reqs})
-            lens = {r.request_id: len(sink.tokens.get(r.request_id, [])) for r in reqs[:4]}
-            assert all(n == 12 for n in lens.values()), lens
-        finally:
-            eng.shutdown(0)
+        # Fresh requests per engine (a request is mutable state), the same ones each time.
+        reqs = chat_and_scoring(
+            seed=4, profile_tokens=500, num_items=5, item_max=150, chat_max=300, max_tokens=12
+        )
+        done = run_to_end(eng, sink, reqs)
+        lens = {rid: len(done[rid][1]) for rid in list(done)[:4]}
+        assert all(n == 12 for n in lens.values()), lens
+        results.append({rid: out for rid, (out, _) in done.items()})
     for rid, out in results[0].items():
         if rid.startswith("s"):
             assert results[1][rid].label_probs == pytest.approx(out.label_probs, abs=2e-2), rid
