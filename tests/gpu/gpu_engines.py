@@ -23,16 +23,16 @@ def small_engine(**kw: Any) -> tuple[Any, Any]:
     from runtime.engine import Engine
 
     sink = Sink()
-    cfg = EngineConfig(
-        model="random:qwen2.5-3b",
-        attention_backend="flashinfer",
-        cuda_graphs=True,
-        num_kv_blocks=1200,
-        max_num_seqs=16,
-        max_model_len=4096,
-        prefill_policy="fcfs",
-        **kw,
-    )
+    defaults: dict[str, Any] = {
+        "model": "random:qwen2.5-3b",
+        "attention_backend": "flashinfer",
+        "cuda_graphs": True,
+        "num_kv_blocks": 1200,
+        "max_num_seqs": 16,
+        "max_model_len": 4096,
+        "prefill_policy": "fcfs",
+    }
+    cfg = EngineConfig(**{**defaults, **kw})
     return Engine(cfg, sink), sink
 
 

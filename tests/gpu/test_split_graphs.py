@@ -12,27 +12,13 @@ from __future__ import annotations
 import random
 
 import pytest
+from gpu_engines import small_engine
 
 pytestmark = pytest.mark.gpu
 
 
 def _engine(**kw):  # type: ignore[no-untyped-def]
-    from bench.gpu_partition import Sink
-    from runtime.config import EngineConfig
-    from runtime.engine import Engine
-
-    sink = Sink()
-    cfg = EngineConfig(
-        model="random:qwen2.5-3b",
-        attention_backend="flashinfer",
-        cuda_graphs=True,
-        num_kv_blocks=1200,
-        max_num_seqs=64,
-        max_model_len=4096,
-        prefill_policy="fcfs",
-        **kw,
-    )
-    eng = Engine(cfg, sink)
+    eng, sink = small_engine(max_num_seqs=64, **kw)
     if eng._green is None:
         pytest.skip(f"green contexts unavailable: {eng.partition.state().reason}")
     assert eng.runner.graph_registry is not None, "no decode graphs (FlashInfer missing?)"
