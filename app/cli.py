@@ -65,10 +65,8 @@ _ENGINE_HELP = {
     "prefill_graph_max_tokens": "prefill parts of up to this many tokens replay piecewise CUDA "
     "graphs (dense work per token bucket, attention eager between; 0: off; at most "
     "--prefill-chunk-tokens)",
-    "fused_rope_kv_write": "FlashInfer path: RoPE and the K/V pool write in one launch per "
-    "layer instead of three",
-    "merge_mixed_steps": "run a step's prefill parts and decodes as one forward (not for "
-    "scoring prefills that discard their suffix KV)",
+    "fused_rope_kv_write": "auto | true | false: RoPE and the K/V pool write in one Triton "
+    "launch per layer instead of three (auto: on CUDA)",
     "fused_decode_max_batch": "decode graphs of batches up to this size (at most 8) run the "
     "fused Triton decode kernels instead of FlashInfer + cuBLAS (0: never)",
     "wait_for_shared_prefix_tokens": "a waiting request whose next N+ prompt tokens a running "

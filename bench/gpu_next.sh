@@ -35,8 +35,6 @@
 #                                         #   fused RoPE + K/V write's
 #   bash bench/gpu_next.sh y REV          # issue 17: post recommendation at pool 1x, FCFS and
 #                                         #   SRJF, two repeats of six probes (finer bisection)
-#   bash bench/gpu_next.sh z REV          # issue 13: --merge-mixed-steps off vs on (3B mixed at
-#                                         #   24 QPS, off-2k and off-tbt, one probe each)
 # Carry: .whl .fi_cache .cache/smollm2-tok. Results in $OUT: gpu-runtime-*.json (suite),
 # partition-*.json (serving; merge them with `python -m bench.gpu_serving --merge ...`),
 # server logs, fi_cache.tar.gz if the FlashInfer cache grew.
@@ -208,8 +206,7 @@ case $plan in
     # max QPS at the P99 SLO by bisection on mixed, then scoring next to chat. The server
     # calibrates its JCT model at start-up (auto's one prefill model needs it; every side
     # shares it). Run each plan twice (two repeats) and merge with gpu_serving --merge.
-    # SERVER_EXTRA: more server options for every side (e.g. "--merge-mixed-steps true" once
-    # plan z says it helps).
+    # SERVER_EXTRA: more server options for every side.
     if [ "$plan" = s ]; then m=random:qwen2.5-3b q0=12 sq0=16; else m=random:llama-3.1-8b q0=6 sq0=6; fi
     # First the FlashInfer backend against its fp32 reference in every planning mode (seconds;
     # the plan's index building changed in 2026-12-01's fourth session): serving numbers from a
@@ -246,20 +243,6 @@ case $plan in
       --side off-tbt:partition=off,budget=8192,tbt=80 \
       --parts mixed --tag partition-v --deadline-s "$(( $(left) - 3 ))" || rc=1
     python3 -c "import json,glob; d=json.load(open(glob.glob('$work/partition-v-*.json')[0])); print(json.dumps(d['models']['random:qwen2.5-3b']['workloads']['mixed']['off-tbt'].get('engine_during_run')))" ;;
-  z)
-    # Issue 13: a step's prefill parts and decodes as one forward (--merge-mixed-steps) off vs
-    # on, one server each, qwen2.5-3b mixed at 24 QPS, one probe per side: off-2k (the tuned
-    # baseline) and off-tbt (80 ms). DEADLINE_S=200.
-    share=2
-    for m in false true; do
-      python3 -m bench.gpu_serving "${common[@]}" --models random:qwen2.5-3b --start-s 30 \
-        --server-args "--partition off --calibrate true --tbt-slo-ms 80 --prefill-token-budget 8192 --merge-mixed-steps $m" \
-        --ladder 24 --slo ttft:2000,tbt:100 --max-probes 1 \
-        --side off-2k:partition=off,budget=2048,tbt=none \
-        --side off-tbt:partition=off,budget=8192,tbt=80 \
-        --parts mixed --tag partition-z-merge-$m --deadline-s "$(( ($(left) - 5) / share ))" || rc=1
-      share=1  # the second run gets what is left
-    done ;;
   w)
     # Issue 12, where the decode step's time goes at the batch sizes its targets name (8B x16
     # at 2k contexts, 3B x48 at 640): CUDA-graph step vs floor, kernels by kind (DEADLINE_S=240).

@@ -20,8 +20,7 @@ Sections:
   fi_vs_torch 8B FlashInfer vs torch backend, each against an fp32 forward
   decode_profile  where the decode step's time goes: graph step, kernels, GEMV bandwidth
   decode_breakdown  the same at issue 12's batch sizes (8B x16, 3B x48), kernels by kind,
-             and again with RoPE + the K/V write fused (--fused-rope-kv-write), without
-             split-KV decode attention, and with both
+             unfused, then with RoPE + the K/V write fused (--fused-rope-kv-write)
   prefill_graphs  piecewise prefill graphs vs the eager forward for one part of 16..2048
              tokens (fresh, after 4k of context): host and wall ms, hidden states compared
   decode_attention  B=1..64 decode attention: tensor-core vs CUDA-core FlashInfer kernels
@@ -968,15 +967,13 @@ def _decode_breakdown_one(preset: str, B: int, ctx: int, copy_gbs: float, key: s
 
     with torch.inference_mode():
         r.update(measure("", top=20))
-        # Variants of the same step, A/B in this process: RoPE and the K/V write fused into
-        # one launch a layer (--fused-rope-kv-write); decode attention without split-KV (no
-        # merge kernel); both. Step time, kernels, gaps; each checked against the eager forward.
+        # The same step with RoPE and the K/V write fused into one launch a layer (the
+        # engine's default since 2026-12-02; the step above is the unfused one), A/B in this
+        # process: step time, kernels, gaps; checked against the eager forward. (FlashInfer's
+        # disable_split_kv was tried here too: wrong results and an illegal memory access in
+        # graphs on the H200, 2026-12-02, so it is not a variant any more.)
         keep = ("graph_step_ms", "over_floor", "kernels_per_step", "kernel_ms_per_step", "gaps_ms")
-        variants = {
-            "fused_rope_kv_write": {"fuse_rope_kv_write": True},
-            "no_split_kv": {"decode_split_kv": False},
-            "fused_and_no_split_kv": {"fuse_rope_kv_write": True, "decode_split_kv": False},
-        }
+        variants = {"fused_rope_kv_write": {"fuse_rope_kv_write": True}}
         for name, kw in variants.items():
             try:
                 v = measure(f" {name}", top=0, **kw)

@@ -120,7 +120,6 @@ class DecodeGraphs:
         label: str = "whole GPU",
         fused_max_batch: int = 0,
         fuse_rope_kv_write: bool = False,
-        decode_split_kv: bool = True,
     ) -> None:
         """workspace: a FlashInfer float workspace to share with other sets (safe only while
         sets never replay concurrently: the runner runs one decode step at a time). pool: a
@@ -135,9 +134,7 @@ class DecodeGraphs:
         self.workspace_bytes = workspace_bytes
         self.label = label
         self.fused_max_batch = fused_max_batch
-        # Passed to each size's FlashInfer backend (decode_split_kv: an experiment, see there).
-        self.fuse_rope_kv_write = fuse_rope_kv_write
-        self.decode_split_kv = decode_split_kv
+        self.fuse_rope_kv_write = fuse_rope_kv_write  # passed to each size's backend
         self.fused_errors: dict[int, str] = {}  # batch size -> why its fused step was dropped
         self.graphs: dict[int, _Graph] = {}
         self.capture_s: dict[int, float] = {}  # seconds spent capturing each size
@@ -231,7 +228,6 @@ class DecodeGraphs:
             graph_batch_size=bs,
             max_blocks_per_seq=self.max_blocks_per_seq,
             fuse_rope_kv_write=self.fuse_rope_kv_write,
-            decode_split_kv=self.decode_split_kv,
         )
         return ModelDecodeStep(self.model, backend)
 

@@ -162,7 +162,10 @@ def make_attention_backend(
     """The attention backend for `config.attention_backend` (auto = FlashInfer on CUDA when
     it can be used). Falls back to torch SDPA, saying why once in the log."""
     want = config.attention_backend
-    fuse = config.fused_rope_kv_write
+    # The fused RoPE + K/V write is a Triton kernel: auto = on CUDA (true elsewhere runs it
+    # under Triton's interpreter, for tests; a backend that cannot run it says so).
+    mode = config.fused_rope_kv_write
+    fuse = mode == "true" or (mode == "auto" and pool.device.type == "cuda")
     if want == "torch" or (want == "auto" and pool.device.type != "cuda"):
         return TorchAttentionBackend(pool, fuse_rope_kv_write=fuse)
     if pool.device.type != "cuda":

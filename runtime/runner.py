@@ -29,7 +29,6 @@ Everything the host needs is copied to pinned memory once per part, behind an ev
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -256,6 +255,9 @@ class ModelRunner:
         self.penalties = PenaltyState(self.num_sampleable_tokens, self.device)
         self.prefill_backend = backend
         self.uses_flashinfer = getattr(backend, "name", "") == "flashinfer"
+        # The decode backend and graphs fuse RoPE + the K/V write when the prefill one does
+        # (make_attention_backend decided: CUDA, the setting, an even head_dim).
+        fuse_rope = bool(getattr(backend, "fuses_rope", False))
         if self.uses_flashinfer:
             ops.use_flashinfer(True)
             if decode_backend is None:
@@ -263,7 +265,7 @@ class ModelRunner:
                 decode_backend = type(backend).from_pool(  # type: ignore[attr-defined]
                     kv_pool,
                     model_config.num_q_heads,
-                    fuse_rope_kv_write=config.fused_rope_kv_write,
+                    fuse_rope_kv_write=fuse_rope,
                 )
         self.decode_backend = decode_backend if decode_backend is not None else backend
         self.sampler = Sampler()
@@ -301,7 +303,7 @@ class ModelRunner:
                 batch_sizes=graph_batch_sizes(config.max_num_seqs),
                 pool=pool,
                 fused_max_batch=fused,
-                fuse_rope_kv_write=config.fused_rope_kv_write,
+                fuse_rope_kv_write=fuse_rope,
             )
             split_sizes = graph_batch_sizes(
                 config.max_num_seqs, split_graph_batch_sizes or SPLIT_BATCH_SIZES
@@ -320,7 +322,7 @@ class ModelRunner:
                     pool=pool,
                     label=label,
                     fused_max_batch=fused,
-                    fuse_rope_kv_write=config.fused_rope_kv_write,
+                    fuse_rope_kv_write=fuse_rope,
                 )
 
             self.decode_graphs = whole
@@ -425,9 +427,6 @@ class ModelRunner:
         waiting for the device; the outputs arrive through the returned `PendingOutput`."""
         pending = PendingOutput(self.device)
         try:
-            if plan.prefill and plan.decode and self._mergeable(plan.prefill):
-                self._run_merged(plan.prefill, plan.decode, pending)
-                return pending.seal()
             if plan.prefill:
                 self._run_part(plan.prefill, False, self.prefill_backend, pending)
             if plan.decode:
@@ -443,31 +442,7 @@ class ModelRunner:
         """One step, waited for (calibration, tests, re-runs of a failed batch)."""
         return self.launch(plan).result()
 
-    # ---- a step's two parts as one forward -----------------------------------------------
-    def _mergeable(self, prefill: list[ScheduledSeq]) -> bool:
-        """Whether a step's prefill and decode parts run as one forward
-        (`merge_mixed_steps`): not when a prefill part discards its suffix KV (a scoring
-        request), which the pool-only attention of a batch with decodes cannot read."""
-        if not self.config.merge_mixed_steps:
-            return False
-        return all(s.num_kept_tokens == s.num_context_tokens + s.num_new_tokens for s in prefill)
-
-    def _run_merged(
-        self, prefill: list[ScheduledSeq], decode: list[ScheduledSeq], pending: PendingOutput
-    ) -> None:
-        """Prefill parts and decodes in one forward on the prefill backend: the weights are
-        read once per step instead of twice (the prefill part's forward, then the decode
-        graph), the decodes' rows ride along in the prefill graphs' buckets."""
-        batch = self.build_batch(prefill, False, decode=decode)
-        backend = self.prefill_backend
-        self._plan_attention(backend, batch)
-        hidden = self._prefill_forward(batch, backend)
-        head = dataclasses.replace(batch, seqs=batch.seqs[: len(prefill)])
-        self.prompt_logprobs(hidden, head, prefill, pending)
-        wanting = [s for s in (*prefill, *decode) if s.needs_output]
-        if wanting:
-            self.outputs_from_hidden(hidden[batch.logits_indices], wanting, pending)
-
+    # ---- one forward ----------------------------------------------------------------------
     def _prefill_forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         """The final hidden states of a planned non-decode batch: the prefill graphs' bucket
         when one fits, else the model eagerly (hybrid-chunked when long)."""
@@ -479,49 +454,38 @@ class ModelRunner:
         chunk = self.config.prefill_chunk_tokens if self.config.hybrid_prefill else None
         return self.model(batch.input_ids, batch.positions, backend, chunk_tokens=chunk)
 
-    # ---- one forward ----------------------------------------------------------------------
-    def build_batch(
-        self,
-        seqs: list[ScheduledSeq],
-        is_decode: bool,
-        decode: list[ScheduledSeq] | None = None,
-    ) -> ForwardBatch:
+    def build_batch(self, seqs: list[ScheduledSeq], is_decode: bool) -> ForwardBatch:
         """Flatten the sequences' new tokens; logits rows = last row of each sequence whose
         step ends its pending tokens (it needs a sampled token or label scores). A decode's
-        input token is read on the device from its token slot. `decode`: decodes appended
-        after the prefill `seqs` (a merged step; the batch is then not a decode batch)."""
-        prefill, decodes = ([], seqs) if is_decode else (seqs, list(decode or ()))
-        input_ids: list[int] = []
-        slot_rows: list[int] = []  # decode rows' token slots, after the prefill tokens
+        input token is read on the device from its token slot."""
+        input_ids: list[int] = []  # prefill: token ids; decode: token slots
         positions: list[int] = []
         slices: list[SeqSlice] = []
         logits_rows: list[int] = []
-        for s in prefill:
+        for s in seqs:
             slices.append(self._slice(s, len(input_ids)))
-            input_ids.extend(s.input_ids)
-            positions.extend(range(s.num_context_tokens, s.num_context_tokens + s.num_new_tokens))
+            if is_decode:
+                input_ids.append(s.lease.slot)
+                positions.append(s.num_context_tokens)
+            else:
+                input_ids.extend(s.input_ids)
+                positions.extend(
+                    range(s.num_context_tokens, s.num_context_tokens + s.num_new_tokens)
+                )
             if s.needs_output:
                 logits_rows.append(len(input_ids) - 1)
-        P = len(input_ids)
-        for s in decodes:
-            slices.append(self._slice(s, P + len(slot_rows)))
-            slot_rows.append(s.lease.slot)
-            positions.append(s.num_context_tokens)
-            if s.needs_output:
-                logits_rows.append(P + len(slot_rows) - 1)
-        # One host-to-device copy for all (from pinned memory on CUDA: asynchronous).
-        T = P + len(slot_rows)
-        flat = h2d(input_ids + slot_rows + positions + logits_rows, torch.int64, self.device)
+        # One host-to-device copy for all three (from pinned memory on CUDA: asynchronous).
+        T = len(input_ids)
+        flat = h2d(input_ids + positions + logits_rows, torch.int64, self.device)
         ids = flat[:T]
-        if slot_rows:  # [D]: the previous steps' samples, read on the device
-            from_slots = self.token_slots.index_select(0, flat[P:T])
-            ids = from_slots if not P else torch.cat([flat[:P], from_slots])
+        if is_decode:
+            ids = self.token_slots.index_select(0, ids)  # [T]: the previous steps' samples
         return ForwardBatch(
             input_ids=ids,
             positions=flat[T : 2 * T],
             seqs=slices,
             logits_indices=flat[2 * T :],
-            is_decode=not prefill,
+            is_decode=is_decode,
         )
 
     @staticmethod

@@ -107,7 +107,7 @@ def test_engine_with_the_fused_rope_gives_the_same_tokens_and_scores() -> None:
             num_kv_blocks=128,
             prefill_token_budget=64,
             prefill_chunk_tokens=16,
-            fused_rope_kv_write=fuse,
+            fused_rope_kv_write="true" if fuse else "false",
         )
         sink = Collector()
         eng = Engine(cfg, sink)

@@ -81,7 +81,6 @@ class FlashInferBackend:
         max_blocks_per_seq: int | None = None,
         workspace: torch.Tensor | None = None,
         fuse_rope_kv_write: bool = False,
-        decode_split_kv: bool = True,
     ) -> None:
         """k_caches/v_caches: one [num_blocks, block_size, Hkv, D] tensor per layer.
 
@@ -89,11 +88,7 @@ class FlashInferBackend:
         sequences (fixed index buffers; `plan` only fills them). max_blocks_per_seq sizes those
         buffers (required with graph_batch_size). fuse_rope_kv_write: the model passes q and k
         un-rotated and this backend rotates them in the launch that writes the pool
-        (runtime/attention/rope_kv_write.py) instead of RoPE + two `index_copy_`.
-        decode_split_kv=False: decode attention without split-KV (no merge kernel; one work
-        unit per sequence and KV head): fewer launches, worse when batch x KV heads is well
-        under the SM count or contexts are long. An experiment (gpu_suite decode_breakdown),
-        not an engine option yet; it must not change between a graph's capture and replays."""
+        (runtime/attention/rope_kv_write.py) instead of RoPE + two `index_copy_`."""
         import flashinfer
 
         if v_caches is None:  # FlashInferBackend(kv_pool): the engine's call
@@ -126,7 +121,6 @@ class FlashInferBackend:
             from runtime.attention.rope_kv_write import rope_kv_write
 
             self._rope_kv_write = rope_kv_write
-        self.decode_split_kv = decode_split_kv
         # One workspace per instance == per stream (see module docstring). `workspace` may be
         # shared only between instances that never run concurrently (e.g. the decode graphs
         # of one stream, replayed one at a time).
@@ -344,7 +338,6 @@ class FlashInferBackend:
                 sm_scale=self.sm_scale,
                 q_data_type=self.kv_dtype,
                 kv_data_type=self.kv_dtype,
-                **({} if self.decode_split_kv else {"disable_split_kv": True}),
             )
         )
         slots = self._to_dev(write_slots, torch.int64)

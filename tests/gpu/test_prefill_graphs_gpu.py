@@ -1,7 +1,7 @@
 """GPU: piecewise prefill graphs (runtime/prefill_graphs.py). Captured at engine start-up, they
 give the eager forward's hidden states for prefill parts of several sizes (fresh prompts,
 cached context, a discarded scoring suffix, padding rows left by a larger step), and an engine
-that replays them (also with `merge_mixed_steps`) scores like one that runs prefill eagerly.
+that replays them scores like one that runs prefill eagerly.
 
 Model: random:qwen2.5-3b with a small KV pool (head_dim 128, whose FlashInfer kernels the
 device run has cached). bf16: the graphs' GEMMs run at the bucket's row count, where cuBLAS may
@@ -90,13 +90,8 @@ def test_engine_scores_alike_with_and_without_prefill_graphs(monkeypatch) -> Non
 
     monkeypatch.setattr(PrefillGraphs, "run", counting_run)
     results = []
-    # Eager prefill; prefill graphs; prefill graphs with a step's parts merged into one forward.
-    for max_tokens, merge in ((0, False), (1024, False), (1024, True)):
-        eng, sink = small_engine(
-            prefill_graph_max_tokens=max_tokens,
-            prefill_token_budget=1024,
-            merge_mixed_steps=merge,
-        )
+    for max_tokens in (0, 1024):  # eager prefill, then prefill graphs
+        eng, sink = small_engine(prefill_graph_max_tokens=max_tokens, prefill_token_budget=1024)
         assert (eng.runner.prefill_graphs is not None) == (max_tokens > 0)
         # Fresh requests per engine (a request is mutable state), the same ones each time.
         reqs = chat_and_scoring(

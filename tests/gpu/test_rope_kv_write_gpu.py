@@ -77,7 +77,7 @@ def test_fused_forward_matches_the_unfused_one_in_every_mode() -> None:
 def test_engine_with_fused_rope_scores_like_without() -> None:
     results = []
     for fuse in (False, True):
-        eng, sink = small_engine(fused_rope_kv_write=fuse)
+        eng, sink = small_engine(fused_rope_kv_write="true" if fuse else "false")
         assert eng.backend.fuses_rope is fuse
         assert eng.runner.prefill_graphs is not None
         assert eng.runner.prefill_graphs.rotate_in_attention is fuse
