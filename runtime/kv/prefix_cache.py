@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 
 def chain_hash(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
@@ -41,11 +40,12 @@ def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size:
     return hashes
 
 
-@dataclass(slots=True)
-class _Entry:
-    parent_hash: int | None
-    tokens: tuple[int, ...]
-    block_id: int
+# An entry is a plain tuple (parent hash, block tokens, block id), not a class: a tuple of
+# untracked objects (ints, a tuple of ints) leaves the collector's lists at the first
+# collection it survives, an instance of a class never does. With one entry per cached block
+# (~170k for a 3B model's pool on the H200), entries as instances were walked by every full
+# collection: 45-100 ms a collection in a CPU micro-benchmark, against 0.5 ms as tuples.
+_PARENT, _TOKENS, _BLOCK = 0, 1, 2
 
 
 class PrefixCache:
@@ -53,7 +53,8 @@ class PrefixCache:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self._entries: dict[int, _Entry] = {}  # chain hash -> entry
+        # chain hash -> (parent hash, block tokens, block id)
+        self._entries: dict[int, tuple[int | None, tuple[int, ...], int]] = {}
         self._hash_of_block: dict[int, int] = {}  # block id -> chain hash (cached blocks only)
         # Unreferenced cached blocks, least recently used first. Values unused.
         self._lru: OrderedDict[int, None] = OrderedDict()
@@ -92,11 +93,11 @@ class PrefixCache:
         for i in range(len(out), len(hashes)):
             h = hashes[i]
             e = self._entries.get(h)
-            if e is None or e.parent_hash != parent:
+            if e is None or e[_PARENT] != parent:
                 break
-            if e.tokens != tuple(token_ids[i * bs : (i + 1) * bs]):
+            if e[_TOKENS] != tuple(token_ids[i * bs : (i + 1) * bs]):
                 break
-            out.append(e.block_id)
+            out.append(e[_BLOCK])
             parent = h
         return out
 
@@ -125,7 +126,7 @@ class PrefixCache:
         carries a hash; the caller keeps its block uncached then."""
         if block_hash in self._entries or block_id in self._hash_of_block:
             return False
-        self._entries[block_hash] = _Entry(parent_hash, tokens, block_id)
+        self._entries[block_hash] = (parent_hash, tokens, block_id)
         self._hash_of_block[block_id] = block_hash
         self.generation += 1
         return True
@@ -160,7 +161,7 @@ class PrefixCache:
         """Raise AssertionError if the index and the LRU disagree with the ref counts."""
         assert len(self._entries) == len(self._hash_of_block), "index size mismatch"
         for h, e in self._entries.items():
-            assert self._hash_of_block.get(e.block_id) == h, f"block {e.block_id} index mismatch"
+            assert self._hash_of_block.get(e[_BLOCK]) == h, f"block {e[_BLOCK]} index mismatch"
         for block_id in self._hash_of_block:
             in_lru = block_id in self._lru
             assert in_lru == (ref_counts[block_id] == 0), (
