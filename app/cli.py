@@ -372,7 +372,7 @@ def serve(settings: Settings, engine_factory: Any = None, sock: socket.socket | 
             return 2
     if settings.api_server_count > 1:
         return _serve_many(settings, factory, sock)
-    app = create_app(settings, engine_factory=factory)
+    app = create_app(settings, engine_factory=factory, freeze_gc_at_start=True)
     server = _uvicorn_server(app, settings)
     server.run(sockets=[sock])
     return 0 if server.started else 1
@@ -384,7 +384,7 @@ def _api_server_main(settings: Settings, handle: Any, sock: socket.socket) -> No
     from app.main import create_app
 
     _configure_logging(settings)
-    app = create_app(settings, core=handle)
+    app = create_app(settings, core=handle, freeze_gc_at_start=True)
     server = _uvicorn_server(app, settings)
     server.run(sockets=[sock])
 

@@ -34,6 +34,7 @@ from runtime.core.process import (
     remove_ipc_folder,
     start_engine_core,
 )
+from runtime.gc_watch import freeze_startup_objects
 from runtime.request import EngineOutput
 
 log = logging.getLogger("greenlane.app")
@@ -80,9 +81,13 @@ def create_app(
     settings: Settings | None = None,
     engine_factory: EngineFactory | None = None,
     core: CoreHandle | None = None,
+    freeze_gc_at_start: bool = False,
 ) -> FastAPI:
     """Build the app. Its lifespan starts an engine core process with `engine_factory(config,
-    sink)` (default: the real engine; tests pass a fake), or connects to the running `core`."""
+    sink)` (default: the real engine; tests pass a fake), or connects to the running `core`.
+    freeze_gc_at_start: once started, move every object alive to the collector's permanent
+    generation (the server's own process only: the CLI sets it; an embedding process or a
+    test keeps its collector as it is)."""
     settings = settings or Settings()
     factory = engine_factory or default_engine_factory
     metrics = Metrics()
@@ -119,6 +124,11 @@ def create_app(
         app.state.engine = engine
         metrics.bind_engine(engine.stats, lambda: client.num_in_flight)
         log.info("engine ready: max_model_len=%s", engine.max_model_len)
+        if freeze_gc_at_start:
+            # A full collection stops the event loop, and with it every stream: over what
+            # start-up left (FastAPI, pydantic, the tokenizer; ~75k objects) it took 60-70 ms
+            # on a CPU here, ~0 ms once they are frozen (docs/benchmarks-cpu.md, section 6).
+            freeze_startup_objects()
         try:
             yield
         finally:

@@ -13,6 +13,9 @@ with PYTHONPATH pointing at each tree (the code measured is recorded as `code_di
 revision):
 
     python -m bench.gc_pause --blocks 10000,50000,170000 --out bench/results/gc-pause-cpu.json
+
+It also times the API server's full collection over what building the app leaves, before and
+after freezing it (`api_server`).
 """
 
 from __future__ import annotations
@@ -90,6 +93,40 @@ def measure(num_blocks: int, seed: int = 0) -> dict[str, Any]:
     return out
 
 
+def measure_api_server() -> dict[str, Any]:
+    """The API server's side: a full collection over what building the app leaves (FastAPI,
+    pydantic, the routes; the tokenizer comes later and adds little), before and after
+    `gc.freeze()` (what the CLI's API servers do once started). A full collection there stops
+    the event loop, so every stream waits for it."""
+    from app.main import create_app
+    from app.settings import Settings
+
+    app = create_app(Settings())
+    gc.collect()
+    walked_before = len(gc.get_objects())
+
+    def median_ms() -> float:
+        pauses = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            gc.collect()
+            pauses.append((time.perf_counter() - t0) * 1e3)
+        return round(statistics.median(pauses), 3)
+
+    before = median_ms()
+    gc.freeze()
+    after = median_ms()
+    walked_after = len(gc.get_objects())
+    gc.unfreeze()
+    del app
+    return {
+        "objects_walked_before_freeze": walked_before,
+        "full_collection_ms_median_before_freeze": before,
+        "objects_walked_after_freeze": walked_after,
+        "full_collection_ms_median_after_freeze": after,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", default="10000,50000,170000", help="cached block counts")
@@ -103,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         row = {"num_blocks": n, **measure(n)}
         print(json.dumps(row))
         rows.append(row)
+    api = measure_api_server()
+    print(json.dumps({"api_server": api}))
     result = {
         "command": "python -m bench.gc_pause " + " ".join(sys.argv[1:] if argv is None else argv),
         "code_dir": str(code_dir),
@@ -110,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
         "rows": rows,
+        "api_server": api,
     }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

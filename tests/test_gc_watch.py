@@ -69,3 +69,38 @@ def test_engine_stats_carry_the_pauses() -> None:
         assert {"gc_full_ms_total", "gc_pause_ms_max", "gc_pause_ms_max_ever"} <= st.keys()
     finally:
         engine.shutdown(0)
+
+
+_API_SERVER_SCRIPT = """
+import gc, sys
+sys.path[:0] = [{root!r}, {tests!r}]
+from fastapi.testclient import TestClient
+from fake_engine import FakeEngine
+from app.main import create_app
+from app.settings import Settings
+app = create_app(Settings(log_level="warning"), engine_factory=FakeEngine, freeze_gc_at_start={freeze})
+with TestClient(app, base_url="http://127.0.0.1") as client:
+    assert client.get("/health").status_code == 200
+    print(gc.get_freeze_count())
+"""
+
+
+def test_the_api_server_freezes_its_start_up_objects_when_asked() -> None:
+    """The CLI's API servers freeze what start-up left, so a full collection does not stop the
+    event loop (and every stream) over it; an embedding process is left alone. In a fresh
+    interpreter each: freezing this one would keep the test session's garbage forever."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    counts = {}
+    for freeze in (False, True):
+        script = _API_SERVER_SCRIPT.format(root=str(root), tests=str(root / "tests"), freeze=freeze)
+        out = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        counts[freeze] = int(out.stdout.strip().splitlines()[-1])
+    assert counts[False] == 0
+    assert counts[True] > 10_000, counts  # FastAPI, pydantic, the app: tens of thousands
