@@ -66,7 +66,8 @@ _ENGINE_HELP = {
     "graphs (dense work per token bucket, attention eager between; 0: off; at most "
     "--prefill-chunk-tokens)",
     "fused_rope_kv_write": "auto | true | false: RoPE and the K/V pool write in one Triton "
-    "launch per layer instead of three (auto: on CUDA)",
+    "launch per layer instead of three (auto: with the FlashInfer backend; true: also with "
+    "torch SDPA)",
     "fused_decode_max_batch": "decode graphs of batches up to this size (at most 8) run the "
     "fused Triton decode kernels instead of FlashInfer + cuBLAS (0: never)",
     "wait_for_shared_prefix_tokens": "a waiting request whose next N+ prompt tokens a running "

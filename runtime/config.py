@@ -55,10 +55,10 @@ class EngineConfig:
     # isolation (GPU-bound; in a busy server the eager host work is longer), 2048 1.07x.
     prefill_graph_max_tokens: int = 1024
     # RoPE on q and k and the K/V pool write in one Triton launch per layer
-    # (runtime/attention/rope_kv_write.py) instead of three: auto (on CUDA) | true | false
-    # (true without CUDA needs Triton's interpreter: tests only). On the H200 through HTTP it
-    # cut the decode ITL 7 % (Llama-3.1-8B shape, 16 streams) and 8-9 % (Qwen2.5-3B shape,
-    # 48 streams), tied at batch 1.
+    # (runtime/attention/rope_kv_write.py) instead of three. auto: with the FlashInfer
+    # backend; true: also with torch SDPA (without CUDA under Triton's interpreter: tests
+    # only); false: never. On the H200 through HTTP it cut the decode ITL 7 % (Llama-3.1-8B
+    # shape, 16 streams) and 8-9 % (Qwen2.5-3B shape, 48 streams), tied at batch 1.
     fused_rope_kv_write: str = "auto"
     # Plan and launch step N+1 while the device runs step N (sampled tokens feed the next
     # step on the device; the host sees them one step later). False: one step at a time.

@@ -162,22 +162,23 @@ def make_attention_backend(
     """The attention backend for `config.attention_backend` (auto = FlashInfer on CUDA when
     it can be used). Falls back to torch SDPA, saying why once in the log."""
     want = config.attention_backend
-    # The fused RoPE + K/V write is a Triton kernel: auto = on CUDA (true elsewhere runs it
-    # under Triton's interpreter, for tests; a backend that cannot run it says so).
+    # The fused RoPE + K/V write (a Triton kernel): auto = with FlashInfer, where it was
+    # measured (the torch SDPA backend is the fallback and fp32 path: unfused unless asked);
+    # true = with either backend (without CUDA under Triton's interpreter, for tests).
     mode = config.fused_rope_kv_write
-    fuse = mode == "true" or (mode == "auto" and pool.device.type == "cuda")
+    fuse_torch = mode == "true"
     if want == "torch" or (want == "auto" and pool.device.type != "cuda"):
-        return TorchAttentionBackend(pool, fuse_rope_kv_write=fuse)
+        return TorchAttentionBackend(pool, fuse_rope_kv_write=fuse_torch)
     if pool.device.type != "cuda":
         log.warning("attention backend flashinfer needs CUDA; falling back to torch SDPA")
-        return TorchAttentionBackend(pool, fuse_rope_kv_write=fuse)
+        return TorchAttentionBackend(pool, fuse_rope_kv_write=fuse_torch)
     try:  # the GPU runtime provides this module; absent or broken -> the torch fallback
         from runtime.attention.flashinfer_backend import FlashInferBackend
 
-        return FlashInferBackend.from_pool(pool, num_q_heads, fuse_rope_kv_write=fuse)
+        return FlashInferBackend.from_pool(pool, num_q_heads, fuse_rope_kv_write=mode != "false")
     except Exception as e:  # noqa: BLE001 - any import/init failure means "cannot use it"
         log.warning("FlashInfer attention unavailable (%s); falling back to torch SDPA", e)
-        return TorchAttentionBackend(pool, fuse_rope_kv_write=fuse)
+        return TorchAttentionBackend(pool, fuse_rope_kv_write=fuse_torch)
 
 
 class Engine:

@@ -32,3 +32,19 @@ def test_layer_slicing_with_only_tbt_slo_ms_through_the_cli_options() -> None:
     s = Settings(partition="auto", partition_layer_slicing=True, tbt_slo_ms=80.0)
     cfg = s.to_engine_config(resolve_calibration=False)
     assert cfg.partition_layer_slicing and cfg.partition_tbt_slo_ms is None
+
+
+def test_fused_rope_kv_write_modes() -> None:
+    """auto fuses with FlashInfer only (measured there); the torch backend (the CPU's, the fp32
+    path, the fallback) fuses only when asked; a typo is rejected, not read as false."""
+    import torch
+
+    from runtime.engine import make_attention_backend
+    from runtime.kv.kv_pool import KVPool
+
+    with pytest.raises(ValueError, match="fused_rope_kv_write"):
+        EngineConfig(fused_rope_kv_write="yes")
+    pool = KVPool(1, 4, 4, num_kv_heads=1, head_dim=8, dtype=torch.float32, device="cpu")
+    for mode, fused in (("auto", False), ("false", False), ("true", True)):
+        be = make_attention_backend(EngineConfig(fused_rope_kv_write=mode), pool, 2)
+        assert be.name == "torch" and be.fuses_rope is fused, mode
