@@ -405,3 +405,40 @@ def test_a_fallback_jct_model_is_scaled_to_the_partition_cost_model(manager) -> 
     jct.source = "calibration:test"
     eng._share_prefill_model()
     assert eng._prefill_cost.scale == 1.0
+
+
+def test_a_split_must_win_by_more_than_its_measured_error() -> None:
+    """The split's predictions are the least accurate the controller makes (12-20 % for a
+    split's prefill on the H200): once its kind has measured errors, a split must be predicted
+    to finish the prefill sooner by more than that error, and its decode step must meet the
+    target with its own measured error added; chunks are taken otherwise."""
+    m = _model()
+    target = 3 * m.predict(DECODE, D, TOTAL)
+
+    def choose_with(errors: dict[str, float], n: int = 8) -> SplitDecision:
+        model = _model()
+        for key, e in errors.items():
+            for _ in range(n):
+                model.score(key, 1.0 + e, 1.0)  # |predicted - measured| / measured = e
+        ctl = SplitController(
+            model, SPLITS, ControllerConfig(tbt_slo_ms=target, min_gain=0.0, hysteresis_sms=0)
+        )
+        return ctl.choose(P, D, kv_usage=0.2, chunk=ChunkInput(_consistent_cost(m), 0, target))
+
+    split = choose_with({})
+    assert split.prefill_sms != TIME_SLICE  # predicted to win (the test above)
+    chunks = SplitController(m, SPLITS, ControllerConfig(tbt_slo_ms=target))._chunked(
+        P, D, ChunkInput(_consistent_cost(m), 0, target)
+    )
+    gain = chunks.predicted_prefill_ms / split.predicted_prefill_ms  # > min_split_speedup
+    slack = target / split.predicted_decode_ms  # > 1: the split's decode meets the target
+    # Errors below the predicted gain and the decode slack: the split stands.
+    assert choose_with({"prefill/concurrent": gain - 1.02}).prefill_sms == split.prefill_sms
+    # Its prefill prediction's error above the gain: chunks.
+    dec = choose_with({"prefill/concurrent": gain - 0.98})
+    assert dec.chunk_tokens is not None and dec.reason.startswith("chunks finish the prefill")
+    # Too few measurements are not evidence yet.
+    assert choose_with({"prefill/concurrent": gain}, n=7).prefill_sms == split.prefill_sms
+    # Its decode step's error eats the slack: it would miss the target, so chunks.
+    dec = choose_with({"decode/concurrent": slack - 0.98})
+    assert dec.chunk_tokens is not None and "misses the TBT target" in dec.reason

@@ -48,6 +48,8 @@ from runtime.scheduler import MIN_TBT_CHUNK_TOKENS, PrefillCost, tbt_chunk_token
 
 PREFILL = "prefill"
 DECODE = "decode"
+# A kind of prediction's measured error counts once this many are logged (fewer: noise).
+ERROR_MIN_SAMPLES = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,13 +118,19 @@ class ProfileSample:
 @dataclass(slots=True)
 class _ErrorLog:
     abs_pct: list[float] = field(default_factory=list)
+    total: float = 0.0  # sum of abs_pct: the mean in O(1) (the controller reads it per choice)
 
     def add(self, predicted: float, measured: float) -> float:
         e = abs(predicted - measured) / max(measured, 1e-9)
         self.abs_pct.append(e)
+        self.total += e
         if len(self.abs_pct) > 2000:  # bounded: a rolling window
             del self.abs_pct[:1000]
+            self.total = sum(self.abs_pct)  # once per 1,000 additions
         return e
+
+    def mean(self) -> float:
+        return self.total / len(self.abs_pct) if self.abs_pct else math.nan
 
 
 def _lstsq_nonneg(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -272,6 +280,15 @@ class CostModel:
         time-slice step, key "chunked/step"), without refining anything. Returns
         |error| / measured."""
         return self.errors.setdefault(key, _ErrorLog()).add(predicted_ms, measured_ms)
+
+    def recent_error(self, key: str, min_samples: int = ERROR_MIN_SAMPLES) -> float:
+        """Mean |predicted - measured| / measured of the predictions logged under `key`
+        ("prefill/concurrent", "decode/concurrent", ...) over the rolling window; 0 until
+        `min_samples` are in (no evidence yet: the configured margins alone apply)."""
+        log = self.errors.get(key)
+        if log is None or len(log.abs_pct) < min_samples:
+            return 0.0
+        return log.mean()
 
     def error_stats(self) -> dict[str, float | int]:
         """Out-of-sample |predicted - measured| / measured: `mape_<stage>_<regime>` (a split's
@@ -513,7 +530,9 @@ class SplitController:
     ) -> SplitDecision:
         """Chunked time-slicing against the best whole-prefill choice (`_choose_whole`):
         whatever meets the TBT target and finishes the prefill first; a split or layer slices
-        must be predicted faster by `min_split_speedup`. A whole-GPU time-slice is always cut
+        must be predicted faster by `min_split_speedup` (a split: or by its prefill
+        prediction's measured error, if larger, and its decode step must meet the target with
+        that prediction's measured error added). A whole-GPU time-slice is always cut
         into chunks (a decode then waits for one chunk, not for the whole prefill), and while
         decode is favoured (KV usage above the switch) or without a split target, a split is
         kept as that rule chose it."""
@@ -529,16 +548,23 @@ class SplitController:
         if kv_usage >= cfg.kv_switch or cfg.tbt_slo_ms is None:
             return best
         what = "layer slices" if best.layers_per_slice else f"split {best.prefill_sms}"
+        # A split's two predictions carry the error its kind of prediction has measured while
+        # serving (on the H200 12-20 % for a split's prefill against 5-10 % for a chunked
+        # step): its decode step must meet the aim with that error added, and its prefill
+        # must win by more than it. Chunks need no such margin: the engine's aim already
+        # holds the measured tail of chunked steps (`TailFactor`).
+        split = not best.layers_per_slice
+        decode_err = self.model.recent_error(f"{DECODE}/concurrent") if split else 0.0
+        prefill_err = self.model.recent_error(f"{PREFILL}/concurrent") if split else 0.0
+        need_speedup = max(cfg.min_split_speedup, 1.0 + prefill_err)
         # Both against the engine's aim (`chunk.tbt_slo_ms`: the target less the tail
         # headroom the engine measured), not one against the aim and one against the target.
         chunk_ok = chunked.predicted_decode_ms <= chunk.tbt_slo_ms
         # Layer slices are sized to the target; a split's decode step is predicted.
-        best_ok = bool(best.layers_per_slice) or best.predicted_decode_ms <= chunk.tbt_slo_ms
+        best_ok = not split or best.predicted_decode_ms * (1.0 + decode_err) <= chunk.tbt_slo_ms
         if chunk_ok and not best_ok:
             return pick_chunked(f"chunked time-slicing ({what} misses the TBT target)")
-        if chunk_ok and chunked.predicted_prefill_ms <= (
-            best.predicted_prefill_ms * cfg.min_split_speedup
-        ):
+        if chunk_ok and chunked.predicted_prefill_ms <= best.predicted_prefill_ms * need_speedup:
             return pick_chunked(f"chunks finish the prefill before {what}")
         if not chunk_ok and not best_ok and chunked.predicted_decode_ms < best.predicted_decode_ms:
             return pick_chunked(
