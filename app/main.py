@@ -126,8 +126,8 @@ def create_app(
         log.info("engine ready: max_model_len=%s", engine.max_model_len)
         if freeze_gc_at_start:
             # A full collection stops the event loop, and with it every stream: over what
-            # start-up left (FastAPI, pydantic, the tokenizer; ~75k objects) it took 60-70 ms
-            # on a CPU here, ~0 ms once they are frozen (docs/benchmarks-cpu.md, section 6).
+            # start-up left (FastAPI, pydantic, the routes; ~72k objects) it took 56 ms on a
+            # CPU here, ~0 ms once they are frozen (docs/benchmarks-cpu.md, section 6).
             freeze_startup_objects()
         try:
             yield
