@@ -50,6 +50,14 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], respon
 log = logging.getLogger("greenlane.app")  # details beside the one access line
 
 
+def _labels_and_prompts(
+    engine: Any, body: ScoreRequest
+) -> tuple[tuple[list[int], list[str]], list[list[int]]]:
+    """`_label_ids` then `_prompts`, in one call (labels are checked first, as before)."""
+    labels = _label_ids(engine, body)
+    return labels, _prompts(engine, body)
+
+
 def _label_ids(engine: Any, body: ScoreRequest) -> tuple[list[int], list[str]]:
     """Label token ids and their display strings; each string label must be one token."""
     if body.label_token_ids is not None:
@@ -233,8 +241,8 @@ async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
         len(body.labels if body.labels is not None else body.label_token_ids or []),
         "labels" if body.labels is not None else "label_token_ids",
     )
-    label_ids, label_names = await off_loop(_label_ids, engine, body)
-    prompts = await off_loop(_prompts, engine, body)
+    # One hop to the preparation threads for both (a hop costs more than small id checks).
+    (label_ids, label_names), prompts = await off_loop(_labels_and_prompts, engine, body)
     request_id, engine_base = begin_request_id(request, "score")
     scored = await _run_scoring(request, engine_base, prompts, label_ids, body.apply_softmax)
     scores = scored.probs
