@@ -55,6 +55,8 @@ _ENGINE_HELP = {
     "prefill_token_budget": "tokens per prefill step",
     "prefill_policy": "srjf | spf | fcfs",
     "fairness_lambda": "SRJF fairness offset",
+    "ttft_slo_ms": "latency target in ms (a score's, a chat's time to first token) that SRJF "
+    "derives its fairness offset from (instead of --fairness-lambda)",
     "spf_gamma": "SPF aging weight",
     "jct_calibration": "calibration file for the JCT model: a calibration-<device>--<model>.json "
     "(its jct section) or an old jct-*.json; default: the cached file for this device and model",

@@ -48,6 +48,9 @@ from policies import JCTModel, Policy, make_policy, prefill_work
 
 SLO_MULTIPLE = 10.0  # default P99 SLO = 10x the median cold prefill of a mean-length prompt
 MIN_SPAN_SLOS = 10.0  # a run's arrivals span at least this many SLOs (run_experiment)
+# A simulator-only policy name: SRJF told the run's P99 SLO (`--latency-slo-ms` in the engine),
+# each request aging by its own slack instead of one fairness lambda (policies/srjf.py).
+SLO_AWARE_SRJF = "srjf-slo"
 DEFAULT_TOKEN_BUDGET = 8192  # EngineConfig.prefill_token_budget's default
 DEFAULT_BLOCK_SIZE = 16  # EngineConfig.block_size's default
 
@@ -606,7 +609,10 @@ def run_experiment(
             # A fresh policy and model per run: srjf-oneshot's memory and the online
             # refinement must not leak across runs.
             jct = setup.new_jct()
-            pol = make_policy(name, jct_model=jct, gamma=gamma, fairness_lambda=fairness_lambda)
+            if name == SLO_AWARE_SRJF:  # SRJF given the SLO: each request ages by its slack
+                pol = make_policy("srjf", jct_model=jct, latency_slo_s=slo_p99_s)
+            else:
+                pol = make_policy(name, jct_model=jct, gamma=gamma, fairness_lambda=fairness_lambda)
             cache = BlockPrefixCache(cache_tokens, block_size)
             if prime:
                 prime_cache(cache, priming, setup.service, jct if setup.online_refit else None)
@@ -631,7 +637,9 @@ def run_experiment(
         run = runner(name)
         for qps in qps_list:
             st = run(qps)
-            results.append({k: getattr(st, k) for k in st.__slots__ if k != "stopped_early"})
+            row = {k: getattr(st, k) for k in st.__slots__ if k != "stopped_early"}
+            row["policy"] = name  # the name asked for (srjf-slo's policy calls itself srjf)
+            results.append(row)
         if search:
             burst = run(1e9, None, True)
             capacity[name] = round(num_requests / burst.makespan_s, 4)

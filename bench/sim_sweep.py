@@ -36,7 +36,8 @@ from bench.sim import (
 from bench.sim_workloads import WORKLOAD_NAMES
 
 SWEEPS = ("cache", "lambda")
-LAMBDA_FREE = ("fcfs", "spf")  # policies the fairness offset does not change
+# Policies the fairness offset does not change (srjf-slo ages by its SLO, not by lambda).
+LAMBDA_FREE = ("fcfs", "spf", "srjf-slo")
 
 
 def spread(values: list[float]) -> dict[str, float | None]:

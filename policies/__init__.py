@@ -18,11 +18,13 @@ def make_policy(
     jct_model: JCTModel | None = None,
     gamma: float | None = None,
     fairness_lambda: float | None = None,
+    latency_slo_s: float | None = None,
     **_ignored: object,
 ) -> Policy:
     """Build a policy by name; unknown names raise ValueError (the app turns that into a 400).
 
-    `gamma` (tokens/s) only affects spf, `fairness_lambda` (s/s) and `jct_model` only srjf;
+    `gamma` (tokens/s) only affects spf, `fairness_lambda` (s/s), `latency_slo_s` (s: each
+    request ages by its own slack instead of one lambda) and `jct_model` only srjf;
     None means the policy default. Parameters meant for another policy are ignored so that
     callers can pass all engine settings whatever the policy.
     """
@@ -31,7 +33,12 @@ def make_policy(
     if name == "spf":
         return SPF(gamma=gamma)
     if name in ("srjf", "srjf-oneshot"):
-        return SRJF(jct_model, fairness_lambda=fairness_lambda, oneshot=name == "srjf-oneshot")
+        return SRJF(
+            jct_model,
+            fairness_lambda=fairness_lambda,
+            oneshot=name == "srjf-oneshot",
+            latency_slo_s=latency_slo_s,
+        )
     raise ValueError(f"unknown prefill policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
 
 

@@ -14,6 +14,12 @@ DEFAULT_FAIRNESS_LAMBDA = 0.1
 
 _ONESHOT_MEMORY = 65536  # remembered estimates; oldest forgotten first (bounded memory)
 
+# With a latency SLO: the slack (SLO - cold JCT) is floored at this fraction of the SLO (an SLO
+# under the cold JCT gives a large, finite lambda), and the cold JCT is averaged over arrivals
+# with this weight on the newest (~100 arrivals of memory).
+MIN_SLACK_FRACTION = 0.05
+COLD_JCT_EWMA = 0.01
+
 
 class SRJF:
     """score = JCT(uncached_now, cached_now) - lambda * wait_s   (units: seconds).
@@ -29,13 +35,28 @@ class SRJF:
         jct_model: JCTModel | None = None,
         fairness_lambda: float | None = None,
         oneshot: bool = False,
+        latency_slo_s: float | None = None,
     ) -> None:
+        """latency_slo_s: the latency (queueing + prefill) requests should stay within. Given,
+        lambda follows it instead of `fairness_lambda`: lambda = J_cold / (SLO - J_cold), with
+        J_cold the mean predicted cold JCT of the requests seen so far (an EWMA over arrivals).
+        A request then waits at most about the SLO's slack for requests that overtake it. In
+        the simulator's lambda sweeps that rule lands on the best fixed lambda at 5x, 10x and
+        20x SLOs (docs/scheduling.md); a per-request slack (each request aging to reach the
+        front at its own latest start) was tried and lost up to 3x max QPS at wide SLOs."""
+        if fairness_lambda is not None and latency_slo_s is not None:
+            raise ValueError("srjf takes fairness_lambda or latency_slo_s, not both")
         self.jct_model = jct_model if jct_model is not None else JCTModel()
         self.fairness_lambda = (
             DEFAULT_FAIRNESS_LAMBDA if fairness_lambda is None else float(fairness_lambda)
         )
         if self.fairness_lambda < 0:
             raise ValueError("srjf fairness_lambda must be >= 0 (s of JCT per s of wait)")
+        if latency_slo_s is not None and not latency_slo_s > 0:
+            raise ValueError("srjf latency_slo_s must be > 0 (seconds)")
+        self.latency_slo_s = latency_slo_s
+        self.cold_jct_s: float | None = None  # EWMA of arrivals' predicted cold JCT (SLO mode)
+        self._seen: OrderedDict[object, None] = OrderedDict()  # requests counted in the EWMA
         self.oneshot = oneshot
         self.name = "srjf-oneshot" if oneshot else "srjf"
         self._first_jct_s: OrderedDict[object, float] = OrderedDict()
@@ -58,4 +79,23 @@ class SRJF:
         self._first_jct_s.pop(request_id, None)
 
     def score(self, req: WaitingView, now_s: float) -> float:
+        if self.latency_slo_s is not None:
+            self._observe_arrival(req)
         return self.jct_s(req) - self.fairness_lambda * (now_s - req.arrival_s)
+
+    def _observe_arrival(self, req: WaitingView) -> None:
+        """SLO mode: fold a request's cold JCT into the EWMA the first time it is scored and
+        set lambda from it (O(1) per call: one dict lookup after the first)."""
+        key = getattr(req, "request_id", None) or (req.arrival_s, req.num_prompt_tokens)
+        if key in self._seen:
+            return
+        self._seen[key] = None
+        if len(self._seen) > _ONESHOT_MEMORY:
+            self._seen.popitem(last=False)
+        cold = self.jct_model.predict_s(max(req.num_prompt_tokens, 1), 0)
+        prev = self.cold_jct_s
+        self.cold_jct_s = cold if prev is None else prev + COLD_JCT_EWMA * (cold - prev)
+        slo = self.latency_slo_s
+        assert slo is not None
+        slack = max(slo - self.cold_jct_s, MIN_SLACK_FRACTION * slo)
+        self.fairness_lambda = self.cold_jct_s / slack

@@ -35,6 +35,11 @@ class EngineConfig:
     tbt_slo_ms: float | None = None
     prefill_policy: str = "srjf"  # srjf | spf | fcfs
     fairness_lambda: float | None = None  # SRJF fairness offset (None = policy default)
+    # The latency (queueing + prefill: a score's latency, a chat's time to first token) SRJF
+    # should keep requests within; given, its fairness offset follows it (lambda = cold JCT /
+    # (SLO - cold JCT), policies/srjf.py) instead of a fixed one. Exclusive with
+    # fairness_lambda. None: the fixed offset.
+    ttft_slo_ms: float | None = None
     spf_gamma: float | None = None  # SPF aging weight (None = policy default)
     # The JCT model's calibration: a calibration-<device>--<model>.json (its `jct` section) or
     # an old greenlane-jct/1 file (runtime/calibrate.py).
@@ -128,6 +133,13 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise ValueError(f"unknown attention backend {self.attention_backend!r}")
+        if self.ttft_slo_ms is not None and not self.ttft_slo_ms > 0:
+            raise ValueError("ttft_slo_ms must be > 0 (ms)")
+        if self.ttft_slo_ms is not None and self.fairness_lambda is not None:
+            raise ValueError(
+                "ttft_slo_ms sets SRJF's fairness offset from the SLO; give it or "
+                "fairness_lambda, not both"
+            )
         if self.fused_rope_kv_write not in ("auto", "true", "false"):
             raise ValueError(
                 f"fused_rope_kv_write must be auto, true or false, got {self.fused_rope_kv_write!r}"

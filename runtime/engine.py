@@ -712,6 +712,9 @@ class Engine:
             jct_model=self.jct_model,
             gamma=self.config.spf_gamma,
             fairness_lambda=self.config.fairness_lambda,
+            latency_slo_s=(
+                self.config.ttft_slo_ms / 1e3 if self.config.ttft_slo_ms is not None else None
+            ),
         )
 
     @property

@@ -597,3 +597,33 @@ def test_quantiles_nearest_rank() -> None:
     values = deque(float(v) for v in range(100, 0, -1))  # 1..100, unsorted
     q = _quantiles("x", values, (50, 90, 99))
     assert q == {"x_p50": 51.0, "x_p90": 91.0, "x_p99": 100.0}
+
+
+def test_srjf_takes_its_offset_from_ttft_slo_ms() -> None:
+    """--ttft-slo-ms reaches SRJF: its offset then follows the SLO and the arrivals' cold JCT
+    (policies/srjf.py); without it the fixed offset stays."""
+    sink = Collector()
+    cfg = EngineConfig(
+        model="random:tiny",
+        prefill_policy="srjf",
+        block_size=4,
+        num_kv_blocks=256,
+        ttft_slo_ms=2000.0,
+    )
+    engine = Engine(cfg, sink)
+    for rid, n in (("a", 40), ("b", 60)):  # queued before the loop starts: ranked together
+        engine.add(Request(rid, RequestKind.SCORE, list(range(5, 5 + n)), label_token_ids=[3, 4]))
+    engine.start()
+    try:
+        sink.wait("a", "b")
+        policy = engine.policy
+        assert policy.latency_slo_s == 2.0 and policy.cold_jct_s is not None
+        cold = policy.cold_jct_s
+        assert policy.fairness_lambda == pytest.approx(cold / max(2.0 - cold, 0.1))
+    finally:
+        engine.shutdown(0)
+    plain, _ = make_engine(prefill_policy="srjf")
+    try:
+        assert plain.policy.latency_slo_s is None and plain.policy.fairness_lambda == 0.1
+    finally:
+        plain.shutdown(0)

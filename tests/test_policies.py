@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -202,3 +203,41 @@ def test_default_gamma_window_on_keys() -> None:
     just_after = View("after", window + 1.0, 1)
     assert order(spf, [old, just_inside], window) == ["in", "old"]
     assert order(spf, [old, just_after], window + 1.0) == ["old", "after"]
+
+
+def test_srjf_offset_from_a_latency_slo() -> None:
+    """Given an SLO, lambda = J_cold / (SLO - J_cold) with J_cold the arrivals' mean predicted
+    cold JCT (EWMA): a cold request is overtaken only for about the SLO's slack."""
+    from policies.srjf import COLD_JCT_EWMA
+
+    model = JCTModel()
+    slo_s = 10 * model.predict_s(14_150, 0)  # 10x a cold post-recommendation prompt
+    srjf = make_policy("srjf", jct_model=model, latency_slo_s=slo_s)
+    cold = View("cold", 0.0, 14_150)
+    srjf.score(cold, 0.0)
+    j = model.predict_s(14_150, 0)
+    assert srjf.cold_jct_s == pytest.approx(j)
+    assert srjf.fairness_lambda == pytest.approx(j / (slo_s - j))  # 1/9
+    srjf.score(cold, 1.0)  # the same request again: counted once
+    assert srjf.cold_jct_s == pytest.approx(j)
+    short = View("short", 0.5, 500)
+    srjf.score(short, 1.0)
+    js = model.predict_s(500, 0)
+    want = j + COLD_JCT_EWMA * (js - j)
+    assert srjf.cold_jct_s == pytest.approx(want)
+    assert srjf.fairness_lambda == pytest.approx(want / (slo_s - want))
+    # The overtaking window: warm requests arriving later go first until the cold one's
+    # score reaches 0, after waiting j / lambda (about the SLO's slack), then it leads.
+    w0 = j / srjf.fairness_lambda
+    assert w0 == pytest.approx((slo_s - want) * j / want)
+    for at, first in ((0.5 * w0, "warm"), (1.01 * w0, "cold")):
+        warm = View("warm", at, 14_150, num_cached_tokens_now=14_000)
+        assert order(srjf, [cold, warm], now_s=at)[0] == first, at
+    # An SLO under the cold JCT: a large, finite offset (the slack's floor).
+    tight = make_policy("srjf", jct_model=model, latency_slo_s=j / 2)
+    tight.score(cold, 0.0)
+    assert math.isfinite(tight.fairness_lambda) and tight.fairness_lambda > 10
+    with pytest.raises(ValueError, match="not both"):
+        SRJF(model, fairness_lambda=0.1, latency_slo_s=slo_s)
+    with pytest.raises(ValueError, match="latency_slo_s"):
+        SRJF(model, latency_slo_s=0.0)

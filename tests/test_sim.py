@@ -408,3 +408,29 @@ def test_default_profile_is_the_measured_h200_one() -> None:
     fitted = sim.build_setup().jct_template.coefficients
     for k, v in served.items():
         assert fitted[k] == pytest.approx(v, rel=1e-9)
+
+
+def test_srjf_given_the_slo_runs_under_its_own_name() -> None:
+    """`srjf-slo` (SRJF told the run's SLO) is reported as itself, not as the policy object's
+    name (srjf), so it never overwrites plain SRJF's results."""
+    from bench import sim
+
+    data = sim.run_experiment(
+        "post-recommendation",
+        ["srjf", sim.SLO_AWARE_SRJF],
+        [2.0],
+        num_requests=100,
+        search=False,
+        prime=True,
+    )
+    assert [r["policy"] for r in data["results"]] == ["srjf", "srjf-slo"]
+
+
+def test_ttft_slo_and_fairness_lambda_are_exclusive() -> None:
+    from runtime.config import EngineConfig
+
+    assert EngineConfig(ttft_slo_ms=3000).ttft_slo_ms == 3000
+    with pytest.raises(ValueError, match="not both"):
+        EngineConfig(ttft_slo_ms=3000, fairness_lambda=0.1)
+    with pytest.raises(ValueError, match="ttft_slo_ms"):
+        EngineConfig(ttft_slo_ms=0)
