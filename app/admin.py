@@ -450,7 +450,13 @@ def _build_state(app: Any) -> dict[str, Any]:
             "query_tokens": query,
             "hit_rate": hit / query if hit is not None and query else None,
         },
-        "policy": {"current": stats.get("policy"), "available": list(POLICY_NAMES)},
+        "policy": {
+            "current": stats.get("policy"),
+            "available": list(POLICY_NAMES),
+            # SRJF's fairness offset now (derived from ttft_slo_ms when that is set).
+            "fairness_lambda": stats.get("fairness_lambda"),
+            "ttft_slo_ms": stats.get("ttft_slo_ms"),
+        },
         "prefill": {
             "token_budget": stats.get("prefill_token_budget"),
             "tbt_slo_ms": stats.get("tbt_slo_ms"),

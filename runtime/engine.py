@@ -1221,6 +1221,9 @@ class Engine:
             "prefix_query_tokens": cache.query_tokens if cache else 0,
             "prefix_cached_blocks": len(cache) if cache else 0,
             "policy": self.policy.name,
+            # SRJF's offset (s/s; with --ttft-slo-ms the one it derived) and the SLO behind it.
+            "fairness_lambda": getattr(self.policy, "fairness_lambda", None),
+            "ttft_slo_ms": self.config.ttft_slo_ms,
             "prefill_token_budget": self.serial.prefill_token_budget,
             "tbt_slo_ms": None if self._tbt_s is None else self._tbt_s * 1e3,
             "tbt_cost_scale": self._prefill_cost.scale,

@@ -233,7 +233,12 @@ def test_state_shape_and_numbers() -> None:
     assert part["splits"] == FAKE_SPLITS and part["mode"] == "off"
     assert state["queues"] == {"waiting": 0, "running": 0}
     assert state["kv"]["blocks_total"] == 256 and state["kv"]["usage"] == 0
-    assert state["policy"] == {"current": "srjf", "available": list(POLICY_NAMES)}
+    assert state["policy"] == {
+        "current": "srjf",
+        "available": list(POLICY_NAMES),
+        "fairness_lambda": None,  # the fake engine reports none
+        "ttft_slo_ms": None,
+    }
     assert {"srjf", "spf", "fcfs"} <= set(POLICY_NAMES)
     ttft = state["latency"]["ttft_s"]
     assert ttft["count"] == 100

@@ -620,6 +620,11 @@ def test_srjf_takes_its_offset_from_ttft_slo_ms() -> None:
         assert policy.latency_slo_s == 2.0 and policy.cold_jct_s is not None
         cold = policy.cold_jct_s
         assert policy.fairness_lambda == pytest.approx(cold / max(2.0 - cold, 0.1))
+        deadline = time.monotonic() + 10  # stats are published at a fixed rate
+        while engine.stats().get("fairness_lambda") != policy.fairness_lambda:
+            assert time.monotonic() < deadline, engine.stats().get("fairness_lambda")
+            time.sleep(0.05)
+        assert engine.stats()["ttft_slo_ms"] == 2000.0
     finally:
         engine.shutdown(0)
     plain, _ = make_engine(prefill_policy="srjf")
