@@ -207,6 +207,12 @@
       }));
     }
     for (const b of seg.children) b.classList.toggle("active", b.dataset.policy === pol.current);
+    // SRJF's fairness offset in use, and the latency SLO it was derived from (--ttft-slo-ms).
+    const lam = pol.fairness_lambda;
+    const slo = pol.ttft_slo_ms;
+    setText("policy-lambda", isNum(lam)
+      ? `fairness λ ${lam.toFixed(3)}` + (isNum(slo) ? ` (from a ${slo} ms latency SLO)` : " (fixed)")
+      : "");
   }
   function renderCostModel(cm) {
     const err = (p, m) => (isNum(p) && isNum(m) && m > 0 ? ((p - m) / m * 100).toFixed(1) + "%" : "–");
