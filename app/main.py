@@ -128,7 +128,7 @@ def create_app(
             # A full collection stops the event loop, and with it every stream: over what
             # start-up left (FastAPI, pydantic, the routes; ~72k objects) it took 56 ms on a
             # CPU here, ~0 ms once they are frozen (docs/benchmarks-cpu.md, section 6).
-            freeze_startup_objects()
+            freeze_startup_objects("API server")
         try:
             yield
         finally:

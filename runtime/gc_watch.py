@@ -22,13 +22,14 @@ from typing import Any
 log = logging.getLogger("greenlane.gc")
 
 
-def freeze_startup_objects() -> int:
+def freeze_startup_objects(process: str = "engine core") -> int:
     """Collect once, then move every object alive now to the permanent generation (never
-    walked again). Returns how many were frozen. Call once the engine is built."""
+    walked again). Returns how many were frozen. Call once start-up is done (the engine
+    built; in an API server, the engine connected). `process` names it in the log line."""
     gc.collect()
     gc.freeze()
     n = gc.get_freeze_count()
-    log.info("gc: %d start-up objects frozen (not walked by later collections)", n)
+    log.info("gc: %s: %d start-up objects frozen (not walked by later collections)", process, n)
     return n
 
 
