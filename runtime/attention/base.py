@@ -12,7 +12,9 @@ block `block_ids[p // block_size]` at offset `p % block_size`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -140,3 +142,20 @@ class AttentionBackend(Protocol):
         attends to its sequence's positions <= its own: cached context from the pool plus this
         step's new tokens)."""
         ...
+
+
+def load_rope_kv_write(wanted: bool, device: torch.device, head_dim: int) -> Callable | None:
+    """The fused RoPE + K/V pool write (runtime/attention/rope_kv_write.py) for a backend
+    asked to fuse, or None: not asked, an odd head_dim (no neox rotation), or no Triton to run
+    it (CUDA, or its interpreter: the CPU tests set TRITON_INTERPRET=1), which it says. Triton
+    is imported only here, only when it will be used."""
+    if not wanted or head_dim % 2:
+        return None
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        logging.getLogger("greenlane.attention").warning(
+            "fused RoPE + KV write needs CUDA (Triton); running unfused"
+        )
+        return None
+    from runtime.attention.rope_kv_write import rope_kv_write
+
+    return rope_kv_write

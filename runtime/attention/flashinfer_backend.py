@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from runtime.attention.base import ForwardBatch, IndexSpans, Rope
+from runtime.attention.base import ForwardBatch, IndexSpans, Rope, load_rope_kv_write
 from runtime.model import ops
 
 DEFAULT_WORKSPACE_BYTES = 128 << 20
@@ -115,12 +115,8 @@ class FlashInferBackend:
         # first forward of each step and the kernel plans run there, on the same stream.
         self._deferred: list = []
         self.graph_batch_size = graph_batch_size
-        self.fuses_rope = bool(fuse_rope_kv_write) and head_dim % 2 == 0
-        self._rope_kv_write: Any = None
-        if self.fuses_rope:  # Triton, imported only when asked for
-            from runtime.attention.rope_kv_write import rope_kv_write
-
-            self._rope_kv_write = rope_kv_write
+        self._rope_kv_write = load_rope_kv_write(fuse_rope_kv_write, self.device, head_dim)
+        self.fuses_rope = self._rope_kv_write is not None
         # One workspace per instance == per stream (see module docstring). `workspace` may be
         # shared only between instances that never run concurrently (e.g. the decode graphs
         # of one stream, replayed one at a time).

@@ -12,19 +12,14 @@ context length; a decode batch runs one padded SDPA call. GQA via `enable_gqa`.
 
 from __future__ import annotations
 
-import logging
-import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from runtime.attention.base import ForwardBatch, Rope
+from runtime.attention.base import ForwardBatch, Rope, load_rope_kv_write
 from runtime.kv.kv_pool import KVPool
 from runtime.model import ops
-
-log = logging.getLogger("greenlane.attention")
 
 
 @dataclass(slots=True)
@@ -50,16 +45,10 @@ class TorchAttentionBackend:
         """fuse_rope_kv_write: rotate q/k and write the pool in one Triton launch
         (runtime/attention/rope_kv_write.py; interpreted without CUDA: for tests)."""
         self.pool = kv_pool
-        # Triton needs CUDA, or its interpreter (the CPU tests set TRITON_INTERPRET=1).
-        runs = kv_pool.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-        if fuse_rope_kv_write and not runs:
-            log.warning("fused RoPE + KV write needs CUDA (Triton); the torch backend runs unfused")
-        self.fuses_rope = fuse_rope_kv_write and runs
-        self._rope_kv_write: Any = None
-        if self.fuses_rope:  # Triton, imported only when asked for
-            from runtime.attention.rope_kv_write import rope_kv_write
-
-            self._rope_kv_write = rope_kv_write
+        self._rope_kv_write = load_rope_kv_write(
+            fuse_rope_kv_write, kv_pool.device, kv_pool.head_dim
+        )
+        self.fuses_rope = self._rope_kv_write is not None
         self._token_slots: torch.Tensor | None = None  # [T] slot per row, -1: not written
         self._write_rows: torch.Tensor | None = None  # [W] rows of this step's k/v to keep
         self._write_slots: torch.Tensor | None = None  # [W] their pool slots
