@@ -338,7 +338,7 @@ class ModelRunner:
                     kv_pool.dtype,
                     sizes,
                     stream=self.decode_stream,
-                    rotate_in_attention=bool(getattr(backend, "fuses_rope", False)),
+                    rotate_in_attention=fuse_rope,
                 )
                 if capture_graphs:
                     self.capture_prefill_graphs()
