@@ -119,7 +119,12 @@ def test_penalties_and_logit_bias_act_inside_graph_decode() -> None:
     prompt = [rng.randrange(100, 30000) for _ in range(60)]
     forced = 4242
     lengths = {"a": 32, "b": 32, "c": 8, "d": 16}
-    eng, sink = _engine()
+    # No prefix cache: with it the second batch prefills only each prompt's uncached tail
+    # (paged, a few rows) where the first prefilled all 240 rows (ragged), so the K/V differ
+    # by bf16 rounding and a near-tie of the random model can flip. Seen on the H200 at 0475b77
+    # with the fused RoPE + K/V write (token 2 of "a"); the fused and unfused forwards agree
+    # to < 1e-2 in every mode (tests/gpu/test_rope_kv_write_gpu.py).
+    eng, sink = _engine(enable_prefix_cache=False)
     try:
         # The same batch twice (same sizes at every step, so the same graphs and products):
         # first without any penalty, then with one per request but "a".
