@@ -35,6 +35,9 @@
 #                                         #   fused RoPE + K/V write's
 #   bash bench/gpu_next.sh y REV          # issue 17: post recommendation at pool 1x, FCFS and
 #                                         #   SRJF, two repeats of six probes (finer bisection)
+#   bash bench/gpu_next.sh l REV          # issue 12: the fused RoPE + K/V write vs the unfused
+#                                         #   pair, one layer, T = 1..16k, tiled variants; then
+#                                         #   the decode-path GPU tests
 # Carry: .whl .fi_cache .cache/smollm2-tok. Results in $OUT: gpu-runtime-*.json (suite),
 # partition-*.json (serving; merge them with `python -m bench.gpu_serving --merge ...`),
 # server logs, fi_cache.tar.gz if the FlashInfer cache grew.
@@ -259,6 +262,15 @@ case $plan in
       tests/gpu/test_prefill_graphs_gpu.py tests/gpu/test_rope_kv_write_gpu.py \
       tests/test_rope_kv_write.py >"$OUT/pytest-prefill-graphs.log" 2>&1 || rc=1
     tail -5 "$OUT/pytest-prefill-graphs.log" ;;
+  l)
+    # Issue 12's prefill check read the 16k prompt 3 % slower fused (0.528 vs 0.511 s, one
+    # reading each at 0475b77): time the kernel per token count and tile size, DEADLINE_S=200.
+    python3 -m bench.gpu_suite --rev "$rev" --tag gpu-rope-kv \
+      --deadline-s "$(( $(left) - 100 ))" --sections rope_kv || rc=1
+    timeout "$(( $(left) - 5 ))" python3 -m pytest -q -m "gpu or kernels" -p no:cacheprovider \
+      tests/gpu/test_rope_kv_write_gpu.py tests/gpu/test_overlap_gpu.py \
+      tests/test_rope_kv_write.py >"$OUT/pytest-rope-kv.log" 2>&1 || rc=1
+    tail -5 "$OUT/pytest-rope-kv.log" ;;
   p|q|y)
     # Issue 17, the rest (one call each, DEADLINE_S=560), serving the JCT calibration plan o
     # measured when it is carried as bench/results/jct-calibration-h200.json:

@@ -1090,6 +1090,72 @@ def _prefill_graphs_one(preset: str) -> dict:
     return out
 
 
+def section_rope_kv() -> dict:
+    """The fused RoPE + K/V pool write (runtime/attention/rope_kv_write.py) against the unfused
+    pair it replaces (FlashInfer's RoPE, then two `index_copy_` into the pool), one layer's
+    worth, T = 1..16,384 tokens, on the 3B and 8B head shapes; the fused kernel one program a
+    (token, head) and tiled (4 / 16 / 64 tokens a program). Median of 20 CUDA-event timings
+    after warm-ups, each variant checked against the unfused result first. Engine-level
+    diagnostic: it says which variant to run at which token count (decode batches are T =
+    batch; a prefill part is T = its tokens), not a serving figure."""
+    from functools import partial
+
+    from runtime.attention.rope_kv_write import rope_kv_write, rope_kv_write_reference
+    from runtime.model import ops
+    from runtime.model.presets import get_preset
+
+    ops.use_flashinfer(True)
+    sizes = (1, 16, 48, 64, 256, 1024, 2048, 8192, 16384)
+    tiles = (1, 4, 16, 64)
+    out: dict[str, Any] = {"token_counts": list(sizes), "tokens_per_program": list(tiles)}
+    dev = torch.device("cuda")
+    for preset in ("qwen2.5-3b", "llama-3.1-8b"):
+        cfg = get_preset(preset)
+        hq, hkv, d = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim
+        cache = ops.rope_cos_sin_cache(32768, d, cfg.rope_theta, cfg.rope_scaling, dev)
+        rows: dict[str, Any] = {"heads": [hq, hkv, d], "num_layers": cfg.num_layers}
+        for T in sizes:
+            g = torch.Generator(device=dev).manual_seed(T)
+            qkv = torch.randn(T, (hq + 2 * hkv) * d, device=dev, generator=g).to(torch.bfloat16)
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            q, k, v = q.view(T, hq, d), k.view(T, hkv, d), v.view(T, hkv, d)
+            pos = torch.randint(0, 32768, (T,), device=dev, generator=g)
+            num_slots = T + 64
+            slots = torch.randperm(num_slots, device=dev, generator=g)[:T]
+            kp = torch.zeros(num_slots, hkv, d, dtype=torch.bfloat16, device=dev)
+            vp = torch.zeros_like(kp)
+            kr, vr = torch.zeros_like(kp), torch.zeros_like(kp)
+            q_ref, k_ref = rope_kv_write_reference(q, k, v, pos, cache, slots, kr, vr)
+            r: dict[str, Any] = {
+                "unfused_us": round(
+                    1e3
+                    * time_cuda(
+                        partial(rope_kv_write_reference, q, k, v, pos, cache, slots, kr, vr)
+                    ),
+                    2,
+                )
+            }
+            for tpp in tiles:
+                kp.zero_()
+                vp.zero_()
+                q1, k1 = rope_kv_write(q, k, v, pos, cache, slots, kp, vp, tpp)
+                err = max(rel_err(q1, q_ref), rel_err(k1, k_ref), rel_err(kp, kr))
+                check(
+                    f"rope_kv {preset} T={T} tokens/program={tpp} matches the unfused path",
+                    err < 1e-2 and torch.equal(vp, vr),
+                    f"rel_err={err:.2e}",
+                )
+                r[f"fused_tpp{tpp}_us"] = round(
+                    1e3
+                    * time_cuda(partial(rope_kv_write, q, k, v, pos, cache, slots, kp, vp, tpp)),
+                    2,
+                )
+            rows[f"T{T}"] = r
+            print(f"rope_kv {preset} T={T}: {r}", flush=True)
+        out[preset] = rows
+    return out
+
+
 def section_decode_attention() -> dict:
     """Decode attention at batch 1..64, llama-3.1-8b heads (32 q / 8 kv, d 128), 2k contexts:
     FlashInfer's tensor-core decode (what the backend uses for GQA >= 4) against its CUDA-core
@@ -2563,6 +2629,7 @@ SECTIONS: dict[str, Callable[[], dict]] = {
     "decode_profile": section_decode_profile,
     "decode_breakdown": section_decode_breakdown,
     "prefill_graphs": section_prefill_graphs,
+    "rope_kv": section_rope_kv,
     "decode_attention": section_decode_attention,
     "fused_decode": section_fused_decode,
     "mil8b": section_mil8b,

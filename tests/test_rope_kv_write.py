@@ -40,11 +40,15 @@ def _case(dtype: torch.dtype, T: int, hq: int, hkv: int, d: int, seed: int = 0):
         (torch.bfloat16, 9, 8, 1, 32),
         (torch.float32, 1, 2, 2, 8),
         (torch.bfloat16, 20, 6, 2, 24),  # D / 2 = 12: a masked half block
+        (torch.bfloat16, 37, 4, 2, 16),  # tiles of 4 and 16: full ones and a partial one
     ],
 )
-def test_fused_rope_and_pool_write_match_the_unfused_path(dtype, T, hq, hkv, d) -> None:
+@pytest.mark.parametrize("tokens_per_program", [1, 4, 16])  # 16 > T in some cases: one partial tile
+def test_fused_rope_and_pool_write_match_the_unfused_path(
+    dtype, T, hq, hkv, d, tokens_per_program
+) -> None:
     q, k, v, pos, cache, slots, (kf, vf, kr, vr) = _case(dtype, T, hq, hkv, d)
-    q1, k1 = rope_kv_write(q, k, v, pos, cache, slots, kf, vf)
+    q1, k1 = rope_kv_write(q, k, v, pos, cache, slots, kf, vf, tokens_per_program)
     q2, k2 = rope_kv_write_reference(q, k, v, pos, cache, slots, kr, vr)
     tol = {"rtol": 0, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
     torch.testing.assert_close(q1, q2, **tol)
@@ -78,6 +82,9 @@ def test_what_it_refuses() -> None:
             pool,
             pool,
         )
+    z = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="power of two"):
+        rope_kv_write(q, q[:, :1], q[:, :1], z, torch.zeros(4, 8), z, pool, pool, 3)
 
 
 def test_engine_with_the_fused_rope_gives_the_same_tokens_and_scores() -> None:

@@ -10,7 +10,11 @@ rotated q and k as new contiguous tensors (attention and ragged prefill read the
 into the pool at each token's slot (-1: not written, a scoring request's discarded suffix).
 
 Grid: one program per (token, head) over Hq + 2 Hkv heads: q heads rotate, k heads rotate and
-write, v heads only write. On a machine without CUDA it runs under Triton's interpreter
+write, v heads only write. `tokens_per_program` > 1 runs a variant whose program takes that
+many tokens of one head (a [tokens, D/2] tile): the per-token grid is 786k programs a layer
+for a 16k-token prefill on the 8B shape, where the H200 read the 16k prompt 3 % slower fused
+than unfused (0.528 vs 0.511 s, one reading each at `0475b77`). Which variant wins at which
+token count is measured by `bench/gpu_suite.py --sections rope_kv` before it becomes a default. On a machine without CUDA it runs under Triton's interpreter
 (TRITON_INTERPRET=1, set by the tests' conftest).
 """
 
@@ -79,6 +83,70 @@ def _rope_kv_write_kernel(
         tl.store(c + half + j, tl.load(src + half + j, mask=mask, other=0.0), mask=mask)
 
 
+@triton.jit
+def _rope_kv_write_tiled_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    kc_ptr,
+    vc_ptr,
+    pos_ptr,
+    slot_ptr,
+    cs_ptr,
+    T,  # number of tokens (the last tile is partial)
+    q_st,
+    q_sh,
+    k_st,
+    k_sh,
+    v_st,
+    v_sh,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    HALF_BLOCK: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # tokens per program
+):
+    """`_rope_kv_write_kernel` over a [BLOCK_T tokens, D/2] tile of one head."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    h = tl.program_id(1)
+    half: tl.constexpr = D // 2
+    j = tl.arange(0, HALF_BLOCK)
+    in_t = t < T
+    mask = in_t[:, None] & (j < half)[None, :]  # [BLOCK_T, HALF_BLOCK]
+    slot = tl.load(slot_ptr + t, mask=in_t, other=-1)
+    wmask = mask & (slot >= 0)[:, None]
+    jj = j[None, :]
+    if h < HQ + HKV:  # q or k: rotate
+        pos = tl.load(pos_ptr + t, mask=in_t, other=0)
+        cs = cs_ptr + pos[:, None] * D + jj
+        cos = tl.load(cs, mask=mask, other=0.0)
+        sin = tl.load(cs + half, mask=mask, other=0.0)
+        if h < HQ:
+            src = q_ptr + t[:, None] * q_st + h * q_sh + jj
+            dst = q_out_ptr + (t[:, None] * HQ + h) * D + jj
+        else:
+            src = k_ptr + t[:, None] * k_st + (h - HQ) * k_sh + jj
+            dst = k_out_ptr + (t[:, None] * HKV + (h - HQ)) * D + jj
+        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+        o1 = (x1 * cos - x2 * sin).to(q_out_ptr.dtype.element_ty)
+        o2 = (x2 * cos + x1 * sin).to(q_out_ptr.dtype.element_ty)
+        tl.store(dst, o1, mask=mask)
+        tl.store(dst + half, o2, mask=mask)
+        if h >= HQ:
+            c = kc_ptr + (slot[:, None] * HKV + (h - HQ)) * D + jj
+            tl.store(c, o1, mask=wmask)
+            tl.store(c + half, o2, mask=wmask)
+    else:  # v: copy into the pool
+        hv = h - HQ - HKV
+        src = v_ptr + t[:, None] * v_st + hv * v_sh + jj
+        c = vc_ptr + (slot[:, None] * HKV + hv) * D + jj
+        tl.store(c, tl.load(src, mask=wmask, other=0.0), mask=wmask)
+        tl.store(c + half, tl.load(src + half, mask=wmask, other=0.0), mask=wmask)
+
+
 def unsupported_reason(q: torch.Tensor, k_flat: torch.Tensor, cos_sin_cache: torch.Tensor) -> str:
     """ "" when `rope_kv_write` can take these, else why not (the caller falls back)."""
     if q.shape[-1] % 2:
@@ -99,11 +167,15 @@ def rope_kv_write(
     token_slots: torch.Tensor,
     k_flat: torch.Tensor,
     v_flat: torch.Tensor,
+    tokens_per_program: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, D], k / v [T, Hkv, D] (views of the projection's output: any row and head
     strides, dims packed), positions [T] int64, token_slots [T] int64 (-1: not written),
     k_flat / v_flat [num_slots, Hkv, D] -> (q, k) rotated, new contiguous tensors; k (rotated)
-    and v written to the pool."""
+    and v written to the pool. tokens_per_program: 1 (one program per token and head), or a
+    power of two for the tiled variant (see the module docstring)."""
+    if tokens_per_program < 1 or tokens_per_program & (tokens_per_program - 1):
+        raise ValueError(f"tokens_per_program must be a power of two, got {tokens_per_program}")
     T, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -113,7 +185,35 @@ def rope_kv_write(
     k_out = torch.empty(T, num_kv_heads, head_dim, dtype=k.dtype, device=k.device)
     if T == 0:
         return q_out, k_out
-    _rope_kv_write_kernel[(T, num_q_heads + 2 * num_kv_heads)](
+    num_heads = num_q_heads + 2 * num_kv_heads
+    half_block = triton.next_power_of_2(head_dim // 2)
+    if tokens_per_program > 1:
+        _rope_kv_write_tiled_kernel[(triton.cdiv(T, tokens_per_program), num_heads)](
+            q,
+            k,
+            v,
+            q_out,
+            k_out,
+            k_flat,
+            v_flat,
+            positions,
+            token_slots,
+            cos_sin_cache,
+            T,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            HQ=num_q_heads,
+            HKV=num_kv_heads,
+            D=head_dim,
+            HALF_BLOCK=half_block,
+            BLOCK_T=tokens_per_program,
+        )
+        return q_out, k_out
+    _rope_kv_write_kernel[(T, num_heads)](
         q,
         k,
         v,
@@ -133,7 +233,7 @@ def rope_kv_write(
         HQ=num_q_heads,
         HKV=num_kv_heads,
         D=head_dim,
-        HALF_BLOCK=triton.next_power_of_2(head_dim // 2),
+        HALF_BLOCK=half_block,
     )
     return q_out, k_out
 
