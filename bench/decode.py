@@ -15,7 +15,12 @@ window:
   - optionally (`--prefill-check N`), one cold N-token scoring prompt end to end and its
     model FLOP rate against the measured matmul peak (prefill must not regress);
   - the CPU use of the server's processes (the API server(s) and the engine core: psutil over
-    the process tree listening on the port), and optionally a py-spy profile of each.
+    the process tree listening on the port), and optionally a py-spy profile of each;
+  - the client's own CPU use. The streams are spread over `--client-procs` processes (default
+    one per 16 streams): one Python client reading 48 streams of ~250 chunks/s each (12k SSE
+    events a second, each parsed as JSON) can itself be the bottleneck, and then its timestamps
+    bunch up — a gap distribution of the client, not the server. `client_cpu_percent_max` says
+    how close the busiest client process came to a full core.
 
     python -m bench.decode --url http://127.0.0.1:8000 --shape llama-3.1-8b --batches 1,16,64 \
         --context 2048 --output-tokens 160 --out decode.json
@@ -26,10 +31,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import random
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -222,20 +229,58 @@ async def one_stream(
     return times
 
 
-async def run_batch(
-    url: str, model: str, batch: int, context: int, max_tokens: int, vocab: int, seed: int
-) -> list[list[float]]:
+def make_prompts(batch: int, context: int, vocab: int, seed: int) -> list[list[int]]:
+    """Random ids from the middle of the vocabulary (ordinary tokens), distinct per stream."""
     rng = random.Random(seed + batch)
-    # Random ids from the middle of the vocabulary (ordinary tokens), distinct per stream.
-    prompts = [
-        [rng.randrange(1000, min(vocab, 40000)) for _ in range(context)] for _ in range(batch)
-    ]
-    limits = httpx.Limits(max_connections=batch + 8, max_keepalive_connections=batch + 8)
+    return [[rng.randrange(1000, min(vocab, 40000)) for _ in range(context)] for _ in range(batch)]
+
+
+async def run_streams(
+    url: str, model: str, prompts: list[list[int]], max_tokens: int
+) -> list[list[float]]:
+    n = len(prompts)
+    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         done: list[float] = []
         return await asyncio.gather(
             *(one_stream(client, model, p, max_tokens, done) for p in prompts)
         )
+
+
+def _warm(_: int) -> None:
+    """A no-op job: each spawned client process imports this module before any batch."""
+
+
+def _client_worker(
+    job: tuple[str, str, list[list[int]], int, float],
+) -> tuple[list[list[float]], float, float]:
+    """One client process: wait for the common start time, run its streams; returns (chunk
+    times per stream, CPU seconds, wall seconds). time.monotonic is system-wide on Linux, so
+    the processes' timestamps share one clock."""
+    url, model, prompts, max_tokens, start_at = job
+    time.sleep(max(0.0, start_at - time.monotonic()))
+    cpu0, t0 = time.process_time(), time.monotonic()
+    streams = asyncio.run(run_streams(url, model, prompts, max_tokens))
+    return streams, time.process_time() - cpu0, time.monotonic() - t0
+
+
+def run_batch(
+    pool: Any, url: str, model: str, prompts: list[list[int]], max_tokens: int, num_procs: int
+) -> tuple[list[list[float]], list[float]]:
+    """The batch's streams over `num_procs` client processes (`pool`; in this process when 1):
+    (chunk times per stream, each client process's CPU percent)."""
+    if num_procs <= 1:
+        streams, cpu_s, wall_s = _client_worker((url, model, prompts, max_tokens, 0.0))
+        return streams, [100.0 * cpu_s / wall_s if wall_s > 0 else 0.0]
+    shares = [prompts[i::num_procs] for i in range(num_procs)]
+    start_at = time.monotonic() + 1.0  # every process's streams start together
+    jobs = [(url, model, share, max_tokens, start_at) for share in shares if share]
+    streams: list[list[float]] = []
+    cpu_pct: list[float] = []
+    for share_streams, cpu_s, wall_s in pool.map(_client_worker, jobs):
+        streams += share_streams
+        cpu_pct.append(100.0 * cpu_s / wall_s if wall_s > 0 else 0.0)
+    return streams, cpu_pct
 
 
 def itl_window(streams: list[list[float]]) -> tuple[list[float], float, float, int]:
@@ -305,13 +350,46 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--label", default="", help="what server this is (revision, options)")
     ap.add_argument("--py-spy-s", type=float, default=0.0, help="profile the server this long")
     ap.add_argument("--prefill-check", type=int, default=0, help="also: one cold scoring prompt")
+    ap.add_argument(
+        "--client-procs",
+        type=int,
+        default=0,
+        help="client processes the streams are spread over (0: one per 16 streams)",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    if args.client_procs < 0:
+        ap.error("--client-procs must be >= 0")
 
     ceilings = None if args.copy_gbs else measure_ceilings()
     copy_gbs = args.copy_gbs or (ceilings or {}).get("copy_gbs_read_plus_write")
     cfg = get_preset(args.shape)
     port = httpx.URL(args.url).port or 80
+    batches = [int(b) for b in args.batches.split(",") if b]
+    most_procs = max(args.client_procs or -(-b // 16) for b in batches)
+    pool = None
+    if most_procs > 1:
+        # Spawned (not forked: this process may hold httpx state); warmed so that imports are
+        # done before any batch's common start time.
+        pool = ProcessPoolExecutor(most_procs, mp_context=multiprocessing.get_context("spawn"))
+        list(pool.map(_warm, range(most_procs)))
+    try:
+        return _measure(args, argv, ceilings, copy_gbs, cfg, port, batches, pool)
+    finally:
+        if pool is not None:
+            pool.shutdown()
+
+
+def _measure(
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    ceilings: dict[str, float] | None,
+    copy_gbs: float | None,
+    cfg: Any,
+    port: int,
+    batches: list[int],
+    pool: Any,
+) -> int:
     with httpx.Client(base_url=args.url, timeout=60) as client:
         model = client.get("/v1/models").json()["data"][0]["id"]
         procs = server_processes(port)
@@ -329,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
             "points": [],
         }
         out_dir = Path(args.out).parent
-        for batch in [int(b) for b in args.batches.split(",") if b]:
+        for batch in batches:
             for rep in range(args.repeats):
                 client.post("/admin/api/prefix-cache/reset", json={})
                 cpu = CpuMeter(procs)
@@ -342,16 +420,10 @@ def main(argv: list[str] | None = None) -> int:
                         procs, args.py_spy_s, out_dir, f"{args.label or 'server'}-b{batch}"
                     )
                 t0 = time.monotonic()
-                streams = asyncio.run(
-                    run_batch(
-                        args.url,
-                        model,
-                        batch,
-                        args.context,
-                        args.output_tokens,
-                        cfg.vocab_size,
-                        args.seed + rep,
-                    )
+                prompts = make_prompts(batch, args.context, cfg.vocab_size, args.seed + rep)
+                num_procs = args.client_procs or -(-batch // 16)
+                streams, client_cpu = run_batch(
+                    pool, args.url, model, prompts, args.output_tokens, num_procs
                 )
                 wall = time.monotonic() - t0
                 cpu_pct = cpu.read()
@@ -376,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
                     "floor_ms": floor_ms,
                     "itl_over_floor": (pct(gaps, 0.5) or 0) * 1e3 / floor_ms if floor_ms else None,
                     "server_cpu_percent": cpu_pct,
+                    "client_procs": num_procs,
+                    "client_cpu_percent_max": round(max(client_cpu), 1),
                     "py_spy_files": spy,
                 }
                 if before and after and after["num_decode_steps"] > before["num_decode_steps"]:
@@ -397,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
                     f" {point['decode_tokens_per_s'] or 0:.0f} tok/s,"
                     f" engine step {point.get('engine_decode_step_ms', float('nan')):.2f} ms,"
                     f" GPU idle {point.get('gpu_idle_fraction_between_decode_steps', float('nan'))},"
-                    f" CPU {sorted(cpu_pct.values(), reverse=True)[:3]}",
+                    f" CPU {sorted(cpu_pct.values(), reverse=True)[:3]},"
+                    f" client CPU max {max(client_cpu):.0f} % over {num_procs} process(es)",
                     flush=True,
                 )
         if args.prefill_check:
