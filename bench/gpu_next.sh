@@ -37,7 +37,8 @@
 #                                         #   SRJF, two repeats of six probes (finer bisection)
 #   bash bench/gpu_next.sh l REV          # issue 12: the fused RoPE + K/V write vs the unfused
 #                                         #   pair, one layer, T = 1..16k, tiled variants; then
-#                                         #   the decode-path GPU tests
+#                                         #   the decode-path GPU tests; issue 17: the prefill
+#                                         #   profile again (DEADLINE_S=330)
 # Carry: .whl .fi_cache .cache/smollm2-tok. Results in $OUT: gpu-runtime-*.json (suite),
 # partition-*.json (serving; merge them with `python -m bench.gpu_serving --merge ...`),
 # server logs, fi_cache.tar.gz if the FlashInfer cache grew.
@@ -264,13 +265,21 @@ case $plan in
     tail -5 "$OUT/pytest-prefill-graphs.log" ;;
   l)
     # Issue 12's prefill check read the 16k prompt 3 % slower fused (0.528 vs 0.511 s, one
-    # reading each at 0475b77): time the kernel per token count and tile size, DEADLINE_S=200.
+    # reading each at 0475b77): time the kernel per token count and tile size, DEADLINE_S=330.
     python3 -m bench.gpu_suite --rev "$rev" --tag gpu-rope-kv \
-      --deadline-s "$(( $(left) - 100 ))" --sections rope_kv || rc=1
-    timeout "$(( $(left) - 5 ))" python3 -m pytest -q -m "gpu or kernels" -p no:cacheprovider \
+      --deadline-s "$(( $(left) - 220 ))" --sections rope_kv || rc=1
+    timeout "$(( $(left) - 110 ))" python3 -m pytest -q -m "gpu or kernels" -p no:cacheprovider \
       tests/gpu/test_rope_kv_write_gpu.py tests/gpu/test_overlap_gpu.py \
       tests/test_rope_kv_write.py >"$OUT/pytest-rope-kv.log" 2>&1 || rc=1
-    tail -5 "$OUT/pytest-rope-kv.log" ;;
+    tail -5 "$OUT/pytest-rope-kv.log"
+    # Issue 17: the simulator's service profile at this revision (plan y's replay read SRJF
+    # 32 % low with the 2026-12-01 profile, measured before prefix hits attended from the
+    # pool); `python -m bench.sim_vs_gpu --gpu ... --profile <this>` replays plans o, p, y.
+    if [ "$(left)" -gt 90 ]; then
+      timeout "$(( $(left) - 5 ))" python3 -m bench.prefill_profile --model random:llama-3.1-8b \
+        --device cuda --deadline-s "$(( $(left) - 20 ))" --rev "$rev" \
+        --out "$OUT/prefill-profile-gpu-scheduling-$(date +%F)-$rev.json" || rc=1
+    fi ;;
   p|q|y)
     # Issue 17, the rest (one call each, DEADLINE_S=560), serving the JCT calibration plan o
     # measured when it is carried as bench/results/jct-calibration-h200.json:
