@@ -9,6 +9,7 @@ import pytest
 from runtime.partition import SplitDecision
 from runtime.partition.cost_model import (
     DECODE,
+    DEFAULT_PREFILL_INTERFERENCE_PER_MS,
     PREFILL,
     TIME_SLICE,
     ControllerConfig,
@@ -254,3 +255,73 @@ def test_layer_slicing_when_it_finishes_the_prefill_before_the_best_split() -> N
         ),
     ).choose(p, d, 0.2)
     assert tight.layers_per_slice is None
+
+
+def test_interference_slope_is_learned_from_observations_of_a_known_law() -> None:
+    """A split prefill that slows by (1 + nu * the neighbour decode step in ms), at a level the
+    profile does not know (x1.7): `fit_interference` finds nu whatever the level."""
+    rng = random.Random(3)
+    law, model = truth(), truth()
+    law.interference[PREFILL] = 0.012
+    samples = []
+    for _ in range(40):
+        p = PrefillShape.from_seqs([(rng.randrange(0, 8000), rng.randrange(1024, 8192))])
+        batch = rng.randrange(8, 256)
+        d = DecodeShape(batch, batch * rng.randrange(256, 4096))
+        ms = 1.7 * law.predict(PREFILL, p, 112, 20, neighbour=d) * (1 + rng.uniform(-0.01, 0.01))
+        samples.append(ProfileSample(PREFILL, p, 112, ms, 20, neighbour=d))
+    assert model.fit_interference(PREFILL, samples) == pytest.approx(0.012, abs=0.002)
+    # The term is the prediction's: a heavier neighbour, a slower prefill.
+    p = PrefillShape.from_seqs([(0, 4096)])
+    light, heavy = DecodeShape(8, 8 * 512), DecodeShape(256, 256 * 4096)
+    ratio = model.predict(PREFILL, p, 112, 20, neighbour=heavy) / model.predict(
+        PREFILL, p, 112, 20, neighbour=light
+    )
+    nb_ms = model.neighbour_ms(PREFILL, 112, 20, heavy), model.neighbour_ms(PREFILL, 112, 20, light)
+    assert ratio == pytest.approx((1 + 0.012 * nb_ms[0]) / (1 + 0.012 * nb_ms[1]), rel=0.2)
+    assert model.predict(PREFILL, p, 112, 20) == truth().predict(PREFILL, p, 112, 20)  # unknown
+
+
+def test_online_correction_learns_the_neighbour_law_level_from_the_first_observation() -> None:
+    """Observed under a law 1.7x the prior with the right slope: the first observation is
+    scored against the prior, then the correction takes its ratio whole (not a fifth of it),
+    and later observations at other neighbour loads are predicted within the noise."""
+    law, m = truth(), truth()
+    law.interference[PREFILL] = m.interference[PREFILL] = 0.01
+    p = PrefillShape.from_seqs([(0, 8192)])
+    errs = []
+    for batch in (16, 200, 64, 128, 32, 256):
+        d = DecodeShape(batch, batch * 2048)
+        measured = 1.7 * law.predict(PREFILL, p, 112, 20, neighbour=d)
+        errs.append(m.observe(PREFILL, p, 112, measured, 20, neighbour=d))
+    assert errs[0] == pytest.approx(0.7 / 1.7, rel=1e-6)  # out of sample: the prior's error
+    assert max(errs[1:]) < 1e-6
+    assert m.recent_error(f"{PREFILL}/concurrent", min_samples=1) == pytest.approx(
+        sum(errs) / len(errs)
+    )
+
+
+def test_interference_persists_and_old_parameters_get_the_default() -> None:
+    m = CostModel.fit(TOTAL, profile(truth(), random.Random(0)))
+    assert m.interference[PREFILL] == DEFAULT_PREFILL_INTERFERENCE_PER_MS
+    m.interference[PREFILL] = 0.02
+    assert CostModel.from_dict(m.to_dict()).interference == {PREFILL: 0.02, DECODE: 0.0}
+    old = m.to_dict()
+    del old["interference"]  # a calibration file written before the term
+    back = CostModel.from_dict(old)
+    assert back.interference[PREFILL] == DEFAULT_PREFILL_INTERFERENCE_PER_MS
+    assert CostModel(TOTAL).interference[PREFILL] == 0.0  # no parameters, no term
+
+
+def test_controller_predicts_a_split_prefill_with_its_decode_neighbour() -> None:
+    m = truth()
+    m.interference[PREFILL] = 0.01
+    c = SplitController(m, SPLITS)
+    p = PrefillShape.from_seqs([(0, 4096)])
+    light, heavy = DecodeShape(4, 4 * 512), DecodeShape(256, 256 * 8192)
+    tp_light, _ = c._eval(96, p, light)
+    tp_heavy, td_heavy = c._eval(96, p, heavy)
+    assert tp_heavy > tp_light
+    assert tp_heavy == pytest.approx(
+        m.predict(PREFILL, p, 96, TOTAL - 96) * (1 + 0.01 * td_heavy), rel=1e-9
+    )

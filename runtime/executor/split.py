@@ -59,6 +59,11 @@ class _Prefill:
     slice_events: list[EventLike] = field(default_factory=list)
     done_event: EventLike | None = None
     overlapped_decode: bool = False  # a decode step ran while it was in flight
+    # The decode steps launched beside it (count, summed batch and KV tokens): their mean
+    # shape is the neighbour load the cost model's interference term reads (`_collect`).
+    num_beside: int = 0
+    batch_beside: int = 0
+    kv_beside: int = 0
 
 
 @dataclass(slots=True)
@@ -74,10 +79,12 @@ class _Launched:
     other_sms: int = 0  # SMs of the phase running beside it (0: none)
     layer_sliced: bool = False
     on_split: bool = False  # ran on a split's partition (not the whole GPU)
+    neighbour: DecodeShape | None = None  # a split prefill: the mean decode step beside it
 
 
-# observe(stage, shape, sms, measured_ms, other_sms): the cost model's online refinement.
-Observe = Callable[[str, PrefillShape | DecodeShape, int, float, int], None]
+# observe(stage, shape, sms, measured_ms, other_sms[, neighbour shape | None]): the cost
+# model's online refinement (`CostModel.observe`).
+Observe = Callable[..., None]
 Choose = Callable[[StepPlan | None, StepPlan | None], SplitChoice]
 
 
@@ -233,6 +240,9 @@ class SplitExecutor:
             split = f.choice
             stream, sms, other = split.decode_stream, split.decode_sms, split.prefill_sms
             f.overlapped_decode = True
+            f.num_beside += 1
+            f.batch_beside += len(plan.decode)
+            f.kv_beside += sum(s.num_context_tokens for s in plan.decode)
             self.num_overlapped_decode_steps += 1
         else:
             split = self.choose(None, plan)
@@ -367,6 +377,12 @@ class SplitExecutor:
             raise StepFailed(f.plan, e, f.choice.prefill_sms) from e
         sliced = bool(f.choice.layers_per_slice)
         other = f.choice.decode_sms if f.overlapped_decode else 0
+        neighbour = None
+        if f.num_beside:
+            n = f.num_beside
+            neighbour = DecodeShape(
+                round(f.batch_beside / n), round(f.kv_beside / n), self.model.num_layers
+            )
         self._queue.append(
             _Launched(
                 "prefill",
@@ -378,6 +394,7 @@ class SplitExecutor:
                 other,
                 layer_sliced=sliced,
                 on_split=f.choice.prefill_sms != TIME_SLICE,
+                neighbour=neighbour,
             )
         )
 
@@ -402,6 +419,6 @@ class SplitExecutor:
                 shape = PrefillShape.from_seqs(
                     [(s.num_context_tokens, s.num_new_tokens) for s in f.plan.prefill], layers
                 )
-                self.observe("prefill", shape, f.sms, ms, f.other_sms)
+                self.observe("prefill", shape, f.sms, ms, f.other_sms, f.neighbour)
         device_s = None if f.layer_sliced else ms / 1e3
         return StepResult(f.plan, output, device_s, None, on_split=f.on_split)

@@ -16,10 +16,19 @@ Model (all latencies in ms, SM shares r in (0, 1] of the device's SMs):
 Concurrent execution on a disjoint pair adds a memory-bandwidth contention term. A phase on a
 small partition issues few memory requests and loses most of the bandwidth to a large
 neighbour, so the slowdown grows with the ratio of the neighbour's share to its own:
-  T_conc = T_alone(r_self) * (1 + kappa * r_other / r_self)
+  T_conc = T_alone(r_self) * (1 + kappa * r_other / r_self) * (1 + nu * t_neighbour_ms)
+The last factor is the neighbour's *load*, which the profile cannot see (it measures one light
+decode batch beside one prefill launched whole): while serving, a split prefill is launched in
+slices of layers that the host tops up between the decode steps it waits for, and the heavier
+the decode beside it, the longer each of those steps and the slower the prefill. t_neighbour_ms
+is the neighbour's predicted step on its own partition; nu (per ms) was fitted on the H200's
+serving records (`DEFAULT_PREFILL_INTERFERENCE_PER_MS`, `fit_interference`, bench/cost_replay.py).
 All parameters are fitted from a profile measured on the actual GPU (`fit`), then refined online
 from measured latencies (`observe`: an EMA correction factor per (stage, regime, split), with a
-per-(stage, regime) fallback for splits never measured). Every observation is scored against
+per-(stage, regime) fallback for splits never measured; the n-th observation of a factor
+weighs max(ema, 1 / n), so the first measurement replaces the prior instead of moving it by a
+fifth -- a split's prior was 1.5-2x off on the H200 and the slow start was most of its error).
+Every observation is scored against
 the prediction made *before* it updates the model, so `error_stats()` is a genuine
 out-of-sample prediction error (MAPE).
 
@@ -50,6 +59,13 @@ PREFILL = "prefill"
 DECODE = "decode"
 # A kind of prediction's measured error counts once this many are logged (fewer: noise).
 ERROR_MIN_SAMPLES = 8
+# A split prefill's slowdown per ms of the concurrent decode step on the other partition
+# (`CostModel.interference`), fitted on the H200's serving records (plans s and t, 3B and 8B,
+# 2026-12-02 at aebd7bb and 0475b77; bench/cost_replay.py): 0.0068 and 0.0218 per ms on each
+# day's records alone, 0.0071-0.0085 on both together. Loosely pinned (31 split prefills in
+# all, nearly all 8,192 tokens on 112 SMs): a default until a profile measures it per device.
+# The decode side shows no such term (0).
+DEFAULT_PREFILL_INTERFERENCE_PER_MS = 0.0085
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +129,8 @@ class ProfileSample:
     sms: int
     latency_ms: float
     other_sms: int = 0  # SMs of the other phase running concurrently (0 = alone)
+    # The other phase's work beside it (its mean shape), where known (`fit_interference`).
+    neighbour: Shape | None = None
 
 
 @dataclass(slots=True)
@@ -167,9 +185,13 @@ class CostModel:
             DECODE: SaturationCurve(),
         }
         self.kappa: dict[str, float] = {PREFILL: 0.0, DECODE: 0.0}
+        # Slowdown per ms of the neighbour's step when its shape is known (`predict`'s
+        # `neighbour`); calibrated models start from the H200 fit (`fit`, `from_dict`).
+        self.interference: dict[str, float] = {PREFILL: 0.0, DECODE: 0.0}
         # Online refinement: measured / predicted, per (stage, regime) where regime is
-        # "alone" or "concurrent" (EMA, weight `ema`).
+        # "alone" or "concurrent" (EMA, weight `ema`; the n-th update weighs max(ema, 1/n)).
         self.correction: dict[str, float] = {}
+        self._num_updates: dict[str, int] = {}
         self.ema = 0.2
         self.errors: dict[str, _ErrorLog] = {}
         # One prefill model (issue 13): when set, a prefill's whole-GPU latency (ms) comes from
@@ -202,12 +224,36 @@ class CostModel:
             return 1.0
         return 1.0 + self.kappa[stage] * other_sms / max(sms, 1)
 
-    def predict(self, stage: str, shape: Shape, sms: int, other_sms: int = 0) -> float:
-        """Latency of `stage` on `sms` SMs while the other phase runs on `other_sms` (0 = alone)."""
+    def neighbour_ms(self, stage: str, sms: int, other_sms: int, neighbour: Shape) -> float:
+        """The neighbour's predicted step (ms) on its `other_sms` beside `stage` on `sms`."""
+        other = DECODE if stage == PREFILL else PREFILL
+        return self.predict(other, neighbour, other_sms, sms)
+
+    def interference_factor(
+        self, stage: str, sms: int, other_sms: int, neighbour: Shape | None
+    ) -> float:
+        """Slowdown factor (>= 1) of `stage` from the neighbour's load: 1 + nu * its step (ms)."""
+        nu = self.interference.get(stage, 0.0)
+        if other_sms <= 0 or neighbour is None or nu <= 0.0:
+            return 1.0
+        return 1.0 + nu * self.neighbour_ms(stage, sms, other_sms, neighbour)
+
+    def predict(
+        self,
+        stage: str,
+        shape: Shape,
+        sms: int,
+        other_sms: int = 0,
+        *,
+        neighbour: Shape | None = None,
+    ) -> float:
+        """Latency of `stage` on `sms` SMs while the other phase runs on `other_sms` (0 = alone).
+        `neighbour`: the other phase's shape, where known (its load slows this one)."""
         if other_sms <= 0:
             return self.predict_alone(stage, shape, sms)
         t = self.predict_alone(stage, shape, sms, corrected=False)
         t *= self.contention(stage, sms, other_sms)
+        t *= self.interference_factor(stage, sms, other_sms, neighbour)
         return t * self._correction(stage, "concurrent", sms)
 
     # ---- fitting --------------------------------------------------------------------------
@@ -216,6 +262,8 @@ class CostModel:
         """Fit base latencies (whole-GPU samples), saturation curves (alone on a partition)
         and contention coefficients (concurrent samples)."""
         m = cls(total_sms, calibrated=True, source="fit")
+        # (A profile runs one light decode beside the prefill: no load to fit a slope on.)
+        m.interference[PREFILL] = DEFAULT_PREFILL_INTERFERENCE_PER_MS
         for stage in (PREFILL, DECODE):
             full = [
                 s for s in samples if s.stage == stage and s.sms == total_sms and s.other_sms == 0
@@ -235,6 +283,32 @@ class CostModel:
                     ks.append((s.latency_ms / alone - 1.0) / (s.other_sms / s.sms))
                 m.kappa[stage] = max(0.0, float(np.median(ks)))
         return m
+
+    def fit_interference(self, stage: str, samples: list[ProfileSample]) -> float:
+        """Fit `interference[stage]` (slowdown per ms of the neighbour's step) from measured
+        concurrent latencies whose neighbour shape is known, e.g. a server's split steps
+        (bench/cost_replay.py). Only the slope is fitted: the level is what the online
+        correction learns, so each sample counts by how its measured / predicted ratio moves
+        with the neighbour's step (least absolute log deviation from the median, over a
+        grid: robust to the odd slow step). Returns it."""
+        rows = [
+            (s.latency_ms, self.predict(stage, s.shape, s.sms, s.other_sms, neighbour=None), s)
+            for s in samples
+            if s.stage == stage and s.other_sms > 0 and s.neighbour is not None
+        ]
+        rows = [(y, p, s) for y, p, s in rows if y > 0 and p > 0]
+        if len(rows) < 2:
+            return self.interference.get(stage, 0.0)
+        log_ratio = np.log([y / p for y, p, _ in rows])
+        x = np.array([self.neighbour_ms(stage, s.sms, s.other_sms, s.neighbour) for *_, s in rows])
+        best, best_err = 0.0, math.inf
+        for nu in np.linspace(0.0, 0.05, 501):
+            r = log_ratio - np.log1p(nu * x)
+            err = float(np.sum(np.abs(r - np.median(r))))
+            if err < best_err - 1e-12:
+                best, best_err = float(nu), err
+        self.interference[stage] = best
+        return best
 
     def _fit_curve(self, stage: str, samples: list[ProfileSample]) -> SaturationCurve:
         # Grid search in log space (vectorised over samples): r_sat x lam x fixed fraction.
@@ -256,10 +330,18 @@ class CostModel:
 
     # ---- online refinement and validation ---------------------------------------------------
     def observe(
-        self, stage: str, shape: Shape, sms: int, measured_ms: float, other_sms: int = 0
+        self,
+        stage: str,
+        shape: Shape,
+        sms: int,
+        measured_ms: float,
+        other_sms: int = 0,
+        *,
+        neighbour: Shape | None = None,
     ) -> float:
-        """Score the prediction for a measured latency, then refine. Returns |error| / measured."""
-        pred = self.predict(stage, shape, sms, other_sms)
+        """Score the prediction for a measured latency, then refine. Returns |error| / measured.
+        `neighbour`: the other phase's (mean) shape while this one ran, where known."""
+        pred = self.predict(stage, shape, sms, other_sms, neighbour=neighbour)
         regime = "concurrent" if other_sms > 0 else "alone"
         key = f"{stage}/{regime}"
         err = self.errors.setdefault(key, _ErrorLog()).add(pred, measured_ms)
@@ -272,7 +354,10 @@ class CostModel:
                     if k != key
                     else self.correction.get(k, 1.0)
                 )
-                self.correction[k] = (1 - self.ema) * c + self.ema * c * measured_ms / pred
+                n = self._num_updates.get(k, 0) + 1
+                self._num_updates[k] = n
+                w = max(self.ema, 1.0 / n)  # an EMA without the prior's start-up bias
+                self.correction[k] = (1 - w) * c + w * c * measured_ms / pred
         return err
 
     def score(self, key: str, predicted_ms: float, measured_ms: float) -> float:
@@ -312,6 +397,7 @@ class CostModel:
             "base": self.base,
             "kappa": self.kappa,
             "curve": {k: asdict(v) for k, v in self.curve.items()},
+            "interference": self.interference,
         }
 
     @classmethod
@@ -328,6 +414,9 @@ class CostModel:
             if len(base[stage]) != 3 or stage not in kappa or stage not in curve:
                 raise ValueError(f"cost-model parameters incomplete for stage {stage!r}")
         m.base, m.kappa, m.curve = base, kappa, curve
+        # Files written before the term have none: the H200 fit (as a fresh profile gets).
+        nu = d.get("interference") or {PREFILL: DEFAULT_PREFILL_INTERFERENCE_PER_MS}
+        m.interference = {stage: max(0.0, float(nu.get(stage, 0.0))) for stage in (PREFILL, DECODE)}
         return m
 
 
@@ -407,8 +496,8 @@ class SplitController:
             return tp + td, tp + td
         ds = total - prefill_sms
         return (
-            self.model.predict(PREFILL, p, prefill_sms, ds),
-            self.model.predict(DECODE, d, ds, prefill_sms),
+            self.model.predict(PREFILL, p, prefill_sms, ds, neighbour=d),
+            self.model.predict(DECODE, d, ds, prefill_sms, neighbour=p),
         )
 
     def speedup(self, prefill_sms: int, p: PrefillShape, d: DecodeShape) -> float:

@@ -287,10 +287,12 @@ class GreenContextPartition:
         sms: int,
         measured_ms: float,
         other_sms: int,
+        neighbour: PrefillShape | DecodeShape | None = None,
     ) -> None:
-        """A measured stage latency: scored against the cost model, then refines it."""
+        """A measured stage latency: scored against the cost model, then refines it.
+        `neighbour`: the other phase's mean shape beside it (a split prefill's decodes)."""
         with self._lock:
-            self.cost_model.observe(stage, shape, sms, measured_ms, other_sms)
+            self.cost_model.observe(stage, shape, sms, measured_ms, other_sms, neighbour=neighbour)
         per_layer = measured_ms / max(shape.num_layers, 1)
         if stage == "prefill":
             self.record_measured(per_layer * shape.num_layers, None)
