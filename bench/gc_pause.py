@@ -15,7 +15,10 @@ revision):
     python -m bench.gc_pause --blocks 10000,50000,170000 --out bench/results/gc-pause-cpu.json
 
 It also times the API server's full collection over what building the app leaves, before and
-after freezing it (`api_server`).
+after freezing it (`api_server`), and a young collection (generation 1) over the prompts of N
+waiting scoring requests (15,778 tokens each, as in the CPU reproduction of the H200's young
+pauses), their token lists tracked as decoded vs untracked as the engine core now leaves
+them (`waiting_prompts`; runtime/gc_watch.py, `untrack_int_list`).
 """
 
 from __future__ import annotations
@@ -127,9 +130,35 @@ def measure_api_server() -> dict[str, Any]:
     }
 
 
+def measure_waiting_prompts(num_requests: int, prompt_tokens: int = 15_778) -> dict[str, Any]:
+    """A young collection's pause (ms, median of 5) while `num_requests` prompts (lists of
+    token ids, as decoded from the IPC message) are in the young generations: tracked, then
+    untracked. Fresh lists per trial: a collection moves survivors to an older generation."""
+    from runtime.gc_watch import untrack_int_list
+
+    rng = random.Random(num_requests)
+    base = [rng.randrange(5, 50_000) for _ in range(prompt_tokens)]
+    out: dict[str, Any] = {"num_requests": num_requests, "prompt_tokens": prompt_tokens}
+    for label, untrack in (("tracked", False), ("untracked", True)):
+        pauses = []
+        for _ in range(5):
+            gc.collect()
+            prompts = [list(base) for _ in range(num_requests)]
+            if untrack:
+                for p in prompts:
+                    untrack_int_list(p)
+            t0 = time.perf_counter()
+            gc.collect(1)
+            pauses.append((time.perf_counter() - t0) * 1e3)
+            del prompts
+        out[f"young_collection_ms_median_{label}"] = round(statistics.median(pauses), 3)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", default="10000,50000,170000", help="cached block counts")
+    ap.add_argument("--waiting", default="57,129", help="waiting requests' prompts, counts")
     ap.add_argument("--out", default=None, help="write the results JSON here")
     args = ap.parse_args(argv)
     import runtime.kv.prefix_cache as pc
@@ -142,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
     api = measure_api_server()
     print(json.dumps({"api_server": api}))
+    waiting = [measure_waiting_prompts(n) for n in (int(x) for x in args.waiting.split(","))]
+    for w in waiting:
+        print(json.dumps({"waiting_prompts": w}))
     result = {
         "command": "python -m bench.gc_pause " + " ".join(sys.argv[1:] if argv is None else argv),
         "code_dir": str(code_dir),
@@ -150,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
         "rows": rows,
         "api_server": api,
+        "waiting_prompts": waiting,
     }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

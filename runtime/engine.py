@@ -57,7 +57,7 @@ from runtime.executor.base import StepFailed, StepResult
 from runtime.executor.serial import SerialExecutor
 from runtime.executor.split import SplitExecutor
 from runtime.executor.streams import stream_device_for
-from runtime.gc_watch import GcWatch
+from runtime.gc_watch import GcWatch, untrack_int_list
 from runtime.kv.block_manager import BlockManager
 from runtime.kv.kv_pool import (
     CUDA_SAFETY_BYTES,
@@ -642,6 +642,11 @@ class Engine:
                 error = self.validate(req)
             except Exception as e:  # noqa: BLE001 - malformed input must fail only this request
                 error = f"invalid request: {type(e).__name__}: {e}"
+            if error is None:
+                # Validated: numbers only. A long prompt's list, left tracked, is walked
+                # element by element by the young collections while the request waits, the
+                # step loop standing still (runtime/gc_watch.py).
+                untrack_int_list(req.prompt_token_ids)
             checked.append((req, error))
         with self._lock:
             started = self._thread is not None

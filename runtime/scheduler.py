@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from runtime.config import EngineConfig
+from runtime.gc_watch import untrack_int_list
 from runtime.kv.block_manager import BlockManager
 from runtime.kv.prefix_cache import extend_block_hashes
 from runtime.request import (
@@ -335,7 +336,9 @@ class _Tracking:
     """Per-request scheduler state that does not belong on `Request`."""
 
     lease: Lease | None = None
-    block_hashes: list[int] = field(default_factory=list)  # memo of full-block chain hashes
+    # Memo of full-block chain hashes (one per 16 tokens of a long prompt): ints only, so
+    # out of the collector's sight like the prompt's tokens (runtime/gc_watch.py).
+    block_hashes: list[int] = field(default_factory=lambda: untrack_int_list([]))
     cached_gen: int = -1  # prefix-cache generation of the memo below
     cached_evictions: int = 0  # prefix-cache eviction count of the memo
     cached_tokens_at: int = -1  # num_tokens the memo was computed for
@@ -510,7 +513,8 @@ class Scheduler:
                         break
                     n_valid += 1
                 known = known[:n_valid]
-            t.cached_blocks = cache.lookup(t.block_hashes[:max_blocks], tokens, known)
+            blocks = cache.lookup(t.block_hashes[:max_blocks], tokens, known)
+            t.cached_blocks = untrack_int_list(blocks)  # rebuilt as the cache changes
             t.cached_gen = cache.generation
             t.cached_evictions = cache.num_evictions
             t.cached_tokens_at = num_tokens
