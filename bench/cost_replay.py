@@ -19,8 +19,9 @@ working tree's. `--fit`: runs whose split prefills fit the new model's interfere
 (`CostModel.fit_interference`) before the test runs are replayed (hold out honestly: fit on
 another day); without it the built-in default is used.
 
-What the records lack (so it is inferred here): the split's SM counts (taken from the log's
-`auto split: N prefill SMs` lines, default --split-sms), the cost model's own per-step
+What the records lack (so it is inferred here): the split's SM counts before the trace had
+`sms` / `other_sms` (taken from the log's `auto split: N prefill SMs` lines, default
+--split-sms), the cost model's own per-step
 prediction, and which decode steps overlapped a split prefill (matched by time). The JCT
 model is held at its start-up calibration (the server refits it online).
 """
@@ -187,10 +188,13 @@ def events(cm: ModuleType, run: Run) -> list[tuple]:
     out = []
     for s in steps:
         ms = s["device_ms"]
+        # Traces since the step records carried them name the partition; older ones do not.
+        sms, other = s.get("sms") or 0, s.get("other_sms") or 0
         if s["num_prefill_tokens"] == 0 and s["num_decodes"] > 0:
             d = cm.DecodeShape(s["num_decodes"], s["decode_context_tokens"])
             if s["on_split"]:
-                out.append(("decode/concurrent", "decode", d, total - split, split, ms, None))
+                d_sms, p_sms = (sms, other) if sms else (total - split, split)
+                out.append(("decode/concurrent", "decode", d, d_sms, p_sms, ms, None))
             else:
                 out.append(("decode/alone", "decode", d, total, 0, ms, None))
         elif s["on_split"] and s["num_prefill_tokens"] > 0 and s["num_decodes"] == 0:
@@ -207,7 +211,8 @@ def events(cm: ModuleType, run: Run) -> list[tuple]:
                     round(np.mean([x["num_decodes"] for x in beside])),
                     round(np.mean([x["decode_context_tokens"] for x in beside])),
                 )
-            out.append(("prefill/concurrent", "prefill", p, split, total - split, ms, nb))
+            p_sms, d_sms = (sms, other or total - sms) if sms else (split, total - split)
+            out.append(("prefill/concurrent", "prefill", p, p_sms, d_sms, ms, nb))
     return out
 
 

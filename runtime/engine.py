@@ -106,6 +106,8 @@ STEP_TRACE_FIELDS = (
     # The collector's pauses (ms, any generation) since the previous traced step: a host gap
     # with a large one was the collector's.
     "gc_ms",
+    "sms",  # SMs of the split partition it ran on (0: the whole GPU)
+    "other_sms",  # SMs of the phase beside it on the other partition (0: none)
 )
 
 Sink = Callable[[list[EngineOutput]], None]
@@ -1061,6 +1063,8 @@ class Engine:
                 None if result.idle_before_s is None else result.idle_before_s * 1e3,
                 None if predicted_s is None else predicted_s * 1e3,
                 self._gc.take_pause_ms(),
+                result.sms,
+                result.other_sms,
             )
         )
 

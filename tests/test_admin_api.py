@@ -517,6 +517,8 @@ def test_step_trace_of_the_real_engine() -> None:
             "idle_before_ms",
             "predicted_ms",
             "gc_ms",
+            "sms",
+            "other_sms",
         }
         ages = [s["age_s"] for s in steps]
         assert ages == sorted(ages, reverse=True) and ages[-1] >= 0.0
@@ -524,6 +526,7 @@ def test_step_trace_of_the_real_engine() -> None:
         assert sum(s["num_decodes"] for s in steps) >= 3  # 4 tokens: 1 from prefill, 3 decodes
         assert all(s["device_ms"] is None or s["device_ms"] >= 0.0 for s in steps)
         assert all(s["gc_ms"] >= 0.0 for s in steps)
+        assert all(s["sms"] == 0 and s["other_sms"] == 0 for s in steps)  # the whole GPU
         one = client.get("/admin/api/steps", params={"limit": 1}).json()["steps"]
         assert len(one) == 1
         for bad in ("0", "x", "5000"):

@@ -262,6 +262,12 @@ def test_same_tokens_as_serial_no_loss_no_duplicates(prefill_sms: int) -> None:
         # The JCT model (whole-GPU prefill) does not learn from prefills on a split's
         # partition (they ran slower than the whole GPU would).
         assert eng.jct_model.num_observed == 0
+        # The step trace says which partition each step ran on (the cost model's replay
+        # reads it): the split prefill on its SMs, whole-GPU steps on 0.
+        trace = eng.step_trace()
+        assert any(st["on_split"] and st["sms"] == prefill_sms for st in trace)
+        assert all(st["sms"] == 0 and st["other_sms"] == 0 for st in trace if not st["on_split"])
+        assert all(st["other_sms"] in (0, 132 - st["sms"]) for st in trace if st["on_split"])
     else:
         assert ex.num_split_prefills == 0
         # Time-sliced prefill-only steps on the whole GPU teach it (device time, events).

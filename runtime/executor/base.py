@@ -29,6 +29,8 @@ class StepResult:
     # It ran on a split's SM partition, not the whole GPU: its time says nothing about the
     # whole-GPU models (JCT, the decode step average the TBT cut uses).
     on_split: bool = False
+    sms: int = 0  # SMs of the partition it ran on (0: the whole GPU)
+    other_sms: int = 0  # SMs of the phase running beside it on the other partition (0: none)
 
     @property
     def is_prefill_only(self) -> bool:

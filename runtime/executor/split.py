@@ -421,4 +421,12 @@ class SplitExecutor:
                 )
                 self.observe("prefill", shape, f.sms, ms, f.other_sms, f.neighbour)
         device_s = None if f.layer_sliced else ms / 1e3
-        return StepResult(f.plan, output, device_s, None, on_split=f.on_split)
+        return StepResult(
+            f.plan,
+            output,
+            device_s,
+            None,
+            on_split=f.on_split,
+            sms=f.sms if f.on_split else 0,
+            other_sms=f.other_sms if f.on_split else 0,
+        )
