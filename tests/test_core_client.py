@@ -115,3 +115,23 @@ def test_a_core_shutting_down_does_not_report_its_engine_dead(tmp_path) -> None:
         assert beat() is False  # a crash while stopping is still one
     finally:
         core._close()
+
+
+def test_prompts_sent_leave_the_young_collections_walk() -> None:
+    """The API server holds each prompt until its request ends; a young collection (which
+    stops the event loop) must not walk its tokens (runtime/gc_watch.py)."""
+    import gc
+
+    from runtime.core.messages import AddRequests
+    from runtime.request import Request, RequestKind
+
+    client = EngineCoreClient(
+        CoreHandle("ipc://unused-in", "ipc://unused-out", {}, os.getpid()), None
+    )
+    sent: list = []
+    client._send = sent.append  # type: ignore[method-assign]  # no core: capture the message
+    prompt = list(range(100, 20_100))
+    assert gc.is_tracked(prompt)
+    client.add([Request("s0", RequestKind.SCORE, prompt, label_token_ids=[1, 2])])
+    assert not gc.is_tracked(prompt)
+    assert isinstance(sent[0], AddRequests) and sent[0].requests[0].prompt_token_ids == prompt

@@ -40,6 +40,7 @@ from runtime.core.messages import (
 )
 from runtime.core.output_processor import OutputProcessor
 from runtime.core.process import CoreHandle
+from runtime.gc_watch import untrack_int_list
 from runtime.request import Request, RequestOutput
 
 log = logging.getLogger("greenlane.core")
@@ -164,6 +165,10 @@ class EngineCoreClient:
         if self.dead_reason is not None:
             raise EngineCoreError(self.dead_reason)
         for r in reqs:
+            # The API server holds each prompt until its request ends: ints only, out of the
+            # young collections' walk, which stops the event loop and every stream with it
+            # (runtime/gc_watch.py; the engine core does the same on its side).
+            untrack_int_list(r.prompt_token_ids)
             self.processor.add(r)
         self._unseen.update(r.request_id for r in reqs)
         self._send(AddRequests([WireRequest.of(r) for r in reqs]))
