@@ -191,3 +191,21 @@ def test_engine_stats_line_says_what_sizes_tbt_chunks() -> None:
     # No mixed steps before this interval: all 12 are in it.
     assert fields["mixed_steps_over_tbt"] == "3/12" and fields["mixed_step_ratio_p99"] == 1.23
     assert fields["decode_step_ms"] == 3.0  # 30 ms of device time over 10 decode steps
+
+
+def test_engine_stats_line_tells_young_pauses_and_the_collectors_cpu() -> None:
+    log = EngineStatsLog(app=None, interval_s=10)  # type: ignore[arg-type]
+    base = {"num_prefill_tokens": 0, "num_decode_tokens": 0, "gc_full_collections": 0}
+    log.sample(base, 0.0)
+    quiet = {**base, "num_prefill_tokens": 10, "gc_pause_ms_max": 1.0}
+    assert "gc_pause_ms_max" not in log.sample(quiet, 1.0)  # short pauses: nothing said
+    slow = {
+        **quiet,
+        "num_prefill_tokens": 20,
+        "gc_pause_ms_max": 18.6,
+        "gc_young_pause_ms_max": 18.6,
+        "gc_pause_cpu_ms_max": 5.0,
+    }
+    fields = log.sample(slow, 2.0)
+    assert fields["gc_full_collections"] == 0  # no full collection: a young one, 5 ms its own
+    assert fields["gc_young_pause_ms_max"] == 18.6 and fields["gc_pause_cpu_ms_max"] == 5.0
