@@ -164,3 +164,35 @@ def test_engine_with_the_fused_rope_gives_the_same_tokens_and_scores() -> None:
     (g0, s0), (g1, s1) = results
     assert g1 == g0 and all(len(t) == 6 for t in g0.values())
     assert s1 == pytest.approx(s0, rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.kernels
+def test_parts_longer_than_the_cap_take_rope_and_the_two_writes(monkeypatch) -> None:
+    """`fuse_rope_for`: a forward over more rows than FUSED_ROPE_MAX_TOKENS (cut to 8 here)
+    rotates and writes unfused; a shorter one takes the kernel; both as the unfused backend."""
+    from test_torch_backend import HKV, _setup
+
+    import runtime.attention.base as base
+    from runtime.attention.torch_backend import TorchAttentionBackend
+
+    monkeypatch.setattr(base, "FUSED_ROPE_MAX_TOKENS", 8)
+    for specs, fused in (([(4, 6, 10)], True), ([(8, 5, 13), (0, 7, 7)], False)):
+        outs, pools = [], []
+        for fuse in (False, True):
+            pool, batch, _, q, k, v = _setup(3, specs)
+            be = TorchAttentionBackend(pool, fuse_rope_kv_write=fuse)
+            calls: list[int] = []
+            if fuse:
+                kernel = be._rope_kv_write
+                be._rope_kv_write = lambda *a, kernel=kernel, calls=calls: (
+                    calls.append(1) or kernel(*a)
+                )
+            be.plan(batch)
+            cache = ops.rope_cos_sin_cache(64, q.shape[-1], 10000.0, None, "cpu")
+            outs.append(be.forward(0, q, k, v, rope=(batch.positions, cache)))
+            pools.append((pool.k[0].clone(), pool.v[0].clone()))
+            if fuse:
+                assert bool(calls) is fused, (specs, calls)
+        torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(pools[1][0], pools[0][0], rtol=0, atol=1e-5)
+        assert torch.equal(pools[1][1], pools[0][1]) and pools[0][0].shape[-2] == HKV

@@ -144,6 +144,21 @@ class AttentionBackend(Protocol):
         ...
 
 
+# The fused RoPE + K/V write runs on forwards of at most this many tokens (decode batches,
+# prefill parts up to the largest prefill-graph bucket); longer prefill parts take RoPE and the
+# two pool writes. Fusing saves two launches a layer, which count where a part's launches are
+# a share of its time; the fused kernel runs a program per (token, head), 786k a layer at 16k
+# tokens on the 8B shape, where the H200 read a 16k-token prompt 0.528 s fused against 0.511 s
+# unfused (one reading each, `0475b77`). Plan l times both per token count to set this.
+FUSED_ROPE_MAX_TOKENS = 2048
+
+
+def fuse_rope_for(num_tokens: int) -> bool:
+    """Whether a forward of `num_tokens` rows takes the fused RoPE + K/V write (when the
+    backend fuses at all)."""
+    return num_tokens <= FUSED_ROPE_MAX_TOKENS
+
+
 def load_rope_kv_write(wanted: bool, device: torch.device, head_dim: int) -> Callable | None:
     """The fused RoPE + K/V pool write (runtime/attention/rope_kv_write.py) for a backend
     asked to fuse, or None: not asked, an odd head_dim (no neox rotation), or no Triton to run

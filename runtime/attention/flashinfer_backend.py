@@ -31,7 +31,13 @@ from typing import Any
 
 import torch
 
-from runtime.attention.base import ForwardBatch, IndexSpans, Rope, load_rope_kv_write
+from runtime.attention.base import (
+    ForwardBatch,
+    IndexSpans,
+    Rope,
+    fuse_rope_for,
+    load_rope_kv_write,
+)
 from runtime.model import ops
 
 DEFAULT_WORKSPACE_BYTES = 128 << 20
@@ -341,13 +347,15 @@ class FlashInferBackend:
             self._static_slots.copy_(slots, non_blocking=True)
             slots = self._static_slots
         # A decode row always writes its token: the slots are the per-row slots.
-        self._plan = _Plan("decode", None, slots, token_slots=slots if self.fuses_rope else None)
+        fuse = self.fuses_rope and fuse_rope_for(len(seqs))
+        self._plan = _Plan("decode", None, slots, token_slots=slots if fuse else None)
 
     def _token_slots(
         self, batch: ForwardBatch, rows: torch.Tensor | None, slots: torch.Tensor
     ) -> torch.Tensor | None:
-        """Each row's pool slot (-1: not written) for the fused RoPE + write, else None."""
-        if not self.fuses_rope:
+        """Each row's pool slot (-1: not written) for the fused RoPE + write, else None (not
+        fusing, or a part too long to fuse: `fuse_rope_for`)."""
+        if not self.fuses_rope or not fuse_rope_for(batch.num_tokens):
             return None
         if rows is None:  # every row written, in order
             return slots

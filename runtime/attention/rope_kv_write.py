@@ -14,7 +14,8 @@ write, v heads only write. `tokens_per_program` > 1 runs a variant whose program
 many tokens of one head (a [tokens, D/2] tile): the per-token grid is 786k programs a layer
 for a 16k-token prefill on the 8B shape, where the H200 read the 16k prompt 3 % slower fused
 than unfused (0.528 vs 0.511 s, one reading each at `0475b77`). Which variant wins at which
-token count is measured by `bench/gpu_suite.py --sections rope_kv` before it becomes a default. On a machine without CUDA it runs under Triton's interpreter
+token count is measured by `bench/gpu_suite.py --sections rope_kv` before it becomes a default;
+until then the backends fuse forwards of at most `FUSED_ROPE_MAX_TOKENS` rows (base.py). On a machine without CUDA it runs under Triton's interpreter
 (TRITON_INTERPRET=1, set by the tests' conftest).
 """
 

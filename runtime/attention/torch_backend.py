@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from runtime.attention.base import ForwardBatch, Rope, load_rope_kv_write
+from runtime.attention.base import ForwardBatch, Rope, fuse_rope_for, load_rope_kv_write
 from runtime.kv.kv_pool import KVPool
 from runtime.model import ops
 
@@ -90,7 +90,8 @@ class TorchAttentionBackend:
         self._all_rows_written = int(rows.numel()) == batch.num_tokens
         self._write_rows = rows.to(dev, non_blocking=True)
         self._write_slots = slot_mapping[rows].to(dev, non_blocking=True)
-        self._token_slots = slot_mapping.to(dev, non_blocking=True) if self.fuses_rope else None
+        fuse = self.fuses_rope and fuse_rope_for(batch.num_tokens)
+        self._token_slots = slot_mapping.to(dev, non_blocking=True) if fuse else None
         self._seqs = seq_plans
         self._decode = self._plan_decode(batch) if batch.is_decode else None
 
