@@ -476,12 +476,15 @@ def _build_state(app: Any) -> dict[str, Any]:
                 },
             },
         },
-        # The interpreter's full collections stop the step loop: how many, how long in all,
-        # the longest pause of any collection since the engine started.
+        # The interpreter's collections stop the step loop: how many full ones, how long in
+        # all, the longest pause of any collection since the engine started, of a young one,
+        # and the most CPU a collection took of its thread (runtime/gc_watch.py).
         "gc": {
             "full_collections": stats.get("gc_full_collections"),
             "full_ms_total": stats.get("gc_full_ms_total"),
             "pause_ms_max_ever": stats.get("gc_pause_ms_max_ever"),
+            "young_pause_ms_max_ever": stats.get("gc_young_pause_ms_max_ever"),
+            "pause_cpu_ms_max_ever": stats.get("gc_pause_cpu_ms_max_ever"),
         },
         # Piecewise prefill graphs (None: none captured: CPU, FlashInfer off, or turned off).
         "prefill_graphs": stats.get("prefill_graphs"),

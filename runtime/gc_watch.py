@@ -86,6 +86,8 @@ class GcWatch:
         self.max_ms_ever = 0.0
         self.young_max_ms = 0.0  # longest generation 0/1 pause since the last take_window()
         self.cpu_max_ms = 0.0  # most CPU of the collecting thread, since the last take_window()
+        self.young_max_ms_ever = 0.0
+        self.cpu_max_ms_ever = 0.0
         self._pause_ms = 0.0  # every collection's pause since the last take_pause_ms()
         self._t0: float | None = None
         self._cpu0 = 0.0
@@ -114,12 +116,14 @@ class GcWatch:
         self.max_ms = max(self.max_ms, ms)
         self.max_ms_ever = max(self.max_ms_ever, ms)
         self.cpu_max_ms = max(self.cpu_max_ms, cpu_ms)
+        self.cpu_max_ms_ever = max(self.cpu_max_ms_ever, cpu_ms)
         self._pause_ms += ms
         if info.get("generation") == 2:
             self.num_full += 1
             self.full_ms_total += ms
         else:
             self.young_max_ms = max(self.young_max_ms, ms)
+            self.young_max_ms_ever = max(self.young_max_ms_ever, ms)
 
     def take_pause_ms(self) -> float:
         """Pause time (ms, any generation) since the last call: the step trace's `gc_ms`."""
@@ -135,6 +139,8 @@ class GcWatch:
             "gc_pause_ms_max_ever": round(self.max_ms_ever, 3),
             "gc_young_pause_ms_max": round(self.young_max_ms, 3),
             "gc_pause_cpu_ms_max": round(self.cpu_max_ms, 3),
+            "gc_young_pause_ms_max_ever": round(self.young_max_ms_ever, 3),
+            "gc_pause_cpu_ms_max_ever": round(self.cpu_max_ms_ever, 3),
         }
         self.max_ms = self.young_max_ms = self.cpu_max_ms = 0.0
         return out

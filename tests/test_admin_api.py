@@ -575,7 +575,13 @@ def test_prefill_limits_change_and_show_in_the_state() -> None:
         "mixed_step_ratio_p90",
         "mixed_step_ratio_p99",
     }
-    assert set(state["gc"]) == {"full_collections", "full_ms_total", "pause_ms_max_ever"}
+    assert set(state["gc"]) == {
+        "full_collections",
+        "full_ms_total",
+        "pause_ms_max_ever",
+        "young_pause_ms_max_ever",
+        "pause_cpu_ms_max_ever",
+    }
     assert "prefill_graphs" in state  # null without CUDA graphs
     r = client.put("/admin/api/prefill", json={"prefill_token_budget": 2048})
     assert r.status_code == 200, r.text

@@ -112,3 +112,6 @@ def test_watch_tells_young_from_full_pauses() -> None:
     assert win["gc_full_collections"] == 1
     again = w.take_window()
     assert again["gc_young_pause_ms_max"] == 0.0 and again["gc_pause_cpu_ms_max"] == 0.0
+    # Since start: what a benchmark reads once at the end of a run (the admin state's `gc`).
+    assert abs(again["gc_young_pause_ms_max_ever"] - 20.0) < 1e-6
+    assert abs(again["gc_pause_cpu_ms_max_ever"] - 10.0) < 1e-6
