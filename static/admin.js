@@ -226,6 +226,14 @@
       : "no prediction error measured yet");
   }
 
+  // The engine's collector: each pause stops the step loop (runtime/gc_watch.py).
+  function renderGc(gc) {
+    if (!gc || !isNum(gc.pause_ms_max_ever)) { setText("gc-text", ""); return; }
+    const young = isNum(gc.young_pause_ms_max_ever) ? `, young ${gc.young_pause_ms_max_ever.toFixed(1)} ms` : "";
+    const full = isNum(gc.full_collections) ? `; ${gc.full_collections} full collections` : "";
+    setText("gc-text", `collector: longest pause ${gc.pause_ms_max_ever.toFixed(1)} ms${young}${full}`);
+  }
+
   // ---------------------------------------------------------------- charts
   // Each chart: series of {label, color, dash, get(snapshot) -> number|null}.
   const CHARTS = {
@@ -367,6 +375,7 @@
     renderPartition(s.partition);
     renderPolicy(s.policy);
     renderCostModel(s.cost_model);
+    renderGc(s.gc);
     showRangeValue();
     drawCharts();
     document.body.dataset.updates = String((Number(document.body.dataset.updates) || 0) + 1);

@@ -103,9 +103,11 @@ def test_reads_need_the_token_when_one_is_set() -> None:
     page = client.get("/admin")
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
     assert "/admin/static/admin.js" in page.text
+    assert 'id="gc-text"' in page.text  # the collector's pauses, filled from the state's gc
     for name, kind in (("admin.js", "javascript"), ("admin.css", "css")):
         r = client.get(f"/admin/static/{name}")
         assert r.status_code == 200 and kind in r.headers["content-type"]
+    assert "renderGc(s.gc)" in client.get("/admin/static/admin.js").text
     assert client.get("/admin/static/..%2Fadmin.html").status_code == 404
     assert client.get("/admin/static/admin.html").status_code == 404
 
