@@ -38,7 +38,7 @@
 #   bash bench/gpu_next.sh l REV          # issue 12: the fused RoPE + K/V write vs the unfused
 #                                         #   pair, one layer, T = 1..16k, tiled variants; then
 #                                         #   the decode-path GPU tests; issue 17: the prefill
-#                                         #   profile again (DEADLINE_S=330)
+#                                         #   profile again (DEADLINE_S=360)
 # Carry: .whl .fi_cache .cache/smollm2-tok. Results in $OUT: gpu-runtime-*.json (suite),
 # partition-*.json (serving; merge them with `python -m bench.gpu_serving --merge ...`),
 # server logs, fi_cache.tar.gz if the FlashInfer cache grew.
@@ -265,7 +265,7 @@ case $plan in
     tail -5 "$OUT/pytest-prefill-graphs.log" ;;
   l)
     # Issue 12's prefill check read the 16k prompt 3 % slower fused (0.528 vs 0.511 s, one
-    # reading each at 0475b77): time the kernel per token count and tile size, DEADLINE_S=330.
+    # reading each at 0475b77): time the kernel per token count and tile size, DEADLINE_S=360.
     python3 -m bench.gpu_suite --rev "$rev" --tag gpu-rope-kv \
       --deadline-s "$(( $(left) - 220 ))" --sections rope_kv || rc=1
     timeout "$(( $(left) - 110 ))" python3 -m pytest -q -m "gpu or kernels" -p no:cacheprovider \
