@@ -235,9 +235,9 @@ def replay(cm: ModuleType, run: Run, nu: float | None) -> dict[str, float | int]
 
 
 def fit_nu(cm: ModuleType, runs: list[Run]) -> float:
-    """The interference slope fitted on `runs` (their split prefills, each run's level its own)."""
-    grid = np.linspace(0.0, 0.03, 301)
-    rows = []  # per run: (log measured/predicted without the term, neighbour ms)
+    """The interference slope fitted on `runs` (their split prefills, each run's level its own:
+    `cost_model.interference_slope`)."""
+    groups = []  # per run: (log measured/predicted without the term, neighbour ms)
     for run in runs:
         m = build(cm, run)
         lr, xs = [], []
@@ -248,16 +248,10 @@ def fit_nu(cm: ModuleType, runs: list[Run]) -> float:
             lr.append(np.log(ms / pred))
             xs.append(m.neighbour_ms(stage, sms, other, nb))
         if len(lr) >= 2:
-            rows.append((np.array(lr), np.array(xs)))
-    if not rows:
+            groups.append((np.array(lr), np.array(xs)))
+    if not groups:
         return cm.DEFAULT_PREFILL_INTERFERENCE_PER_MS
-
-    def err(nu: float) -> float:  # as `CostModel.fit_interference`: robust, level free
-        return sum(
-            float(np.sum(np.abs((r := y - np.log1p(nu * x)) - np.median(r)))) for y, x in rows
-        )
-
-    return float(min(grid, key=err))
+    return cm.interference_slope(groups)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import random
@@ -367,17 +368,15 @@ def main(argv: list[str] | None = None) -> int:
     port = httpx.URL(args.url).port or 80
     batches = [int(b) for b in args.batches.split(",") if b]
     most_procs = max(args.client_procs or -(-b // 16) for b in batches)
-    pool = None
-    if most_procs > 1:
-        # Spawned (not forked: this process may hold httpx state); warmed so that imports are
-        # done before any batch's common start time.
-        pool = ProcessPoolExecutor(most_procs, mp_context=multiprocessing.get_context("spawn"))
-        list(pool.map(_warm, range(most_procs)))
-    try:
+    with contextlib.ExitStack() as stack:
+        pool = None
+        if most_procs > 1:
+            # Spawned (not forked: this process may hold httpx state); warmed so that imports
+            # are done before any batch's common start time.
+            ctx = multiprocessing.get_context("spawn")
+            pool = stack.enter_context(ProcessPoolExecutor(most_procs, mp_context=ctx))
+            list(pool.map(_warm, range(most_procs)))
         return _measure(args, argv, ceilings, copy_gbs, cfg, port, batches, pool)
-    finally:
-        if pool is not None:
-            pool.shutdown()
 
 
 def _measure(

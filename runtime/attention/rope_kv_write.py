@@ -187,55 +187,19 @@ def rope_kv_write(
     if T == 0:
         return q_out, k_out
     num_heads = num_q_heads + 2 * num_kv_heads
-    half_block = triton.next_power_of_2(head_dim // 2)
+    tensors = (q, k, v, q_out, k_out, k_flat, v_flat, positions, token_slots, cos_sin_cache)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1))
+    meta = {
+        "HQ": num_q_heads,
+        "HKV": num_kv_heads,
+        "D": head_dim,
+        "HALF_BLOCK": triton.next_power_of_2(head_dim // 2),
+    }
     if tokens_per_program > 1:
-        _rope_kv_write_tiled_kernel[(triton.cdiv(T, tokens_per_program), num_heads)](
-            q,
-            k,
-            v,
-            q_out,
-            k_out,
-            k_flat,
-            v_flat,
-            positions,
-            token_slots,
-            cos_sin_cache,
-            T,
-            q.stride(0),
-            q.stride(1),
-            k.stride(0),
-            k.stride(1),
-            v.stride(0),
-            v.stride(1),
-            HQ=num_q_heads,
-            HKV=num_kv_heads,
-            D=head_dim,
-            HALF_BLOCK=half_block,
-            BLOCK_T=tokens_per_program,
-        )
-        return q_out, k_out
-    _rope_kv_write_kernel[(T, num_heads)](
-        q,
-        k,
-        v,
-        q_out,
-        k_out,
-        k_flat,
-        v_flat,
-        positions,
-        token_slots,
-        cos_sin_cache,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        HQ=num_q_heads,
-        HKV=num_kv_heads,
-        D=head_dim,
-        HALF_BLOCK=half_block,
-    )
+        grid = (triton.cdiv(T, tokens_per_program), num_heads)
+        _rope_kv_write_tiled_kernel[grid](*tensors, T, *strides, **meta, BLOCK_T=tokens_per_program)
+    else:
+        _rope_kv_write_kernel[(T, num_heads)](*tensors, *strides, **meta)
     return q_out, k_out
 
 

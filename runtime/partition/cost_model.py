@@ -68,6 +68,23 @@ ERROR_MIN_SAMPLES = 8
 DEFAULT_PREFILL_INTERFERENCE_PER_MS = 0.0085
 
 
+def interference_slope(groups: list[tuple[np.ndarray, np.ndarray]]) -> float:
+    """The slowdown per ms of the neighbour's step that best explains `groups` of (log of
+    measured / predicted without the term, the neighbour's predicted step in ms), each group
+    with a level of its own (a run, a model): least absolute deviation of each group's
+    residuals from their median, over a grid of 0..0.05 per ms (robust to the odd slow
+    step). `CostModel.fit_interference` fits one group; bench/cost_replay.py one per run."""
+    best, best_err = 0.0, math.inf
+    for nu in np.linspace(0.0, 0.05, 501):
+        err = 0.0
+        for log_ratio, x in groups:
+            r = log_ratio - np.log1p(nu * x)
+            err += float(np.sum(np.abs(r - np.median(r))))
+        if err < best_err - 1e-12:
+            best, best_err = float(nu), err
+    return best
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillShape:
     num_tokens: int
@@ -301,14 +318,8 @@ class CostModel:
             return self.interference.get(stage, 0.0)
         log_ratio = np.log([y / p for y, p, _ in rows])
         x = np.array([self.neighbour_ms(stage, s.sms, s.other_sms, s.neighbour) for *_, s in rows])
-        best, best_err = 0.0, math.inf
-        for nu in np.linspace(0.0, 0.05, 501):
-            r = log_ratio - np.log1p(nu * x)
-            err = float(np.sum(np.abs(r - np.median(r))))
-            if err < best_err - 1e-12:
-                best, best_err = float(nu), err
-        self.interference[stage] = best
-        return best
+        self.interference[stage] = interference_slope([(log_ratio, x)])
+        return self.interference[stage]
 
     def _fit_curve(self, stage: str, samples: list[ProfileSample]) -> SaturationCurve:
         # Grid search in log space (vectorised over samples): r_sat x lam x fixed fraction.
