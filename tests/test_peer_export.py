@@ -47,6 +47,10 @@ def test_folder_layout_and_config(tiny_fp32: Path) -> None:
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["torch_dtype"] == "float32"
     gen = json.loads((tiny_fp32 / "generation_config.json").read_text())
     assert set(gen) == {"bos_token_id", "eos_token_id"}  # no sampling defaults
+    # tiny has the tokenizer's 49,152 rows: nothing to pad.
+    assert (
+        json.loads((tiny_fp32 / "greenlane_export.json").read_text())["tokenizer_placeholders"] == 0
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -75,6 +79,36 @@ def test_sharded_qwen2_round_trip(tmp_path) -> None:
     got, _, _ = load_model(str(out), torch.float32, "cpu")
     ref_params = dict(ref.named_parameters())
     assert all(torch.equal(p, ref_params[n]) for n, p in got.named_parameters())
+
+
+def test_tokenizer_padded_to_the_model_vocabulary(tmp_path, monkeypatch, default_model_dir) -> None:  # noqa: ARG001
+    """A preset with more rows than the tokenizer has ids gets placeholder tokens for the rest:
+    both servers then sample among the same ids and every id has text; text encodes as before."""
+    import dataclasses
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from bench.peer.export_hf import pad_tokenizer_json
+    from runtime.model import presets
+    from runtime.model.loader import tokenizer_dir
+
+    big = dataclasses.replace(presets.PRESETS["tiny"], vocab_size=presets.SMOLLM2_VOCAB + 64)
+    monkeypatch.setitem(presets.PRESETS, "tiny-bigvocab", big)
+    out = tmp_path / "tiny-bigvocab"
+    summary = export("tiny-bigvocab", out, dtype=torch.float32, device="cpu", log=False)
+    assert summary["tokenizer_placeholders"] == 64
+    orig = HFTokenizer.from_file(str(tokenizer_dir("random:tiny") / "tokenizer.json"))
+    padded = HFTokenizer.from_file(str(out / "tokenizer.json"))
+    assert padded.get_vocab_size(with_added_tokens=True) == big.vocab_size
+    text = "Hi <unused_49160> there <|im_start|>user 123 _x_ " + PROMPTS[1]
+    assert padded.encode(text).ids == orig.encode(text).ids
+    assert padded.decode([presets.SMOLLM2_VOCAB + 3]) == f"<unused_{presets.SMOLLM2_VOCAB + 3}>"
+    _, cfg, tok = load_model(str(out), torch.float32, "cpu")
+    assert cfg.vocab_size == tok.vocab_size == big.vocab_size  # Greenlane samples every row
+    # Presets that match the tokenizer are left alone; a non-BPE tokenizer is refused.
+    assert pad_tokenizer_json({"model": {"type": "BPE", "vocab": {"a": 0}}}, 1) == 0
+    with pytest.raises(ValueError, match="BPE"):
+        pad_tokenizer_json({"model": {"type": "Unigram", "vocab": []}}, 4)
 
 
 def test_hf_names_and_shards() -> None:

@@ -15,6 +15,15 @@ generation_config.json (bos/eos only, so no server picks up sampling defaults fr
 model.safetensors or model-0000i-of-0000n.safetensors + model.safetensors.index.json
 (shards of about --shard-gb), and the default model's tokenizer files (the tokenizer every
 random preset uses: tokenizer.json, tokenizer_config.json, chat_template.jinja).
+
+The tokenizer is padded to the model's vocabulary. The random presets have more rows
+(Llama-3.1-8B: 128,256) than the SmolLM2 tokenizer has ids (49,152). Greenlane samples only
+among its tokenizer's ids; vLLM samples among all of the model's rows, and ids without text
+give empty deltas (one chat stream of 240 had no text at all on 2026-12-02 and counted as
+failed). With placeholder tokens `<unused_N>` for the missing ids, both servers sample from
+the same distribution and every id has text. No text ever encodes to a placeholder: they are
+in the BPE vocabulary but no merge makes them, and the pre-tokenizer splits `<`, letters,
+`_` and digits apart.
 """
 
 from __future__ import annotations
@@ -84,6 +93,26 @@ def shard_plan(
     return shards
 
 
+def pad_tokenizer_json(doc: dict, vocab_size: int) -> int:
+    """Give every id below `vocab_size` a token: placeholders `<unused_N>` in a BPE model's
+    vocabulary (in place). Returns how many were added."""
+    model = doc["model"]
+    if model.get("type") != "BPE":
+        raise ValueError(f"can only pad a BPE tokenizer, not {model.get('type')!r}")
+    vocab: dict[str, int] = model["vocab"]
+    taken = set(vocab.values()) | {t["id"] for t in doc.get("added_tokens", [])}
+    added = 0
+    for i in range(vocab_size):
+        if i in taken:
+            continue
+        name = f"<unused_{i}>"
+        if name in vocab:
+            raise ValueError(f"{name} already names id {vocab[name]}")
+        vocab[name] = i
+        added += 1
+    return added
+
+
 def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     out = cfg.to_hf_config()
     name = str(dtype).removeprefix("torch.")
@@ -101,6 +130,7 @@ def export(
     dtype: torch.dtype = torch.bfloat16,
     device: str = "cpu",
     shard_gb: float = 5.0,
+    pad_tokenizer: bool = True,
     log: bool = True,
 ) -> dict:
     """Write the folder (replacing `out`); returns a summary (files, bytes, seconds)."""
@@ -147,6 +177,12 @@ def export(
     for f in TOKENIZER_FILES:
         if (tok_dir / f).is_file():
             shutil.copyfile(tok_dir / f, out / f)
+    padded = 0
+    if pad_tokenizer:
+        doc = json.loads((out / "tokenizer.json").read_text())
+        padded = pad_tokenizer_json(doc, cfg.vocab_size)
+        if padded:
+            (out / "tokenizer.json").write_text(json.dumps(doc, ensure_ascii=False))
     summary = {
         "preset": preset.removeprefix(RANDOM_PREFIX),
         "seed": seed,
@@ -154,6 +190,7 @@ def export(
         "device": device,
         "files": files,
         "bytes": total,
+        "tokenizer_placeholders": padded,
         "init_s": round(t_init, 2),
         "total_s": round(time.monotonic() - t0, 2),
     }
@@ -173,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--shard-gb", type=float, default=5.0)
+    p.add_argument(
+        "--no-pad-tokenizer",
+        action="store_true",
+        help="keep the tokenizer as it is (ids past it then have no text)",
+    )
     args = p.parse_args(argv)
     summary = export(
         args.preset,
@@ -181,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=DTYPES[args.dtype],
         device=args.device,
         shard_gb=args.shard_gb,
+        pad_tokenizer=not args.no_pad_tokenizer,
     )
     print(json.dumps(summary))
     return 0

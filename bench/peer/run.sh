@@ -112,13 +112,13 @@ mem_frac() {  # GB -> vLLM's --gpu-memory-utilization (a fraction of the whole G
   python3 -c "import torch,sys; print(round(float(sys.argv[1])*2**30/torch.cuda.mem_get_info()[1], 4))" "$1"
 }
 folder_of() { echo "$W/models/$1"; }
-# start_servers PRESET ["VLLM_EXTRA"]: both on the preset's weights at the shared memory cap,
-# Greenlane on random:PRESET (the same weights as the folder: same seed, device, dtype; setup's
-# same_answers check shows it), vLLM on the exported folder.
+# start_servers PRESET ["VLLM_EXTRA"]: both on the exported folder of the preset at the shared
+# memory cap: the same weights and the same (padded) tokenizer, so both sample among the same
+# ids (bench/peer/export_hf.py says why the tokenizer is padded).
 start_servers() {
   local preset=$1 extra=${2:-} frac
   frac=$(mem_frac "$MEM_GB")
-  start_greenlane "random:$preset" "--max-gpu-memory-gb $MEM_GB --max-model-len $MAX_LEN" \
+  start_greenlane "$(folder_of "$preset")" "--max-gpu-memory-gb $MEM_GB --max-model-len $MAX_LEN" \
     || return 1
   start_vllm "$(folder_of "$preset")" \
     "--gpu-memory-utilization $frac --max-model-len $MAX_LEN $extra"
@@ -182,9 +182,10 @@ bench() {
 }
 # alternate NAME ROUNDS RUN_S ARGS...: greenlane, vllm, then vllm, greenlane (ABBA), ...; a
 # run starts only while RUN_S (its expected length) + 25 s are left before the deadline.
+# PEER_FIRST_ROUND=2 PEER_ROUNDS=2 runs round 2 alone (a mode too long for one call).
 alternate() {
   local name=$1 rounds=$2 run_s=$3 r side order; shift 3
-  for r in $(seq "$rounds"); do
+  for r in $(seq "${PEER_FIRST_ROUND:-1}" "$rounds"); do
     order="greenlane vllm"; [ $((r % 2)) = 0 ] && order="vllm greenlane"
     for side in $order; do
       if [ "$(left)" -le $((run_s + 25)) ]; then
@@ -230,11 +231,14 @@ scoring)
   # (a) post-recommendation at full scale through each server's scoring path (Greenlane
   # /v1/score, vLLM /generative_scoring: query + item token ids, Yes/No label ids), prefix
   # caching on in both, primed (one request per user first), max QPS at P99 latency <= 3 s by
-  # bisection over 14-s probes (issue 17's setting), two rounds, ABBA.
+  # bisection over 14-s probes (issue 17's setting), two rounds, ABBA. On 2026-12-02 a start
+  # at 6 QPS with x1.5 steps never reached either server's limit in 4 probes, and 30 QPS with
+  # x2 steps and 5 probes bracketed them in [120, 180) and [60, 75): 6 probes from 30 narrow
+  # that; a side takes ~200 s, so one round a call (PEER_ROUNDS=1, then PEER_FIRST_ROUND=2).
   start_servers llama-3.1-8b || { collect; exit 1; }
-  alternate scoring "${PEER_ROUNDS:-2}" 110 --workload post-recommendation --duration 14 \
-    --qps "${PEER_SCORE_QPS:-6}" --find-max-qps --slo e2el:3000 --max-probes 4 \
-    --search-factor 1.5 --prime-prefixes --warmup-requests 2 --request-timeout 60
+  alternate scoring "${PEER_ROUNDS:-2}" 200 --workload post-recommendation --duration 14 \
+    --qps "${PEER_SCORE_QPS:-30}" --find-max-qps --slo e2el:3000 --max-probes "${PEER_SCORE_PROBES:-6}" \
+    --search-factor "${PEER_SCORE_FACTOR:-2}" --prime-prefixes --warmup-requests 2 --request-timeout 60
   collect ;;
 chat)
   # (b) 48 chat streams: sharegpt-like requests, 48 in flight (closed loop), ignore_eos;
@@ -243,8 +247,9 @@ chat)
   [ "$sub" = 3b ] && preset=qwen2.5-3b
   export_model "$preset" || exit 1
   start_servers "$preset" || { collect; exit 1; }
+  # 480 requests: ~25 s a run on the 8B (240 took 11-12.5 s on 2026-12-02).
   PEER_PRESET=$preset alternate "chat-$sub" "${PEER_ROUNDS:-2}" 60 --workload sharegpt \
-    --num-requests 240 --qps inf --max-concurrency 48 --warmup-requests 4 --request-timeout 120
+    --num-requests 480 --qps inf --max-concurrency 48 --warmup-requests 4 --request-timeout 120
   collect ;;
 long)
   # (c) long prompts next to chat: mixed (60% sharegpt + 40% long-data, 1k-16k-token prompts)
@@ -268,7 +273,8 @@ longest)
   # README's 8B figure), one server at a time, bisection by requests (bench/peer/longest_prompt.py).
   stop_servers
   big=${PEER_LONGEST_HI:-262144}
-  if start_greenlane random:llama-3.1-8b "--max-gpu-memory-gb $CAP_GB --max-model-len $big"; then
+  export_model llama-3.1-8b || exit 1
+  if start_greenlane "$(folder_of llama-3.1-8b)" "--max-gpu-memory-gb $CAP_GB --max-model-len $big"; then
     gl_env
     python3 -m bench.peer.longest_prompt --url $GL --server greenlane --hi "$big" \
       --out "$RES/longest-greenlane.json"

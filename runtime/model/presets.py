@@ -3,8 +3,9 @@ weights, for performance work on machines that have no checkpoints.
 
 Tokenizer: every random preset uses the SmolLM2 tokenizer from the converted default model
 (`runtime/model/convert.py`). Its ids are < 49152, which is <= every preset's vocab_size, so any
-text it encodes is a valid input; the model's extra vocabulary rows are simply never produced
-by the tokenizer (they can still be sampled: they decode to "").
+text it encodes is a valid input; the model's extra vocabulary rows are never produced by the
+tokenizer and never sampled (the engine samples among its tokenizer's ids:
+`ModelRunner.num_sampleable_tokens`).
 The `tiny*` presets are small models for tests (fast on CPU) with each supported architecture.
 """
 
