@@ -250,6 +250,9 @@ def test_step_gaps_say_which_steps_made_the_long_waits() -> None:
     assert kinds["decode"]["num_steps"] == 100 and kinds["decode"]["waited_ms_p99"] == 11.0
     assert kinds["decode"]["num_over_50_ms"] == 0
     assert kinds["mixed"]["num_steps"] == 2 and kinds["mixed"]["waited_ms_max"] == 95.0
+    assert kinds["mixed"]["device_ms_mean"] == 65.0  # (90 + 40) / 2: the GPU's part alone
+    assert kinds["mixed"]["prefill_tokens_mean"] == 3072.0
+    assert kinds["decode"]["device_ms_mean"] == 10.0 and kinds["decode"]["waited_ms_mean"] == 11.0
     assert kinds["mixed"]["num_over_80_ms"] == 1 and kinds["mixed"]["num_over_100_ms"] == 0
     assert kinds["prefill"]["num_over_100_ms"] == 1  # no decode waited for it
     assert kinds["split mixed"]["waited_ms_max"] == 40.0  # no idle known on a split
