@@ -65,6 +65,12 @@ class EngineConfig:
     # only); false: never. On the H200 through HTTP it cut the decode ITL 7 % (Llama-3.1-8B
     # shape, 16 streams) and 8-9 % (Qwen2.5-3B shape, 48 streams), tied at batch 1.
     fused_rope_kv_write: str = "auto"
+    # A step with prefill parts and decodes runs them as one forward (the weights read once)
+    # instead of the prefill forward then the decode graph, when the merged rows fit a prefill
+    # graph's bucket (on CUDA; the decode rows then ride in that graph) and no prefill part
+    # discards its suffix KV. A first version that also merged steps too large for a bucket
+    # ran those eagerly and lost (plan z, docs/benchmarks.md). Off until measured again.
+    merge_mixed_steps: bool = False
     # Plan and launch step N+1 while the device runs step N (sampled tokens feed the next
     # step on the device; the host sees them one step later). False: one step at a time.
     overlap_scheduling: bool = True

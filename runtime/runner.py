@@ -29,6 +29,7 @@ Everything the host needs is copied to pinned memory once per part, behind an ev
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -427,6 +428,9 @@ class ModelRunner:
         waiting for the device; the outputs arrive through the returned `PendingOutput`."""
         pending = PendingOutput(self.device)
         try:
+            if plan.prefill and plan.decode and self._mergeable(plan.prefill, len(plan.decode)):
+                self._run_merged(plan.prefill, plan.decode, pending)
+                return pending.seal()
             if plan.prefill:
                 self._run_part(plan.prefill, False, self.prefill_backend, pending)
             if plan.decode:
@@ -442,6 +446,39 @@ class ModelRunner:
         """One step, waited for (calibration, tests, re-runs of a failed batch)."""
         return self.launch(plan).result()
 
+    # ---- a step's two parts as one forward -------------------------------------------------
+    def _mergeable(self, prefill: list[ScheduledSeq], num_decodes: int) -> bool:
+        """Whether a step's prefill parts and its `num_decodes` decodes run as one forward
+        (`merge_mixed_steps`). Not when a prefill part discards its suffix KV (a scoring
+        request: the pool-only attention of a batch with decodes cannot read it). On CUDA only
+        when the merged rows fit a captured prefill graph's bucket: the decode rows would
+        otherwise leave their graph for an eager forward, host-launch-bound (plan z)."""
+        if not self.config.merge_mixed_steps:
+            return False
+        if any(s.num_kept_tokens != s.num_context_tokens + s.num_new_tokens for s in prefill):
+            return False
+        if self.device.type != "cuda":
+            return True  # no graphs to leave: both ways run eagerly
+        pg = self.prefill_graphs
+        num_tokens = sum(s.num_new_tokens for s in prefill) + num_decodes
+        return pg is not None and pg.captured and pg.bucket_for(num_tokens) is not None
+
+    def _run_merged(
+        self, prefill: list[ScheduledSeq], decode: list[ScheduledSeq], pending: PendingOutput
+    ) -> None:
+        """Prefill parts and decodes in one forward on the prefill backend: the weights are
+        read once a step instead of twice (the prefill part's forward, then the decode graph);
+        the decode rows ride in the prefill graphs' bucket."""
+        batch = self.build_batch(prefill, False, decode=decode)
+        backend = self.prefill_backend
+        self._plan_attention(backend, batch)
+        hidden = self._prefill_forward(batch, backend)
+        head = dataclasses.replace(batch, seqs=batch.seqs[: len(prefill)])
+        self.prompt_logprobs(hidden, head, prefill, pending)
+        wanting = [s for s in (*prefill, *decode) if s.needs_output]
+        if wanting:
+            self.outputs_from_hidden(hidden[batch.logits_indices], wanting, pending)
+
     # ---- one forward ----------------------------------------------------------------------
     def _prefill_forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         """The final hidden states of a planned non-decode batch: the prefill graphs' bucket
@@ -454,38 +491,48 @@ class ModelRunner:
         chunk = self.config.prefill_chunk_tokens if self.config.hybrid_prefill else None
         return self.model(batch.input_ids, batch.positions, backend, chunk_tokens=chunk)
 
-    def build_batch(self, seqs: list[ScheduledSeq], is_decode: bool) -> ForwardBatch:
+    def build_batch(
+        self,
+        seqs: list[ScheduledSeq],
+        is_decode: bool,
+        decode: list[ScheduledSeq] | None = None,
+    ) -> ForwardBatch:
         """Flatten the sequences' new tokens; logits rows = last row of each sequence whose
         step ends its pending tokens (it needs a sampled token or label scores). A decode's
-        input token is read on the device from its token slot."""
-        input_ids: list[int] = []  # prefill: token ids; decode: token slots
+        input token is read on the device from its token slot. `decode`: decodes appended
+        after the prefill `seqs` (a merged step; the batch is then not a decode batch)."""
+        prefill, decodes = ([], seqs) if is_decode else (seqs, list(decode or ()))
+        input_ids: list[int] = []  # the prefill parts' token ids
+        slot_rows: list[int] = []  # the decodes' token slots, after the prefill tokens
         positions: list[int] = []
         slices: list[SeqSlice] = []
         logits_rows: list[int] = []
-        for s in seqs:
+        for s in prefill:
             slices.append(self._slice(s, len(input_ids)))
-            if is_decode:
-                input_ids.append(s.lease.slot)
-                positions.append(s.num_context_tokens)
-            else:
-                input_ids.extend(s.input_ids)
-                positions.extend(
-                    range(s.num_context_tokens, s.num_context_tokens + s.num_new_tokens)
-                )
+            input_ids.extend(s.input_ids)
+            positions.extend(range(s.num_context_tokens, s.num_context_tokens + s.num_new_tokens))
             if s.needs_output:
                 logits_rows.append(len(input_ids) - 1)
-        # One host-to-device copy for all three (from pinned memory on CUDA: asynchronous).
-        T = len(input_ids)
-        flat = h2d(input_ids + positions + logits_rows, torch.int64, self.device)
+        P = len(input_ids)
+        for s in decodes:
+            slices.append(self._slice(s, P + len(slot_rows)))
+            slot_rows.append(s.lease.slot)
+            positions.append(s.num_context_tokens)
+            if s.needs_output:
+                logits_rows.append(P + len(slot_rows) - 1)
+        # One host-to-device copy for all (from pinned memory on CUDA: asynchronous).
+        T = P + len(slot_rows)
+        flat = h2d(input_ids + slot_rows + positions + logits_rows, torch.int64, self.device)
         ids = flat[:T]
-        if is_decode:
-            ids = self.token_slots.index_select(0, ids)  # [T]: the previous steps' samples
+        if slot_rows:  # [D]: the previous steps' samples, read on the device
+            from_slots = self.token_slots.index_select(0, flat[P:T])
+            ids = from_slots if not P else torch.cat([flat[:P], from_slots])
         return ForwardBatch(
             input_ids=ids,
             positions=flat[T : 2 * T],
             seqs=slices,
             logits_indices=flat[2 * T :],
-            is_decode=is_decode,
+            is_decode=not prefill,
         )
 
     @staticmethod

@@ -114,12 +114,13 @@ mem_frac() {  # GB -> vLLM's --gpu-memory-utilization (a fraction of the whole G
 folder_of() { echo "$W/models/$1"; }
 # start_servers PRESET ["VLLM_EXTRA"]: both on the exported folder of the preset at the shared
 # memory cap: the same weights and the same (padded) tokenizer, so both sample among the same
-# ids (bench/peer/export_hf.py says why the tokenizer is padded).
+# ids (bench/peer/export_hf.py says why the tokenizer is padded). PEER_GL_ARGS: more Greenlane
+# options (e.g. "--merge-mixed-steps true"; Greenlane restarts when they change).
 start_servers() {
   local preset=$1 extra=${2:-} frac
   frac=$(mem_frac "$MEM_GB")
-  start_greenlane "$(folder_of "$preset")" "--max-gpu-memory-gb $MEM_GB --max-model-len $MAX_LEN" \
-    || return 1
+  start_greenlane "$(folder_of "$preset")" \
+    "--max-gpu-memory-gb $MEM_GB --max-model-len $MAX_LEN${PEER_GL_ARGS:+ $PEER_GL_ARGS}" || return 1
   start_vllm "$(folder_of "$preset")" \
     "--gpu-memory-utilization $frac --max-model-len $MAX_LEN $extra"
 }

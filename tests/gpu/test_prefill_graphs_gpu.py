@@ -1,7 +1,8 @@
 """GPU: piecewise prefill graphs (runtime/prefill_graphs.py). Captured at engine start-up, they
 give the eager forward's hidden states for prefill parts of several sizes (fresh prompts,
 cached context, a discarded scoring suffix, padding rows left by a larger step), and an engine
-that replays them scores like one that runs prefill eagerly.
+that replays them (also with `merge_mixed_steps`: a step's prefill parts and decodes in one
+graph replay) scores like one that runs prefill eagerly.
 
 Model: random:qwen2.5-3b with a small KV pool (head_dim 128, whose FlashInfer kernels the
 device run has cached). bf16: the graphs' GEMMs run at the bucket's row count, where cuBLAS may
@@ -89,9 +90,24 @@ def test_engine_scores_alike_with_and_without_prefill_graphs(monkeypatch) -> Non
         return real_run(self, input_ids, positions, attn)
 
     monkeypatch.setattr(PrefillGraphs, "run", counting_run)
+    from runtime.runner import ModelRunner
+
+    merged = []
+    real_merged = ModelRunner._run_merged
+
+    def counting_merged(self, prefill, decode, pending):  # type: ignore[no-untyped-def]
+        merged.append(len(decode))
+        return real_merged(self, prefill, decode, pending)
+
+    monkeypatch.setattr(ModelRunner, "_run_merged", counting_merged)
     results = []
-    for max_tokens in (0, 1024):  # eager prefill, then prefill graphs
-        eng, sink = small_engine(prefill_graph_max_tokens=max_tokens, prefill_token_budget=1024)
+    # Eager prefill; prefill graphs; prefill graphs with a step's parts merged into one replay.
+    for max_tokens, merge in ((0, False), (1024, False), (1024, True)):
+        eng, sink = small_engine(
+            prefill_graph_max_tokens=max_tokens,
+            prefill_token_budget=1024,
+            merge_mixed_steps=merge,
+        )
         assert (eng.runner.prefill_graphs is not None) == (max_tokens > 0)
         # Fresh requests per engine (a request is mutable state), the same ones each time.
         reqs = chat_and_scoring(
@@ -99,6 +115,7 @@ def test_engine_scores_alike_with_and_without_prefill_graphs(monkeypatch) -> Non
         )
         results.append(run_to_end(eng, sink, reqs))
     assert replays, "no prefill part replayed the graphs"
+    assert merged, "no step merged its prefill parts and decodes"
     eager = results[0]
     for other in results[1:]:
         for rid, (out, tokens) in eager.items():
