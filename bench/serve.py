@@ -66,19 +66,24 @@ class ClientOptions:
     progress: bool = True
     tokenizer: TokenizerLike | None = None  # to count output tokens when usage is missing
     score_path: str = "/v1/score"  # vLLM: /generative_scoring (SERVER_APIS)
+    score_as_completion: bool = False  # scoring sent as a one-token completion (SERVER_APIS)
 
 
 @dataclass(frozen=True, slots=True)
 class ServerApi:
-    """Where a server kind takes scoring requests and prefix-cache resets (`--server`)."""
+    """Where a server kind takes scoring requests and prefix-cache resets (`--server`).
+    `score_as_completion`: a scoring request goes as a completion of one token with logprobs
+    (query + item ids as the prompt), the other way a vLLM user classifies."""
 
     score_path: str
     reset_path: str
+    score_as_completion: bool = False
 
 
 SERVER_APIS: dict[str, ServerApi] = {
     "greenlane": ServerApi("/v1/score", "/admin/api/prefix-cache/reset"),
     "vllm": ServerApi("/generative_scoring", "/reset_prefix_cache"),
+    "vllm-completions": ServerApi("/v1/completions", "/reset_prefix_cache", True),
 }
 
 
@@ -149,6 +154,16 @@ def chat_body(req: WorkloadRequest, opts: ClientOptions) -> dict[str, Any]:
 
 
 def score_body(req: WorkloadRequest, opts: ClientOptions) -> dict[str, Any]:
+    if opts.score_as_completion:
+        # The same prompt as one token of greedy completion with the top logprobs: the forward
+        # pass a label probability needs (the labels' own probabilities are not asked for).
+        return {
+            "model": opts.model,
+            "prompt": list(req.query_token_ids) + list(req.item_token_ids),
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "logprobs": 2,
+        }
     body: dict[str, Any] = {
         "model": opts.model,
         "query": req.query_token_ids,
@@ -232,7 +247,7 @@ async def _send_score(
         result.error = _error_text(resp.status_code, resp.content)
         return
     payload = resp.json()
-    scores = payload.get("scores", payload.get("data"))
+    scores = payload.get("choices" if opts.score_as_completion else "scores", payload.get("data"))
     if not isinstance(scores, list) or len(scores) != 1:
         result.error = "score response without one result per item"
         return
@@ -576,7 +591,7 @@ async def prefix_cache_counters(
 ) -> dict[str, int] | None:
     """The server's cumulative prefix-cache counters (`/admin/api/state`; vLLM: `/metrics`),
     None if unreadable."""
-    if server == "vllm":
+    if server.startswith("vllm"):
         return await vllm_prefix_cache_counters(base_url)
     ok, reply = await admin_call(base_url, "GET", "/admin/api/state", admin_token)
     if not ok or not isinstance(reply, dict):
@@ -700,7 +715,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(SERVER_APIS),
         default="greenlane",
         help="the server's kind: vllm sends scoring to /generative_scoring, resets its prefix "
-        "cache at /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1) and reads hits from /metrics",
+        "cache at /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1) and reads hits from /metrics; "
+        "vllm-completions the same, but scoring as one-token completions with logprobs",
     )
     add_common_args(p)
     rate = p.add_mutually_exclusive_group(required=True)
@@ -851,6 +867,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     gen = WorkloadGenerator(args.workload, tok, args.seed, args.scale)
     opts = options_from_args(args, tok)
     opts.score_path = SERVER_APIS[args.server].score_path
+    opts.score_as_completion = SERVER_APIS[args.server].score_as_completion
     record: dict[str, Any] = {
         "tool": "greenlane bench.serve",
         "command": shlex.join([Path(sys.executable).name, "-m", "bench.serve", *sys.argv[1:]]),
@@ -865,6 +882,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "model": opts.model,
         "server": args.server,
         "score_path": opts.score_path,
+        "score_as_completion": opts.score_as_completion,
         "ignore_eos": opts.ignore_eos,
         "temperature": opts.temperature,
         "max_concurrency": opts.max_concurrency,

@@ -97,6 +97,15 @@ def fake_app(tok: Any) -> FastAPI:
         data = [{"index": 0, "object": "score", "score": 0.7}]
         return JSONResponse({"object": "list", "data": data, "usage": {"prompt_tokens": n}})
 
+    @app.post("/v1/completions")
+    async def vllm_completion(request: Request) -> JSONResponse:  # one token, not streamed
+        body = await request.json()
+        app.state.seen.append(("vllm-completion", body))
+        app.state.log.append("vllm-completion")
+        choice = {"index": 0, "text": "Yes", "logprobs": {"token_logprobs": [-0.1]}}
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1}
+        return JSONResponse({"object": "text_completion", "choices": [choice], "usage": usage})
+
     @app.post("/reset_prefix_cache")
     async def vllm_reset() -> Response:
         app.state.log.append("vllm-reset")
@@ -937,6 +946,25 @@ def test_server_vllm_uses_vllm_endpoints(fake_server, tokenizer_file, tmp_path):
     pc = record["runs"][0]["prefix_cache"]
     assert pc["hit_tokens"] == queries and pc["hit_rate"] == pytest.approx(0.5)
     assert all(b["label_token_ids"] or b["labels"] for b in bodies)
+
+
+def test_server_vllm_completions_scores_as_one_token_completions(
+    fake_server, tokenizer_file, tmp_path
+):
+    """--server vllm-completions: each scoring request as a one-token greedy completion of
+    query + item with logprobs (vLLM's other scoring path), vLLM's reset and counters."""
+    url, app = fake_server
+    _reset_log(app)
+    args = ["--url", url, "--server", "vllm-completions", "--workload", "post-recommendation"]
+    args += ["--scale", "0.01", "--num-requests", "4", "--qps", "inf", "--seed", "3"]
+    args += ["--tokenizer", str(tokenizer_file), "--no-progress", "--out", str(tmp_path / "c.json")]
+    record = run_cli(args)
+    assert app.state.log == ["vllm-reset"] + ["vllm-completion"] * 4
+    assert record["metrics"]["completed"] == 4 and record["metrics"]["failed"] == 0
+    assert record["options"]["score_as_completion"] is True
+    bodies = [b for kind, b in app.state.seen if kind == "vllm-completion"]
+    assert all(b["max_tokens"] == 1 and b["logprobs"] and b["temperature"] == 0 for b in bodies)
+    assert all(len(b["prompt"]) > 100 and isinstance(b["prompt"][0], int) for b in bodies)
 
 
 def test_parse_vllm_prefix_counters():

@@ -173,7 +173,7 @@ PYEOF
 bench() {
   local side=$1 name=$2; shift 2
   local url=$GL
-  [ "$side" = vllm ] && url=$VL
+  [[ $side == vllm* ]] && url=$VL
   gl_env
   local out="$RES/$name-$side.json"
   python3 -m bench.serve --url "$url" --server "$side" --seed "$SEED" --no-progress \
@@ -199,10 +199,13 @@ PYEOF
 # alternate NAME ROUNDS RUN_S ARGS...: greenlane, vllm, then vllm, greenlane (ABBA), ...; a
 # run starts only while RUN_S (its expected length) + 25 s are left before the deadline.
 # PEER_FIRST_ROUND=2 PEER_ROUNDS=2 runs round 2 alone (a mode too long for one call).
+# PEER_VLLM_SIDE: bench.serve's --server for vLLM (vllm: scoring through /generative_scoring;
+# vllm-completions: scoring as one-token completions with logprobs, its other way).
+VSIDE=${PEER_VLLM_SIDE:-vllm}
 alternate() {
   local name=$1 rounds=$2 run_s=$3 r side order; shift 3
   for r in $(seq "${PEER_FIRST_ROUND:-1}" "$rounds"); do
-    order="greenlane vllm"; [ $((r % 2)) = 0 ] && order="vllm greenlane"
+    order="greenlane $VSIDE"; [ $((r % 2)) = 0 ] && order="$VSIDE greenlane"
     for side in $order; do
       if [ "$(left)" -le $((run_s + 25)) ]; then
         echo "deadline: $name round $r $side skipped"; return 0
