@@ -138,9 +138,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{'' if r['ok'] else ' MISMATCH'}: {text[:40]!r}",
                 flush=True,
             )
-        vocab = tok.get_vocab_size()
         ids = tok.encode(PROMPTS[0], add_special_tokens=False).ids
-        for label in (13, 1000, vocab - 1, vocab + 1000, 100_000):
+        # Label ids across the model's rows: SmolLM2's own (< 49,152) and, with the exported
+        # tokenizer padded, placeholders past it (every random preset has >= 128,256 rows).
+        for label in (13, 1000, 49_151, 50_152, 100_000):
             try:
                 g, v = score_probs(
                     client, args.greenlane.rstrip("/"), args.vllm.rstrip("/"), ids, label
