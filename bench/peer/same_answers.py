@@ -7,8 +7,9 @@ Prompts go as token ids (no template or special-token differences). vLLM must ru
 `--return-tokens-as-token-ids` (its logprobs then name token ids). Checks:
   1. greedy: for each prompt, MAX_TOKENS tokens at temperature 0 (ignore_eos), chosen-token
      logprobs. Token i matches when vLLM's id decodes to Greenlane's token text and the two
-     logprobs are within --tol. The random presets' vocabularies are larger than the tokenizer,
-     so many tokens decode to "" on both sides: the logprob check is what tells those apart. A
+     logprobs are within --tol. The exported tokenizer is padded to the model's rows, so both
+     servers sample among the same ids and every id has text (an unpadded export would leave
+     ids without text, and Greenlane would sample only among the tokenizer's ids). A
      first difference where Greenlane ranks vLLM's token within --tie-tol of its own pick is a
      near tie (bf16 kernels differ): reported, not a failure; the rest of that prompt is skipped.
   2. scoring: P(label | prompt) for label ids spread over the whole vocabulary (also past the
