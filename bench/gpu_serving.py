@@ -188,28 +188,23 @@ def summarize_steps(
             return None
         return st["device_ms"] + (st["idle_before_ms"] or 0.0)
 
-    by_kind: dict[str, list[float]] = {}
-    device_ms: dict[str, list[float]] = {}
-    prefill_tokens: dict[str, int] = {}
+    by_kind: dict[str, list[dict[str, Any]]] = {}  # the timed steps of each kind
     for st in steps:
-        w = waited(st)
-        if w is not None:
-            by_kind.setdefault(kind(st), []).append(w)
-            device_ms.setdefault(kind(st), []).append(st["device_ms"])
-            prefill_tokens[kind(st)] = prefill_tokens.get(kind(st), 0) + st["num_prefill_tokens"]
+        if st["device_ms"] is not None:
+            by_kind.setdefault(kind(st), []).append(st)
 
     def q(xs: list[float], p: float) -> float:
         return round(xs[min(len(xs) - 1, int(p * len(xs)))], 2)
 
     kinds = {}
-    for k, ws in sorted(by_kind.items()):
-        xs = sorted(ws)
+    for k, sts in sorted(by_kind.items()):
+        xs = sorted(waited(st) or 0.0 for st in sts)
         kinds[k] = {
             "num_steps": len(xs),
             # Device time alone (the GPU's share of the wait) and the prefill tokens the kind
             # carried per step: what a mixed step adds over a decode-only one.
-            "device_ms_mean": round(sum(device_ms[k]) / len(xs), 3),
-            "prefill_tokens_mean": round(prefill_tokens[k] / len(xs), 1),
+            "device_ms_mean": round(sum(st["device_ms"] for st in sts) / len(xs), 3),
+            "prefill_tokens_mean": round(sum(st["num_prefill_tokens"] for st in sts) / len(xs), 1),
             "waited_ms_mean": round(sum(xs) / len(xs), 3),
             "waited_ms_p50": q(xs, 0.5),
             "waited_ms_p90": q(xs, 0.9),

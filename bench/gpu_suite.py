@@ -1603,7 +1603,7 @@ def _decode_host_breakdown(engine, plan) -> dict[str, float]:
     pieces: dict[str, float] = {}
     seqs = plan.decode
     graphs = runner.current_decode_graphs()
-    batch = runner.build_batch(seqs, True)
+    batch = runner.build_batch([], seqs)
     g = graphs.graphs[1] if graphs is not None and 1 in graphs.graphs else None
     padded = graphs._pad(batch, 1) if g is not None else None
 
@@ -1618,7 +1618,7 @@ def _decode_host_breakdown(engine, plan) -> dict[str, float]:
 
     with torch.inference_mode():
         host_us("registry_lookup", runner.current_decode_graphs)
-        host_us("build_batch", lambda: runner.build_batch(seqs, True))
+        host_us("build_batch", lambda: runner.build_batch([], seqs))
         if g is not None:
             from runtime.attention.base import ForwardBatch
 

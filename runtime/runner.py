@@ -469,7 +469,7 @@ class ModelRunner:
         """Prefill parts and decodes in one forward on the prefill backend: the weights are
         read once a step instead of twice (the prefill part's forward, then the decode graph);
         the decode rows ride in the prefill graphs' bucket."""
-        batch = self.build_batch(prefill, False, decode=decode)
+        batch = self.build_batch(prefill, decode)
         backend = self.prefill_backend
         self._plan_attention(backend, batch)
         hidden = self._prefill_forward(batch, backend)
@@ -491,17 +491,11 @@ class ModelRunner:
         chunk = self.config.prefill_chunk_tokens if self.config.hybrid_prefill else None
         return self.model(batch.input_ids, batch.positions, backend, chunk_tokens=chunk)
 
-    def build_batch(
-        self,
-        seqs: list[ScheduledSeq],
-        is_decode: bool,
-        decode: list[ScheduledSeq] | None = None,
-    ) -> ForwardBatch:
-        """Flatten the sequences' new tokens; logits rows = last row of each sequence whose
+    def build_batch(self, prefill: list[ScheduledSeq], decodes: list[ScheduledSeq]) -> ForwardBatch:
+        """Flatten the sequences' new tokens, prefill parts first, then decodes (both: a merged
+        step; decodes only: a decode batch); logits rows = last row of each sequence whose
         step ends its pending tokens (it needs a sampled token or label scores). A decode's
-        input token is read on the device from its token slot. `decode`: decodes appended
-        after the prefill `seqs` (a merged step; the batch is then not a decode batch)."""
-        prefill, decodes = ([], seqs) if is_decode else (seqs, list(decode or ()))
+        input token is read on the device from its token slot."""
         input_ids: list[int] = []  # the prefill parts' token ids
         slot_rows: list[int] = []  # the decodes' token slots, after the prefill tokens
         positions: list[int] = []
@@ -586,7 +580,7 @@ class ModelRunner:
         # Pick (and, the first time on a split stream, capture) the graphs before building
         # the batch: capture synchronises the stream, and its warm-ups need no inputs.
         graphs = self.current_decode_graphs() if is_decode else None
-        batch = self.build_batch(seqs, is_decode)
+        batch = self.build_batch([], seqs) if is_decode else self.build_batch(seqs, [])
         if graphs is not None and len(seqs) <= graphs.max_batch_size:
             self._guard_staging(graphs)
             hidden = graphs.run(batch)  # [n, hidden]: one row per sequence

@@ -283,7 +283,7 @@ class SplitExecutor:
         start = self.device.event()
         with self.device.context(stream):
             start.record()
-            batch = self.runner.build_batch(plan.prefill, False)
+            batch = self.runner.build_batch(plan.prefill, [])
             self.runner.prefill_backend.plan(batch)
             h = self.model.embed(batch.input_ids)
         num_tokens = int(batch.input_ids.shape[0])
