@@ -48,7 +48,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sse_starlette.sse import EventSourceResponse
 from starlette.types import Receive, Scope, Send
 
@@ -109,6 +109,20 @@ class PolicyChange(BaseModel):
     policy: str
 
 
+PROFILE_MAX_STEPS = 5000  # a profile holds every kernel of every step: bounded
+PROFILE_MAX_TIMEOUT_S = 600.0
+
+
+class ProfileRequest(BaseModel):
+    """`POST /admin/api/profile`: the torch profiler over the engine's next steps."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    num_steps: int = Field(default=100, ge=1, le=PROFILE_MAX_STEPS)
+    timeout_s: float = Field(default=60.0, gt=0, le=PROFILE_MAX_TIMEOUT_S)
+    trace: bool = False  # also write the chrome trace (a file in the server's cache folder)
+
+
 class ResetRequest(BaseModel):
     """`POST /admin/api/prefix-cache/reset` takes no fields; the JSON type is what matters."""
 
@@ -146,6 +160,16 @@ _STEPS_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: _READ_RESPONSES[401],
     403: _READ_RESPONSES[403],
     404: _err("This engine keeps no step trace"),
+    503: _err("The engine is starting"),
+}
+_PROFILE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The profile's summary (runtime.profiling.summarize_kernels)"},
+    400: _err("Invalid body"),
+    401: _err("An admin token is set and was not given"),
+    403: _err("Not a loopback client with a local Host and Origin (no token set)"),
+    409: _err("A profile is already running"),
+    415: _err("The body is not JSON"),
+    501: _err("This engine cannot profile its steps"),
     503: _err("The engine is starting"),
 }
 STEP_TRACE_MAX = 4096  # runtime.engine.STEP_TRACE_LEN (app/ does not import the engine)
@@ -569,6 +593,43 @@ async def admin_steps(request: Request, limit: str = "512") -> JSONResponse:
     except ValueError as exc:
         return _error(404, str(exc), "not_found_error")
     return JSONResponse({"steps": steps})
+
+
+@router.post(
+    "/admin/api/profile",
+    responses=_PROFILE_RESPONSES,
+    openapi_extra=_json_body(ProfileRequest, "How many steps; the timeout; keep the trace"),
+)
+async def admin_profile(request: Request) -> JSONResponse:
+    """Run the torch profiler over the engine's next `num_steps` steps, under whatever load the
+    server has, and answer with the kernels (CUDA; CPU ops without a GPU) by device time, per
+    step and by category, the device-busy share of the window and the steps by kind (decode-only,
+    mixed, prefill). Answers when the steps are done, or after `timeout_s` with what came
+    (`timed_out`). One at a time; the engine keeps serving throughout (slower: profiling)."""
+    denied = check_admin(request)
+    if denied is not None:
+        return denied
+    body = await _parse_body(request, ProfileRequest) if await request.body() else ProfileRequest()
+    if isinstance(body, JSONResponse):
+        return body
+    engine = getattr(request.app.state, "engine", None)
+    if engine is None:
+        return _error(503, "the engine is starting; try again shortly", "service_unavailable")
+    profile = getattr(engine, "profile_steps", None)
+    if profile is None:
+        return _error(501, "this engine cannot profile its steps", "not_implemented")
+    try:
+        summary = await profile(body.num_steps, body.timeout_s, body.trace)
+    except ValueError as exc:  # the engine's refusals, by what they say
+        text = str(exc)
+        if "already running" in text:
+            return _error(409, text, "invalid_request_error")
+        if "cannot profile" in text:
+            return _error(501, text, "not_implemented")
+        return _error(503, text, "service_unavailable")
+    except Exception as exc:  # noqa: BLE001 - the profiler failed; the engine serves on
+        return _error(500, f"profiling failed: {exc}", "server_error")
+    return JSONResponse(summary)
 
 
 class _CountedEventSource(EventSourceResponse):

@@ -86,6 +86,14 @@ class EngineView:
         ValueError when the engine keeps none."""
         return await self._core.call("step_trace", limit)
 
+    async def profile_steps(self, num_steps: int, timeout_s: float, trace: bool) -> dict[str, Any]:
+        """The torch profiler over the engine's next `num_steps` steps: its summary (kernels by
+        device time, steps by kind; runtime.profiling), the trace file's path when `trace`.
+        Raises ValueError while another profile runs or when the engine cannot profile."""
+        return await self._core.call(
+            "profile_steps", num_steps, timeout_s, trace, timeout_s=timeout_s + 120.0
+        )
+
     async def shutdown(self, grace_s: float) -> None:
         """Stop admitting, let running requests finish within `grace_s`, abort the rest; returns
         when the engine has sent every final output."""

@@ -73,6 +73,7 @@ from runtime.partition import PartitionManager, SplitChoice
 from runtime.partition.cost_model import PREFILL, ChunkInput, DecodeShape, PrefillShape
 from runtime.partition.setup import capture_split_graphs, make_partition, profile_at_startup
 from runtime.prefill_graphs import prefill_graph_bytes, prefill_graph_max_tokens
+from runtime.profiling import StepProfile
 from runtime.request import FINISH_REASONS, EngineOutput, Request, RequestKind, RequestStatus
 from runtime.runner import ModelRunner, profile_activation_peak
 from runtime.scheduler import (
@@ -322,6 +323,9 @@ class Engine:
         # One tuple per applied step (STEP_TRACE_FIELDS), for finding what makes a long gap
         # between tokens: appended in O(1), read only on request (`step_trace`).
         self._step_trace: deque[tuple[Any, ...]] = deque(maxlen=STEP_TRACE_LEN)
+        # POST /admin/api/profile: the torch profiler over the next steps (engine thread only;
+        # None while none is asked for, the only per-step cost).
+        self._profile: StepProfile | None = None
         # auto: the controller's choice for the step being planned, when it chose chunks
         # (`_auto_capacity`); the launch of that step carries it out (`_choose_split`).
         self._planned_choice: SplitChoice | None = None
@@ -798,6 +802,48 @@ class Engine:
         done.wait(timeout_s)
         return self.stats()
 
+    def profile_steps(
+        self, num_steps: int, timeout_s: float, trace_path: str | None = None
+    ) -> dict[str, Any]:
+        """Run the torch profiler over the next `num_steps` applied steps and return its
+        summary (runtime.profiling.summarize_kernels, plus the steps by kind); the chrome trace
+        goes to `trace_path` when given. Blocks the calling thread (never the engine's) until
+        the steps are done or `timeout_s` passed: then what was recorded, `timed_out` true.
+        Raises ValueError while another profile runs."""
+        if self._thread is None or not self._thread.is_alive():
+            raise ValueError("the engine is not running")
+        prof = StepProfile(num_steps, trace_path)
+        started = threading.Event()
+        busy: list[bool] = []
+
+        def begin() -> None:
+            if self._profile is not None:
+                busy.append(True)
+            else:
+                prof.start(self.device)
+                self._profile = prof
+            started.set()
+
+        self._submit_call(begin)
+        if not started.wait(timeout_s) or busy:
+            if busy:
+                raise ValueError("a profile is already running")
+            raise TimeoutError("the engine thread did not start the profile")
+        if not prof.wait(timeout_s):
+
+            def give_up() -> None:
+                if self._profile is prof:
+                    self._profile = None
+                    prof.stop(timed_out=True)
+
+            self._submit_call(give_up)
+            prof.wait(60.0)
+        if prof.error is not None:
+            raise RuntimeError(f"profiling failed: {prof.error}") from prof.error
+        if prof.result is None:
+            raise TimeoutError("the profile did not finish")
+        return prof.result
+
     def shutdown(self, grace_s: float = 0.0) -> None:
         """Stop admitting; let queued and running requests finish within `grace_s`; abort the
         rest (FINISHED_ABORTED outputs); join the thread."""
@@ -986,6 +1032,14 @@ class Engine:
     def _apply(self, result: StepResult) -> list[EngineOutput]:
         outputs = self.scheduler.update(result.plan, result.output)
         self._observe(result)
+        if self._profile is not None:
+            plan = result.plan
+            kind = (
+                "mixed" if plan.prefill and plan.decode else "decode" if plan.decode else "prefill"
+            )
+            if self._profile.on_step(kind):
+                self._profile.stop()
+                self._profile = None
         for rid in self.scheduler.take_released():
             self.runner.release(rid)
         return outputs

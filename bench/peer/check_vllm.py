@@ -43,6 +43,8 @@ SERVER_ARGS = [
     "--model", "/tmp/x", "--served-model-name", "peer", "--port", "8200", "--seed", "0",
     "--enable-prefix-caching", "--return-tokens-as-token-ids", "--gpu-memory-utilization",
     "0.45", "--max-model-len", "32768", "--max-num-batched-tokens", "2048",
+    "--profiler-config", '{"profiler": "torch", "torch_profiler_dir": "/tmp/peer/vprof", '
+    '"torch_profiler_with_stack": false, "ignore_frontend": true, "max_iterations": 200}',
 ]  # fmt: skip
 
 
@@ -88,7 +90,8 @@ def main(argv: list[str]) -> int:
         app = build_app(args, ("generate",))
         paths = sorted({getattr(r, "path", "") for r in app.routes})
         report["routes"] = paths
-        for need in ("/v1/chat/completions", "/v1/completions", "/generative_scoring"):
+        need_routes = ("/v1/chat/completions", "/v1/completions", "/generative_scoring")
+        for need in (*need_routes, "/start_profile", "/stop_profile"):
             if need not in paths:
                 raise RuntimeError(f"the app has no {need}")
         report["arg_parser"] = "ok"

@@ -13,6 +13,8 @@
 #   bash bench/peer/run.sh long REV [MNBT..]  # (c) long prompts next to chat; vLLM at its default
 #                                             # chunked prefill, then each --max-num-batched-tokens
 #   bash bench/peer/run.sh longest REV        # (d) longest scoring prompt under the same cap
+#   bash bench/peer/run.sh profile REV [8b|3b] # the torch profiler over N steps of each server
+#                                             # under the 48-stream chat load (diagnostic)
 #
 # Results: $OUT/peer-<mode>-<stamp>.json (every run's bench.serve record, each with a "peer"
 # entry: command, Greenlane revision, vLLM version, device, date, server command lines) and the
@@ -32,6 +34,9 @@ VSITE=/tmp/vllm-site             # vLLM and its packages (PYTHONPATH of the vLLM
 GL_PORT=8100; VL_PORT=8200
 GL=http://127.0.0.1:$GL_PORT; VL=http://127.0.0.1:$VL_PORT
 SEED=${PEER_SEED:-0}
+PROF_STEPS=${PEER_PROFILE_STEPS:-200}        # `profile`: steps under the profiler, each server
+VPROF=$W/vprof                               # vLLM's torch_profiler_dir
+VPROF_CFG="{\"profiler\":\"torch\",\"torch_profiler_dir\":\"$VPROF\",\"torch_profiler_with_stack\":false,\"ignore_frontend\":true,\"max_iterations\":$PROF_STEPS}"
 MAX_LEN=${PEER_MAX_MODEL_LEN:-32768}         # both servers: prompt + output limit
 MEM_GB=${PEER_MEM_GB:-64}                    # both servers' GPU memory cap (both run at once)
 CAP_GB=${PEER_CAP_GB:-24}                    # (d): the cap of the README's 8B figure
@@ -97,12 +102,17 @@ start_vllm() {
   # dev mode for /reset_prefix_cache; FlashInfer is not carried, so its sampler is off (it only
   # serves top-p/top-k sampling: greedy and plain sampling run the same code either way).
   echo "python3 -m vllm.entrypoints.openai.api_server --model $folder --served-model-name peer --port $VL_PORT --seed $SEED --enable-prefix-caching --return-tokens-as-token-ids $args" | tee "$log"
+  # Its torch profiler configured, idle until POST /start_profile (`profile`): it stops itself
+  # after PROF_STEPS steps and writes the trace to $VPROF. Always given, so every mode runs the
+  # same server (a profile needs no restart).
+  mkdir -p "$VPROF"
   # shellcheck disable=SC2086
   env PYTHONPATH=$VSITE VLLM_SERVER_DEV_MODE=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
     VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
     setsid python3 -m vllm.entrypoints.openai.api_server --model "$folder" \
     --served-model-name peer --port $VL_PORT --seed "$SEED" --enable-prefix-caching \
-    --return-tokens-as-token-ids $args >>"$log" 2>&1 </dev/null & echo $! >"$W/vllm.pid"
+    --return-tokens-as-token-ids --profiler-config "$VPROF_CFG" $args >>"$log" 2>&1 </dev/null &
+  echo $! >"$W/vllm.pid"
   wait_up $VL vllm "$log" 420 "$ts" "$W/vllm.pid" || return 1
   echo "$cfg" >"$W/vllm.cfg"
   grep -hiE "KV cache|max_num_batched_tokens|chunked prefill|Maximum concurrency|backend|graph" \
@@ -167,6 +177,12 @@ json.dump({"mode": mode, "greenlane_revision": rev, "runs": runs}, open(out, "w"
 print(f"{out}: {len(runs)} results")
 PYEOF
   tar czf "$OUT/peer-logs-$mode${sub:+-$sub}.tar.gz" -C "$W" logs 2>/dev/null || true
+  # FlashInfer's kernels compiled on this machine (a bare one JIT-compiles ~170 s): back once
+  # the cache grew, for .fi_cache/ here.
+  local n; n=$(find ~/.cache/flashinfer -name '*.so' 2>/dev/null | wc -l)
+  if [ "$n" -gt "$(cat "$W/fi_count" 2>/dev/null || echo 0)" ]; then
+    tar czf "$OUT/fi_cache.tar.gz" -C ~/.cache flashinfer && echo "$n" >"$W/fi_count"
+  fi
 }
 # bench SIDE NAME ARGS...: bench.serve against one server -> $RES/NAME-SIDE.json, then
 # collect (so a call stopped at its limit still brings back every run that finished).
@@ -287,6 +303,30 @@ long)
     bench vllm "long-mnbt$m" "${args[@]}"
   done
   collect ;;
+profile)
+  # Where each server's step time goes under the 48-stream chat load: one chat run a server
+  # (the same requests as `chat`), and while it runs the torch profiler over PROF_STEPS steps
+  # (Greenlane: POST /admin/api/profile; vLLM: POST /start_profile). Both traces are read by
+  # the same code (bench/peer/profile_steps.py). Diagnostic: the profiler slows both.
+  sub=${1:-8b}; preset=llama-3.1-8b
+  [ "$sub" = 3b ] && preset=qwen2.5-3b
+  export_model "$preset" || exit 1
+  start_servers "$preset" || { collect; exit 1; }
+  gl_env
+  for side in greenlane vllm; do
+    url=$GL; [ "$side" = vllm ] && url=$VL
+    [ "$(left)" -gt 120 ] || { echo "deadline: profile of $side skipped"; break; }
+    PEER_PRESET=$preset bench "$side" "profiled-chat-$sub" --workload sharegpt --num-requests 480 \
+      --qps inf --max-concurrency 48 --warmup-requests 4 --request-timeout 120 &
+    bpid=$!
+    sleep "${PEER_PROFILE_AFTER_S:-10}"  # past the first prefills: the streams decode
+    python3 -m bench.peer.profile_steps --server "$side" --url "$url" --steps "$PROF_STEPS" \
+      --trace-dir "$VPROF" --out "$RES/profile-$sub-$side.json"
+    wait "$bpid"
+    record_meta "$RES/profile-$sub-$side.json" profile "$rev" "python3 -m bench.peer.profile_steps --server $side --steps $PROF_STEPS"
+    collect
+  done
+  collect ;;
 longest)
   # (d) the longest scoring prompt each server takes under the same GPU memory cap (24 GB, the
   # README's 8B figure), one server at a time, bisection by requests (bench/peer/longest_prompt.py).
@@ -321,5 +361,5 @@ longest)
   done
   stop_servers
   collect ;;
-*) echo "usage: $0 stash|setup|scoring|chat|long|longest REV [args]"; exit 2 ;;
+*) echo "usage: $0 stash|setup|scoring|chat|long|longest|profile REV [args]"; exit 2 ;;
 esac

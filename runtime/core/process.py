@@ -253,6 +253,26 @@ class EngineCore:
 
             threading.Thread(target=stop, name="greenlane-core-shutdown", daemon=True).start()
             return
+        if call.method == "profile_steps":
+            # Blocks until the steps are done (or its timeout): on a thread of its own, so the
+            # core keeps relaying requests, outputs and heartbeats meanwhile.
+            num_steps, timeout_s, keep_trace = call.args
+
+            def profile() -> None:
+                try:
+                    reply(
+                        self.engine.profile_steps(
+                            int(num_steps), float(timeout_s), _trace_path() if keep_trace else None
+                        )
+                    )
+                except Exception as e:  # noqa: BLE001
+                    reply(error=e)
+
+            if not hasattr(self.engine, "profile_steps"):
+                reply(error=ValueError("this engine cannot profile its steps"))
+                return
+            threading.Thread(target=profile, name="greenlane-core-profile", daemon=True).start()
+            return
         try:
             reply(self._dispatch(call.method, call.args))
         except Exception as e:  # noqa: BLE001 - the caller gets the error, the core goes on
@@ -334,6 +354,16 @@ class EngineCore:
         self._in.close()
         self._ctx.term()
         remove_ipc_folder(self._input_address)  # a core killed outright: its starter does
+
+
+def _trace_path() -> str:
+    """Where a profile's chrome trace goes: `$GREENLANE_PROFILE_DIR`, else `<cache>/profiles`,
+    as `steps-<UTC stamp>-<pid>.json` (the server picks the file; a caller never names one)."""
+    from runtime.model.convert import cache_dir
+
+    folder = os.environ.get("GREENLANE_PROFILE_DIR") or str(cache_dir() / "profiles")
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    return os.path.join(folder, f"steps-{stamp}-{os.getpid()}.json")
 
 
 def _asdict(state: Any) -> dict[str, Any]:

@@ -1,0 +1,199 @@
+"""The torch profiler over a number of the engine's steps, on demand (`POST /admin/api/profile`).
+
+Why: where a step's time goes (which kernels, how long each, how much the device idles between
+them) is what decides the next optimisation, and it must be read on the running server under
+the user's load, not in a harness that builds its own batches. vLLM and SGLang expose the same
+(`/start_profile`); `bench/peer/run.sh profile` reads both tables the same way
+(`kernel_category`, `summarize_trace`) to compare one decode step with the other's.
+
+`StepProfile` lives on the engine thread: started between two steps, it counts applied steps
+(by kind) and stops after `num_steps`. Nothing runs per step while no profile is asked for
+(the engine checks one attribute). The chrome trace goes to a file; the summary (the kernels
+with the most device time, grouped by `kernel_category` as well) comes back as a dict.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+# Kernel name -> category, first match wins. The names are those of the libraries both servers
+# use (cuBLAS/CUTLASS GEMMs, FlashInfer and FlashAttention, Triton, torch's elementwise
+# kernels): a rough map, enough to put two servers' decode steps side by side.
+_CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    # Before attention: FlashInfer's KV append kernel has "paged" in its name.
+    ("rope_kv_write", re.compile(r"rope|rotary|kv_write|reshape_and_cache|append_?paged", re.I)),
+    (
+        "attention",
+        re.compile(
+            r"flash_fwd|flash::|flashattn|fmha|attention|attn|batchdecode|batchprefill|merge_state|paged",
+            re.I,
+        ),
+    ),
+    ("gemm", re.compile(r"gemm|cutlass|cublas|sm90_xmma|nvjet|matmul|splitk|wgmma", re.I)),
+    ("norm", re.compile(r"rms|norm|rsqrt", re.I)),
+    ("activation", re.compile(r"silu|gelu|act_and_mul|swiglu", re.I)),
+    (
+        "sampling",
+        re.compile(
+            r"argmax|softmax|topk|top_k|sampl|gumbel|exponential|multinomial|logsumexp|cumsum|sort",
+            re.I,
+        ),
+    ),
+    ("copy", re.compile(r"memcpy|memset|copy|cat|index|gather|scatter|fill", re.I)),
+)
+
+
+def kernel_category(name: str) -> str:
+    """A device kernel's coarse category (attention, gemm, norm, rope_kv_write, activation,
+    sampling, copy, other) from its name."""
+    for label, pattern in _CATEGORIES:
+        if pattern.search(name):
+            return label
+    return "other"
+
+
+def summarize_kernels(
+    rows: list[tuple[str, int, float]], num_steps: int, wall_ms: float, top: int = 40
+) -> dict[str, Any]:
+    """`rows`: (kernel name, launches, total device µs). The top kernels by device time and the
+    totals per category, per step as well (`num_steps` > 0), and the device-busy share of
+    `wall_ms` (kernels on several streams at once can push it past 1)."""
+    per_step = max(1, num_steps)
+    rows = sorted(rows, key=lambda r: -r[2])
+    total_us = sum(r[2] for r in rows)
+    cats: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for name, count, us in rows:
+        c = cats[kernel_category(name)]
+        c[0] += count
+        c[1] += us
+    return {
+        "num_steps": num_steps,
+        "wall_ms": round(wall_ms, 3),
+        "kernel_ms": round(total_us / 1e3, 3),
+        "kernel_ms_per_step": round(total_us / 1e3 / per_step, 4),
+        "launches_per_step": round(sum(r[1] for r in rows) / per_step, 1),
+        "busy_fraction": round(total_us / 1e3 / wall_ms, 4) if wall_ms > 0 else None,
+        "by_category": {
+            k: {
+                "launches_per_step": round(v[0] / per_step, 2),
+                "ms_per_step": round(v[1] / 1e3 / per_step, 4),
+                "share": round(v[1] / total_us, 4) if total_us else None,
+            }
+            for k, v in sorted(cats.items(), key=lambda kv: -kv[1][1])
+        },
+        "top_kernels": [
+            {
+                "name": name[:160],
+                "category": kernel_category(name),
+                "launches_per_step": round(count / per_step, 2),
+                "us_per_step": round(us / per_step, 2),
+                "us_per_launch": round(us / count, 2) if count else None,
+                "share": round(us / total_us, 4) if total_us else None,
+            }
+            for name, count, us in rows[:top]
+        ],
+    }
+
+
+def summarize_trace(path: str, num_steps: int, top: int = 40) -> dict[str, Any]:
+    """The same summary from a chrome trace file (`.json` or `.json.gz`, torch profiler's
+    format, e.g. vLLM's): device kernels (`cat` "kernel") by name, and the wall time from the
+    first kernel's start to the last one's end. `num_steps` is how many engine steps it holds
+    (the caller's count)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        doc = json.load(f)
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    acc: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    first, last = float("inf"), float("-inf")
+    for ev in events:
+        if ev.get("ph") != "X" or str(ev.get("cat", "")).lower() != "kernel":
+            continue
+        ts, dur = float(ev["ts"]), float(ev.get("dur", 0.0))
+        a = acc[ev.get("name", "?")]
+        a[0] += 1
+        a[1] += dur
+        first, last = min(first, ts), max(last, ts + dur)
+    rows = [(name, int(c), us) for name, (c, us) in acc.items()]
+    wall_ms = (last - first) / 1e3 if rows else 0.0
+    return summarize_kernels(rows, num_steps, wall_ms, top)
+
+
+class StepProfile:
+    """One profile of the next `num_steps` steps; engine thread only, except `wait`.
+
+    The engine calls `start()` between two steps, `on_step(kind)` for each applied step, and
+    `stop()` when `on_step` returns True or when the caller gave up (no steps came)."""
+
+    def __init__(self, num_steps: int, trace_path: str | None) -> None:
+        self.num_steps = num_steps
+        self.trace_path = trace_path
+        self.steps_by_kind: dict[str, int] = defaultdict(int)
+        self.num_done = 0
+        self.result: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        self._prof: torch.profiler.profile | None = None
+        self._t0 = 0.0
+        self._on_cuda = False
+
+    def start(self, device: torch.device) -> None:
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        self._on_cuda = device.type == "cuda"
+        if self._on_cuda:
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+            torch.cuda.synchronize(device)  # the window starts with the device idle
+        self._prof = torch.profiler.profile(activities=acts)
+        self._prof.start()
+        self._t0 = time.perf_counter()
+
+    def on_step(self, kind: str) -> bool:
+        """Count an applied step; True once `num_steps` are in (then call `stop`)."""
+        self.steps_by_kind[kind] += 1
+        self.num_done += 1
+        return self.num_done >= self.num_steps
+
+    def stop(self, timed_out: bool = False) -> None:
+        """Stop the profiler, write the trace, build the summary, wake `wait`."""
+        try:
+            prof = self._prof
+            if prof is None:
+                raise RuntimeError("the profile never started")
+            if self._on_cuda:
+                torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - self._t0) * 1e3
+            prof.stop()
+            rows = []
+            for ev in prof.key_averages():
+                us = ev.self_device_time_total if self._on_cuda else ev.self_cpu_time_total
+                if us > 0 and (
+                    not self._on_cuda or ev.device_type == torch.autograd.DeviceType.CUDA
+                ):
+                    rows.append((ev.key, int(ev.count), float(us)))
+            summary = summarize_kernels(rows, self.num_done, wall_ms)
+            summary["what"] = "CUDA kernels" if self._on_cuda else "CPU ops (no CUDA device)"
+            summary["steps_by_kind"] = dict(self.steps_by_kind)
+            summary["num_steps_asked"] = self.num_steps
+            summary["timed_out"] = timed_out
+            if self.trace_path:
+                os.makedirs(os.path.dirname(self.trace_path) or ".", exist_ok=True)
+                prof.export_chrome_trace(self.trace_path)
+                summary["trace_path"] = self.trace_path
+            self.result = summary
+        except BaseException as e:  # noqa: BLE001 - reported to the caller, the engine goes on
+            self.error = e
+        finally:
+            self._prof = None
+            self._done.set()
+
+    def wait(self, timeout_s: float) -> bool:
+        return self._done.wait(timeout_s)
