@@ -26,4 +26,5 @@ if [ -d .cache/smollm2-tok ] && [ ! -f .cache/models/SmolLM2-135M-Instruct/model
   d=$GREENLANE_CACHE_DIR/models/SmolLM2-135M-Instruct
   mkdir -p "$d" && cp .cache/smollm2-tok/* "$d/" && touch "$d/model.safetensors"
 fi
-fi_modules_before=$(find ~/.cache/flashinfer -name '*.so' 2>/dev/null | wc -l)
+# (no cache yet on a bare machine: find fails, and under pipefail so would this line)
+fi_modules_before=$( (find ~/.cache/flashinfer -name '*.so' 2>/dev/null || true) | wc -l)
