@@ -169,7 +169,8 @@ _PROFILE_RESPONSES: dict[int | str, dict[str, Any]] = {
     403: _err("Not a loopback client with a local Host and Origin (no token set)"),
     409: _err("A profile is already running"),
     415: _err("The body is not JSON"),
-    501: _err("This engine cannot profile its steps"),
+    404: _err("This engine cannot profile its steps"),
+    500: _err("The profiler failed (the engine serves on)"),
     503: _err("The engine is starting"),
 }
 STEP_TRACE_MAX = 4096  # runtime.engine.STEP_TRACE_LEN (app/ does not import the engine)
@@ -616,8 +617,8 @@ async def admin_profile(request: Request) -> JSONResponse:
     if engine is None:
         return _error(503, "the engine is starting; try again shortly", "service_unavailable")
     profile = getattr(engine, "profile_steps", None)
-    if profile is None:
-        return _error(501, "this engine cannot profile its steps", "not_implemented")
+    if profile is None:  # as /admin/api/steps without a trace: a test engine, not the server's
+        return _error(404, "this engine cannot profile its steps", "not_found_error")
     try:
         summary = await profile(body.num_steps, body.timeout_s, body.trace)
     except ValueError as exc:  # the engine's refusals, by what they say
@@ -625,7 +626,7 @@ async def admin_profile(request: Request) -> JSONResponse:
         if "already running" in text:
             return _error(409, text, "invalid_request_error")
         if "cannot profile" in text:
-            return _error(501, text, "not_implemented")
+            return _error(404, text, "not_found_error")
         return _error(503, text, "service_unavailable")
     except Exception as exc:  # noqa: BLE001 - the profiler failed; the engine serves on
         return _error(500, f"profiling failed: {exc}", "server_error")

@@ -165,6 +165,8 @@ def make_attention_backend(
     """The attention backend for `config.attention_backend` (auto = FlashInfer on CUDA when
     it can be used). Falls back to torch SDPA, saying why once in the log."""
     want = config.attention_backend
+    if config.merged_step_attention == "fa2" and (want == "torch" or pool.device.type != "cuda"):
+        log.warning("--merged-step-attention fa2 applies to FlashInfer only; not used here")
     # The fused RoPE + K/V write (a Triton kernel): auto = with FlashInfer, where it was
     # measured (the torch SDPA backend is the fallback and fp32 path: unfused unless asked);
     # true = with either backend (without CUDA under Triton's interpreter, for tests).
@@ -178,7 +180,12 @@ def make_attention_backend(
     try:  # the GPU runtime provides this module; absent or broken -> the torch fallback
         from runtime.attention.flashinfer_backend import FlashInferBackend
 
-        return FlashInferBackend.from_pool(pool, num_q_heads, fuse_rope_kv_write=mode != "false")
+        return FlashInferBackend.from_pool(
+            pool,
+            num_q_heads,
+            fuse_rope_kv_write=mode != "false",
+            mostly_decodes_fa2=config.merged_step_attention == "fa2",
+        )
     except Exception as e:  # noqa: BLE001 - any import/init failure means "cannot use it"
         log.warning("FlashInfer attention unavailable (%s); falling back to torch SDPA", e)
         return TorchAttentionBackend(pool, fuse_rope_kv_write=fuse_torch)

@@ -259,6 +259,11 @@ class ModelRunner:
         # The decode backend and graphs fuse RoPE + the K/V write when the prefill one does
         # (make_attention_backend decided: CUDA, the setting, an even head_dim).
         fuse_rope = bool(getattr(backend, "fuses_rope", False))
+        # A process-wide switch, like use_flashinfer: one engine a process.
+        triton_norm_act = config.norm_act_kernels == "triton"
+        if triton_norm_act and self.device.type != "cuda":
+            log.warning("--norm-act-kernels triton needs CUDA; the torch path runs instead")
+        ops.use_triton_norm_act(triton_norm_act and self.device.type == "cuda")
         if self.uses_flashinfer:
             ops.use_flashinfer(True)
             if decode_backend is None:

@@ -120,6 +120,8 @@ def test_which_steps_merge() -> None:
     assert not mergeable(runner, [keep], 9)  # type: ignore[arg-type]  # 17 rows: none
     runner.prefill_graphs.captured = False
     assert not mergeable(runner, [keep], 1)  # type: ignore[arg-type]
-    runner.config = EngineConfig()
+    runner.config = EngineConfig(merge_mixed_steps=False)
     runner.device, runner.prefill_graphs = cpu, None
-    assert not mergeable(runner, [keep], 1)  # type: ignore[arg-type]  # off by default
+    assert not mergeable(runner, [keep], 1)  # type: ignore[arg-type]  # switched off
+    runner.config = EngineConfig()
+    assert mergeable(runner, [keep], 1)  # type: ignore[arg-type]  # on by default

@@ -148,7 +148,9 @@ def test_engine_with_prefill_graphs_gives_the_eager_engines_tokens_and_scores() 
     results = []
     for graphs in (False, True):
         # Budget 24: prompts are chunked, so parts land in several buckets next to decodes.
-        eng, sink = tiny_engine(prefill_token_budget=24, max_num_seqs=4)
+        # Separate forwards: this compares prefill parts through the graphs with eager ones
+        # (merged steps: tests/test_merged_steps.py).
+        eng, sink = tiny_engine(prefill_token_budget=24, max_num_seqs=4, merge_mixed_steps=False)
         log: list[tuple[int, int]] = []
         if graphs:
             pg = PrefillGraphs(eng.model, eng.kv_pool.device, eng.kv_pool.k[0].dtype, (8, 16, 24))

@@ -204,4 +204,4 @@ def test_profile_needs_a_local_client_or_the_token() -> None:
     r = TestClient(app, client=("203.0.113.7", 50123), base_url=LOCAL_URL).post(PROFILE, json={})
     assert r.status_code == 403, r.text
     r = TestClient(app, client=LOOPBACK, base_url=LOCAL_URL).post(PROFILE, json={})
-    assert r.status_code == 501, r.text  # the fake engine cannot profile
+    assert r.status_code == 404, r.text  # the fake engine cannot profile

@@ -217,11 +217,14 @@ PYEOF
 # PEER_FIRST_ROUND=2 PEER_ROUNDS=2 runs round 2 alone (a mode too long for one call).
 # PEER_VLLM_SIDE: bench.serve's --server for vLLM (vllm: scoring through /generative_scoring;
 # vllm-completions: scoring as one-token completions with logprobs, its other way).
+# PEER_SIDES=greenlane: Greenlane's runs only (an A/B of its own options against the vLLM
+# runs of an earlier call of the same session: half the time).
 VSIDE=${PEER_VLLM_SIDE:-vllm}
 alternate() {
   local name=$1 rounds=$2 run_s=$3 r side order; shift 3
   for r in $(seq "${PEER_FIRST_ROUND:-1}" "$rounds"); do
     order="greenlane $VSIDE"; [ $((r % 2)) = 0 ] && order="$VSIDE greenlane"
+    [ "${PEER_SIDES:-both}" = greenlane ] && order=greenlane
     for side in $order; do
       if [ "$(left)" -le $((run_s + 25)) ]; then
         echo "deadline: $name round $r $side skipped"; return 0

@@ -2,7 +2,8 @@
 give the eager forward's hidden states for prefill parts of several sizes (fresh prompts,
 cached context, a discarded scoring suffix, padding rows left by a larger step), and an engine
 that replays them (also with `merge_mixed_steps`: a step's prefill parts and decodes in one
-graph replay) scores like one that runs prefill eagerly.
+graph replay, their attention on FlashInfer's default or FA2 kernels) scores like one that runs
+prefill eagerly.
 
 Model: random:qwen2.5-3b with a small KV pool (head_dim 128, whose FlashInfer kernels the
 device run has cached). bf16: the graphs' GEMMs run at the bucket's row count, where cuBLAS may
@@ -100,13 +101,30 @@ def test_engine_scores_alike_with_and_without_prefill_graphs(monkeypatch) -> Non
         return real_merged(self, prefill, decode, pending)
 
     monkeypatch.setattr(ModelRunner, "_run_merged", counting_merged)
+    from runtime.attention.flashinfer_backend import FlashInferBackend
+
+    modes = []
+    real_plan = FlashInferBackend.plan
+
+    def recording_plan(self, batch):  # type: ignore[no-untyped-def]
+        real_plan(self, batch)
+        modes.append(self._plan.mode)
+
+    monkeypatch.setattr(FlashInferBackend, "plan", recording_plan)
     results = []
-    # Eager prefill; prefill graphs; prefill graphs with a step's parts merged into one replay.
-    for max_tokens, merge in ((0, False), (1024, False), (1024, True)):
+    # Eager prefill; prefill graphs; prefill graphs with a step's parts merged into one replay
+    # (attention by FlashInfer's own choice, then by its FA2 kernels: merged_step_attention).
+    for max_tokens, merge, attention in (
+        (0, False, "auto"),
+        (1024, False, "auto"),
+        (1024, True, "auto"),
+        (1024, True, "fa2"),
+    ):
         eng, sink = small_engine(
             prefill_graph_max_tokens=max_tokens,
             prefill_token_budget=1024,
             merge_mixed_steps=merge,
+            merged_step_attention=attention,
         )
         assert (eng.runner.prefill_graphs is not None) == (max_tokens > 0)
         # Fresh requests per engine (a request is mutable state), the same ones each time.
@@ -116,6 +134,7 @@ def test_engine_scores_alike_with_and_without_prefill_graphs(monkeypatch) -> Non
         results.append(run_to_end(eng, sink, reqs))
     assert replays, "no prefill part replayed the graphs"
     assert merged, "no step merged its prefill parts and decodes"
+    assert "paged_fa2" in modes, "no merged step ran on the FA2 kernels"
     eager = results[0]
     for other in results[1:]:
         for rid, (out, tokens) in eager.items():
