@@ -221,7 +221,7 @@ def test_peer_scripts_parse() -> None:
     root = Path(__file__).resolve().parents[1]
     for script in ("bench/peer/run.sh", "bench/peer/prepare.sh", "bench/wheel_pieces.sh"):
         subprocess.run(["bash", "-n", str(root / script)], check=True)
-    from bench.peer import check_vllm, longest_prompt, select_packages  # noqa: F401
+    from bench.peer import check_vllm, longest_prompt, profile_steps, select_packages  # noqa: F401
 
     assert "vllm" in select_packages.CARRIED
     assert not set(select_packages.CARRIED) & set(select_packages.LEFT_OUT_NOTES)

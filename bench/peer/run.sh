@@ -13,6 +13,7 @@
 #   bash bench/peer/run.sh long REV [MNBT..]  # (c) long prompts next to chat; vLLM at its default
 #                                             # chunked prefill, then each --max-num-batched-tokens
 #   bash bench/peer/run.sh longest REV        # (d) longest scoring prompt under the same cap
+#   bash bench/peer/run.sh gputest REV [FILES] # GPU tests (before the servers start)
 #   bash bench/peer/run.sh profile REV [8b|3b] # the torch profiler over N steps of each server
 #                                             # under the 48-stream chat load (diagnostic)
 #
@@ -306,6 +307,22 @@ long)
     bench vllm "long-mnbt$m" "${args[@]}"
   done
   collect ;;
+gputest)
+  # GPU tests of options about to be A/B'd, run before the servers hold the memory (carry .whl
+  # .fi_cache .cache/smollm2-tok, as for setup). Args: test files (default: the merged step's
+  # attention and the Triton norm kernels). Result: $RES/gputest.json (exit code, the tail).
+  source bench/gpu_setup.sh || exit 1
+  tests=("$@"); [ ${#tests[@]} -gt 0 ] || tests=(tests/gpu/test_norm_act_gpu.py tests/gpu/test_prefill_graphs_gpu.py)
+  python3 -m pytest -q -m "gpu or kernels" -p no:cacheprovider "${tests[@]}" 2>&1 | tee "$W/gputest.log"
+  rc=${PIPESTATUS[0]}
+  python3 - "$W/gputest.log" "$RES/gputest.json" "$rc" "${tests[*]}" <<'PYEOF'
+import json, sys
+log, out, rc, tests = sys.argv[1:5]
+json.dump({"tests": tests.split(), "exit_code": int(rc), "tail": open(log).read()[-4000:]},
+          open(out, "w"), indent=1)
+PYEOF
+  record_meta "$RES/gputest.json" gputest "$rev" "python3 -m pytest -q -m 'gpu or kernels' ${tests[*]}"
+  collect; exit "$rc" ;;
 profile)
   # Where each server's step time goes under the 48-stream chat load: one chat run a server
   # (the same requests as `chat`), and while it runs the torch profiler over PROF_STEPS steps
@@ -364,5 +381,5 @@ longest)
   done
   stop_servers
   collect ;;
-*) echo "usage: $0 stash|setup|scoring|chat|long|longest|profile REV [args]"; exit 2 ;;
+*) echo "usage: $0 stash|setup|gputest|scoring|chat|long|longest|profile REV [args]"; exit 2 ;;
 esac
