@@ -83,6 +83,12 @@ class EngineConfig:
     # CUDA (runtime/model/norm_act_kernels.py says why a Triton version). flashinfer until an
     # A/B on the GPU says otherwise.
     norm_act_kernels: str = "flashinfer"
+    # flashinfer | xqa: the decode attention kernel on CUDA. flashinfer: its tensor-core
+    # decode (41.3 µs a layer + a 3.4 µs split-KV merge at 48 streams of ~350 tokens, 8B shape,
+    # H200 profile; vLLM's FlashAttention-3 ~34 µs); xqa: FlashInfer's XQA kernel
+    # (TensorRT-LLM's GQA decode for Hopper; page sizes 16-128). flashinfer until an A/B on the
+    # GPU says otherwise.
+    decode_attention: str = "flashinfer"
     # Plan and launch step N+1 while the device runs step N (sampled tokens feed the next
     # step on the device; the host sees them one step later). False: one step at a time.
     overlap_scheduling: bool = True
@@ -144,6 +150,10 @@ class EngineConfig:
         if self.norm_act_kernels not in ("flashinfer", "triton"):
             raise ValueError(
                 f"norm_act_kernels must be flashinfer or triton, got {self.norm_act_kernels!r}"
+            )
+        if self.decode_attention not in ("flashinfer", "xqa"):
+            raise ValueError(
+                f"decode_attention must be flashinfer or xqa, got {self.decode_attention!r}"
             )
         if self.merged_step_attention not in ("auto", "fa2"):
             raise ValueError(

@@ -264,6 +264,7 @@ class ModelRunner:
         if triton_norm_act and self.device.type != "cuda":
             log.warning("--norm-act-kernels triton needs CUDA; the torch path runs instead")
         ops.use_triton_norm_act(triton_norm_act and self.device.type == "cuda")
+        xqa = config.decode_attention == "xqa" and self.uses_flashinfer
         if self.uses_flashinfer:
             ops.use_flashinfer(True)
             if decode_backend is None:
@@ -272,6 +273,7 @@ class ModelRunner:
                     kv_pool,
                     model_config.num_q_heads,
                     fuse_rope_kv_write=fuse_rope,
+                    xqa_decode=xqa,
                 )
         self.decode_backend = decode_backend if decode_backend is not None else backend
         self.sampler = Sampler()
@@ -310,6 +312,7 @@ class ModelRunner:
                 pool=pool,
                 fused_max_batch=fused,
                 fuse_rope_kv_write=fuse_rope,
+                xqa_decode=xqa,
             )
             split_sizes = graph_batch_sizes(
                 config.max_num_seqs, split_graph_batch_sizes or SPLIT_BATCH_SIZES
@@ -329,6 +332,8 @@ class ModelRunner:
                     label=label,
                     fused_max_batch=fused,
                     fuse_rope_kv_write=fuse_rope,
+                    xqa_decode=xqa,
+                    xqa_workspace=whole.xqa_workspace,
                 )
 
             self.decode_graphs = whole

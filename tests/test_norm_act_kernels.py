@@ -102,3 +102,5 @@ def test_config_refuses_an_unknown_kernel_choice() -> None:
         EngineConfig(norm_act_kernels="cudnn")
     with pytest.raises(ValueError, match="merged_step_attention"):
         EngineConfig(merged_step_attention="fa4")
+    with pytest.raises(ValueError, match="decode_attention"):
+        EngineConfig(decode_attention="cudnn")

@@ -310,9 +310,11 @@ long)
 gputest)
   # GPU tests of options about to be A/B'd, run before the servers hold the memory (carry .whl
   # .fi_cache .cache/smollm2-tok, as for setup). Args: test files (default: the merged step's
-  # attention and the Triton norm kernels). Result: $RES/gputest.json (exit code, the tail).
+  # attention, the Triton norm kernels, XQA decode). Result: $RES/gputest.json (exit code, tail).
   source bench/gpu_setup.sh || exit 1
-  tests=("$@"); [ ${#tests[@]} -gt 0 ] || tests=(tests/gpu/test_norm_act_gpu.py tests/gpu/test_prefill_graphs_gpu.py)
+  tests=("$@")
+  [ ${#tests[@]} -gt 0 ] || tests=(tests/gpu/test_norm_act_gpu.py tests/gpu/test_prefill_graphs_gpu.py
+                                   tests/gpu/test_decode_attention_gpu.py)
   python3 -m pytest -q -m "gpu or kernels" -p no:cacheprovider "${tests[@]}" 2>&1 | tee "$W/gputest.log"
   rc=${PIPESTATUS[0]}
   python3 - "$W/gputest.log" "$RES/gputest.json" "$rc" "${tests[*]}" <<'PYEOF'

@@ -9,6 +9,7 @@ metadata to the device with non-blocking copies on the current stream.
 Kernel choice per step (`plan`):
 - decode (every sequence: one new token, context > 0): paged decode, tensor cores when
   num_q_heads / num_kv_heads >= 4 (GQA), after writing the new token's k/v into the pool;
+  with `xqa_decode`, FlashInfer's XQA kernel instead (no plan: block table + lengths);
 - prefill with no cached context anywhere in the batch: ragged prefill over this step's k/v;
 - prefill with cached context (prefix hit, later chunk) and nothing discarded: write the new
   k/v into the pool, then paged prefill over context + new tokens; a batch of mostly
@@ -43,6 +44,20 @@ from runtime.attention.base import (
 from runtime.model import ops
 
 DEFAULT_WORKSPACE_BYTES = 128 << 20
+# XQA's workspace: 8 MiB of semaphores (zero before its first use, reset by the kernel) + the
+# scratch of its multi-block mode. Its own buffer: FlashInfer's plans write into theirs.
+XQA_WORKSPACE_BYTES = 64 << 20
+
+
+def _uint32_view_ok() -> bool:
+    try:
+        torch.zeros(1, dtype=torch.int32).view(torch.uint32)
+        return True
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+
+
+_UINT32_VIEW = _uint32_view_ok()
 
 
 def flashinfer_unavailable_reason() -> str:
@@ -90,6 +105,8 @@ class FlashInferBackend:
         workspace: torch.Tensor | None = None,
         fuse_rope_kv_write: bool = False,
         mostly_decodes_fa2: bool = False,
+        xqa_decode: bool = False,
+        xqa_workspace: torch.Tensor | None = None,
     ) -> None:
         """k_caches/v_caches: one [num_blocks, block_size, Hkv, D] tensor per layer.
 
@@ -103,7 +120,13 @@ class FlashInferBackend:
         (a merged step) runs FlashInfer's FA2 kernels, which size the query tile from the
         batch's mean query length, instead of its Hopper (FA3) kernels, whose 128-row tiles a
         one-token row leaves mostly empty (H200 profile, Llama-3.1-8B shape, 48 decodes +
-        ~320 prefill tokens: 126 µs a layer, against 41 µs for the 48 decodes alone)."""
+        ~320 prefill tokens: 126 µs a layer, against 41 µs for the 48 decodes alone).
+
+        xqa_decode: decode batches run FlashInfer's XQA kernel (TensorRT-LLM's GQA decode for
+        Hopper: no plan, reads a [batch, pages] block table and the lengths) instead of its
+        tensor-core decode (41.3 µs a layer + a 3.4 µs merge of split KV at 48 streams of
+        ~350 tokens on the 8B shape, where vLLM's FlashAttention-3 took ~34 µs).
+        xqa_workspace: a zeroed buffer to share (instances that never run concurrently)."""
         import flashinfer
 
         if v_caches is None:  # FlashInferBackend(kv_pool): the engine's call
@@ -162,6 +185,22 @@ class FlashInferBackend:
             )
             self._g_last = torch.ones(bs, dtype=torch.int32, device=self.device)
             self._static_slots = torch.zeros(bs, dtype=torch.int64, device=self.device)
+        self._xqa_ws: torch.Tensor | None = None
+        self._xqa_batch: tuple[torch.Tensor, torch.Tensor] | None = None  # tables, lengths
+        if xqa_decode:
+            self._xqa_ws = (
+                xqa_workspace
+                if xqa_workspace is not None
+                else torch.zeros(XQA_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+            )
+            if graph_batch_size is not None:
+                assert max_blocks_per_seq is not None
+                # Full width: a captured graph reads this shape (XQA derives its maximum
+                # length from it); a plan fills the first columns, stale ones are never read.
+                self._g_tables = torch.zeros(
+                    graph_batch_size, max_blocks_per_seq, dtype=torch.int32, device=self.device
+                )
+                self._g_lens = torch.zeros(graph_batch_size, dtype=torch.int32, device=self.device)
         self._plan: _Plan | None = None
         if num_q_heads is not None:
             self._decode_wrapper = self._make_decode_wrapper()
@@ -346,6 +385,55 @@ class FlashInferBackend:
             raise ValueError(
                 f"graph instance for batch {self.graph_batch_size} got {len(seqs)} sequences"
             )
+        if self._xqa_ws is not None:
+            self._plan_xqa(seqs)
+        else:
+            self._plan_flashinfer_decode(seqs)
+        slots = self._to_dev(write_slots, torch.int64)
+        if self._static_slots is not None:
+            self._static_slots.copy_(slots, non_blocking=True)
+            slots = self._static_slots
+        # A decode row always writes its token: the slots are the per-row slots.
+        fuse = self.fuses_rope and fuse_rope_for(len(seqs))
+        self._plan = _Plan("decode", None, slots, token_slots=slots if fuse else None)
+
+    def _plan_xqa(self, seqs: list) -> None:
+        """The block table [B, pages] (0-padded) and the lengths (this step's token included)
+        for XQA; a graph instance copies them into its full-width buffers."""
+        bs_tok = self.block_size
+        lens = [s.num_context_tokens + 1 for s in seqs]
+        width = max((n + bs_tok - 1) // bs_tok for n in lens)
+        table: list[int] = []
+        for s, n in zip(seqs, lens, strict=True):
+            pages = (n + bs_tok - 1) // bs_tok
+            table.extend(s.block_ids[:pages])
+            table.extend([0] * (width - pages))
+        flat = self._to_dev(table + lens, torch.int32)
+        tables = flat[: len(table)].view(len(seqs), width)
+        lengths = flat[len(table) :]
+        if self.graph_batch_size is not None:
+            self._g_tables[:, :width].copy_(tables, non_blocking=True)
+            self._g_lens.copy_(lengths, non_blocking=True)
+            tables, lengths = self._g_tables, self._g_lens
+        self._xqa_batch = (tables, lengths)
+
+    def _run_xqa(self, q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        assert self._xqa_batch is not None and self._xqa_ws is not None
+        tables, lengths = self._xqa_batch
+        # The lengths are read as uint32 by the kernel: the same bits as these int32 (>= 0).
+        return self._fi.decode.xqa_batch_decode_with_kv_cache(
+            query=q,
+            kv_cache=caches,
+            workspace_buffer=self._xqa_ws,
+            block_tables=tables,
+            seq_lens=lengths.view(torch.uint32) if _UINT32_VIEW else lengths,
+            max_seq_len=int(tables.shape[1]) * self.block_size,
+            bmm1_scale=self.sm_scale,
+            bmm2_scale=1.0,
+            kv_layout="NHD",
+        )
+
+    def _plan_flashinfer_decode(self, seqs: list) -> None:
         kv_indptr, kv_indices, last = self._paged_meta(
             [(s.block_ids, s.num_context_tokens + 1) for s in seqs]
         )
@@ -363,13 +451,6 @@ class FlashInferBackend:
                 kv_data_type=self.kv_dtype,
             )
         )
-        slots = self._to_dev(write_slots, torch.int64)
-        if self._static_slots is not None:
-            self._static_slots.copy_(slots, non_blocking=True)
-            slots = self._static_slots
-        # A decode row always writes its token: the slots are the per-row slots.
-        fuse = self.fuses_rope and fuse_rope_for(len(seqs))
-        self._plan = _Plan("decode", None, slots, token_slots=slots if fuse else None)
 
     def _token_slots(
         self, batch: ForwardBatch, rows: torch.Tensor | None, slots: torch.Tensor
@@ -424,6 +505,8 @@ class FlashInferBackend:
             self._write(layer_idx, k, v, plan)
         caches = (self.k_caches[layer_idx], self.v_caches[layer_idx])
         if plan.mode == "decode":
+            if self._xqa_ws is not None:
+                return self._run_xqa(q, caches)
             return self._decode.run(q, caches)
         if plan.mode == "paged":
             return self._paged.run(q, caches)
