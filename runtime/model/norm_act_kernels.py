@@ -46,7 +46,9 @@ def _add_rmsnorm_kernel(
     # HF order: normalise in float32, round to the dtype, then scale by the weight.
     normed = (sf * rstd).to(x.dtype, fp_downcast_rounding="rtne").to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * D + cols, (normed * w).to(x.dtype, fp_downcast_rounding="rtne"), mask=mask)
+    tl.store(
+        out_ptr + row * D + cols, (normed * w).to(x.dtype, fp_downcast_rounding="rtne"), mask=mask
+    )
 
 
 @triton.jit
@@ -67,7 +69,9 @@ def _rmsnorm_kernel(
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
     normed = (xf * rstd).to(x.dtype, fp_downcast_rounding="rtne").to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * D + cols, (normed * w).to(x.dtype, fp_downcast_rounding="rtne"), mask=mask)
+    tl.store(
+        out_ptr + row * D + cols, (normed * w).to(x.dtype, fp_downcast_rounding="rtne"), mask=mask
+    )
 
 
 @triton.jit
@@ -86,7 +90,11 @@ def _silu_and_mul_kernel(
     gf = g.to(tl.float32)
     # silu rounds to the dtype before the product, as F.silu(gate) * up does in torch.
     act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype, fp_downcast_rounding="rtne").to(tl.float32)
-    tl.store(out_ptr + row * INTER + cols, (act * u.to(tl.float32)).to(g.dtype, fp_downcast_rounding="rtne"), mask=mask)
+    tl.store(
+        out_ptr + row * INTER + cols,
+        (act * u.to(tl.float32)).to(g.dtype, fp_downcast_rounding="rtne"),
+        mask=mask,
+    )
 
 
 def _warps(block: int) -> int:
