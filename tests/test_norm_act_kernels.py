@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.model import norm_act_kernels as k
-from runtime.model import ops
+pytest.importorskip("triton")
+
+from runtime.model import norm_act_kernels as k  # noqa: E402 - after the skip
+from runtime.model import ops  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
