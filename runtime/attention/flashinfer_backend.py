@@ -308,8 +308,9 @@ class FlashInferBackend:
                 [(s.block_ids, s.num_context_tokens + s.num_query_tokens) for s in seqs]
             )
             qo = self._host(qo_indptr)
-            one_token_rows = sum(1 for s in seqs if s.num_query_tokens == 1)
-            fa2 = self._paged_fa2 is not None and 2 * one_token_rows > len(seqs)
+            fa2 = self._paged_fa2 is not None and 2 * sum(
+                1 for s in seqs if s.num_query_tokens == 1
+            ) > len(seqs)
             wrapper = self._paged_fa2 if fa2 else self._paged
             self._kernel_plan(
                 lambda hq: wrapper.plan(
