@@ -829,18 +829,26 @@ class Engine:
         started = threading.Event()
         busy: list[bool] = []
 
-        def begin() -> None:
-            if self._profile is not None:
-                busy.append(True)
-            else:
-                prof.start(self.device)
-                self._profile = prof
-            started.set()
+        failed: list[BaseException] = []
+
+        def begin() -> None:  # on the engine thread: it must not raise (the loop would stop)
+            try:
+                if self._profile is not None:
+                    busy.append(True)
+                else:
+                    prof.start(self.device)
+                    self._profile = prof
+            except Exception as e:  # noqa: BLE001 - the profiler's failure, the caller's error
+                failed.append(e)
+            finally:
+                started.set()
 
         self._submit_call(begin)
-        if not started.wait(timeout_s) or busy:
+        if not started.wait(timeout_s) or busy or failed:
             if busy:
                 raise ValueError("a profile is already running")
+            if failed:
+                raise RuntimeError(f"the profiler did not start: {failed[0]}") from failed[0]
             raise TimeoutError("the engine thread did not start the profile")
         if not prof.wait(timeout_s):
 

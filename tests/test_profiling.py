@@ -205,3 +205,30 @@ def test_profile_needs_a_local_client_or_the_token() -> None:
     assert r.status_code == 403, r.text
     r = TestClient(app, client=LOOPBACK, base_url=LOCAL_URL).post(PROFILE, json={})
     assert r.status_code == 404, r.text  # the fake engine cannot profile
+
+
+def test_a_profiler_that_fails_to_start_leaves_the_engine_serving(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The profiler starts on the engine thread: its failure is the caller's error, never the
+    end of the step loop."""
+    from test_engine import make_engine
+
+    from runtime import profiling
+    from runtime.request import Request, RequestKind, SamplingParams
+
+    def broken_start(self, device):  # type: ignore[no-untyped-def]
+        raise RuntimeError("profiler already active in this process")
+
+    monkeypatch.setattr(profiling.StepProfile, "start", broken_start)
+    engine, sink = make_engine()
+    try:
+        with pytest.raises(RuntimeError, match="did not start: profiler already active"):
+            engine.profile_steps(3, timeout_s=10)
+        assert engine.is_alive()
+        sp = SamplingParams(max_tokens=3, ignore_eos=True)
+        engine.add(Request("after", RequestKind.GENERATE, [5, 6, 7], sp))
+        sink.wait("after")
+        assert len(sink.tokens("after")) == 3
+    finally:
+        engine.shutdown(0)
