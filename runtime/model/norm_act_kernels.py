@@ -21,57 +21,35 @@ import triton.language as tl
 
 
 @triton.jit
-def _add_rmsnorm_kernel(
+def _rmsnorm_kernel(
     x_ptr,  # [M, D] input (the layer's output)
-    r_ptr,  # [M, D] residual
+    r_ptr,  # [M, D] residual (HAS_RESIDUAL only)
     w_ptr,  # [D] weight
-    out_ptr,  # [M, D] rmsnorm(x + r) * w
-    r_out_ptr,  # [M, D] x + r
+    out_ptr,  # [M, D] rmsnorm(x [+ r]) * w
+    r_out_ptr,  # [M, D] x + r (HAS_RESIDUAL only)
     x_st,
     r_st,
     eps,
     D: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two >= D
+    HAS_RESIDUAL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     x = tl.load(x_ptr + row * x_st + cols, mask=mask, other=0.0)
-    r = tl.load(r_ptr + row * r_st + cols, mask=mask, other=0.0)
-    # The sum rounds to the model dtype first, as `x + residual` does in torch.
-    s = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype, fp_downcast_rounding="rtne")
-    tl.store(r_out_ptr + row * D + cols, s, mask=mask)
-    sf = s.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / D + eps)
-    # HF order: normalise in float32, round to the dtype, then scale by the weight.
-    normed = (sf * rstd).to(x.dtype, fp_downcast_rounding="rtne").to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(
-        out_ptr + row * D + cols, (normed * w).to(x.dtype, fp_downcast_rounding="rtne"), mask=mask
-    )
-
-
-@triton.jit
-def _rmsnorm_kernel(
-    x_ptr,  # [M, D]
-    w_ptr,  # [D]
-    out_ptr,  # [M, D]
-    x_st,
-    eps,
-    D: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < D
-    x = tl.load(x_ptr + row * x_st + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + row * r_st + cols, mask=mask, other=0.0)
+        # The sum rounds to the model dtype first, as `x + residual` does in torch.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype, fp_downcast_rounding="rtne")
+        tl.store(r_out_ptr + row * D + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
+    # HF order: normalise in float32, round to the dtype, then scale by the weight.
     normed = (xf * rstd).to(x.dtype, fp_downcast_rounding="rtne").to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(
-        out_ptr + row * D + cols, (normed * w).to(x.dtype, fp_downcast_rounding="rtne"), mask=mask
-    )
+    y = (normed * w).to(x.dtype, fp_downcast_rounding="rtne")
+    tl.store(out_ptr + row * D + cols, y, mask=mask)
 
 
 @triton.jit
@@ -117,9 +95,9 @@ def add_rmsnorm(
     M = x2.shape[0]
     if M:
         block = triton.next_power_of_2(D)
-        _add_rmsnorm_kernel[(M,)](
+        _rmsnorm_kernel[(M,)](
             x2, r2, weight, out, r_out, x2.stride(0), r2.stride(0), eps, D=D, BLOCK=block,
-            num_warps=_warps(block),
+            HAS_RESIDUAL=True, num_warps=_warps(block),
         )  # fmt: skip
     return out.view(x.shape), r_out.view(x.shape)
 
@@ -135,8 +113,9 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if M:
         block = triton.next_power_of_2(D)
         _rmsnorm_kernel[(M,)](
-            x2, weight, out, x2.stride(0), eps, D=D, BLOCK=block, num_warps=_warps(block)
-        )
+            x2, x2, weight, out, out, x2.stride(0), 0, eps, D=D, BLOCK=block,
+            HAS_RESIDUAL=False, num_warps=_warps(block),
+        )  # fmt: skip
     return out.view(x.shape)
 
 
