@@ -16,6 +16,9 @@
 #   bash bench/peer/run.sh gputest REV [FILES] # GPU tests (before the servers start)
 #   bash bench/peer/run.sh profile REV [8b|3b] # the torch profiler over N steps of each server
 #                                             # under the 48-stream chat load (diagnostic)
+#   bash bench/peer/run.sh options REV 8b|3b "OPTS" ["OPTS"...]
+#                                             # (b) Greenlane only, restarted with each option
+#                                             # set in turn (A/B against an earlier call's vLLM)
 #
 # Results: $OUT/peer-<mode>-<stamp>.json (every run's bench.serve record, each with a "peer"
 # entry: command, Greenlane revision, vLLM version, device, date, server command lines) and the
@@ -349,6 +352,25 @@ profile)
     collect
   done
   collect ;;
+options)
+  # Greenlane's own options A/B'd in one call: for each option set (one argument each, e.g.
+  # "--decode-attention xqa"), Greenlane restarts with it and runs the `chat` load twice;
+  # vLLM stays up untouched (its runs come from a `chat` call of the same session). One call
+  # instead of one per option: every turn-around between calls risks the machine going back
+  # (30 s idle) with both servers and /tmp. A set that would overrun the deadline is skipped.
+  sub=${1:-8b}; shift 2>/dev/null; preset=llama-3.1-8b
+  [ "$sub" = 3b ] && preset=qwen2.5-3b
+  export_model "$preset" || exit 1
+  for opts in "$@"; do
+    [ "$(left)" -gt 170 ] || { echo "deadline: option set '$opts' skipped"; continue; }
+    slug=$(echo "$opts" | tr -c 'a-zA-Z0-9\n' '-' | sed 's/^-*//; s/-*$//; s/--*/-/g')
+    PEER_GL_ARGS=$opts start_greenlane "$(folder_of "$preset")" \
+      "--max-gpu-memory-gb $MEM_GB --max-model-len $MAX_LEN${opts:+ $opts}" || continue
+    PEER_SIDES=greenlane PEER_PRESET=$preset alternate "chat-$sub-$slug" "${PEER_ROUNDS:-2}" 60 \
+      --workload sharegpt --num-requests 480 --qps inf --max-concurrency 48 --warmup-requests 4 \
+      --request-timeout 120
+  done
+  collect ;;
 longest)
   # (d) the longest scoring prompt each server takes under the same GPU memory cap (24 GB, the
   # README's 8B figure), one server at a time, bisection by requests (bench/peer/longest_prompt.py).
@@ -383,5 +405,5 @@ longest)
   done
   stop_servers
   collect ;;
-*) echo "usage: $0 stash|setup|gputest|scoring|chat|long|longest|profile REV [args]"; exit 2 ;;
+*) echo "usage: $0 stash|setup|gputest|scoring|chat|long|longest|profile|options REV [args]"; exit 2 ;;
 esac
