@@ -69,12 +69,6 @@ _ENGINE_HELP = {
     "--prefill-chunk-tokens)",
     "merge_mixed_steps": "run a step's prefill parts and decodes as one forward when the "
     "merged rows fit a prefill graph (not for scoring prefills that discard their suffix KV)",
-    "merged_step_attention": "auto | fa2: attention of a merged step (mostly one-token rows) "
-    "with FlashInfer's own choice (FA3 on Hopper) or its FA2 kernels",
-    "norm_act_kernels": "flashinfer | triton: the CUDA kernels of RMSNorm, fused add + RMSNorm "
-    "and SiLU-and-mul",
-    "decode_attention": "flashinfer | xqa: the decode attention kernel (FlashInfer's tensor-core "
-    "decode, or its XQA kernel for GQA on Hopper)",
     "fused_rope_kv_write": "auto | true | false: RoPE and the K/V pool write in one Triton "
     "launch per layer instead of three (auto: with the FlashInfer backend; true: also with "
     "torch SDPA)",

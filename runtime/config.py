@@ -73,22 +73,6 @@ class EngineConfig:
     # on the Llama-3.1-8B shape through HTTP, 4771 / 4923 output tokens/s against 4583 for
     # separate forwards, against the same vLLM run (H200, 2026-12-02, docs/benchmarks.md).
     merge_mixed_steps: bool = True
-    # auto | fa2: attention of a batch of mostly one-token rows (a merged step) with cached
-    # context. auto: FlashInfer's choice (its FA3 kernels on Hopper, 128-row query tiles that
-    # one-token rows leave mostly empty: 126 µs a layer on the H200 profile, 3x the decodes
-    # alone); fa2: its FA2 kernels, which size the tile from the mean query length. Unmeasured:
-    # auto until an A/B on the GPU says otherwise.
-    merged_step_attention: str = "auto"
-    # flashinfer | triton: the kernels of RMSNorm, fused add + RMSNorm and SiLU-and-mul on
-    # CUDA (runtime/model/norm_act_kernels.py says why a Triton version). flashinfer until an
-    # A/B on the GPU says otherwise.
-    norm_act_kernels: str = "flashinfer"
-    # flashinfer | xqa: the decode attention kernel on CUDA. flashinfer: its tensor-core
-    # decode (41.3 µs a layer + a 3.4 µs split-KV merge at 48 streams of ~350 tokens, 8B shape,
-    # H200 profile; vLLM's FlashAttention-3 ~34 µs); xqa: FlashInfer's XQA kernel
-    # (TensorRT-LLM's GQA decode for Hopper; page sizes 16-128). flashinfer until an A/B on the
-    # GPU says otherwise.
-    decode_attention: str = "flashinfer"
     # Plan and launch step N+1 while the device runs step N (sampled tokens feed the next
     # step on the device; the host sees them one step later). False: one step at a time.
     overlap_scheduling: bool = True
@@ -147,18 +131,6 @@ class EngineConfig:
             raise ValueError("prefill_token_budget must be >= 1")
         if self.prefill_chunk_tokens < 1:
             raise ValueError("prefill_chunk_tokens must be >= 1")
-        if self.norm_act_kernels not in ("flashinfer", "triton"):
-            raise ValueError(
-                f"norm_act_kernels must be flashinfer or triton, got {self.norm_act_kernels!r}"
-            )
-        if self.decode_attention not in ("flashinfer", "xqa"):
-            raise ValueError(
-                f"decode_attention must be flashinfer or xqa, got {self.decode_attention!r}"
-            )
-        if self.merged_step_attention not in ("auto", "fa2"):
-            raise ValueError(
-                f"merged_step_attention must be auto or fa2, got {self.merged_step_attention!r}"
-            )
         if self.prefill_graph_max_tokens < 0:
             raise ValueError("prefill_graph_max_tokens must be >= 0 (0 = off)")
         if not 0 <= self.fused_decode_max_batch <= 8:

@@ -120,8 +120,6 @@ class DecodeGraphs:
         label: str = "whole GPU",
         fused_max_batch: int = 0,
         fuse_rope_kv_write: bool = False,
-        xqa_decode: bool = False,
-        xqa_workspace: torch.Tensor | None = None,
     ) -> None:
         """workspace: a FlashInfer float workspace to share with other sets (safe only while
         sets never replay concurrently: the runner runs one decode step at a time). pool: a
@@ -137,15 +135,6 @@ class DecodeGraphs:
         self.label = label
         self.fused_max_batch = fused_max_batch
         self.fuse_rope_kv_write = fuse_rope_kv_write  # passed to each size's backend
-        # --decode-attention xqa: one zeroed XQA workspace for every size (one replays at a
-        # time), shared with other sets like `workspace`.
-        self.xqa_workspace: torch.Tensor | None = xqa_workspace if xqa_decode else None
-        if xqa_decode and self.xqa_workspace is None:
-            from runtime.attention.flashinfer_backend import XQA_WORKSPACE_BYTES
-
-            self.xqa_workspace = torch.zeros(
-                XQA_WORKSPACE_BYTES, dtype=torch.uint8, device=k_caches[0].device
-            )
         self.fused_errors: dict[int, str] = {}  # batch size -> why its fused step was dropped
         self.graphs: dict[int, _Graph] = {}
         self.capture_s: dict[int, float] = {}  # seconds spent capturing each size
@@ -239,8 +228,6 @@ class DecodeGraphs:
             graph_batch_size=bs,
             max_blocks_per_seq=self.max_blocks_per_seq,
             fuse_rope_kv_write=self.fuse_rope_kv_write,
-            xqa_decode=self.xqa_workspace is not None,
-            xqa_workspace=self.xqa_workspace,
         )
         return ModelDecodeStep(self.model, backend)
 

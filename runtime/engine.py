@@ -165,13 +165,6 @@ def make_attention_backend(
     """The attention backend for `config.attention_backend` (auto = FlashInfer on CUDA when
     it can be used). Falls back to torch SDPA, saying why once in the log."""
     want = config.attention_backend
-    if (config.merged_step_attention == "fa2" or config.decode_attention == "xqa") and (
-        want == "torch" or pool.device.type != "cuda"
-    ):
-        log.warning(
-            "--merged-step-attention fa2 / --decode-attention xqa apply to FlashInfer only; "
-            "not used here"
-        )
     # The fused RoPE + K/V write (a Triton kernel): auto = with FlashInfer, where it was
     # measured (the torch SDPA backend is the fallback and fp32 path: unfused unless asked);
     # true = with either backend (without CUDA under Triton's interpreter, for tests).
@@ -189,8 +182,6 @@ def make_attention_backend(
             pool,
             num_q_heads,
             fuse_rope_kv_write=mode != "false",
-            mostly_decodes_fa2=config.merged_step_attention == "fa2",
-            xqa_decode=config.decode_attention == "xqa",
         )
     except Exception as e:  # noqa: BLE001 - any import/init failure means "cannot use it"
         log.warning("FlashInfer attention unavailable (%s); falling back to torch SDPA", e)

@@ -259,12 +259,6 @@ class ModelRunner:
         # The decode backend and graphs fuse RoPE + the K/V write when the prefill one does
         # (make_attention_backend decided: CUDA, the setting, an even head_dim).
         fuse_rope = bool(getattr(backend, "fuses_rope", False))
-        # A process-wide switch, like use_flashinfer: one engine a process.
-        triton_norm_act = config.norm_act_kernels == "triton"
-        if triton_norm_act and self.device.type != "cuda":
-            log.warning("--norm-act-kernels triton needs CUDA; the torch path runs instead")
-        ops.use_triton_norm_act(triton_norm_act and self.device.type == "cuda")
-        xqa = config.decode_attention == "xqa" and self.uses_flashinfer
         if self.uses_flashinfer:
             ops.use_flashinfer(True)
             if decode_backend is None:
@@ -273,7 +267,6 @@ class ModelRunner:
                     kv_pool,
                     model_config.num_q_heads,
                     fuse_rope_kv_write=fuse_rope,
-                    xqa_decode=xqa,
                 )
         self.decode_backend = decode_backend if decode_backend is not None else backend
         self.sampler = Sampler()
@@ -312,7 +305,6 @@ class ModelRunner:
                 pool=pool,
                 fused_max_batch=fused,
                 fuse_rope_kv_write=fuse_rope,
-                xqa_decode=xqa,
             )
             split_sizes = graph_batch_sizes(
                 config.max_num_seqs, split_graph_batch_sizes or SPLIT_BATCH_SIZES
@@ -332,8 +324,6 @@ class ModelRunner:
                     label=label,
                     fused_max_batch=fused,
                     fuse_rope_kv_write=fuse_rope,
-                    xqa_decode=xqa,
-                    xqa_workspace=whole.xqa_workspace,
                 )
 
             self.decode_graphs = whole

@@ -86,6 +86,12 @@ start_greenlane() {
     echo "greenlane already up ($cfg)"; return 0
   fi
   stop_one greenlane
+  # The old process may hold the port a moment after /health stops answering.
+  for _ in $(seq 30); do
+    python3 -c "import socket,sys; socket.socket().bind(('127.0.0.1', int(sys.argv[1])))" \
+      "$GL_PORT" 2>/dev/null && break
+    sleep 1
+  done
   ts=$(date +%s); log="$W/logs/greenlane-$ts.log"
   gl_env
   echo "python3 -m app serve --model $model --port $GL_PORT --seed $SEED $args" | tee "$log"
@@ -312,12 +318,11 @@ long)
   collect ;;
 gputest)
   # GPU tests of options about to be A/B'd, run before the servers hold the memory (carry .whl
-  # .fi_cache .cache/smollm2-tok, as for setup). Args: test files (default: the merged step's
-  # attention, the Triton norm kernels, XQA decode). Result: $RES/gputest.json (exit code, tail).
+  # .fi_cache .cache/smollm2-tok, as for setup). Args: test files (default: the prefill graphs,
+  # merged steps on FA2 among them). Result: $RES/gputest.json (exit code, tail).
   source bench/gpu_setup.sh || exit 1
   tests=("$@")
-  [ ${#tests[@]} -gt 0 ] || tests=(tests/gpu/test_norm_act_gpu.py tests/gpu/test_prefill_graphs_gpu.py
-                                   tests/gpu/test_decode_attention_gpu.py)
+  [ ${#tests[@]} -gt 0 ] || tests=(tests/gpu/test_prefill_graphs_gpu.py)
   python3 -m pytest -q -m "gpu or kernels" -p no:cacheprovider "${tests[@]}" 2>&1 | tee "$W/gputest.log"
   rc=${PIPESTATUS[0]}
   python3 - "$W/gputest.log" "$RES/gputest.json" "$rc" "${tests[*]}" <<'PYEOF'
@@ -354,7 +359,7 @@ profile)
   collect ;;
 options)
   # Greenlane's own options A/B'd in one call: for each option set (one argument each, e.g.
-  # "--decode-attention xqa"), Greenlane restarts with it and runs the `chat` load twice;
+  # "--merge-mixed-steps false"), Greenlane restarts with it and runs the `chat` load twice;
   # vLLM stays up untouched (its runs come from a `chat` call of the same session). One call
   # instead of one per option: every turn-around between calls risks the machine going back
   # (30 s idle) with both servers and /tmp. A set that would overrun the deadline is skipped.

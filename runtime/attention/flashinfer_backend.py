@@ -9,12 +9,14 @@ metadata to the device with non-blocking copies on the current stream.
 Kernel choice per step (`plan`):
 - decode (every sequence: one new token, context > 0): paged decode, tensor cores when
   num_q_heads / num_kv_heads >= 4 (GQA), after writing the new token's k/v into the pool;
-  with `xqa_decode`, FlashInfer's XQA kernel instead (no plan: block table + lengths);
 - prefill with no cached context anywhere in the batch: ragged prefill over this step's k/v;
 - prefill with cached context (prefix hit, later chunk) and nothing discarded: write the new
   k/v into the pool, then paged prefill over context + new tokens; a batch of mostly
-  one-token rows (a merged step: prefill parts + decodes) on FlashInfer's FA2 kernels when
-  `mostly_decodes_fa2` (see there);
+  one-token rows (a merged step: prefill parts + decodes) on FlashInfer's FA2 kernels, which
+  size the query tile from the batch's mean query length, instead of its Hopper (FA3) ones,
+  whose 128-row tiles a one-token row leaves mostly empty. H200, Llama-3.1-8B shape, 48 chat
+  streams: the merged steps took 15.0 ms on FA3 and 12.5-13.1 ms on FA2, +1-6 % output
+  tokens/s through HTTP (docs/benchmarks.md, "Three kernel options A/B'd against vLLM");
 - prefill with cached context AND a discarded suffix (a scoring request with a prefix hit):
   the suffix has no pool slots, so the context is gathered from the pool into a per-layer
   buffer next to this step's k/v and ragged prefill runs over that. This costs one copy of the
@@ -44,20 +46,6 @@ from runtime.attention.base import (
 from runtime.model import ops
 
 DEFAULT_WORKSPACE_BYTES = 128 << 20
-# XQA's workspace: 8 MiB of semaphores (zero before its first use, reset by the kernel) + the
-# scratch of its multi-block mode. Its own buffer: FlashInfer's plans write into theirs.
-XQA_WORKSPACE_BYTES = 64 << 20
-
-
-def _uint32_view_ok() -> bool:
-    try:
-        torch.zeros(1, dtype=torch.int32).view(torch.uint32)
-        return True
-    except (AttributeError, RuntimeError, TypeError):
-        return False
-
-
-_UINT32_VIEW = _uint32_view_ok()
 
 
 def flashinfer_unavailable_reason() -> str:
@@ -104,9 +92,6 @@ class FlashInferBackend:
         max_blocks_per_seq: int | None = None,
         workspace: torch.Tensor | None = None,
         fuse_rope_kv_write: bool = False,
-        mostly_decodes_fa2: bool = False,
-        xqa_decode: bool = False,
-        xqa_workspace: torch.Tensor | None = None,
     ) -> None:
         """k_caches/v_caches: one [num_blocks, block_size, Hkv, D] tensor per layer.
 
@@ -114,19 +99,7 @@ class FlashInferBackend:
         sequences (fixed index buffers; `plan` only fills them). max_blocks_per_seq sizes those
         buffers (required with graph_batch_size). fuse_rope_kv_write: the model passes q and k
         un-rotated and this backend rotates them in the launch that writes the pool
-        (runtime/attention/rope_kv_write.py) instead of RoPE + two `index_copy_`.
-
-        mostly_decodes_fa2: a paged prefill batch whose sequences are mostly one-token rows
-        (a merged step) runs FlashInfer's FA2 kernels, which size the query tile from the
-        batch's mean query length, instead of its Hopper (FA3) kernels, whose 128-row tiles a
-        one-token row leaves mostly empty (H200 profile, Llama-3.1-8B shape, 48 decodes +
-        ~320 prefill tokens: 126 µs a layer, against 41 µs for the 48 decodes alone).
-
-        xqa_decode: decode batches run FlashInfer's XQA kernel (TensorRT-LLM's GQA decode for
-        Hopper: no plan, reads a [batch, pages] block table and the lengths) instead of its
-        tensor-core decode (41.3 µs a layer + a 3.4 µs merge of split KV at 48 streams of
-        ~350 tokens on the 8B shape, where vLLM's FlashAttention-3 took ~34 µs).
-        xqa_workspace: a zeroed buffer to share (instances that never run concurrently)."""
+        (runtime/attention/rope_kv_write.py) instead of RoPE + two `index_copy_`."""
         import flashinfer
 
         if v_caches is None:  # FlashInferBackend(kv_pool): the engine's call
@@ -165,12 +138,10 @@ class FlashInferBackend:
         )
         self._ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
         self._paged = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        # Shares the workspace: one paged wrapper is planned a step, never both.
-        self._paged_fa2 = (
-            flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
-            if mostly_decodes_fa2
-            else None
-        )
+        # FA2 paged prefill for batches of mostly one-token rows (module docstring); made on
+        # first need (a decode-only instance never plans one). Shares the workspace: one
+        # paged wrapper is planned a step, never both.
+        self._paged_fa2: Any = None
         self._max_blocks_per_seq = max_blocks_per_seq
         self._decode_wrapper: Any = None
         self._static_slots: torch.Tensor | None = None
@@ -185,22 +156,6 @@ class FlashInferBackend:
             )
             self._g_last = torch.ones(bs, dtype=torch.int32, device=self.device)
             self._static_slots = torch.zeros(bs, dtype=torch.int64, device=self.device)
-        self._xqa_ws: torch.Tensor | None = None
-        self._xqa_batch: tuple[torch.Tensor, torch.Tensor] | None = None  # tables, lengths
-        if xqa_decode:
-            self._xqa_ws = (
-                xqa_workspace
-                if xqa_workspace is not None
-                else torch.zeros(XQA_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-            )
-            if graph_batch_size is not None:
-                assert max_blocks_per_seq is not None
-                # Full width: a captured graph reads this shape (XQA derives its maximum
-                # length from it); a plan fills the first columns, stale ones are never read.
-                self._g_tables = torch.zeros(
-                    graph_batch_size, max_blocks_per_seq, dtype=torch.int32, device=self.device
-                )
-                self._g_lens = torch.zeros(graph_batch_size, dtype=torch.int32, device=self.device)
         self._plan: _Plan | None = None
         if num_q_heads is not None:
             self._decode_wrapper = self._make_decode_wrapper()
@@ -308,9 +263,11 @@ class FlashInferBackend:
                 [(s.block_ids, s.num_context_tokens + s.num_query_tokens) for s in seqs]
             )
             qo = self._host(qo_indptr)
-            fa2 = self._paged_fa2 is not None and 2 * sum(
-                1 for s in seqs if s.num_query_tokens == 1
-            ) > len(seqs)
+            fa2 = 2 * sum(1 for s in seqs if s.num_query_tokens == 1) > len(seqs)
+            if fa2 and self._paged_fa2 is None:
+                self._paged_fa2 = self._fi.BatchPrefillWithPagedKVCacheWrapper(
+                    self.workspace, "NHD", backend="fa2"
+                )
             wrapper = self._paged_fa2 if fa2 else self._paged
             self._kernel_plan(
                 lambda hq: wrapper.plan(
@@ -386,10 +343,7 @@ class FlashInferBackend:
             raise ValueError(
                 f"graph instance for batch {self.graph_batch_size} got {len(seqs)} sequences"
             )
-        if self._xqa_ws is not None:
-            self._plan_xqa(seqs)
-        else:
-            self._plan_flashinfer_decode(seqs)
+        self._plan_flashinfer_decode(seqs)
         slots = self._to_dev(write_slots, torch.int64)
         if self._static_slots is not None:
             self._static_slots.copy_(slots, non_blocking=True)
@@ -397,42 +351,6 @@ class FlashInferBackend:
         # A decode row always writes its token: the slots are the per-row slots.
         fuse = self.fuses_rope and fuse_rope_for(len(seqs))
         self._plan = _Plan("decode", None, slots, token_slots=slots if fuse else None)
-
-    def _plan_xqa(self, seqs: list) -> None:
-        """The block table [B, pages] (0-padded) and the lengths (this step's token included)
-        for XQA; a graph instance copies them into its full-width buffers."""
-        bs_tok = self.block_size
-        lens = [s.num_context_tokens + 1 for s in seqs]
-        width = max((n + bs_tok - 1) // bs_tok for n in lens)
-        table: list[int] = []
-        for s, n in zip(seqs, lens, strict=True):
-            pages = (n + bs_tok - 1) // bs_tok
-            table.extend(s.block_ids[:pages])
-            table.extend([0] * (width - pages))
-        flat = self._to_dev(table + lens, torch.int32)
-        tables = flat[: len(table)].view(len(seqs), width)
-        lengths = flat[len(table) :]
-        if self.graph_batch_size is not None:
-            self._g_tables[:, :width].copy_(tables, non_blocking=True)
-            self._g_lens.copy_(lengths, non_blocking=True)
-            tables, lengths = self._g_tables, self._g_lens
-        self._xqa_batch = (tables, lengths)
-
-    def _run_xqa(self, q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        assert self._xqa_batch is not None and self._xqa_ws is not None
-        tables, lengths = self._xqa_batch
-        # The lengths are read as uint32 by the kernel: the same bits as these int32 (>= 0).
-        return self._fi.decode.xqa_batch_decode_with_kv_cache(
-            query=q,
-            kv_cache=caches,
-            workspace_buffer=self._xqa_ws,
-            block_tables=tables,
-            seq_lens=lengths.view(torch.uint32) if _UINT32_VIEW else lengths,
-            max_seq_len=int(tables.shape[1]) * self.block_size,
-            bmm1_scale=self.sm_scale,
-            bmm2_scale=1.0,
-            kv_layout="NHD",
-        )
 
     def _plan_flashinfer_decode(self, seqs: list) -> None:
         kv_indptr, kv_indices, last = self._paged_meta(
@@ -506,8 +424,6 @@ class FlashInferBackend:
             self._write(layer_idx, k, v, plan)
         caches = (self.k_caches[layer_idx], self.v_caches[layer_idx])
         if plan.mode == "decode":
-            if self._xqa_ws is not None:
-                return self._run_xqa(q, caches)
             return self._decode.run(q, caches)
         if plan.mode == "paged":
             return self._paged.run(q, caches)

@@ -3,8 +3,6 @@
 Each op is one function with a torch implementation (the reference, used on CPU and whenever
 FlashInfer is off). `use_flashinfer(True)` flips a module-level switch; a FlashInfer path can be
 added inside each function behind `_FLASHINFER` without touching the model code.
-`use_triton_norm_act(True)` routes the norms and SiLU-and-mul through small Triton kernels
-(runtime/model/norm_act_kernels.py) instead, on CUDA.
 Norms and RoPE compute in float32 internally and cast back to the input dtype, matching the
 `transformers` reference numerics in fp32 and being at least as accurate in bf16.
 """
@@ -29,22 +27,6 @@ def use_flashinfer(enabled: bool) -> None:
 
 def flashinfer_enabled() -> bool:
     return _FLASHINFER
-
-
-# Norms and SiLU-and-mul through the Triton kernels of runtime/model/norm_act_kernels.py
-# (`--norm-act-kernels triton`): CUDA, half dtypes only; ahead of FlashInfer's when on.
-_TRITON_NORM_ACT = False
-
-
-def use_triton_norm_act(enabled: bool) -> None:
-    """Route RMSNorm, fused add + RMSNorm and SiLU-and-mul through the Triton kernels (CUDA
-    half-precision tensors only; the rest keep their path)."""
-    global _TRITON_NORM_ACT
-    _TRITON_NORM_ACT = bool(enabled)
-
-
-def _triton_ok(x: torch.Tensor) -> bool:
-    return _TRITON_NORM_ACT and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
 
 
 def h2d(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -123,10 +105,6 @@ def _fi_apply_rope(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., D]; weight: [D]. Normalise in fp32, cast back, then scale (HF order)."""
-    if _triton_ok(x):
-        from runtime.model import norm_act_kernels
-
-        return norm_act_kernels.rmsnorm(x, weight.to(x.dtype), eps)
     if _fi_ok(x):
         return _fi_rms_norm(x, weight, eps)
     xf = x.float()
@@ -139,10 +117,6 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual' = x + residual; returns (rms_norm(residual'), residual'). Pure: inputs are
     not modified (a FlashInfer version may work in place; callers must not rely on either)."""
-    if _triton_ok(x):
-        from runtime.model import norm_act_kernels
-
-        return norm_act_kernels.add_rmsnorm(x, residual, weight.to(x.dtype), eps)
     if _fi_ok(x):
         return _fi_fused_add_rms_norm(x, residual, weight, eps)
     new_residual = x + residual
@@ -151,10 +125,6 @@ def fused_add_rms_norm(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [..., 2 * I] laid out as [gate | up]; returns silu(gate) * up, [..., I]."""
-    if _triton_ok(x):
-        from runtime.model import norm_act_kernels
-
-        return norm_act_kernels.silu_and_mul(x)
     if _fi_ok(x):
         return _fi_silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)

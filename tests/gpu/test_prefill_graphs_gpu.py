@@ -2,8 +2,8 @@
 give the eager forward's hidden states for prefill parts of several sizes (fresh prompts,
 cached context, a discarded scoring suffix, padding rows left by a larger step), and an engine
 that replays them (also with `merge_mixed_steps`: a step's prefill parts and decodes in one
-graph replay, their attention on FlashInfer's default or FA2 kernels) scores like one that runs
-prefill eagerly.
+graph replay) scores like one that runs prefill eagerly. A merged step of mostly decodes runs
+its attention on FlashInfer's FA2 kernels and generates what separate forwards generate.
 
 Model: random:qwen2.5-3b with a small KV pool (head_dim 128, whose FlashInfer kernels the
 device run has cached). bf16: the graphs' GEMMs run at the bucket's row count, where cuBLAS may
@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from gpu_engines import chat_and_scoring, rel_err, run_to_end, small_engine
+from gpu_engines import chat_and_scoring, greedy_agreement, rel_err, run_to_end, small_engine
 
 pytestmark = pytest.mark.gpu
 
@@ -101,30 +101,13 @@ def test_engine_scores_alike_with_and_without_prefill_graphs(monkeypatch) -> Non
         return real_merged(self, prefill, decode, pending)
 
     monkeypatch.setattr(ModelRunner, "_run_merged", counting_merged)
-    from runtime.attention.flashinfer_backend import FlashInferBackend
-
-    modes = []
-    real_plan = FlashInferBackend.plan
-
-    def recording_plan(self, batch):  # type: ignore[no-untyped-def]
-        real_plan(self, batch)
-        modes.append(self._plan.mode)
-
-    monkeypatch.setattr(FlashInferBackend, "plan", recording_plan)
     results = []
-    # Eager prefill; prefill graphs; prefill graphs with a step's parts merged into one replay
-    # (attention by FlashInfer's own choice, then by its FA2 kernels: merged_step_attention).
-    for max_tokens, merge, attention in (
-        (0, False, "auto"),
-        (1024, False, "auto"),
-        (1024, True, "auto"),
-        (1024, True, "fa2"),
-    ):
+    # Eager prefill; prefill graphs; prefill graphs with a step's parts merged into one replay.
+    for max_tokens, merge in ((0, False), (1024, False), (1024, True)):
         eng, sink = small_engine(
             prefill_graph_max_tokens=max_tokens,
             prefill_token_budget=1024,
             merge_mixed_steps=merge,
-            merged_step_attention=attention,
         )
         assert (eng.runner.prefill_graphs is not None) == (max_tokens > 0)
         # Fresh requests per engine (a request is mutable state), the same ones each time.
@@ -134,7 +117,6 @@ def test_engine_scores_alike_with_and_without_prefill_graphs(monkeypatch) -> Non
         results.append(run_to_end(eng, sink, reqs))
     assert replays, "no prefill part replayed the graphs"
     assert merged, "no step merged its prefill parts and decodes"
-    assert "paged_fa2" in modes, "no merged step ran on the FA2 kernels"
     eager = results[0]
     for other in results[1:]:
         for rid, (out, tokens) in eager.items():
@@ -143,3 +125,58 @@ def test_engine_scores_alike_with_and_without_prefill_graphs(monkeypatch) -> Non
                 assert g_out.label_probs == pytest.approx(out.label_probs, abs=2e-2), rid
             else:
                 assert len(g_tokens) == len(tokens) == 16, rid
+
+
+def test_merged_steps_of_mostly_decodes_run_fa2_and_generate_alike(monkeypatch) -> None:
+    """Eight chat streams decode, then two more arrive: their prefills merge with the eight
+    decodes into steps of mostly one-token rows, which plan FlashInfer's FA2 paged prefill
+    (`paged_fa2`). The greedy tokens match an engine that runs prefill and decode as separate
+    forwards (eager prefill, no merging), up to bf16 near ties."""
+    import time
+
+    from runtime.attention.flashinfer_backend import FlashInferBackend
+    from runtime.request import Request, RequestKind, SamplingParams
+
+    modes: list[str] = []
+    real_plan = FlashInferBackend.plan
+
+    def recording_plan(self, batch):  # type: ignore[no-untyped-def]
+        real_plan(self, batch)
+        modes.append(self._plan.mode)
+
+    monkeypatch.setattr(FlashInferBackend, "plan", recording_plan)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(5, 30000) for _ in range(rng.randrange(40, 300))] for _ in range(10)]
+    sp = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
+    results: list[dict[str, list[int]]] = []
+    for merge in (False, True):
+        modes.clear()
+        eng, sink = small_engine(
+            prefill_graph_max_tokens=1024 if merge else 0,
+            prefill_token_budget=1024,
+            merge_mixed_steps=merge,
+        )
+        reqs = [Request(f"c{i}", RequestKind.GENERATE, p, sp) for i, p in enumerate(prompts)]
+        eng.start()
+        try:
+            for r in reqs[:8]:
+                eng.add(r)
+            end = time.monotonic() + 60
+            while time.monotonic() < end:  # the first eight are decoding
+                with sink.cv:
+                    if all(len(sink.tokens.get(r.request_id, [])) >= 2 for r in reqs[:8]):
+                        break
+                time.sleep(0.005)
+            for r in reqs[8:]:
+                eng.add(r)
+            assert sink.wait([r.request_id for r in reqs], timeout_s=120)
+        finally:
+            eng.shutdown(0)
+        results.append({r.request_id: sink.tokens[r.request_id] for r in reqs})
+        assert all(len(t) == 24 for t in results[-1].values())
+        if merge:
+            assert "paged_fa2" in modes, f"no merged step planned FA2: {sorted(set(modes))}"
+        else:
+            assert "paged_fa2" not in modes
+    agree, total = greedy_agreement(results[0], results[1])
+    assert agree >= total // 2, (agree, total)
