@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -348,6 +349,8 @@ class ModelRunner:
                 "CUDA graphs need the FlashInfer backend and a pool with a pad block; "
                 "decoding eagerly"
             )
+        if self.uses_flashinfer:
+            self.warm_up_attention()
 
     @staticmethod
     def _fused_decode_max_batch(
@@ -364,6 +367,28 @@ class ModelRunner:
             log.warning("fused small-batch decode off: %s; FlashInfer + cuBLAS decode it", why)
             return 0
         return config.fused_decode_max_batch
+
+    def warm_up_attention(self) -> None:
+        """Compile and load FlashInfer's attention kernels now, before the first request
+        (FlashInferBackend.warm_up). Dummy k/v go to the pad block, which only pad rows read;
+        without one (no graphs), to block 0, which no request holds yet. A failure is said and
+        the kernels load at their first use instead."""
+        warm_up = getattr(self.prefill_backend, "warm_up", None)
+        if warm_up is None:
+            return
+        pad = self.kv_pool.pad_block_id
+        t0 = time.perf_counter()
+        try:
+            modes = warm_up(pad if pad is not None else 0)
+        except Exception as e:  # noqa: BLE001 - the kernels then load at their first use
+            log.warning(
+                "FALLBACK: attention warm-up failed (%s: %s); FlashInfer's kernels compile or "
+                "load inside the first requests' steps",
+                type(e).__name__,
+                e,
+            )
+            return
+        log.info("attention kernels ready in %.2f s (%s)", time.perf_counter() - t0, modes)
 
     def capture_prefill_graphs(self) -> None:
         """Capture the piecewise prefill graphs; a failure (e.g. out of memory) is said once

@@ -139,3 +139,35 @@ def test_profile_activation_peak_needs_a_meter_off_cuda() -> None:
         profile_activation_peak(
             EngineConfig(model="random:tiny"), model, mc, 8, TorchAttentionBackend
         )
+
+
+def test_attention_warm_up_uses_the_pad_block_and_survives_a_failure(caplog) -> None:
+    """ModelRunner.warm_up_attention: the backend's warm-up gets the pool's pad block (block 0
+    without one); a failure is logged as a fallback and start-up goes on; a backend without a
+    warm-up (torch SDPA) is left alone."""
+    from types import SimpleNamespace
+
+    from runtime.runner import ModelRunner
+
+    calls: list[int] = []
+
+    def ok(block_id: int) -> list[str]:
+        calls.append(block_id)
+        return ["ragged"]
+
+    def broken(block_id: int) -> list[str]:
+        raise RuntimeError("no kernel for this head size")
+
+    runner = SimpleNamespace(prefill_backend=SimpleNamespace(warm_up=ok),
+                             kv_pool=SimpleNamespace(pad_block_id=41))  # fmt: skip
+    ModelRunner.warm_up_attention(runner)  # type: ignore[arg-type]
+    runner.kv_pool.pad_block_id = None
+    ModelRunner.warm_up_attention(runner)  # type: ignore[arg-type]
+    assert calls == [41, 0]
+    runner.prefill_backend = SimpleNamespace(warm_up=broken)
+    with caplog.at_level("WARNING", logger="greenlane.runner"):
+        ModelRunner.warm_up_attention(runner)  # type: ignore[arg-type]
+    assert "FALLBACK: attention warm-up failed" in caplog.text
+    assert "no kernel for this head size" in caplog.text
+    runner.prefill_backend = SimpleNamespace()  # no warm_up: nothing to do
+    ModelRunner.warm_up_attention(runner)  # type: ignore[arg-type]

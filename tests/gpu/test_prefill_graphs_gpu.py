@@ -180,3 +180,16 @@ def test_merged_steps_of_mostly_decodes_run_fa2_and_generate_alike(monkeypatch) 
             assert "paged_fa2" not in modes
     agree, total = greedy_agreement(results[0], results[1])
     assert agree >= total // 2, (agree, total)
+
+
+def test_engine_start_warms_up_every_attention_kernel() -> None:
+    """Start-up plans and runs each attention kernel family once (FlashInferBackend.warm_up),
+    so none compiles or loads inside a request's step."""
+    eng, _ = small_engine()
+    try:
+        backend = eng.runner.prefill_backend
+        assert backend._paged_fa2 is not None, "start-up did not plan the FA2 kernels"
+        modes = backend.warm_up(eng.runner.kv_pool.pad_block_id)
+        assert modes == ["ragged", "paged", "paged_fa2", "decode"]
+    finally:
+        eng.shutdown(0)
