@@ -100,6 +100,10 @@ start_greenlane() {
     >>"$log" 2>&1 </dev/null & echo $! >"$W/greenlane.pid"
   wait_up $GL greenlane "$log" 300 "$ts" "$W/greenlane.pid" || return 1
   echo "$cfg" >"$W/greenlane.cfg"
+  # Start-up time and the attention warm-up's line (FlashInfer compiling there, not in a run)
+  # go into every result's "peer" entry (record_meta).
+  echo "$(( $(date +%s) - ts ))" >"$W/greenlane_up_s.cfg"
+  grep -h "attention kernels ready\|attention warm-up failed" "$log" | tail -1 >"$W/greenlane_warmup.cfg" || true
 }
 start_vllm() {
   local folder=$1 args=$2 cfg="$1|$2" ts log
@@ -169,6 +173,7 @@ meta = {
     "torch": sh("python3 -c 'import torch; print(torch.__version__, torch.version.cuda)'"),
     "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     "greenlane_server": cfg("greenlane"), "vllm_server": cfg("vllm"),
+    "greenlane_up_s": cfg("greenlane_up_s"), "greenlane_warmup": cfg("greenlane_warmup"),
 }
 try:
     doc = json.load(open(path))
