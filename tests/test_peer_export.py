@@ -6,6 +6,7 @@ same weights, same answers (what issue 18's side-by-side with vLLM relies on). C
 from __future__ import annotations
 
 import json
+import random
 import threading
 from pathlib import Path
 
@@ -225,3 +226,33 @@ def test_peer_scripts_parse() -> None:
 
     assert "vllm" in select_packages.CARRIED
     assert not set(select_packages.CARRIED) & set(select_packages.LEFT_OUT_NOTES)
+
+
+def test_same_answers_merged_steps_check_against_a_cpu_server() -> None:
+    """Check 3 of bench/peer/same_answers.py against a real Greenlane (random:tiny, CPU): the
+    prompts, sent beside decoding background streams, give the tokens they gave alone, and the
+    step trace shows steps that prefilled beside more decodes; a changed reference fails it."""
+    import httpx
+    from server_thread import running_server
+
+    from bench.peer.same_answers import complete, merged_steps_check
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(5, 40000) for _ in range(rng.randrange(8, 40))] for _ in range(3)]
+    with running_server(model="random:tiny", max_model_len=1024, device="cpu") as srv:
+        with httpx.Client(timeout=120.0) as client:
+            solo = [complete(client, srv.url, ids, 8) for ids in prompts]
+            good = merged_steps_check(client, srv.url, prompts, solo, 8, 0.15, 0.15)
+            assert good["ok"], good
+            assert good["steps"]["prefill_beside_more_decodes"] >= 1
+            assert all(r["matched"] == 8 or r["near_tie"] for r in good["prompts"])
+            # A reference whose first pick differs and ranks the real one outside its top-5: a
+            # mismatch, not a near tie.
+            bad_ref = [
+                dict(r, tokens=["<nope>", *r["tokens"][1:]],
+                     top=[{"<nope>": r["logprobs"][0]}, *r["top"][1:]])
+                for r in solo
+            ]  # fmt: skip
+            bad = merged_steps_check(client, srv.url, prompts, bad_ref, 8, 0.15, 0.15)
+            assert not bad["ok"]
+            assert all(r["first_difference"]["position"] == 0 for r in bad["prompts"])

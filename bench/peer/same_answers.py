@@ -15,6 +15,10 @@ Prompts go as token ids (no template or special-token differences). vLLM must ru
   2. scoring: P(label | prompt) for label ids spread over the whole vocabulary (also past the
      tokenizer's), apply_softmax false, Greenlane's /v1/score vs vLLM's /generative_scoring
      (which returns the first label's probability): relative difference within --score-rtol.
+  3. merged steps (Greenlane only): the prompts again, all at once, while background streams
+     decode, so their prefills share steps with the decodes (a merged step of mostly one-token
+     rows: FlashInfer's FA2 kernels). Their greedy tokens must equal check 1's up to a near tie,
+     and Greenlane's step trace must show such steps (else the check says it checked nothing).
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +103,99 @@ def compare_greedy(
     return {"matched": n, "of": n, "max_logprob_diff": max_diff, "near_tie": False, "ok": ok}
 
 
+def compare_own(
+    solo: dict[str, Any], together: dict[str, Any], tol: float, tie_tol: float
+) -> dict[str, Any]:
+    """Greenlane against itself (token texts): `together` ran beside other streams, `solo`
+    alone. Matched tokens, and at the first difference whether `solo` ranked the other pick
+    within `tie_tol` of its own (a bf16 near tie: batch shapes change the GEMMs' rounding)."""
+    n = min(len(solo["tokens"]), len(together["tokens"]))
+    for i in range(n):
+        a, b = solo["tokens"][i], together["tokens"][i]
+        if a == b and abs(solo["logprobs"][i] - together["logprobs"][i]) <= tol:
+            continue
+        alt = (solo["top"][i] or {}).get(b)
+        gap = None if alt is None else solo["logprobs"][i] - alt
+        tie = a != b and gap is not None and gap <= tie_tol
+        return {"matched": i, "of": n, "near_tie": tie, "ok": tie,
+                "first_difference": {"position": i, "solo": a, "together": b, "gap": gap}}  # fmt: skip
+    return {"matched": n, "of": n, "near_tie": False, "ok": len(solo["tokens"]) == n}
+
+
+def merged_steps_check(
+    client: httpx.Client,
+    url: str,
+    prompts: list[list[int]],
+    solo: list[dict[str, Any]],
+    max_tokens: int,
+    tol: float,
+    tie_tol: float,
+    num_background: int = 8,
+    background_tokens: int = 256,
+    delay_s: float = 0.2,
+) -> dict[str, Any]:
+    """Check 3 (module docstring): `prompts` at once while `num_background` streams of random
+    ids decode; each result against `solo` (the same prompt alone). Also counts, from
+    /admin/api/steps, the steps that prefilled beside more decodes than prefill parts."""
+    rng = random.Random(7)
+    background = [[rng.randrange(1000, 30000) for _ in range(64)] for _ in range(num_background)]
+    results: dict[int, dict[str, Any]] = {}
+    errors: list[str] = []
+    start = time.monotonic()
+
+    def run(key: int, ids: list[int], n: int) -> None:
+        try:
+            results[key] = complete(client, url, ids, n)
+        except Exception as exc:  # noqa: BLE001 - reported as the check's failure
+            errors.append(f"{type(exc).__name__}: {exc}"[:200])
+
+    threads = [
+        threading.Thread(target=run, args=(-1 - i, ids, background_tokens))
+        for i, ids in enumerate(background)
+    ]
+    for t in threads:
+        t.start()
+    # The background streams are decoding by then (64-token prompts) and go on for
+    # `background_tokens` steps (~1.5 s on the 8B shape), beside the prompts' prefills.
+    time.sleep(delay_s)
+    late = [
+        threading.Thread(target=run, args=(i, ids, max_tokens)) for i, ids in enumerate(prompts)
+    ]
+    for t in late:
+        t.start()
+    for t in threads + late:
+        t.join()
+    out: dict[str, Any] = {"errors": errors, "prompts": []}
+    ok = not errors
+    for i, ref in enumerate(solo):
+        if i not in results:
+            ok = False
+            continue
+        r = compare_own(ref, results[i], tol, tie_tol)
+        out["prompts"].append(r)
+        ok &= r["ok"]
+    window_s = time.monotonic() - start + 1.0
+    try:
+        steps = client.get(f"{url}/admin/api/steps", params={"limit": 4096}).json()["steps"]
+        recent = [st for st in steps if st.get("age_s", 1e9) <= window_s]
+        mostly_decodes = [
+            st for st in recent
+            if st["num_prefill_tokens"] and st["num_decodes"] > st["num_prefill_seqs"]
+        ]  # fmt: skip
+        out["steps"] = {
+            "in_window": len(recent),
+            "prefill_beside_more_decodes": len(mostly_decodes),
+        }
+        if not mostly_decodes:
+            ok = False
+            out["steps"]["note"] = "no step prefilled beside more decodes: nothing was checked"
+    except Exception as exc:  # noqa: BLE001 - without the trace the check cannot say it ran
+        ok = False
+        out["steps"] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+    out["ok"] = ok
+    return out
+
+
 def score_probs(
     client: httpx.Client, gl_url: str, vl_url: str, ids: list[int], label: int
 ) -> tuple[float, float]:
@@ -124,10 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     tok = Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
     report: dict[str, Any] = {"greedy": [], "scores": []}
     ok = True
+    solo: list[dict[str, Any]] = []  # Greenlane's answers, one prompt at a time (check 3)
     with httpx.Client(timeout=120.0) as client:
         for text in PROMPTS:
             ids = tok.encode(text, add_special_tokens=False).ids
             gl = complete(client, args.greenlane.rstrip("/"), ids, args.max_tokens)
+            solo.append(gl)
             vl = complete(client, args.vllm.rstrip("/"), ids, args.max_tokens)
             r = compare_greedy(tok, gl, vl, args.tol, args.tie_tol)
             r["prompt"] = text
@@ -159,6 +261,26 @@ def main(argv: list[str] | None = None) -> int:
                 f"{'' if good else ' MISMATCH'}",
                 flush=True,
             )
+        merged = merged_steps_check(
+            client,
+            args.greenlane.rstrip("/"),
+            [tok.encode(t, add_special_tokens=False).ids for t in PROMPTS],
+            solo,
+            args.max_tokens,
+            args.tol,
+            args.tie_tol,
+        )
+        report["merged_steps"] = merged
+        ok &= merged["ok"]
+        print(
+            "merged steps: "
+            + ", ".join(
+                f"{r['matched']}/{r['of']}" + (" (tie)" if r["near_tie"] else "")
+                for r in merged["prompts"]
+            )  # fmt: skip
+            + f"; steps {merged.get('steps')}{'' if merged['ok'] else ' MISMATCH'}",
+            flush=True,
+        )
     report["ok"] = ok
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
