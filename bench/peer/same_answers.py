@@ -69,23 +69,37 @@ def vllm_id(token: str) -> int:
     return int(token.removeprefix("token_id:"))
 
 
+def _first_difference(
+    ref: dict[str, Any], texts: list[str], logprobs: list[float], tol: float, tie_tol: float
+) -> tuple[int, float, float | None, bool]:
+    """Walk `texts`/`logprobs` against the reference answer `ref` (Greenlane's: token texts,
+    logprobs, top-5 by text): (index of the first token that differs in text or by more than
+    `tol` in logprob, else the common length; the largest logprob difference before it;
+    `ref`'s logprob gap to the other pick there when that pick is in its top-5; whether that
+    gap is a near tie, i.e. within `tie_tol` for a different token)."""
+    n = min(len(ref["tokens"]), len(texts))
+    max_diff = 0.0
+    for i in range(n):
+        diff = abs(ref["logprobs"][i] - logprobs[i])
+        if texts[i] == ref["tokens"][i] and diff <= tol:
+            max_diff = max(max_diff, diff)
+            continue
+        alt = (ref["top"][i] or {}).get(texts[i])
+        gap = None if alt is None else ref["logprobs"][i] - alt
+        tie = gap is not None and gap <= tie_tol and texts[i] != ref["tokens"][i]
+        return i, max_diff, gap, tie
+    return n, max_diff, None, False
+
+
 def compare_greedy(
     tok: Tokenizer, gl: dict[str, Any], vl: dict[str, Any], tol: float, tie_tol: float
 ) -> dict[str, Any]:
     """One prompt: matched tokens, max logprob difference, and the first difference (if any)."""
     n = min(len(gl["tokens"]), len(vl["tokens"]))
-    max_diff = 0.0
-    for i in range(n):
-        vid = vllm_id(vl["tokens"][i])
-        vtext = tok.decode([vid], skip_special_tokens=False)
-        diff = abs(gl["logprobs"][i] - vl["logprobs"][i])
-        if vtext == gl["tokens"][i] and diff <= tol:
-            max_diff = max(max_diff, diff)
-            continue
-        # Greenlane's logprob of vLLM's pick, when it is in Greenlane's top-5 (by text).
-        alt = (gl["top"][i] or {}).get(vtext)
-        gap = None if alt is None else gl["logprobs"][i] - alt
-        tie = gap is not None and gap <= tie_tol and vtext != gl["tokens"][i]
+    vids = [vllm_id(t) for t in vl["tokens"][:n]]
+    vtexts = [tok.decode([v], skip_special_tokens=False) for v in vids]
+    i, max_diff, gap, tie = _first_difference(gl, vtexts, vl["logprobs"][:n], tol, tie_tol)
+    if i < n:
         return {
             "matched": i,
             "of": n,
@@ -93,7 +107,7 @@ def compare_greedy(
             "first_difference": {
                 "position": i,
                 "greenlane": {"text": gl["tokens"][i], "logprob": gl["logprobs"][i]},
-                "vllm": {"id": vid, "text": vtext, "logprob": vl["logprobs"][i]},
+                "vllm": {"id": vids[i], "text": vtexts[i], "logprob": vl["logprobs"][i]},
                 "greenlane_gap_to_vllm_pick": gap,
             },
             "near_tie": tie,
@@ -110,15 +124,13 @@ def compare_own(
     alone. Matched tokens, and at the first difference whether `solo` ranked the other pick
     within `tie_tol` of its own (a bf16 near tie: batch shapes change the GEMMs' rounding)."""
     n = min(len(solo["tokens"]), len(together["tokens"]))
-    for i in range(n):
-        a, b = solo["tokens"][i], together["tokens"][i]
-        if a == b and abs(solo["logprobs"][i] - together["logprobs"][i]) <= tol:
-            continue
-        alt = (solo["top"][i] or {}).get(b)
-        gap = None if alt is None else solo["logprobs"][i] - alt
-        tie = a != b and gap is not None and gap <= tie_tol
+    i, _, gap, tie = _first_difference(
+        solo, together["tokens"][:n], together["logprobs"][:n], tol, tie_tol
+    )
+    if i < n:
+        where = {"position": i, "solo": solo["tokens"][i], "together": together["tokens"][i]}
         return {"matched": i, "of": n, "near_tie": tie, "ok": tie,
-                "first_difference": {"position": i, "solo": a, "together": b, "gap": gap}}  # fmt: skip
+                "first_difference": {**where, "gap": gap}}  # fmt: skip
     return {"matched": n, "of": n, "near_tie": False, "ok": len(solo["tokens"]) == n}
 
 
