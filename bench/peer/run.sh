@@ -374,7 +374,7 @@ options)
   for opts in "$@"; do
     [ "$(left)" -gt 170 ] || { echo "deadline: option set '$opts' skipped"; continue; }
     slug=$(echo "$opts" | tr -c 'a-zA-Z0-9\n' '-' | sed 's/^-*//; s/-*$//; s/--*/-/g')
-    PEER_GL_ARGS=$opts start_greenlane "$(folder_of "$preset")" \
+    start_greenlane "$(folder_of "$preset")" \
       "--max-gpu-memory-gb $MEM_GB --max-model-len $MAX_LEN${opts:+ $opts}" || continue
     PEER_SIDES=greenlane PEER_PRESET=$preset alternate "chat-$sub-$slug" "${PEER_ROUNDS:-2}" 60 \
       --workload sharegpt --num-requests 480 --qps inf --max-concurrency 48 --warmup-requests 4 \
