@@ -150,12 +150,12 @@ def test_merged_steps_of_mostly_decodes_run_fa2_and_generate_alike(monkeypatch) 
     sp = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
     results: list[dict[str, list[int]]] = []
     for merge in (False, True):
-        modes.clear()
         eng, sink = small_engine(
             prefill_graph_max_tokens=1024 if merge else 0,
             prefill_token_budget=1024,
             merge_mixed_steps=merge,
         )
+        modes.clear()  # start-up's attention warm-up plans every mode once: not a step's
         reqs = [Request(f"c{i}", RequestKind.GENERATE, p, sp) for i, p in enumerate(prompts)]
         eng.start()
         try:
