@@ -466,6 +466,10 @@ def _build_state(app: Any) -> dict[str, Any]:
         "engine": {
             "alive": engine is not None and bool(engine.is_alive()),
             "starting": engine is None,
+            # Steps that raised (their requests were re-run one at a time, or failed) and the
+            # requests that failed: since start. A benchmark reads them around each run.
+            "num_failed_steps": stats.get("num_failed_steps"),
+            "num_failed_requests": stats.get("num_failed_requests"),
         },
         "partition": partition,
         "queues": {"waiting": stats.get("num_waiting"), "running": stats.get("num_running")},

@@ -590,7 +590,8 @@ async def prefix_cache_counters(
     base_url: str, admin_token: str | None, server: str = "greenlane"
 ) -> dict[str, int] | None:
     """The server's cumulative prefix-cache counters (`/admin/api/state`; vLLM: `/metrics`),
-    None if unreadable."""
+    None if unreadable. Greenlane's also carry its failed-step and failed-request counters
+    (`num_failed_steps`, `num_failed_requests`) where the server reports them."""
     if server.startswith("vllm"):
         return await vllm_prefix_cache_counters(base_url)
     ok, reply = await admin_call(base_url, "GET", "/admin/api/state", admin_token)
@@ -599,7 +600,12 @@ async def prefix_cache_counters(
     pc = reply.get("prefix_cache") or {}
     if pc.get("hit_tokens") is None or pc.get("query_tokens") is None:
         return None
-    return {"hit_tokens": int(pc["hit_tokens"]), "query_tokens": int(pc["query_tokens"])}
+    out = {"hit_tokens": int(pc["hit_tokens"]), "query_tokens": int(pc["query_tokens"])}
+    engine = reply.get("engine") or {}
+    for key in ("num_failed_steps", "num_failed_requests"):
+        if isinstance(engine.get(key), int):
+            out[key] = engine[key]
+    return out
 
 
 def parse_vllm_prefix_counters(metrics_text: str) -> dict[str, int] | None:
@@ -644,6 +650,18 @@ def prefix_cache_delta(
         "query_tokens": query,
         "hit_rate": hit / query if query > 0 else None,
     }
+
+
+def engine_failures_delta(
+    before: dict[str, int] | None, after: dict[str, int] | None
+) -> dict[str, int] | None:
+    """Greenlane's failed steps and failed requests between two counter readings; None where
+    the server does not report them. A failed step re-runs its requests one at a time: the
+    run's latencies then include that recovery, though no request may have failed."""
+    keys = ("num_failed_steps", "num_failed_requests")
+    if before is None or after is None or not all(k in before and k in after for k in keys):
+        return None
+    return {k: after[k] - before[k] for k in keys}
 
 
 async def prime_prefixes(
@@ -917,6 +935,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         )
         after = await prefix_cache_counters(base_url, args.admin_token, args.server)
         run = run_record(qps, metrics, plan, reset, prefix_cache_delta(before, after), prime)
+        run["engine_failures"] = failures = engine_failures_delta(before, after)
+        if failures and any(failures.values()):
+            print(
+                f"WARNING: the server's engine failed {failures['num_failed_steps']} step(s) and "
+                f"{failures['num_failed_requests']} request(s) during this run (its log says why)",
+                file=sys.stderr,
+            )
         if args.record_requests:
             run["requests"] = request_records(results, metrics["started_unix_s"])
         runs.append(run)

@@ -201,6 +201,8 @@ class FakeEngine:
                 "policy": self.policy,
                 "prefill_token_budget": self.prefill_limits[0],
                 "tbt_slo_ms": self.prefill_limits[1],
+                "num_failed_steps": 3,
+                "num_failed_requests": 1,
             }
 
     async def set_policy(self, name: str) -> None:

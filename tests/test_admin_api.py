@@ -234,6 +234,8 @@ def test_state_shape_and_numbers() -> None:
     assert part["available"] is True and part["total_sms"] == FAKE_TOTAL_SMS
     assert part["splits"] == FAKE_SPLITS and part["mode"] == "off"
     assert state["queues"] == {"waiting": 0, "running": 0}
+    assert state["engine"]["num_failed_steps"] == 3  # the engine's counters since start
+    assert state["engine"]["num_failed_requests"] == 1
     assert state["kv"]["blocks_total"] == 256 and state["kv"]["usage"] == 0
     assert state["policy"] == {
         "current": "srjf",
@@ -372,7 +374,12 @@ def test_engine_not_started_yet() -> None:
     app.state.engine = None
     client = TestClient(app, client=LOOPBACK, base_url=LOCAL_URL)
     state = client.get("/admin/api/state").json()
-    assert state["engine"] == {"alive": False, "starting": True}
+    assert state["engine"] == {
+        "alive": False,
+        "starting": True,
+        "num_failed_steps": None,
+        "num_failed_requests": None,
+    }
     assert state["partition"]["available"] is False
     assert state["queues"] == {"waiting": None, "running": None}
     assert client.put("/admin/api/policy", json={"policy": "fcfs"}).status_code == 503

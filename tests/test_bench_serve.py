@@ -908,6 +908,16 @@ def test_prefix_cache_delta():
     assert serve.prefix_cache_delta(a, a)["hit_rate"] is None
 
 
+def test_engine_failures_delta():
+    """Greenlane's failed-step counters over a run; None where a server reports none (vLLM,
+    an older Greenlane)."""
+    a = {"hit_tokens": 0, "query_tokens": 0, "num_failed_steps": 2, "num_failed_requests": 0}
+    b = {**a, "num_failed_steps": 79, "num_failed_requests": 1}
+    assert serve.engine_failures_delta(a, b) == {"num_failed_steps": 77, "num_failed_requests": 1}
+    assert serve.engine_failures_delta({"hit_tokens": 0, "query_tokens": 0}, b) is None
+    assert serve.engine_failures_delta(a, None) is None
+
+
 def test_server_vllm_uses_vllm_endpoints(fake_server, tokenizer_file, tmp_path):
     """--server vllm: the same score bodies to /generative_scoring, resets at
     /reset_prefix_cache, prefix-cache hits from /metrics."""

@@ -171,3 +171,15 @@ def test_attention_warm_up_uses_the_pad_block_and_survives_a_failure(caplog) -> 
     assert "no kernel for this head size" in caplog.text
     runner.prefill_backend = SimpleNamespace()  # no warm_up: nothing to do
     ModelRunner.warm_up_attention(runner)  # type: ignore[arg-type]
+
+
+def test_float_workspace_covers_the_split_kv_plans_the_h200_asked_for() -> None:
+    """The sizes FlashInfer 0.5.3 asked for and did not get on the H200 (132 SMs) with the
+    Qwen2.5-3B shape: tmp_v up to 138,412,032 bytes plus tmp_s; the 8B shape (8 KV heads)
+    fits the default; one KV head over 32 query heads needs four times the 3B's."""
+    from runtime.attention.flashinfer_backend import DEFAULT_WORKSPACE_BYTES, float_workspace_bytes
+
+    qwen3b = float_workspace_bytes(16, 2, 128, 132)
+    assert qwen3b >= 138_412_032 + 16 * 132 * 128 * 4 > DEFAULT_WORKSPACE_BYTES
+    assert float_workspace_bytes(32, 8, 128, 132) == DEFAULT_WORKSPACE_BYTES
+    assert float_workspace_bytes(32, 1, 128, 132) > 4 * 138_412_032
