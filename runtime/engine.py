@@ -89,6 +89,8 @@ from runtime.scheduler import (
 log = logging.getLogger("greenlane.engine")
 
 STATS_INTERVAL_S = 0.25
+# Merged steps that fail while their requests run fine alone, before merging stops (`_recover`).
+MERGED_STEP_FAILURES_BEFORE_FALLBACK = 3
 # Steps kept for `step_trace` (the admin API's /admin/api/steps): a few seconds of a busy server.
 STEP_TRACE_LEN = 4096
 STEP_TRACE_FIELDS = (
@@ -300,6 +302,9 @@ class Engine:
         self._crashed: BaseException | None = None
         self._num_failed_steps = 0
         self._num_failed_requests = 0  # requests failed by a model error (not by input)
+        # Merged steps (prefill + decodes in one forward) that failed while each of their
+        # requests then ran fine alone; at MERGED_STEP_FAILURES_BEFORE_FALLBACK merging stops.
+        self._num_failed_merged_steps = 0
         # Device time of decode steps and device idle between consecutive decode steps (the
         # host was late): their ratio is the GPU idle fraction of a decode-bound server.
         self._decode_device_s = 0.0
@@ -1182,6 +1187,7 @@ class Engine:
                 outputs += sched.fail([s.request.request_id for s in p.seqs], msg)
             return outputs
         outputs += self._drain()
+        merged = self.runner.merges(plan)  # before the re-runs change what the runner does
         if len(plan.seqs) == 1 and not failure.prefill_sms:
             return outputs + self._fail_seq(plan.seqs[0], failure.cause)  # the culprit
         failed_before = self._num_failed_requests
@@ -1198,6 +1204,17 @@ class Engine:
                 outputs += self._fail_seq(seq, e)
         for rid in sched.take_released():
             self.runner.release(rid)
+        if self._num_failed_requests == failed_before and not failure.prefill_sms and merged:
+            # Every request ran fine alone: merging them broke the step (seen on the H200: a
+            # FlashInfer workspace too small for FA2's plans of some merged batches, 77 steps
+            # re-run one request at a time in a chat run). A few such failures could be bad
+            # luck; more mean every merged step risks it: run them as separate forwards.
+            self._num_failed_merged_steps += 1
+            if self._num_failed_merged_steps >= MERGED_STEP_FAILURES_BEFORE_FALLBACK:
+                self.runner.stop_merging(
+                    f"{self._num_failed_merged_steps} merged steps failed while their requests "
+                    f"then ran fine alone; the last: {failure}"
+                )
         if (
             self._num_failed_requests == failed_before
             and failure.prefill_sms
@@ -1318,6 +1335,7 @@ class Engine:
             "num_chunked_scoring": s.num_chunked_scoring,
             "num_failed_steps": self._num_failed_steps,
             "num_failed_requests": self._num_failed_requests,
+            "merged_steps_off_reason": self.runner.merge_off_reason,
             "decode_device_s": self._decode_device_s,
             "decode_idle_s": self._decode_idle_s,
             "num_decode_steps": self._num_decode_steps,

@@ -240,6 +240,9 @@ class ModelRunner:
         `SPLIT_BATCH_SIZES`, cut at max_num_seqs, plus max_num_seqs itself).
         num_token_slots: rows of the device token table (the scheduler's `SlotPool` size)."""
         self.config = config
+        # Why steps that mix prefill with decodes stopped running as one forward (None: they
+        # merge as `config.merge_mixed_steps` says). Set by `stop_merging`.
+        self.merge_off_reason: str | None = None
         self.model = model
         # Sampling only picks ids the tokenizer can decode: a model whose embedding table is
         # padded past the tokenizer (random:<preset> models with the SmolLM2 tokenizer,
@@ -472,13 +475,31 @@ class ModelRunner:
         return self.launch(plan).result()
 
     # ---- a step's two parts as one forward -------------------------------------------------
+    def merges(self, plan: StepPlan) -> bool:
+        """Whether `launch` runs this plan's prefill parts and decodes as one forward."""
+        return bool(plan.prefill and plan.decode) and self._mergeable(
+            plan.prefill, len(plan.decode)
+        )
+
+    def stop_merging(self, reason: str) -> None:
+        """Run steps that mix prefill with decodes as separate forwards from now on (the
+        engine's fallback when merged steps keep failing while their requests run fine
+        alone: a kernel that breaks on merged batches only). Said once."""
+        if self.merge_off_reason is None:
+            self.merge_off_reason = reason
+            log.warning(
+                "FALLBACK: steps that mix prefill with decodes run as separate forwards from "
+                "now on (slower): %s",
+                reason,
+            )
+
     def _mergeable(self, prefill: list[ScheduledSeq], num_decodes: int) -> bool:
         """Whether a step's prefill parts and its `num_decodes` decodes run as one forward
         (`merge_mixed_steps`). Not when a prefill part discards its suffix KV (a scoring
         request: the pool-only attention of a batch with decodes cannot read it). On CUDA only
         when the merged rows fit a captured prefill graph's bucket: the decode rows would
         otherwise leave their graph for an eager forward, host-launch-bound (plan z)."""
-        if not self.config.merge_mixed_steps:
+        if not self.config.merge_mixed_steps or self.merge_off_reason is not None:
             return False
         if any(s.num_kept_tokens != s.num_context_tokens + s.num_new_tokens for s in prefill):
             return False
