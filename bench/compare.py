@@ -60,6 +60,10 @@ COMPARED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("E2EL P99 (ms)", ("e2el_ms", "p99")),
     ("request throughput (req/s)", ("request_throughput",)),
     ("output throughput (tok/s)", ("output_throughput",)),
+    (
+        "output throughput while the closed loop was full (tok/s)",
+        ("steady_state", "output_throughput"),
+    ),
     ("goodput (req/s)", ("goodput",)),
     ("failed", ("failed",)),
 )

@@ -114,10 +114,56 @@ def summarize_ms(values_s: list[float]) -> dict[str, float | None]:
     }
 
 
+def steady_state(
+    results: list[RequestResult], max_concurrency: int, duration_s: float
+) -> dict[str, Any] | None:
+    """A closed loop's output tokens/s while it was full: from the first moment
+    `max_concurrency` requests were in flight to the last send, after which the loop drains
+    and fewer and fewer streams remain (the longest requests alone at the end). The whole
+    run's tokens/s mixes that drain in, and how long it lasts hangs on which requests happen
+    to finish last: 48-stream chat runs of one server differed by 15 % that way (H200,
+    2026-12-02). None when the loop never filled or never sent after filling.
+
+    Token times: a request's first content chunk at send + TTFT, each later one a gap later;
+    its output tokens spread evenly over its chunks (one a chunk when the server streams one
+    token a step)."""
+    ok = [r for r in results if r.success]
+    edges = sorted(
+        [(r.send_s, 1) for r in ok] + [(r.send_s + r.e2el_s, -1) for r in ok],
+        key=lambda e: (e[0], e[1]),  # at a tie an end comes first: a slot handed over
+    )
+    in_flight, full_s = 0, None
+    for t, d in edges:
+        in_flight += d
+        if in_flight >= max_concurrency:
+            full_s = t
+            break
+    if full_s is None:
+        return None
+    end_s = max(r.send_s for r in ok)
+    if end_s <= full_s:
+        return None
+    tokens = 0.0
+    for r in ok:
+        times = np.cumsum([r.send_s + r.ttft_s, *r.itl_s])
+        per_chunk = r.num_output_tokens / len(times)
+        tokens += per_chunk * int(np.count_nonzero((times >= full_s) & (times < end_s)))
+    window_s = end_s - full_s
+    return {
+        "output_throughput": tokens / window_s,
+        "window_s": [full_s, end_s],
+        "fraction_of_run": window_s / max(duration_s, 1e-9),
+    }
+
+
 def compute_metrics(
-    results: list[RequestResult], duration_s: float, slo: SLO | None = None
+    results: list[RequestResult],
+    duration_s: float,
+    slo: SLO | None = None,
+    max_concurrency: int | None = None,
 ) -> dict[str, Any]:
-    """Aggregate one run. `duration_s` is the benchmark wall time (first send to last finish)."""
+    """Aggregate one run. `duration_s` is the benchmark wall time (first send to last finish).
+    `max_concurrency` (a closed loop): also the loop's full-window throughput (`steady_state`)."""
     ok = [r for r in results if r.success]
     failed = [r for r in results if not r.success]
     duration_s = max(duration_s, 1e-9)
@@ -153,6 +199,8 @@ def compute_metrics(
         metrics["output_tokens_from_usage_fraction"] = sum(
             r.output_tokens_from_usage for r in expected
         ) / len(expected)
+    if max_concurrency:
+        metrics["steady_state"] = steady_state(results, max_concurrency, duration_s)
     if slo is not None:
         good = sum(slo.met_by(r) for r in results)
         metrics["slo"] = slo.as_dict()

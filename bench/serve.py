@@ -416,7 +416,7 @@ async def run_once(
         results = [t.result() for t in tasks if not t.cancelled()]
         duration_s = time.perf_counter() - run_start
         ended_unix_s = time.time()
-    metrics = compute_metrics(results, duration_s, slo)
+    metrics = compute_metrics(results, duration_s, slo, opts.max_concurrency)
     metrics["started_unix_s"] = round(started_unix_s, UNIX_S_DECIMALS)
     metrics["ended_unix_s"] = round(ended_unix_s, UNIX_S_DECIMALS)
     if stop.is_set():
@@ -980,6 +980,15 @@ def main(argv: list[str] | None = None) -> int:
     from bench.plots import markdown_table
 
     print(markdown_table({args.workload: record["runs"]}))
+    for run in record["runs"]:
+        steady = run["metrics"].get("steady_state")
+        if steady:
+            t0, t1 = steady["window_s"]
+            print(
+                f"while the closed loop was full ({t0:.1f}-{t1:.1f} s, "
+                f"{steady['fraction_of_run']:.0%} of the run): "
+                f"{steady['output_throughput']:.1f} output tok/s"
+            )
     if "max_qps_search" in record:
         s = record["max_qps_search"]
         print(f"\nmax QPS meeting P99 SLO {s['slo']}: {s['max_qps']}")

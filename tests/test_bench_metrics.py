@@ -128,3 +128,37 @@ def test_tbt_slo_bounds_inter_token_gaps(results):
     assert SLO(tbt_ms=100).met_by(spiky)
     spikier = _ok("f", 0.1, 3.0, 201, [0.01] * 190 + [0.5] * 10, 10)
     assert not SLO(tbt_ms=100).met_by(spikier)
+
+
+def test_steady_state_counts_tokens_while_the_closed_loop_was_full() -> None:
+    """Two slots. a: sent at 0, tokens at 1, 2, 3, 4; b: sent at 0, tokens at 1, 2 (ends at 2);
+    c: sent at 2 into b's slot, tokens at 3 to 8. The loop is full from 0 and its last send is
+    c's at 2: the window [0, 2) holds a's and b's tokens at 1, 2 tokens in 2 s. The drain after
+    it (c alone from 4 to 8) is left out."""
+    from bench.metrics import steady_state
+
+    def sent(rid: str, send_s: float, token_times: list[float], tokens: int) -> RequestResult:
+        r = _ok(rid, token_times[0] - send_s, token_times[-1] - send_s, tokens, [], 10)
+        r.send_s = send_s
+        r.itl_s = [b - a for a, b in zip(token_times, token_times[1:], strict=False)]
+        return r
+
+    res = [
+        sent("a", 0.0, [1, 2, 3, 4], 4),
+        sent("b", 0.0, [1, 2], 2),
+        sent("c", 2.0, [3, 4, 5, 6, 7, 8], 6),
+    ]
+    steady = steady_state(res, 2, duration_s=8.0)
+    assert steady is not None
+    assert steady["window_s"] == [0.0, 2.0]
+    assert steady["output_throughput"] == pytest.approx(2 / 2.0)  # a@1, b@1
+    assert steady["fraction_of_run"] == pytest.approx(0.25)
+    # Chunks of two tokens each count two: the same times, twice the tokens.
+    res[0].num_output_tokens, res[1].num_output_tokens = 8, 4
+    assert steady_state(res, 2, 8.0)["output_throughput"] == pytest.approx(4 / 2.0)
+    # A loop that never filled (three slots), or filled only at its last send: nothing.
+    assert steady_state(res, 3, 8.0) is None
+    assert steady_state(res[:2], 2, 8.0) is None
+    # compute_metrics reports it for a closed loop only.
+    assert compute_metrics(res, 8.0, max_concurrency=2)["steady_state"] == steady_state(res, 2, 8.0)
+    assert "steady_state" not in compute_metrics(res, 8.0)
