@@ -103,7 +103,10 @@ def test_which_steps_merge() -> None:
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     runner = SimpleNamespace(
-        config=EngineConfig(merge_mixed_steps=True), device=cpu, prefill_graphs=None
+        config=EngineConfig(merge_mixed_steps=True),
+        device=cpu,
+        prefill_graphs=None,
+        merge_off_reason=None,
     )
     keep = SimpleNamespace(num_context_tokens=4, num_new_tokens=8, num_kept_tokens=12)
     discard = SimpleNamespace(num_context_tokens=4, num_new_tokens=8, num_kept_tokens=8)
@@ -125,3 +128,5 @@ def test_which_steps_merge() -> None:
     assert not mergeable(runner, [keep], 1)  # type: ignore[arg-type]  # switched off
     runner.config = EngineConfig()
     assert mergeable(runner, [keep], 1)  # type: ignore[arg-type]  # on by default
+    runner.merge_off_reason = "merged steps kept failing"  # the engine's fallback
+    assert not mergeable(runner, [keep], 1)  # type: ignore[arg-type]
