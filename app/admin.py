@@ -472,6 +472,8 @@ def _build_state(app: Any) -> dict[str, Any]:
             "num_failed_requests": stats.get("num_failed_requests"),
             # Why steps that mix prefill with decodes stopped merging (None: they merge).
             "merged_steps_off_reason": stats.get("merged_steps_off_reason"),
+            # Every fallback the engine took since it started, and why (runtime/fallbacks.py).
+            "fallbacks": stats.get("fallbacks"),
         },
         "partition": partition,
         "queues": {"waiting": stats.get("num_waiting"), "running": stats.get("num_running")},

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
+from runtime import fallbacks
 from runtime.attention.base import ForwardBatch, SeqSlice
 from runtime.attention.flashinfer_backend import FlashInferBackend
 from runtime.model.llama import LlamaForCausalLM
@@ -207,6 +208,7 @@ class DecodeGraphs:
                     e,
                 )
                 self.fused_errors[bs] = f"{type(e).__name__}: {e}"[:300]
+                fallbacks.note(f"fused decode, batch {bs} on {self.label}", self.fused_errors[bs])
                 return self._warm_up(self._make_step(bs, fused=False), bs, dummy)
             raise
 
@@ -367,6 +369,7 @@ class DecodeGraphRegistry:
             )
             gs = None
             self.capture_errors[label] = f"{type(e).__name__}: {e}"[:300]
+            fallbacks.note(f"decode graphs on {label}", self.capture_errors[label])
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         dt = self.clock() - t0

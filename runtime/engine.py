@@ -50,6 +50,7 @@ import torch
 
 from policies import make_policy
 from policies.jct import JCTModel
+from runtime import fallbacks
 from runtime.attention.base import AttentionBackend
 from runtime.attention.torch_backend import TorchAttentionBackend
 from runtime.config import EngineConfig
@@ -187,6 +188,7 @@ def make_attention_backend(
         )
     except Exception as e:  # noqa: BLE001 - any import/init failure means "cannot use it"
         log.warning("FlashInfer attention unavailable (%s); falling back to torch SDPA", e)
+        fallbacks.note("attention backend", f"torch SDPA: FlashInfer unavailable ({e})")
         return TorchAttentionBackend(pool, fuse_rope_kv_write=fuse_torch)
 
 
@@ -196,6 +198,7 @@ class Engine:
         output of that iteration; it must not block."""
         self.config = config
         self._sink = sink
+        fallbacks.clear()  # this engine's own (runtime/fallbacks.py)
         self.device, self.dtype = resolve_device_dtype(config)
         # What this process's allocator held before this engine: --max-gpu-memory-gb caps
         # this engine alone, also beside another engine in the same process (benchmarks).
@@ -227,6 +230,7 @@ class Engine:
                     type(e).__name__,
                     e,
                 )
+                fallbacks.note("activation peak", f"{type(e).__name__}: {e}")
                 torch.cuda.empty_cache()
         num_blocks = compute_num_blocks(
             config,
@@ -1336,6 +1340,7 @@ class Engine:
             "num_failed_steps": self._num_failed_steps,
             "num_failed_requests": self._num_failed_requests,
             "merged_steps_off_reason": self.runner.merge_off_reason,
+            "fallbacks": fallbacks.taken(),
             "decode_device_s": self._decode_device_s,
             "decode_idle_s": self._decode_idle_s,
             "num_decode_steps": self._num_decode_steps,

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from runtime import fallbacks
 from runtime.attention.base import AttentionBackend, ForwardBatch, SeqSlice
 from runtime.config import EngineConfig
 from runtime.cuda_graphs import (
@@ -390,6 +391,7 @@ class ModelRunner:
                 type(e).__name__,
                 e,
             )
+            fallbacks.note("attention warm-up", f"{type(e).__name__}: {e}")
             return
         log.info("attention kernels ready in %.2f s (%s)", time.perf_counter() - t0, modes)
 
@@ -408,6 +410,7 @@ class ModelRunner:
                 type(e).__name__,
                 e,
             )
+            fallbacks.note("prefill graphs", f"{type(e).__name__}: {e}")
             self.prefill_graphs = None
             torch.cuda.empty_cache()
             return
@@ -492,6 +495,7 @@ class ModelRunner:
                 "now on (slower): %s",
                 reason,
             )
+            fallbacks.note("merged steps", reason)
 
     def _mergeable(self, prefill: list[ScheduledSeq], num_decodes: int) -> bool:
         """Whether a step's prefill parts and its `num_decodes` decodes run as one forward

@@ -203,6 +203,7 @@ class FakeEngine:
                 "tbt_slo_ms": self.prefill_limits[1],
                 "num_failed_steps": 3,
                 "num_failed_requests": 1,
+                "fallbacks": {"prefill graphs": "stand-in: out of memory"},
             }
 
     async def set_policy(self, name: str) -> None:

@@ -236,6 +236,7 @@ def test_state_shape_and_numbers() -> None:
     assert state["queues"] == {"waiting": 0, "running": 0}
     assert state["engine"]["num_failed_steps"] == 3  # the engine's counters since start
     assert state["engine"]["num_failed_requests"] == 1
+    assert state["engine"]["fallbacks"] == {"prefill graphs": "stand-in: out of memory"}
     assert state["kv"]["blocks_total"] == 256 and state["kv"]["usage"] == 0
     assert state["policy"] == {
         "current": "srjf",
@@ -380,6 +381,7 @@ def test_engine_not_started_yet() -> None:
         "num_failed_steps": None,
         "num_failed_requests": None,
         "merged_steps_off_reason": None,
+        "fallbacks": None,
     }
     assert state["partition"]["available"] is False
     assert state["queues"] == {"waiting": None, "running": None}

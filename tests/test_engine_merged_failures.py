@@ -51,6 +51,7 @@ def test_merged_steps_that_keep_failing_fall_back_to_separate_forwards() -> None
     eng._publish_stats()  # the engine thread publishes at a fixed rate; this test drives it
     reason = eng.stats()["merged_steps_off_reason"]
     assert reason is not None and "3 merged steps failed" in reason and "tmp_v" in reason
+    assert eng.stats()["fallbacks"] == {"merged steps": reason}  # what /admin/api/state shows
     finished = {o.request_id: o for o in outs if o.finished}
     assert set(finished) == {r.request_id for r in reqs}
     assert all(o.error is None for o in finished.values())

@@ -169,6 +169,9 @@ def test_attention_warm_up_uses_the_pad_block_and_survives_a_failure(caplog) -> 
         ModelRunner.warm_up_attention(runner)  # type: ignore[arg-type]
     assert "FALLBACK: attention warm-up failed" in caplog.text
     assert "no kernel for this head size" in caplog.text
+    from runtime import fallbacks
+
+    assert "no kernel for this head size" in fallbacks.taken()["attention warm-up"]
     runner.prefill_backend = SimpleNamespace()  # no warm_up: nothing to do
     ModelRunner.warm_up_attention(runner)  # type: ignore[arg-type]
 
@@ -183,3 +186,17 @@ def test_float_workspace_covers_the_split_kv_plans_the_h200_asked_for() -> None:
     assert qwen3b >= 138_412_032 + 16 * 132 * 128 * 4 > DEFAULT_WORKSPACE_BYTES
     assert float_workspace_bytes(32, 8, 128, 132) == DEFAULT_WORKSPACE_BYTES
     assert float_workspace_bytes(32, 1, 128, 132) > 4 * 138_412_032
+
+
+def test_fallbacks_keep_their_first_reason_until_a_new_engine() -> None:
+    from runtime import fallbacks
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+
+    fallbacks.note("prefill graphs", "out of memory")
+    fallbacks.note("prefill graphs", "a later reason")
+    assert fallbacks.taken()["prefill graphs"] == "out of memory"
+    eng = Engine(EngineConfig(model="random:tiny", num_kv_blocks=64), lambda outs: None)
+    assert fallbacks.taken() == {}  # a new engine starts with none (tests build many)
+    eng._publish_stats()
+    assert eng.stats()["fallbacks"] == {}

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from runtime import fallbacks
 from runtime.config import EngineConfig
 from runtime.partition import PartitionManager, UnavailablePartition
 from runtime.partition.cost_model import ControllerConfig
@@ -138,6 +139,7 @@ def profile_at_startup(engine: Any, green: Any, choice: Any) -> None:
             e,
             fallback.source if fallback else "uncalibrated, auto time-slices",
         )
+        fallbacks.note("partition start-up profile", f"{type(e).__name__}: {e}")
 
 
 def capture_split_graphs(runner: Any, green: Any) -> list[str]:
