@@ -586,12 +586,13 @@ async def reset_prefix_cache(
     return {"done": True, "blocks_before": reply.get("prefix_cached_blocks_before")}
 
 
-async def prefix_cache_counters(
+async def server_counters(
     base_url: str, admin_token: str | None, server: str = "greenlane"
 ) -> dict[str, int] | None:
-    """The server's cumulative prefix-cache counters (`/admin/api/state`; vLLM: `/metrics`),
-    None if unreadable. Greenlane's also carry its failed-step and failed-request counters
-    (`num_failed_steps`, `num_failed_requests`) where the server reports them."""
+    """The server's cumulative counters read around each run: prefix-cache hit and query
+    tokens (`/admin/api/state`; vLLM: `/metrics`), and Greenlane's failed steps and failed
+    requests (`num_failed_steps`, `num_failed_requests`) where it reports them. None if
+    unreadable."""
     if server.startswith("vllm"):
         return await vllm_prefix_cache_counters(base_url)
     ok, reply = await admin_call(base_url, "GET", "/admin/api/state", admin_token)
@@ -929,11 +930,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         if args.prime_prefixes and (reset is not None or not primed):
             prime = await prime_prefixes(base_url, gen, opts)
             primed.append(prime)
-        before = await prefix_cache_counters(base_url, args.admin_token, args.server)
+        before = await server_counters(base_url, args.admin_token, args.server)
         metrics, results = await run_once(
             base_url, plan.requests, plan.arrivals_s, opts, slo, label=f"qps {qps:g}", stop=stop
         )
-        after = await prefix_cache_counters(base_url, args.admin_token, args.server)
+        after = await server_counters(base_url, args.admin_token, args.server)
         run = run_record(qps, metrics, plan, reset, prefix_cache_delta(before, after), prime)
         run["engine_failures"] = failures = engine_failures_delta(before, after)
         if failures and any(failures.values()):

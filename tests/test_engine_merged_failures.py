@@ -7,6 +7,7 @@ in a 48-stream chat run, a third of its throughput) and nothing said so but the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from test_split_executor import gen, serial_tokens, tokens_by_id
@@ -16,22 +17,36 @@ from runtime.engine import MERGED_STEP_FAILURES_BEFORE_FALLBACK, Engine
 from runtime.request import EngineOutput
 
 
-def test_merged_steps_that_keep_failing_fall_back_to_separate_forwards() -> None:
+def engine_failing_when(fails: Callable[[Any, Any], str | None]) -> Engine:
+    """A tiny CPU engine (not started: the test drives its steps) whose launches raise
+    RuntimeError(message) when `fails(runner, plan)` returns a message."""
     eng = Engine(
         EngineConfig(model="random:tiny", prefill_policy="fcfs", block_size=4, num_kv_blocks=128),
         lambda outs: None,
     )
     runner = eng.runner
     launch = runner.launch
-    merged_launches: list[int] = []
 
-    def launch_failing_when_merged(plan: Any) -> Any:
-        if runner.merges(plan):
-            merged_launches.append(plan.step_id)
-            raise RuntimeError("Buffer overflow when allocating memory for tmp_v (stand-in)")
+    def guarded(plan: Any) -> Any:
+        message = fails(runner, plan)
+        if message:
+            raise RuntimeError(message)
         return launch(plan)
 
-    runner.launch = launch_failing_when_merged  # type: ignore[method-assign]
+    runner.launch = guarded  # type: ignore[method-assign]
+    return eng
+
+
+def test_merged_steps_that_keep_failing_fall_back_to_separate_forwards() -> None:
+    merged_launches: list[int] = []
+
+    def when_merged(runner: Any, plan: Any) -> str | None:
+        if not runner.merges(plan):
+            return None
+        merged_launches.append(plan.step_id)
+        return "Buffer overflow when allocating memory for tmp_v (stand-in)"
+
+    eng = engine_failing_when(when_merged)
     reqs = [gen(f"r{i}", 10 + 3 * i, 12, seed=i) for i in range(6)]
     outs: list[EngineOutput] = []
     eng.scheduler.add(reqs[0])
@@ -62,19 +77,14 @@ def test_merged_steps_that_keep_failing_fall_back_to_separate_forwards() -> None
 
 def test_a_merged_step_failing_for_one_request_keeps_merging() -> None:
     """A request at fault fails alone (it fails alone too): merging is not to blame."""
-    eng = Engine(
-        EngineConfig(model="random:tiny", prefill_policy="fcfs", block_size=4, num_kv_blocks=128),
-        lambda outs: None,
+    eng = engine_failing_when(
+        lambda runner, plan: (
+            "stand-in fault of one request"
+            if any(s.request.request_id == "bad" for s in plan.seqs)
+            else None
+        )
     )
     runner = eng.runner
-    launch = runner.launch
-
-    def poisoned(plan: Any) -> Any:
-        if any(s.request.request_id == "bad" for s in plan.seqs):
-            raise RuntimeError("stand-in fault of one request")
-        return launch(plan)
-
-    runner.launch = poisoned  # type: ignore[method-assign]
     eng.scheduler.add(gen("good", 12, 8, seed=1))
     outs: list[EngineOutput] = []
     for _ in range(3):
