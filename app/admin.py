@@ -470,9 +470,8 @@ def _build_state(app: Any) -> dict[str, Any]:
             # requests that failed: since start. A benchmark reads them around each run.
             "num_failed_steps": stats.get("num_failed_steps"),
             "num_failed_requests": stats.get("num_failed_requests"),
-            # Why steps that mix prefill with decodes stopped merging (None: they merge).
-            "merged_steps_off_reason": stats.get("merged_steps_off_reason"),
-            # Every fallback the engine took since it started, and why (runtime/fallbacks.py).
+            # Every fallback the engine took since it started, and why (runtime/fallbacks.py):
+            # merged steps turned off, prefill graphs not captured, ...
             "fallbacks": stats.get("fallbacks"),
         },
         "partition": partition,

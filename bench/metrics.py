@@ -201,12 +201,33 @@ def compute_metrics(
         ) / len(expected)
     if max_concurrency:
         metrics["steady_state"] = steady_state(results, max_concurrency, duration_s)
+    sources = sorted({r.source for r in results})
+    if len(sources) > 1:
+        # A mix (e.g. `mixed`: chat next to long prompts): each part's latencies alone, since
+        # the pooled TTFT mostly says how long the long prompts are, and the chat streams' gaps
+        # are what the long prefills cost them.
+        metrics["by_source"] = {src: _part(results, src) for src in sources}
     if slo is not None:
         good = sum(slo.met_by(r) for r in results)
         metrics["slo"] = slo.as_dict()
         metrics["goodput"] = good / duration_s
         metrics["slo_attainment"] = good / max(len(results), 1)
     return metrics
+
+
+def _part(results: list[RequestResult], source: str) -> dict[str, Any]:
+    """One source's requests of a mixed run: counts and latency summaries."""
+    part = [r for r in results if r.source == source]
+    ok = [r for r in part if r.success]
+    return {
+        "completed": len(ok),
+        "failed": len(part) - len(ok),
+        "prompt_tokens_mean": float(np.mean([r.num_prompt_tokens for r in ok])) if ok else None,
+        "ttft_ms": summarize_ms([r.ttft_s for r in ok]),
+        "tpot_ms": summarize_ms([t for t in (r.tpot_s for r in ok) if t is not None]),
+        "itl_ms": summarize_ms([gap for r in ok for gap in r.itl_s]),
+        "e2el_ms": summarize_ms([r.e2el_s for r in ok]),
+    }
 
 
 # SLO key -> the metrics key it bounds (TBT is measured as pooled inter-token latency).

@@ -972,6 +972,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     return record
 
 
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     record = asyncio.run(main_async(args))
@@ -989,6 +993,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"while the closed loop was full ({t0:.1f}-{t1:.1f} s, "
                 f"{steady['fraction_of_run']:.0%} of the run): "
                 f"{steady['output_throughput']:.1f} output tok/s"
+            )
+        for src, part in (run["metrics"].get("by_source") or {}).items():
+            ttft, itl = part["ttft_ms"], part["itl_ms"]
+            print(
+                f"{src}: {part['completed']} ok, {part['failed']} failed; TTFT P50/P99 "
+                f"{_ms(ttft['median'])}/{_ms(ttft['p99'])} ms, gap between tokens P50/P99 "
+                f"{_ms(itl['median'])}/{_ms(itl['p99'])} ms"
             )
     if "max_qps_search" in record:
         s = record["max_qps_search"]

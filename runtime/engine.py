@@ -1339,7 +1339,6 @@ class Engine:
             "num_chunked_scoring": s.num_chunked_scoring,
             "num_failed_steps": self._num_failed_steps,
             "num_failed_requests": self._num_failed_requests,
-            "merged_steps_off_reason": self.runner.merge_off_reason,
             "fallbacks": fallbacks.taken(),
             "decode_device_s": self._decode_device_s,
             "decode_idle_s": self._decode_idle_s,

@@ -380,7 +380,6 @@ def test_engine_not_started_yet() -> None:
         "starting": True,
         "num_failed_steps": None,
         "num_failed_requests": None,
-        "merged_steps_off_reason": None,
         "fallbacks": None,
     }
     assert state["partition"]["available"] is False

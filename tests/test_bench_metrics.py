@@ -162,3 +162,24 @@ def test_steady_state_counts_tokens_while_the_closed_loop_was_full() -> None:
     # compute_metrics reports it for a closed loop only.
     assert compute_metrics(res, 8.0, max_concurrency=2)["steady_state"] == steady_state(res, 2, 8.0)
     assert "steady_state" not in compute_metrics(res, 8.0)
+
+
+def test_a_mixed_run_reports_each_source_alone() -> None:
+    chat = [_ok(f"c{i}", 0.1, 0.5, 5, [0.1] * 4, 100) for i in range(3)]
+    long = [_ok(f"l{i}", 2.0 + i, 3.0 + i, 2, [1.0], 8000) for i in range(2)]
+    for r in chat:
+        r.source = "sharegpt"
+    for r in long:
+        r.source = "long-data"
+    lost = RequestResult("x", "chat", source="long-data", success=False, error="timeout")
+    m = compute_metrics([*chat, *long, lost], duration_s=5.0)
+    parts = m["by_source"]
+    assert set(parts) == {"sharegpt", "long-data"}
+    assert parts["sharegpt"]["completed"] == 3 and parts["sharegpt"]["failed"] == 0
+    assert parts["sharegpt"]["ttft_ms"]["p99"] == pytest.approx(100.0)
+    assert parts["sharegpt"]["itl_ms"]["p99"] == pytest.approx(100.0)
+    assert parts["long-data"]["completed"] == 2 and parts["long-data"]["failed"] == 1
+    assert parts["long-data"]["ttft_ms"]["mean"] == pytest.approx(2500.0)
+    assert parts["long-data"]["prompt_tokens_mean"] == pytest.approx(8000.0)
+    # One source: no breakdown (the pooled figures are that source's).
+    assert "by_source" not in compute_metrics(chat, duration_s=1.0)

@@ -208,7 +208,7 @@ bench() {
   gl_env
   local out="$RES/$name-$side.json"
   python3 -m bench.serve --url "$url" --server "$side" --seed "$SEED" --no-progress \
-    --tokenizer "$(folder_of "${PEER_PRESET:-llama-3.1-8b}")" --out "$out" "$@" 2>&1 | tail -n 4
+    --tokenizer "$(folder_of "${PEER_PRESET:-llama-3.1-8b}")" --out "$out" "$@" 2>&1 | tail -n 6
   # Greenlane's own account of the run: its last 4,096 steps by kind (decode-only, mixed,
   # prefill), device time and host gap each (where its time per output token goes).
   [ "$side" = greenlane ] && python3 - "$out" "$url" <<'PYEOF'
