@@ -573,22 +573,37 @@ class Engine:
         """Without --max-score-tokens the longest scoring prompt defaults to max_model_len; if
         reserving its activations would leave the KV pool unable to hold one max_model_len
         sequence, lower it to what fits (never below one step's budget) and say so, rather
-        than refusing to start."""
+        than refusing to start.
+
+        When no reserve at all leaves room for a max_model_len sequence's KV (a cap smaller
+        than that KV: `--max-model-len 262144` in 24 GB), generation requests are limited by
+        the pool whatever is reserved, and only scoring prompts can be long (suffix-KV discard
+        keeps no KV past their prefix). Then the pool keeps one step's budget of tokens, so
+        chat still runs, and scoring takes the rest; both limits are logged."""
         mc, bs = self.model_config, self.config.block_size
-        min_pool = (-(-self._max_model_len // bs) + NUM_RESERVED_BLOCKS) * bytes_per_block(
-            mc, bs, self.dtype
-        )
+        per_block = bytes_per_block(mc, bs, self.dtype)
+
+        def pool_bytes(num_tokens: int) -> int:
+            return (-(-num_tokens // bs) + NUM_RESERVED_BLOCKS) * per_block
+
         budget = cuda_memory_budget_bytes(self.config, self.device, self._reserved_at_start)
-        room = budget - min_pool - CUDA_SAFETY_BYTES
-        fits = int((room - fixed) // slope) // bs * bs
+        room = budget - CUDA_SAFETY_BYTES
+        min_pool = pool_bytes(self._max_model_len)
+        step_reserve = fixed + slope * floor_tokens
+        if room - step_reserve < min_pool:
+            min_pool = pool_bytes(min(floor_tokens, self._max_model_len))
+        fits = int((room - min_pool - fixed) // slope) // bs * bs
         if fits >= self._max_score_tokens:
             return
         new = max(floor_tokens, fits)
+        pool_tokens = int((room - fixed - slope * new) // per_block - NUM_RESERVED_BLOCKS) * bs
         log.warning(
             "scoring prompts limited to %d tokens (not %d): the activations of a longer one "
-            "would leave too little memory for the KV cache; set --max-score-tokens to choose",
+            "would leave too little memory for the KV cache (about %d tokens left for it, "
+            "which limits generation requests); set --max-score-tokens to choose",
             new,
             self._max_score_tokens,
+            max(0, pool_tokens),
         )
         self._max_score_tokens = new
 

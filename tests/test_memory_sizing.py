@@ -108,3 +108,21 @@ def test_never_below_one_step_budget(fake_gpu) -> None:
     stub = _engine_stub(max_model_len=32768, max_score_tokens=32768)
     stub._fit(float(GIB), float(1 << 20), 8192)
     assert stub._max_score_tokens == 8192
+
+
+def test_a_cap_below_one_max_model_len_sequence_gives_scoring_the_room(fake_gpu, caplog) -> None:
+    # max_model_len's KV (2**27 tokens x 512 B = 64 GiB) exceeds the whole 50 GiB budget: no
+    # reserve leaves room for it, so generation is limited by the pool whatever is reserved.
+    # Found on the H200 (8B, --max-model-len 262144 in 24 GB): the rule "the pool holds one
+    # max_model_len sequence" then floored scoring prompts to one step's budget (8192 tokens).
+    stub = _engine_stub(max_model_len=1 << 27, max_score_tokens=1 << 27)
+    slope, fixed = float(1 << 20), float(GIB)
+    stub._fit(fixed, slope, 8192)
+    got = stub._max_score_tokens
+    room = 50 * GIB - (512 << 20)
+    per_block = bytes_per_block(stub.model_config, 16, torch.bfloat16)
+    floor_pool = (8192 // 16 + 1) * per_block  # one step's budget of KV, kept for chat
+    assert got == int((room - floor_pool - fixed) // slope) // 16 * 16
+    assert got > 5 * 8192  # not floored to the step budget
+    assert room - (fixed + slope * got) >= floor_pool
+    assert "scoring prompts limited to" in caplog.text and "tokens left for it" in caplog.text

@@ -395,6 +395,8 @@ longest)
     collect
   fi
   stop_one greenlane
+  # PEER_SIDES=greenlane: Greenlane's side alone (a fresh machine without vLLM's pieces).
+  [ "${PEER_SIDES:-both}" = greenlane ] && { collect; exit 0; }
   # vLLM sizes its KV cache at start-up and refuses a --max-model-len it cannot hold, naming the
   # longest it could ("... estimated maximum model length is N"): start at the same length, and
   # on that refusal again at N.
