@@ -126,3 +126,16 @@ def test_a_cap_below_one_max_model_len_sequence_gives_scoring_the_room(fake_gpu,
     assert got > 5 * 8192  # not floored to the step budget
     assert room - (fixed + slope * got) >= floor_pool
     assert "scoring prompts limited to" in caplog.text and "tokens left for it" in caplog.text
+
+
+def test_no_room_names_the_scoring_reserve_when_it_was_asked_for(fake_gpu) -> None:
+    # 50 GiB of budget; a reserve of 60 GiB for an explicit --max-score-tokens leaves nothing.
+    mc = get_preset("tiny")
+    cfg = EngineConfig(model="random:tiny", gpu_memory_utilization=0.9, max_score_tokens=172032)
+    with pytest.raises(RuntimeError, match="--max-score-tokens 172032: lower it"):
+        compute_num_blocks(cfg, mc, torch.bfloat16, torch.device("cuda"), activation_bytes=60 * GIB)
+    plain = EngineConfig(model="random:tiny", gpu_memory_utilization=0.9)
+    with pytest.raises(RuntimeError, match=r"no room for the KV cache.*prefill_token_budget\)$"):
+        compute_num_blocks(
+            plain, mc, torch.bfloat16, torch.device("cuda"), activation_bytes=60 * GIB
+        )

@@ -295,3 +295,37 @@ def test_hybrid_prefill_bounds_mlp_rows(monkeypatch) -> None:
         model(ids, torch.arange(50), SpyAttn(), chunk_tokens=16)
     assert mlp_rows == [16, 16, 16, 2] * cfg.num_layers
     assert attn_rows == [50] * cfg.num_layers
+
+
+def test_a_hybrid_prefill_longer_than_the_fused_rope_cap_rotates_chunk_by_chunk(
+    monkeypatch,
+) -> None:
+    """A backend that fuses RoPE into its pool write does so only up to FUSED_ROPE_MAX_TOKENS
+    rows; a longer hybrid prefill must rotate q/k chunk by chunk into the layer's buffers
+    (rope=None to the backend), not hand them over un-rotated for a whole-prompt copy, and give
+    the same hidden states. Shorter forwards still hand RoPE over."""
+    import runtime.attention.base as base
+    from runtime.model import ops
+
+    monkeypatch.setattr(base, "FUSED_ROPE_MAX_TOKENS", 24)
+    model, cfg, _ = load_model("random:tiny", torch.float32, "cpu", seed=0)
+    ropes: list[bool] = []
+
+    class FusingSpy(CausalSDPA):
+        fuses_rope = True
+
+        def forward(self, layer_idx, q, k, v, rope=None):
+            ropes.append(rope is not None)
+            if rope is not None:
+                q, k = ops.apply_rope(q, k, *rope)
+            return super().forward(layer_idx, q, k, v)
+
+    gen = torch.Generator().manual_seed(0)
+    for n, handed_over in ((50, False), (20, True)):
+        ids = torch.randint(0, cfg.vocab_size, (n,), generator=gen)
+        ropes.clear()
+        with torch.inference_mode():
+            want = model(ids, torch.arange(n), CausalSDPA(), chunk_tokens=16)
+            got = model(ids, torch.arange(n), FusingSpy(), chunk_tokens=16)
+        assert ropes == [handed_over] * cfg.num_layers
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

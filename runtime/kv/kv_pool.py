@@ -100,9 +100,16 @@ def compute_num_blocks(
     else:
         n = int(config.cpu_kv_cache_gb * GIB // per_block)
     if n < 1:
+        also = ""
+        if config.max_score_tokens is not None and activation_bytes is not None:
+            # The reserve covers the longest scoring prompt asked for: the usual culprit.
+            also = (
+                f"; the activation reserve is {activation_bytes / GIB:.2f} GiB, sized for "
+                f"--max-score-tokens {config.max_score_tokens}: lower it"
+            )
         raise RuntimeError(
             f"no room for the KV cache: one block needs {per_block / 2**20:.1f} MiB "
-            f"(raise the memory limits or lower block_size / prefill_token_budget)"
+            f"(raise the memory limits or lower block_size / prefill_token_budget){also}"
         )
     return n
 

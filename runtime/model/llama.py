@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.attention.base import AttentionBackend, Rope
+from runtime.attention.base import AttentionBackend, Rope, fuse_rope_for
 from runtime.model import ops
 from runtime.model.config import ModelConfig
 
@@ -114,8 +114,14 @@ def rope_for(
     attn: AttentionBackend, positions: torch.Tensor, rotary: RotaryEmbedding
 ) -> Rope | None:
     """What to pass as `rope=` to `attn.forward`: the positions and RoPE cache when the
-    backend rotates q and k itself (fused with its pool write), else None (already rotated)."""
-    return (positions, rotary.cos_sin_cache) if getattr(attn, "fuses_rope", False) else None
+    backend rotates q and k itself, fused with its pool write, for a forward of this many rows
+    (`fuse_rope_for`); else None, and the layer rotates them. A longer forward would otherwise
+    hand q and k over un-rotated and the backend rotate them out of place over all rows: in a
+    hybrid prefill that is a second [T, Hq + Hkv, D] copy beside the layer's q/k/v buffers
+    (10 KiB a token on the 8B shape), where the layer rotates chunk by chunk into them."""
+    if not getattr(attn, "fuses_rope", False) or not fuse_rope_for(positions.shape[0]):
+        return None
+    return positions, rotary.cos_sin_cache
 
 
 def attend(
