@@ -16,7 +16,7 @@
 #   bash bench/peer/run.sh gputest REV [FILES] # GPU tests (before the servers start)
 #   bash bench/peer/run.sh profile REV [8b|3b] # the torch profiler over N steps of each server
 #                                             # under the 48-stream chat load (diagnostic)
-#   bash bench/peer/run.sh options REV 8b|3b "OPTS" ["OPTS"...]
+#   bash bench/peer/run.sh options REV 8b|3b|long "OPTS" ["OPTS"...]
 #                                             # (b) Greenlane only, restarted with each option
 #                                             # set in turn (A/B against an earlier call's vLLM)
 #
@@ -235,6 +235,11 @@ PYEOF
 # PEER_SIDES=greenlane: Greenlane's runs only (an A/B of its own options against the vLLM
 # runs of an earlier call of the same session: half the time).
 VSIDE=${PEER_VLLM_SIDE:-vllm}
+# (c)'s load: 60 % sharegpt + 40 % long-data (1k-16k-token prompts) at a fixed QPS, 40 s.
+LONG_ARGS=(--workload mixed --duration 40 --qps "${PEER_LONG_QPS:-3}" --warmup-requests 2
+           --request-timeout 120)
+CHAT_ARGS=(--workload sharegpt --num-requests 480 --qps inf --max-concurrency 48
+           --warmup-requests 4 --request-timeout 120)
 alternate() {
   local name=$1 rounds=$2 run_s=$3 r side order; shift 3
   for r in $(seq "${PEER_FIRST_ROUND:-1}" "$rounds"); do
@@ -301,8 +306,7 @@ chat)
   export_model "$preset" || exit 1
   start_servers "$preset" || { collect; exit 1; }
   # 480 requests: ~25 s a run on the 8B (240 took 11-12.5 s on 2026-12-02).
-  PEER_PRESET=$preset alternate "chat-$sub" "${PEER_ROUNDS:-2}" 60 --workload sharegpt \
-    --num-requests 480 --qps inf --max-concurrency 48 --warmup-requests 4 --request-timeout 120
+  PEER_PRESET=$preset alternate "chat-$sub" "${PEER_ROUNDS:-2}" 60 "${CHAT_ARGS[@]}"
   collect ;;
 long)
   # (c) long prompts next to chat: mixed (60% sharegpt + 40% long-data, 1k-16k-token prompts)
@@ -311,8 +315,7 @@ long)
   # --max-num-batched-tokens of the sweep (about a minute each: its compile cache is warm)
   # against the same Greenlane, which stays up.
   sweep=("$@"); [ ${#sweep[@]} -gt 0 ] || sweep=(2048 4096 16384)
-  args=(--workload mixed --duration 40 --qps "${PEER_LONG_QPS:-3}" --warmup-requests 2
-        --request-timeout 120)
+  args=("${LONG_ARGS[@]}")
   start_servers llama-3.1-8b || { collect; exit 1; }
   alternate long-default 1 80 "${args[@]}"
   for m in "${sweep[@]}"; do
@@ -351,8 +354,7 @@ profile)
   for side in greenlane vllm; do
     url=$GL; [ "$side" = vllm ] && url=$VL
     [ "$(left)" -gt 120 ] || { echo "deadline: profile of $side skipped"; break; }
-    PEER_PRESET=$preset bench "$side" "profiled-chat-$sub" --workload sharegpt --num-requests 480 \
-      --qps inf --max-concurrency 48 --warmup-requests 4 --request-timeout 120 &
+    PEER_PRESET=$preset bench "$side" "profiled-chat-$sub" "${CHAT_ARGS[@]}" &
     bpid=$!
     sleep "${PEER_PROFILE_AFTER_S:-10}"  # past the first prefills: the streams decode
     python3 -m bench.peer.profile_steps --server "$side" --url "$url" --steps "$PROF_STEPS" \
@@ -364,21 +366,23 @@ profile)
   collect ;;
 options)
   # Greenlane's own options A/B'd in one call: for each option set (one argument each, e.g.
-  # "--merge-mixed-steps false"), Greenlane restarts with it and runs the `chat` load twice;
-  # vLLM stays up untouched (its runs come from a `chat` call of the same session). One call
-  # instead of one per option: every turn-around between calls risks the machine going back
-  # (30 s idle) with both servers and /tmp. A set that would overrun the deadline is skipped.
+  # "--merge-mixed-steps false"), Greenlane restarts with it and runs the `chat` load twice
+  # (8b, 3b) or the `long` load once (long: the 8B, e.g. "--prefill-token-budget 2048");
+  # vLLM stays up untouched (its runs come from a `chat` or `long` call of the same session).
+  # One call instead of one per option: every turn-around between calls risks the machine
+  # going back (30 s idle) with both servers and /tmp. A set that would overrun the deadline
+  # is skipped.
   sub=${1:-8b}; shift 2>/dev/null; preset=llama-3.1-8b
   [ "$sub" = 3b ] && preset=qwen2.5-3b
+  load=("${CHAT_ARGS[@]}"); rounds=${PEER_ROUNDS:-2}; run_s=60; name=chat-$sub
+  [ "$sub" = long ] && { load=("${LONG_ARGS[@]}"); rounds=1; run_s=80; name=long; }
   export_model "$preset" || exit 1
   for opts in "$@"; do
-    [ "$(left)" -gt 170 ] || { echo "deadline: option set '$opts' skipped"; continue; }
+    [ "$(left)" -gt $((run_s * rounds + 50)) ] || { echo "deadline: option set '$opts' skipped"; continue; }
     slug=$(echo "$opts" | tr -c 'a-zA-Z0-9\n' '-' | sed 's/^-*//; s/-*$//; s/--*/-/g')
     start_greenlane "$(folder_of "$preset")" \
       "--max-gpu-memory-gb $MEM_GB --max-model-len $MAX_LEN${opts:+ $opts}" || continue
-    PEER_SIDES=greenlane PEER_PRESET=$preset alternate "chat-$sub-$slug" "${PEER_ROUNDS:-2}" 60 \
-      --workload sharegpt --num-requests 480 --qps inf --max-concurrency 48 --warmup-requests 4 \
-      --request-timeout 120
+    PEER_SIDES=greenlane PEER_PRESET=$preset alternate "$name-$slug" "$rounds" "$run_s" "${load[@]}"
   done
   collect ;;
 longest)
