@@ -183,3 +183,18 @@ def test_a_mixed_run_reports_each_source_alone() -> None:
     assert parts["long-data"]["prompt_tokens_mean"] == pytest.approx(8000.0)
     # One source: no breakdown (the pooled figures are that source's).
     assert "by_source" not in compute_metrics(chat, duration_s=1.0)
+
+
+def test_gap_tail_counts_long_gaps_and_the_excess_by_hand() -> None:
+    from bench.metrics import gap_tail
+
+    gaps = [0.005] * 96 + [0.030, 0.060, 0.150, 0.250]  # 100 gaps, median 5 ms
+    tail = gap_tail(gaps)
+    assert tail["num_gaps"] == 100
+    assert tail["over_ms"] == {"25": 0.04, "50": 0.03, "100": 0.02, "200": 0.01}
+    assert tail["max_ms"] == pytest.approx(250.0)
+    # (30 - 5) + (60 - 5) + (150 - 5) + (250 - 5) ms
+    assert tail["excess_over_median_s"] == pytest.approx(0.470)
+    assert gap_tail([])["num_gaps"] == 0
+    m = compute_metrics([_ok("a", 0.1, 0.5, 5, [0.1] * 4, 10)], duration_s=1.0)
+    assert m["itl_tail"]["over_ms"]["50"] == 1.0
