@@ -255,25 +255,44 @@ alternate() {
   done
 }
 
+# vLLM's site folder from the stashed pieces (join, sha256, unpack: pip's --no-deps --target
+# layout, made by prepare.sh), once a machine.
+ensure_vllm() {
+  [ -f "$VSITE/.complete" ] && return 0
+  wp_join /tmp/peer_whp /tmp/vllm-site.tar.xz || return 1
+  rm -rf "$VSITE" /tmp/site-unpack && mkdir -p /tmp/site-unpack
+  python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter='tar')" \
+    /tmp/vllm-site.tar.xz /tmp/site-unpack || return 1
+  mv /tmp/site-unpack/site "$VSITE" && touch "$VSITE/.complete" && rm -f /tmp/vllm-site.tar.xz
+  echo "vLLM site ready ($(du -sh $VSITE | cut -f1)), $(left) s left"
+}
+# Greenlane's packages, FlashInfer's kernels and the tokenizer (the carried .whl .fi_cache
+# .cache/smollm2-tok), once a machine: a mode called on a machine that lost its set-up (it
+# went back between calls) installs them itself when its call carries the folders.
+ensure_greenlane() {
+  [ -f /tmp/site/.greenlane-ready ] && [ -d /tmp/glcache ] && return 0
+  [ -d .whl ] || { echo "Greenlane not installed here: carry .whl .fi_cache .cache/smollm2-tok"; return 1; }
+  source bench/gpu_setup.sh || return 1
+  touch /tmp/site/.greenlane-ready
+}
+# Every mode but stash: what it needs on this machine, made when missing (after a machine went
+# back: the stash calls, then the mode's call carrying Greenlane's folders).
+case $mode in
+  setup|gputest|scoring|chat|long|longest|profile|options) ensure_greenlane || exit 1 ;;
+esac
+case $mode in
+  setup|scoring|chat|long|profile) ensure_vllm || exit 1 ;;
+  longest) [ "${PEER_SIDES:-both}" = greenlane ] || ensure_vllm || exit 1 ;;
+esac
+
 case $mode in
 stash)
   wp_stash .peer_whp /tmp/peer_whp ;;
 setup)
-  # 1. vLLM: join the pieces, unpack the site folder (pip's --no-deps --target layout, made by
-  #    prepare.sh), check its imports and FastAPI app on this machine.
-  if [ ! -f "$VSITE/.complete" ]; then
-    wp_join /tmp/peer_whp /tmp/vllm-site.tar.xz || exit 1
-    rm -rf "$VSITE" /tmp/site-unpack && mkdir -p /tmp/site-unpack
-    python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter='tar')" \
-      /tmp/vllm-site.tar.xz /tmp/site-unpack || exit 1
-    mv /tmp/site-unpack/site "$VSITE" && touch "$VSITE/.complete" && rm -f /tmp/vllm-site.tar.xz
-  fi
-  echo "vLLM site ready ($(du -sh $VSITE | cut -f1)), $(left) s left"
+  # 1. vLLM (unpacked above): check its imports and FastAPI app on this machine.
   (cd /tmp && PYTHONPATH=$VSITE VLLM_SERVER_DEV_MODE=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
      python3 "$OLDPWD/bench/peer/check_vllm.py" --json "$OUT/peer-check-vllm.json") || exit 1
-  # 2. Greenlane: its wheels, FlashInfer kernels, tokenizer (carried .whl .fi_cache
-  #    .cache/smollm2-tok), as every Greenlane GPU run installs them.
-  source bench/gpu_setup.sh || exit 1
+  # 2. Greenlane: installed above (ensure_greenlane).
   # 3. The 8B folder (16 GB, bf16, written from the GPU), then both servers on it.
   export_model llama-3.1-8b || exit 1
   echo "exported, $(left) s left"
@@ -328,7 +347,6 @@ gputest)
   # GPU tests of options about to be A/B'd, run before the servers hold the memory (carry .whl
   # .fi_cache .cache/smollm2-tok, as for setup). Args: test files (default: the prefill graphs,
   # merged steps on FA2 among them). Result: $RES/gputest.json (exit code, tail).
-  source bench/gpu_setup.sh || exit 1
   tests=("$@")
   [ ${#tests[@]} -gt 0 ] || tests=(tests/gpu/test_prefill_graphs_gpu.py)
   python3 -m pytest -q -m "gpu or kernels" -p no:cacheprovider "${tests[@]}" 2>&1 | tee "$W/gputest.log"
