@@ -45,23 +45,27 @@ def live_at_peak(events: list[dict[str, Any]]) -> tuple[int, dict[str, int]]:
     the highest total of bytes allocated during the trace and, at that moment, the live bytes
     by allocation site. Blocks allocated before the trace began are not in it (not counted):
     the result is what the traced work allocated on top of them."""
-    live: dict[int, tuple[int, str]] = {}
+    # Pass 1: when the total peaked (the index of that event). Pass 2: what was live then.
+    sizes: dict[int, int] = {}
     total = peak = 0
-    at_peak: dict[int, tuple[int, str]] = {}
-    for ev in events:
+    peak_at = -1
+    for i, ev in enumerate(events):
         action = ev.get("action")
         if action == "alloc":
-            size = int(ev["size"])
-            live[int(ev["addr"])] = (size, site_of(ev.get("frames") or []))
-            total += size
+            sizes[int(ev["addr"])] = int(ev["size"])
+            total += int(ev["size"])
             if total > peak:
-                peak, at_peak = total, dict(live)
+                peak, peak_at = total, i
         elif action == "free_completed":
-            got = live.pop(int(ev["addr"]), None)
-            if got is not None:
-                total -= got[0]
+            total -= sizes.pop(int(ev["addr"]), 0)
+    live: dict[int, tuple[int, str]] = {}
+    for ev in events[: peak_at + 1]:
+        if ev.get("action") == "alloc":
+            live[int(ev["addr"])] = (int(ev["size"]), site_of(ev.get("frames") or []))
+        elif ev.get("action") == "free_completed":
+            live.pop(int(ev["addr"]), None)
     by_site: dict[str, int] = defaultdict(int)
-    for size, where in at_peak.values():
+    for size, where in live.values():
         by_site[where] += size
     return peak, dict(by_site)
 
@@ -84,17 +88,13 @@ def per_token(
     return rows
 
 
-def trace_dry_run(model_spec: str, num_tokens: int, chunk_tokens: int) -> tuple[int, dict]:
+def trace_dry_run(model: Any, mc: Any, cfg: Any, num_tokens: int) -> tuple[int, dict]:
     """One `profile_activation_peak` dry run of `num_tokens` under the allocator history."""
     import torch
 
-    from runtime.config import EngineConfig
     from runtime.engine import make_attention_backend
-    from runtime.model.loader import load_model
     from runtime.runner import profile_activation_peak
 
-    cfg = EngineConfig(model=model_spec, prefill_chunk_tokens=chunk_tokens)
-    model, mc, _ = load_model(model_spec, torch.bfloat16, "cuda", seed=0)
     torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python")
     try:
         measured = profile_activation_peak(
@@ -107,10 +107,8 @@ def trace_dry_run(model_spec: str, num_tokens: int, chunk_tokens: int) -> tuple[
         snap = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    del model
     torch.cuda.empty_cache()
-    dev = torch.cuda.current_device()
-    peak, by_site = live_at_peak(snap["device_traces"][dev])
+    peak, by_site = live_at_peak(snap["device_traces"][torch.cuda.current_device()])
     return measured, {"traced_peak_bytes": peak, "by_site": by_site}
 
 
@@ -123,9 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch
 
+    from runtime.config import EngineConfig
+    from runtime.model.loader import load_model
+
+    cfg = EngineConfig(model=args.model, prefill_chunk_tokens=args.chunk_tokens)
+    model, mc, _ = load_model(args.model, torch.bfloat16, "cuda", seed=0)
     n1, n2 = args.tokens
-    m1, t1 = trace_dry_run(args.model, n1, args.chunk_tokens)
-    m2, t2 = trace_dry_run(args.model, n2, args.chunk_tokens)
+    m1, t1 = trace_dry_run(model, mc, cfg, n1)
+    m2, t2 = trace_dry_run(model, mc, cfg, n2)
     rows = per_token(
         (t1["traced_peak_bytes"], t1["by_site"]), (t2["traced_peak_bytes"], t2["by_site"]), n2 - n1
     )

@@ -189,10 +189,6 @@ def compute_metrics(
     ok = [r for r in results if r.success]
     failed = [r for r in results if not r.success]
     duration_s = max(duration_s, 1e-9)
-    ttfts = [r.ttft_s for r in ok]
-    e2els = [r.e2el_s for r in ok]
-    tpots = [t for t in (r.tpot_s for r in ok) if t is not None]
-    itls = [gap for r in ok for gap in r.itl_s]
     input_tokens = sum(r.num_prompt_tokens for r in ok)
     output_tokens = sum(r.num_output_tokens for r in ok)
     lags = [r.send_s - r.scheduled_s for r in results if r.send_s > 0]
@@ -206,11 +202,7 @@ def compute_metrics(
         "request_throughput": len(ok) / duration_s,
         "output_throughput": output_tokens / duration_s,
         "total_token_throughput": (input_tokens + output_tokens) / duration_s,
-        "ttft_ms": summarize_ms(ttfts),
-        "tpot_ms": summarize_ms(tpots),
-        "itl_ms": summarize_ms(itls),
-        "itl_tail": gap_tail(itls),
-        "e2el_ms": summarize_ms(e2els),
+        **latencies(ok),
         # How late the client sent requests versus the arrival plan: a large value means the
         # load generator, not the server, limited the offered load.
         "send_lag_ms": summarize_ms(lags),
@@ -238,6 +230,18 @@ def compute_metrics(
     return metrics
 
 
+def latencies(ok: list[RequestResult]) -> dict[str, Any]:
+    """TTFT, TPOT, the gaps between tokens (summary and tail) and E2EL of successful requests."""
+    itls = [gap for r in ok for gap in r.itl_s]
+    return {
+        "ttft_ms": summarize_ms([r.ttft_s for r in ok]),
+        "tpot_ms": summarize_ms([t for t in (r.tpot_s for r in ok) if t is not None]),
+        "itl_ms": summarize_ms(itls),
+        "itl_tail": gap_tail(itls),
+        "e2el_ms": summarize_ms([r.e2el_s for r in ok]),
+    }
+
+
 def _part(results: list[RequestResult], source: str) -> dict[str, Any]:
     """One source's requests of a mixed run: counts and latency summaries."""
     part = [r for r in results if r.source == source]
@@ -246,11 +250,7 @@ def _part(results: list[RequestResult], source: str) -> dict[str, Any]:
         "completed": len(ok),
         "failed": len(part) - len(ok),
         "prompt_tokens_mean": float(np.mean([r.num_prompt_tokens for r in ok])) if ok else None,
-        "ttft_ms": summarize_ms([r.ttft_s for r in ok]),
-        "tpot_ms": summarize_ms([t for t in (r.tpot_s for r in ok) if t is not None]),
-        "itl_ms": summarize_ms([gap for r in ok for gap in r.itl_s]),
-        "itl_tail": gap_tail([gap for r in ok for gap in r.itl_s]),
-        "e2el_ms": summarize_ms([r.e2el_s for r in ok]),
+        **latencies(ok),
     }
 
 
