@@ -1,15 +1,18 @@
 """Where a hybrid prefill's activation memory goes, per prompt token (diagnostic, GPU).
 
-The engine reserves activation memory at start-up from two dry-run prefills
-(`runtime.runner.profile_activation_peak`: a fixed part and a slope per token), and that
-reserve bounds the longest scoring prompt (72.5 KiB a token on the 8B shape, 2026-12-02,
-against ~36 KiB that the layer's own buffers explain). This runs the same dry run at two
-lengths with CUDA's allocator history on, replays the trace to the moment of the peak, and
-attributes the bytes live then to the line of our code that allocated them: a site whose bytes
-grow with the prompt is a per-token cost, and the difference between the two lengths says by
-how much.
+The engine reserves activation memory at start-up from dry-run prefills
+(`runtime.runner.profile_activation_peak`: one step's peak, then a fixed part and a slope per
+token between two lengths at and above 16 chunks, `activation_probe_lengths`), and that reserve
+bounds the longest scoring prompt. Found with this tool (2026-12-02, H200, 8B shape): the dry
+run took the torch paths of the norms and RoPE (fp32 temporaries; FlashInfer's ops were switched
+on only later, by the runner), 44.5 KiB a token where the layer's own buffers explain ~36, and a
+slope measured between 8,192 and 16,384 tokens straddles the point where the attention phase's
+buffers overtake the chunked MLP's temporaries. This runs the same dry run at two lengths with
+CUDA's allocator history on, replays the trace to the moment of the peak, and attributes the
+bytes live then to the line of our code that allocated them: a site whose bytes grow with the
+prompt is a per-token cost, and the difference between the two lengths says by how much.
 
-    python3 -m bench.activation_memory --model random:llama-3.1-8b --tokens 8192 16384 \
+    python3 -m bench.activation_memory --model random:llama-3.1-8b \
         --out $OUT/activation-memory.json
 """
 
@@ -115,7 +118,9 @@ def trace_dry_run(model: Any, mc: Any, cfg: Any, num_tokens: int) -> tuple[int, 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.activation_memory")
     ap.add_argument("--model", default="random:llama-3.1-8b")
-    ap.add_argument("--tokens", type=int, nargs=2, default=[8192, 16384])
+    ap.add_argument(
+        "--tokens", type=int, nargs=2, default=None, help="default: the engine's two lengths"
+    )
     ap.add_argument("--chunk-tokens", type=int, default=2048)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -126,7 +131,12 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = EngineConfig(model=args.model, prefill_chunk_tokens=args.chunk_tokens)
     model, mc, _ = load_model(args.model, torch.bfloat16, "cuda", seed=0)
-    n1, n2 = args.tokens
+    if args.tokens:
+        n1, n2 = args.tokens
+    else:
+        from runtime.runner import activation_probe_lengths
+
+        _, n1, n2 = activation_probe_lengths(8192, args.chunk_tokens, 1 << 18)
     m1, t1 = trace_dry_run(model, mc, cfg, n1)
     m2, t2 = trace_dry_run(model, mc, cfg, n2)
     rows = per_token(

@@ -76,7 +76,12 @@ from runtime.partition.setup import capture_split_graphs, make_partition, profil
 from runtime.prefill_graphs import prefill_graph_bytes, prefill_graph_max_tokens
 from runtime.profiling import StepProfile
 from runtime.request import FINISH_REASONS, EngineOutput, Request, RequestKind, RequestStatus
-from runtime.runner import ModelRunner, profile_activation_peak
+from runtime.runner import (
+    ModelRunner,
+    activation_line,
+    activation_probe_lengths,
+    profile_activation_peak,
+)
 from runtime.scheduler import (
     CorrectedCost,
     Lease,
@@ -534,42 +539,48 @@ class Engine:
         return bm.num_used_blocks / max(bm.num_blocks, 1)
 
     def _measure_activation_reserve(self) -> int:
-        """Activation bytes to keep free beside the KV pool, measured, not guessed: two
-        dry-run prefills (the step budget and twice it) give a fixed part and a per-token
-        slope; the reserve covers the larger of one budget-sized step and the longest
-        scoring prompt (`max_score_tokens`, which runs alone with hybrid prefill)."""
+        """Activation bytes to keep free beside the KV pool, measured, not guessed: dry-run
+        prefills of one step's budget and of two longer prompts (`activation_probe_lengths`:
+        where the per-token term leads) give the step's peak, a fixed part and a per-token
+        slope; the reserve covers the larger of one budget-sized step and the longest scoring
+        prompt (`max_score_tokens`, which runs alone with hybrid prefill)."""
         cfg, mc = self.config, self.model_config
 
         def backend_for(pool: KVPool) -> AttentionBackend:
             return make_attention_backend(cfg, pool, mc.num_q_heads)
 
-        n1 = max(1, min(cfg.prefill_token_budget, self._max_model_len))
-        n2 = max(n1 + 1, min(2 * n1, self._max_model_len))
+        chunk = cfg.prefill_chunk_tokens if cfg.hybrid_prefill else None
+        longest = max(self._max_model_len, self._max_score_tokens)
+        n0, lo, hi = activation_probe_lengths(cfg.prefill_token_budget, chunk, longest)
         # The piecewise prefill graphs hold their buffers and pool for the engine's life: a
         # fixed part of the reserve (over by that much if the backend turns out not to be
         # FlashInfer, which they need).
         graphs = 0
         if cfg.cuda_graphs:
             graphs = prefill_graph_bytes(self.model, prefill_graph_max_tokens(cfg), self.dtype)
-        p1 = profile_activation_peak(cfg, self.model, mc, n1, backend_for) + graphs
-        p2 = profile_activation_peak(cfg, self.model, mc, n2, backend_for) + graphs
-        slope = max(0.0, (p2 - p1) / (n2 - n1))  # bytes per extra prompt token
-        fixed = max(0.0, p1 - slope * n1)
+
+        def peak_at(num_tokens: int) -> int:
+            return profile_activation_peak(cfg, self.model, mc, num_tokens, backend_for) + graphs
+
+        p1, slope, fixed = activation_line(peak_at, n0, lo, hi)
         if cfg.max_score_tokens is None and slope > 0:
-            self._fit_max_score_tokens(fixed, slope, n1)
-        reserve = int(max(p1, fixed + slope * self._max_score_tokens))
+            self._fit_max_score_tokens(fixed, slope, n0, p1)
+        # At most hi tokens: the peak measured at hi (the line may pass under shorter ones).
+        reserve = int(max(p1, fixed + slope * max(self._max_score_tokens, hi)))
         log.info(
             "activation peak measured: %.2f GiB at %d tokens, %.1f KiB/token; reserving "
             "%.2f GiB (scoring prompts up to %d tokens)",
             p1 / 2**30,
-            n1,
+            n0,
             slope / 1024,
             reserve / 2**30,
             self._max_score_tokens,
         )
         return reserve
 
-    def _fit_max_score_tokens(self, fixed: float, slope: float, floor_tokens: int) -> None:
+    def _fit_max_score_tokens(
+        self, fixed: float, slope: float, floor_tokens: int, step_peak: float
+    ) -> None:
         """Without --max-score-tokens the longest scoring prompt defaults to max_model_len; if
         reserving its activations would leave the KV pool unable to hold one max_model_len
         sequence, lower it to what fits (never below one step's budget) and say so, rather
@@ -589,7 +600,7 @@ class Engine:
         budget = cuda_memory_budget_bytes(self.config, self.device, self._reserved_at_start)
         room = budget - CUDA_SAFETY_BYTES
         min_pool = pool_bytes(self._max_model_len)
-        step_reserve = fixed + slope * floor_tokens
+        step_reserve = step_peak  # the reserve a floor_tokens step needs
         if room - step_reserve < min_pool:
             min_pool = pool_bytes(min(floor_tokens, self._max_model_len))
         fits = int((room - min_pool - fixed) // slope) // bs * bs

@@ -60,6 +60,15 @@ from runtime.scheduler import RunnerOutput, ScheduledSeq, StepPlan
 log = logging.getLogger("greenlane.runner")
 
 
+def use_ops_for(backend: AttentionBackend) -> bool:
+    """Route the model's norms, SiLU-and-mul and RoPE through FlashInfer when the attention
+    backend is FlashInfer's (the only place that decides it). True when it is."""
+    fi = getattr(backend, "name", "") == "flashinfer"
+    if fi:
+        ops.use_flashinfer(True)
+    return fi
+
+
 class PeakMeter:
     """Bytes-allocated high-water mark of one device (CUDA: the caching allocator's stats).
     `profile_activation_peak` takes another meter in tests (CPU has no allocator stats)."""
@@ -106,6 +115,9 @@ def profile_activation_peak(
     num_tokens = min(num_tokens, model.rotary.max_positions)
     pool = KVPool.for_model(model_config, 1, config.block_size, dtype, dev, num_reserved_blocks=0)
     backend = make_backend(pool)
+    # Measure the ops that will serve: before this the dry run took the torch paths (fp32
+    # norms, RoPE), whose temporaries made the reserve 44.5 KiB a token on the 8B shape.
+    use_ops_for(backend)
     ids = torch.randint(0, model_config.vocab_size, (num_tokens,), device=dev)
     batch = ForwardBatch(
         input_ids=ids,
@@ -129,6 +141,45 @@ def profile_activation_peak(
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return max(0, peak - base)
+
+
+# With hybrid prefill a prompt's activation peak is the larger of two lines in its length T:
+# at attention, the [T, ...] hidden/residual/q/k/v buffers (steep); in the chunked MLP, the
+# hidden/residual buffers plus C rows of MLP temporaries (flatter, but with a constant of about
+# C * (3 * intermediate + 2 * hidden) elements). Below the crossing, about 13 * C for the
+# presets (Qwen2.5-3B's few KV heads put it highest), the flat line is the peak, and a slope
+# measured there under-reserves longer prompts. So the slope is measured at and above 16 * C.
+SLOPE_FROM_CHUNKS = 16
+
+
+def activation_probe_lengths(
+    budget_tokens: int, chunk_tokens: int | None, longest_tokens: int
+) -> tuple[int, int, int]:
+    """(one step's budget, and two lengths to measure the per-token slope between), each at
+    most `longest_tokens` (a longer dry run measures nothing the engine will run). Without
+    hybrid prefill the peak is one line, and the two are the budget and twice it."""
+    n0 = max(1, min(budget_tokens, longest_tokens))
+    lo = n0 if chunk_tokens is None else max(n0, SLOPE_FROM_CHUNKS * chunk_tokens)
+    lo = min(lo, longest_tokens)
+    hi = min(2 * lo, longest_tokens)
+    if hi <= lo:  # the longest prompt is short: measure below it
+        lo = max(1, hi // 2)
+    return n0, lo, max(hi, lo + 1)
+
+
+def activation_line(
+    peak_at: Callable[[int], int], budget_tokens: int, lo: int, hi: int
+) -> tuple[int, float, float]:
+    """From dry runs: (peak bytes of a `budget_tokens` step, bytes a prompt token adds, the
+    line's bytes at 0 tokens). The line runs through the peaks at `lo` and `hi` tokens; a
+    prompt of N > hi tokens then needs `fixed + slope * N`, one of at most hi tokens the peak
+    at hi (the peak only grows with N)."""
+    p0 = peak_at(budget_tokens)
+    p_lo = p0 if lo == budget_tokens else peak_at(lo)
+    p_hi = peak_at(hi)
+    slope = max(0.0, (p_hi - p_lo) / (hi - lo))
+    fixed = max(0.0, p_hi - slope * hi)
+    return p0, slope, fixed
 
 
 class OutOfMemoryForStep(RuntimeError):
@@ -260,12 +311,11 @@ class ModelRunner:
         self.token_slots = torch.zeros(slots, dtype=torch.int64, device=self.device)
         self.penalties = PenaltyState(self.num_sampleable_tokens, self.device)
         self.prefill_backend = backend
-        self.uses_flashinfer = getattr(backend, "name", "") == "flashinfer"
+        self.uses_flashinfer = use_ops_for(backend)
         # The decode backend and graphs fuse RoPE + the K/V write when the prefill one does
         # (make_attention_backend decided: CUDA, the setting, an even head_dim).
         fuse_rope = bool(getattr(backend, "fuses_rope", False))
         if self.uses_flashinfer:
-            ops.use_flashinfer(True)
             if decode_backend is None:
                 # Own workspace: the decode part may run concurrently with the prefill part.
                 decode_backend = type(backend).from_pool(  # type: ignore[attr-defined]

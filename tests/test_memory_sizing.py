@@ -86,7 +86,7 @@ def test_default_max_score_tokens_is_lowered_to_what_fits(fake_gpu, caplog) -> N
     # 50 GiB of budget; 1 MiB of activations per prompt token: a 1M-token prompt cannot fit.
     stub = _engine_stub(max_model_len=1 << 20, max_score_tokens=1 << 20)
     slope, fixed = float(1 << 20), float(GIB)
-    stub._fit(fixed, slope, 8192)
+    stub._fit(fixed, slope, 8192, fixed + slope * 8192)
     got = stub._max_score_tokens
     assert 8192 <= got < 1 << 20 and got % 16 == 0
     # What is left beside the reserve still holds one max_model_len sequence.
@@ -98,7 +98,9 @@ def test_default_max_score_tokens_is_lowered_to_what_fits(fake_gpu, caplog) -> N
 
 def test_max_score_tokens_is_kept_when_it_fits(fake_gpu) -> None:
     stub = _engine_stub(max_model_len=32768, max_score_tokens=32768)
-    stub._fit(float(GIB), 10_000.0, 8192)  # ~0.3 GiB for 32k tokens: fits easily
+    stub._fit(
+        float(GIB), 10_000.0, 8192, GIB + 10_000.0 * 8192
+    )  # ~0.3 GiB for 32k tokens: fits easily
     assert stub._max_score_tokens == 32768
 
 
@@ -106,7 +108,7 @@ def test_never_below_one_step_budget(fake_gpu) -> None:
     state, _ = fake_gpu
     state["used"] = 89 * GIB  # almost nothing left
     stub = _engine_stub(max_model_len=32768, max_score_tokens=32768)
-    stub._fit(float(GIB), float(1 << 20), 8192)
+    stub._fit(float(GIB), float(1 << 20), 8192, GIB + float(1 << 20) * 8192)
     assert stub._max_score_tokens == 8192
 
 
@@ -117,7 +119,7 @@ def test_a_cap_below_one_max_model_len_sequence_gives_scoring_the_room(fake_gpu,
     # max_model_len sequence" then floored scoring prompts to one step's budget (8192 tokens).
     stub = _engine_stub(max_model_len=1 << 27, max_score_tokens=1 << 27)
     slope, fixed = float(1 << 20), float(GIB)
-    stub._fit(fixed, slope, 8192)
+    stub._fit(fixed, slope, 8192, fixed + slope * 8192)
     got = stub._max_score_tokens
     room = 50 * GIB - (512 << 20)
     per_block = bytes_per_block(stub.model_config, 16, torch.bfloat16)
@@ -139,3 +141,40 @@ def test_no_room_names_the_scoring_reserve_when_it_was_asked_for(fake_gpu) -> No
         compute_num_blocks(
             plain, mc, torch.bfloat16, torch.device("cuda"), activation_bytes=60 * GIB
         )
+
+
+def _hybrid_peak(n: int, chunk: int = 2048) -> int:
+    """A hybrid prefill's peak on the 8B shape, as measured: the larger of the attention line
+    (28 KiB a token) and the chunked-MLP line (16 KiB a token + C rows of MLP temporaries)."""
+    return max(28 * 1024 * n, 16 * 1024 * n + chunk * 88 * 1024)
+
+
+def test_the_slope_is_measured_where_the_attention_line_leads() -> None:
+    """Measured between one step's budget and twice it (8,192 / 16,384 with C = 2,048) the
+    slope straddles the crossing of the two lines and comes out ~16 KiB a token, which would
+    under-reserve a 200k-token prompt by gigabytes; measured at and above 16 * C it is exact."""
+    from runtime.runner import activation_line, activation_probe_lengths
+
+    n0, lo, hi = activation_probe_lengths(8192, 2048, 1 << 18)
+    assert (n0, lo, hi) == (8192, 32768, 65536)
+    calls: list[int] = []
+
+    def peak_at(n: int) -> int:
+        calls.append(n)
+        return _hybrid_peak(n)
+
+    p0, slope, fixed = activation_line(peak_at, n0, lo, hi)
+    assert calls == [8192, 32768, 65536] and p0 == _hybrid_peak(8192)
+    for n in (65536, 100_000, 200_000):
+        assert fixed + slope * n >= _hybrid_peak(n)
+    naive = (_hybrid_peak(16384) - _hybrid_peak(8192)) / 8192
+    assert naive < 20 * 1024 < slope  # what the old two points measured
+
+
+def test_probe_lengths_never_exceed_the_longest_prompt() -> None:
+    from runtime.runner import activation_probe_lengths
+
+    assert activation_probe_lengths(8192, 2048, 32768) == (8192, 16384, 32768)
+    assert activation_probe_lengths(8192, 2048, 4096) == (4096, 2048, 4096)
+    assert activation_probe_lengths(8192, None, 1 << 20) == (8192, 8192, 16384)  # no chunks
+    assert activation_probe_lengths(1, 2048, 1) == (1, 1, 2)  # a 1-token limit still has a line

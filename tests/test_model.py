@@ -329,3 +329,45 @@ def test_a_hybrid_prefill_longer_than_the_fused_rope_cap_rotates_chunk_by_chunk(
             got = model(ids, torch.arange(n), FusingSpy(), chunk_tokens=16)
         assert ropes == [handed_over] * cfg.num_layers
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_hybrid_prefill_has_attention_write_into_the_consumed_hidden_buffer() -> None:
+    """With a backend that writes into `out=`, a hybrid-prefill layer hands it the layer's
+    hidden-state buffer (consumed by then): no second [T, H] tensor at the activation peak.
+    The hidden states equal those of a backend that allocates its output; a forward short
+    enough not to be chunked passes no `out=`."""
+    model, cfg, _ = load_model("random:tiny", torch.float32, "cpu", seed=0)
+    handed: list[bool] = []
+
+    class WritesOut(CausalSDPA):
+        writes_out = True
+
+        def forward(self, layer_idx, q, k, v, out=None):
+            o = super().forward(layer_idx, q, k, v)
+            if out is None:
+                handed.append(False)
+                return o
+            assert out.shape == q.shape and out.dtype == q.dtype
+            for t in (q, k, v):  # out must alias none of the inputs
+                assert out.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+            handed.append(out.untyped_storage().data_ptr() == hidden_ptr[0])
+            return out.copy_(o)
+
+    hidden_ptr = [0]
+    real_embed = model.embed
+
+    def embed(ids):
+        h = real_embed(ids)
+        hidden_ptr[0] = h.untyped_storage().data_ptr()
+        return h
+
+    model.embed = embed  # type: ignore[method-assign]
+    gen = torch.Generator().manual_seed(0)
+    for n, chunk, want_out in ((50, 16, True), (12, 16, False)):
+        ids = torch.randint(0, cfg.vocab_size, (n,), generator=gen)
+        handed.clear()
+        with torch.inference_mode():
+            want = model(ids, torch.arange(n), CausalSDPA(), chunk_tokens=chunk)
+            got = model(ids, torch.arange(n), WritesOut(), chunk_tokens=chunk)
+        assert handed == [want_out] * cfg.num_layers
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

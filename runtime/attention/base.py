@@ -122,6 +122,12 @@ class AttentionBackend(Protocol):
     # the same launch as the pool write (runtime/attention/rope_kv_write.py). A backend must
     # honour `rope=` either way; the model passes it only to one that fuses.
     fuses_rope: bool
+    # True: `forward` takes `out=` (a [T, num_q_heads, head_dim] tensor of q's dtype that
+    # aliases none of q, k, v) and writes the attention output there instead of allocating it.
+    # A hybrid prefill hands it the layer's consumed hidden-state buffer: one [T, H] tensor less
+    # at the activation peak, which bounds the longest scoring prompt. The model passes `out=`
+    # only to a backend that sets this.
+    writes_out: bool
 
     def plan(self, batch: ForwardBatch) -> None:
         """Prepare per-step metadata (slot mapping, index tensors, kernel plans). Called once
@@ -135,12 +141,13 @@ class AttentionBackend(Protocol):
         k: torch.Tensor,
         v: torch.Tensor,
         rope: Rope | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [T, num_q_heads, head_dim]; k, v: [T, num_kv_heads, head_dim], RoPE applied
         (or, with `rope`, to be applied here). Writes k/v of kept positions into the pool for
         `layer_idx`, then returns the attention output [T, num_q_heads, head_dim] (each query
         attends to its sequence's positions <= its own: cached context from the pool plus this
-        step's new tokens)."""
+        step's new tokens), in `out` when given (`writes_out`)."""
         ...
 
 

@@ -149,6 +149,7 @@ class FlashInferBackend:
         self.graph_batch_size = graph_batch_size
         self._rope_kv_write = load_rope_kv_write(fuse_rope_kv_write, self.device, head_dim)
         self.fuses_rope = self._rope_kv_write is not None
+        self.writes_out = True  # every FlashInfer wrapper's run() takes out=
         # One workspace per instance == per stream (see module docstring). `workspace` may be
         # shared only between instances that never run concurrently (e.g. the decode graphs
         # of one stream, replayed one at a time). Default size: float_workspace_bytes, or
@@ -473,6 +474,7 @@ class FlashInferBackend:
         k: torch.Tensor,
         v: torch.Tensor,
         rope: Rope | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         plan = self._plan
         if plan is None:
@@ -494,14 +496,14 @@ class FlashInferBackend:
             self._write(layer_idx, k, v, plan)
         caches = (self.k_caches[layer_idx], self.v_caches[layer_idx])
         if plan.mode == "decode":
-            return self._decode.run(q, caches)
+            return self._decode.run(q, caches, out=out)
         if plan.mode == "paged":
-            return self._paged.run(q, caches)
+            return self._paged.run(q, caches, out=out)
         if plan.mode == "paged_fa2":
             assert self._paged_fa2 is not None
-            return self._paged_fa2.run(q, caches)
+            return self._paged_fa2.run(q, caches, out=out)
         if plan.mode == "ragged":
-            return self._ragged.run(q, k, v)
+            return self._ragged.run(q, k, v, out=out)
         # "gather": [cached context from the pool | this step's k/v] per sequence.
         assert plan.gather_slots is not None and plan.gather_dst is not None
         assert plan.new_dst is not None
@@ -514,7 +516,7 @@ class FlashInferBackend:
         vbuf.index_copy_(0, plan.gather_dst, vflat.index_select(0, plan.gather_slots))
         kbuf.index_copy_(0, plan.new_dst, k)
         vbuf.index_copy_(0, plan.new_dst, v)
-        return self._ragged.run(q, kbuf, vbuf)
+        return self._ragged.run(q, kbuf, vbuf, out=out)
 
     def debug_state(self) -> dict[str, Any]:
         return {"mode": None if self._plan is None else self._plan.mode}

@@ -49,6 +49,7 @@ class TorchAttentionBackend:
             fuse_rope_kv_write, kv_pool.device, kv_pool.head_dim
         )
         self.fuses_rope = self._rope_kv_write is not None
+        self.writes_out = False  # it computes the output, then copies it into out=
         self._token_slots: torch.Tensor | None = None  # [T] slot per row, -1: not written
         self._write_rows: torch.Tensor | None = None  # [W] rows of this step's k/v to keep
         self._write_slots: torch.Tensor | None = None  # [W] their pool slots
@@ -123,8 +124,9 @@ class TorchAttentionBackend:
         k: torch.Tensor,
         v: torch.Tensor,
         rope: Rope | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]."""
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D] (copied into `out` when given)."""
         assert self._write_rows is not None and self._write_slots is not None, "plan() first"
         k_pool = self.pool.flat_k(layer_idx)  # [slots, Hkv, D]
         v_pool = self.pool.flat_v(layer_idx)
@@ -134,7 +136,8 @@ class TorchAttentionBackend:
             if rope is not None:
                 q, k = ops.apply_rope(q, k, *rope)
             self._write(k, v, k_pool, v_pool)
-        return self._attend(q, k, v, k_pool, v_pool)
+        o = self._attend(q, k, v, k_pool, v_pool)
+        return o if out is None else out.copy_(o)
 
     def _write(
         self, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor

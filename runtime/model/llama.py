@@ -131,11 +131,16 @@ def attend(
     k: torch.Tensor,
     v: torch.Tensor,
     rope: Rope | None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`attn.forward`, with `rope=` only when there is one (backends written before it)."""
-    if rope is None:
-        return attn.forward(layer_idx, q, k, v)
-    return attn.forward(layer_idx, q, k, v, rope=rope)
+    """`attn.forward`, with `rope=` and `out=` only when there is one (backends written before
+    them take neither)."""
+    kwargs: dict[str, torch.Tensor | Rope] = {}
+    if rope is not None:
+        kwargs["rope"] = rope
+    if out is not None:
+        kwargs["out"] = out
+    return attn.forward(layer_idx, q, k, v, **kwargs)
 
 
 class MLP(nn.Module):
@@ -214,8 +219,18 @@ class DecoderLayer(nn.Module):
             q_buf[s:e] = q
             k_buf[s:e] = k
             v_buf[s:e] = v
-        # Attention over every token at once (it needs the whole prompt anyway).
-        o = attend(attn, self.layer_idx, q_buf, k_buf, v_buf, rope).reshape(T, -1)
+        # Attention over every token at once (it needs the whole prompt anyway). h is consumed
+        # by now (phase 1 read it; phase 2 rewrites it row chunk by row chunk only after o_proj
+        # has read those rows of o), so a backend that can write into a given buffer puts the
+        # output there: the peak is then h/o, residual and q/k/v, with no second [T, H] tensor.
+        out = None
+        if (
+            getattr(attn, "writes_out", False)
+            and sa.num_q_heads * sa.head_dim == h.shape[1]
+            and h.is_contiguous()
+        ):
+            out = h.view(T, sa.num_q_heads, sa.head_dim)
+        o = attend(attn, self.layer_idx, q_buf, k_buf, v_buf, rope, out).reshape(T, -1)
         del q_buf, k_buf, v_buf
         # Phase 2: residual += o_proj(o); h = mlp(norm(residual)), chunk by chunk into h's buffer.
         for s in range(0, T, chunk_tokens):

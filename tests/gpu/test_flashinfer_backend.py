@@ -71,3 +71,72 @@ def test_merged_step_that_splits_the_kv_fits_the_workspace() -> None:
     out = be.forward(0, q, k, v)
     ref = _ref_attention(q, k, v, k_before, v_before, seqs, bs, d**-0.5)
     assert rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.gpu
+def test_hybrid_prefill_writes_attention_into_the_hidden_buffer_and_matches() -> None:
+    """A hybrid prefill hands FlashInfer the layer's consumed hidden-state buffer as `out=`
+    (one [T, H] tensor less at the activation peak). The output must land there, and the
+    hidden states must match an unchunked forward of the same prompt (bf16 tolerance)."""
+    import dataclasses
+
+    import torch
+
+    from bench.gpu_suite import rel_err
+    from runtime.attention.base import ForwardBatch, SeqSlice
+    from runtime.config import EngineConfig
+    from runtime.engine import make_attention_backend
+    from runtime.kv.kv_pool import KVPool
+    from runtime.model.llama import LlamaForCausalLM
+    from runtime.model.presets import get_preset
+    from runtime.runner import use_ops_for
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    # Llama-shaped (q heads x head_dim = hidden, as out= needs), small: 2 layers of the 8B's
+    # attention geometry at a quarter of its width.
+    base = get_preset("llama-3.1-8b")
+    mc = dataclasses.replace(
+        base,
+        hidden_size=1024,
+        intermediate_size=2048,
+        num_layers=2,
+        num_q_heads=8,
+        num_kv_heads=2,
+        vocab_size=4096,
+        max_position_embeddings=4096,
+        rope_scaling=None,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(mc).to("cuda", torch.bfloat16).eval()
+    cfg = EngineConfig(model="random:tiny")
+    T = 1000
+    pool = KVPool.for_model(mc, 1, cfg.block_size, torch.bfloat16, torch.device("cuda"))
+    be = make_attention_backend(cfg, pool, mc.num_q_heads)
+    assert use_ops_for(be) and be.writes_out
+    handed: list[bool] = []
+    real = be.forward
+
+    def spy(layer_idx, q, k, v, rope=None, out=None):
+        o = real(layer_idx, q, k, v, rope=rope, out=out)
+        handed.append(out is not None and o.data_ptr() == out.data_ptr())
+        return o
+
+    be.forward = spy  # type: ignore[method-assign]
+    ids = torch.randint(0, mc.vocab_size, (T,), device="cuda", generator=None)
+    batch = ForwardBatch(
+        input_ids=ids,
+        positions=torch.arange(T, device="cuda"),
+        seqs=[SeqSlice(0, T, 0, 0, [])],
+        logits_indices=torch.tensor([T - 1], device="cuda"),
+        is_decode=False,
+    )
+    with torch.inference_mode():
+        be.plan(batch)
+        full = model(batch.input_ids, batch.positions, be)
+        assert handed == [False] * mc.num_layers
+        handed.clear()
+        be.plan(batch)
+        chunked = model(batch.input_ids, batch.positions, be, chunk_tokens=128)
+    assert handed == [True] * mc.num_layers
+    assert rel_err(chunked.float(), full.float()) < 2e-2
