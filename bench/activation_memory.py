@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 from collections import defaultdict
 from datetime import UTC, datetime
 from typing import Any
+
+from bench.bursts import git_revision
 
 # Frames from these folders are "ours"; the first one up the stack names the site.
 OUR_CODE = ("/runtime/", "/bench/")
@@ -142,11 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = per_token(
         (t1["traced_peak_bytes"], t1["by_site"]), (t2["traced_peak_bytes"], t2["by_site"]), n2 - n1
     )
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     res = {
         "command": "python3 -m bench.activation_memory "
         f"--model {args.model} --tokens {n1} {n2} --chunk-tokens {args.chunk_tokens}",
-        "git_revision": rev.stdout.strip(),
+        "git_revision": git_revision(),  # GREENLANE_REVISION first: a device copy's git lags
         "device": torch.cuda.get_device_name(0),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "what": "diagnostic: the engine's start-up dry-run prefill, allocations live at its peak",

@@ -8,6 +8,8 @@
 #                                         # 3B with 2 API servers, py-spy of the 48-stream run
 #   bash bench/gpu_decode.sh fused REV    # --fused-rope-kv-write off vs on, one server each way
 #                                         # in alternating order: 3B 48 streams, 8B B=1,16,64
+#   bash bench/gpu_decode.sh prefill REV  # the 16k cold scoring prompt, this revision vs the old
+#                                         # one (.old_rev/old.tar.gz), ABBA, 3 readings a server
 #   bash bench/gpu_decode.sh final REV    # one call for the record: this revision's 3B with 1, 2
 #                                         # and 4 API servers (py-spy on 1), 8B B=1,16,64 with
 #                                         # the prefill check, then the old revision's 3B
@@ -99,6 +101,19 @@ case $part in
     for f in true false; do
       serve "$new" random:llama-3.1-8b 8100 $logs/fused-$f-8b.log --fused-rope-kv-write $f && {
         decode fused-$f-8b llama-3.1-8b 1,16,64 2048 160 --prefill-check 16384 || rc=1
+        stop 8100; }
+    done
+    ;;
+  prefill)
+    # The 16k-token cold scoring prompt through HTTP (8B), new / old / old / new: nothing but
+    # the prefill check, three cold readings a server (it read 0.541-0.551 s at ddd65ed against
+    # 0.511-0.528 s earlier; this says whether the code or the machine moved).
+    mkdir -p /tmp/old && tar xzf .old_rev/old.tar.gz -C /tmp/old
+    for side in new-a old-a old-b new-b; do
+      dir=$new; [ "${side%-*}" = old ] && dir=/tmp/old
+      serve "$dir" random:llama-3.1-8b 8100 $logs/prefill-$side.log && {
+        decode prefill-$side llama-3.1-8b "" 2048 16 --prefill-check 16384 \
+          --prefill-repeats 3 || rc=1
         stop 8100; }
     done
     ;;

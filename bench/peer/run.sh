@@ -409,7 +409,10 @@ longest)
   stop_servers
   big=${PEER_LONGEST_HI:-262144}
   export_model llama-3.1-8b || exit 1
-  if start_greenlane "$(folder_of llama-3.1-8b)" "--max-gpu-memory-gb $CAP_GB --max-model-len $big"; then
+  # PEER_GL_ARGS: more Greenlane options (e.g. "--prefill-token-budget 2048": the KV pool's
+  # floor is one step's budget, so a smaller budget leaves scoring more of the cap).
+  if start_greenlane "$(folder_of llama-3.1-8b)" \
+      "--max-gpu-memory-gb $CAP_GB --max-model-len $big${PEER_GL_ARGS:+ $PEER_GL_ARGS}"; then
     gl_env
     python3 -m bench.peer.longest_prompt --url $GL --server greenlane --hi "$big" \
       --out "$RES/longest-greenlane.json"

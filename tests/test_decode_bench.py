@@ -1,0 +1,36 @@
+"""`bench.decode`'s prefill check against a live (fake-engine) server: with `--batches ""` it
+runs no decode, and `--prefill-repeats N` keeps N cold readings and the median one."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from server_thread import fake_server
+
+
+def test_prefill_check_alone_keeps_every_reading_and_the_median(
+    tmp_path: Path, monkeypatch
+) -> None:
+    from bench import decode
+    from runtime.model.presets import get_preset
+
+    # The fake engine's vocabulary is 300 ids: the prompt's ids must come from it.
+    tiny = dataclasses.replace(get_preset("tiny"), vocab_size=300)
+    monkeypatch.setattr(decode, "get_preset", lambda _name: tiny)
+
+    out = tmp_path / "d.json"
+    with fake_server() as srv:
+        rc = decode.main(
+            [
+                "--url", srv.url, "--shape", "tiny", "--batches", "", "--copy-gbs", "1",
+                "--prefill-check", "48", "--prefill-repeats", "3", "--out", str(out),
+            ]
+        )  # fmt: skip
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["points"] == []
+    checks = res["prefill_checks"]
+    assert len(checks) == 3 and all(c["num_tokens"] == 48 and c["e2e_s"] > 0 for c in checks)
+    assert res["prefill_check"] == sorted(checks, key=lambda c: c["e2e_s"])[1]
