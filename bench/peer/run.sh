@@ -414,8 +414,9 @@ longest)
   if start_greenlane "$(folder_of llama-3.1-8b)" \
       "--max-gpu-memory-gb $CAP_GB --max-model-len $big${PEER_GL_ARGS:+ $PEER_GL_ARGS}"; then
     gl_env
+    # PEER_LONGEST_LO: a length known to fit (the search starts there: fewer long probes).
     python3 -m bench.peer.longest_prompt --url $GL --server greenlane --hi "$big" \
-      --out "$RES/longest-greenlane.json"
+      --lo "${PEER_LONGEST_LO:-8192}" --out "$RES/longest-greenlane.json"
     record_meta "$RES/longest-greenlane.json" longest "$rev" "bench.peer.longest_prompt greenlane"
     collect
   fi
