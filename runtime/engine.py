@@ -550,7 +550,10 @@ class Engine:
             return make_attention_backend(cfg, pool, mc.num_q_heads)
 
         chunk = cfg.prefill_chunk_tokens if cfg.hybrid_prefill else None
-        longest = max(self._max_model_len, self._max_score_tokens)
+        # The dry run stops at the model's positions (profile_activation_peak): so do the probes.
+        longest = min(
+            max(self._max_model_len, self._max_score_tokens), self.model.rotary.max_positions
+        )
         n0, lo, hi = activation_probe_lengths(cfg.prefill_token_budget, chunk, longest)
         # The piecewise prefill graphs hold their buffers and pool for the engine's life: a
         # fixed part of the reserve (over by that much if the backend turns out not to be
