@@ -136,3 +136,20 @@ def test_decode_after_prefill_reads_back_the_pool() -> None:
     out = backend.forward(0, q1, k1, v1)
     ref = _naive(q1, torch.cat([k, k1]), torch.cat([v, v1]), 6)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_out_is_honoured() -> None:
+    """`out=` gets the attention output (the torch backend computes, then copies: it does not
+    set `writes_out`, so the model never hands it one, but the interface's parameter works)."""
+    pool, batch, _, q, k, v = _setup(3, [(8, 5, 13), (0, 3, 3)])
+    backend = TorchAttentionBackend(pool)
+    assert backend.writes_out is False
+    backend.plan(batch)
+    want = backend.forward(0, q, k, v)
+    out = torch.full_like(q, float("nan"))
+    pool2, batch2, _, q2, k2, v2 = _setup(3, [(8, 5, 13), (0, 3, 3)])
+    backend2 = TorchAttentionBackend(pool2)
+    backend2.plan(batch2)
+    got = backend2.forward(0, q2, k2, v2, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out, want)
