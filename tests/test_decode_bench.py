@@ -34,3 +34,10 @@ def test_prefill_check_alone_keeps_every_reading_and_the_median(
     checks = res["prefill_checks"]
     assert len(checks) == 3 and all(c["num_tokens"] == 48 and c["e2e_s"] > 0 for c in checks)
     assert res["prefill_check"] == sorted(checks, key=lambda c: c["e2e_s"])[1]
+
+
+def test_gpu_decode_script_parses() -> None:
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run(["bash", "-n", str(root / "bench/gpu_decode.sh")], check=True)
