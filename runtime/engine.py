@@ -614,7 +614,9 @@ class Engine:
         log.warning(
             "scoring prompts limited to %d tokens (not %d): the activations of a longer one "
             "would leave too little memory for the KV cache (about %d tokens left for it, "
-            "which limits generation requests); set --max-score-tokens to choose",
+            "which limits generation requests); set --max-score-tokens to choose, or a smaller "
+            "--prefill-token-budget when the pool was left one step's budget (it then keeps "
+            "less, and scoring gets the rest)",
             new,
             self._max_score_tokens,
             max(0, pool_tokens),

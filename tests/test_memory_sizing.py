@@ -128,6 +128,7 @@ def test_a_cap_below_one_max_model_len_sequence_gives_scoring_the_room(fake_gpu,
     assert got > 5 * 8192  # not floored to the step budget
     assert room - (fixed + slope * got) >= floor_pool
     assert "scoring prompts limited to" in caplog.text and "tokens left for it" in caplog.text
+    assert "--prefill-token-budget" in caplog.text  # the pool's floor is one step's budget
 
 
 def test_no_room_names_the_scoring_reserve_when_it_was_asked_for(fake_gpu) -> None:
