@@ -172,6 +172,9 @@ def step_gaps(
     return out
 
 
+STEP_TOKEN_BOUNDS = (512, 1024, 2048, 4096, 8192)
+
+
 def summarize_steps(
     steps: list[dict[str, Any]], over_ms: tuple[float, ...] = (50.0, 80.0, 100.0)
 ) -> dict[str, Any]:
@@ -218,6 +221,12 @@ def summarize_steps(
         "num_steps": len(steps),
         "span_s": round(steps[0]["age_s"] - steps[-1]["age_s"], 2) if steps else 0.0,
         "by_kind": kinds,
+        # Steps by the tokens they ran (prefill + one a decode), over each bound: the same
+        # count as vLLM's tokens-per-step histogram (bench.serve's `vllm_steps`).
+        "num_steps_over_tokens": {
+            str(b): sum(1 for st in steps if st["num_prefill_tokens"] + st["num_decodes"] > b)
+            for b in STEP_TOKEN_BOUNDS
+        },
         "longest_with_decodes": [
             {"kind": kind(st), "waited_ms": round(waited(st) or 0.0, 2), **st} for st in longest
         ],

@@ -259,6 +259,8 @@ def test_step_gaps_say_which_steps_made_the_long_waits() -> None:
     longest = d["longest_with_decodes"]
     assert [x["waited_ms"] for x in longest[:2]] == [95.0, 41.0]
     assert all(x["num_decodes"] for x in longest)
+    over = d["num_steps_over_tokens"]  # prefill + decodes: 4104, 8192, 2056, 2056
+    assert over == {"512": 4, "1024": 4, "2048": 4, "4096": 2, "8192": 0}
     assert gs.summarize_steps([])["by_kind"] == {}
 
 
