@@ -550,11 +550,12 @@ class Engine:
             return make_attention_backend(cfg, pool, mc.num_q_heads)
 
         chunk = cfg.prefill_chunk_tokens if cfg.hybrid_prefill else None
-        # The dry run stops at the model's positions (profile_activation_peak): so do the probes.
-        longest = min(
-            max(self._max_model_len, self._max_score_tokens), self.model.rotary.max_positions
-        )
-        n0, lo, hi = activation_probe_lengths(cfg.prefill_token_budget, chunk, longest)
+        # Only a scoring prompt runs whole (generation prompts are cut to the step's budget), so
+        # no dry run needs to be longer than the longest one; nor than the model's positions,
+        # where profile_activation_peak stops.
+        longest = min(self._max_score_tokens, self.model.rotary.max_positions)
+        step = min(cfg.prefill_token_budget, self._max_model_len)
+        n0, lo, hi = activation_probe_lengths(step, chunk, longest)
         # The piecewise prefill graphs hold their buffers and pool for the engine's life: a
         # fixed part of the reserve (over by that much if the backend turns out not to be
         # FlashInfer, which they need).
@@ -568,8 +569,10 @@ class Engine:
         p1, slope, fixed = activation_line(peak_at, n0, lo, hi)
         if cfg.max_score_tokens is None and slope > 0:
             self._fit_max_score_tokens(fixed, slope, n0, p1)
-        # At most hi tokens: the peak measured at hi (the line may pass under shorter ones).
-        reserve = int(max(p1, fixed + slope * max(self._max_score_tokens, hi)))
+        # The line is the chord through the peaks at lo and hi: above the (convex) peak between
+        # them, and its extension holds beyond once the attention phase leads. Below lo it may
+        # pass under the peak, so a shorter longest prompt reserves the peak at lo.
+        reserve = int(max(p1, fixed + slope * max(self._max_score_tokens, lo)))
         log.info(
             "activation peak measured: %.2f GiB at %d tokens, %.1f KiB/token; reserving "
             "%.2f GiB (scoring prompts up to %d tokens)",

@@ -153,15 +153,17 @@ SLOPE_FROM_CHUNKS = 16
 
 
 def activation_probe_lengths(
-    budget_tokens: int, chunk_tokens: int | None, longest_tokens: int
+    step_tokens: int, chunk_tokens: int | None, longest_score_tokens: int
 ) -> tuple[int, int, int]:
-    """(one step's budget, and two lengths to measure the per-token slope between), each at
-    most `longest_tokens` (a longer dry run measures nothing the engine will run). Without
-    hybrid prefill the peak is one line, and the two are the budget and twice it."""
-    n0 = max(1, min(budget_tokens, longest_tokens))
+    """(the tokens of the widest step, and two lengths to measure the per-token slope
+    between). `step_tokens`: the prefill budget, at most max_model_len (a generation prompt is
+    cut to it). The two lengths are at most `longest_score_tokens` (only a scoring prompt runs
+    whole: a longer dry run measures nothing the engine will run). Without hybrid prefill the
+    peak is one line, and the two are the step's tokens and twice that."""
+    n0 = max(1, step_tokens)
     lo = n0 if chunk_tokens is None else max(n0, SLOPE_FROM_CHUNKS * chunk_tokens)
-    lo = min(lo, longest_tokens)
-    hi = min(2 * lo, longest_tokens)
+    lo = min(lo, longest_score_tokens)
+    hi = min(2 * lo, longest_score_tokens)
     if hi <= lo:  # the longest prompt is short: measure below it
         lo = max(1, hi // 2)
     return n0, lo, max(hi, lo + 1)
@@ -172,8 +174,9 @@ def activation_line(
 ) -> tuple[int, float, float]:
     """From dry runs: (peak bytes of a `budget_tokens` step, bytes a prompt token adds, the
     line's bytes at 0 tokens). The line runs through the peaks at `lo` and `hi` tokens; a
-    prompt of N > hi tokens then needs `fixed + slope * N`, one of at most hi tokens the peak
-    at hi (the peak only grows with N)."""
+    prompt of N >= lo tokens needs at most `fixed + slope * N` (the peak is convex in N: the
+    chord lies above it between the two, and its extension beyond once the steepest phase
+    leads at lo), one of fewer the peak at lo (the peak only grows with N)."""
     p0 = peak_at(budget_tokens)
     p_lo = p0 if lo == budget_tokens else peak_at(lo)
     p_hi = peak_at(hi)
