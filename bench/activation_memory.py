@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from runtime.runner import activation_probe_lengths
 
-        _, n1, n2 = activation_probe_lengths(8192, args.chunk_tokens, 1 << 18)
+        _, n1, n2 = activation_probe_lengths(cfg.prefill_token_budget, args.chunk_tokens, 1 << 18)
     m1, t1 = trace_dry_run(model, mc, cfg, n1)
     m2, t2 = trace_dry_run(model, mc, cfg, n2)
     rows = per_token(

@@ -29,7 +29,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -609,21 +609,29 @@ async def server_counters(
     return out
 
 
+def _samples(metrics_text: str) -> Iterator[tuple[str, str, float]]:
+    """(name, labels, value) of each sample line of Prometheus text (labels: the text between
+    the braces, empty without)."""
+    for line in metrics_text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        head, _, value = line.rpartition(" ")
+        name, _, labels = head.partition("{")
+        yield name, labels.rstrip("}"), float(value)
+
+
 def parse_vllm_prefix_counters(metrics_text: str) -> dict[str, int] | None:
     """vLLM's `vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total` (tokens,
     summed over engines) from Prometheus text; None when absent."""
-    sums = {"hit_tokens": 0.0, "query_tokens": 0.0}
-    seen = set()
     names = {
         "vllm:prefix_cache_hits_total": "hit_tokens",
         "vllm:prefix_cache_queries_total": "query_tokens",
     }
-    for line in metrics_text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
+    sums = {"hit_tokens": 0.0, "query_tokens": 0.0}
+    seen = set()
+    for name, _, value in _samples(metrics_text):
         if name in names:
-            sums[names[name]] += float(line.rsplit(" ", 1)[1])
+            sums[names[name]] += value
             seen.add(name)
     return {k: int(v) for k, v in sums.items()} if len(seen) == 2 else None
 
@@ -633,19 +641,15 @@ def parse_vllm_step_counters(metrics_text: str) -> dict[str, int]:
     step, summed over engines): `steps`, `step_tokens`, and `steps_le_<bound>` per bucket.
     Empty when absent. The steps that carry a prefill chunk are the ones over a few hundred
     tokens: this is what Greenlane's step trace (`greenlane_steps`) is set beside."""
-    out: dict[str, float] = {}
     prefix = "vllm:iteration_tokens_total"
-    for line in metrics_text.splitlines():
-        if not line.startswith(prefix):
-            continue
-        name, _, rest = line.partition("{") if "{" in line else line.partition(" ")
-        value = float(line.rsplit(" ", 1)[1])
+    out: dict[str, float] = {}
+    for name, labels, value in _samples(metrics_text):
         if name == prefix + "_count":
             key = "steps"
         elif name == prefix + "_sum":
             key = "step_tokens"
-        elif name == prefix + "_bucket" and 'le="' in rest:
-            bound = rest.split('le="', 1)[1].split('"', 1)[0]
+        elif name == prefix + "_bucket" and 'le="' in labels:
+            bound = labels.split('le="', 1)[1].split('"', 1)[0]
             if bound == "+Inf":
                 continue
             key = f"steps_le_{int(float(bound))}"
