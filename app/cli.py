@@ -72,6 +72,9 @@ _ENGINE_HELP = {
     "fused_rope_kv_write": "auto | true | false: RoPE and the K/V pool write in one Triton "
     "launch per layer instead of three (auto: with the FlashInfer backend; true: also with "
     "torch SDPA)",
+    "decode_kv_split": "auto | always | never: decode attention's KV split in CUDA graphs "
+    "(always: FlashInfer's split and its merge kernel a layer; never: one chunk a request, no "
+    "merge; auto: one chunk where FlashInfer's split would give one chunk anyway)",
     "fused_decode_max_batch": "decode graphs of batches up to this size (at most 8) run the "
     "fused Triton decode kernels instead of FlashInfer + cuBLAS (0: never)",
     "wait_for_shared_prefix_tokens": "a waiting request whose next N+ prompt tokens a running "

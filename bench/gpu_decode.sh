@@ -10,6 +10,8 @@
 #                                         # in alternating order: 3B 48 streams, 8B B=1,16,64
 #   bash bench/gpu_decode.sh prefill REV  # the 16k cold scoring prompt, this revision vs the old
 #                                         # one (.old_rev/old.tar.gz), ABBA, 3 readings a server
+#   bash bench/gpu_decode.sh kvsplit REV  # --decode-kv-split A/B in ABBA order: 8B at batch 16
+#                                         # and 64 (KVSPLIT_8B modes), 3B 48 streams (KVSPLIT_3B)
 #   bash bench/gpu_decode.sh final REV    # one call for the record: this revision's 3B with 1, 2
 #                                         # and 4 API servers (py-spy on 1), 8B B=1,16,64 with
 #                                         # the prefill check, then the old revision's 3B
@@ -115,6 +117,23 @@ case $part in
         decode prefill-$side llama-3.1-8b "" 2048 16 --prefill-check 16384 \
           --prefill-repeats 3 || rc=1
         stop 8100; }
+    done
+    ;;
+  kvsplit)
+    # Decode attention in the graphs: FlashInfer's split + merge (always) against one chunk a
+    # request (auto: from its tile budget on; never: everywhere). bench/attention_split.py
+    # times the attention alone; this is the step through HTTP.
+    i=0
+    for m in ${KVSPLIT_8B-always auto auto always}; do
+      i=$((i + 1))
+      serve "$new" random:llama-3.1-8b 8100 $logs/kv-$m-$i-8b.log --decode-kv-split $m && {
+        decode kv-$m-$i-8b llama-3.1-8b ${KVSPLIT_8B_BATCHES:-16,64} 2048 160 --repeats 1 || rc=1
+        stop 8100; }
+    done
+    for m in ${KVSPLIT_3B-}; do
+      i=$((i + 1))
+      serve "$new" random:qwen2.5-3b 8100 $logs/kv-$m-$i-3b.log --decode-kv-split $m && {
+        decode kv-$m-$i-3b qwen2.5-3b 48 512 256 --repeats 1 || rc=1; stop 8100; }
     done
     ;;
   final)

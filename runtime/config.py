@@ -83,6 +83,12 @@ class EngineConfig:
     # (runtime/model/fused_decode.py; at most 8) instead of FlashInfer + cuBLAS. 0 = never. Default
     # 1: measured on the H200, the fused kernels lose from batch 2 on (docs/benchmarks.md).
     fused_decode_max_batch: int = 1
+    # Decode attention's KV split in CUDA graphs (runtime/attention/flashinfer_backend.py,
+    # `prefer_one_chunk`): FlashInfer plans every graph's decode as split KV + a merge kernel a
+    # layer. auto: one chunk a request (no merge) for the batch sizes where its split gives one
+    # chunk anyway; always: its split everywhere; never: one chunk everywhere (tensor-core
+    # decode only; diagnostics).
+    decode_kv_split: str = "auto"
     partition: str = "off"  # off | static:<prefill_sms> | auto
     # Split controller (Nexus Alg. 1) and the split executor (runtime/executor/split.py).
     partition_kv_switch: float = 0.70  # KV usage where the favoured phase flips prefill -> decode
@@ -147,6 +153,10 @@ class EngineConfig:
             raise ValueError(
                 "ttft_slo_ms sets SRJF's fairness offset from the SLO; give it or "
                 "fairness_lambda, not both"
+            )
+        if self.decode_kv_split not in ("auto", "always", "never"):
+            raise ValueError(
+                f"decode_kv_split must be auto, always or never, got {self.decode_kv_split!r}"
             )
         if self.fused_rope_kv_write not in ("auto", "true", "false"):
             raise ValueError(

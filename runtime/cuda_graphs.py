@@ -29,7 +29,12 @@ import torch
 
 from runtime import fallbacks
 from runtime.attention.base import ForwardBatch, SeqSlice
-from runtime.attention.flashinfer_backend import FlashInferBackend
+from runtime.attention.flashinfer_backend import (
+    FlashInferBackend,
+    one_chunk_decode_supported,
+    one_chunk_min_rows,
+    prefer_one_chunk,
+)
 from runtime.model.llama import LlamaForCausalLM
 
 log = logging.getLogger("greenlane.cuda_graphs")
@@ -121,11 +126,18 @@ class DecodeGraphs:
         label: str = "whole GPU",
         fused_max_batch: int = 0,
         fuse_rope_kv_write: bool = False,
+        kv_split: str = "always",
     ) -> None:
         """workspace: a FlashInfer float workspace to share with other sets (safe only while
         sets never replay concurrently: the runner runs one decode step at a time). pool: a
         `torch.cuda.graph_pool_handle()` shared with other sets (None: one of its own).
-        fused_max_batch: batch sizes up to this run the fused Triton decode (0: none)."""
+        fused_max_batch: batch sizes up to this run the fused Triton decode (0: none).
+        kv_split: decode attention's KV split in the graphs (`EngineConfig.decode_kv_split`):
+        always (FlashInfer's split plan and its merge kernel), never (one chunk a request, no
+        merge; where the model's decode runs on tensor cores), auto (one chunk from the batch
+        size where FlashInfer's split would give one chunk anyway: `prefer_one_chunk`)."""
+        if kv_split not in ("always", "never", "auto"):
+            raise ValueError(f"kv_split must be always, never or auto, got {kv_split!r}")
         self.model = model
         self.k_caches, self.v_caches = k_caches, v_caches
         self.stream = stream
@@ -136,6 +148,8 @@ class DecodeGraphs:
         self.label = label
         self.fused_max_batch = fused_max_batch
         self.fuse_rope_kv_write = fuse_rope_kv_write  # passed to each size's backend
+        self.kv_split = kv_split
+        self.one_chunk_sizes: list[int] = []  # captured with one chunk a request (no merge)
         self.fused_errors: dict[int, str] = {}  # batch size -> why its fused step was dropped
         self.graphs: dict[int, _Graph] = {}
         self.capture_s: dict[int, float] = {}  # seconds spent capturing each size
@@ -212,6 +226,18 @@ class DecodeGraphs:
                 return self._warm_up(self._make_step(bs, fused=False), bs, dummy)
             raise
 
+    def _one_chunk(self, bs: int) -> bool:
+        """Whether batch size `bs` is captured with one KV chunk a request."""
+        cfg = self.model.cfg
+        if self.kv_split == "always" or not one_chunk_decode_supported(
+            cfg.num_q_heads, cfg.num_kv_heads
+        ):
+            return False
+        if self.kv_split == "never":
+            return True
+        num_sms = torch.cuda.get_device_properties(self.k_caches[0].device).multi_processor_count
+        return prefer_one_chunk(bs, one_chunk_min_rows(cfg.num_kv_heads, num_sms))
+
     def _make_step(self, bs: int, fused: bool = True) -> DecodeStep:
         if fused and bs <= self.fused_max_batch:
             from runtime.model.fused_decode import FusedDecodeStep
@@ -220,6 +246,9 @@ class DecodeGraphs:
                 self.model, self.k_caches, self.v_caches, bs, self.max_blocks_per_seq
             )
         cfg = self.model.cfg
+        one_chunk = self._one_chunk(bs)
+        if one_chunk and bs not in self.one_chunk_sizes:
+            self.one_chunk_sizes.append(bs)
         backend = FlashInferBackend(
             self.k_caches,
             self.v_caches,
@@ -230,6 +259,7 @@ class DecodeGraphs:
             graph_batch_size=bs,
             max_blocks_per_seq=self.max_blocks_per_seq,
             fuse_rope_kv_write=self.fuse_rope_kv_write,
+            decode_one_chunk=one_chunk,
         )
         return ModelDecodeStep(self.model, backend)
 

@@ -363,6 +363,7 @@ class ModelRunner:
                 pool=pool,
                 fused_max_batch=fused,
                 fuse_rope_kv_write=fuse_rope,
+                kv_split=config.decode_kv_split,
             )
             split_sizes = graph_batch_sizes(
                 config.max_num_seqs, split_graph_batch_sizes or SPLIT_BATCH_SIZES
@@ -382,6 +383,7 @@ class ModelRunner:
                     label=label,
                     fused_max_batch=fused,
                     fuse_rope_kv_write=fuse_rope,
+                    kv_split=config.decode_kv_split,
                 )
 
             self.decode_graphs = whole

@@ -396,3 +396,56 @@ def test_bench_graphs_split_section_runs_on_host_stand_ins(monkeypatch: pytest.M
     assert [r["split"] for r in res["rows"]] == ["whole GPU"] * 2 + ["64/68"] * 2 + ["96/36"] * 2
     assert len(made) == 2 and all(s.replays for s in made)
     assert "| 96/36 | 9 |" in gp.graphs_split_table(res)
+
+
+# ---- decode attention's KV split in the graphs ------------------------------------------------
+
+
+def test_one_chunk_rule_follows_flashinfers_tile_budget() -> None:
+    """One chunk a request from FlashInfer's split budget on ((2 * SMs) // KV heads tiles: its
+    split gives every request one chunk there, and the merge only copies), never below it;
+    tensor-core decode (GQA >= 4) only."""
+    from runtime.attention.flashinfer_backend import (
+        one_chunk_decode_supported,
+        one_chunk_min_rows,
+        prefer_one_chunk,
+    )
+
+    assert one_chunk_min_rows(8, 132) == 33  # Llama-3.1-8B shape on the H200
+    assert one_chunk_min_rows(2, 132) == 132  # Qwen2.5-3B shape
+    assert one_chunk_min_rows(64, 16) == 1
+    assert [prefer_one_chunk(b, 33) for b in (1, 16, 32, 33, 64)] == [False] * 3 + [True] * 2
+    assert one_chunk_decode_supported(32, 8) and one_chunk_decode_supported(16, 2)
+    assert not one_chunk_decode_supported(9, 3)  # SmolLM2-135M: CUDA-core decode
+
+
+def test_decode_graphs_choose_one_chunk_per_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kv_split`: always -> never one chunk; never -> one chunk wherever tensor-core decode
+    runs; auto -> from the tile budget on; a model on CUDA-core decode never; a typo is
+    rejected. (The graphs themselves: tests/gpu/test_decode_kv_split_gpu.py.)"""
+    from types import SimpleNamespace
+
+    from runtime.cuda_graphs import DecodeGraphs
+
+    class Props:
+        multi_processor_count = 132
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: Props())
+    caches = [torch.zeros(4, 16, 8, 4)]
+
+    def graphs(q: int, kv: int, mode: str) -> DecodeGraphs:
+        model = SimpleNamespace(cfg=SimpleNamespace(num_q_heads=q, num_kv_heads=kv))
+        return DecodeGraphs(
+            model, caches, caches, None, pad_block_id=3, max_blocks_per_seq=4,
+            workspace=torch.empty(0), kv_split=mode,
+        )  # fmt: skip
+
+    sizes = (1, 16, 32, 33, 64, 256)
+    assert [graphs(32, 8, "auto")._one_chunk(b) for b in sizes] == [False] * 3 + [True] * 3
+    assert not any(graphs(32, 8, "always")._one_chunk(b) for b in sizes)
+    assert all(graphs(32, 8, "never")._one_chunk(b) for b in sizes)
+    assert not any(graphs(9, 3, mode)._one_chunk(256) for mode in ("auto", "never"))
+    with pytest.raises(ValueError, match="kv_split"):
+        graphs(32, 8, "off")
+    with pytest.raises(ValueError, match="decode_kv_split"):
+        EngineConfig(decode_kv_split="off")

@@ -69,6 +69,40 @@ def float_workspace_bytes(num_q_heads: int, num_kv_heads: int, head_dim: int, nu
     return max(DEFAULT_WORKSPACE_BYTES, need)
 
 
+def uses_tensor_core_decode(num_q_heads: int, num_kv_heads: int) -> bool:
+    """Decode on FlashInfer's tensor-core (FA2 prefill) kernel: it pays off for GQA >= 4."""
+    return num_q_heads // num_kv_heads >= 4
+
+
+# Decode attention in CUDA graphs. FlashInfer 0.5.3 plans a graph's decode with split KV on
+# every step (scheduler.cuh: `PrefillBinarySearchKVChunkSize` returns split whenever CUDA graphs
+# are on), so a captured decode step runs a merge kernel a layer even when every request ends up
+# in one chunk: at batch 64 on the Llama-3.1-8B shape its heuristic gives each request one
+# chunk (64 rows > its 2 * 132 // 8 = 33 tiles), and the merge only copies. Its
+# `disable_split_kv` is no way out (the plan multiplies its INT64_MAX chunk by the page size:
+# wrong results and an illegal access on the H200, 2026-12-02). `fixed_split_size` = the
+# longest request's pages is: no request splits, no merge kernel is captured, the attention
+# kernel runs the same tiles. Such a graph is correct for any batch of its size; whether it is
+# faster is `prefer_one_chunk`.
+one_chunk_decode_supported = uses_tensor_core_decode  # fixed_split_size: tensor cores only
+
+
+def one_chunk_min_rows(num_kv_heads: int, num_sms: int) -> int:
+    """FlashInfer's tile budget for a split plan, (FA2_CTAS_PER_SM * num_sms) // num_kv_heads:
+    from this many padded decode rows its split gives every request one chunk anyway."""
+    return max(1, (FA2_CTAS_PER_SM * num_sms) // num_kv_heads)
+
+
+def prefer_one_chunk(num_rows: int, min_rows: int) -> bool:
+    """Whether a decode step of `num_rows` padded rows replays its one-chunk graph. From
+    `min_rows` on, the split graph runs the very same tiles (each request one chunk: its binary
+    search cannot fit two chunks of anyone in the budget) plus a merge that only copies: the
+    one-chunk graph is that minus the merge. Below, the split spreads each request's KV over
+    more CTAs, and whether that beats one CTA a request without the merge is measured
+    (bench/attention_split.py)."""
+    return num_rows >= min_rows
+
+
 def flashinfer_unavailable_reason() -> str:
     """ "" when FlashInfer can be used here, else why not (said once by the caller)."""
     if not torch.cuda.is_available():
@@ -113,6 +147,7 @@ class FlashInferBackend:
         max_blocks_per_seq: int | None = None,
         workspace: torch.Tensor | None = None,
         fuse_rope_kv_write: bool = False,
+        decode_one_chunk: bool = False,
     ) -> None:
         """k_caches/v_caches: one [num_blocks, block_size, Hkv, D] tensor per layer.
 
@@ -120,7 +155,9 @@ class FlashInferBackend:
         sequences (fixed index buffers; `plan` only fills them). max_blocks_per_seq sizes those
         buffers (required with graph_batch_size). fuse_rope_kv_write: the model passes q and k
         un-rotated and this backend rotates them in the launch that writes the pool
-        (runtime/attention/rope_kv_write.py) instead of RoPE + two `index_copy_`."""
+        (runtime/attention/rope_kv_write.py) instead of RoPE + two `index_copy_`.
+        decode_one_chunk (graph instances with tensor-core decode only): every request's KV in
+        one chunk, no merge kernel (`one_chunk_decode_supported`, module notes)."""
         import flashinfer
 
         if v_caches is None:  # FlashInferBackend(kv_pool): the engine's call
@@ -185,12 +222,21 @@ class FlashInferBackend:
             self._g_last = torch.ones(bs, dtype=torch.int32, device=self.device)
             self._static_slots = torch.zeros(bs, dtype=torch.int64, device=self.device)
         self._plan: _Plan | None = None
+        # FlashInfer's `fixed_split_size`, in pages: the longest request a graph instance
+        # takes, so that no request is ever split (and no merge kernel is captured).
+        self._fixed_split_pages: int | None = None
+        if decode_one_chunk:
+            if graph_batch_size is None or max_blocks_per_seq is None:
+                raise ValueError("decode_one_chunk is for CUDA-graph decode instances")
+            if num_q_heads is None or not one_chunk_decode_supported(num_q_heads, num_kv_heads):
+                raise ValueError("decode_one_chunk needs tensor-core decode (GQA group >= 4)")
+            self._fixed_split_pages = max_blocks_per_seq
         if num_q_heads is not None:
             self._decode_wrapper = self._make_decode_wrapper()
 
     def _make_decode_wrapper(self) -> Any:
         assert self.num_q_heads is not None
-        tc = self.num_q_heads // self.num_kv_heads >= 4  # tensor cores pay off for GQA >= 4
+        tc = uses_tensor_core_decode(self.num_q_heads, self.num_kv_heads)
         if self.graph_batch_size is None:
             return self._fi.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_tensor_cores=tc
@@ -427,6 +473,9 @@ class FlashInferBackend:
         kv_indptr, kv_indices, last = self._paged_meta(
             [(s.block_ids, s.num_context_tokens + 1) for s in seqs]
         )
+        extra = {}
+        if self._fixed_split_pages is not None:
+            extra["fixed_split_size"] = self._fixed_split_pages
         self._kernel_plan(
             lambda hq: self._decode.plan(
                 kv_indptr,
@@ -439,6 +488,7 @@ class FlashInferBackend:
                 sm_scale=self.sm_scale,
                 q_data_type=self.kv_dtype,
                 kv_data_type=self.kv_dtype,
+                **extra,
             )
         )
 
