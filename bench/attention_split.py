@@ -150,7 +150,12 @@ def main() -> None:
             for c in (int(x) for x in args.contexts.split(",")):
                 r = measure(shape, b, c, args.layers, args.replays)
                 rows.append(r)
-                print(json.dumps(r), flush=True)
+                print(
+                    f"{shape} b={b} ctx={c} split={r['split_us_per_layer']}us "
+                    f"one={r['one_chunk_us_per_layer']}us x{r['one_chunk_over_split']} "
+                    f"err={r['rel_err_split']:.1e}/{r['rel_err_one_chunk']:.1e}",
+                    flush=True,
+                )
                 torch.cuda.empty_cache()
     result = {
         "what": "decode attention per layer in CUDA graphs: FlashInfer split-KV + merge vs one "
