@@ -44,6 +44,7 @@ from typing import Any
 import httpx
 
 from bench.bursts import provenance
+from bench.serve import prometheus_samples
 from runtime.model.presets import get_preset
 
 # Engine counters (runtime/engine.py stats, exported by app/metrics.py under these names).
@@ -125,17 +126,10 @@ def read_counters(client: httpx.Client) -> dict[str, float] | None:
     except httpx.HTTPError:
         return None
     values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        name, _, rest = line.partition(" ")
-        base = name.split("{", 1)[0]
+    for name, _, value in prometheus_samples(text):
         for key, names in _COUNTERS.items():
-            if base in names:
-                try:
-                    values[key] = float(rest.split()[0])
-                except (ValueError, IndexError):
-                    pass
+            if name in names:
+                values[key] = value
     return values if len(values) == len(_COUNTERS) else None
 
 

@@ -609,7 +609,7 @@ async def server_counters(
     return out
 
 
-def _samples(metrics_text: str) -> Iterator[tuple[str, str, float]]:
+def prometheus_samples(metrics_text: str) -> Iterator[tuple[str, str, float]]:
     """(name, labels, value) of each sample line of Prometheus text (labels: the text between
     the braces, empty without)."""
     for line in metrics_text.splitlines():
@@ -629,7 +629,7 @@ def parse_vllm_prefix_counters(metrics_text: str) -> dict[str, int] | None:
     }
     sums = {"hit_tokens": 0.0, "query_tokens": 0.0}
     seen = set()
-    for name, _, value in _samples(metrics_text):
+    for name, _, value in prometheus_samples(metrics_text):
         if name in names:
             sums[names[name]] += value
             seen.add(name)
@@ -643,7 +643,7 @@ def parse_vllm_step_counters(metrics_text: str) -> dict[str, int]:
     tokens: this is what Greenlane's step trace (`greenlane_steps`) is set beside."""
     prefix = "vllm:iteration_tokens_total"
     out: dict[str, float] = {}
-    for name, labels, value in _samples(metrics_text):
+    for name, labels, value in prometheus_samples(metrics_text):
         if name == prefix + "_count":
             key = "steps"
         elif name == prefix + "_sum":
