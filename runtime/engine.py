@@ -77,6 +77,7 @@ from runtime.prefill_graphs import prefill_graph_bytes, prefill_graph_max_tokens
 from runtime.profiling import StepProfile
 from runtime.request import FINISH_REASONS, EngineOutput, Request, RequestKind, RequestStatus
 from runtime.runner import (
+    ActivationLine,
     ModelRunner,
     activation_line,
     activation_probe_lengths,
@@ -567,12 +568,10 @@ class Engine:
             return profile_activation_peak(cfg, self.model, mc, num_tokens, backend_for) + graphs
 
         p1, slope, fixed = activation_line(peak_at, n0, lo, hi)
+        line = ActivationLine(n0, p1, lo, slope, fixed)
         if cfg.max_score_tokens is None and slope > 0:
-            self._fit_max_score_tokens(fixed, slope, n0, p1)
-        # The line is the chord through the peaks at lo and hi: above the (convex) peak between
-        # them, and its extension holds beyond once the attention phase leads. Below lo it may
-        # pass under the peak, so a shorter longest prompt reserves the peak at lo.
-        reserve = int(max(p1, fixed + slope * max(self._max_score_tokens, lo)))
+            self._fit_max_score_tokens(line)
+        reserve = int(line.reserve(self._max_score_tokens))
         log.info(
             "activation peak measured: %.2f GiB at %d tokens, %.1f KiB/token; reserving "
             "%.2f GiB (scoring prompts up to %d tokens)",
@@ -584,13 +583,11 @@ class Engine:
         )
         return reserve
 
-    def _fit_max_score_tokens(
-        self, fixed: float, slope: float, floor_tokens: int, step_peak: float
-    ) -> None:
+    def _fit_max_score_tokens(self, line: ActivationLine) -> None:
         """Without --max-score-tokens the longest scoring prompt defaults to max_model_len; if
-        reserving its activations would leave the KV pool unable to hold one max_model_len
-        sequence, lower it to what fits (never below one step's budget) and say so, rather
-        than refusing to start.
+        reserving its activations (`line.reserve`) would leave the KV pool unable to hold one
+        max_model_len sequence, lower it to what fits (never below one step's budget) and say
+        so, rather than refusing to start.
 
         When no reserve at all leaves room for a max_model_len sequence's KV (a cap smaller
         than that KV: `--max-model-len 262144` in 24 GB), generation requests are limited by
@@ -606,14 +603,14 @@ class Engine:
         budget = cuda_memory_budget_bytes(self.config, self.device, self._reserved_at_start)
         room = budget - CUDA_SAFETY_BYTES
         min_pool = pool_bytes(self._max_model_len)
-        step_reserve = step_peak  # the reserve a floor_tokens step needs
-        if room - step_reserve < min_pool:
+        floor_tokens = line.step_tokens
+        if room - line.step_peak < min_pool:
             min_pool = pool_bytes(min(floor_tokens, self._max_model_len))
-        fits = int((room - min_pool - fixed) // slope) // bs * bs
+        fits = line.longest_within(room - min_pool) // bs * bs
         if fits >= self._max_score_tokens:
             return
         new = max(floor_tokens, fits)
-        pool_tokens = int((room - fixed - slope * new) // per_block - NUM_RESERVED_BLOCKS) * bs
+        pool_tokens = int((room - line.reserve(new)) // per_block - NUM_RESERVED_BLOCKS) * bs
         log.warning(
             "scoring prompts limited to %d tokens (not %d): the activations of a longer one "
             "would leave too little memory for the KV cache (about %d tokens left for it, "

@@ -185,6 +185,49 @@ def activation_line(
     return p0, slope, fixed
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ActivationLine:
+    """What the start-up dry runs measured (`activation_line`): `step_peak` bytes for a
+    `step_tokens` step, and the chord `fixed + slope * n` through the peaks at `lo` and a longer
+    length. The peak is convex in the prompt's tokens (the larger of two linear phases), so a
+    chord lies above it between its ends and, once the steeper phase leads, its extension
+    beyond: `reserve` is an upper bound on any prompt's peak, never below one step's."""
+
+    step_tokens: int
+    step_peak: float
+    lo: int
+    slope: float
+    fixed: float
+
+    @property
+    def peak_lo(self) -> float:
+        return self.fixed + self.slope * self.lo
+
+    def reserve(self, num_tokens: int) -> float:
+        """Bytes to keep free for a prompt of up to `num_tokens` (whole, hybrid prefill)."""
+        if num_tokens >= self.lo:
+            bound = self.fixed + self.slope * num_tokens
+        elif num_tokens <= self.step_tokens:
+            bound = self.step_peak
+        else:  # between the step and lo: the chord between those two measured peaks
+            frac = (num_tokens - self.step_tokens) / (self.lo - self.step_tokens)
+            bound = self.step_peak + frac * (self.peak_lo - self.step_peak)
+        return max(self.step_peak, bound)
+
+    def longest_within(self, num_bytes: float) -> int:
+        """The most prompt tokens whose `reserve` fits in `num_bytes` (0 when not even one
+        step's peak does)."""
+        if num_bytes < self.step_peak:
+            return 0
+        if self.lo > self.step_tokens and num_bytes < self.peak_lo:
+            rise = self.peak_lo - self.step_peak
+            frac = (num_bytes - self.step_peak) / rise if rise > 0 else 1.0
+            return int(self.step_tokens + frac * (self.lo - self.step_tokens))
+        if self.slope <= 0:
+            return 1 << 62
+        return max(int((num_bytes - self.fixed) // self.slope), self.step_tokens)
+
+
 class OutOfMemoryForStep(RuntimeError):
     """A step ran out of device memory; the message says how big it was."""
 

@@ -16,6 +16,7 @@ from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.kv.kv_pool import bytes_per_block, compute_num_blocks, cuda_memory_budget_bytes
 from runtime.model.presets import get_preset
+from runtime.runner import ActivationLine
 
 GIB = 1 << 30
 
@@ -86,7 +87,7 @@ def test_default_max_score_tokens_is_lowered_to_what_fits(fake_gpu, caplog) -> N
     # 50 GiB of budget; 1 MiB of activations per prompt token: a 1M-token prompt cannot fit.
     stub = _engine_stub(max_model_len=1 << 20, max_score_tokens=1 << 20)
     slope, fixed = float(1 << 20), float(GIB)
-    stub._fit(fixed, slope, 8192, fixed + slope * 8192)
+    stub._fit(ActivationLine(8192, fixed + slope * 8192, 8192, slope, fixed))
     got = stub._max_score_tokens
     assert 8192 <= got < 1 << 20 and got % 16 == 0
     # What is left beside the reserve still holds one max_model_len sequence.
@@ -98,9 +99,8 @@ def test_default_max_score_tokens_is_lowered_to_what_fits(fake_gpu, caplog) -> N
 
 def test_max_score_tokens_is_kept_when_it_fits(fake_gpu) -> None:
     stub = _engine_stub(max_model_len=32768, max_score_tokens=32768)
-    stub._fit(
-        float(GIB), 10_000.0, 8192, GIB + 10_000.0 * 8192
-    )  # ~0.3 GiB for 32k tokens: fits easily
+    # ~0.3 GiB for 32k tokens: fits easily
+    stub._fit(ActivationLine(8192, GIB + 10_000.0 * 8192, 8192, 10_000.0, float(GIB)))
     assert stub._max_score_tokens == 32768
 
 
@@ -108,7 +108,7 @@ def test_never_below_one_step_budget(fake_gpu) -> None:
     state, _ = fake_gpu
     state["used"] = 89 * GIB  # almost nothing left
     stub = _engine_stub(max_model_len=32768, max_score_tokens=32768)
-    stub._fit(float(GIB), float(1 << 20), 8192, GIB + float(1 << 20) * 8192)
+    stub._fit(ActivationLine(8192, GIB + float(1 << 20) * 8192, 8192, float(1 << 20), float(GIB)))
     assert stub._max_score_tokens == 8192
 
 
@@ -119,7 +119,7 @@ def test_a_cap_below_one_max_model_len_sequence_gives_scoring_the_room(fake_gpu,
     # max_model_len sequence" then floored scoring prompts to one step's budget (8192 tokens).
     stub = _engine_stub(max_model_len=1 << 27, max_score_tokens=1 << 27)
     slope, fixed = float(1 << 20), float(GIB)
-    stub._fit(fixed, slope, 8192, fixed + slope * 8192)
+    stub._fit(ActivationLine(8192, fixed + slope * 8192, 8192, slope, fixed))
     got = stub._max_score_tokens
     room = 50 * GIB - (512 << 20)
     per_block = bytes_per_block(stub.model_config, 16, torch.bfloat16)
@@ -129,6 +129,42 @@ def test_a_cap_below_one_max_model_len_sequence_gives_scoring_the_room(fake_gpu,
     assert room - (fixed + slope * got) >= floor_pool
     assert "scoring prompts limited to" in caplog.text and "tokens left for it" in caplog.text
     assert "--prefill-token-budget" in caplog.text  # the pool's floor is one step's budget
+
+
+def test_a_fit_below_the_slopes_first_length_keeps_its_reserve_in_the_room(fake_gpu) -> None:
+    """The slope is measured from 16 chunks on (lo = 32,768 here); when fewer tokens fit, the
+    fit and the reserve both follow the chord from one step's peak to the peak at lo (the peak
+    is convex), so the reserve the engine then keeps is what the fit assumed. Before, the fit
+    used the line's extension below lo and the reserve the peak at lo, which could exceed the
+    room the fit had found."""
+    state, _ = fake_gpu
+    slope, fixed = float(1 << 20), float(GIB)
+    line = ActivationLine(8192, fixed + slope * 8192, 32768, slope, fixed)
+    per_block = bytes_per_block(get_preset("tiny"), 16, torch.bfloat16)
+    floor_pool = (8192 // 16 + 1) * per_block  # one step's budget of KV, kept for chat
+    room = line.reserve(20000) + floor_pool  # about 20k tokens of scoring fit
+    state["used"] = int(90 * GIB - room - (512 << 20))  # budget = 90 % of 100 GiB - used
+    stub = _engine_stub(max_model_len=1 << 27, max_score_tokens=1 << 27)
+    stub._fit(line)
+    got = stub._max_score_tokens
+    assert 19_900 < got <= 20000 and got % 16 == 0, got
+    assert line.reserve(got) <= room - floor_pool < line.reserve(got + 16)
+
+
+def test_the_reserve_bounds_a_convex_peak_and_inverts() -> None:
+    from runtime.runner import activation_line
+
+    for n0, lo, hi in ((8192, 32768, 65536), (8192, 2048, 4096)):  # lo above / below the step
+        p0, slope, fixed = activation_line(_hybrid_peak, n0, lo, hi)
+        line = ActivationLine(n0, p0, lo, slope, fixed)
+        # (the line holds up to the longest prompt, which the probes never exceed: hi here)
+        for n in [*range(16, min(hi, 70000), 512), hi, 200_000 if hi > 8192 else hi]:
+            assert line.reserve(n) >= max(_hybrid_peak(n), p0), (lo, n)
+        for num_bytes in (p0, p0 + 1e6, max(p0, line.peak_lo), 3 * line.peak_lo, 90 * GIB):
+            n = line.longest_within(num_bytes)
+            assert n >= n0 and line.reserve(n) <= num_bytes + 1, (lo, num_bytes)
+            assert line.reserve(n + 16) > num_bytes, (lo, num_bytes)
+        assert line.longest_within(p0 - 1) == 0
 
 
 def test_no_room_names_the_scoring_reserve_when_it_was_asked_for(fake_gpu) -> None:
