@@ -82,8 +82,12 @@ def test_one_chunk_and_split_graphs_match_the_eager_decode() -> None:
             ref = model(fb.input_ids, fb.positions, eager)
             for mode, graphs in sets.items():
                 out = graphs.run(fb)
+                # The split graphs run the eager path's kernels and plan: the same numbers.
+                # One chunk a request sums the KV in another order; through 4 bf16 layers of
+                # random weights that reads ~1.5 % on the rows longer than one split chunk
+                # (measured on the H200), where a wrong page table reads ~100 %.
                 err = rel_err(out, ref[: len(contexts)])
-                assert err < 1e-2, (mode, contexts, err)
+                assert err < (1e-3 if mode == "always" else 3e-2), (mode, contexts, err)
 
     auto = DecodeGraphs(
         model,
