@@ -13,7 +13,10 @@ window:
     engine's counters) and the GPU idle fraction between consecutive decode steps: engine
     diagnostics, read from /metrics (absent on servers that do not export them);
   - optionally (`--prefill-check N`), one cold N-token scoring prompt end to end and its
-    model FLOP rate against the measured matmul peak (prefill must not regress);
+    model FLOP rate against the measured matmul peak (prefill must not regress), with the
+    engine's own steps for it (/admin/api/steps: device time and the host's gap before each),
+    which say whether a slow reading (a fresh server's first long prompt) lost its time on
+    the GPU or on the host;
   - the CPU use of the server's processes (the API server(s) and the engine core: psutil over
     the process tree listening on the port), and optionally a py-spy profile of each;
   - the client's own CPU use. The streams are spread over `--client-procs` processes (default
@@ -108,7 +111,8 @@ def prefill_check(
         t0 = time.monotonic()
         r = c.post("/v1/score", json=body)
         e2e_s = time.monotonic() - t0
-    r.raise_for_status()
+        r.raise_for_status()
+        steps = engine_steps_within(c, time.monotonic() - t0)
     server_s = r.json().get("timing", {}).get("server_s")
     tflops = _flops_prefill(cfg, num_tokens) / e2e_s / 1e12
     return {
@@ -117,6 +121,37 @@ def prefill_check(
         "server_s": server_s,
         "tflops_e2e": tflops,
         "fraction_of_peak_e2e": tflops / peak_tflops if peak_tflops else None,
+        "engine_steps": steps,
+    }
+
+
+def engine_steps_within(client: httpx.Client, window_s: float) -> dict[str, Any] | None:
+    """The engine's steps that ended in the last `window_s` seconds (GET /admin/api/steps; the
+    server is idle but for the request just timed, so they are its steps): how many, their
+    prefill tokens, device time and the device idle before each (the host's gap), totalled
+    and one row a step. None where the server keeps no step trace."""
+    try:
+        r = client.get("/admin/api/steps", params={"limit": 256}, timeout=30)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    keep = ("num_prefill_tokens", "device_ms", "idle_before_ms", "gc_ms")
+    rows = [
+        {k: s.get(k) for k in keep} for s in r.json()["steps"] if s.get("age_s", 1e9) <= window_s
+    ]
+
+    def total(key: str) -> float | None:
+        vals = [row[key] for row in rows if row[key] is not None]
+        return round(sum(vals), 3) if vals else None
+
+    return {
+        "num_steps": len(rows),
+        "num_prefill_tokens": sum(row["num_prefill_tokens"] or 0 for row in rows),
+        "device_ms": total("device_ms"),
+        "idle_before_ms": total("idle_before_ms"),
+        "gc_ms": total("gc_ms"),
+        "steps": rows,
     }
 
 
@@ -481,7 +516,14 @@ def _measure(
             checks = []
             for _ in range(max(1, args.prefill_repeats)):
                 checks.append(prefill_check(args.url, model, args.shape, args.prefill_check, peak))
-                print(f"prefill check: {checks[-1]}", flush=True)
+                ck, st = checks[-1], checks[-1]["engine_steps"] or {}
+                print(
+                    f"prefill check: {ck['num_tokens']} tokens, {ck['e2e_s']:.4f} s end to end"
+                    f" (server {ck['server_s']}), {ck['fraction_of_peak_e2e']} of the peak;"
+                    f" engine: {st.get('num_steps')} steps, device {st.get('device_ms')} ms,"
+                    f" idle before them {st.get('idle_before_ms')} ms",
+                    flush=True,
+                )
             result["prefill_checks"] = checks
             result["prefill_check"] = sorted(checks, key=lambda c: c["e2e_s"])[len(checks) // 2]
     Path(args.out).write_text(json.dumps(result, indent=1))

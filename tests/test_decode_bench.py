@@ -7,7 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from server_thread import fake_server
+from server_thread import fake_server, running_server
 
 
 def test_prefill_check_alone_keeps_every_reading_and_the_median(
@@ -41,3 +41,25 @@ def test_gpu_decode_script_parses() -> None:
 
     root = Path(__file__).resolve().parents[1]
     subprocess.run(["bash", "-n", str(root / "bench/gpu_decode.sh")], check=True)
+
+
+def test_prefill_check_reads_the_engines_steps_for_the_prompt(tmp_path: Path) -> None:
+    """Against the real engine (random:tiny, CPU): each cold reading carries the engine's steps
+    that ran it, and their prefill tokens add up to the prompt (the cache is reset first)."""
+    from bench import decode
+
+    out = tmp_path / "d.json"
+    with running_server(model="random:tiny", max_num_seqs=4, admin_token=None) as srv:
+        rc = decode.main(
+            [
+                "--url", srv.url, "--shape", "tiny", "--batches", "", "--copy-gbs", "1",
+                "--prefill-check", "300", "--prefill-repeats", "2", "--out", str(out),
+            ]
+        )  # fmt: skip
+    assert rc == 0
+    for check in json.loads(out.read_text())["prefill_checks"]:
+        steps = check["engine_steps"]
+        assert steps is not None and steps["num_steps"] >= 1
+        # Exactly this prompt's tokens: none of the other reading's steps, none missing.
+        assert steps["num_prefill_tokens"] == 300, steps
+        assert len(steps["steps"]) == steps["num_steps"]
