@@ -58,20 +58,22 @@ def test_one_chunk_and_split_graphs_match_the_eager_decode() -> None:
         pos = torch.tensor(contexts, device=dev)
         return ForwardBatch(ids, pos, seqs, torch.arange(len(contexts), device=dev), True)
 
+    def graphs(kv_split: str, **kw: object) -> DecodeGraphs:
+        return DecodeGraphs(
+            model,
+            pool.k,
+            pool.v,
+            torch.cuda.Stream(dev),
+            pad_block_id=pad_block,
+            max_blocks_per_seq=max_blocks,
+            kv_split=kv_split,
+            **kw,
+        )
+
     sets = {}
     with torch.inference_mode():
         for mode in ("always", "never"):
-            sets[mode] = DecodeGraphs(
-                model,
-                pool.k,
-                pool.v,
-                torch.cuda.Stream(dev),
-                pad_block_id=pad_block,
-                max_blocks_per_seq=max_blocks,
-                batch_sizes=(4, 16),
-                fuse_rope_kv_write=True,
-                kv_split=mode,
-            )
+            sets[mode] = graphs(mode, batch_sizes=(4, 16), fuse_rope_kv_write=True)
             sets[mode].capture()
         assert sets["never"].one_chunk_sizes == [16, 4] and sets["always"].one_chunk_sizes == []
         eager = FlashInferBackend.from_pool(pool, cfg.num_q_heads, fuse_rope_kv_write=True)
@@ -89,15 +91,7 @@ def test_one_chunk_and_split_graphs_match_the_eager_decode() -> None:
                 err = rel_err(out, ref[: len(contexts)])
                 assert err < (1e-3 if mode == "always" else 3e-2), (mode, contexts, err)
 
-    auto = DecodeGraphs(
-        model,
-        pool.k,
-        pool.v,
-        torch.cuda.Stream(dev),
-        pad_block_id=pad_block,
-        max_blocks_per_seq=max_blocks,
-        kv_split="auto",
-    )
+    auto = graphs("auto")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     lo = one_chunk_min_rows(cfg.num_kv_heads, sms)
     for bs in (1, 16, lo - 1, lo, 256):
