@@ -39,6 +39,7 @@ import multiprocessing
 import random
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -94,11 +95,24 @@ def measure_ceilings() -> dict[str, float] | None:
     return out
 
 
+def _int_list(text: str) -> list[int]:
+    """'16384,32768' -> [16384, 32768]; '' -> []."""
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def prefill_check(
-    url: str, model: str, shape: str, num_tokens: int, peak_tflops: float | None
+    url: str,
+    model: str,
+    shape: str,
+    num_tokens: int,
+    peak_tflops: float | None,
+    profile_steps: int = 0,
 ) -> dict[str, Any]:
     """One cold scoring prompt of `num_tokens` random ids end to end (HTTP): seconds, and the
-    model FLOPs it did over that time against the measured matmul peak."""
+    model FLOPs it did over that time against the measured matmul peak. `profile_steps` > 0:
+    the server's torch profiler runs over the prompt's steps (POST /admin/api/profile, asked
+    just before the prompt; it adds its own overhead, so such readings say where the time
+    goes, not how much there is)."""
     from bench.gpu_suite import _flops_prefill
 
     cfg = get_preset(shape)
@@ -106,16 +120,26 @@ def prefill_check(
     lo = min(1000, cfg.vocab_size // 2)  # skip the low ids (specials) when there is room
     prompt = [rng.randrange(lo, min(cfg.vocab_size, 40000)) for _ in range(num_tokens)]
     body = {"model": model, "query": prompt, "label_token_ids": [1, 2]}
+    profile: dict[str, Any] = {}
     with httpx.Client(base_url=url, timeout=600) as c:
         c.post("/admin/api/prefix-cache/reset", json={})
+        worker = None
+        if profile_steps > 0:
+            worker = threading.Thread(
+                target=_profile_into, args=(url, profile_steps, profile), daemon=True
+            )
+            worker.start()
+            time.sleep(0.5)  # the engine thread starts the profiler between two (idle) steps
         t0 = time.monotonic()
         r = c.post("/v1/score", json=body)
         e2e_s = time.monotonic() - t0
         r.raise_for_status()
         steps = engine_steps_within(c, time.monotonic() - t0)
+        if worker is not None:
+            worker.join(60)
     server_s = r.json().get("timing", {}).get("server_s")
     tflops = _flops_prefill(cfg, num_tokens) / e2e_s / 1e12
-    return {
+    out = {
         "num_tokens": num_tokens,
         "e2e_s": e2e_s,
         "server_s": server_s,
@@ -123,6 +147,31 @@ def prefill_check(
         "fraction_of_peak_e2e": tflops / peak_tflops if peak_tflops else None,
         "engine_steps": steps,
     }
+    if profile_steps > 0:
+        out["profile"] = profile or None
+    return out
+
+
+def _profile_into(url: str, num_steps: int, into: dict[str, Any]) -> None:
+    """POST /admin/api/profile for `num_steps` steps (it answers when they ran or after its
+    timeout); the parts of its summary a prefill reading keeps go into `into`."""
+    try:
+        r = httpx.post(
+            f"{url}/admin/api/profile",
+            json={"num_steps": num_steps, "timeout_s": 5},
+            timeout=120,
+        )
+    except httpx.HTTPError as e:
+        into["error"] = f"{type(e).__name__}: {e}"
+        return
+    if r.status_code != 200:
+        into["error"] = f"HTTP {r.status_code}: {r.text[:300]}"
+        return
+    s = r.json()
+    for key in ("num_steps", "steps_by_kind", "timed_out", "wall_ms", "kernel_ms", "by_category"):
+        into[key] = s.get(key)
+    into["top_kernels"] = (s.get("top_kernels") or [])[:12]
+    into["host_ops"] = (s.get("host_ops") or [])[:20]
 
 
 def engine_steps_within(client: httpx.Client, window_s: float) -> dict[str, Any] | None:
@@ -380,7 +429,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--copy-gbs", type=float, default=None, help="skip measuring: use this")
     ap.add_argument("--label", default="", help="what server this is (revision, options)")
     ap.add_argument("--py-spy-s", type=float, default=0.0, help="profile the server this long")
-    ap.add_argument("--prefill-check", type=int, default=0, help="also: one cold scoring prompt")
+    ap.add_argument(
+        "--prefill-check",
+        type=_int_list,
+        default=[],
+        help="also: cold scoring prompts of these lengths (comma-separated), "
+        "--prefill-repeats of each in order",
+    )
+    ap.add_argument(
+        "--prefill-profile-steps",
+        type=int,
+        default=0,
+        help="profile each prefill reading's steps on the server (torch profiler, up to this "
+        "many steps; the readings then say where the time goes, not how much)",
+    )
     ap.add_argument(
         "--prefill-repeats",
         type=int,
@@ -514,18 +576,31 @@ def _measure(
         if args.prefill_check:
             peak = (ceilings or {}).get("matmul_bf16_tflops")
             checks = []
-            for _ in range(max(1, args.prefill_repeats)):
-                checks.append(prefill_check(args.url, model, args.shape, args.prefill_check, peak))
-                ck, st = checks[-1], checks[-1]["engine_steps"] or {}
-                print(
-                    f"prefill check: {ck['num_tokens']} tokens, {ck['e2e_s']:.4f} s end to end"
-                    f" (server {ck['server_s']}), {ck['fraction_of_peak_e2e']} of the peak;"
-                    f" engine: {st.get('num_steps')} steps, device {st.get('device_ms')} ms,"
-                    f" idle before them {st.get('idle_before_ms')} ms",
-                    flush=True,
-                )
+            for num_tokens in args.prefill_check:
+                for _ in range(max(1, args.prefill_repeats)):
+                    checks.append(
+                        prefill_check(
+                            args.url,
+                            model,
+                            args.shape,
+                            num_tokens,
+                            peak,
+                            profile_steps=args.prefill_profile_steps,
+                        )
+                    )
+                    ck, st = checks[-1], checks[-1]["engine_steps"] or {}
+                    print(
+                        f"prefill check: {ck['num_tokens']} tokens, {ck['e2e_s']:.4f} s end to"
+                        f" end (server {ck['server_s']}), {ck['fraction_of_peak_e2e']} of the"
+                        f" peak; engine: {st.get('num_steps')} steps, device"
+                        f" {st.get('device_ms')} ms, idle before them {st.get('idle_before_ms')}"
+                        " ms",
+                        flush=True,
+                    )
             result["prefill_checks"] = checks
-            result["prefill_check"] = sorted(checks, key=lambda c: c["e2e_s"])[len(checks) // 2]
+            # The headline reading: the median of the first length's readings.
+            first = [c for c in checks if c["num_tokens"] == args.prefill_check[0]]
+            result["prefill_check"] = sorted(first, key=lambda c: c["e2e_s"])[len(first) // 2]
     Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
 

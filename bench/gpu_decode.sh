@@ -10,6 +10,10 @@
 #                                         # in alternating order: 3B 48 streams, 8B B=1,16,64
 #   bash bench/gpu_decode.sh prefill REV  # the 16k cold scoring prompt, this revision vs the old
 #                                         # one (.old_rev/old.tar.gz), ABBA, 3 readings a server
+#   bash bench/gpu_decode.sh first REV    # a fresh server's first long prompt (8B): cold
+#                                         # prompts 16k x3 then 32k x3 without and with
+#                                         # --prefill-warm-up-tokens, then a third server's
+#                                         # 16k x2 under the profiler; the prefill profile
 #   bash bench/gpu_decode.sh kvsplit REV  # --decode-kv-split A/B in ABBA order: 8B at batch 16
 #                                         # and 64 (KVSPLIT_8B modes), 3B 48 streams (KVSPLIT_3B)
 #   bash bench/gpu_decode.sh final REV    # one call for the record: this revision's 3B with 1, 2
@@ -118,6 +122,28 @@ case $part in
           --prefill-repeats 3 || rc=1
         stop 8100; }
     done
+    ;;
+  first)
+    # Where a fresh server's first long prompt loses 40-80 ms (the 15th session: 0.53-0.57 s,
+    # then 0.48-0.50 s, both revisions). Each reading carries the engine's steps for it (device
+    # time vs the host's gap); a warm-up at start-up is the candidate fix; the profiled server
+    # gives the host's ops and the kernels of the first and the second prompt.
+    for side in cold:0 warm:16384; do
+      serve "$new" random:llama-3.1-8b 8100 $logs/first-${side%:*}.log \
+        --prefill-warm-up-tokens ${side#*:} && {
+        grep -h "prefill warm-up" $logs/first-${side%:*}.log
+        decode first-${side%:*} llama-3.1-8b "" 2048 16 --prefill-check 16384,32768 \
+          --prefill-repeats 3 || rc=1
+        stop 8100; }
+    done
+    serve "$new" random:llama-3.1-8b 8100 $logs/first-prof.log && {
+      decode first-prof llama-3.1-8b "" 2048 16 --prefill-check 16384 --prefill-repeats 2 \
+        --prefill-profile-steps 64 || rc=1
+      stop 8100; }
+    # Issue 17: the simulator's service profile at this revision.
+    timeout 150 python3 -m bench.prefill_profile --model random:llama-3.1-8b --device cuda \
+      --deadline-s 120 --rev "$rev" \
+      --out "$OUT/prefill-profile-gpu-scheduling-$(date +%F)-$rev.json" || rc=1
     ;;
   kvsplit)
     # Decode attention in the graphs: FlashInfer's split + merge (always) against one chunk a

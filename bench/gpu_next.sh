@@ -294,11 +294,12 @@ case $plan in
       q) parts="post-recommendation:0.5:fcfs,spf,srjf-oneshot:1;credit-verification:0.5:fcfs,srjf:1" ;;
       y) parts="post-recommendation:1:fcfs,srjf:2"; probes=6; dur=12 ;;
     esac
+    parts=${PARTS:-$parts}  # e.g. PARTS="credit-verification:0.5:fcfs,srjf:1": one part again
     cal=bench/results/jct-calibration-h200.json
     python3 -m bench.gpu_scheduling --model random:llama-3.1-8b --rev "$rev" \
       --out-dir $work/sched --duration-s $dur --max-probes $probes --start-s 30 --no-profile \
       $( [ -f $cal ] && echo --jct-calibration $cal ) \
-      --start-qps "post-recommendation@0.5=4.5,post-recommendation@1=30,post-recommendation@default=40,credit-verification=4" \
+      --start-qps "post-recommendation@0.5=4.5,post-recommendation@1=30,post-recommendation@default=40,credit-verification=5" \
       --parts "$parts" --tag gpu-scheduling-$plan --command "bash bench/gpu_next.sh $plan $rev" \
       --deadline-s "$(( $(left) - 15 ))" || rc=1
     cp $work/sched/gpu-scheduling-*.json "$OUT/" ;;

@@ -89,6 +89,10 @@ class EngineConfig:
     # chunk anyway; always: its split everywhere; never: one chunk everywhere (tensor-core
     # decode only; diagnostics).
     decode_kv_split: str = "auto"
+    # One discarded prefill of this many tokens at start-up, through the serving model runner
+    # (Engine._warm_up_prefill), so the first long prompt a user sends does not pay first-use
+    # costs (allocator growth, kernel choices for its shapes). 0 = off.
+    prefill_warm_up_tokens: int = 0
     partition: str = "off"  # off | static:<prefill_sms> | auto
     # Split controller (Nexus Alg. 1) and the split executor (runtime/executor/split.py).
     partition_kv_switch: float = 0.70  # KV usage where the favoured phase flips prefill -> decode
@@ -139,6 +143,8 @@ class EngineConfig:
             raise ValueError("prefill_chunk_tokens must be >= 1")
         if self.prefill_graph_max_tokens < 0:
             raise ValueError("prefill_graph_max_tokens must be >= 0 (0 = off)")
+        if self.prefill_warm_up_tokens < 0:
+            raise ValueError("prefill_warm_up_tokens must be >= 0 (0 = off)")
         if not 0 <= self.fused_decode_max_batch <= 8:
             raise ValueError("fused_decode_max_batch must be in 0..8")
         if self.max_num_seqs < 1:

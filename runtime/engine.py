@@ -358,6 +358,9 @@ class Engine:
         if self._green is not None:
             self._green.submit = self._submit_call
             self._share_prefill_model()
+        self.prefill_warm_up_s: float | None = None
+        if config.prefill_warm_up_tokens:
+            self._warm_up_prefill(config.prefill_warm_up_tokens)
         self._publish_stats()
 
     def _share_prefill_model(self) -> None:
@@ -778,6 +781,29 @@ class Engine:
         if self.device.type == "cuda":
             return torch.cuda.get_device_name(self.device)
         return "cpu"
+
+    def _warm_up_prefill(self, num_tokens: int) -> None:
+        """One discarded prefill of `num_tokens` (at most the longest scoring prompt) through
+        the serving runner, before the first request: the caching allocator grows to that
+        prompt's activations (the activation dry runs ran on their own pool and gave their
+        memory back), and the step's kernels and plans meet those shapes once. A failure is
+        said and serving starts without it."""
+        n = min(num_tokens, self._max_score_tokens)
+        try:
+            self.prefill_warm_up_s = self.measure_prefill(n, 0)
+        except Exception as e:  # noqa: BLE001 - a warm-up must never stop the server starting
+            log.warning(
+                "FALLBACK: the %d-token prefill warm-up failed (%s: %s); the first long "
+                "prompt pays its first-use costs",
+                n,
+                type(e).__name__,
+                e,
+            )
+            fallbacks.note("prefill warm-up", f"{type(e).__name__}: {e}")
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return
+        log.info("prefill warm-up: %d tokens in %.3f s", n, self.prefill_warm_up_s)
 
     def measure_prefill(self, uncached_tokens: int, cached_tokens: int) -> float:
         """Seconds of one real prefill of `uncached_tokens` new tokens after `cached_tokens`

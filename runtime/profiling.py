@@ -104,6 +104,24 @@ def summarize_kernels(
     }
 
 
+def summarize_host_ops(
+    rows: list[tuple[str, int, float]], num_steps: int, top: int = 25
+) -> list[dict[str, Any]]:
+    """`rows`: (host op name, calls, self CPU µs): the ops the host spent most of its own time
+    in, CUDA runtime calls included (`cudaMalloc`, `cudaHostAlloc`, `cudaStreamSynchronize`):
+    where a step's host time goes, e.g. a first long prompt's allocator growth."""
+    per_step = max(1, num_steps)
+    return [
+        {
+            "name": name[:160],
+            "calls": count,
+            "self_cpu_ms": round(us / 1e3, 3),
+            "self_cpu_ms_per_step": round(us / 1e3 / per_step, 4),
+        }
+        for name, count, us in sorted(rows, key=lambda r: -r[2])[:top]
+    ]
+
+
 def summarize_trace(path: str, num_steps: int, top: int = 40) -> dict[str, Any]:
     """The same summary from a chrome trace file (`.json` or `.json.gz`, torch profiler's
     format, e.g. vLLM's): device kernels (`cat` "kernel") by name, and the wall time from the
@@ -172,15 +190,18 @@ class StepProfile:
                 torch.cuda.synchronize()
             wall_ms = (time.perf_counter() - self._t0) * 1e3
             prof.stop()
-            rows = []
+            rows, host_rows = [], []
             for ev in prof.key_averages():
                 us = ev.self_device_time_total if self._on_cuda else ev.self_cpu_time_total
                 if us > 0 and (
                     not self._on_cuda or ev.device_type == torch.autograd.DeviceType.CUDA
                 ):
                     rows.append((ev.key, int(ev.count), float(us)))
+                if ev.self_cpu_time_total > 0 and ev.device_type == torch.autograd.DeviceType.CPU:
+                    host_rows.append((ev.key, int(ev.count), float(ev.self_cpu_time_total)))
             summary = summarize_kernels(rows, self.num_done, wall_ms)
             summary["what"] = "CUDA kernels" if self._on_cuda else "CPU ops (no CUDA device)"
+            summary["host_ops"] = summarize_host_ops(host_rows, self.num_done)
             summary["steps_by_kind"] = dict(self.steps_by_kind)
             summary["num_steps_asked"] = self.num_steps
             summary["timed_out"] = timed_out

@@ -63,3 +63,30 @@ def test_prefill_check_reads_the_engines_steps_for_the_prompt(tmp_path: Path) ->
         # Exactly this prompt's tokens: none of the other reading's steps, none missing.
         assert steps["num_prefill_tokens"] == 300, steps
         assert len(steps["steps"]) == steps["num_steps"]
+
+
+def test_prefill_check_lengths_in_order_with_the_servers_profile(tmp_path: Path) -> None:
+    """Several lengths, each `--prefill-repeats` times in order; with `--prefill-profile-steps`
+    each reading carries the server's profile of its steps (kernels or, on the CPU, ops, and
+    the host's own time by op); the headline reading is the first length's median."""
+    from bench import decode
+
+    out = tmp_path / "d.json"
+    with running_server(model="random:tiny", max_num_seqs=4, admin_token=None) as srv:
+        rc = decode.main(
+            [
+                "--url", srv.url, "--shape", "tiny", "--batches", "", "--copy-gbs", "1",
+                "--prefill-check", "200,120", "--prefill-repeats", "2",
+                "--prefill-profile-steps", "1", "--out", str(out),
+            ]
+        )  # fmt: skip
+    assert rc == 0
+    res = json.loads(out.read_text())
+    checks = res["prefill_checks"]
+    assert [c["num_tokens"] for c in checks] == [200, 200, 120, 120]
+    assert res["prefill_check"]["num_tokens"] == 200
+    for check in checks:
+        prof = check["profile"]
+        assert prof is not None and "error" not in prof, prof
+        assert prof["num_steps"] == 1 and prof["steps_by_kind"] == {"prefill": 1}
+        assert prof["host_ops"] and prof["kernel_ms"] > 0

@@ -141,6 +141,11 @@ def test_profile_under_load(app_client: TestClient, profile_dir: Path) -> None:
     assert s["what"].startswith("CPU ops")
     assert s["top_kernels"] and s["kernel_ms"] > 0
     assert s["wall_ms"] > 0
+    # The host's own time by op, largest first, the model's torch ops among them.
+    host = s["host_ops"]
+    assert host and any(op["name"].startswith("aten::") for op in host)
+    ms = [op["self_cpu_ms"] for op in host]
+    assert ms == sorted(ms, reverse=True) and ms[0] > 0
     trace = Path(s["trace_path"])
     assert trace.is_relative_to(profile_dir) and trace.exists()
     assert "traceEvents" in json.loads(trace.read_text())
