@@ -53,7 +53,7 @@ from policies.jct import JCTModel
 from runtime import fallbacks
 from runtime.attention.base import AttentionBackend
 from runtime.attention.torch_backend import TorchAttentionBackend
-from runtime.config import EngineConfig
+from runtime.config import PREFILL_WARM_UP_TOKENS, EngineConfig
 from runtime.executor.base import StepFailed, StepResult
 from runtime.executor.serial import SerialExecutor
 from runtime.executor.split import SplitExecutor
@@ -359,8 +359,11 @@ class Engine:
             self._green.submit = self._submit_call
             self._share_prefill_model()
         self.prefill_warm_up_s: float | None = None
-        if config.prefill_warm_up_tokens:
-            self._warm_up_prefill(config.prefill_warm_up_tokens)
+        warm_up_tokens = config.prefill_warm_up_tokens
+        if warm_up_tokens is None:
+            warm_up_tokens = PREFILL_WARM_UP_TOKENS if self.device.type == "cuda" else 0
+        if warm_up_tokens:
+            self._warm_up_prefill(warm_up_tokens)
         self._publish_stats()
 
     def _share_prefill_model(self) -> None:
