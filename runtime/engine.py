@@ -573,17 +573,16 @@ class Engine:
         def peak_at(num_tokens: int) -> int:
             return profile_activation_peak(cfg, self.model, mc, num_tokens, backend_for) + graphs
 
-        p1, slope, fixed = activation_line(peak_at, n0, lo, hi)
-        line = ActivationLine(n0, p1, lo, slope, fixed)
-        if cfg.max_score_tokens is None and slope > 0:
+        line = activation_line(peak_at, n0, lo, hi)
+        if cfg.max_score_tokens is None and line.slope > 0:
             self._fit_max_score_tokens(line)
         reserve = int(line.reserve(self._max_score_tokens))
         log.info(
             "activation peak measured: %.2f GiB at %d tokens, %.1f KiB/token; reserving "
             "%.2f GiB (scoring prompts up to %d tokens)",
-            p1 / 2**30,
+            line.step_peak / 2**30,
             n0,
-            slope / 1024,
+            line.slope / 1024,
             reserve / 2**30,
             self._max_score_tokens,
         )

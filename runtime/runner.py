@@ -169,22 +169,6 @@ def activation_probe_lengths(
     return n0, lo, max(hi, lo + 1)
 
 
-def activation_line(
-    peak_at: Callable[[int], int], budget_tokens: int, lo: int, hi: int
-) -> tuple[int, float, float]:
-    """From dry runs: (peak bytes of a `budget_tokens` step, bytes a prompt token adds, the
-    line's bytes at 0 tokens). The line runs through the peaks at `lo` and `hi` tokens; a
-    prompt of N >= lo tokens needs at most `fixed + slope * N` (the peak is convex in N: the
-    chord lies above it between the two, and its extension beyond once the steepest phase
-    leads at lo), one of fewer the peak at lo (the peak only grows with N)."""
-    p0 = peak_at(budget_tokens)
-    p_lo = p0 if lo == budget_tokens else peak_at(lo)
-    p_hi = peak_at(hi)
-    slope = max(0.0, (p_hi - p_lo) / (hi - lo))
-    fixed = max(0.0, p_hi - slope * hi)
-    return p0, slope, fixed
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class ActivationLine:
     """What the start-up dry runs measured (`activation_line`): `step_peak` bytes for a
@@ -226,6 +210,22 @@ class ActivationLine:
         if self.slope <= 0:
             return 1 << 62
         return max(int((num_bytes - self.fixed) // self.slope), self.step_tokens)
+
+
+def activation_line(
+    peak_at: Callable[[int], int], budget_tokens: int, lo: int, hi: int
+) -> ActivationLine:
+    """From dry runs: the peak of a `budget_tokens` step and the line through the peaks at `lo`
+    and `hi` tokens (its slope: the bytes a prompt token adds; its bytes at 0 tokens). A prompt
+    of N >= lo tokens needs at most `fixed + slope * N` (the peak is convex in N: the chord
+    lies above it between the two, and its extension beyond once the steepest phase leads at
+    lo), one of fewer the peak at lo (the peak only grows with N)."""
+    p0 = peak_at(budget_tokens)
+    p_lo = p0 if lo == budget_tokens else peak_at(lo)
+    p_hi = peak_at(hi)
+    slope = max(0.0, (p_hi - p_lo) / (hi - lo))
+    fixed = max(0.0, p_hi - slope * hi)
+    return ActivationLine(budget_tokens, p0, lo, slope, fixed)
 
 
 class OutOfMemoryForStep(RuntimeError):

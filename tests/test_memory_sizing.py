@@ -155,8 +155,9 @@ def test_the_reserve_bounds_a_convex_peak_and_inverts() -> None:
     from runtime.runner import activation_line
 
     for n0, lo, hi in ((8192, 32768, 65536), (8192, 2048, 4096)):  # lo above / below the step
-        p0, slope, fixed = activation_line(_hybrid_peak, n0, lo, hi)
-        line = ActivationLine(n0, p0, lo, slope, fixed)
+        line = activation_line(_hybrid_peak, n0, lo, hi)
+        assert (line.step_tokens, line.lo) == (n0, lo)
+        p0 = line.step_peak
         # (the line holds up to the longest prompt, which the probes never exceed: hi here)
         for n in [*range(16, min(hi, 70000), 512), hi, 200_000 if hi > 8192 else hi]:
             assert line.reserve(n) >= max(_hybrid_peak(n), p0), (lo, n)
@@ -200,8 +201,10 @@ def test_the_slope_is_measured_where_the_attention_line_leads() -> None:
         calls.append(n)
         return _hybrid_peak(n)
 
-    p0, slope, fixed = activation_line(peak_at, n0, lo, hi)
+    line = activation_line(peak_at, n0, lo, hi)
+    p0, slope, fixed = line.step_peak, line.slope, line.fixed
     assert calls == [8192, 32768, 65536] and p0 == _hybrid_peak(8192)
+    assert (line.step_tokens, line.lo) == (8192, 32768)
     # The engine's reserve for a longest prompt of n tokens covers the peak at any n (the
     # chord between lo and hi, its extension beyond, the peak at lo below it) ...
     for n in [*range(1024, 65536, 1024), 100_000, 200_000]:
