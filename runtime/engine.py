@@ -786,10 +786,12 @@ class Engine:
 
     def _warm_up_prefill(self, num_tokens: int) -> None:
         """One discarded prefill of `num_tokens` (at most the longest scoring prompt) through
-        the serving runner, before the first request: the caching allocator grows to that
-        prompt's activations (the activation dry runs ran on their own pool and gave their
-        memory back), and the step's kernels and plans meet those shapes once. A failure is
-        said and serving starts without it."""
+        the serving runner, before the first request, so its first-use host costs are paid
+        here: on the H200 a fresh server's first 16k prompt spent ~130 ms more host time inside
+        cuBLAS (its first GEMMs of that many rows) and in the scoring path's first elementwise
+        kernels, with the GPU waiting (docs/benchmarks.md, "A fresh server's first long
+        prompt"). The activation dry runs do not do it: other lengths, their own pool, no
+        scoring head. A failure is said and serving starts without it."""
         n = min(num_tokens, self._max_score_tokens)
         try:
             self.prefill_warm_up_s = self.measure_prefill(n, 0)

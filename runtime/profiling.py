@@ -109,7 +109,8 @@ def summarize_host_ops(
 ) -> list[dict[str, Any]]:
     """`rows`: (host op name, calls, self CPU µs): the ops the host spent most of its own time
     in, CUDA runtime calls included (`cudaMalloc`, `cudaHostAlloc`, `cudaStreamSynchronize`):
-    where a step's host time goes, e.g. a first long prompt's allocator growth."""
+    where a step's host time goes, e.g. a fresh server's first long prompt waiting on
+    cuBLAS's first GEMMs of that size (`aten::mm`'s own time)."""
     per_step = max(1, num_steps)
     return [
         {
