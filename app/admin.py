@@ -520,6 +520,8 @@ def _build_state(app: Any) -> dict[str, Any]:
         },
         # Piecewise prefill graphs (None: none captured: CPU, FlashInfer off, or turned off).
         "prefill_graphs": stats.get("prefill_graphs"),
+        # Seconds of the start-up prefill warm-up (None: it did not run: CPU, off, or failed).
+        "prefill_warm_up_s": stats.get("prefill_warm_up_s"),
         "latency": {
             "source": recent["source"],
             # All traffic together, then chat (chat + completions) and scoring apart: a

@@ -1388,6 +1388,7 @@ class Engine:
             "tbt_tail_factor": self._tbt_tail.factor,
             **self._gc.take_window(),
             "prefill_graphs": self._prefill_graphs_summary,
+            "prefill_warm_up_s": self.prefill_warm_up_s,
             "num_mixed_steps": self._num_mixed_steps,
             "num_mixed_steps_over_tbt": self._num_mixed_steps_over_tbt,
             **_quantiles("mixed_step_ratio", self._mixed_step_ratios, (50, 90, 99)),

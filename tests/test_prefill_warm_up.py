@@ -27,6 +27,9 @@ def test_warm_up_runs_leaves_nothing_behind_and_changes_no_answer() -> None:
     try:
         assert warm.prefill_warm_up_s is not None and warm.prefill_warm_up_s > 0
         assert cold.config.prefill_warm_up_tokens is None and cold.prefill_warm_up_s is None
+        # Said in the stats (and so in /admin/api/state) for a benchmark's record.
+        assert warm.stats()["prefill_warm_up_s"] == warm.prefill_warm_up_s
+        assert cold.stats()["prefill_warm_up_s"] is None
         bm = warm.block_manager
         assert bm.num_free_blocks == bm.num_blocks  # its throwaway blocks are back
         bm.check_integrity()
@@ -73,3 +76,20 @@ def test_option_is_on_the_command_line_and_checked() -> None:
     assert args.prefill_warm_up_tokens == 4096
     with pytest.raises(ValueError, match="prefill_warm_up_tokens"):
         EngineConfig(prefill_warm_up_tokens=-1)
+
+
+def test_admin_state_says_how_long_the_warm_up_took() -> None:
+    """Through the server (engine core process, random:tiny): /admin/api/state carries the
+    warm-up's seconds, so a benchmark that records the state shows it ran."""
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+    from app.settings import Settings
+
+    settings = Settings(model="random:tiny", max_num_seqs=4, prefill_warm_up_tokens=32)
+    app = create_app(settings)
+    with TestClient(app, client=("127.0.0.1", 50123), base_url="http://127.0.0.1:8000") as c:
+        r = c.get("/admin/api/state")
+        assert r.status_code == 200, r.text
+        assert r.json()["prefill_warm_up_s"] > 0
+
