@@ -41,6 +41,7 @@ from app.common import (
     until_disconnect,
 )
 from app.errors import ERROR_RESPONSES, APIError, bad_request, error_body
+from app.json_body import FastJSONRoute
 from app.limits import check_num_requests
 from app.protocol import (
     ChatCompletionRequest,
@@ -55,7 +56,12 @@ from app.sse import DONE, SSEResponse
 from runtime.request import Request as EngineRequest
 from runtime.request import RequestKind, RequestOutput, SamplingParams, TokenLogprob
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], responses=ERROR_RESPONSES)
+router = APIRouter(
+    prefix="/v1",
+    dependencies=[Depends(require_api_key)],
+    responses=ERROR_RESPONSES,
+    route_class=FastJSONRoute,
+)
 log = logging.getLogger("greenlane.app")  # details beside the one access line
 
 # OpenAPI: with `"stream": true` the 200 answer is Server-Sent Events.

@@ -21,9 +21,12 @@ from app.common import (
     settings_of,
 )
 from app.errors import ERROR_RESPONSES, bad_request
+from app.json_body import FastJSONRoute
 from app.protocol import ChatMessage, _Request
 
-router = APIRouter(dependencies=[Depends(require_api_key)], responses=ERROR_RESPONSES)
+router = APIRouter(
+    dependencies=[Depends(require_api_key)], responses=ERROR_RESPONSES, route_class=FastJSONRoute
+)
 
 
 class TokenizeRequest(_Request):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import socket
 import threading
 import time
@@ -93,14 +94,24 @@ class ServerThread:
 
 @contextlib.contextmanager
 def running_server(
-    engine_factory: Callable[..., Any] | None = None, **settings: Any
+    engine_factory: Callable[..., Any] | None = None,
+    *,
+    freeze_gc_at_start: bool = False,
+    **settings: Any,
 ) -> Iterator[ServerThread]:
-    app = create_app(Settings(**settings), engine_factory=engine_factory)
+    """A server in a thread of this process. `freeze_gc_at_start`: as the CLI's API server does,
+    freeze every object alive once it is up (here the whole test process's heap, so the
+    collector is given it back when the server stops)."""
+    app = create_app(
+        Settings(**settings), engine_factory=engine_factory, freeze_gc_at_start=freeze_gc_at_start
+    )
     srv = ServerThread(app).start()
     try:
         yield srv
     finally:
         srv.stop()
+        if freeze_gc_at_start:
+            gc.unfreeze()
 
 
 def fake_server(**settings: Any) -> contextlib.AbstractContextManager[ServerThread]:
