@@ -60,8 +60,8 @@ async def _refuse_counts_before_validation(request: Request) -> None:
     """The item and label counts of `/v1/score`, checked on the decoded body before pydantic
     validates it: validating 700k items (a body under the size cap) held the event loop for
     ~130 ms, every stream with it, only to be refused for their number afterwards. Same
-    checks, same errors as after validation (`score` repeats them on the validated body);
-    anything else about the body is left to the validation."""
+    checks, same errors; validation keeps a list a list, so they hold for the validated body
+    too. Anything else about the body is left to the validation."""
     if not await request.body():
         return
     try:
@@ -262,14 +262,7 @@ async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
     the labels and their ids, the top label per item, and per-item engine timings."""
     check_model(request, body.model)
     engine = engine_of(request)
-    check_num_requests(
-        client_of(request), len(body.items) if isinstance(body.items, list) else 1, "items"
-    )
-    check_num_labels(
-        engine,
-        len(body.labels if body.labels is not None else body.label_token_ids or []),
-        "labels" if body.labels is not None else "label_token_ids",
-    )
+    # Item and label counts: checked before validation (`_refuse_counts_before_validation`).
     # One hop to the preparation threads for both (a hop costs more than small id checks).
     (label_ids, label_names), prompts = await off_loop(_labels_and_prompts, engine, body)
     request_id, engine_base = begin_request_id(request, "score")

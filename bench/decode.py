@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--shape", required=True, help="the random:<preset> the server runs (floor)")
-    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--batches", type=_int_list, default="1,16,64")
     ap.add_argument("--context", type=int, default=2048, help="prompt tokens per stream")
     ap.add_argument("--output-tokens", type=int, default=160)
     ap.add_argument("--repeats", type=int, default=2)
@@ -465,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     copy_gbs = args.copy_gbs or (ceilings or {}).get("copy_gbs_read_plus_write")
     cfg = get_preset(args.shape)
     port = httpx.URL(args.url).port or 80
-    batches = [int(b) for b in args.batches.split(",") if b]
+    batches = args.batches
     most_procs = max((args.client_procs or -(-b // 16) for b in batches), default=1)
     with contextlib.ExitStack() as stack:
         pool = None

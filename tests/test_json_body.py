@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import pytest
 from fastapi import APIRouter, Body, FastAPI
 from fastapi.testclient import TestClient
@@ -57,43 +58,20 @@ def test_counts_are_refused_before_validation() -> None:
     error comes back, so it was checked first; labels likewise. Within the limits the
     validation error is what the caller gets."""
     with fake_server(max_num_seqs=2, max_queue=0) as srv:
-        with _client(srv.url) as http:
-            r = http.post(
-                "/v1/score",
-                json={
-                    "query": "q",
-                    "items": ["a"] * 5,
-                    "label_token_ids": [1],
-                    "apply_softmax": "not a bool",
-                },
-            )
-            assert r.status_code == 400, r.text
-            assert r.json()["error"]["code"] == "too_many_items"
-            r = http.post(
-                "/v1/score",
-                json={
-                    "query": "q",
-                    "items": ["a"],
-                    "label_token_ids": [1] * 100_000,
-                    "apply_softmax": "not a bool",
-                },
-            )
-            assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_labels", r.text
-            assert r.json()["error"]["param"] == "label_token_ids"
-            r = http.post(
-                "/v1/score",
-                json={
-                    "query": "q",
-                    "items": ["a"],
-                    "label_token_ids": [1],
-                    "apply_softmax": "not a bool",
-                },
-            )
-            assert r.status_code == 400, r.text
-            assert r.json()["error"]["param"] == "apply_softmax", r.text
+        with httpx.Client(base_url=srv.url, timeout=30) as http:
 
+            def score(items: int, labels: int) -> dict[str, Any]:
+                body = {
+                    "query": "q",
+                    "items": ["a"] * items,
+                    "label_token_ids": [1] * labels,
+                    "apply_softmax": "not a bool",
+                }
+                r = http.post("/v1/score", json=body)
+                assert r.status_code == 400, r.text
+                return r.json()["error"]
 
-def _client(url: str) -> Any:
-    import httpx
-
-    return httpx.Client(base_url=url, timeout=30)
+            assert score(5, 1)["code"] == "too_many_items"
+            err = score(1, 100_000)
+            assert err["code"] == "too_many_labels" and err["param"] == "label_token_ids", err
+            assert score(1, 1)["param"] == "apply_softmax"
