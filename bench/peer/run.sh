@@ -347,8 +347,12 @@ long)
   # against the same Greenlane, which stays up.
   sweep=("$@"); [ ${#sweep[@]} -gt 0 ] || sweep=(2048 4096 16384)
   args=("${LONG_ARGS[@]}")
-  start_servers llama-3.1-8b || { collect; exit 1; }
-  alternate long-default 1 80 "${args[@]}"
+  # PEER_LONG_DEFAULT=0: the sweep alone (its defaults ran in an earlier call of the session;
+  # no restart of vLLM at its default on the way).
+  if [ "${PEER_LONG_DEFAULT:-1}" != 0 ]; then
+    start_servers llama-3.1-8b || { collect; exit 1; }
+    alternate long-default 1 80 "${args[@]}"
+  fi
   for m in "${sweep[@]}"; do
     [ "$(left)" -gt 190 ] || { echo "deadline: the sweep stops before $m"; break; }
     start_servers llama-3.1-8b "--max-num-batched-tokens $m" || break
