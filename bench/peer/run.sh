@@ -365,6 +365,7 @@ gputest)
   # merged steps on FA2 among them). Result: $RES/gputest.json (exit code, tail).
   tests=("$@")
   [ ${#tests[@]} -gt 0 ] || tests=(tests/gpu/test_prefill_graphs_gpu.py)
+  gl_env  # a second gputest on the machine skips the install, not the environment
   python3 -m pytest -q -m "gpu or kernels" -p no:cacheprovider "${tests[@]}" 2>&1 | tee "$W/gputest.log"
   rc=${PIPESTATUS[0]}
   python3 - "$W/gputest.log" "$RES/gputest.json" "$rc" "${tests[*]}" <<'PYEOF'

@@ -1,8 +1,15 @@
 """GPU: the engine with FlashInfer, decode CUDA graphs and the fused batch-1 decode.
 
-- Overlapped scheduling (the default) gives token-for-token the greedy output of one step at a
-  time, with chunked prefill, prefix hits and scoring beside the chat requests (lengths stop
-  them: the batches are then the same in both modes, so bf16 rounding cannot differ).
+- Overlapped scheduling (the default) gives the greedy output of one step at a time, with
+  chunked prefill, prefix hits and scoring beside the chat requests, token for token up to a
+  near tie. Not always exactly: overlap learns of a finish one step late, so the step after a
+  request's last token still carries its (dropped) surplus row; that changes the batch's
+  shape, so the GEMMs' bf16 rounding and FlashInfer's split of the KV, and a near tie of the
+  random weights can flip (seen on the H200 on 2026-12-03 at `66deef8`: one flip in 24 tokens,
+  after a run of one repeated token). A wrong token fed back would not look like that: the
+  tokens before the first difference must match with their logprobs, and at the difference
+  the reference's two best must be within a tie and the other run must have picked the
+  second.
 - Penalties and logit bias act inside the graph-replayed decode (the sampler runs on the
   device after the graph): a large presence penalty makes every output token distinct, a
   logit bias forces its token, and a request without them decodes as it does alone.
@@ -39,6 +46,9 @@ class _Sink:
 
     def tokens(self, rid: str) -> list[int]:
         return [t for o in self.outs[rid] for t in o.new_token_ids]
+
+    def logprobs(self, rid: str) -> list:
+        return [lp for o in self.outs[rid] for lp in o.new_logprobs]
 
 
 def _engine(**kw):  # type: ignore[no-untyped-def]
@@ -99,7 +109,7 @@ def test_overlap_on_and_off_give_the_same_greedy_tokens() -> None:
             # on the H200 on 2026-12-03: two of four runs failed, with and without the
             # start-up warm-up.)
             eng.add_many(
-                [_gen(f"r{i}", p, 20 + 4 * i) for i, p in enumerate(prompts)]
+                [_gen(f"r{i}", p, 20 + 4 * i, logprobs=2) for i, p in enumerate(prompts)]
                 + [Request("s", RequestKind.SCORE, profile + [5, 6, 7], label_token_ids=[1, 2])]
             )
             sink.wait(["r0", "r1", "r2", "r3", "s"])
@@ -110,14 +120,37 @@ def test_overlap_on_and_off_give_the_same_greedy_tokens() -> None:
         results.append(
             (
                 sink.tokens("solo"),
-                [sink.tokens(f"r{i}") for i in range(4)],
+                [sink.logprobs(f"r{i}") for i in range(4)],
                 sink.outs["s"][-1].label_probs,
             )
         )
-    (solo0, toks0, probs0), (solo1, toks1, probs1) = results
+    (solo0, lps0, probs0), (solo1, lps1, probs1) = results
     assert solo1 == solo0 and len(solo0) == 24
-    assert toks1 == toks0
+    for i, (ref, other) in enumerate(zip(lps0, lps1, strict=True)):
+        assert len(ref) == len(other) == 20 + 4 * i
+        _same_up_to_a_near_tie(ref, other)
     assert probs1 == pytest.approx(probs0, rel=1e-3)
+
+
+# bf16: the same token's logprob in two batch shapes (same_answers saw <= 0.063 nats between
+# two engines); a near tie: the best two within this many nats.
+_LOGPROB_TOL = 0.15
+_TIE_NATS = 0.15
+
+
+def _same_up_to_a_near_tie(ref: list, other: list) -> None:
+    """`ref` and `other` are one request's TokenLogprobs (top-2) off and on. Equal tokens with
+    close logprobs up to the first difference; there, `other` picked the reference's second
+    best, within a tie of its best. Past it the contexts differ, so nothing is compared."""
+    for j, (a, b) in enumerate(zip(ref, other, strict=True)):
+        if a.token_id == b.token_id:
+            assert abs(a.logprob - b.logprob) <= _LOGPROB_TOL, (j, a, b)
+            continue
+        assert len(a.top) >= 2, (j, a)
+        (best, best_lp), (second, second_lp) = a.top[0], a.top[1]
+        assert best == a.token_id and second == b.token_id, (j, a, b)
+        assert best_lp - second_lp <= _TIE_NATS, (j, a, b)
+        return
 
 
 def test_penalties_and_logit_bias_act_inside_graph_decode() -> None:
