@@ -53,6 +53,11 @@ MAX_MODEL_LEN = 256
 
 class FakeTokenizer:
     vocab_size = VOCAB_SIZE
+    # As the real tokenizer says it (runtime/tokenizer.py): the most characters one token
+    # stands for (a byte stands for at most one; a special token's text for its length), so
+    # the API's length check refuses a text too long for any tokenisation before tokenising
+    # it, as it does on the real server.
+    max_chars_per_token = max(len(s) for s in SPECIALS)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         ids: list[int] = []
