@@ -153,10 +153,12 @@ class AttentionBackend(Protocol):
 
 # The fused RoPE + K/V write runs on forwards of at most this many tokens (decode batches,
 # prefill parts up to the largest prefill-graph bucket); longer prefill parts take RoPE and the
-# two pool writes. Fusing saves two launches a layer, which count where a part's launches are
-# a share of its time; the fused kernel runs a program per (token, head), 786k a layer at 16k
-# tokens on the 8B shape, where the H200 read a 16k-token prompt 0.528 s fused against 0.511 s
-# unfused (one reading each, `0475b77`). Plan l times both per token count to set this.
+# two pool writes. Not for speed: plan l (H200, 2026-12-03) timed the tiled kernel faster than
+# the unfused pair at every count up to 16k (8B: 175 vs 433 us a layer at 16k, ~8 ms of a
+# 0.5 s prefill), but the kernel writes rotated q and k as new tensors, and a hybrid prefill of
+# a long scoring prompt would hold that second [T, Hq + Hkv, D] copy (10 KiB a token on the 8B
+# shape) where the layer rotates chunk by chunk into its own buffers: memory the longest prompt
+# needs more than the 1.6 %.
 FUSED_ROPE_MAX_TOKENS = 2048
 
 

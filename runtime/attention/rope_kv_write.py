@@ -12,11 +12,16 @@ into the pool at each token's slot (-1: not written, a scoring request's discard
 Grid: one program per (token, head) over Hq + 2 Hkv heads: q heads rotate, k heads rotate and
 write, v heads only write. `tokens_per_program` > 1 runs a variant whose program takes that
 many tokens of one head (a [tokens, D/2] tile): the per-token grid is 786k programs a layer
-for a 16k-token prefill on the 8B shape, where the H200 read the 16k prompt 3 % slower fused
-than unfused (0.528 vs 0.511 s, one reading each at `0475b77`). Which variant wins at which
-token count is measured by `bench/gpu_suite.py --sections rope_kv` before it becomes a default;
-until then the backends fuse forwards of at most `FUSED_ROPE_MAX_TOKENS` rows (base.py). On a machine without CUDA it runs under Triton's interpreter
-(TRITON_INTERPRET=1, set by the tests' conftest).
+for a 16k-token prefill on the 8B shape. Measured per token count (`bench/gpu_suite.py
+--sections rope_kv`, H200, 2026-12-03, `b5f0e9e`, one layer, CUDA events): up to 256 tokens
+every variant takes the same ~50-60 us (a launch's time); from 1,024 tokens 16 tokens a
+program is the fastest on both shapes (8B: 57 / 66 / 112 / 175 us at 1k / 2k / 8k / 16k
+against 79 / 109 / 290 / 532 one token a program and 244 / 250 / 320 / 433 unfused). So
+`tokens_per_program=None` (the backends') takes one token a program up to
+`TILED_MIN_TOKENS` and 16 above. The backends still fuse only forwards of at most
+`FUSED_ROPE_MAX_TOKENS` rows (base.py: a longer one would hold a second copy of q and k). On a
+machine without CUDA it runs under Triton's interpreter (TRITON_INTERPRET=1, set by the tests'
+conftest).
 """
 
 from __future__ import annotations
@@ -24,6 +29,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+# Forwards of more rows than this take the tiled variant, this many tokens a program (measured:
+# the module docstring).
+TILED_MIN_TOKENS = 256
+TILED_TOKENS_PER_PROGRAM = 16
 
 
 @triton.jit
@@ -168,13 +178,15 @@ def rope_kv_write(
     token_slots: torch.Tensor,
     k_flat: torch.Tensor,
     v_flat: torch.Tensor,
-    tokens_per_program: int = 1,
+    tokens_per_program: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, D], k / v [T, Hkv, D] (views of the projection's output: any row and head
     strides, dims packed), positions [T] int64, token_slots [T] int64 (-1: not written),
     k_flat / v_flat [num_slots, Hkv, D] -> (q, k) rotated, new contiguous tensors; k (rotated)
-    and v written to the pool. tokens_per_program: 1 (one program per token and head), or a
-    power of two for the tiled variant (see the module docstring)."""
+    and v written to the pool. tokens_per_program: 1 (one program per token and head), a
+    power of two for the tiled variant, or None: the measured best for T (module docstring)."""
+    if tokens_per_program is None:
+        tokens_per_program = 1 if q.shape[0] <= TILED_MIN_TOKENS else TILED_TOKENS_PER_PROGRAM
     if tokens_per_program < 1 or tokens_per_program & (tokens_per_program - 1):
         raise ValueError(f"tokens_per_program must be a power of two, got {tokens_per_program}")
     T, num_q_heads, head_dim = q.shape
