@@ -713,7 +713,11 @@ def add_setup_args(p: argparse.ArgumentParser) -> None:
         default="profile",
         help="service times from a measured profile (default) or the old JCT-model-based ones",
     )
-    p.add_argument("--profile", help=f"prefill profile JSON (default: {DEFAULT_PROFILE.name})")
+    p.add_argument(
+        "--profile",
+        help=f"prefill profile JSON, or several separated by commas, their repeats pooled "
+        f"(default: {DEFAULT_PROFILE.name})",
+    )
     p.add_argument("--jct-profile", help="fit the scheduler's JCT model on this separate profile")
     p.add_argument(
         "--calibration",

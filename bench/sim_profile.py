@@ -172,8 +172,56 @@ class PrefillProfile:
 
     @classmethod
     def load(cls, path: str | Path) -> PrefillProfile:
+        """One profile file, or several separated by commas, pooled (`pooled`)."""
+        paths = [x for x in str(path).split(",") if x]
+        if len(paths) > 1:
+            return cls.pooled([cls.load(x) for x in paths])
         with open(path, encoding="utf-8") as f:
             return cls.from_dict(json.load(f), str(path))
+
+    @classmethod
+    def pooled(cls, profiles: Sequence[PrefillProfile]) -> PrefillProfile:
+        """Profiles of one model on one kind of device measured at different times, as one:
+        each grid point's repeats are the repeats of every profile that measured it (in
+        profile order; `split_repeats` still halves them by position), points measured by one
+        only kept as they are. Why: two H200 profiles a day apart read the points of a short
+        prefill after a long cached prefix 12-28 % apart (five repeats each), enough to move
+        the simulator's SRJF/FCFS prediction by 20-30 points; pooling halves what one
+        machine's reading weighs."""
+        if not profiles:
+            raise ValueError("pooled: no profiles")
+        first = profiles[0]
+        for prof in profiles[1:]:
+            if (prof.device, prof.model) != (first.device, first.model):
+                raise ValueError(
+                    f"pooled: {prof.path or 'a profile'} is {prof.model} on {prof.device}, "
+                    f"{first.path or 'the first'} {first.model} on {first.device}"
+                )
+        seconds: dict[tuple[int, int, int], list[float]] = {}
+        meta: dict[tuple[int, int, int], ProfilePoint] = {}
+        for prof in profiles:
+            for pt in prof.points:
+                key = (pt.uncached, pt.cached, pt.batch)
+                seconds.setdefault(key, []).extend(pt.seconds)
+                meta.setdefault(key, pt)
+        points = [
+            ProfilePoint(k[0], k[1], tuple(v), k[2], meta[k].origin, meta[k].source)
+            for k, v in seconds.items()
+        ]
+        paths = [prof.path or "?" for prof in profiles]
+        origin = "measured" if all(x.origin == "measured" for x in profiles) else "derived"
+        prof = cls(
+            points,
+            device=first.device,
+            model=first.model,
+            origin=origin,
+            note=f"pooled repeats of {len(profiles)} profiles",
+            provenance={"pooled": [x.provenance for x in profiles], "paths": paths},
+            block_size=first.block_size,
+            path=",".join(paths),
+        )
+        prof.check()
+        return prof
 
     def check(self) -> None:
         """Raise ValueError unless at least one cached level has two batch-1 points."""

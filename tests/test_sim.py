@@ -155,6 +155,34 @@ def test_profile_format_round_trip_and_validation(tmp_path) -> None:
             PrefillProfile.from_dict(bad)
 
 
+def test_profiles_pool_their_repeats_point_by_point(tmp_path) -> None:
+    """Two profiles of one model and device, loaded as "a.json,b.json": each point's repeats
+    are both files' (in file order); a point one file lacks is kept; the service's median
+    moves to the pooled one; another model is refused."""
+    a = _tiny_profile()
+    b = PrefillProfile(
+        [
+            ProfilePoint(100, 0, (0.012, 0.013)),
+            ProfilePoint(1000, 0, (0.110,)),
+            ProfilePoint(100, 10000, (0.030, 0.028)),
+        ],
+        device="test",
+        model="test",
+    )
+    a.save(tmp_path / "a.json")
+    b.save(tmp_path / "b.json")
+    pooled = PrefillProfile.load(f"{tmp_path / 'a.json'},{tmp_path / 'b.json'}")
+    by = {(p.uncached, p.cached, p.batch): p.seconds for p in pooled.points}
+    assert by[(100, 0, 1)] == (0.010, 0.011, 0.009, 0.012, 0.013)
+    assert by[(100, 10000, 1)] == (0.020, 0.030, 0.028)
+    assert by[(10000, 0, 1)] == (2.0,) and len(by) == 5
+    assert ProfileService(pooled).median_s(100, 10000) == pytest.approx(0.028)
+    assert pooled.provenance["paths"] == [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
+    other = PrefillProfile(list(b.points), device="test", model="another")
+    with pytest.raises(ValueError, match="another"):
+        PrefillProfile.pooled([a, other])
+
+
 def test_split_halves_are_disjoint_repeats() -> None:
     calib, service = _tiny_profile().split_repeats()
     assert calib.points[0].seconds == (0.010, 0.009) and service.points[0].seconds == (0.011,)
