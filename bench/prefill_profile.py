@@ -11,9 +11,14 @@ Batch points (`--batch-points u:c:B`) time one forward over B such prefills (the
 short scoring prompts and warm posts up to its token budget). One untimed warm-up pass over the
 grid (first-call costs: kernel plans, allocator growth), then `--repeats` timed passes, each over
 the whole grid in a shuffled order (seeded), so that slow drift shows up as noise at every point
-rather than as a bias at some; repeat i of every point comes from pass i, which
-`PrefillProfile.split_repeats` relies on. `--deadline-s` stops after the last complete pass that
-fits (the file says how many passes were done).
+rather than as a bias at some; a point's values are in pass order, which
+`PrefillProfile.split_repeats` relies on (it halves them by position). Points whose warm-up
+reading is under `--cheap-below-ms` are read `--cheap-samples` times a pass (back to back):
+a short prefill after a long cached prefix costs milliseconds but read 9-26 % apart between
+passes, and two H200 profiles of five passes a day apart put its median 12-45 % apart, enough to
+swing the simulator's SRJF/FCFS prediction by 20-30 points (docs/scheduling.md); more readings
+of those points cost seconds. `--deadline-s` stops after the last complete pass that fits (the
+file says how many passes were done).
 
 `--jct-out FILE` also writes the JCT calibration (greenlane-jct/1) an engine would fit on the
 calibration half of the repeats: give it to the servers (`--jct-calibration FILE`), and the
@@ -41,6 +46,9 @@ GPU_UNCACHED = (64, 150, 512, 2048, 8192, 16384)
 GPU_CACHED = (0, 4096, 16384, 32768)
 GPU_BATCH_POINTS = ((150, 16384, 4), (150, 16384, 16), (512, 0, 8), (1024, 0, 8))
 GPU_REPEATS = 5
+# Points under 100 ms a reading (u <= 2048 at every cached level, the batch of four posts) are
+# read four times a pass: ~8 s more over five passes on the H200.
+GPU_CHEAP_SAMPLES = 4
 CPU_UNCACHED = (16, 64, 256)
 CPU_CACHED = (0, 256)
 CPU_BATCH_POINTS = ((16, 256, 4),)
@@ -100,8 +108,11 @@ def measure_profile(
     deadline_s: float | None = None,
     seed: int = 0,
     say: Any = None,
+    cheap_samples: int = 1,
+    cheap_below_s: float = 0.1,
 ) -> tuple[dict[tuple[int, int, int], list[float]], dict[str, Any]]:
-    """Seconds per point, one value per complete pass, and a record of what happened."""
+    """Seconds per point in pass order (one value a complete pass; `cheap_samples` for a point
+    whose warm-up reading was under `cheap_below_s`), and a record of what happened."""
     say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
     t_start = time.monotonic()
     rng = random.Random(seed)
@@ -120,9 +131,12 @@ def measure_profile(
             say(f"[profile] point u={u} c={c} B={b} failed: {errors[key]}")
             return None
 
+    samples = dict.fromkeys(points, 1)
     for _ in range(warmup_passes):
         for p in points:
-            one(*p)
+            v = one(*p)
+            if v is not None and v < cheap_below_s:
+                samples[p] = max(1, cheap_samples)
     warm_s = time.monotonic() - t_start
     values: dict[tuple[int, int, int], list[float]] = {p: [] for p in points}
     passes = 0
@@ -138,10 +152,11 @@ def measure_profile(
         t0 = time.monotonic()
         order = list(points)
         rng.shuffle(order)
-        got = {p: one(*p) for p in order}
-        for p, v in got.items():
-            if v is not None:
-                values[p].append(v)
+        for p in order:
+            for _ in range(samples[p]):
+                v = one(*p)
+                if v is not None:
+                    values[p].append(v)
         passes += 1
         pass_s.append(time.monotonic() - t0)
         say(f"[profile] pass {r + 1}/{repeats} took {pass_s[-1]:.1f} s")
@@ -152,7 +167,9 @@ def measure_profile(
         "passes_asked": repeats,
         "pass_s": [round(s, 2) for s in pass_s],
         "errors": errors,
-        "pass_order": "shuffled per pass (seeded); value i of every point is from pass i",
+        "pass_order": "shuffled per pass (seeded); a point's values in pass order",
+        "samples_per_pass": {f"{u}:{c}:{b}": k for (u, c, b), k in samples.items() if k > 1},
+        "cheap_below_s": cheap_below_s,
     }
     return values, record
 
@@ -168,6 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-points", help="comma list of u:c:B (B prefills in one forward)")
     p.add_argument("--repeats", type=int, help=f"timed passes (default GPU {GPU_REPEATS})")
     p.add_argument("--warmup-passes", type=int, default=1)
+    p.add_argument(
+        "--cheap-samples",
+        type=int,
+        help="readings a pass of a point whose warm-up read under --cheap-below-ms "
+        f"(default GPU {GPU_CHEAP_SAMPLES}, CPU 1; needs a warm-up pass)",
+    )
+    p.add_argument("--cheap-below-ms", type=float, default=100.0)
     p.add_argument("--deadline-s", type=float, help="stop after the last pass that fits")
     p.add_argument("--seed", type=int, default=0, help="pass order shuffle")
     p.add_argument("--rev", help="git revision as the caller knows it (recorded beside git's)")
@@ -229,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             deadline_s=deadline,
             seed=args.seed,
             say=(lambda _msg: None) if args.no_progress else None,
+            cheap_samples=args.cheap_samples or (1 if on_cpu else GPU_CHEAP_SAMPLES),
+            cheap_below_s=args.cheap_below_ms / 1e3,
         )
         device_name = engine.device_name
         block_size = engine.block_manager.block_size

@@ -125,6 +125,25 @@ def test_prefill_profile_through_the_real_engine(tmp_path: Path) -> None:
     assert [s.seconds for s in jct._base] == [p.seconds[0] for p in prof.points if p.batch == 1]
 
 
+def test_prefill_profile_reads_cheap_points_more_often(tmp_path: Path) -> None:
+    """--cheap-samples: a point whose warm-up reading is under --cheap-below-ms gets that many
+    readings a pass (in pass order), the others one; the record says which."""
+    out = tmp_path / "p.json"
+    args = ["--model", "random:tiny", "--device", "cpu", "--uncached", "8,32", "--cached", "0"]
+    args += ["--repeats", "2", "--cheap-samples", "3", "--cheap-below-ms", "1e6", "--out", str(out)]
+    assert prefill_profile.main(args) == 0
+    prof = PrefillProfile.load(out)
+    assert all(len(p.seconds) == 6 for p in prof.points)
+    record = prof.provenance["measurement"]
+    want = {f"{p.uncached}:{p.cached}:{p.batch}": 3 for p in prof.points}
+    assert record["samples_per_pass"] == want and "8:0:1" in want
+    calib, service = prof.split_repeats()  # halves by position: both passes in each
+    assert all(len(p.seconds) == 3 for p in calib.points + service.points)
+    # Nothing under the bar: one reading a pass.
+    assert prefill_profile.main([*args[:-4], "--cheap-below-ms", "0", "--out", str(out)]) == 0
+    assert all(len(p.seconds) == 2 for p in PrefillProfile.load(out).points)
+
+
 def test_plan_against_a_real_tiny_server(tmp_path: Path) -> None:
     rc = gs.main(
         [
