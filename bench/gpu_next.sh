@@ -295,12 +295,15 @@ case $plan in
       y) parts="post-recommendation:1:fcfs,srjf:2"; probes=6; dur=12 ;;
     esac
     parts=${PARTS:-$parts}  # e.g. PARTS="credit-verification:0.5:fcfs,srjf:1": one part again
+    # SERVER_ARGS: more server options for every part (e.g. "--ttft-slo-ms 3600": SRJF's lambda
+    # from the SLO), recorded in the results' command.
     cal=bench/results/jct-calibration-h200.json
     python3 -m bench.gpu_scheduling --model random:llama-3.1-8b --rev "$rev" \
       --out-dir $work/sched --duration-s $dur --max-probes $probes --start-s 30 --no-profile \
       $( [ -f $cal ] && echo --jct-calibration $cal ) \
       --start-qps "post-recommendation@0.5=4.5,post-recommendation@1=30,post-recommendation@default=40,credit-verification=5" \
-      --parts "$parts" --tag gpu-scheduling-$plan --command "bash bench/gpu_next.sh $plan $rev" \
+      ${SERVER_ARGS:+--server-args "$SERVER_ARGS"} \
+      --parts "$parts" --tag gpu-scheduling-$plan --command "SERVER_ARGS='${SERVER_ARGS:-}' bash bench/gpu_next.sh $plan $rev" \
       --deadline-s "$(( $(left) - 15 ))" || rc=1
     cp $work/sched/gpu-scheduling-*.json "$OUT/" ;;
   *) echo "unknown plan $plan (a to z)"; exit 2 ;;

@@ -70,10 +70,18 @@ class Replayer:
     """The simulated side of one bench.gpu_scheduling results file."""
 
     def __init__(
-        self, gpu: dict[str, Any], setup: SimSetup, tokenizer: Any, planned: bool = False
+        self,
+        gpu: dict[str, Any],
+        setup: SimSetup,
+        tokenizer: Any,
+        planned: bool = False,
+        srjf_options: dict[str, float] | None = None,
     ) -> None:
         self.gpu = gpu
         self.planned = planned  # replay every planned search, not only those the GPU did
+        # What-if settings of SRJF the GPU did not run (fairness_lambda, latency_slo_s); empty:
+        # the policies as the servers ran them (their defaults).
+        self.srjf_options = dict(srjf_options or {})
         self.setup = setup
         self.tok = tokenizer
         self.settings = gpu["settings"]
@@ -130,7 +138,7 @@ class Replayer:
             lat: list[float] = []
             st = simulate(
                 wl,
-                make_policy(policy, jct_model=jct),
+                make_policy(policy, jct_model=jct, **self.srjf_options),
                 qps,
                 service=self.setup.service,
                 cache=cache,
@@ -345,8 +353,13 @@ def at_first_probe(by_policy: dict[str, list[dict[str, Any]]]) -> dict[str, dict
     return out
 
 
-def compare(gpu: dict[str, Any], setup: SimSetup, tokenizer: Any) -> dict[str, Any]:
-    replayed = Replayer(gpu, setup, tokenizer).replay()
+def compare(
+    gpu: dict[str, Any],
+    setup: SimSetup,
+    tokenizer: Any,
+    srjf_options: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    replayed = Replayer(gpu, setup, tokenizer, srjf_options=srjf_options).replay()
     rows = []
     for key, both in replayed.items():
         g, s = ratios(both["gpu"]), ratios(both["sim"])
@@ -593,8 +606,21 @@ def main(argv: list[str] | None = None) -> int:
         default="0",
         help="--issue-point: host time per engine step to try (not measured yet; 0 = none)",
     )
+    p.add_argument(
+        "--srjf-fairness-lambda",
+        type=float,
+        help="--gpu: replay SRJF with this fairness offset instead of the one the servers ran "
+        "(a what-if the GPU did not measure; recorded as srjf_what_if)",
+    )
+    p.add_argument(
+        "--srjf-latency-slo-s",
+        type=float,
+        help="--gpu: replay SRJF aging each request by its slack to this latency SLO (what-if)",
+    )
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if not args.gpu and (args.srjf_fairness_lambda is not None or args.srjf_latency_slo_s):
+        p.error("--srjf-fairness-lambda / --srjf-latency-slo-s replay a --gpu file")
     tok = load_tokenizer(args.tokenizer)
     if args.gpu:
         gpu = json.loads(Path(args.gpu).read_text())
@@ -609,8 +635,19 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
         setup = _setup(args)
-        data = compare(gpu, setup, tok)
+        what_if = {
+            k: v
+            for k, v in (
+                ("fairness_lambda", args.srjf_fairness_lambda),
+                ("latency_slo_s", args.srjf_latency_slo_s),
+            )
+            if v is not None
+        }
+        data = compare(gpu, setup, tok, srjf_options=what_if)
         data.update({"gpu_file": args.gpu, **setup.record})
+        if what_if:
+            # Not what the GPU ran: its SRJF used the server's defaults.
+            data["srjf_what_if"] = what_if
         table = markdown_rows(data["rows"])
     elif args.predict:
         setup = _setup(args)

@@ -168,3 +168,22 @@ def test_gpu_mode_records_revision_date_and_machine(tok, tmp_path, monkeypatch) 
     row = next(r for r in data["rows"] if r["policy"] == "srjf")
     assert row["gpu_p99_at_first_probe_over_fcfs"] == pytest.approx(300.0 / 900.0)
     assert row["sim_hit_rate"] is not None and row["gpu_hit_rate"] is None  # none recorded
+
+
+def test_srjf_what_if_reaches_the_policy_and_is_recorded(tok, monkeypatch) -> None:
+    """--srjf-fairness-lambda: the replay's SRJF is built with it (a setting the GPU did not
+    run, so the output names it); without --gpu it is refused."""
+    seen: list[tuple[str, dict]] = []
+    real = svg.make_policy
+
+    def spy(name, **kw):  # type: ignore[no-untyped-def]
+        seen.append((name, kw))
+        return real(name, **kw)
+
+    monkeypatch.setattr(svg, "make_policy", spy)
+    data = svg.compare(_gpu_file(tok), build_setup(), tok, srjf_options={"fairness_lambda": 0.3})
+    srjf = [kw for name, kw in seen if name == "srjf"]
+    assert srjf and all(kw.get("fairness_lambda") == 0.3 for kw in srjf)
+    assert {r["policy"] for r in data["rows"]} == {"fcfs", "srjf"}
+    with pytest.raises(SystemExit):
+        svg.main(["--issue-point", "--srjf-fairness-lambda", "0.3", "--out", "/dev/null"])
