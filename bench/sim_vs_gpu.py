@@ -615,12 +615,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--srjf-latency-slo-s",
         type=float,
-        help="--gpu: replay SRJF aging each request by its slack to this latency SLO (what-if)",
+        help="--gpu: replay SRJF with its offset derived from this latency SLO, as the engine's "
+        "--ttft-slo-ms does (what-if)",
     )
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    if not args.gpu and (args.srjf_fairness_lambda is not None or args.srjf_latency_slo_s):
+    what_if = {
+        k: v
+        for k, v in (
+            ("fairness_lambda", args.srjf_fairness_lambda),
+            ("latency_slo_s", args.srjf_latency_slo_s),
+        )
+        if v is not None
+    }
+    if what_if and not args.gpu:
         p.error("--srjf-fairness-lambda / --srjf-latency-slo-s replay a --gpu file")
+    if len(what_if) > 1:
+        p.error("give --srjf-fairness-lambda or --srjf-latency-slo-s, not both (SRJF takes one)")
     tok = load_tokenizer(args.tokenizer)
     if args.gpu:
         gpu = json.loads(Path(args.gpu).read_text())
@@ -635,14 +646,6 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
         setup = _setup(args)
-        what_if = {
-            k: v
-            for k, v in (
-                ("fairness_lambda", args.srjf_fairness_lambda),
-                ("latency_slo_s", args.srjf_latency_slo_s),
-            )
-            if v is not None
-        }
         data = compare(gpu, setup, tok, srjf_options=what_if)
         data.update({"gpu_file": args.gpu, **setup.record})
         if what_if:
