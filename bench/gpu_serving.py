@@ -221,8 +221,9 @@ def summarize_steps(
         "num_steps": len(steps),
         "span_s": round(steps[0]["age_s"] - steps[-1]["age_s"], 2) if steps else 0.0,
         "by_kind": kinds,
-        # Steps by the tokens they ran (prefill + one a decode), over each bound: the same
-        # count as vLLM's tokens-per-step histogram (bench.serve's `vllm_steps`).
+        # Steps by the tokens they ran (prefill + one a decode), over each bound. vLLM has no
+        # counterpart: its tokens-per-iteration histogram counts a whole prompt in the
+        # iteration its prefill ends, not the chunk each step ran.
         "num_steps_over_tokens": {
             str(b): sum(1 for st in steps if st["num_prefill_tokens"] + st["num_decodes"] > b)
             for b in STEP_TOKEN_BOUNDS

@@ -636,31 +636,10 @@ def parse_vllm_prefix_counters(metrics_text: str) -> dict[str, int] | None:
     return {k: int(v) for k, v in sums.items()} if len(seen) == 2 else None
 
 
-def parse_vllm_step_counters(metrics_text: str) -> dict[str, int]:
-    """vLLM's engine steps from its `vllm:iteration_tokens_total` histogram (tokens per engine
-    step, summed over engines): `steps`, `step_tokens`, and `steps_le_<bound>` per bucket.
-    Empty when absent. The steps that carry a prefill chunk are the ones over a few hundred
-    tokens: this is what Greenlane's step trace (`greenlane_steps`) is set beside."""
-    prefix = "vllm:iteration_tokens_total"
-    out: dict[str, float] = {}
-    for name, labels, value in prometheus_samples(metrics_text):
-        if name == prefix + "_count":
-            key = "steps"
-        elif name == prefix + "_sum":
-            key = "step_tokens"
-        elif name == prefix + "_bucket" and 'le="' in labels:
-            bound = labels.split('le="', 1)[1].split('"', 1)[0]
-            if bound == "+Inf":
-                continue
-            key = f"steps_le_{int(float(bound))}"
-        else:
-            continue
-        out[key] = out.get(key, 0.0) + value
-    return {k: int(v) for k, v in out.items()}
-
-
 async def vllm_counters(base_url: str) -> dict[str, int] | None:
-    """Prefix-cache counters (None without them) and engine-step counters from `/metrics`."""
+    """Prefix-cache counters from `/metrics` (None without them). vLLM's
+    `vllm:iteration_tokens_total` is not read: it counts a request's whole prompt in the
+    iteration its prefill ends, not the chunk a step ran, so it cannot count chunked steps."""
     try:
         async with httpx.AsyncClient(timeout=30.0) as client:
             resp = await client.get(f"{base_url}/metrics")
@@ -668,29 +647,7 @@ async def vllm_counters(base_url: str) -> dict[str, int] | None:
         return None
     if resp.status_code != 200:
         return None
-    prefix = parse_vllm_prefix_counters(resp.text)
-    return None if prefix is None else {**prefix, **parse_vllm_step_counters(resp.text)}
-
-
-def vllm_steps_delta(
-    before: dict[str, int] | None, after: dict[str, int] | None
-) -> dict[str, Any] | None:
-    """vLLM's engine steps during a run: how many, their tokens, and how many carried more
-    than each bucket bound (`num_steps_over`, e.g. "512": steps with over 512 tokens)."""
-    if not before or not after or "steps" not in before or "steps" not in after:
-        return None
-    steps = after["steps"] - before["steps"]
-    bounds = sorted(int(k[len("steps_le_") :]) for k in after if k.startswith("steps_le_"))
-    over = {
-        str(b): steps - (after[f"steps_le_{b}"] - before[f"steps_le_{b}"])
-        for b in bounds
-        if f"steps_le_{b}" in before
-    }
-    return {
-        "num_steps": steps,
-        "tokens": after.get("step_tokens", 0) - before.get("step_tokens", 0),
-        "num_steps_over": over,
-    }
+    return parse_vllm_prefix_counters(resp.text)
 
 
 def prefix_cache_delta(
@@ -993,8 +950,6 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         after = await server_counters(base_url, args.admin_token, args.server)
         run = run_record(qps, metrics, plan, reset, prefix_cache_delta(before, after), prime)
         run["engine_failures"] = failures = engine_failures_delta(before, after)
-        if args.server.startswith("vllm"):
-            run["vllm_steps"] = vllm_steps_delta(before, after)
         if failures and any(failures.values()):
             print(
                 f"WARNING: the server's engine failed {failures['num_failed_steps']} step(s) and "

@@ -987,29 +987,3 @@ def test_parse_vllm_prefix_counters():
     )
     assert serve.parse_vllm_prefix_counters(text) == {"hit_tokens": 15, "query_tokens": 40}
     assert serve.parse_vllm_prefix_counters("vllm:num_requests_running 2.0\n") is None
-
-
-def test_vllm_step_counters_and_their_delta():
-    """vLLM's tokens-per-step histogram, read around a run: steps, tokens, and how many steps
-    carried more than each bound (the prefill-carrying ones, beside Greenlane's step trace)."""
-
-    def text(n1: int, n512: int, total: int, tokens: int) -> str:
-        lab = 'model_name="peer",engine="0"'
-        return (
-            "# HELP vllm:iteration_tokens_total Histogram of number of tokens per engine_step.\n"
-            f'vllm:iteration_tokens_total_bucket{{le="1.0",{lab}}} {n1}.0\n'
-            f'vllm:iteration_tokens_total_bucket{{le="512.0",{lab}}} {n512}.0\n'
-            f'vllm:iteration_tokens_total_bucket{{le="+Inf",{lab}}} {total}.0\n'
-            f"vllm:iteration_tokens_total_count{{{lab}}} {total}.0\n"
-            f"vllm:iteration_tokens_total_sum{{{lab}}} {tokens}.0\n"
-            f"vllm:iteration_tokens_total_created{{{lab}}} 1.7e9\n"
-            "vllm:prefix_cache_hits_total 3.0\nvllm:prefix_cache_queries_total 9.0\n"
-        )
-
-    before = serve.parse_vllm_step_counters(text(10, 90, 100, 5000))
-    assert before == {"steps_le_1": 10, "steps_le_512": 90, "steps": 100, "step_tokens": 5000}
-    after = serve.parse_vllm_step_counters(text(12, 180, 200, 60000))
-    d = serve.vllm_steps_delta(before, after)
-    assert d == {"num_steps": 100, "tokens": 55000, "num_steps_over": {"1": 98, "512": 10}}
-    assert serve.parse_vllm_step_counters("vllm:num_requests_running 2.0\n") == {}
-    assert serve.vllm_steps_delta({"hit_tokens": 1}, after) is None

@@ -225,17 +225,6 @@ kinds = doc["greenlane_steps"].get("by_kind", {})
 print("steps:", {k: (v["num_steps"], v["device_ms_mean"], v["waited_ms_mean"]) for k, v in kinds.items()},
       "over N tokens:", doc["greenlane_steps"].get("num_steps_over_tokens"))
 PYEOF
-  # vLLM's account: its steps from the tokens-per-step histogram (bench.serve's vllm_steps).
-  [[ $side == vllm* ]] && python3 - "$out" <<'PYEOF'
-import json, sys
-try:
-    runs = json.load(open(sys.argv[1])).get("runs", [])
-except (OSError, ValueError):
-    sys.exit(0)
-for r in runs:
-    if r.get("vllm_steps"):
-        print("vllm steps:", r["vllm_steps"])
-PYEOF
   record_meta "$out" "$mode" "$rev" "python3 -m bench.serve --url $url --server $side --seed $SEED $*"
   collect
 }
