@@ -126,6 +126,9 @@ class _Plan:
     total_kv: int = 0
     # With the fused RoPE + pool write: each row's slot, -1 where not written; else None.
     token_slots: torch.Tensor | None = None
+    # One sequence without context (rows = positions): how many of its rows are written, in
+    # order (write_slots[i] is row i's); None for any other batch (no row streaming).
+    num_rows_written: int | None = None
 
 
 class FlashInferBackend:
@@ -373,7 +376,13 @@ class FlashInferBackend:
                 lambda hq: self._ragged.plan(qo, qo, hq, self.num_kv_heads, self.head_dim, **common)
             )
             self._plan = _Plan(
-                "ragged", rows_t, slots_t, token_slots=self._token_slots(batch, rows_t, slots_t)
+                "ragged",
+                rows_t,
+                slots_t,
+                token_slots=self._token_slots(batch, rows_t, slots_t),
+                num_rows_written=(
+                    seqs[0].num_kept_tokens if len(seqs) == 1 and seqs[0].query_start == 0 else None
+                ),
             )
         elif not has_discard:
             kv_indptr, kv_indices, last = self._paged_meta(
@@ -567,6 +576,30 @@ class FlashInferBackend:
         kbuf.index_copy_(0, plan.new_dst, k)
         vbuf.index_copy_(0, plan.new_dst, v)
         return self._ragged.run(q, kbuf, vbuf, out=out)
+
+    # ------------------------------------------------------------------ row streaming
+    def attends_rows(self) -> bool:
+        plan = self._plan
+        return plan is not None and plan.num_rows_written is not None
+
+    def write_rows(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        plan = self._plan
+        assert plan is not None and plan.num_rows_written is not None, "attends_rows() first"
+        end = min(start + k.shape[0], plan.num_rows_written)
+        if end <= start:
+            return
+        slots = plan.write_slots[start:end]
+        kc = self.k_caches[layer_idx].view(-1, self.num_kv_heads, self.head_dim)
+        vc = self.v_caches[layer_idx].view(-1, self.num_kv_heads, self.head_dim)
+        kc.index_copy_(0, slots, k[: end - start].to(kc.dtype))
+        vc.index_copy_(0, slots, v[: end - start].to(vc.dtype))
+
+    def attend_rows(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        # FlashInfer's causal mask aligns the queries with the last len(q) keys (append
+        # attention): query i sees keys 0 .. len(k) - len(q) + i. No plan: one launch.
+        return self._fi.single_prefill_with_kv_cache(q, k, v, causal=True, sm_scale=self.sm_scale)
 
     def debug_state(self) -> dict[str, Any]:
         return {"mode": None if self._plan is None else self._plan.mode}

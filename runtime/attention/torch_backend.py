@@ -56,6 +56,8 @@ class TorchAttentionBackend:
         self._all_rows_written = False
         self._seqs: list[_SeqPlan] = []
         self._decode: _DecodePlan | None = None
+        # One sequence without context: how many of its rows are written, in order; else None.
+        self._num_rows_written: int | None = None
 
     # ---- planning ------------------------------------------------------------------------
     def plan(self, batch: ForwardBatch) -> None:
@@ -95,6 +97,12 @@ class TorchAttentionBackend:
         self._token_slots = slot_mapping.to(dev, non_blocking=True) if fuse else None
         self._seqs = seq_plans
         self._decode = self._plan_decode(batch) if batch.is_decode else None
+        one = batch.seqs[0] if len(batch.seqs) == 1 else None
+        self._num_rows_written = (
+            int(rows.numel())
+            if one is not None and not batch.is_decode and one.num_context_tokens == 0
+            else None
+        )
 
     def _plan_decode(self, batch: ForwardBatch) -> _DecodePlan | None:
         """Padded gather over context + the token written this step (all from the pool)."""
@@ -138,6 +146,38 @@ class TorchAttentionBackend:
             self._write(k, v, k_pool, v_pool)
         o = self._attend(q, k, v, k_pool, v_pool)
         return o if out is None else out.copy_(o)
+
+    # ---- row streaming (a long prompt's hybrid prefill: DecoderLayer.forward_rows) -------
+    def attends_rows(self) -> bool:
+        return self._num_rows_written is not None
+
+    def write_rows(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        assert self._num_rows_written is not None and self._write_slots is not None
+        end = min(start + k.shape[0], self._num_rows_written)
+        if end <= start:
+            return
+        slots = self._write_slots[start:end]  # one sequence from row 0: slot i is row i's
+        k_pool, v_pool = self.pool.flat_k(layer_idx), self.pool.flat_v(layer_idx)
+        k_pool.index_copy_(0, slots, k[: end - start].to(k_pool.dtype))
+        v_pool.index_copy_(0, slots, v[: end - start].to(v_pool.dtype))
+
+    def attend_rows(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        n, total = q.shape[0], k.shape[0]
+        # Query i sits at position total - n + i and sees keys 0 .. total - n + i.
+        mask = None
+        if n > 1:
+            pos = torch.arange(total - n, total, device=q.device)
+            mask = torch.arange(total, device=q.device)[None, :] <= pos[:, None]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask,
+            enable_gqa=True,
+        )
+        return o.transpose(0, 1)
 
     def _write(
         self, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor

@@ -10,8 +10,13 @@ fused add + RMSNorm; a layer returns (mlp_out, residual) and the final norm adds
 
 Hybrid prefill (`chunk_tokens=C`, used when T > C): per layer, the token-wise work (norms,
 q/k/v projection, q/k norm, RoPE, o_proj, MLP) runs over C-token chunks writing into
-preallocated [T, ...] buffers, while attention runs over all T tokens at once. The largest
-temporary is then [C, 2 * intermediate] instead of [T, 2 * intermediate].
+preallocated [T, ...] buffers. The largest temporary is then [C, 2 * intermediate] instead of
+[T, 2 * intermediate]. Two forms: where the backend attends a chunk of query rows to the keys
+before it (one sequence, no cached context: a long scoring prompt), the layer streams rows
+(`forward_rows`: one [T, H] residual stream and k/v live across the layer, 12 KiB a token on
+the 8B shape); otherwise attention runs over all T rows at once (`forward_chunked`: h,
+residual, q, k, v, 27 KiB). The activation reserve, and so the longest scoring prompt, is
+measured on the first form.
 """
 
 from __future__ import annotations
@@ -109,6 +114,33 @@ class Attention(nn.Module):
             q, k = rotary(q, k, positions)
         return q, k, v
 
+    def project_q(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+    ) -> torch.Tensor:
+        """x: [t, H] (normed) -> q [t, Hq, D], normed and RoPE'd: `project_qkv`'s q alone,
+        through the q rows of the fused weight (a view: no copy of the weight)."""
+        w, b = self.qkv_proj.weight, self.qkv_proj.bias
+        q = F.linear(x, w[: self.q_size], None if b is None else b[: self.q_size])
+        q = q.view(x.shape[0], self.num_q_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return ops.apply_rope_one(q, positions, rotary.cos_sin_cache)
+
+    def project_kv(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [t, H] (normed) -> k [t, Hkv, D] (normed, RoPE'd), v [t, Hkv, D]: `project_qkv`'s
+        k and v alone, through the fused weight's k/v rows."""
+        w, b = self.qkv_proj.weight, self.qkv_proj.bias
+        kv = F.linear(x, w[self.q_size :], None if b is None else b[self.q_size :])
+        k, v = kv.split([self.kv_size, self.kv_size], dim=-1)
+        t = x.shape[0]
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        k = ops.apply_rope_one(k, positions, rotary.cos_sin_cache)
+        return k, v.view(t, self.num_kv_heads, self.head_dim)
+
 
 def rope_for(
     attn: AttentionBackend, positions: torch.Tensor, rotary: RotaryEmbedding
@@ -141,6 +173,15 @@ def attend(
     if out is not None:
         kwargs["out"] = out
     return attn.forward(layer_idx, q, k, v, **kwargs)
+
+
+def attends_rows(attn: AttentionBackend) -> bool:
+    """Whether the planned batch can take the row-streamed hybrid prefill
+    (`DecoderLayer.forward_rows`): the backend attends a chunk of query rows to the keys
+    before it and says the batch is one sequence without cached context. Backends written
+    before it have no `attends_rows`."""
+    fn = getattr(attn, "attends_rows", None)
+    return fn is not None and bool(fn())
 
 
 class MLP(nn.Module):
@@ -241,6 +282,42 @@ class DecoderLayer(nn.Module):
             h[s:e] = self.mlp(x)
         return h, residual
 
+    def forward_rows(
+        self,
+        hs: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        rotary: RotaryEmbedding,
+        chunk_tokens: int,
+    ) -> None:
+        """Row-streamed hybrid-prefill layer, in place: `hs` [T, H] is the whole residual
+        stream (the sum `forward` carries as h + residual) and leaves as the next layer's.
+        Phase 1 projects every chunk's k/v (normed, RoPE'd) into [T, Hkv, D] buffers and hands
+        the kept rows to the pool. Phase 2 runs the rest chunk by chunk: q of the chunk,
+        attention to the keys up to its last row, o_proj, the residual add, the MLP — each
+        chunk's rows of `hs` are rewritten only after everything that reads them. The peak is
+        `hs` and k/v (12 KiB a token on the 8B shape) plus one chunk's temporaries, where
+        `forward_chunked` holds h, residual, q, k and v (27 KiB). The input norm runs twice a
+        chunk (once a phase): cheap, against the [T, Hq, D] q buffer it saves."""
+        T = hs.shape[0]
+        sa = self.self_attn
+        k_buf = hs.new_empty(T, sa.num_kv_heads, sa.head_dim)
+        v_buf = hs.new_empty(T, sa.num_kv_heads, sa.head_dim)
+        for s in range(0, T, chunk_tokens):
+            e = min(s + chunk_tokens, T)
+            k, v = sa.project_kv(self.input_layernorm(hs[s:e]), positions[s:e], rotary)
+            k_buf[s:e] = k
+            v_buf[s:e] = v
+            attn.write_rows(self.layer_idx, k_buf[s:e], v_buf[s:e], s)
+        for s in range(0, T, chunk_tokens):
+            e = min(s + chunk_tokens, T)
+            q = sa.project_q(self.input_layernorm(hs[s:e]), positions[s:e], rotary)
+            o = attn.attend_rows(self.layer_idx, q, k_buf[:e], v_buf[:e])  # [e - s, Hq, D]
+            a = sa.o_proj(o.reshape(e - s, -1))
+            x, r = self.post_attention_layernorm.add_forward(a, hs[s:e])
+            hs[s:e] = r
+            hs[s:e] += self.mlp(x)
+
 
 class LlamaForCausalLM(nn.Module):
     """The decoder. See docs/internals.md "Model" for the contract."""
@@ -276,11 +353,22 @@ class LlamaForCausalLM(nn.Module):
         start: int,
         end: int,
         chunk_tokens: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run layers [start, end). `residual` is None before layer 0. With hybrid prefill on
-        (chunk_tokens < T) the inputs are consumed (overwritten in place)."""
+        (chunk_tokens < T) the inputs are consumed (overwritten in place), and where the
+        backend attends rows (`attends_rows`) the layers stream rows: they return the whole
+        residual stream as h with residual None (as before layer 0; `final_norm` takes it)."""
         T = h.shape[0]
         chunked = chunk_tokens is not None and T > chunk_tokens
+        if chunked and start < end and attends_rows(attn):
+            assert chunk_tokens is not None
+            if residual is not None:  # fold the pair into one stream, in place, chunk by chunk
+                for s in range(0, T, chunk_tokens):
+                    residual[s : s + chunk_tokens] += h[s : s + chunk_tokens]
+                h = residual
+            for i in range(start, end):
+                self.layers[i].forward_rows(h, positions, attn, self.rotary, chunk_tokens)
+            return h, None
         for i in range(start, end):
             layer = self.layers[i]
             if chunked:
@@ -291,7 +379,7 @@ class LlamaForCausalLM(nn.Module):
             else:
                 h, residual = layer(h, residual, positions, attn, self.rotary)
         assert residual is not None or start == end
-        return h, residual  # type: ignore[return-value]
+        return h, residual
 
     def final_norm(self, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         if residual is None:
@@ -310,6 +398,11 @@ class LlamaForCausalLM(nn.Module):
         h, residual = self.forward_layers(
             h, None, positions, attn, 0, self.num_layers, chunk_tokens
         )
+        if residual is None and chunk_tokens is not None and h.shape[0] > chunk_tokens:
+            # Streamed rows: the final norm in place, chunk by chunk (no second [T, H]).
+            for s in range(0, h.shape[0], chunk_tokens):
+                h[s : s + chunk_tokens] = self.norm(h[s : s + chunk_tokens])
+            return h
         return self.final_norm(h, residual)
 
     def lm_head_weight(self) -> torch.Tensor:

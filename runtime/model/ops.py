@@ -182,6 +182,14 @@ def apply_rope(
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+def apply_rope_one(
+    x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> torch.Tensor:
+    """`apply_rope` for one tensor (q or k alone), x: [T, H, D]. The kernels rotate a pair:
+    the second is a one-head view of x, rotated and dropped (1/H of the work extra)."""
+    return apply_rope(x, x[:, :1], positions, cos_sin_cache)[0]
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

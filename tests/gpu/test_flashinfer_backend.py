@@ -75,45 +75,16 @@ def test_merged_step_that_splits_the_kv_fits_the_workspace() -> None:
 
 @pytest.mark.gpu
 def test_hybrid_prefill_writes_attention_into_the_hidden_buffer_and_matches() -> None:
-    """A hybrid prefill hands FlashInfer the layer's consumed hidden-state buffer as `out=`
-    (one [T, H] tensor less at the activation peak). The output must land there, and the
-    hidden states must match an unchunked forward of the same prompt (bf16 tolerance)."""
-    import dataclasses
-
+    """A hybrid prefill of a batch that attends all rows at once (two sequences here; one
+    long prompt streams rows instead, below) hands FlashInfer the layer's consumed
+    hidden-state buffer as `out=` (one [T, H] tensor less at the activation peak). The output
+    must land there, and the hidden states must match an unchunked forward (bf16 tolerance)."""
     import torch
 
     from bench.gpu_suite import rel_err
     from runtime.attention.base import ForwardBatch, SeqSlice
-    from runtime.config import EngineConfig
-    from runtime.engine import make_attention_backend
-    from runtime.kv.kv_pool import KVPool
-    from runtime.model.llama import LlamaForCausalLM
-    from runtime.model.presets import get_preset
-    from runtime.runner import use_ops_for
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    # Llama-shaped (q heads x head_dim = hidden, as out= needs), small: 2 layers of the 8B's
-    # attention geometry at a quarter of its width.
-    base = get_preset("llama-3.1-8b")
-    mc = dataclasses.replace(
-        base,
-        hidden_size=1024,
-        intermediate_size=2048,
-        num_layers=2,
-        num_q_heads=8,
-        num_kv_heads=2,
-        vocab_size=4096,
-        max_position_embeddings=4096,
-        rope_scaling=None,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(mc).to("cuda", torch.bfloat16).eval()
-    cfg = EngineConfig(model="random:tiny")
-    T = 1000
-    pool = KVPool.for_model(mc, 1, cfg.block_size, torch.bfloat16, torch.device("cuda"))
-    be = make_attention_backend(cfg, pool, mc.num_q_heads)
-    assert use_ops_for(be) and be.writes_out
+    model, mc, be = _quarter_8b()
     handed: list[bool] = []
     real = be.forward
 
@@ -123,16 +94,17 @@ def test_hybrid_prefill_writes_attention_into_the_hidden_buffer_and_matches() ->
         return o
 
     be.forward = spy  # type: ignore[method-assign]
-    ids = torch.randint(0, mc.vocab_size, (T,), device="cuda", generator=None)
+    ids = torch.randint(0, mc.vocab_size, (1000,), device="cuda")
     batch = ForwardBatch(
         input_ids=ids,
-        positions=torch.arange(T, device="cuda"),
-        seqs=[SeqSlice(0, T, 0, 0, [])],
-        logits_indices=torch.tensor([T - 1], device="cuda"),
+        positions=torch.cat([torch.arange(600), torch.arange(400)]).cuda(),
+        seqs=[SeqSlice(0, 600, 0, 0, []), SeqSlice(600, 400, 0, 0, [])],
+        logits_indices=torch.tensor([599, 999], device="cuda"),
         is_decode=False,
     )
     with torch.inference_mode():
         be.plan(batch)
+        assert not be.attends_rows()
         full = model(batch.input_ids, batch.positions, be)
         assert handed == [False] * mc.num_layers
         handed.clear()
@@ -140,3 +112,128 @@ def test_hybrid_prefill_writes_attention_into_the_hidden_buffer_and_matches() ->
         chunked = model(batch.input_ids, batch.positions, be, chunk_tokens=128)
     assert handed == [True] * mc.num_layers
     assert rel_err(chunked.float(), full.float()) < 2e-2
+
+
+def _quarter_8b():
+    """Two layers of the 8B's attention geometry at a quarter of its width (q heads x
+    head_dim = hidden, as out= needs), bf16 on CUDA, with the engine's FlashInfer backend over
+    a 64-block pool."""
+    import dataclasses
+
+    import torch
+
+    from runtime.config import EngineConfig
+    from runtime.engine import make_attention_backend
+    from runtime.kv.kv_pool import KVPool
+    from runtime.model.llama import LlamaForCausalLM
+    from runtime.model.presets import get_preset
+    from runtime.runner import use_ops_for
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    base = get_preset("llama-3.1-8b")
+    mc = dataclasses.replace(
+        base,
+        hidden_size=1024,
+        intermediate_size=2048,
+        num_layers=2,
+        num_q_heads=8,
+        num_kv_heads=2,
+        vocab_size=4096,
+        max_position_embeddings=32768,
+        rope_scaling=None,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(mc).to("cuda", torch.bfloat16).eval()
+    cfg = EngineConfig(model="random:tiny")
+    pool = KVPool.for_model(mc, 64, cfg.block_size, torch.bfloat16, torch.device("cuda"))
+    be = make_attention_backend(cfg, pool, mc.num_q_heads)
+    assert use_ops_for(be) and be.writes_out
+    return model, mc, be
+
+
+@pytest.mark.gpu
+def test_one_long_prompt_streams_rows_and_matches() -> None:
+    """One prompt without cached context streams rows (`DecoderLayer.forward_rows`): each
+    chunk of queries attends to the keys up to its last row through FlashInfer's single
+    prefill (queries aligned with the last keys). Hidden states match the unchunked forward;
+    the kept rows' K/V in the pool match the unchunked forward's; nothing past them is written."""
+    import torch
+
+    from bench.gpu_suite import rel_err
+    from runtime.attention.base import ForwardBatch, SeqSlice
+
+    model, mc, be = _quarter_8b()
+    T, kept, bs = 1000, 600, be.block_size
+    blocks = list(range(1, 1 + (kept + bs - 1) // bs))
+    batch = ForwardBatch(
+        input_ids=torch.randint(0, mc.vocab_size, (T,), device="cuda"),
+        positions=torch.arange(T, device="cuda"),
+        seqs=[SeqSlice(0, T, 0, kept, blocks)],
+        logits_indices=torch.tensor([T - 1], device="cuda"),
+        is_decode=False,
+    )
+    slots = torch.tensor(
+        [blocks[p // bs] * bs + p % bs for p in range(len(blocks) * bs)], device="cuda"
+    )
+    calls: list[tuple[int, int]] = []
+    real = be.attend_rows
+
+    def spy(layer_idx, q, k, v):
+        calls.append((int(q.shape[0]), int(k.shape[0])))
+        return real(layer_idx, q, k, v)
+
+    be.attend_rows = spy  # type: ignore[method-assign]
+    with torch.inference_mode():
+        be.plan(batch)
+        full = model(batch.input_ids, batch.positions, be)
+        pool_full = [be.k_caches[i].view(-1, 2, 128)[slots].clone() for i in range(2)]
+        for c in list(be.k_caches) + list(be.v_caches):
+            c.zero_()
+        be.plan(batch)
+        assert be.attends_rows()
+        rows = model(batch.input_ids, batch.positions, be, chunk_tokens=128)
+    assert calls[:8] == [(128, 128 * (i + 1)) for i in range(7)] + [(104, 1000)]
+    assert len(calls) == 8 * mc.num_layers
+    assert rel_err(rows.float(), full.float()) < 2e-2
+    for i in range(2):
+        got = be.k_caches[i].view(-1, 2, 128)[slots]
+        assert rel_err(got[:kept].float(), pool_full[i][:kept].float()) < 1e-2
+        assert not got[kept:].any()  # the discarded suffix's rows of the last block
+
+
+@pytest.mark.gpu
+def test_streamed_rows_hold_a_prompt_in_its_stream_and_kv() -> None:
+    """The point of streaming rows: a long prompt's activation peak grows by the residual
+    stream and K/V a token (hidden + 2 * kv heads * head_dim elements), where attending all
+    rows at once also held h, q and the residual pair. Measured with CUDA's allocator between
+    8k and 16k tokens, after a warm-up (FlashInfer's scratch buffers)."""
+    import torch
+
+    from runtime.attention.base import ForwardBatch, SeqSlice
+
+    model, mc, be = _quarter_8b()
+
+    def peak(T: int) -> int:
+        batch = ForwardBatch(
+            input_ids=torch.randint(0, mc.vocab_size, (T,), device="cuda"),
+            positions=torch.arange(T, device="cuda"),
+            seqs=[SeqSlice(0, T, 0, 0, [])],
+            logits_indices=torch.tensor([T - 1], device="cuda"),
+            is_decode=False,
+        )
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.inference_mode():
+            be.plan(batch)
+            out = model(batch.input_ids, batch.positions, be, chunk_tokens=2048)
+            del out
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    peak(4096)
+    per_token = (peak(16384) - peak(8192)) / 8192
+    stream_and_kv = (mc.hidden_size + 2 * mc.num_kv_heads * mc.head_dim) * 2  # bf16
+    # ids and positions (int64) add 16 bytes a token; anything near 2x would be the old peak.
+    assert per_token <= 1.1 * stream_and_kv + 16, (per_token, stream_and_kv)
