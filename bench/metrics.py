@@ -136,6 +136,43 @@ def gap_tail(gaps_s: list[float]) -> dict[str, Any]:
     }
 
 
+def stalls(ok: list[RequestResult]) -> dict[str, Any]:
+    """Steps that held the streams, counted once however many streams they held: every gap
+    longer than a bound ends when its step ends, at about the same instant on every stream
+    the step held, so the ends within half the bound of a group's first are one stall (two
+    steps that each took longer than the bound end at least that far apart). `over_ms`: the
+    stalls over each bound; `held_s`: their summed length (each stall's longest gap), over
+    each bound. Unlike the gap fractions of `gap_tail` this does not scale with how many
+    streams were running, so two servers' counts compare as numbers of long steps, seen
+    from the client (a server's own step counters need not agree on what a step is)."""
+    ends: list[tuple[float, float]] = []  # (the instant a long gap ended, its length), seconds
+    floor_s = min(GAP_TAIL_MS) / 1e3
+    for r in ok:
+        if not r.itl_s:
+            continue
+        times = np.cumsum([r.send_s + r.ttft_s, *r.itl_s])
+        gaps = np.asarray(r.itl_s)
+        long_gaps = np.nonzero(gaps > floor_s)[0]
+        ends.extend((float(times[i + 1]), float(gaps[i])) for i in long_gaps)
+    ends.sort()
+    over: dict[str, int] = {}
+    held: dict[str, float] = {}
+    for bound_ms in GAP_TAIL_MS:
+        bound_s = bound_ms / 1e3
+        count, total, group_start, group_max = 0, 0.0, None, 0.0
+        for end_s, gap_s in ends:
+            if gap_s <= bound_s:
+                continue
+            if group_start is None or end_s - group_start > bound_s / 2:
+                total += group_max
+                count, group_start, group_max = count + 1, end_s, gap_s
+            else:
+                group_max = max(group_max, gap_s)
+        over[str(bound_ms)] = count
+        held[str(bound_ms)] = total + group_max
+    return {"over_ms": over, "held_s": held}
+
+
 def steady_state(
     results: list[RequestResult], max_concurrency: int, duration_s: float
 ) -> dict[str, Any] | None:
@@ -238,6 +275,7 @@ def latencies(ok: list[RequestResult]) -> dict[str, Any]:
         "tpot_ms": summarize_ms([t for t in (r.tpot_s for r in ok) if t is not None]),
         "itl_ms": summarize_ms(itls),
         "itl_tail": gap_tail(itls),
+        "stalls": stalls(ok),
         "e2el_ms": summarize_ms([r.e2el_s for r in ok]),
     }
 

@@ -1013,7 +1013,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{src}: {part['completed']} ok, {part['failed']} failed; TTFT P50/P99 "
                 f"{_ms(ttft['median'])}/{_ms(ttft['p99'])} ms, gap between tokens P50/P99 "
                 f"{_ms(itl['median'])}/{_ms(itl['p99'])} ms, "
-                f"{part['itl_tail']['over_ms'].get('50', 0.0):.2%} of gaps over 50 ms"
+                f"{part['itl_tail']['over_ms'].get('50', 0.0):.2%} of gaps over 50 ms "
+                f"({part['stalls']['over_ms'].get('50', 0)} stalls: steps that held streams)"
             )
     if "max_qps_search" in record:
         s = record["max_qps_search"]

@@ -198,3 +198,28 @@ def test_gap_tail_counts_long_gaps_and_the_excess_by_hand() -> None:
     assert gap_tail([])["num_gaps"] == 0
     m = compute_metrics([_ok("a", 0.1, 0.5, 5, [0.1] * 4, 10)], duration_s=1.0)
     assert m["itl_tail"]["over_ms"]["50"] == 1.0
+
+
+def test_stalls_count_a_step_once_however_many_streams_it_held() -> None:
+    from bench.metrics import RequestResult, stalls
+
+    def stream(send_s: float, gaps: list[float]) -> RequestResult:
+        return RequestResult("r", "chat", success=True, send_s=send_s, ttft_s=0.0, itl_s=gaps)
+
+    # Three streams decode at 5 ms a token; one 80 ms step holds all three (their gaps end
+    # 1 and 2 ms apart: the client reads each stream in turn), then 60 ms later a 30 ms step
+    # holds two of them.
+    a = stream(0.000, [0.005] * 10 + [0.080] + [0.005] * 12 + [0.030] + [0.005] * 5)
+    b = stream(0.001, [0.005] * 10 + [0.080] + [0.005] * 12 + [0.030] + [0.005] * 5)
+    c = stream(0.002, [0.005] * 10 + [0.080] + [0.005] * 5)
+    got = stalls([a, b, c])
+    assert got["over_ms"] == {"25": 2, "50": 1, "100": 0, "200": 0}
+    assert got["held_s"]["25"] == pytest.approx(0.110)
+    assert got["held_s"]["50"] == pytest.approx(0.080)
+    assert got["held_s"]["100"] == 0.0
+    # Two different 60 ms steps 100 ms apart on one stream are two stalls.
+    two = stalls([stream(0.0, [0.005, 0.060, 0.005] + [0.005] * 7 + [0.060])])
+    assert two["over_ms"]["50"] == 2 and two["held_s"]["50"] == pytest.approx(0.120)
+    assert stalls([])["over_ms"]["25"] == 0
+    # In the run's metrics, beside the gap fractions.
+    assert compute_metrics([a, b, c], duration_s=1.0)["stalls"]["over_ms"]["50"] == 1

@@ -92,4 +92,3 @@ def test_admin_state_says_how_long_the_warm_up_took() -> None:
         r = c.get("/admin/api/state")
         assert r.status_code == 200, r.text
         assert r.json()["prefill_warm_up_s"] > 0
-
