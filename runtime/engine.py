@@ -571,7 +571,14 @@ class Engine:
             graphs = prefill_graph_bytes(self.model, prefill_graph_max_tokens(cfg), self.dtype)
 
         def peak_at(num_tokens: int) -> int:
-            return profile_activation_peak(cfg, self.model, mc, num_tokens, backend_for) + graphs
+            # A step of the budget may hold several sequences (chat parts, short scoring
+            # prompts): hybrid prefill then attends all rows at once, the higher peak per
+            # token; a longer prompt runs alone and streams rows (DecoderLayer.forward_rows).
+            several = chunk is not None and num_tokens == n0 and n0 > chunk
+            peak = profile_activation_peak(
+                cfg, self.model, mc, num_tokens, backend_for, num_seqs=2 if several else 1
+            )
+            return peak + graphs
 
         line = activation_line(peak_at, n0, lo, hi)
         if cfg.max_score_tokens is None and line.slope > 0:

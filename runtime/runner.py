@@ -97,6 +97,7 @@ def profile_activation_peak(
     make_backend: Callable[[KVPool], AttentionBackend],
     *,
     meter: PeakMeter | None = None,
+    num_seqs: int = 1,
 ) -> int:
     """Measured activation peak, in bytes, of one step: a dry-run prefill of `num_tokens`
     tokens through the real model (hybrid prefill as configured), plus the fp32 logits and
@@ -105,7 +106,9 @@ def profile_activation_peak(
     discards every token's K/V (num_kept_tokens = 0), so the step's K/V live in the per-layer
     scratch exactly as for a kept prompt's ragged prefill (pool writes allocate nothing).
     The result is what `compute_num_blocks(activation_bytes=...)` takes. It excludes the
-    attention workspaces (allocated before the measurement starts)."""
+    attention workspaces (allocated before the measurement starts). `num_seqs`: the tokens
+    split over that many sequences (several take hybrid prefill's whole-T attention path,
+    whose peak per token is the higher; one long prompt streams rows)."""
     dev = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     meter = meter or PeakMeter(dev)
@@ -119,11 +122,15 @@ def profile_activation_peak(
     # norms, RoPE), whose temporaries made the reserve 44.5 KiB a token on the 8B shape.
     use_ops_for(backend)
     ids = torch.randint(0, model_config.vocab_size, (num_tokens,), device=dev)
+    num_seqs = max(1, min(num_seqs, num_tokens))
+    spans = [
+        (i * num_tokens // num_seqs, (i + 1) * num_tokens // num_seqs) for i in range(num_seqs)
+    ]
     batch = ForwardBatch(
         input_ids=ids,
-        positions=torch.arange(num_tokens, device=dev),
-        seqs=[SeqSlice(0, num_tokens, 0, 0, [])],  # nothing kept: no pool blocks needed
-        logits_indices=torch.tensor([num_tokens - 1], device=dev),
+        positions=torch.cat([torch.arange(b - a) for a, b in spans]).to(dev),
+        seqs=[SeqSlice(a, b - a, 0, 0, []) for a, b in spans],  # nothing kept: no pool blocks
+        logits_indices=torch.tensor([b - 1 for _, b in spans], device=dev),
         is_decode=False,
     )
     chunk = config.prefill_chunk_tokens if config.hybrid_prefill else None

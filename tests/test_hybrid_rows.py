@@ -93,8 +93,8 @@ def test_streamed_rows_match_the_whole_forward(preset: str, num_kept: int) -> No
     assert written == set(range(first, first + num_kept))
 
 
-def test_other_batches_attend_all_rows_at_once() -> None:
-    """Two sequences, or cached context: the whole-T attention path (no row streaming)."""
+def test_several_sequences_attend_all_rows_at_once() -> None:
+    """Two sequences in one batch: the whole-T attention path (no row streaming)."""
     model, cfg, pool, be = setup("tiny")
     ids = torch.randint(0, cfg.vocab_size, (30,), generator=torch.Generator().manual_seed(1))
     two = ForwardBatch(
@@ -102,20 +102,52 @@ def test_other_batches_attend_all_rows_at_once() -> None:
         [SeqSlice(0, 20, 0, 20, [1, 2, 3, 4, 5]), SeqSlice(20, 10, 0, 10, [6, 7, 8])],
         torch.tensor([19, 29]), is_decode=False,
     )  # fmt: skip
-    context = ForwardBatch(
-        ids[:20], torch.arange(8, 28), [SeqSlice(0, 20, 8, 28, list(range(10, 17)))],
-        torch.tensor([19]), is_decode=False,
-    )  # fmt: skip
     calls = spy_rows(be)
     with torch.inference_mode():
-        for batch in (two, context):
-            be.plan(batch)
-            assert not be.attends_rows()
-            full = model(batch.input_ids, batch.positions, be)
-            be.plan(batch)
-            chunked = model(batch.input_ids, batch.positions, be, chunk_tokens=8)
-            assert rel_err(chunked, full) < 2e-5
+        be.plan(two)
+        assert not be.attends_rows()
+        full = model(two.input_ids, two.positions, be)
+        be.plan(two)
+        chunked = model(two.input_ids, two.positions, be, chunk_tokens=8)
+    assert rel_err(chunked, full) < 2e-5
     assert calls == []
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3"])
+@pytest.mark.parametrize("num_kept", [45, 30, 16])  # all kept, part of the new rows, none
+def test_streamed_rows_after_a_cached_prefix(preset: str, num_kept: int) -> None:
+    """A prompt whose first 16 positions are cached (a prefix hit): the rows read the
+    context's K/V from the pool, attend to it, and match both the batch's whole-T forward and
+    the same positions of the uncached prompt's forward."""
+    model, cfg, pool, be = setup(preset)
+    whole = one_prompt(cfg, 45, 16)  # writes the prefix's K/V: blocks 1..4
+    blocks = list(range(1, 1 + (num_kept + BLOCK - 1) // BLOCK))
+    rest = ForwardBatch(
+        whole.input_ids[16:], torch.arange(16, 45), [SeqSlice(0, 29, 16, num_kept, blocks)],
+        torch.tensor([28]), is_decode=False,
+    )  # fmt: skip
+    with torch.inference_mode():
+        be.plan(whole)
+        uncached = model(whole.input_ids, whole.positions, be)[16:]
+        be.plan(rest)
+        assert be.attends_rows() and be.num_context_rows() == 16
+        full = model(rest.input_ids, rest.positions, be)
+        kv_full = kept_kv(pool, rest)
+        # Clear what `full` wrote (positions 16 .. kept), keep the context: the rows must
+        # write those positions again themselves.
+        new_slots = [b * BLOCK + o for b in blocks for o in range(BLOCK)][16:num_kept]
+        for t in [pool.flat_k(i) for i in range(cfg.num_layers)] + [
+            pool.flat_v(i) for i in range(cfg.num_layers)
+        ]:
+            t[new_slots] = 0
+        calls = spy_rows(be)
+        be.plan(rest)
+        rows = model(rest.input_ids, rest.positions, be, chunk_tokens=8)
+    assert calls[:4] == [(8, 24), (8, 32), (8, 40), (5, 45)]  # context + rows up to the chunk
+    assert rel_err(rows, full) < 2e-5
+    assert rel_err(rows, uncached) < 2e-5
+    for a, b in zip(kept_kv(pool, rest), kv_full, strict=True):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
 
 
 def test_streamed_rows_in_layer_slices() -> None:

@@ -128,6 +128,37 @@ def test_profile_activation_peak_runs_one_forward_as_configured(hybrid: bool) ->
     assert seen[0][0] == model.rotary.max_positions
 
 
+@pytest.mark.parametrize("num_seqs", [1, 2])
+def test_profile_activation_peak_splits_the_tokens_over_sequences(num_seqs: int) -> None:
+    """The engine measures a budget-sized step as two sequences (hybrid prefill then attends
+    all rows at once, the higher peak) and a long prompt as one (it streams rows)."""
+    from runtime.attention.torch_backend import TorchAttentionBackend
+    from runtime.config import EngineConfig
+    from runtime.model.loader import load_model
+    from runtime.runner import profile_activation_peak
+
+    model, mc, _ = load_model("random:tiny", torch.float32, "cpu")
+    cfg = EngineConfig(model="random:tiny", device="cpu", prefill_chunk_tokens=16)
+    planned: list[list[tuple[int, int]]] = []
+    streamed: list[bool] = []
+
+    def backend(pool):  # type: ignore[no-untyped-def]
+        be = TorchAttentionBackend(pool)
+        real = be.plan
+
+        def plan(batch):  # type: ignore[no-untyped-def]
+            real(batch)
+            planned.append([(s.query_start, s.num_query_tokens) for s in batch.seqs])
+            streamed.append(be.attends_rows())
+
+        be.plan = plan  # type: ignore[method-assign]
+        return be
+
+    profile_activation_peak(cfg, model, mc, 41, backend, meter=_SpyMeter(), num_seqs=num_seqs)
+    assert planned == ([[(0, 41)]] if num_seqs == 1 else [[(0, 20), (20, 21)]])
+    assert streamed == [num_seqs == 1]
+
+
 def test_profile_activation_peak_needs_a_meter_off_cuda() -> None:
     from runtime.attention.torch_backend import TorchAttentionBackend
     from runtime.config import EngineConfig

@@ -151,26 +151,35 @@ class AttentionBackend(Protocol):
         ...
 
     # Row streaming, for the hybrid prefill of one long prompt (`DecoderLayer.forward_rows`):
-    # the layer projects k/v chunk by chunk, hands the kept rows to the pool, then attends
-    # each chunk of query rows to the keys before it — no [T, Hq, D] q buffer at any time.
-    # The model uses these only where `attends_rows()` says the planned batch allows it.
+    # the layer reads the cached context's K/V, projects this step's k/v chunk by chunk and
+    # hands the kept rows to the pool, then attends each chunk of query rows to the keys
+    # before it — no [T, Hq, D] q buffer at any time. The model uses these only where
+    # `attends_rows()` says the planned batch allows it.
 
     def attends_rows(self) -> bool:
-        """True when the planned batch is one prefill sequence without cached context (its
-        query rows are its positions 0 .. T-1): `write_rows` and `attend_rows` then serve it."""
+        """True when the planned batch is one prefill sequence (query rows = its positions
+        ctx .. ctx + T - 1 after `num_context_rows()` cached ones): the methods below serve it."""
+        ...
+
+    def num_context_rows(self) -> int:
+        """How many of the sequence's positions are cached in the pool (its context)."""
+        ...
+
+    def read_context(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Copy the context's K/V for `layer_idx` from the pool into k, v ([ctx, Hkv, D])."""
         ...
 
     def write_rows(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        """Write the kept ones of rows [start, start + len(k)) (k, v: [n, Hkv, D], RoPE'd)
-        into the pool for `layer_idx`; rows at or past the sequence's kept tokens are not."""
+        """Write the kept ones of query rows [start, start + len(k)) (k, v: [n, Hkv, D],
+        RoPE'd) into the pool for `layer_idx`; rows at or past the kept tokens are not."""
         ...
 
     def attend_rows(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        """Causal attention of the query rows at positions len(k) - len(q) .. len(k) - 1 (q:
-        [n, Hq, D], RoPE'd) to keys/values 0 .. len(k) - 1 ([L, Hkv, D]); [n, Hq, D]. Reads
-        and writes no pool."""
+        """Causal attention of the rows at positions len(k) - len(q) .. len(k) - 1 (q:
+        [n, Hq, D], RoPE'd) to keys/values 0 .. len(k) - 1 ([L, Hkv, D]: context, then this
+        step's rows); [n, Hq, D]. Reads and writes no pool."""
         ...
 
 

@@ -126,9 +126,12 @@ class _Plan:
     total_kv: int = 0
     # With the fused RoPE + pool write: each row's slot, -1 where not written; else None.
     token_slots: torch.Tensor | None = None
-    # One sequence without context (rows = positions): how many of its rows are written, in
-    # order (write_slots[i] is row i's); None for any other batch (no row streaming).
+    # One prefill sequence (row streaming): how many of its rows are written, in order
+    # (write_slots[i] is row i's), and the sequence (its cached context's slots are built at
+    # the first read_context); None for any other batch.
     num_rows_written: int | None = None
+    row_seq: SeqSlice | None = None
+    row_context_slots: torch.Tensor | None = None
 
 
 class FlashInferBackend:
@@ -380,9 +383,6 @@ class FlashInferBackend:
                 rows_t,
                 slots_t,
                 token_slots=self._token_slots(batch, rows_t, slots_t),
-                num_rows_written=(
-                    seqs[0].num_kept_tokens if len(seqs) == 1 and seqs[0].query_start == 0 else None
-                ),
             )
         elif not has_discard:
             kv_indptr, kv_indices, last = self._paged_meta(
@@ -443,6 +443,12 @@ class FlashInferBackend:
                 total_kv=kv_indptr_l[-1],
                 token_slots=self._token_slots(batch, rows_t, slots_t),
             )
+
+        if len(seqs) == 1:  # row streaming is possible (DecoderLayer.forward_rows)
+            assert self._plan is not None
+            one = seqs[0]
+            self._plan.num_rows_written = one.num_kept_tokens - one.num_context_tokens
+            self._plan.row_seq = one
 
     def _paged_meta(
         self, seqs: list[tuple[list[int], int]]
@@ -581,6 +587,24 @@ class FlashInferBackend:
     def attends_rows(self) -> bool:
         plan = self._plan
         return plan is not None and plan.num_rows_written is not None
+
+    def num_context_rows(self) -> int:
+        plan = self._plan
+        assert plan is not None and plan.row_seq is not None, "attends_rows() first"
+        return plan.row_seq.num_context_tokens
+
+    def read_context(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        plan = self._plan
+        assert plan is not None and plan.row_seq is not None, "attends_rows() first"
+        if plan.row_context_slots is None:  # once a step, at the first layer
+            s = plan.row_seq
+            spans = IndexSpans()
+            spans.add_slots(s.block_ids, 0, s.num_context_tokens, self.block_size)
+            plan.row_context_slots = self._to_dev(spans, torch.int64)
+        kc = self.k_caches[layer_idx].view(-1, self.num_kv_heads, self.head_dim)
+        vc = self.v_caches[layer_idx].view(-1, self.num_kv_heads, self.head_dim)
+        torch.index_select(kc, 0, plan.row_context_slots, out=k)
+        torch.index_select(vc, 0, plan.row_context_slots, out=v)
 
     def write_rows(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         plan = self._plan

@@ -97,12 +97,9 @@ class TorchAttentionBackend:
         self._token_slots = slot_mapping.to(dev, non_blocking=True) if fuse else None
         self._seqs = seq_plans
         self._decode = self._plan_decode(batch) if batch.is_decode else None
-        one = batch.seqs[0] if len(batch.seqs) == 1 else None
-        self._num_rows_written = (
-            int(rows.numel())
-            if one is not None and not batch.is_decode and one.num_context_tokens == 0
-            else None
-        )
+        # One prefill sequence: its written rows are its first ones, in order.
+        one = len(batch.seqs) == 1 and not batch.is_decode
+        self._num_rows_written = int(rows.numel()) if one else None
 
     def _plan_decode(self, batch: ForwardBatch) -> _DecodePlan | None:
         """Padded gather over context + the token written this step (all from the pool)."""
@@ -150,6 +147,17 @@ class TorchAttentionBackend:
     # ---- row streaming (a long prompt's hybrid prefill: DecoderLayer.forward_rows) -------
     def attends_rows(self) -> bool:
         return self._num_rows_written is not None
+
+    def num_context_rows(self) -> int:
+        assert self._num_rows_written is not None, "attends_rows() first"
+        slots = self._seqs[0].context_slots
+        return 0 if slots is None else int(slots.numel())
+
+    def read_context(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        slots = self._seqs[0].context_slots
+        assert slots is not None
+        k.copy_(self.pool.flat_k(layer_idx)[slots])
+        v.copy_(self.pool.flat_v(layer_idx)[slots])
 
     def write_rows(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         assert self._num_rows_written is not None and self._write_slots is not None

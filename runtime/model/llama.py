@@ -12,10 +12,10 @@ Hybrid prefill (`chunk_tokens=C`, used when T > C): per layer, the token-wise wo
 q/k/v projection, q/k norm, RoPE, o_proj, MLP) runs over C-token chunks writing into
 preallocated [T, ...] buffers. The largest temporary is then [C, 2 * intermediate] instead of
 [T, 2 * intermediate]. Two forms: where the backend attends a chunk of query rows to the keys
-before it (one sequence, no cached context: a long scoring prompt), the layer streams rows
-(`forward_rows`: one [T, H] residual stream and k/v live across the layer, 12 KiB a token on
-the 8B shape); otherwise attention runs over all T rows at once (`forward_chunked`: h,
-residual, q, k, v, 27 KiB). The activation reserve, and so the longest scoring prompt, is
+before it (one sequence: a long scoring prompt, with its cached context or without), the
+layer streams rows (`forward_rows`: one [T, H] residual stream and k/v live across the layer,
+12 KiB a token on the 8B shape); otherwise (several sequences) attention runs over all T rows
+at once (`forward_chunked`: h, residual, q, k, v, 27 KiB). The activation reserve, and so the longest scoring prompt, is
 measured on the first form.
 """
 
@@ -178,8 +178,8 @@ def attend(
 def attends_rows(attn: AttentionBackend) -> bool:
     """Whether the planned batch can take the row-streamed hybrid prefill
     (`DecoderLayer.forward_rows`): the backend attends a chunk of query rows to the keys
-    before it and says the batch is one sequence without cached context. Backends written
-    before it have no `attends_rows`."""
+    before it and says the batch is one prefill sequence (cached context or not). Backends
+    written before it have no `attends_rows`."""
     fn = getattr(attn, "attends_rows", None)
     return fn is not None and bool(fn())
 
@@ -292,8 +292,9 @@ class DecoderLayer(nn.Module):
     ) -> None:
         """Row-streamed hybrid-prefill layer, in place: `hs` [T, H] is the whole residual
         stream (the sum `forward` carries as h + residual) and leaves as the next layer's.
-        Phase 1 projects every chunk's k/v (normed, RoPE'd) into [T, Hkv, D] buffers and hands
-        the kept rows to the pool. Phase 2 runs the rest chunk by chunk: q of the chunk,
+        Phase 1 reads the cached context's K/V from the pool and projects every chunk's k/v
+        (normed, RoPE'd) after it into [ctx + T, Hkv, D] buffers, handing the kept rows to
+        the pool. Phase 2 runs the rest chunk by chunk: q of the chunk,
         attention to the keys up to its last row, o_proj, the residual add, the MLP — each
         chunk's rows of `hs` are rewritten only after everything that reads them. The peak is
         `hs` and k/v (12 KiB a token on the 8B shape) plus one chunk's temporaries, where
@@ -301,18 +302,24 @@ class DecoderLayer(nn.Module):
         chunk (once a phase): cheap, against the [T, Hq, D] q buffer it saves."""
         T = hs.shape[0]
         sa = self.self_attn
-        k_buf = hs.new_empty(T, sa.num_kv_heads, sa.head_dim)
-        v_buf = hs.new_empty(T, sa.num_kv_heads, sa.head_dim)
+        # Keys and values of the whole sequence: its cached context (read from the pool), then
+        # this step's rows.
+        ctx = attn.num_context_rows()
+        k_buf = hs.new_empty(ctx + T, sa.num_kv_heads, sa.head_dim)
+        v_buf = hs.new_empty(ctx + T, sa.num_kv_heads, sa.head_dim)
+        if ctx:
+            attn.read_context(self.layer_idx, k_buf[:ctx], v_buf[:ctx])
         for s in range(0, T, chunk_tokens):
             e = min(s + chunk_tokens, T)
             k, v = sa.project_kv(self.input_layernorm(hs[s:e]), positions[s:e], rotary)
-            k_buf[s:e] = k
-            v_buf[s:e] = v
-            attn.write_rows(self.layer_idx, k_buf[s:e], v_buf[s:e], s)
+            k_buf[ctx + s : ctx + e] = k
+            v_buf[ctx + s : ctx + e] = v
+            attn.write_rows(self.layer_idx, k_buf[ctx + s : ctx + e], v_buf[ctx + s : ctx + e], s)
         for s in range(0, T, chunk_tokens):
             e = min(s + chunk_tokens, T)
             q = sa.project_q(self.input_layernorm(hs[s:e]), positions[s:e], rotary)
-            o = attn.attend_rows(self.layer_idx, q, k_buf[:e], v_buf[:e])  # [e - s, Hq, D]
+            # [e - s, Hq, D]: rows s..e-1 are the last of the ctx + e keys
+            o = attn.attend_rows(self.layer_idx, q, k_buf[: ctx + e], v_buf[: ctx + e])
             a = sa.o_proj(o.reshape(e - s, -1))
             x, r = self.post_attention_layernorm.add_forward(a, hs[s:e])
             hs[s:e] = r

@@ -203,6 +203,38 @@ def test_one_long_prompt_streams_rows_and_matches() -> None:
 
 
 @pytest.mark.gpu
+def test_streamed_rows_after_a_cached_prefix_match() -> None:
+    """A long prompt whose first 256 positions are cached (a prefix hit, the suffix discarded
+    as scoring does): the rows read the context's K/V from the pool (`read_context`) and
+    attend to context + rows; the hidden states match the batch's whole-T forward (FlashInfer's
+    gather path) and the uncached prompt's forward at the same positions."""
+    import torch
+
+    from bench.gpu_suite import rel_err
+    from runtime.attention.base import ForwardBatch, SeqSlice
+
+    model, mc, be = _quarter_8b()
+    bs, ctx, T = be.block_size, 256, 1000
+    ids = torch.randint(0, mc.vocab_size, (T,), device="cuda")
+    blocks = list(range(1, 1 + ctx // bs))
+    whole = ForwardBatch(ids, torch.arange(T, device="cuda"), [SeqSlice(0, T, 0, ctx, blocks)],
+                         torch.tensor([T - 1], device="cuda"), is_decode=False)  # fmt: skip
+    rest = ForwardBatch(ids[ctx:], torch.arange(ctx, T, device="cuda"),
+                        [SeqSlice(0, T - ctx, ctx, ctx, blocks)],
+                        torch.tensor([T - ctx - 1], device="cuda"), is_decode=False)  # fmt: skip
+    with torch.inference_mode():
+        be.plan(whole)
+        uncached = model(whole.input_ids, whole.positions, be)[ctx:]  # writes the prefix
+        be.plan(rest)
+        full = model(rest.input_ids, rest.positions, be)
+        be.plan(rest)
+        assert be.attends_rows() and be.num_context_rows() == ctx
+        rows = model(rest.input_ids, rest.positions, be, chunk_tokens=128)
+    assert rel_err(rows.float(), full.float()) < 2e-2
+    assert rel_err(rows.float(), uncached.float()) < 2e-2
+
+
+@pytest.mark.gpu
 def test_streamed_rows_hold_a_prompt_in_its_stream_and_kv() -> None:
     """The point of streaming rows: a long prompt's activation peak grows by the residual
     stream and K/V a token (hidden + 2 * kv heads * head_dim elements), where attending all
