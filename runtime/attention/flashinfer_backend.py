@@ -126,10 +126,9 @@ class _Plan:
     total_kv: int = 0
     # With the fused RoPE + pool write: each row's slot, -1 where not written; else None.
     token_slots: torch.Tensor | None = None
-    # One prefill sequence (row streaming): how many of its rows are written, in order
-    # (write_slots[i] is row i's), and the sequence (its cached context's slots are built at
-    # the first read_context); None for any other batch.
-    num_rows_written: int | None = None
+    # One prefill sequence (row streaming; None for any other batch): its kept rows are its
+    # first ones, in order (write_slots[i] is row i's); its cached context's slots are built
+    # at the first read_context.
     row_seq: SeqSlice | None = None
     row_context_slots: torch.Tensor | None = None
 
@@ -446,9 +445,7 @@ class FlashInferBackend:
 
         if len(seqs) == 1:  # row streaming is possible (DecoderLayer.forward_rows)
             assert self._plan is not None
-            one = seqs[0]
-            self._plan.num_rows_written = one.num_kept_tokens - one.num_context_tokens
-            self._plan.row_seq = one
+            self._plan.row_seq = seqs[0]
 
     def _paged_meta(
         self, seqs: list[tuple[list[int], int]]
@@ -520,6 +517,11 @@ class FlashInferBackend:
         return out.index_copy_(0, rows, slots)
 
     # ------------------------------------------------------------------ forward
+    def _flat_caches(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V pool as flat [num_blocks * block_size, Hkv, D] slot views."""
+        shape = (-1, self.num_kv_heads, self.head_dim)
+        return self.k_caches[layer_idx].view(shape), self.v_caches[layer_idx].view(shape)
+
     def _write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, plan: _Plan) -> None:
         if plan.write_slots.numel() == 0:
             return
@@ -527,8 +529,7 @@ class FlashInferBackend:
             k = k.index_select(0, plan.write_rows)
             v = v.index_select(0, plan.write_rows)
         # Flat [num_blocks * block_size, Hkv, D] views; index_copy_ is graph-capturable.
-        kc = self.k_caches[layer_idx].view(-1, self.num_kv_heads, self.head_dim)
-        vc = self.v_caches[layer_idx].view(-1, self.num_kv_heads, self.head_dim)
+        kc, vc = self._flat_caches(layer_idx)
         kc.index_copy_(0, plan.write_slots, k.to(kc.dtype))
         vc.index_copy_(0, plan.write_slots, v.to(vc.dtype))
 
@@ -552,8 +553,7 @@ class FlashInferBackend:
                 fn(self.num_q_heads)
             self._deferred = []
         if rope is not None and plan.token_slots is not None and rope[1].dtype == torch.float32:
-            kc = self.k_caches[layer_idx].view(-1, self.num_kv_heads, self.head_dim)
-            vc = self.v_caches[layer_idx].view(-1, self.num_kv_heads, self.head_dim)
+            kc, vc = self._flat_caches(layer_idx)
             q, k = self._rope_kv_write(q, k, v, *rope, plan.token_slots, kc, vc)
         else:
             if rope is not None:  # asked to rotate, but not fusing here: RoPE, then the writes
@@ -575,8 +575,7 @@ class FlashInferBackend:
         shape = (plan.total_kv, self.num_kv_heads, self.head_dim)
         kbuf = torch.empty(shape, dtype=k.dtype, device=k.device)
         vbuf = torch.empty(shape, dtype=v.dtype, device=v.device)
-        kflat = caches[0].view(-1, self.num_kv_heads, self.head_dim)
-        vflat = caches[1].view(-1, self.num_kv_heads, self.head_dim)
+        kflat, vflat = self._flat_caches(layer_idx)
         kbuf.index_copy_(0, plan.gather_dst, kflat.index_select(0, plan.gather_slots))
         vbuf.index_copy_(0, plan.gather_dst, vflat.index_select(0, plan.gather_slots))
         kbuf.index_copy_(0, plan.new_dst, k)
@@ -586,7 +585,7 @@ class FlashInferBackend:
     # ------------------------------------------------------------------ row streaming
     def attends_rows(self) -> bool:
         plan = self._plan
-        return plan is not None and plan.num_rows_written is not None
+        return plan is not None and plan.row_seq is not None
 
     def num_context_rows(self) -> int:
         plan = self._plan
@@ -601,20 +600,19 @@ class FlashInferBackend:
             spans = IndexSpans()
             spans.add_slots(s.block_ids, 0, s.num_context_tokens, self.block_size)
             plan.row_context_slots = self._to_dev(spans, torch.int64)
-        kc = self.k_caches[layer_idx].view(-1, self.num_kv_heads, self.head_dim)
-        vc = self.v_caches[layer_idx].view(-1, self.num_kv_heads, self.head_dim)
+        kc, vc = self._flat_caches(layer_idx)
         torch.index_select(kc, 0, plan.row_context_slots, out=k)
         torch.index_select(vc, 0, plan.row_context_slots, out=v)
 
     def write_rows(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         plan = self._plan
-        assert plan is not None and plan.num_rows_written is not None, "attends_rows() first"
-        end = min(start + k.shape[0], plan.num_rows_written)
+        assert plan is not None and plan.row_seq is not None, "attends_rows() first"
+        s = plan.row_seq
+        end = min(start + k.shape[0], s.num_kept_tokens - s.num_context_tokens)
         if end <= start:
             return
         slots = plan.write_slots[start:end]
-        kc = self.k_caches[layer_idx].view(-1, self.num_kv_heads, self.head_dim)
-        vc = self.v_caches[layer_idx].view(-1, self.num_kv_heads, self.head_dim)
+        kc, vc = self._flat_caches(layer_idx)
         kc.index_copy_(0, slots, k[: end - start].to(kc.dtype))
         vc.index_copy_(0, slots, v[: end - start].to(vc.dtype))
 

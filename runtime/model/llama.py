@@ -322,8 +322,7 @@ class DecoderLayer(nn.Module):
             o = attn.attend_rows(self.layer_idx, q, k_buf[: ctx + e], v_buf[: ctx + e])
             a = sa.o_proj(o.reshape(e - s, -1))
             x, r = self.post_attention_layernorm.add_forward(a, hs[s:e])
-            hs[s:e] = r
-            hs[s:e] += self.mlp(x)
+            torch.add(r, self.mlp(x), out=hs[s:e])  # r may be hs[s:e] itself (in-place norm)
 
 
 class LlamaForCausalLM(nn.Module):
