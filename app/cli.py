@@ -67,6 +67,8 @@ _ENGINE_HELP = {
     "prefill_graph_max_tokens": "prefill parts of up to this many tokens replay piecewise CUDA "
     "graphs (dense work per token bucket, attention eager between; 0: off; at most "
     "--prefill-chunk-tokens)",
+    "prefill_graph_padding": "from 256 tokens a prefill part is padded to its graph's bucket by "
+    "at most this fraction (smaller: finer buckets, more graphs captured at start-up)",
     "merge_mixed_steps": "run a step's prefill parts and decodes as one forward when the "
     "merged rows fit a prefill graph (not for scoring prefills that discard their suffix KV)",
     "fused_rope_kv_write": "auto | true | false: RoPE and the K/V pool write in one Triton "

@@ -62,6 +62,10 @@ class EngineConfig:
     # (3B) a part of 16-512 tokens took 0.41-0.79x the eager wall time, 1024 a tie in
     # isolation (GPU-bound; in a busy server the eager host work is longer), 2048 1.07x.
     prefill_graph_max_tokens: int = 1024
+    # From 256 tokens a part is padded to its bucket by at most this fraction (the buckets'
+    # granule; runtime/prefill_graphs.py). Smaller: less padded compute in steps that mix a
+    # short prompt with decodes, more graphs to capture at start-up.
+    prefill_graph_padding: float = 0.5
     # RoPE on q and k and the K/V pool write in one Triton launch per layer
     # (runtime/attention/rope_kv_write.py) instead of three. auto: with the FlashInfer
     # backend; true: also with torch SDPA (without CUDA under Triton's interpreter: tests
@@ -150,6 +154,10 @@ class EngineConfig:
             raise ValueError("prefill_chunk_tokens must be >= 1")
         if self.prefill_graph_max_tokens < 0:
             raise ValueError("prefill_graph_max_tokens must be >= 0 (0 = off)")
+        if not 0.0625 <= self.prefill_graph_padding <= 1.0:
+            raise ValueError(
+                "prefill_graph_padding must be in [0.0625, 1] (a fraction of the bucket)"
+            )
         if self.prefill_warm_up_tokens is not None and self.prefill_warm_up_tokens < 0:
             raise ValueError("prefill_warm_up_tokens must be >= 0 (0 = off)")
         if not 0 <= self.fused_decode_max_batch <= 8:

@@ -57,10 +57,12 @@ from runtime.model.llama import LlamaForCausalLM, attend
 
 log = logging.getLogger("greenlane.prefill_graphs")
 
-# Buckets: dense near the small steps that are launch-bound (a chunk's suffix, a short chat
-# prompt next to decodes), coarser above, where the GPU work of a step grows to cover its
-# launches and padding costs compute.
-DEFAULT_TOKEN_SIZES = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1280, 1536, 2048)
+# Buckets below 256 tokens: a step that small is bound by the weight reads and the launches,
+# so padding it to a coarse bucket costs little. From 256 tokens a step turns compute-bound
+# (the 8B's GEMMs from ~200 rows on the H200), so every padded row costs its share of the
+# step: there the ladder's granule is `padding` x the power of two below, so a part is padded
+# by at most that fraction (0.5: 256, 384, 512, 768, 1024, 1536, 2048, the first ladder's).
+SMALL_TOKEN_SIZES = (16, 32, 64, 96, 128, 192, 256)
 
 
 def prefill_graph_max_tokens(config: EngineConfig) -> int:
@@ -73,13 +75,20 @@ def prefill_graph_max_tokens(config: EngineConfig) -> int:
     return max(0, m)
 
 
-def prefill_graph_sizes(
-    max_tokens: int, sizes: tuple[int, ...] = DEFAULT_TOKEN_SIZES
-) -> tuple[int, ...]:
-    """The token buckets to capture: `sizes` up to max_tokens, plus max_tokens itself (0: none)."""
+def prefill_graph_sizes(max_tokens: int, padding: float = 0.5) -> tuple[int, ...]:
+    """The token buckets to capture up to `max_tokens` (itself included; 0: none): the small
+    ones, then from 256 tokens a granule of `padding` x the power of two at or below the
+    bucket (at least 16 tokens), so a part of >= 256 tokens is padded by at most `padding`."""
     if max_tokens <= 0:
         return ()
-    return tuple(sorted({s for s in sizes if s <= max_tokens} | {max_tokens}))
+    sizes = {s for s in SMALL_TOKEN_SIZES if s <= max_tokens}
+    s = SMALL_TOKEN_SIZES[-1]
+    while s < max_tokens:
+        granule = max(16, int((1 << (s.bit_length() - 1)) * padding) // 16 * 16)
+        s += granule
+        if s <= max_tokens:
+            sizes.add(s)
+    return tuple(sorted(sizes | {max_tokens}))
 
 
 def prefill_graph_bytes(model: LlamaForCausalLM, max_tokens: int, dtype: torch.dtype) -> int:

@@ -440,7 +440,9 @@ class ModelRunner:
             self.graph_registry = DecodeGraphRegistry(make_split_set, whole)
             if capture_graphs:
                 whole.capture()
-            sizes = prefill_graph_sizes(prefill_graph_max_tokens(config))
+            sizes = prefill_graph_sizes(
+                prefill_graph_max_tokens(config), config.prefill_graph_padding
+            )
             if sizes:
                 # Their own pool: their intermediates must not alias a decode graph's.
                 self.prefill_graphs = PrefillGraphs(

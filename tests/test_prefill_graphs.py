@@ -66,6 +66,16 @@ def test_buckets_and_the_largest_one() -> None:
     assert prefill_graph_sizes(0) == ()
     assert prefill_graph_sizes(100) == (16, 32, 64, 96, 100)
     assert prefill_graph_sizes(2048)[-1] == 2048
+    # padding 0.5 is the first ladder up to 1,024; finer padding bounds every part from 256 on
+    assert prefill_graph_sizes(1024) == (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+    for padding in (0.5, 0.25, 0.125, 0.0625):
+        sizes = prefill_graph_sizes(2048, padding)
+        assert sizes[:7] == (16, 32, 64, 96, 128, 192, 256) and sizes[-1] == 2048
+        for lo, hi in zip(sizes[6:], sizes[7:], strict=False):
+            assert hi > lo and (hi - (lo + 1)) / (lo + 1) <= padding  # worst part: lo + 1
+    assert len(prefill_graph_sizes(1024, 0.125)) == 23  # 11 at 0.5
+    with pytest.raises(ValueError, match="prefill_graph_padding"):
+        EngineConfig(prefill_graph_padding=0.01)
     cfg = EngineConfig(prefill_graph_max_tokens=4096, prefill_token_budget=8192)
     assert prefill_graph_max_tokens(cfg) == 2048  # cut at the hybrid-prefill chunk
     cfg = EngineConfig(prefill_graph_max_tokens=4096, prefill_token_budget=1000)
