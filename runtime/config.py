@@ -65,7 +65,7 @@ class EngineConfig:
     # From 256 tokens a part is padded to its bucket by at most this fraction (the buckets'
     # granule; runtime/prefill_graphs.py). Smaller: less padded compute in steps that mix a
     # short prompt with decodes, more graphs to capture at start-up.
-    prefill_graph_padding: float = 0.5
+    prefill_graph_padding: float = 0.125
     # RoPE on q and k and the K/V pool write in one Triton launch per layer
     # (runtime/attention/rope_kv_write.py) instead of three. auto: with the FlashInfer
     # backend; true: also with torch SDPA (without CUDA under Triton's interpreter: tests
