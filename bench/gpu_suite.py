@@ -1001,6 +1001,7 @@ def section_prefill_graphs() -> dict:
 def _prefill_graphs_one(preset: str) -> dict:
     """`section_prefill_graphs` for one preset (its model and pool are freed on return)."""
     from runtime.attention.flashinfer_backend import FlashInferBackend
+    from runtime.config import EngineConfig
     from runtime.model import ops
     from runtime.prefill_graphs import PrefillGraphs, prefill_graph_sizes
 
@@ -1014,7 +1015,8 @@ def _prefill_graphs_one(preset: str) -> dict:
     s = torch.cuda.Stream()
     out: dict[str, Any] = {"preset": preset, "context_tokens": ctx}
     with torch.inference_mode():
-        pg = PrefillGraphs(model, pool.device, torch.bfloat16, prefill_graph_sizes(2048), stream=s)
+        buckets = prefill_graph_sizes(2048, EngineConfig.prefill_graph_padding)
+        pg = PrefillGraphs(model, pool.device, torch.bfloat16, buckets, stream=s)
         pg.capture()
         out.update(capture_s=round(pg.capture_s, 2), memory_mib=pg.memory_bytes / 2**20)
         print(f"prefill graphs: {len(pg.token_sizes)} buckets in {pg.capture_s:.1f} s", flush=True)

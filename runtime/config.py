@@ -64,7 +64,9 @@ class EngineConfig:
     prefill_graph_max_tokens: int = 1024
     # From 256 tokens a part is padded to its bucket by at most this fraction (the buckets'
     # granule; runtime/prefill_graphs.py). Smaller: less padded compute in steps that mix a
-    # short prompt with decodes, more graphs to capture at start-up.
+    # short prompt with decodes, more graphs to capture at start-up. On the H200 (8B, 48 chat
+    # streams through HTTP) 0.125 against 0.5 (the first ladder): merged steps 3.5 % cheaper,
+    # tokens/s +2.2 % over 4 vs 6 runs, capture ~1 s instead of ~0.5 s.
     prefill_graph_padding: float = 0.125
     # RoPE on q and k and the K/V pool write in one Triton launch per layer
     # (runtime/attention/rope_kv_write.py) instead of three. auto: with the FlashInfer

@@ -75,7 +75,7 @@ def prefill_graph_max_tokens(config: EngineConfig) -> int:
     return max(0, m)
 
 
-def prefill_graph_sizes(max_tokens: int, padding: float = 0.5) -> tuple[int, ...]:
+def prefill_graph_sizes(max_tokens: int, padding: float) -> tuple[int, ...]:
     """The token buckets to capture up to `max_tokens` (itself included; 0: none): the small
     ones, then from 256 tokens a granule of `padding` x the power of two at or below the
     bucket (at least 16 tokens), so a part of >= 256 tokens is padded by at most `padding`."""

@@ -63,11 +63,11 @@ def tiny_engine(**overrides) -> tuple[Engine, Collector]:
 
 
 def test_buckets_and_the_largest_one() -> None:
-    assert prefill_graph_sizes(0) == ()
-    assert prefill_graph_sizes(100) == (16, 32, 64, 96, 100)
-    assert prefill_graph_sizes(2048)[-1] == 2048
+    assert prefill_graph_sizes(0, 0.5) == ()
+    assert prefill_graph_sizes(100, 0.125) == (16, 32, 64, 96, 100)
+    assert prefill_graph_sizes(2048, 0.125)[-1] == 2048
     # padding 0.5 is the first ladder up to 1,024; finer padding bounds every part from 256 on
-    assert prefill_graph_sizes(1024) == (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+    assert prefill_graph_sizes(1024, 0.5) == (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
     for padding in (0.5, 0.25, 0.125, 0.0625):
         sizes = prefill_graph_sizes(2048, padding)
         assert sizes[:7] == (16, 32, 64, 96, 128, 192, 256) and sizes[-1] == 2048

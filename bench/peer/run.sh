@@ -401,9 +401,12 @@ options)
   load=("${CHAT_ARGS[@]}"); rounds=${PEER_ROUNDS:-2}; run_s=60; name=chat-$sub
   [ "$sub" = long ] && { load=("${LONG_ARGS[@]}"); rounds=1; run_s=80; name=long; }
   export_model "$preset" || exit 1
+  declare -A seen=()  # a set given twice gets its own run names (-2, -3): no result overwritten
   for opts in "$@"; do
     [ "$(left)" -gt $((run_s * rounds + 50)) ] || { echo "deadline: option set '$opts' skipped"; continue; }
     slug=$(echo "$opts" | tr -c 'a-zA-Z0-9\n' '-' | sed 's/^-*//; s/-*$//; s/--*/-/g')
+    seen[_$slug]=$(( ${seen[_$slug]:-0} + 1 ))
+    [ "${seen[_$slug]}" -gt 1 ] && slug="$slug-${seen[_$slug]}"
     start_greenlane "$(folder_of "$preset")" \
       "--max-gpu-memory-gb $MEM_GB --max-model-len $MAX_LEN${opts:+ $opts}" || continue
     PEER_SIDES=greenlane PEER_PRESET=$preset alternate "$name-$slug" "$rounds" "$run_s" "${load[@]}"
