@@ -392,6 +392,7 @@ async def run_once(
 
         run_start = time.perf_counter()
         started_unix_s = time.time()
+        cpu_start_s = time.process_time()  # the client's own CPU (all its threads)
         tasks: list[asyncio.Task[RequestResult]] = []
         stop = stop or asyncio.Event()
         for req, at_s in zip(requests, arrivals_s, strict=True):
@@ -416,7 +417,11 @@ async def run_once(
         results = [t.result() for t in tasks if not t.cancelled()]
         duration_s = time.perf_counter() - run_start
         ended_unix_s = time.time()
+        cpu_s = time.process_time() - cpu_start_s
     metrics = compute_metrics(results, duration_s, slo, opts.max_concurrency)
+    # A client near a whole core delays its own reads: its gaps and TTFT then include its lag
+    # (and a closed loop sends late), whatever the server does. Printed as a warning past 80 %.
+    metrics["client_cpu_percent"] = round(100.0 * cpu_s / max(duration_s, 1e-9), 1)
     metrics["started_unix_s"] = round(started_unix_s, UNIX_S_DECIMALS)
     metrics["ended_unix_s"] = round(ended_unix_s, UNIX_S_DECIMALS)
     if stop.is_set():
@@ -989,6 +994,9 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.0f}"
 
 
+CLIENT_CPU_WARN_PERCENT = 80.0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     record = asyncio.run(main_async(args))
@@ -999,6 +1007,12 @@ def main(argv: list[str] | None = None) -> int:
 
     print(markdown_table({args.workload: record["runs"]}))
     for run in record["runs"]:
+        cpu = run["metrics"].get("client_cpu_percent")
+        if cpu is not None and cpu > CLIENT_CPU_WARN_PERCENT:
+            print(
+                f"warning: this client used {cpu:.0f} % of a core at QPS {run.get('qps')}: "
+                "its own lag is in these timings (spread the load over processes)"
+            )
         steady = run["metrics"].get("steady_state")
         if steady:
             t0, t1 = steady["window_s"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import socket
 import threading
 import time
@@ -243,6 +244,8 @@ def test_chat_sweep_against_fake_server(fake_server, tokenizer_file, tmp_path):
         assert m["ttft_ms"]["mean"] <= m["e2el_ms"]["mean"]
         assert m["goodput"] == pytest.approx(m["completed"] / m["duration_s"])
         assert m["started_unix_s"] < m["ended_unix_s"]  # every run's wall-clock window
+        # the client's own CPU share of the run: measured, so above zero and below all cores
+        assert 0.0 < m["client_cpu_percent"] < 100.0 * (os.cpu_count() or 1)
         assert "requests" not in run  # per-request timings only with --record-requests
     bodies = [b for kind, b in app.state.seen if kind == "chat"]
     assert all(
