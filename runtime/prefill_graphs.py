@@ -210,7 +210,9 @@ class PrefillGraphs:
     def capture(self) -> None:
         """Warm up and capture every bucket on `self.stream`, largest first (one pool)."""
         dev = self.input_ids.device
-        base = torch.cuda.memory_allocated(dev)
+        # Reserved, not allocated: the graphs' private pool keeps its segments reserved while
+        # its blocks sit free between replays, so allocated bytes read ~0 after capture.
+        base = torch.cuda.memory_reserved(dev)
         t0 = time.perf_counter()
         self.stream.synchronize()
         for n in sorted(self.token_sizes, reverse=True):
@@ -234,7 +236,7 @@ class PrefillGraphs:
                 self.stream.synchronize()
             self.graphs[n] = graphs
         self.capture_s = time.perf_counter() - t0
-        self.memory_bytes = max(0, torch.cuda.memory_allocated(dev) - base)
+        self.memory_bytes = max(0, torch.cuda.memory_reserved(dev) - base)
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
