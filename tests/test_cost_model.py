@@ -79,6 +79,9 @@ def test_fit_recovers_parameters_and_predicts_held_out_shapes() -> None:
             m.observe(stage, shape, sms, t.predict(stage, shape, sms, other), other)
     stats = m.error_stats()
     assert stats["num_observations"] == 9
+    # three readings per kind, each counted beside its MAPE
+    assert [stats[f"num_{k}"] for k in ("prefill_alone", "decode_concurrent")] == [3, 3]
+    assert stats["num_prefill_concurrent"] == 3 and "mape_prefill_concurrent" in stats
     assert stats["mape"] < 0.10
 
 

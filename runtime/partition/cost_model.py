@@ -389,12 +389,16 @@ class CostModel:
     def error_stats(self) -> dict[str, float | int]:
         """Out-of-sample |predicted - measured| / measured: `mape_<stage>_<regime>` (a split's
         prefill and decode are the concurrent regime), `mape_chunked_step` (auto's chunked
-        time-slice steps), and `mape` over all of them."""
+        time-slice steps), and `mape` over all of them; `num_<kind>` beside each says over
+        how many steps of the rolling window (a split may run a handful a run: its MAPE is
+        then a few readings, not a rate)."""
         out: dict[str, float | int] = {}
         all_e: list[float] = []
         for key, log in self.errors.items():
             if log.abs_pct:
-                out[f"mape_{key.replace('/', '_')}"] = float(np.mean(log.abs_pct))
+                kind = key.replace("/", "_")
+                out[f"mape_{kind}"] = float(np.mean(log.abs_pct))
+                out[f"num_{kind}"] = len(log.abs_pct)
                 all_e.extend(log.abs_pct)
         out["mape"] = float(np.mean(all_e)) if all_e else float("nan")
         out["num_observations"] = len(all_e)
