@@ -156,8 +156,8 @@ class TorchAttentionBackend:
     def read_context(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         slots = self._seqs[0].context_slots
         assert slots is not None
-        k.copy_(self.pool.flat_k(layer_idx)[slots])
-        v.copy_(self.pool.flat_v(layer_idx)[slots])
+        torch.index_select(self.pool.flat_k(layer_idx), 0, slots, out=k)  # no [ctx, ...] temp
+        torch.index_select(self.pool.flat_v(layer_idx), 0, slots, out=v)
 
     def write_rows(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         assert self._num_rows_written is not None and self._write_slots is not None
