@@ -80,7 +80,7 @@ _ENGINE_HELP = {
     "prefill_warm_up_tokens": "at start-up, run one discarded prefill of this many tokens "
     "(capped at the longest scoring prompt) so the first long prompt is not the one that pays "
     "first-use costs (default: 16384 on CUDA, off on the CPU; 0: off)",
-    "fused_decode_max_batch": "decode graphs of batches up to this size (at most 8) run the "
+    "fused_decode_max_batch": "decode graphs of batches up to this size (at most 64) run the "
     "fused Triton decode kernels instead of FlashInfer + cuBLAS (0: never)",
     "wait_for_shared_prefix_tokens": "a waiting request whose next N+ prompt tokens a running "
     "request is prefilling now (a shared, not yet cached prefix) waits for them to be cached "

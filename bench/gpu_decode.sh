@@ -16,6 +16,11 @@
 #                                         # 16k x2 under the profiler; the prefill profile
 #   bash bench/gpu_decode.sh kvsplit REV  # --decode-kv-split A/B in ABBA order: 8B at batch 16
 #                                         # and 64 (KVSPLIT_8B modes), 3B 48 streams (KVSPLIT_3B)
+#   bash bench/gpu_decode.sh kernels REV  # the decode kernels' tests compiled on the GPU, then
+#                                         # bench.wide_decode (engine level: tile sweep, graph
+#                                         # step unfused vs fused at 2..64 rows)
+#   bash bench/gpu_decode.sh wide REV     # --fused-decode-max-batch 1 vs 64 through HTTP: 3B
+#                                         # 48 streams ABBA (WIDE_3B), 8B B=4,16,64 (WIDE_8B)
 #   bash bench/gpu_decode.sh final REV    # one call for the record: this revision's 3B with 1, 2
 #                                         # and 4 API servers (py-spy on 1), 8B B=1,16,64 with
 #                                         # the prefill check, then the old revision's 3B
@@ -160,6 +165,28 @@ case $part in
       i=$((i + 1))
       serve "$new" random:qwen2.5-3b 8100 $logs/kv-$m-$i-3b.log --decode-kv-split $m && {
         decode kv-$m-$i-3b qwen2.5-3b 48 512 256 --repeats 1 || rc=1; stop 8100; }
+    done
+    ;;
+  kernels)
+    python3 -m pytest -q tests/test_decode_kernels.py -p no:cacheprovider --tb=short 2>&1 \
+      | tee $logs/pytest-kernels.txt | grep -E "^(FAILED|ERROR|E )|passed|failed" | head -40
+    python3 -m bench.wide_decode --out "$OUT/wide-decode.json" ${WIDE_ARGS:-} 2>&1 \
+      | tee $logs/wide-decode.txt | grep -vE "^\s" | tail -60 || rc=1
+    ;;
+  wide)
+    # The fused decode up to 64 rows (tensor-core kernels) against the default (fused at batch
+    # 1 only), a fresh server per side, alternated.
+    i=0
+    for m in ${WIDE_3B-1 64 64 1}; do
+      i=$((i + 1))
+      serve "$new" random:qwen2.5-3b 8100 $logs/wide-$m-$i-3b.log --fused-decode-max-batch $m && {
+        decode wide-$m-$i-3b qwen2.5-3b 48 512 256 --repeats 1 || rc=1; stop 8100; }
+    done
+    for m in ${WIDE_8B-64 1}; do
+      i=$((i + 1))
+      serve "$new" random:llama-3.1-8b 8100 $logs/wide-$m-$i-8b.log --fused-decode-max-batch $m && {
+        decode wide-$m-$i-8b llama-3.1-8b ${WIDE_8B_BATCHES:-4,16,64} 2048 160 --repeats 1 || rc=1
+        stop 8100; }
     done
     ;;
   final)

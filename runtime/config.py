@@ -89,8 +89,9 @@ class EngineConfig:
     # the KV pool can hold its whole prompt until it finishes (else whole, hybrid prefill).
     chunk_scoring_prefill: bool = True
     # Decode graphs of batches up to this size run the fused Triton decode kernels
-    # (runtime/model/fused_decode.py; at most 8) instead of FlashInfer + cuBLAS. 0 = never. Default
-    # 1: measured on the H200, the fused kernels lose from batch 2 on (docs/benchmarks.md).
+    # (runtime/model/fused_decode.py; at most 64) instead of FlashInfer + cuBLAS. 0 = never.
+    # Default 1: measured on the H200, the element-wise kernels lost from batch 2 on; the
+    # tensor-core kernels for 2..64 rows are measured in docs/benchmarks.md.
     fused_decode_max_batch: int = 1
     # Decode attention's KV split in CUDA graphs (runtime/attention/flashinfer_backend.py,
     # `prefer_one_chunk`): FlashInfer plans every graph's decode as split KV + a merge kernel a
@@ -162,8 +163,8 @@ class EngineConfig:
             )
         if self.prefill_warm_up_tokens is not None and self.prefill_warm_up_tokens < 0:
             raise ValueError("prefill_warm_up_tokens must be >= 0 (0 = off)")
-        if not 0 <= self.fused_decode_max_batch <= 8:
-            raise ValueError("fused_decode_max_batch must be in 0..8")
+        if not 0 <= self.fused_decode_max_batch <= 64:
+            raise ValueError("fused_decode_max_batch must be in 0..64")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

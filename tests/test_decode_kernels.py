@@ -79,7 +79,8 @@ def _pool(num_blocks: int, page: int, hkv: int, d: int, g: torch.Generator) -> t
     return torch.randn(num_blocks * page, hkv, d, generator=g).to(DEV, DT)
 
 
-@pytest.mark.parametrize("rows,bias", [(1, False), (2, True), (5, False)])
+# rows 1: the element-wise kernel; 2 and more: the tensor-core one (block_m 16, 32, 64).
+@pytest.mark.parametrize("rows,bias", [(1, False), (2, True), (5, False), (20, True), (48, False)])
 def test_qkv_rope_write(rows: int, bias: bool) -> None:
     g = torch.Generator().manual_seed(rows)
     hq, hkv, d, K = 4, 2, 32, 80
@@ -90,8 +91,9 @@ def test_qkv_rope_write(rows: int, bias: bool) -> None:
     scaling = RopeScaling("llama3", 8.0, 1.0, 4.0, 64)
     cs = ops.rope_cos_sin_cache(256, d, 10000.0, scaling).to(DEV)
     pos = torch.randint(0, 256, (rows,), generator=g).to(DEV)
-    slots = torch.randperm(40, generator=g)[:rows].to(DEV)
-    kf = _pool(10, 4, hkv, d, g)
+    num_blocks = max(10, rows)  # 4 slots a block: room for every row's distinct slot
+    slots = torch.randperm(num_blocks * 4, generator=g)[:rows].to(DEV)
+    kf = _pool(num_blocks, 4, hkv, d, g)
     vf = kf.clone()
     k_before, v_before = kf.clone(), vf.clone()
     q = dk.qkv_rope_write(x, w, b, pos, cs, kf, vf, slots, hq)
@@ -108,7 +110,10 @@ def test_qkv_rope_write(rows: int, bias: bool) -> None:
     assert torch.equal(vf[untouched], v_before[untouched])
 
 
-@pytest.mark.parametrize("rows,K,N,splits", [(1, 256, 40, None), (3, 300, 24, 2), (8, 64, 8, 1)])
+@pytest.mark.parametrize(
+    "rows,K,N,splits",
+    [(1, 256, 40, None), (3, 300, 24, 2), (8, 64, 8, 1), (33, 520, 100, None), (64, 256, 72, 3)],
+)
 def test_gemv_splitk(rows: int, K: int, N: int, splits: int | None) -> None:
     g = torch.Generator().manual_seed(K + N)
     x = torch.randn(rows, K, generator=g).to(DEV, DT)
@@ -118,7 +123,7 @@ def test_gemv_splitk(rows: int, K: int, N: int, splits: int | None) -> None:
     assert rel_err(parts.sum(0), x.float() @ w.float().T) < 1e-4
 
 
-@pytest.mark.parametrize("rows", [1, 4, 6])
+@pytest.mark.parametrize("rows", [1, 4, 6, 40])
 def test_gate_up_silu(rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
     K, inter = 64, 44
@@ -129,7 +134,8 @@ def test_gate_up_silu(rows: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "lens,hq,hkv,splits", [([1], 8, 2, 4), ([37, 5, 64], 4, 4, 2), ([100, 3], 8, 1, 8)]
+    "lens,hq,hkv,splits",
+    [([1], 8, 2, 4), ([37, 5, 64], 4, 4, 2), ([100, 3], 8, 1, 8), ([37, 5, 64], 8, 2, 1)],
 )
 def test_decode_attention(lens: list[int], hq: int, hkv: int, splits: int) -> None:
     g = torch.Generator().manual_seed(sum(lens))
@@ -172,14 +178,25 @@ def _decode_batch(ctx_lens: list[int], page: int, blocks: list[list[int]]) -> Fo
     return ForwardBatch(ids, pos, seqs, torch.arange(len(ctx_lens), device=DEV), True)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2"])
-def test_fused_step_matches_unfused_decode(preset: str) -> None:
+@pytest.mark.parametrize(
+    "preset,rows", [("tiny", 3), ("tiny-qwen2", 3), ("tiny", 1), ("tiny-qwen2", 20)]
+)
+def test_fused_step_matches_unfused_decode(preset: str, rows: int) -> None:
     """A decode step through FusedDecodeStep gives the logits of the model's own forward
-    (torch attention backend) and writes the same K/V into the pool."""
+    (torch attention backend) and writes the same K/V into the pool: element-wise kernels at
+    1 row, tensor-core ones from 2, one KV split at 20 rows (no merge launch)."""
     model, cfg = _tiny_model(preset)
-    page, num_blocks = 4, 48
-    ctx_lens = [9, 30, 1]
-    blocks = [list(range(0, 3)), list(range(10, 18)), [40]]
+    page = 4
+    g0 = torch.Generator().manual_seed(rows)
+    ctx_lens = [9, 30, 1] if rows == 3 else torch.randint(1, 40, (rows,), generator=g0).tolist()
+    # Each row's blocks at scattered places in the pool (a permutation, no block shared).
+    need = [c // page + 1 for c in ctx_lens]
+    num_blocks = sum(need) + 8
+    perm = torch.randperm(num_blocks, generator=g0).tolist()
+    blocks, start = [], 0
+    for n in need:
+        blocks.append(perm[start : start + n])
+        start += n
     pool = KVPool.for_model(cfg, num_blocks, page, DT, DEV)
     g = torch.Generator().manual_seed(0)
     for t in pool.k + pool.v:  # a filled pool: the context the step attends to
@@ -192,7 +209,12 @@ def test_fused_step_matches_unfused_decode(preset: str) -> None:
         be = TorchAttentionBackend(ref_pool)
         be.plan(batch)
         ref = model.compute_logits(model(batch.input_ids, batch.positions, be))
-        step = FusedDecodeStep(model, pool.k, pool.v, batch_size=3, max_blocks_per_seq=12)
+        # 16 SMs: at 20 rows one KV split a (row, KV head) fills them.
+        step = FusedDecodeStep(
+            model, pool.k, pool.v, batch_size=rows, max_blocks_per_seq=12, num_sms=16
+        )
+        if rows == 20:
+            assert step.num_splits == 1  # the attention writes its output: no merge
         step.plan(batch)
         got = model.compute_logits(step.forward(batch.input_ids, batch.positions))
     assert rel_err(got, ref) < 3e-2
@@ -206,8 +228,8 @@ def test_fused_step_refuses_what_it_cannot_run() -> None:
     assert "float32" in unsupported_reason(get_preset("tiny"), torch.float32)
     model, cfg = _tiny_model("tiny")
     pool = KVPool.for_model(cfg, 4, 4, DT, DEV)
-    with pytest.raises(ValueError, match="1..8 rows"):
-        FusedDecodeStep(model, pool.k, pool.v, batch_size=9, max_blocks_per_seq=4)
+    with pytest.raises(ValueError, match="1..64 rows"):
+        FusedDecodeStep(model, pool.k, pool.v, batch_size=65, max_blocks_per_seq=4)
     step = FusedDecodeStep(model, pool.k, pool.v, batch_size=2, max_blocks_per_seq=4)
     with pytest.raises(ValueError, match="2 decode rows got 1"):
         step.plan(_decode_batch([3], 4, [[0]]))

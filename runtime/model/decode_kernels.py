@@ -1,4 +1,4 @@
-"""Triton kernels for small-batch decode (batch <= 8): fewer, fused launches per layer.
+"""Triton kernels for decode batches of 1..64 rows: fewer, fused launches per layer.
 
 Why: at batch 1 a decode step of Llama-3.1-8B on the H200 spent 0.5 ms in ~300 tiny kernels
 and 0.56 ms in the gaps between 466 launches, next to 4.0 ms of weight reads (docs/
@@ -12,6 +12,12 @@ benchmarks.md, "Where a decode step's time goes"). These kernels cut a layer fro
     add_rmsnorm
     gate_up_silu    x @ W_gate_up^T, then silu(gate) * up
     gemv_splitk     down_proj: partials again
+
+From 2 rows on the three projection kernels run on tensor cores (the `_tc` kernels: the
+weight tile is the MMA's M side, the padded batch its N side), where the element-wise ones
+lost to cuBLAS; at 16..64 rows the point is the launch count: a Qwen2.5-3B step at 48 rows spent
+1.5 ms of 5 in the gaps between ~13 kernels a layer (docs/benchmarks.md, plan w). With one KV
+split the attention writes its output itself and the merge launch goes (7 a layer).
 
 Every kernel has a plain-torch twin in `runtime/model/fused_decode.py`'s tests' reference; on a
 machine without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1) in the
@@ -275,6 +281,7 @@ def _decode_attention_kernel(
     lens_ptr,  # [M] int64 tokens to attend to (context + this step's token)
     part_o_ptr,  # [M, Hq, S, D] fp32 per-split outputs (normalised within the split)
     part_lse_ptr,  # [M, Hq, S] fp32 per-split log-sum-exp (natural log); -inf if empty
+    out_ptr,  # [M, Hq, D] model dtype: written here instead of the partials when S == 1
     table_stride,
     sm_scale,
     HQ: tl.constexpr,
@@ -332,14 +339,18 @@ def _decode_attention_kernel(
         m_i = m_new
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    row = (m * HQ + h * GROUP + g) * S + s  # [BLOCK_G] index into [M, Hq, S]
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(
-        has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634, float("-inf")
-    )
-    tl.store(part_o_ptr + row[:, None] * D + d[None, :], out, mask=g_mask[:, None])
-    tl.store(part_lse_ptr + row, lse, mask=g_mask)
+    if S == 1:  # one split: no merge kernel, the output is final (l_i > 0: seq_len >= 1)
+        dst = out_ptr + (m * HQ + h * GROUP + g[:, None]) * D + d[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        row = (m * HQ + h * GROUP + g) * S + s  # [BLOCK_G] index into [M, Hq, S]
+        lse = tl.where(
+            has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634, float("-inf")
+        )
+        tl.store(part_o_ptr + row[:, None] * D + d[None, :], out, mask=g_mask[:, None])
+        tl.store(part_lse_ptr + row, lse, mask=g_mask)
 
 
 @triton.jit
@@ -363,6 +374,195 @@ def _merge_attention_kernel(
     o = tl.load(part_o_ptr + (row * S + s[:, None]) * D + d[None, :])
     y = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
     tl.store(out_ptr + row * D + d, y.to(out_ptr.dtype.element_ty))
+
+
+# --------------------------------------------------------------------------- tensor-core kernels
+# From 2 rows on, the projections run on tensor cores (tl.dot). The operands are swapped: a
+# tile of the weight's output rows (BLOCK_N >= 16) is the MMA's M side and the batch, padded
+# to BLOCK_M = 16..64 rows, its N side, so a decode batch of 2..64 rows still fills an MMA
+# tile while each weight tile is read once. Results come out transposed ([BLOCK_N, BLOCK_M])
+# and are stored so. Loads are left to Triton's software pipeline (num_stages); under PDL a
+# program waits for the previous kernel before its first load (the pipeline's prologue loads
+# x, which that kernel writes).
+
+
+@triton.jit
+def _gemm_splitk_tc_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K]
+    out_ptr,  # [S, M, N] fp32 partial sums, S = number of K splits
+    M,
+    N,
+    K,
+    K_PER_SPLIT,  # a multiple of BLOCK_K
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rows < N
+    m_offs = tl.arange(0, BLOCK_M)
+    m_mask = m_offs < M
+    k_offs = tl.arange(0, BLOCK_K)
+    k_start = split * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    w_tile = w_ptr + rows[:, None].to(tl.int64) * K + k_offs[None, :]  # [BLOCK_N, BLOCK_K]
+    xt_tile = x_ptr + m_offs[None, :] * K + k_offs[:, None]  # [BLOCK_K, BLOCK_M]: x^T
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k_mask = k0 + k_offs < k_end
+        w = tl.load(w_tile + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        xt = tl.load(xt_tile + k0, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
+        if DOT_F32:
+            w = w.to(tl.float32)
+            xt = xt.to(tl.float32)
+        acc = tl.dot(w, xt, acc)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    dst = out_ptr + (split * M + m_offs[None, :]) * N + rows[:, None]
+    tl.store(dst, acc, mask=n_mask[:, None] & m_mask[None, :])
+
+
+@triton.jit
+def _gate_up_silu_tc_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [2 INTER, K]: gate rows [0, INTER), up rows [INTER, 2 INTER)
+    out_ptr,  # [M, INTER] model dtype: silu(gate) * up
+    M,
+    INTER,
+    K,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rows < INTER
+    m_offs = tl.arange(0, BLOCK_M)
+    m_mask = m_offs < M
+    k_offs = tl.arange(0, BLOCK_K)
+    wg_tile = w_ptr + rows[:, None].to(tl.int64) * K + k_offs[None, :]
+    wu_tile = w_ptr + (rows[:, None] + INTER).to(tl.int64) * K + k_offs[None, :]
+    xt_tile = x_ptr + m_offs[None, :] * K + k_offs[:, None]
+    acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = k0 + k_offs < K
+        wmask = n_mask[:, None] & k_mask[None, :]
+        wg = tl.load(wg_tile + k0, mask=wmask, other=0.0)
+        wu = tl.load(wu_tile + k0, mask=wmask, other=0.0)
+        xt = tl.load(xt_tile + k0, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
+        if DOT_F32:
+            wg = wg.to(tl.float32)
+            wu = wu.to(tl.float32)
+            xt = xt.to(tl.float32)
+        acc_g = tl.dot(wg, xt, acc_g)
+        acc_u = tl.dot(wu, xt, acc_u)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    dt = out_ptr.dtype.element_ty
+    g = acc_g.to(dt).to(tl.float32)  # rounded like the unfused projection
+    u = acc_u.to(dt).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u  # [BLOCK_N, BLOCK_M]
+    tl.store(
+        out_ptr + m_offs[None, :] * INTER + rows[:, None],
+        y.to(dt),
+        mask=n_mask[:, None] & m_mask[None, :],
+    )
+
+
+@triton.jit
+def _qkv_rope_write_tc_kernel(
+    x_ptr,  # [M, K] normed hidden states
+    w_ptr,  # [(Hq + 2 Hkv) * D, K] fused q|k|v weight
+    b_ptr,  # [(Hq + 2 Hkv) * D] bias (read only if HAS_BIAS)
+    pos_ptr,  # [M] int64 positions
+    cs_ptr,  # [P, D] fp32 RoPE cache: cos in [0, D/2), sin in [D/2, D)
+    q_ptr,  # [M, Hq, D] out: RoPE'd queries
+    kc_ptr,  # [num_slots, Hkv, D] this layer's K pool (flat slots)
+    vc_ptr,  # [num_slots, Hkv, D] this layer's V pool
+    slot_ptr,  # [M] int64 pool slot of each row's new token
+    M,
+    K,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    PAIRS: tl.constexpr,  # rotation pairs per program (>= 16: the MMA's M side)
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # One program = PAIRS rotation pairs (rows j and j + D/2) of one head, as in
+    # _qkv_rope_write_kernel: RoPE and the K/V write need nothing from another program.
+    pid = tl.program_id(0)
+    per_head: tl.constexpr = (D // 2) // PAIRS
+    head = pid // per_head
+    j = (pid % per_head) * PAIRS + tl.arange(0, PAIRS)  # [PAIRS] in [0, D/2)
+    row1 = head * D + j
+    row2 = row1 + D // 2
+    m_offs = tl.arange(0, BLOCK_M)
+    m_mask = m_offs < M
+    k_offs = tl.arange(0, BLOCK_K)
+    w1_tile = w_ptr + row1[:, None].to(tl.int64) * K + k_offs[None, :]
+    w2_tile = w_ptr + row2[:, None].to(tl.int64) * K + k_offs[None, :]
+    xt_tile = x_ptr + m_offs[None, :] * K + k_offs[:, None]
+    acc1 = tl.zeros((PAIRS, BLOCK_M), dtype=tl.float32)
+    acc2 = tl.zeros((PAIRS, BLOCK_M), dtype=tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = k0 + k_offs < K
+        w1 = tl.load(w1_tile + k0, mask=k_mask[None, :], other=0.0)
+        w2 = tl.load(w2_tile + k0, mask=k_mask[None, :], other=0.0)
+        xt = tl.load(xt_tile + k0, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
+        if DOT_F32:
+            w1 = w1.to(tl.float32)
+            w2 = w2.to(tl.float32)
+            xt = xt.to(tl.float32)
+        acc1 = tl.dot(w1, xt, acc1)
+        acc2 = tl.dot(w2, xt, acc2)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if HAS_BIAS:
+        acc1 += tl.load(b_ptr + row1).to(tl.float32)[:, None]
+        acc2 += tl.load(b_ptr + row2).to(tl.float32)[:, None]
+    # Round like the unfused path (projection output in the model dtype, RoPE in fp32).
+    a1 = acc1.to(q_ptr.dtype.element_ty).to(tl.float32)  # [PAIRS, BLOCK_M]
+    a2 = acc2.to(q_ptr.dtype.element_ty).to(tl.float32)
+    mask2 = m_mask[None, :]
+    if head < HQ + HKV:  # q or k: rotate
+        pos = tl.load(pos_ptr + m_offs, mask=m_mask, other=0)
+        cs_row = pos[None, :] * D + j[:, None]
+        cos = tl.load(cs_ptr + cs_row, mask=mask2, other=1.0)
+        sin = tl.load(cs_ptr + cs_row + D // 2, mask=mask2, other=0.0)
+        o1 = a1 * cos - a2 * sin
+        o2 = a2 * cos + a1 * sin
+        if head < HQ:
+            dst = q_ptr + (m_offs[None, :] * HQ + head) * D + j[:, None]
+            tl.store(dst, o1.to(q_ptr.dtype.element_ty), mask=mask2)
+            tl.store(dst + D // 2, o2.to(q_ptr.dtype.element_ty), mask=mask2)
+        else:
+            slot = tl.load(slot_ptr + m_offs, mask=m_mask, other=0)
+            dst = kc_ptr + (slot[None, :] * HKV + (head - HQ)) * D + j[:, None]
+            tl.store(dst, o1.to(kc_ptr.dtype.element_ty), mask=mask2)
+            tl.store(dst + D // 2, o2.to(kc_ptr.dtype.element_ty), mask=mask2)
+    else:  # v: written as is
+        slot = tl.load(slot_ptr + m_offs, mask=m_mask, other=0)
+        dst = vc_ptr + (slot[None, :] * HKV + (head - HQ - HKV)) * D + j[:, None]
+        tl.store(dst, a1.to(vc_ptr.dtype.element_ty), mask=mask2)
+        tl.store(dst + D // 2, a2.to(vc_ptr.dtype.element_ty), mask=mask2)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -402,28 +602,81 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+# Rows from which the projections run on the tensor-core kernels (below: the element-wise
+# ones, tuned for batch 1). A module setting so benchmarks can compare both at 2..8 rows.
+TC_MIN_ROWS = {"rows": 2}
+MAX_ROWS = 64
+
+
 def block_m(num_rows: int) -> int:
-    """The padded row count the kernels are compiled for (1, 2, 4 or 8)."""
-    if not 1 <= num_rows <= 8:
-        raise ValueError(f"the fused decode kernels take 1..8 rows, got {num_rows}")
+    """The padded row count the kernels are compiled for: 1, 2, 4 or 8 for the element-wise
+    kernels, 16, 32 or 64 for the tensor-core ones (from TC_MIN_ROWS rows on)."""
+    if not 1 <= num_rows <= MAX_ROWS:
+        raise ValueError(f"the fused decode kernels take 1..{MAX_ROWS} rows, got {num_rows}")
+    if num_rows >= TC_MIN_ROWS["rows"]:
+        return max(16, _pow2(num_rows))
+    if num_rows > 8:
+        raise ValueError(f"the element-wise kernels take 1..8 rows, got {num_rows}")
     return _pow2(num_rows)
 
 
-# Tiles: (output rows per program, BLOCK_K, num_warps) per kernel and padded batch, plus for
-# the two gemv_splitk uses (o, down) the number of K splits (0: about GEMV_TARGET_PROGRAMS
-# programs). qkv's rows are rotation pairs (2 rows each); gate_up's are gate rows (plus as many
-# up rows). Batch 1's are the best of two sweeps on the H200 (bench/gpu_suite.py, section
-# `fused_decode`, which may override entries for a run); the others were not tuned (the fused
-# path is slower than cuBLAS there and off by default).
+def _tensor_cores(bm: int) -> bool:
+    return bm >= 16
+
+
+# Tiles per kernel and padded batch (block_m), one table for both kernel families.
+# Element-wise (block_m 1..8): (output rows per program, BLOCK_K, num_warps), plus for the two
+# gemv_splitk uses (o, down) the number of K splits (0: about GEMV_TARGET_PROGRAMS programs).
+# qkv's rows are rotation pairs (2 rows each); gate_up's are gate rows (plus as many up rows).
+# Batch 1's are the best of two sweeps on the H200 (bench/gpu_suite.py, section
+# `fused_decode`, which may override entries for a run); 2..8 were not tuned (slower than
+# cuBLAS there: docs/benchmarks.md).
+# Tensor cores (block_m 16..64): the same fields plus num_stages last (Triton's load
+# pipeline); K splits 0 = about TC_TARGET_PROGRAMS programs; qkv's pairs >= 16.
 TILES: dict[str, dict[int, tuple[int, ...]]] = {
-    "o": {1: (4, 512, 4, 1), 2: (8, 256, 4, 0), 4: (4, 256, 4, 0), 8: (4, 256, 4, 1)},
-    "down": {1: (16, 256, 8, 2), 2: (8, 256, 4, 0), 4: (4, 256, 4, 0), 8: (4, 256, 4, 2)},
-    "gate_up": {1: (2, 1024, 4), 2: (4, 256, 4), 4: (2, 256, 4), 8: (2, 128, 4)},
-    "qkv": {1: (4, 256, 8), 2: (4, 256, 4), 4: (2, 256, 4), 8: (2, 256, 4)},
+    "o": {
+        1: (4, 512, 4, 1),
+        2: (8, 256, 4, 0),
+        4: (4, 256, 4, 0),
+        8: (4, 256, 4, 1),
+        16: (64, 128, 4, 0, 4),
+        32: (64, 128, 4, 0, 4),
+        64: (64, 128, 4, 0, 4),
+    },
+    "down": {
+        1: (16, 256, 8, 2),
+        2: (8, 256, 4, 0),
+        4: (4, 256, 4, 0),
+        8: (4, 256, 4, 2),
+        16: (64, 128, 4, 0, 4),
+        32: (64, 128, 4, 0, 4),
+        64: (64, 128, 4, 0, 4),
+    },
+    "gate_up": {
+        1: (2, 1024, 4),
+        2: (4, 256, 4),
+        4: (2, 256, 4),
+        8: (2, 128, 4),
+        16: (64, 128, 4, 3),
+        32: (64, 128, 4, 3),
+        64: (64, 128, 4, 3),
+    },
+    "qkv": {
+        1: (4, 256, 8),
+        2: (4, 256, 4),
+        4: (2, 256, 4),
+        8: (2, 256, 4),
+        16: (16, 128, 4, 3),
+        32: (16, 128, 4, 3),
+        64: (16, 128, 4, 3),
+    },
 }
 ATTENTION_TILE = {"block_n": 64, "num_warps": 4}
 # Split-K programs: enough to keep every SM busy with several in flight.
 GEMV_TARGET_PROGRAMS = 1024
+# The tensor-core GEMM's programs each stream a [BLOCK_N, K / S] weight slab through a
+# pipeline: about two a SM.
+TC_TARGET_PROGRAMS = 264
 
 
 def add_rmsnorm(
@@ -473,14 +726,19 @@ def qkv_rope_write(
 ) -> torch.Tensor:
     """x [M, K] -> q [M, Hq, D] (RoPE'd); k (RoPE'd) and v written to k_flat / v_flat
     [num_slots, Hkv, D] at `slots` [M]. weight: [(Hq + 2 Hkv) * D, K]. tile: (pairs,
-    BLOCK_K, num_warps), default TILES["qkv"]."""
+    BLOCK_K, num_warps[, num_stages]), default TILES["qkv"]."""
     M, K = x.shape
     _, num_kv_heads, head_dim = k_flat.shape
-    pairs, block_k, warps = _tile("qkv", M, tile)
+    bm = block_m(M)
+    pairs, block_k, warps, *stages = _tile("qkv", M, tile)
     pairs = min(pairs, head_dim // 2)
     q = torch.empty(M, num_q_heads, head_dim, dtype=x.dtype, device=x.device)
     num_heads = num_q_heads + 2 * num_kv_heads
-    _qkv_rope_write_kernel[(num_heads * (head_dim // 2) // pairs,)](
+    kernel, extra = _qkv_rope_write_kernel, {}
+    if _tensor_cores(bm):
+        kernel = _qkv_rope_write_tc_kernel
+        extra = {"DOT_F32": _INTERPRETED, "num_stages": stages[0] if stages else 3}
+    kernel[(num_heads * (head_dim // 2) // pairs,)](
         x,
         weight,
         weight if bias is None else bias,
@@ -497,9 +755,10 @@ def qkv_rope_write(
         D=head_dim,
         PAIRS=pairs,
         BLOCK_K=block_k,
-        BLOCK_M=block_m(M),
+        BLOCK_M=bm,
         HAS_BIAS=bias is not None,
         num_warps=warps,
+        **extra,
         **_pdl(x),
     )
     return q
@@ -513,20 +772,27 @@ def gemv_splitk(
     kind: str = "o",
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T as fp32 partial sums [S, M, N] over S slices of K (summed
-    by the consumer, `add_rmsnorm`). tile: (BLOCK_N, BLOCK_K, num_warps, splits), default
-    TILES[kind] ("o" or "down"); splits 0 (and num_splits None): about GEMV_TARGET_PROGRAMS
-    programs."""
+    by the consumer, `add_rmsnorm`). tile: (BLOCK_N, BLOCK_K, num_warps, splits[,
+    num_stages]), default TILES[kind] ("o" or "down"); splits 0 (and num_splits None): about
+    GEMV_TARGET_PROGRAMS programs (TC_TARGET_PROGRAMS on tensor cores)."""
     M, K = x.shape
     N = weight.shape[0]
-    block_n, block_k, warps, tile_splits = _tile(kind, M, tile)
+    bm = block_m(M)
+    block_n, block_k, warps, tile_splits, *stages = _tile(kind, M, tile)
+    tc = _tensor_cores(bm)
     n_blocks = triton.cdiv(N, block_n)
     num_splits = num_splits or tile_splits or None
     if num_splits is None:
-        num_splits = max(1, min(triton.cdiv(GEMV_TARGET_PROGRAMS, n_blocks), K // (4 * block_k)))
+        target = TC_TARGET_PROGRAMS if tc else GEMV_TARGET_PROGRAMS
+        num_splits = max(1, min(triton.cdiv(target, n_blocks), K // (4 * block_k)))
     k_per = triton.cdiv(triton.cdiv(K, num_splits), block_k) * block_k
     num_splits = triton.cdiv(K, k_per)
     out = torch.empty(num_splits, M, N, dtype=torch.float32, device=x.device)
-    _gemv_splitk_kernel[(n_blocks, num_splits)](
+    kernel, extra = _gemv_splitk_kernel, {}
+    if tc:
+        kernel = _gemm_splitk_tc_kernel
+        extra = {"DOT_F32": _INTERPRETED, "num_stages": stages[0] if stages else 4}
+    kernel[(n_blocks, num_splits)](
         x,
         weight,
         out,
@@ -536,23 +802,30 @@ def gemv_splitk(
         k_per,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        BLOCK_M=block_m(M),
+        BLOCK_M=bm,
         num_warps=warps,
+        **extra,
         **_pdl(x),
     )
     return out
 
 
 def gate_up_silu(
-    x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int, int] | None = None
+    x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, ...] | None = None
 ) -> torch.Tensor:
     """x [M, K], weight [2 I, K] (gate | up) -> silu(x @ gate^T) * (x @ up^T), [M, I].
-    tile: (gate rows per program, BLOCK_K, num_warps), default TILES["gate_up"]."""
+    tile: (gate rows per program, BLOCK_K, num_warps[, num_stages]), default
+    TILES["gate_up"]."""
     M, K = x.shape
     inter = weight.shape[0] // 2
-    block_n, block_k, warps = _tile("gate_up", M, tile)
+    bm = block_m(M)
+    block_n, block_k, warps, *stages = _tile("gate_up", M, tile)
     out = torch.empty(M, inter, dtype=x.dtype, device=x.device)
-    _gate_up_silu_kernel[(triton.cdiv(inter, block_n),)](
+    kernel, extra = _gate_up_silu_kernel, {}
+    if _tensor_cores(bm):
+        kernel = _gate_up_silu_tc_kernel
+        extra = {"DOT_F32": _INTERPRETED, "num_stages": stages[0] if stages else 3}
+    kernel[(triton.cdiv(inter, block_n),)](
         x,
         weight,
         out,
@@ -561,8 +834,9 @@ def gate_up_silu(
         K,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        BLOCK_M=block_m(M),
+        BLOCK_M=bm,
         num_warps=warps,
+        **extra,
         **_pdl(x),
     )
     return out
@@ -594,8 +868,14 @@ def decode_attention(
     group = num_q_heads // num_kv_heads
     if num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
-    part_o = torch.empty(M, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(M, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    if num_splits == 1:  # the kernel writes `out` itself: no partials, no merge launch
+        part_o = part_lse = out
+    else:
+        part_o = torch.empty(
+            M, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(M, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_attention_kernel[(M, num_kv_heads, num_splits)](
         q,
         k_flat,
@@ -604,6 +884,7 @@ def decode_attention(
         seq_lens,
         part_o,
         part_lse,
+        out,
         block_table.stride(0),
         sm_scale,
         HQ=num_q_heads,
@@ -618,8 +899,8 @@ def decode_attention(
         num_warps=num_warps or ATTENTION_TILE["num_warps"],
         **_pdl(q),
     )
-    out = torch.empty_like(q)
-    _merge_attention_kernel[(M * num_q_heads,)](
-        part_o, part_lse, out, D=head_dim, S=num_splits, num_warps=4, **_pdl(q)
-    )
+    if num_splits > 1:
+        _merge_attention_kernel[(M * num_q_heads,)](
+            part_o, part_lse, out, D=head_dim, S=num_splits, num_warps=4, **_pdl(q)
+        )
     return out

@@ -1,5 +1,6 @@
-"""Fused small-batch decode: the decoder's forward for 1..8 sequences on the Triton kernels of
-`runtime/model/decode_kernels.py`, 8 launches per layer instead of ~14 (why: see that module).
+"""Fused decode: the decoder's forward for 1..64 sequences on the Triton kernels of
+`runtime/model/decode_kernels.py`, 7-8 launches per layer instead of ~11-14 (why: see that
+module).
 
 `FusedDecodeStep` is a drop-in for one captured decode graph: `plan(batch)` fills fixed
 device buffers (block table, sequence lengths, KV slots) with two host-to-device copies and no
@@ -20,7 +21,7 @@ from runtime.attention.base import ForwardBatch
 from runtime.model.config import ModelConfig
 from runtime.model.llama import LlamaForCausalLM
 
-MAX_FUSED_BATCH = 8
+MAX_FUSED_BATCH = 64  # decode_kernels.MAX_ROWS
 
 
 def unsupported_reason(cfg: ModelConfig, kv_dtype: torch.dtype) -> str:
