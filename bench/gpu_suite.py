@@ -1360,12 +1360,13 @@ def _sweep_attention(M: int, stream: torch.cuda.Stream, sweep: dict, best: dict)
 
 
 def _sweep_fused_kernels(out: dict[str, Any], stream: torch.cuda.Stream) -> dict[str, Any]:
-    """Tile sweep of each fused decode kernel on llama-3.1-8b shapes at M = 1 and 8 (GB/s of
+    """Tile sweep of each fused decode kernel on llama-3.1-8b shapes at M = 1 (GB/s of
     weights read, 8 distinct weights per shape in one graph, next to cuBLAS F.linear), and
-    of the attention. Returns the best tile per (kernel, M)."""
+    of the attention. Returns the best tile per (kernel, M). (From 2 rows the projections run
+    on the tensor-core kernels, whose tiles `python -m bench.wide_decode` sweeps.)"""
     best: dict[str, Any] = {}
     sweep: dict[str, Any] = {}
-    for M in (1, 8):
+    for M in (1,):
         _sweep_projections(M, stream, sweep, best)
         _sweep_attention(M, stream, sweep, best)
         torch.cuda.empty_cache()
@@ -1456,12 +1457,11 @@ def section_fused_decode() -> dict:
             dk.TILES.update({k: dict(v) for k, v in default_tiles.items()})
             dk.ATTENTION_TILE.update(default_attn)
             dk.PDL["enabled"] = pdl
-            if tiles:  # the best tile at M = 1 for buckets 1-2, at M = 8 for 4-8
+            if tiles:  # the best tile at M = 1 (batch 1: the element-wise kernels)
                 for kind in ("o", "down", "gate_up", "qkv"):
-                    for bm in sizes:
-                        t = tiles.get(f"{kind}_m{1 if bm <= 2 else 8}")
-                        if t:
-                            dk.TILES[kind][bm] = tuple(t)
+                    t = tiles.get(f"{kind}_m1")
+                    if t:
+                        dk.TILES[kind][1] = tuple(t)
                 a = tiles.get("attn_m1")
                 if a:
                     dk.ATTENTION_TILE["block_n"] = a[1]
