@@ -632,25 +632,27 @@ def _tensor_cores(bm: int) -> bool:
 # `fused_decode`, which may override entries for a run); 2..8 were not tuned (slower than
 # cuBLAS there: docs/benchmarks.md).
 # Tensor cores (block_m 16..64): the same fields plus num_stages last (Triton's load
-# pipeline); K splits 0 = about TC_TARGET_PROGRAMS programs; qkv's pairs >= 16.
+# pipeline); K splits 0 = about TC_TARGET_PROGRAMS programs; qkv's pairs >= 16. The best of
+# one sweep on the H200 over the Qwen2.5-3B and Llama-3.1-8B shapes at 16 / 32 / 48 rows
+# (`python -m bench.wide_decode`, bench/results/wide-decode-2026-12-03/wide-decode-6b98c3c.json).
 TILES: dict[str, dict[int, tuple[int, ...]]] = {
     "o": {
         1: (4, 512, 4, 1),
         2: (8, 256, 4, 0),
         4: (4, 256, 4, 0),
         8: (4, 256, 4, 1),
-        16: (64, 128, 4, 0, 4),
-        32: (64, 128, 4, 0, 4),
-        64: (64, 128, 4, 0, 4),
+        16: (64, 64, 4, 0, 4),
+        32: (64, 64, 4, 0, 4),
+        64: (64, 64, 4, 0, 4),
     },
     "down": {
         1: (16, 256, 8, 2),
         2: (8, 256, 4, 0),
         4: (4, 256, 4, 0),
         8: (4, 256, 4, 2),
-        16: (64, 128, 4, 0, 4),
-        32: (64, 128, 4, 0, 4),
-        64: (64, 128, 4, 0, 4),
+        16: (32, 128, 4, 0, 4),
+        32: (64, 64, 4, 0, 4),
+        64: (64, 64, 4, 0, 4),
     },
     "gate_up": {
         1: (2, 1024, 4),
@@ -658,17 +660,17 @@ TILES: dict[str, dict[int, tuple[int, ...]]] = {
         4: (2, 256, 4),
         8: (2, 128, 4),
         16: (64, 128, 4, 3),
-        32: (64, 128, 4, 3),
-        64: (64, 128, 4, 3),
+        32: (64, 64, 4, 3),
+        64: (64, 64, 4, 3),
     },
     "qkv": {
         1: (4, 256, 8),
         2: (4, 256, 4),
         4: (2, 256, 4),
         8: (2, 256, 4),
-        16: (16, 128, 4, 3),
-        32: (16, 128, 4, 3),
-        64: (16, 128, 4, 3),
+        16: (32, 256, 4, 3),
+        32: (16, 256, 4, 3),
+        64: (64, 128, 4, 3),
     },
 }
 ATTENTION_TILE = {"block_n": 64, "num_warps": 4}
