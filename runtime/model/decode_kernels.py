@@ -602,22 +602,15 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-# Rows from which the projections run on the tensor-core kernels (below: the element-wise
-# ones, tuned for batch 1). A module setting so benchmarks can compare both at 2..8 rows.
-TC_MIN_ROWS = {"rows": 2}
 MAX_ROWS = 64
 
 
 def block_m(num_rows: int) -> int:
-    """The padded row count the kernels are compiled for: 1, 2, 4 or 8 for the element-wise
-    kernels, 16, 32 or 64 for the tensor-core ones (from TC_MIN_ROWS rows on)."""
+    """The padded row count the kernels are compiled for: 1 for the element-wise kernels
+    (batch 1), 16, 32 or 64 for the tensor-core ones (2..64 rows)."""
     if not 1 <= num_rows <= MAX_ROWS:
         raise ValueError(f"the fused decode kernels take 1..{MAX_ROWS} rows, got {num_rows}")
-    if num_rows >= TC_MIN_ROWS["rows"]:
-        return max(16, _pow2(num_rows))
-    if num_rows > 8:
-        raise ValueError(f"the element-wise kernels take 1..8 rows, got {num_rows}")
-    return _pow2(num_rows)
+    return 1 if num_rows == 1 else max(16, _pow2(num_rows))
 
 
 def _tensor_cores(bm: int) -> bool:
@@ -625,12 +618,12 @@ def _tensor_cores(bm: int) -> bool:
 
 
 # Tiles per kernel and padded batch (block_m), one table for both kernel families.
-# Element-wise (block_m 1..8): (output rows per program, BLOCK_K, num_warps), plus for the two
+# Element-wise (block_m 1): (output rows per program, BLOCK_K, num_warps), plus for the two
 # gemv_splitk uses (o, down) the number of K splits (0: about GEMV_TARGET_PROGRAMS programs).
 # qkv's rows are rotation pairs (2 rows each); gate_up's are gate rows (plus as many up rows).
-# Batch 1's are the best of two sweeps on the H200 (bench/gpu_suite.py, section
-# `fused_decode`, which may override entries for a run); 2..8 were not tuned (slower than
-# cuBLAS there: docs/benchmarks.md).
+# The best of two sweeps on the H200 (bench/gpu_suite.py, section `fused_decode`, which may
+# override entries for a run). At 2..8 rows these kernels lost to cuBLAS (2.45x the floor at
+# batch 4 against the tensor-core kernels' 1.30x: docs/benchmarks.md), so they run batch 1 only.
 # Tensor cores (block_m 16..64): the same fields plus num_stages last (Triton's load
 # pipeline); K splits 0 = about TC_TARGET_PROGRAMS programs; qkv's pairs >= 16. The best of
 # one sweep on the H200 over the Qwen2.5-3B and Llama-3.1-8B shapes at 16 / 32 / 48 rows
@@ -638,36 +631,24 @@ def _tensor_cores(bm: int) -> bool:
 TILES: dict[str, dict[int, tuple[int, ...]]] = {
     "o": {
         1: (4, 512, 4, 1),
-        2: (8, 256, 4, 0),
-        4: (4, 256, 4, 0),
-        8: (4, 256, 4, 1),
         16: (64, 64, 4, 0, 4),
         32: (64, 64, 4, 0, 4),
         64: (64, 64, 4, 0, 4),
     },
     "down": {
         1: (16, 256, 8, 2),
-        2: (8, 256, 4, 0),
-        4: (4, 256, 4, 0),
-        8: (4, 256, 4, 2),
         16: (32, 128, 4, 0, 4),
         32: (64, 64, 4, 0, 4),
         64: (64, 64, 4, 0, 4),
     },
     "gate_up": {
         1: (2, 1024, 4),
-        2: (4, 256, 4),
-        4: (2, 256, 4),
-        8: (2, 128, 4),
         16: (64, 128, 4, 3),
         32: (64, 64, 4, 3),
         64: (64, 64, 4, 3),
     },
     "qkv": {
         1: (4, 256, 8),
-        2: (4, 256, 4),
-        4: (2, 256, 4),
-        8: (2, 256, 4),
         16: (32, 256, 4, 3),
         32: (16, 256, 4, 3),
         64: (64, 128, 4, 3),
