@@ -90,9 +90,9 @@ class EngineConfig:
     chunk_scoring_prefill: bool = True
     # Decode graphs of batches up to this size run the fused Triton decode kernels
     # (runtime/model/fused_decode.py; at most 64) instead of FlashInfer + cuBLAS. 0 = never.
-    # Default 1: measured on the H200, the element-wise kernels lost from batch 2 on; the
-    # tensor-core kernels for 2..64 rows are measured in docs/benchmarks.md.
-    fused_decode_max_batch: int = 1
+    # Measured through HTTP on the H200 (docs/benchmarks.md): 0.80-0.89x the gap between
+    # tokens at 4..64 streams (8B) and 48 (3B) against fused at batch 1 only.
+    fused_decode_max_batch: int = 64
     # Decode attention's KV split in CUDA graphs (runtime/attention/flashinfer_backend.py,
     # `prefer_one_chunk`): FlashInfer plans every graph's decode as split KV + a merge kernel a
     # layer. auto: one chunk a request (no merge) for the batch sizes where its split gives one
