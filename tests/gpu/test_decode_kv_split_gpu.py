@@ -82,8 +82,8 @@ def test_one_chunk_and_split_graphs_match_the_eager_decode() -> None:
             fb = batch(contexts)
             eager.plan(fb)
             ref = model(fb.input_ids, fb.positions, eager)
-            for mode, graphs in sets.items():
-                out = graphs.run(fb)
+            for mode, captured in sets.items():
+                out = captured.run(fb)
                 # The split graphs run the eager path's kernels and plan: the same numbers.
                 # One chunk a request sums the KV in another order; through 4 bf16 layers of
                 # random weights that reads ~1.5 % on the rows longer than one split chunk

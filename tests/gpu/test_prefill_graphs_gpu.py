@@ -150,10 +150,15 @@ def test_merged_steps_of_mostly_decodes_run_fa2_and_generate_alike(monkeypatch) 
     sp = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
     results: list[dict[str, list[int]]] = []
     for merge in (False, True):
+        # Decode-only steps on FlashInfer + cuBLAS on both sides, like the merged steps' decode
+        # rows: the fused decode (the default up to 64 rows) rounds differently, and through
+        # random weights greedy tokens diverge from the first differing one (107 of 240 agreed
+        # with it on the H200, 2026-12-03; judged against fp32 in test_fused_decode_gpu.py).
         eng, sink = small_engine(
             prefill_graph_max_tokens=1024 if merge else 0,
             prefill_token_budget=1024,
             merge_mixed_steps=merge,
+            fused_decode_max_batch=1,
         )
         modes.clear()  # start-up's attention warm-up plans every mode once: not a step's
         reqs = [Request(f"c{i}", RequestKind.GENERATE, p, sp) for i, p in enumerate(prompts)]
