@@ -90,8 +90,9 @@ class EngineConfig:
     chunk_scoring_prefill: bool = True
     # Decode graphs of batches up to this size run the fused Triton decode kernels
     # (runtime/model/fused_decode.py; at most 64) instead of FlashInfer + cuBLAS. 0 = never.
-    # Measured through HTTP on the H200 (docs/benchmarks.md): 0.80-0.89x the gap between
-    # tokens at 4..64 streams (8B) and 48 (3B) against fused at batch 1 only.
+    # Measured through HTTP on the H200 (docs/benchmarks.md): 0.82-0.89x the gap between
+    # tokens at 4..64 streams (8B) and 48 (3B) against fused at batch 1 only. At most
+    # runtime.model.decode_kernels.MAX_ROWS (not imported here: it needs triton).
     fused_decode_max_batch: int = 64
     # Decode attention's KV split in CUDA graphs (runtime/attention/flashinfer_backend.py,
     # `prefer_one_chunk`): FlashInfer plans every graph's decode as split KV + a merge kernel a

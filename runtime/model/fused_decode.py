@@ -21,8 +21,6 @@ from runtime.attention.base import ForwardBatch
 from runtime.model.config import ModelConfig
 from runtime.model.llama import LlamaForCausalLM
 
-MAX_FUSED_BATCH = 64  # decode_kernels.MAX_ROWS
-
 
 def unsupported_reason(cfg: ModelConfig, kv_dtype: torch.dtype) -> str:
     """ "" when `FusedDecodeStep` can run this model, else why not."""
@@ -59,8 +57,8 @@ class FusedDecodeStep:
         """k_caches/v_caches: per layer [num_blocks, block_size, Hkv, D] (runtime/kv/kv_pool.py)."""
         from runtime.model import decode_kernels as dk
 
-        if not 1 <= batch_size <= MAX_FUSED_BATCH:
-            raise ValueError(f"fused decode takes 1..{MAX_FUSED_BATCH} rows, got {batch_size}")
+        if not 1 <= batch_size <= dk.MAX_ROWS:
+            raise ValueError(f"fused decode takes 1..{dk.MAX_ROWS} rows, got {batch_size}")
         cfg = model.cfg
         why = unsupported_reason(cfg, k_caches[0].dtype)
         if why:
