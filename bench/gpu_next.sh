@@ -295,6 +295,7 @@ case $plan in
       y) parts="post-recommendation:1:fcfs,srjf:2"; probes=6; dur=12 ;;
     esac
     parts=${PARTS:-$parts}  # e.g. PARTS="credit-verification:0.5:fcfs,srjf:1": one part again
+    probes=${PROBES:-$probes}  # e.g. PROBES=7: searches narrowed to ~5 % (the bisection's tol)
     # SERVER_ARGS: more server options for every part (e.g. "--ttft-slo-ms 3600": SRJF's lambda
     # from the SLO), recorded in the results' command.
     cal=bench/results/jct-calibration-h200.json

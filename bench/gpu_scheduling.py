@@ -166,6 +166,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
             for policy, reps in by_policy.items():
                 done = [r for r in reps if isinstance(r, dict) and "max_qps" in r]
                 ratios, p99_ratios, mean_ratios = [], [], []
+                brackets: list[list[float | None]] = []
                 for r in done:
                     base = next(
                         (f for f in fcfs if f.get("repeat") == r["repeat"] and "max_qps" in f),
@@ -175,6 +176,17 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                         continue
                     if base["max_qps"] and r["max_qps"] is not None:
                         ratios.append(r["max_qps"] / base["max_qps"])
+                        # A search ends on a bracket [max_qps, lowest failing); the ratio of two
+                        # brackets lies in [mine / their fail, my fail / theirs]: with unequal
+                        # bracket widths the lower bounds' ratio alone is biased.
+                        their_fail = base.get("lowest_failing_qps")
+                        my_fail = r.get("lowest_failing_qps")
+                        brackets.append(
+                            [
+                                r["max_qps"] / their_fail if their_fail else None,
+                                my_fail / base["max_qps"] if my_fail else None,
+                            ]
+                        )
                     # Both probed the policy's first QPS (FCFS's max QPS of repeat 1).
                     q = str(float(r["start_qps"]))
                     mine = r["probes"].get(q) or {}
@@ -188,6 +200,9 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                     "max_qps_per_repeat": [r["max_qps"] for r in done],
                     "any_lower_bound": any(r["max_qps_is_lower_bound"] for r in done),
                     "max_qps_over_fcfs": spread(ratios),
+                    # per repeat [lowest, highest] ratio both searches' brackets allow (None:
+                    # a side never passed / never failed)
+                    "max_qps_over_fcfs_bracket": brackets,
                     "p99_at_fcfs_max_qps_over_fcfs": spread(p99_ratios),
                     "mean_at_fcfs_max_qps_over_fcfs": spread(mean_ratios),
                     "hit_rate": spread([r["hit_rate_over_search"] for r in done]),
@@ -595,10 +610,19 @@ def markdown(results: dict[str, Any]) -> str:
         return f"{s['mean']:.{d}f} [{s['min']:.{d}f}, {s['max']:.{d}f}]"
 
     lines = [
-        "| workload @ pool | policy | max QPS at P99 SLO | ÷ FCFS | P99 at FCFS's max QPS ÷ FCFS "
-        "| mean there ÷ FCFS | hit rate |",
-        "|---|---|---|---|---|---|---|",
+        "| workload @ pool | policy | max QPS at P99 SLO | ÷ FCFS | ÷ FCFS within the brackets "
+        "| P99 at FCFS's max QPS ÷ FCFS | mean there ÷ FCFS | hit rate |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+
+    def brackets(e: dict[str, Any]) -> str:
+        parts = []
+        for lo, hi in e.get("max_qps_over_fcfs_bracket") or []:
+            parts.append(
+                f"[{'-' if lo is None else f'{lo:.2f}'}, {'-' if hi is None else f'{hi:.2f}'})"
+            )
+        return " ".join(parts) or "-"
+
     for key, by_policy in results.get("summary", {}).items():
         pool = (results.get("servers", {}).get(key) or {}).get("num_kv_blocks")
         label = f"{key} ({pool} blocks)" if pool else key
@@ -606,7 +630,7 @@ def markdown(results: dict[str, Any]) -> str:
             lb = " (≥: never failed)" if e.get("any_lower_bound") else ""
             lines.append(
                 f"| {label} | {policy} | {f(e['max_qps'])}{lb} | {f(e['max_qps_over_fcfs'])} "
-                f"| {f(e['p99_at_fcfs_max_qps_over_fcfs'])} "
+                f"| {brackets(e)} | {f(e['p99_at_fcfs_max_qps_over_fcfs'])} "
                 f"| {f(e['mean_at_fcfs_max_qps_over_fcfs'])} | {f(e['hit_rate'])} |"
             )
     s = results.get("settings", {})
@@ -723,6 +747,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.report:
         results = json.loads(Path(args.report).read_text())
+        if results.get("results"):  # recomputed: a file written before a summary field existed
+            results["summary"] = summarize(results["results"])
         print(markdown(results))
         if args.plot:
             plot(results, args.plot)

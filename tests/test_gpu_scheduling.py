@@ -43,10 +43,12 @@ def test_parts_maps_and_pool_sizing() -> None:
 
 
 def _search(repeat: int, start: float, max_qps: float, probes: dict) -> dict:
+    failing = [q for q in probes if q > max_qps]
     return {
         "repeat": repeat,
         "start_qps": start,
         "max_qps": max_qps,
+        "lowest_failing_qps": min(failing) if failing else None,
         "max_qps_is_lower_bound": False,
         "hit_rate_over_search": 0.5,
         "probes": {str(float(q)): {"p99_ms": p99, "mean_ms": p99 / 2} for q, p99 in probes.items()},
@@ -81,7 +83,16 @@ def test_summary_arithmetic() -> None:
     table = gs.markdown(
         {"summary": gs.summarize(results), "settings": {"slo_p99_ms": {"post": 3000}}}
     )
-    assert "| post@0.5 | srjf | 7.00 [6.00, 8.00] | 1.60 [1.20, 2.00] |" in table
+    # The brackets: repeat 1 SRJF [8, 9) vs FCFS [4, 5) -> [8/5, 9/4); repeat 2 SRJF [6, 9)
+    # vs FCFS [5, 6) -> [6/6, 9/5).
+    assert s["srjf"]["max_qps_over_fcfs_bracket"] == [
+        pytest.approx([1.6, 2.25]),
+        pytest.approx([1.0, 1.8]),
+    ]
+    assert (
+        "| post@0.5 | srjf | 7.00 [6.00, 8.00] | 1.60 [1.20, 2.00] | [1.60, 2.25) [1.00, 1.80) |"
+        in table
+    )
 
 
 def test_prefill_profile_through_the_real_engine(tmp_path: Path) -> None:
