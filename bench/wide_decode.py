@@ -46,13 +46,20 @@ def _gemm_tiles(bm: int) -> list[tuple[int, ...]]:
 
 
 def _pair_tiles(bm: int, rows: tuple[int, ...], two: bool) -> list[tuple[int, ...]]:
-    """(rows per program, BLOCK_K, warps, stages) candidates; `two`: two weight tiles a step."""
+    """(rows per program, BLOCK_K, warps, stages) candidates whose pipeline fits shared memory;
+    `two`: two weight tiles a step. Deeper pipelines and 8 warps too: the first sweep
+    (3 stages, 4 warps only) left qkv on the 3B shape at 0.6-0.75x cuBLAS's bandwidth, with
+    few programs each streaming a long K (more bytes in flight a program is the lever)."""
     out = []
     for r in rows:
         for bk in (64, 128, 256):
-            smem = ((2 if two else 1) * r + bm) * bk * 2 * 3
-            if smem <= 180_000:
-                out.append((r, bk, 4, 3))
+            for stages in (3, 4, 5):
+                smem = ((2 if two else 1) * r + bm) * bk * 2 * stages
+                if smem > 180_000:
+                    continue
+                out.append((r, bk, 4, stages))
+                if r >= 32:  # 8 warps need a tile of at least 32 x BLOCK_M rows to share
+                    out.append((r, bk, 8, stages))
     return out
 
 
