@@ -74,7 +74,8 @@ _ENGINE_HELP = {
     "fused_rope_kv_write": "auto | true | false: RoPE and the K/V pool write in one Triton "
     "launch per layer instead of three (auto: with the FlashInfer backend; true: also with "
     "torch SDPA)",
-    "decode_kv_split": "auto | always | never: decode attention's KV split in CUDA graphs "
+    "decode_kv_split": "auto | always | never: decode attention's KV split in the FlashInfer "
+    "CUDA graphs, batches above --fused-decode-max-batch "
     "(always: FlashInfer's split and its merge kernel a layer; never: one chunk a request, no "
     "merge; auto: one chunk where FlashInfer's split would give one chunk anyway)",
     "prefill_warm_up_tokens": "at start-up, run one discarded prefill of this many tokens "

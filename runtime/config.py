@@ -94,7 +94,8 @@ class EngineConfig:
     # tokens at 4..64 streams (8B) and 48 (3B) against fused at batch 1 only. At most
     # runtime.model.decode_kernels.MAX_ROWS (not imported here: it needs triton).
     fused_decode_max_batch: int = 64
-    # Decode attention's KV split in CUDA graphs (runtime/attention/flashinfer_backend.py,
+    # Decode attention's KV split in the FlashInfer decode graphs (batch sizes above
+    # fused_decode_max_batch; runtime/attention/flashinfer_backend.py,
     # `prefer_one_chunk`): FlashInfer plans every graph's decode as split KV + a merge kernel a
     # layer. auto: one chunk a request (no merge) for the batch sizes where its split gives one
     # chunk anyway; always: its split everywhere; never: one chunk everywhere (tensor-core
