@@ -623,7 +623,8 @@ def _tensor_cores(bm: int) -> bool:
 # qkv's rows are rotation pairs (2 rows each); gate_up's are gate rows (plus as many up rows).
 # The best of two sweeps on the H200 (bench/gpu_suite.py, section `fused_decode`, which may
 # override entries for a run). At 2..8 rows these kernels lost to cuBLAS (2.45x the floor at
-# batch 4 against the tensor-core kernels' 1.30x: docs/benchmarks.md), so they run batch 1 only.
+# batch 4 against the tensor-core kernels' 1.22-1.32x: docs/benchmarks.md), so they run
+# batch 1 only.
 # Tensor cores (block_m 16..64): the same fields plus num_stages last (Triton's load
 # pipeline); K splits 0 = about TC_TARGET_PROGRAMS programs; qkv's pairs >= 16. The best of
 # one sweep on the H200 over the Qwen2.5-3B and Llama-3.1-8B shapes at 16 / 32 / 48 rows
