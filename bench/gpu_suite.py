@@ -1375,10 +1375,9 @@ def _sweep_fused_kernels(out: dict[str, Any], stream: torch.cuda.Stream) -> dict
     return best
 
 
-def _fused_vs_fp32(out: dict, model, cfg, pool, batches: dict, logits_of: dict) -> None:
-    """Each variant's decode logits against a float32 forward of the same weights and pool
-    (torch attention backend): the fused kernels round differently from the unfused path, so
-    they are judged by their distance to the exact answer, next to the unfused one's."""
+def fp32_reference_logits(model, cfg, pool, batches: dict) -> dict:
+    """Logits of each batch (keyed as `batches`) from a float32 forward of the same weights and
+    KV pool (torch attention backend). Converts `model` to float32 in place: call it last."""
     from runtime.attention.torch_backend import TorchAttentionBackend
     from runtime.kv.kv_pool import KVPool
 
@@ -1387,22 +1386,37 @@ def _fused_vs_fp32(out: dict, model, cfg, pool, batches: dict, logits_of: dict) 
     pool32 = KVPool.for_model(cfg, pool.num_blocks, pool.block_size, torch.float32, "cuda")
     for dst, src in zip(pool32.k + pool32.v, pool.k + pool.v, strict=True):
         dst.copy_(src)
-    for B, b in batches.items():
+    refs = {}
+    for key, b in batches.items():
         be32 = TorchAttentionBackend(pool32)
         be32.plan(b)
-        ref = model.compute_logits(model(b.input_ids, b.positions, be32)).float().cpu()
+        refs[key] = model.compute_logits(model(b.input_ids, b.positions, be32)).float().cpu()
+    del pool32
+    return refs
+
+
+def check_no_worse_than_unfused(errs: dict[str, float], name: Callable[[str], str]) -> None:
+    """Each variant's error against fp32 within 1.25x the unfused path's (`errs` by label)."""
+    base = errs.get("unfused")
+    for lab, e in errs.items():
+        if lab != "unfused" and base is not None:
+            check(
+                f"{name(lab)} vs fp32 no worse than unfused (+25%)",
+                e <= 1.25 * base,
+                f"{lab} {e:.2e} unfused {base:.2e}",
+            )
+
+
+def _fused_vs_fp32(out: dict, model, cfg, pool, batches: dict, logits_of: dict) -> None:
+    """Each variant's decode logits against a float32 forward of the same weights and pool:
+    the fused kernels round differently from the unfused path, so they are judged by their
+    distance to the exact answer, next to the unfused one's."""
+    refs = fp32_reference_logits(model, cfg, pool, batches)
+    for B, ref in refs.items():
         errs = {lab: rel_err(lg, ref) for (lab, bb), lg in logits_of.items() if bb == B}
         for lab, e in errs.items():
             out.setdefault(f"{lab}_b{B}", {})["rel_err_vs_fp32"] = e
-        base = errs.get("unfused")
-        for lab, e in errs.items():
-            if lab != "unfused" and base is not None:
-                check(
-                    f"{lab} decode b{B} vs fp32 no worse than unfused (+25%)",
-                    e <= 1.25 * base,
-                    f"{lab} {e:.2e} unfused {base:.2e}",
-                )
-    del pool32
+        check_no_worse_than_unfused(errs, lambda lab, B=B: f"{lab} decode b{B}")
 
 
 def section_fused_decode() -> dict:
