@@ -4,6 +4,7 @@ hard deadline.
     python3 -m bench.gpu_scheduling --model random:llama-3.1-8b --rev REV --deadline-s 480 \\
         --out-dir $OUT                                   # bench/gpu_next.sh plan o
     python3 -m bench.gpu_scheduling --report $OUT/gpu-scheduling-DATE.json --plot fig.png
+    python3 -m bench.gpu_scheduling --report call1.json call2.json   # merged
 
 What it does, in order, each step timed against an estimate (a step that would overrun the
 deadline is skipped and recorded as skipped; every step's error is recorded; the JSON is
@@ -13,7 +14,9 @@ rewritten after each step, so a call killed at its limit keeps what it did):
    profile, and a JCT calibration fitted on its calibration half that every server then loads
    with `--jct-calibration`: the policies rank with a measured model, as with `--calibrate`).
 2. `--parts`, in the given order: `workload:pool:policies:repeats`, e.g.
-   `post-recommendation:0.5:fcfs,srjf:2`. `pool` is the KV pool as a fraction of the
+   `post-recommendation:0.5:fcfs,srjf:2` (`...:2-2`: repeat 2 alone, so two calls can each run
+   one repeat of a narrow search; a search without repeat 1 in its run starts at
+   `--start-qps`, and `--report` merges the calls' files). `pool` is the KV pool as a fraction of the
    workload's working set (the sum of its users' profile tokens, from `bench.workloads` at
    the part's `--scale`), given to the server as `--num-kv-blocks`, or `default` (the
    engine's own sizing). Consecutive parts with the same workload and pool share one server
@@ -91,10 +94,20 @@ def parse_parts(text: str) -> list[dict[str, Any]]:
                 raise ValueError(f"part {item!r}: pool must be > 0 or 'default'")
             pool = f"{frac:g}"
         names = [p for p in policies.split(",") if p]
-        if not names or int(repeats) < 1:
-            raise ValueError(f"part {item!r} needs policies and repeats >= 1")
+        # `repeats` is N (repeats 1..N) or A-B (repeats A..B: one device call runs seed 0, the
+        # next seed 1, when a call fits one repeat of a narrow search).
+        first, _, last = repeats.partition("-")
+        first_repeat, last_repeat = (int(first), int(last)) if last else (1, int(first))
+        if not names or first_repeat < 1 or last_repeat < first_repeat:
+            raise ValueError(f"part {item!r} needs policies and repeats N >= 1 or A-B, 1 <= A <= B")
         parts.append(
-            {"workload": workload, "pool": pool, "policies": names, "repeats": int(repeats)}
+            {
+                "workload": workload,
+                "pool": pool,
+                "policies": names,
+                "first_repeat": first_repeat,
+                "repeats": last_repeat,
+            }
         )
     if not parts:
         raise ValueError("no parts")
@@ -506,7 +519,7 @@ class Orchestrator:
             rec["policy_at_start"] = (state.get("policy") or {}).get("current")
             self.save()
             for part in parts:
-                for repeat in range(1, part["repeats"] + 1):
+                for repeat in range(part["first_repeat"], part["repeats"] + 1):
                     order = part["policies"] if repeat % 2 else part["policies"][::-1]
                     for policy in order:
                         name = f"{workload}@{pool}/{policy}/r{repeat}"
@@ -542,7 +555,7 @@ class Orchestrator:
             plan.append(("profile", self.args.profile_s))
         for wl, pool, parts in self.groups():
             plan.append((f"{wl}@{pool}/server start", self.args.start_s))
-            n = sum(len(p["policies"]) * p["repeats"] for p in parts)
+            n = sum(len(p["policies"]) * (p["repeats"] - p["first_repeat"] + 1) for p in parts)
             plan.append((f"{wl}@{pool}/{n} searches", n * self.search_s(wl)))
         return plan
 
@@ -597,6 +610,26 @@ def device_name(smoke: bool) -> str:
 
 
 # ------------------------------------------------------------------------- report
+
+
+def merge_results(files: list[dict[str, Any]]) -> dict[str, Any]:
+    """One results dict from several runs' (the first's settings and servers): every run's
+    searches under `results`, skips and errors concatenated. A repeat measured twice is kept
+    twice (the summary pairs each search with FCFS's of the same repeat, the first found)."""
+    if len(files) == 1:
+        return files[0]
+    merged = {**files[0], "results": {}, "skipped": [], "errors": {}}
+    for i, f in enumerate(files):
+        for wl, pools in (f.get("results") or {}).items():
+            for pool, by_policy in pools.items():
+                slot = merged["results"].setdefault(wl, {}).setdefault(pool, {})
+                for policy, reps in by_policy.items():
+                    slot.setdefault(policy, []).extend(reps)
+        merged["skipped"] += f.get("skipped") or []
+        merged["errors"].update(
+            {f"{k} (file {i + 1})": v for k, v in (f.get("errors") or {}).items()}
+        )
+    return merged
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -738,7 +771,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dry-run", action="store_true", help="print the plan's time estimates; run nothing"
     )
-    p.add_argument("--report", metavar="RESULTS_JSON", help="no runs: print the table (and --plot)")
+    p.add_argument(
+        "--report",
+        metavar="RESULTS_JSON",
+        nargs="+",
+        help="no runs: print the table (and --plot); several files (e.g. one repeat each, "
+        "parts `...:1-1` and `...:2-2`) are merged first",
+    )
     p.add_argument("--plot", help="with --report: latency-vs-QPS PNG")
     return p
 
@@ -746,7 +785,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.report:
-        results = json.loads(Path(args.report).read_text())
+        results = merge_results([json.loads(Path(f).read_text()) for f in args.report])
         if results.get("results"):  # recomputed: a file written before a summary field existed
             results["summary"] = summarize(results["results"])
         print(markdown(results))

@@ -31,10 +31,14 @@ def test_parts_maps_and_pool_sizing() -> None:
         "workload": "post-recommendation",
         "pool": "0.5",
         "policies": ["fcfs", "srjf"],
+        "first_repeat": 1,
         "repeats": 2,
     }
     assert parts[1]["pool"] == "default"
-    for bad in ("x:0.5:fcfs", "x:-1:fcfs:1", "x:0.5::1", "x:0.5:fcfs:0", ""):
+    only_second = gs.parse_parts("post-recommendation:0.5:fcfs,srjf:2-2")[0]
+    assert (only_second["first_repeat"], only_second["repeats"]) == (2, 2)
+    bad_parts = ("x:0.5:fcfs", "x:-1:fcfs:1", "x:0.5::1", "x:0.5:fcfs:0", "x:0.5:fcfs:2-1", "")
+    for bad in bad_parts + ("x:0.5:fcfs:0-1", "x:0.5:fcfs:-1"):
         with pytest.raises(ValueError):
             gs.parse_parts(bad)
     assert gs.parse_map("a=1,b=0.25") == {"a": 1.0, "b": 0.25}
@@ -93,6 +97,18 @@ def test_summary_arithmetic() -> None:
         "| post@0.5 | srjf | 7.00 [6.00, 8.00] | 1.60 [1.20, 2.00] | [1.60, 2.25) [1.00, 1.80) |"
         in table
     )
+    # Two calls of one repeat each merge into the same summary.
+    post = results["post"]["0.5"]
+    calls = [
+        {"results": {"post": {"0.5": {k: [v[i]] for k, v in post.items()}}}, "errors": {"a": "x"}}
+        for i in (0, 1)
+    ]
+    merged = gs.merge_results(calls)
+    assert (
+        gs.summarize(merged["results"])["post@0.5"]["srjf"]["max_qps_over_fcfs"]
+        == (s["srjf"]["max_qps_over_fcfs"])
+    )
+    assert sorted(merged["errors"]) == ["a (file 1)", "a (file 2)"]
 
 
 def test_prefill_profile_through_the_real_engine(tmp_path: Path) -> None:
