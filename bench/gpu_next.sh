@@ -304,7 +304,7 @@ case $plan in
       $( [ -f $cal ] && echo --jct-calibration $cal ) \
       --start-qps "post-recommendation@0.5=4.5,post-recommendation@1=30,post-recommendation@default=40,credit-verification=5" \
       ${SERVER_ARGS:+--server-args "$SERVER_ARGS"} \
-      --parts "$parts" --tag gpu-scheduling-$plan --command "${SERVER_ARGS:+SERVER_ARGS='$SERVER_ARGS' }bash bench/gpu_next.sh $plan $rev" \
+      --parts "$parts" --tag gpu-scheduling-$plan --command "${PROBES:+PROBES=$PROBES }${PARTS:+PARTS='$PARTS' }${SERVER_ARGS:+SERVER_ARGS='$SERVER_ARGS' }bash bench/gpu_next.sh $plan $rev" \
       --deadline-s "$(( $(left) - 15 ))" || rc=1
     cp $work/sched/gpu-scheduling-*.json "$OUT/" ;;
   *) echo "unknown plan $plan (a to z)"; exit 2 ;;
