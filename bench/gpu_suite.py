@@ -860,14 +860,23 @@ def _graph_decode_step(
     from torch.profiler import ProfilerActivity, profile
 
     _, _, e = _graph_vs_eager(model, be, graphs, s, b)
-    check(f"{name} matches eager", e < 2e-2, f"rel_err={e:.2e}")
+    if len(b.seqs) > getattr(graphs, "fused_max_batch", 0):
+        check(f"{name} matches eager", e < 2e-2, f"rel_err={e:.2e}")
+    # else a fused step: it rounds differently from the eager (unfused) forward, by about as
+    # much as each differs from fp32 (~5e-2 on random weights), so a 2e-2 check against eager
+    # fails by design; callers judge it against fp32 (`check_no_worse_than_unfused`).
 
     def fn() -> Any:
         return model.compute_logits(graphs.run(b))
 
     ms = time_cuda(fn, iters=20, warmup=3, stream=s)
     floor_ms = floor_bytes / copy_gbs / 1e6
-    r: dict[str, Any] = {"graph_step_ms": ms, "floor_ms": floor_ms, "over_floor": ms / floor_ms}
+    r: dict[str, Any] = {
+        "graph_step_ms": ms,
+        "floor_ms": floor_ms,
+        "over_floor": ms / floor_ms,
+        "rel_err_vs_eager": e,
+    }
     try:
         with torch.cuda.stream(s):
             with profile(activities=[ProfilerActivity.CUDA]) as prof:

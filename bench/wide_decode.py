@@ -215,6 +215,7 @@ def step(
     keep = (
         "graph_step_ms",
         "floor_ms",
+        "rel_err_vs_eager",
         "over_floor",
         "kernels_per_step",
         "kernel_ms_per_step",

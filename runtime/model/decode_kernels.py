@@ -627,13 +627,16 @@ def _tensor_cores(bm: int) -> bool:
 # batch 1 only.
 # Tensor cores (block_m 16..64): the same fields plus num_stages last (Triton's load
 # pipeline); K splits 0 = about TC_TARGET_PROGRAMS programs; qkv's pairs >= 16. The best of
-# one sweep on the H200 over the Qwen2.5-3B and Llama-3.1-8B shapes at 16 / 32 / 48 rows
-# (`python -m bench.wide_decode`, bench/results/wide-decode-2026-12-03/wide-decode-6b98c3c.json).
+# the second sweep on the H200 over the Qwen2.5-3B and Llama-3.1-8B shapes at 16 / 32 / 48
+# rows, which also tried 4-5 pipeline stages and 8 warps for qkv and gate_up (`python -m
+# bench.wide_decode`, bench/results/wide-decode-2026-12-03-a92df2d/): graph steps 1.3-4.6 %
+# shorter than with the first sweep's tiles (wide-decode-2026-12-03/wide-decode-6b98c3c.json),
+# engine-level, same process.
 TILES: dict[str, dict[int, tuple[int, ...]]] = {
     "o": {
         1: (4, 512, 4, 1),
         16: (64, 64, 4, 0, 4),
-        32: (64, 64, 4, 0, 4),
+        32: (64, 64, 4, 8, 4),
         64: (64, 64, 4, 0, 4),
     },
     "down": {
@@ -645,14 +648,14 @@ TILES: dict[str, dict[int, tuple[int, ...]]] = {
     "gate_up": {
         1: (2, 1024, 4),
         16: (64, 128, 4, 3),
-        32: (64, 64, 4, 3),
-        64: (64, 64, 4, 3),
+        32: (64, 64, 4, 4),
+        64: (64, 64, 4, 4),
     },
     "qkv": {
         1: (4, 256, 8),
-        16: (32, 256, 4, 3),
-        32: (16, 256, 4, 3),
-        64: (64, 128, 4, 3),
+        16: (32, 256, 4, 4),
+        32: (64, 128, 4, 4),
+        64: (32, 128, 4, 5),
     },
 }
 ATTENTION_TILE = {"block_n": 64, "num_warps": 4}
