@@ -138,7 +138,13 @@ def profile_activation_peak(
     base = meter.reset()
     with torch.inference_mode():
         backend.plan(batch)
-        hidden = model(batch.input_ids, batch.positions, backend, chunk_tokens=chunk)
+        hidden = model(
+            batch.input_ids,
+            batch.positions,
+            backend,
+            chunk_tokens=chunk,
+            stream_rows_above=config.prefill_token_budget,  # as the engine runs it
+        )
         # Sampling-sized LM head: [rows, vocab] fp32 logits and their log-softmax.
         logits = model.compute_logits(hidden[:rows])
         lp = logits.log_softmax(dim=-1)
@@ -646,7 +652,15 @@ class ModelRunner:
             # prefill runs the layers itself), where these graphs belong.
             return pg.run(batch.input_ids, batch.positions, backend)
         chunk = self.config.prefill_chunk_tokens if self.config.hybrid_prefill else None
-        return self.model(batch.input_ids, batch.positions, backend, chunk_tokens=chunk)
+        # Rows stream only past one step's budget (a long scoring prompt run whole): below it
+        # the whole-T form is the faster one and the start-up dry run reserved its peak.
+        return self.model(
+            batch.input_ids,
+            batch.positions,
+            backend,
+            chunk_tokens=chunk,
+            stream_rows_above=self.config.prefill_token_budget,
+        )
 
     def build_batch(self, prefill: list[ScheduledSeq], decodes: list[ScheduledSeq]) -> ForwardBatch:
         """Flatten the sequences' new tokens, prefill parts first, then decodes (both: a merged

@@ -113,6 +113,32 @@ def test_several_sequences_attend_all_rows_at_once() -> None:
     assert calls == []
 
 
+def test_one_sequence_within_the_budget_attends_all_rows_at_once() -> None:
+    """`stream_rows_above` (the runner passes the prefill budget): one sequence of at most
+    that many tokens takes the whole-T form (faster on the GPU; its peak is the budget step's,
+    which the start-up dry run reserves), one longer streams rows; both give the whole
+    forward's hidden states and K/V."""
+    model, cfg, pool, be = setup("tiny")
+    batch = one_prompt(cfg, 37, 37)
+    calls = spy_rows(be)
+    with torch.inference_mode():
+        be.plan(batch)
+        full = model(batch.input_ids, batch.positions, be)
+        kv_full = kept_kv(pool, batch)
+        for above, streamed in ((37, False), (64, False), (36, True)):
+            for t in pool.k + pool.v:
+                t.zero_()
+            calls.clear()
+            be.plan(batch)
+            out = model(
+                batch.input_ids, batch.positions, be, chunk_tokens=8, stream_rows_above=above
+            )
+            assert bool(calls) == streamed, above
+            assert rel_err(out, full) < 2e-5
+            for a, b in zip(kept_kv(pool, batch), kv_full, strict=True):
+                assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3"])
 @pytest.mark.parametrize("num_kept", [45, 30, 16])  # all kept, part of the new rows, none
 def test_streamed_rows_after_a_cached_prefix(preset: str, num_kept: int) -> None:

@@ -110,18 +110,21 @@ def test_profile_activation_peak_runs_one_forward_as_configured(hybrid: bool) ->
         max_num_seqs=4,
     )
     meter = _SpyMeter()
-    seen: list[tuple[int, int | None]] = []
+    seen: list[tuple[int, int | None, int]] = []
     real_forward = model.forward
 
-    def spy(ids, positions, attn, chunk_tokens=None):  # type: ignore[no-untyped-def]
+    def spy(ids, positions, attn, chunk_tokens=None, stream_rows_above=0):  # type: ignore[no-untyped-def]
         meter.forwards += 1
-        seen.append((int(ids.numel()), chunk_tokens))
-        return real_forward(ids, positions, attn, chunk_tokens=chunk_tokens)
+        seen.append((int(ids.numel()), chunk_tokens, stream_rows_above))
+        return real_forward(
+            ids, positions, attn, chunk_tokens=chunk_tokens, stream_rows_above=stream_rows_above
+        )
 
     model.forward = spy  # type: ignore[method-assign]
     peak = profile_activation_peak(cfg, model, mc, 40, TorchAttentionBackend, meter=meter)
     assert peak == 1000  # exactly one forward between reset and peak
-    assert seen == [(40, 16 if hybrid else None)]
+    # The form the engine runs: rows stream only past one step's budget.
+    assert seen == [(40, 16 if hybrid else None, cfg.prefill_token_budget)]
     # Longer than the position limit: clamped, not an index error.
     seen.clear()
     profile_activation_peak(cfg, model, mc, 10**9, TorchAttentionBackend, meter=meter)
@@ -138,7 +141,9 @@ def test_profile_activation_peak_splits_the_tokens_over_sequences(num_seqs: int)
     from runtime.runner import profile_activation_peak
 
     model, mc, _ = load_model("random:tiny", torch.float32, "cpu")
-    cfg = EngineConfig(model="random:tiny", device="cpu", prefill_chunk_tokens=16)
+    cfg = EngineConfig(
+        model="random:tiny", device="cpu", prefill_chunk_tokens=16, prefill_token_budget=32
+    )
     planned: list[list[tuple[int, int]]] = []
     streamed: list[bool] = []
 

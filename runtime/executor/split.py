@@ -321,6 +321,7 @@ class SplitExecutor:
                     f.next_layer,
                     end,
                     self.chunk_tokens,
+                    self.runner.config.prefill_token_budget,  # as Runner._prefill_forward
                 )
                 f.next_layer = end
                 ev = self.device.event()

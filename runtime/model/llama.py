@@ -12,8 +12,8 @@ Hybrid prefill (`chunk_tokens=C`, used when T > C): per layer, the token-wise wo
 q/k/v projection, q/k norm, RoPE, o_proj, MLP) runs over C-token chunks writing into
 preallocated [T, ...] buffers. The largest temporary is then [C, 2 * intermediate] instead of
 [T, 2 * intermediate]. Two forms: where the backend attends a chunk of query rows to the keys
-before it (one sequence: a long scoring prompt, with its cached context or without), the
-layer streams rows (`forward_rows`: one [T, H] residual stream and k/v live across the layer,
+before it (one sequence: a long scoring prompt, with its cached context or without) and the
+prompt is longer than one step's budget (`stream_rows_above`), the layer streams rows (`forward_rows`: one [T, H] residual stream and k/v live across the layer,
 12 KiB a token on the 8B shape); otherwise (several sequences) attention runs over all T rows
 at once (`forward_chunked`: h, residual, q, k, v, 27 KiB). The activation reserve, and so the longest scoring prompt, is
 measured on the first form.
@@ -359,14 +359,19 @@ class LlamaForCausalLM(nn.Module):
         start: int,
         end: int,
         chunk_tokens: int | None = None,
+        stream_rows_above: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run layers [start, end). `residual` is None before layer 0. With hybrid prefill on
         (chunk_tokens < T) the inputs are consumed (overwritten in place), and where the
-        backend attends rows (`attends_rows`) the layers stream rows: they return the whole
-        residual stream as h with residual None (as before layer 0; `final_norm` takes it)."""
+        backend attends rows (`attends_rows`) and T > `stream_rows_above` the layers stream
+        rows: they return the whole residual stream as h with residual None (as before layer
+        0; `final_norm` takes it). Streaming rows saves memory, not time: at T up to a few
+        budgets it was the slower form on the H200 (one sequence over 2,048 tokens cost up to
+        1.5x a step of several on the whole-T form, plan s at a92df2d), so the runner passes
+        the prefill budget, whose whole-T peak the start-up dry run reserves."""
         T = h.shape[0]
         chunked = chunk_tokens is not None and T > chunk_tokens
-        if chunked and start < end and attends_rows(attn):
+        if chunked and start < end and T > stream_rows_above and attends_rows(attn):
             assert chunk_tokens is not None
             if residual is not None:  # fold the pair into one stream, in place, chunk by chunk
                 for s in range(0, T, chunk_tokens):
@@ -398,11 +403,13 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         attn: AttentionBackend,
         chunk_tokens: int | None = None,
+        stream_rows_above: int = 0,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] int64 -> final hidden states [T, H]."""
+        """input_ids, positions: [T] int64 -> final hidden states [T, H]. `chunk_tokens`,
+        `stream_rows_above`: hybrid prefill's form (`forward_layers`)."""
         h = self.embed(input_ids)
         h, residual = self.forward_layers(
-            h, None, positions, attn, 0, self.num_layers, chunk_tokens
+            h, None, positions, attn, 0, self.num_layers, chunk_tokens, stream_rows_above
         )
         if residual is None and chunk_tokens is not None and h.shape[0] > chunk_tokens:
             # Streamed rows: the final norm in place, chunk by chunk (no second [T, H]).
