@@ -296,11 +296,13 @@ case $plan in
     esac
     parts=${PARTS:-$parts}  # e.g. PARTS="credit-verification:0.5:fcfs,srjf:1": one part again
     probes=${PROBES:-$probes}  # e.g. PROBES=7: searches narrowed to ~5 % (the bisection's tol)
+    # START_S: the server's start-up estimate (its timeout is 3x): on a bare machine Triton
+    # compiles the fused decode's sizes at the first start (the 90 s of 30 were not enough).
     # SERVER_ARGS: more server options for every part (e.g. "--ttft-slo-ms 3600": SRJF's lambda
     # from the SLO), recorded in the results' command.
     cal=bench/results/jct-calibration-h200.json
     python3 -m bench.gpu_scheduling --model random:llama-3.1-8b --rev "$rev" \
-      --out-dir $work/sched --duration-s $dur --max-probes $probes --start-s 30 --no-profile \
+      --out-dir $work/sched --duration-s $dur --max-probes $probes --start-s ${START_S:-30} --no-profile \
       $( [ -f $cal ] && echo --jct-calibration $cal ) \
       --start-qps "post-recommendation@0.5=4.5,post-recommendation@1=30,post-recommendation@default=40,credit-verification=5" \
       ${SERVER_ARGS:+--server-args "$SERVER_ARGS"} \
