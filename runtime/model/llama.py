@@ -13,10 +13,12 @@ q/k/v projection, q/k norm, RoPE, o_proj, MLP) runs over C-token chunks writing 
 preallocated [T, ...] buffers. The largest temporary is then [C, 2 * intermediate] instead of
 [T, 2 * intermediate]. Two forms: where the backend attends a chunk of query rows to the keys
 before it (one sequence: a long scoring prompt, with its cached context or without) and the
-prompt is longer than one step's budget (`stream_rows_above`), the layer streams rows (`forward_rows`: one [T, H] residual stream and k/v live across the layer,
-12 KiB a token on the 8B shape); otherwise (several sequences) attention runs over all T rows
-at once (`forward_chunked`: h, residual, q, k, v, 27 KiB). The activation reserve, and so the longest scoring prompt, is
-measured on the first form.
+prompt is longer than one step's budget (`stream_rows_above`), the layer streams rows
+(`forward_rows`: one [T, H] residual stream and k/v live across the layer, 12 KiB a token on
+the 8B shape); otherwise (several sequences, or one within the budget) attention runs over all
+T rows at once (`forward_chunked`: h, residual, q, k, v, 27 KiB). The activation reserve, and
+so the longest scoring prompt, is measured on the first form past the budget and on the second
+for a budget-sized step.
 """
 
 from __future__ import annotations
@@ -365,10 +367,11 @@ class LlamaForCausalLM(nn.Module):
         (chunk_tokens < T) the inputs are consumed (overwritten in place), and where the
         backend attends rows (`attends_rows`) and T > `stream_rows_above` the layers stream
         rows: they return the whole residual stream as h with residual None (as before layer
-        0; `final_norm` takes it). Streaming rows saves memory, not time: at T up to a few
-        budgets it was the slower form on the H200 (one sequence over 2,048 tokens cost up to
-        1.5x a step of several on the whole-T form, plan s at a92df2d), so the runner passes
-        the prefill budget, whose whole-T peak the start-up dry run reserves."""
+        0; `final_norm` takes it). Streaming rows saves memory, not time: on the H200, steps
+        whose prefill was one 2-4k-token chunk took 1.3-1.5x their predicted time streamed,
+        where steps of several sequences on the whole-T form took 1.0-1.1x (plan s at
+        a92df2d). So the runner passes the prefill budget, whose whole-T peak the start-up dry
+        run reserves: only a prompt past it streams."""
         T = h.shape[0]
         chunked = chunk_tokens is not None and T > chunk_tokens
         if chunked and start < end and T > stream_rows_above and attends_rows(attn):
