@@ -296,6 +296,7 @@ case $plan in
     esac
     parts=${PARTS:-$parts}  # e.g. PARTS="credit-verification:0.5:fcfs,srjf:1": one part again
     probes=${PROBES:-$probes}  # e.g. PROBES=7: searches narrowed to ~5 % (the bisection's tol)
+    dur=${DUR:-$dur}  # probe seconds, e.g. DUR=120: the long probes short ones compress
     # START_S: the server's start-up estimate (its timeout is 3x): on a bare machine Triton
     # compiles the fused decode's sizes at the first start (the 90 s of 30 were not enough).
     # SERVER_ARGS: more server options for every part (e.g. "--ttft-slo-ms 3600": SRJF's lambda
@@ -306,7 +307,7 @@ case $plan in
       $( [ -f $cal ] && echo --jct-calibration $cal ) \
       --start-qps "post-recommendation@0.5=4.5,post-recommendation@1=30,post-recommendation@default=40,credit-verification=5" \
       ${SERVER_ARGS:+--server-args "$SERVER_ARGS"} \
-      --parts "$parts" --tag gpu-scheduling-$plan --command "${PROBES:+PROBES=$PROBES }${PARTS:+PARTS='$PARTS' }${SERVER_ARGS:+SERVER_ARGS='$SERVER_ARGS' }bash bench/gpu_next.sh $plan $rev" \
+      --parts "$parts" --tag gpu-scheduling-$plan --command "${DUR:+DUR=$DUR }${PROBES:+PROBES=$PROBES }${PARTS:+PARTS='$PARTS' }${SERVER_ARGS:+SERVER_ARGS='$SERVER_ARGS' }bash bench/gpu_next.sh $plan $rev" \
       --deadline-s "$(( $(left) - 15 ))" || rc=1
     cp $work/sched/gpu-scheduling-*.json "$OUT/" ;;
   *) echo "unknown plan $plan (a to z)"; exit 2 ;;
