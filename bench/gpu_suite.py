@@ -1007,6 +1007,69 @@ def section_prefill_graphs() -> dict:
         _free()
 
 
+def section_hybrid_forms() -> dict:
+    """Hybrid prefill's two forms for ONE sequence, timed against each other and against the
+    unchunked forward: streamed rows (`forward_rows`, what one prompt over 2,048 tokens took
+    before `4f81294`) and whole-T (`forward_chunked`, what it takes now within the budget),
+    T = 1,536..8,192 new tokens, fresh and after 4,096 cached tokens. Plan s at `a92df2d` read
+    the streamed steps at 1.3-1.5x their prediction next to decodes; this says how much of
+    that the form itself costs, without a server. Per T: median wall time of 10 after warm-ups,
+    and each form's hidden states against the unchunked forward's (recorded, not checked:
+    tests/gpu/test_flashinfer_backend.py checks them). Engine-level diagnostic. Model:
+    GREENLANE_HYBRID_FORMS_PRESET (default qwen2.5-3b)."""
+    preset = os.environ.get("GREENLANE_HYBRID_FORMS_PRESET", "qwen2.5-3b")
+    try:
+        return _hybrid_forms_one(preset)
+    finally:
+        _free()
+
+
+def _hybrid_forms_one(preset: str) -> dict:
+    """`section_hybrid_forms` for one preset (its model and pool are freed on return)."""
+    from runtime.attention.flashinfer_backend import FlashInferBackend
+    from runtime.model import ops
+
+    chunk, ctx = 2048, 4096
+    sizes = (1536, 2048, 2304, 2816, 3584, 4096, 6144, 8192)
+    num_blocks = (ctx + max(sizes)) // 16 + 64
+    _MODEL.clear()
+    ops.use_flashinfer(True)
+    model, cfg, pool = _preset_model(preset, num_blocks)
+    be = FlashInferBackend.from_pool(pool, cfg.num_q_heads)
+    out: dict[str, Any] = {"preset": preset, "chunk_tokens": chunk, "rows": []}
+
+    def run(form: str, b: Any) -> torch.Tensor:
+        be.plan(b)
+        if form == "unchunked":
+            return model(b.input_ids, b.positions, be)
+        above = 0 if form == "rows" else 1 << 30
+        return model(b.input_ids, b.positions, be, chunk_tokens=chunk, stream_rows_above=above)
+
+    with torch.inference_mode():
+        for c in (0, ctx):
+            for T in sizes:
+                blocks = list(range(-(-(c + T) // 16)))
+                b = _batch([(c, T, c + T)], [blocks], vocab=cfg.vocab_size)
+                row: dict[str, Any] = {"context_tokens": c, "num_tokens": T}
+                ref = run("unchunked", b).float().clone()
+                for form in ("unchunked", "whole_t", "rows"):
+                    if form != "unchunked":
+                        row[f"{form}_rel_err"] = rel_err(run(form, b).float(), ref)
+                    walls = []
+                    for i in range(13):
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        run(form, b)
+                        torch.cuda.synchronize()
+                        if i >= 3:
+                            walls.append((time.perf_counter() - t0) * 1e3)
+                    row[f"{form}_ms"] = statistics.median(walls)
+                row["rows_over_whole_t"] = row["rows_ms"] / row["whole_t_ms"]
+                out["rows"].append(row)
+                print(f"hybrid forms: {json.dumps(row)}", flush=True)
+    return out
+
+
 def _prefill_graphs_one(preset: str) -> dict:
     """`section_prefill_graphs` for one preset (its model and pool are freed on return)."""
     from runtime.attention.flashinfer_backend import FlashInferBackend
@@ -2654,6 +2717,7 @@ SECTIONS: dict[str, Callable[[], dict]] = {
     "decode_profile": section_decode_profile,
     "decode_breakdown": section_decode_breakdown,
     "prefill_graphs": section_prefill_graphs,
+    "hybrid_forms": section_hybrid_forms,
     "rope_kv": section_rope_kv,
     "decode_attention": section_decode_attention,
     "fused_decode": section_fused_decode,
