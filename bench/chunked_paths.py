@@ -1,7 +1,7 @@
 """Where the chunked step's prediction misses: a server's mixed steps by the path they ran.
 
     python -m bench.chunked_paths DIR/qwen2.5-3b-*.steps.json [--chunk-tokens 2048] \\
-        [--graph-max-tokens 1024] [--out summary.json]
+        [--graph-max-tokens 1024] [--stream-rows-above 8192] [--out summary.json]
 
 CPU only. Input: the `*.steps.json` files `bench/gpu_serving.py` saves (the engine's step
 trace, `runtime/engine.py` STEP_TRACE_FIELDS), one per side. Every whole-GPU step with prefill
@@ -9,8 +9,8 @@ tokens and a measured device time is put in the path the runner took at the revi
 recorded it (`Runner._mergeable`, `LlamaForCausalLM.forward_layers`):
   merged   prefill rows + decodes fit a prefill graph bucket (<= --graph-max-tokens)
   plain    the prefill part alone, one eager forward (<= --chunk-tokens)
-  rows     one sequence over --chunk-tokens: hybrid prefill streaming rows (before 4f81294)
-  whole_t  several sequences over --chunk-tokens: hybrid prefill attending all rows at once
+  rows     one sequence over --chunk-tokens and --stream-rows-above: streaming rows
+  whole_t  otherwise over --chunk-tokens: hybrid prefill attending all rows at once
 Per side and path: steps, ms per 1,000 prefill tokens, measured / predicted (the TBT cut's
 `predicted_ms`, where the side had one), the MAPE of that prediction, and the MAPE of the same
 prediction times a per-path factor learned causally (an EMA of measured / predicted per path,
@@ -31,16 +31,25 @@ import numpy as np
 EMA = 0.2
 
 
-def path_of(step: dict[str, Any], chunk_tokens: int, graph_max_tokens: int) -> str:
+def path_of(
+    step: dict[str, Any], chunk_tokens: int, graph_max_tokens: int, stream_rows_above: int = 0
+) -> str:
+    """`stream_rows_above`: 0 for traces recorded before `4f81294` (one prompt over the chunk
+    always streamed rows), the server's prefill budget after it."""
     n = step["num_prefill_tokens"]
     if n + step["num_decodes"] <= graph_max_tokens:
         return "merged"
     if n <= chunk_tokens:
         return "plain"
-    return "rows" if step["num_prefill_seqs"] == 1 else "whole_t"
+    return "rows" if step["num_prefill_seqs"] == 1 and n > stream_rows_above else "whole_t"
 
 
-def summarize(steps: list[dict[str, Any]], chunk_tokens: int, graph_max_tokens: int) -> dict:
+def summarize(
+    steps: list[dict[str, Any]],
+    chunk_tokens: int,
+    graph_max_tokens: int,
+    stream_rows_above: int = 0,
+) -> dict:
     """One side's steps (trace order: oldest first) -> per-path figures and the overall MAPE
     of the engine's prediction and of the per-path-corrected one."""
     rows = [
@@ -52,7 +61,7 @@ def summarize(steps: list[dict[str, Any]], chunk_tokens: int, graph_max_tokens: 
     by_path: dict[str, dict[str, list[float]]] = {}
     engine_err, path_err = [], []
     for s in rows:
-        k = path_of(s, chunk_tokens, graph_max_tokens)
+        k = path_of(s, chunk_tokens, graph_max_tokens, stream_rows_above)
         d = by_path.setdefault(k, {"ms_per_ktok": [], "ratio": [], "err": [], "err_path": []})
         m = s["device_ms"]
         d["ms_per_ktok"].append(1e3 * m / s["num_prefill_tokens"])
@@ -96,6 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("steps", nargs="+", help="*.steps.json files, one per side")
     ap.add_argument("--chunk-tokens", type=int, default=2048, help="--prefill-chunk-tokens")
     ap.add_argument("--graph-max-tokens", type=int, default=1024, help="prefill graph buckets")
+    ap.add_argument(
+        "--stream-rows-above",
+        type=int,
+        default=0,
+        help="one prompt streams rows past this many tokens: 0 before 4f81294, the server's "
+        "--prefill-token-budget (8192) after",
+    )
     ap.add_argument("--out", help="write the summary JSON here")
     args = ap.parse_args(argv)
     out: dict[str, Any] = {
@@ -110,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         # The trace is newest-last by `age_s` (seconds before it was read): oldest first.
         steps = sorted(steps, key=lambda s: -s.get("age_s", 0.0))
         side = Path(f).name.removesuffix(".steps.json")
-        out["sides"][side] = r = summarize(steps, args.chunk_tokens, args.graph_max_tokens)
+        out["sides"][side] = r = summarize(
+            steps, args.chunk_tokens, args.graph_max_tokens, args.stream_rows_above
+        )
         print(
             f"{side}: {r['num_predicted']} predicted steps, MAPE {r['mape_engine']} engine, "
             f"{r['mape_per_path_factor']} with a per-path factor"

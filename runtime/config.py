@@ -205,3 +205,13 @@ class EngineConfig:
             raise ValueError("partition_tbt_slo_ms must be > 0")
         if self.pd_slice_tokens < 1 or self.pd_max_queued_slices < 1:
             raise ValueError("pd_slice_tokens and pd_max_queued_slices must be >= 1")
+
+    def hybrid_form(self) -> tuple[int | None, int]:
+        """Hybrid prefill as every forward of a prefill runs it (`LlamaForCausalLM.forward`'s
+        `chunk_tokens`, `stream_rows_above`): the chunk (None: hybrid prefill off), and the
+        prefill budget, within which one prompt attends all rows at once (the faster form; the
+        start-up dry run reserves a budget step's peak on it) and past which it streams rows."""
+        return (
+            self.prefill_chunk_tokens if self.hybrid_prefill else None,
+            self.prefill_token_budget,
+        )

@@ -556,7 +556,7 @@ class Engine:
         def backend_for(pool: KVPool) -> AttentionBackend:
             return make_attention_backend(cfg, pool, mc.num_q_heads)
 
-        chunk = cfg.prefill_chunk_tokens if cfg.hybrid_prefill else None
+        chunk, _ = cfg.hybrid_form()
         # Only a scoring prompt runs whole (generation prompts are cut to the step's budget), so
         # no dry run needs to be longer than the longest one; nor than the model's positions,
         # where profile_activation_peak stops.

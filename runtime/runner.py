@@ -133,7 +133,7 @@ def profile_activation_peak(
         logits_indices=torch.tensor([b - 1 for _, b in spans], device=dev),
         is_decode=False,
     )
-    chunk = config.prefill_chunk_tokens if config.hybrid_prefill else None
+    chunk, stream_rows_above = config.hybrid_form()  # as the engine runs it
     rows = min(config.max_num_seqs, num_tokens)
     base = meter.reset()
     with torch.inference_mode():
@@ -143,7 +143,7 @@ def profile_activation_peak(
             batch.positions,
             backend,
             chunk_tokens=chunk,
-            stream_rows_above=config.prefill_token_budget,  # as the engine runs it
+            stream_rows_above=stream_rows_above,
         )
         # Sampling-sized LM head: [rows, vocab] fp32 logits and their log-softmax.
         logits = model.compute_logits(hidden[:rows])
@@ -651,15 +651,13 @@ class ModelRunner:
             # A prefill part here runs on the whole GPU (the split executor's partitioned
             # prefill runs the layers itself), where these graphs belong.
             return pg.run(batch.input_ids, batch.positions, backend)
-        chunk = self.config.prefill_chunk_tokens if self.config.hybrid_prefill else None
-        # Rows stream only past one step's budget (a long scoring prompt run whole): below it
-        # the whole-T form is the faster one and the start-up dry run reserved its peak.
+        chunk, stream_rows_above = self.config.hybrid_form()
         return self.model(
             batch.input_ids,
             batch.positions,
             backend,
             chunk_tokens=chunk,
-            stream_rows_above=self.config.prefill_token_budget,
+            stream_rows_above=stream_rows_above,
         )
 
     def build_batch(self, prefill: list[ScheduledSeq], decodes: list[ScheduledSeq]) -> ForwardBatch:

@@ -113,7 +113,7 @@ class SplitExecutor:
         self.observe = observe
         self.slice_tokens = config.pd_slice_tokens
         self.max_queued_slices = config.pd_max_queued_slices
-        self.chunk_tokens = config.prefill_chunk_tokens if config.hybrid_prefill else None
+        self.chunk_tokens, self.stream_rows_above = config.hybrid_form()
         self.split_usable = split_usable or (lambda _sms: True)
         self.prefill: _Prefill | None = None
         self._queue: deque[_Launched] = deque()
@@ -321,7 +321,7 @@ class SplitExecutor:
                     f.next_layer,
                     end,
                     self.chunk_tokens,
-                    self.runner.config.prefill_token_budget,  # as Runner._prefill_forward
+                    self.stream_rows_above,
                 )
                 f.next_layer = end
                 ev = self.device.event()
