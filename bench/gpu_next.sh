@@ -35,6 +35,11 @@
 #                                         #   fused RoPE + K/V write's
 #   bash bench/gpu_next.sh y REV          # issue 17: post recommendation at pool 1x, FCFS and
 #                                         #   SRJF, two repeats of six probes (finer bisection)
+#   bash bench/gpu_next.sh warm REV [M]   # a bare machine's first call: start one server
+#                                         #   (M: random:qwen2.5-3b) with --calibrate false
+#                                         #   until healthy, so FlashInfer's modules and the
+#                                         #   fused decode's Triton sizes compile, then stop;
+#                                         #   the cache comes back as fi_cache.tar.gz
 #   bash bench/gpu_next.sh l REV          # issue 12: the fused RoPE + K/V write vs the unfused
 #                                         #   pair, one layer, T = 1..16k, tiled variants; then
 #                                         #   the decode-path GPU tests; issue 17: the prefill
@@ -310,6 +315,18 @@ case $plan in
       --parts "$parts" --tag gpu-scheduling-$plan --command "${DUR:+DUR=$DUR }${PROBES:+PROBES=$PROBES }${PARTS:+PARTS='$PARTS' }${SERVER_ARGS:+SERVER_ARGS='$SERVER_ARGS' }bash bench/gpu_next.sh $plan $rev" \
       --deadline-s "$(( $(left) - 15 ))" || rc=1
     cp $work/sched/gpu-scheduling-*.json "$OUT/" ;;
+  warm)
+    # Compiling here keeps it out of a later plan's deadline (a server start on a bare machine
+    # took 246 s on the 8B; the plan after it timed out its own start in the same call).
+    python3 - "${split:-random:qwen2.5-3b}" "$(( $(left) - 20 ))" <<'PY' || rc=1
+import sys, time
+from pathlib import Path
+from bench.gpu_serving import Server
+s = Server(sys.argv[1], 8011, ["--calibrate", "false"], Path("/tmp/serving/warm.log"))
+print(f"warm: {sys.argv[1]} healthy after {s.start(float(sys.argv[2])):.0f} s", flush=True)
+s.stop()
+PY
+    ;;
   *) echo "unknown plan $plan (a to z)"; exit 2 ;;
 esac
 cp $work/partition-*.json "$OUT/" 2>/dev/null
