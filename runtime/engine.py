@@ -465,7 +465,11 @@ class Engine:
             return capacity
         self._planned_choice, self._planned_chunk = choice, chunk
         # As the serial executor plans a step (decodes share the budget the activation reserve
-        # was sized for); the decision's chunk caps the prefill tokens.
+        # was sized for); the decision's chunk caps the prefill tokens, and the room it was cut
+        # to caps their time: the prefills planned behind the head (scoring suffixes over a
+        # long cached prefix) cost more a token than its chunk. With the token cap alone, the
+        # H200 (3B, scoring next to chat) ran steps predicted at 85-120 ms for an 80 ms aim.
+        aim_s = target_ms / 1e3
         return StepCapacity(
             prefill_token_budget=min(
                 capacity.prefill_token_budget, chunk_tokens + look.num_decodes
@@ -473,6 +477,9 @@ class Engine:
             decodes_share_budget=True,
             hold_prefills=False,
             chunk_scoring=self.config.chunk_scoring_prefill,
+            tbt_s=aim_s,
+            decode_step_s=aim_s - g.chunk_room_ms(d, chunk) / 1e3,
+            prefill_cost=self._prefill_cost,
         )
 
     def _chunk_tbt_ms(self) -> float | None:

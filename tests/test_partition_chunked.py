@@ -213,7 +213,7 @@ def _auto_engine(manager, **cfg: Any):  # noqa: F811
     stand-ins) through the engine's own `_choose_split`; a JCT model agreeing with the cost
     model; only split 16 (its prefill on 16 SMs is slow, its decode meets the target)."""
     dev = FakeDevice()
-    eng, ex, _ = split_engine(dev, None, num_kv_blocks=512, **cfg)
+    eng, ex, _ = split_engine(dev, None, **{"num_kv_blocks": 512, **cfg})
     manager.set_cost_model(_flat_model())
     manager.controller.splits = [16]
     manager.controller.config = ControllerConfig(tbt_slo_ms=TARGET_MS, hysteresis_sms=0)
@@ -264,6 +264,32 @@ def test_auto_caps_the_steps_prefill_at_the_chosen_chunk(manager) -> None:  # no
     assert [_sizes(p).get("long") for p in launched if p.prefill] == [CHUNK, CHUNK, 300]
     assert ex.num_split_prefills == 0 and ex.num_layer_sliced_prefills == 0
     assert manager.state().choice_counts == {"chunked": 3}
+
+
+def test_auto_times_every_prefill_it_adds_behind_the_chunked_head(manager) -> None:  # noqa: F811
+    """auto sizes the chunk for the head of the queue; the prefills planned behind it in the
+    same step are held to the same TBT time, not only to its tokens. On the H200 (3B, scoring
+    next to chat, `96bc96d`) a token cap alone let 24-39 scoring suffixes with 10-15k cached
+    tokens each into steps predicted at 85-120 ms for an 80 ms target: their attention over the
+    cached prefix costs more per token than the head's chunk."""
+    eng, _, launched = _auto_engine(manager, num_kv_blocks=1024)
+    eng.jct_model.k_s_per_pair = 1e-9  # attention: 1 ns a query-key pair
+    _decoding_chat(eng)
+    shared = gen("first", 2000, 1, seed=7).prompt_token_ids
+    eng.scheduler.add(Request("first", RequestKind.SCORE, shared + [5], label_token_ids=[1]))
+    _run(eng, lambda: eng.scheduler.get("first") is None)
+    launched.clear()
+    eng.scheduler.add(gen("head", 100, 1, seed=3))
+    eng.scheduler.add(Request("behind", RequestKind.SCORE, shared + [6] * 200, label_token_ids=[1]))
+    eng._step()
+    plan = launched[0]
+    assert plan.decode and _sizes(plan)["head"] == 100
+    cost, left_s = eng._prefill_cost, (TARGET_MS - 2.0) / 1e3  # the flat model's decode: 2 ms
+    spent = sum(cost.marginal_s(s.num_new_tokens, s.num_context_tokens) for s in plan.prefill)
+    # The head's 100 tokens leave room for 250 more tokens but not for the 200 behind it
+    # (each attends 2,000 cached tokens): they wait for a step of their own time.
+    assert spent <= left_s + 1e-12
+    assert _sizes(plan).get("behind", 0) < 200
 
 
 def test_auto_runs_an_unchunkable_scoring_prompt_on_the_split(manager) -> None:  # noqa: F811

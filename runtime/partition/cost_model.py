@@ -588,8 +588,8 @@ class SplitController:
         scheduler's `--tbt-slo-ms` cut). Predicted prefill: until the last chunk is done (the
         chunks' marginal cost plus one decode step per chunk step); predicted decode: one
         step (decodes + the first chunk), which is what a decode waits."""
-        decode_ms = self._whole_decode_ms(d, chunk) + chunk.step_offset_ms  # with a chunk
-        room_ms = chunk.tbt_slo_ms - decode_ms
+        room_ms = self.chunk_room_ms(d, chunk)
+        decode_ms = chunk.tbt_slo_ms - room_ms  # the decode step with a chunk beside it
         cost, ctx, n = chunk.prefill_cost, chunk.context_tokens, max(p.num_tokens, 1)
         tokens = tbt_chunk_tokens(cost, room_ms / 1e3, ctx)
         all_ms = cost.marginal_s(n, ctx) * 1e3
@@ -608,6 +608,12 @@ class SplitController:
             reason="chunked time-slicing",
             evaluations=1,
         )
+
+    def chunk_room_ms(self, d: DecodeShape, chunk: ChunkInput) -> float:
+        """What a chunked step leaves its prefill parts (ms): the aim less the decode step
+        with a chunk beside it. `_chunked` cuts the head's chunk to it; the engine holds every
+        prefill planned into that step to the same room (`Engine._auto_capacity`)."""
+        return chunk.tbt_slo_ms - (self._whole_decode_ms(d, chunk) + chunk.step_offset_ms)
 
     def _whole_decode_ms(self, d: DecodeShape, chunk: ChunkInput) -> float:
         """A decode step on the whole GPU: the cost model's, else (uncalibrated) measured."""

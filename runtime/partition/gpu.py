@@ -306,6 +306,11 @@ class GreenContextPartition:
         with self._lock:
             return self.controller.chunked_step_ms(prefill, decode, chunk)
 
+    def chunk_room_ms(self, decode: DecodeShape, chunk: ChunkInput) -> float:
+        """The controller's room for a chunked step's prefill parts (`chunk_room_ms`)."""
+        with self._lock:
+            return self.controller.chunk_room_ms(decode, chunk)
+
     def score_chunked_step(self, predicted_ms: float, measured_ms: float) -> None:
         """A chunked time-slice step's measured time against its prediction (per-kind error:
         `mape_chunked_step` in `cost_model_errors`)."""
