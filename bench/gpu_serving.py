@@ -349,13 +349,13 @@ def run_harness(module: str, args: list[str], timeout_s: float) -> dict[str, Any
 
 
 def latency_view(metrics: dict[str, Any] | None) -> dict[str, Any] | None:
-    """TTFT / TBT / TPOT mean and P99 (ms) of one run. TBT = inter-token gaps (ITL)."""
+    """TTFT / TBT / TPOT mean, P50 and P99 (ms) of one run. TBT = inter-token gaps (ITL)."""
     if not metrics:
         return None
 
     def pick(key: str) -> dict[str, Any]:
         m = metrics.get(key) or {}
-        return {"mean": m.get("mean"), "p99": m.get("p99")}
+        return {"mean": m.get("mean"), "p50": m.get("median"), "p99": m.get("p99")}
 
     return {
         "completed": metrics.get("completed"),
