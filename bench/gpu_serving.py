@@ -362,6 +362,7 @@ def latency_view(metrics: dict[str, Any] | None) -> dict[str, Any] | None:
         "failed": metrics.get("failed"),
         "request_throughput": metrics.get("request_throughput"),
         "output_throughput": metrics.get("output_throughput"),
+        "total_token_throughput": metrics.get("total_token_throughput"),
         "ttft_ms": pick("ttft_ms"),
         "tbt_ms": pick("itl_ms"),
         "tpot_ms": pick("tpot_ms"),
@@ -1225,6 +1226,45 @@ def custom_sides(specs: list[str]) -> dict[str, str]:
     return sides
 
 
+# Issue 13's first target: auto no worse than the best baseline by more than this fraction on
+# P99 TBT, TTFT P50 and total tokens/s, at every load level.
+TARGET_TOLERANCE = 0.05
+
+
+def probe_check(base: dict[str, Any], auto: dict[str, Any]) -> dict[str, Any]:
+    """auto against one baseline at every QPS both probed: auto / baseline for P99 TBT, TTFT
+    P50 and total tokens/s, and whether all three are within TARGET_TOLERANCE (latencies at
+    most 1 + tol, tokens/s at least 1 - tol). Probes without a P50 (records from before it was
+    kept) or without the figure (scoring has no TBT) leave that ratio None and do not count
+    against it."""
+    by_probe: dict[str, Any] = {}
+    for q, a in sorted(auto.get("probes", {}).items(), key=lambda kv: float(kv[0])):
+        b = base.get("probes", {}).get(q)
+        if not a or not b:
+            continue
+        r = {
+            "p99_tbt_ratio": ratio(
+                (b.get("tbt_ms") or {}).get("p99"), (a.get("tbt_ms") or {}).get("p99")
+            ),
+            "p50_ttft_ratio": ratio(
+                (b.get("ttft_ms") or {}).get("p50"), (a.get("ttft_ms") or {}).get("p50")
+            ),
+            "total_tokens_ratio": ratio(
+                b.get("total_token_throughput"), a.get("total_token_throughput")
+            ),
+        }
+        tol = TARGET_TOLERANCE
+        r["within_target"] = all(
+            r[k] is None or r[k] <= 1 + tol for k in ("p99_tbt_ratio", "p50_ttft_ratio")
+        ) and (r["total_tokens_ratio"] is None or r["total_tokens_ratio"] >= 1 - tol)
+        by_probe[q] = r
+    return {
+        "by_probe": by_probe,
+        "within_target_at_every_probe": bool(by_probe)
+        and all(r["within_target"] for r in by_probe.values()),
+    }
+
+
 def add_comparisons(w: dict[str, Any]) -> None:
     """(Re)compute auto/static vs off for one workload's sides, and, when several baselines
     ran (sides named off*), auto vs the best of them (the highest max QPS)."""
@@ -1243,6 +1283,7 @@ def add_comparisons(w: dict[str, Any]) -> None:
         best = max(baselines, key=lambda k: baselines[k]["max_qps"])
         w["best_baseline"] = best
         w["auto_vs_best_baseline"] = compare_modes(baselines[best], auto)
+        w["auto_by_probe"] = {k: probe_check(v, auto) for k, v in baselines.items()}
 
 
 def merge_records(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
