@@ -319,7 +319,7 @@ case $plan in
     # Compiling here keeps it out of a later plan's deadline (a server start on a bare machine
     # took 246 s on the 8B; the plan after it timed out its own start in the same call).
     python3 - "${split:-random:qwen2.5-3b}" "$(( $(left) - 20 ))" <<'PY' || rc=1
-import sys, time
+import sys
 from pathlib import Path
 from bench.gpu_serving import Server
 s = Server(sys.argv[1], 8011, ["--calibrate", "false"], Path("/tmp/serving/warm.log"))
