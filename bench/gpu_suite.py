@@ -189,6 +189,10 @@ def section_backend() -> dict:
         "ragged_discard": (32, 8, 128, [(0, 300, 288), (0, 50, 48), (0, 700, 0)], False),
         "paged_prefix_hit": (32, 8, 128, [(512, 100, 612), (0, 64, 64), (33, 7, 40)], False),
         "gather_hit_discard": (16, 2, 128, [(256, 200, 448), (64, 31, 64), (0, 40, 32)], False),
+        # A scoring suffix over a long cached prefix: FA2 (`paged_prefill_on_fa2`); a long
+        # chunk after a prefix: FA3.
+        "paged_short_query_fa2": (16, 2, 128, [(4000, 150, 4150)], False),
+        "paged_long_query_fa3": (16, 2, 128, [(256, 1100, 1356)], False),
         "decode_tc_gqa4": (32, 8, 128, [(c, 1, c + 1) for c in (5, 16, 700, 2047, 1)], True),
         "decode_gqa3_d64": (9, 3, 64, [(c, 1, c + 1) for c in (3, 31, 400)], True),
         "decode_gqa8_qwen": (16, 2, 128, [(c, 1, c + 1) for c in (15, 1000)], True),
@@ -241,6 +245,9 @@ def section_backend() -> dict:
                 f"mode={be.debug_state()['mode']} rel_err={worst:.2e}",
             )
             out[name] = {"rel_err": worst, "mode": be.debug_state()["mode"]}
+            want = {"paged_short_query_fa2": "paged_fa2", "paged_long_query_fa3": "paged"}
+            if name in want:
+                check(f"backend {name} mode", out[name]["mode"] == want[name], out[name]["mode"])
         except Exception as exc:
             traceback.print_exc()
             check(f"backend {name}", False, f"{type(exc).__name__}: {exc}")
@@ -1227,6 +1234,73 @@ def section_rope_kv() -> dict:
             rows[f"T{T}"] = r
             print(f"rope_kv {preset} T={T}: {r}", flush=True)
         out[preset] = rows
+    return out
+
+
+def section_paged_kernels() -> dict:
+    """Paged prefill of ONE sequence after a cached prefix on FlashInfer's Hopper (FA3) and FA2
+    kernels, and which one `paged_prefill_on_fa2` picks: query rows 64..2,048 after 4,096 and
+    14,336 cached tokens, the 3B (16 q / 2 kv heads) and 8B (32 / 8) shapes, head dim 128,
+    one layer's attention a measurement (CUDA events, median of 20 after 3 warm-ups, the plan
+    outside the timing). The step trace of plan s at `96bc96d` read a ~150-token scoring
+    suffix after 10-15k cached tokens at 12.4-13.3 ms a 36-layer step on FA3 against 7.5-8.4
+    ms on FA2 (with decodes beside it); this measures the kernels alone, so the rule's
+    threshold (FA3's work items for at most half the SMs) can be checked. Engine-level
+    diagnostic."""
+    import flashinfer
+
+    from runtime.attention.flashinfer_backend import float_workspace_bytes, paged_prefill_on_fa2
+
+    bs, d = 16, 128
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out: dict[str, Any] = {"num_sms": num_sms, "rows": []}
+    for shape, hq, hkv in (("qwen2.5-3b", 16, 2), ("llama-3.1-8b", 32, 8)):
+        ws = torch.empty(
+            float_workspace_bytes(hq, hkv, d, num_sms), dtype=torch.uint8, device="cuda"
+        )
+        wrappers = {
+            "fa3": flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD"),
+            "fa2": flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2"),
+        }
+        for ctx in (4096, 14336):
+            for nq in (64, 150, 256, 512, 1024, 2048):
+                n = ctx + nq
+                pages = -(-n // bs)
+                kc = torch.randn(pages, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+                vc = torch.randn_like(kc)
+                q = torch.randn(nq, hq, d, device="cuda", dtype=torch.bfloat16)
+                qo = torch.tensor([0, nq], dtype=torch.int32)
+                kv_indptr = torch.tensor([0, pages], dtype=torch.int32)
+                kv_indices = torch.randperm(pages, device="cuda").int()
+                last = torch.tensor([n - (pages - 1) * bs], dtype=torch.int32)
+                row: dict[str, Any] = {"shape": shape, "context_tokens": ctx, "num_tokens": nq}
+                outs = {}
+                for name, w in wrappers.items():
+                    w.plan(
+                        qo, kv_indptr, kv_indices, last, hq, hkv, d, bs, causal=True,
+                        q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+                    )  # fmt: skip
+                    times = []
+                    for i in range(23):
+                        a, b = (
+                            torch.cuda.Event(enable_timing=True),
+                            torch.cuda.Event(enable_timing=True),
+                        )
+                        a.record()
+                        outs[name] = w.run(q, (kc, vc))
+                        b.record()
+                        b.synchronize()
+                        if i >= 3:
+                            times.append(a.elapsed_time(b) * 1e3)
+                    row[f"{name}_us"] = statistics.median(times)
+                row["fa2_over_fa3"] = row["fa2_us"] / row["fa3_us"]
+                row["rel_err_fa2_vs_fa3"] = rel_err(outs["fa2"].float(), outs["fa3"].float())
+                row["rule_picks"] = "fa2" if paged_prefill_on_fa2([nq], hq, num_sms) else "fa3"
+                faster = "fa2" if row["fa2_us"] < row["fa3_us"] else "fa3"
+                row["rule_picked_faster"] = row["rule_picks"] == faster
+                out["rows"].append(row)
+                print(f"paged kernels: {json.dumps(row)}", flush=True)
+                del kc, vc
     return out
 
 
@@ -2718,6 +2792,7 @@ SECTIONS: dict[str, Callable[[], dict]] = {
     "decode_breakdown": section_decode_breakdown,
     "prefill_graphs": section_prefill_graphs,
     "hybrid_forms": section_hybrid_forms,
+    "paged_kernels": section_paged_kernels,
     "rope_kv": section_rope_kv,
     "decode_attention": section_decode_attention,
     "fused_decode": section_fused_decode,

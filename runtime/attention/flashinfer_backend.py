@@ -16,7 +16,9 @@ Kernel choice per step (`plan`):
   size the query tile from the batch's mean query length, instead of its Hopper (FA3) ones,
   whose 128-row tiles a one-token row leaves mostly empty. H200, Llama-3.1-8B shape, 48 chat
   streams: the merged steps took 15.0 ms on FA3 and 12.5-13.1 ms on FA2, +1-6 % output
-  tokens/s through HTTP (docs/benchmarks.md, "Three kernel options A/B'd against vLLM");
+  tokens/s through HTTP (docs/benchmarks.md, "Three kernel options A/B'd against vLLM").
+  Also on FA2: a batch whose FA3 work items would fill at most half the SMs (a short query
+  over a long cached prefix; FA3 never splits the KV): `paged_prefill_on_fa2`;
 - prefill with cached context AND a discarded suffix (a scoring request with a prefix hit):
   the suffix has no pool slots, so the context is gathered from the pool into a per-layer
   buffer next to this step's k/v and ragged prefill runs over that. This costs one copy of the
@@ -67,6 +69,28 @@ def float_workspace_bytes(num_q_heads: int, num_kv_heads: int, head_dim: int, nu
     per_tile_row = num_q_heads * (head_dim + 1) * 4  # partial output (head_dim) + lse, float32
     need = max_tiles * FA2_MAX_TILE_ROWS * per_tile_row + (1 << 20)  # + alignment slack
     return max(DEFAULT_WORKSPACE_BYTES, need)
+
+
+# FlashInfer 0.5.3's Hopper (FA3) prefill plan (attention/scheduler.cuh, PrefillSM90Plan):
+# one work item per query head per FA3_TILE_ROWS query rows of a sequence, never split along
+# the KV, query heads of a group not packed together.
+FA3_TILE_ROWS = 128
+
+
+def paged_prefill_on_fa2(query_lens: list[int], num_q_heads: int, num_sms: int) -> bool:
+    """Whether a paged prefill batch (context in the pool) runs FlashInfer's FA2 kernels
+    rather than its Hopper ones. FA2 when most rows are one-token rows (a merged step: FA3's
+    128-row tiles would stay mostly empty), and when FA3's work items could fill at most half
+    the SMs: FA3 never splits a sequence's KV, so a short query over a long cached prefix (a
+    scoring request's ~150-token suffix after a 10-15k-token profile) runs on a few SMs,
+    while FA2's plan splits the KV until the GPU is full. On the H200 (3B shape, serving next
+    to chat, `96bc96d`) such a suffix step took 12.4-13.3 ms on FA3 (0 or 1 decodes beside it:
+    FA3 by the one-token rule) and 7.5-8.4 ms on FA2 with 2 or more decodes in the same batch
+    (the step trace of every side)."""
+    if 2 * sum(1 for n in query_lens if n == 1) > len(query_lens):
+        return True
+    fa3_works = num_q_heads * sum(-(-n // FA3_TILE_ROWS) for n in query_lens)
+    return 2 * fa3_works <= num_sms
 
 
 def uses_tensor_core_decode(num_q_heads: int, num_kv_heads: int) -> bool:
@@ -196,13 +220,13 @@ class FlashInferBackend:
         # shared only between instances that never run concurrently (e.g. the decode graphs
         # of one stream, replayed one at a time). Default size: float_workspace_bytes, or
         # FlashInfer's default where the query heads are not known yet (benchmarks only).
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         if workspace is None:
             if workspace_bytes is None:
                 workspace_bytes = DEFAULT_WORKSPACE_BYTES
                 if num_q_heads is not None:
-                    props = torch.cuda.get_device_properties(self.device)
                     workspace_bytes = float_workspace_bytes(
-                        num_q_heads, num_kv_heads, head_dim, props.multi_processor_count
+                        num_q_heads, num_kv_heads, head_dim, self.num_sms
                     )
             workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
         self.workspace = workspace
@@ -292,9 +316,11 @@ class FlashInferBackend:
             n = num_context + num_new
             return SeqSlice(start, num_new, num_context, n, [block_id] * ((n + bs - 1) // bs))
 
+        # Paged prefill stays on FA3 only with work items for more than half the SMs.
+        fa3_rows = FA3_TILE_ROWS * (self.num_sms // (2 * self.num_q_heads) + 1)
         batches = (
             [seq(0, 16, 0)],  # no context: ragged
-            [seq(0, 16, 16)],  # context: paged (FA3)
+            [seq(0, fa3_rows, 16)],  # context: paged (FA3)
             [seq(0, 8, 16), seq(8, 1, 16), seq(9, 1, 16)],  # mostly one-token rows: FA2
             [seq(0, 1, 16), seq(1, 1, 16)],  # decode
         )
@@ -388,7 +414,11 @@ class FlashInferBackend:
                 [(s.block_ids, s.num_context_tokens + s.num_query_tokens) for s in seqs]
             )
             qo = self._host(qo_indptr)
-            fa2 = 2 * sum(1 for s in seqs if s.num_query_tokens == 1) > len(seqs)
+            lens = [s.num_query_tokens for s in seqs]
+            if self.num_q_heads is None:  # heads unknown until the forward: rows only
+                fa2 = 2 * sum(1 for n in lens if n == 1) > len(lens)
+            else:
+                fa2 = paged_prefill_on_fa2(lens, self.num_q_heads, self.num_sms)
             if fa2 and self._paged_fa2 is None:
                 self._paged_fa2 = self._fi.BatchPrefillWithPagedKVCacheWrapper(
                     self.workspace, "NHD", backend="fa2"

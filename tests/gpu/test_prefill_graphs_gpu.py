@@ -138,11 +138,14 @@ def test_merged_steps_of_mostly_decodes_run_fa2_and_generate_alike(monkeypatch) 
     from runtime.request import Request, RequestKind, SamplingParams
 
     modes: list[str] = []
+    one_token_fa2: list[bool] = []  # an FA2 plan had one-token rows (decodes merged in)
     real_plan = FlashInferBackend.plan
 
     def recording_plan(self, batch):  # type: ignore[no-untyped-def]
         real_plan(self, batch)
         modes.append(self._plan.mode)
+        if self._plan.mode == "paged_fa2" and not batch.is_decode:
+            one_token_fa2.append(any(s.num_query_tokens == 1 for s in batch.seqs))
 
     monkeypatch.setattr(FlashInferBackend, "plan", recording_plan)
     rng = random.Random(11)
@@ -161,6 +164,7 @@ def test_merged_steps_of_mostly_decodes_run_fa2_and_generate_alike(monkeypatch) 
             fused_decode_max_batch=1,
         )
         modes.clear()  # start-up's attention warm-up plans every mode once: not a step's
+        one_token_fa2.clear()
         reqs = [Request(f"c{i}", RequestKind.GENERATE, p, sp) for i, p in enumerate(prompts)]
         eng.start()
         try:
@@ -180,9 +184,11 @@ def test_merged_steps_of_mostly_decodes_run_fa2_and_generate_alike(monkeypatch) 
         results.append({r.request_id: sink.tokens[r.request_id] for r in reqs})
         assert all(len(t) == 24 for t in results[-1].values())
         if merge:
-            assert "paged_fa2" in modes, f"no merged step planned FA2: {sorted(set(modes))}"
+            assert any(one_token_fa2), f"no merged step planned FA2: {sorted(set(modes))}"
         else:
-            assert "paged_fa2" not in modes
+            # Prefill-only batches may plan FA2 (a short query over a cached prefix), never
+            # with decode rows in them.
+            assert not any(one_token_fa2)
     agree, total = greedy_agreement(results[0], results[1])
     assert agree >= total // 2, (agree, total)
 
