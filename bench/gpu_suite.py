@@ -189,10 +189,12 @@ def section_backend() -> dict:
         "ragged_discard": (32, 8, 128, [(0, 300, 288), (0, 50, 48), (0, 700, 0)], False),
         "paged_prefix_hit": (32, 8, 128, [(512, 100, 612), (0, 64, 64), (33, 7, 40)], False),
         "gather_hit_discard": (16, 2, 128, [(256, 200, 448), (64, 31, 64), (0, 40, 32)], False),
-        # A scoring suffix over a long cached prefix: FA2 (`paged_prefill_on_fa2`); a long
+        # A scoring suffix over a long cached prefix: FA2 (`prefill_on_fa2`); a long
         # chunk after a prefix: FA3.
         "paged_short_query_fa2": (16, 2, 128, [(4000, 150, 4150)], False),
         "paged_long_query_fa3": (16, 2, 128, [(256, 1100, 1356)], False),
+        # The same suffix discarded (the pool full): gathered, on FA2's ragged kernels.
+        "gather_short_query_fa2": (16, 2, 128, [(4000, 150, 4000)], False),
         "decode_tc_gqa4": (32, 8, 128, [(c, 1, c + 1) for c in (5, 16, 700, 2047, 1)], True),
         "decode_gqa3_d64": (9, 3, 64, [(c, 1, c + 1) for c in (3, 31, 400)], True),
         "decode_gqa8_qwen": (16, 2, 128, [(c, 1, c + 1) for c in (15, 1000)], True),
@@ -205,7 +207,7 @@ def section_backend() -> dict:
                 for _ in range(layers)
             ]
             vc = [torch.randn_like(kc[0]) for _ in range(layers)]
-            if name.startswith("decode_gqa3") or name.startswith("gather"):
+            if name.startswith("decode_gqa3") or name == "gather_hit_discard":
                 # the engine's call: FlashInferBackend(kv_pool), heads read from q later
                 from types import SimpleNamespace
 
@@ -245,9 +247,15 @@ def section_backend() -> dict:
                 f"mode={be.debug_state()['mode']} rel_err={worst:.2e}",
             )
             out[name] = {"rel_err": worst, "mode": be.debug_state()["mode"]}
-            want = {"paged_short_query_fa2": "paged_fa2", "paged_long_query_fa3": "paged"}
+            want = {
+                "paged_short_query_fa2": ("paged_fa2", False),
+                "paged_long_query_fa3": ("paged", False),
+                "gather_short_query_fa2": ("gather", True),
+            }
             if name in want:
-                check(f"backend {name} mode", out[name]["mode"] == want[name], out[name]["mode"])
+                st = be.debug_state()
+                got = (st["mode"], bool(st["ragged_fa2"]))
+                check(f"backend {name} kernels", got == want[name], str(got))
         except Exception as exc:
             traceback.print_exc()
             check(f"backend {name}", False, f"{type(exc).__name__}: {exc}")
@@ -1239,7 +1247,7 @@ def section_rope_kv() -> dict:
 
 def section_paged_kernels() -> dict:
     """Paged prefill of ONE sequence after a cached prefix on FlashInfer's Hopper (FA3) and FA2
-    kernels, and which one `paged_prefill_on_fa2` picks: query rows 64..2,048 after 4,096 and
+    kernels, and which one `prefill_on_fa2` picks: query rows 64..2,048 after 4,096 and
     14,336 cached tokens, the 3B (16 q / 2 kv heads) and 8B (32 / 8) shapes, head dim 128,
     one layer's attention a measurement (CUDA events, median of 20 after 3 warm-ups, the plan
     outside the timing). The step trace of plan s at `96bc96d` read a ~150-token scoring
@@ -1249,7 +1257,7 @@ def section_paged_kernels() -> dict:
     diagnostic."""
     import flashinfer
 
-    from runtime.attention.flashinfer_backend import float_workspace_bytes, paged_prefill_on_fa2
+    from runtime.attention.flashinfer_backend import float_workspace_bytes, prefill_on_fa2
 
     bs, d = 16, 128
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -1295,7 +1303,7 @@ def section_paged_kernels() -> dict:
                     row[f"{name}_us"] = statistics.median(times)
                 row["fa2_over_fa3"] = row["fa2_us"] / row["fa3_us"]
                 row["rel_err_fa2_vs_fa3"] = rel_err(outs["fa2"].float(), outs["fa3"].float())
-                row["rule_picks"] = "fa2" if paged_prefill_on_fa2([nq], hq, num_sms) else "fa3"
+                row["rule_picks"] = "fa2" if prefill_on_fa2([nq], hq, num_sms) else "fa3"
                 faster = "fa2" if row["fa2_us"] < row["fa3_us"] else "fa3"
                 row["rule_picked_faster"] = row["rule_picks"] == faster
                 out["rows"].append(row)

@@ -229,16 +229,16 @@ def test_a_short_query_over_a_cached_prefix_plans_fa2_a_full_one_fa3() -> None:
     query rows. A scoring suffix of ~150 rows (3B shape: 16 query heads) makes 32 items for
     132 SMs, so it goes to FA2, whose plan splits the KV; a 2,048-row chunk (256 items) stays
     on FA3; merged steps (mostly one-token rows) stay on FA2 whatever their size."""
-    from runtime.attention.flashinfer_backend import paged_prefill_on_fa2
+    from runtime.attention.flashinfer_backend import prefill_on_fa2
 
-    assert paged_prefill_on_fa2([150], 16, 132)  # 32 items
-    assert paged_prefill_on_fa2([150], 32, 132)  # 8B: 64 items, under half of 132
-    assert not paged_prefill_on_fa2([150, 1], 32, 132)  # 96 items, one of two rows a decode
-    assert not paged_prefill_on_fa2([2048], 16, 132)  # 256 items
-    assert not paged_prefill_on_fa2([150] * 24, 16, 132)  # 24 scoring suffixes: 768 items
-    assert paged_prefill_on_fa2([2048] + [1] * 40, 16, 132)  # a merged step
-    assert paged_prefill_on_fa2([512], 16, 132)  # 64 items: at most half of 132
-    assert not paged_prefill_on_fa2([640], 16, 132)  # 80 items
+    assert prefill_on_fa2([150], 16, 132)  # 32 items
+    assert prefill_on_fa2([150], 32, 132)  # 8B: 64 items, under half of 132
+    assert not prefill_on_fa2([150, 1], 32, 132)  # 96 items, one of two rows a decode
+    assert not prefill_on_fa2([2048], 16, 132)  # 256 items
+    assert not prefill_on_fa2([150] * 24, 16, 132)  # 24 scoring suffixes: 768 items
+    assert prefill_on_fa2([2048] + [1] * 40, 16, 132)  # a merged step
+    assert prefill_on_fa2([512], 16, 132)  # 64 items: at most half of 132
+    assert not prefill_on_fa2([640], 16, 132)  # 80 items
 
 
 def test_fallbacks_keep_their_first_reason_until_a_new_engine() -> None:

@@ -18,11 +18,12 @@ Kernel choice per step (`plan`):
   streams: the merged steps took 15.0 ms on FA3 and 12.5-13.1 ms on FA2, +1-6 % output
   tokens/s through HTTP (docs/benchmarks.md, "Three kernel options A/B'd against vLLM").
   Also on FA2: a batch whose FA3 work items would fill at most half the SMs (a short query
-  over a long cached prefix; FA3 never splits the KV): `paged_prefill_on_fa2`;
+  over a long cached prefix; FA3 never splits the KV): `prefill_on_fa2`;
 - prefill with cached context AND a discarded suffix (a scoring request with a prefix hit):
   the suffix has no pool slots, so the context is gathered from the pool into a per-layer
-  buffer next to this step's k/v and ragged prefill runs over that. This costs one copy of the
-  context per layer; it is the uncommon case.
+  buffer next to this step's k/v and ragged prefill runs over that (on FA2's kernels by the
+  same rule, `prefill_on_fa2`). This costs one copy of the context per layer; it is the
+  uncommon case (the pool too full to keep the suffix).
 
 Suffix-KV discard: tokens at positions >= num_kept_tokens are attended from this step's k/v
 (which live only as long as the layer's forward: the per-layer scratch) and never written.
@@ -77,9 +78,9 @@ def float_workspace_bytes(num_q_heads: int, num_kv_heads: int, head_dim: int, nu
 FA3_TILE_ROWS = 128
 
 
-def paged_prefill_on_fa2(query_lens: list[int], num_q_heads: int, num_sms: int) -> bool:
-    """Whether a paged prefill batch (context in the pool) runs FlashInfer's FA2 kernels
-    rather than its Hopper ones. FA2 when most rows are one-token rows (a merged step: FA3's
+def prefill_on_fa2(query_lens: list[int], num_q_heads: int, num_sms: int) -> bool:
+    """Whether a prefill batch with context (paged, or gathered next to a discarded suffix)
+    runs FlashInfer's FA2 kernels rather than its Hopper ones. FA2 when most rows are one-token rows (a merged step: FA3's
     128-row tiles would stay mostly empty), and when FA3's work items could fill at most half
     the SMs: FA3 never splits a sequence's KV, so a short query over a long cached prefix (a
     scoring request's ~150-token suffix after a 10-15k-token profile) runs on a few SMs,
@@ -148,6 +149,7 @@ class _Plan:
     gather_dst: torch.Tensor | None = None  # [C] rows in the buffer
     new_dst: torch.Tensor | None = None  # [T] rows in the buffer for this step's tokens
     total_kv: int = 0
+    ragged_fa2: bool = False  # "gather" only: on the FA2 ragged kernels (`prefill_on_fa2`)
     # With the fused RoPE + pool write: each row's slot, -1 where not written; else None.
     token_slots: torch.Tensor | None = None
     # One prefill sequence (row streaming; None for any other batch): its kept rows are its
@@ -236,6 +238,7 @@ class FlashInferBackend:
         # first need (a decode-only instance never plans one). Shares the workspace: one
         # paged wrapper is planned a step, never both.
         self._paged_fa2: Any = None
+        self._ragged_fa2: Any = None  # the same for a gathered context (made on first need)
         self._max_blocks_per_seq = max_blocks_per_seq
         self._decode_wrapper: Any = None
         self._static_slots: torch.Tensor | None = None
@@ -301,7 +304,8 @@ class FlashInferBackend:
 
     def warm_up(self, block_id: int) -> list[str]:
         """Plan and run each kernel family a step can plan (ragged prefill, paged prefill on
-        FA3, paged prefill of mostly one-token rows on FA2, decode) once, on a few dummy rows
+        FA3, paged prefill on FA2, a gathered context on FA2's ragged kernels, decode) once, on
+        a few dummy rows
         of layer 0 whose k/v go to `block_id` (a block no sequence reads: the pool's pad
         block). FlashInfer compiles a module at its first use on a machine (JIT, ~1 min each
         without its cache) and loads it at its first use in a process: here that happens at
@@ -322,6 +326,9 @@ class FlashInferBackend:
             [seq(0, 16, 0)],  # no context: ragged
             [seq(0, fa3_rows, 16)],  # context: paged (FA3)
             [seq(0, 8, 16), seq(8, 1, 16), seq(9, 1, 16)],  # mostly one-token rows: FA2
+            # context and a discarded suffix (8 of 16 rows kept): gathered, a short query on
+            # FA2's ragged kernels
+            [SeqSlice(0, 16, 16, 24, [block_id] * ((24 + bs - 1) // bs))],
             [seq(0, 1, 16), seq(1, 1, 16)],  # decode
         )
         modes = []
@@ -418,7 +425,7 @@ class FlashInferBackend:
             if self.num_q_heads is None:  # heads unknown until the forward: rows only
                 fa2 = 2 * sum(1 for n in lens if n == 1) > len(lens)
             else:
-                fa2 = paged_prefill_on_fa2(lens, self.num_q_heads, self.num_sms)
+                fa2 = prefill_on_fa2(lens, self.num_q_heads, self.num_sms)
             if fa2 and self._paged_fa2 is None:
                 self._paged_fa2 = self._fi.BatchPrefillWithPagedKVCacheWrapper(
                     self.workspace, "NHD", backend="fa2"
@@ -457,10 +464,17 @@ class FlashInferBackend:
                 kv_indptr_l.append(base + ctx + s.num_query_tokens)
             qo = self._host(qo_indptr)
             kvi = self._host(kv_indptr_l)
-            self._kernel_plan(
-                lambda hq: self._ragged.plan(
-                    qo, kvi, hq, self.num_kv_heads, self.head_dim, **common
+            lens = [s.num_query_tokens for s in seqs]
+            fa2 = self.num_q_heads is not None and prefill_on_fa2(
+                lens, self.num_q_heads, self.num_sms
+            )
+            if fa2 and self._ragged_fa2 is None:
+                self._ragged_fa2 = self._fi.BatchPrefillWithRaggedKVCacheWrapper(
+                    self.workspace, "NHD", backend="fa2"
                 )
+            ragged = self._ragged_fa2 if fa2 else self._ragged
+            self._kernel_plan(
+                lambda hq: ragged.plan(qo, kvi, hq, self.num_kv_heads, self.head_dim, **common)
             )
             self._plan = _Plan(
                 "gather",
@@ -471,6 +485,7 @@ class FlashInferBackend:
                 new_dst=self._to_dev(new_dst, torch.int64),
                 total_kv=kv_indptr_l[-1],
                 token_slots=self._token_slots(batch, rows_t, slots_t),
+                ragged_fa2=fa2,
             )
 
         if len(seqs) == 1:  # row streaming is possible (DecoderLayer.forward_rows)
@@ -610,7 +625,8 @@ class FlashInferBackend:
         vbuf.index_copy_(0, plan.gather_dst, vflat.index_select(0, plan.gather_slots))
         kbuf.index_copy_(0, plan.new_dst, k)
         vbuf.index_copy_(0, plan.new_dst, v)
-        return self._ragged.run(q, kbuf, vbuf, out=out)
+        ragged = self._ragged_fa2 if plan.ragged_fa2 else self._ragged
+        return ragged.run(q, kbuf, vbuf, out=out)
 
     # ------------------------------------------------------------------ row streaming
     def attends_rows(self) -> bool:
@@ -654,4 +670,8 @@ class FlashInferBackend:
         return self._fi.single_prefill_with_kv_cache(q, k, v, causal=True, sm_scale=self.sm_scale)
 
     def debug_state(self) -> dict[str, Any]:
-        return {"mode": None if self._plan is None else self._plan.mode}
+        plan = self._plan
+        return {
+            "mode": None if plan is None else plan.mode,
+            "ragged_fa2": None if plan is None else plan.ragged_fa2,
+        }

@@ -200,7 +200,8 @@ def test_engine_start_warms_up_every_attention_kernel() -> None:
     try:
         backend = eng.runner.prefill_backend
         assert backend._paged_fa2 is not None, "start-up did not plan the FA2 kernels"
+        assert backend._ragged_fa2 is not None, "start-up did not plan FA2's ragged kernels"
         modes = backend.warm_up(eng.runner.kv_pool.pad_block_id)
-        assert modes == ["ragged", "paged", "paged_fa2", "decode"]
+        assert modes == ["ragged", "paged", "paged_fa2", "gather", "decode"]
     finally:
         eng.shutdown(0)
