@@ -80,9 +80,9 @@ FA3_TILE_ROWS = 128
 
 def prefill_on_fa2(query_lens: list[int], num_q_heads: int, num_sms: int) -> bool:
     """Whether a prefill batch with context (paged, or gathered next to a discarded suffix)
-    runs FlashInfer's FA2 kernels rather than its Hopper ones. FA2 when most rows are one-token rows (a merged step: FA3's
-    128-row tiles would stay mostly empty), and when FA3's work items could fill at most half
-    the SMs: FA3 never splits a sequence's KV, so a short query over a long cached prefix (a
+    runs FlashInfer's FA2 kernels rather than its Hopper ones. FA2 when most rows are
+    one-token rows (a merged step: FA3's 128-row tiles would stay mostly empty), and when
+    FA3's work items could fill at most half the SMs: FA3 never splits a sequence's KV, so a short query over a long cached prefix (a
     scoring request's ~150-token suffix after a 10-15k-token profile) runs on a few SMs,
     while FA2's plan splits the KV until the GPU is full. On the H200 (3B shape, serving next
     to chat, `96bc96d`) such a suffix step took 12.4-13.3 ms on FA3 (0 or 1 decodes beside it:
