@@ -78,18 +78,21 @@ def float_workspace_bytes(num_q_heads: int, num_kv_heads: int, head_dim: int, nu
 FA3_TILE_ROWS = 128
 
 
-def prefill_on_fa2(query_lens: list[int], num_q_heads: int, num_sms: int) -> bool:
+def prefill_on_fa2(query_lens: list[int], num_q_heads: int | None, num_sms: int) -> bool:
     """Whether a prefill batch with context (paged, or gathered next to a discarded suffix)
     runs FlashInfer's FA2 kernels rather than its Hopper ones. FA2 when most rows are
     one-token rows (a merged step: FA3's 128-row tiles would stay mostly empty), and when
-    FA3's work items could fill at most half the SMs: FA3 never splits a sequence's KV, so a short query over a long cached prefix (a
-    scoring request's ~150-token suffix after a 10-15k-token profile) runs on a few SMs,
+    FA3's work items could fill at most half the SMs (not judged while `num_q_heads` is
+    unknown): FA3 never splits a sequence's KV, so a short query over a long cached prefix
+    (a scoring request's ~150-token suffix after a 10-15k-token profile) runs on a few SMs,
     while FA2's plan splits the KV until the GPU is full. On the H200 (3B shape, serving next
     to chat, `96bc96d`) such a suffix step took 12.4-13.3 ms on FA3 (0 or 1 decodes beside it:
     FA3 by the one-token rule) and 7.5-8.4 ms on FA2 with 2 or more decodes in the same batch
     (the step trace of every side)."""
     if 2 * sum(1 for n in query_lens if n == 1) > len(query_lens):
         return True
+    if num_q_heads is None:
+        return False
     fa3_works = num_q_heads * sum(-(-n // FA3_TILE_ROWS) for n in query_lens)
     return 2 * fa3_works <= num_sms
 
@@ -305,11 +308,10 @@ class FlashInferBackend:
     def warm_up(self, block_id: int) -> list[str]:
         """Plan and run each kernel family a step can plan (ragged prefill, paged prefill on
         FA3, paged prefill on FA2, a gathered context on FA2's ragged kernels, decode) once, on
-        a few dummy rows
-        of layer 0 whose k/v go to `block_id` (a block no sequence reads: the pool's pad
-        block). FlashInfer compiles a module at its first use on a machine (JIT, ~1 min each
-        without its cache) and loads it at its first use in a process: here that happens at
-        start-up instead of inside the first requests' steps (a fresh H200's first 48-stream
+        a few dummy rows of layer 0 whose k/v go to `block_id` (a block no sequence reads: the
+        pool's pad block). FlashInfer compiles a module at its first use on a machine (JIT, ~1
+        min each without its cache) and loads it at its first use in a process: here that
+        happens at start-up instead of inside the first requests' steps (a fresh H200's first 48-stream
         chat run on the 8B shape: 1,267 tok/s and a 54 s P99 TTFT, against ~4,900 warm).
         Returns the plan modes that ran. Blocks the host until the device is done."""
         if self.num_q_heads is None or self.graph_batch_size is not None:
@@ -421,11 +423,7 @@ class FlashInferBackend:
                 [(s.block_ids, s.num_context_tokens + s.num_query_tokens) for s in seqs]
             )
             qo = self._host(qo_indptr)
-            lens = [s.num_query_tokens for s in seqs]
-            if self.num_q_heads is None:  # heads unknown until the forward: rows only
-                fa2 = 2 * sum(1 for n in lens if n == 1) > len(lens)
-            else:
-                fa2 = prefill_on_fa2(lens, self.num_q_heads, self.num_sms)
+            fa2 = prefill_on_fa2([s.num_query_tokens for s in seqs], self.num_q_heads, self.num_sms)
             if fa2 and self._paged_fa2 is None:
                 self._paged_fa2 = self._fi.BatchPrefillWithPagedKVCacheWrapper(
                     self.workspace, "NHD", backend="fa2"
