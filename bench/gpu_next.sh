@@ -62,7 +62,7 @@ work=/tmp/serving; mkdir -p $work
 # same QPS ladder; max QPS is judged afterwards against the primary SLO (P99 TTFT + P99 TBT, as
 # issue 6 asks) and a TPOT variant. auto runs with a TBT target of 80 % of the SLO's bound.
 common=(--out-dir $work --rev "$rev" --scale 1.0 --duration-s 8 --drain-s 6
-        --request-timeout-s 40 --command "bash bench/gpu_next.sh $plan $rev $split")
+        --request-timeout-s 40 --command "${PARTS:+PARTS=$PARTS }bash bench/gpu_next.sh $plan $rev $split")
 rc=0
 case $plan in
   a)
@@ -215,7 +215,8 @@ case $plan in
     # max QPS at the P99 SLO by bisection on mixed, then scoring next to chat. The server
     # calibrates its JCT model at start-up (auto's one prefill model needs it; every side
     # shares it). Run each plan twice (two repeats) and merge with gpu_serving --merge.
-    # SERVER_EXTRA: more server options for every side.
+    # SERVER_EXTRA: more server options for every side; PARTS: a subset (e.g. PARTS=score-chat:
+    # a repeat's part that a deadline cut).
     if [ "$plan" = s ]; then m=random:qwen2.5-3b q0=12 sq0=16; else m=random:llama-3.1-8b q0=6 sq0=6; fi
     # First the FlashInfer backend against its fp32 reference in every planning mode (seconds;
     # the plan's index building changed in 2026-12-01's fourth session): serving numbers from a
@@ -229,7 +230,7 @@ case $plan in
       --side off-tbt:partition=off,budget=8192,tbt=80 \
       --side auto:partition=auto,budget=8192,tbt=none \
       --score-start-qps $sq0 --chat-qps 2 --score-slo ttft:3000 \
-      --parts mixed,score-chat --tag partition-$plan --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
+      --parts ${PARTS:-mixed,score-chat} --tag partition-$plan --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
   u)
     # Issue 13, a short check (DEADLINE_S=200) of the TBT cut's affine online correction
     # (CorrectedCost): off at 2,048 tokens and off cut to an 80 ms TBT target, qwen2.5-3b, mixed
