@@ -172,6 +172,30 @@ def test_uncalibrated_auto_chunks_with_the_measured_decode_step() -> None:
     assert ctl.choose(P, D, 0.2).chunk_tokens is None  # unchunkable: a whole time-slice
 
 
+def test_a_chunk_is_cut_on_the_measured_decode_step_its_offset_was_fitted_against() -> None:
+    """The step offset is learned as a mixed step's time beyond the measured decode step
+    (`CorrectedCost`), so the room a chunk gets is the aim less that step and the offset, as
+    the scheduler's `--tbt-slo-ms` cut computes it; a calibrated cost model's decode
+    prediction is used only before any decode step was measured. With the prediction instead,
+    whatever the offset already held of the decode batch's growth counted twice."""
+    m = _model()
+    predicted_ms = m.predict(DECODE, D, TOTAL)
+    target, cost = 2.5 * predicted_ms, _consistent_cost(m)
+    # No split may win here: the subject is the chunk's size.
+    ctl = SplitController(m, SPLITS, ControllerConfig(tbt_slo_ms=target, min_split_speedup=100.0))
+    measured_ms, offset_ms = 0.7 * predicted_ms, 0.3 * predicted_ms  # the batch grew since
+    chunk = ChunkInput(cost, 0, target, decode_step_ms=measured_ms, step_offset_ms=offset_ms)
+    room_ms = target - measured_ms - offset_ms  # 1.5x the prediction, not 1.2x
+    assert ctl.chunk_room_ms(D, chunk) == pytest.approx(room_ms)
+    dec = ctl.choose(P, D, 0.2, chunk=chunk)
+    assert dec.chunk_tokens == cost.max_tokens_within(room_ms / 1e3)
+    # Its prediction for the planned step is on the same base.
+    step_ms = ctl.chunked_step_ms([(dec.chunk_tokens, 0)], D, chunk)
+    assert step_ms == pytest.approx(target, rel=1e-3)
+    unmeasured = dataclasses.replace(chunk, decode_step_ms=0.0)
+    assert ctl.chunk_room_ms(D, unmeasured) == pytest.approx(target - predicted_ms - offset_ms)
+
+
 def test_without_time_slicing_allowed_there_are_no_chunks() -> None:
     _, dec = _choose([32, 64], 2.5 * _model().predict(DECODE, D, TOTAL), allow_time_slice=False)
     assert dec.prefill_sms == 64 and dec.chunk_tokens is None

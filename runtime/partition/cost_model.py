@@ -451,8 +451,8 @@ class ChunkInput:
     # The chunks' aim: the target (--tbt-slo-ms, else the controller's) divided by the
     # engine's measured tail factor (`runtime.scheduler.TailFactor`).
     tbt_slo_ms: float
-    # Measured whole-GPU decode step (ms), for an uncalibrated cost model; a calibrated one
-    # predicts it (corrected online by the same measurements).
+    # Measured whole-GPU decode step (ms): the chunked step's decode part, the base that
+    # `step_offset_ms` is fitted against (0: none measured yet, the cost model predicts it).
     decode_step_ms: float = 0.0
     # What a step that mixes a chunk with decodes takes beyond the decode step, whatever the
     # chunk's size (it runs without the decode graphs): `CorrectedCost.offset_s`, in ms.
@@ -616,11 +616,21 @@ class SplitController:
         return chunk.tbt_slo_ms - (self._whole_decode_ms(d, chunk) + chunk.step_offset_ms)
 
     def _whole_decode_ms(self, d: DecodeShape, chunk: ChunkInput) -> float:
-        """A decode step on the whole GPU: the cost model's, else (uncalibrated) measured."""
+        """The decode part of a chunked step (ms): the engine's measured whole-GPU decode step
+        when it has one, the cost model's prediction only before that. The measured step is
+        the base `step_offset_ms` was fitted against (`CorrectedCost`: a mixed step's time
+        beyond it), so the offset holds whatever that base misses, the decode batch having
+        grown since the last decode-only step included; adding it to the cost model's
+        prediction for the current batch counted that twice. On the H200 (3B, mixed, plan s
+        at `8b4553d`, two runs) the offset read 7 and 24 ms at the end, and auto's chunked
+        steps over 1,024 tokens were planned to a median 48.3-48.6 ms by the engine's cut
+        (which scores and corrects them) where `off` cut to the same target planned 54.2-55.3
+        ms: smaller steps, more of them, and a max QPS of 24 against 36 at `96bc96d`, when
+        the token cap alone overfilled them (median 57.8 ms) and hid the short room."""
+        if chunk.decode_step_ms > 0.0:
+            return chunk.decode_step_ms
         m = self.model
-        if m.calibrated:
-            return m.predict(DECODE, d, m.total_sms)
-        return max(0.0, chunk.decode_step_ms)
+        return m.predict(DECODE, d, m.total_sms) if m.calibrated else 0.0
 
     def chunked_step_ms(
         self, prefill: list[tuple[int, int]], d: DecodeShape, chunk: ChunkInput
