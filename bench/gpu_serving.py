@@ -450,6 +450,23 @@ def add_chat_at_common_qps(sc: dict[str, Any]) -> None:
         }
 
 
+def add_score_chat_by_probe(sc: dict[str, Any]) -> None:
+    """(Re)compute `auto_by_probe` for scoring beside chat: auto against every baseline (sides
+    named off*) probe by probe, on the chat's P99 gap, the scoring latency P50 and tokens/s
+    (issue 13's first target, as `add_comparisons` checks it on the chat workloads)."""
+    sc.pop("auto_by_probe", None)
+    auto = sc.get("auto")
+    if not isinstance(auto, dict) or not auto.get("probes"):
+        return
+    baselines = {
+        k: v
+        for k, v in sc.items()
+        if k.startswith("off") and isinstance(v, dict) and v.get("probes")
+    }
+    if baselines:
+        sc["auto_by_probe"] = {k: probe_check(v, auto) for k, v in baselines.items()}
+
+
 def max_qps_view(record: dict[str, Any]) -> dict[str, Any]:
     """Max QPS, its latencies, and every probe's latencies keyed by QPS (for same-QPS ratios)."""
     search = record.get("max_qps_search") or {}
@@ -935,6 +952,7 @@ class Orchestrator:
                 )
             self.save()
         add_chat_at_common_qps(res)
+        add_score_chat_by_probe(res)
         if isinstance(res.get("off"), dict) and isinstance(res.get("auto"), dict):
             res["score_qps_ratio_auto_vs_off"] = ratio(
                 res["off"].get("max_qps"), res["auto"].get("max_qps")
@@ -1231,21 +1249,29 @@ def custom_sides(specs: list[str]) -> dict[str, str]:
 TARGET_TOLERANCE = 0.05
 
 
+def _p99_tbt(side: dict[str, Any], q: str) -> float | None:
+    """A probe's P99 gap between tokens: its own, or (scoring beside chat, whose requests have
+    no gaps) that of the chat streaming in the background during the probe."""
+    own = ((side.get("probes", {}).get(q) or {}).get("tbt_ms") or {}).get("p99")
+    if own is not None:
+        return own
+    chat = (side.get("chat_background_by_probe") or {}).get(q) or {}
+    return (chat.get("tbt_ms") or {}).get("p99")
+
+
 def probe_check(base: dict[str, Any], auto: dict[str, Any]) -> dict[str, Any]:
-    """auto against one baseline at every QPS both probed: auto / baseline for P99 TBT, TTFT
-    P50 and total tokens/s, and whether all three are within TARGET_TOLERANCE (latencies at
-    most 1 + tol, tokens/s at least 1 - tol). Probes without a P50 (records from before it was
-    kept) or without the figure (scoring has no TBT) leave that ratio None and do not count
-    against it."""
+    """auto against one baseline at every QPS both probed: auto / baseline for P99 TBT (for
+    scoring beside chat: the chat's), TTFT P50 (scoring: its latency) and total tokens/s, and
+    whether all three are within TARGET_TOLERANCE (latencies at most 1 + tol, tokens/s at
+    least 1 - tol). Probes without a figure (records from before P50s were kept) leave that
+    ratio None and do not count against it."""
     by_probe: dict[str, Any] = {}
     for q, a in sorted(auto.get("probes", {}).items(), key=lambda kv: float(kv[0])):
         b = base.get("probes", {}).get(q)
         if not a or not b:
             continue
         r = {
-            "p99_tbt_ratio": ratio(
-                (b.get("tbt_ms") or {}).get("p99"), (a.get("tbt_ms") or {}).get("p99")
-            ),
+            "p99_tbt_ratio": ratio(_p99_tbt(base, q), _p99_tbt(auto, q)),
             "p50_ttft_ratio": ratio(
                 (b.get("ttft_ms") or {}).get("p50"), (a.get("ttft_ms") or {}).get("p50")
             ),
@@ -1306,6 +1332,7 @@ def merge_records(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
                 sc["off"].get("max_qps"), sc["auto"].get("max_qps")
             )
         add_chat_at_common_qps(sc)
+        add_score_chat_by_probe(sc)
         out["score_chat"] = sc
     return out
 

@@ -125,6 +125,41 @@ def test_auto_is_checked_against_every_baseline_at_every_probe() -> None:
     assert set(w["auto_by_probe"]) == {"off-2k", "off-tbt"}
 
 
+def test_scoring_beside_chat_is_checked_on_the_chats_gaps() -> None:
+    """Scoring requests have no gaps between tokens: beside chat, the P99 TBT checked per probe
+    is the background chat's during that probe; the latency is the scoring one."""
+
+    def side(latency_p50: float, chat_p99: float, tokens: float) -> dict:
+        probe = {
+            "ttft_ms": {"p50": latency_p50, "p99": 2 * latency_p50},
+            "tbt_ms": {"p50": None, "p99": None},
+            "total_token_throughput": tokens,
+        }
+        return {
+            "max_qps": 16.0,
+            "probes": {"16.0": probe},
+            "chat_background_by_probe": {"16.0": {"tbt_ms": {"p50": 2.6, "p99": chat_p99}}},
+        }
+
+    sc = {
+        "chat_qps": 2,
+        "off-2k": side(339.0, 48.3, 1.9e5),
+        "off-tbt": side(422.0, 72.3, 1.9e5),
+        "auto": side(236.0, 79.4, 1.9e5),
+    }
+    gs.add_score_chat_by_probe(sc)
+    tbt = sc["auto_by_probe"]["off-tbt"]["by_probe"]["16.0"]
+    assert tbt["p99_tbt_ratio"] == pytest.approx(79.4 / 72.3)
+    assert tbt["p50_ttft_ratio"] == pytest.approx(236.0 / 422.0)
+    assert tbt["within_target"] is False  # the chat's gap is 10 % worse
+    assert sc["auto_by_probe"]["off-2k"]["within_target_at_every_probe"] is False
+    merged = gs.merge_records(
+        {"score_chat": sc}, {"score_chat": {"auto": side(236.0, 73.0, 1.9e5)}}
+    )
+    again = merged["score_chat"]["auto_by_probe"]["off-tbt"]["by_probe"]["16.0"]
+    assert again["within_target"] is True  # recomputed from the merged sides
+
+
 def test_ladder_is_judged_against_each_slo() -> None:
     def run(qps, ttft_p99, tbt_p99, tpot_p99):
         pct = lambda v: {"p99": v, "mean": v / 2}  # noqa: E731
