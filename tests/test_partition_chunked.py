@@ -30,7 +30,7 @@ from runtime.partition.cost_model import (
     SplitController,
 )
 from runtime.request import Request, RequestKind
-from runtime.scheduler import MIN_TBT_CHUNK_TOKENS
+from runtime.scheduler import MIN_TBT_CHUNK_TOKENS, CorrectedCost
 
 # --------------------------------------------------------------------------- the controller
 P = PrefillShape.from_seqs([(0, 8192)], num_layers=32)
@@ -232,6 +232,14 @@ TARGET_MS = 2.7  # the 2 ms decode step + 350 prefill tokens; split 16's decode 
 CHUNK = 350
 
 
+class _HeldCost(CorrectedCost):
+    """The engine's corrected prefill cost with its online correction held (what it was
+    asked to learn is kept in `seen`)."""
+
+    def observe(self, predicted_s: float, extra_s: float) -> None:
+        self.seen = [*getattr(self, "seen", []), (predicted_s, extra_s)]
+
+
 def _auto_engine(manager, **cfg: Any):  # noqa: F811
     """An engine in auto whose split executor asks `manager` (GreenContextPartition over
     stand-ins) through the engine's own `_choose_split`; a JCT model agreeing with the cost
@@ -249,6 +257,9 @@ def _auto_engine(manager, **cfg: Any):  # noqa: F811
     # Chunks sized at the target itself: a tail already read as on time (a new engine aims
     # below the target by the tail factor's bound until it has seen 32 steps).
     eng._tbt_tail.factor = 1.0
+    # The fake device times every step at 1 ms, which says nothing of a step's cost: the online
+    # correction of the cut stays where it starts (its own tests: tests/test_scheduler.py).
+    eng._prefill_cost = _HeldCost(eng.jct_model)
     launched: list[Any] = []
     launch = ex.launch
 
@@ -288,6 +299,27 @@ def test_auto_caps_the_steps_prefill_at_the_chosen_chunk(manager) -> None:  # no
     assert [_sizes(p).get("long") for p in launched if p.prefill] == [CHUNK, CHUNK, 300]
     assert ex.num_split_prefills == 0 and ex.num_layer_sliced_prefills == 0
     assert manager.state().choice_counts == {"chunked": 3}
+
+
+def test_auto_cuts_and_corrects_on_the_models_decode_for_the_batch(manager) -> None:  # noqa: F811
+    """Under auto with a calibrated cost model, a mixed step's decode part is the model's
+    prediction for its batch, both where the chunk is cut and where the step offset is
+    learned; the average of decode-only steps (measured at other batches, and stale under
+    load) is the base only without one (`off`)."""
+    eng, _, launched = _auto_engine(manager)
+    _decoding_chat(eng)
+    eng._decode_step_avg_s = 0.5e-3  # decode-only steps at another batch, long ago
+    assert eng._decode_base_s(1, 8) == pytest.approx(2e-3)  # the flat model: 1 ms a layer
+    launched.clear()
+    eng.scheduler.add(gen("long", 1000, 1))
+    eng._step()
+    assert _sizes(launched[0]) == {"long": CHUNK}  # (2.7 - 2) ms at 2 us a token, not 1,100
+    while not getattr(eng._prefill_cost, "seen", None):
+        eng._step()
+    # The fake device times the step at 1 ms: 1 ms beyond the model's decode, not 0.5.
+    assert eng._prefill_cost.seen[0][1] == pytest.approx(1e-3 - 2e-3)
+    eng._green.set_mode("off")
+    assert eng._decode_base_s(1, 8) == pytest.approx(0.5e-3)
 
 
 def test_auto_times_every_prefill_it_adds_behind_the_chunked_head(manager) -> None:  # noqa: F811

@@ -91,8 +91,9 @@ def torch_runner(eng: Engine) -> ModelRunner:
 
 class RecordingPartition:
     """What the engine uses of GreenContextPartition in split mode: the mode, the disabled
-    splits and `disable_split`, the cost model's error (for stats), the controller's config
-    (no TBT target: auto plans every step whole and `choose` decides at launch)."""
+    splits and `disable_split`, the cost model's error (for stats) and decode prediction (none:
+    uncalibrated), the controller's config (no TBT target: auto plans every step whole and
+    `choose` decides at launch)."""
 
     def __init__(self) -> None:
         self.mode = "auto"
@@ -107,6 +108,9 @@ class RecordingPartition:
 
     def cost_model_errors(self) -> dict[str, float]:
         return {}
+
+    def predict_decode_ms(self, decode: object) -> float | None:
+        return None
 
 
 def split_engine(

@@ -451,8 +451,8 @@ class ChunkInput:
     # The chunks' aim: the target (--tbt-slo-ms, else the controller's) divided by the
     # engine's measured tail factor (`runtime.scheduler.TailFactor`).
     tbt_slo_ms: float
-    # Measured whole-GPU decode step (ms): the chunked step's decode part, the base that
-    # `step_offset_ms` is fitted against (0: none measured yet, the cost model predicts it).
+    # The chunked step's decode part (ms): the engine's decode base, the one `step_offset_ms`
+    # is fitted against (`Engine._decode_base_s`; 0: none yet, the cost model predicts it).
     decode_step_ms: float = 0.0
     # What a step that mixes a chunk with decodes takes beyond the decode step, whatever the
     # chunk's size (it runs without the decode graphs): `CorrectedCost.offset_s`, in ms.
@@ -616,17 +616,16 @@ class SplitController:
         return chunk.tbt_slo_ms - (self._whole_decode_ms(d, chunk) + chunk.step_offset_ms)
 
     def _whole_decode_ms(self, d: DecodeShape, chunk: ChunkInput) -> float:
-        """The decode part of a chunked step (ms): the engine's measured whole-GPU decode step
-        when it has one, the cost model's prediction only before that. The measured step is
-        the base `step_offset_ms` was fitted against (`CorrectedCost`: a mixed step's time
-        beyond it), so the offset holds whatever that base misses, the decode batch having
-        grown since the last decode-only step included; adding it to the cost model's
-        prediction for the current batch counted that twice. On the H200 (3B, mixed, plan s
-        at `8b4553d`, two runs) the offset read 7 and 24 ms at the end, and auto's chunked
-        steps over 1,024 tokens were planned to a median 48.3-48.6 ms by the engine's cut
-        (which scores and corrects them) where `off` cut to the same target planned 54.2-55.3
-        ms: smaller steps, more of them, and a max QPS of 24 against 36 at `96bc96d`, when
-        the token cap alone overfilled them (median 57.8 ms) and hid the short room."""
+        """The decode part of a chunked step (ms): the engine's decode base
+        (`Engine._decode_base_s`: this model's prediction for the batch when calibrated, else
+        the measured decode-only average), the cost model's own prediction only when the engine
+        has none. The base is what `step_offset_ms` was fitted against; a room computed on
+        another base counts their difference twice. On the H200 (3B, mixed, plan s at
+        `8b4553d`) the offset, fitted against the measured average, read 7 and 24 ms, and this
+        model's prediction plus that offset planned auto's chunked steps over 1,024 tokens to a
+        median 48.3-48.6 ms where `off` cut to the same target planned 54.2-55.3 ms: smaller
+        steps, and a max QPS of 24 against 36 at `96bc96d`, when a token-only cap on the
+        prefills behind the head overfilled the steps (median 57.8 ms) and hid the short room."""
         if chunk.decode_step_ms > 0.0:
             return chunk.decode_step_ms
         m = self.model

@@ -31,6 +31,7 @@ import torch
 
 from runtime.partition import TIME_SLICE, PartitionState, SplitChoice, SplitDecision
 from runtime.partition.cost_model import (
+    DECODE,
     ChunkInput,
     ControllerConfig,
     CostModel,
@@ -305,6 +306,12 @@ class GreenContextPartition:
         """The controller's prediction for a planned chunked step (`chunked_step_ms`)."""
         with self._lock:
             return self.controller.chunked_step_ms(prefill, decode, chunk)
+
+    def predict_decode_ms(self, decode: DecodeShape) -> float | None:
+        """The cost model's whole-GPU decode step for `decode` (ms); None while uncalibrated."""
+        with self._lock:
+            m = self.controller.model
+            return m.predict(DECODE, decode, m.total_sms) if m.calibrated else None
 
     def chunk_room_ms(self, decode: DecodeShape, chunk: ChunkInput) -> float:
         """The controller's room for a chunked step's prefill parts (`chunk_room_ms`)."""
