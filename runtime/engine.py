@@ -485,12 +485,12 @@ class Engine:
     def _decode_base_s(self, num_decodes: int, context_tokens: int) -> float:
         """The decode part of a mixed whole-GPU step (s): the base the TBT cut subtracts and
         the step offset (`CorrectedCost`) is fitted against, one for both. Under auto with a
-        calibrated cost model, its prediction for this batch (decode alone: 0.7-3.3 % MAPE on
+        calibrated cost model, its prediction for this batch (decode alone: 0.5-3.3 % MAPE on
         the H200); else the average of recent decode-only steps. That average goes stale
         under load: decode-only steps then come between bursts of mixed steps and at other
         batch sizes (the 3B's mixed chat on the H200, `8b4553d`: decode-only steps at a median
         2-46 decodes per window of 512 steps, the mixed steps beside them at 45-170), and the
-        offset absorbed the difference (14-24 ms at the end of a run, against ~3 ms of fixed
+        offset absorbed the difference (7-24 ms at the end of a run, against ~3 ms of fixed
         cost), wrong again as soon as the batch changed."""
         g = self._green
         if g is not None and g.mode == "auto" and num_decodes > 0:
