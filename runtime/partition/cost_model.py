@@ -628,8 +628,12 @@ class SplitController:
         prefills behind the head overfilled the steps (median 57.8 ms) and hid the short room."""
         if chunk.decode_step_ms > 0.0:
             return chunk.decode_step_ms
+        return self.predicted_decode_ms(d) or 0.0
+
+    def predicted_decode_ms(self, d: DecodeShape) -> float | None:
+        """The cost model's decode step for `d` on the whole GPU (ms); None while uncalibrated."""
         m = self.model
-        return m.predict(DECODE, d, m.total_sms) if m.calibrated else 0.0
+        return m.predict(DECODE, d, m.total_sms) if m.calibrated else None
 
     def chunked_step_ms(
         self, prefill: list[tuple[int, int]], d: DecodeShape, chunk: ChunkInput

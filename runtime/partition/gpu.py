@@ -31,7 +31,6 @@ import torch
 
 from runtime.partition import TIME_SLICE, PartitionState, SplitChoice, SplitDecision
 from runtime.partition.cost_model import (
-    DECODE,
     ChunkInput,
     ControllerConfig,
     CostModel,
@@ -310,8 +309,7 @@ class GreenContextPartition:
     def predict_decode_ms(self, decode: DecodeShape) -> float | None:
         """The cost model's whole-GPU decode step for `decode` (ms); None while uncalibrated."""
         with self._lock:
-            m = self.controller.model
-            return m.predict(DECODE, decode, m.total_sms) if m.calibrated else None
+            return self.controller.predicted_decode_ms(decode)
 
     def chunk_room_ms(self, decode: DecodeShape, chunk: ChunkInput) -> float:
         """The controller's room for a chunked step's prefill parts (`chunk_room_ms`)."""
