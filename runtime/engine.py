@@ -484,16 +484,20 @@ class Engine:
 
     def _decode_base_s(self, num_decodes: int, context_tokens: int) -> float:
         """The decode part of a mixed whole-GPU step (s): the base the TBT cut subtracts and
-        the step offset (`CorrectedCost`) is fitted against, one for both. Under auto with a
-        calibrated cost model, its prediction for this batch (decode alone: 0.5-3.3 % MAPE on
-        the H200); else the average of recent decode-only steps. That average goes stale
-        under load: decode-only steps then come between bursts of mixed steps and at other
-        batch sizes (the 3B's mixed chat on the H200, `8b4553d`: decode-only steps at a median
-        2-46 decodes per window of 512 steps, the mixed steps beside them at 45-170), and the
-        offset absorbed the difference (7-24 ms at the end of a run, against ~3 ms of fixed
-        cost), wrong again as soon as the batch changed."""
+        the step offset (`CorrectedCost`) is fitted against, one for both, in auto and in
+        `off --tbt-slo-ms` alike. With a calibrated cost model (green contexts), its
+        prediction for this batch (decode alone: 0.6-3.3 % MAPE on the H200; in off its
+        decode is refined from the serial executor's decode-only steps, `_observe`); else,
+        as a labelled fallback, the average of recent decode-only steps. That average goes
+        stale under load: decode-only steps then come between bursts of mixed steps and at
+        other batch sizes (the 3B's mixed chat on the H200, `8b4553d`: decode-only steps at a
+        median 2-46 decodes per window of 512 steps, the mixed steps beside them at 45-170),
+        and the offset absorbs the difference, wrong again as soon as the batch changes. On
+        the H200 at `c05f523` off-tbt's offset on that base read 7.2 and 19.6 ms at the end of
+        two runs (auto's, on the model's base, 0.04 and 10.8), and the run at 19.6 planned its
+        chunked steps to a median 53.5 ms against 59.9 and lost a probe of max QPS."""
         g = self._green
-        if g is not None and g.mode == "auto" and num_decodes > 0:
+        if g is not None and num_decodes > 0:
             layers = self.model_config.num_layers
             ms = g.predict_decode_ms(DecodeShape(num_decodes, context_tokens, layers))
             if ms is not None and ms > 0.0:
@@ -1109,10 +1113,12 @@ class Engine:
             if ex is self.split:
                 capacity = self._auto_capacity(capacity)
             elif self._tbt_s is not None and ex.name == "serial":
+                look = self.scheduler.outlook(self.config.chunk_scoring_prefill)
+                base_s = self._decode_base_s(look.num_decodes, look.decode_context_tokens)
                 capacity = dataclasses.replace(
                     capacity,
                     tbt_s=self._tbt_s / self._tbt_tail.factor,
-                    decode_step_s=self._decode_step_avg_s + self._prefill_cost.offset_s,
+                    decode_step_s=base_s + self._prefill_cost.offset_s,
                     prefill_cost=self._prefill_cost,
                 )
             try:
@@ -1213,6 +1219,21 @@ class Engine:
                 self._decode_step_avg_s = (
                     result.device_s if avg == 0.0 else 0.9 * avg + 0.1 * result.device_s
                 )
+            if (
+                whole
+                and self._tbt_s is not None
+                and self._green is not None
+                and self.executor is self.serial
+            ):
+                # In off the split executor does not run, so nothing else teaches the cost
+                # model this device's decode: the decode base of the TBT cut reads it (plain
+                # off, without a target, reads nothing of it: not taught, no hot-path cost).
+                shape = DecodeShape(
+                    len(plan.decode),
+                    sum(s.num_context_tokens for s in plan.decode),
+                    self.model_config.num_layers,
+                )
+                self._green.observe_whole_decode(shape, result.device_s * 1e3)
             if self._prev_had_decode and result.idle_before_s is not None:
                 self._decode_idle_s += result.idle_before_s
         self._prev_had_decode = decode_only

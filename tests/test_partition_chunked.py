@@ -305,7 +305,7 @@ def test_auto_cuts_and_corrects_on_the_models_decode_for_the_batch(manager) -> N
     """Under auto with a calibrated cost model, a mixed step's decode part is the model's
     prediction for its batch, both where the chunk is cut and where the step offset is
     learned; the average of decode-only steps (measured at other batches, and stale under
-    load) is the base only without one (`off`)."""
+    load) is the base only without one."""
     eng, _, launched = _auto_engine(manager)
     _decoding_chat(eng)
     eng._decode_step_avg_s = 0.5e-3  # decode-only steps at another batch, long ago
@@ -318,8 +318,42 @@ def test_auto_cuts_and_corrects_on_the_models_decode_for_the_batch(manager) -> N
         eng._step()
     # The fake device times the step at 1 ms: 1 ms beyond the model's decode, not 0.5.
     assert eng._prefill_cost.seen[0][1] == pytest.approx(1e-3 - 2e-3)
-    eng._green.set_mode("off")
-    assert eng._decode_base_s(1, 8) == pytest.approx(0.5e-3)
+    manager.set_cost_model(CostModel(TOTAL))  # uncalibrated: no prediction to stand on
+    assert eng._decode_base_s(1, 8) == pytest.approx(eng._decode_step_avg_s)
+
+
+def test_off_with_a_tbt_target_cuts_on_the_models_decode_and_teaches_it(manager) -> None:  # noqa: F811
+    """`off --tbt-slo-ms` cuts its chunks on the same decode base as auto: the cost model's
+    prediction for the batch, not the decode-only average (on the H200 that average, stale
+    under load, let off-tbt's step offset read 19.6 ms and its steps shrink). In off the
+    split executor does not run, so the serial executor's decode-only steps refine the
+    model's decode."""
+    eng, _, _ = _auto_engine(manager)
+    manager.set_mode("off")
+    eng._tbt_s = TARGET_MS / 1e3
+    plans: list[Any] = []
+    launch = eng.serial.launch
+
+    def spy(plan: Any) -> None:
+        plans.append(plan)
+        launch(plan)
+
+    eng.serial.launch = spy  # type: ignore[method-assign]
+    eng.scheduler.add(gen("chat", 8, 200, seed=1))
+    _run(eng, lambda: eng.scheduler.running and eng.scheduler.running[0].num_output_tokens > 0)
+    assert eng.executor is eng.serial
+    observed = manager.cost_model_errors().get("num_decode_alone", 0)
+    for _ in range(3):
+        eng._step()  # decode-only steps on the serial executor
+    assert manager.cost_model_errors()["num_decode_alone"] == observed + 3
+    eng._decode_step_avg_s = 0.5e-3  # as if decode-only steps had run at a small batch
+    plans.clear()
+    eng.scheduler.add(gen("long", 1000, 1))
+    eng._step()
+    mixed = next(p for p in plans if p.prefill)
+    # Room (2.7 ms - the model's 2 ms decode, corrected) at 2 us a token: about 350 tokens.
+    # On the stale 0.5 ms average the step would have taken 1,000.
+    assert _sizes(mixed)["long"] < 500
 
 
 def test_auto_times_every_prefill_it_adds_behind_the_chunked_head(manager) -> None:  # noqa: F811

@@ -92,13 +92,18 @@ def torch_runner(eng: Engine) -> ModelRunner:
 class RecordingPartition:
     """What the engine uses of GreenContextPartition in split mode: the mode, the disabled
     splits and `disable_split`, the cost model's error (for stats) and decode prediction (none:
-    uncalibrated), the controller's config (no TBT target: auto plans every step whole and
-    `choose` decides at launch)."""
+    uncalibrated), the whole-GPU decode steps it is taught in off (kept in `whole_decodes`),
+    the controller's config (no TBT target: auto plans every step whole and `choose` decides
+    at launch)."""
 
     def __init__(self) -> None:
         self.mode = "auto"
         self.disabled: dict[int, str] = {}
         self.controller = SimpleNamespace(config=ControllerConfig())
+        self.whole_decodes: list[tuple[object, float]] = []
+
+    def observe_whole_decode(self, decode: object, measured_ms: float) -> None:
+        self.whole_decodes.append((decode, measured_ms))
 
     def disable_split(self, prefill_sms: int, reason: str) -> None:
         self.disabled[prefill_sms] = reason

@@ -306,6 +306,11 @@ class GreenContextPartition:
         with self._lock:
             return self.controller.chunked_step_ms(prefill, decode, chunk)
 
+    def observe_whole_decode(self, decode: DecodeShape, measured_ms: float) -> None:
+        """A decode-only step the serial executor ran on the whole GPU (mode off): refines the
+        model's decode as the split executor's whole-GPU decode steps do under auto."""
+        self.observe("decode", decode, self.cost_model.total_sms, measured_ms, 0)
+
     def predict_decode_ms(self, decode: DecodeShape) -> float | None:
         """The cost model's whole-GPU decode step for `decode` (ms); None while uncalibrated."""
         with self._lock:
