@@ -1,7 +1,8 @@
 """Where the chunked step's prediction misses: a server's mixed steps by the path they ran.
 
     python -m bench.chunked_paths DIR/qwen2.5-3b-*.steps.json [--chunk-tokens 2048] \\
-        [--graph-max-tokens 1024] [--stream-rows-above 8192] [--out summary.json]
+        [--graph-max-tokens 1024] [--stream-rows-above 8192] [--source RESULTS.json] \\
+        [--out summary.json]
 
 CPU only. Input: the `*.steps.json` files `bench/gpu_serving.py` saves (the engine's step
 trace, `runtime/engine.py` STEP_TRACE_FIELDS), one per side. Every whole-GPU step with prefill
@@ -16,6 +17,9 @@ Per side and path: steps, ms per 1,000 prefill tokens, measured / predicted (the
 prediction times a per-path factor learned causally (an EMA of measured / predicted per path,
 weight 0.2, scored before it updates, as `CostModel.observe` scores): what a path-aware
 correction would have done on these steps. A replay over recorded steps, not a live figure.
+Also, per side, the long chunk steps (over --graph-max-tokens prefill tokens, beside decodes):
+their planned (`predicted_ms`) and measured medians; on a side with a TBT cut these are the
+steps it sized, and the medians say whether it filled its aim (`long_steps`).
 """
 
 from __future__ import annotations
@@ -82,7 +86,22 @@ def summarize(
     def mean(xs: list[float]) -> float | None:
         return round(float(np.mean(xs)), 4) if xs else None
 
+    # Long chunk steps: beside decodes, over the prefill graphs' range (a TBT cut sizes them).
+    cut = [
+        s
+        for s in rows
+        if s.get("predicted_ms") and s["num_decodes"] and s["num_prefill_tokens"] > graph_max_tokens
+    ]
+
+    def median(xs: list[float]) -> float | None:
+        return round(float(np.median(xs)), 2) if xs else None
+
     return {
+        "long_steps": {
+            "num_steps": len(cut),
+            "planned_ms_p50": median([s["predicted_ms"] for s in cut]),
+            "measured_ms_p50": median([s["device_ms"] for s in cut]),
+        },
         "num_steps": len(rows),
         "num_predicted": len(engine_err),
         "mape_engine": mean(engine_err),
@@ -112,14 +131,25 @@ def main(argv: list[str] | None = None) -> int:
         help="one prompt streams rows past this many tokens: 0 before 4f81294, the server's "
         "--prefill-token-budget (8192) after",
     )
+    ap.add_argument(
+        "--source",
+        type=Path,
+        help="the run's results JSON: its git revision, device and date are copied into --out",
+    )
     ap.add_argument("--out", help="write the summary JSON here")
     args = ap.parse_args(argv)
     out: dict[str, Any] = {
         "command": "python -m bench.chunked_paths "
         + " ".join(sys.argv[1:] if argv is None else argv),
         "note": "replay over recorded steps (CPU), not a live figure",
-        "sides": {},
     }
+    if args.source is not None:
+        src = json.loads(args.source.read_text())
+        out["source"] = (
+            f"the step traces of {args.source.name} (its serving tarball, not committed)"
+        )
+        out.update({k: src.get(k) for k in ("git_revision", "device", "date")})
+    out["sides"] = {}
     for f in args.steps:
         data = json.loads(Path(f).read_text())
         steps = data["steps"] if isinstance(data, dict) else data
@@ -132,6 +162,12 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{side}: {r['num_predicted']} predicted steps, MAPE {r['mape_engine']} engine, "
             f"{r['mape_per_path_factor']} with a per-path factor"
+        )
+        ls = r["long_steps"]
+        print(
+            f"  long chunk steps (> {args.graph_max_tokens} prefill tokens, beside decodes): "
+            f"n={ls['num_steps']} planned P50 {ls['planned_ms_p50']} ms, "
+            f"measured P50 {ls['measured_ms_p50']} ms"
         )
         for k, p in r["paths"].items():
             print(

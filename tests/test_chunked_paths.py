@@ -37,3 +37,17 @@ def test_the_factor_is_scored_before_it_learns() -> None:
     assert r["mape_per_path_factor"] == pytest.approx(want, abs=1e-4)
     assert r["paths"]["rows"]["measured_over_predicted_p10_50_90"][1] == 1.5
     assert r["paths"]["merged"]["measured_over_predicted_p10_50_90"] is None
+
+
+def test_long_steps_are_chunks_beside_decodes() -> None:
+    # Only steps over the graphs' range, beside decodes, with a prediction.
+    steps = [
+        step(3000, 10, 1, 50.0, 60.0),
+        step(2000, 5, 1, 40.0, 50.0),
+        step(4000, 20, 1, 70.0, 70.0),
+        step(3000, 0, 1, 90.0, 90.0),  # no decodes: nothing was cut to a target
+        step(500, 10, 1, 9.0, 10.0),  # a merged step
+        step(3000, 10, 1, 99.0, None),  # not predicted
+    ]
+    ls = cp.summarize(steps, 2048, 1024)["long_steps"]
+    assert ls == {"num_steps": 3, "planned_ms_p50": 60.0, "measured_ms_p50": 50.0}
