@@ -61,8 +61,9 @@ work=/tmp/serving; mkdir -p $work
 # Full-length workloads (scale 1): long prompts are what the split is for. Every side runs the
 # same QPS ladder; max QPS is judged afterwards against the primary SLO (P99 TTFT + P99 TBT, as
 # issue 6 asks) and a TPOT variant. auto runs with a TBT target of 80 % of the SLO's bound.
-common=(--out-dir $work --rev "$rev" --scale 1.0 --duration-s 8 --drain-s 6
-        --request-timeout-s 40 --command "${PARTS:+PARTS=$PARTS }bash bench/gpu_next.sh $plan $rev $split")
+# DUR: seconds of arrivals per probe (default 8; plan q reads it too, for its own probes).
+common=(--out-dir $work --rev "$rev" --scale 1.0 --duration-s ${DUR:-8} --drain-s 6
+        --request-timeout-s 40 --command "${DUR:+DUR=$DUR }${PARTS:+PARTS=$PARTS }bash bench/gpu_next.sh $plan $rev $split")
 rc=0
 case $plan in
   a)
