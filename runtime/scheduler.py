@@ -140,7 +140,8 @@ class CorrectedCost:
 
     def observe(self, predicted_s: float, extra_s: float) -> None:
         """One mixed step: the JCT model's marginal cost of its prefill parts (`predicted_s`)
-        and what the step measured beyond the recent decode step (`extra_s`)."""
+        and what the step measured beyond its decode part (`extra_s`: beyond the engine's
+        decode base for its batch, `Engine._decode_base_s`)."""
         if predicted_s <= 1e-9:
             return
         d = self.DECAY
@@ -248,8 +249,9 @@ class StepCapacity:
     # A time-between-tokens target (EngineConfig.tbt_slo_ms): in a step with decodes, the
     # prefill work planned may add at most tbt_s - decode_step_s seconds by `prefill_cost`.
     tbt_s: float | None = None
-    # The step's time before its prefill work: the recent decode step plus the fixed cost a
-    # step that mixes in prefill adds (`CorrectedCost.offset_s`).
+    # The step's time before its prefill work: the decode step for this batch (the engine's
+    # decode base, `Engine._decode_base_s`) plus the fixed cost a step that mixes in prefill
+    # adds (`CorrectedCost.offset_s`).
     decode_step_s: float = 0.0
     prefill_cost: PrefillCost | None = None
 

@@ -172,12 +172,12 @@ def test_uncalibrated_auto_chunks_with_the_measured_decode_step() -> None:
     assert ctl.choose(P, D, 0.2).chunk_tokens is None  # unchunkable: a whole time-slice
 
 
-def test_a_chunk_is_cut_on_the_measured_decode_step_its_offset_was_fitted_against() -> None:
-    """The step offset is learned as a mixed step's time beyond the measured decode step
-    (`CorrectedCost`), so the room a chunk gets is the aim less that step and the offset, as
-    the scheduler's `--tbt-slo-ms` cut computes it; a calibrated cost model's decode
-    prediction is used only before any decode step was measured. With the prediction instead,
-    whatever the offset already held of the decode batch's growth counted twice."""
+def test_a_chunk_is_cut_on_the_decode_base_its_offset_was_fitted_against() -> None:
+    """The step offset is learned as a mixed step's time beyond the engine's decode base
+    (`CorrectedCost`, `Engine._decode_base_s`), so the room a chunk gets is the aim less that
+    base and the offset, as the scheduler's `--tbt-slo-ms` cut computes it; the controller's
+    own decode prediction is used only when the engine passes no base. On another base,
+    whatever the offset held of the difference would count twice."""
     m = _model()
     predicted_ms = m.predict(DECODE, D, TOTAL)
     target, cost = 2.5 * predicted_ms, _consistent_cost(m)
