@@ -122,7 +122,36 @@ def test_auto_is_checked_against_every_baseline_at_every_probe() -> None:
         "auto": {"max_qps": 4.0, **auto},
     }
     gs.add_comparisons(w)
-    assert set(w["auto_by_probe"]) == {"off-2k", "off-tbt"}
+    assert set(w["auto_by_probe"]) == {"off-2k", "off-tbt", gs.BEST_PER_FIGURE}
+
+
+def test_the_best_baseline_is_taken_figure_by_figure() -> None:
+    """Read strictly, "the best baseline" is the best of each figure at each probe, whichever
+    baseline had it: auto within 5 % of each baseline alone can miss it."""
+
+    def probe(tbt_p99: float, ttft_p50: float, tokens: float) -> dict:
+        return {
+            "ttft_ms": {"mean": ttft_p50, "p50": ttft_p50, "p99": 2 * ttft_p50},
+            "tbt_ms": {"mean": tbt_p99 / 4, "p99": tbt_p99},
+            "total_token_throughput": tokens,
+        }
+
+    smooth = {"max_qps": 4.0, "probes": {"2.0": probe(50.0, 120.0, 1000.0)}}
+    fast = {"max_qps": 4.0, "probes": {"2.0": probe(80.0, 100.0, 1000.0), "4.0": probe(90, 1, 9)}}
+    best = gs.best_per_figure({"off-2k": smooth, "off-tbt": fast})
+    assert best["probes"]["2.0"] == {
+        "tbt_ms": {"p99": 50.0},
+        "ttft_ms": {"p50": 100.0},
+        "total_token_throughput": 1000.0,
+    }
+    assert best["probes"]["4.0"]["tbt_ms"]["p99"] == 90  # only one baseline ran it
+    auto = {"max_qps": 4.0, "probes": {"2.0": probe(52.0, 125.0, 1000.0)}}
+    w = {"off-2k": smooth, "off-tbt": fast, "auto": auto}
+    gs.add_comparisons(w)
+    checks = w["auto_by_probe"]
+    assert checks["off-2k"]["by_probe"]["2.0"]["within_target"] is True
+    strict = checks[gs.BEST_PER_FIGURE]["by_probe"]["2.0"]
+    assert strict["p50_ttft_ratio"] == pytest.approx(1.25) and strict["within_target"] is False
 
 
 def test_scoring_beside_chat_is_checked_on_the_chats_gaps() -> None:
