@@ -298,6 +298,7 @@ class Engine:
                 self._choose_split,
                 self._green.observe,
                 split_usable=lambda sms: sms not in self._green.disabled,
+                score=self._green.score,
             )
         self.executor: SerialExecutor | SplitExecutor = self.serial
         # Steps kept queued ahead of the one being collected (overlapped scheduling).
@@ -1173,7 +1174,7 @@ class Engine:
         whole = not result.on_split
         predicted_ms = self._chunked_predicted_ms.pop(plan.step_id, None)
         if predicted_ms is not None and result.device_s is not None:
-            self._green.score_chunked_step(predicted_ms, result.device_s * 1e3)
+            self._green.score("chunked/step", predicted_ms, result.device_s * 1e3)
         if result.device_s is not None and result.is_prefill_only and whole:
             # Whatever the policy and executor: SRJF reads this model, and so does the
             # prefill-backlog estimate replicas report for routing.

@@ -123,6 +123,7 @@ def split_engine(
     choose: Any,
     *,
     observe: Any = None,
+    score: Any = None,
     runner: ModelRunner | None = None,
     **cfg: Any,
 ) -> tuple[Engine, SplitExecutor, RecordingPartition]:
@@ -150,6 +151,7 @@ def split_engine(
         choose,
         observe,
         split_usable=lambda sms: sms not in green.disabled,
+        score=score,
     )
     eng.split = ex
     eng.stream_device = device
@@ -186,15 +188,18 @@ def finish(eng: Engine, dev: Any) -> list[EngineOutput]:
     return outs
 
 
-def fixed_split(prefill_sms: int = 64, layers_per_slice: int | None = None) -> Any:
+def fixed_split(
+    prefill_sms: int = 64, layers_per_slice: int | None = None, predicted_prefill_ms: float = 5.0
+) -> Any:
     choices: list[tuple[bool, bool]] = []
 
     def choose(p, d) -> SplitChoice:
         choices.append((p is not None, d is not None))
         if p is not None and layers_per_slice:  # time-slicing by layers
-            return SplitChoice(
-                SplitDecision(0, layers_per_slice=layers_per_slice), "whole", "whole", 132
+            dec = SplitDecision(
+                0, layers_per_slice=layers_per_slice, predicted_prefill_ms=predicted_prefill_ms
             )
+            return SplitChoice(dec, "whole", "whole", 132)
         if p is None or prefill_sms == 0:
             return SplitChoice(SplitDecision(0), "whole", "whole", 132)
         return SplitChoice(SplitDecision(prefill_sms), "P", "D", 132 - prefill_sms)
@@ -286,12 +291,18 @@ def test_same_tokens_as_serial_no_loss_no_duplicates(prefill_sms: int) -> None:
 def test_time_slicing_by_layers_interleaves_decode_steps_on_one_stream() -> None:
     """Layer-sliced time-slicing: the prefill is in flight one layer-slice at a time on the
     whole GPU's stream, a decode step runs between slices on that same stream, tokens are
-    those of the serial executor, and no prefill latency is fed to the cost model."""
+    those of the serial executor, and no prefill latency is fed to the cost model: the
+    prefill's span (its slices and the decode steps between them) is scored against the
+    completion the controller predicted for the choice, per kind."""
     ref = serial_tokens(make_reqs())
     dev = FakeDevice()
     observed: list[tuple] = []
+    scored: list[tuple] = []
     eng, ex, _ = split_engine(
-        dev, fixed_split(layers_per_slice=1), observe=lambda *a: observed.append(a)
+        dev,
+        fixed_split(layers_per_slice=1, predicted_prefill_ms=7.5),
+        observe=lambda *a: observed.append(a),
+        score=lambda *a: scored.append(a),
     )  # tiny has 2 layers: 2 slices
     order: list[str] = []
     forward_layers, launch = ex.model.forward_layers, ex.runner.launch
@@ -327,6 +338,9 @@ def test_time_slicing_by_layers_interleaves_decode_steps_on_one_stream() -> None
     assert {s for s, _ in dev.waits} == {"whole"} and {o for _, o in dev.waits} == {"default"}
     assert not [o for o in observed if o[0] == "prefill"]
     assert [o for o in observed if o[0] == "decode"]
+    assert len(scored) == 2  # both prefills, against the decision's 7.5 ms
+    assert {(k, p) for k, p, _ in scored} == {("prefill/layer_sliced", 7.5)}
+    assert all(m > 0 for _, _, m in scored)
     eng.block_manager.check_integrity()
 
 

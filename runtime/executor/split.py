@@ -26,6 +26,7 @@ each other while a prefill is in flight. Timings come from events on each stream
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -78,6 +79,9 @@ class _Launched:
     sms: int  # SMs it ran on (prefill or decode partition; 0 = the whole GPU)
     other_sms: int = 0  # SMs of the phase running beside it (0: none)
     layer_sliced: bool = False
+    # A layer-sliced prefill: the controller's predicted completion (its slices and the decode
+    # steps between them, `SplitDecision.predicted_prefill_ms`); NaN otherwise.
+    predicted_ms: float = math.nan
     on_split: bool = False  # ran on a split's partition (not the whole GPU)
     neighbour: DecodeShape | None = None  # a split prefill: the mean decode step beside it
 
@@ -85,6 +89,9 @@ class _Launched:
 # observe(stage, shape, sms, measured_ms, other_sms[, neighbour shape | None]): the cost
 # model's online refinement (`CostModel.observe`).
 Observe = Callable[..., None]
+# score(kind, predicted_ms, measured_ms): a choice's prediction against its measured time,
+# recorded per kind without refining the model (`GreenContextPartition.score`).
+Score = Callable[[str, float, float], None]
 Choose = Callable[[StepPlan | None, StepPlan | None], SplitChoice]
 
 
@@ -100,17 +107,20 @@ class SplitExecutor:
         observe: Observe | None = None,
         *,
         split_usable: Callable[[int], bool] | None = None,
+        score: Score | None = None,
     ) -> None:
         """choose(prefill plan, decode plan): the controller's split for the next prefill (or
         decode-only) launch. split_usable(prefill_sms): False once the partition manager has
         taken that split out of service; decodes beside an in-flight prefill on it then use
-        the whole GPU."""
+        the whole GPU. score: where a layer-sliced prefill's completion is scored against
+        its prediction."""
         self.config = config
         self.runner = runner
         self.model = runner.model
         self.device = device
         self.choose = choose
         self.observe = observe
+        self.score = score
         self.slice_tokens = config.pd_slice_tokens
         self.max_queued_slices = config.pd_max_queued_slices
         self.chunk_tokens, self.stream_rows_above = config.hybrid_form()
@@ -394,6 +404,7 @@ class SplitExecutor:
                 f.choice.prefill_sms,
                 other,
                 layer_sliced=sliced,
+                predicted_ms=f.choice.decision.predicted_prefill_ms if sliced else math.nan,
                 on_split=f.choice.prefill_sms != TIME_SLICE,
                 neighbour=neighbour,
             )
@@ -416,11 +427,15 @@ class SplitExecutor:
                 )
             elif f.kind == "prefill" and not f.layer_sliced:
                 # (A layer-sliced prefill's span includes the decode steps between its slices:
-                # not a prefill latency the cost model could learn from.)
+                # not a prefill latency the cost model could learn from; scored below.)
                 shape = PrefillShape.from_seqs(
                     [(s.num_context_tokens, s.num_new_tokens) for s in f.plan.prefill], layers
                 )
                 self.observe("prefill", shape, f.sms, ms, f.other_sms, f.neighbour)
+        if f.layer_sliced and self.score is not None and math.isfinite(f.predicted_ms):
+            # Start to last slice, the decode steps between slices included: what the
+            # controller predicted for the choice (prefill + a decode step per gap).
+            self.score("prefill/layer_sliced", f.predicted_ms, ms)
         device_s = None if f.layer_sliced else ms / 1e3
         return StepResult(
             f.plan,

@@ -321,11 +321,13 @@ class GreenContextPartition:
         with self._lock:
             return self.controller.chunk_room_ms(decode, chunk)
 
-    def score_chunked_step(self, predicted_ms: float, measured_ms: float) -> None:
-        """A chunked time-slice step's measured time against its prediction (per-kind error:
-        `mape_chunked_step` in `cost_model_errors`)."""
+    def score(self, kind: str, predicted_ms: float, measured_ms: float) -> None:
+        """A choice's measured time against the prediction it was made on, per kind ("chunked/
+        step": a chunked time-slice step; "prefill/layer_sliced": a prefill's layer slices
+        with the decode steps between them): `mape_<kind>` in `cost_model_errors`. Scored,
+        not learned from."""
         with self._lock:
-            self.cost_model.score("chunked/step", predicted_ms, measured_ms)
+            self.cost_model.score(kind, predicted_ms, measured_ms)
 
     def cost_model_errors(self) -> dict[str, float | int]:
         """The cost model's out-of-sample errors by kind (`CostModel.error_stats`)."""
