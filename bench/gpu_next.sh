@@ -35,6 +35,9 @@
 #                                         #   fused RoPE + K/V write's
 #   bash bench/gpu_next.sh y REV          # issue 17: post recommendation at pool 1x, FCFS and
 #                                         #   SRJF, two repeats of six probes (finer bisection)
+#   bash bench/gpu_next.sh z REV [M]      # issue 13: the cost model's error per choice kind
+#                                         #   (splits, layer slices) with scoring unchunked,
+#                                         #   next to chat (M: random:qwen2.5-3b; ~5 min)
 #   bash bench/gpu_next.sh warm REV [M]   # a bare machine's first call: start one server
 #                                         #   (M: random:qwen2.5-3b) with --calibrate false
 #                                         #   until healthy, so FlashInfer's modules and the
@@ -232,6 +235,24 @@ case $plan in
       --side auto:partition=auto,budget=8192,tbt=none \
       --score-start-qps $sq0 --chat-qps 2 --score-slo ttft:3000 \
       --parts ${PARTS:-mixed,score-chat} --tag partition-$plan --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
+  z)
+    # Issue 13's third target asks the cost model's error per choice kind; where chunks serve,
+    # auto almost never splits (at most 7 splits in ~650 decisions at c05f523) and never took
+    # layer slices, so those kinds have a handful of readings. Here scoring prompts are not
+    # chunked (--chunk-scoring-prefill false: a long one next to chat runs whole, on a split or
+    # in layer slices) and layer slicing is on; sides: off at 2,048 tokens (the scoring prompts
+    # then run whole), auto, and a pinned split (static:112: every prefill on 112 SMs). Read
+    # `engine_during_run.cost_model_errors_at_end` per side: mape_prefill_layer_sliced,
+    # mape_prefill_concurrent, mape_decode_concurrent, mape_chunked_step and their num_*.
+    m=${split:-random:qwen2.5-3b}
+    python3 -m bench.gpu_serving "${common[@]}" --models $m --start-s 120 \
+      --server-args "--partition auto --calibrate true --partition-tbt-slo-ms 80 --prefill-token-budget 8192 --partition-layer-slicing true --chunk-scoring-prefill false ${SERVER_EXTRA:-}" \
+      --start-qps 12 --max-probes 3 --slo ttft:2000,tbt:100 \
+      --side off-2k:partition=off,budget=2048,tbt=none \
+      --side auto:partition=auto,budget=8192,tbt=none \
+      --side split-112:partition=static:112,budget=8192,tbt=none \
+      --score-start-qps 16 --chat-qps 2 --score-slo ttft:3000 \
+      --parts ${PARTS:-score-chat} --tag partition-$plan --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
   u)
     # Issue 13, a short check (DEADLINE_S=200) of the TBT cut's affine online correction
     # (CorrectedCost): off at 2,048 tokens and off cut to an 80 ms TBT target, qwen2.5-3b, mixed
