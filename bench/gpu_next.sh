@@ -37,7 +37,8 @@
 #                                         #   SRJF, two repeats of six probes (finer bisection)
 #   bash bench/gpu_next.sh z REV [M]      # issue 13: the cost model's error per choice kind
 #                                         #   (splits, layer slices) with scoring unchunked,
-#                                         #   next to chat (M: random:qwen2.5-3b; ~5 min)
+#                                         #   next to chat, after the chunked-cut GPU tests
+#                                         #   (M: random:qwen2.5-3b; ~7 min)
 #   bash bench/gpu_next.sh warm REV [M]   # a bare machine's first call: start one server
 #                                         #   (M: random:qwen2.5-3b) with --calibrate false
 #                                         #   until healthy, so FlashInfer's modules and the
@@ -244,6 +245,11 @@ case $plan in
     # then run whole), auto, and a pinned split (static:112: every prefill on 112 SMs). Read
     # `engine_during_run.cost_model_errors_at_end` per side: mape_prefill_layer_sliced,
     # mape_prefill_concurrent, mape_decode_concurrent, mape_chunked_step and their num_*.
+    # First the chunked-cut GPU tests (auto, and off with a target on the cost model's decode
+    # base since 0ce75f1; two 3B engines, about two minutes).
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/gpu/test_auto_chunked_gpu.py >"$OUT/pytest-chunked.log" 2>&1 || rc=1
+    tail -5 "$OUT/pytest-chunked.log"
     m=${split:-random:qwen2.5-3b}
     python3 -m bench.gpu_serving "${common[@]}" --models $m --start-s 120 \
       --server-args "--partition auto --calibrate true --partition-tbt-slo-ms 80 --prefill-token-budget 8192 --partition-layer-slicing true --chunk-scoring-prefill false ${SERVER_EXTRA:-}" \

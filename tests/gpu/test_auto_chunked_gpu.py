@@ -82,3 +82,71 @@ def test_auto_chunks_a_long_prompt_next_to_decodes_and_decodes_keep_flowing() ->
         assert gaps and max(gaps) < 4 * TARGET_MS / 1e3, (max(gaps), counts, whole)
     finally:
         eng.shutdown(0)
+
+
+def test_off_with_a_tbt_target_cuts_on_the_cost_models_decode_and_teaches_it() -> None:
+    """`--partition off --tbt-slo-ms`: where green contexts give a cost model, the cut's decode
+    base is its prediction for the batch (not the decode-only average), and the serial
+    executor's decode-only steps refine its decode (the split executor, which does so under
+    auto, does not run in off). The long prompt is still cut next to the decodes."""
+    from bench.gpu_partition import Sink
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+    from runtime.partition.cost_model import DecodeShape
+    from runtime.request import Request, RequestKind, SamplingParams
+
+    sink = Sink()
+    eng = Engine(
+        EngineConfig(
+            model="random:qwen2.5-3b",
+            attention_backend="flashinfer",
+            cuda_graphs=True,
+            num_kv_blocks=1500,
+            max_num_seqs=32,
+            max_model_len=16_384,
+            prefill_policy="fcfs",
+            partition="off",
+            tbt_slo_ms=TARGET_MS,
+        ),
+        sink,
+    )
+    g = eng._green
+    if g is None:
+        eng.shutdown(0)
+        pytest.skip(f"green contexts unavailable: {eng.partition.state().reason}")
+    if g.predict_decode_ms(DecodeShape(8, 8 * 64, eng.model_config.num_layers)) is None:
+        eng.shutdown(0)
+        pytest.skip("the partition cost model is uncalibrated here: off keeps the average")
+    try:
+        before = g.cost_model_errors().get("num_decode_alone", 0)
+        eng.start()
+        rng = random.Random(11)
+
+        def add(rid: str, num_prompt_tokens: int, max_tokens: int) -> None:
+            ids = [rng.randrange(100, 30_000) for _ in range(num_prompt_tokens)]
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            eng.add(Request(rid, RequestKind.GENERATE, ids, sampling=params))
+
+        chats = [f"chat{i}" for i in range(8)]
+        for rid in chats:
+            add(rid, 64, 400)
+        with sink.cv:
+            assert sink.cv.wait_for(
+                lambda: all(len(sink.tokens.get(r, [])) >= 5 for r in chats), 60
+            )
+        add("long", LONG_TOKENS, 4)
+        assert sink.wait(["long", *chats], 180), "requests timed out"
+        assert all(len(sink.tokens[r]) == 400 for r in chats)
+        # Off's decode-only steps were scored against (and refine) the cost model's decode.
+        assert g.cost_model_errors().get("num_decode_alone", 0) > before
+        layers = eng.model_config.num_layers
+        predicted_ms = g.predict_decode_ms(DecodeShape(8, 8 * 400, layers))
+        assert eng._decode_base_s(8, 8 * 400) == pytest.approx(predicted_ms / 1e3)
+        first_long = sink.events["long"][0]
+        gaps = []
+        for rid in chats:
+            ev = sink.events[rid]
+            gaps += [b - a for a, b in zip(ev, ev[1:], strict=False) if b <= first_long]
+        assert gaps and max(gaps) < 4 * TARGET_MS / 1e3, max(gaps)
+    finally:
+        eng.shutdown(0)
