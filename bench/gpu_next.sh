@@ -67,7 +67,7 @@ work=/tmp/serving; mkdir -p $work
 # issue 6 asks) and a TPOT variant. auto runs with a TBT target of 80 % of the SLO's bound.
 # DUR: seconds of arrivals per probe (default 8; plan q reads it too, for its own probes).
 common=(--out-dir $work --rev "$rev" --scale 1.0 --duration-s ${DUR:-8} --drain-s 6
-        --request-timeout-s 40 --command "${DUR:+DUR=$DUR }${PARTS:+PARTS=$PARTS }bash bench/gpu_next.sh $plan $rev $split")
+        --request-timeout-s 40 --command "${DUR:+DUR=$DUR }${PARTS:+PARTS=$PARTS }${REVERSE:+REVERSE=$REVERSE }bash bench/gpu_next.sh $plan $rev $split")
 rc=0
 case $plan in
   a)
@@ -228,12 +228,17 @@ case $plan in
     # wrong backend would be worthless.
     python3 -m bench.gpu_suite --rev "$rev" --tag gpu-backend-check --deadline-s 60 \
       --sections backend || rc=1
+    # The sides share one server, so each starts from what the one before it learned (the
+    # TBT cut's offset and scale, its tail factor): off-tbt always followed off-2k and auto
+    # always followed off-tbt. REVERSE=1 runs them the other way round (auto first): give
+    # each repeat pair one of each order.
+    sides=(--side off-2k:partition=off,budget=2048,tbt=none
+           --side off-tbt:partition=off,budget=8192,tbt=80
+           --side auto:partition=auto,budget=8192,tbt=none)
+    if [ "${REVERSE:-}" = 1 ]; then sides=("${sides[@]:4:2}" "${sides[@]:2:2}" "${sides[@]:0:2}"); fi
     python3 -m bench.gpu_serving "${common[@]}" --models $m --start-s 120 \
       --server-args "--partition auto --calibrate true --partition-tbt-slo-ms 80 --prefill-token-budget 8192 ${SERVER_EXTRA:-}" \
-      --start-qps $q0 --max-probes 4 --slo ttft:2000,tbt:100 \
-      --side off-2k:partition=off,budget=2048,tbt=none \
-      --side off-tbt:partition=off,budget=8192,tbt=80 \
-      --side auto:partition=auto,budget=8192,tbt=none \
+      --start-qps $q0 --max-probes 4 --slo ttft:2000,tbt:100 "${sides[@]}" \
       --score-start-qps $sq0 --chat-qps 2 --score-slo ttft:3000 \
       --parts ${PARTS:-mixed,score-chat} --tag partition-$plan --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
   z)
