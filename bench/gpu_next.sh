@@ -243,7 +243,7 @@ case $plan in
       --parts ${PARTS:-mixed,score-chat} --tag partition-$plan --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
   z)
     # Issue 13's third target asks the cost model's error per choice kind; where chunks serve,
-    # auto almost never splits (at most 7 splits in ~650 decisions at c05f523) and never took
+    # auto almost never splits (at most 2 splits in ~650 decisions at c05f523) and never took
     # layer slices, so those kinds have a handful of readings. Here scoring prompts are not
     # chunked (--chunk-scoring-prefill false: a long one next to chat runs whole, on a split or
     # in layer slices) and layer slicing is on; sides: off at 2,048 tokens (the scoring prompts
