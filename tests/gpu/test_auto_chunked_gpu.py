@@ -20,11 +20,12 @@ LONG_TOKENS = 12_000
 TARGET_MS = 25.0
 
 
-def test_auto_chunks_a_long_prompt_next_to_decodes_and_decodes_keep_flowing() -> None:
+def _engine(**partition: object) -> tuple:
+    """The 3B engine both tests drive (`partition`: its partition / TBT options) and its sink;
+    skipped where green contexts are unavailable."""
     from bench.gpu_partition import Sink
     from runtime.config import EngineConfig
     from runtime.engine import Engine
-    from runtime.request import Request, RequestKind, SamplingParams
 
     sink = Sink()
     eng = Engine(
@@ -36,36 +37,56 @@ def test_auto_chunks_a_long_prompt_next_to_decodes_and_decodes_keep_flowing() ->
             max_num_seqs=32,
             max_model_len=16_384,
             prefill_policy="fcfs",
-            partition="auto",
-            partition_tbt_slo_ms=TARGET_MS,
+            **partition,
         ),
         sink,
     )
     if eng._green is None:
         eng.shutdown(0)
         pytest.skip(f"green contexts unavailable: {eng.partition.state().reason}")
+    return eng, sink
+
+
+def _long_prompt_next_to_chats(eng, sink, seed: int) -> list[str]:
+    """Eight chats decoding, then the long prompt; waits until all finished. Returns the
+    chats' ids."""
+    from runtime.request import Request, RequestKind, SamplingParams
+
+    rng = random.Random(seed)
+
+    def add(rid: str, num_prompt_tokens: int, max_tokens: int) -> None:
+        ids = [rng.randrange(100, 30_000) for _ in range(num_prompt_tokens)]
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        eng.add(Request(rid, RequestKind.GENERATE, ids, sampling=params))
+
+    chats = [f"chat{i}" for i in range(8)]
+    for rid in chats:
+        add(rid, 64, 400)
+    # The chats are decoding before the long prompt arrives.
+    with sink.cv:
+        assert sink.cv.wait_for(lambda: all(len(sink.tokens.get(r, [])) >= 5 for r in chats), 60)
+    add("long", LONG_TOKENS, 4)
+    assert sink.wait(["long", *chats], 180), "requests timed out"
+    assert len(sink.tokens["long"]) == 4
+    assert all(len(sink.tokens[r]) == 400 for r in chats)
+    return chats
+
+
+def _gaps_before_long(sink, chats: list[str]) -> list[float]:
+    """The chats' gaps between tokens (s) up to the long prompt's first token."""
+    first_long = sink.events["long"][0]
+    gaps = []
+    for rid in chats:
+        ev = sink.events[rid]
+        gaps += [b - a for a, b in zip(ev, ev[1:], strict=False) if b <= first_long]
+    return gaps
+
+
+def test_auto_chunks_a_long_prompt_next_to_decodes_and_decodes_keep_flowing() -> None:
+    eng, sink = _engine(partition="auto", partition_tbt_slo_ms=TARGET_MS)
     try:
         eng.start()
-        rng = random.Random(7)
-
-        def add(rid: str, num_prompt_tokens: int, max_tokens: int) -> None:
-            ids = [rng.randrange(100, 30_000) for _ in range(num_prompt_tokens)]
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            eng.add(Request(rid, RequestKind.GENERATE, ids, sampling=params))
-
-        chats = [f"chat{i}" for i in range(8)]
-        for rid in chats:
-            add(rid, 64, 400)
-        # The chats are decoding before the long prompt arrives.
-        with sink.cv:
-            assert sink.cv.wait_for(
-                lambda: all(len(sink.tokens.get(r, [])) >= 5 for r in chats), 60
-            )
-        add("long", LONG_TOKENS, 4)
-        assert sink.wait(["long", *chats], 180), "requests timed out"
-        assert len(sink.tokens["long"]) == 4
-        assert all(len(sink.tokens[r]) == 400 for r in chats)
-
+        chats = _long_prompt_next_to_chats(eng, sink, seed=7)
         counts = eng.partition.state().choice_counts
         chunked, whole = counts.get("chunked", 0), counts.get("0", 0)
         split = sum(v for k, v in counts.items() if k.isdigit() and k != "0")
@@ -74,11 +95,7 @@ def test_auto_chunks_a_long_prompt_next_to_decodes_and_decodes_keep_flowing() ->
         assert chunked >= 2 or split >= 1, counts
         # Between the long prompt's arrival and its first token, the chats kept getting tokens:
         # no gap near the whole prefill's (~150 ms on an H200); chunks leave ~1-1.5x the target.
-        first_long = sink.events["long"][0]
-        gaps = []
-        for rid in chats:
-            ev = sink.events[rid]
-            gaps += [b - a for a, b in zip(ev, ev[1:], strict=False) if b <= first_long]
+        gaps = _gaps_before_long(sink, chats)
         assert gaps and max(gaps) < 4 * TARGET_MS / 1e3, (max(gaps), counts, whole)
     finally:
         eng.shutdown(0)
@@ -89,64 +106,23 @@ def test_off_with_a_tbt_target_cuts_on_the_cost_models_decode_and_teaches_it() -
     base is its prediction for the batch (not the decode-only average), and the serial
     executor's decode-only steps refine its decode (the split executor, which does so under
     auto, does not run in off). The long prompt is still cut next to the decodes."""
-    from bench.gpu_partition import Sink
-    from runtime.config import EngineConfig
-    from runtime.engine import Engine
     from runtime.partition.cost_model import DecodeShape
-    from runtime.request import Request, RequestKind, SamplingParams
 
-    sink = Sink()
-    eng = Engine(
-        EngineConfig(
-            model="random:qwen2.5-3b",
-            attention_backend="flashinfer",
-            cuda_graphs=True,
-            num_kv_blocks=1500,
-            max_num_seqs=32,
-            max_model_len=16_384,
-            prefill_policy="fcfs",
-            partition="off",
-            tbt_slo_ms=TARGET_MS,
-        ),
-        sink,
-    )
+    eng, sink = _engine(partition="off", tbt_slo_ms=TARGET_MS)
     g = eng._green
-    if g is None:
-        eng.shutdown(0)
-        pytest.skip(f"green contexts unavailable: {eng.partition.state().reason}")
-    if g.predict_decode_ms(DecodeShape(8, 8 * 64, eng.model_config.num_layers)) is None:
+    layers = eng.model_config.num_layers
+    if g.predict_decode_ms(DecodeShape(8, 8 * 64, layers)) is None:
         eng.shutdown(0)
         pytest.skip("the partition cost model is uncalibrated here: off keeps the average")
     try:
         before = g.cost_model_errors().get("num_decode_alone", 0)
         eng.start()
-        rng = random.Random(11)
-
-        def add(rid: str, num_prompt_tokens: int, max_tokens: int) -> None:
-            ids = [rng.randrange(100, 30_000) for _ in range(num_prompt_tokens)]
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            eng.add(Request(rid, RequestKind.GENERATE, ids, sampling=params))
-
-        chats = [f"chat{i}" for i in range(8)]
-        for rid in chats:
-            add(rid, 64, 400)
-        with sink.cv:
-            assert sink.cv.wait_for(
-                lambda: all(len(sink.tokens.get(r, [])) >= 5 for r in chats), 60
-            )
-        add("long", LONG_TOKENS, 4)
-        assert sink.wait(["long", *chats], 180), "requests timed out"
-        assert all(len(sink.tokens[r]) == 400 for r in chats)
+        chats = _long_prompt_next_to_chats(eng, sink, seed=11)
         # Off's decode-only steps were scored against (and refine) the cost model's decode.
         assert g.cost_model_errors().get("num_decode_alone", 0) > before
-        layers = eng.model_config.num_layers
         predicted_ms = g.predict_decode_ms(DecodeShape(8, 8 * 400, layers))
         assert eng._decode_base_s(8, 8 * 400) == pytest.approx(predicted_ms / 1e3)
-        first_long = sink.events["long"][0]
-        gaps = []
-        for rid in chats:
-            ev = sink.events[rid]
-            gaps += [b - a for a, b in zip(ev, ev[1:], strict=False) if b <= first_long]
+        gaps = _gaps_before_long(sink, chats)
         assert gaps and max(gaps) < 4 * TARGET_MS / 1e3, max(gaps)
     finally:
         eng.shutdown(0)
