@@ -260,6 +260,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fit", nargs="*", default=[], help="*.steps.json of runs to fit nu on")
     ap.add_argument("--old-rev", default="0475b77", help="git revision of the old model")
     ap.add_argument("--split-sms", type=int, default=112, help="when the log names no split")
+    ap.add_argument(
+        "--source",
+        action="append",
+        default=[],
+        help="a results JSON whose step traces these are (repeatable): its git revision, "
+        "device and date go into --out",
+    )
+    ap.add_argument("--out", help="write the MAPEs per run and kind here (JSON)")
     args = ap.parse_args(argv)
     old, new = load_module(args.old_rev), load_module(None)
     nu = None
@@ -271,16 +279,53 @@ def main(argv: list[str] | None = None) -> None:
         print(f"interference slope fitted on {len(args.fit)} files: {nu:.4f} per ms")
     else:
         print(f"interference slope: default {new.DEFAULT_PREFILL_INTERFERENCE_PER_MS} per ms")
+    out: dict[str, Any] = {
+        "command": "python -m bench.cost_replay "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "note": "replay over recorded steps (CPU), not a live figure; traces not committed",
+        "old_rev": args.old_rev,
+        "new_rev": _head(),
+        "interference_per_ms": nu if nu is not None else new.DEFAULT_PREFILL_INTERFERENCE_PER_MS,
+        "sources": [_source(p) for p in args.source],
+        "runs": {},
+    }
     print(f"{'run':32s} {'kind':20s} {'n':>5s} {'old MAPE':>9s} {'new MAPE':>9s}")
     for run in test_runs:
         if not run.profile:
             print(f"{run.name}: no partition profile in {run.log}; skipped")
             continue
         a, b = replay(old, run, None), replay(new, run, nu)
+        rec: dict[str, Any] = {"note": run.note} if run.note else {}
         for k in KINDS:
             print(f"{run.name:32s} {k:20s} {b[f'n_{k}']:5d} {100 * a[k]:8.1f}% {100 * b[k]:8.1f}%")
+            if b[f"n_{k}"]:
+                rec[k] = {"n": b[f"n_{k}"], "old_mape": a[k], "new_mape": b[k]}
+        out["runs"][run.name] = rec
         if run.note:
             print(f"{'':32s} ({run.note}; split {run.split_sms} SMs)")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(out, fh, indent=1)
+            fh.write("\n")
+
+
+def _head() -> str:
+    """The working tree's revision (with "+dirty" when it differs): the new model's."""
+    rev = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    ).stdout.strip()
+    return f"{rev}+dirty" if dirty else rev
+
+
+def _source(path: str) -> dict[str, Any]:
+    with open(path) as fh:
+        src = json.load(fh)
+    return {"file": os.path.basename(path)} | {
+        k: src.get(k) for k in ("git_revision", "device", "date")
+    }
 
 
 if __name__ == "__main__":

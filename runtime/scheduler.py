@@ -65,6 +65,7 @@ from runtime.config import EngineConfig
 from runtime.gc_watch import untrack_int_list
 from runtime.kv.block_manager import BlockManager
 from runtime.kv.prefix_cache import extend_block_hashes
+from runtime.online_fit import DecayingLine
 from runtime.request import (
     FINISH_REASONS,
     EngineOutput,
@@ -117,13 +118,6 @@ class CorrectedCost:
     cost: PrefillCost
     scale: float = 1.0
     offset_s: float = 0.0
-    # Exponentially weighted sums of (x = predicted marginal s, y = measured extra s).
-    _w: float = 0.0
-    _sx: float = 0.0
-    _sy: float = 0.0
-    _sxx: float = 0.0
-    _sxy: float = 0.0
-
     DECAY = 0.95  # weight of the past per observation: ~20 recent mixed steps
     MIN_SCALE, MAX_SCALE = 0.1, 10.0
     MAX_OFFSET_S = 0.25
@@ -131,6 +125,9 @@ class CorrectedCost:
     # variation) and a few steps are in.
     MIN_CV = 0.25
     MIN_WEIGHT = 3.0
+    # x = predicted marginal s, y = measured extra s, absolute errors: the cut sizes steps near
+    # the target, where a millisecond counts the same whatever the step's length.
+    _line: DecayingLine = field(default_factory=lambda: DecayingLine(CorrectedCost.DECAY))
 
     def marginal_s(self, uncached_tokens: int, cached_tokens: int = 0) -> float:
         return self.scale * self.cost.marginal_s(uncached_tokens, cached_tokens)
@@ -144,18 +141,10 @@ class CorrectedCost:
         decode base for its batch, `Engine._decode_base_s`)."""
         if predicted_s <= 1e-9:
             return
-        d = self.DECAY
-        self._w = d * self._w + 1.0
-        self._sx = d * self._sx + predicted_s
-        self._sy = d * self._sy + extra_s
-        self._sxx = d * self._sxx + predicted_s * predicted_s
-        self._sxy = d * self._sxy + predicted_s * extra_s
-        n = self._w
-        mx, my = self._sx / n, self._sy / n
-        var_x = max(0.0, self._sxx / n - mx * mx)
-        scale = self.scale
-        if n >= self.MIN_WEIGHT and var_x >= (self.MIN_CV * mx) ** 2:
-            scale = (self._sxy / n - mx * my) / var_x
+        self._line.add(predicted_s, extra_s)
+        mx, my = self._line.means()
+        slope = self._line.slope(self.MIN_CV, self.MIN_WEIGHT)
+        scale = self.scale if slope is None else slope
         scale = min(self.MAX_SCALE, max(self.MIN_SCALE, scale))
         offset = my - scale * mx
         if not 0.0 <= offset <= self.MAX_OFFSET_S:

@@ -24,10 +24,12 @@ the decode beside it, the longer each of those steps and the slower the prefill.
 is the neighbour's predicted step on its own partition; nu (per ms) was fitted on the H200's
 serving records (`DEFAULT_PREFILL_INTERFERENCE_PER_MS`, `fit_interference`, bench/cost_replay.py).
 All parameters are fitted from a profile measured on the actual GPU (`fit`), then refined online
-from measured latencies (`observe`: an EMA correction factor per (stage, regime, split), with a
-per-(stage, regime) fallback for splits never measured; the n-th observation of a factor
-weighs max(ema, 1 / n), so the first measurement replaces the prior instead of moving it by a
-fifth -- a split's prior was 1.5-2x off on the H200 and the slow start was most of its error).
+from measured latencies (`observe`: an affine correction per (stage, regime, split), measured ~
+offset + scale x prediction fitted on recent relative errors, with a per-(stage, regime)
+fallback for splits never measured; a correction's first measurement replaces the prior
+instead of moving it by a fifth -- a split's prior was 1.5-2x off on the H200 and the slow
+start was most of its error -- and a fixed cost that short prefills feel most is an offset,
+not a factor that swings between short and long ones).
 Every observation is scored against
 the prediction made *before* it updates the model, so `error_stats()` is a genuine
 out-of-sample prediction error (MAPE).
@@ -52,6 +54,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from runtime.online_fit import DecayingLine
 from runtime.partition import TIME_SLICE, SplitDecision
 from runtime.scheduler import MIN_TBT_CHUNK_TOKENS, PrefillCost, tbt_chunk_tokens
 
@@ -59,6 +62,15 @@ PREFILL = "prefill"
 DECODE = "decode"
 # A kind of prediction's measured error counts once this many are logged (fewer: noise).
 ERROR_MIN_SAMPLES = 8
+# The online correction (`_Correction`): the past's weight per observation (0.8, as the one
+# factor's EMA before it: decode steps beside a split change with the prefill next to them,
+# and 0.9-0.95 tracked them worse in the replays of bench/cost_replay.py), how much the
+# predictions must vary (coefficient of variation) and how many must be in before a fixed
+# cost is told from a scale, and the scale's bounds.
+CORRECTION_DECAY = 0.8
+CORRECTION_MIN_CV = 0.25
+CORRECTION_MIN_COUNT = 3.0
+CORRECTION_MIN_SCALE, CORRECTION_MAX_SCALE = 0.1, 10.0
 # A split prefill's slowdown per ms of the concurrent decode step on the other partition
 # (`CostModel.interference`), fitted on the H200's serving records (plans s and t, 3B and 8B,
 # 2026-12-02 at aebd7bb and 0475b77; bench/cost_replay.py): 0.0068 and 0.0218 per ms on each
@@ -151,6 +163,40 @@ class ProfileSample:
 
 
 @dataclass(slots=True)
+class _Correction:
+    """measured ≈ offset_ms + scale · the uncorrected prediction, for one (stage, regime[,
+    split]): fitted online on relative errors over recent observations (`DecayingLine`, decay
+    CORRECTION_DECAY). Affine, not one factor: on a pinned split (H200, 3B, plan z at
+    8c86337) short prefills (150-token scoring suffixes, chat prompts) measured 1.3-3.1x their
+    uncorrected prediction and 8k-16k-token ones 1.28-1.35x; one factor moved a fifth of the
+    way per step chased both, and even the long ones read ~30 % MAPE. Relative weights (1 /
+    measured²): a 5-ms prefill counts as much as a 250-ms one. Until x varies enough to tell a
+    slope from an offset (CORRECTION_MIN_CV), or when the fit wants a negative fixed cost, it
+    is one factor (the relative-error fit of y = c · x); its first observation sets it whole."""
+
+    scale: float = 1.0
+    offset_ms: float = 0.0
+    line: DecayingLine = field(default_factory=lambda: DecayingLine(CORRECTION_DECAY))
+
+    def apply(self, raw_ms: float) -> float:
+        return self.offset_ms + self.scale * raw_ms
+
+    def update(self, raw_ms: float, measured_ms: float) -> None:
+        self.line.add(raw_ms, measured_ms, 1.0 / (measured_ms * measured_ms))
+        slope = self.line.slope(CORRECTION_MIN_CV, CORRECTION_MIN_COUNT)
+        if slope is not None and CORRECTION_MIN_SCALE <= slope <= CORRECTION_MAX_SCALE:
+            mx, my = self.line.means()
+            offset = my - slope * mx
+            if offset >= 0.0:
+                self.scale, self.offset_ms = slope, offset
+                return
+        c = self.line.ratio()
+        if c is not None:
+            self.scale = min(CORRECTION_MAX_SCALE, max(CORRECTION_MIN_SCALE, c))
+            self.offset_ms = 0.0
+
+
+@dataclass(slots=True)
 class _ErrorLog:
     abs_pct: list[float] = field(default_factory=list)
     total: float = 0.0  # sum of abs_pct: the mean in O(1) (the controller reads it per choice)
@@ -205,11 +251,9 @@ class CostModel:
         # Slowdown per ms of the neighbour's step when its shape is known (`predict`'s
         # `neighbour`); calibrated models start from the H200 fit (`fit`, `from_dict`).
         self.interference: dict[str, float] = {PREFILL: 0.0, DECODE: 0.0}
-        # Online refinement: measured / predicted, per (stage, regime) where regime is
-        # "alone" or "concurrent" (EMA, weight `ema`; the n-th update weighs max(ema, 1/n)).
-        self.correction: dict[str, float] = {}
-        self._num_updates: dict[str, int] = {}
-        self.ema = 0.2
+        # Online refinement per "stage/regime" (regime "alone" or "concurrent") and per
+        # "stage/regime/sms" (one split); a split never measured uses its regime's.
+        self.correction: dict[str, _Correction] = {}
         self.errors: dict[str, _ErrorLog] = {}
         # One prefill model (issue 13): when set, a prefill's whole-GPU latency (ms) comes from
         # here -- the JCT model that the scheduler's and auto's chunks are sized with -- and
@@ -227,13 +271,15 @@ class CostModel:
                 return ms
         return float(np.dot(self.base[stage], shape.features()))
 
-    def _correction(self, stage: str, regime: str, sms: int) -> float:
-        c = self.correction.get(f"{stage}/{regime}/{sms}")
-        return self.correction.get(f"{stage}/{regime}", 1.0) if c is None else c
+    def _corrected(self, stage: str, regime: str, sms: int, raw_ms: float) -> float:
+        c = self.correction.get(f"{stage}/{regime}/{sms}") or self.correction.get(
+            f"{stage}/{regime}"
+        )
+        return raw_ms if c is None else c.apply(raw_ms)
 
     def predict_alone(self, stage: str, shape: Shape, sms: int, *, corrected: bool = True) -> float:
         t = self.base_ms(stage, shape) * self.curve[stage].slowdown(sms / self.total_sms)
-        return t * (self._correction(stage, "alone", sms) if corrected else 1.0)
+        return self._corrected(stage, "alone", sms, t) if corrected else t
 
     def contention(self, stage: str, sms: int, other_sms: int) -> float:
         """Slowdown factor (>= 1) of `stage` on `sms` SMs from the other phase's traffic."""
@@ -268,10 +314,18 @@ class CostModel:
         `neighbour`: the other phase's shape, where known (its load slows this one)."""
         if other_sms <= 0:
             return self.predict_alone(stage, shape, sms)
+        return self._corrected(
+            stage, "concurrent", sms, self._uncorrected(stage, shape, sms, other_sms, neighbour)
+        )
+
+    def _uncorrected(
+        self, stage: str, shape: Shape, sms: int, other_sms: int, neighbour: Shape | None
+    ) -> float:
         t = self.predict_alone(stage, shape, sms, corrected=False)
+        if other_sms <= 0:
+            return t
         t *= self.contention(stage, sms, other_sms)
-        t *= self.interference_factor(stage, sms, other_sms, neighbour)
-        return t * self._correction(stage, "concurrent", sms)
+        return t * self.interference_factor(stage, sms, other_sms, neighbour)
 
     # ---- fitting --------------------------------------------------------------------------
     @classmethod
@@ -356,19 +410,12 @@ class CostModel:
         regime = "concurrent" if other_sms > 0 else "alone"
         key = f"{stage}/{regime}"
         err = self.errors.setdefault(key, _ErrorLog()).add(pred, measured_ms)
-        if pred > 0 and measured_ms > 0:
-            # The split's own factor starts from the regime's, then both move toward the
-            # measurement (the regime's factor is what unmeasured splits use).
+        raw = self._uncorrected(stage, shape, sms, other_sms, neighbour)
+        if raw > 0 and measured_ms > 0:
+            # The split's own correction and its regime's (what unmeasured splits use) both
+            # learn from it; a split's first measurement sets its own whole.
             for k in (f"{key}/{sms}", key):
-                c = (
-                    self._correction(stage, regime, sms)
-                    if k != key
-                    else self.correction.get(k, 1.0)
-                )
-                n = self._num_updates.get(k, 0) + 1
-                self._num_updates[k] = n
-                w = max(self.ema, 1.0 / n)  # an EMA without the prior's start-up bias
-                self.correction[k] = (1 - w) * c + w * c * measured_ms / pred
+                self.correction.setdefault(k, _Correction()).update(raw, measured_ms)
         return err
 
     def score(self, key: str, predicted_ms: float, measured_ms: float) -> float:

@@ -1,0 +1,62 @@
+"""A straight line fitted online to recent observations: the one fit behind the engine's affine
+latency corrections (`scheduler.CorrectedCost` for mixed steps, `partition.cost_model`'s
+per-split corrections). Pure Python, O(1) an observation, no history kept."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class DecayingLine:
+    """y ≈ intercept + slope · x by weighted least squares over the observations so far, the
+    past discounted by `decay` per observation (1 / (1 - decay) recent ones carry most of it).
+
+    `add`'s `weight` is the observation's own weight: 1 for absolute errors, 1 / y² to fit
+    relative ones (then a 5-ms step counts as much as a 250-ms one)."""
+
+    decay: float
+    _count: float = 0.0  # decayed number of observations, whatever their weights
+    _w: float = 0.0
+    _sx: float = 0.0
+    _sy: float = 0.0
+    _sxx: float = 0.0
+    _sxy: float = 0.0
+
+    def add(self, x: float, y: float, weight: float = 1.0) -> None:
+        d = self.decay
+        self._count = d * self._count + 1.0
+        self._w = d * self._w + weight
+        self._sx = d * self._sx + weight * x
+        self._sy = d * self._sy + weight * y
+        self._sxx = d * self._sxx + weight * x * x
+        self._sxy = d * self._sxy + weight * x * y
+
+    @property
+    def count(self) -> float:
+        """The decayed number of observations (a fresh line: 0)."""
+        return self._count
+
+    def means(self) -> tuple[float, float]:
+        """Weighted means of x and y; (0, 0) before the first observation."""
+        if self._w <= 0.0:
+            return 0.0, 0.0
+        return self._sx / self._w, self._sy / self._w
+
+    def slope(self, min_cv: float, min_count: float) -> float | None:
+        """The least-squares slope, or None while it cannot be told from an intercept: fewer
+        than `min_count` observations, or x varying by less than `min_cv` of its mean
+        (coefficient of variation)."""
+        if self._count < min_count or self._w <= 0.0:
+            return None
+        mx, my = self.means()
+        var_x = max(0.0, self._sxx / self._w - mx * mx)
+        if var_x <= 0.0 or var_x < (min_cv * mx) ** 2:
+            return None
+        return (self._sxy / self._w - mx * my) / var_x
+
+    def ratio(self) -> float | None:
+        """The one factor c in y ≈ c · x that fits best (no intercept); None without data."""
+        if self._sxx <= 0.0:
+            return None
+        return self._sxy / self._sxx

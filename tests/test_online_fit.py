@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import pytest
+
+from runtime.online_fit import DecayingLine
+
+
+def test_a_line_is_recovered_once_x_varies_and_not_before() -> None:
+    line = DecayingLine(0.9)
+    assert line.slope(0.25, 3) is None and line.ratio() is None and line.means() == (0.0, 0.0)
+    for _ in range(3):
+        line.add(10.0, 23.0)  # one x: a slope cannot be told from an intercept
+    assert line.slope(0.25, 3) is None
+    assert line.ratio() == pytest.approx(2.3)
+    for x in (5.0, 40.0, 20.0):
+        line.add(x, 3.0 + 2.0 * x)
+    assert line.slope(0.25, 3) == pytest.approx(2.0)
+    mx, my = line.means()
+    assert my - 2.0 * mx == pytest.approx(3.0)
+    assert line.count == pytest.approx(sum(0.9**k for k in range(6)))
+
+
+def test_relative_weights_keep_short_observations_from_being_drowned() -> None:
+    """Points off the line by the same relative amount, one short and one long: unweighted, the
+    long point pulls the fit's error onto the short ones; weighted by 1 / y² both count alike."""
+    pts = [(1.0, 2.0), (1.2, 2.6), (100.0, 150.0), (120.0, 170.0)]
+
+    def short_error(weighted: bool) -> float:
+        line = DecayingLine(1.0)
+        for x, y in pts:
+            line.add(x, y, 1.0 / (y * y) if weighted else 1.0)
+        slope = line.slope(0.1, 2)
+        assert slope is not None
+        mx, my = line.means()
+        return abs(my - slope * mx + slope * 1.0 - 2.0) / 2.0
+
+    assert short_error(weighted=True) < 0.5 * short_error(weighted=False)
+
+
+def test_old_observations_fade() -> None:
+    line = DecayingLine(0.5)
+    for x in (1.0, 2.0, 3.0):
+        line.add(x, 10.0 * x)
+    for x in (1.0, 2.0, 3.0) * 10:
+        line.add(x, 2.0 * x)
+    assert line.count == pytest.approx(2.0, rel=1e-6)  # 1 / (1 - decay): a window, not all
+    assert line.slope(0.25, 1.5) == pytest.approx(2.0, rel=1e-3)
