@@ -417,6 +417,37 @@ def test_auto_runs_an_unchunkable_scoring_prompt_on_the_split(manager) -> None: 
     assert _sizes(launched[0]) == {"sc2": CHUNK}
 
 
+def test_auto_holds_what_it_admits_behind_a_whole_scoring_head_to_the_room(manager) -> None:  # noqa: F811
+    """Scoring prompts not chunked (`--chunk-scoring-prefill false`): the head of the queue
+    runs whole, and what is admitted behind it is held to the room the target leaves after
+    the decode step. On the H200 (3B, plan z at 8c86337) 20-23 scoring suffixes that waited
+    on one shared prefix went in as one 83-86-ms step for an 80-ms target."""
+    eng, _, launched = _auto_engine(manager, num_kv_blocks=1024, chunk_scoring_prefill=False)
+    _decoding_chat(eng)
+    launched.clear()
+    for i in range(6):  # 150 tokens each, no prefix shared: 0.3 ms each at 2 us a token
+        prompt = list(range(1000 + 200 * i, 1150 + 200 * i))
+        eng.scheduler.add(Request(f"s{i}", RequestKind.SCORE, prompt, label_token_ids=[1]))
+    eng._step()
+    plan = launched[0]
+    assert plan.decode
+    # Room: 2.7 ms - the flat model's 2 ms decode = 350 tokens: the head and one more (a
+    # third would need 450), each whole; the rest wait for steps of their own.
+    assert sorted(_sizes(plan).values()) == [150, 150]
+    _run(eng, lambda: all(eng.scheduler.get(f"s{i}") is None for i in range(6)))
+    assert all(sum(_sizes(p).values()) <= 300 for p in launched if p.prefill and p.decode)
+    # A head too long for the room still runs (whole), with nothing behind it.
+    launched.clear()
+    eng.scheduler.add(
+        Request("big", RequestKind.SCORE, list(range(3000, 3600)), label_token_ids=[1])
+    )
+    eng.scheduler.add(
+        Request("small", RequestKind.SCORE, list(range(4000, 4050)), label_token_ids=[1])
+    )
+    eng._step()
+    assert _sizes(launched[0]) == {"big": 600}
+
+
 def test_auto_uses_the_partition_target_unless_tbt_slo_ms_is_given(manager) -> None:  # noqa: F811
     from runtime.config import EngineConfig
     from runtime.partition.setup import controller_config_from

@@ -344,6 +344,43 @@ def test_time_slicing_by_layers_interleaves_decode_steps_on_one_stream() -> None
     eng.block_manager.check_integrity()
 
 
+def test_a_decode_step_follows_the_last_layer_slice_before_new_prefill() -> None:
+    """Layer slices promise a decode waits at most one slice. A decode step launched after the
+    last slice keeps that; if the prefill finishes before one is (the host planned none), the
+    next step is decode-only, once (with no decodes to plan the step after takes prefill)."""
+    ref = serial_tokens(make_reqs())
+    dev = FakeDevice()
+    eng, ex, _ = split_engine(dev, fixed_split(layers_per_slice=1))  # tiny: 2 layers, 2 slices
+    budget = ex.prefill_token_budget
+    reqs = make_reqs()
+    eng.scheduler.add(reqs[0])
+    outs = split_step(eng) + split_step(eng)  # r0 prefilled alone, then decoding
+    eng.scheduler.add(reqs[1])
+    dev.hold = True
+    outs += split_step(eng)  # r1's first slice, r0's decode before it
+    dev.release()
+    outs += split_step(eng)  # r0 decodes; then the last slice is queued
+    assert ex.prefill is not None and ex.prefill.done_event is not None
+    dev.release()
+    outs += [o for r in ex.results(block=False) for o in eng._apply(r)]  # r1 done, no decode
+    assert ex.prefill is None
+    assert ex.capacity().prefill_token_budget == 0  # owed: a decode-only step
+    assert ex.capacity().prefill_token_budget == budget  # once
+    # A decode step launched after the last slice settles it: no extra step.
+    eng.scheduler.add(reqs[2])
+    outs += split_step(eng)  # r2's first slice
+    dev.release()
+    outs += split_step(eng)  # decodes; the last slice queued
+    assert ex.prefill is not None and ex.prefill.done_event is not None
+    outs += split_step(eng)  # capacity 0 (in flight): a decode step behind the last slice
+    dev.release()
+    outs += [o for r in ex.results(block=False) for o in eng._apply(r)]
+    assert ex.prefill is None and ex.capacity().prefill_token_budget == budget
+    outs += finish(eng, dev)
+    assert tokens_by_id(outs) == ref
+    eng.block_manager.check_integrity()
+
+
 def test_request_moves_to_decode_only_after_prefill_completes() -> None:
     dev = FakeDevice()
     eng, ex, _ = split_engine(dev, fixed_split())
