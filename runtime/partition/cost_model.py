@@ -406,11 +406,11 @@ class CostModel:
     ) -> float:
         """Score the prediction for a measured latency, then refine. Returns |error| / measured.
         `neighbour`: the other phase's (mean) shape while this one ran, where known."""
-        pred = self.predict(stage, shape, sms, other_sms, neighbour=neighbour)
         regime = "concurrent" if other_sms > 0 else "alone"
         key = f"{stage}/{regime}"
-        err = self.errors.setdefault(key, _ErrorLog()).add(pred, measured_ms)
         raw = self._uncorrected(stage, shape, sms, other_sms, neighbour)
+        pred = self._corrected(stage, regime, sms, raw)  # = predict(...), computed once
+        err = self.errors.setdefault(key, _ErrorLog()).add(pred, measured_ms)
         if raw > 0 and measured_ms > 0:
             # The split's own correction and its regime's (what unmeasured splits use) both
             # learn from it; a split's first measurement sets its own whole.
