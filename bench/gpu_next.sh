@@ -67,7 +67,7 @@ work=/tmp/serving; mkdir -p $work
 # issue 6 asks) and a TPOT variant. auto runs with a TBT target of 80 % of the SLO's bound.
 # DUR: seconds of arrivals per probe (default 8; plan q reads it too, for its own probes).
 common=(--out-dir $work --rev "$rev" --scale 1.0 --duration-s ${DUR:-8} --drain-s 6
-        --request-timeout-s 40 --command "${DUR:+DUR=$DUR }${PARTS:+PARTS=$PARTS }${REVERSE:+REVERSE=$REVERSE }bash bench/gpu_next.sh $plan $rev $split")
+        --request-timeout-s 40 --command "${DUR:+DUR=$DUR }${PROBES:+PROBES=$PROBES }${PARTS:+PARTS=$PARTS }${REVERSE:+REVERSE=$REVERSE }bash bench/gpu_next.sh $plan $rev $split")
 rc=0
 case $plan in
   a)
@@ -221,7 +221,7 @@ case $plan in
     # calibrates its JCT model at start-up (auto's one prefill model needs it; every side
     # shares it). Run each plan twice (two repeats) and merge with gpu_serving --merge.
     # SERVER_EXTRA: more server options for every side; PARTS: a subset (e.g. PARTS=score-chat:
-    # a repeat's part that a deadline cut).
+    # a repeat's part that a deadline cut); PROBES: probes per search (4; 6 narrows 32-48 QPS).
     if [ "$plan" = s ]; then m=random:qwen2.5-3b q0=12 sq0=16; else m=random:llama-3.1-8b q0=6 sq0=6; fi
     # First the FlashInfer backend against its fp32 reference in every planning mode (seconds;
     # the plan's index building changed in 2026-12-01's fourth session): serving numbers from a
@@ -238,7 +238,7 @@ case $plan in
     if [ "${REVERSE:-}" = 1 ]; then sides=("${sides[@]:4:2}" "${sides[@]:2:2}" "${sides[@]:0:2}"); fi
     python3 -m bench.gpu_serving "${common[@]}" --models $m --start-s 120 \
       --server-args "--partition auto --calibrate true --partition-tbt-slo-ms 80 --prefill-token-budget 8192 ${SERVER_EXTRA:-}" \
-      --start-qps $q0 --max-probes 4 --slo ttft:2000,tbt:100 "${sides[@]}" \
+      --start-qps $q0 --max-probes ${PROBES:-4} --slo ttft:2000,tbt:100 "${sides[@]}" \
       --score-start-qps $sq0 --chat-qps 2 --score-slo ttft:3000 \
       --parts ${PARTS:-mixed,score-chat} --tag partition-$plan --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
   z)
