@@ -10,11 +10,13 @@ Routes (all under `/admin`):
   the budget at most the one the server started with).
 - `POST /admin/api/prefix-cache/reset`  drop every idle prefix-cache block (benchmarks call it
   between runs so one run's prompts do not speed up the next).
+- `POST /admin/api/cost-model/errors/reset`  forget the partition cost model's logged errors
+  (benchmarks call it before each side, so each side's MAPE per kind is its own).
 
 What the router reads from `app.state` (set by `app.main.create_app`):
 - `engine`: `app.engine_view.EngineView` — `stats()`, `is_alive()`, the coroutines
   `set_policy(name)` and `reset_prefix_cache()`, and `partition` (`state()`, and the
-  coroutine `set_mode(spec)`).
+  coroutines `set_mode(spec)` and `reset_cost_model_errors()`).
 - `metrics` (optional): `recent()` -> `{"ttft_s": [...], "tpot_s": [...], "e2e_s": [...],
   "completed_total": int, "tokens_total": int}`, the recent latency samples and the counters.
   Without it, latencies are reported as missing and throughput comes from the same counters in
@@ -171,6 +173,15 @@ _PROFILE_RESPONSES: dict[int | str, dict[str, Any]] = {
     415: _err("The body is not JSON"),
     404: _err("This engine cannot profile its steps"),
     500: _err("The profiler failed (the engine serves on)"),
+    503: _err("The engine is starting"),
+}
+_ERRORS_RESET_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": '`{"reset": true}`: the error logs are empty'},
+    400: _err("Invalid body"),
+    401: _err("An admin token is set and was not given"),
+    403: _err("Not a loopback client with a local Host and Origin (no token set)"),
+    409: _err("This server has no partition cost model (SM partitioning unavailable)"),
+    415: _err("The body is not JSON"),
     503: _err("The engine is starting"),
 }
 STEP_TRACE_MAX = 4096  # runtime.engine.STEP_TRACE_LEN (app/ does not import the engine)
@@ -842,3 +853,33 @@ async def admin_reset_prefix_cache(request: Request) -> JSONResponse:
     cached_before = engine.stats().get("prefix_cached_blocks")
     await engine.reset_prefix_cache()
     return JSONResponse({"reset": "queued", "prefix_cached_blocks_before": cached_before})
+
+
+@router.post(
+    "/admin/api/cost-model/errors/reset",
+    responses=_ERRORS_RESET_RESPONSES,
+    openapi_extra=_json_body(ResetRequest, "An empty JSON object", required=False),
+)
+async def admin_reset_cost_model_errors(request: Request) -> JSONResponse:
+    """Forget the partition cost model's logged prediction errors (the MAPE per kind on this
+    page and in `/metrics`, and the evidence the split margin reads): what is logged next
+    belongs to what runs next. Done when the reply comes. 409 when the server has no cost
+    model (SM partitioning unavailable)."""
+    denied = check_admin(request)
+    if denied is not None:
+        return denied
+    if await request.body():  # optional; when sent, it must be the empty object
+        body = await _parse_body(request, ResetRequest)
+        if isinstance(body, JSONResponse):
+            return body
+    engine = getattr(request.app.state, "engine", None)
+    if engine is None:
+        return _error(503, "the engine is starting; try again shortly", "service_unavailable")
+    if not await engine.partition.reset_cost_model_errors():
+        reason = engine.partition.state().reason or "no cost model"
+        return _error(
+            409,
+            f"this server has no partition cost model (SM partitioning unavailable: {reason})",
+            "invalid_request_error",
+        )
+    return JSONResponse({"reset": True})

@@ -41,6 +41,10 @@ class PartitionView:
         self._core.note(partition=state)  # seen at once, before the next heartbeat
         return PartitionState(**state)
 
+    async def reset_cost_model_errors(self) -> bool:
+        """False when the server has no cost model (no green contexts)."""
+        return bool(await self._core.call("reset_cost_model_errors"))
+
 
 class EngineView:
     def __init__(self, core: Any, info: dict[str, Any], tokenizer: Any) -> None:

@@ -112,6 +112,19 @@ def apply_settings(base_url: str, settings: str) -> dict[str, Any]:
     return _state_summary(state)
 
 
+def reset_cost_model_errors(base_url: str) -> bool:
+    """Empty the server's cost-model error logs before a side (`POST
+    /admin/api/cost-model/errors/reset`): the logs are the server's, so until the twenty-fifth
+    session each side's `cost_model_errors_at_end` also held the sides that ran before it.
+    False where the server keeps none (no green contexts, an older server): then that
+    reading spans the sides as before."""
+    try:
+        http_json(base_url + "/admin/api/cost-model/errors/reset", "POST", {})
+    except Exception:  # noqa: BLE001 - the side's latencies are still worth measuring
+        return False
+    return True
+
+
 def engine_counters(base_url: str) -> dict[str, Any]:
     """What the engine says of how it ran (for one side's run: read before and after, then
     `engine_during`): the TBT cut's mixed steps and auto's choices ({} if unreadable)."""
@@ -786,6 +799,7 @@ class Orchestrator:
         """Max QPS of one side: a doubling/bisection search at `slo`, or (ladder) every rate
         of --ladder, judged afterwards against each SLO of --slo and --slos."""
         applied = apply_settings(srv.url, settings)
+        errors_reset = reset_cost_model_errors(srv.url)
         before = disabled_splits(srv.url)
         counters = engine_counters(srv.url)
         path = self.out_dir / f"{rec['slug']}-{wl}-{side}.json"
@@ -833,6 +847,7 @@ class Orchestrator:
                 "settings": settings,
                 "server_settings": applied,
                 "engine_during_run": engine_during(counters, engine_counters(srv.url)),
+                "cost_model_errors_reset_before": errors_reset,
                 "step_gaps_at_end": step_gaps(srv.url, save_to=path.with_suffix(".steps.json")),
                 "file": path.name,
                 "wall_s": e["wall_s"],

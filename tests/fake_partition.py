@@ -38,6 +38,7 @@ class FakePartition:
         # them directly (no fake controller runs here).
         self.choice_counts: dict[str, int] = {}
         self.disabled_splits: dict[str, str] = {}
+        self.error_resets = 0  # reset_cost_model_errors calls
 
     def _split_state(self) -> PartitionState:
         if self.mode == "off":
@@ -67,6 +68,11 @@ class FakePartition:
     def state(self) -> PartitionState:
         with self._lock:
             return self._split_state()
+
+    def reset_cost_model_errors(self) -> bool:
+        with self._lock:
+            self.error_resets += 1
+        return True
 
     def set_mode(self, spec: str) -> PartitionState:
         with self._lock:
@@ -107,6 +113,9 @@ class AsyncPartition:
 
     async def set_mode(self, spec: str) -> PartitionState:
         return self._manager.set_mode(spec)
+
+    async def reset_cost_model_errors(self) -> bool:
+        return self._manager.reset_cost_model_errors()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._manager, name)

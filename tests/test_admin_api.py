@@ -628,3 +628,26 @@ def test_bad_prefill_limits_are_400(body: dict, param: str | None) -> None:
 def test_prefill_limits_need_the_token_when_one_is_set() -> None:
     client = TestClient(make_app(token="s3cret"), client=LOOPBACK, base_url=LOCAL_URL)
     assert client.put("/admin/api/prefill", json={"prefill_token_budget": 1024}).status_code == 401
+
+
+ERRORS_RESET = "/admin/api/cost-model/errors/reset"
+
+
+def test_cost_model_errors_reset() -> None:
+    """Benchmarks empty the cost model's error logs before each side; a change like any other
+    (loopback without a token, a JSON body if any), and 409 where there is no cost model."""
+    engine = FakeEngine()
+    app = make_app(token=None, engine=engine)
+    local = TestClient(app, client=LOOPBACK, base_url=LOCAL_URL)
+    assert TestClient(app, client=REMOTE).post(ERRORS_RESET, json={}).status_code == 403
+    assert local.post(ERRORS_RESET, json={"x": 1}).status_code == 400
+    assert engine.partition.error_resets == 0
+    r = local.post(ERRORS_RESET, json={})
+    assert r.status_code == 200 and r.json() == {"reset": True}
+    assert local.post(ERRORS_RESET).status_code == 415  # no JSON content type: CSRF guard
+    assert engine.partition.error_resets == 1
+    none = FakeEngine(partition=UnavailablePartition("no CUDA device"))
+    r = TestClient(make_app(token=None, engine=none), client=LOOPBACK, base_url=LOCAL_URL).post(
+        ERRORS_RESET, json={}
+    )
+    assert r.status_code == 409 and "no CUDA device" in r.json()["error"]["message"]

@@ -533,6 +533,9 @@ def test_cpu_dry_run_against_real_server(tmp_path: Path) -> None:
     # What the engine said of each side's run (read from the admin state before and after).
     during = wl["off"]["engine_during_run"]
     assert isinstance(during["tbt_cut"]["num_mixed_steps"], int), during
+    # Each side asks the server to empty its cost-model error logs first; a CPU server has no
+    # cost model and says so (409), and the side records that the reading was not reset.
+    assert wl["off"]["cost_model_errors_reset_before"] is False
     assert during["tbt_cut"]["num_mixed_steps"] >= 0
     abl = m["ablation"]
     assert set(abl) >= {"policy_alone", "partition_alone", "both"}

@@ -18,6 +18,7 @@ CMPL = "/v1/completions"
 SCORE = "/v1/score"
 ADMIN_JSON = [("PUT", "/admin/api/partition"), ("PUT", "/admin/api/policy")]
 ADMIN_JSON += [("POST", "/admin/api/prefix-cache/reset")]
+ADMIN_JSON += [("POST", "/admin/api/cost-model/errors/reset")]
 JSON_ENDPOINTS = [("POST", CHAT), ("POST", CMPL), ("POST", SCORE), *ADMIN_JSON]
 MSG = [{"role": "user", "content": "hi"}]
 LONE = "\ud800"  # a lone UTF-16 surrogate: valid JSON ("\\ud800"), not text
@@ -257,6 +258,8 @@ def test_admin_changes_refuse_cross_site_requests(http: httpx.Client, server: Se
         headers = {"content-type": ctype} if ctype else {}
         assert_error(http.put("/admin/api/policy", content=body, headers=headers), 415)
         assert_error(http.post("/admin/api/prefix-cache/reset", content=b"", headers=headers), 415)
+        reset = "/admin/api/cost-model/errors/reset"
+        assert_error(http.post(reset, content=b"", headers=headers), 415)
     for origin in ("https://evil.example", "null", "http://127.0.0.1.nip.io:8000"):
         r = http.put("/admin/api/policy", json={"policy": "fcfs"}, headers={"Origin": origin})
         assert_error(r, 403)
@@ -265,6 +268,9 @@ def test_admin_changes_refuse_cross_site_requests(http: httpx.Client, server: Se
     assert (
         http.put("/admin/api/policy", json={"policy": "fcfs"}, headers=same_site).status_code == 200
     )
+    # A CPU server has no partition cost model: its error-log reset is a 409 that says so.
+    err = assert_error(http.post("/admin/api/cost-model/errors/reset", json={}), 409)
+    assert "no partition cost model" in err["message"]
 
 
 def test_admin_token_guards_reads_and_docs() -> None:

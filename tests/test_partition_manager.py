@@ -323,3 +323,21 @@ def test_a_change_of_split_orders_the_new_streams_after_the_old(manager) -> None
         id(first.decode_stream),
     }
     assert manager.decide(p, d, kv_usage=0.2).decision.reason == "off"  # the same type
+
+
+def test_the_error_logs_reset_and_the_model_keeps_what_it_learned(manager) -> None:
+    """`reset_cost_model_errors` (the admin API's, called by benchmarks before each side)
+    empties every kind's log; the corrections the observations taught stay."""
+    p = PrefillShape.from_seqs([(0, 4096)], num_layers=4)
+    d = DecodeShape(16, 16 * 1024, 4)
+    manager.observe("prefill", p, 96, 50.0, 36)
+    manager.observe("decode", d, 36, 7.0, 96)
+    manager.score("chunked/step", 40.0, 44.0)
+    errors = manager.cost_model_errors()
+    assert errors["num_observations"] == 3 and errors["num_chunked_step"] == 1
+    learned = manager.cost_model.predict("prefill", p, 96, 36)
+    assert manager.reset_cost_model_errors() is True
+    errors = manager.cost_model_errors()
+    assert errors["num_observations"] == 0 and "num_chunked_step" not in errors
+    assert manager.cost_model_mape() is None
+    assert manager.cost_model.predict("prefill", p, 96, 36) == learned

@@ -293,6 +293,8 @@ class EngineCore:
             return _asdict(engine.partition.set_mode(args[0]))
         if method == "partition_state":
             return _asdict(engine.partition.state())
+        if method == "reset_cost_model_errors":
+            return engine.partition.reset_cost_model_errors()
         if method == "stats":  # fresh, for tests and benchmarks (heartbeats carry the rest)
             fresh = getattr(engine, "fresh_stats", None)
             return fresh() if fresh is not None else engine.stats()

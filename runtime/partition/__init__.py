@@ -93,6 +93,12 @@ class PartitionManager(Protocol):
         for a malformed spec or a split that was not pre-created."""
         ...
 
+    def reset_cost_model_errors(self) -> bool:
+        """Forget the cost model's logged prediction errors (`cost_model_errors`, and the
+        evidence the split margin reads), so what is logged next belongs to what runs next
+        (a benchmark's side). False when there is no cost model."""
+        ...
+
 
 class UnavailablePartition:
     """Stand-in when there is no CUDA / no green contexts: everything runs time-sliced."""
@@ -114,3 +120,6 @@ class UnavailablePartition:
         if spec == "off":
             return self._state
         raise ValueError(f"SM partitioning is unavailable: {self._state.reason}")
+
+    def reset_cost_model_errors(self) -> bool:
+        return False

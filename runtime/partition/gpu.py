@@ -329,6 +329,12 @@ class GreenContextPartition:
         with self._lock:
             self.cost_model.score(kind, predicted_ms, measured_ms)
 
+    def reset_cost_model_errors(self) -> bool:
+        """Empty the error logs (every kind); the model's parameters and corrections stay."""
+        with self._lock:
+            self.cost_model.errors.clear()
+        return True
+
     def cost_model_errors(self) -> dict[str, float | int]:
         """The cost model's out-of-sample errors by kind (`CostModel.error_stats`)."""
         with self._lock:
