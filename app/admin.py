@@ -829,16 +829,9 @@ async def admin_set_prefill(request: Request) -> JSONResponse:
     return JSONResponse(build_state(request.app))
 
 
-@router.post(
-    "/admin/api/prefix-cache/reset",
-    responses=_CHANGE_RESPONSES,
-    openapi_extra=_json_body(ResetRequest, "An empty JSON object", required=False),
-)
-async def admin_reset_prefix_cache(request: Request) -> JSONResponse:
-    """Ask the engine to drop its idle prefix-cache blocks. The engine applies it on its own
-    thread before its next step, so the reply means "queued", not "done": a request sent after
-    this reply is scheduled after the reset (the engine's inbox is ordered). Blocks that running
-    requests hold stay until those finish."""
+async def _reset_engine(request: Request) -> Any:
+    """What the reset routes check first: admin rights, an empty JSON object if a body is
+    sent, a running engine. Returns the engine, or the error response to send."""
     denied = check_admin(request)
     if denied is not None:
         return denied
@@ -849,6 +842,22 @@ async def admin_reset_prefix_cache(request: Request) -> JSONResponse:
     engine = getattr(request.app.state, "engine", None)
     if engine is None:
         return _error(503, "the engine is starting; try again shortly", "service_unavailable")
+    return engine
+
+
+@router.post(
+    "/admin/api/prefix-cache/reset",
+    responses=_CHANGE_RESPONSES,
+    openapi_extra=_json_body(ResetRequest, "An empty JSON object", required=False),
+)
+async def admin_reset_prefix_cache(request: Request) -> JSONResponse:
+    """Ask the engine to drop its idle prefix-cache blocks. The engine applies it on its own
+    thread before its next step, so the reply means "queued", not "done": a request sent after
+    this reply is scheduled after the reset (the engine's inbox is ordered). Blocks that running
+    requests hold stay until those finish."""
+    engine = await _reset_engine(request)
+    if isinstance(engine, JSONResponse):
+        return engine
     # The count last published by the engine (before the reset takes effect); informative only.
     cached_before = engine.stats().get("prefix_cached_blocks")
     await engine.reset_prefix_cache()
@@ -865,16 +874,9 @@ async def admin_reset_cost_model_errors(request: Request) -> JSONResponse:
     page and in `/metrics`, and the evidence the split margin reads): what is logged next
     belongs to what runs next. Done when the reply comes. 409 when the server has no cost
     model (SM partitioning unavailable)."""
-    denied = check_admin(request)
-    if denied is not None:
-        return denied
-    if await request.body():  # optional; when sent, it must be the empty object
-        body = await _parse_body(request, ResetRequest)
-        if isinstance(body, JSONResponse):
-            return body
-    engine = getattr(request.app.state, "engine", None)
-    if engine is None:
-        return _error(503, "the engine is starting; try again shortly", "service_unavailable")
+    engine = await _reset_engine(request)
+    if isinstance(engine, JSONResponse):
+        return engine
     if not await engine.partition.reset_cost_model_errors():
         reason = engine.partition.state().reason or "no cost model"
         return _error(
