@@ -452,7 +452,15 @@ class Engine:
         if not (look.prefill_tokens and look.num_decodes):
             return capacity  # nothing to cut, or nothing to protect: planned whole
         if not look.prefill_chunkable:
-            return self._timed_behind_whole_head(capacity, look, target_ms)
+            # The head, a scoring prompt that runs whole (no room for its KV, or
+            # `--chunk-scoring-prefill false`), is planned whole (the scheduler admits a step's
+            # first prefill whatever the room) and the controller chooses at launch how to run
+            # it; what is admitted behind it is held to the room, as `off --tbt-slo-ms` holds
+            # its admissions. Without that a batch of scoring suffixes that waited on one
+            # shared prefix went in as one step: on the H200 (3B, plan z at 8c86337) 20-23
+            # suffixes, 2.7-3.4k tokens over 264-288k cached, predicted 73-90 ms and measured
+            # 83-86 ms for an 80-ms target, run whole beside the decodes.
+            return self._timed(capacity, look, target_ms / 1e3)
         layers = self.model_config.num_layers
         p = PrefillShape.from_seqs([(look.prefill_context_tokens, look.prefill_tokens)], layers)
         d = DecodeShape(look.num_decodes, look.decode_context_tokens, layers)
@@ -486,22 +494,14 @@ class Engine:
             prefill_cost=self._prefill_cost,
         )
 
-    def _timed_behind_whole_head(
-        self, capacity: StepCapacity, look: StepOutlook, target_ms: float
-    ) -> StepCapacity:
-        """auto, a TBT target, decodes running, and the head of the queue a scoring prompt
-        that runs whole (no room for its KV, or `--chunk-scoring-prefill false`): the head is
-        planned whole (the scheduler admits a step's first prefill whatever the room) and
-        the controller chooses at launch how to run it; what is admitted behind it is held
-        to the room the target leaves after the decode step, as `off --tbt-slo-ms` holds its
-        admissions. Without that a batch of scoring suffixes that waited on one shared prefix
-        went in as one step: on the H200 (3B, plan z at 8c86337) 20-23 suffixes, 2.7-3.4k
-        tokens over 264-288k cached, predicted 73-90 ms and measured 83-86 ms for an 80-ms
-        target, run whole beside the decodes."""
+    def _timed(self, capacity: StepCapacity, look: StepOutlook, aim_s: float) -> StepCapacity:
+        """`capacity` with the TBT cut's time accounting: the prefill planned beside the
+        decodes may add `aim_s` less the decode base for the batch and the mixed step's fixed
+        cost (`CorrectedCost`), by the corrected prefill cost."""
         base_s = self._decode_base_s(look.num_decodes, look.decode_context_tokens)
         return dataclasses.replace(
             capacity,
-            tbt_s=target_ms / 1e3,
+            tbt_s=aim_s,
             decode_step_s=base_s + self._prefill_cost.offset_s,
             prefill_cost=self._prefill_cost,
         )
@@ -1138,13 +1138,7 @@ class Engine:
                 capacity = self._auto_capacity(capacity)
             elif self._tbt_s is not None and ex.name == "serial":
                 look = self.scheduler.outlook(self.config.chunk_scoring_prefill)
-                base_s = self._decode_base_s(look.num_decodes, look.decode_context_tokens)
-                capacity = dataclasses.replace(
-                    capacity,
-                    tbt_s=self._tbt_s / self._tbt_tail.factor,
-                    decode_step_s=base_s + self._prefill_cost.offset_s,
-                    prefill_cost=self._prefill_cost,
-                )
+                capacity = self._timed(capacity, look, self._tbt_s / self._tbt_tail.factor)
             try:
                 plan = sched.schedule(capacity)
             except Exception as e:  # noqa: BLE001 - bookkeeping bug: fail everything queued
