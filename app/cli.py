@@ -79,8 +79,9 @@ _ENGINE_HELP = {
     "(always: FlashInfer's split and its merge kernel a layer; never: one chunk a request, no "
     "merge; auto: one chunk where FlashInfer's split would give one chunk anyway)",
     "prefill_warm_up_tokens": "at start-up, run one discarded prefill of this many tokens "
-    "(capped at the longest scoring prompt) so the first long prompt is not the one that pays "
-    "first-use costs (default: 16384 on CUDA, off on the CPU; 0: off)",
+    "(capped at the longest scoring prompt), then one of each form a chat's first chunked "
+    "steps take, so the first requests are not the ones that pay first-use costs (default: "
+    "16384 on CUDA, off on the CPU; 0: off)",
     "fused_decode_max_batch": "decode graphs of batches up to this size (at most 64) run the "
     "fused Triton decode kernels instead of FlashInfer + cuBLAS (0: never)",
     "wait_for_shared_prefix_tokens": "a waiting request whose next N+ prompt tokens a running "

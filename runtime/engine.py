@@ -868,18 +868,68 @@ class Engine:
                 torch.cuda.empty_cache()
             return
         log.info("prefill warm-up: %d tokens in %.3f s", n, self.prefill_warm_up_s)
+        t0 = time.perf_counter()
+        try:
+            for items, keep_kv in self._warm_up_forms():
+                self.measure_prefill_batch(items, keep_kv=keep_kv)
+        except Exception as e:  # noqa: BLE001 - as above
+            log.warning(
+                "FALLBACK: warming up the first chunked steps' forms failed (%s: %s); the "
+                "first such steps pay their first-use costs",
+                type(e).__name__,
+                e,
+            )
+            fallbacks.note("step forms warm-up", f"{type(e).__name__}: {e}")
+            return
+        log.info("warm-up of the first steps' forms: %.3f s", time.perf_counter() - t0)
+
+    def _warm_up_forms(self) -> list[tuple[list[tuple[int, int]], bool]]:
+        """The forms of forward a chat's first chunked steps take, as (uncached, cached) items
+        and whether their KV is kept: each one's first run pays one-time host costs (a Triton
+        variant compiled, a FlashInfer FA2 wrapper made and its module loaded) on the engine
+        thread, with the decodes beside it waiting. On the H200 (3B, bf68d3a) a fresh
+        engine's first chunk next to eight chats took 164 ms for a 25-ms target and an
+        11-token chunk beside them 300 ms (tests/gpu/test_auto_chunked_gpu.py). Odd sizes on
+        purpose; the start-up graph capture runs only bucket sizes."""
+        budget = self.config.prefill_token_budget
+        eager = self.config.prefill_graph_max_tokens + 77
+        forms: list[tuple[list[tuple[int, int]], bool]] = [
+            ([(19, 0)], False),  # a short forward: RoPE one program a token
+            # Mostly one-token rows (decodes) beside a short part: the FA2 kernels, on a
+            # gathered context (a scoring suffix discarded) and on a paged one (a merged step)
+            ([(1, 64)] * 8 + [(19, 0)], False),
+            ([(1, 64)] * 8 + [(19, 0)], True),
+            ([(333, 1499)], True),  # a later chunk: paged, RoPE tiled
+            ([(eager, 0)], True),  # a first chunk past the graphs' largest bucket: eager
+        ]
+        # Within the step budget, the model's length and the pool (a small engine skips some).
+        bm = self.block_manager
+
+        def fits(items: list[tuple[int, int]], keep: bool) -> bool:
+            blocks = sum(bm.num_blocks_for(c + n if keep else c) for n, c in items)
+            return (
+                sum(n for n, _ in items) <= budget
+                and all(n + c <= self._max_model_len for n, c in items)
+                and blocks <= bm.num_free_blocks
+            )
+
+        return [(items, keep) for items, keep in forms if fits(items, keep)]
 
     def measure_prefill(self, uncached_tokens: int, cached_tokens: int) -> float:
         """Seconds of one real prefill of `uncached_tokens` new tokens after `cached_tokens`
         of context already in the pool (runtime.calibrate's `measure`)."""
         return self.measure_prefill_batch([(uncached_tokens, cached_tokens)])
 
-    def measure_prefill_batch(self, items: list[tuple[int, int]]) -> float:
+    def measure_prefill_batch(
+        self, items: list[tuple[int, int]], *, keep_kv: bool = False
+    ) -> float:
         """Seconds of one real prefill step over several sequences, (uncached, cached) tokens
         each (the JCT profiles: runtime/calibrate.py, bench/prefill_profile.py). Call before
         `start()` (the engine thread must not be running). The new tokens' KV is discarded
         (as for scoring requests), so only the contexts need pool blocks; their KV values are
-        whatever the pool holds, which does not change the timing."""
+        whatever the pool holds, which does not change the timing. `keep_kv`: the new tokens'
+        KV is written to the pool as a chat prompt's is (blocks for it too), so the step takes
+        the attention path of a prefill that keeps its KV (paged, not gathered)."""
         if self._thread is not None:
             raise RuntimeError("measure_prefill must run before the engine thread starts")
         bm = self.block_manager
@@ -888,7 +938,8 @@ class Engine:
             seqs = []
             for i, (uncached, cached) in enumerate(items):
                 key = f"__measure_prefill_{i}__"
-                blocks = bm.allocate(key, bm.num_blocks_for(cached))
+                kept = cached + uncached if keep_kv else cached
+                blocks = bm.allocate(key, bm.num_blocks_for(kept))
                 keys.append(key)
                 req = Request(
                     key, RequestKind.SCORE, [0] * (cached + uncached), label_token_ids=[0]
@@ -899,7 +950,7 @@ class Engine:
                         lease=Lease(req, key, -1),
                         num_context_tokens=cached,
                         num_new_tokens=uncached,
-                        num_kept_tokens=cached,
+                        num_kept_tokens=kept,
                         block_ids=list(blocks),
                         input_ids=[0] * uncached,
                         needs_output=True,

@@ -92,3 +92,93 @@ def test_admin_state_says_how_long_the_warm_up_took() -> None:
         r = c.get("/admin/api/state")
         assert r.status_code == 200, r.text
         assert r.json()["prefill_warm_up_s"] > 0
+
+
+def test_the_first_chunked_steps_forms_run_within_budget_and_length(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After the long prefill, one forward of each form a chat's first chunked steps take
+    (Engine._warm_up_forms): decode-like one-token rows beside a short part, discarding and
+    keeping KV, a later chunk over a context, a first chunk past the graphs' buckets. Each
+    within the step budget and the model's length (a small engine skips what does not fit)."""
+    seen: list[tuple[list[tuple[int, int]], bool]] = []
+    real = Engine.measure_prefill_batch
+
+    def spy(self: Engine, items: list[tuple[int, int]], *, keep_kv: bool = False) -> float:
+        seen.append((list(items), keep_kv))
+        return real(self, items, keep_kv=keep_kv)
+
+    monkeypatch.setattr(Engine, "measure_prefill_batch", spy)
+    engine, sink = make_engine(
+        prefill_warm_up_tokens=32,
+        prefill_token_budget=512,
+        prefill_graph_max_tokens=256,
+        num_kv_blocks=1024,
+    )
+    try:
+        forms = seen[1:]  # seen[0]: the long prefill (through measure_prefill)
+        assert seen[0] == ([(32, 0)], False)
+        assert ([(1, 64)] * 8 + [(19, 0)], False) in forms
+        assert ([(1, 64)] * 8 + [(19, 0)], True) in forms
+        assert ([(333, 1499)], True) in forms
+        assert ([(256 + 77, 0)], True) in forms  # past the largest bucket
+        limit = engine._max_model_len
+        for items, _ in forms:
+            assert sum(n for n, _ in items) <= 512
+            assert all(n + c <= limit for n, c in items)
+        bm = engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+        assert len(_greedy(engine, sink, "after")) == 6
+    finally:
+        engine.shutdown(0)
+
+    seen.clear()
+    fallbacks.clear()  # (process-wide: another test's failed warm-up must not count here)
+    small, _ = make_engine(prefill_warm_up_tokens=32, prefill_token_budget=64)
+    try:
+        forms = seen[1:]
+        assert forms and all(sum(n for n, _ in items) <= 64 for items, _ in forms)
+        assert ([(333, 1499)], True) not in forms
+        assert "step forms warm-up" not in fallbacks.taken()
+    finally:
+        small.shutdown(0)
+
+
+def test_keep_kv_writes_the_new_tokens_kv_and_the_default_discards_it() -> None:
+    """`measure_prefill_batch(keep_kv=True)` takes the path of a prefill that keeps its KV
+    (the warm-up's paged forms): the new tokens' K lands in the pool; by default (a scoring
+    prompt's suffix) nothing is written."""
+    import torch
+
+    from runtime.config import EngineConfig
+
+    engine = Engine(EngineConfig(model="random:tiny", block_size=4, num_kv_blocks=64), None)
+    try:
+        pool = engine.runner.kv_pool
+        k = pool.flat_k(0)
+        k.zero_()
+        engine.measure_prefill_batch([(7, 0)])
+        assert torch.count_nonzero(k) == 0
+        engine.measure_prefill_batch([(7, 0)], keep_kv=True)
+        assert torch.count_nonzero(k) > 0
+        bm = engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+    finally:
+        engine.shutdown(0)
+
+
+def test_a_failed_forms_warm_up_is_said_and_the_engine_serves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(self: Engine, items: list[tuple[int, int]], *, keep_kv: bool = False) -> float:
+        raise RuntimeError("a kernel failed in the forms warm-up")
+
+    monkeypatch.setattr(Engine, "measure_prefill_batch", broken)
+    monkeypatch.setattr(Engine, "measure_prefill", lambda self, u, c: 0.01)
+    engine, sink = make_engine(prefill_warm_up_tokens=32)
+    try:
+        assert engine.prefill_warm_up_s == 0.01  # the long prefill's own reading stands
+        assert "forms warm-up" in fallbacks.taken()["step forms warm-up"]
+        assert len(_greedy(engine, sink, "after")) == 6
+    finally:
+        engine.shutdown(0)

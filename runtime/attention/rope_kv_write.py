@@ -94,7 +94,13 @@ def _rope_kv_write_kernel(
         tl.store(c + half + j, tl.load(src + half + j, mask=mask, other=0.0), mask=mask)
 
 
-@triton.jit
+# T is not specialized: Triton would compile a variant per T % 16 == 0 (and T == 1) on the
+# first call of each, and a forward's row count (a chunk plus the decodes beside it) is any
+# number. On the H200 the start-up graphs compiled the divisible variant only, and the first
+# chunked step of an odd size then compiled the other on the engine thread: ~160 ms with the
+# chats beside it waiting (tests/gpu/test_auto_chunked_gpu.py, bf68d3a). The mask is the only
+# use of T; nothing vectorizes on it.
+@triton.jit(do_not_specialize=["T"])
 def _rope_kv_write_tiled_kernel(
     q_ptr,
     k_ptr,
