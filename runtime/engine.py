@@ -119,6 +119,9 @@ STEP_TRACE_FIELDS = (
     "gc_ms",
     "sms",  # SMs of the split partition it ran on (0: the whole GPU)
     "other_sms",  # SMs of the phase beside it on the other partition (0: none)
+    # auto's chunked step: the cost model's prediction its `chunked/step` error is scored on
+    # (a chunked decision's own step), else None
+    "chunked_predicted_ms",
 )
 
 Sink = Callable[[list[EngineOutput]], None]
@@ -1240,9 +1243,9 @@ class Engine:
         the scheduler's chunks), and a split's partition is slower."""
         plan = result.plan
         whole = not result.on_split
-        predicted_ms = self._chunked_predicted_ms.pop(plan.step_id, None)
-        if predicted_ms is not None and result.device_s is not None:
-            self._green.score("chunked/step", predicted_ms, result.device_s * 1e3)
+        chunked_ms = self._chunked_predicted_ms.pop(plan.step_id, None)
+        if chunked_ms is not None and result.device_s is not None:
+            self._green.score("chunked/step", chunked_ms, result.device_s * 1e3)
         if result.device_s is not None and result.is_prefill_only and whole:
             # Whatever the policy and executor: SRJF reads this model, and so does the
             # prefill-backlog estimate replicas report for routing.
@@ -1277,7 +1280,7 @@ class Engine:
                 waited_s = result.device_s + (result.idle_before_s or 0.0)
                 self._tbt_tail.observe(step_s, waited_s, target_s)
             cost.observe(predicted, result.device_s - base)
-        self._trace(result, predicted_step_s)
+        self._trace(result, predicted_step_s, chunked_ms)
         # Decode-only steps: a step with prefill work is not a decode step's time.
         decode_only = bool(plan.decode) and not plan.prefill
         if decode_only and result.device_s is not None:
@@ -1307,7 +1310,9 @@ class Engine:
                 self._decode_idle_s += result.idle_before_s
         self._prev_had_decode = decode_only
 
-    def _trace(self, result: StepResult, predicted_s: float | None) -> None:
+    def _trace(
+        self, result: StepResult, predicted_s: float | None, chunked_ms: float | None
+    ) -> None:
         plan = result.plan
         self._step_trace.append(
             (
@@ -1328,6 +1333,7 @@ class Engine:
                 self._gc.take_pause_ms(),
                 result.sms,
                 result.other_sms,
+                chunked_ms,
             )
         )
 

@@ -536,6 +536,13 @@ def test_chunked_steps_are_scored_against_their_prediction(manager) -> None:  # 
     assert eng._chunked_predicted_ms == {}
     stats = eng.fresh_stats()
     assert stats["cost_model_errors"]["mape_chunked_step"] == pytest.approx(want)
+    # The step trace carries each chunked step's prediction (a replay attributes the error),
+    # and only theirs.
+    traced = [(st["num_prefill_tokens"], st["chunked_predicted_ms"]) for st in eng.step_trace()]
+    chunked = [(n, ms) for n, ms in traced if ms is not None]
+    assert [n for n, _ in chunked] == [CHUNK, CHUNK, 300]
+    assert [ms for _, ms in chunked] == pytest.approx([2.7, 2.7, 2.6])
+    assert all(ms is None for n, ms in traced if n == 0)
 
 
 def test_a_fallback_jct_model_is_scaled_to_the_partition_cost_model(manager) -> None:  # noqa: F811
