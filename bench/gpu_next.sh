@@ -251,8 +251,9 @@ case $plan in
     # `engine_during_run.cost_model_errors_at_end` per side: mape_prefill_layer_sliced,
     # mape_prefill_concurrent, mape_decode_concurrent, mape_chunked_step and their num_*.
     # First the chunked-cut GPU tests (auto, and off with a target on the cost model's decode
-    # base since 0ce75f1; two 3B engines, about two minutes).
-    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    # base since 0ce75f1) and the first-use check (nothing compiled while a chat's first
+    # chunks run, since 3ba50cc); three 3B engines, under a minute with the cache carried.
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_first_use_gpu.py \
       tests/gpu/test_auto_chunked_gpu.py >"$OUT/pytest-chunked.log" 2>&1 || rc=1
     tail -5 "$OUT/pytest-chunked.log"
     m=${split:-random:qwen2.5-3b}
