@@ -803,6 +803,10 @@ class Orchestrator:
         before = disabled_splits(srv.url)
         counters = engine_counters(srv.url)
         path = self.out_dir / f"{rec['slug']}-{wl}-{side}.json"
+        # Each probe's steps, apart from the side's own file at the end (`step_gaps_at_end`),
+        # so a glob over the side files does not count them twice.
+        probe_steps = self.out_dir / "probe-steps"
+        probe_steps.mkdir(exist_ok=True)
         rates = (
             ["--qps", self.args.ladder]
             if ladder
@@ -829,6 +833,8 @@ class Orchestrator:
                 "0",
                 "--slo",
                 slo or self.args.slo,
+                "--save-steps",
+                str(probe_steps / path.stem),
                 "--out",
                 str(path),
             ],

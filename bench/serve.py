@@ -544,6 +544,34 @@ def admin_headers(admin_token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
 
 
+async def save_steps(
+    base_url: str, admin_token: str | None, path: Path, run_s: float
+) -> dict[str, Any]:
+    """Right after a run: the engine's step trace (`/admin/api/steps`, the last 4,096 steps it
+    keeps) written to `path`, so a run's steps can be read per probe (a search's probes differ
+    in rate; the harness's own save at the end of a side holds only its last seconds). Says
+    how much of the run the trace spans: on a busy server 4,096 steps can be fewer seconds
+    than the run took. Never raises."""
+    ok, reply = await admin_call(base_url, "GET", "/admin/api/steps?limit=4096", admin_token)
+    if not ok or not isinstance(reply, dict):
+        return {"saved": False, "why": str(reply)[:200]}
+    steps = reply.get("steps") or []
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"steps": steps}))
+    except OSError as exc:
+        return {"saved": False, "why": f"{type(exc).__name__}: {exc}"[:200]}
+    span_s = max((st["age_s"] for st in steps), default=0.0)
+    return {
+        "saved": True,
+        "file": path.name,
+        "num_steps": len(steps),
+        "span_s": round(span_s, 3),
+        "run_s": round(run_s, 3),
+        "covers_run": span_s >= run_s,
+    }
+
+
 async def admin_call(
     base_url: str,
     method: str,
@@ -783,6 +811,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write every request's send time (wall clock), TTFT, TPOT and inter-token "
         "gaps (runs[].requests, seconds): to line a background load up with another run",
     )
+    p.add_argument(
+        "--save-steps",
+        metavar="PREFIX",
+        help="after each run, write the server's step trace (/admin/api/steps: its last 4,096 "
+        "steps) to PREFIX-qps<QPS>.steps.json (Greenlane only; runs[].steps says how much of "
+        "the run it spans)",
+    )
     p.add_argument("--out", required=True, help="result JSON path")
     p.add_argument("--plot", help="PNG of latency percentiles vs QPS")
     return p
@@ -900,6 +935,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     slo = SLO.parse(args.slo)
     if args.find_max_qps and slo is None:
         raise SystemExit("--find-max-qps needs --slo")
+    if args.save_steps and args.server != "greenlane":
+        raise SystemExit(f"--save-steps reads Greenlane's /admin/api/steps, not {args.server}'s")
     tok = load_tokenizer(args.tokenizer)
     gen = WorkloadGenerator(args.workload, tok, args.seed, args.scale)
     opts = options_from_args(args, tok)
@@ -963,6 +1000,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             )
         if args.record_requests:
             run["requests"] = request_records(results, metrics["started_unix_s"])
+        if args.save_steps:
+            run["steps"] = await save_steps(
+                base_url,
+                args.admin_token,
+                Path(f"{args.save_steps}-qps{qps:g}.steps.json"),
+                metrics["ended_unix_s"] - metrics["started_unix_s"],
+            )
         runs.append(run)
         return metrics
 

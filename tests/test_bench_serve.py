@@ -990,3 +990,32 @@ def test_parse_vllm_prefix_counters():
     )
     assert serve.parse_vllm_prefix_counters(text) == {"hit_tokens": 15, "query_tokens": 40}
     assert serve.parse_vllm_prefix_counters("vllm:num_requests_running 2.0\n") is None
+
+
+def test_save_steps_is_said_per_run_and_refused_for_another_server(
+    fake_server, tokenizer_file, tmp_path
+):
+    """`--save-steps`: after each run the server's step trace is asked for; a server without
+    one (the fake here; the real engine's save: tests/test_gpu_serving.py's dry run) is said in
+    the run's record, not raised, and nothing is written. Against vLLM the option is refused
+    before any request (it reads Greenlane's admin API)."""
+    url, _ = fake_server
+    argv = [*_sharegpt_sweep(url, tokenizer_file), "--no-progress"]
+    prefix = tmp_path / "steps" / "side"
+    record = run_cli([*argv, "--save-steps", str(prefix), "--out", str(tmp_path / "s.json")])
+    assert len(record["runs"]) == 2
+    for run in record["runs"]:
+        assert run["steps"]["saved"] is False and "404" in run["steps"]["why"], run["steps"]
+    assert not (tmp_path / "steps").exists()
+    with pytest.raises(SystemExit, match="save-steps"):
+        serve.main(
+            [
+                *argv,
+                "--server",
+                "vllm",
+                "--save-steps",
+                str(prefix),
+                "--out",
+                str(tmp_path / "v.json"),
+            ]
+        )

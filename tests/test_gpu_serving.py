@@ -530,6 +530,15 @@ def test_cpu_dry_run_against_real_server(tmp_path: Path) -> None:
     common = sc["chat_p99_itl_at_common_score_qps"]
     assert set(common) == {"qps", "off", "auto"}
     assert sc["off"]["chat_at_common_qps"]["qps"] == common["qps"]
+    # Each probe's steps, saved right after it, apart from the side's file at the end.
+    run = json.loads((tmp_path / wl["auto"]["file"]).read_text())["runs"][0]
+    saved = run["steps"]
+    assert saved["saved"] and saved["num_steps"] > 0, saved
+    probe_file = tmp_path / "probe-steps" / saved["file"]
+    steps = json.loads(probe_file.read_text())["steps"]
+    assert len(steps) == saved["num_steps"] and "chunked_predicted_ms" in steps[0]
+    assert probe_file.name.startswith(Path(wl["auto"]["file"]).stem + "-qps")
+    assert not list(tmp_path.glob("*-qps*.steps.json"))  # not beside the side files
     # What the engine said of each side's run (read from the admin state before and after).
     during = wl["off"]["engine_during_run"]
     assert isinstance(during["tbt_cut"]["num_mixed_steps"], int), during
