@@ -484,6 +484,9 @@ def _build_state(app: Any) -> dict[str, Any]:
             # Every fallback the engine took since it started, and why (runtime/fallbacks.py):
             # merged steps turned off, prefill graphs not captured, ...
             "fallbacks": stats.get("fallbacks"),
+            # Triton kernel variants compiled after start-up, each a first use paid on the
+            # engine thread (runtime/compile_watch.py; None: not counted, e.g. on a CPU).
+            "kernels_compiled_while_serving": stats.get("kernels_compiled_while_serving"),
         },
         "partition": partition,
         "queues": {"waiting": stats.get("num_waiting"), "running": stats.get("num_running")},

@@ -137,6 +137,7 @@ def engine_counters(base_url: str) -> dict[str, Any]:
         "choice_counts": (st.get("partition") or {}).get("choice_counts") or {},
         "cost_model_errors": (st.get("cost_model") or {}).get("errors"),
         "gc": st.get("gc") or {},
+        "kernels_compiled": (st.get("engine") or {}).get("kernels_compiled_while_serving"),
     }
 
 
@@ -156,11 +157,17 @@ def engine_during(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
         k: (v - (gc_b.get(k) or 0) if isinstance(v, int | float) and k.startswith("full") else v)
         for k, v in gc_a.items()
     }
+    compiled_b, compiled_a = before.get("kernels_compiled"), after.get("kernels_compiled")
     return {
         "tbt_cut": out,
         "choice_counts": {k: v for k, v in choices.items() if v},
         "cost_model_errors_at_end": after.get("cost_model_errors"),
         "gc": gc_during,
+        # Triton variants compiled during the run (first uses on the engine thread; None: the
+        # server does not count them, e.g. on a CPU).
+        "kernels_compiled": None
+        if compiled_a is None or compiled_b is None
+        else compiled_a - compiled_b,
     }
 
 

@@ -53,6 +53,7 @@ from policies.jct import JCTModel
 from runtime import fallbacks
 from runtime.attention.base import AttentionBackend
 from runtime.attention.torch_backend import TorchAttentionBackend
+from runtime.compile_watch import CompileWatch, triton_kernels
 from runtime.config import PREFILL_WARM_UP_TOKENS, EngineConfig
 from runtime.executor.base import StepFailed, StepResult
 from runtime.executor.serial import SerialExecutor
@@ -344,6 +345,15 @@ class Engine:
         self._tbt_tail = TailFactor()
         # The collector's pauses (a full collection stops this loop): stats, not per step.
         self._gc = GcWatch()
+        # Triton variants compiled after start-up: first uses the warm-up missed (CUDA only: the
+        # CPU runs Triton's interpreter, which compiles nothing).
+        kernels: dict[str, Any] = {}
+        if self.device.type == "cuda":
+            from runtime.attention import rope_kv_write
+            from runtime.model import decode_kernels
+
+            kernels = triton_kernels([rope_kv_write, decode_kernels])
+        self._compiles = CompileWatch(kernels)
         # One tuple per applied step (STEP_TRACE_FIELDS), for finding what makes a long gap
         # between tokens: appended in O(1), read only on request (`step_trace`).
         self._step_trace: deque[tuple[Any, ...]] = deque(maxlen=STEP_TRACE_LEN)
@@ -740,6 +750,7 @@ class Engine:
         if self._thread is not None:
             return
         self._gc.install()
+        self._compiles.mark()
         self._thread = threading.Thread(target=self._loop, name="greenlane-engine", daemon=True)
         self._thread.start()
 
@@ -1520,6 +1531,7 @@ class Engine:
             "tbt_cost_offset_ms": self._prefill_cost.offset_s * 1e3,
             "tbt_tail_factor": self._tbt_tail.factor,
             **self._gc.take_window(),
+            "kernels_compiled_while_serving": self._compiles.compiled_since_mark(),
             "prefill_graphs": self._prefill_graphs_summary,
             "prefill_warm_up_s": self.prefill_warm_up_s,
             "num_mixed_steps": self._num_mixed_steps,

@@ -213,6 +213,7 @@ class FakeEngine:
                 "num_failed_steps": 3,
                 "num_failed_requests": 1,
                 "fallbacks": {"prefill graphs": "stand-in: out of memory"},
+                "kernels_compiled_while_serving": 2,
             }
 
     async def set_policy(self, name: str) -> None:

@@ -237,6 +237,7 @@ def test_state_shape_and_numbers() -> None:
     assert state["engine"]["num_failed_steps"] == 3  # the engine's counters since start
     assert state["engine"]["num_failed_requests"] == 1
     assert state["engine"]["fallbacks"] == {"prefill graphs": "stand-in: out of memory"}
+    assert state["engine"]["kernels_compiled_while_serving"] == 2
     assert state["kv"]["blocks_total"] == 256 and state["kv"]["usage"] == 0
     assert state["policy"] == {
         "current": "srjf",
@@ -381,6 +382,7 @@ def test_engine_not_started_yet() -> None:
         "num_failed_steps": None,
         "num_failed_requests": None,
         "fallbacks": None,
+        "kernels_compiled_while_serving": None,
     }
     assert state["partition"]["available"] is False
     assert state["queues"] == {"waiting": None, "running": None}

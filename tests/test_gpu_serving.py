@@ -325,6 +325,9 @@ def test_engine_counters_over_one_run_are_differences() -> None:
     }
     assert d["choice_counts"] == {"chunked": 4, "96": 2}  # unchanged ones left out
     assert d["cost_model_errors_at_end"] == {"mape_chunked_step": 0.1}
+    assert d["kernels_compiled"] is None  # the server did not count them (before / after)
+    d = gs.engine_during({**before, "kernels_compiled": 1}, {**after, "kernels_compiled": 4})
+    assert d["kernels_compiled"] == 3  # compiled during the run
     assert gs.engine_during(before, {}) == {"unreadable": True}
 
 
