@@ -254,6 +254,29 @@ def summarize_steps(
     }
 
 
+def step_gaps_by_probe(record: dict[str, Any], probe_dir: Path) -> dict[str, Any]:
+    """`summarize_steps` of each probe's own trace (`bench.serve --save-steps`), keyed by the
+    probe's QPS like `max_qps_view`'s probes, with how much of the probe the trace spans (a
+    busy server's 4,096 steps can be fewer seconds than the probe took)."""
+    out: dict[str, Any] = {}
+    for run in record.get("runs") or []:
+        saved = run.get("steps") or {}
+        if not saved.get("saved"):
+            continue
+        try:
+            steps = json.loads((probe_dir / saved["file"]).read_text())["steps"]
+        except (OSError, ValueError, KeyError):
+            continue
+        summary = summarize_steps(steps)
+        summary.pop("longest_with_decodes")  # (in the file; the record keeps the by-kind view)
+        out[str(float(run["qps"]))] = {
+            **summary,
+            "file": saved["file"],
+            "covers_probe": saved.get("covers_run"),
+        }
+    return out
+
+
 def disabled_splits(base_url: str) -> set[str]:
     """Splits the server has taken out of service so far (empty if the state is unreadable)."""
     try:
@@ -862,6 +885,7 @@ class Orchestrator:
                 "engine_during_run": engine_during(counters, engine_counters(srv.url)),
                 "cost_model_errors_reset_before": errors_reset,
                 "step_gaps_at_end": step_gaps(srv.url, save_to=path.with_suffix(".steps.json")),
+                "step_gaps_by_probe": step_gaps_by_probe(e["record"], probe_steps),
                 "file": path.name,
                 "wall_s": e["wall_s"],
             }

@@ -542,6 +542,12 @@ def test_cpu_dry_run_against_real_server(tmp_path: Path) -> None:
     assert len(steps) == saved["num_steps"] and "chunked_predicted_ms" in steps[0]
     assert probe_file.name.startswith(Path(wl["auto"]["file"]).stem + "-qps")
     assert not list(tmp_path.glob("*-qps*.steps.json"))  # not beside the side files
+    # ... and summarized per probe in the side's record, keyed like its probes.
+    by_probe = wl["auto"]["step_gaps_by_probe"]
+    assert set(by_probe) == set(wl["auto"]["probes"]), by_probe.keys()
+    one = by_probe[str(float(run["qps"]))]
+    assert one["num_steps"] == saved["num_steps"] and one["file"] == saved["file"]
+    assert one["covers_probe"] == saved["covers_run"] and one["by_kind"]
     # What the engine said of each side's run (read from the admin state before and after).
     during = wl["off"]["engine_during_run"]
     assert isinstance(during["tbt_cut"]["num_mixed_steps"], int), during
