@@ -235,12 +235,27 @@ def summarize_steps(
             "waited_ms_max": round(xs[-1], 2),
             **{f"num_over_{t:g}_ms": sum(1 for x in xs if x > t) for t in over_ms},
         }
+    # Split executor (auto, static): what continuing decodes waited between their steps, on
+    # the device (`decode_gap_ms`: a layer slice or a prefill on their stream, the host).
+    gaps = sorted(st["decode_gap_ms"] for st in steps if st.get("decode_gap_ms") is not None)
+    decode_gaps = (
+        {
+            "num": len(gaps),
+            "p50": q(gaps, 0.5),
+            "p99": q(gaps, 0.99),
+            "max": round(gaps[-1], 2),
+            **{f"num_over_{t:g}_ms": sum(1 for x in gaps if x > t) for t in over_ms},
+        }
+        if gaps
+        else None
+    )
     with_decodes = [st for st in steps if st["num_decodes"] and waited(st) is not None]
     longest = sorted(with_decodes, key=lambda st: -(waited(st) or 0.0))[:8]
     return {
         "num_steps": len(steps),
         "span_s": round(steps[0]["age_s"] - steps[-1]["age_s"], 2) if steps else 0.0,
         "by_kind": kinds,
+        "decode_gap_ms": decode_gaps,
         # Steps by the tokens they ran (prefill + one a decode), over each bound. vLLM has no
         # counterpart: its tokens-per-iteration histogram counts a whole prompt in the
         # iteration its prefill ends, not the chunk each step ran.

@@ -123,6 +123,10 @@ STEP_TRACE_FIELDS = (
     # auto's chunked step: the cost model's prediction its `chunked/step` error is scored on
     # (a chunked decision's own step), else None
     "chunked_predicted_ms",
+    # Split executor: what this step's continuing decodes waited since the previous step that
+    # carried them (device time; a layer slice, a prefill on their stream or the host
+    # between), else None (executor/base.py `StepResult.decode_gap_s`)
+    "decode_gap_ms",
 )
 
 Sink = Callable[[list[EngineOutput]], None]
@@ -1345,6 +1349,7 @@ class Engine:
                 result.sms,
                 result.other_sms,
                 chunked_ms,
+                None if result.decode_gap_s is None else result.decode_gap_s * 1e3,
             )
         )
 

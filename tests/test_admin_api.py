@@ -533,8 +533,10 @@ def test_step_trace_of_the_real_engine() -> None:
             "sms",
             "other_sms",
             "chunked_predicted_ms",
+            "decode_gap_ms",
         }
         assert all(s["chunked_predicted_ms"] is None for s in steps)  # off: no chunked choice
+        assert all(s["decode_gap_ms"] is None for s in steps)  # the serial executor: none
         ages = [s["age_s"] for s in steps]
         assert ages == sorted(ages, reverse=True) and ages[-1] >= 0.0
         assert sum(s["num_prefill_tokens"] for s in steps) >= len(query) + 2 + 3

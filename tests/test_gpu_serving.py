@@ -368,6 +368,14 @@ def test_step_gaps_say_which_steps_made_the_long_waits() -> None:
     over = d["num_steps_over_tokens"]  # prefill + decodes: 4104, 8192, 2056, 2056
     assert over == {"512": 4, "1024": 4, "2048": 4, "4096": 2, "8192": 0}
     assert gs.summarize_steps([])["by_kind"] == {}
+    assert d["decode_gap_ms"] is None  # a trace without the field (older, or serial) has none
+    # The split executor's decode gaps: what continuing decodes waited between their steps.
+    split_steps = [{**st, "decode_gap_ms": None} for st in steps]
+    for st, gap in zip(split_steps[:5], (0.1, 0.2, 85.0, 0.1, 120.0), strict=True):
+        st["decode_gap_ms"] = gap
+    g = gs.summarize_steps(split_steps)["decode_gap_ms"]
+    assert g["num"] == 5 and g["p50"] == 0.2 and g["max"] == 120.0
+    assert g["num_over_80_ms"] == 2 and g["num_over_100_ms"] == 1
 
 
 def test_mode_drift_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -481,3 +481,55 @@ def test_a_time_sliced_step_is_never_blamed_on_the_previous_split() -> None:
     with pytest.raises(StepFailed) as info:
         split_step(eng)
     assert info.value.prefill_sms == 0
+
+
+class ClockEvent(FakeEvent):
+    """A fake event stamped with its device's clock (one tick per recorded event)."""
+
+    def record(self, stream: Any = None) -> None:
+        self.dev.clock += 1
+        self.t = self.dev.clock
+        super().record(stream)
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return float(end.t - self.t)  # ms: one tick a ms
+
+
+class ClockDevice(FakeDevice):
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = 0
+
+    def event(self) -> FakeEvent:
+        return ClockEvent(self)
+
+
+def test_decode_gap_is_what_continuing_decodes_waited_between_their_steps() -> None:
+    """The step trace's `decode_gap_ms` (split executor): for a step whose decodes continue the
+    previous decode-carrying step's, the device time from that step's end to this one's start.
+    A layer slice between them widens it; a step whose requests all just started, and the
+    first after a drain, have none."""
+    dev = ClockDevice()
+    eng, ex, _ = split_engine(dev, fixed_split(layers_per_slice=1))  # tiny: 2 layers, 2 slices
+    reqs = make_reqs()
+    eng.scheduler.add(reqs[0])
+    split_step(eng)  # r0's prefill (2 slices): no decodes
+    split_step(eng)  # r0's first decode step: nothing before it to continue
+    split_step(eng)  # r0 again: continues
+    eng.scheduler.add(reqs[1])
+    for _ in range(4):  # r1's slices interleave with r0's decodes
+        split_step(eng)
+    ex.drain()
+    eng.scheduler.add(reqs[2])
+    finish(eng, dev)
+    trace = eng.step_trace()
+    decodes = [st for st in trace if st["num_decodes"]]
+    gaps = [st["decode_gap_ms"] for st in decodes]
+    assert gaps[0] is None  # r0's first decode step
+    assert all(g is None for st in trace if not st["num_decodes"] for g in [st["decode_gap_ms"]])
+    seen = [g for g in gaps if g is not None]
+    assert seen and all(g >= 1.0 for g in seen)
+    # Back to back, a decode step's start follows the previous one's end by one tick; with a
+    # slice between them, by more.
+    assert min(seen) == 1.0 and max(seen) > 1.0
+    assert sum(g is None for g in gaps) >= 2  # the first, and the first after the drain

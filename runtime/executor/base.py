@@ -31,6 +31,11 @@ class StepResult:
     on_split: bool = False
     sms: int = 0  # SMs of the partition it ran on (0: the whole GPU)
     other_sms: int = 0  # SMs of the phase running beside it on the other partition (0: none)
+    # Split executor, a step carrying decodes that continue the previous such step's (a
+    # request decoding in both): device time from that step's end to this one's start, i.e.
+    # what those decodes waited beyond their own steps (a layer slice or a whole prefill on
+    # their stream, the host). A diagnostic (the step trace's `decode_gap_ms`); None otherwise.
+    decode_gap_s: float | None = None
 
     @property
     def is_prefill_only(self) -> bool:

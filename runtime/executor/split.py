@@ -135,6 +135,9 @@ class SplitExecutor:
         self.num_overlapped_decode_steps = 0
         self.last_split = TIME_SLICE  # the split of the latest prefill start or decode launch
         self._prompt_pending: PendingOutput | None = None  # prompt logprobs of the prefill
+        # The latest collected step that carried decodes: its end event and its requests
+        # (`decode_gap_s` of the next one that continues any of them).
+        self._last_decode: tuple[EventLike, frozenset[str]] | None = None
         self.prefill_token_budget = config.prefill_token_budget  # lowered at run time only
         # A layer-sliced prefill's last slice was enqueued and no decode step after it yet:
         # the next step must be decode-only, or a decode waits that slice and a whole prefill
@@ -213,6 +216,7 @@ class SplitExecutor:
         out: list[StepResult] = []
         while self.num_in_flight:
             out += self.results(block=True)
+        self._last_decode = None  # (the executor may sit unused: no gap across that)
         return out
 
     def run_alone(self, plan: StepPlan) -> RunnerOutput:
@@ -460,4 +464,17 @@ class SplitExecutor:
             on_split=f.on_split,
             sms=f.sms if f.on_split else 0,
             other_sms=f.other_sms if f.on_split else 0,
+            decode_gap_s=self._decode_gap_s(f) if f.plan.decode else None,
         )
+
+    def _decode_gap_s(self, f: _Launched) -> float | None:
+        """`StepResult.decode_gap_s` of a collected step carrying decodes (collected in launch
+        order, so the previous one ran before it)."""
+        ids = frozenset(s.request.request_id for s in f.plan.decode)
+        last, self._last_decode = self._last_decode, (f.end, ids)
+        if last is None or last[1].isdisjoint(ids):
+            return None  # no request of this step was waiting since the previous one
+        try:
+            return max(0.0, last[0].elapsed_time(f.start) / 1e3)
+        except RuntimeError:  # events of two contexts (green contexts) need not compare
+            return None
