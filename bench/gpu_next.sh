@@ -39,6 +39,8 @@
 #                                         #   (splits, layer slices) with scoring unchunked,
 #                                         #   next to chat, after the chunked-cut GPU tests
 #                                         #   (M: random:qwen2.5-3b; ~7 min)
+#   bash bench/gpu_next.sh sweep REV [M]  # issue 13: off at 1k / 2k / 4k / 8k budgets, the
+#                                         #   baseline sweep the issue asks (M: the 3B)
 #   bash bench/gpu_next.sh warm REV [M]   # a bare machine's first call: start one server
 #                                         #   (M: random:qwen2.5-3b) with --calibrate false
 #                                         #   until healthy, so FlashInfer's modules and the
@@ -236,6 +238,28 @@ case $plan in
            --side off-tbt:partition=off,budget=8192,tbt=80
            --side auto:partition=auto,budget=8192,tbt=none)
     if [ "${REVERSE:-}" = 1 ]; then sides=("${sides[@]:4:2}" "${sides[@]:2:2}" "${sides[@]:0:2}"); fi
+    python3 -m bench.gpu_serving "${common[@]}" --models $m --start-s 120 \
+      --server-args "--partition auto --calibrate true --partition-tbt-slo-ms 80 --prefill-token-budget 8192 ${SERVER_EXTRA:-}" \
+      --start-qps $q0 --max-probes ${PROBES:-4} --slo ttft:2000,tbt:100 "${sides[@]}" \
+      --score-start-qps $sq0 --chat-qps 2 --score-slo ttft:3000 \
+      --parts ${PARTS:-mixed,score-chat} --tag partition-$plan --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
+  sweep)
+    # Issue 13 asks for off at the best fixed budget of a sweep (1k / 2k / 4k / 8k); plan r
+    # swept 2k and 8k only (2k the better). Sides: off at each budget, no TBT target, on one
+    # server (the budget is set at run time, under the start-up one); max QPS at the P99 SLO
+    # by bisection on mixed, then scoring next to chat. M (the third argument):
+    # random:qwen2.5-3b (default) or random:llama-3.1-8b. Four sides take ~9 min with both
+    # parts: one part a call (PARTS=mixed, then PARTS=score-chat; DEADLINE_S=560). PROBES as
+    # plan s; REVERSE=1 runs the sides from 8k down.
+    m=${split:-random:qwen2.5-3b}
+    case $m in *8b*) q0=6 sq0=6 ;; *) q0=12 sq0=16 ;; esac
+    sides=(--side off-1k:partition=off,budget=1024,tbt=none
+           --side off-2k:partition=off,budget=2048,tbt=none
+           --side off-4k:partition=off,budget=4096,tbt=none
+           --side off-8k:partition=off,budget=8192,tbt=none)
+    if [ "${REVERSE:-}" = 1 ]; then
+      sides=("${sides[@]:6:2}" "${sides[@]:4:2}" "${sides[@]:2:2}" "${sides[@]:0:2}")
+    fi
     python3 -m bench.gpu_serving "${common[@]}" --models $m --start-s 120 \
       --server-args "--partition auto --calibrate true --partition-tbt-slo-ms 80 --prefill-token-budget 8192 ${SERVER_EXTRA:-}" \
       --start-qps $q0 --max-probes ${PROBES:-4} --slo ttft:2000,tbt:100 "${sides[@]}" \
