@@ -5,7 +5,7 @@ arguments' divisibility, its constants), 150-300 ms of host time on the engine t
 decodes beside it waiting. Start-up compiles what it runs: the decode graphs, the prefill
 graphs' buckets, the prefill warm-up and the forms of a chat's first chunked steps
 (`Engine._warm_up_forms`). A variant compiled later is a form that list missed. On the H200 at
-`bf68d3a` two such variants (and a FlashInfer wrapper) stalled eight chats for 160-300 ms
+`bf68d3a` two such variants stalled eight chats for 160-300 ms
 (docs/benchmarks.md, "GPU tests at `bf68d3a` / `3ba50cc`"); nothing said so but a test.
 
 `CompileWatch` counts the compiled variants in the kernels' own caches (Triton's per-device

@@ -903,9 +903,10 @@ class Engine:
 
     def _warm_up_forms(self) -> list[tuple[list[tuple[int, int]], bool]]:
         """The forms of forward a chat's first chunked steps take, as (uncached, cached) items
-        and whether their KV is kept: each one's first run pays one-time host costs (a Triton
-        variant compiled, a FlashInfer FA2 wrapper made and its module loaded) on the engine
-        thread, with the decodes beside it waiting. On the H200 (3B, bf68d3a) a fresh
+        and whether their KV is kept: each one's first run through the serving path pays
+        one-time host costs (a Triton variant of the RoPE + K/V write compiled) on the engine
+        thread, with the decodes beside it waiting. (FlashInfer's kernels and wrappers are the
+        runner's attention warm-up's: `ModelRunner.warm_up_attention`.) On the H200 (3B, bf68d3a) a fresh
         engine's first chunk next to eight chats took 164 ms for a 25-ms target and an
         11-token chunk beside them 300 ms (tests/gpu/test_auto_chunked_gpu.py). Odd sizes on
         purpose; the start-up graph capture runs only bucket sizes."""

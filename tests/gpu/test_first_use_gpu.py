@@ -4,7 +4,8 @@ wrapper on the engine thread (Engine._warm_up_forms, the tiled RoPE kernel's uns
 Why: a first use costs 150-300 ms of host time on the H200, with every decode beside it
 waiting: at bf68d3a a fresh engine's first odd-sized chunk next to eight chats compiled the
 tiled RoPE + K/V write for T % 16 != 0 (164 ms for a 25-ms target), and an 11-token chunk
-compiled the per-token kernel and made the FA2 paged wrapper (300 ms). Counted here, not
+compiled the per-token kernel (300 ms). FlashInfer's wrappers come from the runner's
+attention warm-up; checked too, that serving makes none. Counted here, not
 timed: compiled variants per Triton kernel and the backend's wrappers, before the first
 request and after a chat's chunks of odd sizes, a short chunk among decodes and a scoring
 suffix after a cached prefix."""
@@ -51,7 +52,8 @@ def test_chunked_steps_after_start_up_compile_nothing_on_the_engine_thread() -> 
     rng = random.Random(3)
     try:
         before, wrappers = _compiled_variants(), _wrappers(eng.runner.prefill_backend)
-        # The warm-up made the FA2 wrappers a merged step and a scoring suffix use.
+        # Start-up (the runner's attention warm-up) made the FA2 wrappers a merged step and a
+        # scoring suffix use.
         assert all(w is not None for w in wrappers.values()), wrappers
         eng.start()
 
