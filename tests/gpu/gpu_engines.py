@@ -36,6 +36,17 @@ def small_engine(**kw: Any) -> tuple[Any, Any]:
     return Engine(cfg, sink), sink
 
 
+def add_greedy(
+    eng: Any, rng: random.Random, rid: str, num_prompt_tokens: int, max_tokens: int
+) -> None:
+    """Add a greedy chat request of random token ids that decodes all `max_tokens` (no EOS)."""
+    from runtime.request import Request, RequestKind, SamplingParams
+
+    ids = [rng.randrange(100, 30_000) for _ in range(num_prompt_tokens)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    eng.add(Request(rid, RequestKind.GENERATE, ids, sampling=params))
+
+
 def rel_err(a: Any, b: Any) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-6))
 

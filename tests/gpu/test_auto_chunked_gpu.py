@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from gpu_engines import add_greedy
 
 pytestmark = pytest.mark.gpu
 
@@ -50,22 +51,14 @@ def _engine(**partition: object) -> tuple:
 def _long_prompt_next_to_chats(eng, sink, seed: int) -> list[str]:
     """Eight chats decoding, then the long prompt; waits until all finished. Returns the
     chats' ids."""
-    from runtime.request import Request, RequestKind, SamplingParams
-
     rng = random.Random(seed)
-
-    def add(rid: str, num_prompt_tokens: int, max_tokens: int) -> None:
-        ids = [rng.randrange(100, 30_000) for _ in range(num_prompt_tokens)]
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        eng.add(Request(rid, RequestKind.GENERATE, ids, sampling=params))
-
     chats = [f"chat{i}" for i in range(8)]
     for rid in chats:
-        add(rid, 64, 400)
+        add_greedy(eng, rng, rid, 64, 400)
     # The chats are decoding before the long prompt arrives.
     with sink.cv:
         assert sink.cv.wait_for(lambda: all(len(sink.tokens.get(r, [])) >= 5 for r in chats), 60)
-    add("long", LONG_TOKENS, 4)
+    add_greedy(eng, rng, "long", LONG_TOKENS, 4)
     assert sink.wait(["long", *chats], 180), "requests timed out"
     assert len(sink.tokens["long"]) == 4
     assert all(len(sink.tokens[r]) == 400 for r in chats)

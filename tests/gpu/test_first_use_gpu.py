@@ -16,7 +16,7 @@ import random
 from typing import Any
 
 import pytest
-from gpu_engines import small_engine
+from gpu_engines import add_greedy, small_engine
 
 pytestmark = pytest.mark.gpu
 
@@ -44,7 +44,7 @@ def _wrappers(backend: Any) -> dict[str, Any]:
 
 
 def test_chunked_steps_after_start_up_compile_nothing_on_the_engine_thread() -> None:
-    from runtime.request import Request, RequestKind, SamplingParams
+    from runtime.request import Request, RequestKind
 
     eng, sink = small_engine(
         tbt_slo_ms=25.0, max_model_len=16_384, num_kv_blocks=1500, max_num_seqs=32
@@ -57,20 +57,15 @@ def test_chunked_steps_after_start_up_compile_nothing_on_the_engine_thread() -> 
         assert all(w is not None for w in wrappers.values()), wrappers
         eng.start()
 
-        def add(rid: str, n: int, max_tokens: int) -> None:
-            ids = [rng.randrange(100, 30_000) for _ in range(n)]
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            eng.add(Request(rid, RequestKind.GENERATE, ids, sampling=params))
-
         chats = [f"chat{i}" for i in range(8)]
         for rid in chats:
-            add(rid, 64 + 3 * len(rid), 300)
+            add_greedy(eng, rng, rid, 64 + 3 * len(rid), 300)
         with sink.cv:
             assert sink.cv.wait_for(
                 lambda: all(len(sink.tokens.get(r, [])) >= 3 for r in chats), 60
             )
-        add("long", 9_001, 2)  # odd-sized chunks next to the decodes
-        add("short", 11, 2)  # a few rows among decodes
+        add_greedy(eng, rng, "long", 9_001, 2)  # odd-sized chunks next to the decodes
+        add_greedy(eng, rng, "short", 11, 2)  # a few rows among decodes
         profile = [rng.randrange(100, 30_000) for _ in range(3_001)]
         eng.add(Request("s0", RequestKind.SCORE, profile + [7, 8, 9], label_token_ids=[5, 6]))
         eng.add(Request("s1", RequestKind.SCORE, profile + [10, 11], label_token_ids=[5, 6]))
