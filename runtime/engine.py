@@ -609,7 +609,9 @@ class Engine:
         # prefix, which would put every such prompt in the decode-favoured regime), and the
         # decision made before planning (`_auto_capacity`) saw the same.
         kv_usage = self._kv_usage_before_plan if pplan is not None else self._kv_usage()
-        return g.decide(p, d, kv_usage)
+        # Layer slices are sized to the aim chunks are cut to (the target less the measured
+        # tail), not to the target: a decode waits one slice plus its own step.
+        return g.decide(p, d, kv_usage, aim_ms=self._chunk_tbt_ms())
 
     def _kv_usage(self) -> float:
         bm = self.block_manager

@@ -297,6 +297,36 @@ def test_the_engine_hands_layer_slices_to_the_pd_loop(manager) -> None:
     assert eng._choose_split(None, dplan).layers_per_slice is None
 
 
+def test_the_engine_sizes_layer_slices_to_its_measured_tail(manager) -> None:
+    """Engine._choose_split hands the controller its aim (the target over the measured tail
+    factor, as for chunks), which sizes layer slices (`SplitController._layer_slices`)."""
+    import dataclasses
+
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+    from runtime.scheduler import StepPlan
+
+    eng = Engine(EngineConfig(model="random:tiny", block_size=4, num_kv_blocks=64), lambda o: None)
+    eng._green = manager
+    manager.controller.config = dataclasses.replace(
+        manager.controller.config, tbt_slo_ms=80.0, layer_slicing=True
+    )
+    seen: list[float | None] = []
+    decide = manager.decide
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("aim_ms"))
+        return decide(*args, **kwargs)
+
+    manager.decide = spy
+    seq = types.SimpleNamespace
+    pplan = StepPlan(1, prefill=[seq(num_context_tokens=0, num_new_tokens=8192)])
+    dplan = StepPlan(2, decode=[seq(num_context_tokens=2048, num_new_tokens=1)] * 8)
+    eng._tbt_tail.factor = 1.25
+    eng._choose_split(pplan, dplan)
+    assert seen == [pytest.approx(64.0)]
+
+
 def test_layer_slicing_without_a_tbt_target_is_refused_with_the_reason() -> None:
     from runtime.config import EngineConfig
 

@@ -211,6 +211,7 @@ class GreenContextPartition:
         *,
         chunk: ChunkInput | None = None,
         record: bool = True,
+        aim_ms: float | None = None,
     ) -> SplitChoice:
         """The split for the next step and its streams: auto's controller decides; static
         and off keep theirs. When the split changed since the last call, the new streams wait
@@ -218,10 +219,13 @@ class GreenContextPartition:
         of the queue, not yet planned, and may be chunked (`SplitController.choose`).
         `record` False: the decision may not be carried out as made (the engine asks before
         planning a step; only a chunked answer is kept), so it is neither counted nor logged
-        here; `record` does that when it is."""
+        here; `record` does that when it is. `aim_ms`: the engine's aim for what a decode
+        waits, the size of layer slices (`SplitController.choose`)."""
         with self._lock:
             if self._mode == "auto":
-                dec = self.controller.choose(prefill, decode, kv_usage, chunk=chunk)
+                dec = self.controller.choose(
+                    prefill, decode, kv_usage, chunk=chunk, aim_ms=aim_ms
+                )
                 self._last_decision = dec
                 self._active = dec.prefill_sms
                 if record:
