@@ -223,9 +223,7 @@ class GreenContextPartition:
         waits, the size of layer slices (`SplitController.choose`)."""
         with self._lock:
             if self._mode == "auto":
-                dec = self.controller.choose(
-                    prefill, decode, kv_usage, chunk=chunk, aim_ms=aim_ms
-                )
+                dec = self.controller.choose(prefill, decode, kv_usage, chunk=chunk, aim_ms=aim_ms)
                 self._last_decision = dec
                 self._active = dec.prefill_sms
                 if record:
