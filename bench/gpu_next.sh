@@ -217,8 +217,9 @@ case $plan in
       --parts mixed,score-chat --tag partition-3b-r --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
   s|t)
     # Issue 13's evaluation of auto with the chunked option (one call per model and repeat,
-    # DEADLINE_S=560): s = qwen2.5-3b, t = llama-3.1-8b. Sides: the tuned baselines of plan r
-    # (off at 2,048 tokens; off with chunks cut to an 80 ms TBT target) and auto (80 ms);
+    # DEADLINE_S=560): s = qwen2.5-3b, t = llama-3.1-8b. Sides: the tuned baselines (off at
+    # the best fixed budget of plan sweep; off with chunks cut to an 80 ms TBT target) and
+    # auto (80 ms);
     # max QPS at the P99 SLO by bisection on mixed, then scoring next to chat. The server
     # calibrates its JCT model at start-up (auto's one prefill model needs it; every side
     # shares it). Run each plan twice (two repeats) and merge with gpu_serving --merge.
@@ -234,7 +235,14 @@ case $plan in
     # TBT cut's offset and scale, its tail factor): off-tbt always followed off-2k and auto
     # always followed off-tbt. REVERSE=1 runs them the other way round (auto first): give
     # each repeat pair one of each order.
-    sides=(--side off-2k:partition=off,budget=2048,tbt=none
+    # The fixed-budget side is the best of plan sweep's 1k / 2k / 4k / 8k (2026-12-04 at
+    # e604abe, max QPS at the P99 SLO, two runs on the 3B): on mixed chat 4k on the 3B (36 QPS
+    # against 2k's 24) and 2k on the 8B (12 against 9 / 5.25 / 4.5); next to scoring 2k (the
+    # same scoring rate as 4k and 8k with the chats' P99 ITL 42-55 ms against 73-90 and
+    # 119-129). FIXED_K overrides it (in k tokens), e.g. FIXED_K=2 PARTS=score-chat on the 3B.
+    if [ "$plan" = s ]; then fixed_k=4; else fixed_k=2; fi
+    fixed_k=${FIXED_K:-$fixed_k}
+    sides=(--side off-${fixed_k}k:partition=off,budget=$(( fixed_k * 1024 )),tbt=none
            --side off-tbt:partition=off,budget=8192,tbt=80
            --side auto:partition=auto,budget=8192,tbt=none)
     if [ "${REVERSE:-}" = 1 ]; then sides=("${sides[@]:4:2}" "${sides[@]:2:2}" "${sides[@]:0:2}"); fi
