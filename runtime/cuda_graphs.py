@@ -213,16 +213,12 @@ class DecodeGraphs:
             return step
         except Exception as e:
             if not isinstance(step, ModelDecodeStep):
-                log.warning(
-                    "FALLBACK: fused decode failed for batch %d on %s (%s: %s); that batch "
-                    "size decodes with FlashInfer + cuBLAS",
-                    bs,
-                    self.label,
-                    type(e).__name__,
+                self.fused_errors[bs] = fallbacks.take(
+                    f"fused decode, batch {bs} on {self.label}",
                     e,
+                    "that batch size decodes with FlashInfer + cuBLAS",
+                    log,
                 )
-                self.fused_errors[bs] = f"{type(e).__name__}: {e}"[:300]
-                fallbacks.note(f"fused decode, batch {bs} on {self.label}", self.fused_errors[bs])
                 return self._warm_up(self._make_step(bs, fused=False), bs, dummy)
             raise
 
@@ -390,16 +386,14 @@ class DecodeGraphRegistry:
             gs = self.make_set(stream, label)
             gs.capture()
         except Exception as e:  # noqa: BLE001 - any failure: this split decodes eagerly
-            log.warning(
-                "FALLBACK: decode graphs for split %s could not be captured (%s: %s);"
-                " decode steps there run eagerly",
-                label,
-                type(e).__name__,
-                e,
-            )
             gs = None
-            self.capture_errors[label] = f"{type(e).__name__}: {e}"[:300]
-            fallbacks.note(f"decode graphs on {label}", self.capture_errors[label])
+            self.capture_errors[label] = fallbacks.take(
+                f"decode graphs on {label}",
+                e,
+                "decode steps there run eagerly",
+                log,
+                failed=f"decode graphs for split {label} could not be captured",
+            )
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         dt = self.clock() - t0

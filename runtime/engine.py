@@ -202,8 +202,9 @@ def make_attention_backend(
             fuse_rope_kv_write=mode != "false",
         )
     except Exception as e:  # noqa: BLE001 - any import/init failure means "cannot use it"
-        log.warning("FlashInfer attention unavailable (%s); falling back to torch SDPA", e)
-        fallbacks.note("attention backend", f"torch SDPA: FlashInfer unavailable ({e})")
+        fallbacks.take(
+            "attention backend", e, "torch SDPA", log, failed="FlashInfer attention unavailable"
+        )
         return TorchAttentionBackend(pool, fuse_rope_kv_write=fuse_torch)
 
 
@@ -239,13 +240,13 @@ class Engine:
             try:
                 activation_bytes = self._measure_activation_reserve()
             except Exception as e:  # noqa: BLE001 - fall back to the estimate, and say so
-                log.warning(
-                    "could not measure the activation peak (%s: %s); FALLBACK: sizing the KV "
-                    "pool with the estimated activation reserve",
-                    type(e).__name__,
+                fallbacks.take(
+                    "activation peak",
                     e,
+                    "sizing the KV pool with the estimated activation reserve",
+                    log,
+                    failed="could not measure the activation peak",
                 )
-                fallbacks.note("activation peak", f"{type(e).__name__}: {e}")
                 torch.cuda.empty_cache()
         num_blocks = compute_num_blocks(
             config,
@@ -876,14 +877,13 @@ class Engine:
         try:
             self.prefill_warm_up_s = self.measure_prefill(n, 0)
         except Exception as e:  # noqa: BLE001 - a warm-up must never stop the server starting
-            log.warning(
-                "FALLBACK: the %d-token prefill warm-up failed (%s: %s); the first long "
-                "prompt pays its first-use costs",
-                n,
-                type(e).__name__,
+            fallbacks.take(
+                "prefill warm-up",
                 e,
+                "the first long prompt pays its first-use costs",
+                log,
+                failed=f"the {n}-token prefill warm-up failed",
             )
-            fallbacks.note("prefill warm-up", f"{type(e).__name__}: {e}")
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             return
@@ -893,13 +893,13 @@ class Engine:
             for items, keep_kv in self._warm_up_forms():
                 self.measure_prefill_batch(items, keep_kv=keep_kv)
         except Exception as e:  # noqa: BLE001 - as above
-            log.warning(
-                "FALLBACK: warming up the first chunked steps' forms failed (%s: %s); the "
-                "first such steps pay their first-use costs",
-                type(e).__name__,
+            fallbacks.take(
+                "step forms warm-up",
                 e,
+                "the first such steps pay their first-use costs",
+                log,
+                failed="warming up the first chunked steps' forms failed",
             )
-            fallbacks.note("step forms warm-up", f"{type(e).__name__}: {e}")
             return
         log.info("warm-up of the first steps' forms: %.3f s", time.perf_counter() - t0)
 

@@ -498,13 +498,12 @@ class ModelRunner:
         try:
             modes = warm_up(pad if pad is not None else 0)
         except Exception as e:  # noqa: BLE001 - the kernels then load at their first use
-            log.warning(
-                "FALLBACK: attention warm-up failed (%s: %s); FlashInfer's kernels compile or "
-                "load inside the first requests' steps",
-                type(e).__name__,
+            fallbacks.take(
+                "attention warm-up",
                 e,
+                "FlashInfer's kernels compile or load inside the first requests' steps",
+                log,
             )
-            fallbacks.note("attention warm-up", f"{type(e).__name__}: {e}")
             return
         log.info("attention kernels ready in %.2f s (%s)", time.perf_counter() - t0, modes)
 
@@ -517,13 +516,13 @@ class ModelRunner:
         try:
             pg.capture()
         except Exception as e:  # noqa: BLE001 - any failure: prefill runs eagerly, said once
-            log.warning(
-                "FALLBACK: prefill graphs could not be captured (%s: %s); prefill parts run "
-                "eagerly",
-                type(e).__name__,
+            fallbacks.take(
+                "prefill graphs",
                 e,
+                "prefill parts run eagerly",
+                log,
+                failed="prefill graphs could not be captured",
             )
-            fallbacks.note("prefill graphs", f"{type(e).__name__}: {e}")
             self.prefill_graphs = None
             torch.cuda.empty_cache()
             return
@@ -603,12 +602,13 @@ class ModelRunner:
         alone: a kernel that breaks on merged batches only). Said once."""
         if self.merge_off_reason is None:
             self.merge_off_reason = reason
-            log.warning(
-                "FALLBACK: steps that mix prefill with decodes run as separate forwards from "
-                "now on (slower): %s",
+            fallbacks.take(
+                "merged steps",
                 reason,
+                "steps that mix prefill with decodes run as separate forwards from now on (slower)",
+                log,
+                failed="merged steps keep failing",
             )
-            fallbacks.note("merged steps", reason)
 
     def _mergeable(self, prefill: list[ScheduledSeq], num_decodes: int) -> bool:
         """Whether a step's prefill parts and its `num_decodes` decodes run as one forward

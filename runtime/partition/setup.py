@@ -133,13 +133,12 @@ def profile_at_startup(engine: Any, green: Any, choice: Any) -> None:
     except Exception as e:  # noqa: BLE001 - serve anyway, on the fallback, and say so
         torch.cuda.synchronize(engine.device)
         fallback = choice.calibration
-        log.warning(
-            "partition start-up profile failed (%s: %s); FALLBACK: %s",
-            type(e).__name__,
+        fallbacks.take(
+            "partition start-up profile",
             e,
             fallback.source if fallback else "uncalibrated, auto time-slices",
+            log,
         )
-        fallbacks.note("partition start-up profile", f"{type(e).__name__}: {e}")
 
 
 def capture_split_graphs(runner: Any, green: Any) -> list[str]:
