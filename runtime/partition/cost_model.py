@@ -735,7 +735,7 @@ class SplitController:
         # Both against the engine's aim (`chunk.tbt_slo_ms`: the target less the tail
         # headroom the engine measured), not one against the aim and one against the target.
         chunk_ok = chunked.predicted_decode_ms <= chunk.tbt_slo_ms
-        # Layer slices are sized to the target; a split's decode step is predicted.
+        # Layer slices are sized to the aim (`_layer_slices`); a split's decode step is predicted.
         best_ok = not split or best.predicted_decode_ms * (1.0 + decode_err) <= chunk.tbt_slo_ms
         if chunk_ok and not best_ok:
             return pick_chunked(f"chunked time-slicing ({what} misses the TBT target)")
