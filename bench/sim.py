@@ -67,10 +67,18 @@ class BlockPrefixCache:
     blocks for as much of the rest as the pool can hold (evicting least recently used cached
     blocks), and on completion releases all of them, tail first, into the LRU; eviction takes
     a chain's tail blocks first. One forward at a time: `admit` then `release`.
+
+    `queue_aware` (a what-if, not the engine's rule): eviction first takes the least recently
+    used chains that no waiting request (`admit`'s `waiting`) would hit, and only then the
+    rest in LRU order.
     """
 
-    def __init__(self, capacity_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+    def __init__(
+        self, capacity_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE, queue_aware: bool = False
+    ) -> None:
         self.block_size = block_size
+        self.queue_aware = queue_aware
+        self._protected: set[Hashable] = set()  # chains waiting requests would hit (queue_aware)
         self.capacity_blocks = max(0, capacity_tokens) // block_size
         self._idle: OrderedDict[Hashable, int] = OrderedDict()  # chain -> blocks, LRU first
         self.idle_blocks = 0
@@ -121,6 +129,18 @@ class BlockPrefixCache:
         self.pinned_blocks += n
 
     def _evict(self, num_blocks: int) -> None:
+        if self._protected:
+            for key in [k for k in self._idle if k not in self._protected]:
+                if num_blocks <= 0:
+                    return
+                n = self._idle[key]
+                take = min(n, num_blocks)
+                if take == n:
+                    del self._idle[key]
+                else:
+                    self._idle[key] = n - take
+                self.idle_blocks -= take
+                num_blocks -= take
         while num_blocks > 0 and self._idle:
             key, n = next(iter(self._idle.items()))
             take = min(n, num_blocks)
@@ -131,8 +151,14 @@ class BlockPrefixCache:
             self.idle_blocks -= take
             num_blocks -= take
 
-    def admit(self, batch: Sequence[SimRequest]) -> list[int]:
-        """Start a forward over `batch`; returns each request's cached tokens (in order)."""
+    def admit(self, batch: Sequence[SimRequest], waiting: Sequence[SimRequest] = ()) -> list[int]:
+        """Start a forward over `batch`; returns each request's cached tokens (in order).
+        `waiting`: the requests still queued (their chains are evicted last if `queue_aware`)."""
+        self._protected = set()
+        if self.queue_aware:
+            for req in waiting:
+                pkey, bkey, *_ = self._chains(req)
+                self._protected.update((pkey, bkey))
         hits = []
         for req in batch:
             hit_tokens = self.peek(req)
@@ -321,7 +347,7 @@ def simulate(
             if used >= token_budget:
                 break
         # Admission: pin hits, allocate (evicting); the forward runs; its blocks are released.
-        hits = cache.admit(batch)
+        hits = cache.admit(batch, waiting)
         items = []
         for r, hit in zip(batch, hits, strict=True):
             r.num_cached_tokens_now = hit
@@ -578,6 +604,7 @@ def run_experiment(
     search: bool = True,
     prime: bool = False,
     min_span_slos: float = MIN_SPAN_SLOS,
+    queue_aware_eviction: bool = False,
 ) -> dict[str, Any]:
     """Everything `python -m bench.sim` writes, as a JSON-ready dict. Every run starts with an
     empty cache (with `prime`: one request per user first, as a running service's cache) and
@@ -613,7 +640,7 @@ def run_experiment(
                 pol = make_policy("srjf", jct_model=jct, latency_slo_s=slo_p99_s)
             else:
                 pol = make_policy(name, jct_model=jct, gamma=gamma, fairness_lambda=fairness_lambda)
-            cache = BlockPrefixCache(cache_tokens, block_size)
+            cache = BlockPrefixCache(cache_tokens, block_size, queue_aware_eviction)
             if prime:
                 prime_cache(cache, priming, setup.service, jct if setup.online_refit else None)
             return simulate(
@@ -658,6 +685,7 @@ def run_experiment(
         "gamma_tokens_per_s": gamma,
         "fairness_lambda": fairness_lambda,
         "primed": prime,
+        "eviction": "queue-aware" if queue_aware_eviction else "lru",
         "slo_p99_s": slo_p99_s,
         "min_span_slos": min_span_slos,
         "results": results,
@@ -772,6 +800,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="each run starts from a primed cache (one request per user), not an empty one",
     )
+    p.add_argument(
+        "--eviction",
+        choices=("lru", "queue-aware"),
+        default="lru",
+        help="lru: the engine's rule; queue-aware (a what-if): evict chains no waiting request "
+        "would hit first",
+    )
     p.add_argument("--out", required=True)
     p.add_argument("--plot")
     args = p.parse_args(argv)
@@ -796,6 +831,7 @@ def main(argv: list[str] | None = None) -> int:
         fairness_lambda=args.fairness_lambda,
         search=not args.no_search,
         prime=args.prime,
+        queue_aware_eviction=args.eviction == "queue-aware",
     )
     data["command"] = "python -m bench.sim " + " ".join(argv if argv is not None else sys.argv[1:])
     with open(args.out, "w", encoding="utf-8") as f:

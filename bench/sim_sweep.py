@@ -70,6 +70,7 @@ def sweep(
     token_budget: int = DEFAULT_TOKEN_BUDGET,
     slo_multiple: float = SLO_MULTIPLE,
     prime: bool = False,
+    queue_aware_eviction: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Run every (value, seed); returns raw per-seed results and the aggregates."""
@@ -102,6 +103,7 @@ def sweep(
                 token_budget=token_budget,
                 slo_multiple=slo_multiple,
                 prime=prime,
+                queue_aware_eviction=queue_aware_eviction,
                 **kwargs,
             )
             if kind == "lambda":
@@ -149,6 +151,7 @@ def sweep(
         "token_budget": token_budget,
         "slo_multiple": slo_multiple,
         "primed": prime,
+        "eviction": "queue-aware" if queue_aware_eviction else "lru",
         **setup.record,
         "raw": raw,
         "aggregate": aggregate(raw, values, policies, qps_list),
@@ -237,6 +240,13 @@ def main(argv: list[str] | None = None) -> int:
         help="P99 SLO = this x the median cold prefill of a mean-length prompt",
     )
     p.add_argument("--prime", action="store_true", help="runs start from a primed cache")
+    p.add_argument(
+        "--eviction",
+        choices=("lru", "queue-aware"),
+        default="lru",
+        help="lru: the engine's rule; queue-aware (a what-if): evict chains no waiting request "
+        "would hit first (bench.sim.BlockPrefixCache)",
+    )
     add_setup_args(p)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -259,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         token_budget=args.prefill_token_budget,
         slo_multiple=args.slo_multiple,
         prime=args.prime,
+        queue_aware_eviction=args.eviction == "queue-aware",
     )
     data["command"] = "python -m bench.sim_sweep " + " ".join(
         argv if argv is not None else sys.argv[1:]

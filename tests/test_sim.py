@@ -81,6 +81,26 @@ def test_block_cache_keeps_whole_prompts_and_evicts_tails_first() -> None:
     assert c.idle_blocks == 0 and c.peek(a2) == 0
 
 
+def test_queue_aware_eviction_spares_the_chains_waiting_requests_would_hit() -> None:
+    """The what-if `queue_aware` cache evicts least recently used chains that no waiting
+    request would hit before any chain a waiting request would; LRU takes the oldest."""
+
+    def run(queue_aware: bool) -> sim.BlockPrefixCache:
+        c = sim.BlockPrefixCache(16 * 10, 16, queue_aware=queue_aware)  # 10 blocks
+        _forward(c, _req("a1", "a", 64, 64))  # a: 4 blocks, least recently used
+        _forward(c, _req("b1", "b", 64, 64))  # b: 4 blocks
+        # c needs 4 blocks: 2 must go. a's next request is waiting; b's is not.
+        c.admit([_req("c1", "c", 64, 64)], waiting=[_req("a2", "a", 64, 80, "x")])
+        c.release()
+        return c
+
+    lru, aware = run(False), run(True)
+    a2, b2 = _req("a2", "a", 64, 80, "x"), _req("b2", "b", 64, 80, "y")
+    assert (lru.peek(a2), lru.peek(b2)) == (32, 64)  # LRU cut a's chain, the one needed next
+    assert (aware.peek(a2), aware.peek(b2)) == (64, 32)  # queue-aware cut b's instead
+    assert aware.idle_blocks <= aware.capacity_blocks
+
+
 def test_block_cache_batch_shares_pinned_prefix_and_respects_capacity() -> None:
     c = sim.BlockPrefixCache(capacity_tokens=16 * 20, block_size=16)
     _forward(c, _req("a0", "a", 160, 170))  # 10 prefix blocks cached
