@@ -143,6 +143,12 @@ def test_auto_keeps_chats_within_the_target_beside_a_whole_scoring_prompt() -> N
         partition_layer_slicing=True,
         chunk_scoring_prefill=False,
     )
+    from runtime.partition.cost_model import DecodeShape
+
+    layers = eng.model_config.num_layers
+    if eng._green.predict_decode_ms(DecodeShape(8, 8 * 64, layers)) is None:
+        eng.shutdown(0)
+        pytest.skip("the partition cost model is uncalibrated here: auto only time-slices")
     rng = random.Random(13)
     try:
         eng.start()
