@@ -191,7 +191,13 @@ def make_attention_backend(
     if want == "torch" or (want == "auto" and pool.device.type != "cuda"):
         return TorchAttentionBackend(pool, fuse_rope_kv_write=fuse_torch)
     if pool.device.type != "cuda":
-        log.warning("attention backend flashinfer needs CUDA; falling back to torch SDPA")
+        fallbacks.take(
+            "attention backend",
+            f"no CUDA device ({pool.device})",
+            "torch SDPA",
+            log,
+            failed="--attention-backend flashinfer needs CUDA",
+        )
         return TorchAttentionBackend(pool, fuse_rope_kv_write=fuse_torch)
     try:  # the GPU runtime provides this module; absent or broken -> the torch fallback
         from runtime.attention.flashinfer_backend import FlashInferBackend

@@ -31,3 +31,20 @@ def test_take_logs_once_and_keeps_the_first_reason_with_what_happens_instead(cap
     assert "FALLBACK: merging failed (3 failures); separate forwards" in caplog.text
     assert fallbacks.taken()["merged steps"] == "3 failures; separate forwards"
     fallbacks.clear()
+
+
+def test_flashinfer_asked_without_cuda_is_a_recorded_fallback() -> None:
+    """`--attention-backend flashinfer` on a CPU pool runs torch SDPA and says so: in the log
+    and in the admin state's fallbacks."""
+    import torch
+
+    from runtime.config import EngineConfig
+    from runtime.engine import make_attention_backend
+    from runtime.kv.kv_pool import KVPool
+
+    fallbacks.clear()
+    pool = KVPool(1, 4, 4, num_kv_heads=1, head_dim=8, dtype=torch.float32, device="cpu")
+    be = make_attention_backend(EngineConfig(attention_backend="flashinfer"), pool, 2)
+    assert be.name == "torch"
+    assert fallbacks.taken() == {"attention backend": "no CUDA device (cpu); torch SDPA"}
+    fallbacks.clear()
