@@ -164,25 +164,25 @@ _STEPS_RESPONSES: dict[int | str, dict[str, Any]] = {
     404: _err("This engine keeps no step trace"),
     503: _err("The engine is starting"),
 }
-_PROFILE_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"description": "The profile's summary (runtime.profiling.summarize_kernels)"},
+# What every admin write (a JSON body, a loopback or token guard, a running engine) may answer.
+_WRITE_COMMON: dict[int | str, dict[str, Any]] = {
     400: _err("Invalid body"),
     401: _err("An admin token is set and was not given"),
     403: _err("Not a loopback client with a local Host and Origin (no token set)"),
-    409: _err("A profile is already running"),
     415: _err("The body is not JSON"),
+    503: _err("The engine is starting"),
+}
+_PROFILE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The profile's summary (runtime.profiling.summarize_kernels)"},
+    **_WRITE_COMMON,
+    409: _err("A profile is already running"),
     404: _err("This engine cannot profile its steps"),
     500: _err("The profiler failed (the engine serves on)"),
-    503: _err("The engine is starting"),
 }
 _ERRORS_RESET_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": '`{"reset": true}`: the error logs are empty'},
-    400: _err("Invalid body"),
-    401: _err("An admin token is set and was not given"),
-    403: _err("Not a loopback client with a local Host and Origin (no token set)"),
+    **_WRITE_COMMON,
     409: _err("This server has no partition cost model (SM partitioning unavailable)"),
-    415: _err("The body is not JSON"),
-    503: _err("The engine is starting"),
 }
 STEP_TRACE_MAX = 4096  # runtime.engine.STEP_TRACE_LEN (app/ does not import the engine)
 _EVENTS_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -198,11 +198,7 @@ _EVENTS_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 _CHANGE_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "The state after the change (reset: queued)"},
-    400: _err("Invalid body"),
-    401: _err("An admin token is set and was not given"),
-    403: _err("Not a loopback client with a local Host and Origin (no token set)"),
-    415: _err("The body is not JSON"),
-    503: _err("The engine is starting"),
+    **_WRITE_COMMON,
 }
 
 

@@ -219,16 +219,23 @@ def test_tbt_target_gives_prefill_every_sm_the_target_allows() -> None:
     assert high.prefill_sms < dec.prefill_sms
 
 
+def _long_prefill_beside_decodes() -> tuple[
+    CostModel, PrefillShape, DecodeShape, float, float, float
+]:
+    """The layer-slicing tests' case: an 8k-token prefill (32 layers) beside 8 decodes of 2k
+    context, and (model, prefill, decode, whole-GPU prefill ms, decode ms, prefill ms a layer)."""
+    m = truth(kappa_d=0.05, kappa_p=0.02, decode_r_sat=0.3)
+    p, d = PrefillShape.from_seqs([(0, 8192)], num_layers=32), DecodeShape(8, 8 * 2048, 32)
+    whole_prefill = m.predict(PREFILL, p, TOTAL)
+    return m, p, d, whole_prefill, m.predict(DECODE, d, TOTAL), whole_prefill / 32
+
+
 def test_layer_slicing_when_it_finishes_the_prefill_before_the_best_split() -> None:
     """A prefill too long for a whole time-slice under the TBT target: with layer slicing on,
     the controller time-slices by slices of layers sized to the target (decode waits one
     slice) when that is predicted to finish the prefill before the best split meeting the
     target does; otherwise, and with it off, it splits."""
-    m = truth(kappa_d=0.05, kappa_p=0.02, decode_r_sat=0.3)
-    p, d = PrefillShape.from_seqs([(0, 8192)], num_layers=32), DecodeShape(8, 8 * 2048, 32)
-    whole_prefill = m.predict(PREFILL, p, TOTAL)
-    whole_decode = m.predict(DECODE, d, TOTAL)
-    per_layer = whole_prefill / 32
+    m, p, d, whole_prefill, whole_decode, per_layer = _long_prefill_beside_decodes()
     target = whole_decode + 4.5 * per_layer  # room for 4 layers a slice
     assert target < sum(SplitController(m, SPLITS)._eval(TIME_SLICE, p, d)) / 2
     base = dict(tbt_slo_ms=target, min_gain=0.0, hysteresis_sms=0)
@@ -266,11 +273,7 @@ def test_layer_slices_are_sized_to_the_aim_with_their_measured_error() -> None:
     slice plus its own step, and a slice sized to the target is that wait on average only
     (plan z on the H200: the chats' P99 ITL 89 ms for 80). An aim that admits no whole layer
     where the target admits one gives one-layer slices; none when the target admits none."""
-    m = truth(kappa_d=0.05, kappa_p=0.02, decode_r_sat=0.3)
-    p, d = PrefillShape.from_seqs([(0, 8192)], num_layers=32), DecodeShape(8, 8 * 2048, 32)
-    whole_prefill = m.predict(PREFILL, p, TOTAL)
-    whole_decode = m.predict(DECODE, d, TOTAL)
-    per_layer = whole_prefill / 32
+    m, p, d, whole_prefill, whole_decode, per_layer = _long_prefill_beside_decodes()
     target = whole_decode + 8.5 * per_layer  # room for 8 layers a slice
     ctl = SplitController(
         m, [32, 64], ControllerConfig(tbt_slo_ms=target, layer_slicing=True, hysteresis_sms=0)
