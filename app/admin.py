@@ -96,13 +96,14 @@ class PartitionChange(BaseModel):
 
 
 class PrefillChange(BaseModel):
-    """Either or both; a field left out keeps its value; `tbt_slo_ms: null` removes the
-    target."""
+    """Any of the three; a field left out keeps its value; `tbt_slo_ms: null` removes the
+    target, `mixed_step_token_budget: null` the cap on steps with decodes (the budget alone)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     prefill_token_budget: int | None = None
     tbt_slo_ms: float | None = None
+    mixed_step_token_budget: int | None = None
 
 
 class PolicyChange(BaseModel):
@@ -501,6 +502,8 @@ def _build_state(app: Any) -> dict[str, Any]:
         },
         "prefill": {
             "token_budget": stats.get("prefill_token_budget"),
+            # Tokens a step with decodes may take when no TBT target sizes it (None: the budget).
+            "mixed_step_token_budget": stats.get("mixed_step_token_budget"),
             "tbt_slo_ms": stats.get("tbt_slo_ms"),
             # How the TBT cut sizes chunks (the online correction of the chunk cost) and how
             # steps that mixed prefill with decodes came out against it (counters since start;
@@ -787,7 +790,8 @@ async def admin_set_policy(request: Request) -> JSONResponse:
 )
 async def admin_set_prefill(request: Request) -> JSONResponse:
     """The prefill token budget per step (at most the one the server started with: activation
-    memory was reserved for it) and the time-between-tokens target (`--tbt-slo-ms`)."""
+    memory was reserved for it), the time-between-tokens target (`--tbt-slo-ms`) and the cap
+    on a step that carries decodes when no target is set (`--mixed-step-token-budget`)."""
     denied = check_admin(request)
     if denied is not None:
         return denied
@@ -799,7 +803,7 @@ async def admin_set_prefill(request: Request) -> JSONResponse:
     if not given:
         return _error(
             400,
-            "give prefill_token_budget, tbt_slo_ms or both",
+            "give prefill_token_budget, tbt_slo_ms, mixed_step_token_budget or several",
             "invalid_request_error",
             "prefill_token_budget",
         )
@@ -813,6 +817,11 @@ async def admin_set_prefill(request: Request) -> JSONResponse:
         else stats.get("prefill_token_budget")
     )
     tbt = body.tbt_slo_ms if "tbt_slo_ms" in given else stats.get("tbt_slo_ms")
+    mixed = (
+        body.mixed_step_token_budget
+        if "mixed_step_token_budget" in given
+        else stats.get("mixed_step_token_budget")
+    )
     if budget is None:
         return _error(
             400,
@@ -821,9 +830,12 @@ async def admin_set_prefill(request: Request) -> JSONResponse:
             "prefill_token_budget",
         )
     try:
-        await engine.set_prefill_limits(budget, tbt)
+        await engine.set_prefill_limits(budget, tbt, mixed)
     except ValueError as exc:
-        param = "tbt_slo_ms" if "tbt_slo_ms" in str(exc) else "prefill_token_budget"
+        param = next(
+            (p for p in ("tbt_slo_ms", "mixed_step_token_budget") if p in str(exc)),
+            "prefill_token_budget",
+        )
         return _error(400, str(exc), "invalid_request_error", param)
     return JSONResponse(build_state(request.app))
 

@@ -74,12 +74,23 @@ class EngineView:
         await self._core.call("set_policy", name)
         self._core.note(policy=name)
 
-    async def set_prefill_limits(self, prefill_token_budget: int, tbt_slo_ms: float | None) -> None:
+    async def set_prefill_limits(
+        self,
+        prefill_token_budget: int,
+        tbt_slo_ms: float | None,
+        mixed_step_token_budget: int | None,
+    ) -> None:
         """Raises ValueError for limits the engine refuses (a budget above the one it was
-        sized for, a non-positive target)."""
-        await self._core.call("set_prefill_limits", prefill_token_budget, tbt_slo_ms)
+        sized for, a non-positive target or cap)."""
+        await self._core.call(
+            "set_prefill_limits", prefill_token_budget, tbt_slo_ms, mixed_step_token_budget
+        )
         self._core.note(
-            stats={"prefill_token_budget": prefill_token_budget, "tbt_slo_ms": tbt_slo_ms}
+            stats={
+                "prefill_token_budget": prefill_token_budget,
+                "tbt_slo_ms": tbt_slo_ms,
+                "mixed_step_token_budget": mixed_step_token_budget,
+            }
         )
 
     async def reset_prefix_cache(self) -> None:

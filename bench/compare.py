@@ -143,8 +143,11 @@ def parse_settings(text: str) -> list[AdminChange]:
 
     Keys: `policy` (srjf | spf | fcfs | srjf-oneshot; the server validates), `partition`
     (off | auto | static:<prefill_sms>), `budget` (prefill tokens per step, at most the
-    server's start-up budget) and `tbt` (the TBT target in ms, or `none`): the last two in one
-    `PUT /admin/api/prefill`, so a baseline's prefill budget is swept in one server run."""
+    server's start-up budget), `mixed` (tokens a step with decodes may take, or `none`) and
+    `tbt` (the TBT target in ms, or `none`): the last three in one `PUT /admin/api/prefill`,
+    so a baseline's prefill budget is swept in one server run. `budget` without `mixed` is a
+    fixed budget for every step, with or without decodes (the cap on steps with decodes is
+    removed), as the `off-<k>` baselines have meant since they were first run."""
     prefill: dict[str, Any] = {}
     changes: list[AdminChange] = []
     seen: set[str] = set()
@@ -174,13 +177,24 @@ def parse_settings(text: str) -> list[AdminChange]:
             if not value.isdigit() or int(value) < 1:
                 raise ValueError(f"budget must be a positive token count, got {value!r}")
             prefill["prefill_token_budget"] = int(value)
+        elif key == "mixed":
+            if value.lower() == "none":
+                prefill["mixed_step_token_budget"] = None
+            elif value.isdigit() and int(value) >= 1:
+                prefill["mixed_step_token_budget"] = int(value)
+            else:
+                raise ValueError(f"mixed must be a positive token count or none, got {value!r}")
         elif key == "tbt":
             try:
                 prefill["tbt_slo_ms"] = None if value.lower() == "none" else float(value)
             except ValueError:
                 raise ValueError(f"tbt must be milliseconds or none, got {value!r}") from None
         else:
-            raise ValueError(f"unknown setting {key!r} (use policy=, partition=, budget=, tbt=)")
+            raise ValueError(
+                f"unknown setting {key!r} (use policy=, partition=, budget=, mixed=, tbt=)"
+            )
+    if "budget" in seen and "mixed" not in seen:
+        prefill["mixed_step_token_budget"] = None
     if prefill:
         changes.append(AdminChange("/admin/api/prefill", prefill))
     if not changes:

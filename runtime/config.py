@@ -30,6 +30,16 @@ class EngineConfig:
 
     max_num_seqs: int = 256  # running requests (decode batch) cap
     prefill_token_budget: int = 8192  # tokens per prefill step (short prompts batched up to this)
+    # Tokens a step that carries decodes may take, decodes included, when no TBT target sizes
+    # it (None: prefill_token_budget). Steps without decodes keep the whole budget (batching
+    # short prompts; the activation reserve and hybrid prefill's forms follow that budget).
+    # Why 2,048: `off`'s budget swept through HTTP on the H200 (1k / 2k / 4k / 8k, 2026-12-04,
+    # docs/benchmarks.md "The fixed-budget baseline swept") read 8B long prompts next to chat
+    # 9 / 12 / 5.25 / 4.5 max QPS and chat's P99 gap next to scoring 52 / 87 / 155 / 261 ms
+    # (3B: 32 / 51 / 73 / 124) at the same scoring rate from 2k up: 8,192 beside decodes was
+    # the worst of the four; 2,048 the best or next to it on every part (4k led the 3B's long
+    # prompts with 8-s probes, tied with 16-s ones).
+    mixed_step_token_budget: int | None = 2048
     # Time-between-tokens target (ms) for every mode: in a step with decodes, the prefill
     # work (chunks, admissions) is cut so that its predicted time (the JCT model's marginal
     # cost) plus the recent decode step time stays within it. prefill_token_budget still caps
@@ -155,6 +165,8 @@ class EngineConfig:
             raise ValueError("wait_for_shared_prefix_tokens must be >= 0")
         if self.prefill_token_budget < 1:
             raise ValueError("prefill_token_budget must be >= 1")
+        if self.mixed_step_token_budget is not None and self.mixed_step_token_budget < 1:
+            raise ValueError("mixed_step_token_budget must be >= 1 (or None: the whole budget)")
         if self.prefill_chunk_tokens < 1:
             raise ValueError("prefill_chunk_tokens must be >= 1")
         if self.prefill_graph_max_tokens < 0:

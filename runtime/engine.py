@@ -525,6 +525,7 @@ class Engine:
         base_s = self._decode_base_s(look.num_decodes, look.decode_context_tokens)
         return dataclasses.replace(
             capacity,
+            mixed_step_token_budget=None,  # the target sizes a step with decodes, not a cap
             tbt_s=aim_s,
             decode_step_s=base_s + self._prefill_cost.offset_s,
             prefill_cost=self._prefill_cost,
@@ -828,10 +829,16 @@ class Engine:
             self._stats["policy"] = policy.name
             self._wakeup.notify()
 
-    def set_prefill_limits(self, prefill_token_budget: int, tbt_slo_ms: float | None) -> None:
-        """Change the per-step prefill token budget and the TBT target at run time
-        (thread-safe; applied before the next step). The budget may only go down from the
-        configured one: activation memory was reserved for that (ValueError, raised here)."""
+    def set_prefill_limits(
+        self,
+        prefill_token_budget: int,
+        tbt_slo_ms: float | None,
+        mixed_step_token_budget: int | None,
+    ) -> None:
+        """Change the per-step prefill token budget, the TBT target and the cap on steps that
+        carry decodes (None: the budget alone) at run time (thread-safe; applied before the
+        next step). The budget may only go down from the configured one: activation memory
+        was reserved for that (ValueError, raised here)."""
         cap = self.config.prefill_token_budget
         if not 1 <= prefill_token_budget <= cap:
             raise ValueError(
@@ -840,10 +847,14 @@ class Engine:
             )
         if tbt_slo_ms is not None and not tbt_slo_ms > 0:
             raise ValueError("tbt_slo_ms must be > 0, or null for no target")
+        if mixed_step_token_budget is not None and mixed_step_token_budget < 1:
+            raise ValueError("mixed_step_token_budget must be >= 1, or null for the budget alone")
+        limits = (prefill_token_budget, tbt_slo_ms, mixed_step_token_budget)
         with self._lock:
-            self._inbox.append(("prefill_limits", (prefill_token_budget, tbt_slo_ms)))
+            self._inbox.append(("prefill_limits", limits))
             self._stats["prefill_token_budget"] = prefill_token_budget
             self._stats["tbt_slo_ms"] = tbt_slo_ms
+            self._stats["mixed_step_token_budget"] = mixed_step_token_budget
             self._wakeup.notify()
 
     def reset_prefix_cache(self) -> None:
@@ -1172,12 +1183,18 @@ class Engine:
             self.policy = payload
             self.scheduler.set_policy(payload)
         elif kind == "prefill_limits":
-            budget, tbt_ms = payload
+            budget, tbt_ms, mixed = payload
             self._tbt_s = None if tbt_ms is None else tbt_ms / 1e3
             self.serial.set_prefill_token_budget(budget)
+            self.serial.set_mixed_step_token_budget(mixed)
             if self.split is not None:
                 self.split.set_prefill_token_budget(budget)
-            log.info("prefill limits: budget %d tokens, TBT target %s ms", budget, tbt_ms)
+            log.info(
+                "prefill limits: budget %d tokens (%s with decodes), TBT target %s ms",
+                budget,
+                "the same" if mixed is None else mixed,
+                tbt_ms,
+            )
         elif kind == "call":
             payload()
         elif kind == "reset_prefix_cache":
@@ -1540,6 +1557,7 @@ class Engine:
             "fairness_lambda": getattr(self.policy, "fairness_lambda", None),
             "ttft_slo_ms": self.config.ttft_slo_ms,
             "prefill_token_budget": self.serial.prefill_token_budget,
+            "mixed_step_token_budget": self.serial.mixed_step_token_budget,
             "tbt_slo_ms": None if self._tbt_s is None else self._tbt_s * 1e3,
             "tbt_cost_scale": self._prefill_cost.scale,
             "tbt_cost_offset_ms": self._prefill_cost.offset_s * 1e3,
@@ -1575,14 +1593,15 @@ class Engine:
             "jct_source": self.jct_model.source,
             "alive": self._crashed is None,
         }
-        pending = {k: self._stats.get(k) for k in ("policy", "prefill_token_budget", "tbt_slo_ms")}
+        limits = ("prefill_token_budget", "tbt_slo_ms", "mixed_step_token_budget")
+        pending = {k: self._stats.get(k) for k in ("policy", *limits)}
         self._stats = snap
         # A change still in the inbox: show what was asked for, not what it replaces.
         if any(k == "policy" for k, _ in self._inbox) and pending["policy"] is not None:
             self._stats["policy"] = pending["policy"]
         if any(k == "prefill_limits" for k, _ in self._inbox):
-            self._stats["prefill_token_budget"] = pending["prefill_token_budget"]
-            self._stats["tbt_slo_ms"] = pending["tbt_slo_ms"]
+            for k in limits:
+                self._stats[k] = pending[k]
         self._next_stats_s = time.monotonic() + STATS_INTERVAL_S
 
 

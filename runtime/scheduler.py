@@ -19,7 +19,8 @@ tokens computed and tokens wanted, and a step gives tokens to the first to catch
      + output later, mostly from the prefix cache);
   2. prefills in progress continue, then waiting requests are admitted in policy order while
      the budget (`capacity.prefill_token_budget`, which decode tokens share when
-     `capacity.decodes_share_budget`), `max_num_seqs` and the KV pool allow. The first
+     `capacity.decodes_share_budget`; in a step with decodes at most
+     `capacity.mixed_step_token_budget`), `max_num_seqs` and the KV pool allow. The first
      prefill of a step always runs (at least one block) so prefill never starves behind
      decode. A GENERATE prompt is chunked to the remaining budget. A SCORE prompt runs whole
      (hybrid prefill bounds its memory, suffix KV is discarded) unless decodes are running,
@@ -235,6 +236,9 @@ class StepCapacity:
     decodes_share_budget: bool = True  # decode tokens count against the budget (one batch)
     hold_prefills: bool = False  # prefills run asynchronously: hold their requests
     chunk_scoring: bool = True  # long scoring prompts next to decodes may be chunked
+    # A step that plans decodes takes at most this many tokens (decodes included when they
+    # share the budget); None: `prefill_token_budget` alone (EngineConfig.mixed_step_token_budget).
+    mixed_step_token_budget: int | None = None
     # A time-between-tokens target (EngineConfig.tbt_slo_ms): in a step with decodes, the
     # prefill work planned may add at most tbt_s - decode_step_s seconds by `prefill_cost`.
     tbt_s: float | None = None
@@ -603,6 +607,8 @@ class Scheduler:
         budget = capacity.prefill_token_budget
         preempted_before = self.num_preemptions
         num_decode = self._plan_decodes(plan)
+        if num_decode and capacity.mixed_step_token_budget is not None:
+            budget = min(budget, capacity.mixed_step_token_budget)
         if budget > 0:
             if capacity.decodes_share_budget:
                 budget -= num_decode

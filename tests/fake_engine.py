@@ -164,6 +164,7 @@ class FakeEngine:
             config.prefill_token_budget,
             config.tbt_slo_ms,
         )
+        self.mixed_step_token_budget = config.mixed_step_token_budget
         self.partition = UnavailablePartition("the fake engine has no GPU")
         self._lock = threading.Lock()
         self._inbox: deque[Request] = deque()
@@ -234,6 +235,7 @@ class FakeEngine:
                 "policy": self.policy,
                 "prefill_token_budget": self.prefill_limits[0],
                 "tbt_slo_ms": self.prefill_limits[1],
+                "mixed_step_token_budget": self.mixed_step_token_budget,
                 "partition": "off",
                 "num_cache_resets": self._num_cache_resets,
                 "alive": True,
@@ -249,7 +251,12 @@ class FakeEngine:
     def reset_prefix_cache(self) -> None:
         self._num_cache_resets += 1
 
-    def set_prefill_limits(self, prefill_token_budget: int, tbt_slo_ms: float | None) -> None:
+    def set_prefill_limits(
+        self,
+        prefill_token_budget: int,
+        tbt_slo_ms: float | None,
+        mixed_step_token_budget: int | None,
+    ) -> None:
         """As the engine: the budget may only go down from the configured one."""
         if not 1 <= prefill_token_budget <= self.config.prefill_token_budget:
             raise ValueError(
@@ -257,7 +264,10 @@ class FakeEngine:
             )
         if tbt_slo_ms is not None and not tbt_slo_ms > 0:
             raise ValueError("tbt_slo_ms must be > 0, or null for no target")
+        if mixed_step_token_budget is not None and mixed_step_token_budget < 1:
+            raise ValueError("mixed_step_token_budget must be >= 1, or null for the budget alone")
         self.prefill_limits = (prefill_token_budget, tbt_slo_ms)
+        self.mixed_step_token_budget = mixed_step_token_budget
 
     def shutdown(self, grace_s: float = 0.0) -> None:
         with self._lock:

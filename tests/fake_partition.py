@@ -179,6 +179,7 @@ class FakeEngine:
         self.policy_calls: list[str] = []
         self.prefill_budget_cap = 8192  # the budget the server "started" with
         self.prefill_limits: tuple[int, float | None] = (8192, None)
+        self.mixed_step_token_budget: int | None = 2048
         self.max_running = max_running
         self.prefill_s, self.tpot_s = prefill_s, tpot_s
         self.kv_blocks_total = 256
@@ -210,6 +211,7 @@ class FakeEngine:
                 "policy": self.policy,
                 "prefill_token_budget": self.prefill_limits[0],
                 "tbt_slo_ms": self.prefill_limits[1],
+                "mixed_step_token_budget": self.mixed_step_token_budget,
                 "num_failed_steps": 3,
                 "num_failed_requests": 1,
                 "fallbacks": {"prefill graphs": "stand-in: out of memory"},
@@ -222,12 +224,20 @@ class FakeEngine:
         self.policy_calls.append(name)
         self.policy = name
 
-    async def set_prefill_limits(self, prefill_token_budget: int, tbt_slo_ms: float | None) -> None:
+    async def set_prefill_limits(
+        self,
+        prefill_token_budget: int,
+        tbt_slo_ms: float | None,
+        mixed_step_token_budget: int | None,
+    ) -> None:
         if not 1 <= prefill_token_budget <= self.prefill_budget_cap:
             raise ValueError(f"prefill_token_budget must be in [1, {self.prefill_budget_cap}]")
         if tbt_slo_ms is not None and not tbt_slo_ms > 0:
             raise ValueError("tbt_slo_ms must be > 0, or null for no target")
+        if mixed_step_token_budget is not None and mixed_step_token_budget < 1:
+            raise ValueError("mixed_step_token_budget must be >= 1, or null for the budget alone")
         self.prefill_limits = (prefill_token_budget, tbt_slo_ms)
+        self.mixed_step_token_budget = mixed_step_token_budget
 
     async def reset_prefix_cache(self) -> None:
         return None

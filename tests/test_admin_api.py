@@ -581,6 +581,7 @@ def test_prefill_limits_change_and_show_in_the_state() -> None:
 
     state = client.get("/admin/api/state").json()
     assert limits(state) == {"token_budget": 8192, "tbt_slo_ms": None}
+    assert state["prefill"]["mixed_step_token_budget"] == 2048
     # How the cut is doing: keys always there (null where the engine does not report them).
     assert set(state["prefill"]["tbt_cut"]) == {
         "cost_scale",
@@ -608,6 +609,13 @@ def test_prefill_limits_change_and_show_in_the_state() -> None:
     r = client.put("/admin/api/prefill", json={"tbt_slo_ms": None})  # null removes the target
     assert limits(r.json()) == {"token_budget": 2048, "tbt_slo_ms": None}
     assert app.state.engine.prefill_limits == (2048, None)
+    assert r.json()["prefill"]["mixed_step_token_budget"] == 2048  # kept throughout
+    # null removes the cap on steps with decodes (the budget alone), a number sets it
+    r = client.put("/admin/api/prefill", json={"mixed_step_token_budget": None})
+    assert r.status_code == 200 and r.json()["prefill"]["mixed_step_token_budget"] is None
+    r = client.put("/admin/api/prefill", json={"mixed_step_token_budget": 1024})
+    assert r.json()["prefill"]["mixed_step_token_budget"] == 1024
+    assert limits(r.json()) == {"token_budget": 2048, "tbt_slo_ms": None}
 
 
 @pytest.mark.parametrize(
@@ -618,6 +626,8 @@ def test_prefill_limits_change_and_show_in_the_state() -> None:
         ({"prefill_token_budget": "2048"}, "prefill_token_budget"),  # strict: no strings
         ({"prefill_token_budget": None}, "prefill_token_budget"),
         ({"tbt_slo_ms": -5}, "tbt_slo_ms"),
+        ({"mixed_step_token_budget": 0}, "mixed_step_token_budget"),
+        ({"mixed_step_token_budget": 1.5}, "mixed_step_token_budget"),  # strict: integers
         ({}, "prefill_token_budget"),
         ({"budget": 1}, None),
     ],

@@ -736,14 +736,26 @@ def test_parse_settings():
     ]
     assert parse_settings("partition=off") == [AdminChange("/admin/api/partition", {"mode": "off"})]
     # The baseline's knobs: one PUT for both, after the others.
+    # A budget alone is the budget of every step: the cap on steps with decodes is removed.
+    fixed = {"prefill_token_budget": 2048, "tbt_slo_ms": 80.0, "mixed_step_token_budget": None}
     assert parse_settings("budget=2048,partition=off,tbt=80") == [
         AdminChange("/admin/api/partition", {"mode": "off"}),
-        AdminChange("/admin/api/prefill", {"prefill_token_budget": 2048, "tbt_slo_ms": 80.0}),
+        AdminChange("/admin/api/prefill", fixed),
     ]
     assert parse_settings("tbt=none") == [AdminChange("/admin/api/prefill", {"tbt_slo_ms": None})]
+    assert parse_settings("budget=8192,mixed=2048") == [
+        AdminChange(
+            "/admin/api/prefill", {"prefill_token_budget": 8192, "mixed_step_token_budget": 2048}
+        )
+    ]
+    assert parse_settings("mixed=none") == [
+        AdminChange("/admin/api/prefill", {"mixed_step_token_budget": None})
+    ]
     for bad in (
         "budget=0",
         "budget=lots",
+        "mixed=0",
+        "mixed=some",
         "tbt=soon",
         "",
         "policy",

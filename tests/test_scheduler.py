@@ -97,9 +97,11 @@ def score(rid: str, tokens: list[int], arrival: float = 0.0) -> Request:
     return Request(rid, RequestKind.SCORE, tokens, label_token_ids=[1, 2], arrival_s=arrival)
 
 
-def drive(s: Scheduler, runner: FakeRunner, max_steps: int = 400, overlap: bool = False) -> dict:
+def drive(
+    s: Scheduler, runner: FakeRunner, max_steps: int = 400, overlap: bool = False, **kw
+) -> dict:
     """Run to completion. overlap: keep one step in flight, as the engine does (step N+1 is
-    planned before step N's results are applied)."""
+    planned before step N's results are applied). `kw`: StepCapacity fields for every step."""
     outs: dict[str, list] = {}
     inflight: list[tuple[StepPlan, RunnerOutput]] = []
 
@@ -110,7 +112,7 @@ def drive(s: Scheduler, runner: FakeRunner, max_steps: int = 400, overlap: bool 
     for _ in range(max_steps):
         if not s.has_work() and not inflight:
             break
-        plan = s.schedule(cap(s))
+        plan = s.schedule(cap(s, **kw))
         for o in s.take_pending_outputs():
             outs.setdefault(o.request_id, []).append(o)
         if not plan.is_empty:
@@ -528,6 +530,34 @@ def test_long_scoring_prompt_is_chunked_only_next_to_decodes_and_when_its_kv_fit
     (whole,) = [q for p in runner.plans for q in p.prefill if q.request.request_id == "long"]
     assert whole.num_new_tokens == 40 and whole.num_kept_tokens < 40
     assert s.num_chunked_scoring == 0
+
+
+def test_a_step_with_decodes_is_held_to_the_mixed_cap_and_one_without_gets_the_budget() -> None:
+    """`mixed_step_token_budget`: beside a decode, a long chat prompt and a long scoring
+    prompt go in chunks of at most the cap (the decode's token included); alone, each takes
+    the whole budget in one step."""
+    prompt = list(range(200, 240))  # 40 tokens, none shared with the chat's
+
+    def long_chat() -> Request:
+        return Request("long", RequestKind.GENERATE, prompt, SamplingParams(max_tokens=1))
+
+    makers = (long_chat, lambda: score("long", prompt))
+    for make_long in makers:
+        s = make(num_blocks=64, budget=64)
+        s.add(gen("chat", 4, max_tokens=30, ignore_eos=True))
+        step(s, FakeRunner(), mixed_step_token_budget=16)  # chat prefilled: it decodes now
+        s.add(make_long())
+        runner = FakeRunner()
+        drive(s, runner, mixed_step_token_budget=16)
+        mixed = [p for p in runner.plans if p.prefill and p.decode]
+        assert mixed and all(p.num_prefill_tokens + len(p.decode) <= 16 for p in mixed)
+        assert sum(q.num_new_tokens for p in runner.plans for q in p.prefill) == 40
+        # Alone (no decode to protect): one step of the whole budget.
+        s = make(num_blocks=64, budget=64)
+        s.add(make_long())
+        runner = FakeRunner()
+        drive(s, runner, mixed_step_token_budget=16)
+        assert [q.num_new_tokens for q in runner.plans[0].prefill] == [40]
 
 
 def test_prompt_logprobs_are_gathered_over_chunks_and_never_use_the_prefix_cache() -> None:

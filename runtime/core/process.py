@@ -287,7 +287,12 @@ class EngineCore:
             engine.reset_prefix_cache()
             return None
         if method == "set_prefill_limits":
-            engine.set_prefill_limits(int(args[0]), None if args[1] is None else float(args[1]))
+            budget, tbt, mixed = args
+            engine.set_prefill_limits(
+                int(budget),
+                None if tbt is None else float(tbt),
+                None if mixed is None else int(mixed),
+            )
             return None
         if method == "set_partition":
             return _asdict(engine.partition.set_mode(args[0]))

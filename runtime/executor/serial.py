@@ -42,6 +42,7 @@ class SerialExecutor:
             decodes_share_budget=True,
             hold_prefills=False,
             chunk_scoring=config.chunk_scoring_prefill,
+            mixed_step_token_budget=config.mixed_step_token_budget,
         )
         self._inflight: deque[_Launched] = deque()
         self._last_end: EventLike | None = None  # end event of the last collected step
@@ -55,6 +56,13 @@ class SerialExecutor:
 
     def set_prefill_token_budget(self, num_tokens: int) -> None:
         self._capacity = dataclasses.replace(self._capacity, prefill_token_budget=num_tokens)
+
+    @property
+    def mixed_step_token_budget(self) -> int | None:
+        return self._capacity.mixed_step_token_budget
+
+    def set_mixed_step_token_budget(self, num_tokens: int | None) -> None:
+        self._capacity = dataclasses.replace(self._capacity, mixed_step_token_budget=num_tokens)
 
     @property
     def num_in_flight(self) -> int:
