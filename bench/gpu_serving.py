@@ -249,6 +249,25 @@ def summarize_steps(
         if gaps
         else None
     )
+    # Split executor: prefills run in layer slices, their span (decode steps between slices
+    # included) against the controller's prediction (`prefill/layer_sliced`'s readings).
+    pairs = [
+        (st["layer_sliced_span_ms"], st["layer_sliced_predicted_ms"])
+        for st in steps
+        if st.get("layer_sliced_span_ms") is not None and st.get("layer_sliced_predicted_ms")
+    ]
+    ratios = sorted(span / pred for span, pred in pairs)
+    layer_sliced = (
+        {
+            "num": len(pairs),
+            "span_ms_mean": round(sum(span for span, _ in pairs) / len(pairs), 2),
+            "measured_over_predicted_p10": round(ratios[int(0.1 * (len(ratios) - 1))], 3),
+            "measured_over_predicted_p50": round(ratios[int(0.5 * (len(ratios) - 1))], 3),
+            "measured_over_predicted_p90": round(ratios[int(0.9 * (len(ratios) - 1))], 3),
+        }
+        if pairs
+        else None
+    )
     with_decodes = [st for st in steps if st["num_decodes"] and waited(st) is not None]
     longest = sorted(with_decodes, key=lambda st: -(waited(st) or 0.0))[:8]
     return {
@@ -256,6 +275,7 @@ def summarize_steps(
         "span_s": round(steps[0]["age_s"] - steps[-1]["age_s"], 2) if steps else 0.0,
         "by_kind": kinds,
         "decode_gap_ms": decode_gaps,
+        "layer_sliced": layer_sliced,
         # Steps by the tokens they ran (prefill + one a decode), over each bound. vLLM has no
         # counterpart: its tokens-per-iteration histogram counts a whole prompt in the
         # iteration its prefill ends, not the chunk each step ran.

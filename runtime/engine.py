@@ -127,6 +127,10 @@ STEP_TRACE_FIELDS = (
     # carried them (device time; a layer slice, a prefill on their stream or the host
     # between), else None (executor/base.py `StepResult.decode_gap_s`)
     "decode_gap_ms",
+    # Split executor, a prefill run in layer slices (device_ms None): start to last slice with
+    # the decode steps between, and the controller's prediction of it; else None
+    "layer_sliced_span_ms",
+    "layer_sliced_predicted_ms",
 )
 
 Sink = Callable[[list[EngineOutput]], None]
@@ -1376,6 +1380,8 @@ class Engine:
                 result.other_sms,
                 chunked_ms,
                 None if result.decode_gap_s is None else result.decode_gap_s * 1e3,
+                _ms(result.layer_sliced_span_s),
+                _ms(result.layer_sliced_predicted_s),
             )
         )
 
@@ -1603,6 +1609,10 @@ class Engine:
             for k in limits:
                 self._stats[k] = pending[k]
         self._next_stats_s = time.monotonic() + STATS_INTERVAL_S
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
 
 
 def _quantiles(name: str, values: deque[float], percents: tuple[int, ...]) -> dict[str, Any]:

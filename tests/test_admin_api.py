@@ -534,8 +534,11 @@ def test_step_trace_of_the_real_engine() -> None:
             "other_sms",
             "chunked_predicted_ms",
             "decode_gap_ms",
+            "layer_sliced_span_ms",
+            "layer_sliced_predicted_ms",
         }
         assert all(s["chunked_predicted_ms"] is None for s in steps)  # off: no chunked choice
+        assert all(s["layer_sliced_span_ms"] is None for s in steps)  # nor layer slices
         assert all(s["decode_gap_ms"] is None for s in steps)  # the serial executor: none
         ages = [s["age_s"] for s in steps]
         assert ages == sorted(ages, reverse=True) and ages[-1] >= 0.0

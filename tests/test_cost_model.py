@@ -85,6 +85,20 @@ def test_fit_recovers_parameters_and_predicts_held_out_shapes() -> None:
     assert stats["mape"] < 0.10
 
 
+def test_error_stats_say_which_way_a_kind_misses() -> None:
+    """The MAPE cannot tell a kind predicted too short from one predicted too long; the
+    median measured / predicted beside it can."""
+    m = truth()
+    for predicted, measured in [(10.0, 12.0), (10.0, 13.0), (10.0, 9.0)]:
+        m.score("prefill/layer_sliced", predicted, measured)
+    for predicted, measured in [(20.0, 15.0), (20.0, 16.0)]:
+        m.score("chunked/step", predicted, measured)
+    stats = m.error_stats()
+    assert stats["ratio_p50_prefill_layer_sliced"] == pytest.approx(1.2)  # too short
+    assert stats["ratio_p50_chunked_step"] == pytest.approx(0.775)  # too long
+    assert stats["mape_chunked_step"] == pytest.approx((5 / 15 + 4 / 16) / 2)  # unchanged
+
+
 def test_observe_scores_before_refining_and_corrects_bias() -> None:
     m = truth()
     p = PrefillShape.from_seqs([(0, 2048)])

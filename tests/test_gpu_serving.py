@@ -376,6 +376,20 @@ def test_step_gaps_say_which_steps_made_the_long_waits() -> None:
     g = gs.summarize_steps(split_steps)["decode_gap_ms"]
     assert g["num"] == 5 and g["p50"] == 0.2 and g["max"] == 120.0
     assert g["num_over_80_ms"] == 2 and g["num_over_100_ms"] == 1
+    assert d["layer_sliced"] is None  # no layer-sliced prefill in the trace
+    # Layer-sliced prefills: their span against the controller's prediction.
+    sliced = [
+        {
+            **step(5.0, 0, 12000, None),
+            "layer_sliced_span_ms": span,
+            "layer_sliced_predicted_ms": 200.0,
+        }
+        for span in (220.0, 240.0, 180.0)
+    ]
+    ls = gs.summarize_steps(split_steps + sliced)["layer_sliced"]
+    assert ls["num"] == 3 and ls["span_ms_mean"] == pytest.approx(213.33)
+    assert ls["measured_over_predicted_p50"] == 1.1
+    assert (ls["measured_over_predicted_p10"], ls["measured_over_predicted_p90"]) == (0.9, 1.1)
 
 
 def test_mode_drift_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:

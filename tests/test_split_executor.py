@@ -341,6 +341,16 @@ def test_time_slicing_by_layers_interleaves_decode_steps_on_one_stream() -> None
     assert len(scored) == 2  # both prefills, against the decision's 7.5 ms
     assert {(k, p) for k, p, _ in scored} == {("prefill/layer_sliced", 7.5)}
     assert all(m > 0 for _, _, m in scored)
+    # The step trace shows each layer-sliced prefill's span and its prediction (no device time:
+    # the span holds the decode steps between its slices); other steps have neither.
+    trace = eng.step_trace()
+    sliced = [st for st in trace if st["layer_sliced_span_ms"] is not None]
+    assert len(sliced) == 2
+    assert all(st["device_ms"] is None and st["num_prefill_tokens"] > 0 for st in sliced)
+    assert [st["layer_sliced_predicted_ms"] for st in sliced] == [7.5, 7.5]
+    assert [st["layer_sliced_span_ms"] for st in sliced] == [m for _, _, m in scored]
+    rest = [st for st in trace if st["layer_sliced_span_ms"] is None]
+    assert rest and all(st["layer_sliced_predicted_ms"] is None for st in rest)
     eng.block_manager.check_integrity()
 
 

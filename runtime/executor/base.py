@@ -36,6 +36,12 @@ class StepResult:
     # what those decodes waited beyond their own steps (a layer slice or a whole prefill on
     # their stream, the host). A diagnostic (the step trace's `decode_gap_ms`); None otherwise.
     decode_gap_s: float | None = None
+    # Split executor, a prefill run in layer slices (its device_s is None: its span is not one
+    # step's device time): start to last slice, the decode steps between included, and the
+    # controller's prediction of that span (what `prefill/layer_sliced` is scored on). None
+    # otherwise; the step trace's `layer_sliced_span_ms` / `layer_sliced_predicted_ms`.
+    layer_sliced_span_s: float | None = None
+    layer_sliced_predicted_s: float | None = None
 
     @property
     def is_prefill_only(self) -> bool:

@@ -465,6 +465,10 @@ class SplitExecutor:
             sms=f.sms if f.on_split else 0,
             other_sms=f.other_sms if f.on_split else 0,
             decode_gap_s=self._decode_gap_s(f) if f.plan.decode else None,
+            layer_sliced_span_s=ms / 1e3 if f.layer_sliced else None,
+            layer_sliced_predicted_s=(
+                f.predicted_ms / 1e3 if f.layer_sliced and math.isfinite(f.predicted_ms) else None
+            ),
         )
 
     def _decode_gap_s(self, f: _Launched) -> float | None:

@@ -200,13 +200,17 @@ class _Correction:
 class _ErrorLog:
     abs_pct: list[float] = field(default_factory=list)
     total: float = 0.0  # sum of abs_pct: the mean in O(1) (the controller reads it per choice)
+    # measured / predicted of the same predictions: which way they miss (the MAPE cannot say)
+    ratios: list[float] = field(default_factory=list)
 
     def add(self, predicted: float, measured: float) -> float:
         e = abs(predicted - measured) / max(measured, 1e-9)
         self.abs_pct.append(e)
+        self.ratios.append(measured / max(predicted, 1e-9))
         self.total += e
         if len(self.abs_pct) > 2000:  # bounded: a rolling window
             del self.abs_pct[:1000]
+            del self.ratios[:1000]
             self.total = sum(self.abs_pct)  # once per 1,000 additions
         return e
 
@@ -438,7 +442,8 @@ class CostModel:
         prefill and decode are the concurrent regime), `mape_chunked_step` (auto's chunked
         time-slice steps), and `mape` over all of them; `num_<kind>` beside each says over
         how many steps of the rolling window (a split may run a handful a run: its MAPE is
-        then a few readings, not a rate)."""
+        then a few readings, not a rate), and `ratio_p50_<kind>` the median measured /
+        predicted (above 1: the kind is predicted too short)."""
         out: dict[str, float | int] = {}
         all_e: list[float] = []
         for key, log in self.errors.items():
@@ -446,6 +451,7 @@ class CostModel:
                 kind = key.replace("/", "_")
                 out[f"mape_{kind}"] = float(np.mean(log.abs_pct))
                 out[f"num_{kind}"] = len(log.abs_pct)
+                out[f"ratio_p50_{kind}"] = float(np.median(log.ratios))
                 all_e.extend(log.abs_pct)
         out["mape"] = float(np.mean(all_e)) if all_e else float("nan")
         out["num_observations"] = len(all_e)
