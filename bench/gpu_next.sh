@@ -67,9 +67,12 @@ work=/tmp/serving; mkdir -p $work
 # Full-length workloads (scale 1): long prompts are what the split is for. Every side runs the
 # same QPS ladder; max QPS is judged afterwards against the primary SLO (P99 TTFT + P99 TBT, as
 # issue 6 asks) and a TPOT variant. auto runs with a TBT target of 80 % of the SLO's bound.
-# DUR: seconds of arrivals per probe (default 8; plan q reads it too, for its own probes).
-common=(--out-dir $work --rev "$rev" --scale 1.0 --duration-s ${DUR:-8} --drain-s 6
-        --request-timeout-s 40 --command "${DUR:+DUR=$DUR }${PROBES:+PROBES=$PROBES }${PARTS:+PARTS=$PARTS }${REVERSE:+REVERSE=$REVERSE }bash bench/gpu_next.sh $plan $rev $split")
+# DUR: seconds of arrivals per probe (plan q reads it too, for its own probes). Default 16:
+# on the 3B's long prompts next to chat, 8-s probes passed 36 QPS for off-4k, off-tbt and
+# auto in earlier sessions where 16-s probes failed all three there (TTFT P99 5-11 s at
+# dcb240e): a short probe ends before the queue has built. A part takes about twice as long.
+common=(--out-dir $work --rev "$rev" --scale 1.0 --duration-s ${DUR:-16} --drain-s 6
+        --request-timeout-s 40 --command "${DUR:+DUR=$DUR }${PROBES:+PROBES=$PROBES }${PARTS:+PARTS=$PARTS }${REVERSE:+REVERSE=$REVERSE }${FIXED_K:+FIXED_K=$FIXED_K }${SERVER_EXTRA:+SERVER_EXTRA='$SERVER_EXTRA' }bash bench/gpu_next.sh $plan $rev $split")
 rc=0
 case $plan in
   a)
