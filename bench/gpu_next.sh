@@ -41,6 +41,9 @@
 #                                         #   (M: random:qwen2.5-3b; ~7 min)
 #   bash bench/gpu_next.sh sweep REV [M]  # issue 13: off at 1k / 2k / 4k / 8k budgets, the
 #                                         #   baseline sweep the issue asks (M: the 3B)
+#   bash bench/gpu_next.sh whole REV [M]  # issue 13: scoring prompts too long to chunk in the
+#                                         #   pool (credit verification, 8B in 24 GB) next to
+#                                         #   chat: off-2k vs auto (unrun as of session 28)
 #   bash bench/gpu_next.sh warm REV [M]   # a bare machine's first call: start one server
 #                                         #   (M: random:qwen2.5-3b) with --calibrate false
 #                                         #   until healthy, so FlashInfer's modules and the
@@ -276,6 +279,24 @@ case $plan in
       --start-qps $q0 --max-probes ${PROBES:-4} --slo ttft:2000,tbt:100 "${sides[@]}" \
       --score-start-qps $sq0 --chat-qps 2 --score-slo ttft:3000 \
       --parts ${PARTS:-mixed,score-chat} --tag partition-$plan --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
+  whole)
+    # Issue 13's target 2 where no token budget can help: a scoring prompt whose whole KV the
+    # pool cannot hold while it is chunked runs whole (hybrid prefill, suffix-KV discard), and
+    # beside chat it holds every decode for its whole length under off. Plan z makes that
+    # case with --chunk-scoring-prefill false; here it is what memory forces: credit
+    # verification (histories of 40-60k tokens) on the 8B in 24 GB (weights ~16 GB: a pool
+    # of tens of thousands of tokens), chat at 2 QPS beside it, SRJF (the default) on both
+    # sides: off-2k (the chats wait for each whole prompt) and auto (layer slices or a
+    # split). Unrun as of the twenty-eighth session: whether 24 GB holds the 8B with every
+    # split's decode graphs is part of what it finds (START_S: the start-up estimate).
+    m=${split:-random:llama-3.1-8b}
+    python3 -m bench.gpu_serving "${common[@]}" --models $m --start-s ${START_S:-240} \
+      --server-args "--partition auto --calibrate true --partition-tbt-slo-ms 80 --partition-layer-slicing true --max-gpu-memory-gb 24 --prefill-policy srjf ${SERVER_EXTRA:-}" \
+      --side off-2k:partition=off,budget=2048,tbt=none \
+      --side auto:partition=auto,budget=8192,tbt=none \
+      --score-workload credit-verification --score-start-qps ${SQ0:-0.5} --chat-qps 2 \
+      --max-probes ${PROBES:-4} --score-slo ttft:${SCORE_SLO_MS:-10000} \
+      --parts score-chat --tag partition-$plan --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
   z)
     # Issue 13's third target asks the cost model's error per choice kind; where chunks serve,
     # auto almost never splits (at most 2 splits in ~650 decisions at c05f523) and never took

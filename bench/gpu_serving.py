@@ -9,8 +9,8 @@ API, prefix cache reset before every run/side) and merges everything into one re
   <workload>  for long-data, mixed, arxiv: `bench.serve --find-max-qps --slo ...` with the
               server set to `off`, `auto` and the best static split in turn (policy fcfs);
               max QPS meeting the P99 TTFT + TPOT SLO, TTFT / TBT (= ITL) mean and P99
-  score-chat  scoring QPS at a P99 SLO (post-recommendation) while a chat stream runs in the
-              background, auto vs off
+  score-chat  scoring QPS at a P99 SLO (post-recommendation, or --score-workload) while a chat
+              stream runs in the background, auto vs off
   ablation    bench.compare at one QPS on `mixed`: policy alone (fcfs vs srjf, partition
               off), partition alone (off vs auto, fcfs), both (off+fcfs vs auto+srjf)
 
@@ -958,7 +958,7 @@ class Orchestrator:
         res: dict[str, Any] = {
             "chat_workload": "sharegpt",
             "chat_qps": a.chat_qps,
-            "score_workload": "post-recommendation",
+            "score_workload": a.score_workload,
             "score_slo": a.score_slo,
         }
         rec["score_chat"] = res
@@ -1019,7 +1019,7 @@ class Orchestrator:
                     "score-chat",
                     side,
                     sides[side],
-                    workload="post-recommendation",
+                    workload=a.score_workload,
                     slo=a.score_slo,
                     qps0=a.score_start_qps,
                 )
@@ -1301,6 +1301,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--slo", default="ttft:2000,tpot:60")
     p.add_argument("--score-slo", default="ttft:1000")
+    p.add_argument(
+        "--score-workload",
+        default="post-recommendation",
+        choices=("post-recommendation", "credit-verification", "short-scoring"),
+        help="the scoring load of score-chat (bench/workloads.py)",
+    )
     p.add_argument("--score-start-qps", type=float, default=4.0)
     p.add_argument("--chat-qps", type=float, default=2.0)
     p.add_argument("--ablation-rounds", type=int, default=1)

@@ -539,6 +539,7 @@ def test_cpu_dry_run_against_real_server(tmp_path: Path) -> None:
     ]
     assert s["p99_ttft_ratio_auto_vs_off"] == pytest.approx(math.sqrt(ratios[0] * ratios[1]))
     sc = m["score_chat"]
+    assert sc["score_workload"] == "post-recommendation"  # the default scoring load
     assert sc["off"]["chat_still_running_at_end"] is True  # probes ran under chat load
     # The background chat, stopped after the search, recorded its own latencies per side.
     for side in ("off", "auto"):
@@ -581,6 +582,15 @@ def test_cpu_dry_run_against_real_server(tmp_path: Path) -> None:
     assert set(abl) >= {"policy_alone", "partition_alone", "both"}
     assert [x["policy"] for x in abl["both"]["server_settings"]] == ["fcfs", "srjf-oneshot"]
     assert abl["policy_alone"]["comparison"]
+
+
+def test_the_scoring_load_beside_chat_is_chosen_by_name() -> None:
+    p = gs.build_parser()
+    assert p.parse_args([]).score_workload == "post-recommendation"
+    args = p.parse_args(["--score-workload", "credit-verification"])
+    assert args.score_workload == "credit-verification"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--score-workload", "sharegpt"])  # a chat load is not a scoring load
 
 
 def test_parts_past_the_deadline_are_skipped_and_recorded(tmp_path: Path) -> None:
