@@ -31,15 +31,19 @@ class EngineConfig:
     max_num_seqs: int = 256  # running requests (decode batch) cap
     prefill_token_budget: int = 8192  # tokens per prefill step (short prompts batched up to this)
     # Tokens a step that carries decodes may take, decodes included, when no TBT target sizes
-    # it (None: prefill_token_budget). Steps without decodes keep the whole budget (batching
-    # short prompts; the activation reserve and hybrid prefill's forms follow that budget).
-    # Why 2,048: `off`'s budget swept through HTTP on the H200 (1k / 2k / 4k / 8k, 2026-12-04,
-    # docs/benchmarks.md "The fixed-budget baseline swept") read 8B long prompts next to chat
-    # 9 / 12 / 5.25 / 4.5 max QPS and chat's P99 gap next to scoring 52 / 87 / 155 / 261 ms
-    # (3B: 32 / 51 / 73 / 124) at the same scoring rate from 2k up: 8,192 beside decodes was
-    # the worst of the four; 2,048 the best or next to it on every part (4k led the 3B's long
-    # prompts with 8-s probes, tied with 16-s ones).
-    mixed_step_token_budget: int | None = 2048
+    # it: "auto" (2048 on CUDA, none on CPU), "none" (prefill_token_budget alone) or a count
+    # (`mixed_step_tokens`). Steps without decodes keep the whole budget (batching short
+    # prompts; the activation reserve and hybrid prefill's forms follow that budget).
+    # Why 2,048 on CUDA: `off`'s budget swept through HTTP on the H200 (1k / 2k / 4k / 8k,
+    # 2026-12-04, docs/benchmarks.md "The fixed-budget baseline swept") read 8B long prompts
+    # next to chat 9 / 12 / 5.25 / 4.5 max QPS and chat's P99 gap next to scoring 52 / 87 /
+    # 155 / 261 ms (3B: 32 / 51 / 73 / 124) at the same scoring rate from 2k up: 8,192 beside
+    # decodes was the worst of the four; 2,048 the best or next to it on every part (4k led
+    # the 3B's long prompts with 8-s probes, tied with 16-s ones). Why none on CPU: there a
+    # 2k-token step of SmolLM2-135M takes ~10 s, so a token cap sized for the H200 stalls more
+    # streams, more often (an A/B on this 2-core CPU, docs/benchmarks-cpu.md: P99 gap 10.6x,
+    # TTFT 0.62x); a TBT target (tbt_slo_ms) sizes steps by time on any device.
+    mixed_step_token_budget: str = "auto"
     # Time-between-tokens target (ms) for every mode: in a step with decodes, the prefill
     # work (chunks, admissions) is cut so that its predicted time (the JCT model's marginal
     # cost) plus the recent decode step time stays within it. prefill_token_budget still caps
@@ -165,8 +169,9 @@ class EngineConfig:
             raise ValueError("wait_for_shared_prefix_tokens must be >= 0")
         if self.prefill_token_budget < 1:
             raise ValueError("prefill_token_budget must be >= 1")
-        if self.mixed_step_token_budget is not None and self.mixed_step_token_budget < 1:
-            raise ValueError("mixed_step_token_budget must be >= 1 (or None: the whole budget)")
+        m = self.mixed_step_token_budget
+        if m not in ("auto", "none") and not (m.isdigit() and int(m) >= 1):
+            raise ValueError(f"mixed_step_token_budget must be auto, none or >= 1, got {m!r}")
         if self.prefill_chunk_tokens < 1:
             raise ValueError("prefill_chunk_tokens must be >= 1")
         if self.prefill_graph_max_tokens < 0:
@@ -217,6 +222,14 @@ class EngineConfig:
             raise ValueError("partition_tbt_slo_ms must be > 0")
         if self.pd_slice_tokens < 1 or self.pd_max_queued_slices < 1:
             raise ValueError("pd_slice_tokens and pd_max_queued_slices must be >= 1")
+
+    def mixed_step_tokens(self, on_cuda: bool) -> int | None:
+        """`mixed_step_token_budget` resolved for the device: a token count, or None for the
+        prefill token budget alone."""
+        m = self.mixed_step_token_budget
+        if m == "auto":
+            return 2048 if on_cuda else None
+        return None if m == "none" else int(m)
 
     def hybrid_form(self) -> tuple[int | None, int]:
         """Hybrid prefill as every forward of a prefill runs it (`LlamaForCausalLM.forward`'s

@@ -305,7 +305,12 @@ class Engine:
         pg = self.runner.prefill_graphs
         # Fixed after start-up: read once, not per stats snapshot.
         self._prefill_graphs_summary = pg.summary() if pg is not None and pg.captured else None
-        self.serial = SerialExecutor(config, self.runner, self.stream_device)
+        self.serial = SerialExecutor(
+            config,
+            self.runner,
+            self.stream_device,
+            config.mixed_step_tokens(self.device.type == "cuda"),
+        )
         self.split: SplitExecutor | None = None
         if self._green is not None and self._partition_choice.action == "profile":
             self._profile_partition()

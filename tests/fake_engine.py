@@ -164,7 +164,7 @@ class FakeEngine:
             config.prefill_token_budget,
             config.tbt_slo_ms,
         )
-        self.mixed_step_token_budget = config.mixed_step_token_budget
+        self.mixed_step_token_budget = config.mixed_step_tokens(on_cuda=False)
         self.partition = UnavailablePartition("the fake engine has no GPU")
         self._lock = threading.Lock()
         self._inbox: deque[Request] = deque()

@@ -48,3 +48,16 @@ def test_fused_rope_kv_write_modes() -> None:
     for mode, fused in (("auto", False), ("false", False), ("true", True)):
         be = make_attention_backend(EngineConfig(fused_rope_kv_write=mode), pool, 2)
         assert be.name == "torch" and be.fuses_rope is fused, mode
+
+
+def test_the_cap_on_steps_with_decodes_resolves_per_device() -> None:
+    """auto: 2048 on CUDA (where it was measured), none on CPU (a 2k-token step there takes
+    seconds); none: the budget alone; a count as given; anything else is refused."""
+    auto = EngineConfig()
+    assert auto.mixed_step_tokens(on_cuda=True) == 2048
+    assert auto.mixed_step_tokens(on_cuda=False) is None
+    assert EngineConfig(mixed_step_token_budget="none").mixed_step_tokens(on_cuda=True) is None
+    assert EngineConfig(mixed_step_token_budget="512").mixed_step_tokens(on_cuda=False) == 512
+    for bad in ("0", "-5", "lots", ""):
+        with pytest.raises(ValueError, match="mixed_step_token_budget"):
+            EngineConfig(mixed_step_token_budget=bad)

@@ -33,7 +33,15 @@ class _Launched:
 class SerialExecutor:
     name = "serial"
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner, device: StreamDevice) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        device: StreamDevice,
+        mixed_step_token_budget: int | None = None,
+    ) -> None:
+        """`mixed_step_token_budget`: the cap on a step that carries decodes
+        (`EngineConfig.mixed_step_tokens` for the engine's device); None: the budget alone."""
         self.config = config
         self.runner = runner
         self.device = device
@@ -42,7 +50,7 @@ class SerialExecutor:
             decodes_share_budget=True,
             hold_prefills=False,
             chunk_scoring=config.chunk_scoring_prefill,
-            mixed_step_token_budget=config.mixed_step_token_budget,
+            mixed_step_token_budget=mixed_step_token_budget,
         )
         self._inflight: deque[_Launched] = deque()
         self._last_end: EventLike | None = None  # end event of the last collected step
