@@ -250,7 +250,8 @@ def summarize_steps(
         else None
     )
     # Split executor: prefills run in layer slices, their span (decode steps between slices
-    # included) against the controller's prediction (`prefill/layer_sliced`'s readings).
+    # included) against the controller's prediction (`prefill/layer_sliced`'s readings);
+    # ratio = measured / predicted, as the cost model's `ratio_p50_<kind>`.
     pairs = [
         (st["layer_sliced_span_ms"], st["layer_sliced_predicted_ms"])
         for st in steps
@@ -261,9 +262,9 @@ def summarize_steps(
         {
             "num": len(pairs),
             "span_ms_mean": round(sum(span for span, _ in pairs) / len(pairs), 2),
-            "measured_over_predicted_p10": round(ratios[int(0.1 * (len(ratios) - 1))], 3),
-            "measured_over_predicted_p50": round(ratios[int(0.5 * (len(ratios) - 1))], 3),
-            "measured_over_predicted_p90": round(ratios[int(0.9 * (len(ratios) - 1))], 3),
+            "ratio_p10": round(ratios[int(0.1 * (len(ratios) - 1))], 3),
+            "ratio_p50": round(ratios[int(0.5 * (len(ratios) - 1))], 3),
+            "ratio_p90": round(ratios[int(0.9 * (len(ratios) - 1))], 3),
         }
         if pairs
         else None

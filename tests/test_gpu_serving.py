@@ -388,8 +388,8 @@ def test_step_gaps_say_which_steps_made_the_long_waits() -> None:
     ]
     ls = gs.summarize_steps(split_steps + sliced)["layer_sliced"]
     assert ls["num"] == 3 and ls["span_ms_mean"] == pytest.approx(213.33)
-    assert ls["measured_over_predicted_p50"] == 1.1
-    assert (ls["measured_over_predicted_p10"], ls["measured_over_predicted_p90"]) == (0.9, 1.1)
+    assert ls["ratio_p50"] == 1.1
+    assert (ls["ratio_p10"], ls["ratio_p90"]) == (0.9, 1.1)
 
 
 def test_mode_drift_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
