@@ -214,6 +214,15 @@
       ? `fairness λ ${lam.toFixed(3)}` + (isNum(slo) ? ` (from a ${slo} ms latency SLO)` : " (fixed)")
       : "");
   }
+  // How much prefill a step takes (PUT /admin/api/prefill changes it): the budget, and beside
+  // decodes either the TBT target's cut or the token cap (mixed_step_token_budget).
+  function renderPrefill(p) {
+    if (!p || !isNum(p.token_budget)) { setText("prefill-limits", ""); return; }
+    const beside = isNum(p.tbt_slo_ms) ? `with decodes, cut to a ${p.tbt_slo_ms} ms TBT target`
+      : isNum(p.mixed_step_token_budget) ? `${p.mixed_step_token_budget} with decodes`
+      : "the same with decodes";
+    setText("prefill-limits", `prefill per step: ${p.token_budget} tokens; ${beside}`);
+  }
   function renderCostModel(cm) {
     const err = (p, m) => (isNum(p) && isNum(m) && m > 0 ? ((p - m) / m * 100).toFixed(1) + "%" : "–");
     setText("cm-pp", fmtMs(cm.predicted_prefill_ms));
@@ -374,6 +383,7 @@
     renderTiles(s);
     renderPartition(s.partition);
     renderPolicy(s.policy);
+    renderPrefill(s.prefill);
     renderCostModel(s.cost_model);
     renderGc(s.gc);
     showRangeValue();

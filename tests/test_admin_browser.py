@@ -203,6 +203,13 @@ def test_admin_page_live_and_controls(
     assert page.locator("#sm-grid .sm").count() == FAKE_TOTAL_SMS
     assert page.locator("#sm-grid .sm-shared").count() == FAKE_TOTAL_SMS  # mode off: time-sliced
     assert _text(page, "#mode-badge") == "off"
+    # How a step's prefill is sized, as the engine reports it (the CPU engine: no cap beside
+    # decodes; the fake one: 2048).
+    stats = engine.stats()
+    mixed = stats.get("mixed_step_token_budget")
+    beside = "the same with decodes" if mixed is None else f"{mixed} with decodes"
+    budget = stats["prefill_token_budget"]
+    assert _text(page, "#prefill-limits") == f"prefill per step: {budget} tokens; {beside}"
 
     # --- numbers move under load ---
     completed_before = _text(page, "#stat-completed")
