@@ -41,6 +41,9 @@
 #                                         #   (M: random:qwen2.5-3b; ~7 min)
 #   bash bench/gpu_next.sh sweep REV [M]  # issue 13: off at 1k / 2k / 4k / 8k budgets, the
 #                                         #   baseline sweep the issue asks (M: the 3B)
+#   bash bench/gpu_next.sh default REV [M] # the engine's default before and after the cap on
+#                                         #   steps with decodes (8,192 vs 2,048 beside
+#                                         #   decodes), mixed chat then scoring next to chat
 #   bash bench/gpu_next.sh whole REV [M]  # issue 13: scoring prompts too long to chunk in the
 #                                         #   pool (credit verification, 8B in 24 GB) next to
 #                                         #   chat: off-2k vs auto (unrun as of session 28)
@@ -279,6 +282,24 @@ case $plan in
       --start-qps $q0 --max-probes ${PROBES:-4} --slo ttft:2000,tbt:100 "${sides[@]}" \
       --score-start-qps $sq0 --chat-qps 2 --score-slo ttft:3000 \
       --parts ${PARTS:-mixed,score-chat} --tag partition-$plan --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
+  default)
+    # The default a user gets, before and after the twenty-eighth session's cap on steps that
+    # carry decodes: 8,192 tokens for every step (the old default; the sweep's off-8k) against
+    # 8,192 without decodes and 2,048 beside them (`--mixed-step-token-budget auto` on CUDA),
+    # on one server at the defaults (partition off, SRJF), the cap switched through the admin
+    # API. Max QPS at the P99 SLO by bisection on mixed chat, then scoring next to chat; one
+    # part a call (PARTS=mixed, then PARTS=score-chat). M: random:qwen2.5-3b (default) or
+    # random:llama-3.1-8b; REVERSE=1 runs the new default first.
+    m=${split:-random:qwen2.5-3b}
+    case $m in *8b*) q0=6 sq0=6 ;; *) q0=12 sq0=16 ;; esac
+    sides=(--side off-8k:budget=8192,mixed=none,tbt=none
+           --side default:budget=8192,mixed=2048,tbt=none)
+    if [ "${REVERSE:-}" = 1 ]; then sides=("${sides[@]:2:2}" "${sides[@]:0:2}"); fi
+    python3 -m bench.gpu_serving "${common[@]}" --models $m --start-s 120 \
+      --server-args "--partition off --prefill-token-budget 8192 --prefill-policy srjf ${SERVER_EXTRA:-}" \
+      --start-qps $q0 --max-probes ${PROBES:-4} --slo ttft:2000,tbt:100 "${sides[@]}" \
+      --score-start-qps $sq0 --chat-qps 2 --score-slo ttft:3000 \
+      --parts ${PARTS:-mixed} --tag partition-$plan --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
   whole)
     # Issue 13's target 2 where no token budget can help: a scoring prompt whose whole KV the
     # pool cannot hold while it is chunked runs whole (hybrid prefill, suffix-KV discard), and
