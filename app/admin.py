@@ -6,8 +6,9 @@ Routes (all under `/admin`):
 - `GET  /admin/api/events`      SSE: the same snapshot as event `state` every `interval_s`.
 - `PUT  /admin/api/partition`   `{"mode": "auto"|"off"|"static", "prefill_sms": int}`.
 - `PUT  /admin/api/policy`      `{"policy": "srjf"|"spf"|"fcfs"|"srjf-oneshot"}`.
-- `PUT  /admin/api/prefill`     `{"prefill_token_budget": int, "tbt_slo_ms": float|null}` (either;
-  the budget at most the one the server started with).
+- `PUT  /admin/api/prefill`     `{"prefill_token_budget": int, "tbt_slo_ms": float|null,
+  "mixed_step_token_budget": int|null}` (any of them; the budget at most the one the server
+  started with).
 - `POST /admin/api/prefix-cache/reset`  drop every idle prefix-cache block (benchmarks call it
   between runs so one run's prompts do not speed up the next).
 - `POST /admin/api/cost-model/errors/reset`  forget the partition cost model's logged errors
