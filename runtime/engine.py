@@ -311,6 +311,7 @@ class Engine:
             self.stream_device,
             config.mixed_step_tokens(self.device.type == "cuda"),
         )
+        log.info("%s", self._describe_prefill_limits())
         self.split: SplitExecutor | None = None
         if self._green is not None and self._partition_choice.action == "profile":
             self._profile_partition()
@@ -421,6 +422,22 @@ class Engine:
             jct.source,
         )
         self._seed_prefill_scale()
+
+    def _describe_prefill_limits(self) -> str:
+        """The start-up log's line on how much prefill a step takes."""
+        cfg, mixed = self.config, self.serial.mixed_step_token_budget
+        if cfg.tbt_slo_ms is not None:
+            beside = f"cut to a {cfg.tbt_slo_ms:g} ms TBT target"
+        elif mixed is None:
+            beside = "the same"
+        else:
+            beside = f"at most {mixed} (--mixed-step-token-budget {cfg.mixed_step_token_budget})"
+        where = (
+            "" if cfg.partition == "off" else "; with the partition on, its controller sizes them"
+        )
+        return (
+            f"prefill per step: {cfg.prefill_token_budget} tokens; beside decodes {beside}{where}"
+        )
 
     def _seed_prefill_scale(self) -> None:
         """Until the JCT model is fitted to this device, the chunks' marginal cost (`--tbt-slo-ms`

@@ -492,6 +492,26 @@ def test_prefill_limits_change_at_run_time_and_never_above_the_sized_budget() ->
         engine.shutdown()
 
 
+@pytest.mark.parametrize(
+    "overrides,beside",
+    [
+        ({}, "beside decodes the same"),  # auto on the CPU: no cap
+        ({"mixed_step_token_budget": "512"}, "beside decodes at most 512"),
+        ({"tbt_slo_ms": 50.0}, "beside decodes cut to a 50 ms TBT target"),
+    ],
+)
+def test_start_up_log_says_how_much_prefill_a_step_takes(
+    overrides: dict, beside: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("INFO", logger="greenlane.engine"):
+        engine, _ = make_engine(prefill_token_budget=1024, **overrides)
+    try:
+        line = next(r.getMessage() for r in caplog.records if "prefill per step" in r.getMessage())
+        assert line.startswith("prefill per step: 1024 tokens; " + beside), line
+    finally:
+        engine.shutdown()
+
+
 def test_tbt_cut_learns_how_wrong_the_jct_model_is_in_mixed_steps() -> None:
     """A JCT model that predicts ~nothing (coefficients far too small for this CPU): steps that
     mix prefill chunks with a decode measure much more, and the correction (fixed cost and
