@@ -79,6 +79,22 @@ work=/tmp/serving; mkdir -p $work
 # dcb240e): a short probe ends before the queue has built. A part takes about twice as long.
 common=(--out-dir $work --rev "$rev" --scale 1.0 --duration-s ${DUR:-16} --drain-s 6
         --request-timeout-s 40 --command "${DUR:+DUR=$DUR }${PROBES:+PROBES=$PROBES }${PARTS:+PARTS=$PARTS }${REVERSE:+REVERSE=$REVERSE }${FIXED_K:+FIXED_K=$FIXED_K }${SERVER_EXTRA:+SERVER_EXTRA='$SERVER_EXTRA' }bash bench/gpu_next.sh $plan $rev $split")
+# Max QPS at the P99 SLO by bisection for the sides in $sides (pairs: --side NAME:SETTINGS) on
+# one server of model $m started with the options $1: mixed chat from $q0 QPS, then scoring
+# next to chat from $sq0; $2: the parts when PARTS is unset. REVERSE=1 runs the sides in
+# reverse order (plans s, t, sweep, default).
+bisect_sides() {
+  if [ "${REVERSE:-}" = 1 ]; then
+    local reversed=() i
+    for (( i = ${#sides[@]} - 2; i >= 0; i -= 2 )); do reversed+=("${sides[@]:i:2}"); done
+    sides=("${reversed[@]}")
+  fi
+  python3 -m bench.gpu_serving "${common[@]}" --models $m --start-s 120 \
+    --server-args "$1 ${SERVER_EXTRA:-}" \
+    --start-qps $q0 --max-probes ${PROBES:-4} --slo ttft:2000,tbt:100 "${sides[@]}" \
+    --score-start-qps $sq0 --chat-qps 2 --score-slo ttft:3000 \
+    --parts ${PARTS:-$2} --tag partition-$plan --deadline-s "$(( $(left) - 10 ))"
+}
 rc=0
 case $plan in
   a)
@@ -254,12 +270,7 @@ case $plan in
     sides=(--side off-${fixed_k}k:partition=off,budget=$(( fixed_k * 1024 )),tbt=none
            --side off-tbt:partition=off,budget=8192,tbt=80
            --side auto:partition=auto,budget=8192,tbt=none)
-    if [ "${REVERSE:-}" = 1 ]; then sides=("${sides[@]:4:2}" "${sides[@]:2:2}" "${sides[@]:0:2}"); fi
-    python3 -m bench.gpu_serving "${common[@]}" --models $m --start-s 120 \
-      --server-args "--partition auto --calibrate true --partition-tbt-slo-ms 80 --prefill-token-budget 8192 ${SERVER_EXTRA:-}" \
-      --start-qps $q0 --max-probes ${PROBES:-4} --slo ttft:2000,tbt:100 "${sides[@]}" \
-      --score-start-qps $sq0 --chat-qps 2 --score-slo ttft:3000 \
-      --parts ${PARTS:-mixed,score-chat} --tag partition-$plan --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
+    bisect_sides "--partition auto --calibrate true --partition-tbt-slo-ms 80 --prefill-token-budget 8192" mixed,score-chat || rc=1 ;;
   sweep)
     # Issue 13 asks for off at the best fixed budget of a sweep (1k / 2k / 4k / 8k); plan r
     # swept 2k and 8k only (2k the better). Sides: off at each budget, no TBT target, on one
@@ -274,14 +285,7 @@ case $plan in
            --side off-2k:partition=off,budget=2048,tbt=none
            --side off-4k:partition=off,budget=4096,tbt=none
            --side off-8k:partition=off,budget=8192,tbt=none)
-    if [ "${REVERSE:-}" = 1 ]; then
-      sides=("${sides[@]:6:2}" "${sides[@]:4:2}" "${sides[@]:2:2}" "${sides[@]:0:2}")
-    fi
-    python3 -m bench.gpu_serving "${common[@]}" --models $m --start-s 120 \
-      --server-args "--partition auto --calibrate true --partition-tbt-slo-ms 80 --prefill-token-budget 8192 ${SERVER_EXTRA:-}" \
-      --start-qps $q0 --max-probes ${PROBES:-4} --slo ttft:2000,tbt:100 "${sides[@]}" \
-      --score-start-qps $sq0 --chat-qps 2 --score-slo ttft:3000 \
-      --parts ${PARTS:-mixed,score-chat} --tag partition-$plan --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
+    bisect_sides "--partition auto --calibrate true --partition-tbt-slo-ms 80 --prefill-token-budget 8192" mixed,score-chat || rc=1 ;;
   default)
     # The default a user gets, before and after the twenty-eighth session's cap on steps that
     # carry decodes: 8,192 tokens for every step (the old default; the sweep's off-8k) against
@@ -294,12 +298,7 @@ case $plan in
     case $m in *8b*) q0=6 sq0=6 ;; *) q0=12 sq0=16 ;; esac
     sides=(--side off-8k:budget=8192,mixed=none,tbt=none
            --side default:budget=8192,mixed=2048,tbt=none)
-    if [ "${REVERSE:-}" = 1 ]; then sides=("${sides[@]:2:2}" "${sides[@]:0:2}"); fi
-    python3 -m bench.gpu_serving "${common[@]}" --models $m --start-s 120 \
-      --server-args "--partition off --prefill-token-budget 8192 --prefill-policy srjf ${SERVER_EXTRA:-}" \
-      --start-qps $q0 --max-probes ${PROBES:-4} --slo ttft:2000,tbt:100 "${sides[@]}" \
-      --score-start-qps $sq0 --chat-qps 2 --score-slo ttft:3000 \
-      --parts ${PARTS:-mixed} --tag partition-$plan --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
+    bisect_sides "--partition off --prefill-token-budget 8192 --prefill-policy srjf" mixed || rc=1 ;;
   whole)
     # Issue 13's target 2 where no token budget can help: a scoring prompt whose whole KV the
     # pool cannot hold while it is chunked runs whole (hybrid prefill, suffix-KV discard), and
