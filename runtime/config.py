@@ -240,3 +240,24 @@ class EngineConfig:
             self.prefill_chunk_tokens if self.hybrid_prefill else None,
             self.prefill_token_budget,
         )
+
+
+def check_prefill_limits(
+    prefill_token_budget: int,
+    tbt_slo_ms: float | None,
+    mixed_step_token_budget: int | None,
+    sized_budget: int,
+) -> None:
+    """What a run-time change of the prefill limits must meet (`Engine.set_prefill_limits`):
+    ValueError naming the field otherwise. The budget may only go down from `sized_budget`,
+    the one the engine reserved activation memory for."""
+    if not 1 <= prefill_token_budget <= sized_budget:
+        raise ValueError(
+            f"prefill_token_budget must be in [1, {sized_budget}] (the engine reserved "
+            f"activation memory for {sized_budget}; restart with a larger "
+            "--prefill-token-budget to go higher)"
+        )
+    if tbt_slo_ms is not None and not tbt_slo_ms > 0:
+        raise ValueError("tbt_slo_ms must be > 0, or null for no target")
+    if mixed_step_token_budget is not None and mixed_step_token_budget < 1:
+        raise ValueError("mixed_step_token_budget must be >= 1, or null for the budget alone")

@@ -54,7 +54,7 @@ from runtime import fallbacks
 from runtime.attention.base import AttentionBackend
 from runtime.attention.torch_backend import TorchAttentionBackend
 from runtime.compile_watch import CompileWatch, triton_kernels
-from runtime.config import PREFILL_WARM_UP_TOKENS, EngineConfig
+from runtime.config import PREFILL_WARM_UP_TOKENS, EngineConfig, check_prefill_limits
 from runtime.executor.base import StepFailed, StepResult
 from runtime.executor.serial import SerialExecutor
 from runtime.executor.split import SplitExecutor
@@ -865,16 +865,12 @@ class Engine:
         carry decodes (None: the budget alone) at run time (thread-safe; applied before the
         next step). The budget may only go down from the configured one: activation memory
         was reserved for that (ValueError, raised here)."""
-        cap = self.config.prefill_token_budget
-        if not 1 <= prefill_token_budget <= cap:
-            raise ValueError(
-                f"prefill_token_budget must be in [1, {cap}] (the engine reserved activation "
-                f"memory for {cap}; restart with a larger --prefill-token-budget to go higher)"
-            )
-        if tbt_slo_ms is not None and not tbt_slo_ms > 0:
-            raise ValueError("tbt_slo_ms must be > 0, or null for no target")
-        if mixed_step_token_budget is not None and mixed_step_token_budget < 1:
-            raise ValueError("mixed_step_token_budget must be >= 1, or null for the budget alone")
+        check_prefill_limits(
+            prefill_token_budget,
+            tbt_slo_ms,
+            mixed_step_token_budget,
+            self.config.prefill_token_budget,
+        )
         limits = (prefill_token_budget, tbt_slo_ms, mixed_step_token_budget)
         with self._lock:
             self._inbox.append(("prefill_limits", limits))

@@ -237,7 +237,7 @@ class StepCapacity:
     hold_prefills: bool = False  # prefills run asynchronously: hold their requests
     chunk_scoring: bool = True  # long scoring prompts next to decodes may be chunked
     # A step that plans decodes takes at most this many tokens (decodes included when they
-    # share the budget); None: `prefill_token_budget` alone (EngineConfig.mixed_step_token_budget).
+    # share the budget); None: `prefill_token_budget` alone (EngineConfig.mixed_step_tokens).
     mixed_step_token_budget: int | None = None
     # A time-between-tokens target (EngineConfig.tbt_slo_ms): in a step with decodes, the
     # prefill work planned may add at most tbt_s - decode_step_s seconds by `prefill_cost`.

@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from runtime.config import EngineConfig
+from runtime.config import EngineConfig, check_prefill_limits
 from runtime.partition import UnavailablePartition
 from runtime.request import (
     FINISH_REASONS,
@@ -258,14 +258,12 @@ class FakeEngine:
         mixed_step_token_budget: int | None,
     ) -> None:
         """As the engine: the budget may only go down from the configured one."""
-        if not 1 <= prefill_token_budget <= self.config.prefill_token_budget:
-            raise ValueError(
-                f"prefill_token_budget must be in [1, {self.config.prefill_token_budget}]"
-            )
-        if tbt_slo_ms is not None and not tbt_slo_ms > 0:
-            raise ValueError("tbt_slo_ms must be > 0, or null for no target")
-        if mixed_step_token_budget is not None and mixed_step_token_budget < 1:
-            raise ValueError("mixed_step_token_budget must be >= 1, or null for the budget alone")
+        check_prefill_limits(
+            prefill_token_budget,
+            tbt_slo_ms,
+            mixed_step_token_budget,
+            self.config.prefill_token_budget,
+        )
         self.prefill_limits = (prefill_token_budget, tbt_slo_ms)
         self.mixed_step_token_budget = mixed_step_token_budget
 

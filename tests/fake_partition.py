@@ -17,6 +17,7 @@ from collections import deque
 from typing import Any
 
 from policies import POLICY_NAMES
+from runtime.config import check_prefill_limits
 from runtime.partition import PartitionState
 
 FAKE_TOTAL_SMS = 132
@@ -230,12 +231,9 @@ class FakeEngine:
         tbt_slo_ms: float | None,
         mixed_step_token_budget: int | None,
     ) -> None:
-        if not 1 <= prefill_token_budget <= self.prefill_budget_cap:
-            raise ValueError(f"prefill_token_budget must be in [1, {self.prefill_budget_cap}]")
-        if tbt_slo_ms is not None and not tbt_slo_ms > 0:
-            raise ValueError("tbt_slo_ms must be > 0, or null for no target")
-        if mixed_step_token_budget is not None and mixed_step_token_budget < 1:
-            raise ValueError("mixed_step_token_budget must be >= 1, or null for the budget alone")
+        check_prefill_limits(
+            prefill_token_budget, tbt_slo_ms, mixed_step_token_budget, self.prefill_budget_cap
+        )
         self.prefill_limits = (prefill_token_budget, tbt_slo_ms)
         self.mixed_step_token_budget = mixed_step_token_budget
 
