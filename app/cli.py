@@ -54,8 +54,9 @@ _ENGINE_HELP = {
     "max_num_seqs": "cap on running requests (decode batch)",
     "prefill_token_budget": "tokens per prefill step",
     "mixed_step_token_budget": "auto | none | N: tokens a step carrying decodes may take, "
-    "decodes included, when no TBT target sizes it (auto: 2048 on CUDA, none on CPU; none: "
-    "--prefill-token-budget alone); steps without decodes keep the whole budget",
+    "decodes included; a TBT target may cut it shorter, and auto's chunks keep to it (auto: "
+    "2048 on CUDA, none on CPU; none: --prefill-token-budget alone); steps without decodes "
+    "keep the whole budget",
     "prefill_policy": "srjf | spf | fcfs",
     "fairness_lambda": "SRJF fairness offset",
     "ttft_slo_ms": "latency target in ms (a score's, a chat's time to first token) that SRJF "

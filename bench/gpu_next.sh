@@ -44,6 +44,9 @@
 #   bash bench/gpu_next.sh default REV [M] # the engine's default before and after the cap on
 #                                         #   steps with decodes (8,192 vs 2,048 beside
 #                                         #   decodes), mixed chat then scoring next to chat
+#   bash bench/gpu_next.sh cap REV [M]    # issue 13: auto's chunks filling the room vs held
+#                                         #   to the 2,048 cap, against off at a fixed budget
+#                                         #   (PARTS=score-chat, then mixed)
 #   bash bench/gpu_next.sh whole REV [M]  # issue 13: scoring prompts too long to chunk in the
 #                                         #   pool (credit verification, 8B in 24 GB) next to
 #                                         #   chat: off-2k vs auto (unrun as of session 28)
@@ -299,6 +302,21 @@ case $plan in
     sides=(--side off-8k:budget=8192,mixed=none,tbt=none
            --side default:budget=8192,mixed=2048,tbt=none)
     bisect_sides "--partition off --prefill-token-budget 8192 --prefill-policy srjf" mixed || rc=1 ;;
+  cap)
+    # Issue 13: auto's chunks with and without the cap on a step with decodes
+    # (--mixed-step-token-budget, 2,048 on CUDA since the twenty-ninth session; before it a TBT
+    # target, and so auto, dropped the cap and filled the room). Next to chunked scoring off-2k
+    # sustained 44 scoring QPS against auto's 30 and off-tbt's 32 at dcb240e, its chunks ~14 %
+    # cheaper for the same work. Sides on one server: off at the best fixed budget (FIXED_K;
+    # 2 next to scoring, 4 on the 3B's mixed chat), auto filling the room (mixed=none) and auto
+    # within the cap (mixed=2048). PARTS: score-chat (default) or mixed; REVERSE as plan s.
+    m=${split:-random:qwen2.5-3b}
+    case $m in *8b*) q0=6 sq0=6 ;; *) q0=12 sq0=16 ;; esac
+    case ${PARTS:-score-chat} in mixed) fixed_k=${FIXED_K:-4} ;; *) fixed_k=${FIXED_K:-2} ;; esac
+    sides=(--side off-${fixed_k}k:partition=off,budget=$(( fixed_k * 1024 )),tbt=none
+           --side auto:partition=auto,budget=8192,mixed=none,tbt=none
+           --side auto-2k:partition=auto,budget=8192,mixed=2048,tbt=none)
+    bisect_sides "--partition auto --calibrate true --partition-tbt-slo-ms 80 --prefill-token-budget 8192" score-chat || rc=1 ;;
   whole)
     # Issue 13's target 2 where no token budget can help: a scoring prompt whose whole KV the
     # pool cannot hold while it is chunked runs whole (hybrid prefill, suffix-KV discard), and

@@ -30,8 +30,9 @@ class EngineConfig:
 
     max_num_seqs: int = 256  # running requests (decode batch) cap
     prefill_token_budget: int = 8192  # tokens per prefill step (short prompts batched up to this)
-    # Tokens a step that carries decodes may take, decodes included, when no TBT target sizes
-    # it: "auto" (2048 on CUDA, none on CPU), "none" (prefill_token_budget alone) or a count
+    # Tokens a step that carries decodes may take, decodes included; a TBT target (tbt_slo_ms,
+    # or auto's) can only cut such a step shorter, and auto's chunks keep to it too: "auto"
+    # (2048 on CUDA, none on CPU), "none" (prefill_token_budget alone) or a count
     # (`mixed_step_tokens`). Steps without decodes keep the whole budget (batching short
     # prompts; the activation reserve and hybrid prefill's forms follow that budget).
     # Why 2,048 on CUDA: `off`'s budget swept through HTTP on the H200 (1k / 2k / 4k / 8k,

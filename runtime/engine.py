@@ -426,12 +426,13 @@ class Engine:
     def _describe_prefill_limits(self) -> str:
         """The start-up log's line on how much prefill a step takes."""
         cfg, mixed = self.config, self.serial.mixed_step_token_budget
-        if cfg.tbt_slo_ms is not None:
-            beside = f"cut to a {cfg.tbt_slo_ms:g} ms TBT target"
-        elif mixed is None:
+        if mixed is None:
             beside = "the same"
         else:
             beside = f"at most {mixed} (--mixed-step-token-budget {cfg.mixed_step_token_budget})"
+        if cfg.tbt_slo_ms is not None:
+            cut = f"cut to a {cfg.tbt_slo_ms:g} ms TBT target"
+            beside = cut if mixed is None else f"{beside}, {cut}"
         where = (
             "" if cfg.partition == "off" else "; with the partition on, its controller sizes them"
         )
@@ -514,12 +515,16 @@ class Engine:
         layers = self.model_config.num_layers
         p = PrefillShape.from_seqs([(look.prefill_context_tokens, look.prefill_tokens)], layers)
         d = DecodeShape(look.num_decodes, look.decode_context_tokens, layers)
+        # The cap on a step with decodes (the serial executor's, `--mixed-step-token-budget`)
+        # bounds auto's chunks as it bounds off's steps: decodes share it.
+        cap = self.serial.mixed_step_token_budget
         chunk = ChunkInput(
             self._prefill_cost,
             look.prefill_context_tokens,
             target_ms,
             self._decode_base_s(look.num_decodes, look.decode_context_tokens) * 1e3,
             self._prefill_cost.offset_s * 1e3,
+            max_chunk_tokens=None if cap is None else max(cap - look.num_decodes, 1),
         )
         choice = g.decide(p, d, self._kv_usage_before_plan, chunk=chunk, record=False)
         chunk_tokens = choice.decision.chunk_tokens
@@ -539,6 +544,7 @@ class Engine:
             decodes_share_budget=True,
             hold_prefills=False,
             chunk_scoring=self.config.chunk_scoring_prefill,
+            mixed_step_token_budget=cap,
             tbt_s=aim_s,
             decode_step_s=aim_s - g.chunk_room_ms(d, chunk) / 1e3,
             prefill_cost=self._prefill_cost,
@@ -547,11 +553,11 @@ class Engine:
     def _timed(self, capacity: StepCapacity, look: StepOutlook, aim_s: float) -> StepCapacity:
         """`capacity` with the TBT cut's time accounting: the prefill planned beside the
         decodes may add `aim_s` less the decode base for the batch and the mixed step's fixed
-        cost (`CorrectedCost`), by the corrected prefill cost."""
+        cost (`CorrectedCost`), by the corrected prefill cost. The cap on a step with decodes
+        (`mixed_step_token_budget`) stays: the target can only cut such a step shorter."""
         base_s = self._decode_base_s(look.num_decodes, look.decode_context_tokens)
         return dataclasses.replace(
             capacity,
-            mixed_step_token_budget=None,  # the target sizes a step with decodes, not a cap
             tbt_s=aim_s,
             decode_step_s=base_s + self._prefill_cost.offset_s,
             prefill_cost=self._prefill_cost,

@@ -215,12 +215,12 @@
       : "");
   }
   // How much prefill a step takes (PUT /admin/api/prefill changes it): the budget, and beside
-  // decodes either the TBT target's cut or the token cap (mixed_step_token_budget).
+  // decodes the token cap (mixed_step_token_budget) and the TBT target's cut, either or both.
   function renderPrefill(p) {
     if (!p || !isNum(p.token_budget)) { setText("prefill-limits", ""); return; }
-    const beside = isNum(p.tbt_slo_ms) ? `with decodes, cut to a ${p.tbt_slo_ms} ms TBT target`
-      : isNum(p.mixed_step_token_budget) ? `${p.mixed_step_token_budget} with decodes`
+    const cap = isNum(p.mixed_step_token_budget) ? `${p.mixed_step_token_budget} with decodes`
       : "the same with decodes";
+    const beside = isNum(p.tbt_slo_ms) ? `${cap}, cut to a ${p.tbt_slo_ms} ms TBT target` : cap;
     setText("prefill-limits", `prefill per step: ${p.token_budget} tokens; ${beside}`);
   }
   function renderCostModel(cm) {

@@ -498,6 +498,10 @@ def test_prefill_limits_change_at_run_time_and_never_above_the_sized_budget() ->
         ({}, "beside decodes the same"),  # auto on the CPU: no cap
         ({"mixed_step_token_budget": "512"}, "beside decodes at most 512"),
         ({"tbt_slo_ms": 50.0}, "beside decodes cut to a 50 ms TBT target"),
+        (
+            {"tbt_slo_ms": 50.0, "mixed_step_token_budget": "512"},
+            "beside decodes at most 512 (--mixed-step-token-budget 512), cut to a 50 ms TBT",
+        ),
     ],
 )
 def test_start_up_log_says_how_much_prefill_a_step_takes(

@@ -97,6 +97,27 @@ def test_chunk_size_meets_the_target_per_the_model_and_is_the_schedulers_cut() -
     assert _prefill_sizes(plan) == {"long": n}
 
 
+def test_the_cap_on_a_step_with_decodes_bounds_the_chunk_and_counts_its_steps() -> None:
+    """`ChunkInput.max_chunk_tokens` (the engine's `--mixed-step-token-budget` less the
+    decodes): below the room, the chunk is the cap, its decode wait is the cap's, and the
+    prefill takes a step per cap's worth of tokens."""
+    m = _model()
+    cost = _consistent_cost(m)
+    td = m.predict(DECODE, D, TOTAL)
+    target = 2.5 * td
+    ctl = SplitController(m, [32, 64], ControllerConfig(tbt_slo_ms=target))
+    room = ctl._chunked(P, D, ChunkInput(cost, 0, target)).chunk_tokens
+    assert room is not None and room > 1000
+    capped = ctl._chunked(P, D, ChunkInput(cost, 0, target, max_chunk_tokens=1000))
+    assert capped.chunk_tokens == 1000
+    assert capped.predicted_decode_ms == pytest.approx(td + cost.marginal_s(1000) * 1e3)
+    steps = -(-P.num_tokens // 1000)
+    assert capped.predicted_prefill_ms == pytest.approx(steps * td + cost.marginal_s(8192) * 1e3)
+    # A cap above the room changes nothing.
+    loose = ctl._chunked(P, D, ChunkInput(cost, 0, target, max_chunk_tokens=room + 1))
+    assert loose.chunk_tokens == room
+
+
 def gen_prompt(rid: str, n: int) -> Request:
     from runtime.request import SamplingParams
 
@@ -301,6 +322,21 @@ def test_auto_caps_the_steps_prefill_at_the_chosen_chunk(manager) -> None:  # no
     assert manager.state().choice_counts == {"chunked": 3}
 
 
+def test_auto_holds_its_chunks_to_the_cap_on_a_step_with_decodes(manager) -> None:  # noqa: F811
+    """The serial executor's cap on a step with decodes (`--mixed-step-token-budget`, set
+    while serving) bounds auto's chunks too, the decode included: 201 tokens with one decode
+    leaves 200 where the room holds 350."""
+    eng, _, launched = _auto_engine(manager)
+    _decoding_chat(eng)
+    eng.serial.set_mixed_step_token_budget(201)
+    launched.clear()
+    eng.scheduler.add(gen("long", 1000, 1))
+    _run(eng, lambda: eng.scheduler.get("long") is None)
+    assert [_sizes(p).get("long") for p in launched if p.prefill] == [200] * 5
+    assert all(p.num_prefill_tokens + len(p.decode) <= 201 for p in launched)
+    assert manager.state().choice_counts == {"chunked": 5}
+
+
 def test_auto_cuts_and_corrects_on_the_models_decode_for_the_batch(manager) -> None:  # noqa: F811
     """Under auto with a calibrated cost model, a mixed step's decode part is the model's
     prediction for its batch, both where the chunk is cut and where the step offset is
@@ -354,6 +390,11 @@ def test_off_with_a_tbt_target_cuts_on_the_models_decode_and_teaches_it(manager)
     # Room (2.7 ms - the model's 2 ms decode, corrected) at 2 us a token: about 350 tokens.
     # On the stale 0.5 ms average the step would have taken 1,000.
     assert _sizes(mixed)["long"] < 500
+    # The cap on a step with decodes stays under the target: it can only cut shorter.
+    eng.serial.set_mixed_step_token_budget(101)
+    plans.clear()
+    eng._step()  # "long" goes on in a chunk of the cap less the decode
+    assert _sizes(plans[0]) == {"long": 100} and len(plans[0].decode) == 1
 
 
 def test_auto_times_every_prefill_it_adds_behind_the_chunked_head(manager) -> None:  # noqa: F811

@@ -510,6 +510,9 @@ class ChunkInput:
     # What a step that mixes a chunk with decodes takes beyond the decode step, whatever the
     # chunk's size (it runs without the decode graphs): `CorrectedCost.offset_s`, in ms.
     step_offset_ms: float = 0.0
+    # The most prefill tokens a chunked step may take whatever the room (the engine's cap on
+    # a step with decodes, `--mixed-step-token-budget`, less the decodes); None: the room alone.
+    max_chunk_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -643,21 +646,26 @@ class SplitController:
         """Time-slicing with the prefill `p` cut into chunks: every step runs the decodes and
         one chunk on the whole GPU, the chunk being the most tokens whose marginal cost fits
         the target after the decode step (`tbt_chunk_tokens`: the arithmetic of the
-        scheduler's `--tbt-slo-ms` cut). Predicted prefill: until the last chunk is done (the
+        scheduler's `--tbt-slo-ms` cut), at most `chunk.max_chunk_tokens`. Predicted prefill: until the last chunk is done (the
         chunks' marginal cost plus one decode step per chunk step); predicted decode: one
         step (decodes + the first chunk), which is what a decode waits."""
         room_ms = self.chunk_room_ms(d, chunk)
         decode_ms = chunk.tbt_slo_ms - room_ms  # the decode step with a chunk beside it
         cost, ctx, n = chunk.prefill_cost, chunk.context_tokens, max(p.num_tokens, 1)
         tokens = tbt_chunk_tokens(cost, room_ms / 1e3, ctx)
+        cap = chunk.max_chunk_tokens
+        if cap is not None:
+            tokens = min(tokens, cap)
         all_ms = cost.marginal_s(n, ctx) * 1e3
         if tokens >= n:
             steps = 1
         else:
             # The cut is by time, so each step fills the room (chunks shrink as the context
-            # grows), but takes at least MIN_TBT_CHUNK_TOKENS.
+            # grows), but takes at least MIN_TBT_CHUNK_TOKENS, and at most the cap.
             by_time = math.ceil(all_ms / room_ms) if room_ms > 0 else n
             steps = max(2, min(by_time, math.ceil(n / MIN_TBT_CHUNK_TOKENS)))
+            if cap is not None:
+                steps = max(steps, math.ceil(n / cap))
         return SplitDecision(
             TIME_SLICE,
             chunk_tokens=tokens,
