@@ -81,12 +81,19 @@ work=/tmp/serving; mkdir -p $work
 # auto in earlier sessions where 16-s probes failed all three there (TTFT P99 5-11 s at
 # dcb240e): a short probe ends before the queue has built. A part takes about twice as long.
 common=(--out-dir $work --rev "$rev" --scale 1.0 --duration-s ${DUR:-16} --drain-s 6
-        --request-timeout-s 40 --command "${DUR:+DUR=$DUR }${PROBES:+PROBES=$PROBES }${PARTS:+PARTS=$PARTS }${REVERSE:+REVERSE=$REVERSE }${FIXED_K:+FIXED_K=$FIXED_K }${SERVER_EXTRA:+SERVER_EXTRA='$SERVER_EXTRA' }bash bench/gpu_next.sh $plan $rev $split")
+        --request-timeout-s 40 --command "${DUR:+DUR=$DUR }${PROBES:+PROBES=$PROBES }${PARTS:+PARTS=$PARTS }${REVERSE:+REVERSE=$REVERSE }${FIXED_K:+FIXED_K=$FIXED_K }${SIDES:+SIDES=$SIDES }${SERVER_EXTRA:+SERVER_EXTRA='$SERVER_EXTRA' }bash bench/gpu_next.sh $plan $rev $split")
 # Max QPS at the P99 SLO by bisection for the sides in $sides (pairs: --side NAME:SETTINGS) on
 # one server of model $m started with the options $1: mixed chat from $q0 QPS, then scoring
 # next to chat from $sq0; $2: the parts when PARTS is unset. REVERSE=1 runs the sides in
-# reverse order (plans s, t, sweep, default).
+# reverse order, SIDES=a,b only those named (plans s, t, sweep, default, cap).
 bisect_sides() {
+  if [ -n "${SIDES:-}" ]; then  # SIDES=a,b: only the sides of these names, in the plan's order
+    local kept=() j
+    for (( j = 0; j < ${#sides[@]}; j += 2 )); do
+      case ",$SIDES," in *",${sides[j+1]%%:*},"*) kept+=("${sides[@]:j:2}") ;; esac
+    done
+    sides=("${kept[@]}")
+  fi
   if [ "${REVERSE:-}" = 1 ]; then
     local reversed=() i
     for (( i = ${#sides[@]} - 2; i >= 0; i -= 2 )); do reversed+=("${sides[@]:i:2}"); done
