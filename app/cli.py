@@ -357,6 +357,10 @@ def _uvicorn_server(app: Any, settings: Settings) -> GracefulServer:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),
+        # uvicorn's default (5 s) equals httpx's pool expiry: a client could send its next
+        # request on an idle connection as the server closed it, and read an error for a
+        # request the server never saw (the H200 load generator did, twice in ~5,000).
+        timeout_keep_alive=settings.keep_alive_s,
         # Backstop only: the drain thread aborts stragglers after the grace period.
         timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 5,
     )

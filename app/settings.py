@@ -90,6 +90,13 @@ class ServerSettings(BaseSettings):
         ge=0,
         description="on SIGTERM/SIGINT, let running requests finish this long, then abort",
     )
+    keep_alive_s: int = Field(
+        75,
+        ge=1,
+        description="keep an idle HTTP connection open this long (s): longer than clients keep "
+        "one in their pool (httpx and the OpenAI SDK: 5 s), so a client never reuses a "
+        "connection the server is closing",
+    )
     log_level: str = Field("info", description="debug | info | warning | error")
     api_server_count: int = Field(
         1,

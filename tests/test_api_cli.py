@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -91,15 +92,15 @@ sys.path[:0] = [{root!r}, {tests!r}]
 from fake_engine import FakeEngine
 from app.cli import serve
 from app.settings import Settings
-sys.exit(serve(Settings(port={port}, shutdown_grace_s={grace}, log_level="warning"),
+sys.exit(serve(Settings(port={port}, shutdown_grace_s={grace}, log_level="warning"{extra}),
                engine_factory=FakeEngine))
 """
 
 
-def _start(grace_s: float) -> tuple[subprocess.Popen[bytes], str]:
+def _start(grace_s: float, extra: str = "") -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     script = _SERVER_SCRIPT.format(
-        root=str(ROOT), tests=str(ROOT / "tests"), port=port, grace=grace_s
+        root=str(ROOT), tests=str(ROOT / "tests"), port=port, grace=grace_s, extra=extra
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", script], env={**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -161,3 +162,33 @@ def test_sigterm_aborts_what_outlives_the_grace_period() -> None:
         assert proc.wait(timeout=30) == 0
     finally:
         proc.kill()
+
+
+def _two_requests_on_one_connection(url: str, idle_s: float) -> bytes:
+    """A GET /health, `idle_s` of silence, then a second on the same connection: what the
+    server sent back for the second (b"" when it had closed the connection)."""
+    host, port = url.removeprefix("http://").split(":")
+    request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request)
+        first = sock.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200"), first
+        time.sleep(idle_s)
+        try:
+            sock.sendall(request)
+            return sock.recv(65536)
+        except ConnectionResetError:
+            return b""
+
+
+def test_an_idle_connection_outlives_a_clients_pool_expiry() -> None:
+    """Idle for 6 s, past httpx's 5-s pool expiry (and uvicorn's own 5-s default), a kept
+    connection still serves the next request; with `keep_alive_s=1` the server has closed it
+    (the setting is applied, not ignored)."""
+    for extra, idle_s, open_after in (("", 6.0, True), (", keep_alive_s=1", 2.5, False)):
+        proc, url = _start(grace_s=1, extra=extra)
+        try:
+            second = _two_requests_on_one_connection(url, idle_s)
+            assert second.startswith(b"HTTP/1.1 200") == open_after, second
+        finally:
+            proc.kill()
