@@ -311,8 +311,8 @@ case $plan in
     bisect_sides "--partition off --prefill-token-budget 8192 --prefill-policy srjf" mixed || rc=1 ;;
   cap)
     # Issue 13: auto's chunks with and without the cap on a step with decodes
-    # (--mixed-step-token-budget, 2,048 on CUDA since the twenty-ninth session; before it a TBT
-    # target, and so auto, dropped the cap and filled the room). Next to chunked scoring off-2k
+    # (--mixed-step-token-budget, 2,048 on CUDA; since 7ae7816 it holds under a TBT target and
+    # bounds auto's chunks, which before filled the room the target left). Next to chunked scoring off-2k
     # sustained 44 scoring QPS against auto's 30 and off-tbt's 32 at dcb240e, its chunks ~14 %
     # cheaper for the same work. Sides on one server: off at the best fixed budget (FIXED_K;
     # 2 next to scoring, 4 on the 3B's mixed chat), auto filling the room (mixed=none) and auto

@@ -646,9 +646,10 @@ class SplitController:
         """Time-slicing with the prefill `p` cut into chunks: every step runs the decodes and
         one chunk on the whole GPU, the chunk being the most tokens whose marginal cost fits
         the target after the decode step (`tbt_chunk_tokens`: the arithmetic of the
-        scheduler's `--tbt-slo-ms` cut), at most `chunk.max_chunk_tokens`. Predicted prefill: until the last chunk is done (the
-        chunks' marginal cost plus one decode step per chunk step); predicted decode: one
-        step (decodes + the first chunk), which is what a decode waits."""
+        scheduler's `--tbt-slo-ms` cut), at most `chunk.max_chunk_tokens`. Predicted prefill:
+        until the last chunk is done (the chunks' marginal cost plus one decode step per chunk
+        step); predicted decode: one step (decodes + the first chunk), which is what a decode
+        waits."""
         room_ms = self.chunk_room_ms(d, chunk)
         decode_ms = chunk.tbt_slo_ms - room_ms  # the decode step with a chunk beside it
         cost, ctx, n = chunk.prefill_cost, chunk.context_tokens, max(p.num_tokens, 1)
