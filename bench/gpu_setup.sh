@@ -8,17 +8,21 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD
 if [ -f .fi_cache/fi_cache.tar.gz ]; then
   mkdir -p ~/.cache && tar xzf .fi_cache/fi_cache.tar.gz -C ~/.cache
-  # The tarball holds only the compiled .so files. FlashInfer's JIT path always runs ninja,
-  # which rebuilds a module whose objects are missing (60-100 s each). Installing the cached
-  # .so files as FlashInfer's "AOT" modules makes it load them directly; anything not there is
-  # still JIT-compiled into ~/.cache as before.
-  aot=/tmp/site/flashinfer/data/aot
-  for so in ~/.cache/flashinfer/*/*/cached_ops/*/*.so; do
-    [ -f "$so" ] || continue
-    name=$(basename "$(dirname "$so")")
-    mkdir -p "$aot/$name" && cp "$so" "$aot/$name/$name.so"
-  done
 fi
+# The tarball holds only the compiled .so files. FlashInfer's JIT path always runs ninja,
+# which rebuilds a module whose objects are missing (60-100 s each) or older than its
+# sources, and the pip install above gives the sources new times: on a bare H200
+# (twenty-ninth session) the plan after `warm` in the same call spent 184 s silent where a
+# later one spent 9 s with the AOT modules (a rebuild, by every sign). Installing the
+# compiled .so files, from the tarball or from an earlier plan of this call, as FlashInfer's
+# "AOT" modules makes it load them directly; anything not there is still JIT-compiled into
+# ~/.cache as before.
+aot=/tmp/site/flashinfer/data/aot
+for so in ~/.cache/flashinfer/*/*/cached_ops/*/*.so; do
+  [ -f "$so" ] || continue
+  name=$(basename "$(dirname "$so")")
+  mkdir -p "$aot/$name" && cp "$so" "$aot/$name/$name.so"
+done
 # Random presets need only the default model's tokenizer/config: serve them from a cache
 # folder whose model.safetensors is an empty placeholder (never loaded for random:<preset>).
 if [ -d .cache/smollm2-tok ] && [ ! -f .cache/models/SmolLM2-135M-Instruct/model.safetensors ]; then

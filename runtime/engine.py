@@ -232,8 +232,16 @@ class Engine:
             torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
         )
         torch.manual_seed(config.seed)
+        t0 = time.perf_counter()
         model, model_config, tokenizer = load_model(
             config.model, self.dtype, self.device, seed=config.seed
+        )
+        log.info(
+            "model %s loaded in %.1f s (%s, %s)",
+            config.model,
+            time.perf_counter() - t0,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
         )
         self.model = model
         self.model_config = model_config
@@ -692,13 +700,22 @@ class Engine:
             )
             return peak + graphs
 
+        # Start-up's first forwards: on a machine without FlashInfer's compiled kernels they
+        # JIT-compile them first (on the H200, ~3 min before anything else was logged).
+        log.info(
+            "measuring the activation peak: dry-run prefills of up to %d tokens (the first "
+            "forwards on this machine compile the attention kernels: minutes, once)",
+            max(n0, hi),
+        )
+        t0 = time.perf_counter()
         line = activation_line(peak_at, n0, lo, hi)
         if cfg.max_score_tokens is None and line.slope > 0:
             self._fit_max_score_tokens(line)
         reserve = int(line.reserve(self._max_score_tokens))
         log.info(
-            "activation peak measured: %.2f GiB at %d tokens, %.1f KiB/token; reserving "
-            "%.2f GiB (scoring prompts up to %d tokens)",
+            "activation peak measured in %.1f s: %.2f GiB at %d tokens, %.1f KiB/token; "
+            "reserving %.2f GiB (scoring prompts up to %d tokens)",
+            time.perf_counter() - t0,
             line.step_peak / 2**30,
             n0,
             line.slope / 1024,

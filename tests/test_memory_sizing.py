@@ -223,3 +223,35 @@ def test_probe_lengths_never_exceed_the_longest_prompt() -> None:
     assert activation_probe_lengths(8192, 2048, 4096) == (8192, 2048, 4096)
     assert activation_probe_lengths(8192, None, 1 << 20) == (8192, 8192, 16384)  # no chunks
     assert activation_probe_lengths(1, 2048, 1) == (1, 1, 2)  # a 1-token limit still has a line
+
+
+def test_the_dry_runs_say_they_start_and_how_long_they_took(monkeypatch, caplog) -> None:
+    """Start-up's first forwards may JIT-compile the attention kernels for minutes (on a bare
+    H200, ~3 min with nothing logged): the engine says before that it is measuring, and after
+    how long it took."""
+    import runtime.engine as engine_module
+
+    stub = _engine_stub(max_model_len=32768, max_score_tokens=32768)
+    stub.config = EngineConfig(model="random:tiny", cuda_graphs=False, max_score_tokens=32768)
+    stub.model = types.SimpleNamespace(rotary=types.SimpleNamespace(max_positions=32768))
+    seen: list[str] = []
+
+    def fake_line(peak_at, n0, lo, hi) -> ActivationLine:
+        seen.append(caplog.text)  # what was logged before the dry runs
+        return ActivationLine(n0, float(GIB), lo, 1024.0, float(GIB))
+
+    monkeypatch.setattr(engine_module, "activation_line", fake_line)
+    with caplog.at_level("INFO", logger="greenlane.engine"):
+        Engine._measure_activation_reserve(stub)
+    assert "measuring the activation peak: dry-run prefills of up to" in seen[0]
+    assert "activation peak measured in " in caplog.text
+    assert "activation peak measured" not in seen[0]
+
+
+def test_start_up_says_which_model_it_loaded_and_how_long_it_took(caplog) -> None:
+    with caplog.at_level("INFO", logger="greenlane.engine"):
+        engine = Engine(EngineConfig(model="random:tiny", device="cpu"), lambda outs: None)
+    try:
+        assert "model random:tiny loaded in " in caplog.text and "(cpu, " in caplog.text
+    finally:
+        engine.shutdown()
