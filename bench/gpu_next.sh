@@ -277,9 +277,11 @@ case $plan in
     # 119-129). FIXED_K overrides it (in k tokens), e.g. FIXED_K=2 PARTS=score-chat on the 3B.
     if [ "$plan" = s ]; then fixed_k=4; else fixed_k=2; fi
     fixed_k=${FIXED_K:-$fixed_k}
+    # auto at its defaults: its chunks within the 2,048 cap on a step with decodes since
+    # 7ae7816 (mixed=2048: `budget=` alone sends no cap); off-tbt the target's cut alone.
     sides=(--side off-${fixed_k}k:partition=off,budget=$(( fixed_k * 1024 )),tbt=none
            --side off-tbt:partition=off,budget=8192,tbt=80
-           --side auto:partition=auto,budget=8192,tbt=none)
+           --side auto:partition=auto,budget=8192,mixed=2048,tbt=none)
     bisect_sides "--partition auto --calibrate true --partition-tbt-slo-ms 80 --prefill-token-budget 8192" mixed,score-chat || rc=1 ;;
   sweep)
     # Issue 13 asks for off at the best fixed budget of a sweep (1k / 2k / 4k / 8k); plan r
@@ -338,7 +340,7 @@ case $plan in
     python3 -m bench.gpu_serving "${common[@]}" --models $m --start-s ${START_S:-240} \
       --server-args "--partition auto --calibrate true --partition-tbt-slo-ms 80 --partition-layer-slicing true --max-gpu-memory-gb 24 --prefill-policy srjf ${SERVER_EXTRA:-}" \
       --side off-2k:partition=off,budget=2048,tbt=none \
-      --side auto:partition=auto,budget=8192,tbt=none \
+      --side auto:partition=auto,budget=8192,mixed=2048,tbt=none \
       --score-workload credit-verification --score-start-qps ${SQ0:-0.5} --chat-qps 2 \
       --max-probes ${PROBES:-4} --score-slo ttft:${SCORE_SLO_MS:-10000} \
       --parts score-chat --tag partition-$plan --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
@@ -362,7 +364,7 @@ case $plan in
       --server-args "--partition auto --calibrate true --partition-tbt-slo-ms 80 --prefill-token-budget 8192 --partition-layer-slicing true --chunk-scoring-prefill false ${SERVER_EXTRA:-}" \
       --start-qps 12 --max-probes 3 --slo ttft:2000,tbt:100 \
       --side off-2k:partition=off,budget=2048,tbt=none \
-      --side auto:partition=auto,budget=8192,tbt=none \
+      --side auto:partition=auto,budget=8192,mixed=2048,tbt=none \
       --side split-112:partition=static:112,budget=8192,tbt=none \
       --score-start-qps 16 --chat-qps 2 --score-slo ttft:3000 \
       --parts ${PARTS:-score-chat} --tag partition-$plan --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
