@@ -210,6 +210,15 @@ def test_admin_page_live_and_controls(
     beside = "the same with decodes" if mixed is None else f"{mixed} with decodes"
     budget = stats["prefill_token_budget"]
     assert _text(page, "#prefill-limits") == f"prefill per step: {budget} tokens; {beside}"
+    # A TBT target set while serving: the cap stays, the cut is added to it.
+    r = httpx.put(f"{served.base_url}/admin/api/prefill", json={"tbt_slo_ms": 50.0})
+    assert r.status_code == 200, r.text
+    want = f"prefill per step: {budget} tokens; {beside}, cut to a 50 ms TBT target"
+    page.wait_for_function(
+        f"document.getElementById('prefill-limits').textContent.trim() === {want!r}"
+    )
+    r = httpx.put(f"{served.base_url}/admin/api/prefill", json={"tbt_slo_ms": None})
+    assert r.status_code == 200, r.text
 
     # --- numbers move under load ---
     completed_before = _text(page, "#stat-completed")
