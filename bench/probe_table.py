@@ -58,8 +58,10 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             rows = probe_rows(json.loads(f.read_text()))
             if source is not None and wl == "score-chat":
-                model = source["models"][f"random:{a.slug}"]
-                bg = model["score_chat"][side].get("chat_background_by_probe", {})
+                part = source["models"][f"random:{a.slug}"]["score_chat"]
+                if side not in part:  # another call's side: its own results JSON has it
+                    sys.exit(f"{side} is not in {a.source}; pass the results JSON of its run")
+                bg = part[side].get("chat_background_by_probe", {})
                 for qps, row in rows.items():
                     tbt = (bg.get(qps) or {}).get("tbt_ms") or {}
                     row["chat_itl_ms_p50"], row["chat_itl_ms_p99"] = tbt.get("p50"), tbt.get("p99")
