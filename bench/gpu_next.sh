@@ -81,11 +81,13 @@ work=/tmp/serving; mkdir -p $work
 # auto in earlier sessions where 16-s probes failed all three there (TTFT P99 5-11 s at
 # dcb240e): a short probe ends before the queue has built. A part takes about twice as long.
 common=(--out-dir $work --rev "$rev" --scale 1.0 --duration-s ${DUR:-16} --drain-s 6
-        --request-timeout-s 40 --command "${DUR:+DUR=$DUR }${PROBES:+PROBES=$PROBES }${PARTS:+PARTS=$PARTS }${REVERSE:+REVERSE=$REVERSE }${FIXED_K:+FIXED_K=$FIXED_K }${SIDES:+SIDES=$SIDES }${SERVER_EXTRA:+SERVER_EXTRA='$SERVER_EXTRA' }bash bench/gpu_next.sh $plan $rev $split")
+        --request-timeout-s 40 --command "${DUR:+DUR=$DUR }${PROBES:+PROBES=$PROBES }${PARTS:+PARTS=$PARTS }${REVERSE:+REVERSE=$REVERSE }${FIXED_K:+FIXED_K=$FIXED_K }${SIDES:+SIDES=$SIDES }${SCORE_WORKLOAD:+SCORE_WORKLOAD=$SCORE_WORKLOAD }${SERVER_EXTRA:+SERVER_EXTRA='$SERVER_EXTRA' }bash bench/gpu_next.sh $plan $rev $split")
 # Max QPS at the P99 SLO by bisection for the sides in $sides (pairs: --side NAME:SETTINGS) on
 # one server of model $m started with the options $1: mixed chat from $q0 QPS, then scoring
 # next to chat from $sq0; $2: the parts when PARTS is unset. REVERSE=1 runs the sides in
-# reverse order, SIDES=a,b only those named (plans s, t, sweep, default, cap).
+# reverse order, SIDES=a,b only those named (plans s, t, sweep, default, cap);
+# SCORE_WORKLOAD=post-recommendation-stream scores a stream of arriving users, primed, instead
+# of 20 users all cold at each probe's start.
 bisect_sides() {
   if [ -n "${SIDES:-}" ]; then  # SIDES=a,b: only the sides of these names, in the plan's order
     local kept=() j
@@ -103,6 +105,7 @@ bisect_sides() {
     --server-args "$1 ${SERVER_EXTRA:-}" \
     --start-qps $q0 --max-probes ${PROBES:-4} --slo ttft:2000,tbt:100 "${sides[@]}" \
     --score-start-qps $sq0 --chat-qps 2 --score-slo ttft:3000 \
+    --score-workload ${SCORE_WORKLOAD:-post-recommendation} \
     --parts ${PARTS:-$2} --tag partition-$plan --deadline-s "$(( $(left) - 10 ))"
 }
 rc=0

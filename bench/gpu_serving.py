@@ -40,6 +40,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from bench.workloads import SPECS
+
 WORKLOADS = ("long-data", "mixed", "arxiv")
 DEFAULT_PARTS = ("screen", "long-data", "mixed", "score-chat", "ablation", "arxiv")
 
@@ -407,6 +409,14 @@ class Server:
 
 
 # ------------------------------------------------------------------------- harness runs
+
+
+def prime_args(workload: str) -> list[str]:
+    """bench.serve's priming for a workload whose users keep arriving (`user_turnover`): its
+    first users' profiles are cached after each probe's prefix-cache reset, so a probe runs
+    the steady stream of new users' cold profiles, not all of them cold at its start."""
+    spec = SPECS.get(workload)
+    return ["--prime-prefixes"] if spec is not None and spec.user_turnover else []
 
 
 def run_harness(module: str, args: list[str], timeout_s: float) -> dict[str, Any]:
@@ -901,6 +911,7 @@ class Orchestrator:
                 slo or self.args.slo,
                 "--save-steps",
                 str(probe_steps / path.stem),
+                *prime_args(workload or wl),
                 "--out",
                 str(path),
             ],
@@ -1305,8 +1316,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--score-workload",
         default="post-recommendation",
-        choices=("post-recommendation", "credit-verification", "short-scoring"),
-        help="the scoring load of score-chat (bench/workloads.py)",
+        choices=(
+            "post-recommendation",
+            "post-recommendation-stream",
+            "credit-verification",
+            "short-scoring",
+        ),
+        help="the scoring load of score-chat (bench/workloads.py); a stream of users "
+        "(post-recommendation-stream) runs primed: its first users cached before each probe",
     )
     p.add_argument("--score-start-qps", type=float, default=4.0)
     p.add_argument("--chat-qps", type=float, default=2.0)

@@ -152,6 +152,12 @@ class WorkloadSpec:
     num_users: int = 0  # > 0: per-user shared prefixes
     items_per_user: int = 0
     item: LengthDist = LengthDist("fixed", 0, 0)  # scoring: the per-request suffix
+    # > 0: users keep arriving. A request is a new user's first with probability
+    # 1 / user_turnover (its profile cold), else one of the `num_users` latest users'; the
+    # first `num_users` are the ones priming warms (`group_requests`). 0: the same
+    # `num_users` users throughout, so a run that starts from an empty prefix cache opens with
+    # all of their profiles cold at once and none after.
+    user_turnover: int = 0
 
 
 # Label suffix appended to scoring items, so the label question is part of the counted tokens.
@@ -167,6 +173,19 @@ SPECS: dict[str, WorkloadSpec] = {
         num_users=20,
         items_per_user=50,
         item=LengthDist("fixed", 150, 150),
+    ),
+    "post-recommendation-stream": WorkloadSpec(
+        "post-recommendation-stream",
+        "score",
+        "post recommendation with users arriving: profiles and posts as post-recommendation; "
+        "each request is a new user's first with p = 1/20 (a cold 11k-17k-token profile), "
+        "else one of the 20 latest users'; run primed (the first 20 cached) for a steady "
+        "stream of cold profiles instead of a burst at the start",
+        prompt=LengthDist("uniform", 11_000, 17_000),
+        num_users=20,
+        items_per_user=50,
+        item=LengthDist("fixed", 150, 150),
+        user_turnover=20,
     ),
     "credit-verification": WorkloadSpec(
         "credit-verification",
@@ -317,11 +336,21 @@ class WorkloadGenerator:
         a prefix cache must hold for every request after a user's first to hit)."""
         return {r.group: len(r.query_token_ids) for r in self.group_requests()}
 
-    def _make(self, spec: WorkloadSpec, index: int, rng: random.Random) -> WorkloadRequest:
+    def _make(
+        self, spec: WorkloadSpec, index: int, rng: random.Random, newest: list[int]
+    ) -> WorkloadRequest:
+        """Request `index`. `newest`: the latest user to have arrived ([id], updated here when
+        a request is a new user's first: workloads with `user_turnover`)."""
         rid = f"{self.name}-{self.seed}-{index}"
         if spec.api == "score":
             if spec.num_users:
-                user = rng.randrange(spec.num_users)
+                if not spec.user_turnover:
+                    user = rng.randrange(spec.num_users)  # (the draws of every earlier run)
+                elif rng.random() < 1.0 / spec.user_turnover:
+                    newest[0] += 1
+                    user = newest[0]
+                else:
+                    user = newest[0] - rng.randrange(spec.num_users)
                 post = rng.randrange(spec.items_per_user)
                 return self._grouped_score(spec, rid, user, post)
             total = spec.prompt.sample(rng, self.scale)
@@ -338,13 +367,14 @@ class WorkloadGenerator:
     def __iter__(self) -> Iterator[WorkloadRequest]:
         rng = self._rng("requests")
         index = 0
+        newest = [SPECS[self.name].num_users - 1 if self.name in SPECS else 0]
         while True:
             if self.name == "mixed":
                 pick = rng.random()
                 name = MIXED_PARTS[0][0] if pick < MIXED_PARTS[0][1] else MIXED_PARTS[1][0]
             else:
                 name = self.name
-            yield self._make(SPECS[name], index, rng)
+            yield self._make(SPECS[name], index, rng, newest)
             index += 1
 
     def take(self, num_requests: int) -> list[WorkloadRequest]:

@@ -156,3 +156,38 @@ def test_real_tokenizer_exact_counts():
         _check_exact(tok, reqs)
     gen = WorkloadGenerator("post-recommendation", tok, seed=1, scale=1.0, pool=pool)
     assert gen._label_ids == [encode_ids(tok, " Yes")[0], encode_ids(tok, " No")[0]]
+
+
+def test_a_stream_of_users_brings_cold_profiles_throughout(tok, pool):
+    """post-recommendation-stream: a new user's first request about 1 in 20, spread over the
+    run, every other request one of the 20 latest users'; the first 20 users are the ones
+    priming warms; reproducible by seed."""
+    name = "post-recommendation-stream"
+    gen = WorkloadGenerator(name, tok, seed=5, scale=0.005, pool=pool, verify=False)
+    reqs = gen.take(2000)
+    users = [int(r.group.removeprefix("user")) for r in reqs]
+    firsts = [i for i, u in enumerate(users) if u >= 20 and u not in users[:i]]
+    assert 70 <= len(firsts) <= 130  # 2000 / 20 = 100 expected
+    assert firsts[0] < 200 and firsts[-1] > 1800  # throughout the run, not at its start
+    newest = 19
+    for u in users:
+        assert newest - 19 <= u <= newest + 1
+        newest = max(newest, u)
+    # A new user's profile is its own; its later requests share it.
+    u = users[firsts[0]]
+    profiles = {tuple(r.query_token_ids) for r in reqs if r.group == f"user{u}"}
+    assert len(profiles) == 1
+    assert {r.group for r in gen.group_requests()} == {f"user{i}" for i in range(20)}
+    again = WorkloadGenerator(name, tok, seed=5, scale=0.005, pool=pool, verify=False)
+    assert [r.group for r in again.take(2000)] == [r.group for r in reqs]
+
+
+def test_post_recommendation_draws_the_same_users_as_before_the_stream_variant(tok, pool):
+    """The fixed-user workloads keep their draws (runs and simulator replays pair by seed)."""
+    reqs = WorkloadGenerator("post-recommendation", tok, seed=0, scale=0.005, pool=pool).take(8)
+    rng = random.Random(":".join(("0", "post-recommendation", "requests")))
+    expected = []
+    for _ in range(8):
+        expected.append(f"user{rng.randrange(20)}")
+        rng.randrange(50)
+    assert [r.group for r in reqs] == expected

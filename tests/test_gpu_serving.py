@@ -591,6 +591,10 @@ def test_the_scoring_load_beside_chat_is_chosen_by_name() -> None:
     assert args.score_workload == "credit-verification"
     with pytest.raises(SystemExit):
         p.parse_args(["--score-workload", "sharegpt"])  # a chat load is not a scoring load
+    # A stream of users runs primed (its first users cached after each reset); the fixed-user
+    # loads run from an empty cache as before.
+    assert gs.prime_args("post-recommendation-stream") == ["--prime-prefixes"]
+    assert gs.prime_args("post-recommendation") == [] and gs.prime_args("mixed") == []
 
 
 def test_parts_past_the_deadline_are_skipped_and_recorded(tmp_path: Path) -> None:
