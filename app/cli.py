@@ -367,6 +367,32 @@ def _uvicorn_server(app: Any, settings: Settings) -> GracefulServer:
     return GracefulServer(config, app, settings.shutdown_grace_s)
 
 
+# Open files (sockets included) the server asks for: every kept-alive client connection holds
+# one for `--keep-alive-s`, and a common soft limit of 1,024 would refuse connections
+# (accept() failing with EMFILE) long before the host or the engine is the limit.
+WANTED_OPEN_FILES = 65536
+
+
+def raise_open_file_limit(wanted: int = WANTED_OPEN_FILES) -> tuple[int, int] | None:
+    """Raise the soft RLIMIT_NOFILE towards `wanted`, never past the hard limit: (old, new)
+    when it changed, else None (already enough, or not settable on this platform)."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft >= target:
+        return None
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        return None
+    return soft, target
+
+
 def _configure_logging(settings: Settings) -> None:
     logging.basicConfig(
         level=settings.log_level.upper(),
@@ -381,6 +407,11 @@ def serve(settings: Settings, engine_factory: Any = None, sock: socket.socket | 
     from app.main import create_app
 
     _configure_logging(settings)
+    raised = raise_open_file_limit()
+    if raised is not None:
+        logging.getLogger("greenlane.app").info(
+            "open-file limit raised from %d to %d (client connections)", *raised
+        )
     factory = engine_factory or _real_engine_factory
     if settings.calibrate:
         factory = _calibrating_factory(settings, factory)

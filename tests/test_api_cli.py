@@ -215,3 +215,26 @@ def test_an_idle_connection_outlives_a_clients_pool_expiry() -> None:
             assert second.startswith(b"HTTP/1.1 200") == open_after, second
         finally:
             proc.kill()
+
+
+def test_the_open_file_limit_is_raised_towards_what_the_server_wants(monkeypatch) -> None:
+    """A low soft limit is raised, never past the hard one; an ample one is left alone."""
+    import resource
+
+    from app import cli
+
+    state = {"soft": 1024, "hard": 4096}
+    monkeypatch.setattr(resource, "getrlimit", lambda _k: (state["soft"], state["hard"]))
+
+    def setrlimit(_k: int, limits: tuple[int, int]) -> None:
+        state["soft"], state["hard"] = limits
+
+    monkeypatch.setattr(resource, "setrlimit", setrlimit)
+    assert cli.raise_open_file_limit(65536) == (1024, 4096)  # up to the hard limit
+    assert state == {"soft": 4096, "hard": 4096}
+    assert cli.raise_open_file_limit(65536) is None  # already at the hard limit
+    state.update(soft=1024, hard=1_000_000)
+    assert cli.raise_open_file_limit(65536) == (1024, 65536)
+    state.update(soft=100_000)
+    assert cli.raise_open_file_limit(65536) is None  # ample already: not lowered
+    assert state["soft"] == 100_000
