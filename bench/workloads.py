@@ -17,6 +17,7 @@ use a separate random stream (bench.serve), so every QPS of a sweep sees the sam
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import re
@@ -163,28 +164,26 @@ class WorkloadSpec:
 # Label suffix appended to scoring items, so the label question is part of the counted tokens.
 _SCORE_QUESTION = " Answer with Yes or No:"
 
+_POST_RECOMMENDATION = WorkloadSpec(
+    "post-recommendation",
+    "score",
+    "PrefillOnly post recommendation: 20 users, profile 11k-17k tokens (uniform), "
+    "50 posts x 150 tokens per user; request = profile + one post, Yes/No",
+    prompt=LengthDist("uniform", 11_000, 17_000),
+    num_users=20,
+    items_per_user=50,
+    item=LengthDist("fixed", 150, 150),
+)
+
 SPECS: dict[str, WorkloadSpec] = {
-    "post-recommendation": WorkloadSpec(
-        "post-recommendation",
-        "score",
-        "PrefillOnly post recommendation: 20 users, profile 11k-17k tokens (uniform), "
-        "50 posts x 150 tokens per user; request = profile + one post, Yes/No",
-        prompt=LengthDist("uniform", 11_000, 17_000),
-        num_users=20,
-        items_per_user=50,
-        item=LengthDist("fixed", 150, 150),
-    ),
-    "post-recommendation-stream": WorkloadSpec(
-        "post-recommendation-stream",
-        "score",
-        "post recommendation with users arriving: profiles and posts as post-recommendation; "
-        "each request is a new user's first with p = 1/20 (a cold 11k-17k-token profile), "
-        "else one of the 20 latest users'; run primed (the first 20 cached) for a steady "
-        "stream of cold profiles instead of a burst at the start",
-        prompt=LengthDist("uniform", 11_000, 17_000),
-        num_users=20,
-        items_per_user=50,
-        item=LengthDist("fixed", 150, 150),
+    "post-recommendation": _POST_RECOMMENDATION,
+    "post-recommendation-stream": dataclasses.replace(
+        _POST_RECOMMENDATION,
+        name="post-recommendation-stream",
+        description="post recommendation with users arriving: profiles and posts as "
+        "post-recommendation; each request is a new user's first with p = 1/20 (a cold "
+        "11k-17k-token profile), else one of the 20 latest users'; run primed (the first 20 "
+        "cached) for a steady stream of cold profiles instead of a burst at the start",
         user_turnover=20,
     ),
     "credit-verification": WorkloadSpec(
