@@ -12,11 +12,29 @@ the other half (even / odd positions):
   prefill        a + b * prefill tokens
   +attention     ... + c * prefill attention pairs (sum of n * (context + n / 2))
   +decodes       ... + d * decodes + e * decode context tokens
+  +context       ... + f * prefill context tokens (a short query still reads its whole
+                 cached prefix)
+  online         +context's terms refitted after every step on the steps before it only
+                 (the past decaying by ONLINE_DECAY a step): what a model the engine refits
+                 while serving could predict, scored on every step after the first
+                 ONLINE_WARMUP
 
-Per model: MAPE and the P50 / P90 / P99 of measured / predicted. A term that shrinks the P99
-is one the cut lacks.
+`engine` reads `predicted_ms` (the TBT cut) or, on `auto`'s chunked steps,
+`chunked_predicted_ms`. Per model: MAPE and the P50 / P90 / P99 of measured / predicted. A term
+that shrinks the P99 is one the cut lacks.
 
-    python -m bench.step_fit run/*.steps.json [--json out.json]
+The floor (`same_shape`): steps of one shape (decodes, prefill sequences, and prefill tokens,
+prefill context within SHAPE_BIN_FRACTION, decode context within DECODE_BIN_FRACTION) should
+take one time; each
+step predicted by the median of the *other* steps of its shape (shapes with at least
+SHAPE_MIN_STEPS steps) gives the error no model of the step's shape can go much below, beside
+the engine's on the same steps. What is left there is not shape: on the H200 it is the host
+launching an eager step (docs/partition.md).
+
+    python -m bench.step_fit run/*.steps.json [--json out.json] [--source results.json]
+
+`--source`: the run's results JSON; its git revision, device and date go into `--json`'s file
+beside the command (a CPU replay of GPU traces: a diagnostic, not a live figure).
 """
 
 from __future__ import annotations
@@ -39,7 +57,20 @@ MODELS: dict[str, tuple[str, ...]] = {
         "num_decodes",
         "decode_context_tokens",
     ),
+    "+context": (
+        "num_prefill_tokens",
+        "prefill_attention_pairs",
+        "num_decodes",
+        "decode_context_tokens",
+        "prefill_context_tokens",
+    ),
 }
+ONLINE_MODEL = "+context"
+ONLINE_DECAY = 0.995  # ~200 recent steps carry most of the fit
+ONLINE_WARMUP = 50
+SHAPE_BIN_FRACTION = 0.1  # prefill token counts within ~10 % are one shape
+DECODE_BIN_FRACTION = 0.25  # decode context within ~25 % (a decode token costs ~1/20 of one)
+SHAPE_MIN_STEPS = 5
 
 
 def mixed_steps(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -88,6 +119,78 @@ def host_gaps(steps: list[dict[str, Any]], over_ms: float = HOST_GAP_MS) -> dict
     }
 
 
+def engine_prediction(step: dict[str, Any]) -> float:
+    """What the engine predicted for the step (ms; 0 when nothing): the TBT cut's
+    `predicted_ms`, else `auto`'s `chunked_predicted_ms`."""
+    return float(step.get("predicted_ms") or step.get("chunked_predicted_ms") or 0.0)
+
+
+def _features(steps: list[dict[str, Any]], fields: tuple[str, ...]) -> np.ndarray:
+    return np.array([[1.0] + [float(s.get(f) or 0.0) for f in fields] for s in steps])
+
+
+def online_predictions(
+    x: np.ndarray, y: np.ndarray, decay: float = ONLINE_DECAY, warmup: int = ONLINE_WARMUP
+) -> np.ndarray:
+    """Each step's prediction from a least-squares fit of the steps before it only (relative
+    error: weights 1 / y², the past decaying by `decay` a step); 0 for the first `warmup`.
+    Features are scaled to their largest value so the normal equations stay conditioned."""
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
+    xs = x / scale
+    k = xs.shape[1]
+    xtx = np.eye(k) * 1e-6
+    xty = np.zeros(k)
+    out = np.zeros(len(y))
+    for i in range(len(y)):
+        if i >= warmup:
+            out[i] = float(xs[i] @ np.linalg.solve(xtx, xty))
+        w = 1.0 / (y[i] * y[i])
+        xtx = decay * xtx + w * np.outer(xs[i], xs[i])
+        xty = decay * xty + w * xs[i] * y[i]
+    return out
+
+
+def _bin(value: float, fraction: float = SHAPE_BIN_FRACTION) -> int:
+    """Log-spaced bin of a token count: values within ~`fraction` share one."""
+    return -1 if value <= 0 else int(round(np.log(value) / np.log1p(fraction)))
+
+
+def shape_key(step: dict[str, Any]) -> tuple[int, ...]:
+    return (
+        int(step.get("num_decodes") or 0),
+        int(step.get("num_prefill_seqs") or 0),
+        _bin(float(step.get("num_prefill_tokens") or 0)),
+        _bin(float(step.get("prefill_context_tokens") or 0)),
+        _bin(float(step.get("decode_context_tokens") or 0), DECODE_BIN_FRACTION),
+    )
+
+
+def same_shape_floor(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each step of a shape with at least SHAPE_MIN_STEPS steps predicted by the median of
+    the other steps of its shape (leave one out), and the engine's prediction on the same
+    steps (those it predicted)."""
+    groups: dict[tuple[int, ...], list[dict[str, Any]]] = {}
+    for s in steps:
+        groups.setdefault(shape_key(s), []).append(s)
+    measured: list[float] = []
+    peers: list[float] = []
+    engine: list[float] = []
+    for members in groups.values():
+        if len(members) < SHAPE_MIN_STEPS:
+            continue
+        times = np.array([float(s["device_ms"]) for s in members])
+        for i, s in enumerate(members):
+            measured.append(times[i])
+            peers.append(float(np.median(np.delete(times, i))))
+            engine.append(engine_prediction(s))
+    m, e = np.array(measured), np.array(engine)
+    return {
+        "num_shapes": sum(1 for g in groups.values() if len(g) >= SHAPE_MIN_STEPS),
+        "peers_median": ratio_summary(m, np.array(peers)),
+        "engine_same_steps": ratio_summary(m, e),
+    }
+
+
 def fit(steps: list[dict[str, Any]]) -> dict[str, Any]:
     """The comparison for one set of steps (see the module docstring), and the host gaps."""
     mixed = mixed_steps(steps)
@@ -102,28 +205,54 @@ def fit(steps: list[dict[str, Any]]) -> dict[str, Any]:
     y = np.array([s["device_ms"] for s in mixed], dtype=float)
     test = np.arange(len(mixed)) % 2 == 1
     models: dict[str, Any] = {}
-    engine = np.array([s.get("predicted_ms") or 0.0 for s in mixed], dtype=float)
+    engine = np.array([engine_prediction(s) for s in mixed], dtype=float)
     models["engine"] = ratio_summary(y[test], engine[test])
     for name, fields in MODELS.items():
-        x = np.array([[1.0] + [float(s.get(f) or 0.0) for f in fields] for s in mixed])
+        x = _features(mixed, fields)
         coef, *_ = np.linalg.lstsq(x[~test], y[~test], rcond=None)
         models[name] = {
             **ratio_summary(y[test], x[test] @ coef),
             "coefficients": dict(zip(("const_ms", *fields), map(float, coef), strict=True)),
         }
+    online = online_predictions(_features(mixed, MODELS[ONLINE_MODEL]), y)
+    models["online"] = ratio_summary(y, online)
     out["models"] = models
+    out["same_shape"] = same_shape_floor(mixed)
     return out
+
+
+def _print_floor(floor: dict[str, Any]) -> None:
+    for name, key in (("same shape", "peers_median"), ("engine", "engine_same_steps")):
+        m = floor[key]
+        if not m.get("num_steps"):
+            print(f"  floor: {name:<10} no steps")
+            continue
+        print(
+            f"  floor: {name:<10} MAPE {m['mape']:.3f} over {m['num_steps']} steps "
+            f"({floor['num_shapes']} shapes), measured/predicted P99 {m['ratio_p99']:.2f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.step_fit", description=__doc__)
     ap.add_argument("files", nargs="+", type=Path, help="step traces (*.steps.json)")
     ap.add_argument("--json", type=Path, help="write the results here too")
+    ap.add_argument("--source", type=Path, help="the traces' run results JSON (for --json)")
     args = ap.parse_args(argv)
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {
+        "command": " ".join(["python", "-m", "bench.step_fit", *(argv or sys.argv[1:])]),
+        "note": "CPU fits over recorded step traces: a diagnostic, not a live figure; "
+        "traces not committed",
+    }
+    if args.source is not None:
+        src = json.loads(args.source.read_text())
+        results["source"] = {k: src.get(k) for k in ("git_revision", "device", "date")}
+    all_steps: list[dict[str, Any]] = []
     for path in args.files:
         data = json.loads(path.read_text())
-        res = fit(data["steps"] if isinstance(data, dict) else data)
+        steps = data["steps"] if isinstance(data, dict) else data
+        all_steps += steps
+        res = fit(steps)
         results[path.name] = res
         print(f"{path.name}: {res['num_mixed_steps']} mixed steps of {res['num_steps']}")
         g = res["host_gaps"]
@@ -141,6 +270,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"  {name:<11} MAPE {m['mape']:.3f}  measured/predicted P50 {m['ratio_p50']:.2f} "
                 f"P90 {m['ratio_p90']:.2f} P99 {m['ratio_p99']:.2f}"
             )
+        _print_floor(res["same_shape"])
+    if len(args.files) > 1:
+        # One GPU forward costs the same whichever side planned it: the floor over all the
+        # files together has more steps of each shape.
+        pooled = mixed_steps(all_steps)
+        results["all files"] = {
+            "num_mixed_steps": len(pooled),
+            "same_shape": same_shape_floor(pooled),
+        }
+        print(f"all files: {len(pooled)} mixed steps")
+        _print_floor(results["all files"]["same_shape"])
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pytest
 
 from bench import step_fit
@@ -82,3 +83,61 @@ def test_host_gaps_and_the_collector() -> None:
         "num_with_gc_pause": 0,
         "gc_traced": False,
     }
+
+
+def test_online_fit_learns_a_linear_step_and_uses_only_the_past() -> None:
+    rng = random.Random(1)
+    x = np.array([[1.0, rng.randint(1, 48), rng.randint(16, 2048)] for _ in range(300)])
+    y = 3.0 + 0.2 * x[:, 1] + 0.01 * x[:, 2]
+    pred = step_fit.online_predictions(x, y, warmup=20)
+    assert (pred[:20] == 0).all()  # nothing predicted before the warm-up
+    assert np.abs(pred[100:] - y[100:]).max() / y[100:].min() < 1e-3
+    # Only the past: a step's own time does not move its prediction.
+    y2 = y.copy()
+    y2[150] *= 3.0
+    pred2 = step_fit.online_predictions(x, y2, warmup=20)
+    assert pred2[150] == pytest.approx(pred[150], rel=1e-9)
+    assert pred2[151] != pytest.approx(pred[151], rel=1e-6)
+
+
+def test_same_shape_floor_reads_the_noise_that_no_shape_explains() -> None:
+    rng = random.Random(2)
+    steps = []
+    for shape in range(6):
+        for _ in range(20):
+            # Identical shapes; the time varies by ±20 % uniformly (mean |error| ~10 %).
+            steps.append(
+                {
+                    "num_decodes": 2,
+                    "num_prefill_seqs": 1,
+                    "num_prefill_tokens": 150 * (shape + 1),
+                    "prefill_context_tokens": 14000,
+                    "decode_context_tokens": 1200,
+                    "device_ms": 10.0 * (shape + 1) * rng.uniform(0.8, 1.2),
+                    "chunked_predicted_ms": 10.0 * (shape + 1),
+                }
+            )
+    steps.append({**steps[0], "num_prefill_tokens": 5000})  # a shape of one step: left out
+    floor = step_fit.same_shape_floor(steps)
+    assert floor["num_shapes"] == 6
+    assert floor["peers_median"]["num_steps"] == 120
+    assert 0.06 < floor["peers_median"]["mape"] < 0.14
+    # The engine's prediction (here each shape's true mean) is read from the chunked field.
+    assert floor["engine_same_steps"]["num_steps"] == 120
+    assert abs(floor["engine_same_steps"]["mape"] - floor["peers_median"]["mape"]) < 0.03
+
+
+def test_cli_pools_the_floor_over_files_and_names_its_source(tmp_path) -> None:  # noqa: ANN001
+    paths = []
+    for i in range(2):
+        paths.append(tmp_path / f"side{i}.steps.json")
+        paths[-1].write_text(json.dumps({"steps": _steps(100)}))
+    src = tmp_path / "run.json"
+    src.write_text(json.dumps({"git_revision": "abc1234", "device": "NVIDIA H200", "date": "d"}))
+    out = tmp_path / "fit.json"
+    assert step_fit.main([*map(str, paths), "--json", str(out), "--source", str(src)]) == 0
+    res = json.loads(out.read_text())
+    assert res["source"] == {"git_revision": "abc1234", "device": "NVIDIA H200", "date": "d"}
+    assert res["all files"]["num_mixed_steps"] == 200
+    assert "online" in res["side0.steps.json"]["models"]
+    assert "bench.step_fit" in res["command"]
