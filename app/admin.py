@@ -512,6 +512,8 @@ def _build_state(app: Any) -> dict[str, Any]:
             "tbt_cut": {
                 "cost_scale": stats.get("tbt_cost_scale"),
                 "cost_offset_ms": stats.get("tbt_cost_offset_ms"),
+                # per 1,000 cached tokens of a step's prefill parts (0: not told apart yet)
+                "cost_context_ms_per_1k": stats.get("tbt_cost_context_ms_per_1k"),
                 # The cut aims at the target / this (the tail of waited / predicted steps).
                 "tail_factor": stats.get("tbt_tail_factor"),
                 "num_mixed_steps": stats.get("num_mixed_steps"),

@@ -265,7 +265,8 @@ class EngineStatsLog:
         }
         if stats.get("tbt_slo_ms") is not None:
             # What sizes each step's prefill under the TBT target: the correction of the JCT
-            # model's marginal cost (scale, fixed cost of a mixed step) and the decode step over
+            # model's marginal cost (scale, fixed cost of a mixed step, cost of the prefill
+            # parts' cached tokens) and the decode step over
             # this interval (a target missed in
             # the field is read from these).
             steps = delta("num_decode_steps")
@@ -274,6 +275,10 @@ class EngineStatsLog:
             fields["tbt_cost_scale"] = round(scale, 3) if isinstance(scale, float) else None
             offset = stats.get("tbt_cost_offset_ms")
             fields["tbt_cost_offset_ms"] = round(offset, 2) if isinstance(offset, float) else None
+            per_1k = stats.get("tbt_cost_context_ms_per_1k")
+            fields["tbt_cost_context_ms_per_1k"] = (
+                round(per_1k, 3) if isinstance(per_1k, float) else None
+            )
             tail = stats.get("tbt_tail_factor")
             fields["tbt_tail_factor"] = round(tail, 2) if isinstance(tail, float) else None
             fields["decode_step_ms"] = (

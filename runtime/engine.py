@@ -1353,8 +1353,9 @@ class Engine:
                 self.jct_model.marginal_s(s.num_new_tokens, s.num_context_tokens)
                 for s in plan.prefill
             )
+            context = sum(s.num_context_tokens for s in plan.prefill)
             cost = self._prefill_cost
-            step_s = base + cost.offset_s + cost.scale * predicted  # as the cut saw it
+            step_s = base + cost.extra_s(predicted, context)  # as the cut saw it
             predicted_step_s = step_s
             self._mixed_step_ratios.append(result.device_s / step_s)
             self._num_mixed_steps += 1
@@ -1365,7 +1366,7 @@ class Engine:
                 # What the step's decodes waited: the host's gap before it, then the step.
                 waited_s = result.device_s + (result.idle_before_s or 0.0)
                 self._tbt_tail.observe(step_s, waited_s, target_s)
-            cost.observe(predicted, result.device_s - base)
+            cost.observe(predicted, result.device_s - base, context)
         self._trace(result, predicted_step_s, chunked_ms)
         # Decode-only steps: a step with prefill work is not a decode step's time.
         decode_only = bool(plan.decode) and not plan.prefill
@@ -1608,6 +1609,8 @@ class Engine:
             "tbt_slo_ms": None if self._tbt_s is None else self._tbt_s * 1e3,
             "tbt_cost_scale": self._prefill_cost.scale,
             "tbt_cost_offset_ms": self._prefill_cost.offset_s * 1e3,
+            # per 1,000 cached tokens of the prefill parts (0 while the fit cannot tell it)
+            "tbt_cost_context_ms_per_1k": self._prefill_cost.context_s_per_token * 1e6,
             "tbt_tail_factor": self._tbt_tail.factor,
             **self._gc.take_window(),
             "kernels_compiled_while_serving": self._compiles.compiled_since_mark(),

@@ -66,7 +66,7 @@ from runtime.config import EngineConfig
 from runtime.gc_watch import untrack_int_list
 from runtime.kv.block_manager import BlockManager
 from runtime.kv.prefix_cache import extend_block_hashes
-from runtime.online_fit import DecayingLine
+from runtime.online_fit import DecayingLine, DecayingPlane
 from runtime.request import (
     FINISH_REASONS,
     EngineOutput,
@@ -105,44 +105,84 @@ class PrefillCost(Protocol):
 class CorrectedCost:
     """The JCT model's marginal prefill cost as the engine corrects it online from steps that
     mixed prefill with decodes (the JCT model itself learns only from prefill-only steps, which
-    a TBT target makes rare): such a step takes `offset_s + scale * marginal` beyond the decode
-    step. Affine, not one factor: a mixed step runs without the decode CUDA graphs and pays a
-    fixed cost that a short chunk (a 150-token scoring suffix) magnifies and a long chunk
-    hides. A single factor swung 1.3-8.6x within one H200 workload (3B, plan s) and cut the
-    next chunk wrongly either way. `offset_s` is per step: callers add it to the decode step
-    (`StepCapacity.decode_step_s`, `ChunkInput.step_offset_ms`); `marginal_s` is per prefill.
+    a TBT target makes rare): such a step takes `offset_s + scale * marginal + context_s_per_token
+    * context` beyond the decode step, where `context` is its prefill parts' cached tokens.
+    Affine, not one factor: a mixed step runs without the decode CUDA graphs and pays a fixed
+    cost that a short chunk (a 150-token scoring suffix) magnifies and a long chunk hides. A
+    single factor swung 1.3-8.6x within one H200 workload (3B, plan s) and cut the next chunk
+    wrongly either way. The context term: a short query still reads its whole cached prefix
+    (attention work the JCT model's query-key pairs leave out at a few query rows). Over the
+    H200's step traces of scoring next to chat (3B, plan cap at `c0c484f`, 12 sides and loads,
+    replayed on CPU: `bench.step_fit`) a refit with it predicted mixed steps to 9.7 % MAPE
+    against 11.5 % without. `offset_s` is per step: callers add it to the decode step
+    (`StepCapacity.decode_step_s`, `ChunkInput.step_offset_ms`); `marginal_s` is per prefill
+    part.
 
-    `observe` fits both by exponentially weighted least squares over recent mixed steps, O(1)
-    a step. While the steps' predicted costs are too alike to tell a slope from an offset, the
-    scale is kept and the offset absorbs the difference."""
+    `observe` fits them by exponentially weighted least squares over recent mixed steps, O(1)
+    a step: all three while the steps' marginal costs and contexts vary enough, apart, to tell
+    them from each other and the fit is in bounds; else the offset and scale alone (the
+    context term 0). While the steps' predicted costs are too alike to tell a slope from an
+    offset, the scale is kept and the offset absorbs the difference."""
 
     cost: PrefillCost
     scale: float = 1.0
     offset_s: float = 0.0
+    context_s_per_token: float = 0.0
     DECAY = 0.95  # weight of the past per observation: ~20 recent mixed steps
     MIN_SCALE, MAX_SCALE = 0.1, 10.0
     MAX_OFFSET_S = 0.25
+    # 1 µs a cached token is ~7x the 3B's and ~3x the 8B's whole prefill cost per token on the
+    # H200: a fit above it is noise, not a prefix read.
+    MAX_CONTEXT_S_PER_TOKEN = 1e-6
     # Fit a slope only when x varies by at least this fraction of its mean (coefficient of
     # variation) and a few steps are in.
     MIN_CV = 0.25
     MIN_WEIGHT = 3.0
+    # The context term only while marginal cost and context are not near proportional (a run
+    # of later chunks of one prompt: both grow together, one slope could stand for the other).
+    MAX_CORRELATION = 0.9
     # x = predicted marginal s, y = measured extra s, absolute errors: the cut sizes steps near
     # the target, where a millisecond counts the same whatever the step's length.
     _line: DecayingLine = field(default_factory=lambda: DecayingLine(CorrectedCost.DECAY))
+    # the same steps with z = their context tokens
+    _plane: DecayingPlane = field(default_factory=lambda: DecayingPlane(CorrectedCost.DECAY))
 
     def marginal_s(self, uncached_tokens: int, cached_tokens: int = 0) -> float:
-        return self.scale * self.cost.marginal_s(uncached_tokens, cached_tokens)
+        return self.scale * self.cost.marginal_s(
+            uncached_tokens, cached_tokens
+        ) + self.context_s_per_token * max(0, cached_tokens)
 
     def max_tokens_within(self, seconds: float, cached_tokens: int = 0) -> int:
-        return self.cost.max_tokens_within(seconds / self.scale, cached_tokens)
+        left_s = seconds - self.context_s_per_token * max(0, cached_tokens)
+        if left_s <= 0.0:
+            return 0
+        return self.cost.max_tokens_within(left_s / self.scale, cached_tokens)
 
-    def observe(self, predicted_s: float, extra_s: float) -> None:
-        """One mixed step: the JCT model's marginal cost of its prefill parts (`predicted_s`)
-        and what the step measured beyond its decode part (`extra_s`: beyond the engine's
-        decode base for its batch, `Engine._decode_base_s`)."""
+    def extra_s(self, predicted_s: float, context_tokens: int) -> float:
+        """What a mixed step whose prefill parts the JCT model puts at `predicted_s` (marginal)
+        after `context_tokens` cached tokens in all takes beyond its decode part."""
+        return self.offset_s + self.scale * predicted_s + self.context_s_per_token * context_tokens
+
+    def observe(self, predicted_s: float, extra_s: float, context_tokens: int = 0) -> None:
+        """One mixed step: the JCT model's marginal cost of its prefill parts (`predicted_s`),
+        their cached tokens in all (`context_tokens`), and what the step measured beyond its
+        decode part (`extra_s`: beyond the engine's decode base for its batch,
+        `Engine._decode_base_s`)."""
         if predicted_s <= 1e-9:
             return
         self._line.add(predicted_s, extra_s)
+        self._plane.add(predicted_s, float(max(0, context_tokens)), extra_s)
+        joint = self._plane.solve(self.MIN_CV, self.MIN_WEIGHT, self.MAX_CORRELATION)
+        if joint is not None:
+            offset, scale, per_token = joint
+            if (
+                self.MIN_SCALE <= scale <= self.MAX_SCALE
+                and 0.0 <= offset <= self.MAX_OFFSET_S
+                and 0.0 <= per_token <= self.MAX_CONTEXT_S_PER_TOKEN
+            ):
+                self.scale, self.offset_s, self.context_s_per_token = scale, offset, per_token
+                return
+        self.context_s_per_token = 0.0
         mx, my = self._line.means()
         slope = self._line.slope(self.MIN_CV, self.MIN_WEIGHT)
         scale = self.scale if slope is None else slope

@@ -589,6 +589,7 @@ def test_prefill_limits_change_and_show_in_the_state() -> None:
     assert set(state["prefill"]["tbt_cut"]) == {
         "cost_scale",
         "cost_offset_ms",
+        "cost_context_ms_per_1k",
         "tail_factor",
         "num_mixed_steps",
         "num_mixed_steps_over_tbt",

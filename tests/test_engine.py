@@ -12,6 +12,7 @@ import pytest
 from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.request import EngineOutput, Request, RequestKind, SamplingParams
+from runtime.scheduler import CorrectedCost
 
 
 class Collector:
@@ -540,7 +541,11 @@ def test_tbt_cut_learns_how_wrong_the_jct_model_is_in_mixed_steps() -> None:
     finally:
         engine.abort("chat")
         engine.shutdown()
-    assert 1.0 <= stats["tbt_cost_scale"] <= 10.0
+    # Bounded; which of scale, offset and the cost of the prefill parts' cached tokens carries
+    # the difference is not this test's: its JCT model predicts ~nothing, so the scale is
+    # timing noise (below 1 when the context term takes the chunks' growing context).
+    assert CorrectedCost.MIN_SCALE <= stats["tbt_cost_scale"] <= CorrectedCost.MAX_SCALE
+    assert 0.0 <= stats["tbt_cost_context_ms_per_1k"] <= CorrectedCost.MAX_CONTEXT_S_PER_TOKEN * 1e6
     # Every mixed step is counted and its measured / predicted time kept (the tail is what a
     # P99 target is judged by); quantiles are ordered.
     assert stats["num_mixed_steps"] > 0

@@ -45,3 +45,29 @@ def test_old_observations_fade() -> None:
         line.add(x, 2.0 * x)
     assert line.count == pytest.approx(2.0, rel=1e-6)  # 1 / (1 - decay): a window, not all
     assert line.slope(0.25, 1.5) == pytest.approx(2.0, rel=1e-3)
+
+
+def test_plane_recovers_two_slopes_and_refuses_what_it_cannot_tell() -> None:
+    from runtime.online_fit import DecayingPlane
+
+    plane = DecayingPlane(0.95)
+    points = [(x, z) for x in (1.0, 2.0, 5.0) for z in (0.0, 1e4, 1.6e4)]
+    for x, z in points * 4:
+        plane.add(x, z, 3.0 + 2.0 * x + 1e-4 * z)
+    a, bx, bz = plane.solve(min_cv=0.25, min_count=3.0, max_abs_corr=0.9)
+    assert a == pytest.approx(3.0) and bx == pytest.approx(2.0) and bz == pytest.approx(1e-4)
+    # z constant (no step had a cached prefix): no z slope to tell from the intercept.
+    flat = DecayingPlane(0.95)
+    for x in (1.0, 2.0, 5.0) * 4:
+        flat.add(x, 0.0, 3.0 + 2.0 * x)
+    assert flat.solve(min_cv=0.25, min_count=3.0, max_abs_corr=0.9) is None
+    # z proportional to x: one slope could stand for the other.
+    tied = DecayingPlane(0.95)
+    for x in (1.0, 2.0, 5.0) * 4:
+        tied.add(x, 1e3 * x, 3.0 + 2.0 * x)
+    assert tied.solve(min_cv=0.25, min_count=3.0, max_abs_corr=0.9) is None
+    # Too few observations.
+    few = DecayingPlane(0.95)
+    few.add(1.0, 0.0, 1.0)
+    few.add(2.0, 1e4, 2.0)
+    assert few.solve(min_cv=0.25, min_count=3.0, max_abs_corr=0.9) is None

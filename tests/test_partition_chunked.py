@@ -257,7 +257,7 @@ class _HeldCost(CorrectedCost):
     """The engine's corrected prefill cost with its online correction held (what it was
     asked to learn is kept in `seen`)."""
 
-    def observe(self, predicted_s: float, extra_s: float) -> None:
+    def observe(self, predicted_s: float, extra_s: float, context_tokens: int = 0) -> None:
         self.seen = [*getattr(self, "seen", []), (predicted_s, extra_s)]
 
 

@@ -698,6 +698,63 @@ def test_corrected_cost_learns_a_mixed_steps_fixed_cost_apart_from_its_slope() -
     assert LinearCost(per_token_s).max_tokens_within(0.076 / factor) < 3200 / 3
 
 
+def test_corrected_cost_learns_what_a_cached_prefix_costs_a_short_query() -> None:
+    """Mixed steps as next to chunked scoring on the H200 (plan cap): 150-token scoring
+    suffixes after 11-17k cached tokens, fresh chat prompts after 16, 2k chunks after 0-12k.
+    Each costs 4 ms + 1.5x the model's marginal + 0.2 µs per cached token (a short query still
+    reads its whole prefix; the JCT model's query-key pairs miss most of it at 150 rows). The
+    fit recovers the three, and a chunk after a long prefix gets the room less that read."""
+    from runtime.scheduler import CorrectedCost
+
+    per_token_s = 1e-5
+    cost = CorrectedCost(LinearCost(per_token_s))
+    true = lambda n, c: 0.004 + 1.5 * per_token_s * n + 2e-7 * c  # noqa: E731
+    shapes = [(150, 14000), (120, 16), (2048, 4096), (150, 11500), (300, 0), (150, 17000)]
+    shapes += [(2048, 0), (90, 16), (150, 12800), (2048, 12000)]
+    for n, c in shapes * 6:
+        cost.observe(per_token_s * n, true(n, c), c)
+    assert cost.offset_s == pytest.approx(0.004, rel=0.02)
+    assert cost.scale == pytest.approx(1.5, rel=0.02)
+    assert cost.context_s_per_token == pytest.approx(2e-7, rel=0.02)
+    assert cost.extra_s(per_token_s * 150, 14000) == pytest.approx(true(150, 14000), rel=0.01)
+    # A part after 16k cached tokens: its room less the 3.2 ms prefix read.
+    room_s = 0.030 - cost.offset_s
+    n = cost.max_tokens_within(room_s, 16000)
+    assert n == pytest.approx((room_s - 2e-7 * 16000) / (1.5 * per_token_s), rel=0.02)
+    assert cost.offset_s + cost.marginal_s(n, 16000) <= 0.030 * 1.001
+    assert cost.max_tokens_within(0.002, 16000) == 0  # the prefix read alone overfills it
+    # Without the context term (the affine fit alone) the same steps are far off for one kind:
+    # a scoring suffix after 17k or a fresh chat prompt.
+    affine = CorrectedCost(LinearCost(per_token_s))
+    for n, c in shapes * 6:
+        affine.observe(per_token_s * n, true(n, c))
+    errors = [abs(affine.extra_s(per_token_s * n, c) - true(n, c)) / true(n, c) for n, c in shapes]
+    assert max(errors) > 0.25
+
+
+def test_corrected_cost_keeps_no_context_term_it_cannot_tell_apart() -> None:
+    """The context term only where the steps can tell it: none while no step has a cached
+    prefix, nor while context grows with the marginal cost (later chunks of one prompt), nor
+    when the fit would make a cached token cost less than nothing."""
+    from runtime.scheduler import CorrectedCost
+
+    per_token_s = 1e-5
+    fresh = CorrectedCost(LinearCost(per_token_s))
+    for n in [150, 4000, 2000, 300] * 10:
+        fresh.observe(per_token_s * n, 0.005 + 2.0 * per_token_s * n, 0)
+    assert fresh.context_s_per_token == 0.0
+    assert fresh.scale == pytest.approx(2.0, rel=0.02)
+    chunks = CorrectedCost(LinearCost(per_token_s))
+    for k in range(1, 9):  # chunk k of a prompt: context = the chunks before it
+        n = 2000 * k
+        chunks.observe(per_token_s * n, 0.005 + 2.0 * per_token_s * n, n - 2000)
+    assert chunks.context_s_per_token == 0.0
+    cheaper = CorrectedCost(LinearCost(per_token_s))
+    for n, c in [(150, 14000), (2000, 0), (150, 0), (2000, 12000)] * 10:
+        cheaper.observe(per_token_s * n, 0.005 + per_token_s * n - 1e-7 * c, c)
+    assert cheaper.context_s_per_token == 0.0 and cheaper.offset_s >= 0.0
+
+
 def test_corrected_cost_stays_in_bounds_and_keeps_the_mean() -> None:
     """Steps cheaper than the model at every size (a negative intercept would fit): the offset
     stays at 0 and the scale takes the ratio of means; absurd measurements hit the bounds."""
