@@ -20,7 +20,13 @@ the other half (even / odd positions):
                  ONLINE_WARMUP
 
 `engine` reads `predicted_ms` (the TBT cut) or, on `auto`'s chunked steps,
-`chunked_predicted_ms`. Per model: MAPE and the P50 / P90 / P99 of measured / predicted. A term
+`chunked_predicted_ms`. With `--jct-log SERVER_LOG` (the run's server log: its calibrated JCT
+line) a `corrected` row replays the engine's own mixed-step prediction, `runtime.scheduler.
+CorrectedCost` as this checkout has it, over the steps in order: each scored before it is
+observed, its decode part from a decaying line over the decode-only steps before it (the
+engine's `_decode_base_s` fallback), the JCT model held at its start-up fit; and beside it
+`corrected-no-context`, the same with the cost of the prefill parts' cached tokens held at 0
+(the correction as it was before it had that term). Per model: MAPE and the P50 / P90 / P99 of measured / predicted. A term
 that shrinks the P99 is one the cut lacks.
 
 The floor (`same_shape`): steps of one shape (decodes, prefill sequences, and prefill tokens,
@@ -42,10 +48,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from bench.cost_replay import JCT  # the server log's JCT model line
+from runtime.online_fit import DecayingLine
+from runtime.scheduler import CorrectedCost
 
 # Model name -> the step fields that are its features (a constant term is always added).
 MODELS: dict[str, tuple[str, ...]] = {
@@ -191,7 +202,72 @@ def same_shape_floor(steps: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def fit(steps: list[dict[str, Any]]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class JctLine:
+    """The JCT model's marginal cost as a server started with it (`marginal_s`, as
+    `policies.jct.JCTModel`); `max_tokens_within` is not needed to replay observations."""
+
+    b_s_per_token: float
+    k_s_per_pair: float
+
+    def marginal_s(self, uncached_tokens: int, cached_tokens: int = 0) -> float:
+        u = max(0, uncached_tokens)
+        return self.b_s_per_token * u + self.k_s_per_pair * u * (u / 2.0 + max(0, cached_tokens))
+
+    def max_tokens_within(self, seconds: float, cached_tokens: int = 0) -> int:
+        raise NotImplementedError("not used by a replay of observations")
+
+
+def jct_from_log(path: Path) -> JctLine:
+    """The last JCT model a server log says it uses (its calibrated one, when it has one)."""
+    found = JCT.findall(path.read_text(errors="replace"))
+    if not found:
+        raise SystemExit(
+            f"{path}: no 'JCTModel(a_s=..., b_s_per_token=..., k_s_per_pair=...)' line"
+        )
+    _, b, k = (float(v) for v in found[-1])
+    return JctLine(b, k)
+
+
+class _NoContextTerm(CorrectedCost):
+    """The correction without its context term (the joint fit never in bounds)."""
+
+    MAX_CONTEXT_S_PER_TOKEN = 0.0
+
+
+def corrected_replay(
+    steps: list[dict[str, Any]], jct: JctLine, *, context_term: bool = True
+) -> dict[int, float]:
+    """The engine's mixed-step prediction (ms) per mixed step (by its index in `steps`),
+    replayed as the module docstring says; steps before the first decode-only ones have none.
+    The steps' prefill context is their parts' total (a trace has no per-part split), which is
+    what `CorrectedCost` observes; its per-part marginal is summed from the totals."""
+    cost = (CorrectedCost if context_term else _NoContextTerm)(jct)  # type: ignore[arg-type]
+    decode = DecayingLine(CorrectedCost.DECAY)
+    out: dict[int, float] = {}
+    for i, s in enumerate(steps):
+        if s.get("on_split") or s.get("device_ms") is None:
+            continue
+        measured_s = float(s["device_ms"]) / 1e3
+        num_decodes = int(s.get("num_decodes") or 0)
+        if num_decodes and not s.get("num_prefill_tokens"):
+            decode.add(float(num_decodes), measured_s)
+            continue
+        if not num_decodes or decode.count < 3:
+            continue
+        mx, my = decode.means()
+        base_s = my + (decode.slope(0.1, 3.0) or 0.0) * (num_decodes - mx)
+        tokens = int(s["num_prefill_tokens"])
+        predicted_s = jct.b_s_per_token * tokens + jct.k_s_per_pair * float(
+            s.get("prefill_attention_pairs") or 0.0
+        )
+        context = int(s.get("prefill_context_tokens") or 0)
+        out[i] = 1e3 * (base_s + cost.extra_s(predicted_s, context))
+        cost.observe(predicted_s, measured_s - base_s, context)
+    return out
+
+
+def fit(steps: list[dict[str, Any]], jct: JctLine | None = None) -> dict[str, Any]:
     """The comparison for one set of steps (see the module docstring), and the host gaps."""
     mixed = mixed_steps(steps)
     out: dict[str, Any] = {
@@ -216,6 +292,12 @@ def fit(steps: list[dict[str, Any]]) -> dict[str, Any]:
         }
     online = online_predictions(_features(mixed, MODELS[ONLINE_MODEL]), y)
     models["online"] = ratio_summary(y, online)
+    if jct is not None:
+        ids = {id(s): i for i, s in enumerate(steps)}
+        for name, term in (("corrected", True), ("corrected-no-context", False)):
+            replayed = corrected_replay(steps, jct, context_term=term)
+            pred = np.array([replayed.get(ids[id(s)], 0.0) for s in mixed])
+            models[name] = ratio_summary(y, pred)
     out["models"] = models
     out["same_shape"] = same_shape_floor(mixed)
     return out
@@ -238,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("files", nargs="+", type=Path, help="step traces (*.steps.json)")
     ap.add_argument("--json", type=Path, help="write the results here too")
     ap.add_argument("--source", type=Path, help="the traces' run results JSON (for --json)")
+    ap.add_argument(
+        "--jct-log", type=Path, help="the run's server log: replay the engine's correction"
+    )
     args = ap.parse_args(argv)
     results: dict[str, Any] = {
         "command": " ".join(["python", "-m", "bench.step_fit", *(argv or sys.argv[1:])]),
@@ -248,11 +333,12 @@ def main(argv: list[str] | None = None) -> int:
         src = json.loads(args.source.read_text())
         results["source"] = {k: src.get(k) for k in ("git_revision", "device", "date")}
     all_steps: list[dict[str, Any]] = []
+    jct = jct_from_log(args.jct_log) if args.jct_log is not None else None
     for path in args.files:
         data = json.loads(path.read_text())
         steps = data["steps"] if isinstance(data, dict) else data
         all_steps += steps
-        res = fit(steps)
+        res = fit(steps, jct)
         results[path.name] = res
         print(f"{path.name}: {res['num_mixed_steps']} mixed steps of {res['num_steps']}")
         g = res["host_gaps"]

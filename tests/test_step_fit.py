@@ -141,3 +141,41 @@ def test_cli_pools_the_floor_over_files_and_names_its_source(tmp_path) -> None: 
     assert res["all files"]["num_mixed_steps"] == 200
     assert "online" in res["side0.steps.json"]["models"]
     assert "bench.step_fit" in res["command"]
+
+
+def test_corrected_replay_scores_the_engines_correction_before_it_learns(tmp_path) -> None:  # noqa: ANN001
+    """Decode-only steps set the base; mixed steps cost base + 4 ms + 2x the JCT marginal:
+    the replayed `CorrectedCost` starts wrong and learns it, scored before each observation."""
+    jct = step_fit.JctLine(b_s_per_token=1e-5, k_s_per_pair=0.0)
+    steps = []
+    for i in range(200):
+        if i % 2 == 0:
+            steps.append({"num_decodes": 4, "num_prefill_tokens": 0, "device_ms": 3.0})
+        else:
+            n = (150, 2000, 600)[i % 3]
+            steps.append(
+                {
+                    "num_decodes": 4,
+                    "num_prefill_seqs": 1,
+                    "num_prefill_tokens": n,
+                    "prefill_attention_pairs": 0.0,
+                    "prefill_context_tokens": 0,
+                    "device_ms": 3.0 + 4.0 + 2.0 * 1e-2 * n,
+                }
+            )
+    pred = step_fit.corrected_replay(steps, jct)
+    first, last = min(pred), max(pred)
+    assert abs(pred[first] - steps[first]["device_ms"]) > 1.0  # before anything was learned
+    assert pred[last] == pytest.approx(steps[last]["device_ms"], rel=0.01)
+    assert all(steps[i]["num_prefill_tokens"] for i in pred)  # mixed steps only
+    log = tmp_path / "server.log"
+    log.write_text("JCTModel(a_s=0.004756, b_s_per_token=6.695e-06, k_s_per_pair=5.844e-10)\n")
+    assert step_fit.jct_from_log(log) == step_fit.JctLine(6.695e-06, 5.844e-10)
+    trace = tmp_path / "side.steps.json"
+    trace.write_text(json.dumps({"steps": steps}))
+    out = tmp_path / "fit.json"
+    assert step_fit.main([str(trace), "--jct-log", str(log), "--json", str(out)]) == 0
+    models = json.loads(out.read_text())["side.steps.json"]["models"]
+    assert models["corrected"]["num_steps"] > 90
+    # No cached prefixes in these steps: the context term never enters, both replays agree.
+    assert models["corrected-no-context"] == models["corrected"]
