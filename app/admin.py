@@ -89,11 +89,16 @@ router = APIRouter()
 # ---------------------------------------------------------------------------------------------
 
 
+MAX_WIRE_INT = 2**31 - 1  # an int field's bound before the engine core's own check
+
+
 class PartitionChange(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)  # strict: `false` is not 0 SMs
 
     mode: Literal["auto", "off", "static"]
-    prefill_sms: int | None = None  # required with mode "static", refused with the others
+    # required with mode "static", refused with the others; bounded here so that no number
+    # too large to send reaches the engine core (its own check names the valid splits)
+    prefill_sms: int | None = Field(None, ge=0, le=MAX_WIRE_INT)
 
 
 class PrefillChange(BaseModel):
@@ -102,9 +107,11 @@ class PrefillChange(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    prefill_token_budget: int | None = None
+    # Token counts bounded so that none too large to send reaches the engine core, whose own
+    # check (`runtime.config.check_prefill_limits`) names the valid range.
+    prefill_token_budget: int | None = Field(None, ge=0, le=MAX_WIRE_INT)
     tbt_slo_ms: float | None = None
-    mixed_step_token_budget: int | None = None
+    mixed_step_token_budget: int | None = Field(None, ge=0, le=MAX_WIRE_INT)
 
 
 class PolicyChange(BaseModel):

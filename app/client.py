@@ -21,6 +21,7 @@ import asyncio
 import logging
 from typing import Any, Protocol
 
+from runtime.core.client import EngineCoreError
 from runtime.request import Request, RequestOutput
 
 log = logging.getLogger("greenlane.app")
@@ -138,10 +139,12 @@ class EngineClient:
         assert self.core is not None
         try:
             self.core.add(reqs)
-        except Exception:
+        except BaseException as exc:
             for r in reqs:
                 self._queues.pop(r.request_id, None)
-            raise EngineDead("engine is not running") from None
+            if isinstance(exc, EngineCoreError):
+                raise EngineDead("engine is not running") from None
+            raise  # not the engine's state: a request that could not be sent (a bug here)
 
     def generate(self, req: Request) -> RequestStream:
         """Admit and submit `req` now; iterate the returned stream for its outputs.

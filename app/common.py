@@ -163,12 +163,29 @@ async def off_loop(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     return await loop.run_in_executor(_prep_pool, functools.partial(fn, *args, **kwargs))
 
 
+def _developer_role(engine: Any) -> str:
+    """The role a `developer` message is rendered as: OpenAI's developer message is the system
+    message of models before it, so "system" unless the model's chat template knows the
+    developer role itself (a template that does not renders it as a literal turn named
+    "developer", which the model was never trained on)."""
+    template = getattr(engine.tokenizer, "chat_template", None) or ""
+    return "developer" if "developer" in template else "system"
+
+
 def chat_prompt_ids(engine: Any, messages: list[Any], param: str = "messages") -> list[int]:
     """Render chat messages with the model's template and tokenise them; message content is
     read as text (special-token text in it never becomes a control token)."""
     check_num_messages(engine, len(messages), param)
+    developer = _developer_role(engine)
     try:
-        plain = [{"role": m.role, "content": m.text()} for m in messages]
+        plain = [
+            {
+                "role": developer if m.role == "developer" else m.role,
+                "content": m.text(),
+                **m.template_fields(),
+            }
+            for m in messages
+        ]
     except ValueError as exc:
         raise bad_request(str(exc), param) from exc
     check_text_fits(engine, sum(len(m["content"]) for m in plain), param)
@@ -194,12 +211,22 @@ def check_prompt_fits(
     param: str = "max_tokens",
     *,
     generate: bool = True,
+    max_tokens_requested: bool = True,
 ) -> None:
     """Prompt + output must fit the context; a generation prompt must also fit the KV pool
-    (`engine.max_prompt_tokens`; scoring keeps no KV beyond its prefix, so it is exempt)."""
+    (`engine.max_prompt_tokens`; scoring keeps no KV beyond its prefix, so it is exempt).
+    `max_tokens_requested` False: `max_tokens` is the default (the rest of the context), so a
+    prompt that does not fit is the prompt's fault (`param`), not a max_tokens nobody sent."""
     if num_prompt_tokens == 0:
         raise bad_request("the prompt is empty", "prompt", "empty_prompt")
     max_len = int(engine.max_model_len)
+    if not max_tokens_requested and num_prompt_tokens >= max_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_len} tokens; the prompt has "
+            f"{num_prompt_tokens} and leaves no room for an output token. Reduce the prompt.",
+            param,
+            "context_length_exceeded",
+        )
     if num_prompt_tokens + max_tokens > max_len:
         raise bad_request(
             f"This model's maximum context length is {max_len} tokens; the request has "

@@ -9,6 +9,8 @@ the engine core: coroutines, since they cross a process boundary.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,6 +25,44 @@ def load_frontend_tokenizer(info: dict[str, Any]) -> Any:
     if tok is not None:
         return tok
     return Tokenizer.from_dir(info["tokenizer_dir"])
+
+
+# generation_config.json keys that are sampling defaults, with the range a request may set.
+_SAMPLING_DEFAULT_RANGES: dict[str, tuple[float, float]] = {
+    "temperature": (0.0, 2.0),
+    "top_p": (1e-9, 1.0),
+    "top_k": (-1, 1 << 20),
+    "min_p": (0.0, 1.0),
+    "repetition_penalty": (1e-9, 10.0),
+}
+
+
+def load_sampling_defaults(info: dict[str, Any]) -> tuple[dict[str, float], list[str]]:
+    """The sampling defaults the model ships in its `generation_config.json` (temperature,
+    top_p, top_k, min_p, repetition_penalty: what vLLM applies by default, so a request that
+    leaves them out samples as the model's authors meant), and a note for each value that is
+    not one a request could set (left out). Random presets have none (their tokenizer folder
+    is another model's)."""
+    if str(info.get("model", "")).startswith("random:") or "tokenizer_dir" not in info:
+        return {}, []
+    path = Path(info["tokenizer_dir"]) / "generation_config.json"
+    if not path.is_file():
+        return {}, []
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return {}, [f"{path} could not be read ({exc}): no sampling defaults taken from it"]
+    found: dict[str, float] = {}
+    notes: list[str] = []
+    for key, (lo, hi) in _SAMPLING_DEFAULT_RANGES.items():
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
+            notes.append(f"{path}: {key}={value!r} is outside [{lo:g}, {hi:g}]: not used")
+            continue
+        found[key] = int(value) if key == "top_k" else float(value)
+    return found, notes
 
 
 class PartitionView:

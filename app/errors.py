@@ -134,7 +134,11 @@ async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse
     first = errors[0] if errors else {}
     param = _loc_to_param(first.get("loc", ()))
     if first.get("type") == "json_invalid":
-        message = f"Malformed JSON body: {first.get('msg', 'invalid JSON')}"
+        # Its location is a character offset into the body, not a parameter: in the message.
+        where = [p for p in first.get("loc", ()) if p != "body"]
+        at = f" at character {where[0]}" if where else ""
+        message = f"Malformed JSON body{at}: {first.get('msg', 'invalid JSON')}"
+        param = None
         code = "invalid_json"
     else:
         # One readable message that names every bad field.

@@ -35,8 +35,9 @@ def check_num_requests(client: Any, num: int, param: str) -> None:
     server can ever hold in flight."""
     limit = max_requests_per_call(client)
     if num > limit:
+        what = f"n={num} choices (a request each)" if param == "n" else f"{num} {param}"
         raise bad_request(
-            f"{num} {param} exceed this server's limit of {limit} per call (the most requests "
+            f"{what} exceed this server's limit of {limit} per call (the most requests "
             "it holds in flight at once); split the call",
             param,
             "too_many_items" if param == "items" else "too_many_prompts",

@@ -21,7 +21,7 @@ from fastapi import FastAPI
 
 from app import logs
 from app.client import EngineClient
-from app.engine_view import EngineView, load_frontend_tokenizer
+from app.engine_view import EngineView, load_frontend_tokenizer, load_sampling_defaults
 from app.errors import install_error_handlers
 from app.gate import Gate
 from app.metrics import Metrics
@@ -77,6 +77,28 @@ def _join_core(process: Any, timeout_s: float = 30.0) -> None:
         process.join(5)
 
 
+def _sampling_defaults(settings: Settings, info: dict[str, Any]) -> dict[str, float]:
+    """What a request that leaves a sampling parameter out gets (`--generation-config`),
+    said once at start-up."""
+    found, notes = load_sampling_defaults(info)
+    for note in notes:
+        log.warning("%s", note)
+    if not found:
+        return {}
+    shown = ", ".join(f"{k}={v:g}" for k, v in found.items())
+    if settings.generation_config == "none":
+        log.info(
+            "the model's generation_config.json has %s: not used (--generation-config none)", shown
+        )
+        return {}
+    log.info(
+        "sampling defaults from the model's generation_config.json: %s (for requests that "
+        "leave them out; --generation-config none for the server's own)",
+        shown,
+    )
+    return found
+
+
 def create_app(
     settings: Settings | None = None,
     engine_factory: EngineFactory | None = None,
@@ -122,6 +144,7 @@ def create_app(
         client.attach(core_client)
         engine = EngineView(core_client, handle.info, tokenizer)
         app.state.engine = engine
+        app.state.sampling_defaults = _sampling_defaults(settings, handle.info)
         metrics.bind_engine(engine.stats, lambda: client.num_in_flight)
         log.info("engine ready: max_model_len=%s", engine.max_model_len)
         if freeze_gc_at_start:
@@ -143,6 +166,7 @@ def create_app(
     app.state.client = client
     app.state.metrics = metrics
     app.state.engine = None
+    app.state.sampling_defaults = {}
     app.state.loop = None
     app.state.owns_core = False
     app.state.engine_stopped = False

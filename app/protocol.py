@@ -71,12 +71,29 @@ class ContentPart(_Request):
 
 
 class ChatMessage(_Request):
+    # Message fields we do not know reach no template: one that asks for something is a 400
+    # (`_no_unknown_fields`); empty ones pass (the OpenAI SDK's message objects, appended back
+    # to the history, carry `refusal: null`, `audio: null`, `annotations: []`, ...).
+    model_config = ConfigDict(extra="allow")
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    # An assistant turn's tool calls and a tool turn's answer to one, from a history: handed
+    # to the chat template as they are (as vLLM does); whether it shows them is the template's.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: Text | None = None
+
+    @model_validator(mode="after")
+    def _no_unknown_fields(self) -> ChatMessage:
+        for key, value in (self.model_extra or {}).items():
+            if value not in (None, "", [], {}):
+                raise ValueError(f"message field {key!r} is not supported")
+        return self
 
     def text(self) -> str:
-        """The message as plain text; only text parts are supported."""
+        """The message as plain text; only text parts are supported. Text parts are joined by
+        a newline (as vLLM renders them: "Say" and "hi" must not read "Sayhi")."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -86,7 +103,18 @@ class ChatMessage(_Request):
             if part.type != "text" or part.text is None:
                 raise ValueError(f"only text content parts are supported, got type {part.type!r}")
             texts.append(part.text)
-        return "".join(texts)
+        return "\n".join(texts)
+
+    def template_fields(self) -> dict[str, Any]:
+        """What the chat template gets beyond role and content: the fields that were set."""
+        out: dict[str, Any] = {}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class _SamplingFields(_Request):
@@ -150,6 +178,12 @@ class _SamplingFields(_Request):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
 
     @property
     def include_usage(self) -> bool:

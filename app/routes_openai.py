@@ -44,6 +44,7 @@ from app.errors import ERROR_RESPONSES, APIError, bad_request, error_body
 from app.json_body import FastJSONRoute
 from app.limits import check_num_requests
 from app.protocol import (
+    MAX_SEED,
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
@@ -97,13 +98,20 @@ def _sampling(
     logprobs: int | None,
     *,
     seed: int | None,
+    defaults: dict[str, float],
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    top_k = body.top_k or 0
+    """The request's sampling parameters; one it leaves out takes the model's default
+    (`defaults`: its generation_config.json, `--generation-config auto`), else the server's."""
+
+    def pick(value: float | None, key: str, server: float) -> float:
+        return value if value is not None else defaults.get(key, server)
+
+    top_k = int(pick(body.top_k, "top_k", 0))
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
+        temperature=pick(body.temperature, "temperature", 1.0),
+        top_p=pick(body.top_p, "top_p", 1.0),
         top_k=0 if top_k < 0 else top_k,
         seed=seed,
         stop=body.stop_list(),
@@ -113,15 +121,16 @@ def _sampling(
         prompt_logprobs=prompt_logprobs,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        repetition_penalty=pick(body.repetition_penalty, "repetition_penalty", 1.0),
         logit_bias=body.logit_bias_ids(),
-        min_p=body.min_p or 0.0,
+        min_p=pick(body.min_p, "min_p", 0.0),
     )
 
 
 def _choice_seeds(seed: int | None, n: int) -> list[int | None]:
-    """Choice i samples with seed + i, so n seeded choices differ and each is reproducible."""
-    return [None] * n if seed is None else [seed + i for i in range(n)]
+    """Choice i samples with seed + i (modulo 2**64, the seed's range), so n seeded choices
+    differ and each is reproducible."""
+    return [None] * n if seed is None else [(seed + i) % (MAX_SEED + 1) for i in range(n)]
 
 
 def _token_text(engine: Any, token_id: int) -> str:
@@ -361,6 +370,15 @@ async def list_models(request: Request) -> dict[str, Any]:
     return ModelList(data=[card]).model_dump()
 
 
+@router.get("/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
+    """One model's card (the OpenAI SDK's `models.retrieve`); 404 for a name not served."""
+    check_model(request, model_id)
+    engine = engine_of(request)
+    card = ModelCard(id=settings_of(request).model_name, max_model_len=int(engine.max_model_len))
+    return card.model_dump()
+
+
 # ----------------------------------------------------------------------------- chat
 
 
@@ -382,9 +400,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     check_model(request, body.model)
     engine = engine_of(request)
     _check_params(engine, body)
+    # n choices are n engine requests: more than the server admits at once can never run (a
+    # 400, not a 429 that invites retries)
+    check_num_requests(client_of(request), body.n, "n")
     prompt_ids = await off_loop(chat_prompt_ids, engine, body.messages)
-    max_tokens = body.max_output_tokens or default_max_tokens(engine, len(prompt_ids))
-    check_prompt_fits(engine, len(prompt_ids), max_tokens)
+    requested = body.max_output_tokens
+    max_tokens = requested or default_max_tokens(engine, len(prompt_ids))
+    check_prompt_fits(
+        engine,
+        len(prompt_ids),
+        max_tokens,
+        "max_tokens" if requested else "messages",
+        max_tokens_requested=requested is not None,
+    )
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
 
     request_id, engine_base = begin_request_id(request, "chatcmpl")
@@ -396,7 +424,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             request_id=f"{engine_base}-{i}",
             kind=RequestKind.GENERATE,
             prompt_token_ids=list(prompt_ids),
-            sampling=_sampling(body, max_tokens, logprobs, seed=seed),
+            sampling=_sampling(
+                body, max_tokens, logprobs, seed=seed, defaults=request.app.state.sampling_defaults
+            ),
         )
         for i, seed in enumerate(_choice_seeds(body.seed, n))
     ]
@@ -600,7 +630,12 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             kind=RequestKind.GENERATE,
             prompt_token_ids=list(ids),
             sampling=_sampling(
-                body, body.max_tokens, body.logprobs, seed=seed, prompt_logprobs=prompt_logprobs
+                body,
+                body.max_tokens,
+                body.logprobs,
+                seed=seed,
+                defaults=request.app.state.sampling_defaults,
+                prompt_logprobs=prompt_logprobs,
             ),
         )
         for p, ids in enumerate(prompts)

@@ -82,8 +82,19 @@ class ServerSettings(BaseSettings):
         description="requests allowed to wait beyond max_num_seqs running ones; more get 429",
     )
     retry_after_s: int = Field(1, ge=0, description="Retry-After value sent with 429")
+    generation_config: Literal["auto", "none"] = Field(
+        "auto",
+        description="auto: a request that leaves temperature, top_p, top_k, min_p or "
+        "repetition_penalty out gets the model's generation_config.json value (as vLLM); "
+        "none: the server's (temperature 1, top_p 1, no top_k / min_p / repetition penalty)",
+    )
+    # No limit by default, as vLLM: a long generation is not an error, a client that leaves
+    # aborts its request anyway, and a 504 invites the OpenAI SDK to run the whole request again.
     request_timeout_s: float | None = Field(
-        600.0, gt=0, description="abort a request (504) after this many seconds; unset = no limit"
+        None,
+        gt=0,
+        description="abort a non-streaming request (504) after this many seconds (a stream "
+        "runs until it ends or its client leaves); unset = no limit",
     )
     shutdown_grace_s: float = Field(
         10.0,

@@ -381,3 +381,189 @@ def test_admin_state_keeps_chat_and_scoring_latencies_apart(http: httpx.Client) 
         after["e2e_s"]["count"]
         == after["chat"]["e2e_s"]["count"] + after["score"]["e2e_s"]["count"]
     )
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+def _chat_text(http: httpx.Client, messages: list[dict[str, Any]]) -> str:
+    """The prompt a chat request renders to (through /tokenize, the same path)."""
+    ids = _ok(http.post("/tokenize", json={"messages": messages}))["tokens"]
+    return _ok(http.post("/detokenize", json={"tokens": ids}))["prompt"]
+
+
+def test_text_parts_are_joined_by_a_newline(http: httpx.Client) -> None:
+    parts = [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}]
+    assert "user\nSay\nhi" in _chat_text(http, [{"role": "user", "content": parts}])
+
+
+def test_a_developer_message_is_the_system_message(http: httpx.Client) -> None:
+    """OpenAI's developer message is a system message to a model whose template has no
+    developer role (the fake's template has none)."""
+    user = {"role": "user", "content": "hi"}
+    dev = _chat_text(http, [{"role": "developer", "content": "Be terse."}, user])
+    assert dev == _chat_text(http, [{"role": "system", "content": "Be terse."}, user])
+    assert "developer" not in dev
+
+
+def test_message_fields_reach_the_template_or_are_refused(http: httpx.Client) -> None:
+    from app.common import chat_prompt_ids
+    from app.protocol import ChatMessage
+
+    class Recorder:
+        chat_template = "{% for m in messages %}{{ m.role }}{% endfor %}"
+
+        def __init__(self) -> None:
+            self.messages: list[dict[str, Any]] = []
+
+        def encode_chat(self, messages: list[dict[str, Any]], **kw: Any) -> list[int]:
+            self.messages = messages
+            return [1, 2, 3]
+
+    class Engine:
+        max_model_len = 1000
+        tokenizer = Recorder()
+
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    history = [
+        ChatMessage(role="user", content="weather?", name="Alice"),
+        ChatMessage(role="assistant", content=None, tool_calls=[call], refusal=None),
+        ChatMessage(role="tool", content="sunny", tool_call_id="c1"),
+        ChatMessage(role="developer", content="be brief"),
+    ]
+    chat_prompt_ids(Engine(), history)
+    sent = Engine.tokenizer.messages
+    assert sent[0] == {"role": "user", "content": "weather?", "name": "Alice"}
+    assert sent[1] == {"role": "assistant", "content": "", "tool_calls": [call]}
+    assert sent[2] == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
+    assert sent[3]["role"] == "system"  # this template has no developer role
+    Recorder.chat_template = "{% if m.role == 'developer' %}...{% endif %}"
+    chat_prompt_ids(Engine(), history)
+    assert Engine.tokenizer.messages[3]["role"] == "developer"  # this one knows it
+    # Through HTTP: an unknown message field that asks for something is a 400, an empty one
+    # (the SDK's `refusal: null`, `annotations: []`) passes.
+    refused = http.post(CHAT, json={"messages": [{**MSG[0], "audio": {"id": "a1"}}]})
+    assert refused.status_code == 400 and "'audio'" in refused.json()["error"]["message"]
+    body = {"messages": [{**MSG[0], "refusal": None, "annotations": []}], "max_tokens": 1}
+    _ok(http.post(CHAT, json=body))
+
+
+# ----------------------------------------------------------------------------- edges of the surface
+
+
+def test_the_largest_seed_with_several_choices_wraps(
+    server: ServerThread, http: httpx.Client
+) -> None:
+    """Choice i samples with (seed + i) mod 2**64: the last valid seed with n=2 is not a
+    server error (it was a 503 'engine is not running': the second seed did not encode)."""
+    top = 2**64 - 1
+    got = _ok(http.post(CHAT, json={"messages": MSG, "n": 2, "seed": top, "max_tokens": 1}))
+    assert [r.sampling.seed for r in _added(server, got["id"])] == [top, 0]
+
+
+def test_more_choices_than_the_server_holds_is_a_400_not_a_429() -> None:
+    with fake_server(max_num_seqs=1, max_queue=0) as srv, httpx.Client(base_url=srv.url) as c:
+        r = c.post(CHAT, json={"messages": MSG, "n": 2, "max_tokens": 1})
+        assert r.status_code == 400 and "retry-after" not in r.headers
+        assert r.json()["error"]["param"] == "n" and "n=2 choices" in r.json()["error"]["message"]
+        _ok(c.post(CHAT, json={"messages": MSG, "n": 1, "max_tokens": 1}))
+
+
+def test_stream_options_need_a_stream(http: httpx.Client) -> None:
+    body = {"messages": MSG, "stream_options": {"include_usage": True}}
+    r = http.post(CHAT, json=body)
+    assert r.status_code == 400 and "stream_options" in r.json()["error"]["message"]
+    r = http.post(CMPL, json={"prompt": "a", "stream_options": {"include_usage": True}})
+    assert r.status_code == 400
+
+
+def test_malformed_json_names_no_parameter(http: httpx.Client) -> None:
+    r = http.post(CHAT, content=b'{"messages": [}', headers={"content-type": "application/json"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] is None and err["code"] == "invalid_json"
+    assert "at character" in err["message"]
+
+
+def test_a_prompt_that_fills_the_context_blames_the_prompt(http: httpx.Client) -> None:
+    """Without max_tokens the output gets the rest of the context: a prompt that leaves none
+    is the messages' fault, not a max_tokens the client never sent."""
+    long = [{"role": "user", "content": "x" * 300}]  # the fake's context: 256 tokens
+    err = http.post(CHAT, json={"messages": long}).json()["error"]
+    assert err["param"] == "messages" and err["code"] == "context_length_exceeded"
+    assert "max_tokens" not in err["message"]
+    err = http.post(CHAT, json={"messages": long, "max_tokens": 5}).json()["error"]
+    assert err["param"] == "max_tokens"
+
+
+def test_one_model_is_retrieved_by_its_id(server: ServerThread, http: httpx.Client) -> None:
+    name = _ok(http.get("/v1/models"))["data"][0]["id"]
+    card = _ok(http.get(f"/v1/models/{name}"))
+    assert card["id"] == name and card["object"] == "model"
+    missing = http.get("/v1/models/no-such-model")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    assert client.models.retrieve(name).id == name
+
+
+def test_no_request_timeout_by_default() -> None:
+    """As vLLM: a long non-streaming generation is not an error (a 504 invites the OpenAI SDK
+    to run the whole request again); a client that leaves aborts its request anyway."""
+    from app.settings import Settings
+
+    assert Settings().request_timeout_s is None
+
+
+# ----------------------------------------------------------------------------- model defaults
+
+
+def test_the_models_sampling_defaults_fill_what_a_request_leaves_out(
+    server: ServerThread, http: httpx.Client
+) -> None:
+    """As vLLM's `--generation-config auto`: a request without temperature / top_p / top_k /
+    min_p / repetition_penalty samples with the model's generation_config.json values; a
+    request's own value wins, also a 0 (greedy, no top_k limit)."""
+    state = server.app.state
+    state.sampling_defaults = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05}
+    state.sampling_defaults["repetition_penalty"] = 1.1
+    try:
+        got = _ok(http.post(CHAT, json={"messages": MSG, "max_tokens": 1}))
+        sp = _added(server, got["id"])[0].sampling
+        assert (sp.temperature, sp.top_p, sp.top_k, sp.min_p) == (0.6, 0.9, 20, 0.05)
+        assert sp.repetition_penalty == 1.1
+        own = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "prompt": "a"}
+        got = _ok(http.post(CMPL, json={**own, "max_tokens": 1}))
+        sp = _added(server, got["id"])[0].sampling
+        assert (sp.temperature, sp.top_p, sp.top_k, sp.min_p) == (0.0, 1.0, 0, 0.0)
+        assert sp.repetition_penalty == 1.1  # left out: the model's
+    finally:
+        state.sampling_defaults = {}
+    got = _ok(http.post(CHAT, json={"messages": MSG, "max_tokens": 1}))
+    sp = _added(server, got["id"])[0].sampling
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.repetition_penalty) == (
+        1.0,
+        1.0,
+        0,
+        0.0,
+        1.0,
+    )
+
+
+def test_sampling_defaults_are_read_from_generation_config(tmp_path, caplog) -> None:  # noqa: ANN001
+    from app.engine_view import load_sampling_defaults
+    from app.main import _sampling_defaults
+    from app.settings import Settings
+
+    cfg = {"eos_token_id": 2, "temperature": 0.6, "top_p": 0.9, "top_k": 50, "min_p": 3.0}
+    cfg["do_sample"] = True
+    (tmp_path / "generation_config.json").write_text(json.dumps(cfg))
+    info = {"model": str(tmp_path), "tokenizer_dir": str(tmp_path)}
+    found, notes = load_sampling_defaults(info)
+    assert found == {"temperature": 0.6, "top_p": 0.9, "top_k": 50}
+    assert len(notes) == 1 and "min_p=3.0" in notes[0]  # out of range: said, not used
+    assert load_sampling_defaults({**info, "model": "random:llama-3.1-8b"}) == ({}, [])
+    assert load_sampling_defaults({"model": "m", "tokenizer_dir": str(tmp_path / "x")}) == ({}, [])
+    with caplog.at_level("INFO", logger="greenlane.app"):
+        assert _sampling_defaults(Settings(), info) == found
+        assert _sampling_defaults(Settings(generation_config="none"), info) == {}
+    said = caplog.text
+    assert "temperature=0.6" in said and "--generation-config none" in said and "min_p=3.0" in said

@@ -7,9 +7,10 @@ import os
 import threading
 import time
 
+import pytest
 import zmq
 
-from runtime.core.client import EngineCoreClient
+from runtime.core.client import EngineCoreClient, EngineCoreError
 from runtime.core.messages import CLIENT_DECODER, ENCODER, Heartbeat, Hello, Outputs
 from runtime.core.process import CoreHandle
 
@@ -129,9 +130,36 @@ def test_prompts_sent_leave_the_young_collections_walk() -> None:
         CoreHandle("ipc://unused-in", "ipc://unused-out", {}, os.getpid()), None
     )
     sent: list = []
-    client._send = sent.append  # type: ignore[method-assign]  # no core: capture the message
+    # no core: capture the message as the core would read it
+    client._send_encoded = lambda data, what: sent.append(CLIENT_DECODER.decode(data))  # type: ignore[method-assign]
     prompt = list(range(100, 20_100))
     assert gc.is_tracked(prompt)
     client.add([Request("s0", RequestKind.SCORE, prompt, label_token_ids=[1, 2])])
     assert not gc.is_tracked(prompt)
     assert isinstance(sent[0], AddRequests) and sent[0].requests[0].prompt_token_ids == prompt
+
+
+def test_a_request_that_cannot_be_sent_leaves_nothing_behind() -> None:
+    """Encoding fails before any state is kept (a seed past 64 bits: the routes keep seeds in
+    range, this is the backstop); a socket that is gone fails as the engine core's error, with
+    the output processor's state for the requests dropped."""
+    import zmq
+
+    from runtime.request import Request, RequestKind, SamplingParams
+
+    client = EngineCoreClient(
+        CoreHandle("ipc://unused-in", "ipc://unused-out", {}, os.getpid()), None
+    )
+    bad = Request("g0", RequestKind.GENERATE, [1, 2, 3], SamplingParams(seed=2**64))
+    with pytest.raises(OverflowError):
+        client.add([bad])
+    assert client.processor.num_tracked == 0 and "g0" not in client._unseen
+
+    def gone(data: bytes, what: str | None) -> None:
+        raise zmq.ZMQError(zmq.ENOTSOCK)
+
+    client._send_encoded = gone  # type: ignore[method-assign]
+    ok = Request("g1", RequestKind.GENERATE, [1, 2, 3], SamplingParams(seed=7))
+    with pytest.raises(EngineCoreError, match="cannot reach the engine core"):
+        client.add([ok])
+    assert client.processor.num_tracked == 0 and "g1" not in client._unseen

@@ -164,6 +164,8 @@ class EngineCoreClient:
         """Send requests to the engine (one message); their outputs come to `on_outputs`."""
         if self.dead_reason is not None:
             raise EngineCoreError(self.dead_reason)
+        # Encoded first: a request that cannot be sent leaves nothing behind here.
+        data = ENCODER.encode(AddRequests([WireRequest.of(r) for r in reqs]))
         for r in reqs:
             # The API server holds each prompt until its request ends: ints only, out of the
             # young collections' walk, which stops the event loop and every stream with it
@@ -171,7 +173,13 @@ class EngineCoreClient:
             untrack_int_list(r.prompt_token_ids)
             self.processor.add(r)
         self._unseen.update(r.request_id for r in reqs)
-        self._send(AddRequests([WireRequest.of(r) for r in reqs]))
+        try:
+            self._send_encoded(data, "AddRequests")
+        except zmq.ZMQError as exc:  # the socket is gone (shutting down): nothing was sent
+            for r in reqs:
+                self.processor.drop(r.request_id)
+                self._unseen.discard(r.request_id)
+            raise EngineCoreError(f"cannot reach the engine core: {exc}") from None
 
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -231,11 +239,17 @@ class EngineCoreClient:
         """Send on the send-only socket (event loop thread). Unbounded queues: it only waits
         when the core's connection is not up yet, and then the message is retried by its
         sender (hello) or the core is dead (everything else fails with it)."""
+        self._send_encoded(
+            ENCODER.encode(msg), None if isinstance(msg, Hello) else type(msg).__name__
+        )
+
+    def _send_encoded(self, data: bytes, what: str | None) -> None:
+        """`_send` of an encoded message; `what` names it in the warning (None: no warning)."""
         try:
-            self._in.send(ENCODER.encode(msg), zmq.NOBLOCK)
+            self._in.send(data, zmq.NOBLOCK)
         except zmq.Again:
-            if not isinstance(msg, Hello):
-                log.warning("engine core not connected: %s not sent", type(msg).__name__)
+            if what is not None:
+                log.warning("engine core not connected: %s not sent", what)
 
     def _read_loop(self) -> None:
         """Reader thread: receive everything the core sends, hand it to the event loop."""
