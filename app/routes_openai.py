@@ -384,8 +384,11 @@ async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
 
 def _chat_logprobs(engine: Any, items: list[TokenLogprob]) -> dict[str, Any]:
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        # `bytes`: the token's own bytes, so a character split over tokens can be rebuilt
+        # (its text alone is U+FFFD for each part)
         text = _token_text(engine, token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        raw = engine.tokenizer.token_bytes(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     return {
         "content": [

@@ -78,6 +78,10 @@ class Tokenizer:
         self._special_text_re: re.Pattern[str] | None = (
             re.compile("|".join(re.escape(t) for t in specials)) if specials else None
         )
+        # How a token's string maps to bytes (`token_bytes`), from the decoder's kind.
+        self._decoder_kind = _decoder_kind(tok)
+        self._added_ids = set(tok.get_added_tokens_decoder())
+        self._token_bytes: dict[int, bytes] = {}
         # A copy that reads special-token text as plain text (made on first use). A copy, not
         # a toggle of `encode_special_tokens` on `_tok`: other threads encode with `_tok`.
         self._text_tok: tokenizers.Tokenizer | None = None
@@ -146,6 +150,30 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (a logprob entry's `bytes`: a token that is part
+        of a multi-byte character decodes to U+FFFD alone, while its bytes rebuild the
+        character when joined with its neighbours'). Byte-level BPE: the token's string maps
+        back through the byte alphabet; SentencePiece: a byte-fallback piece `<0xNN>` is that
+        byte, "▁" a space; special tokens and anything else: their text in UTF-8."""
+        cached = self._token_bytes.get(token_id)
+        if cached is not None:
+            return cached
+        piece = self._tok.id_to_token(token_id)
+        out: bytes
+        if piece is None or token_id in self._added_ids:
+            out = self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+        elif self._decoder_kind == "byte_level" and all(c in _UNICODE_TO_BYTE for c in piece):
+            out = bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        elif self._decoder_kind == "sentencepiece" and _BYTE_PIECE.fullmatch(piece):
+            out = bytes([int(piece[3:5], 16)])
+        elif self._decoder_kind == "sentencepiece":
+            out = piece.replace("\u2581", " ").encode("utf-8")
+        else:
+            out = self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+        self._token_bytes[token_id] = out
+        return out
 
     def single_token_id(self, text: str) -> int | None:
         """The id if `text` encodes to exactly one token (without added special tokens), else
@@ -216,6 +244,37 @@ class Tokenizer:
             "a message contains special-token text and this model's chat template rewrites "
             "message content, so it cannot be kept as plain text; remove the special-token text"
         )
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet, inverted: the printable bytes stand for themselves, every
+    other byte for the next code point from 256 up, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars: dict[int, int] = {b: b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + extra
+            extra += 1
+    return {chr(code): b for b, code in chars.items()}
+
+
+_UNICODE_TO_BYTE = _byte_alphabet()
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _decoder_kind(tok: tokenizers.Tokenizer) -> str:
+    """ "byte_level", "sentencepiece" (a "▁" replace and byte fallback), or "other"."""
+    try:  # the decoder's own JSON (not the whole tokenizer's, megabytes with its vocabulary)
+        decoder = json.loads(tok.decoder.__getstate__()) if tok.decoder is not None else {}
+    except (AttributeError, ValueError, TypeError):
+        return "other"
+    kinds = {d.get("type") for d in decoder.get("decoders", [decoder]) if isinstance(d, dict)}
+    if "ByteLevel" in kinds:
+        return "byte_level"
+    if "ByteFallback" in kinds or "Metaspace" in kinds:
+        return "sentencepiece"
+    return "other"
 
 
 def _decode_stream(tokenizer: Any, context: list[int], skip_special_tokens: bool) -> Any:

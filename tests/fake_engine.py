@@ -82,6 +82,12 @@ class FakeTokenizer:
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """A byte token is its byte; a special token its text."""
+        if token_id < 256:
+            return bytes([token_id])
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
     def encode_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
