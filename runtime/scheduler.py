@@ -113,8 +113,8 @@ class CorrectedCost:
     wrongly either way. The context term: a short query still reads its whole cached prefix
     (attention work the JCT model's query-key pairs leave out at a few query rows). Over the
     H200's step traces of scoring next to chat (3B, plan cap at `c0c484f`, 12 sides and loads,
-    replayed on CPU: `bench.step_fit`) a refit with it predicted mixed steps to 9.7 % MAPE
-    against 11.5 % without. `offset_s` is per step: callers add it to the decode step
+    this class replayed over them on CPU: `bench.step_fit --jct-log`) it predicted mixed steps
+    to 12.4 % MAPE against 14.1 % without (what the engine read live). `offset_s` is per step: callers add it to the decode step
     (`StepCapacity.decode_step_s`, `ChunkInput.step_offset_ms`); `marginal_s` is per prefill
     part.
 
