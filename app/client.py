@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from runtime.core.client import EngineCoreError
@@ -33,6 +35,7 @@ class CoreLike(Protocol):
     on_outputs: Any
     on_dead: Any
     num_added_since_heartbeat: int
+    num_finished_since_heartbeat: int
 
     def add(self, reqs: list[Request]) -> None: ...
     def abort(self, request_ids: list[str]) -> None: ...
@@ -64,6 +67,10 @@ class EngineClient:
         self.core: CoreLike | None = None
         self.draining = False
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        # When each streaming request's last tokens arrived (monotonic s), for the gaps
+        # between its outputs; `on_token_gaps` (the metrics) gets them once per engine step.
+        self._last_token_s: dict[str, float] = {}
+        self.on_token_gaps: Callable[[list[float]], None] | None = None
 
     # ------------------------------------------------------------------ wiring
 
@@ -74,11 +81,23 @@ class EngineClient:
 
     def deliver(self, outputs: list[RequestOutput]) -> None:
         """Called on the event loop with one engine step's outputs."""
-        queues = self._queues
+        queues, last = self._queues, self._last_token_s
+        now_s = time.monotonic()
+        gaps: list[float] = []
         for out in outputs:
             queue = queues.get(out.request_id)
-            if queue is not None:  # None: aborted and forgotten; drop late outputs
-                queue.put_nowait(out)
+            if queue is None:  # aborted and forgotten; drop late outputs
+                continue
+            if out.new_token_ids:
+                before = last.get(out.request_id)
+                if before is not None:
+                    gaps.append(now_s - before)
+                last[out.request_id] = now_s
+            if out.finished:
+                last.pop(out.request_id, None)
+            queue.put_nowait(out)
+        if gaps and self.on_token_gaps is not None:
+            self.on_token_gaps(gaps)
 
     def fail_all(self, reason: str) -> None:
         """The engine core died: finish every request in flight with an error."""
@@ -116,10 +135,16 @@ class EngineClient:
                 f"{self.max_in_flight})"
             )
         # Requests not running yet (waiting in the last snapshot, sent since, and these)
-        # take the free running places first; the rest wait.
+        # take the free running places first; the rest wait. The snapshot is up to 0.2 s old:
+        # requests it counts that have finished since free their places (else an idle server
+        # refused the next 500-item score call for a heartbeat after the last one finished).
         stats = core.stats()
-        free = max(0, self.max_running - int(stats.get("num_running") or 0))
-        pending = int(stats.get("num_waiting") or 0) + core.num_added_since_heartbeat
+        finished = core.num_finished_since_heartbeat
+        running = int(stats.get("num_running") or 0)
+        still_running = max(0, running - finished)
+        still_waiting = max(0, int(stats.get("num_waiting") or 0) - max(0, finished - running))
+        free = max(0, self.max_running - still_running)
+        pending = still_waiting + core.num_added_since_heartbeat
         waiting = max(0, pending + len(reqs) - free)
         if waiting > self.max_queue:
             raise Overloaded(
@@ -160,6 +185,7 @@ class EngineClient:
 
     def _release(self, request_id: str, finished: bool) -> None:
         self._queues.pop(request_id, None)
+        self._last_token_s.pop(request_id, None)
         if not finished and self.core is not None:
             self.core.abort([request_id])
 

@@ -86,6 +86,9 @@ class EngineCoreClient:
         # Requests sent since the last heartbeat that have produced no output yet: with the
         # heartbeat's `num_waiting`, the front end's estimate of the engine's waiting queue.
         self._unseen: set[str] = set()
+        # Requests the last heartbeat's snapshot counted (running or waiting) whose final
+        # output has come since: admission must not count their places as taken.
+        self._num_finished_since_heartbeat = 0
         self.on_outputs: Callable[[list[RequestOutput]], None] = lambda _o: None
         self.on_dead: Callable[[str], None] = lambda _r: None
 
@@ -208,6 +211,11 @@ class EngineCoreClient:
         """Requests sent since the last heartbeat that have not produced any output yet."""
         return len(self._unseen)
 
+    @property
+    def num_finished_since_heartbeat(self) -> int:
+        """Requests the last heartbeat's snapshot counted that have finished since."""
+        return self._num_finished_since_heartbeat
+
     def stats(self) -> dict[str, Any]:
         """The engine's latest stats snapshot (from the last heartbeat)."""
         return dict(self._stats)
@@ -276,6 +284,7 @@ class EngineCoreClient:
             self._partition = msg.partition
             self._last_heartbeat_s = time.monotonic()
             self._unseen.clear()
+            self._num_finished_since_heartbeat = 0
             self._heartbeat.set()
             if not msg.stats.get("alive", True):
                 self._die("the engine loop died (see the engine core's log)")
@@ -298,7 +307,10 @@ class EngineCoreClient:
         outs: list[RequestOutput] = []
         stopped: list[str] = []
         for o in batch:
-            unseen.discard(o.request_id)
+            if o.request_id in unseen:
+                unseen.discard(o.request_id)  # sent after the snapshot: not counted in it
+            elif o.finished:
+                self._num_finished_since_heartbeat += 1
             out, by_string = processor.process(o)
             outs.append(out)
             if by_string:
