@@ -332,9 +332,10 @@ async def generative_scores(body: GenerativeScoreRequest, request: Request) -> d
     if body.request_id and not trace.client_request_id:  # X-Request-Id wins, as in vLLM
         trace.client_request_id = f"genscore-{body.request_id}"
     request_id, engine_base = begin_request_id(request, "genscore")
-    scored = await _run_scoring(
-        request, engine_base, prompts, body.label_token_ids, body.apply_softmax
-    )
+    # The response is keyed by token id, so a label given twice is one label (as vLLM, which
+    # keys before its softmax): with both copies in the softmax a row would not sum to 1.
+    labels = list(dict.fromkeys(body.label_token_ids))
+    scored = await _run_scoring(request, engine_base, prompts, labels, body.apply_softmax)
     return {
         "id": request_id,
         "object": "generative_score",
@@ -343,9 +344,7 @@ async def generative_scores(body: GenerativeScoreRequest, request: Request) -> d
         "results": [
             {
                 "index": i,
-                "token_probs": {
-                    str(t): p for t, p in zip(body.label_token_ids, probs, strict=True)
-                },
+                "token_probs": {str(t): p for t, p in zip(labels, probs, strict=True)},
             }
             for i, probs in enumerate(scored.probs)
         ],

@@ -106,6 +106,11 @@ def test_generative_scores_in_vllms_shape(http: httpx.Client) -> None:
     assert list(raw["results"][0]["token_probs"].values()) == pytest.approx(
         fake_label_probs([113, 97], [65, 66], False)
     )
+    # A label given twice is one key, and the softmax counts it once (rows still sum to 1).
+    twice = _ok(http.post("/v1/generative-scores", json={**body, "label_token_ids": [65, 65, 66]}))
+    probs = twice["results"][0]["token_probs"]
+    assert list(probs) == ["65", "66"] and sum(probs.values()) == pytest.approx(1.0)
+    assert list(probs.values()) == pytest.approx(fake_label_probs([113, 97], [65, 66], True))
 
 
 @pytest.mark.parametrize(
