@@ -146,6 +146,7 @@ def create_app(
         app.state.engine = engine
         app.state.sampling_defaults = _sampling_defaults(settings, handle.info)
         metrics.bind_engine(engine.stats, lambda: client.num_in_flight)
+        client.on_token_gaps = metrics.observe_token_gaps
         log.info("engine ready: max_model_len=%s", engine.max_model_len)
         if freeze_gc_at_start:
             # A full collection stops the event loop, and with it every stream: over what

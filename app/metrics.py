@@ -194,7 +194,8 @@ _VLLM_HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
     "e2e_request_latency_seconds": ("arrival to finish of a request (engine clock)", _VLLM_SECONDS),
     "time_to_first_token_seconds": ("arrival to first token of a request", _VLLM_SECONDS),
     "time_per_output_token_seconds": (
-        "a request's decode time / (output tokens - 1) (requests of 2+ tokens)",
+        "time between a request's consecutive outputs (one an engine step), as the API server "
+        "received them (vLLM's older name for inter_token_latency_seconds)",
         _VLLM_SECONDS,
     ),
     "request_time_per_output_token_seconds": (
@@ -202,8 +203,8 @@ _VLLM_HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
         _VLLM_SECONDS,
     ),
     "inter_token_latency_seconds": (
-        "time between output tokens: each of a request's (output tokens - 1) gaps, counted at "
-        "the request's mean gap",
+        "time between a request's consecutive outputs (one an engine step), as the API server "
+        "received them: each gap on its own, so a stall shows in the tail",
         _VLLM_SECONDS,
     ),
     "request_queue_time_seconds": ("arrival to first scheduled", _VLLM_SECONDS),
@@ -274,9 +275,16 @@ class _VllmRequestSeries(Collector):
                 h["request_inference_time_seconds"].observe(out.prefill_s + out.decode_s)
             if out.decode_s is not None and num_output_tokens > 1:
                 gap_s = out.decode_s / (num_output_tokens - 1)
-                h["time_per_output_token_seconds"].observe(gap_s)
                 h["request_time_per_output_token_seconds"].observe(gap_s)
-                h["inter_token_latency_seconds"].observe(gap_s, num_output_tokens - 1)
+
+    def observe_gaps(self, gaps_s: list[float]) -> None:
+        """Gaps between consecutive outputs of streaming requests (one engine step's)."""
+        h = self._hists
+        itl, tpot = h["inter_token_latency_seconds"], h["time_per_output_token_seconds"]
+        with self._lock:
+            for gap_s in gaps_s:
+                itl.observe(gap_s)
+                tpot.observe(gap_s)
 
     def collect(self) -> Iterator[Metric]:
         model = self._model_name_fn()
@@ -447,6 +455,11 @@ class Metrics:
     def observe_engine_request(self, out: RequestOutput, num_output_tokens: int) -> None:
         """A finished engine request (its final output): the vllm:* per-request series."""
         self._vllm.observe(out, num_output_tokens)
+
+    def observe_token_gaps(self, gaps_s: list[float]) -> None:
+        """The gaps between generating requests' consecutive outputs over one engine step
+        (`EngineClient.on_token_gaps`): vllm:inter_token_latency_seconds, each on its own."""
+        self._vllm.observe_gaps(gaps_s)
 
     def recent(self) -> dict[str, Any]:
         """Recent latency samples, per kind of traffic ("chat": chat and completions;

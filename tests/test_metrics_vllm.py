@@ -159,3 +159,38 @@ def test_counts_are_counters() -> None:
     text = metrics.render().decode()
     assert _value(text, "vllm:kv_cache_usage_perc", model_name="m") == 0.25
     assert _value(text, "vllm:prefix_cache_hits_total", model_name="m") == 40
+
+
+def test_inter_token_latency_counts_each_gap_so_a_stall_shows(monkeypatch) -> None:  # noqa: ANN001
+    """Outputs of one request 10 ms apart, then one after a 7-s stall: the histogram has each
+    gap on its own (its mean would read ~0.6 s and hide the stall); outputs of a request that
+    finished or was never admitted here, and scoring outputs, add none."""
+    import asyncio
+
+    import app.client as client_mod
+    from app.client import EngineClient
+    from runtime.request import RequestOutput
+
+    clock = iter([0.0, 0.01, 0.02, 0.03, 7.03, 7.04])
+    monkeypatch.setattr(client_mod.time, "monotonic", lambda: next(clock))
+    metrics = Metrics(model_name="m")
+    client = EngineClient(max_in_flight=4)
+    client.on_token_gaps = metrics.observe_token_gaps
+    client._queues["g"] = asyncio.Queue()
+    client._queues["s"] = asyncio.Queue()
+    for i in range(5):
+        outs = [RequestOutput("g", new_token_ids=[i], finished=i == 4)]
+        outs.append(RequestOutput("s", label_probs=[0.5], finished=True))
+        outs.append(RequestOutput("gone", new_token_ids=[1]))
+        client.deliver(outs)
+    text = metrics.render().decode()
+    assert _value(text, "vllm:inter_token_latency_seconds_count") == 4
+    assert _value(text, "vllm:inter_token_latency_seconds_sum") == pytest.approx(7.03)
+    assert _value(text, "vllm:inter_token_latency_seconds_bucket", le="5.0") == 3
+    assert _value(text, "vllm:time_per_output_token_seconds_count") == 4
+    assert "g" not in client._last_token_s  # forgotten when it finished
+    # An output after the final one (a stop string finished it here before the engine's
+    # abort) is kept only until the route releases the request.
+    client.deliver([RequestOutput("g", new_token_ids=[9])])
+    client._release("g", finished=True)
+    assert client._last_token_s == {}
