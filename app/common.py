@@ -220,6 +220,13 @@ def check_prompt_fits(
     if num_prompt_tokens == 0:
         raise bad_request("the prompt is empty", "prompt", "empty_prompt")
     max_len = int(engine.max_model_len)
+    if not generate and num_prompt_tokens > max_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_len} tokens; the scoring prompt "
+            f"(query and item together) has {num_prompt_tokens}. Shorten the query or the item.",
+            param,
+            "context_length_exceeded",
+        )
     if not max_tokens_requested and num_prompt_tokens >= max_len:
         raise bad_request(
             f"This model's maximum context length is {max_len} tokens; the prompt has "

@@ -124,6 +124,14 @@ def test_context_error_names_the_numbers(http: httpx.Client) -> None:
     assert err["code"] == "context_length_exceeded"
 
 
+def test_scoring_prompt_over_the_context_says_so_without_max_tokens(http: httpx.Client) -> None:
+    long = list(range(1, MAX_MODEL_LEN + 2))
+    body = {"query": long, "items": [[4]], "label_token_ids": [7]}
+    err = _assert_openai_error(http.post(SCORE, json=body), 400)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "items"
+    assert "scoring prompt" in err["message"] and "max_tokens" not in err["message"]
+
+
 def test_scoring_prompt_over_the_reserved_length_names_the_maximum(
     http: httpx.Client, server: ServerThread
 ) -> None:
