@@ -97,6 +97,27 @@ class DecayingPlane:
     def count(self) -> float:
         return self._count
 
+    def means(self) -> tuple[float, float, float]:
+        """Weighted means of x, z and y; zeros before the first observation."""
+        if self._w <= 0.0:
+            return 0.0, 0.0, 0.0
+        w = self._w
+        return self._sx / w, self._sz / w, self._sy / w
+
+    def slope_x(self, bz: float, min_cv: float, min_count: float) -> float | None:
+        """The least-squares slope of y − bz · z on x (z's slope held at `bz`), or None while
+        it cannot be told from an intercept (as `DecayingLine.slope`)."""
+        if self._count < min_count or self._w <= 0.0:
+            return None
+        mx, mz, my = self.means()
+        w = self._w
+        vxx = max(0.0, self._sxx / w - mx * mx)
+        if vxx <= 0.0 or vxx < (min_cv * mx) ** 2:
+            return None
+        vxy = self._sxy / w - mx * my
+        vxz = self._sxz / w - mx * mz
+        return (vxy - bz * vxz) / vxx
+
     def solve(
         self, min_cv: float, min_count: float, max_abs_corr: float
     ) -> tuple[float, float, float] | None:

@@ -66,7 +66,7 @@ from runtime.config import EngineConfig
 from runtime.gc_watch import untrack_int_list
 from runtime.kv.block_manager import BlockManager
 from runtime.kv.prefix_cache import extend_block_hashes
-from runtime.online_fit import DecayingLine, DecayingPlane
+from runtime.online_fit import DecayingPlane
 from runtime.request import (
     FINISH_REASONS,
     EngineOutput,
@@ -114,14 +114,14 @@ class CorrectedCost:
     (attention work the JCT model's query-key pairs leave out at a few query rows). Over the
     H200's step traces of scoring next to chat (3B, plan cap at `c0c484f`, 12 sides and loads,
     this class replayed over them on CPU: `bench.step_fit --jct-log`) it predicted mixed steps
-    to 12.4 % MAPE against 14.1 % without (what the engine read live). `offset_s` is per step: callers add it to the decode step
+    to 11.4 % MAPE against 14.1 % without (what the engine read live). `offset_s` is per step: callers add it to the decode step
     (`StepCapacity.decode_step_s`, `ChunkInput.step_offset_ms`); `marginal_s` is per prefill
     part.
 
     `observe` fits them by exponentially weighted least squares over recent mixed steps, O(1)
     a step: all three while the steps' marginal costs and contexts vary enough, apart, to tell
-    them from each other and the fit is in bounds; else the offset and scale alone (the
-    context term 0). While the steps' predicted costs are too alike to tell a slope from an
+    them from each other and the fit is in bounds; else the offset and scale, the context term
+    held at its last fit (0 until one). While the steps' predicted costs are too alike to tell a slope from an
     offset, the scale is kept and the offset absorbs the difference."""
 
     cost: PrefillCost
@@ -141,10 +141,9 @@ class CorrectedCost:
     # The context term only while marginal cost and context are not near proportional (a run
     # of later chunks of one prompt: both grow together, one slope could stand for the other).
     MAX_CORRELATION = 0.9
-    # x = predicted marginal s, y = measured extra s, absolute errors: the cut sizes steps near
-    # the target, where a millisecond counts the same whatever the step's length.
-    _line: DecayingLine = field(default_factory=lambda: DecayingLine(CorrectedCost.DECAY))
-    # the same steps with z = their context tokens
+    # x = predicted marginal s, z = the prefill parts' cached tokens, y = measured extra s;
+    # absolute errors: the cut sizes steps near the target, where a millisecond counts the
+    # same whatever the step's length.
     _plane: DecayingPlane = field(default_factory=lambda: DecayingPlane(CorrectedCost.DECAY))
 
     def marginal_s(self, uncached_tokens: int, cached_tokens: int = 0) -> float:
@@ -170,9 +169,9 @@ class CorrectedCost:
         `Engine._decode_base_s`)."""
         if predicted_s <= 1e-9:
             return
-        self._line.add(predicted_s, extra_s)
-        self._plane.add(predicted_s, float(max(0, context_tokens)), extra_s)
-        joint = self._plane.solve(self.MIN_CV, self.MIN_WEIGHT, self.MAX_CORRELATION)
+        plane = self._plane
+        plane.add(predicted_s, float(max(0, context_tokens)), extra_s)
+        joint = plane.solve(self.MIN_CV, self.MIN_WEIGHT, self.MAX_CORRELATION)
         if joint is not None:
             offset, scale, per_token = joint
             if (
@@ -182,9 +181,14 @@ class CorrectedCost:
             ):
                 self.scale, self.offset_s, self.context_s_per_token = scale, offset, per_token
                 return
-        self.context_s_per_token = 0.0
-        mx, my = self._line.means()
-        slope = self._line.slope(self.MIN_CV, self.MIN_WEIGHT)
+        # The context term held at its last fit (0 until one): offset and scale on what the
+        # steps measured beyond it. Dropping it whenever a few steps look alike (a run of
+        # scoring suffixes: their marginal costs too close for a slope) swung the prediction
+        # of the next long-prefix step by its whole prefix read.
+        per_token = self.context_s_per_token
+        mx, mz, my = plane.means()
+        my -= per_token * mz
+        slope = plane.slope_x(per_token, self.MIN_CV, self.MIN_WEIGHT)
         scale = self.scale if slope is None else slope
         scale = min(self.MAX_SCALE, max(self.MIN_SCALE, scale))
         offset = my - scale * mx

@@ -66,6 +66,11 @@ def test_plane_recovers_two_slopes_and_refuses_what_it_cannot_tell() -> None:
     for x in (1.0, 2.0, 5.0) * 4:
         tied.add(x, 1e3 * x, 3.0 + 2.0 * x)
     assert tied.solve(min_cv=0.25, min_count=3.0, max_abs_corr=0.9) is None
+    # z's slope held at a value: x's slope on what is left (None while x does not vary).
+    assert plane.slope_x(1e-4, min_cv=0.25, min_count=3.0) == pytest.approx(2.0)
+    assert flat.slope_x(0.0, min_cv=0.25, min_count=3.0) == pytest.approx(2.0)
+    mx, mz, my = plane.means()  # decay-weighted: the exact relation holds for them too
+    assert my == pytest.approx(3.0 + 2.0 * mx + 1e-4 * mz)
     # Too few observations.
     few = DecayingPlane(0.95)
     few.add(1.0, 0.0, 1.0)

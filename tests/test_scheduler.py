@@ -723,6 +723,13 @@ def test_corrected_cost_learns_what_a_cached_prefix_costs_a_short_query() -> Non
     assert n == pytest.approx((room_s - 2e-7 * 16000) / (1.5 * per_token_s), rel=0.02)
     assert cost.offset_s + cost.marginal_s(n, 16000) <= 0.030 * 1.001
     assert cost.max_tokens_within(0.002, 16000) == 0  # the prefix read alone overfills it
+    # A run of scoring suffixes alone (marginal costs too alike to fit a slope): the context
+    # term is held, not dropped, and the offset stays what it was.
+    for _ in range(40):
+        cost.observe(per_token_s * 150, true(150, 14000), 14000)
+    assert cost.context_s_per_token == pytest.approx(2e-7, rel=0.02)
+    assert cost.offset_s == pytest.approx(0.004, rel=0.05)
+    assert cost.extra_s(per_token_s * 2048, 0) == pytest.approx(true(2048, 0), rel=0.02)
     # Without the context term (the affine fit alone) the same steps are far off for one kind:
     # a scoring suffix after 17k or a fresh chat prompt.
     affine = CorrectedCost(LinearCost(per_token_s))
