@@ -67,7 +67,7 @@ class EngineClient:
         self.core: CoreLike | None = None
         self.draining = False
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
-        # When each streaming request's last tokens arrived (monotonic s), for the gaps
+        # When each generating request's last tokens arrived (monotonic s), for the gaps
         # between its outputs; `on_token_gaps` (the metrics) gets them once per engine step.
         self._last_token_s: dict[str, float] = {}
         self.on_token_gaps: Callable[[list[float]], None] | None = None
