@@ -14,6 +14,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from pydantic import ValidationError
+
+from app.protocol import _SamplingFields
 from runtime.partition import PartitionState
 from runtime.tokenizer import Tokenizer
 
@@ -27,14 +30,8 @@ def load_frontend_tokenizer(info: dict[str, Any]) -> Any:
     return Tokenizer.from_dir(info["tokenizer_dir"])
 
 
-# generation_config.json keys that are sampling defaults, with the range a request may set.
-_SAMPLING_DEFAULT_RANGES: dict[str, tuple[float, float]] = {
-    "temperature": (0.0, 2.0),
-    "top_p": (1e-9, 1.0),
-    "top_k": (-1, 1 << 20),
-    "min_p": (0.0, 1.0),
-    "repetition_penalty": (1e-9, 10.0),
-}
+# generation_config.json keys that are sampling defaults (checked as a request's would be).
+_SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def load_sampling_defaults(info: dict[str, Any]) -> tuple[dict[str, float], list[str]]:
@@ -54,12 +51,17 @@ def load_sampling_defaults(info: dict[str, Any]) -> tuple[dict[str, float], list
         return {}, [f"{path} could not be read ({exc}): no sampling defaults taken from it"]
     found: dict[str, float] = {}
     notes: list[str] = []
-    for key, (lo, hi) in _SAMPLING_DEFAULT_RANGES.items():
+    for key in _SAMPLING_DEFAULT_KEYS:
         value = cfg.get(key)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
-            notes.append(f"{path}: {key}={value!r} is outside [{lo:g}, {hi:g}]: not used")
+        try:  # the request model's own bounds: a default no request could set is not used
+            _SamplingFields.model_validate({key: value})
+        except ValidationError as exc:
+            why = exc.errors()[0].get("msg", "invalid")
+            notes.append(
+                f"{path}: {key}={value!r} is not a value a request may set ({why}): not used"
+            )
             continue
         found[key] = int(value) if key == "top_k" else float(value)
     return found, notes

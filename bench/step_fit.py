@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from bench.cost_replay import JCT  # the server log's JCT model line
+from policies.jct import attention_pairs
 from runtime.online_fit import DecayingLine
 from runtime.scheduler import CorrectedCost
 
@@ -212,7 +213,9 @@ class JctLine:
 
     def marginal_s(self, uncached_tokens: int, cached_tokens: int = 0) -> float:
         u = max(0, uncached_tokens)
-        return self.b_s_per_token * u + self.k_s_per_pair * u * (u / 2.0 + max(0, cached_tokens))
+        return self.b_s_per_token * u + self.k_s_per_pair * attention_pairs(
+            u, max(0, cached_tokens)
+        )
 
     def max_tokens_within(self, seconds: float, cached_tokens: int = 0) -> int:
         raise NotImplementedError("not used by a replay of observations")
