@@ -55,7 +55,7 @@ from runtime.attention.base import AttentionBackend
 from runtime.attention.torch_backend import TorchAttentionBackend
 from runtime.compile_watch import CompileWatch, triton_kernels
 from runtime.config import PREFILL_WARM_UP_TOKENS, EngineConfig, check_prefill_limits
-from runtime.executor.base import StepFailed, StepResult
+from runtime.executor.base import StepFailed, StepInterrupted, StepResult
 from runtime.executor.serial import SerialExecutor
 from runtime.executor.split import SplitExecutor
 from runtime.executor.streams import stream_device_for
@@ -343,6 +343,11 @@ class Engine:
         self._inbox: deque[tuple[str, Any]] = deque()
         self._accepting = True
         self._stop_deadline_s: float | None = None  # set by shutdown
+        # Request ids whose abort is in the inbox (added by `abort_many`, dropped when applied):
+        # a launch whose requests are all here stops between layers (`_should_interrupt`).
+        self._aborting: set[str] = set()
+        self.runner.interrupt = self._should_interrupt
+        self._num_interrupted_steps = 0
         self._thread: threading.Thread | None = None
         self._crashed: BaseException | None = None
         self._num_failed_steps = 0
@@ -866,8 +871,11 @@ class Engine:
         self.abort_many([request_id])
 
     def abort_many(self, request_ids: list[str]) -> None:
+        """Abort requests (unknown or finished ones are ignored). A step under way whose
+        requests are all among them stops at its next layer (eager prefill forwards)."""
         with self._lock:
             self._inbox.append(("abort", list(request_ids)))
+            self._aborting.update(request_ids)
             self._wakeup.notify()
 
     def set_policy(self, name: str) -> None:
@@ -1223,6 +1231,8 @@ class Engine:
                 out = self.scheduler.abort(rid)
                 if out is not None:
                     outs.append(out)
+            with self._lock:
+                self._aborting.difference_update(payload)
             return outs
         elif kind == "policy":
             self.policy = payload
@@ -1287,10 +1297,20 @@ class Engine:
                 return outputs + sched.fail(ids, f"internal scheduler error: {e!r}")
             outputs += sched.take_pending_outputs()
             if not plan.is_empty:
-                self._step_started_s = time.monotonic()
+                self._step_started_s = now_s = time.monotonic()
+                if now_s >= self._next_stats_s or (
+                    plan.prefill and sched.num_running != self._stats.get("num_running")
+                ):
+                    # Also before a launch that admits (or follows a finish): a step may run
+                    # for seconds (a long prompt on the H200; a minute on a CPU), and a
+                    # snapshot from before it would show neither its requests nor their KV
+                    # for that long. O(1) to test; a publish costs ~10-100 us.
+                    self._publish_stats()
                 try:
                     ex.launch(plan)
                     planned = True
+                except StepInterrupted as e:
+                    outputs += self._interrupted(e)
                 except StepFailed as e:
                     return outputs + self._recover(e)
         in_flight = ex.num_in_flight
@@ -1516,6 +1536,38 @@ class Engine:
             )
         return outputs
 
+    def _should_interrupt(self, plan: StepPlan) -> bool:
+        """Asked (on the engine thread) between layers of an interruptible launch: stop it when
+        every request in it is being aborted or shutdown's grace is over. O(requests)."""
+        deadline = self._stop_deadline_s
+        if deadline is not None and time.monotonic() >= deadline:
+            return True
+        aborting = self._aborting  # read without the lock: membership tests only
+        return bool(aborting) and all(s.request.request_id in aborting for s in plan.seqs)
+
+    def _interrupted(self, stop: StepInterrupted) -> list[EngineOutput]:
+        """A launch stopped part-way: nothing of it is in flight. Its requests are aborted now
+        (their abort, or shutdown's, is in the inbox: applying it again is a no-op)."""
+        plan = stop.plan
+        self._num_interrupted_steps += 1
+        log.info(
+            "step %d stopped before layer %d (%d prefill tokens, %d requests): aborted",
+            plan.step_id,
+            stop.layer,
+            plan.num_prefill_tokens,
+            len(plan.seqs),
+        )
+        sched = self.scheduler
+        sched.retire(plan)
+        outputs = []
+        for seq in plan.seqs:
+            out = sched.abort(seq.request.request_id)
+            if out is not None:
+                outputs.append(out)
+        for rid in sched.take_released():
+            self.runner.release(rid)
+        return outputs
+
     def _fail_seq(self, seq: ScheduledSeq, e: BaseException) -> list[EngineOutput]:
         self._num_failed_requests += 1
         self.scheduler.retire(StepPlan(-1, prefill=[seq]))
@@ -1628,6 +1680,7 @@ class Engine:
             "num_chunked_scoring": s.num_chunked_scoring,
             "num_failed_steps": self._num_failed_steps,
             "num_failed_requests": self._num_failed_requests,
+            "num_interrupted_steps": self._num_interrupted_steps,
             "fallbacks": fallbacks.taken(),
             "decode_device_s": self._decode_device_s,
             "decode_idle_s": self._decode_idle_s,

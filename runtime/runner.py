@@ -25,6 +25,10 @@ Sampling and label scoring stay on the device. A sampled token is written to its
 of the device token table (`token_slots`), where the request's next decode step reads its input:
 the host may plan and launch that step before it has seen the token (overlapped scheduling).
 Everything the host needs is copied to pinned memory once per part, behind an event.
+
+A serving launch (`launch(plan, interruptible=True)`) asks `interrupt(plan)` before each layer
+of an eager prefill forward and stops with `ForwardInterrupted` when it says so (the engine:
+every request of the step is being aborted, or shutdown's grace is over).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -354,6 +359,10 @@ class ModelRunner:
         # Why steps that mix prefill with decodes stopped running as one forward (None: they
         # merge as `config.merge_mixed_steps` says). Set by `stop_merging`.
         self.merge_off_reason: str | None = None
+        # Whether an interruptible launch should stop (the engine sets it); `_launching` is the
+        # plan of the interruptible launch under way (None outside one).
+        self.interrupt: Callable[[StepPlan], bool] | None = None
+        self._launching: StepPlan | None = None
         self.model = model
         # Sampling only picks ids the tokenizer can decode: a model whose embedding table is
         # padded past the tokenizer (random:<preset> models with the SmolLM2 tokenizer,
@@ -566,10 +575,13 @@ class ModelRunner:
 
     # ---- steps ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def launch(self, plan: StepPlan) -> PendingOutput:
+    def launch(self, plan: StepPlan, interruptible: bool = False) -> PendingOutput:
         """Enqueue a step (prefill part, then decode part) on the current stream without
-        waiting for the device; the outputs arrive through the returned `PendingOutput`."""
+        waiting for the device; the outputs arrive through the returned `PendingOutput`.
+        `interruptible`: an eager prefill forward may stop with `ForwardInterrupted` between
+        layers (module docstring); nothing of the step is then in flight."""
         pending = PendingOutput(self.device)
+        self._launching = plan if interruptible else None
         try:
             if plan.prefill and plan.decode and self._mergeable(plan.prefill, len(plan.decode)):
                 self._run_merged(plan.prefill, plan.decode, pending)
@@ -583,6 +595,8 @@ class ModelRunner:
             # fails only the request(s) at fault (it re-runs a batch one request at a time).
             torch.cuda.empty_cache()
             raise OutOfMemoryForStep(describe_oom(plan)) from e
+        finally:
+            self._launching = None
         return pending.seal()
 
     def run(self, plan: StepPlan) -> RunnerOutput:
@@ -658,7 +672,33 @@ class ModelRunner:
             backend,
             chunk_tokens=chunk,
             stream_rows_above=stream_rows_above,
+            interrupt=self._interrupt_for(batch.num_tokens, chunk),
         )
+
+    def _interrupt_for(self, num_tokens: int, chunk: int | None) -> Callable[[], bool] | None:
+        """What an eager prefill forward asks before each layer (None: not interruptible)."""
+        ask, plan = self.interrupt, self._launching
+        if ask is None or plan is None:
+            return None
+        if self.device.type != "cuda" or chunk is None or num_tokens <= chunk:
+            return lambda: ask(plan)
+        # A hybrid-chunked prompt on CUDA (seconds to tens of seconds): the host would enqueue
+        # layers as far ahead as the launch queue lets it, so an answer between layers would
+        # say little about what the device still has to run. Keep the host within about two
+        # layers of the device: before enqueueing layer i, wait for the end of layer i - 3
+        # (the event recorded before layer i - 2). The device still has layers i - 2 and
+        # i - 1 queued then, so it does not idle for this while a layer outlasts its launch.
+        ends: deque[torch.cuda.Event] = deque()
+
+        def ask_in_step() -> bool:
+            end = torch.cuda.Event(blocking=True)  # a waiting host yields its core
+            end.record()
+            ends.append(end)
+            if len(ends) > 2:
+                ends.popleft().synchronize()
+            return ask(plan)
+
+        return ask_in_step
 
     def build_batch(self, prefill: list[ScheduledSeq], decodes: list[ScheduledSeq]) -> ForwardBatch:
         """Flatten the sequences' new tokens, prefill parts first, then decodes (both: a merged

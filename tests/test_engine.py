@@ -166,11 +166,11 @@ def test_step_failure_fails_only_that_step(engine_and_sink, monkeypatch) -> None
     real_launch = engine.runner.launch
     calls = {"n": 0}
 
-    def flaky(plan):
+    def flaky(plan, **kw):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("boom")
-        return real_launch(plan)
+        return real_launch(plan, **kw)
 
     monkeypatch.setattr(engine.runner, "launch", flaky)
     engine.add(gen("victim", [5, 6, 7], max_tokens=3))
@@ -194,11 +194,11 @@ def test_poisoned_request_in_a_batch_fails_alone(monkeypatch) -> None:
         real_launch = engine.runner.launch
         sizes: list[int] = []
 
-        def poisoned(plan):
+        def poisoned(plan, **kw):
             sizes.append(len(plan.seqs))
             if any(POISON in s.request.prompt_token_ids for s in plan.seqs):
                 raise RuntimeError("poisoned input")
-            return real_launch(plan)
+            return real_launch(plan, **kw)
 
         monkeypatch.setattr(engine.runner, "launch", poisoned)
         with engine._lock:  # queue all three before the loop can pick one up alone

@@ -27,11 +27,11 @@ def engine_failing_when(fails: Callable[[Any, Any], str | None]) -> Engine:
     runner = eng.runner
     launch = runner.launch
 
-    def guarded(plan: Any) -> Any:
+    def guarded(plan: Any, **kw: Any) -> Any:
         message = fails(runner, plan)
         if message:
             raise RuntimeError(message)
-        return launch(plan)
+        return launch(plan, **kw)
 
     runner.launch = guarded  # type: ignore[method-assign]
     return eng

@@ -58,10 +58,10 @@ def split_mode_engine(fail_when: Any) -> tuple[Engine, RecordingPartition]:
     runner = eng.runner
     launch, outputs_from_hidden = runner.launch, runner.outputs_from_hidden
 
-    def guarded_launch(plan: Any) -> Any:
+    def guarded_launch(plan: Any, **kw: Any) -> Any:
         if fail_when(device, plan):
             raise RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED (stand-in)")
-        return launch(plan)
+        return launch(plan, **kw)
 
     def guarded_outputs(hidden: Any, wanting: Any, pending: Any) -> Any:
         # A split prefill's sampling runs on its prefill stream, outside `launch`.

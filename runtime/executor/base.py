@@ -9,7 +9,9 @@ A step's results arrive after later steps were launched (overlapped scheduling);
 returns every launched plan exactly once, as one result or as several results that split its
 seqs (the split executor returns a prefill and its decodes separately), in launch order per
 request. A launch that raises does so as `StepFailed`, naming the plan it covered; that plan
-is not in flight and the engine re-runs its requests one at a time with `run_alone`.
+is not in flight and the engine re-runs its requests one at a time with `run_alone`. A launch
+the runner's `interrupt` stopped part-way raises `StepInterrupted` (serial executor: eager
+prefill forwards); that plan is not in flight either, and its requests are being aborted.
 """
 
 from __future__ import annotations
@@ -63,6 +65,17 @@ class StepFailed(Exception):
         self.cause = cause
         self.prefill_sms = prefill_sms
         self.rerun_ok = rerun_ok
+
+
+class StepInterrupted(Exception):
+    """A launch stopped before layer `layer` because the runner's `interrupt` said so (every
+    request of `plan` is being aborted, or the engine's stop deadline passed). Nothing of it
+    is in flight; the K/V it wrote lies in blocks its requests' abort frees."""
+
+    def __init__(self, plan: StepPlan, layer: int) -> None:
+        super().__init__(f"step {plan.step_id} interrupted before layer {layer}")
+        self.plan = plan
+        self.layer = layer
 
 
 class Executor(Protocol):

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.config import EngineConfig
-from runtime.executor.base import StepFailed, StepResult
+from runtime.executor.base import StepFailed, StepInterrupted, StepResult
 from runtime.executor.streams import EventLike, StreamDevice
+from runtime.model.llama import ForwardInterrupted
 from runtime.runner import ModelRunner, PendingOutput
 from runtime.scheduler import RunnerOutput, StepCapacity, StepPlan
 
@@ -80,7 +81,9 @@ class SerialExecutor:
         start, end = self.device.event(), self.device.event()
         start.record()
         try:
-            pending = self.runner.launch(plan)
+            pending = self.runner.launch(plan, interruptible=True)
+        except ForwardInterrupted as e:
+            raise StepInterrupted(plan, e.layer) from e
         except Exception as e:  # noqa: BLE001 - the engine contains it to the culprit
             raise StepFailed(plan, e) from e
         end.record()
