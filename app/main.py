@@ -179,6 +179,7 @@ def create_app(
 
     app.include_router(routes_openai.router)
     app.include_router(routes_score.router)
+    app.include_router(routes_score.vllm_router)
     app.include_router(routes_ops.router)
     if (Path(__file__).parent / "admin.py").exists():
         from app.admin import router as admin_router

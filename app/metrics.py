@@ -66,7 +66,7 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64,
 RECENT_WINDOW = 512  # latency samples kept for `recent()`, per kind of traffic
 
 # Which kind of traffic an endpoint serves (the admin page shows their latencies apart).
-_SCORE_ENDPOINTS = ("/v1/score", "/v1/generative-scores")
+_SCORE_ENDPOINTS = ("/v1/score", "/v1/generative-scores", "/generative_scoring")
 
 
 def traffic_kind(endpoint: str) -> str:

@@ -302,8 +302,9 @@ class ScoreRequest(_Request):
 
 
 class GenerativeScoreRequest(_Request):
-    """vLLM's `/v1/generative-scores` request. Its sampling knobs do not change next-token
-    probabilities there either; we accept only their neutral values so none is ignored."""
+    """vLLM's generative-scoring request (`/v1/generative-scores`, `/generative_scoring`). Its
+    sampling knobs do not change next-token probabilities there either; we accept only their
+    neutral values so none is ignored."""
 
     model: str | None = None
     query: str | list[int]

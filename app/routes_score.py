@@ -53,6 +53,12 @@ router = APIRouter(
     responses=ERROR_RESPONSES,
     route_class=FastJSONRoute,
 )
+# vLLM's unprefixed route (`/generative_scoring`, as vLLM 0.24 serves it).
+vllm_router = APIRouter(
+    dependencies=[Depends(require_api_key)],
+    responses=ERROR_RESPONSES,
+    route_class=FastJSONRoute,
+)
 log = logging.getLogger("greenlane.app")  # details beside the one access line
 
 
@@ -312,10 +318,11 @@ def _generative_prompts(engine: Any, body: GenerativeScoreRequest) -> list[list[
     return prompts
 
 
-@router.post("/generative-scores")
-async def generative_scores(body: GenerativeScoreRequest, request: Request) -> dict[str, Any]:
-    """vLLM's generative scores: the same engine work as /v1/score, in vLLM's request and
-    response shapes (`results[i].token_probs` keyed by token id as a string)."""
+async def _generative(
+    body: GenerativeScoreRequest, request: Request, id_prefix: str
+) -> tuple[str, list[int], _Scored]:
+    """What both of vLLM's generative-scoring routes do: (the response id, the labels once
+    each, the scored items)."""
     check_model(request, body.model)
     engine = engine_of(request)
     param = body.non_neutral_param()
@@ -330,12 +337,20 @@ async def generative_scores(body: GenerativeScoreRequest, request: Request) -> d
     prompts = await off_loop(_generative_prompts, engine, body)
     trace = trace_of(request)
     if body.request_id and not trace.client_request_id:  # X-Request-Id wins, as in vLLM
-        trace.client_request_id = f"genscore-{body.request_id}"
-    request_id, engine_base = begin_request_id(request, "genscore")
+        trace.client_request_id = f"{id_prefix}-{body.request_id}"
+    request_id, engine_base = begin_request_id(request, id_prefix)
     # The response is keyed by token id, so a label given twice is one label (as vLLM, which
     # keys before its softmax): with both copies in the softmax a row would not sum to 1.
     labels = list(dict.fromkeys(body.label_token_ids))
     scored = await _run_scoring(request, engine_base, prompts, labels, body.apply_softmax)
+    return request_id, labels, scored
+
+
+@router.post("/generative-scores")
+async def generative_scores(body: GenerativeScoreRequest, request: Request) -> dict[str, Any]:
+    """vLLM's earlier generative scores: the same engine work as /v1/score, in that version's
+    request and response shapes (`results[i].token_probs` keyed by token id as a string)."""
+    request_id, labels, scored = await _generative(body, request, "genscore")
     return {
         "id": request_id,
         "object": "generative_score",
@@ -349,4 +364,28 @@ async def generative_scores(body: GenerativeScoreRequest, request: Request) -> d
             for i, probs in enumerate(scored.probs)
         ],
         "usage": _usage(scored),
+    }
+
+
+@vllm_router.post("/generative_scoring")
+async def generative_scoring(body: GenerativeScoreRequest, request: Request) -> dict[str, Any]:
+    """vLLM 0.24's generative scoring: the same request, `data[i].score` the first label's
+    probability (softmax over the labels by default), and one completion token per item in
+    `usage` (vLLM samples one token for each)."""
+    request_id, _, scored = await _generative(body, request, "generative-scoring")
+    num_items = len(scored.probs)
+    return {
+        "id": request_id,
+        "object": "list",
+        "created": int(time.time()),
+        "model": settings_of(request).model_name,
+        "data": [
+            {"index": i, "object": "score", "score": probs[0]}
+            for i, probs in enumerate(scored.probs)
+        ],
+        "usage": {
+            **_usage(scored),
+            "completion_tokens": num_items,
+            "total_tokens": scored.num_prompt_tokens + num_items,
+        },
     }

@@ -1,5 +1,5 @@
 """Drop-in compatibility of the request surface (fake engine): SGLang's /v1/score defaults and
-response, vLLM's /v1/generative-scores, completions `echo` with prompt logprobs (the requests
+response, vLLM's /v1/generative-scores and /generative_scoring, completions `echo` with prompt logprobs (the requests
 lm-evaluation-harness sends), `n` choices, the sampling parameters mapped onto
 `SamplingParams`, and a 400 naming every parameter we do not implement."""
 
@@ -111,6 +111,28 @@ def test_generative_scores_in_vllms_shape(http: httpx.Client) -> None:
     probs = twice["results"][0]["token_probs"]
     assert list(probs) == ["65", "66"] and sum(probs.values()) == pytest.approx(1.0)
     assert list(probs.values()) == pytest.approx(fake_label_probs([113, 97], [65, 66], True))
+
+
+def test_generative_scoring_in_vllm_024s_shape(http: httpx.Client) -> None:
+    """vLLM 0.24's `/generative_scoring`: `data[i].score` is the first label's probability
+    (softmax over the labels by default), one completion token per item in `usage`."""
+    body = {"query": "q", "items": ["a", "bc"], "label_token_ids": [66, 65, 66]}
+    got = _ok(http.post("/generative_scoring", json=body))
+    assert got["object"] == "list" and got["id"].startswith("generative-scoring-")
+    assert [(d["index"], d["object"]) for d in got["data"]] == [(0, "score"), (1, "score")]
+    for d, ids in zip(got["data"], ([113, 97], [113, 98, 99]), strict=True):
+        # The repeated 66 counts once in the softmax, as vLLM keys labels before it.
+        assert d["score"] == pytest.approx(fake_label_probs(ids, [66, 65], True)[0])
+    assert got["usage"]["prompt_tokens"] == 5
+    assert got["usage"]["completion_tokens"] == 2 and got["usage"]["total_tokens"] == 7
+    raw = _ok(
+        http.post("/generative_scoring", json={**body, "apply_softmax": False, "request_id": "x"})
+    )
+    assert raw["id"] == "generative-scoring-x"
+    assert raw["data"][0]["score"] == pytest.approx(fake_label_probs([113, 97], [66], False)[0])
+    _err(http.post("/generative_scoring", json={**body, "top_p": 0.5}), "top_p")
+    bad = http.post("/generative_scoring", json={**body, "label_token_ids": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "label_token_ids"
 
 
 @pytest.mark.parametrize(
