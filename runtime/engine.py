@@ -1680,7 +1680,10 @@ class Engine:
             "num_chunked_scoring": s.num_chunked_scoring,
             "num_failed_steps": self._num_failed_steps,
             "num_failed_requests": self._num_failed_requests,
-            "num_interrupted_steps": self._num_interrupted_steps,
+            # Steps stopped part-way because their requests were all aborted (or shutdown's
+            # grace ran out), a split's prefills abandoned in flight included.
+            "num_interrupted_steps": self._num_interrupted_steps
+            + (self.split.num_abandoned_prefills if self.split is not None else 0),
             "fallbacks": fallbacks.taken(),
             "decode_device_s": self._decode_device_s,
             "decode_idle_s": self._decode_idle_s,

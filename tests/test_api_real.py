@@ -95,9 +95,9 @@ def test_score_matches_transformers(
 
 def test_disconnect_mid_stream_frees_kv(server: ServerThread, http: httpx.Client) -> None:
     engine = server.engine
-    baseline = engine.stats()[
-        "kv_blocks_used"
-    ]  # referenced blocks; idle prefix-cache blocks excluded
+    # Referenced blocks (idle prefix-cache blocks excluded), fresh: the last heartbeat's
+    # snapshot may date from before the previous test's last step.
+    baseline = server.stats_after()["kv_blocks_used"]
     body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as r:
         lines = r.iter_lines()

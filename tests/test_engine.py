@@ -177,7 +177,7 @@ def test_step_failure_fails_only_that_step(engine_and_sink, monkeypatch) -> None
     sink.wait("victim")
     assert sink.last("victim").finish_reason == "error" and "boom" in sink.last("victim").error
     assert engine.is_alive()
-    assert engine.stats()["kv_blocks_used"] == 0
+    assert engine.fresh_stats()["kv_blocks_used"] == 0
     engine.add(gen("after", [5, 6, 7], max_tokens=3))
     sink.wait("after")
     assert sink.last("after").finish_reason == "length"
@@ -253,7 +253,7 @@ def test_reset_prefix_cache_drops_idle_blocks(engine_and_sink) -> None:
     engine.reset_prefix_cache()
     engine.add(gen("sync", [9], max_tokens=1))  # a later step: the reset has been applied
     sink.wait("sync")
-    assert engine.stats()["prefix_cached_blocks"] == 0
+    assert engine.fresh_stats()["prefix_cached_blocks"] == 0
     engine.block_manager.check_integrity()
 
 
@@ -267,7 +267,7 @@ def test_abort_running_request_frees_kv(engine_and_sink) -> None:
     assert sink.last("long").finish_reason == "abort"
     engine.add(gen("sync", [9], max_tokens=1))  # a later step: the abort has been applied
     sink.wait("sync")
-    assert engine.stats()["kv_blocks_used"] == 0
+    assert engine.fresh_stats()["kv_blocks_used"] == 0
     engine.block_manager.check_integrity()
 
 

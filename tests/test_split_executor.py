@@ -1,7 +1,8 @@
 """CPU tests of the split executor (runtime/executor/split.py) with fake streams and events, driven
 by the engine's own step loop: a request moves to decode only after its prefill completes,
 decode keeps running meanwhile, no token is lost or duplicated (same greedy tokens as the serial
-executor), an abort during an in-flight prefill frees its KV only once the device is done,
+executor), an abort during an in-flight prefill frees its KV only once the device is done
+and launches none of its remaining slices,
 time-slicing runs as one step, the JCT model learns from whole-GPU prefills only."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 from runtime.attention.torch_backend import TorchAttentionBackend
 from runtime.config import EngineConfig
 from runtime.engine import Engine
-from runtime.executor.base import StepFailed
+from runtime.executor.base import StepFailed, StepInterrupted
 from runtime.executor.split import SplitExecutor
 from runtime.partition import SplitChoice, SplitDecision
 from runtime.partition.cost_model import ControllerConfig
@@ -440,6 +441,61 @@ def test_abort_during_inflight_prefill_frees_kv_after_completion() -> None:
     assert not outs  # nothing more for an aborted request
     assert bm.num_free_blocks == free0
     assert not sched.has_work()
+
+
+def test_a_prefill_in_flight_whose_requests_are_all_aborted_launches_no_more_slices() -> None:
+    """A client gone mid-prefill: the slices already queued run out, no further one is
+    launched, the plan comes back with no output, its KV is freed then, and nothing of it
+    teaches the cost model; the next request gets the serial executor's tokens."""
+    dev = FakeDevice()
+    observed: list[tuple] = []
+    eng, ex, _ = split_engine(
+        dev, fixed_split(), observe=lambda *a: observed.append(a), enable_prefix_cache=False
+    )  # pd_slice_tokens=1: one layer a slice, one slice queued (tiny has 2 layers)
+    sched, bm = eng.scheduler, eng.block_manager
+    free0 = bm.num_free_blocks
+    slices: list[int] = []
+    forward_layers = ex.model.forward_layers
+
+    def spy_layers(*a: Any, **k: Any) -> Any:
+        if a[3] is ex.runner.prefill_backend:
+            slices.append(a[4])
+        return forward_layers(*a, **k)
+
+    ex.model.forward_layers = spy_layers  # type: ignore[method-assign]
+    dev.hold = True
+    sched.add(gen("x", 50, 4))
+    split_step(eng)
+    assert ex.busy and slices == [0]  # the second slice waits for the first
+    eng._handle("abort", ["x"])  # as the engine applies an abort from its inbox
+    outs = finish(eng, dev)
+    assert slices == [0] and ex.num_abandoned_prefills == 1
+    assert not outs and bm.num_free_blocks == free0 and not sched.has_work()
+    assert not [o for o in observed if o[0] == "prefill"]
+    eng._publish_stats()  # (the engine is not started: rebuild the snapshot by hand)
+    assert eng.stats()["num_interrupted_steps"] == 1
+    # The pool and the executor serve the next request as if nothing had happened.
+    ref = serial_tokens([gen("y", 37, 5, seed=3)])
+    sched.add(gen("y", 37, 5, seed=3))
+    assert tokens_by_id(finish(eng, dev)) == ref
+
+
+def test_a_time_sliced_whole_step_of_aborted_requests_stops_between_layers() -> None:
+    """Time-slicing runs the plan as one step on the whole GPU, as the serial executor does:
+    it stops before its next layer when its requests are all being aborted."""
+    eng, ex, _ = split_engine(FakeDevice(), fixed_split(prefill_sms=0), enable_prefix_cache=False)
+    eng.runner.interrupt = eng._should_interrupt  # (split_engine swapped the runner in)
+    sched, bm = eng.scheduler, eng.block_manager
+    free0 = bm.num_free_blocks
+    sched.add(gen("x", 50, 4))
+    plan = sched.schedule(ex.capacity())
+    eng._aborting.add("x")  # its abort is in the inbox
+    with pytest.raises(StepInterrupted) as info:
+        ex.launch(plan)
+    assert info.value.layer == 0 and info.value.plan is plan and not ex.busy
+    outs = eng._interrupted(info.value)
+    assert [o.finish_reason for o in outs] == ["abort"]
+    assert bm.num_free_blocks == free0 and not sched.has_work()
 
 
 def test_preemption_never_picks_an_inflight_request() -> None:

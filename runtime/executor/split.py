@@ -18,6 +18,9 @@ A launched plan is split in two:
     overlapped with the host like the serial executor's.
 When the prefill's completion event has fired (`query()`, no device-wide sync), its logits
 rows are sampled / scored on the prefill stream and its result is returned with the others.
+A prefill in flight whose requests have all finished (aborted: a client gone) launches no
+more slices; it comes back with no outputs once what was queued has run. A time-sliced whole
+step is interruptible between layers as the serial executor's is (`StepInterrupted`).
 Streams: a phase that changes stream makes the new stream wait on the old one (events), so KV
 written on one partition is visible to the next user; the two streams of a pair never wait on
 each other while a prefill is in flight. Timings come from events on each stream and go to
@@ -36,8 +39,9 @@ import torch
 
 from runtime.attention.base import ForwardBatch
 from runtime.config import EngineConfig
-from runtime.executor.base import StepFailed, StepResult
+from runtime.executor.base import StepFailed, StepInterrupted, StepResult
 from runtime.executor.streams import EventLike, StreamDevice
+from runtime.model.llama import ForwardInterrupted
 from runtime.partition import TIME_SLICE, SplitChoice
 from runtime.partition.cost_model import DecodeShape, PrefillShape
 from runtime.runner import PendingOutput
@@ -56,6 +60,7 @@ class _Prefill:
     layers_per_slice: int
     start_event: EventLike
     next_layer: int = 0
+    abandoned: bool = False  # its requests all finished before its last slice: no outputs
     hidden_rows: torch.Tensor | None = None  # [N, H] final-normed rows needing an output
     slice_events: list[EventLike] = field(default_factory=list)
     done_event: EventLike | None = None
@@ -84,6 +89,7 @@ class _Launched:
     predicted_ms: float = math.nan
     on_split: bool = False  # ran on a split's partition (not the whole GPU)
     neighbour: DecodeShape | None = None  # a split prefill: the mean decode step beside it
+    abandoned: bool = False  # a prefill stopped part-way: no outputs, its time not a step's
 
 
 # observe(stage, shape, sms, measured_ms, other_sms[, neighbour shape | None]): the cost
@@ -133,6 +139,7 @@ class SplitExecutor:
         self.num_split_prefills = 0
         self.num_layer_sliced_prefills = 0
         self.num_overlapped_decode_steps = 0
+        self.num_abandoned_prefills = 0  # in flight when their requests were all aborted
         self.last_split = TIME_SLICE  # the split of the latest prefill start or decode launch
         self._prompt_pending: PendingOutput | None = None  # prompt logprobs of the prefill
         # The latest collected step that carried decodes: its end event and its requests
@@ -186,6 +193,8 @@ class SplitExecutor:
                     self._launch_whole(plan, choice.prefill_stream)
                     return
                 self._start_prefill(pplan, choice)
+            except StepInterrupted:
+                raise
             except Exception as e:  # noqa: BLE001 - the engine re-runs the plan's requests
                 self.prefill = None
                 raise StepFailed(plan, e, self.last_split) from e
@@ -257,7 +266,10 @@ class SplitExecutor:
         start, end = self.device.event(), self.device.event()
         with self.device.context(stream):
             start.record()
-            pending = self.runner.launch(plan)
+            try:
+                pending = self.runner.launch(plan, interruptible=True)
+            except ForwardInterrupted as e:
+                raise StepInterrupted(plan, e.layer) from e
             end.record()
         self._queue.append(_Launched("whole", plan, pending, start, end, TIME_SLICE))
 
@@ -333,6 +345,9 @@ class SplitExecutor:
         f = self.prefill
         if f is None or f.done_event is not None:
             return
+        if all(s.request.is_finished for s in f.plan.prefill):
+            self._abandon(f)
+            return
         pending = sum(1 for e in f.slice_events if not e.query())
         num_layers = self.model.num_layers
         # Time-sliced by layers, prefill and decode share one stream: a second queued slice
@@ -360,6 +375,19 @@ class SplitExecutor:
                 ev.record()
                 f.slice_events.append(ev)
                 pending += 1
+
+    def _abandon(self, f: _Prefill) -> None:
+        """Every request of the prefill in flight finished (aborted) before its last slice:
+        launch no more; it is done once what was queued has run (its blocks stay held until
+        then: the scheduler frees a lease only when no launched step uses it)."""
+        f.abandoned = True
+        self.num_abandoned_prefills += 1
+        ev = self.device.event()
+        with self.device.context(f.choice.prefill_stream):
+            ev.record()
+        f.slice_events.append(ev)
+        f.done_event = ev
+        self._decode_owed = bool(f.choice.layers_per_slice)
 
     def _final_rows(self, f: _Prefill) -> None:
         """After the last slice: the final-normed rows needing an output (and the prompt
@@ -399,7 +427,7 @@ class SplitExecutor:
             pending = self._prompt_pending or PendingOutput(self.runner.device)
             self._prompt_pending = None
             with self.device.context(f.choice.prefill_stream):
-                if f.hidden_rows is not None:
+                if f.hidden_rows is not None and not f.abandoned:
                     wanting = [s for s in f.plan.prefill if s.needs_output]
                     self.runner.outputs_from_hidden(f.hidden_rows, wanting, pending)
                 pending.seal()
@@ -426,6 +454,7 @@ class SplitExecutor:
                 predicted_ms=f.choice.decision.predicted_prefill_ms if sliced else math.nan,
                 on_split=f.choice.prefill_sms != TIME_SLICE,
                 neighbour=neighbour,
+                abandoned=f.abandoned,
             )
         )
 
@@ -438,6 +467,8 @@ class SplitExecutor:
         f.end.synchronize()
         ms = f.start.elapsed_time(f.end)
         layers = self.model.num_layers
+        if f.abandoned:  # part of a prefill: nothing for the models to learn, no outputs
+            return StepResult(f.plan, output, None, None, on_split=f.on_split)
         if self.observe is not None:
             if f.kind == "decode":
                 kv = sum(s.num_context_tokens for s in f.plan.decode)
