@@ -1297,15 +1297,9 @@ class Engine:
                 return outputs + sched.fail(ids, f"internal scheduler error: {e!r}")
             outputs += sched.take_pending_outputs()
             if not plan.is_empty:
-                self._step_started_s = now_s = time.monotonic()
-                if now_s >= self._next_stats_s or (
-                    plan.prefill and sched.num_running != self._stats.get("num_running")
-                ):
-                    # Also before a launch that admits (or follows a finish): a step may run
-                    # for seconds (a long prompt on the H200; a minute on a CPU), and a
-                    # snapshot from before it would show neither its requests nor their KV
-                    # for that long. O(1) to test; a publish costs ~10-100 us.
-                    self._publish_stats()
+                self._step_started_s = time.monotonic()
+                if plan.prefill:
+                    self._publish_counts()
                 try:
                     ex.launch(plan)
                     planned = True
@@ -1630,6 +1624,25 @@ class Engine:
     def _publish_stats(self) -> None:
         with self._lock:
             self._publish_stats_locked()
+
+    def _publish_counts(self) -> None:
+        """Refresh the snapshot's queue and KV counts before a launch with prefill, the rest
+        left as last rebuilt (a rebuild costs up to milliseconds with a long queue; this, a
+        few microseconds): such a step may run for seconds (a long prompt on the H200, a
+        minute on a CPU), and a snapshot from before it would show neither its requests
+        running nor their KV for that long."""
+        s, snap = self.scheduler, self._stats
+        num_used = self.block_manager.num_used_blocks
+        if (s.num_running, s.num_waiting, num_used) == (
+            snap.get("num_running"),
+            snap.get("num_waiting"),
+            snap.get("kv_blocks_used"),
+        ):
+            return
+        with self._lock:
+            snap.update(
+                num_running=s.num_running, num_waiting=s.num_waiting, kv_blocks_used=num_used
+            )
 
     def _publish_stats_locked(self) -> None:
         """Rebuild the snapshot (caller holds the lock or is the engine thread before it
