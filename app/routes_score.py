@@ -346,6 +346,16 @@ async def _generative(
     return request_id, labels, scored
 
 
+def _generative_usage(scored: _Scored) -> dict[str, Any]:
+    """vLLM's generative scoring samples one token per item and counts it (both versions)."""
+    num_items = len(scored.probs)
+    return {
+        **_usage(scored),
+        "completion_tokens": num_items,
+        "total_tokens": scored.num_prompt_tokens + num_items,
+    }
+
+
 @router.post("/generative-scores")
 async def generative_scores(body: GenerativeScoreRequest, request: Request) -> dict[str, Any]:
     """vLLM's earlier generative scores: the same engine work as /v1/score, in that version's
@@ -363,17 +373,15 @@ async def generative_scores(body: GenerativeScoreRequest, request: Request) -> d
             }
             for i, probs in enumerate(scored.probs)
         ],
-        "usage": _usage(scored),
+        "usage": _generative_usage(scored),
     }
 
 
 @vllm_router.post("/generative_scoring")
 async def generative_scoring(body: GenerativeScoreRequest, request: Request) -> dict[str, Any]:
     """vLLM 0.24's generative scoring: the same request, `data[i].score` the first label's
-    probability (softmax over the labels by default), and one completion token per item in
-    `usage` (vLLM samples one token for each)."""
+    probability (softmax over the labels by default)."""
     request_id, _, scored = await _generative(body, request, "generative-scoring")
-    num_items = len(scored.probs)
     return {
         "id": request_id,
         "object": "list",
@@ -383,9 +391,5 @@ async def generative_scoring(body: GenerativeScoreRequest, request: Request) -> 
             {"index": i, "object": "score", "score": probs[0]}
             for i, probs in enumerate(scored.probs)
         ],
-        "usage": {
-            **_usage(scored),
-            "completion_tokens": num_items,
-            "total_tokens": scored.num_prompt_tokens + num_items,
-        },
+        "usage": _generative_usage(scored),
     }

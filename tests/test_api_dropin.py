@@ -96,6 +96,7 @@ def test_generative_scores_in_vllms_shape(http: httpx.Client) -> None:
         assert list(probs) == ["65", "66"]
         assert list(probs.values()) == pytest.approx(fake_label_probs(ids, [65, 66], True))
     assert got["usage"]["prompt_tokens"] == 5
+    assert got["usage"]["completion_tokens"] == 2 and got["usage"]["total_tokens"] == 7
     raw = _ok(
         http.post(
             "/v1/generative-scores",
