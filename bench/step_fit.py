@@ -23,10 +23,13 @@ the other half (even / odd positions):
 `chunked_predicted_ms`. With `--jct-log SERVER_LOG` (the run's server log: its calibrated JCT
 line) a `corrected` row replays the engine's own mixed-step prediction, `runtime.scheduler.
 CorrectedCost` as this checkout has it, over the steps in order: each scored before it is
-observed, its decode part from a decaying line over the decode-only steps before it (the
-engine's `_decode_base_s` fallback), the JCT model held at its start-up fit; and beside it
+observed, its decode part the base the engine recorded for it (`decode_base_ms`: the cost
+model's decode for the batch on a calibrated GPU) or, in older traces, a decaying line over
+the decode-only steps before it (the engine's `_decode_base_s` fallback: on the H200 it is not
+what ran), the JCT model held at its start-up fit; and beside it
 `corrected-no-context`, the same with the cost of the prefill parts' cached tokens held at 0
-(the correction as it was before it had that term). Per model: MAPE and the P50 / P90 / P99 of measured / predicted. A term
+(the correction as it was before it had that term), and `corrected-after-warmup`, `corrected` on
+the steps `online` is scored on (after its warm-up: the first steps, the hardest, are not). Per model: MAPE and the P50 / P90 / P99 of measured / predicted. A term
 that shrinks the P99 is one the cut lacks.
 
 The floor (`same_shape`): steps of one shape (decodes, prefill sequences, and prefill tokens,
@@ -256,10 +259,14 @@ def corrected_replay(
         if num_decodes and not s.get("num_prefill_tokens"):
             decode.add(float(num_decodes), measured_s)
             continue
-        if not num_decodes or decode.count < 3:
+        recorded = s.get("decode_base_ms")  # the engine's own base (newer traces)
+        if not num_decodes or (recorded is None and decode.count < 3):
             continue
-        mx, my = decode.means()
-        base_s = my + (decode.slope(0.1, 3.0) or 0.0) * (num_decodes - mx)
+        if recorded is not None:
+            base_s = float(recorded) / 1e3
+        else:
+            mx, my = decode.means()
+            base_s = my + (decode.slope(0.1, 3.0) or 0.0) * (num_decodes - mx)
         tokens = int(s["num_prefill_tokens"])
         predicted_s = jct.b_s_per_token * tokens + jct.k_s_per_pair * float(
             s.get("prefill_attention_pairs") or 0.0
@@ -301,6 +308,10 @@ def fit(steps: list[dict[str, Any]], jct: JctLine | None = None) -> dict[str, An
             replayed = corrected_replay(steps, jct, context_term=term)
             pred = np.array([replayed.get(ids[id(s)], 0.0) for s in mixed])
             models[name] = ratio_summary(y, pred)
+            if term:  # like for like with `online`: the steps it scores (after its warm-up)
+                models["corrected-after-warmup"] = ratio_summary(
+                    y, np.where(online > 0.0, pred, 0.0)
+                )
     out["models"] = models
     out["same_shape"] = same_shape_floor(mixed)
     return out

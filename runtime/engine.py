@@ -131,6 +131,11 @@ STEP_TRACE_FIELDS = (
     # the decode steps between, and the controller's prediction of it; else None
     "layer_sliced_span_ms",
     "layer_sliced_predicted_ms",
+    # A mixed whole-GPU step: the decode base its prediction and the correction's observation
+    # used (`Engine._decode_base_s`: the cost model's decode for the batch when calibrated,
+    # else the decode-only average), else None. What a replay of the correction needs to be
+    # the engine's (`bench.step_fit`).
+    "decode_base_ms",
 )
 
 Sink = Callable[[list[EngineOutput]], None]
@@ -1381,7 +1386,7 @@ class Engine:
                 waited_s = result.device_s + (result.idle_before_s or 0.0)
                 self._tbt_tail.observe(step_s, waited_s, target_s)
             cost.observe(predicted, result.device_s - base, context)
-        self._trace(result, predicted_step_s, chunked_ms)
+        self._trace(result, predicted_step_s, chunked_ms, base if predicted_step_s else None)
         # Decode-only steps: a step with prefill work is not a decode step's time.
         decode_only = bool(plan.decode) and not plan.prefill
         if decode_only and result.device_s is not None:
@@ -1412,7 +1417,11 @@ class Engine:
         self._prev_had_decode = decode_only
 
     def _trace(
-        self, result: StepResult, predicted_s: float | None, chunked_ms: float | None
+        self,
+        result: StepResult,
+        predicted_s: float | None,
+        chunked_ms: float | None,
+        decode_base_s: float | None,
     ) -> None:
         plan = result.plan
         self._step_trace.append(
@@ -1438,6 +1447,7 @@ class Engine:
                 None if result.decode_gap_s is None else result.decode_gap_s * 1e3,
                 _ms(result.layer_sliced_span_s),
                 _ms(result.layer_sliced_predicted_s),
+                _ms(decode_base_s),
             )
         )
 

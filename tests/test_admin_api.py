@@ -536,6 +536,7 @@ def test_step_trace_of_the_real_engine() -> None:
             "decode_gap_ms",
             "layer_sliced_span_ms",
             "layer_sliced_predicted_ms",
+            "decode_base_ms",
         }
         assert all(s["chunked_predicted_ms"] is None for s in steps)  # off: no chunked choice
         assert all(s["layer_sliced_span_ms"] is None for s in steps)  # nor layer slices

@@ -179,3 +179,30 @@ def test_corrected_replay_scores_the_engines_correction_before_it_learns(tmp_pat
     assert models["corrected"]["num_steps"] > 90
     # No cached prefixes in these steps: the context term never enters, both replays agree.
     assert models["corrected-no-context"] == models["corrected"]
+
+
+def test_corrected_replay_takes_the_decode_base_the_engine_recorded() -> None:
+    """A trace with `decode_base_ms` replays the engine's own base (the cost model's decode on
+    a calibrated GPU), not the decode-only line; here no decode-only step precedes at all,
+    and the base the engine used differs from step to step."""
+    jct = step_fit.JctLine(b_s_per_token=1e-5, k_s_per_pair=0.0)
+    steps = []
+    for i in range(120):
+        n, base_ms = (150, 2000, 600)[i % 3], (3.0, 9.0)[i % 2]
+        steps.append(
+            {
+                "num_decodes": 4 + 10 * (i % 2),
+                "num_prefill_seqs": 1,
+                "num_prefill_tokens": n,
+                "prefill_attention_pairs": 0.0,
+                "prefill_context_tokens": 0,
+                "decode_base_ms": base_ms,
+                "device_ms": base_ms + 4.0 + 2.0 * 1e-2 * n,
+            }
+        )
+    pred = step_fit.corrected_replay(steps, jct)
+    assert min(pred) == 0  # scored from the first step: the base needs no decode-only steps
+    last = max(pred)
+    assert pred[last] == pytest.approx(steps[last]["device_ms"], rel=0.01)
+    without = [{k: v for k, v in s.items() if k != "decode_base_ms"} for s in steps]
+    assert step_fit.corrected_replay(without, jct) == {}  # no base to replay on
