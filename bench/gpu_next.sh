@@ -55,6 +55,9 @@
 #                                         #   until healthy, so FlashInfer's modules and the
 #                                         #   fused decode's Triton sizes compile, then stop;
 #                                         #   the cache comes back as fi_cache.tar.gz
+#   bash bench/gpu_next.sh abandon REV [M] # a client leaving a long scoring prompt: the GPU
+#                                         #   test, then bench.abandoned through HTTP (M: the
+#                                         #   8B shape; 131k tokens, two repeats; ~3 min)
 #   bash bench/gpu_next.sh l REV          # issue 12: the fused RoPE + K/V write vs the unfused
 #                                         #   pair, one layer, T = 1..16k, tiled variants; then
 #                                         #   the decode-path GPU tests; issue 17: the prefill
@@ -456,6 +459,30 @@ case $plan in
       --parts "$parts" --tag gpu-scheduling-$plan --command "${DUR:+DUR=$DUR }${PROBES:+PROBES=$PROBES }${PARTS:+PARTS='$PARTS' }${SERVER_ARGS:+SERVER_ARGS='$SERVER_ARGS' }bash bench/gpu_next.sh $plan $rev" \
       --deadline-s "$(( $(left) - 15 ))" || rc=1
     cp $work/sched/gpu-scheduling-*.json "$OUT/" ;;
+  abandon)
+    # A client leaving a long scoring prompt (since c74da04 its step stops at the next layer):
+    # the GPU test, then through HTTP what the next request waits (bench.abandoned) on the 8B
+    # shape, 131,000-token prompts, two repeats. ~3 min after `warm`.
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_interrupt_gpu.py || rc=1
+    python3 - "${split:-random:llama-3.1-8b}" "$(( $(left) - 20 ))" "$rev" "$OUT" <<'PY' || rc=1
+import subprocess, sys
+from pathlib import Path
+from bench.gpu_serving import Server
+model, budget_s, rev, out = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4]
+s = Server(model, 8011, [], Path("/tmp/serving/abandon.log"))
+print(f"abandon: {model} healthy after {s.start(min(300.0, budget_s)):.0f} s", flush=True)
+try:
+    name = model.split(":")[-1]
+    subprocess.run(
+        [sys.executable, "-m", "bench.abandoned", "--url", s.url, "--num-tokens", "131000",
+         "--repeats", "2", "--server-revision", rev,
+         "--json", f"{out}/abandoned-{name}-{rev}.json"],
+        check=True,
+    )
+finally:
+    s.stop()
+PY
+    ;;
   warm)
     # Compiling here keeps it out of a later plan's deadline (a server start on a bare machine
     # took 246 s on the 8B; the plan after it timed out its own start in the same call).
