@@ -64,6 +64,12 @@ from runtime.scheduler import RunnerOutput, ScheduledSeq, StepPlan
 
 log = logging.getLogger("greenlane.runner")
 
+# Eager prefill forwards of at least this many tokens keep the host within a few layers of the
+# device on CUDA (`ModelRunner._interrupt_for`), so an abort stops them soon. A shorter step
+# ends within about a second on the H200 anyway (16k tokens of the 8B shape), and the gate's
+# event per layer (a few us each) would cost a few percent of a step of 2-4k tokens.
+INTERRUPT_GATE_MIN_TOKENS = 16_384
+
 
 def use_ops_for(backend: AttentionBackend) -> bool:
     """Route the model's norms, SiLU-and-mul and RoPE through FlashInfer when the attention
@@ -672,17 +678,17 @@ class ModelRunner:
             backend,
             chunk_tokens=chunk,
             stream_rows_above=stream_rows_above,
-            interrupt=self._interrupt_for(batch.num_tokens, chunk),
+            interrupt=self._interrupt_for(batch.num_tokens),
         )
 
-    def _interrupt_for(self, num_tokens: int, chunk: int | None) -> Callable[[], bool] | None:
+    def _interrupt_for(self, num_tokens: int) -> Callable[[], bool] | None:
         """What an eager prefill forward asks before each layer (None: not interruptible)."""
         ask, plan = self.interrupt, self._launching
         if ask is None or plan is None:
             return None
-        if self.device.type != "cuda" or chunk is None or num_tokens <= chunk:
+        if self.device.type != "cuda" or num_tokens < INTERRUPT_GATE_MIN_TOKENS:
             return lambda: ask(plan)
-        # A hybrid-chunked prompt on CUDA (seconds to tens of seconds): the host would enqueue
+        # A long prompt on CUDA (seconds to tens of seconds): the host would enqueue
         # layers as far ahead as the launch queue lets it, so an answer between layers would
         # say little about what the device still has to run. Keep the host within about two
         # layers of the device: before enqueueing layer i, wait for the end of layer i - 3
