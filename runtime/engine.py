@@ -1063,7 +1063,9 @@ class Engine:
                 bm.free(key)
 
     def stats(self) -> dict[str, Any]:
-        """The latest published snapshot (at most STATS_INTERVAL_S old while busy)."""
+        """The latest published snapshot: rebuilt every STATS_INTERVAL_S between steps and when
+        idle, its queue and KV counts also as of the latest launch with prefill (a long step
+        runs for seconds with nothing rebuilt)."""
         with self._lock:
             return dict(self._stats)
 
