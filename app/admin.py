@@ -492,6 +492,15 @@ def _build_state(app: Any) -> dict[str, Any]:
             # Triton kernel variants compiled after start-up, each a first use paid on the
             # engine thread (runtime/compile_watch.py; None: not counted, e.g. on a CPU).
             "kernels_compiled_while_serving": stats.get("kernels_compiled_while_serving"),
+            # The step under way (as of the last heartbeat): seconds since its launch, and for
+            # an eager prefill forward the layer it is at, of how many, over how many tokens
+            # (a long scoring prompt runs tens of seconds in one step).
+            "step": {
+                "running_s": stats.get("step_running_s"),
+                "layer": stats.get("step_layer"),
+                "num_layers": stats.get("step_num_layers"),
+                "prefill_tokens": stats.get("step_prefill_tokens"),
+            },
         },
         "partition": partition,
         "queues": {"waiting": stats.get("num_waiting"), "running": stats.get("num_running")},

@@ -1069,6 +1069,19 @@ class Engine:
         with self._lock:
             return dict(self._stats)
 
+    def live_stats(self) -> dict[str, Any]:
+        """What moves during one long step, read now (any thread; attribute reads only, no
+        lock): how long since the latest launch, and which layer an interruptible prefill
+        forward is about to run, of how many, over how many tokens (None outside one)."""
+        started = self._step_started_s
+        layer = self.runner.forward_layer
+        return {
+            "step_running_s": None if started is None else time.monotonic() - started,
+            "step_layer": layer,
+            "step_num_layers": None if layer is None else self.model_config.num_layers,
+            "step_prefill_tokens": None if layer is None else self.runner.forward_tokens,
+        }
+
     def fresh_stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """A snapshot built for this call on the engine thread, between two steps (tests and
         benchmarks; falls back to the latest snapshot after `timeout_s`)."""

@@ -369,6 +369,10 @@ class ModelRunner:
         # plan of the interruptible launch under way (None outside one).
         self.interrupt: Callable[[StepPlan], bool] | None = None
         self._launching: StepPlan | None = None
+        # Where the interruptible forward under way is: the layer it is about to run and its
+        # tokens (None outside one). Written per layer, read by other threads (progress).
+        self.forward_layer: int | None = None
+        self.forward_tokens = 0
         self.model = model
         # Sampling only picks ids the tokenizer can decode: a model whose embedding table is
         # padded past the tokenizer (random:<preset> models with the SmolLM2 tokenizer,
@@ -603,6 +607,7 @@ class ModelRunner:
             raise OutOfMemoryForStep(describe_oom(plan)) from e
         finally:
             self._launching = None
+            self.forward_layer = None
         return pending.seal()
 
     def run(self, plan: StepPlan) -> RunnerOutput:
@@ -681,13 +686,20 @@ class ModelRunner:
             interrupt=self._interrupt_for(batch.num_tokens),
         )
 
-    def _interrupt_for(self, num_tokens: int) -> Callable[[], bool] | None:
-        """What an eager prefill forward asks before each layer (None: not interruptible)."""
+    def _interrupt_for(self, num_tokens: int) -> Callable[[int], bool] | None:
+        """What an eager prefill forward asks before each layer (None: not interruptible); it
+        also keeps `forward_layer` (progress) current."""
         ask, plan = self.interrupt, self._launching
         if ask is None or plan is None:
             return None
+        self.forward_tokens = num_tokens
         if self.device.type != "cuda" or num_tokens < INTERRUPT_GATE_MIN_TOKENS:
-            return lambda: ask(plan)
+
+            def ask_at(layer: int) -> bool:
+                self.forward_layer = layer
+                return ask(plan)
+
+            return ask_at
         # A long prompt on CUDA (seconds to tens of seconds): the host would enqueue
         # layers as far ahead as the launch queue lets it, so an answer between layers would
         # say little about what the device still has to run. Keep the host within about two
@@ -696,12 +708,13 @@ class ModelRunner:
         # i - 1 queued then, so it does not idle for this while a layer outlasts its launch.
         ends: deque[torch.cuda.Event] = deque()
 
-        def ask_in_step() -> bool:
+        def ask_in_step(layer: int) -> bool:
             end = torch.cuda.Event(blocking=True)  # a waiting host yields its core
             end.record()
             ends.append(end)
             if len(ends) > 2:
                 ends.popleft().synchronize()
+            self.forward_layer = layer  # (the device is within two layers of it)
             return ask(plan)
 
         return ask_in_step

@@ -61,6 +61,16 @@
   function renderTiles(s) {
     setText("stat-waiting", fmtNum(s.queues.waiting));
     setText("stat-running", fmtNum(s.queues.running));
+    // A step running over a second (a long prompt in one step): how far it is.
+    const st = (s.engine && s.engine.step) || {};
+    let stepText = "";
+    if (isNum(st.running_s) && st.running_s >= 1) {
+      stepText = `step ${st.running_s.toFixed(0)} s in`;
+      if (isNum(st.layer)) {
+        stepText += `: layer ${st.layer + 1} / ${st.num_layers}, ${fmtNum(st.prefill_tokens)} tokens`;
+      }
+    }
+    setText("stat-running-step", stepText);
     setText("stat-kv", fmtPct(s.kv.usage));
     setText("stat-kv-blocks", isNum(s.kv.blocks_total)
       ? `${s.kv.blocks_used} / ${s.kv.blocks_total} blocks` : "");

@@ -383,6 +383,7 @@ def test_engine_not_started_yet() -> None:
         "num_failed_requests": None,
         "fallbacks": None,
         "kernels_compiled_while_serving": None,
+        "step": {"running_s": None, "layer": None, "num_layers": None, "prefill_tokens": None},
     }
     assert state["partition"]["available"] is False
     assert state["queues"] == {"waiting": None, "running": None}

@@ -61,11 +61,15 @@ def test_aborting_the_only_request_stops_its_prefill_before_the_next_layer() -> 
         spy.hold_until = lambda: "long" in engine._aborting  # the abort reached the engine
         engine.add(gen("long", prompt(1, 200), max_tokens=4))
         assert spy.started.wait(30)
+        live = engine.live_stats()  # held in layer 0 of the long prompt: where it is
+        assert live["step_layer"] == 0 and live["step_num_layers"] == 2
+        assert live["step_prefill_tokens"] == 200 and live["step_running_s"] >= 0.0
         engine.abort("long")
         sink.wait("long", timeout=30)
         assert sink.last("long").finish_reason == "abort"
         assert spy.long_layers() == [0]  # layer 1 never ran
         assert engine.fresh_stats()["num_interrupted_steps"] == 1
+        assert engine.live_stats()["step_layer"] is None  # no forward under way
         # Nothing left behind: every block back, and the same greedy tokens as before.
         engine.add(gen("after", prompt(2, 60), max_tokens=6))
         sink.wait("after")

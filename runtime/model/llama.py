@@ -20,8 +20,8 @@ T rows at once (`forward_chunked`: h, residual, q, k, v, 27 KiB). The activation
 so the longest scoring prompt, is measured on the first form past the budget and on the second
 for a budget-sized step.
 
-Interruptible forwards: `interrupt` (optional) is called before each layer; when it returns
-True the forward raises `ForwardInterrupted`. The engine passes it for eager prefill so a
+Interruptible forwards: `interrupt` (optional) is called with the layer's index before each
+layer; when it returns True the forward raises `ForwardInterrupted`. The engine passes it for eager prefill so a
 prompt whose request is aborted (a client gone, shutdown past its grace) stops within a layer
 instead of running to its end (a 262k-token prompt runs ~35 s on the H200). The K/V written so
 far stays in the request's blocks, which the caller frees.
@@ -48,8 +48,8 @@ class ForwardInterrupted(Exception):
         self.layer = layer
 
 
-def _check(interrupt: Callable[[], bool] | None, layer: int) -> None:
-    if interrupt is not None and interrupt():
+def _check(interrupt: Callable[[int], bool] | None, layer: int) -> None:
+    if interrupt is not None and interrupt(layer):
         raise ForwardInterrupted(layer)
 
 
@@ -383,7 +383,7 @@ class LlamaForCausalLM(nn.Module):
         end: int,
         chunk_tokens: int | None = None,
         stream_rows_above: int = 0,
-        interrupt: Callable[[], bool] | None = None,
+        interrupt: Callable[[int], bool] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run layers [start, end). `residual` is None before layer 0. With hybrid prefill on
         (chunk_tokens < T) the inputs are consumed (overwritten in place), and where the
@@ -432,7 +432,7 @@ class LlamaForCausalLM(nn.Module):
         attn: AttentionBackend,
         chunk_tokens: int | None = None,
         stream_rows_above: int = 0,
-        interrupt: Callable[[], bool] | None = None,
+        interrupt: Callable[[int], bool] | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> final hidden states [T, H]. `chunk_tokens`,
         `stream_rows_above`: hybrid prefill's form (`forward_layers`); `interrupt`: asked
