@@ -10,8 +10,9 @@ returns every launched plan exactly once, as one result or as several results th
 seqs (the split executor returns a prefill and its decodes separately), in launch order per
 request. A launch that raises does so as `StepFailed`, naming the plan it covered; that plan
 is not in flight and the engine re-runs its requests one at a time with `run_alone`. A launch
-the runner's `interrupt` stopped part-way raises `StepInterrupted` (serial executor: eager
-prefill forwards); that plan is not in flight either, and its requests are being aborted.
+the runner's `interrupt` stopped part-way raises `StepInterrupted` (eager prefill forwards on
+the whole GPU, either executor); that plan is not in flight either, and its requests are being
+aborted.
 """
 
 from __future__ import annotations

@@ -21,10 +21,10 @@ so the longest scoring prompt, is measured on the first form past the budget and
 for a budget-sized step.
 
 Interruptible forwards: `interrupt` (optional) is called with the layer's index before each
-layer; when it returns True the forward raises `ForwardInterrupted`. The engine passes it for eager prefill so a
-prompt whose request is aborted (a client gone, shutdown past its grace) stops within a layer
-instead of running to its end (a 262k-token prompt runs ~35 s on the H200). The K/V written so
-far stays in the request's blocks, which the caller frees.
+layer; when it returns True the forward raises `ForwardInterrupted`. The engine passes it for
+eager prefill, so a prompt whose request is aborted (a client gone, shutdown past its grace)
+stops within a layer instead of running to its end (a 262k-token prompt runs ~35 s on the
+H200). The K/V written so far stays in the request's blocks, which the caller frees.
 """
 
 from __future__ import annotations
