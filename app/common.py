@@ -172,9 +172,17 @@ def _developer_role(engine: Any) -> str:
     return "developer" if "developer" in template else "system"
 
 
-def chat_prompt_ids(engine: Any, messages: list[Any], param: str = "messages") -> list[int]:
+def chat_prompt_ids(
+    engine: Any,
+    messages: list[Any],
+    param: str = "messages",
+    *,
+    add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
     """Render chat messages with the model's template and tokenise them; message content is
-    read as text (special-token text in it never becomes a control token)."""
+    read as text (special-token text in it never becomes a control token).
+    `template_kwargs`: variables for the template (`chat_template_kwargs`)."""
     check_num_messages(engine, len(messages), param)
     developer = _developer_role(engine)
     try:
@@ -190,7 +198,11 @@ def chat_prompt_ids(engine: Any, messages: list[Any], param: str = "messages") -
         raise bad_request(str(exc), param) from exc
     check_text_fits(engine, sum(len(m["content"]) for m in plain), param)
     try:
-        return list(engine.tokenizer.encode_chat(plain, add_generation_prompt=True))
+        return list(
+            engine.tokenizer.encode_chat(
+                plain, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
+            )
+        )
     except Exception as exc:  # a template may reject a role order, e.g. two system messages
         raise bad_request(f"chat template rejected the messages: {exc}", param) from exc
 

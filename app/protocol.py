@@ -136,6 +136,8 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM/SGLang extension
     stop_token_ids: list[int] | None = Field(None, max_length=64)  # vLLM/SGLang extension
+    skip_special_tokens: bool = True  # vLLM extension: special tokens' text left out
+    include_stop_str_in_output: bool = False  # vLLM extension: a matched stop string kept
     # Accepted with no effect on the output by OpenAI's own definition (identification, billing
     # and cache-routing hints); listed so they are not "unknown".
     user: str | None = None
@@ -190,18 +192,48 @@ class _SamplingFields(_Request):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
+# chat_template_kwargs may not set what the server passes the template itself (the top-level
+# field, or a feature it does not implement).
+_RESERVED_TEMPLATE_KWARGS = {
+    "messages": "it is the request's messages",
+    "add_generation_prompt": "use the request's add_generation_prompt",
+    "tools": "tool calling is not supported",
+    "documents": "documents are not supported",
+}
+MAX_TEMPLATE_KWARGS = 32
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's template extensions: false ends the prompt after the last message (no assistant
+    # turn opened); variables for the chat template (e.g. Qwen3's {"enable_thinking": false}).
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         return self
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_TEMPLATE_KWARGS:
+            raise ValueError(f"at most {MAX_TEMPLATE_KWARGS} chat_template_kwargs")
+        for key in v:
+            why = _RESERVED_TEMPLATE_KWARGS.get(key)
+            if why is not None:
+                raise ValueError(f"chat_template_kwargs may not set {key!r}: {why}")
+            if not key.isidentifier():
+                raise ValueError(f"chat_template_kwargs keys are template names, got {key!r}")
+        return v
 
     @property
     def max_output_tokens(self) -> int | None:

@@ -124,6 +124,8 @@ def _sampling(
         repetition_penalty=pick(body.repetition_penalty, "repetition_penalty", 1.0),
         logit_bias=body.logit_bias_ids(),
         min_p=pick(body.min_p, "min_p", 0.0),
+        skip_special_tokens=body.skip_special_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
     )
 
 
@@ -406,7 +408,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     # n choices are n engine requests: more than the server admits at once can never run (a
     # 400, not a 429 that invites retries)
     check_num_requests(client_of(request), body.n, "n")
-    prompt_ids = await off_loop(chat_prompt_ids, engine, body.messages)
+    prompt_ids = await off_loop(
+        chat_prompt_ids,
+        engine,
+        body.messages,
+        add_generation_prompt=body.add_generation_prompt,
+        template_kwargs=body.chat_template_kwargs,
+    )
     requested = body.max_output_tokens
     max_tokens = requested or default_max_tokens(engine, len(prompt_ids))
     check_prompt_fits(

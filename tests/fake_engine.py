@@ -89,11 +89,14 @@ class FakeTokenizer:
         return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> list[int]:
         """The template's tokens with each message's content read as text (bytes), as the
-        real tokenizer does: typed special-token text never becomes a control token."""
+        real tokenizer does: typed special-token text never becomes a control token. Template
+        variables (`chat_template_kwargs`) show as `[name=value]` text up front."""
         ids: list[int] = []
+        for name, value in sorted(kwargs.items()):
+            ids += list(f"[{name}={value}]".encode())
         for m in messages:
             ids += self.encode(f"<|im_start|>{m['role']}\n")
             ids += list(str(m["content"]).encode("utf-8"))

@@ -147,6 +147,32 @@ def test_generative_scores_refuse_sampling_knobs(
     _err(http.post("/v1/generative-scores", json=body), param)
 
 
+# ----------------------------------------------------------------------------- chat templates
+
+
+def test_chat_template_kwargs_and_add_generation_prompt_reach_the_template(
+    server: ServerThread, http: httpx.Client
+) -> None:
+    """vLLM's chat extensions: template variables (Qwen3's enable_thinking) and a prompt that
+    opens no assistant turn."""
+    opened = b"<|im_start|>assistant\n"
+    for body, rid in (
+        ({"chat_template_kwargs": {"enable_thinking": False}}, "tk-vars"),
+        ({"add_generation_prompt": False}, "tk-nogen"),
+    ):
+        full = {"messages": MSG, "max_tokens": 2, **body}
+        _ok(http.post(CHAT, json=full, headers={"X-Request-Id": rid}))
+    (with_vars,) = _added(server, "tk-vars")
+    (no_gen,) = _added(server, "tk-nogen")
+    tok = server.engine.tokenizer
+    assert tok.decode(with_vars.prompt_token_ids, False).startswith("[enable_thinking=False]")
+    assert tok.decode(with_vars.prompt_token_ids, False).endswith(opened.decode())
+    assert not tok.decode(no_gen.prompt_token_ids, False).endswith(opened.decode())
+    for bad in ({"messages": []}, {"add_generation_prompt": True}, {"tools": []}, {"a-b": 1}):
+        r = http.post(CHAT, json={"messages": MSG, "chat_template_kwargs": bad})
+        assert r.status_code == 400 and "chat_template_kwargs" in r.text, r.text
+
+
 # ----------------------------------------------------------------------------- echo + logprobs
 
 

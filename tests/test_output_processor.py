@@ -73,3 +73,32 @@ def test_scoring_outputs_pass_through() -> None:
         EngineOutput("s", label_probs=[0.25, 0.75], finished=True, finish_reason="stop")
     )
     assert out.label_probs == [0.25, 0.75] and out.new_text == "" and not stopped
+
+
+class SpecialTokenizer(CharTokenizer):
+    """CharTokenizer with token 50 a special token whose text is "<sp>"."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        plain = CharTokenizer().decode
+        return "".join(
+            ("" if skip_special_tokens else "<sp>") if t == 50 else plain([t]) for t in ids
+        )
+
+
+def test_skip_special_tokens_false_shows_their_text() -> None:
+    proc = OutputProcessor(SpecialTokenizer())
+    proc.add(gen("hidden"))
+    proc.add(gen("shown", skip_special_tokens=False))
+    hidden = feed(proc, "hidden", [2, 50, 3], last_reason="length")
+    shown = feed(proc, "shown", [2, 50, 3], last_reason="length")
+    assert "".join(o.new_text for o, _ in hidden) == "cd"
+    assert "".join(o.new_text for o, _ in shown) == "c<sp>d"
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string() -> None:
+    proc = OutputProcessor(CharTokenizer())
+    proc.add(gen("a", stop=["ef"], include_stop_str_in_output=True))
+    outs = feed(proc, "a", [2, 3, 4, 5])  # "cdef": "e" held back, then the stop with it
+    assert "".join(o.new_text for o, _ in outs) == "cdef" and outs[2][0].new_text == ""
+    last, stopped = outs[-1]
+    assert last.finished and last.finish_reason == "stop" and stopped

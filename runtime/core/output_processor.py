@@ -27,6 +27,8 @@ class _State:
     num_sent_chars: int = 0  # prefix of `text` already sent
     max_stop_len: int = 0
     token_ids: list[int] = field(default_factory=list)
+    skip_special_tokens: bool = True
+    include_stop: bool = False  # include_stop_str_in_output
 
 
 class OutputProcessor:
@@ -39,12 +41,15 @@ class OutputProcessor:
         """Track a GENERATE request about to be sent to the engine (SCORE needs nothing)."""
         if req.kind != RequestKind.GENERATE:
             return
-        stop = [s for s in req.sampling.stop if s]
+        sp = req.sampling
+        stop = [s for s in sp.stop if s]
         self._states[req.request_id] = _State(
             # A few prompt tokens give the detokenizer its joining context.
             prompt_tail=req.prompt_token_ids[-8:],
             stop=stop,
             max_stop_len=max((len(s) for s in stop), default=0),
+            skip_special_tokens=sp.skip_special_tokens,
+            include_stop=sp.include_stop_str_in_output,
         )
 
     def drop(self, request_id: str) -> None:
@@ -67,7 +72,11 @@ class OutputProcessor:
         visible = tokens[:-1] if out.finished and out.finish_reason == "stop" and tokens else tokens
         detok = st.detok
         if detok is None and (visible or out.finished):
-            detok = st.detok = IncrementalDetokenizer(self.tokenizer, st.prompt_tail)  # type: ignore[arg-type]
+            detok = st.detok = IncrementalDetokenizer(
+                self.tokenizer,  # type: ignore[arg-type]
+                st.prompt_tail,
+                skip_special_tokens=st.skip_special_tokens,
+            )
         if visible:
             st.text += detok.add(list(visible))  # type: ignore[union-attr]
         finished = out.finished
@@ -79,7 +88,7 @@ class OutputProcessor:
             start = max(0, st.num_sent_chars - st.max_stop_len)
             hit = _find_stop(st.text, st.stop, start)
             if hit is not None:
-                visible_end = hit
+                visible_end = hit[0] + (len(hit[1]) if st.include_stop else 0)
                 if not finished:
                     stopped_by_string = True
                 finished = True
@@ -119,13 +128,14 @@ def _plain(out: EngineOutput, new_text: str) -> RequestOutput:
     )
 
 
-def _find_stop(text: str, stops: Sequence[str], start: int) -> int | None:
-    """Index of the earliest occurrence of any stop string at or after `start`."""
-    best: int | None = None
+def _find_stop(text: str, stops: Sequence[str], start: int) -> tuple[int, str] | None:
+    """(index, stop string) of the earliest occurrence of any stop string at or after
+    `start` (the longest of those starting there)."""
+    best: tuple[int, str] | None = None
     for s in stops:
         i = text.find(s, start)
-        if i >= 0 and (best is None or i < best):
-            best = i
+        if i >= 0 and (best is None or i < best[0] or (i == best[0] and len(s) > len(best[1]))):
+            best = (i, s)
     return best
 
 
