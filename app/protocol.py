@@ -203,6 +203,21 @@ _RESERVED_TEMPLATE_KWARGS = {
 MAX_TEMPLATE_KWARGS = 32
 
 
+def check_template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`chat_template_kwargs` as a validator: bounded, template names only, none reserved."""
+    if v is None:
+        return v
+    if len(v) > MAX_TEMPLATE_KWARGS:
+        raise ValueError(f"at most {MAX_TEMPLATE_KWARGS} chat_template_kwargs")
+    for key in v:
+        why = _RESERVED_TEMPLATE_KWARGS.get(key)
+        if why is not None:
+            raise ValueError(f"chat_template_kwargs may not set {key!r}: {why}")
+        if not key.isidentifier():
+            raise ValueError(f"chat_template_kwargs keys are template names, got {key!r}")
+    return v
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -220,20 +235,7 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs requires logprobs=true")
         return self
 
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is None:
-            return v
-        if len(v) > MAX_TEMPLATE_KWARGS:
-            raise ValueError(f"at most {MAX_TEMPLATE_KWARGS} chat_template_kwargs")
-        for key in v:
-            why = _RESERVED_TEMPLATE_KWARGS.get(key)
-            if why is not None:
-                raise ValueError(f"chat_template_kwargs may not set {key!r}: {why}")
-            if not key.isidentifier():
-                raise ValueError(f"chat_template_kwargs keys are template names, got {key!r}")
-        return v
+    _template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
 
     @property
     def max_output_tokens(self) -> int | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from app.common import (
     chat_prompt_ids,
@@ -22,7 +22,7 @@ from app.common import (
 )
 from app.errors import ERROR_RESPONSES, bad_request
 from app.json_body import FastJSONRoute
-from app.protocol import ChatMessage, _Request
+from app.protocol import ChatMessage, _Request, check_template_kwargs
 
 router = APIRouter(
     dependencies=[Depends(require_api_key)], responses=ERROR_RESPONSES, route_class=FastJSONRoute
@@ -39,7 +39,11 @@ class TokenizeRequest(_Request):
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+
+    # The same checks as chat's (reserved names, a bounded number of template variables).
+    _template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -68,14 +72,12 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
             raise bad_request(
                 "continue_final_message is not supported", "continue_final_message", "unsupported"
             )
-        if not body.add_generation_prompt:
-            raise bad_request(
-                "add_generation_prompt false is not supported (chat prompts end with the "
-                "assistant's turn)",
-                "add_generation_prompt",
-                "unsupported",
-            )
-        tokens = chat_prompt_ids(engine, body.messages)
+        tokens = chat_prompt_ids(
+            engine,
+            body.messages,
+            add_generation_prompt=body.add_generation_prompt,
+            template_kwargs=body.chat_template_kwargs,
+        )
         bos = getattr(engine.tokenizer, "bos_token_id", None)
         if body.add_special_tokens and bos is not None and tokens[:1] != [bos]:
             tokens = [bos, *tokens]

@@ -391,6 +391,13 @@ def test_tokenize_and_detokenize_in_vllms_shapes(http: httpx.Client) -> None:
     }
     chat = _ok(http.post("/tokenize", json={"messages": MSG}))
     assert chat["tokens"][0] == 256 and chat["count"] == len(chat["tokens"])  # <|im_start|>
+    # As chat renders it: template variables, and no assistant turn opened when asked.
+    kw = {"messages": MSG, "chat_template_kwargs": {"enable_thinking": False}}
+    assert _ok(http.post("/tokenize", json=kw))["tokens"][: len(b"[enable")] == list(b"[enable")
+    closed = _ok(http.post("/tokenize", json={"messages": MSG, "add_generation_prompt": False}))
+    assert chat["tokens"][: closed["count"]] == closed["tokens"] and closed["count"] < chat["count"]
+    bad_kw = http.post("/tokenize", json={"messages": MSG, "chat_template_kwargs": {"tools": 1}})
+    assert bad_kw.status_code == 400 and "chat_template_kwargs" in bad_kw.text
     assert _ok(http.post("/detokenize", json={"tokens": [256, 104, 105]})) == {
         "prompt": "<|im_start|>hi"
     }
