@@ -137,6 +137,7 @@ class _SamplingFields(_Request):
     min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM/SGLang extension
     stop_token_ids: list[int] | None = Field(None, max_length=64)  # vLLM/SGLang extension
     skip_special_tokens: bool = True  # vLLM extension: special tokens' text left out
+    min_tokens: int = Field(0, ge=0)  # vLLM/SGLang extension: no stop before this many tokens
     include_stop_str_in_output: bool = False  # vLLM extension: a matched stop string kept
     # Accepted with no effect on the output by OpenAI's own definition (identification, billing
     # and cache-routing hints); listed so they are not "unknown".

@@ -108,6 +108,11 @@ def _sampling(
         return value if value is not None else defaults.get(key, server)
 
     top_k = int(pick(body.top_k, "top_k", 0))
+    if body.min_tokens > max_tokens:
+        raise bad_request(
+            f"min_tokens ({body.min_tokens}) exceeds the request's max_tokens ({max_tokens})",
+            "min_tokens",
+        )
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=pick(body.temperature, "temperature", 1.0),
@@ -125,6 +130,7 @@ def _sampling(
         logit_bias=body.logit_bias_ids(),
         min_p=pick(body.min_p, "min_p", 0.0),
         skip_special_tokens=body.skip_special_tokens,
+        min_tokens=body.min_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
     )
 

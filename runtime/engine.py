@@ -1191,6 +1191,8 @@ class Engine:
         max_tokens = req.sampling.max_tokens
         if max_tokens < 0:
             return f"max_tokens must be >= 0, got {max_tokens}"
+        if req.sampling.min_tokens > max_tokens:
+            return f"min_tokens ({req.sampling.min_tokens}) exceeds max_tokens ({max_tokens})"
         if n + max_tokens > self._max_model_len:
             return (
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} "

@@ -66,6 +66,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # prompt + output tokens: logit / p if > 0 else * p
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to logit
     min_p: float = 0.0  # drop tokens whose probability is below min_p x the top one's
+    # vLLM / SGLang: no stop token (EOS unless ignore_eos, stop_token_ids) is sampled, and no
+    # stop string ends the text, before this many output tokens.
+    min_tokens: int = 0
     # Text only (the output processor; the engine deals in token ids), vLLM's extensions:
     skip_special_tokens: bool = True  # special tokens' text left out of the output text
     include_stop_str_in_output: bool = False  # a matched stop string ends the text, kept

@@ -895,8 +895,14 @@ class ModelRunner:
             if len(gen_rows) != len(wanting):
                 rows = logits.index_select(0, h2d(gen_rows, torch.int64, self.device))
             rows = rows[:, : self.num_sampleable_tokens]  # a view: ids beyond are never drawn
+            eos = self.model_config.eos_token_ids
+            banned = [
+                (i, [*r.sampling.stop_token_ids, *(() if r.sampling.ignore_eos else eos)])
+                for i, (s, r) in enumerate(zip(seqs, reqs, strict=True))
+                if s.bans_stop
+            ]
             sampled = self.sampler.sample(
-                rows, [r.sampling for r in reqs], gens, pen_rows, self.penalties
+                rows, [r.sampling for r in reqs], gens, pen_rows, self.penalties, banned
             )
             slots = h2d([s.lease.slot for s in seqs], torch.int64, self.device)
             self.token_slots.index_copy_(0, slots, sampled.token_ids)

@@ -143,10 +143,12 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         penalty_rows: Sequence[int | None] | None = None,
         penalties: PenaltyState | None = None,
+        banned: Sequence[tuple[int, Sequence[int]]] = (),
     ) -> SampleResult:
         """logits: [N, vocab] float32, one row per request; `params`, `generators` and
         `penalty_rows` (the request's PenaltyState row, None without penalties) per row.
-        Sampled tokens bump their rows' counts in `penalties`."""
+        Sampled tokens bump their rows' counts in `penalties`. `banned`: (row, token ids) that
+        row may not sample (`min_tokens`: its stop tokens); logprobs stay the model's."""
         n, vocab = logits.shape
         dev = logits.device
         want_lp = [p.logprobs for p in params]
@@ -163,6 +165,13 @@ class Sampler:
             rows = _dev([i for i, _, _ in bias], dev)
             toks = _dev([t for _, t, _ in bias], dev)
             x.index_put_((rows, toks), _dev_f([b for _, _, b in bias], dev), accumulate=True)
+        ban = [(i, t) for i, ids in banned for t in ids if 0 <= t < vocab]
+        if ban:
+            if x is logits:
+                x = x.clone()
+            rows = _dev([i for i, _ in ban], dev)
+            toks = _dev([t for _, t in ban], dev)
+            x.index_put_((rows, toks), torch.tensor(float("-inf"), device=dev))
 
         greedy = [p.is_greedy for p in params]
         if all(greedy):

@@ -329,6 +329,8 @@ class ScheduledSeq:
     # The final prefill chunk of a request with penalties: (re)initialise its penalty state
     # from its prompt and the output it already has (after a preemption).
     init_penalties: bool = False
+    # The token it samples comes before the request's `min_tokens`: stop tokens are masked.
+    bans_stop: bool = False
 
     @property
     def slot(self) -> int:
@@ -943,6 +945,9 @@ class Scheduler:
             needs_output=needs_output,
             samples=samples,
             init_penalties=samples and not decode and _has_penalties(req),
+            # The output index of this sample: what the host has plus the samples in flight.
+            bans_stop=samples
+            and req.num_output_tokens + req.num_output_placeholders < req.sampling.min_tokens,
         )
         req.num_computed_tokens = start + n
         if samples:

@@ -173,6 +173,14 @@ def test_chat_template_kwargs_and_add_generation_prompt_reach_the_template(
         assert r.status_code == 400 and "chat_template_kwargs" in r.text, r.text
 
 
+def test_min_tokens_above_max_tokens_is_a_400(http: httpx.Client) -> None:
+    body = {"messages": MSG, "max_tokens": 2, "min_tokens": 3}
+    _err(http.post(CHAT, json=body), "min_tokens")
+    assert (
+        http.post(CMPL, json={"prompt": "a", "max_tokens": 3, "min_tokens": 3}).status_code == 200
+    )
+
+
 # ----------------------------------------------------------------------------- echo + logprobs
 
 

@@ -666,3 +666,28 @@ def test_srjf_takes_its_offset_from_ttft_slo_ms() -> None:
         assert plain.policy.latency_slo_s is None and plain.policy.fairness_lambda == 0.1
     finally:
         plain.shutdown(0)
+
+
+def test_min_tokens_masks_stop_tokens_until_reached() -> None:
+    """A stop token the greedy output would hit at its second token: without min_tokens the
+    request stops there; with min_tokens=6 it cannot be sampled before the sixth token, and
+    the request runs on (vLLM / SGLang semantics; EOS is a stop token too unless ignore_eos)."""
+    engine, sink = make_engine()
+    try:
+        prompt = [11, 22, 33, 44]
+        engine.add(gen("free", prompt, max_tokens=8))
+        sink.wait("free")
+        free = sink.tokens("free")
+        stop = free[1]
+        engine.add(gen("stops", prompt, max_tokens=8, stop_token_ids=[stop]))
+        engine.add(gen("held", prompt, max_tokens=8, stop_token_ids=[stop], min_tokens=6))
+        sink.wait("stops", "held")
+        assert sink.tokens("stops") == free[:2] and sink.last("stops").finish_reason == "stop"
+        held = sink.tokens("held")
+        assert len(held) >= 6 and stop not in held[:6]
+        assert held[0] == free[0]  # the first token was not the stop token anyway
+        engine.add(gen("bad", prompt, max_tokens=2, min_tokens=3))
+        sink.wait("bad")
+        assert "min_tokens" in (sink.last("bad").error or "")
+    finally:
+        engine.shutdown(0)

@@ -102,3 +102,11 @@ def test_include_stop_str_in_output_keeps_the_stop_string() -> None:
     assert "".join(o.new_text for o, _ in outs) == "cdef" and outs[2][0].new_text == ""
     last, stopped = outs[-1]
     assert last.finished and last.finish_reason == "stop" and stopped
+
+
+def test_min_tokens_keeps_stop_strings_from_ending_the_text_early() -> None:
+    proc = OutputProcessor(CharTokenizer())
+    proc.add(gen("a", stop=["d"], min_tokens=3))
+    outs = feed(proc, "a", [2, 3, 4, 3])  # "cded": the first "d" is token 2 of min 3
+    assert "".join(o.new_text for o, _ in outs) == "cde"
+    assert outs[-1][0].finished and outs[-1][1]

@@ -29,6 +29,8 @@ class _State:
     token_ids: list[int] = field(default_factory=list)
     skip_special_tokens: bool = True
     include_stop: bool = False  # include_stop_str_in_output
+    min_tokens: int = 0  # stop strings end the text only once more output tokens are out
+    num_tokens: int = 0  # output tokens seen
 
 
 class OutputProcessor:
@@ -50,6 +52,7 @@ class OutputProcessor:
             max_stop_len=max((len(s) for s in stop), default=0),
             skip_special_tokens=sp.skip_special_tokens,
             include_stop=sp.include_stop_str_in_output,
+            min_tokens=sp.min_tokens,
         )
 
     def drop(self, request_id: str) -> None:
@@ -68,6 +71,7 @@ class OutputProcessor:
             return _plain(out, ""), False
         stopped_by_string = False
         tokens = out.new_token_ids
+        st.num_tokens += len(tokens)
         # The engine finishes with "stop" only on a stop token / EOS: its text is hidden.
         visible = tokens[:-1] if out.finished and out.finish_reason == "stop" and tokens else tokens
         detok = st.detok
@@ -84,7 +88,7 @@ class OutputProcessor:
             st.text += detok.finish()
         finish_reason = out.finish_reason
         visible_end = len(st.text)
-        if st.stop:
+        if st.stop and st.num_tokens > st.min_tokens:  # (vLLM's rule)
             start = max(0, st.num_sent_chars - st.max_stop_len)
             hit = _find_stop(st.text, st.stop, start)
             if hit is not None:
