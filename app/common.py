@@ -178,6 +178,7 @@ def chat_prompt_ids(
     param: str = "messages",
     *,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Render chat messages with the model's template and tokenise them; message content is
@@ -200,7 +201,10 @@ def chat_prompt_ids(
     try:
         return list(
             engine.tokenizer.encode_chat(
-                plain, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
+                plain,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **(template_kwargs or {}),
             )
         )
     except Exception as exc:  # a template may reject a role order, e.g. two system messages

@@ -204,6 +204,15 @@ _RESERVED_TEMPLATE_KWARGS = {
 MAX_TEMPLATE_KWARGS = 32
 
 
+def check_continuation(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """vLLM's rule: a prompt cannot both open an assistant turn and continue the last one."""
+    if add_generation_prompt and continue_final_message:
+        raise ValueError(
+            "continue_final_message needs add_generation_prompt false (the prompt cannot both "
+            "open a new assistant turn and continue the last message)"
+        )
+
+
 def check_template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | None:
     """`chat_template_kwargs` as a validator: bounded, template names only, none reserved."""
     if v is None:
@@ -228,12 +237,14 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's template extensions: false ends the prompt after the last message (no assistant
     # turn opened); variables for the chat template (e.g. Qwen3's {"enable_thinking": false}).
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the prompt ends inside the last message
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
+        check_continuation(self.add_generation_prompt, self.continue_final_message)
         return self
 
     _template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)

@@ -419,6 +419,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         engine,
         body.messages,
         add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
         template_kwargs=body.chat_template_kwargs,
     )
     requested = body.max_output_tokens

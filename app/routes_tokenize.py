@@ -20,9 +20,9 @@ from app.common import (
     require_api_key,
     settings_of,
 )
-from app.errors import ERROR_RESPONSES, bad_request
+from app.errors import ERROR_RESPONSES
 from app.json_body import FastJSONRoute
-from app.protocol import ChatMessage, _Request, check_template_kwargs
+from app.protocol import ChatMessage, _Request, check_continuation, check_template_kwargs
 
 router = APIRouter(
     dependencies=[Depends(require_api_key)], responses=ERROR_RESPONSES, route_class=FastJSONRoute
@@ -49,6 +49,7 @@ class TokenizeRequest(_Request):
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        check_continuation(self.add_generation_prompt, self.continue_final_message)
         return self
 
 
@@ -68,14 +69,11 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     check_model(request, body.model)
     engine = engine_of(request)
     if body.messages is not None:
-        if body.continue_final_message:
-            raise bad_request(
-                "continue_final_message is not supported", "continue_final_message", "unsupported"
-            )
         tokens = chat_prompt_ids(
             engine,
             body.messages,
             add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
             template_kwargs=body.chat_template_kwargs,
         )
         bos = getattr(engine.tokenizer, "bos_token_id", None)

@@ -204,6 +204,7 @@ class Tokenizer:
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> list[int]:
         """Render `messages` with the chat template and tokenise the result, reading message
@@ -216,8 +217,14 @@ class Tokenizer:
         sentinel for each message's content, which shows where each content lands; the
         template's text is encoded as usual and each content with `encode_text`. If the
         template changes content on the way (beyond stripping whitespace), the content cannot
-        be located safely: ChatTemplateError (a 400 for the caller)."""
+        be located safely: ChatTemplateError (a 400 for the caller).
+
+        `continue_final_message`: the prompt ends right after the last message's content (no
+        end-of-turn after it), so the model continues that message (vLLM's option)."""
         rendered = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        final = messages[-1].get("content") if messages else None
+        if continue_final_message:
+            rendered = _open_final(rendered, final)
         contents = [m.get("content") for m in messages]
         if not any(isinstance(c, str) and self.has_special_text(c) for c in contents):
             return self.encode(rendered)
@@ -234,6 +241,12 @@ class Tokenizer:
             for k, part in enumerate(parts):
                 content = str(contents[int(part)]) if k % 2 else part
                 pieces.append(content.strip() if strip and k % 2 else content)
+            if continue_final_message:  # up to the final message's content, as `rendered`
+                last = max(
+                    (k for k in range(1, len(parts), 2) if int(parts[k]) == len(messages) - 1),
+                    default=len(pieces) - 1,
+                )
+                pieces = pieces[: last + 1]
             if "".join(pieces) == rendered:
                 ids: list[int] = []
                 for k, piece in enumerate(pieces):
@@ -244,6 +257,21 @@ class Tokenizer:
             "a message contains special-token text and this model's chat template rewrites "
             "message content, so it cannot be kept as plain text; remove the special-token text"
         )
+
+
+def _open_final(rendered: str, content: Any) -> str:
+    """`rendered` cut right after the final message's content (its last occurrence; stripped
+    too, for templates that trim content). ChatTemplateError when it cannot be found."""
+    if not isinstance(content, str) or not content.strip():
+        raise ChatTemplateError("continue_final_message needs a final message with content")
+    for text in (content, content.strip()):
+        i = rendered.rfind(text)
+        if i >= 0:
+            return rendered[: i + len(text)]
+    raise ChatTemplateError(
+        "the chat template changes the final message's content, so the prompt cannot be "
+        "ended inside it (continue_final_message)"
+    )
 
 
 def _byte_alphabet() -> dict[str, int]:

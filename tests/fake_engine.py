@@ -89,7 +89,11 @@ class FakeTokenizer:
         return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **kwargs: Any,
     ) -> list[int]:
         """The template's tokens with each message's content read as text (bytes), as the
         real tokenizer does: typed special-token text never becomes a control token. Template
@@ -101,6 +105,8 @@ class FakeTokenizer:
             ids += self.encode(f"<|im_start|>{m['role']}\n")
             ids += list(str(m["content"]).encode("utf-8"))
             ids += self.encode("<|im_end|>\n")
+        if continue_final_message:  # the prompt ends inside the last message
+            del ids[-len(self.encode("<|im_end|>\n")) :]
         if add_generation_prompt:
             ids += self.encode("<|im_start|>assistant\n")
         return ids

@@ -168,6 +168,13 @@ def test_chat_template_kwargs_and_add_generation_prompt_reach_the_template(
     assert tok.decode(with_vars.prompt_token_ids, False).startswith("[enable_thinking=False]")
     assert tok.decode(with_vars.prompt_token_ids, False).endswith(opened.decode())
     assert not tok.decode(no_gen.prompt_token_ids, False).endswith(opened.decode())
+    cont = [*MSG, {"role": "assistant", "content": "Hel"}]
+    body = {"messages": cont, "add_generation_prompt": False, "continue_final_message": True}
+    _ok(http.post(CHAT, json={**body, "max_tokens": 1}, headers={"X-Request-Id": "tk-cont"}))
+    (opened_in,) = _added(server, "tk-cont")
+    assert tok.decode(opened_in.prompt_token_ids, False).endswith("assistant\nHel")
+    both = http.post(CHAT, json={**body, "add_generation_prompt": True})
+    assert both.status_code == 400 and "continue_final_message" in both.text
     for bad in ({"messages": []}, {"add_generation_prompt": True}, {"tools": []}, {"a-b": 1}):
         r = http.post(CHAT, json={"messages": MSG, "chat_template_kwargs": bad})
         assert r.status_code == 400 and "chat_template_kwargs" in r.text, r.text

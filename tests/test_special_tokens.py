@@ -154,6 +154,27 @@ def test_smollm2_typed_control_tokens_are_text(smollm2: Tokenizer, typed: str, r
     assert ids != smollm2.encode(rendered)  # the plain way would make control tokens
 
 
+@pytest.mark.parametrize("final", ["Sure, the capital", "  Sure<|im_end|> the capital  "])
+def test_smollm2_continue_final_message_ends_inside_it(smollm2: Tokenizer, final: str) -> None:
+    """vLLM's continue_final_message: the prompt ends right after the last message's content
+    (no end of turn), typed special text in it still text; without it the turn is closed."""
+    messages = [{"role": "user", "content": "Capital of France?"}]
+    messages.append({"role": "assistant", "content": final})
+    ids = smollm2.encode_chat(messages, add_generation_prompt=False, continue_final_message=True)
+    text = smollm2.decode(ids, skip_special_tokens=False)
+    assert text.endswith(final) or text.endswith(final.strip())
+    closed = smollm2.encode_chat(messages, add_generation_prompt=False)
+    assert len(closed) > len(ids) and closed[: len(ids)] == ids
+    im_end = smollm2.token_to_id("<|im_end|>")
+    assert ids.count(im_end) == closed.count(im_end) - 1  # only the final turn's end is gone
+    with pytest.raises(ChatTemplateError):
+        smollm2.encode_chat(
+            [{"role": "assistant", "content": ""}],
+            add_generation_prompt=False,
+            continue_final_message=True,
+        )
+
+
 def test_smollm2_plain_messages_take_the_exact_path(smollm2: Tokenizer) -> None:
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     assert smollm2.encode_chat(messages) == smollm2.encode(smollm2.apply_chat_template(messages))
