@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from server_thread import ServerThread
 
 from bench import abandoned
 
@@ -55,34 +52,18 @@ def stand_in(stops: bool) -> FastAPI:
     return app
 
 
-@pytest.fixture
-def serve() -> Iterator[Callable[[FastAPI], str]]:
-    servers: list[tuple[uvicorn.Server, threading.Thread]] = []
-
-    def start(app: FastAPI) -> str:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 10
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert server.started
-        servers.append((server, thread))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
-
-    yield start
-    for server, thread in servers:
-        server.should_exit = True
-        thread.join(timeout=5)
-
-
 @pytest.mark.parametrize("stops", [True, False])
 def test_the_record_tells_a_server_that_stops_from_one_that_does_not(
-    serve: Callable[[FastAPI], str], tmp_path: Path, stops: bool
+    tmp_path: Path, stops: bool
 ) -> None:
-    url = serve(stand_in(stops))
+    srv = ServerThread(stand_in(stops)).start()
+    try:
+        _check_record(srv.url, tmp_path, stops)
+    finally:
+        srv.stop()
+
+
+def _check_record(url: str, tmp_path: Path, stops: bool) -> None:
     out = tmp_path / "abandoned.json"
     argv = ["--url", url, "--num-tokens", "400", "--repeats", "1", "--json", str(out)]
     assert abandoned.main([*argv, "--server-revision", "abc"]) == 0
