@@ -64,7 +64,8 @@
 #                                         #   profile again (DEADLINE_S=360)
 # Carry: .whl .fi_cache .cache/smollm2-tok. Results in $OUT: gpu-runtime-*.json (suite),
 # partition-*.json (serving; merge them with `python -m bench.gpu_serving --merge ...`),
-# server logs, fi_cache.tar.gz if the FlashInfer cache grew.
+# server logs, fi_cache.tar.gz if the FlashInfer cache grew (triton_cache.tar.gz if Triton's
+# did): copy both to .fi_cache/ before the next call.
 set -u
 plan=${1:-a}; rev=${2:-unknown}; split=${3:-}; t0=$(date +%s)
 deadline=${DEADLINE_S:-500}
@@ -504,5 +505,9 @@ echo "flashinfer JIT modules: $before before, $after after; $(left) s of $deadli
 if [ "$after" != "$before" ]; then
   (cd ~/.cache && tar czf "$OUT/fi_cache.tar.gz" --exclude='*.o' --exclude='*.cu' \
      --exclude='*.ninja*' --exclude='*.lock' flashinfer)
+fi
+triton_after=$( (find ~/.triton/cache -type f 2>/dev/null || true) | wc -l)
+if [ "$triton_after" != "$triton_before" ]; then
+  (cd ~/.triton && tar czf "$OUT/triton_cache.tar.gz" cache)
 fi
 exit $rc

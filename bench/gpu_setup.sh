@@ -9,6 +9,11 @@ export PYTHONPATH=/tmp/site:$PWD
 if [ -f .fi_cache/fi_cache.tar.gz ]; then
   mkdir -p ~/.cache && tar xzf .fi_cache/fi_cache.tar.gz -C ~/.cache
 fi
+# Triton's cache (the fused decode's kernels, ~90 s to compile on a bare machine) travels the
+# same way since the thirty-second session.
+if [ -f .fi_cache/triton_cache.tar.gz ]; then
+  mkdir -p ~/.triton && tar xzf .fi_cache/triton_cache.tar.gz -C ~/.triton
+fi
 # The tarball holds only the compiled .so files. FlashInfer's JIT path always runs ninja,
 # which rebuilds a module whose objects are missing (60-100 s each) or older than its
 # sources, and the pip install above gives the sources new times: on a bare H200
@@ -32,3 +37,4 @@ if [ -d .cache/smollm2-tok ] && [ ! -f .cache/models/SmolLM2-135M-Instruct/model
 fi
 # (no cache yet on a bare machine: find fails, and under pipefail so would this line)
 fi_modules_before=$( (find ~/.cache/flashinfer -name '*.so' 2>/dev/null || true) | wc -l)
+triton_before=$( (find ~/.triton/cache -type f 2>/dev/null || true) | wc -l)
