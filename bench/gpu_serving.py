@@ -705,7 +705,7 @@ class Orchestrator:
             "smoke": self.smoke,
             "definitions": {
                 "tbt": "inter-token latency (harness itl_ms, pooled gaps between content "
-                "chunks); the SLO's TBT bound is applied to TPOT (harness key tpot)",
+                "chunks); the SLO's TBT bound is applied to the P99 of those pooled gaps",
                 "sides": "policy fcfs unless stated; off = monolithic mixed batches",
             },
             "plan": [],
