@@ -38,7 +38,9 @@ take one time; each
 step predicted by the median of the *other* steps of its shape (shapes with at least
 SHAPE_MIN_STEPS steps) gives the error no model of the step's shape can go much below, beside
 the engine's on the same steps. What is left there is not shape: on the H200 it is the host
-launching an eager step (docs/partition.md).
+launching an eager step (docs/partition.md). `host_pace` reads that from traces that carry the
+host's times (`plan_ms`, `launch_ms`: since the thirty-second session): the share of mixed
+steps whose launch took most of their device time.
 
     python -m bench.step_fit run/*.steps.json [--json out.json] [--source results.json]
 
@@ -131,6 +133,30 @@ def host_gaps(steps: list[dict[str, Any]], over_ms: float = HOST_GAP_MS) -> dict
         "max_gap_ms": max((s["idle_before_ms"] for s in gaps), default=None),
         "num_with_gc_pause": len(with_gc),
         "gc_traced": any("gc_ms" in s for s in steps),
+    }
+
+
+# A step whose host spent at least this fraction of its device time enqueueing it ran at the
+# host's pace: the device waited for its launches (traces since `plan_ms` / `launch_ms`).
+HOST_PACED_FRACTION = 0.8
+
+
+def host_pace(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """How much of the mixed steps' device time the host spent launching them: the steps with
+    host times, the fraction that ran at the host's pace (launch_ms >= HOST_PACED_FRACTION *
+    device_ms), and the medians of plan_ms, launch_ms and launch / device. Empty counts for
+    traces from before the engine recorded host times."""
+    timed = [s for s in mixed_steps(steps) if s.get("launch_ms") is not None]
+    if not timed:
+        return {"num_steps": 0}
+    launch = np.array([s["launch_ms"] for s in timed], dtype=float)
+    device = np.array([s["device_ms"] for s in timed], dtype=float)
+    return {
+        "num_steps": len(timed),
+        "host_paced_fraction": float(np.mean(launch >= HOST_PACED_FRACTION * device)),
+        "plan_ms_p50": float(np.median([s["plan_ms"] for s in timed])),
+        "launch_ms_p50": float(np.median(launch)),
+        "launch_over_device_p50": float(np.median(launch / device)),
     }
 
 
@@ -284,6 +310,7 @@ def fit(steps: list[dict[str, Any]], jct: JctLine | None = None) -> dict[str, An
         "num_steps": len(steps),
         "num_mixed_steps": len(mixed),
         "host_gaps": host_gaps(steps),
+        "host_pace": host_pace(steps),
     }
     if len(mixed) < 8:
         out["error"] = "fewer than 8 mixed whole-GPU steps"
@@ -359,6 +386,14 @@ def main(argv: list[str] | None = None) -> int:
         gc_note = f", {g['num_with_gc_pause']} with a collector pause" if g["gc_traced"] else ""
         longest = "-" if g["max_gap_ms"] is None else f"{g['max_gap_ms']:.1f} ms"
         print(f"  host gaps over {g['over_ms']:g} ms: {g['num_gaps']} (longest {longest}){gc_note}")
+        h = res["host_pace"]
+        if h["num_steps"]:
+            print(
+                f"  host pace: {h['host_paced_fraction']:.0%} of {h['num_steps']} mixed steps "
+                f"launched in >= {HOST_PACED_FRACTION:.0%} of their device time; P50 plan "
+                f"{h['plan_ms_p50']:.2f} ms, launch {h['launch_ms_p50']:.2f} ms "
+                f"({h['launch_over_device_p50']:.2f} of the device's)"
+            )
         if "error" in res:
             print(f"  {res['error']}")
             continue

@@ -136,6 +136,13 @@ STEP_TRACE_FIELDS = (
     # else the decode-only average), else None. What a replay of the correction needs to be
     # the engine's (`bench.step_fit`).
     "decode_base_ms",
+    # Host time (ms, the engine thread's wall clock) that planned this step (capacity,
+    # `_auto_capacity`'s decision, `schedule`) and that enqueued it (`executor.launch`). A step
+    # whose device_ms is near its launch_ms ran at the pace its host launched it, not at the
+    # device's; None for a result that is not its launch's first (a split launch returns its
+    # prefill and decode parts separately).
+    "plan_ms",
+    "launch_ms",
 )
 
 Sink = Callable[[list[EngineOutput]], None]
@@ -405,6 +412,8 @@ class Engine:
         self._planned_chunk: ChunkInput | None = None  # its input (to predict that step)
         # step id -> predicted ms of a launched chunked step, scored when its result is in
         self._chunked_predicted_ms: dict[int, float] = {}
+        # step_id -> host ms (planning, launching) until the step's first result is traced
+        self._host_ms: dict[int, tuple[float, float]] = {}
         self._kv_usage_before_plan = 0.0  # KV usage when the current step was planned
         self._step_started_s: float | None = None  # engine clock at the current step's start
         self._stats: dict[str, Any] = {}
@@ -1304,6 +1313,7 @@ class Engine:
         sched = self.scheduler
         planned = False
         if sched.has_work():
+            plan_started_s = time.perf_counter()
             self._kv_usage_before_plan = self._kv_usage()
             capacity = ex.capacity()
             if ex is self.split:
@@ -1322,9 +1332,16 @@ class Engine:
                 self._step_started_s = time.monotonic()
                 if plan.prefill:
                     self._publish_counts()
+                launch_started_s = time.perf_counter()
                 try:
                     ex.launch(plan)
                     planned = True
+                    if len(self._host_ms) > 64:
+                        self._host_ms.clear()  # steps that failed never came back
+                    self._host_ms[plan.step_id] = (
+                        (launch_started_s - plan_started_s) * 1e3,
+                        (time.perf_counter() - launch_started_s) * 1e3,
+                    )
                 except StepInterrupted as e:
                     outputs += self._interrupted(e)
                 except StepFailed as e:
@@ -1441,6 +1458,7 @@ class Engine:
         decode_base_s: float | None,
     ) -> None:
         plan = result.plan
+        plan_ms, launch_ms = self._host_ms.pop(plan.step_id, (None, None))
         self._step_trace.append(
             (
                 time.monotonic(),
@@ -1465,6 +1483,8 @@ class Engine:
                 _ms(result.layer_sliced_span_s),
                 _ms(result.layer_sliced_predicted_s),
                 _ms(decode_base_s),
+                plan_ms,
+                launch_ms,
             )
         )
 

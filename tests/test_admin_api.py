@@ -538,6 +538,8 @@ def test_step_trace_of_the_real_engine() -> None:
             "layer_sliced_span_ms",
             "layer_sliced_predicted_ms",
             "decode_base_ms",
+            "plan_ms",
+            "launch_ms",
         }
         assert all(s["chunked_predicted_ms"] is None for s in steps)  # off: no chunked choice
         assert all(s["layer_sliced_span_ms"] is None for s in steps)  # nor layer slices
@@ -548,6 +550,8 @@ def test_step_trace_of_the_real_engine() -> None:
         assert sum(s["num_decodes"] for s in steps) >= 3  # 4 tokens: 1 from prefill, 3 decodes
         assert all(s["device_ms"] is None or s["device_ms"] >= 0.0 for s in steps)
         assert all(s["gc_ms"] >= 0.0 for s in steps)
+        # The serial executor returns each launch as one result: every step has its host times.
+        assert all(s["plan_ms"] >= 0.0 and s["launch_ms"] > 0.0 for s in steps)
         assert all(s["sms"] == 0 and s["other_sms"] == 0 for s in steps)  # the whole GPU
         one = client.get("/admin/api/steps", params={"limit": 1}).json()["steps"]
         assert len(one) == 1

@@ -85,6 +85,19 @@ def test_host_gaps_and_the_collector() -> None:
     }
 
 
+def test_host_pace_reads_the_steps_the_device_waited_on_the_host_for() -> None:
+    steps = _steps(40)
+    assert step_fit.host_pace(steps) == {"num_steps": 0}  # a trace from before host times
+    for i, s in enumerate(steps[:40]):  # (the four after them are not mixed whole steps)
+        s["plan_ms"] = 0.1
+        # every fourth step took as long to launch as to run; the others a tenth of it
+        s["launch_ms"] = s["device_ms"] * (0.95 if i % 4 == 0 else 0.1)
+    h = step_fit.host_pace(steps)
+    assert h["num_steps"] == 40 and h["host_paced_fraction"] == pytest.approx(0.25)
+    assert h["launch_over_device_p50"] == pytest.approx(0.1) and h["plan_ms_p50"] == 0.1
+    assert step_fit.fit(steps)["host_pace"] == h
+
+
 def test_online_fit_learns_a_linear_step_and_uses_only_the_past() -> None:
     rng = random.Random(1)
     x = np.array([[1.0, rng.randint(1, 48), rng.randint(16, 2048)] for _ in range(300)])
