@@ -56,6 +56,36 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+class JsonSchemaFormat(_Request):
+    """OpenAI's `response_format.json_schema`. `strict` is accepted either way: the schema is
+    always enforced, token by token (runtime/structured.py)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(..., min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON under a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format has json_schema exactly when its type is json_schema")
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
 class StreamOptions(_Request):
     model_config = ConfigDict(extra="forbid")  # a stream option we do not know is a 400
 
@@ -139,6 +169,7 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True  # vLLM extension: special tokens' text left out
     min_tokens: int = Field(0, ge=0)  # vLLM/SGLang extension: no stop before this many tokens
     include_stop_str_in_output: bool = False  # vLLM extension: a matched stop string kept
+    response_format: ResponseFormat | None = None  # structured outputs (JSON, JSON schema)
     # Accepted with no effect on the output by OpenAI's own definition (identification, billing
     # and cache-routing hints); listed so they are not "unknown".
     user: str | None = None
@@ -286,7 +317,6 @@ _NOT_IMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "functions": ((None, []), "function calling is not supported"),
     "function_call": ((None, "none"), "function calling is not supported"),
     "parallel_tool_calls": ((None, True, False), ""),  # meaningless without tools
-    "response_format": ((None, {"type": "text"}), "only response_format {'type': 'text'}"),
     "suffix": ((None, ""), "suffix (insertion) is not supported"),
     "audio": ((None,), "audio output is not supported"),
     "modalities": ((None, ["text"]), "only the text modality is supported"),

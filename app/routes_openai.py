@@ -56,6 +56,7 @@ from app.protocol import (
 from app.sse import DONE, SSEResponse
 from runtime.request import Request as EngineRequest
 from runtime.request import RequestKind, RequestOutput, SamplingParams, TokenLogprob
+from runtime.structured import GrammarError, compile_response_format, grammar_conflict
 
 router = APIRouter(
     prefix="/v1",
@@ -113,7 +114,13 @@ def _sampling(
             f"min_tokens ({body.min_tokens}) exceeds the request's max_tokens ({max_tokens})",
             "min_tokens",
         )
-    return SamplingParams(
+    grammar = None
+    if body.response_format is not None:
+        try:
+            grammar = compile_response_format(body.response_format.as_dict())
+        except GrammarError as e:
+            raise bad_request(str(e), "response_format") from e
+    sampling = SamplingParams(
         max_tokens=max_tokens,
         temperature=pick(body.temperature, "temperature", 1.0),
         top_p=pick(body.top_p, "top_p", 1.0),
@@ -132,7 +139,11 @@ def _sampling(
         skip_special_tokens=body.skip_special_tokens,
         min_tokens=body.min_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
+        grammar=grammar,
     )
+    if grammar is not None and (why := grammar_conflict(sampling)) is not None:
+        raise bad_request(why, "response_format")
+    return sampling
 
 
 def _choice_seeds(seed: int | None, n: int) -> list[int | None]:

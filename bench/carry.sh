@@ -26,6 +26,12 @@ if ! ls .whl/flashinfer_python-0.5.3-*.whl .whl/pyzmq-*.whl .whl/msgspec-*.whl >
     annotated-types typing-inspection opentelemetry-api prometheus-client msgspec pyzmq httptools \
     uvloop py-spy
 fi
+# Structured outputs' grammar library (abi3, glibc 2.31): its own download, as .whl folders made
+# before it was a dependency lack it.
+if ! ls .whl/llguidance-*.whl >/dev/null 2>&1; then
+  .venv/bin/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_31_x86_64 -d .whl llguidance==1.9.1
+fi
 
 # The default model's tokenizer and config files (not its 540 MB of weights): the device runs
 # random:<preset> models with this tokenizer.

@@ -94,6 +94,7 @@ from runtime.scheduler import (
     StepPlan,
     TailFactor,
 )
+from runtime.structured import GrammarMasks, grammar_conflict
 
 log = logging.getLogger("greenlane.engine")
 
@@ -321,6 +322,9 @@ class Engine:
             num_sampleable_tokens=tokenizer.vocab_size,
             num_token_slots=self.scheduler.slots.num_slots,
         )
+        # Structured outputs: matchers built on first use from the served tokenizer (the ids
+        # the masks cover are the ones sampling may pick: num_sampleable_tokens).
+        self.runner.grammars = GrammarMasks(tokenizer.to_json(), model_config.eos_token_ids)
         self.stream_device = stream_device_for(self.device)
         pg = self.runner.prefill_graphs
         # Fixed after start-up: read once, not per stats snapshot.
@@ -1202,6 +1206,10 @@ class Engine:
             return f"max_tokens must be >= 0, got {max_tokens}"
         if req.sampling.min_tokens > max_tokens:
             return f"min_tokens ({req.sampling.min_tokens}) exceeds max_tokens ({max_tokens})"
+        if req.sampling.grammar is not None:
+            why = grammar_conflict(req.sampling)
+            if why is not None:
+                return why
         if n + max_tokens > self._max_model_len:
             return (
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} "

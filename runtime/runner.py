@@ -58,9 +58,10 @@ from runtime.model.config import ModelConfig
 from runtime.model.llama import LlamaForCausalLM
 from runtime.model.ops import h2d
 from runtime.prefill_graphs import PrefillGraphs, prefill_graph_max_tokens, prefill_graph_sizes
-from runtime.request import RequestKind, TokenLogprob
+from runtime.request import Request, RequestKind, TokenLogprob
 from runtime.sampler import PenaltyState, Sampler, has_penalties, make_generator
 from runtime.scheduler import RunnerOutput, ScheduledSeq, StepPlan
+from runtime.structured import GrammarMasks
 
 log = logging.getLogger("greenlane.runner")
 
@@ -388,6 +389,9 @@ class ModelRunner:
         slots = num_token_slots or 2 * config.max_num_seqs + 2
         self.token_slots = torch.zeros(slots, dtype=torch.int64, device=self.device)
         self.penalties = PenaltyState(self.num_sampleable_tokens, self.device)
+        # Structured outputs' matchers (runtime/structured.py), set by the engine: None means
+        # a runner without a tokenizer (tests), where a request with a grammar fails its step.
+        self.grammars: GrammarMasks | None = None
         self.prefill_backend = backend
         self.uses_flashinfer = use_ops_for(backend)
         # The decode backend and graphs fuse RoPE + the K/V write when the prefill one does
@@ -582,6 +586,8 @@ class ModelRunner:
         launched step uses the request any more (its lease was freed)."""
         self._generators.pop(request_id, None)
         self.penalties.free(request_id)
+        if self.grammars is not None:
+            self.grammars.release(request_id)
 
     # ---- steps ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -901,8 +907,10 @@ class ModelRunner:
                 for i, (s, r) in enumerate(zip(seqs, reqs, strict=True))
                 if s.bans_stop
             ]
+            constrained = [i for i, r in enumerate(reqs) if r.sampling.grammar is not None]
+            allowed = self._grammar_masks(constrained, reqs) if constrained else None
             sampled = self.sampler.sample(
-                rows, [r.sampling for r in reqs], gens, pen_rows, self.penalties, banned
+                rows, [r.sampling for r in reqs], gens, pen_rows, self.penalties, banned, allowed
             )
             slots = h2d([s.lease.slot for s in seqs], torch.int64, self.device)
             self.token_slots.index_copy_(0, slots, sampled.token_ids)
@@ -927,6 +935,32 @@ class ModelRunner:
                 ([r.request_id for r in reqs], [len(r.label_token_ids) for r in reqs]),
                 flat,
             )
+
+    def _grammar_masks(
+        self, rows: list[int], reqs: list[Request]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampler's `allowed` for the rows with a grammar: their row indices and masks
+        ([R, 32 * words] bool) on the device. Each mask follows all of its request's output
+        tokens: the scheduler plans no sample of such a request while one is in flight."""
+        g = self.grammars
+        if g is None:
+            raise RuntimeError("this runner has no grammar tokenizer (structured outputs)")
+        dev = self.device
+        # Filled in place (pinned on CUDA: the copy does not wait for the step in flight).
+        host = torch.zeros(
+            (len(rows), g.words_per_mask), dtype=torch.int32, pin_memory=dev.type == "cuda"
+        )
+        g.fill(
+            [
+                (reqs[i].request_id, reqs[i].sampling.grammar, reqs[i].output_token_ids)
+                for i in rows
+            ],
+            host.numpy(),
+        )
+        words = host.to(dev, non_blocking=True)  # [R, W] int32, one bit per token id
+        shifts = torch.arange(32, dtype=torch.int32, device=dev)
+        mask = ((words.unsqueeze(-1) >> shifts) & 1).bool().reshape(len(rows), -1)
+        return h2d(rows, torch.int64, dev), mask
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

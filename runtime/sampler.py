@@ -144,11 +144,14 @@ class Sampler:
         penalty_rows: Sequence[int | None] | None = None,
         penalties: PenaltyState | None = None,
         banned: Sequence[tuple[int, Sequence[int]]] = (),
+        allowed: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SampleResult:
         """logits: [N, vocab] float32, one row per request; `params`, `generators` and
         `penalty_rows` (the request's PenaltyState row, None without penalties) per row.
         Sampled tokens bump their rows' counts in `penalties`. `banned`: (row, token ids) that
-        row may not sample (`min_tokens`: its stop tokens); logprobs stay the model's."""
+        row may not sample (`min_tokens`: its stop tokens). `allowed`: (rows [R] int64, mask
+        [R, W] bool, W <= vocab) on the device: those rows sample only where their mask is
+        true (a grammar; ids from W on are not allowed). Logprobs stay the model's."""
         n, vocab = logits.shape
         dev = logits.device
         want_lp = [p.logprobs for p in params]
@@ -172,6 +175,15 @@ class Sampler:
             rows = _dev([i for i, _ in ban], dev)
             toks = _dev([t for _, t in ban], dev)
             x.index_put_((rows, toks), torch.tensor(float("-inf"), device=dev))
+        if allowed is not None:
+            if x is logits:
+                x = x.clone()
+            rows, mask = allowed
+            sub = x.index_select(0, rows)  # [R, vocab]
+            width = min(mask.shape[1], vocab)
+            sub[:, :width].masked_fill_(~mask[:, :width], float("-inf"))
+            sub[:, width:] = float("-inf")
+            x.index_copy_(0, rows, sub)
 
         greedy = [p.is_greedy for p in params]
         if all(greedy):

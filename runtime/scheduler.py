@@ -616,7 +616,8 @@ class Scheduler:
             remaining = req.num_total_tokens - req.num_computed_tokens
             if lease.sampled:
                 room = req.num_output_tokens + req.num_output_placeholders
-                if remaining == 1 and room < req.sampling.max_tokens:
+                waits = req.num_output_placeholders and req.sampling.grammar is not None
+                if remaining == 1 and room < req.sampling.max_tokens and not waits:
                     num_decodes += 1
                     decode_ctx += req.num_computed_tokens
             elif remaining > 0 and head is None:
@@ -700,6 +701,8 @@ class Scheduler:
                 continue
             if req.num_output_tokens + req.num_output_placeholders >= req.sampling.max_tokens:
                 continue  # its last token is in flight: the update finishes it
+            if req.num_output_placeholders and req.sampling.grammar is not None:
+                continue  # its grammar's mask needs the token in flight (runtime/structured.py)
             need = self.bm.num_blocks_for(computed + 1)
             ok = True
             while len(self.bm.table(lease.key)) < need:

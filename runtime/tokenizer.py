@@ -109,6 +109,10 @@ class Tokenizer:
         }
         return cls(tok, template, special)
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` text (what llguidance builds its own from)."""
+        return self._tok.to_str()
+
     # --- basic encode / decode -------------------------------------------------------------
 
     @property

@@ -353,9 +353,17 @@ def test_sampling_parameters_reach_the_engine(server: ServerThread, http: httpx.
     assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -0.25, 1.2)
     assert sp.logit_bias == {65: 5.0, 66: -100.0} and sp.min_p == 0.1
     assert sp.stop_token_ids == [10, 11]
+    assert sp.grammar is None  # response_format text: unconstrained
     plain = _ok(http.post(CMPL, json={"prompt": "a", "max_tokens": 1}))
     (req,) = _added(server, plain["id"])
     assert (req.sampling.repetition_penalty, req.sampling.logit_bias) == (1.0, {})
+    # Structured outputs reach the engine as a grammar, on both routes.
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    for path, body in ((CHAT, {"messages": MSG}), (CMPL, {"prompt": "a"})):
+        got = _ok(http.post(path, json={**body, "max_tokens": 2, "response_format": fmt}))
+        (req,) = _added(server, got["id"])
+        assert req.sampling.grammar is not None and '"integer"' in req.sampling.grammar
 
 
 @pytest.mark.parametrize(
@@ -363,7 +371,25 @@ def test_sampling_parameters_reach_the_engine(server: ServerThread, http: httpx.
     [
         (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         (CHAT, {"tool_choice": "auto"}, "tool_choice"),
-        (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+        (CHAT, {"response_format": {"type": "yaml"}}, "response_format"),
+        (CHAT, {"response_format": {"type": "json_schema"}}, "response_format"),
+        (
+            CHAT,
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+            "response_format",
+        ),
+        (
+            CMPL,
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+                }
+            },
+            "response_format",
+        ),
+        (CHAT, {"response_format": {"type": "json_object"}, "ignore_eos": True}, "response_format"),
+        (CHAT, {"response_format": {"type": "json_object"}, "min_tokens": 1}, "response_format"),
         (CHAT, {"audio": {"voice": "alloy"}}, "audio"),
         (CHAT, {"reasoning_effort": "low"}, "reasoning_effort"),
         (CHAT, {"store": True}, "store"),

@@ -57,6 +57,42 @@ def test_streamed_chat_names_paris(http: httpx.Client) -> None:
     assert chunks[-1]["usage"]["completion_tokens"] >= 1
 
 
+def test_structured_output_through_the_openai_sdk(server: ServerThread) -> None:
+    """`response_format` json_schema through the official client, streamed: the text parses
+    and matches the schema (SmolLM2 answers free text otherwise), and the stream ends with
+    finish_reason "stop"."""
+    import openai
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "sentiment": {"enum": ["positive", "negative", "neutral"]},
+            "confidence": {"type": "integer", "minimum": 0, "maximum": 100},
+        },
+        "required": ["sentiment", "confidence"],
+        "additionalProperties": False,
+    }
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    stream = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Sentiment of 'I loved this film!' as JSON."}],
+        max_tokens=40,
+        temperature=0.8,
+        seed=1,
+        stream=True,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "sentiment", "schema": schema, "strict": True},
+        },
+    )
+    chunks = [c for c in stream if c.choices]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    value = json.loads(text)
+    assert value["sentiment"] in ("positive", "negative", "neutral"), text
+    assert 0 <= value["confidence"] <= 100
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
 def test_score_matches_transformers(
     server: ServerThread, http: httpx.Client, default_model_dir: Path
 ) -> None:

@@ -179,6 +179,30 @@ def test_overlap_plans_the_next_decode_before_the_last_token_is_known() -> None:
     assert not s.has_work()
 
 
+def test_a_grammar_request_waits_for_its_token_in_flight_and_others_do_not() -> None:
+    """Structured outputs: a request with a grammar is not planned while its previous sample is
+    in flight (its mask needs that token on the host); an unconstrained one beside it is, and
+    the outlook counts the decodes `schedule` will plan. Under overlap both finish alike."""
+    s = make(cache=False)
+    s.add(gen("json", 3, max_tokens=10, grammar="{}"))
+    s.add(gen("free", 3, max_tokens=10))
+    runner = FakeRunner()
+    p0 = s.schedule(cap(s))  # both prompts: each samples its first token
+    r0 = runner.run(p0)
+    assert s.outlook().num_decodes == 1  # "json"'s token is in flight: not counted
+    p1 = s.schedule(cap(s))
+    assert [q.request.request_id for q in p1.decode] == ["free"]
+    r1 = runner.run(p1)
+    s.update(p0, r0)  # "json"'s first token reaches the host
+    assert s.outlook().num_decodes == 2
+    p2 = s.schedule(cap(s))
+    assert sorted(q.request.request_id for q in p2.decode) == ["free", "json"]
+    s.update(p1, r1)
+    s.update(p2, runner.run(p2))
+    outs = drive(s, runner, overlap=True)
+    assert len(tokens(outs, "json")) + 2 == 10 and len(tokens(outs, "free")) + 3 == 10
+
+
 def test_fcfs_order_and_budget_batching() -> None:
     s = make(budget=20)
     for i, n in enumerate([12, 6, 6, 3]):

@@ -1,0 +1,166 @@
+"""Structured outputs: a grammar that every sampled token of a request must keep valid.
+
+A request's `SamplingParams.grammar` is an llguidance grammar (JSON text) that the front end
+compiled from the API's `response_format` (`compile_response_format`, checked there so a bad
+schema is a 400 before anything is queued). On the engine side `GrammarMasks` keeps one
+llguidance matcher per such request, advances it over the request's output tokens, and fills
+the bitmask of the tokens allowed next; the runner turns the bitmask into -inf logits before
+sampling. The matcher allows EOS only where the grammar may end, and only EOS once it must.
+
+A mask needs every token before it on the host, so the scheduler never plans a constrained
+request's next sample while its previous one is in flight (overlapped scheduling runs such a
+request every other step when other requests keep the loop busy; alone it runs as without
+overlap).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Any
+
+import llguidance
+import numpy as np
+
+log = logging.getLogger("greenlane.structured")
+
+# JSON compile options: one-line JSON ("," and ":" with no optional whitespace). With flexible
+# whitespace a small model can emit newlines and spaces until max_tokens, and OpenAI's outputs
+# are compact JSON too.
+_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+
+
+class GrammarError(ValueError):
+    """The `response_format` cannot be compiled into a grammar (the message says why)."""
+
+
+def compile_response_format(response_format: dict[str, Any]) -> str | None:
+    """OpenAI's `response_format` -> an llguidance grammar (None for `{"type": "text"}`).
+
+    `{"type": "json_object"}`: any JSON object. `{"type": "json_schema", "json_schema":
+    {"name": ..., "schema": {...}, "strict": ...}}`: JSON valid under the schema (`strict`
+    changes nothing: the schema is always enforced). Raises GrammarError naming the problem."""
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema: dict[str, Any] = {"type": "object"}
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict):
+            raise GrammarError("response_format json_schema needs a 'json_schema' object")
+        schema_value = spec.get("schema", {"type": "object"})
+        if not isinstance(schema_value, dict):
+            raise GrammarError("response_format json_schema.schema must be a JSON object")
+        schema = schema_value
+    else:
+        raise GrammarError(
+            f"response_format type {kind!r} is not supported (text, json_object, json_schema)"
+        )
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema), defaults=_JSON_OPTIONS
+        )
+    except (ValueError, TypeError) as e:
+        raise GrammarError(f"response_format schema: {e}") from e
+    problem = llguidance.LLMatcher.validate_grammar(grammar)
+    if problem:
+        raise GrammarError(f"response_format schema: {problem}")
+    return grammar
+
+
+def grammar_conflict(sampling: Any) -> str | None:
+    """Why a grammar cannot go with these sampling parameters (None: it can). The grammar ends
+    a request with EOS: `ignore_eos` would run it past the grammar's end, and `min_tokens`
+    could forbid the only token the grammar allows."""
+    if sampling.ignore_eos:
+        return "a response_format grammar cannot be combined with ignore_eos"
+    if sampling.min_tokens:
+        return "a response_format grammar cannot be combined with min_tokens"
+    return None
+
+
+class GrammarMasks:
+    """Per-request grammar matchers and their next-token bitmasks (the engine thread's).
+
+    The llguidance tokenizer is built from the model's `tokenizer.json` on first use (0.2-1 s
+    by vocabulary size: logged), so a server that never sees a grammar never pays for it."""
+
+    def __init__(self, tokenizer_json: str, eos_token_ids: tuple[int, ...]) -> None:
+        self._tokenizer_json = tokenizer_json
+        self._eos = list(eos_token_ids)
+        self._lltok: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+        # request id -> (matcher, output tokens it has consumed)
+        self._matchers: dict[str, tuple[llguidance.LLMatcher, int]] = {}
+        self._executor = llguidance.LLExecutor()
+
+    @property
+    def vocab_size(self) -> int:
+        """Tokens a mask covers (the tokenizer's, added tokens included)."""
+        return self._tokenizer().vocab_size
+
+    @property
+    def words_per_mask(self) -> int:
+        return (self.vocab_size + 31) // 32
+
+    def _tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._lltok is None:
+                t0 = time.perf_counter()
+                self._lltok = llguidance.LLTokenizer(
+                    self._tokenizer_json, eos_token=self._eos or None
+                )
+                log.info(
+                    "grammar tokenizer built in %.2f s (%d tokens)",
+                    time.perf_counter() - t0,
+                    self._lltok.vocab_size,
+                )
+            return self._lltok
+
+    def fill(self, rows: list[tuple[str, str, list[int]]], out: np.ndarray) -> None:
+        """Bitmasks of the tokens each row may sample next, into `out` ([len(rows), words]
+        int32, C-contiguous, host memory). `rows`: (request id, grammar, output token ids so
+        far: all of them, none in flight). A matcher that cannot follow the tokens (an
+        llguidance error: not expected, since every token was sampled under its mask) is
+        logged and ends the request: only EOS is allowed."""
+        words = out.shape[1]
+        batch: list[tuple[llguidance.LLMatcher, int]] = []
+        for i, (rid, grammar, output) in enumerate(rows):
+            m = self._advance(rid, grammar, output)
+            if m.is_error():
+                log.warning(
+                    "request %s: its grammar cannot continue (%s); ending it with EOS",
+                    rid,
+                    m.get_error(),
+                )
+                bits = out.view(np.uint32)
+                bits[i] = 0
+                for t in self._eos:
+                    bits[i, t // 32] |= np.uint32(1 << (t % 32))
+                continue
+            batch.append((m, i))
+        if batch:
+            # One call for the batch: llguidance computes the masks in parallel, GIL dropped.
+            self._executor.unsafe_compute_mask_ptr(batch, out.ctypes.data, words * 4, len(rows))
+
+    def _advance(self, rid: str, grammar: str, output: list[int]) -> llguidance.LLMatcher:
+        entry = self._matchers.get(rid)
+        if entry is None:
+            entry = (llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0), 0)
+        m, consumed = entry
+        if consumed < len(output):
+            m.consume_tokens(output[consumed:])
+        elif consumed > len(output):  # output rolled back (not done today): start over
+            m.reset()
+            m.consume_tokens(output)
+        self._matchers[rid] = (m, len(output))
+        return m
+
+    def release(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._matchers)

@@ -1,0 +1,117 @@
+"""Structured outputs (`response_format`): the grammar compiled from the API's shapes, and the
+engine sampling only what keeps it valid on a random model, whose unconstrained output is
+never JSON. CPU, tiny random model with the default model's tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_engine import Collector, make_engine
+
+from runtime.request import Request, RequestKind, SamplingParams
+from runtime.structured import GrammarError, compile_response_format
+
+# Small enough that a random model finishes it well inside max_tokens: the grammar leaves it
+# one choice of label and one digit.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "label": {"enum": ["yes", "no"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["label", "n"],
+    "additionalProperties": False,
+}
+
+
+def _json_schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+
+
+def test_response_formats_compile_and_bad_schemas_say_why() -> None:
+    assert compile_response_format({"type": "text"}) is None
+    assert compile_response_format({"type": "json_object"})
+    assert compile_response_format(_json_schema(SCHEMA))
+    with pytest.raises(GrammarError, match="nonsense"):
+        compile_response_format(_json_schema({"type": "nonsense"}))
+    with pytest.raises(GrammarError, match="does not exist"):
+        compile_response_format(_json_schema({"properties": {"a": {"$ref": "#/defs/x"}}}))
+    with pytest.raises(GrammarError, match="not supported"):
+        compile_response_format({"type": "yaml"})
+    with pytest.raises(GrammarError, match="json_schema"):
+        compile_response_format({"type": "json_schema"})
+
+
+def _gen(rid: str, max_tokens: int, grammar: str | None, **sp) -> Request:
+    return Request(
+        rid,
+        RequestKind.GENERATE,
+        [11, 22, 33, 44, 55],
+        SamplingParams(max_tokens=max_tokens, grammar=grammar, **{"temperature": 1.0, **sp}),
+    )
+
+
+def _text(engine, sink: Collector, rid: str) -> str:
+    return engine.tokenizer.decode(sink.tokens(rid), skip_special_tokens=True)
+
+
+def test_every_sample_keeps_the_grammar_and_ends_with_eos() -> None:
+    """Four constrained requests (two seeded alike) beside an unconstrained one that keeps the
+    overlapped loop busy: each output parses and matches the schema, ends because the model
+    sampled EOS where the grammar had to end, and seeds still reproduce. The unconstrained
+    request's text is not JSON (what the mask changes), and its tokens are the same as alone."""
+    engine, sink = make_engine()
+    try:
+        grammar = compile_response_format(_json_schema(SCHEMA))
+        engine.add(_gen("alone", 40, None, seed=7, ignore_eos=True))
+        sink.wait("alone")
+        engine.add(_gen("free", 40, None, seed=7, ignore_eos=True))
+        for i in range(4):
+            engine.add(_gen(f"json{i}", 40, grammar, seed=100 + i % 2))
+        sink.wait("free", *(f"json{i}" for i in range(4)))
+        texts = [_text(engine, sink, f"json{i}") for i in range(4)]
+        for i, text in enumerate(texts):
+            value = json.loads(text)
+            assert set(value) == {"label", "n"} and value["label"] in ("yes", "no")
+            assert isinstance(value["n"], int) and 0 <= value["n"] <= 9
+            last = sink.last(f"json{i}")
+            assert last.finish_reason == "stop", (text, last)
+            assert sink.tokens(f"json{i}")[-1] in engine.model_config.eos_token_ids
+        assert texts[0] == texts[2] and texts[1] == texts[3]  # same seed, same sample
+        assert sink.tokens("free") == sink.tokens("alone")
+        with pytest.raises(ValueError):
+            json.loads(_text(engine, sink, "free"))
+        assert len(engine.runner.grammars) == 0  # every matcher released with its request
+    finally:
+        engine.shutdown(0)
+
+
+def test_json_object_and_a_grammar_cut_by_max_tokens() -> None:
+    """`json_object` under greedy sampling starts with "{"; cut by max_tokens the request
+    ends with "length", its text a prefix of valid JSON."""
+    engine, sink = make_engine()
+    try:
+        grammar = compile_response_format({"type": "json_object"})
+        engine.add(_gen("obj", 6, grammar, temperature=0.0))
+        sink.wait("obj")
+        text = _text(engine, sink, "obj")
+        assert text.startswith("{")
+        assert sink.last("obj").finish_reason in ("length", "stop")
+        if sink.last("obj").finish_reason == "stop":
+            assert isinstance(json.loads(text), dict)
+    finally:
+        engine.shutdown(0)
+
+
+def test_a_grammar_with_ignore_eos_or_min_tokens_is_refused() -> None:
+    engine, sink = make_engine()
+    try:
+        grammar = compile_response_format({"type": "json_object"})
+        engine.add(_gen("eos", 8, grammar, ignore_eos=True))
+        engine.add(_gen("min", 8, grammar, min_tokens=2))
+        sink.wait("eos", "min")
+        assert "ignore_eos" in (sink.last("eos").error or "")
+        assert "min_tokens" in (sink.last("min").error or "")
+    finally:
+        engine.shutdown(0)
