@@ -86,6 +86,24 @@ class ResponseFormat(_Request):
         return self.model_dump(by_alias=True, exclude_none=True)
 
 
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs` extension: exactly one constraint (runtime/structured.py
+    `compile_structured_outputs` checks which and how)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, max_length=1024)
+    grammar: str | None = None
+    json_object: bool | None = None
+    # vLLM's "do not fall back to another backend": there is only one backend, llguidance.
+    disable_fallback: bool | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
 class StreamOptions(_Request):
     model_config = ConfigDict(extra="forbid")  # a stream option we do not know is a 400
 
@@ -170,6 +188,7 @@ class _SamplingFields(_Request):
     min_tokens: int = Field(0, ge=0)  # vLLM/SGLang extension: no stop before this many tokens
     include_stop_str_in_output: bool = False  # vLLM extension: a matched stop string kept
     response_format: ResponseFormat | None = None  # structured outputs (JSON, JSON schema)
+    structured_outputs: StructuredOutputs | None = None  # vLLM extension: json / regex / ...
     # Accepted with no effect on the output by OpenAI's own definition (identification, billing
     # and cache-routing hints); listed so they are not "unknown".
     user: str | None = None
@@ -318,6 +337,11 @@ _NOT_IMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "function_call": ((None, "none"), "function calling is not supported"),
     "parallel_tool_calls": ((None, True, False), ""),  # meaningless without tools
     "suffix": ((None, ""), "suffix (insertion) is not supported"),
+    # vLLM's names before 0.12, which replaced them by `structured_outputs` (as we do).
+    "guided_json": ((None,), "send structured_outputs: {'json': ...} (vLLM 0.12+)"),
+    "guided_regex": ((None,), "send structured_outputs: {'regex': ...} (vLLM 0.12+)"),
+    "guided_choice": ((None,), "send structured_outputs: {'choice': [...]} (vLLM 0.12+)"),
+    "guided_grammar": ((None,), "send structured_outputs: {'grammar': ...} (vLLM 0.12+)"),
     "audio": ((None,), "audio output is not supported"),
     "modalities": ((None, ["text"]), "only the text modality is supported"),
     "prediction": ((None,), "predicted outputs are not supported"),

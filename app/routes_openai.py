@@ -56,7 +56,12 @@ from app.protocol import (
 from app.sse import DONE, SSEResponse
 from runtime.request import Request as EngineRequest
 from runtime.request import RequestKind, RequestOutput, SamplingParams, TokenLogprob
-from runtime.structured import GrammarError, compile_response_format, grammar_conflict
+from runtime.structured import (
+    GrammarError,
+    compile_response_format,
+    compile_structured_outputs,
+    grammar_conflict,
+)
 
 router = APIRouter(
     prefix="/v1",
@@ -115,11 +120,21 @@ def _sampling(
             "min_tokens",
         )
     grammar = None
+    if body.response_format is not None and body.structured_outputs is not None:
+        raise bad_request(
+            "response_format and structured_outputs both constrain the output: give one",
+            "structured_outputs",
+        )
     if body.response_format is not None:
         try:
             grammar = compile_response_format(body.response_format.as_dict())
         except GrammarError as e:
             raise bad_request(str(e), "response_format") from e
+    if body.structured_outputs is not None:
+        try:
+            grammar = compile_structured_outputs(body.structured_outputs.as_dict())
+        except GrammarError as e:
+            raise bad_request(str(e), "structured_outputs") from e
     sampling = SamplingParams(
         max_tokens=max_tokens,
         temperature=pick(body.temperature, "temperature", 1.0),
@@ -142,7 +157,9 @@ def _sampling(
         grammar=grammar,
     )
     if grammar is not None and (why := grammar_conflict(sampling)) is not None:
-        raise bad_request(why, "response_format")
+        raise bad_request(
+            why, "response_format" if body.response_format is not None else "structured_outputs"
+        )
     return sampling
 
 

@@ -1,8 +1,9 @@
 """Structured outputs: a grammar that every sampled token of a request must keep valid.
 
 A request's `SamplingParams.grammar` is an llguidance grammar (JSON text) that the front end
-compiled from the API's `response_format` (`compile_response_format`, checked there so a bad
-schema is a 400 before anything is queued). On the engine side `GrammarMasks` keeps one
+compiled from the API's `response_format` (`compile_response_format`) or vLLM's
+`structured_outputs` (`compile_structured_outputs`), checked there so a bad schema, regex or
+grammar is a 400 before anything is queued. On the engine side `GrammarMasks` keeps one
 llguidance matcher per such request, advances it over the request's output tokens, and fills
 the bitmask of the tokens allowed next; the runner turns the bitmask into -inf logits before
 sampling. The matcher allows EOS only where the grammar may end, and only EOS once it must.
@@ -17,12 +18,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from typing import Any
 
 import llguidance
 import numpy as np
+from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 log = logging.getLogger("greenlane.structured")
 
@@ -60,15 +63,9 @@ def compile_response_format(response_format: dict[str, Any]) -> str | None:
             f"response_format type {kind!r} is not supported (text, json_object, json_schema)"
         )
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            json.dumps(schema), defaults=_JSON_OPTIONS
-        )
-    except (ValueError, TypeError) as e:
-        raise GrammarError(f"response_format schema: {e}") from e
-    problem = llguidance.LLMatcher.validate_grammar(grammar)
-    if problem:
-        raise GrammarError(f"response_format schema: {problem}")
-    return grammar
+        return _checked(_json_grammar(schema))
+    except GrammarError as e:
+        raise GrammarError(f"response_format schema: {str(e).removeprefix('schema: ')}") from e
 
 
 def grammar_conflict(sampling: Any) -> str | None:
@@ -76,10 +73,77 @@ def grammar_conflict(sampling: Any) -> str | None:
     a request with EOS: `ignore_eos` would run it past the grammar's end, and `min_tokens`
     could forbid the only token the grammar allows."""
     if sampling.ignore_eos:
-        return "a response_format grammar cannot be combined with ignore_eos"
+        return "structured outputs cannot be combined with ignore_eos"
     if sampling.min_tokens:
-        return "a response_format grammar cannot be combined with min_tokens"
+        return "structured outputs cannot be combined with min_tokens"
     return None
+
+
+# vLLM's `structured_outputs` keys, each a kind of constraint (exactly one per request).
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def compile_structured_outputs(spec: dict[str, Any]) -> str:
+    """vLLM's `structured_outputs` (its extension, since 0.12; `guided_*` before) -> an
+    llguidance grammar: `json` (a JSON schema, or its text), `regex`, `choice` (the output is
+    exactly one of the strings), `grammar` (Lark, or GBNF as llama.cpp / xgrammar write it),
+    `json_object: true`. Exactly one of them; raises GrammarError naming the problem."""
+    given = [k for k in STRUCTURED_OUTPUT_KINDS if spec.get(k) not in (None, False)]
+    if len(given) != 1:
+        raise GrammarError(
+            f"structured_outputs takes exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}; "
+            f"got {', '.join(given) or 'none'}"
+        )
+    kind = given[0]
+    value = spec[kind]
+    if kind == "json_object":
+        if value is not True:
+            raise GrammarError("structured_outputs.json_object must be true")
+        return _checked(_json_grammar({"type": "object"}))
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise GrammarError(f"structured_outputs.json is not JSON: {e}") from e
+        if not isinstance(value, dict):
+            raise GrammarError("structured_outputs.json must be a JSON schema object")
+        return _checked(_json_grammar(value))
+    if kind == "choice":
+        if (
+            not isinstance(value, list)
+            or not value
+            or not all(isinstance(c, str) and c for c in value)
+        ):
+            raise GrammarError("structured_outputs.choice must be a list of non-empty strings")
+        return _checked(
+            llguidance.LLMatcher.grammar_from_regex("(?:" + "|".join(map(re.escape, value)) + ")")
+        )
+    if not isinstance(value, str) or not value:
+        raise GrammarError(f"structured_outputs.{kind} must be a non-empty string")
+    if kind == "regex":
+        return _checked(llguidance.LLMatcher.grammar_from_regex(value))
+    try:
+        lark = any_to_lark(value)
+    except GbnfToLarkError as e:
+        raise GrammarError(f"structured_outputs.grammar: {e}") from e
+    return _checked(llguidance.LLMatcher.grammar_from_lark(lark))
+
+
+def _json_grammar(schema: dict[str, Any]) -> str:
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema), defaults=_JSON_OPTIONS
+        )
+    except (ValueError, TypeError) as e:
+        raise GrammarError(f"schema: {e}") from e
+
+
+def _checked(grammar: str) -> str:
+    problem = llguidance.LLMatcher.validate_grammar(grammar)
+    if problem:
+        raise GrammarError(problem.strip())
+    return grammar
 
 
 class GrammarMasks:

@@ -364,6 +364,9 @@ def test_sampling_parameters_reach_the_engine(server: ServerThread, http: httpx.
         got = _ok(http.post(path, json={**body, "max_tokens": 2, "response_format": fmt}))
         (req,) = _added(server, got["id"])
         assert req.sampling.grammar is not None and '"integer"' in req.sampling.grammar
+    got = _ok(http.post(CHAT, json={"messages": MSG, "structured_outputs": {"choice": ["A", "B"]}}))
+    (req,) = _added(server, got["id"])
+    assert req.sampling.grammar is not None and "A|B" in req.sampling.grammar
 
 
 @pytest.mark.parametrize(
@@ -390,6 +393,14 @@ def test_sampling_parameters_reach_the_engine(server: ServerThread, http: httpx.
         ),
         (CHAT, {"response_format": {"type": "json_object"}, "ignore_eos": True}, "response_format"),
         (CHAT, {"response_format": {"type": "json_object"}, "min_tokens": 1}, "response_format"),
+        (CMPL, {"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
+        (CMPL, {"structured_outputs": {}}, "structured_outputs"),
+        (CHAT, {"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs"),
+        (
+            CHAT,
+            {"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}},
+            "structured_outputs",
+        ),
         (CHAT, {"audio": {"voice": "alloy"}}, "audio"),
         (CHAT, {"reasoning_effort": "low"}, "reasoning_effort"),
         (CHAT, {"store": True}, "store"),

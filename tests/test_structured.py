@@ -10,7 +10,7 @@ import pytest
 from test_engine import Collector, make_engine
 
 from runtime.request import Request, RequestKind, SamplingParams
-from runtime.structured import GrammarError, compile_response_format
+from runtime.structured import GrammarError, compile_response_format, compile_structured_outputs
 
 # Small enough that a random model finishes it well inside max_tokens: the grammar leaves it
 # one choice of label and one digit.
@@ -41,6 +41,34 @@ def test_response_formats_compile_and_bad_schemas_say_why() -> None:
         compile_response_format({"type": "yaml"})
     with pytest.raises(GrammarError, match="json_schema"):
         compile_response_format({"type": "json_schema"})
+
+
+def test_vllm_structured_outputs_compile_one_kind_and_say_what_is_wrong() -> None:
+    for spec in (
+        {"json": SCHEMA},
+        {"json": json.dumps(SCHEMA)},
+        {"regex": "[0-9]{3}-[a-z]+"},
+        {"choice": ["positive", "negative", 'odd "one" (x)']},
+        {"grammar": 'start: "yes" | "no"'},  # Lark
+        {"grammar": 'root ::= "yes" | "no"'},  # GBNF
+        {"json_object": True},
+    ):
+        assert compile_structured_outputs(spec), spec
+    for spec, says in (
+        ({}, "exactly one"),
+        ({"regex": "a", "choice": ["a"]}, "exactly one"),
+        ({"json": "{not json"}, "not JSON"),
+        ({"json": [1]}, "schema object"),
+        ({"json": {"type": "nonsense"}}, "nonsense"),
+        ({"regex": "[a-"}, "unclosed"),
+        ({"choice": []}, "non-empty"),
+        ({"choice": ["a", ""]}, "non-empty"),
+        ({"grammar": "start: foo"}, "unknown name"),
+        ({"grammar": "root ::= ( "}, "Expected"),
+        ({"json_object": "yes"}, "must be true"),
+    ):
+        with pytest.raises(GrammarError, match=says):
+            compile_structured_outputs(spec)
 
 
 def _gen(rid: str, max_tokens: int, grammar: str | None, **sp) -> Request:
@@ -100,6 +128,22 @@ def test_json_object_and_a_grammar_cut_by_max_tokens() -> None:
         assert sink.last("obj").finish_reason in ("length", "stop")
         if sink.last("obj").finish_reason == "stop":
             assert isinstance(json.loads(text), dict)
+    finally:
+        engine.shutdown(0)
+
+
+def test_a_choice_is_exactly_one_of_the_strings() -> None:
+    """vLLM's `choice`, the labelling case: sampled outputs are each one of the choices."""
+    choices = ["positive", "negative", "neutral (unsure)"]
+    engine, sink = make_engine()
+    try:
+        grammar = compile_structured_outputs({"choice": choices})
+        for i in range(6):
+            engine.add(_gen(f"c{i}", 20, grammar, seed=i))
+        sink.wait(*(f"c{i}" for i in range(6)))
+        for i in range(6):
+            assert _text(engine, sink, f"c{i}") in choices
+            assert sink.last(f"c{i}").finish_reason == "stop"
     finally:
         engine.shutdown(0)
 
