@@ -862,12 +862,17 @@ class Engine:
                 # element by element by the young collections while the request waits, the
                 # step loop standing still (runtime/gc_watch.py).
                 untrack_int_list(req.prompt_token_ids)
+                if req.sampling.grammar is not None and self.runner.grammars is not None:
+                    # Compiled here, not on the engine thread (runtime/structured.py).
+                    error = self.runner.grammars.prepare(req.request_id, req.sampling.grammar)
             checked.append((req, error))
         with self._lock:
             started = self._thread is not None
             dead = started and not self._thread.is_alive()  # type: ignore[union-attr]
             for req, error in checked:
                 if not self._accepting or dead:
+                    if error is None and req.sampling.grammar is not None:
+                        self.runner.release(req.request_id)  # its prepared matcher
                     failed.append(
                         _failed_output(
                             req,
@@ -1272,6 +1277,8 @@ class Engine:
                     outs.append(out)
             with self._lock:
                 self._aborting.difference_update(payload)
+            for rid in self.scheduler.take_released():  # (waiting ones: not after a step)
+                self.runner.release(rid)
             return outs
         elif kind == "policy":
             self.policy = payload

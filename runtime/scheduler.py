@@ -387,6 +387,9 @@ class _Tracking:
     first_scheduled_s: float | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # accumulated over chunks
     prompt_logprobs_sent: bool = False
+    # The lease a preemption gave up while a launched step still used it (else None): until
+    # it is freed, the request's per-request device state stays (`_finish`).
+    preempted_lease: Lease | None = None
 
 
 class SlotPool:
@@ -962,6 +965,7 @@ class Scheduler:
         t = self._track[req.request_id]
         assert t.lease is not None
         self._release(t.lease)
+        t.preempted_lease = t.lease if t.lease.num_inflight else None
         t.lease = None
         _remove(self.running, req)
         req.status = RequestStatus.WAITING
@@ -1103,6 +1107,11 @@ class Scheduler:
         t = self._track.pop(req.request_id, None)
         if t is not None and t.lease is not None:
             self._release(t.lease)
+        elif t is None or t.preempted_lease is None or t.preempted_lease.num_inflight == 0:
+            # No lease in use (still waiting, or preempted and waiting again): its per-request
+            # state (a grammar's matcher, a preempted request's penalty row and generator) may
+            # go now; a preempted lease still in flight releases it when freed (`_free_lease`).
+            self._released.append(req.request_id)
         if not _remove(self.running, req):
             _remove(self.waiting, req)
         self._arrival_seq.pop(req.request_id, None)

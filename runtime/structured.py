@@ -147,7 +147,8 @@ def _checked(grammar: str) -> str:
 
 
 class GrammarMasks:
-    """Per-request grammar matchers and their next-token bitmasks (the engine thread's).
+    """Per-request grammar matchers and their next-token bitmasks: prepared where requests
+    are added (`prepare`), advanced and read on the engine thread (`fill`).
 
     The llguidance tokenizer is built from the model's `tokenizer.json` on first use (0.2-1 s
     by vocabulary size: logged), so a server that never sees a grammar never pays for it."""
@@ -183,6 +184,17 @@ class GrammarMasks:
                     self._lltok.vocab_size,
                 )
             return self._lltok
+
+    def prepare(self, request_id: str, grammar: str) -> str | None:
+        """Build a request's matcher now, on the caller's thread (where requests are added):
+        compiling a grammar takes milliseconds, up to a second for a large schema, and the
+        first one builds the tokenizer, none of which should stall the step loop. Returns the
+        matcher's error (None: ready). A request id that has a matcher keeps it."""
+        m = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
+        if m.is_error():
+            return f"structured outputs: {m.get_error()}"
+        self._matchers.setdefault(request_id, (m, 0))  # (a dict op: atomic under the GIL)
+        return None
 
     def fill(self, rows: list[tuple[str, str, list[int]]], out: np.ndarray) -> None:
         """Bitmasks of the tokens each row may sample next, into `out` ([len(rows), words]

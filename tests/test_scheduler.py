@@ -336,6 +336,33 @@ def test_abort_frees_kv_waiting_and_running() -> None:
     assert s.bm.num_used_blocks == 0 and not s.has_work()
 
 
+def test_finished_requests_are_released_once_nothing_launched_uses_them() -> None:
+    """`take_released` names each finished request whose per-request state (a grammar's
+    matcher, a penalty row, a generator) may go: with a lease once it is freed; without one
+    (aborted while waiting, or preempted and waiting again) at once, unless the lease its
+    preemption gave up is still in a launched step, which releases it when applied."""
+    s = make(max_num_seqs=1)
+    s.add(gen("run", 10, max_tokens=50))
+    s.add(gen("wait", 10, max_tokens=50))
+    step(s, FakeRunner())  # "run" admitted, "wait" waits (one sequence at a time)
+    assert s.take_released() == []
+    s.abort("wait")
+    assert s.take_released() == ["wait"]  # never admitted
+    s.abort("run")
+    assert s.take_released() == ["run"]  # its lease freed at once: no step in flight
+    s.add(gen("p", 10, max_tokens=50))
+    runner = FakeRunner()
+    plan = s.schedule(cap(s))
+    result = runner.run(plan)
+    s._preempt(s.get("p"))  # (as a decode short of blocks would) with its prefill in flight
+    s.abort("p")
+    assert s.take_released() == []  # the launched step still uses its lease
+    s.update(plan, result)
+    assert s.take_released() == ["p"]
+    s.bm.check_integrity()
+    assert s.bm.num_used_blocks == 0 and not s.has_work()
+
+
 def test_a_prompt_that_never_fits_fails_clearly() -> None:
     s = make(num_blocks=2, cache=False)
     s.add(gen("huge", 20, max_tokens=2))

@@ -5,6 +5,7 @@ never JSON. CPU, tiny random model with the default model's tokenizer."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from test_engine import Collector, make_engine
@@ -144,6 +145,31 @@ def test_a_choice_is_exactly_one_of_the_strings() -> None:
         for i in range(6):
             assert _text(engine, sink, f"c{i}") in choices
             assert sink.last(f"c{i}").finish_reason == "stop"
+    finally:
+        engine.shutdown(0)
+
+
+def test_the_matcher_is_built_where_requests_are_added_and_freed_however_they_end() -> None:
+    """The grammar compiles in `add` (the caller's thread), before the engine thread has run
+    a step; a request aborted while it waits frees its matcher as one that ran does."""
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+
+    sink = Collector()
+    engine = Engine(EngineConfig(model="random:tiny", max_num_seqs=1, block_size=4), sink)
+    try:
+        grammar = compile_response_format({"type": "json_object"})
+        engine.add(_gen("first", 12, grammar))
+        engine.add(_gen("second", 12, grammar))
+        assert len(engine.runner.grammars) == 2  # both compiled; no step has run
+        engine.abort("second")  # waits behind "first" (one sequence at a time)
+        engine.start()
+        sink.wait("first", "second")
+        assert sink.last("second").finish_reason == "abort"
+        deadline = time.monotonic() + 10
+        while len(engine.runner.grammars) and time.monotonic() < deadline:
+            time.sleep(0.01)  # released when the engine next applies a step's results
+        assert len(engine.runner.grammars) == 0
     finally:
         engine.shutdown(0)
 
