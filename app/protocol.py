@@ -248,7 +248,7 @@ class _SamplingFields(_Request):
 _RESERVED_TEMPLATE_KWARGS = {
     "messages": "it is the request's messages",
     "add_generation_prompt": "use the request's add_generation_prompt",
-    "tools": "tool calling is not supported",
+    "tools": "use the request's tools",
     "documents": "documents are not supported",
 }
 MAX_TEMPLATE_KWARGS = 32
@@ -278,6 +278,38 @@ def check_template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | None:
     return v
 
 
+class FunctionDef(_Request):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema (default: an empty object)
+    strict: bool | None = None  # either way: the schema is enforced (app/tool_calls.py)
+
+
+class Tool(_Request):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class _FunctionName(_Request):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(_Request):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: _FunctionName
+
+
+MAX_TOOLS = 128
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -289,6 +321,10 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the prompt ends inside the last message
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tool calls forced by a grammar: a named function or "required" (app/tool_calls.py).
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -331,11 +367,8 @@ class CompletionRequest(_SamplingFields):
 # mean "off" (accepted, since they ask for nothing). Any other value is a 400 naming the
 # parameter. Parameters not listed here nor declared on the request models are unknown: a 400.
 _NOT_IMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "tools": ((None, []), "tool calling is not supported"),
-    "tool_choice": ((None, "none"), "tool calling is not supported"),
-    "functions": ((None, []), "function calling is not supported"),
-    "function_call": ((None, "none"), "function calling is not supported"),
-    "parallel_tool_calls": ((None, True, False), ""),  # meaningless without tools
+    "functions": ((None, []), "the deprecated functions API: send tools"),
+    "function_call": ((None, "none"), "the deprecated functions API: send tool_choice"),
     "suffix": ((None, ""), "suffix (insertion) is not supported"),
     # vLLM's names before 0.12, which replaced them by `structured_outputs` (as we do).
     "guided_json": ((None,), "send structured_outputs: {'json': ...} (vLLM 0.12+)"),

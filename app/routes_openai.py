@@ -13,6 +13,7 @@ prefill: `SamplingParams.prompt_logprobs`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -49,11 +50,21 @@ from app.protocol import (
     CompletionRequest,
     ModelCard,
     ModelList,
+    NamedToolChoice,
     _SamplingFields,
     unsupported_param,
     usage,
 )
 from app.sse import DONE, SSEResponse
+from app.tool_calls import (
+    NAMED,
+    ToolMode,
+    new_call_id,
+    tool_calls_of,
+    tool_choice_error,
+    tool_mode,
+)
+from app.tool_calls import finish_reason as tool_finish_reason
 from runtime.request import Request as EngineRequest
 from runtime.request import RequestKind, RequestOutput, SamplingParams, TokenLogprob
 from runtime.structured import (
@@ -434,6 +445,80 @@ def _chat_logprobs(engine: Any, items: list[TokenLogprob]) -> dict[str, Any]:
     }
 
 
+def _tools_of(body: ChatCompletionRequest) -> tuple[ToolMode | None, dict[str, Any] | None]:
+    """The forced tool call the request asks for (app/tool_calls.py) and the chat template's
+    variables: its `chat_template_kwargs`, plus the tools unless tool_choice is "none" (then,
+    as vLLM does by default, the model is not shown them)."""
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    choice = body.tool_choice
+    choice_value = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
+    why = tool_choice_error(tools, choice_value)
+    if why is not None:
+        raise bad_request(why, "tools" if "repeated" in why else "tool_choice")
+    try:
+        mode = tool_mode(tools, choice_value, body.parallel_tool_calls)
+    except GrammarError as e:
+        raise bad_request(str(e), "tools") from e
+    if mode is not None and (body.response_format is not None or body.structured_outputs):
+        raise bad_request(
+            "a forced tool call and response_format / structured_outputs both constrain the "
+            "output: give one",
+            "tool_choice",
+        )
+    kwargs = body.chat_template_kwargs
+    if tools and choice_value != "none":
+        kwargs = {**(kwargs or {}), "tools": tools}
+    return mode, kwargs
+
+
+def _tool_sampling(mode: ToolMode | None, sampling: SamplingParams) -> SamplingParams:
+    if mode is None:
+        return sampling
+    out = dataclasses.replace(sampling, grammar=mode.grammar)
+    why = grammar_conflict(out)
+    if why is not None:
+        raise bad_request(why, "tool_choice")
+    return out
+
+
+def _tool_chunks(
+    mode: ToolMode,
+    chunk: Any,
+    index: int,
+    out: RequestOutput,
+    col: _Collected,
+    first: bool,
+    call_id: str,
+) -> list[str]:
+    """Stream chunks of a forced tool call. A named call streams its arguments as they come
+    (its id, type and name in the first); "required" calls are sent whole when the output
+    ends (the array is parsed then); an output that is no complete call (cut by max_tokens)
+    ends as content."""
+    payloads: list[str] = []
+    if mode.kind == NAMED and out.new_text:
+        call: dict[str, Any] = {"index": 0, "function": {"arguments": out.new_text}}
+        if first:
+            call = {
+                "index": 0,
+                "id": call_id,
+                "type": "function",
+                "function": {"name": mode.name, "arguments": out.new_text},
+            }
+        payloads.append(chunk(index, {"tool_calls": [call]}))
+    if out.finished and col.finish_reason not in ("error", "abort"):
+        fin = _openai_finish_reason(col.finish_reason)
+        calls = tool_calls_of(mode, col.text)
+        if calls is None and mode.kind != NAMED:
+            payloads.append(chunk(index, {"content": col.text}))
+        elif calls is not None and mode.kind != NAMED:
+            deltas = [{"index": j, **c} for j, c in enumerate(calls)]
+            payloads.append(chunk(index, {"tool_calls": deltas}))
+        if calls is not None:
+            fin = tool_finish_reason(mode, fin)
+        payloads.append(chunk(index, {}, finish=fin))
+    return payloads
+
+
 @router.post("/chat/completions", responses=_STREAM_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     check_model(request, body.model)
@@ -442,13 +527,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     # n choices are n engine requests: more than the server admits at once can never run (a
     # 400, not a 429 that invites retries)
     check_num_requests(client_of(request), body.n, "n")
+    mode, template_kwargs = _tools_of(body)
     prompt_ids = await off_loop(
         chat_prompt_ids,
         engine,
         body.messages,
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
-        template_kwargs=body.chat_template_kwargs,
+        template_kwargs=template_kwargs,
     )
     requested = body.max_output_tokens
     max_tokens = requested or default_max_tokens(engine, len(prompt_ids))
@@ -470,12 +556,27 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             request_id=f"{engine_base}-{i}",
             kind=RequestKind.GENERATE,
             prompt_token_ids=list(prompt_ids),
-            sampling=_sampling(
-                body, max_tokens, logprobs, seed=seed, defaults=request.app.state.sampling_defaults
+            sampling=_tool_sampling(
+                mode,
+                _sampling(
+                    body,
+                    max_tokens,
+                    logprobs,
+                    seed=seed,
+                    defaults=request.app.state.sampling_defaults,
+                ),
             ),
         )
         for i, seed in enumerate(_choice_seeds(body.seed, n))
     ]
+
+    def answer(col: _Collected) -> tuple[dict[str, Any], str | None]:
+        """A finished choice's message and finish reason (tool calls when forced)."""
+        fin = _openai_finish_reason(col.finish_reason)
+        if mode is not None and (calls := tool_calls_of(mode, col.text)) is not None:
+            message = {"role": "assistant", "content": None, "tool_calls": calls}
+            return message, tool_finish_reason(mode, fin)
+        return {"role": "assistant", "content": col.text}, fin
 
     if not body.stream:
         cols = await _run_non_streaming(request, reqs)
@@ -490,11 +591,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             "choices": [
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": col.text},
+                    "message": message,
                     "logprobs": _chat_logprobs(engine, col.logprobs) if body.logprobs else None,
-                    "finish_reason": _openai_finish_reason(col.finish_reason),
+                    "finish_reason": fin,
                 }
-                for i, col in enumerate(cols)
+                for i, (message, fin) in enumerate(map(answer, cols))
             ],
             "usage": _usage_of(cols, [len(prompt_ids)], n),
         }
@@ -518,6 +619,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             }
         )
 
+    call_ids = [new_call_id() for _ in range(n)]  # a named call's id, in its first chunk
+
     async def events() -> AsyncIterator[list[str]]:
         cols = [_Collected() for _ in streams]
         merged = _merged(streams)
@@ -527,7 +630,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 payloads = []
                 for i, out in batch:
                     col = cols[i]
+                    first = not col.text_parts
                     col.add(out)
+                    if mode is not None:
+                        payloads += _tool_chunks(mode, chunk, i, out, col, first, call_ids[i])
+                        continue
                     if out.new_text or out.new_logprobs:
                         lp = _chat_logprobs(engine, out.new_logprobs) if body.logprobs else None
                         payloads.append(_chat_content_chunk(head, i, out.new_text, lp))

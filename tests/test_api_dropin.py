@@ -372,8 +372,55 @@ def test_sampling_parameters_reach_the_engine(server: ServerThread, http: httpx.
 @pytest.mark.parametrize(
     ("path", "extra", "param"),
     [
-        (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        (CHAT, {"tool_choice": "auto"}, "tool_choice"),
+        # tools without tool_choice ask for "auto": it needs a model-specific parser
+        (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+        (CHAT, {"tool_choice": "required"}, "tool_choice"),  # no tools
+        (
+            CHAT,
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice",
+        ),
+        (
+            CHAT,
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}] * 2,
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+        (
+            CHAT,
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": "x"}}}
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+        (
+            CHAT,
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "tool_choice",
+        ),
+        (
+            CHAT,
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": "required",
+                "ignore_eos": True,
+            },
+            "tool_choice",
+        ),
+        (CHAT, {"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+        (CHAT, {"functions": [{"name": "f"}]}, "functions"),
         (CHAT, {"response_format": {"type": "yaml"}}, "response_format"),
         (CHAT, {"response_format": {"type": "json_schema"}}, "response_format"),
         (

@@ -93,6 +93,69 @@ def test_structured_output_through_the_openai_sdk(server: ServerThread) -> None:
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_forced_tool_calls_through_the_openai_sdk(server: ServerThread) -> None:
+    """A named function, streamed: the SDK's accumulated deltas make one call whose arguments
+    parse under the schema, finish_reason "stop" (OpenAI's for a forced call). "required",
+    not streamed: one or more calls of declared tools, finish_reason "tool_calls"."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    stream = client.chat.completions.create(
+        model="smollm2",
+        messages=messages,
+        max_tokens=60,
+        temperature=0,
+        stream=True,
+        tools=[WEATHER_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    name, ids, arguments, finish = None, set(), "", None
+    for c in stream:
+        if not c.choices:
+            continue
+        for call in c.choices[0].delta.tool_calls or []:
+            name = call.function.name or name
+            if call.id:
+                ids.add(call.id)
+            arguments += call.function.arguments or ""
+        finish = c.choices[0].finish_reason or finish
+    assert name == "get_weather" and len(ids) == 1 and finish == "stop"
+    args = json.loads(arguments)
+    assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
+    resp = client.chat.completions.create(
+        model="smollm2",
+        messages=messages,
+        max_tokens=120,
+        temperature=0,
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+    )
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = choice.message.tool_calls or []
+    assert calls and all(c.function.name == "get_weather" for c in calls)
+    assert all(json.loads(c.function.arguments)["unit"] in ("celsius", "fahrenheit") for c in calls)
+
+
 def test_score_matches_transformers(
     server: ServerThread, http: httpx.Client, default_model_dir: Path
 ) -> None:
