@@ -489,13 +489,14 @@ def _tool_chunks(
     col: _Collected,
     first: bool,
     call_id: str,
+    logprobs: Any,
 ) -> list[str]:
     """Stream chunks of a forced tool call. A named call streams its arguments as they come
-    (its id, type and name in the first); "required" calls are sent whole when the output
-    ends (the array is parsed then); an output that is no complete call (cut by max_tokens)
-    ends as content."""
+    (its id, type and name in the first text's chunk, `first`; the tokens' logprobs with
+    them); "required" calls are sent whole when the output ends (the array is parsed then);
+    an output that is no complete call (cut by max_tokens) ends as content."""
     payloads: list[str] = []
-    if mode.kind == NAMED and out.new_text:
+    if mode.kind == NAMED and (out.new_text or logprobs):
         call: dict[str, Any] = {"index": 0, "function": {"arguments": out.new_text}}
         if first:
             call = {
@@ -504,7 +505,7 @@ def _tool_chunks(
                 "type": "function",
                 "function": {"name": mode.name, "arguments": out.new_text},
             }
-        payloads.append(chunk(index, {"tool_calls": [call]}))
+        payloads.append(chunk(index, {"tool_calls": [call]}, logprobs=logprobs))
     if out.finished and col.finish_reason not in ("error", "abort"):
         fin = _openai_finish_reason(col.finish_reason)
         calls = tool_calls_of(mode, col.text)
@@ -620,6 +621,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         )
 
     call_ids = [new_call_id() for _ in range(n)]  # a named call's id, in its first chunk
+    named_sent = [False] * n  # whether a choice's named call has sent its first chunk
 
     async def events() -> AsyncIterator[list[str]]:
         cols = [_Collected() for _ in streams]
@@ -630,10 +632,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 payloads = []
                 for i, out in batch:
                     col = cols[i]
-                    first = not col.text_parts
                     col.add(out)
                     if mode is not None:
-                        payloads += _tool_chunks(mode, chunk, i, out, col, first, call_ids[i])
+                        lp = _chat_logprobs(engine, out.new_logprobs) if body.logprobs else None
+                        payloads += _tool_chunks(
+                            mode, chunk, i, out, col, not named_sent[i], call_ids[i], lp
+                        )
+                        named_sent[i] = named_sent[i] or bool(out.new_text or lp)
                         continue
                     if out.new_text or out.new_logprobs:
                         lp = _chat_logprobs(engine, out.new_logprobs) if body.logprobs else None

@@ -125,13 +125,16 @@ def test_forced_tool_calls_through_the_openai_sdk(server: ServerThread) -> None:
         max_tokens=60,
         temperature=0,
         stream=True,
+        logprobs=True,
         tools=[WEATHER_TOOL],
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
     )
-    name, ids, arguments, finish = None, set(), "", None
+    name, ids, arguments, finish, logprobs = None, set(), "", None, []
     for c in stream:
         if not c.choices:
             continue
+        if c.choices[0].logprobs is not None:
+            logprobs += c.choices[0].logprobs.content or []
         for call in c.choices[0].delta.tool_calls or []:
             name = call.function.name or name
             if call.id:
@@ -139,6 +142,8 @@ def test_forced_tool_calls_through_the_openai_sdk(server: ServerThread) -> None:
             arguments += call.function.arguments or ""
         finish = c.choices[0].finish_reason or finish
     assert name == "get_weather" and len(ids) == 1 and finish == "stop"
+    # one id and name however the arguments were split; the tokens' logprobs came with them
+    assert "".join(lp.token for lp in logprobs).startswith(arguments)
     args = json.loads(arguments)
     assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
     resp = client.chat.completions.create(
