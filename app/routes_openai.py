@@ -57,9 +57,12 @@ from app.protocol import (
 )
 from app.sse import DONE, SSEResponse
 from app.tool_calls import (
+    AUTO,
     NAMED,
+    HermesStream,
     ToolMode,
     new_call_id,
+    parse_hermes,
     tool_calls_of,
     tool_choice_error,
     tool_mode,
@@ -445,21 +448,24 @@ def _chat_logprobs(engine: Any, items: list[TokenLogprob]) -> dict[str, Any]:
     }
 
 
-def _tools_of(body: ChatCompletionRequest) -> tuple[ToolMode | None, dict[str, Any] | None]:
+def _tools_of(
+    body: ChatCompletionRequest, parser: str
+) -> tuple[ToolMode | None, dict[str, Any] | None]:
     """The forced tool call the request asks for (app/tool_calls.py) and the chat template's
     variables: its `chat_template_kwargs`, plus the tools unless tool_choice is "none" (then,
     as vLLM does by default, the model is not shown them)."""
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     choice = body.tool_choice
     choice_value = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
-    why = tool_choice_error(tools, choice_value)
+    why = tool_choice_error(tools, choice_value, parser)
     if why is not None:
         raise bad_request(why, "tools" if "repeated" in why else "tool_choice")
     try:
         mode = tool_mode(tools, choice_value, body.parallel_tool_calls)
     except GrammarError as e:
         raise bad_request(str(e), "tools") from e
-    if mode is not None and (body.response_format is not None or body.structured_outputs):
+    forced = mode is not None and mode.grammar is not None
+    if forced and (body.response_format is not None or body.structured_outputs):
         raise bad_request(
             "a forced tool call and response_format / structured_outputs both constrain the "
             "output: give one",
@@ -474,6 +480,9 @@ def _tools_of(body: ChatCompletionRequest) -> tuple[ToolMode | None, dict[str, A
 def _tool_sampling(mode: ToolMode | None, sampling: SamplingParams) -> SamplingParams:
     if mode is None:
         return sampling
+    if mode.grammar is None:
+        # auto: the parser reads the model's own tags, which some tokenizers mark special.
+        return dataclasses.replace(sampling, skip_special_tokens=False)
     out = dataclasses.replace(sampling, grammar=mode.grammar)
     why = grammar_conflict(out)
     if why is not None:
@@ -520,6 +529,36 @@ def _tool_chunks(
     return payloads
 
 
+def _auto_chunks(
+    mode: ToolMode,
+    chunk: Any,
+    index: int,
+    out: RequestOutput,
+    col: _Collected,
+    parser: HermesStream | None,
+    logprobs: Any,
+) -> list[str]:
+    """Stream chunks under tool_choice auto: content as the parser lets it through (text that
+    may open a call is held), each call whole when it closes; finish_reason "tool_calls" when
+    the output made any."""
+    assert parser is not None
+    finished = out.finished and col.finish_reason not in ("error", "abort")
+    content, calls = parser.feed(out.new_text, final=finished)
+    payloads: list[str] = []
+    if content or logprobs:
+        payloads.append(chunk(index, {"content": content}, logprobs=logprobs))
+    if calls:
+        first = parser.num_calls - len(calls)
+        deltas = [{"index": first + j, **c} for j, c in enumerate(calls)]
+        payloads.append(chunk(index, {"tool_calls": deltas}))
+    if finished:
+        fin = _openai_finish_reason(col.finish_reason)
+        if parser.num_calls:
+            fin = tool_finish_reason(mode, fin)
+        payloads.append(chunk(index, {}, finish=fin))
+    return payloads
+
+
 @router.post("/chat/completions", responses=_STREAM_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     check_model(request, body.model)
@@ -528,7 +567,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     # n choices are n engine requests: more than the server admits at once can never run (a
     # 400, not a 429 that invites retries)
     check_num_requests(client_of(request), body.n, "n")
-    mode, template_kwargs = _tools_of(body)
+    mode, template_kwargs = _tools_of(body, settings_of(request).tool_call_parser)
     prompt_ids = await off_loop(
         chat_prompt_ids,
         engine,
@@ -574,7 +613,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     def answer(col: _Collected) -> tuple[dict[str, Any], str | None]:
         """A finished choice's message and finish reason (tool calls when forced)."""
         fin = _openai_finish_reason(col.finish_reason)
-        if mode is not None and (calls := tool_calls_of(mode, col.text)) is not None:
+        if mode is not None and mode.kind == AUTO:
+            content, calls = parse_hermes(col.text, set(mode.tool_names))
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                return message, tool_finish_reason(mode, fin)
+        elif mode is not None and (calls := tool_calls_of(mode, col.text)) is not None:
             message = {"role": "assistant", "content": None, "tool_calls": calls}
             return message, tool_finish_reason(mode, fin)
         return {"role": "assistant", "content": col.text}, fin
@@ -622,6 +666,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 
     call_ids = [new_call_id() for _ in range(n)]  # a named call's id, in its first chunk
     named_sent = [False] * n  # whether a choice's named call has sent its first chunk
+    auto = mode is not None and mode.kind == AUTO
+    parsers = [HermesStream(set(mode.tool_names)) if auto else None for _ in range(n)]
 
     async def events() -> AsyncIterator[list[str]]:
         cols = [_Collected() for _ in streams]
@@ -633,6 +679,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 for i, out in batch:
                     col = cols[i]
                     col.add(out)
+                    if mode is not None and mode.kind == AUTO:
+                        lp = _chat_logprobs(engine, out.new_logprobs) if body.logprobs else None
+                        payloads += _auto_chunks(mode, chunk, i, out, col, parsers[i], lp)
+                        continue
                     if mode is not None:
                         lp = _chat_logprobs(engine, out.new_logprobs) if body.logprobs else None
                         payloads += _tool_chunks(

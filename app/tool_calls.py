@@ -5,9 +5,9 @@
 `{"name": ..., "parameters": {...}}` objects, each a declared tool with its schema (one item
 at most with `parallel_tool_calls: false`). Both work with any model, since the grammar, not
 the model's own tool format, makes the call parsable (not necessarily a good one: the model
-sees the tools only as its chat template shows them). `"auto"` would need a parser for each
-model family's own format and is refused by name (`tool_choice_error`), as vLLM refuses it
-unless started with one.
+sees the tools only as its chat template shows them). `"auto"` reads the model's own format back
+with a parser, which the server is started with (`--tool-call-parser hermes`); without one it
+is refused by name (`tool_choice_error`), as vLLM refuses it.
 """
 
 from __future__ import annotations
@@ -21,16 +21,20 @@ from runtime.structured import GrammarError, compile_response_format
 
 NAMED = "named"
 REQUIRED = "required"
+AUTO = "auto"
 
 
 @dataclass(frozen=True, slots=True)
 class ToolMode:
     """How a chat request's output becomes tool calls: `kind` NAMED (the output is the
-    arguments of `name`) or REQUIRED (a JSON array of calls); `grammar` forces it."""
+    arguments of `name`) or REQUIRED (a JSON array of calls), forced by `grammar`; or AUTO
+    (the model's own format, read back by the server's parser; `tool_names`: the declared
+    ones, the only calls it accepts)."""
 
     kind: str
-    grammar: str
+    grammar: str | None
     name: str | None = None
+    tool_names: frozenset[str] = frozenset()
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
@@ -41,12 +45,14 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
 def tool_mode(
     tools: list[dict[str, Any]] | None, tool_choice: Any, parallel_tool_calls: bool | None
 ) -> ToolMode | None:
-    """The forced tool call a request asks for (None: none; the request's text is its answer).
-    `tools`: OpenAI function tools as dicts; `tool_choice`: "none" / "auto" / "required" / a
-    named choice as a dict, checked before (`tool_choice_error`). Raises GrammarError when a
-    schema cannot be compiled."""
-    if not tools or tool_choice in (None, "none"):
+    """The tool calls a request asks for (None: none; the request's text is its answer).
+    `tools`: OpenAI function tools as dicts; `tool_choice`: "none" / "auto" (or None: OpenAI's
+    default with tools) / "required" / a named choice as a dict, checked before
+    (`tool_choice_error`). Raises GrammarError when a schema cannot be compiled."""
+    if not tools or tool_choice == "none":
         return None
+    if tool_choice in (None, AUTO):
+        return ToolMode(AUTO, None, tool_names=frozenset(t["function"]["name"] for t in tools))
     if tool_choice == REQUIRED:
         items = [
             {
@@ -84,18 +90,19 @@ def _grammar(schema: dict[str, Any]) -> str:
     return grammar
 
 
-def tool_choice_error(tools: list[dict[str, Any]] | None, tool_choice: Any) -> str | None:
-    """Why `tools` / `tool_choice` cannot be served (None: they can)."""
+def tool_choice_error(
+    tools: list[dict[str, Any]] | None, tool_choice: Any, parser: str = "none"
+) -> str | None:
+    """Why `tools` / `tool_choice` cannot be served with the server's `parser` (None: they
+    can)."""
     names = [t["function"]["name"] for t in tools or []]
     if len(set(names)) != len(names):
         return "tools have repeated function names"
-    if tool_choice in (None, "none"):
+    if tool_choice in (None, "none", AUTO):
         # OpenAI's default with tools is "auto": tools without a tool_choice ask for it.
-        if tools and tool_choice is None:
+        if tools and tool_choice != "none" and parser == "none":
             return _AUTO
         return None
-    if tool_choice == "auto":
-        return _AUTO if tools else None  # (no tools: nothing to choose)
     if not tools:
         return "tool_choice asks for a tool call but no tools are given"
     if tool_choice == REQUIRED:
@@ -108,8 +115,8 @@ def tool_choice_error(tools: list[dict[str, Any]] | None, tool_choice: Any) -> s
 
 _AUTO = (
     "tool_choice 'auto' (the default when tools are given) needs a parser for the model's own "
-    "tool-call format, which this server does not have: send tool_choice 'required' or a "
-    "named function (forced by a grammar, any model), or 'none'"
+    "tool-call format, and this server was started without one (--tool-call-parser): send "
+    "tool_choice 'required' or a named function (forced by a grammar, any model), or 'none'"
 )
 
 
@@ -118,8 +125,8 @@ def new_call_id() -> str:
 
 
 def tool_calls_of(mode: ToolMode, text: str) -> list[dict[str, Any]] | None:
-    """The OpenAI `tool_calls` for a finished output, or None when the text is no complete
-    call (cut by max_tokens: the caller returns it as content)."""
+    """The OpenAI `tool_calls` for a finished forced output (NAMED, REQUIRED), or None when
+    the text is no complete call (cut by max_tokens: the caller returns it as content)."""
     if mode.kind == NAMED:
         try:
             json.loads(text)
@@ -145,8 +152,103 @@ def _call(name: str, arguments: str) -> dict[str, Any]:
 
 
 def finish_reason(mode: ToolMode, reason: str | None) -> str | None:
-    """OpenAI's: a forced named function ends "stop"; calls the model chose to make (here:
-    required) end "tool_calls"; a cut or failed output keeps its own reason."""
-    if reason == "stop" and mode.kind == REQUIRED:
+    """OpenAI's, for an output that made calls: a forced named function ends "stop"; calls
+    the model chose to make (required, auto) end "tool_calls"; a cut or failed output keeps
+    its own reason."""
+    if reason == "stop" and mode.kind != NAMED:
         return "tool_calls"
     return reason
+
+
+# ---- tool_choice "auto": the model's own format, read back by a parser (`--tool-call-parser`)
+
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+
+
+def parse_hermes(text: str, tool_names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
+    """Hermes-style tool calls (Qwen2.5 / Qwen3, Hermes 2 Pro and later): each call a JSON
+    `{"name": ..., "arguments": {...}}` between `<tool_call>` and `</tool_call>`. Returns the
+    text before the first call (None when blank) and the calls; when a block is not such a
+    call of a declared tool, none are: the whole text is the content."""
+    if _OPEN not in text:
+        return text, []
+    head, _, rest = text.partition(_OPEN)
+    calls = []
+    for block in (_OPEN + rest).split(_OPEN)[1:]:
+        body, closed, _ = block.partition(_CLOSE)
+        call = _hermes_call(body, tool_names) if closed else None
+        if call is None:
+            return text, []
+        calls.append(call)
+    return (head.strip() or None), calls
+
+
+def _hermes_call(body: str, tool_names: set[str]) -> dict[str, Any] | None:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or value.get("name") not in tool_names:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    return _call(value["name"], json.dumps(arguments, ensure_ascii=False, separators=(",", ":")))
+
+
+class HermesStream:
+    """The streamed side of `parse_hermes`: `feed` the output's text as it comes and get back
+    content to send and whole calls (each when its `</tool_call>` arrives). Text that could be
+    the start of `<tool_call>` is held until it is clear. A block that is no call of a
+    declared tool is sent as content, as it was written."""
+
+    def __init__(self, tool_names: set[str]) -> None:
+        self.tool_names = tool_names
+        self._held = ""  # text not yet sent: a possible tag start, or a block not yet closed
+        self._in_call = False
+        self.num_calls = 0
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        self._held += text
+        content: list[str] = []
+        calls: list[dict[str, Any]] = []
+        while True:
+            if self._in_call:
+                body, closed, rest = self._held.partition(_CLOSE)
+                if not closed:
+                    break
+                call = _hermes_call(body, self.tool_names)
+                if call is None:
+                    content.append(_OPEN + body + _CLOSE)
+                else:
+                    calls.append(call)
+                self._held, self._in_call = rest, False
+                continue
+            before, opened, rest = self._held.partition(_OPEN)
+            if opened:
+                content.append(before)
+                self._held, self._in_call = rest, True
+                continue
+            keep = _partial_tag(self._held)
+            content.append(self._held[: len(self._held) - keep])
+            self._held = self._held[len(self._held) - keep :]
+            break
+        if final and self._held:
+            content.append((_OPEN if self._in_call else "") + self._held)
+            self._held, self._in_call = "", False
+        self.num_calls += len(calls)
+        text_out = "".join(content)
+        if self.num_calls:  # after a call, the newlines between blocks are not content
+            text_out = text_out.strip()
+        return text_out, calls
+
+
+def _partial_tag(text: str) -> int:
+    """How many characters at the end of `text` could begin `<tool_call>`."""
+    for n in range(min(len(_OPEN) - 1, len(text)), 0, -1):
+        if _OPEN.startswith(text[-n:]):
+            return n
+    return 0

@@ -727,3 +727,38 @@ def test_sampling_defaults_are_read_from_generation_config(tmp_path, caplog) -> 
         assert _sampling_defaults(Settings(generation_config="none"), info) == {}
     said = caplog.text
     assert "temperature=0.6" in said and "--generation-config none" in said and "min_p=3.0" in said
+
+
+# ----------------------------------------------------------------------------- tool_choice auto
+
+
+def test_auto_tool_calls_with_the_hermes_parser() -> None:
+    """`--tool-call-parser hermes`: tool_choice auto (and tools without a tool_choice) read the
+    model's `<tool_call>` blocks back as tool_calls, streamed or not. The fake engine answers
+    with its prompt's text, so a user message holding a call is an answer holding one."""
+    # (short: the fake engine's context is 256 tokens, and its answer is the whole prompt)
+    call = '<tool_call>{"name": "t"}</tool_call>'
+    tools = [{"type": "function", "function": {"name": "t"}}]
+    body = {"messages": [{"role": "user", "content": call}], "tools": tools, "max_tokens": 140}
+    with fake_server(tool_call_parser="hermes") as srv, httpx.Client(base_url=srv.url) as http:
+        got = _ok(http.post(CHAT, json=body))
+        (choice,) = got["choices"]
+        assert choice["finish_reason"] == "tool_calls"
+        (tc,) = choice["message"]["tool_calls"]
+        assert tc["function"] == {"name": "t", "arguments": "{}"}
+        # The model was shown the tools (the fake template writes its variables up front).
+        assert choice["message"]["content"].startswith("[tools=")
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        stream = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", stream=True, tool_choice="auto", **body
+        )
+        chunks = [c for c in stream if c.choices]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        assert "<tool_call>" not in text and text.startswith("[tools=")
+        calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+        assert [(t.index, t.function.name) for t in calls] == [(0, "t")]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        # No call in the answer: plain content, finish_reason stop.
+        plain = _ok(http.post(CHAT, json={**body, "messages": MSG}))
+        assert plain["choices"][0]["finish_reason"] == "stop"
+        assert "tool_calls" not in plain["choices"][0]["message"]

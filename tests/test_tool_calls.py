@@ -12,7 +12,9 @@ import pytest
 from app.tool_calls import (
     NAMED,
     REQUIRED,
+    HermesStream,
     finish_reason,
+    parse_hermes,
     tool_calls_of,
     tool_choice_error,
     tool_mode,
@@ -104,3 +106,55 @@ def test_finished_outputs_become_tool_calls() -> None:
     assert finish_reason(named, "stop") == "stop"
     assert finish_reason(required, "stop") == "tool_calls"
     assert finish_reason(required, "length") == "length"
+
+
+# ---- tool_choice "auto" with the hermes parser
+
+NAMES = {"get_weather", "get_time"}
+TWO_CALLS = (
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
+    '"unit": "c"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n'
+    "</tool_call>"
+)
+
+
+def test_hermes_reads_calls_and_leaves_anything_else_as_content() -> None:
+    content, calls = parse_hermes(TWO_CALLS, NAMES)
+    assert content == "Let me check."
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "unit": "c"}
+    assert parse_hermes("just text", NAMES) == ("just text", [])
+    for broken in (
+        '<tool_call>{"name": "other", "arguments": {}}</tool_call>',  # not a declared tool
+        '<tool_call>{"name": "get_time", "arguments": {}',  # cut before its end
+        "<tool_call>not json</tool_call>",
+    ):
+        assert parse_hermes(broken, NAMES) == (broken, []), broken
+    # arguments written as a JSON string are read as the object they spell
+    _, (call,) = parse_hermes(
+        '<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"UTC\\"}"}</tool_call>', NAMES
+    )
+    assert json.loads(call["function"]["arguments"]) == {"tz": "UTC"}
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+def test_hermes_stream_sends_what_the_whole_parse_reads(step: int) -> None:
+    """Fed in pieces of any size, the stream lets the same content through (held while it
+    could open a call) and the same calls, each once, when it closes."""
+    for text in (TWO_CALLS, "a < b and <tool_cal is no tag", "<tool_call>oops</tool_call> x"):
+        stream = HermesStream(NAMES)
+        content, calls = "", []
+        pieces = [text[i : i + step] for i in range(0, len(text), step)]
+        for j, piece in enumerate(pieces):
+            c, k = stream.feed(piece, final=j == len(pieces) - 1)
+            assert "<tool_call" not in c or "oops" in text  # never half a tag, never a call
+            content += c
+            calls += k
+        whole_content, whole_calls = parse_hermes(text, NAMES)
+        assert [c["function"] for c in calls] == [c["function"] for c in whole_calls]
+        expected = (whole_content or "") if whole_calls else text
+
+        def bare(t: str) -> str:
+            return t.replace("\n", "").strip()
+
+        assert bare(content) == bare(expected)
