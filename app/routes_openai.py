@@ -59,13 +59,13 @@ from app.sse import DONE, SSEResponse
 from app.tool_calls import (
     AUTO,
     NAMED,
-    HermesStream,
     ToolMode,
     new_call_id,
-    parse_hermes,
+    parse_tool_calls,
     tool_calls_of,
     tool_choice_error,
     tool_mode,
+    tool_parser,
 )
 from app.tool_calls import finish_reason as tool_finish_reason
 from runtime.request import Request as EngineRequest
@@ -461,7 +461,7 @@ def _tools_of(
     if why is not None:
         raise bad_request(why, "tools" if "repeated" in why else "tool_choice")
     try:
-        mode = tool_mode(tools, choice_value, body.parallel_tool_calls)
+        mode = tool_mode(tools, choice_value, body.parallel_tool_calls, parser)
     except GrammarError as e:
         raise bad_request(str(e), "tools") from e
     forced = mode is not None and mode.grammar is not None
@@ -535,7 +535,7 @@ def _auto_chunks(
     index: int,
     out: RequestOutput,
     col: _Collected,
-    parser: HermesStream | None,
+    parser: Any,
     logprobs: Any,
 ) -> list[str]:
     """Stream chunks under tool_choice auto: content as the parser lets it through (text that
@@ -614,7 +614,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         """A finished choice's message and finish reason (tool calls when forced)."""
         fin = _openai_finish_reason(col.finish_reason)
         if mode is not None and mode.kind == AUTO:
-            content, calls = parse_hermes(col.text, set(mode.tool_names))
+            content, calls = parse_tool_calls(mode.parser, col.text, set(mode.tool_names))
             if calls:
                 message = {"role": "assistant", "content": content, "tool_calls": calls}
                 return message, tool_finish_reason(mode, fin)
@@ -667,7 +667,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     call_ids = [new_call_id() for _ in range(n)]  # a named call's id, in its first chunk
     named_sent = [False] * n  # whether a choice's named call has sent its first chunk
     auto = mode is not None and mode.kind == AUTO
-    parsers = [HermesStream(set(mode.tool_names)) if auto else None for _ in range(n)]
+    parsers = [
+        tool_parser(mode.parser, set(mode.tool_names)) if mode is not None and auto else None
+        for _ in range(n)
+    ]
 
     async def events() -> AsyncIterator[list[str]]:
         cols = [_Collected() for _ in streams]

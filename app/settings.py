@@ -88,11 +88,13 @@ class ServerSettings(BaseSettings):
         "repetition_penalty out gets the model's generation_config.json value (as vLLM); "
         "none: the server's (temperature 1, top_p 1, no top_k / min_p / repetition penalty)",
     )
-    tool_call_parser: Literal["none", "hermes"] = Field(
+    tool_call_parser: Literal["none", "hermes", "llama3_json"] = Field(
         "none",
         description="how tool_choice auto (OpenAI's default with tools) reads tool calls back "
         "from the model's own format: hermes = <tool_call>{json}</tool_call> (Qwen2.5, Qwen3, "
-        "Hermes); none = auto is a 400 (named and required tool calls need no parser)",
+        'Hermes); llama3_json = the answer is {"name": ..., "parameters": ...} '
+        "(Llama 3.1 / 3.2); none = auto is a 400 (named and required tool calls need no "
+        "parser)",
     )
     # No limit by default, as vLLM: a long generation is not an error, a client that leaves
     # aborts its request anyway, and a 504 invites the OpenAI SDK to run the whole request again.

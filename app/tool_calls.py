@@ -35,6 +35,7 @@ class ToolMode:
     grammar: str | None
     name: str | None = None
     tool_names: frozenset[str] = frozenset()
+    parser: str = "none"  # AUTO: the server's --tool-call-parser
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
@@ -43,7 +44,10 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def tool_mode(
-    tools: list[dict[str, Any]] | None, tool_choice: Any, parallel_tool_calls: bool | None
+    tools: list[dict[str, Any]] | None,
+    tool_choice: Any,
+    parallel_tool_calls: bool | None,
+    parser: str = "none",
 ) -> ToolMode | None:
     """The tool calls a request asks for (None: none; the request's text is its answer).
     `tools`: OpenAI function tools as dicts; `tool_choice`: "none" / "auto" (or None: OpenAI's
@@ -52,7 +56,8 @@ def tool_mode(
     if not tools or tool_choice == "none":
         return None
     if tool_choice in (None, AUTO):
-        return ToolMode(AUTO, None, tool_names=frozenset(t["function"]["name"] for t in tools))
+        names = frozenset(t["function"]["name"] for t in tools)
+        return ToolMode(AUTO, None, tool_names=names, parser=parser)
     if tool_choice == REQUIRED:
         items = [
             {
@@ -252,3 +257,70 @@ def _partial_tag(text: str) -> int:
         if _OPEN.startswith(text[-n:]):
             return n
     return 0
+
+
+_PYTHON_TAG = "<|python_tag|>"
+
+
+def parse_llama3_json(text: str, tool_names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
+    """Llama 3.1 / 3.2 JSON tool calls: the whole answer is `{"name": ..., "parameters":
+    {...}}` (after an optional `<|python_tag|>`), several separated by `;`. Returns (None,
+    calls), or (the text, []) when it is not such calls of declared tools."""
+    body = text.strip().removeprefix(_PYTHON_TAG).strip()
+    if not body.startswith("{"):
+        return text, []
+    decoder = json.JSONDecoder()
+    calls, at = [], 0
+    while at < len(body):
+        try:
+            value, at = decoder.raw_decode(body, at)
+        except ValueError:
+            return text, []
+        call = _hermes_call(json.dumps(value), tool_names)  # same fields, same checks
+        if call is None:
+            return text, []
+        calls.append(call)
+        while at < len(body) and body[at] in " \t\r\n;":
+            at += 1
+    return None, calls
+
+
+class Llama3JsonStream:
+    """The streamed side of `parse_llama3_json`: an answer that opens like a call (`{` or
+    `<|python_tag|>` first) is held and parsed when it ends; any other streams as content."""
+
+    def __init__(self, tool_names: set[str]) -> None:
+        self.tool_names = tool_names
+        self._held = ""
+        self._holding: bool | None = None  # None: not known yet (only blanks so far)
+        self.num_calls = 0
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        if self._holding is False:
+            return text, []
+        self._held += text
+        lead = self._held.lstrip()
+        if self._holding is None and lead:
+            self._holding = lead.startswith("{") or _PYTHON_TAG.startswith(lead[:14])
+            if not self._holding:
+                out, self._held = self._held, ""
+                return out, []
+        if not final:
+            return "", []
+        content, calls = parse_llama3_json(self._held, self.tool_names)
+        self._held = ""
+        self.num_calls += len(calls)
+        return content or "", calls
+
+
+def tool_parser(name: str, tool_names: set[str]) -> Any:
+    """The streamed parser for `--tool-call-parser name` (hermes, llama3_json)."""
+    return HermesStream(tool_names) if name == "hermes" else Llama3JsonStream(tool_names)
+
+
+def parse_tool_calls(
+    name: str, text: str, tool_names: set[str]
+) -> tuple[str | None, list[dict[str, Any]]]:
+    """A finished answer read by `--tool-call-parser name`: (content, calls)."""
+    parse = parse_hermes if name == "hermes" else parse_llama3_json
+    return parse(text, tool_names)

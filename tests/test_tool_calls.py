@@ -15,9 +15,12 @@ from app.tool_calls import (
     HermesStream,
     finish_reason,
     parse_hermes,
+    parse_llama3_json,
+    parse_tool_calls,
     tool_calls_of,
     tool_choice_error,
     tool_mode,
+    tool_parser,
 )
 from runtime.structured import GrammarError
 
@@ -158,3 +161,41 @@ def test_hermes_stream_sends_what_the_whole_parse_reads(step: int) -> None:
             return t.replace("\n", "").strip()
 
         assert bare(content) == bare(expected)
+
+
+# ---- tool_choice "auto" with the llama3_json parser
+
+
+def test_llama3_json_reads_whole_answers_that_are_calls() -> None:
+    one = '{"name": "get_time", "parameters": {"tz": "UTC"}}'
+    assert parse_tool_calls("llama3_json", one, NAMES)[0] is None
+    (call,) = parse_tool_calls("llama3_json", one, NAMES)[1]
+    assert call["function"] == {"name": "get_time", "arguments": '{"tz":"UTC"}'}
+    two = '<|python_tag|>{"name": "get_time", "parameters": {}}; {"name": "get_weather", "parameters": {"city": "A", "unit": "f"}}'
+    content, calls = parse_llama3_json(two, NAMES)
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_time", "get_weather"]
+    for text in ("The time is noon.", '{"name": "other", "parameters": {}}', '{"name": "get_ti'):
+        assert parse_llama3_json(text, NAMES) == (text, []), text
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_llama3_json_stream_holds_a_call_and_streams_prose(step: int) -> None:
+    def run(text: str) -> tuple[list[str], list[dict]]:
+        stream = tool_parser("llama3_json", NAMES)
+        sent, calls = [], []
+        pieces = [text[i : i + step] for i in range(0, len(text), step)]
+        for j, piece in enumerate(pieces):
+            c, k = stream.feed(piece, final=j == len(pieces) - 1)
+            sent.append(c)
+            calls += k
+        return sent, calls
+
+    sent, calls = run(' {"name": "get_time", "parameters": {}}')
+    assert "".join(sent) == "" and [c["function"]["name"] for c in calls] == ["get_time"]
+    prose = "It is noon in Oslo."
+    sent, calls = run(prose)
+    assert "".join(sent) == prose and not calls
+    if step < len(prose):
+        assert sent[0] == prose[:step]  # prose goes out as it comes, not at the end
+    sent, calls = run('{"not": "a call"}')
+    assert "".join(sent) == '{"not": "a call"}' and not calls  # held, then sent as content
