@@ -547,8 +547,10 @@ def _auto_chunks(
     payloads: list[str] = []
     if content or logprobs:
         payloads.append(chunk(index, {"content": content}, logprobs=logprobs))
+    first = parser.num_calls - len(calls)
+    if mode.max_calls is not None:
+        calls = calls[: max(0, mode.max_calls - first)]
     if calls:
-        first = parser.num_calls - len(calls)
         deltas = [{"index": first + j, **c} for j, c in enumerate(calls)]
         payloads.append(chunk(index, {"tool_calls": deltas}))
     if finished:
@@ -615,6 +617,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         fin = _openai_finish_reason(col.finish_reason)
         if mode is not None and mode.kind == AUTO:
             content, calls = parse_tool_calls(mode.parser, col.text, set(mode.tool_names))
+            calls = calls[: mode.max_calls]  # (None: all)
             if calls:
                 message = {"role": "assistant", "content": content, "tool_calls": calls}
                 return message, tool_finish_reason(mode, fin)

@@ -36,6 +36,9 @@ class ToolMode:
     name: str | None = None
     tool_names: frozenset[str] = frozenset()
     parser: str = "none"  # AUTO: the server's --tool-call-parser
+    # AUTO with parallel_tool_calls false: the model's first call only (its output is not
+    # constrained; REQUIRED's grammar holds it to one instead)
+    max_calls: int | None = None
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
@@ -57,7 +60,8 @@ def tool_mode(
         return None
     if tool_choice in (None, AUTO):
         names = frozenset(t["function"]["name"] for t in tools)
-        return ToolMode(AUTO, None, tool_names=names, parser=parser)
+        one = 1 if parallel_tool_calls is False else None
+        return ToolMode(AUTO, None, tool_names=names, parser=parser, max_calls=one)
     if tool_choice == REQUIRED:
         items = [
             {

@@ -97,10 +97,12 @@ class FakeTokenizer:
     ) -> list[int]:
         """The template's tokens with each message's content read as text (bytes), as the
         real tokenizer does: typed special-token text never becomes a control token. Template
-        variables (`chat_template_kwargs`) show as `[name=value]` text up front."""
+        variables (`chat_template_kwargs`, the request's `tools`) show as `[name=value]` text up
+        front; a list as its length (`[tools=2]`: the fake context is short)."""
         ids: list[int] = []
         for name, value in sorted(kwargs.items()):
-            ids += list(f"[{name}={value}]".encode())
+            shown = len(value) if isinstance(value, list) else value
+            ids += list(f"[{name}={shown}]".encode())
         for m in messages:
             ids += self.encode(f"<|im_start|>{m['role']}\n")
             ids += list(str(m["content"]).encode("utf-8"))

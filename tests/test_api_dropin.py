@@ -747,7 +747,7 @@ def test_auto_tool_calls_with_the_hermes_parser() -> None:
         (tc,) = choice["message"]["tool_calls"]
         assert tc["function"] == {"name": "t", "arguments": "{}"}
         # The model was shown the tools (the fake template writes its variables up front).
-        assert choice["message"]["content"].startswith("[tools=")
+        assert choice["message"]["content"].startswith("[tools=1]")
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
         stream = client.chat.completions.create(
             model="SmolLM2-135M-Instruct", stream=True, tool_choice="auto", **body
@@ -758,6 +758,12 @@ def test_auto_tool_calls_with_the_hermes_parser() -> None:
         calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
         assert [(t.index, t.function.name) for t in calls] == [(0, "t")]
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        # parallel_tool_calls false: the model's first call only.
+        two = {"role": "user", "content": call + call}
+        both = _ok(http.post(CHAT, json={**body, "messages": [two]}))
+        assert len(both["choices"][0]["message"]["tool_calls"]) == 2
+        one = _ok(http.post(CHAT, json={**body, "messages": [two], "parallel_tool_calls": False}))
+        assert len(one["choices"][0]["message"]["tool_calls"]) == 1
         # No call in the answer: plain content, finish_reason stop.
         plain = _ok(http.post(CHAT, json={**body, "messages": MSG}))
         assert plain["choices"][0]["finish_reason"] == "stop"
