@@ -59,6 +59,7 @@ from app.sse import DONE, SSEResponse
 from app.tool_calls import (
     AUTO,
     NAMED,
+    REPEATED_NAMES,
     ToolMode,
     new_call_id,
     parse_tool_calls,
@@ -459,7 +460,7 @@ def _tools_of(
     choice_value = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
     why = tool_choice_error(tools, choice_value, parser)
     if why is not None:
-        raise bad_request(why, "tools" if "repeated" in why else "tool_choice")
+        raise bad_request(why, "tools" if why == REPEATED_NAMES else "tool_choice")
     try:
         mode = tool_mode(tools, choice_value, body.parallel_tool_calls, parser)
     except GrammarError as e:

@@ -106,7 +106,7 @@ def tool_choice_error(
     can)."""
     names = [t["function"]["name"] for t in tools or []]
     if len(set(names)) != len(names):
-        return "tools have repeated function names"
+        return REPEATED_NAMES
     if tool_choice in (None, "none", AUTO):
         # OpenAI's default with tools is "auto": tools without a tool_choice ask for it.
         if tools and tool_choice != "none" and parser == "none":
@@ -122,6 +122,7 @@ def tool_choice_error(
     return None
 
 
+REPEATED_NAMES = "tools have repeated function names"  # (a 400 naming tools, not tool_choice)
 _AUTO = (
     "tool_choice 'auto' (the default when tools are given) needs a parser for the model's own "
     "tool-call format, and this server was started without one (--tool-call-parser): send "
@@ -194,9 +195,14 @@ def parse_hermes(text: str, tool_names: set[str]) -> tuple[str | None, list[dict
 
 def _hermes_call(body: str, tool_names: set[str]) -> dict[str, Any] | None:
     try:
-        value = json.loads(body)
+        return _call_of(json.loads(body), tool_names)
     except ValueError:
         return None
+
+
+def _call_of(value: Any, tool_names: set[str]) -> dict[str, Any] | None:
+    """A parsed `{"name": ..., "arguments" (or "parameters"): {...}}` of a declared tool as
+    an OpenAI call, else None (both parsers' checks)."""
     if not isinstance(value, dict) or value.get("name") not in tool_names:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
@@ -280,7 +286,7 @@ def parse_llama3_json(text: str, tool_names: set[str]) -> tuple[str | None, list
             value, at = decoder.raw_decode(body, at)
         except ValueError:
             return text, []
-        call = _hermes_call(json.dumps(value), tool_names)  # same fields, same checks
+        call = _call_of(value, tool_names)
         if call is None:
             return text, []
         calls.append(call)

@@ -44,7 +44,7 @@ def measure(tokenizer_dir: Path, rows_list: list[int], repeats: int) -> dict[str
 
     text = (tokenizer_dir / "tokenizer.json").read_text()
     tok = Tokenizer.from_str(text)
-    masks = GrammarMasks(text, ())
+    masks = GrammarMasks(lambda: text, ())
     grammars = {
         "json_schema": compile_response_format(
             {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}

@@ -324,7 +324,7 @@ class Engine:
         )
         # Structured outputs: matchers built on first use from the served tokenizer (the ids
         # the masks cover are the ones sampling may pick: num_sampleable_tokens).
-        self.runner.grammars = GrammarMasks(tokenizer.to_json(), model_config.eos_token_ids)
+        self.runner.grammars = GrammarMasks(tokenizer.to_json, model_config.eos_token_ids)
         self.stream_device = stream_device_for(self.device)
         pg = self.runner.prefill_graphs
         # Fixed after start-up: read once, not per stats snapshot.

@@ -21,6 +21,7 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import llguidance
@@ -153,7 +154,9 @@ class GrammarMasks:
     The llguidance tokenizer is built from the model's `tokenizer.json` on first use (0.2-1 s
     by vocabulary size: logged), so a server that never sees a grammar never pays for it."""
 
-    def __init__(self, tokenizer_json: str, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, tokenizer_json: Callable[[], str], eos_token_ids: tuple[int, ...]) -> None:
+        # The served tokenizer as `tokenizer.json` text, asked for on first use only (a
+        # 128k-token vocabulary serialises to ~9 MB: not at start-up, not kept).
         self._tokenizer_json = tokenizer_json
         self._eos = list(eos_token_ids)
         self._lltok: llguidance.LLTokenizer | None = None
@@ -176,7 +179,7 @@ class GrammarMasks:
             if self._lltok is None:
                 t0 = time.perf_counter()
                 self._lltok = llguidance.LLTokenizer(
-                    self._tokenizer_json, eos_token=self._eos or None
+                    self._tokenizer_json(), eos_token=self._eos or None
                 )
                 log.info(
                     "grammar tokenizer built in %.2f s (%d tokens)",
