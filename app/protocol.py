@@ -63,9 +63,21 @@ class JsonSchemaFormat(_Request):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     name: str = Field(..., min_length=1, max_length=64)
+    # OpenAI shows it to the model; no chat template has a place for it, so it would be
+    # accepted and ignored: a 400 instead (the schema's own "description"s stay in the schema).
     description: str | None = None
     schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
     strict: bool | None = None
+
+    @field_validator("description")
+    @classmethod
+    def _no_description(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError(
+                "json_schema.description is not shown to the model by this server: leave it "
+                "out (descriptions inside the schema are fine)"
+            )
+        return v
 
 
 class ResponseFormat(_Request):

@@ -425,6 +425,16 @@ def test_sampling_parameters_reach_the_engine(server: ServerThread, http: httpx.
         (CHAT, {"response_format": {"type": "json_schema"}}, "response_format"),
         (
             CHAT,
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "description": "a person"},
+                }
+            },
+            "response_format",
+        ),
+        (
+            CHAT,
             {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
             "response_format",
         ),
