@@ -40,7 +40,9 @@ SHAPE_MIN_STEPS steps) gives the error no model of the step's shape can go much 
 the engine's on the same steps. What is left there is not shape: on the H200 it is the host
 launching an eager step (docs/partition.md). `host_pace` reads that from traces that carry the
 host's times (`plan_ms`, `launch_ms`: since the thirty-second session): the share of mixed
-steps whose launch took most of their device time.
+steps whose launch took most of their device time (a hint, not proof: a launch also holds any
+time the host was blocked in it). `short_steps` summarises the short suffix steps after a
+long cached prefix, where that error sits next to scoring.
 
     python -m bench.step_fit run/*.steps.json [--json out.json] [--source results.json]
 
@@ -136,9 +138,21 @@ def host_gaps(steps: list[dict[str, Any]], over_ms: float = HOST_GAP_MS) -> dict
     }
 
 
-# A step whose host spent at least this fraction of its device time enqueueing it ran at the
-# host's pace: the device waited for its launches (traces since `plan_ms` / `launch_ms`).
+# A step whose host spent at least this fraction of its device time inside its launch may have
+# run at the host's pace (traces since `plan_ms` / `launch_ms`). Only "may": `launch_ms` is the
+# wall time of `executor.launch`, which also holds any time the host was blocked there (a full
+# launch queue, a wait on an earlier step's staging), so a launch as long as its step does not
+# by itself say who waited for whom. On the 8B's mixed chat (thirty-third session) 2k-token
+# steps "launched" for 0.9 of their ~64 ms: no eager 2k step takes the host that long to
+# enqueue. `idle_before_ms` (the serial executor's) is the device's own wait between steps.
 HOST_PACED_FRACTION = 0.8
+
+# Short suffix steps: a prefill part of fewer than SHORT_STEP_TOKENS after at least
+# SHORT_STEP_CONTEXT cached tokens (a scoring request's post after its user's cached profile),
+# beside decodes. A quarter of the mixed steps next to scoring, with the largest error of the
+# cost model (the thirty-second session: 17 % against 5.9 % for 2k steps).
+SHORT_STEP_TOKENS = 256
+SHORT_STEP_CONTEXT = 8192
 
 
 def host_pace(steps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -157,6 +171,32 @@ def host_pace(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "plan_ms_p50": float(np.median([s["plan_ms"] for s in timed])),
         "launch_ms_p50": float(np.median(launch)),
         "launch_over_device_p50": float(np.median(launch / device)),
+    }
+
+
+def short_steps(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The short suffix steps among the mixed ones (`SHORT_STEP_TOKENS`, `SHORT_STEP_CONTEXT`)
+    with host times: their count and share of the mixed steps, and the medians of their device
+    time, launch and plan time and the device's idle before them (None where not recorded: the
+    split executor leaves it unset). Compared across the probes of one run in time order, they
+    tell the host's state from a side's effect. Empty counts for traces without host times."""
+    mixed = [s for s in mixed_steps(steps) if s.get("launch_ms") is not None]
+    short = [
+        s
+        for s in mixed
+        if s["num_prefill_tokens"] < SHORT_STEP_TOKENS
+        and s.get("prefill_context_tokens", 0) >= SHORT_STEP_CONTEXT
+    ]
+    if not short:
+        return {"num_steps": 0}
+    idle = [s["idle_before_ms"] for s in short if s.get("idle_before_ms") is not None]
+    return {
+        "num_steps": len(short),
+        "share_of_mixed": len(short) / len(mixed),
+        "device_ms_p50": float(np.median([s["device_ms"] for s in short])),
+        "launch_ms_p50": float(np.median([s["launch_ms"] for s in short])),
+        "plan_ms_p50": float(np.median([s["plan_ms"] for s in short])),
+        "idle_before_ms_p50": float(np.median(idle)) if idle else None,
     }
 
 
@@ -311,6 +351,7 @@ def fit(steps: list[dict[str, Any]], jct: JctLine | None = None) -> dict[str, An
         "num_mixed_steps": len(mixed),
         "host_gaps": host_gaps(steps),
         "host_pace": host_pace(steps),
+        "short_steps": short_steps(steps),
     }
     if len(mixed) < 8:
         out["error"] = "fewer than 8 mixed whole-GPU steps"
@@ -393,6 +434,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"launched in >= {HOST_PACED_FRACTION:.0%} of their device time; P50 plan "
                 f"{h['plan_ms_p50']:.2f} ms, launch {h['launch_ms_p50']:.2f} ms "
                 f"({h['launch_over_device_p50']:.2f} of the device's)"
+            )
+        sh = res["short_steps"]
+        if sh["num_steps"]:
+            idle = sh["idle_before_ms_p50"]
+            print(
+                f"  short suffix steps (< {SHORT_STEP_TOKENS} tokens after >= "
+                f"{SHORT_STEP_CONTEXT} cached): {sh['num_steps']} ({sh['share_of_mixed']:.0%} of "
+                f"mixed), P50 device {sh['device_ms_p50']:.2f} ms, launch "
+                f"{sh['launch_ms_p50']:.2f}, plan {sh['plan_ms_p50']:.2f}, idle before "
+                + ("-" if idle is None else f"{idle:.2f}")
             )
         if "error" in res:
             print(f"  {res['error']}")

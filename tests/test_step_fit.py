@@ -219,3 +219,24 @@ def test_corrected_replay_takes_the_decode_base_the_engine_recorded() -> None:
     assert pred[last] == pytest.approx(steps[last]["device_ms"], rel=0.01)
     without = [{k: v for k, v in s.items() if k != "decode_base_ms"} for s in steps]
     assert step_fit.corrected_replay(without, jct) == {}  # no base to replay on
+
+
+def test_short_steps_picks_short_suffixes_after_a_long_cached_prefix() -> None:
+    steps = _steps(40)
+    assert step_fit.short_steps(steps) == {"num_steps": 0}  # a trace from before host times
+    for i, s in enumerate(steps[:40]):
+        s["plan_ms"], s["launch_ms"] = 0.5, 4.0
+        s["idle_before_ms"] = 1.0 if i % 2 else 3.0
+        if i < 10:  # ten short suffixes after a long prefix; the rest keep their shapes
+            s["num_prefill_tokens"] = step_fit.SHORT_STEP_TOKENS - 1
+            s["prefill_context_tokens"] = step_fit.SHORT_STEP_CONTEXT
+            s["device_ms"] = 8.0 + i
+        else:  # (the random shapes may hold a short one)
+            s["num_prefill_tokens"] = max(s["num_prefill_tokens"], step_fit.SHORT_STEP_TOKENS)
+    steps[1]["prefill_context_tokens"] = step_fit.SHORT_STEP_CONTEXT - 1  # not long enough
+    sh = step_fit.short_steps(steps)
+    assert sh["num_steps"] == 9 and sh["share_of_mixed"] == pytest.approx(9 / 40)
+    assert sh["device_ms_p50"] == pytest.approx(13.0)  # 8, 10, 11, ..., 17
+    assert sh["launch_ms_p50"] == 4.0 and sh["plan_ms_p50"] == 0.5
+    assert sh["idle_before_ms_p50"] == pytest.approx(3.0)  # five 3.0 (even i) of nine
+    assert step_fit.fit(steps)["short_steps"] == sh
