@@ -88,13 +88,16 @@ class ServerSettings(BaseSettings):
         "repetition_penalty out gets the model's generation_config.json value (as vLLM); "
         "none: the server's (temperature 1, top_p 1, no top_k / min_p / repetition penalty)",
     )
-    tool_call_parser: Literal["none", "hermes", "llama3_json"] = Field(
+    # (the names are app/tool_calls.py's TOOL_CALL_PARSERS, and "none")
+    tool_call_parser: Literal["none", "hermes", "llama3_json", "mistral", "pythonic"] = Field(
         "none",
         description="how tool_choice auto (OpenAI's default with tools) reads tool calls back "
         "from the model's own format: hermes = <tool_call>{json}</tool_call> (Qwen2.5, Qwen3, "
         'Hermes); llama3_json = the answer is {"name": ..., "parameters": ...} '
-        "(Llama 3.1 / 3.2); none = auto is a 400 (named and required tool calls need no "
-        "parser)",
+        "(Llama 3.1 / 3.2); mistral = [TOOL_CALLS] then a JSON array of calls, or "
+        "name[ARGS]{json} per call (Mistral-Instruct v0.3, Mistral-Nemo, Mistral-Small); "
+        'pythonic = the answer is a Python list of calls, [f(a=1), g(b="x")] (Llama 3.2, '
+        "Llama 4); none = auto is a 400 (named and required tool calls need no parser)",
     )
     # No limit by default, as vLLM: a long generation is not an error, a client that leaves
     # aborts its request anyway, and a 504 invites the OpenAI SDK to run the whole request again.
