@@ -55,6 +55,10 @@
 #                                         #   until healthy, so FlashInfer's modules and the
 #                                         #   fused decode's Triton sizes compile, then stop;
 #                                         #   the cache comes back as fi_cache.tar.gz
+#   bash bench/gpu_next.sh hostprof REV [M] # where the host's time goes next to scoring:
+#                                         #   py-spy + the torch profiler under scoring at
+#                                         #   SQPS (40) beside chat, off-2k then auto-2k
+#                                         #   (M: the 3B; ~2.5 min after `warm`)
 #   bash bench/gpu_next.sh abandon REV [M] # a client leaving a long scoring prompt: the GPU
 #                                         #   test, then bench.abandoned through HTTP (M: the
 #                                         #   8B shape; 131k tokens, two repeats; ~3 min)
@@ -483,6 +487,36 @@ try:
          "--json", f"{out}/abandoned-{name}-{rev}.json"],
         check=True,
     )
+finally:
+    s.stop()
+PY
+    ;;
+  hostprof)
+    # Where the host's time goes next to scoring (bench.host_profile): one 3B server started
+    # as plan cap's, scoring at a fixed rate (SQPS, 40: the rate where the sides part) next to
+    # chat at 2 QPS, py-spy over the server's processes, then the torch profiler over 300
+    # steps; off-2k, then auto-2k (SIDES as plan cap's names). ~2.5 min after `warm`.
+    export PATH=/tmp/site/bin:$PATH  # py-spy, from its wheel in .whl
+    python3 - "${split:-random:qwen2.5-3b}" "$(( $(left) - 20 ))" "${SQPS:-40}" \
+      "${SIDES:-off-2k,auto-2k}" "$OUT" <<'PY' || rc=1
+import subprocess, sys
+from pathlib import Path
+from bench.gpu_serving import Server
+model, budget_s, qps, names, out = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+sides = {"off-2k": "partition=off,budget=2048,tbt=none",
+         "auto-2k": "partition=auto,budget=8192,mixed=2048,tbt=none",
+         "auto": "partition=auto,budget=8192,mixed=none,tbt=none"}
+s = Server(model, 8011, ["--partition", "auto", "--calibrate", "true",
+                         "--partition-tbt-slo-ms", "80", "--prefill-token-budget", "8192"],
+           Path("/tmp/serving/hostprof.log"))
+print(f"hostprof: {model} healthy after {s.start(min(200.0, budget_s)):.0f} s", flush=True)
+try:
+    for name in names.split(","):
+        subprocess.run(
+            [sys.executable, "-m", "bench.host_profile", "--url", s.url, "--settings",
+             sides[name], "--score-qps", qps, "--out-dir", "/tmp/serving/hostprof",
+             "--tag", f"hostprof-{name}"], check=True, timeout=150)
+        subprocess.run(["cp", f"/tmp/serving/hostprof/hostprof-{name}.json", out], check=True)
 finally:
     s.stop()
 PY

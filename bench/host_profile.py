@@ -1,0 +1,173 @@
+"""Where the engine's host time goes under scoring next to chat: py-spy over the server's
+processes and the torch profiler over the engine's steps, on one running server under load.
+
+Why: next to scoring, short suffix steps (a post of ~150 tokens after a user's 14k-token cached
+profile, beside a few decodes) are 40-78 % of the mixed steps on the H200, "launch" for about
+as long as they run (6-10 ms; ~3 ms of device work) and spend 1.3-2.7 ms in planning, and their
+cost moves with the host's state from run to run (docs/benchmarks.md, "The cap's second
+repeats"). A launch's wall time also holds any time the host blocked in it, so the step traces
+cannot say what the host does; this reads it.
+
+What, in one call against a server already running (`--url`):
+  1. the side's settings through the admin API (`--settings`, as plan cap's sides);
+  2. chat streaming in the background (ShareGPT at `--chat-qps`) and scoring at a fixed rate
+     (`--score-workload`, primed when it is a stream of users) for `--duration-s`;
+  3. after `--warm-s`, py-spy (raw samples, idle frames left out) over every server process
+     for `--py-spy-s`, then the torch profiler over the next `--profile-steps` steps;
+  4. one JSON: the settings, each process's role and CPU use, the py-spy summary of each
+     (`summarize_raw`: the frames with the most samples, own and below them), the profiler's
+     summary (kernels and host ops per step, device busy fraction) and the load's figures.
+
+    python -m bench.host_profile --url http://127.0.0.1:8011 \
+        --settings partition=off,budget=2048,tbt=none --score-qps 40 --out-dir /tmp/prof
+
+An engine-level diagnostic run through the product path; its figures are not headline ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+
+def summarize_raw(path: Path, top: int = 30) -> dict[str, Any]:
+    """A py-spy `--format raw` file (one line per distinct stack, `f1;f2;...;fN COUNT`, outer
+    frame first) -> the samples, the frames with the most samples of their own (the leaf), and
+    the frames with the most samples at or below them (each counted once a stack)."""
+    own: Counter[str] = Counter()
+    below: Counter[str] = Counter()
+    total = 0
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        frames = stack.split(";")
+        total += n
+        own[frames[-1]] += n
+        for f in set(frames):
+            below[f] += n
+
+    def rows(c: Counter[str]) -> list[dict[str, Any]]:
+        return [
+            {"frame": f[:200], "samples": n, "share": round(n / total, 4)}
+            for f, n in c.most_common(top)
+        ]
+
+    return {"samples": total, "own": rows(own), "at_or_below": rows(below)}
+
+
+def _post_json(url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    import httpx
+
+    r = httpx.post(url, json=body, timeout=timeout_s)
+    r.raise_for_status()
+    return r.json()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--settings", default="", help="admin settings first (plan cap's sides)")
+    ap.add_argument("--score-workload", default="post-recommendation-stream")
+    ap.add_argument("--score-qps", type=float, default=40.0)
+    ap.add_argument("--chat-qps", type=float, default=2.0)
+    ap.add_argument("--duration-s", type=float, default=24.0, help="seconds of scoring arrivals")
+    ap.add_argument("--warm-s", type=float, default=6.0, help="load before py-spy starts")
+    ap.add_argument("--py-spy-s", type=float, default=8.0)
+    ap.add_argument("--profile-steps", type=int, default=300, help="0: no torch profile")
+    ap.add_argument("--out-dir", type=Path, required=True)
+    ap.add_argument("--tag", default="host-profile")
+    args = ap.parse_args(argv)
+
+    from bench.decode import CpuMeter, _role, py_spy, server_processes
+    from bench.gpu_serving import apply_settings, prime_args
+
+    out_dir: Path = args.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    port = int(args.url.rsplit(":", 1)[1].split("/")[0])
+    record: dict[str, Any] = {
+        "command": " ".join(["python", "-m", "bench.host_profile", *(argv or sys.argv[1:])]),
+        "note": "engine-level diagnostic through a running server; not a headline figure",
+    }
+    if args.settings:
+        record["settings"] = apply_settings(args.url, args.settings)
+    serve = [sys.executable, "-m", "bench.serve", "--url", args.url, "--no-progress"]
+    chat = subprocess.Popen(
+        [
+            *serve,
+            *["--workload", "sharegpt", "--qps", str(args.chat_qps), "--seed", "7"],
+            *["--duration", str(args.duration_s + 10), "--no-reset-prefix-cache"],
+            *["--out", str(out_dir / f"{args.tag}-chat.json")],
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    time.sleep(2.0)  # chat streams before the scoring starts
+    score_out = out_dir / f"{args.tag}-score.json"
+    score = subprocess.Popen(
+        [
+            *serve,
+            *["--workload", args.score_workload, *prime_args(args.score_workload)],
+            *["--qps", str(args.score_qps), "--duration", str(args.duration_s), "--seed", "0"],
+            *["--out", str(score_out)],
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    procs = server_processes(port)
+    record["processes"] = {str(p.pid): _role(p) for p in procs}
+    time.sleep(args.warm_s)
+    meter = CpuMeter(procs)
+    meter.start()
+    files = py_spy(procs, args.py_spy_s, out_dir, args.tag)
+    time.sleep(args.py_spy_s + 2.0)
+    record["cpu_percent_while_sampled"] = meter.read()
+    if args.profile_steps:
+        try:
+            record["torch_profile"] = _post_json(
+                args.url + "/admin/api/profile",
+                {"num_steps": args.profile_steps, "timeout_s": 30.0},
+                timeout_s=60,
+            )
+        except Exception as exc:  # noqa: BLE001 - the py-spy half stands on its own
+            record["torch_profile"] = {"error": str(exc)[:400]}
+    _, err = score.communicate(timeout=args.duration_s + 120)
+    chat.terminate()  # SIGTERM: bench.serve writes what completed
+    chat.wait(30)
+    record["py_spy"] = {}
+    for f in files:
+        pid = Path(f).stem.rsplit("-", 1)[-1]
+        role = record["processes"].get(pid, "?")
+        p = Path(f)
+        record["py_spy"][f"{pid}:{role}"] = (
+            summarize_raw(p) if p.exists() else {"error": "no samples written"}
+        )
+    if score.returncode == 0 and score_out.exists():
+        metrics = json.loads(score_out.read_text()).get("metrics", {})
+        keep = ("completed", "failed", "failure_reasons", "ttft_ms", "request_throughput")
+        record["score_load"] = {k: metrics.get(k) for k in keep}
+    else:
+        record["score_load"] = {"error": (err or "")[-400:]}
+    path = out_dir / f"{args.tag}.json"
+    path.write_text(json.dumps(record, indent=1))
+    print(f"wrote {path}")
+    for key, s in record["py_spy"].items():
+        if "own" in s:
+            print(f"== {key}: {s['samples']} samples; most own samples:")
+            for row in s["own"][:12]:
+                print(f"  {row['share']:6.1%}  {row['frame']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,31 @@
+"""bench.host_profile's reading of py-spy's raw samples."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.host_profile import summarize_raw
+
+
+def test_summarize_raw_counts_own_samples_at_the_leaf_and_each_frame_once_a_stack(
+    tmp_path: Path,
+) -> None:
+    raw = tmp_path / "pyspy.txt"
+    raw.write_text(
+        "loop (engine.py:1);launch (runner.py:2);run (fi.py:3) 6\n"
+        "loop (engine.py:1);launch (runner.py:2) 2\n"
+        # a recursive frame appears twice in one stack: counted once below it
+        "loop (engine.py:1);plan (sched.py:4);plan (sched.py:4) 2\n"
+        "not a sample line\n"
+    )
+    s = summarize_raw(raw)
+    assert s["samples"] == 10
+    own = {r["frame"]: r["samples"] for r in s["own"]}
+    assert own == {"run (fi.py:3)": 6, "launch (runner.py:2)": 2, "plan (sched.py:4)": 2}
+    below = {r["frame"]: r["samples"] for r in s["at_or_below"]}
+    assert below["loop (engine.py:1)"] == 10
+    assert below["launch (runner.py:2)"] == 8
+    assert below["plan (sched.py:4)"] == 2
+    assert s["own"][0] == {"frame": "run (fi.py:3)", "samples": 6, "share": pytest.approx(0.6)}
