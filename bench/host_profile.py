@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--score-workload", default="post-recommendation-stream")
     ap.add_argument("--score-qps", type=float, default=40.0)
     ap.add_argument("--chat-qps", type=float, default=2.0)
+    ap.add_argument("--scale", type=float, default=1.0, help="prompt lengths (bench.serve's)")
     ap.add_argument("--duration-s", type=float, default=24.0, help="seconds of scoring arrivals")
     ap.add_argument("--warm-s", type=float, default=6.0, help="load before py-spy starts")
     ap.add_argument("--py-spy-s", type=float, default=8.0)
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.settings:
         record["settings"] = apply_settings(args.url, args.settings)
     serve = [sys.executable, "-m", "bench.serve", "--url", args.url, "--no-progress"]
+    serve += ["--scale", str(args.scale)]
     chat = subprocess.Popen(
         [
             *serve,
@@ -141,7 +143,11 @@ def main(argv: list[str] | None = None) -> int:
             )
         except Exception as exc:  # noqa: BLE001 - the py-spy half stands on its own
             record["torch_profile"] = {"error": str(exc)[:400]}
-    _, err = score.communicate(timeout=args.duration_s + 120)
+    try:
+        _, err = score.communicate(timeout=args.duration_s + 120)
+    except subprocess.TimeoutExpired:  # an overloaded server: keep what was sampled
+        score.terminate()  # SIGTERM: bench.serve writes what completed
+        _, err = score.communicate(timeout=30)
     chat.terminate()  # SIGTERM: bench.serve writes what completed
     chat.wait(30)
     record["py_spy"] = {}
