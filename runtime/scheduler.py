@@ -871,7 +871,7 @@ class Scheduler:
             num_full = req.num_tokens // bs
             keep_new = 0
             if self.config.enable_prefix_cache and self.bm.prefix_cache is not None:
-                pinned = sum(1 for b in prefix_blocks if self.bm.ref_counts[b] == 0)
+                pinned = self.bm.num_pinned(prefix_blocks)
                 keep_new = max(
                     0, min(num_full - len(prefix_blocks), self.bm.num_free_blocks - pinned)
                 )

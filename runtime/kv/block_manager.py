@@ -51,10 +51,15 @@ class BlockManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def num_pinned(self, prefix_block_ids: Sequence[int]) -> int:
+        """How many of these cached blocks are unreferenced now (evictable): sharing them
+        takes them out of the evictable pool. (O(blocks) in C: a 14k-token prefix is ~900
+        blocks, and this runs at every admission.)"""
+        return list(map(self.ref_counts.__getitem__, prefix_block_ids)).count(0)
+
     def can_allocate(self, num_new_blocks: int, prefix_block_ids: Sequence[int] = ()) -> bool:
         # Pinning an evictable prefix block takes it out of the evictable pool too.
-        pinned = sum(1 for b in prefix_block_ids if self.ref_counts[b] == 0)
-        return num_new_blocks + pinned <= self.num_free_blocks
+        return num_new_blocks + self.num_pinned(prefix_block_ids) <= self.num_free_blocks
 
     # ---- tables --------------------------------------------------------------------------
     def has(self, request_id: str) -> bool:
@@ -81,10 +86,18 @@ class BlockManager:
                 f"need {num_new_blocks} new blocks (+{len(prefix_block_ids)} shared), "
                 f"{self.num_free_blocks} available"
             )
-        table: list[int] = []
+        # The shared blocks' ref counts, inline rather than a method call a block: an
+        # admission after a long cached prefix touches ~900 of them on the engine thread.
+        rc, cache = self.ref_counts, self.prefix_cache
         for b in prefix_block_ids:
-            self._incref(b)
-            table.append(b)
+            if rc[b]:
+                rc[b] += 1
+                continue
+            if cache is None or not cache.is_evictable(b):
+                raise AssertionError(f"block {b} is free, not a cached block: cannot share it")
+            cache.on_referenced(b)
+            rc[b] = 1
+        table = list(prefix_block_ids)
         for _ in range(num_new_blocks):
             table.append(self._take_block())
         self._tables[request_id] = table
@@ -110,9 +123,18 @@ class BlockManager:
         if table is None:
             return
         # Release the tail first: it enters the LRU before the head, so it is evicted first
-        # (heads of sequences are the most widely shared prefixes).
+        # (heads of sequences are the most widely shared prefixes). Inline, as in `allocate`.
+        rc, cache, free = self.ref_counts, self.prefix_cache, self._free
         for b in reversed(table):
-            self._decref(b)
+            n = rc[b] - 1
+            if n > 0:
+                rc[b] = n
+                continue
+            if n < 0:
+                raise AssertionError(f"double free of block {b}")
+            rc[b] = 0
+            if cache is None or not cache.on_unreferenced(b):
+                free.append(b)
 
     def cache_full_blocks(
         self, request_id: str, block_hashes: Sequence[int], token_ids: Sequence[int]
@@ -159,21 +181,6 @@ class BlockManager:
         assert self.ref_counts[b] == 0
         self.ref_counts[b] = 1
         return b
-
-    def _incref(self, b: int) -> None:
-        if self.ref_counts[b] == 0:
-            if self.prefix_cache is None or not self.prefix_cache.is_evictable(b):
-                raise AssertionError(f"block {b} is free, not a cached block: cannot share it")
-            self.prefix_cache.on_referenced(b)
-        self.ref_counts[b] += 1
-
-    def _decref(self, b: int) -> None:
-        if self.ref_counts[b] <= 0:
-            raise AssertionError(f"double free of block {b}")
-        self.ref_counts[b] -= 1
-        if self.ref_counts[b] == 0:
-            if self.prefix_cache is None or not self.prefix_cache.on_unreferenced(b):
-                self._free.append(b)
 
     # ---- integrity -----------------------------------------------------------------------
     def check_integrity(self) -> None:
