@@ -270,6 +270,7 @@ class PendingOutput:
         self._parts: list[tuple[str, Any, list[torch.Tensor]]] = []
         self._event: Any = None
         self._result: RunnerOutput | None = None
+        self.grammar_ids: list[str] = []  # requests under a grammar sampled in this step
 
     def add(self, kind: str, meta: Any, *tensors: torch.Tensor | None) -> None:
         self._parts.append((kind, meta, [t for t in tensors if t is not None]))
@@ -392,6 +393,10 @@ class ModelRunner:
         # Structured outputs' matchers (runtime/structured.py), set by the engine: None means
         # a runner without a tokenizer (tests), where a request with a grammar fails its step.
         self.grammars: GrammarMasks | None = None
+        # Per constrained request: the launched step whose output holds its latest sample. A
+        # request may be planned with that sample still in flight (overlapped scheduling);
+        # its mask then waits here for that one token (`_grammar_masks`).
+        self._grammar_pending: dict[str, PendingOutput] = {}
         self.prefill_backend = backend
         self.uses_flashinfer = use_ops_for(backend)
         # The decode backend and graphs fuse RoPE + the K/V write when the prefill one does
@@ -586,6 +591,7 @@ class ModelRunner:
         launched step uses the request any more (its lease was freed)."""
         self._generators.pop(request_id, None)
         self.penalties.free(request_id)
+        self._grammar_pending.pop(request_id, None)
         if self.grammars is not None:
             self.grammars.release(request_id)
 
@@ -601,11 +607,11 @@ class ModelRunner:
         try:
             if plan.prefill and plan.decode and self._mergeable(plan.prefill, len(plan.decode)):
                 self._run_merged(plan.prefill, plan.decode, pending)
-                return pending.seal()
-            if plan.prefill:
-                self._run_part(plan.prefill, False, self.prefill_backend, pending)
-            if plan.decode:
-                self._run_part(plan.decode, True, self.decode_backend, pending)
+            else:
+                if plan.prefill:
+                    self._run_part(plan.prefill, False, self.prefill_backend, pending)
+                if plan.decode:
+                    self._run_part(plan.decode, True, self.decode_backend, pending)
         except torch.cuda.OutOfMemoryError as e:
             # Free what the failed step cached so the next step starts clean; the engine
             # fails only the request(s) at fault (it re-runs a batch one request at a time).
@@ -614,7 +620,16 @@ class ModelRunner:
         finally:
             self._launching = None
             self.forward_layer = None
-        return pending.seal()
+        pending.seal()
+        self.track_grammar_samples(pending)
+        return pending
+
+    def track_grammar_samples(self, pending: PendingOutput) -> None:
+        """Remember a sealed step as the one holding its constrained requests' latest samples
+        (a later mask may wait for one). Only a launch that went through: a failed one's
+        samples are never used."""
+        for rid in pending.grammar_ids:
+            self._grammar_pending[rid] = pending
 
     def run(self, plan: StepPlan) -> RunnerOutput:
         """One step, waited for (calibration, tests, re-runs of a failed batch)."""
@@ -909,6 +924,7 @@ class ModelRunner:
             ]
             constrained = [i for i, r in enumerate(reqs) if r.sampling.grammar is not None]
             allowed = self._grammar_masks(constrained, reqs) if constrained else None
+            pending.grammar_ids += [reqs[i].request_id for i in constrained]
             sampled = self.sampler.sample(
                 rows, [r.sampling for r in reqs], gens, pen_rows, self.penalties, banned, allowed
             )
@@ -941,22 +957,35 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The sampler's `allowed` for the rows with a grammar: their row indices and masks
         ([R, 32 * words] bool) on the device. Each mask follows all of its request's output
-        tokens: the scheduler plans no sample of such a request while one is in flight."""
+        tokens. One of them may still be in flight (the scheduler plans at most one sample
+        of such a request ahead of the host, `MAX_GRAMMAR_SAMPLES_AHEAD`): the host then
+        waits for the step that samples it. This step's forward is enqueued by then, so the
+        device keeps working while the host waits, and a constrained request decodes every
+        step beside unconstrained ones instead of every other one."""
         g = self.grammars
         if g is None:
             raise RuntimeError("this runner has no grammar tokenizer (structured outputs)")
         dev = self.device
+        outputs = []
+        for i in rows:
+            r = reqs[i]
+            ahead = r.num_output_placeholders - 1  # (this step's sample is counted too)
+            output = r.output_token_ids
+            if ahead == 1:
+                earlier = self._grammar_pending.get(r.request_id)
+                if earlier is None:
+                    raise RuntimeError(f"request {r.request_id}: its sample in flight is lost")
+                output = [*output, earlier.result().sampled_token_ids[r.request_id]]
+            elif ahead > 1:
+                raise RuntimeError(
+                    f"request {r.request_id}: {ahead} samples in flight under a grammar (at most 1)"
+                )
+            outputs.append((r.request_id, r.sampling.grammar, output))
         # Filled in place (pinned on CUDA: the copy does not wait for the step in flight).
         host = torch.zeros(
             (len(rows), g.words_per_mask), dtype=torch.int32, pin_memory=dev.type == "cuda"
         )
-        g.fill(
-            [
-                (reqs[i].request_id, reqs[i].sampling.grammar, reqs[i].output_token_ids)
-                for i in rows
-            ],
-            host.numpy(),
-        )
+        g.fill(outputs, host.numpy())
         words = host.to(dev, non_blocking=True)  # [R, W] int32, one bit per token id
         shifts = torch.arange(32, dtype=torch.int32, device=dev)
         mask = ((words.unsqueeze(-1) >> shifts) & 1).bool().reshape(len(rows), -1)

@@ -250,6 +250,12 @@ class TailFactor:
 # must progress even when the decodes alone take longer than the target.
 MIN_TBT_CHUNK_TOKENS = 256
 
+# Samples of a request under a grammar (structured outputs) that may be in flight when it is
+# planned again: its mask needs every earlier token, and the runner waits for one in-flight
+# step's token (`ModelRunner._grammar_masks`), not more. With 1 such a request decodes every
+# step under overlapped scheduling (with 0 it sat out every other step beside others).
+MAX_GRAMMAR_SAMPLES_AHEAD = 1
+
 
 def tbt_chunk_tokens(cost: PrefillCost, time_left_s: float, cached_tokens: int) -> int:
     """The first prefill chunk of a step under a TBT target: the most new tokens after
@@ -619,7 +625,10 @@ class Scheduler:
             remaining = req.num_total_tokens - req.num_computed_tokens
             if lease.sampled:
                 room = req.num_output_tokens + req.num_output_placeholders
-                waits = req.num_output_placeholders and req.sampling.grammar is not None
+                waits = (
+                    req.num_output_placeholders > MAX_GRAMMAR_SAMPLES_AHEAD
+                    and req.sampling.grammar is not None
+                )
                 if remaining == 1 and room < req.sampling.max_tokens and not waits:
                     num_decodes += 1
                     decode_ctx += req.num_computed_tokens
@@ -704,8 +713,11 @@ class Scheduler:
                 continue
             if req.num_output_tokens + req.num_output_placeholders >= req.sampling.max_tokens:
                 continue  # its last token is in flight: the update finishes it
-            if req.num_output_placeholders and req.sampling.grammar is not None:
-                continue  # its grammar's mask needs the token in flight (runtime/structured.py)
+            if (
+                req.num_output_placeholders > MAX_GRAMMAR_SAMPLES_AHEAD
+                and req.sampling.grammar is not None
+            ):
+                continue  # its mask needs the tokens in flight: the runner waits for one only
             need = self.bm.num_blocks_for(computed + 1)
             ok = True
             while len(self.bm.table(lease.key)) < need:

@@ -8,10 +8,13 @@ llguidance matcher per such request, advances it over the request's output token
 the bitmask of the tokens allowed next; the runner turns the bitmask into -inf logits before
 sampling. The matcher allows EOS only where the grammar may end, and only EOS once it must.
 
-A mask needs every token before it on the host, so the scheduler never plans a constrained
-request's next sample while its previous one is in flight (overlapped scheduling runs such a
-request every other step when other requests keep the loop busy; alone it runs as without
-overlap).
+A mask needs every token before it on the host. Under overlapped scheduling a constrained
+request is planned again while its previous sample is still in flight (at most one:
+`runtime.scheduler.MAX_GRAMMAR_SAMPLES_AHEAD`); the runner, after enqueueing the step's
+forward, waits for that one token before it fills the mask (`ModelRunner._grammar_masks`),
+so the request decodes every step, and the device runs the forward meanwhile. A request whose
+in-flight token ended it gets one more (surplus) sample, which the scheduler drops; its
+matcher, stopped, allows only EOS then.
 """
 
 from __future__ import annotations
@@ -202,19 +205,21 @@ class GrammarMasks:
     def fill(self, rows: list[tuple[str, str, list[int]]], out: np.ndarray) -> None:
         """Bitmasks of the tokens each row may sample next, into `out` ([len(rows), words]
         int32, C-contiguous, host memory). `rows`: (request id, grammar, output token ids so
-        far: all of them, none in flight). A matcher that cannot follow the tokens (an
-        llguidance error: not expected, since every token was sampled under its mask) is
-        logged and ends the request: only EOS is allowed."""
+        far, every one: the runner adds one still in flight). A stopped matcher (its grammar
+        ended, or it took EOS: a surplus sample the scheduler drops) allows only EOS. So does
+        one that cannot follow the tokens (an llguidance error: not expected, since every
+        token was sampled under its mask), which is logged and ends the request."""
         words = out.shape[1]
         batch: list[tuple[llguidance.LLMatcher, int]] = []
         for i, (rid, grammar, output) in enumerate(rows):
             m = self._advance(rid, grammar, output)
-            if m.is_error():
-                log.warning(
-                    "request %s: its grammar cannot continue (%s); ending it with EOS",
-                    rid,
-                    m.get_error(),
-                )
+            if m.is_stopped() or (output and output[-1] in self._eos):  # (stopped: errors too)
+                if m.is_error():
+                    log.warning(
+                        "request %s: its grammar cannot continue (%s); ending it with EOS",
+                        rid,
+                        m.get_error(),
+                    )
                 bits = out.view(np.uint32)
                 bits[i] = 0
                 for t in self._eos:
@@ -230,6 +235,10 @@ class GrammarMasks:
         if entry is None:
             entry = (llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0), 0)
         m, consumed = entry
+        if output and output[-1] in self._eos:
+            # EOS ends the request (only a surplus sample, dropped, follows it): the matcher
+            # does not take it (llguidance reads it as a token after the end: an error).
+            output = output[:-1]
         if consumed < len(output):
             m.consume_tokens(output[consumed:])
         elif consumed > len(output):  # output rolled back (not done today): start over

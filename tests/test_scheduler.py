@@ -13,7 +13,13 @@ from runtime.config import EngineConfig
 from runtime.kv.block_manager import BlockManager
 from runtime.kv.prefix_cache import PrefixCache
 from runtime.request import Request, RequestKind, SamplingParams, TokenLogprob
-from runtime.scheduler import RunnerOutput, Scheduler, StepCapacity, StepPlan
+from runtime.scheduler import (
+    MAX_GRAMMAR_SAMPLES_AHEAD,
+    RunnerOutput,
+    Scheduler,
+    StepCapacity,
+    StepPlan,
+)
 
 BS = 4
 EOS = 99
@@ -179,28 +185,35 @@ def test_overlap_plans_the_next_decode_before_the_last_token_is_known() -> None:
     assert not s.has_work()
 
 
-def test_a_grammar_request_waits_for_its_token_in_flight_and_others_do_not() -> None:
-    """Structured outputs: a request with a grammar is not planned while its previous sample is
-    in flight (its mask needs that token on the host); an unconstrained one beside it is, and
-    the outlook counts the decodes `schedule` will plan. Under overlap both finish alike."""
+def test_a_grammar_request_runs_one_sample_ahead_of_the_host_not_two() -> None:
+    """Structured outputs: a request with a grammar may be planned with one sample in flight
+    (the runner waits for that token to fill its mask, MAX_GRAMMAR_SAMPLES_AHEAD), not with
+    two; an unconstrained one beside it has no such limit, and the outlook counts the decodes
+    `schedule` will plan. Under overlap both finish alike."""
+    assert MAX_GRAMMAR_SAMPLES_AHEAD == 1
     s = make(cache=False)
     s.add(gen("json", 3, max_tokens=10, grammar="{}"))
     s.add(gen("free", 3, max_tokens=10))
     runner = FakeRunner()
     p0 = s.schedule(cap(s))  # both prompts: each samples its first token
     r0 = runner.run(p0)
-    assert s.outlook().num_decodes == 1  # "json"'s token is in flight: not counted
+    assert s.outlook().num_decodes == 2  # "json" has one token in flight: planned anyway
     p1 = s.schedule(cap(s))
-    assert [q.request.request_id for q in p1.decode] == ["free"]
+    assert sorted(q.request.request_id for q in p1.decode) == ["free", "json"]
     r1 = runner.run(p1)
-    s.update(p0, r0)  # "json"'s first token reaches the host
-    assert s.outlook().num_decodes == 2
+    assert s.outlook().num_decodes == 1  # two of "json"'s tokens would be in flight: not it
     p2 = s.schedule(cap(s))
-    assert sorted(q.request.request_id for q in p2.decode) == ["free", "json"]
+    assert [q.request.request_id for q in p2.decode] == ["free"]
+    r2 = runner.run(p2)
+    s.update(p0, r0)  # "json"'s first token reaches the host: one left in flight
+    assert s.outlook().num_decodes == 2
+    p3 = s.schedule(cap(s))
+    assert sorted(q.request.request_id for q in p3.decode) == ["free", "json"]
     s.update(p1, r1)
-    s.update(p2, runner.run(p2))
+    s.update(p2, r2)
+    s.update(p3, runner.run(p3))
     outs = drive(s, runner, overlap=True)
-    assert len(tokens(outs, "json")) + 2 == 10 and len(tokens(outs, "free")) + 3 == 10
+    assert len(tokens(outs, "json")) + 3 == 10 and len(tokens(outs, "free")) + 4 == 10
 
 
 def test_fcfs_order_and_budget_batching() -> None:

@@ -185,3 +185,59 @@ def test_a_grammar_with_ignore_eos_or_min_tokens_is_refused() -> None:
         assert "min_tokens" in (sink.last("min").error or "")
     finally:
         engine.shutdown(0)
+
+
+class _StepCollector(Collector):
+    """Also numbers the engine's steps: which step each output came from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_steps = 0
+        self.steps_of: dict[str, list[int]] = {}
+
+    def __call__(self, outs) -> None:  # noqa: ANN001 - one engine step's outputs
+        self.num_steps += 1
+        for o in outs:
+            if o.new_token_ids:
+                self.steps_of.setdefault(o.request_id, []).append(self.num_steps)
+        super().__call__(outs)
+
+
+def test_a_constrained_request_decodes_every_step_beside_others(monkeypatch, caplog) -> None:  # noqa: ANN001
+    """Under overlapped scheduling a constrained request is planned while its last sample is
+    in flight (the runner waits for that one token to fill its mask), so beside an
+    unconstrained request it gets a token in every step, not every other one; its output
+    still keeps the grammar. On CPU a launched step is done at once and would be collected
+    before the next is planned: a step here reads as not ready until the engine blocks on
+    it, as on CUDA, so the next step is planned with its tokens in flight."""
+    from runtime import runner
+
+    monkeypatch.setattr(runner.PendingOutput, "ready", lambda self: False)
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+
+    sink = _StepCollector()
+    cfg = EngineConfig(model="random:tiny", prefill_policy="fcfs", block_size=4, num_kv_blocks=256)
+    assert cfg.overlap_scheduling
+    engine = Engine(cfg, sink)
+    engine.start()
+    try:
+        grammar = compile_structured_outputs({"regex": "[a-z]{40}"})
+        engine.add(_gen("free", 200, None, seed=1, ignore_eos=True))
+        engine.add(_gen("re", 60, grammar, seed=2))
+        sink.wait("free", "re")
+        text = _text(engine, sink, "re")
+        assert len(text) == 40 and text.isalpha() and text.islower(), text
+        steps = sink.steps_of["re"]
+        assert len(steps) >= 8
+        # every step between its first and last token gave it one (before: every other one)
+        assert steps[-1] - steps[0] + 1 == len(steps), steps
+        assert sink.steps_of["free"][-1] > steps[-1]  # the other one ran beside it throughout
+        assert sink.last("re").finish_reason == "stop"
+        # Its EOS was in flight when it was planned once more: that surplus sample's mask came
+        # from a stopped matcher (EOS only, no error), and the scheduler dropped the token.
+        assert sink.tokens("re")[-1] in engine.model_config.eos_token_ids
+        assert "cannot continue" not in caplog.text
+        assert len(engine.runner.grammars) == 0 and not engine.runner._grammar_pending
+    finally:
+        engine.shutdown(0)

@@ -431,6 +431,7 @@ class SplitExecutor:
                     wanting = [s for s in f.plan.prefill if s.needs_output]
                     self.runner.outputs_from_hidden(f.hidden_rows, wanting, pending)
                 pending.seal()
+                self.runner.track_grammar_samples(pending)
         except Exception as e:  # noqa: BLE001
             raise StepFailed(f.plan, e, f.choice.prefill_sms) from e
         sliced = bool(f.choice.layers_per_slice)

@@ -1,5 +1,7 @@
 """GPU: structured outputs on CUDA, where a step really is in flight while the next is planned
-(overlapped scheduling) and the masks travel from pinned memory without a sync.
+(overlapped scheduling): a constrained request is planned with its last sample in flight, and
+the runner waits for that token after enqueueing the step's forward; the masks travel from
+pinned memory without a sync.
 
 Eight sampled requests under one JSON schema beside four greedy chats that keep the loop busy:
 every constrained output parses and matches the schema and ends with EOS, the chats run their
