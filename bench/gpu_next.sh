@@ -80,7 +80,9 @@ before=$fi_modules_before
 echo "setup done, $(left) s left; plan $plan"
 # Serving writes many files (harness JSONs, server logs); $OUT takes 8: they go to a work
 # folder, the results JSON is copied to $OUT and the rest comes back as one tarball.
-work=/tmp/serving; mkdir -p $work
+# Emptied first: a warm machine keeps /tmp between calls, and a later call's tarball would
+# carry an earlier call's probe traces under the same names (thirty-third session).
+work=/tmp/serving; rm -rf $work; mkdir -p $work
 # Full-length workloads (scale 1): long prompts are what the split is for. Every side runs the
 # same QPS ladder; max QPS is judged afterwards against the primary SLO (P99 TTFT + P99 TBT, as
 # issue 6 asks) and a TPOT variant. auto runs with a TBT target of 80 % of the SLO's bound.
