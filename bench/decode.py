@@ -278,22 +278,33 @@ class CpuMeter:
         return out
 
 
+# A constrained stream's grammar (`--constrained-streams`): lowercase letters it cannot finish
+# within --output-tokens tokens, so EOS stays masked and it runs its tokens as `ignore_eos`
+# does for the others (a grammar with ignore_eos is a 400).
+CONSTRAINED_REGEX = "[a-z]{4000}"
+
+
 async def one_stream(
     client: httpx.AsyncClient,
     model: str,
-    prompt: list[int],
+    item: tuple[list[int], bool],
     max_tokens: int,
     t_start: list[float],
-) -> list[float]:
-    """Times (monotonic) of content chunks of one streamed completion."""
-    body = {
+) -> tuple[bool, list[float]]:
+    """(constrained, times (monotonic) of content chunks) of one streamed completion; `item` is
+    (prompt, constrained)."""
+    prompt, constrained = item
+    body: dict[str, Any] = {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
-        "ignore_eos": True,
         "stream": True,
     }
+    if constrained:
+        body["structured_outputs"] = {"regex": CONSTRAINED_REGEX}
+    else:
+        body["ignore_eos"] = True
     times: list[float] = []
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
@@ -306,7 +317,7 @@ async def one_stream(
             if choices and choices[0].get("text"):
                 times.append(time.monotonic())
     t_start.append(time.monotonic())
-    return times
+    return constrained, times
 
 
 def make_prompts(batch: int, context: int, vocab: int, seed: int) -> list[list[int]]:
@@ -316,14 +327,14 @@ def make_prompts(batch: int, context: int, vocab: int, seed: int) -> list[list[i
 
 
 async def run_streams(
-    url: str, model: str, prompts: list[list[int]], max_tokens: int
-) -> list[list[float]]:
-    n = len(prompts)
+    url: str, model: str, items: list[tuple[list[int], bool]], max_tokens: int
+) -> list[tuple[bool, list[float]]]:
+    n = len(items)
     limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         done: list[float] = []
         return await asyncio.gather(
-            *(one_stream(client, model, p, max_tokens, done) for p in prompts)
+            *(one_stream(client, model, it, max_tokens, done) for it in items)
         )
 
 
@@ -332,30 +343,36 @@ def _warm(_: int) -> None:
 
 
 def _client_worker(
-    job: tuple[str, str, list[list[int]], int, float],
-) -> tuple[list[list[float]], float, float]:
-    """One client process: wait for the common start time, run its streams; returns (chunk
-    times per stream, CPU seconds, wall seconds). time.monotonic is system-wide on Linux, so
-    the processes' timestamps share one clock."""
-    url, model, prompts, max_tokens, start_at = job
+    job: tuple[str, str, list[tuple[list[int], bool]], int, float],
+) -> tuple[list[tuple[bool, list[float]]], float, float]:
+    """One client process: wait for the common start time, run its streams; returns
+    ((constrained, chunk times) per stream, CPU seconds, wall seconds). time.monotonic is
+    system-wide on Linux, so the processes' timestamps share one clock."""
+    url, model, items, max_tokens, start_at = job
     time.sleep(max(0.0, start_at - time.monotonic()))
     cpu0, t0 = time.process_time(), time.monotonic()
-    streams = asyncio.run(run_streams(url, model, prompts, max_tokens))
+    streams = asyncio.run(run_streams(url, model, items, max_tokens))
     return streams, time.process_time() - cpu0, time.monotonic() - t0
 
 
 def run_batch(
-    pool: Any, url: str, model: str, prompts: list[list[int]], max_tokens: int, num_procs: int
-) -> tuple[list[list[float]], list[float]]:
-    """The batch's streams over `num_procs` client processes (`pool`; in this process when 1):
-    (chunk times per stream, each client process's CPU percent)."""
+    pool: Any,
+    url: str,
+    model: str,
+    items: list[tuple[list[int], bool]],
+    max_tokens: int,
+    num_procs: int,
+) -> tuple[list[tuple[bool, list[float]]], list[float]]:
+    """The batch's streams, `items` of (prompt, constrained), over `num_procs` client
+    processes (`pool`; in this process when 1): ((constrained, chunk times) per stream, in no
+    particular order, and each client process's CPU percent)."""
     if num_procs <= 1:
-        streams, cpu_s, wall_s = _client_worker((url, model, prompts, max_tokens, 0.0))
+        streams, cpu_s, wall_s = _client_worker((url, model, items, max_tokens, 0.0))
         return streams, [100.0 * cpu_s / wall_s if wall_s > 0 else 0.0]
-    shares = [prompts[i::num_procs] for i in range(num_procs)]
+    shares = [items[i::num_procs] for i in range(num_procs)]
     start_at = time.monotonic() + 1.0  # every process's streams start together
     jobs = [(url, model, share, max_tokens, start_at) for share in shares if share]
-    streams: list[list[float]] = []
+    streams: list[tuple[bool, list[float]]] = []
     cpu_pct: list[float] = []
     for share_streams, cpu_s, wall_s in pool.map(_client_worker, jobs):
         streams += share_streams
@@ -369,13 +386,19 @@ def itl_window(streams: list[list[float]]) -> tuple[list[float], float, float, i
     (gaps, window start, window end, tokens in the window)."""
     start = max(s[0] for s in streams if s)
     end = min(s[-1] for s in streams if s)
+    gaps, tokens = gaps_within(streams, start, end)
+    return gaps, start, end, tokens
+
+
+def gaps_within(streams: list[list[float]], start: float, end: float) -> tuple[list[float], int]:
+    """(gaps between consecutive chunks, chunks) of these streams inside [start, end]."""
     gaps: list[float] = []
     tokens = 0
     for s in streams:
         inside = [t for t in s if start <= t <= end]
         tokens += len(inside)
         gaps += [b - a for a, b in zip(inside, inside[1:], strict=False)]
-    return gaps, start, end, tokens
+    return gaps, tokens
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -456,10 +479,20 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="client processes the streams are spread over (0: one per 16 streams)",
     )
+    ap.add_argument(
+        "--constrained-streams",
+        type=int,
+        default=0,
+        help="this many streams of each batch under a grammar (structured_outputs regex "
+        f"{CONSTRAINED_REGEX!r}, never finished within the tokens asked), the rest ignore_eos; "
+        "each point then reports both groups' gaps",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if args.client_procs < 0:
         ap.error("--client-procs must be >= 0")
+    if args.constrained_streams < 0:
+        ap.error("--constrained-streams must be >= 0")
 
     ceilings = None if args.copy_gbs else measure_ceilings()
     copy_gbs = args.copy_gbs or (ceilings or {}).get("copy_gbs_read_plus_write")
@@ -519,10 +552,14 @@ def _measure(
                     )
                 t0 = time.monotonic()
                 prompts = make_prompts(batch, args.context, cfg.vocab_size, args.seed + rep)
+                # The first --constrained-streams of the batch under a grammar, spread over
+                # the client processes like the others.
+                items = [(p, i < args.constrained_streams) for i, p in enumerate(prompts)]
                 num_procs = args.client_procs or -(-batch // 16)
-                streams, client_cpu = run_batch(
-                    pool, args.url, model, prompts, args.output_tokens, num_procs
+                flagged, client_cpu = run_batch(
+                    pool, args.url, model, items, args.output_tokens, num_procs
                 )
+                streams = [times for _, times in flagged]
                 wall = time.monotonic() - t0
                 cpu_pct = cpu.read()
                 time.sleep(0.5)
@@ -550,6 +587,19 @@ def _measure(
                     "client_cpu_percent_max": round(max(client_cpu), 1),
                     "py_spy_files": spy,
                 }
+                if args.constrained_streams:
+                    # The two groups' gaps inside the same window, where both decode: a
+                    # constrained stream that sat out every other step shows a gap twice the
+                    # others'.
+                    for name, want in (("constrained", True), ("unconstrained", False)):
+                        g, n = gaps_within([t for c, t in flagged if c == want], w0, w1)
+                        point[f"itl_{name}_median_ms"] = (pct(g, 0.5) or 0) * 1e3
+                        point[f"itl_{name}_p99_ms"] = (pct(g, 0.99) or 0) * 1e3
+                        point[f"{name}_tokens_per_s_per_stream"] = (
+                            n / (w1 - w0) / max(1, sum(c == want for c, _ in flagged))
+                            if w1 > w0
+                            else None
+                        )
                 if before and after and after["num_decode_steps"] > before["num_decode_steps"]:
                     steps = after["num_decode_steps"] - before["num_decode_steps"]
                     dev = after["decode_device_s"] - before["decode_device_s"]

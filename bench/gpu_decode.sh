@@ -21,6 +21,10 @@
 #                                         # step unfused vs fused at 2..64 rows)
 #   bash bench/gpu_decode.sh wide REV     # --fused-decode-max-batch 1 vs 64 through HTTP: 3B
 #                                         # 48 streams ABBA (WIDE_3B), 8B B=4,16,64 (WIDE_8B)
+#   bash bench/gpu_decode.sh structured REV # structured outputs beside unconstrained streams
+#                                         # (the GPU test, then the 3B at 16 / 48 streams with
+#                                         # 8 / 16 constrained: this revision, then the old one
+#                                         # when .old_rev/old.tar.gz is carried; ~3 min)
 #   bash bench/gpu_decode.sh final REV    # one call for the record: this revision's 3B with 1, 2
 #                                         # and 4 API servers (py-spy on 1), 8B B=1,16,64 with
 #                                         # the prefill check, then the old revision's 3B
@@ -186,6 +190,25 @@ case $part in
       i=$((i + 1))
       serve "$new" random:llama-3.1-8b 8100 $logs/wide-$m-$i-8b.log --fused-decode-max-batch $m && {
         decode wide-$m-$i-8b llama-3.1-8b ${WIDE_8B_BATCHES:-4,16,64} 2048 160 --repeats 1 || rc=1
+        stop 8100; }
+    done
+    ;;
+  structured)
+    # Since 5554ebd a constrained request is planned with its last sample in flight and the
+    # runner waits for that token (before: it sat out every other step beside others). The
+    # client is this tree's bench.decode for both servers; the old tree is e.g. dc82b8c
+    # (`mkdir -p .old_rev && git archive --format=tar.gz -o .old_rev/old.tar.gz dc82b8c`).
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_structured_gpu.py \
+      2>&1 | tail -3
+    trees="new:$new"
+    if [ -f .old_rev/old.tar.gz ]; then
+      mkdir -p /tmp/old && tar xzf .old_rev/old.tar.gz -C /tmp/old && trees="$trees old:/tmp/old"
+    fi
+    for t in $trees; do
+      name=${t%%:*}; tree=${t#*:}
+      serve "$tree" random:qwen2.5-3b 8100 $logs/structured-$name-3b.log && {
+        decode structured-$name-3b-16 qwen2.5-3b 16 512 256 --constrained-streams 8 || rc=1
+        decode structured-$name-3b-48 qwen2.5-3b 48 512 256 --constrained-streams 16 || rc=1
         stop 8100; }
     done
     ;;

@@ -90,3 +90,25 @@ def test_prefill_check_lengths_in_order_with_the_servers_profile(tmp_path: Path)
         assert prof is not None and "error" not in prof, prof
         assert prof["num_steps"] == 1 and prof["steps_by_kind"] == {"prefill": 1}
         assert prof["host_ops"] and prof["kernel_ms"] > 0
+
+
+def test_constrained_streams_report_both_groups_gaps(tmp_path: Path) -> None:
+    """`--constrained-streams`: those streams run under a grammar they cannot finish, so they
+    decode every token asked (no ignore_eos) beside the others, and each point reports both
+    groups' gaps over the window where all decode (random:tiny, CPU)."""
+    from bench import decode
+
+    out = tmp_path / "d.json"
+    with running_server(model="random:tiny", max_num_seqs=4, admin_token=None) as srv:
+        rc = decode.main(
+            [
+                "--url", srv.url, "--shape", "tiny", "--batches", "3", "--copy-gbs", "1",
+                "--context", "32", "--output-tokens", "16", "--repeats", "1",
+                "--constrained-streams", "1", "--client-procs", "1", "--out", str(out),
+            ]
+        )  # fmt: skip
+    assert rc == 0
+    (point,) = json.loads(out.read_text())["points"]
+    for group in ("constrained", "unconstrained"):
+        assert point[f"itl_{group}_median_ms"] > 0, point
+        assert point[f"{group}_tokens_per_s_per_stream"] > 0, point
