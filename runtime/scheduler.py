@@ -562,9 +562,16 @@ class Scheduler:
                     if not cache.still_cached(b, h):
                         break
                     n_valid += 1
-                known = known[:n_valid]
-            blocks = cache.lookup(t.block_hashes[:max_blocks], tokens, known)
-            t.cached_blocks = untrack_int_list(blocks)  # rebuilt as the cache changes
+                if n_valid < len(known):
+                    known = untrack_int_list(known[:n_valid])
+            if len(known) > max_blocks:
+                known = untrack_int_list(known[:max_blocks])
+            # Only the blocks past the known prefix are looked up, and the list is rebuilt
+            # only when some are found (never changed in place: `_admit` may hold it).
+            more = cache.extend_match(t.block_hashes, tokens, len(known), max_blocks)
+            if more:
+                known = untrack_int_list([*known, *more])
+            t.cached_blocks = known
             t.cached_gen = cache.generation
             t.cached_evictions = cache.num_evictions
             t.cached_tokens_at = num_tokens

@@ -88,12 +88,23 @@ class PrefixCache:
         `known`: block ids already verified for the first hashes (a memo that is still valid:
         no eviction since), so the walk resumes after them.
         Read-only: no ref counts, LRU order or counters change."""
+        start = min(len(known), len(hashes))
+        return [*known[:start], *self.extend_match(hashes, token_ids, start, len(hashes))]
+
+    def extend_match(
+        self, hashes: Sequence[int], token_ids: Sequence[int], start: int, end: int
+    ) -> list[int]:
+        """The block ids cached for `hashes[start:end]` that continue a verified prefix of
+        `start` blocks, up to the first miss (`lookup` without copying the known part: the
+        scheduler refreshes every waiting request's prefix whenever the cache changes, and a
+        long prefix is ~900 blocks). Read-only."""
         bs = self.block_size
-        out: list[int] = list(known[: len(hashes)])
-        parent: int | None = hashes[len(out) - 1] if out else None
-        for i in range(len(out), len(hashes)):
+        out: list[int] = []
+        parent: int | None = hashes[start - 1] if start else None
+        entries = self._entries
+        for i in range(start, min(end, len(hashes))):
             h = hashes[i]
-            e = self._entries.get(h)
+            e = entries.get(h)
             if e is None or e[_PARENT] != parent:
                 break
             if e[_TOKENS] != tuple(token_ids[i * bs : (i + 1) * bs]):
