@@ -553,7 +553,8 @@ class Scheduler:
             # Cheap refresh: insertions only extend a cached prefix, so the walk resumes after
             # the memo; after evictions the memo is first cut at its first evicted block.
             tokens = req.all_token_ids if req.output_token_ids else req.prompt_token_ids
-            extend_block_hashes(t.block_hashes, tokens, self.block_size)
+            fresh_from, fresh = len(t.block_hashes), []
+            extend_block_hashes(t.block_hashes, tokens, self.block_size, fresh)
             max_blocks = (num_tokens - 1) // self.block_size
             known = t.cached_blocks
             if t.cached_evictions != cache.num_evictions:
@@ -568,7 +569,9 @@ class Scheduler:
                 known = untrack_int_list(known[:max_blocks])
             # Only the blocks past the known prefix are looked up, and the list is rebuilt
             # only when some are found (never changed in place: `_admit` may hold it).
-            more = cache.extend_match(t.block_hashes, tokens, len(known), max_blocks)
+            more = cache.extend_match(
+                t.block_hashes, tokens, len(known), max_blocks, fresh, fresh_from
+            )
             if more:
                 known = untrack_int_list([*known, *more])
             t.cached_blocks = known

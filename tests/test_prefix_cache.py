@@ -102,3 +102,24 @@ def test_cached_blocks_leave_the_collectors_lists() -> None:
     assert not tracked, f"{len(tracked)} of {len(entries)} cache entries still tracked"
     # And they still work as entries: a lookup walks them.
     assert cache.match_prefix(list(range(64)))[1] == 64
+
+
+def test_a_hash_collision_is_a_miss_not_another_requests_kv(monkeypatch) -> None:  # noqa: ANN001
+    """Python's hash of a tuple of ints is not salted, so colliding prompts can be made on
+    purpose: the cache checks each block's tokens, whether the lookup cuts them itself
+    (`lookup`) or reuses the ones just hashed (`extend_match`'s `fresh`, the scheduler's way)."""
+    from runtime.kv import prefix_cache
+
+    # Every block hashes by its position alone: any two prompts collide block for block.
+    monkeypatch.setattr(prefix_cache, "chain_hash", lambda parent, tokens: hash((parent, 7)))
+    bm = BlockManager(16, BS, PrefixCache(BS))
+    _cached_seq(bm, "a", [1, 2, 3, 4, 5, 6, 7, 8])
+    other = [1, 2, 3, 4, 9, 9, 9, 9, 10]  # first block the same, second not
+    fresh: list[tuple[int, ...]] = []
+    hashes = extend_block_hashes([], other, BS, fresh)
+    assert fresh == [(1, 2, 3, 4), (9, 9, 9, 9)]
+    cache = bm.prefix_cache
+    assert len(cache.lookup(hashes, other)) == 1
+    assert len(cache.extend_match(hashes, other, 0, len(hashes), fresh, 0)) == 1
+    # The check reads the tokens it is given: the fresh blocks stand for the prompt's own.
+    assert len(cache.extend_match(hashes, other, 1, len(hashes), fresh[1:], 1)) == 0

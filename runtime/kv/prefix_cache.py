@@ -27,16 +27,26 @@ def chain_hash(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
     return hash((parent_hash, tokens))
 
 
-def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int) -> list[int]:
+def extend_block_hashes(
+    hashes: list[int],
+    token_ids: Sequence[int],
+    block_size: int,
+    blocks_out: list[tuple[int, ...]] | None = None,
+) -> list[int]:
     """Append the hashes of the full blocks of `token_ids` not yet in `hashes` (in place).
 
     `hashes` is a per-request memo: it must have been built from a prefix of the same
-    `token_ids`. Returns `hashes` for convenience."""
+    `token_ids`. `blocks_out`: also append each new block's tokens (the tuple just hashed),
+    so a lookup right after need not cut them again (`PrefixCache.extend_match`'s `fresh`).
+    Returns `hashes` for convenience."""
     num_full = len(token_ids) // block_size
     parent = hashes[-1] if hashes else None
     for i in range(len(hashes), num_full):
-        parent = chain_hash(parent, tuple(token_ids[i * block_size : (i + 1) * block_size]))
+        block = tuple(token_ids[i * block_size : (i + 1) * block_size])
+        parent = chain_hash(parent, block)
         hashes.append(parent)
+        if blocks_out is not None:
+            blocks_out.append(block)
     return hashes
 
 
@@ -92,22 +102,32 @@ class PrefixCache:
         return [*known[:start], *self.extend_match(hashes, token_ids, start, len(hashes))]
 
     def extend_match(
-        self, hashes: Sequence[int], token_ids: Sequence[int], start: int, end: int
+        self,
+        hashes: Sequence[int],
+        token_ids: Sequence[int],
+        start: int,
+        end: int,
+        fresh: Sequence[tuple[int, ...]] = (),
+        fresh_from: int = 0,
     ) -> list[int]:
         """The block ids cached for `hashes[start:end]` that continue a verified prefix of
         `start` blocks, up to the first miss (`lookup` without copying the known part: the
         scheduler refreshes every waiting request's prefix whenever the cache changes, and a
-        long prefix is ~900 blocks). Read-only."""
+        long prefix is ~900 blocks). `fresh`: the tokens of blocks `fresh_from`.. as
+        `extend_block_hashes` just cut them (the check reuses them). Read-only."""
         bs = self.block_size
         out: list[int] = []
         parent: int | None = hashes[start - 1] if start else None
         entries = self._entries
+        num_fresh = len(fresh)
         for i in range(start, min(end, len(hashes))):
             h = hashes[i]
             e = entries.get(h)
             if e is None or e[_PARENT] != parent:
                 break
-            if e[_TOKENS] != tuple(token_ids[i * bs : (i + 1) * bs]):
+            j = i - fresh_from
+            block = fresh[j] if 0 <= j < num_fresh else tuple(token_ids[i * bs : (i + 1) * bs])
+            if e[_TOKENS] != block:
                 break
             out.append(e[_BLOCK])
             parent = h
