@@ -334,9 +334,13 @@ def parse_llama3_json(text: str, tool_names: set[str]) -> tuple[str | None, list
 
 class _WholeAnswerStream:
     """The streamed side of a parser whose calls are the whole answer (llama3_json,
-    pythonic): an answer that opens like a call (`_opens_like_call` of its first non-blank
-    text) is held and parsed when it ends, since until then it may turn out to be prose; any
-    other answer streams as content as it comes."""
+    pythonic): an answer whose first non-blank text opens like a call (`_opener`, or the
+    start of `_tag`) is held and read by `_parse` when it ends, since until then it may turn
+    out to be prose; any other answer streams as content as it comes."""
+
+    _opener: str
+    _tag: str
+    _parse: Callable[[str, set[str]], Parsed]
 
     def __init__(self, tool_names: set[str]) -> None:
         self.tool_names = tool_names
@@ -345,10 +349,7 @@ class _WholeAnswerStream:
         self.num_calls = 0
 
     def _opens_like_call(self, lead: str) -> bool:
-        raise NotImplementedError
-
-    def _parse(self, text: str) -> Parsed:
-        raise NotImplementedError
+        return lead.startswith(self._opener) or self._tag.startswith(lead[: len(self._tag)])
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
         if self._holding is False:
@@ -364,7 +365,7 @@ class _WholeAnswerStream:
                 return out, []
         if not final:
             return "", []
-        content, calls = self._parse(self._held)
+        content, calls = type(self)._parse(self._held, self.tool_names)
         self._held = ""
         self.num_calls += len(calls)
         return content or "", calls
@@ -374,11 +375,7 @@ class Llama3JsonStream(_WholeAnswerStream):
     """The streamed side of `parse_llama3_json`: an answer that opens like a call (`{` or
     `<|python_tag|>` first) is held and parsed when it ends; any other streams as content."""
 
-    def _opens_like_call(self, lead: str) -> bool:
-        return lead.startswith("{") or _PYTHON_TAG.startswith(lead[: len(_PYTHON_TAG)])
-
-    def _parse(self, text: str) -> Parsed:
-        return parse_llama3_json(text, self.tool_names)
+    _opener, _tag, _parse = "{", _PYTHON_TAG, staticmethod(parse_llama3_json)
 
 
 # ---- mistral: `[TOOL_CALLS]` and the calls (Mistral-Instruct v0.3, Mistral-Nemo, Mistral-Small)
@@ -589,11 +586,7 @@ class PythonicStream(_WholeAnswerStream):
     """The streamed side of `parse_pythonic`: an answer that opens like a call (`[` or
     `<|python_start|>` first) is held and parsed when it ends; any other streams as content."""
 
-    def _opens_like_call(self, lead: str) -> bool:
-        return lead.startswith("[") or _PYTHON_START.startswith(lead[: len(_PYTHON_START)])
-
-    def _parse(self, text: str) -> Parsed:
-        return parse_pythonic(text, self.tool_names)
+    _opener, _tag, _parse = "[", _PYTHON_START, staticmethod(parse_pythonic)
 
 
 # `--tool-call-parser` name -> (whole-text parse, streamed parser). The settings' Literal names

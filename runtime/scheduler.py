@@ -257,6 +257,14 @@ MIN_TBT_CHUNK_TOKENS = 256
 MAX_GRAMMAR_SAMPLES_AHEAD = 1
 
 
+def _grammar_waits(req: Request) -> bool:
+    """Whether a request under a grammar has too many samples in flight to be planned again
+    (`outlook` and `_plan_decodes` ask the same)."""
+    return (
+        req.sampling.grammar is not None and req.num_output_placeholders > MAX_GRAMMAR_SAMPLES_AHEAD
+    )
+
+
 def tbt_chunk_tokens(cost: PrefillCost, time_left_s: float, cached_tokens: int) -> int:
     """The first prefill chunk of a step under a TBT target: the most new tokens after
     `cached_tokens` whose marginal cost fits `time_left_s` (the target less the decode step),
@@ -635,11 +643,7 @@ class Scheduler:
             remaining = req.num_total_tokens - req.num_computed_tokens
             if lease.sampled:
                 room = req.num_output_tokens + req.num_output_placeholders
-                waits = (
-                    req.num_output_placeholders > MAX_GRAMMAR_SAMPLES_AHEAD
-                    and req.sampling.grammar is not None
-                )
-                if remaining == 1 and room < req.sampling.max_tokens and not waits:
+                if remaining == 1 and room < req.sampling.max_tokens and not _grammar_waits(req):
                     num_decodes += 1
                     decode_ctx += req.num_computed_tokens
             elif remaining > 0 and head is None:
@@ -723,10 +727,7 @@ class Scheduler:
                 continue
             if req.num_output_tokens + req.num_output_placeholders >= req.sampling.max_tokens:
                 continue  # its last token is in flight: the update finishes it
-            if (
-                req.num_output_placeholders > MAX_GRAMMAR_SAMPLES_AHEAD
-                and req.sampling.grammar is not None
-            ):
+            if _grammar_waits(req):
                 continue  # its mask needs the tokens in flight: the runner waits for one only
             need = self.bm.num_blocks_for(computed + 1)
             ok = True
