@@ -43,7 +43,7 @@ import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 
@@ -284,15 +284,24 @@ class CpuMeter:
 CONSTRAINED_REGEX = "[a-z]{4000}"
 
 
+class StreamTimes(NamedTuple):
+    """One stream's result: whether it ran under the grammar, its content chunk times
+    (monotonic), and the first 64 characters of its text (what the grammar let through)."""
+
+    constrained: bool
+    times: list[float]
+    head: str
+
+
 async def one_stream(
     client: httpx.AsyncClient,
     model: str,
     item: tuple[list[int], bool],
     max_tokens: int,
     t_start: list[float],
-) -> tuple[bool, list[float]]:
-    """(constrained, times (monotonic) of content chunks) of one streamed completion; `item` is
-    (prompt, constrained)."""
+) -> StreamTimes:
+    """One streamed completion's content chunk times (monotonic); `item` is (prompt,
+    constrained)."""
     prompt, constrained = item
     body: dict[str, Any] = {
         "model": model,
@@ -306,6 +315,7 @@ async def one_stream(
     else:
         body["ignore_eos"] = True
     times: list[float] = []
+    head = ""
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
@@ -316,8 +326,10 @@ async def one_stream(
             choices = chunk.get("choices") or []
             if choices and choices[0].get("text"):
                 times.append(time.monotonic())
+                if len(head) < 64:
+                    head += choices[0]["text"]
     t_start.append(time.monotonic())
-    return constrained, times
+    return StreamTimes(constrained, times, head[:64])
 
 
 def make_prompts(batch: int, context: int, vocab: int, seed: int) -> list[list[int]]:
@@ -328,7 +340,7 @@ def make_prompts(batch: int, context: int, vocab: int, seed: int) -> list[list[i
 
 async def run_streams(
     url: str, model: str, items: list[tuple[list[int], bool]], max_tokens: int
-) -> list[tuple[bool, list[float]]]:
+) -> list[StreamTimes]:
     n = len(items)
     limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
@@ -344,7 +356,7 @@ def _warm(_: int) -> None:
 
 def _client_worker(
     job: tuple[str, str, list[tuple[list[int], bool]], int, float],
-) -> tuple[list[tuple[bool, list[float]]], float, float]:
+) -> tuple[list[StreamTimes], float, float]:
     """One client process: wait for the common start time, run its streams; returns
     ((constrained, chunk times) per stream, CPU seconds, wall seconds). time.monotonic is
     system-wide on Linux, so the processes' timestamps share one clock."""
@@ -362,7 +374,7 @@ def run_batch(
     items: list[tuple[list[int], bool]],
     max_tokens: int,
     num_procs: int,
-) -> tuple[list[tuple[bool, list[float]]], list[float]]:
+) -> tuple[list[StreamTimes], list[float]]:
     """The batch's streams, `items` of (prompt, constrained), over `num_procs` client
     processes (`pool`; in this process when 1): ((constrained, chunk times) per stream, in no
     particular order, and each client process's CPU percent)."""
@@ -372,7 +384,7 @@ def run_batch(
     shares = [items[i::num_procs] for i in range(num_procs)]
     start_at = time.monotonic() + 1.0  # every process's streams start together
     jobs = [(url, model, share, max_tokens, start_at) for share in shares if share]
-    streams: list[tuple[bool, list[float]]] = []
+    streams: list[StreamTimes] = []
     cpu_pct: list[float] = []
     for share_streams, cpu_s, wall_s in pool.map(_client_worker, jobs):
         streams += share_streams
@@ -559,7 +571,7 @@ def _measure(
                 flagged, client_cpu = run_batch(
                     pool, args.url, model, items, args.output_tokens, num_procs
                 )
-                streams = [times for _, times in flagged]
+                streams = [st.times for st in flagged]
                 wall = time.monotonic() - t0
                 cpu_pct = cpu.read()
                 time.sleep(0.5)
@@ -592,14 +604,16 @@ def _measure(
                     # constrained stream that sat out every other step shows a gap twice the
                     # others'.
                     for name, want in (("constrained", True), ("unconstrained", False)):
-                        g, n = gaps_within([t for c, t in flagged if c == want], w0, w1)
+                        group = [st for st in flagged if st.constrained == want]
+                        g, n = gaps_within([st.times for st in group], w0, w1)
                         point[f"itl_{name}_median_ms"] = (pct(g, 0.5) or 0) * 1e3
                         point[f"itl_{name}_p99_ms"] = (pct(g, 0.99) or 0) * 1e3
                         point[f"{name}_tokens_per_s_per_stream"] = (
-                            n / (w1 - w0) / max(1, sum(c == want for c, _ in flagged))
-                            if w1 > w0
-                            else None
+                            n / (w1 - w0) / max(1, len(group)) if w1 > w0 else None
                         )
+                    point["constrained_text_head"] = next(
+                        (st.head for st in flagged if st.constrained), ""
+                    )
                 if before and after and after["num_decode_steps"] > before["num_decode_steps"]:
                     steps = after["num_decode_steps"] - before["num_decode_steps"]
                     dev = after["decode_device_s"] - before["decode_device_s"]

@@ -109,6 +109,9 @@ def test_constrained_streams_report_both_groups_gaps(tmp_path: Path) -> None:
         )  # fmt: skip
     assert rc == 0
     (point,) = json.loads(out.read_text())["points"]
+    # what the grammar let through: lowercase letters only (random weights write anything)
+    head = point["constrained_text_head"]
+    assert len(head) >= 8 and head.isalpha() and head.islower(), head
     for group in ("constrained", "unconstrained"):
         assert point[f"itl_{group}_median_ms"] > 0, point
         assert point[f"{group}_tokens_per_s_per_stream"] > 0, point
