@@ -263,7 +263,9 @@ def test_overload_is_429_with_retry_after(cluster: str) -> None:
     requests at once: the rest are turned away at once, not left hanging."""
 
     async def burst() -> list[httpx.Response]:
-        body = {"prompt": "Once upon a time", "max_tokens": 128, "ignore_eos": True}
+        # Long enough (~seconds each) that the admitted ones still run when the last of the 40
+        # arrives on a loaded 2-core CI machine (with 128 tokens 36 of 40 were once admitted).
+        body = {"prompt": "Once upon a time", "max_tokens": 1024, "ignore_eos": True}
         async with httpx.AsyncClient(timeout=120) as client:
             return await asyncio.gather(
                 *(client.post(cluster + "/v1/completions", json=body) for _ in range(40))
