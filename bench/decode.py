@@ -37,6 +37,7 @@ import contextlib
 import json
 import multiprocessing
 import random
+import shutil
 import subprocess
 import sys
 import threading
@@ -423,12 +424,17 @@ def pct(values: list[float], q: float) -> float | None:
 
 
 def py_spy(procs: list[Any], seconds: float, out_dir: Path, tag: str) -> list[str]:
-    """Start a py-spy `top`-style profile (raw samples) of each server process; returns files."""
+    """Start a py-spy `top`-style profile (raw samples) of each server process; returns files.
+    py-spy is looked for on PATH, then beside this interpreter (a venv's bin/). Raises
+    FileNotFoundError when it is in neither: a profile asked for must not come back empty."""
+    exe = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if exe is None:
+        raise FileNotFoundError("py-spy is not on PATH nor beside " + sys.executable)
     files = []
     for p in procs:
         path = out_dir / f"pyspy-{tag}-{p.pid}.txt"
         cmd = [
-            "py-spy",
+            exe,
             "record",
             "--pid",
             str(p.pid),
@@ -442,11 +448,8 @@ def py_spy(procs: list[Any], seconds: float, out_dir: Path, tag: str) -> list[st
             str(path),
             "--nonblocking",
         ]
-        try:
-            subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            files.append(str(path))
-        except OSError:
-            pass
+        subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        files.append(str(path))
     return files
 
 
