@@ -8,8 +8,13 @@ and the refresh of every waiting request's cached prefix whenever the cache chan
 times `Scheduler.schedule` and `Scheduler.update` alone, with a fake runner, on post
 recommendation's shape: `--users` profiles of `--profile-tokens` (cached first), posts of
 `--post-tokens`, one arrival a step so the queue holds `--waiting` requests, block size 16.
+Each request arrives with its prompt's block digests, as the API server sends them (trees
+from before that: the scheduler digests them itself, inside the timed `schedule`).
 
     python -m bench.scheduler_host --waiting 1,10,40 --budget 200 --repeats 3 --out sched.json
+
+`--decode-streams 48` also times decode steps of 48 chat streams (`--decode-prompt-tokens`
+each), the scheduler's work for every decode of every step; `--waiting ''` skips the rest.
 
 `--budget 200` admits about one request a step (the queue stays full); 2048 drains it.
 Host time of this machine's Python, not a GPU figure: compare runs on one machine only.
@@ -73,6 +78,10 @@ def time_steps(
     sched = Scheduler(
         cfg, BlockManager(blocks, BLOCK_SIZE, PrefixCache(BLOCK_SIZE)), make_policy(policy), [2]
     )
+    # A tree from before the API server sent digests (an A/B on PYTHONPATH) has no field.
+    api_digests = "block_hashes" in Request.__dataclass_fields__
+    if api_digests:
+        from runtime.kv.prefix_cache import extend_block_hashes
     rng = random.Random(seed)
     profiles = [
         [rng.randrange(100, 30_000) for _ in range(profile_tokens)] for _ in range(num_users)
@@ -84,7 +93,10 @@ def time_steps(
         prompt = profiles[rng.randrange(num_users)] + [
             rng.randrange(100, 30_000) for _ in range(post_tokens)
         ]
-        sched.add(Request(f"r{count}", RequestKind.SCORE, prompt, SamplingParams(max_tokens=1)))
+        req = Request(f"r{count}", RequestKind.SCORE, prompt, SamplingParams(max_tokens=1))
+        if api_digests:  # as the API server sends them (its time, not the engine thread's)
+            req.block_hashes = extend_block_hashes([], prompt, BLOCK_SIZE)
+        sched.add(req)
         count += 1
 
     for _ in range(2 * num_users):  # every profile computed and cached
@@ -114,6 +126,47 @@ def time_steps(
     }
 
 
+def time_decode_steps(
+    num_streams: int, prompt_tokens: int, num_steps: int, seed: int
+) -> dict[str, Any]:
+    """Mean host time (ms) of `schedule` and `update` over decode steps of `num_streams` chat
+    streams with `prompt_tokens`-token prompts (after their prefill; the contexts grow by a
+    token a step): the work the scheduler does for every decode of every step."""
+    cfg = EngineConfig(
+        block_size=BLOCK_SIZE,
+        prefill_token_budget=max(8192, prompt_tokens),
+        max_num_seqs=max(256, num_streams),
+        enable_prefix_cache=True,
+        prefill_policy="fcfs",
+    )
+    blocks = num_streams * (prompt_tokens + num_steps + 64) // BLOCK_SIZE + 64
+    sched = Scheduler(
+        cfg, BlockManager(blocks, BLOCK_SIZE, PrefixCache(BLOCK_SIZE)), make_policy("fcfs"), [2]
+    )
+    rng = random.Random(seed)
+    for i in range(num_streams):
+        prompt = [rng.randrange(100, 30_000) for _ in range(prompt_tokens)]
+        params = SamplingParams(max_tokens=num_steps + 64, ignore_eos=True)
+        sched.add(Request(f"g{i}", RequestKind.GENERATE, prompt, params))
+    schedule_s = update_s = 0.0
+    n = 0
+    while n < num_steps:
+        t0 = time.perf_counter()
+        plan = sched.schedule(StepCapacity(prefill_token_budget=cfg.prefill_token_budget))
+        t1 = time.perf_counter()
+        out = RunnerOutput()
+        for q in plan.seqs:
+            if q.needs_output and q.samples:
+                out.sampled_token_ids[q.request.request_id] = rng.randrange(100, 30_000)
+        t2 = time.perf_counter()
+        sched.update(plan, out)
+        if not plan.prefill:  # decode steps only
+            schedule_s += t1 - t0
+            update_s += time.perf_counter() - t2
+            n += 1
+    return {"schedule_ms": 1e3 * schedule_s / n, "update_ms": 1e3 * update_s / n}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -127,11 +180,38 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--post-tokens", type=int, default=150)
     ap.add_argument("--users", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--decode-streams", type=int, default=0, help="also time decode steps of this many"
+    )
+    ap.add_argument("--decode-prompt-tokens", type=int, default=2048)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     rows = []
+    if args.decode_streams:
+        runs = [
+            time_decode_steps(
+                args.decode_streams, args.decode_prompt_tokens, args.steps, args.seed + r
+            )
+            for r in range(args.repeats)
+        ]
+        sched_ms = [r["schedule_ms"] for r in runs]
+        upd_ms = [r["update_ms"] for r in runs]
+        rows.append(
+            {
+                "decode_streams": args.decode_streams,
+                "prompt_tokens": args.decode_prompt_tokens,
+                "schedule_ms_median": statistics.median(sched_ms),
+                "schedule_ms_runs": sched_ms,
+                "update_ms_median": statistics.median(upd_ms),
+                "update_ms_runs": upd_ms,
+            }
+        )
+        print(
+            f"decode {args.decode_streams} streams: schedule {statistics.median(sched_ms):.3f} ms, "
+            f"update {statistics.median(upd_ms):.3f} ms [{min(upd_ms):.3f}, {max(upd_ms):.3f}]"
+        )
     for policy in args.policies.split(","):
-        for w in (int(x) for x in args.waiting.split(",")):
+        for w in (int(x) for x in args.waiting.split(",") if x):
             runs = [
                 time_steps(
                     policy,

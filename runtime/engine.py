@@ -829,6 +829,10 @@ class Engine:
             "dtype": str(self.dtype).removeprefix("torch."),
             "tokenizer_dir": str(tokenizer_dir(self.config.model)),
             "max_num_seqs": self.config.max_num_seqs,
+            # API servers compute prompts' prefix-cache digests at this block size.
+            "prefix_block_size": (
+                self.config.block_size if self.scheduler.bm.prefix_cache is not None else None
+            ),
         }
 
     # ---- thread-safe API ------------------------------------------------------------------
@@ -862,6 +866,7 @@ class Engine:
                 # element by element by the young collections while the request waits, the
                 # step loop standing still (runtime/gc_watch.py).
                 untrack_int_list(req.prompt_token_ids)
+                untrack_int_list(req.block_hashes)
                 if req.sampling.grammar is not None and self.runner.grammars is not None:
                     # Compiled here, not on the engine thread (runtime/structured.py).
                     error = self.runner.grammars.prepare(req.request_id, req.sampling.grammar)

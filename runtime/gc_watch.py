@@ -27,7 +27,7 @@ import gc
 import logging
 import sys
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 log = logging.getLogger("greenlane.gc")
 
@@ -45,6 +45,8 @@ def freeze_startup_objects(process: str = "engine core") -> int:
 
 # CPython's own call: a list is tracked from creation to its end, and Python has no way to
 # untrack one (CPython untracks tuples and dicts of atomic values itself, never lists).
+_AtomList = TypeVar("_AtomList", list[int], list[bytes])
+
 _gc_untrack: Any = None
 if sys.implementation.name == "cpython":
     _gc_untrack = ctypes.pythonapi.PyObject_GC_UnTrack
@@ -52,11 +54,11 @@ if sys.implementation.name == "cpython":
     _gc_untrack.restype = None
 
 
-def untrack_int_list(values: list[int]) -> list[int]:
-    """Take a list that holds only ints (token ids, block hashes) out of the collector's
-    lists, O(1); returns it. Safe because ints hold no references: such a list can be in no
-    reference cycle, now or after more ints are appended (appends never re-track a list).
-    Never pass a list that may later hold a container: a cycle through it would leak.
+def untrack_int_list(values: _AtomList) -> _AtomList:
+    """Take a list that holds only ints or bytes (token ids, block digests) out of the
+    collector's lists, O(1); returns it. Safe because these hold no references: such a list
+    can be in no reference cycle, now or after more are appended (appends never re-track a
+    list). Never pass a list that may later hold a container: a cycle through it would leak.
     A no-op off CPython and for anything but an exact list."""
     if _gc_untrack is not None and type(values) is list:
         _gc_untrack(values)

@@ -96,6 +96,9 @@ class Request:
     label_token_ids: list[int] = field(default_factory=list)  # SCORE only
     apply_softmax: bool = True  # SCORE only: softmax over the label set, else full-vocab probs
     arrival_s: float = field(default_factory=time.monotonic)
+    # Chain digests of the prompt's full blocks (runtime/kv/prefix_cache.py) when the API
+    # server computed them, off the engine thread; empty: the scheduler computes them.
+    block_hashes: list[bytes] = field(default_factory=list)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

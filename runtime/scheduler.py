@@ -65,7 +65,7 @@ from typing import Any, Protocol
 from runtime.config import EngineConfig
 from runtime.gc_watch import untrack_int_list
 from runtime.kv.block_manager import BlockManager
-from runtime.kv.prefix_cache import extend_block_hashes
+from runtime.kv.prefix_cache import append_block_hashes
 from runtime.online_fit import DecayingPlane
 from runtime.request import (
     FINISH_REASONS,
@@ -391,9 +391,10 @@ class _Tracking:
     """Per-request scheduler state that does not belong on `Request`."""
 
     lease: Lease | None = None
-    # Memo of full-block chain hashes (one per 16 tokens of a long prompt): ints only, so
-    # out of the collector's sight like the prompt's tokens (runtime/gc_watch.py).
-    block_hashes: list[int] = field(default_factory=lambda: untrack_int_list([]))
+    # Memo of full-block chain digests (one per 16 tokens of a long prompt; the API server
+    # sends the prompt's, `Request.block_hashes`): bytes only, so out of the collector's
+    # sight like the prompt's tokens (runtime/gc_watch.py).
+    block_hashes: list[bytes] = field(default_factory=lambda: untrack_int_list([]))
     cached_gen: int = -1  # prefix-cache generation of the memo below
     cached_evictions: int = 0  # prefix-cache eviction count of the memo
     cached_tokens_at: int = -1  # num_tokens the memo was computed for
@@ -503,7 +504,11 @@ class Scheduler:
         if req.request_id in self._track:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         req.status = RequestStatus.WAITING
-        self._track[req.request_id] = _Tracking()
+        t = self._track[req.request_id] = _Tracking()
+        # The prompt's digests as the API server computed them (the same in every process);
+        # anything else than one a full block of the prompt is ignored and recomputed here.
+        if len(req.block_hashes) == req.num_prompt_tokens // self.block_size:
+            t.block_hashes.extend(req.block_hashes)
         self._arrival_seq[req.request_id] = self._next_seq
         self._next_seq += 1
         self.waiting.append(req)
@@ -560,10 +565,8 @@ class Scheduler:
         if t.cached_gen != cache.generation or t.cached_tokens_at != num_tokens:
             # Cheap refresh: insertions only extend a cached prefix, so the walk resumes after
             # the memo; after evictions the memo is first cut at its first evicted block.
-            tokens = req.all_token_ids if req.output_token_ids else req.prompt_token_ids
-            fresh_from, fresh = len(t.block_hashes), []
-            extend_block_hashes(t.block_hashes, tokens, self.block_size, fresh)
             max_blocks = (num_tokens - 1) // self.block_size
+            self._digests(req, t, max_blocks)
             known = t.cached_blocks
             if t.cached_evictions != cache.num_evictions:
                 n_valid = 0
@@ -577,9 +580,7 @@ class Scheduler:
                 known = untrack_int_list(known[:max_blocks])
             # Only the blocks past the known prefix are looked up, and the list is rebuilt
             # only when some are found (never changed in place: `_admit` may hold it).
-            more = cache.extend_match(
-                t.block_hashes, tokens, len(known), max_blocks, fresh, fresh_from
-            )
+            more = cache.extend_match(t.block_hashes, len(known), max_blocks)
             if more:
                 known = untrack_int_list([*known, *more])
             t.cached_blocks = known
@@ -810,16 +811,16 @@ class Scheduler:
                 t.first_scheduled_s = now
 
     # ---- shared prefixes being prefilled -------------------------------------------------------
-    def _blocks_being_prefilled(self) -> set[int]:
-        """Chain hashes of the full blocks that running requests are prefilling now (planned,
+    def _blocks_being_prefilled(self) -> set[bytes]:
+        """Chain digests of the full blocks that running requests are prefilling now (planned,
         or computed by a step whose results are not applied yet) and will keep: they enter the
         prefix cache when that prefill's results are applied."""
-        out: set[int] = set()
+        out: set[bytes] = set()
         for req in self.running:
             self._add_blocks_being_prefilled(req, out)
         return out
 
-    def _add_blocks_being_prefilled(self, req: Request, out: set[int]) -> None:
+    def _add_blocks_being_prefilled(self, req: Request, out: set[bytes]) -> None:
         t = self._track[req.request_id]
         if t.lease is None:
             return
@@ -829,11 +830,9 @@ class Scheduler:
         first = self.bm.num_offered_blocks(t.lease.key)
         if first >= num_kept:
             return
-        tokens = req.all_token_ids if req.output_token_ids else req.prompt_token_ids
-        extend_block_hashes(t.block_hashes, tokens[: num_kept * self.block_size], self.block_size)
-        out.update(t.block_hashes[first:num_kept])
+        out.update(self._digests(req, t, num_kept)[first:num_kept])
 
-    def _shared_tokens_being_prefilled(self, req: Request, being_prefilled: set[int]) -> int:
+    def _shared_tokens_being_prefilled(self, req: Request, being_prefilled: set[bytes]) -> int:
         """Tokens right after `req`'s cached prefix that a running request is computing now."""
         if not being_prefilled:
             return 0
@@ -1069,12 +1068,23 @@ class Scheduler:
         num_full = (
             min(seq.num_context_tokens + seq.num_new_tokens, seq.num_kept_tokens) // self.block_size
         )
-        if num_full == 0:
+        # O(1) unless a block was completed: this runs for every decode of every step.
+        if num_full <= self.bm.num_offered_blocks(seq.lease.key):
             return
         t = self._track[req.request_id]
-        tokens = req.all_token_ids if req.output_token_ids else req.prompt_token_ids
-        extend_block_hashes(t.block_hashes, tokens[: num_full * self.block_size], self.block_size)
-        self.bm.cache_full_blocks(seq.lease.key, t.block_hashes[:num_full], tokens)
+        self.bm.cache_full_blocks(seq.lease.key, self._digests(req, t, num_full), num_full)
+
+    def _digests(self, req: Request, t: _Tracking, num_blocks: int) -> list[bytes]:
+        """The request's digest memo, extended to cover at least its first `num_blocks` full
+        blocks (whose tokens the host knows). Only the missing blocks' tokens are cut: a
+        decode's whole sequence is never copied."""
+        have = len(t.block_hashes)
+        if have < num_blocks:
+            bs = self.block_size
+            append_block_hashes(
+                t.block_hashes, _token_slice(req, have * bs, (num_blocks - have) * bs), bs
+            )
+        return t.block_hashes
 
     def _append_token(
         self, req: Request, token: int, logprob: TokenLogprob | None, now: float

@@ -71,7 +71,7 @@ def _run_random_ops(seed: int, num_ops: int, with_cache: bool) -> None:
                 rng.randrange(50) for _ in range(rng.randrange(0, 12))
             ]
             hashes = extend_block_hashes([], toks, bs)
-            prefix = cache.lookup(hashes, toks) if cache else []
+            prefix = cache.lookup(hashes) if cache else []
             # Keep at least one token to compute, as the scheduler does.
             max_hit = (len(toks) - 1) // bs
             prefix = prefix[:max_hit]
@@ -84,7 +84,7 @@ def _run_random_ops(seed: int, num_ops: int, with_cache: bool) -> None:
                 bm.allocate(rid, new, prefix)
                 write(rid, toks, len(prefix))
                 live[rid] = toks
-                bm.cache_full_blocks(rid, hashes, toks)  # pretend the prefill ran
+                bm.cache_full_blocks(rid, hashes, len(hashes))  # pretend the prefill ran
             else:
                 with pytest.raises(NoFreeBlocksError):
                     bm.allocate(rid, new, prefix)
@@ -101,7 +101,7 @@ def _run_random_ops(seed: int, num_ops: int, with_cache: bool) -> None:
                         toks.pop()
                         break
             write(rid, toks, (len(toks) - 1) // bs - 1 if len(toks) > bs else 0)
-            bm.cache_full_blocks(rid, extend_block_hashes([], toks, bs), toks)
+            bm.cache_full_blocks(rid, extend_block_hashes([], toks, bs), len(toks) // bs)
         else:  # finish / abort / preempt: all free the request's blocks
             rid = rng.choice(list(live))
             bm.free(rid)

@@ -163,3 +163,34 @@ def test_a_request_that_cannot_be_sent_leaves_nothing_behind() -> None:
     with pytest.raises(EngineCoreError, match="cannot reach the engine core"):
         client.add([ok])
     assert client.processor.num_tracked == 0 and "g1" not in client._unseen
+
+
+def test_the_api_server_sends_each_prompts_prefix_digests() -> None:
+    """With a prefix cache the core's block size comes in its info, and every request goes
+    with its prompt's full-block digests (the engine thread then only looks them up); the
+    items of one call share the query's digests. Without one, none are computed."""
+    from runtime.core.messages import AddRequests
+    from runtime.kv.prefix_cache import extend_block_hashes
+    from runtime.request import Request, RequestKind
+
+    query = list(range(1000, 1100))
+    prompts = [query + [7, 8, 9], query + list(range(40)), [5] * 15]
+    for info, want in (({"prefix_block_size": 16}, 16), ({"prefix_block_size": None}, None)):
+        client = EngineCoreClient(
+            CoreHandle("ipc://unused-in", "ipc://unused-out", info, os.getpid()), None
+        )
+        sent: list = []
+        client._send_encoded = lambda data, what, sent=sent: sent.append(  # type: ignore[method-assign]
+            CLIENT_DECODER.decode(data)
+        )
+        reqs = [
+            Request(f"s{i}", RequestKind.SCORE, list(p), label_token_ids=[1, 2])
+            for i, p in enumerate(prompts)
+        ]
+        client.add(reqs)
+        (msg,) = sent
+        assert isinstance(msg, AddRequests)
+        for wire, p in zip(msg.requests, prompts, strict=True):
+            expect = extend_block_hashes([], p, want) if want else []
+            assert wire.block_hashes == expect
+            assert wire.to_request().block_hashes == expect

@@ -1,10 +1,15 @@
-"""Prefix cache: hash chain, prefix matching, LRU eviction of unreferenced blocks, the
+"""Prefix cache: digest chain, prefix matching, LRU eviction of unreferenced blocks, the
 generation counter, hit counters."""
 
 from __future__ import annotations
 
 from runtime.kv.block_manager import BlockManager
-from runtime.kv.prefix_cache import PrefixCache, chain_hash, extend_block_hashes
+from runtime.kv.prefix_cache import (
+    PrefixCache,
+    chain_hash,
+    extend_block_hashes,
+    prompts_block_hashes,
+)
 
 BS = 4
 
@@ -12,9 +17,9 @@ BS = 4
 def _cached_seq(bm: BlockManager, rid: str, tokens: list[int]) -> list[int]:
     """Allocate blocks for `tokens`, 'compute' them and offer the full ones to the cache."""
     hashes = extend_block_hashes([], tokens, BS)
-    prefix = bm.prefix_cache.lookup(hashes, tokens)
+    prefix = bm.prefix_cache.lookup(hashes)
     table = bm.allocate(rid, bm.num_blocks_for(len(tokens)) - len(prefix), prefix)
-    bm.cache_full_blocks(rid, hashes, tokens)
+    bm.cache_full_blocks(rid, hashes, len(hashes))
     return table
 
 
@@ -67,8 +72,8 @@ def test_duplicate_prefix_keeps_one_cached_copy() -> None:
     h = extend_block_hashes([], [3] * 4, BS)
     bm.allocate("x", 1)
     bm.allocate("y", 1)
-    bm.cache_full_blocks("x", h, [3] * 4)
-    bm.cache_full_blocks("y", h, [3] * 4)
+    bm.cache_full_blocks("x", h, 1)
+    bm.cache_full_blocks("y", h, 1)
     assert len(cache) == 1
     bm.free("x")
     bm.free("y")
@@ -86,8 +91,8 @@ def test_hit_counters() -> None:
 def test_cached_blocks_leave_the_collectors_lists() -> None:
     """A full collection walks every object the collector tracks; one per cached block (the
     pool of a 3B model holds ~170k blocks on the H200) made each one tens of milliseconds
-    with the step loop stopped. Within two collections the cache's entries are untracked
-    (an entry whose token tuple was still tracked when it was examined waits for the next)."""
+    with the step loop stopped. The index holds bytes and ints only, so neither its dicts
+    nor their items are tracked."""
     import gc
 
     cache = PrefixCache(BS)
@@ -95,31 +100,61 @@ def test_cached_blocks_leave_the_collectors_lists() -> None:
     for r in range(8):
         _cached_seq(bm, f"r{r}", [r * 1000 + t for t in range(64)])
     gc.collect()
-    gc.collect()
-    entries = list(cache._entries.values())
-    assert len(entries) == 8 * 16
-    tracked = [e for e in entries if gc.is_tracked(e) or gc.is_tracked(e[1])]
-    assert not tracked, f"{len(tracked)} of {len(entries)} cache entries still tracked"
+    assert len(cache) == 8 * 16
+    assert not gc.is_tracked(cache._entries) and not gc.is_tracked(cache._hash_of_block)
+    assert not any(gc.is_tracked(h) for h in cache._entries)
     # And they still work as entries: a lookup walks them.
     assert cache.match_prefix(list(range(64)))[1] == 64
 
 
-def test_a_hash_collision_is_a_miss_not_another_requests_kv(monkeypatch) -> None:  # noqa: ANN001
-    """Python's hash of a tuple of ints is not salted, so colliding prompts can be made on
-    purpose: the cache checks each block's tokens, whether the lookup cuts them itself
-    (`lookup`) or reuses the ones just hashed (`extend_match`'s `fresh`, the scheduler's way)."""
-    from runtime.kv import prefix_cache
+def test_digests_are_a_keyed_chain_the_same_in_every_process() -> None:
+    """The API server digests prompts and the engine core looks the digests up, so they must
+    agree across processes whatever their hash seeds; a digest names its whole prefix."""
+    import subprocess
+    import sys
 
-    # Every block hashes by its position alone: any two prompts collide block for block.
-    monkeypatch.setattr(prefix_cache, "chain_hash", lambda parent, tokens: hash((parent, 7)))
+    tokens = [5, 49151, 0, 7, 1, 2, 3, 4, 2**31 - 1, 9, 9, 9]
+    here = [h.hex() for h in extend_block_hashes([], tokens, BS)]
+    code = (
+        "from runtime.kv.prefix_cache import extend_block_hashes as e; "
+        f"print(' '.join(h.hex() for h in e([], {tokens!r}, {BS})))"
+    )
+    for seed in ("0", "1234"):
+        there = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": seed, "PATH": ""},
+            cwd=str(__import__("pathlib").Path(__file__).resolve().parents[1]),
+        ).stdout.split()
+        assert there == here
+    assert len(set(here)) == 3 and all(len(h) == 32 for h in here)  # 16 bytes each
+    # The same block after another parent, or alone, digests differently.
+    assert chain_hash(b"", [1, 2, 3, 4]) != extend_block_hashes([], [9, 9, 9, 9, 1, 2, 3, 4], BS)[1]
+
+
+def test_batch_digests_reuse_a_shared_prefix_and_equal_one_by_one() -> None:
+    import random
+
+    rng = random.Random(0)
+    query = [rng.randrange(1000) for _ in range(37)]
+    prompts = [query + [rng.randrange(1000) for _ in range(rng.randrange(0, 9))] for _ in range(6)]
+    prompts += [[], [1, 2, 3], query[:9], [rng.randrange(1000) for _ in range(20)], query]
+    batch = prompts_block_hashes(prompts, BS)
+    assert batch == [extend_block_hashes([], p, BS) for p in prompts]
+
+
+def test_a_lookup_stops_at_the_first_block_not_cached() -> None:
     bm = BlockManager(16, BS, PrefixCache(BS))
-    _cached_seq(bm, "a", [1, 2, 3, 4, 5, 6, 7, 8])
+    table = _cached_seq(bm, "a", [1, 2, 3, 4, 5, 6, 7, 8])
     other = [1, 2, 3, 4, 9, 9, 9, 9, 10]  # first block the same, second not
-    fresh: list[tuple[int, ...]] = []
-    hashes = extend_block_hashes([], other, BS, fresh)
-    assert fresh == [(1, 2, 3, 4), (9, 9, 9, 9)]
     cache = bm.prefix_cache
-    assert len(cache.lookup(hashes, other)) == 1
-    assert len(cache.extend_match(hashes, other, 0, len(hashes), fresh, 0)) == 1
-    # The check reads the tokens it is given: the fresh blocks stand for the prompt's own.
-    assert len(cache.extend_match(hashes, other, 1, len(hashes), fresh[1:], 1)) == 0
+    hashes = extend_block_hashes([], other, BS)
+    assert cache.lookup(hashes) == table[:1]
+    assert cache.extend_match(hashes, 1, len(hashes)) == []
+    # A later block cached under a missing one is never reached from a cold start.
+    assert (
+        cache.lookup([b"not cached", *extend_block_hashes([], [1, 2, 3, 4, 5, 6, 7, 8], BS)[1:]])
+        == []
+    )

@@ -11,7 +11,7 @@ import pytest
 from policies import make_policy
 from runtime.config import EngineConfig
 from runtime.kv.block_manager import BlockManager
-from runtime.kv.prefix_cache import PrefixCache
+from runtime.kv.prefix_cache import PrefixCache, extend_block_hashes
 from runtime.request import Request, RequestKind, SamplingParams, TokenLogprob
 from runtime.scheduler import (
     MAX_GRAMMAR_SAMPLES_AHEAD,
@@ -446,6 +446,26 @@ def test_random_workload_keeps_invariants(overlap: bool) -> None:
     drive(s, runner, max_steps=2000, overlap=overlap)
     assert s.bm.num_used_blocks == 0
     assert s.num_preemptions > 0  # the pool is small enough that preemption happened
+
+
+def test_the_prompt_digests_the_api_server_sent_are_the_ones_looked_up() -> None:
+    """The API server digests a prompt's blocks (off the engine thread) and the scheduler
+    looks up what it was sent; a list that is not one digest a full block is ignored."""
+    s = make(num_blocks=16)
+    prefix = [7, 7, 7, 7, 8, 8, 8, 8]
+    s.add(score("a", prefix + [2]))
+    drive(s, FakeRunner())  # caches its two full blocks
+    # Other tokens carrying "a"'s digests: a hit on both blocks, so the digests were used.
+    b = score("b", [1] * 8 + [3])
+    b.block_hashes = extend_block_hashes([], prefix + [2], BS)
+    s.add(b)
+    assert s.view(b).num_cached_tokens_now == 8
+    # One digest for two full blocks: recomputed from the tokens (a hit, by its own digests).
+    c = score("c", prefix + [5])
+    c.block_hashes = [b"only one"]
+    s.add(c)
+    assert s.view(c).num_cached_tokens_now == 8
+    assert s._track["c"].block_hashes == extend_block_hashes([], prefix + [5], BS)
 
 
 def test_cached_prefix_memo_follows_insertions_and_evictions() -> None:

@@ -22,3 +22,10 @@ def test_the_queue_stays_at_its_length_and_both_phases_are_timed(policy: str) ->
     # one arrival a step and one admission a step (25 tokens: one 20-token post)
     assert 3 <= res["waiting_at_end"] <= 8, res
     assert res["schedule_ms"] > 0 and res["update_ms"] > 0
+
+
+def test_decode_steps_are_timed_after_the_prefills() -> None:
+    from bench.scheduler_host import time_decode_steps
+
+    res = time_decode_steps(num_streams=4, prompt_tokens=40, num_steps=30, seed=0)
+    assert res["schedule_ms"] > 0 and res["update_ms"] > 0

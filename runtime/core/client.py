@@ -41,6 +41,7 @@ from runtime.core.messages import (
 from runtime.core.output_processor import OutputProcessor
 from runtime.core.process import CoreHandle
 from runtime.gc_watch import untrack_int_list
+from runtime.kv.prefix_cache import prompts_block_hashes
 from runtime.request import Request, RequestOutput
 
 log = logging.getLogger("greenlane.core")
@@ -64,6 +65,8 @@ class EngineCoreClient:
         exit is then noticed at once); else its pid is checked."""
         self.handle = handle
         self.process = process
+        # Tokens per prefix-cache block of the core (None: no prefix cache, no digests).
+        self._prefix_block_size: int | None = handle.info.get("prefix_block_size")
         self.processor = OutputProcessor(tokenizer)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.keepalive_s = keepalive_s
@@ -167,6 +170,18 @@ class EngineCoreClient:
         """Send requests to the engine (one message); their outputs come to `on_outputs`."""
         if self.dead_reason is not None:
             raise EngineCoreError(self.dead_reason)
+        if self._prefix_block_size:
+            # The prefix cache's block digests, here rather than on the engine thread: the
+            # core has one thread for every step, API servers can be many.
+            digested = [r for r in reqs if not r.block_hashes]
+            for r, hashes in zip(
+                digested,
+                prompts_block_hashes(
+                    [r.prompt_token_ids for r in digested], self._prefix_block_size
+                ),
+                strict=True,
+            ):
+                r.block_hashes = hashes
         # Encoded first: a request that cannot be sent leaves nothing behind here.
         data = ENCODER.encode(AddRequests([WireRequest.of(r) for r in reqs]))
         for r in reqs:

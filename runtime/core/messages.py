@@ -32,6 +32,7 @@ class WireRequest(msgspec.Struct, array_like=True):
     label_token_ids: list[int]
     apply_softmax: bool
     arrival_s: float
+    block_hashes: list[bytes]
 
     @classmethod
     def of(cls, req: Request) -> WireRequest:
@@ -43,6 +44,7 @@ class WireRequest(msgspec.Struct, array_like=True):
             req.label_token_ids,
             req.apply_softmax,
             req.arrival_s,
+            req.block_hashes,
         )
 
     def to_request(self) -> Request:
@@ -54,6 +56,7 @@ class WireRequest(msgspec.Struct, array_like=True):
             label_token_ids=self.label_token_ids,
             apply_softmax=self.apply_softmax,
             arrival_s=self.arrival_s,
+            block_hashes=self.block_hashes,
         )
 
 

@@ -137,24 +137,22 @@ class BlockManager:
                 free.append(b)
 
     def cache_full_blocks(
-        self, request_id: str, block_hashes: Sequence[int], token_ids: Sequence[int]
+        self, request_id: str, block_hashes: Sequence[bytes], num_blocks: int
     ) -> None:
-        """Offer the request's full blocks to the prefix cache.
+        """Offer the request's first `num_blocks` blocks to the prefix cache: full blocks
+        whose KV is computed (the memo `block_hashes` may run further: only these are read).
 
-        `block_hashes[i]` is the chain hash of block i of `token_ids` (only full blocks whose
-        KV is already computed may be passed). Blocks offered before are skipped; a hash
-        that is already cached elsewhere leaves this request's block uncached."""
+        `block_hashes[i]` is the chain digest of block i of the request's tokens. Blocks
+        offered before are skipped; a digest that is already cached elsewhere leaves this
+        request's block uncached."""
         cache = self.prefix_cache
         if cache is None:
             return
         table = self._tables[request_id]
         start = self._num_cached_blocks[request_id]
-        end = min(len(block_hashes), len(table))
-        bs = self.block_size
+        end = min(num_blocks, len(block_hashes), len(table))
         for i in range(start, end):
-            parent = block_hashes[i - 1] if i > 0 else None
-            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            cache.insert(block_hashes[i], parent, tokens, table[i])
+            cache.insert(block_hashes[i], table[i])
         self._num_cached_blocks[request_id] = max(start, end)
 
     def drop_cached_blocks(self) -> int:
