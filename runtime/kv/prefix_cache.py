@@ -42,11 +42,24 @@ DIGEST_BYTES = 16  # 128 bits: a collision needs ~2^64 work
 _BIG_ENDIAN = sys.byteorder == "big"
 
 
-def _int32_bytes(token_ids: Sequence[int]) -> memoryview:
+def _int32_bytes(token_ids: Sequence[int]) -> bytes:
     words = array("i", token_ids)
     if _BIG_ENDIAN:
         words.byteswap()
-    return memoryview(words).cast("B")
+    return words.tobytes()
+
+
+def _append_digests(hashes: list[bytes], data: bytes, block_size: int) -> None:
+    """Digest `data` (whole blocks of int32 token bytes, the ones after `hashes`'s blocks)
+    block by block onto `hashes`."""
+    step = 4 * block_size
+    view = memoryview(data)  # slices without copies
+    parent = hashes[-1] if hashes else b""
+    for off in range(0, len(data) - step + 1, step):
+        h = blake2b(parent, digest_size=DIGEST_BYTES)
+        h.update(view[off : off + step])
+        parent = h.digest()
+        hashes.append(parent)
 
 
 def chain_hash(parent_hash: bytes, tokens: Sequence[int]) -> bytes:
@@ -77,15 +90,7 @@ def append_block_hashes(hashes: list[bytes], new_ids: Sequence[int], block_size:
     a token id outside int32 (none is: ids are below the vocabulary size)."""
     if len(new_ids) % block_size:
         raise ValueError(f"{len(new_ids)} tokens are not whole blocks of {block_size}")
-    # One conversion for all the blocks, then a digest a block over a view (no copies).
-    data = _int32_bytes(new_ids)
-    step = 4 * block_size
-    parent = hashes[-1] if hashes else b""
-    for off in range(0, len(data), step):
-        h = blake2b(parent, digest_size=DIGEST_BYTES)
-        h.update(data[off : off + step])
-        parent = h.digest()
-        hashes.append(parent)
+    _append_digests(hashes, _int32_bytes(new_ids), block_size)
 
 
 def prompts_block_hashes(prompts: Sequence[Sequence[int]], block_size: int) -> list[list[bytes]]:
@@ -93,22 +98,23 @@ def prompts_block_hashes(prompts: Sequence[Sequence[int]], block_size: int) -> l
     of one score call share its query): the blocks a prompt shares with the one before it
     reuse that one's digests instead of digesting them again."""
     out: list[list[bytes]] = []
-    prev: Sequence[int] = ()
-    prev_hashes: list[bytes] = []
+    step = 4 * block_size
+    prev, prev_hashes = b"", []
     for ids in prompts:
-        # Longest run of equal leading blocks, by bisection over slice comparisons (C speed):
-        # equal first k blocks imply equal first k - 1.
-        lo, hi = 0, min(len(ids), len(prev)) // block_size
+        data = _int32_bytes(ids)
+        # Longest run of equal leading blocks, by bisection over byte-string comparisons
+        # (memcmp; ~3 us for 14k tokens): equal first k blocks imply equal first k - 1.
+        lo, hi = 0, min(len(data), len(prev)) // step
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if ids[: mid * block_size] == prev[: mid * block_size]:
+            if data[: mid * step] == prev[: mid * step]:
                 lo = mid
             else:
                 hi = mid - 1
-        hashes = prev_hashes[:lo]
-        extend_block_hashes(hashes, ids, block_size)
+        hashes: list[bytes] = prev_hashes[:lo]
+        _append_digests(hashes, data[lo * step : len(ids) // block_size * step], block_size)
         out.append(hashes)
-        prev, prev_hashes = ids, hashes
+        prev, prev_hashes = data, hashes
     return out
 
 
