@@ -48,6 +48,10 @@ def _valid_unicode(value: str) -> str:
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 TokenId = StrictInt  # range checked against the vocabulary in the routes
 MAX_CHOICES = 16  # n: each choice is an engine request (the prompt's KV is shared via the cache)
+# vLLM's `cache_salt`: requests share prefix-cache blocks only with requests of the same salt
+# (runtime/kv/prefix_cache.py, `salt_digest`), so a tenant cannot probe another's prompts by
+# their latency. Any non-empty text; 256 characters is room for any key or tenant id.
+CacheSalt = Annotated[Text, Field(min_length=1, max_length=256)]
 
 
 class _Request(BaseModel):
@@ -207,6 +211,7 @@ class _SamplingFields(_Request):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     metadata: dict[str, str] | None = None
+    cache_salt: CacheSalt | None = None  # vLLM extension: a prefix-cache namespace
 
     model_config = ConfigDict(extra="allow")  # see `unsupported_param`
 
@@ -424,6 +429,11 @@ class ScoreRequest(_Request):
     apply_softmax: bool = False  # SGLang's default; true: softmax over the labels only
     item_first: bool = False
     messages: list[ChatMessage] | None = None  # extension
+    cache_salt: CacheSalt | None = None  # vLLM extension: a prefix-cache namespace
+    user: str | None = None  # no effect on the scores (identification; replica affinity)
+
+    # Unknown fields are kept so that the route can answer a 400 naming them.
+    model_config = ConfigDict(extra="allow", strict=True)
 
     @model_validator(mode="after")
     def _check(self) -> ScoreRequest:
@@ -463,6 +473,11 @@ class GenerativeScoreRequest(_Request):
     top_p: float | None = None
     priority: int = 0
     request_id: str | None = Field(None, max_length=128)
+    cache_salt: CacheSalt | None = None  # a prefix-cache namespace, as in vLLM
+    user: str | None = None  # no effect on the scores (identification; replica affinity)
+
+    # Unknown fields are kept so that the route can answer a 400 naming them.
+    model_config = ConfigDict(extra="allow", strict=True)
 
     def non_neutral_param(self) -> str | None:
         """The first knob set to a value that would change probabilities in a sampler (they

@@ -609,6 +609,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                     defaults=request.app.state.sampling_defaults,
                 ),
             ),
+            cache_salt=body.cache_salt,
         )
         for i, seed in enumerate(_choice_seeds(body.seed, n))
     ]
@@ -852,6 +853,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                 defaults=request.app.state.sampling_defaults,
                 prompt_logprobs=prompt_logprobs,
             ),
+            cache_salt=body.cache_salt,
         )
         for p, ids in enumerate(prompts)
         for i, seed in enumerate(_choice_seeds(body.seed, n))

@@ -43,7 +43,7 @@ from app.common import (
 from app.errors import ERROR_RESPONSES, APIError, bad_request
 from app.json_body import FastJSONRoute
 from app.limits import check_num_labels, check_num_requests
-from app.protocol import GenerativeScoreRequest, ScoreRequest
+from app.protocol import GenerativeScoreRequest, ScoreRequest, unsupported_param
 from runtime.request import Request as EngineRequest
 from runtime.request import RequestKind, SamplingParams
 
@@ -174,12 +174,22 @@ class _Scored:
     e2e_s: list[float]
 
 
+def _refuse_unknown(body: ScoreRequest | GenerativeScoreRequest) -> None:
+    """A field the request does not define is a 400 naming it, never silently dropped (a
+    misspelled `apply_softmax` would change every score)."""
+    found = unsupported_param(body)
+    if found is not None:
+        param, message = found
+        raise bad_request(message, param, "unsupported_parameter")
+
+
 async def _run_scoring(
     request: Request,
     engine_base: str,
     prompts: list[list[int]],
     label_ids: list[int],
     apply_softmax: bool,
+    cache_salt: str | None,
 ) -> _Scored:
     """Submit one SCORE engine request per prompt (together, so they batch and share the
     query's prefix) and collect each one's label probabilities."""
@@ -199,6 +209,7 @@ async def _run_scoring(
             sampling=SamplingParams(max_tokens=1, temperature=0.0),
             label_token_ids=list(label_ids),
             apply_softmax=apply_softmax,
+            cache_salt=cache_salt,
         )
         for i, ids in enumerate(prompts)
     ]
@@ -267,12 +278,15 @@ async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
     """SGLang's response (`scores`, `model`, `usage`, `object`) plus our extensions: `id`,
     the labels and their ids, the top label per item, and per-item engine timings."""
     check_model(request, body.model)
+    _refuse_unknown(body)
     engine = engine_of(request)
     # Item and label counts: checked before validation (`_refuse_counts_before_validation`).
     # One hop to the preparation threads for both (a hop costs more than small id checks).
     (label_ids, label_names), prompts = await off_loop(_labels_and_prompts, engine, body)
     request_id, engine_base = begin_request_id(request, "score")
-    scored = await _run_scoring(request, engine_base, prompts, label_ids, body.apply_softmax)
+    scored = await _run_scoring(
+        request, engine_base, prompts, label_ids, body.apply_softmax, body.cache_salt
+    )
     scores = scored.probs
     top = [max(range(len(s)), key=s.__getitem__) for s in scores]
     return {
@@ -324,6 +338,7 @@ async def _generative(
     """What both of vLLM's generative-scoring routes do: (the response id, the labels once
     each, the scored items)."""
     check_model(request, body.model)
+    _refuse_unknown(body)
     engine = engine_of(request)
     param = body.non_neutral_param()
     if param is not None:
@@ -342,7 +357,9 @@ async def _generative(
     # The response is keyed by token id, so a label given twice is one label (as vLLM, which
     # keys before its softmax): with both copies in the softmax a row would not sum to 1.
     labels = list(dict.fromkeys(body.label_token_ids))
-    scored = await _run_scoring(request, engine_base, prompts, labels, body.apply_softmax)
+    scored = await _run_scoring(
+        request, engine_base, prompts, labels, body.apply_softmax, body.cache_salt
+    )
     return request_id, labels, scored
 
 

@@ -99,6 +99,9 @@ class Request:
     # Chain digests of the prompt's full blocks (runtime/kv/prefix_cache.py) when the API
     # server computed them, off the engine thread; empty: the scheduler computes them.
     block_hashes: list[bytes] = field(default_factory=list)
+    # Requests with different salts share no prefix-cache block (vLLM's `cache_salt`); the
+    # digests above are computed under it.
+    cache_salt: str | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -65,7 +65,7 @@ from typing import Any, Protocol
 from runtime.config import EngineConfig
 from runtime.gc_watch import untrack_int_list
 from runtime.kv.block_manager import BlockManager
-from runtime.kv.prefix_cache import append_block_hashes
+from runtime.kv.prefix_cache import append_block_hashes, salt_digest
 from runtime.online_fit import DecayingPlane
 from runtime.request import (
     FINISH_REASONS,
@@ -395,6 +395,7 @@ class _Tracking:
     # sends the prompt's, `Request.block_hashes`): bytes only, so out of the collector's
     # sight like the prompt's tokens (runtime/gc_watch.py).
     block_hashes: list[bytes] = field(default_factory=lambda: untrack_int_list([]))
+    digest_seed: bytes = b""  # the first block's parent: the request's `cache_salt` digested
     cached_gen: int = -1  # prefix-cache generation of the memo below
     cached_evictions: int = 0  # prefix-cache eviction count of the memo
     cached_tokens_at: int = -1  # num_tokens the memo was computed for
@@ -504,7 +505,7 @@ class Scheduler:
         if req.request_id in self._track:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         req.status = RequestStatus.WAITING
-        t = self._track[req.request_id] = _Tracking()
+        t = self._track[req.request_id] = _Tracking(digest_seed=salt_digest(req.cache_salt))
         # The prompt's digests as the API server computed them (the same in every process);
         # anything else than one a full block of the prompt is ignored and recomputed here.
         if len(req.block_hashes) == req.num_prompt_tokens // self.block_size:
@@ -1081,9 +1082,8 @@ class Scheduler:
         have = len(t.block_hashes)
         if have < num_blocks:
             bs = self.block_size
-            append_block_hashes(
-                t.block_hashes, _token_slice(req, have * bs, (num_blocks - have) * bs), bs
-            )
+            new_ids = _token_slice(req, have * bs, (num_blocks - have) * bs)
+            append_block_hashes(t.block_hashes, new_ids, bs, t.digest_seed)
         return t.block_hashes
 
     def _append_token(

@@ -324,6 +324,7 @@ class FakeEngine:
                         "num_output_tokens": r.num_output_tokens,
                         "label_token_ids": list(r.label_token_ids),
                         "apply_softmax": r.apply_softmax,
+                        "cache_salt": r.cache_salt,
                         "sampling": dataclasses.asdict(r.sampling),
                     }
                     for r in self.added

@@ -56,7 +56,8 @@ class ServerThread:
     def added(self) -> list[Any]:
         """Every request the (fake) engine was given, as attribute records: `request_id`,
         `kind`, `status` (a name such as "FINISHED_ABORTED"), `prompt_token_ids`, token
-        counts, `label_token_ids`, `apply_softmax`, `sampling` (SamplingParams' fields)."""
+        counts, `label_token_ids`, `apply_softmax`, `cache_salt`, `sampling` (SamplingParams'
+        fields)."""
         out = []
         for r in self.control("added"):
             rec = dict(r)

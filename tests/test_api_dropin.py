@@ -82,6 +82,41 @@ def test_score_token_ids_and_item_first(http: httpx.Client) -> None:
     assert got["scores"][1] == pytest.approx(fake_label_probs([4, 5, 1, 2], [7], False))
 
 
+def test_score_routes_name_an_unknown_field_instead_of_dropping_it(http: httpx.Client) -> None:
+    """A misspelled or unimplemented field would otherwise change every score unseen."""
+    body = {"query": "q", "items": ["a"], "label_token_ids": [65, 66]}
+    msg = _err(http.post("/v1/score", json={**body, "apply_sofmax": True}), "apply_sofmax")
+    assert "unknown parameter" in msg
+    _err(http.post("/v1/generative-scores", json={**body, "top_n": 3}), "top_n")
+    _err(http.post("/generative_scoring", json={**body, "temprature": 0}), "temprature")
+    # Identification is accepted (replicas route on it) and changes nothing.
+    assert _ok(http.post("/v1/score", json={**body, "user": "u1"}))["scores"]
+
+
+def test_cache_salt_reaches_the_engine_on_every_route(
+    server: ServerThread, http: httpx.Client
+) -> None:
+    """vLLM's `cache_salt` (a prefix-cache namespace; runtime/kv/prefix_cache.py) on chat,
+    completions and both scoring shapes; empty or not text: a 400."""
+    score = {"query": "q", "items": ["a", "b"], "label_token_ids": [65, 66]}
+    calls = [
+        ("/v1/chat/completions", {"messages": MSG, "max_tokens": 2}, "chatcmpl"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2}, "cmpl"),
+        ("/v1/score", score, "score"),
+        ("/v1/generative-scores", score, "genscore"),
+    ]
+    for path, body, prefix in calls:
+        before = len(_added(server, prefix))
+        _ok(http.post(path, json={**body, "cache_salt": "tenant-7"}))
+        new = _added(server, prefix)[before:]
+        assert new and all(r.cache_salt == "tenant-7" for r in new), path
+        _ok(http.post(path, json=body))
+        assert all(r.cache_salt is None for r in _added(server, prefix)[before + len(new) :])
+        for bad in ("", 7):
+            r = http.post(path, json={**body, "cache_salt": bad})
+            assert r.status_code == 400, (path, bad, r.text)
+
+
 # ----------------------------------------------------------------------------- vLLM's shape
 
 

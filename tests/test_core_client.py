@@ -170,7 +170,7 @@ def test_the_api_server_sends_each_prompts_prefix_digests() -> None:
     with its prompt's full-block digests (the engine thread then only looks them up); the
     items of one call share the query's digests. Without one, none are computed."""
     from runtime.core.messages import AddRequests
-    from runtime.kv.prefix_cache import extend_block_hashes
+    from runtime.kv.prefix_cache import extend_block_hashes, salt_digest
     from runtime.request import Request, RequestKind
 
     query = list(range(1000, 1100))
@@ -187,10 +187,13 @@ def test_the_api_server_sends_each_prompts_prefix_digests() -> None:
             Request(f"s{i}", RequestKind.SCORE, list(p), label_token_ids=[1, 2])
             for i, p in enumerate(prompts)
         ]
+        reqs[1].cache_salt = "tenant"  # its own digests, though it shares the query
         client.add(reqs)
         (msg,) = sent
         assert isinstance(msg, AddRequests)
-        for wire, p in zip(msg.requests, prompts, strict=True):
-            expect = extend_block_hashes([], p, want) if want else []
+        for wire, p, r in zip(msg.requests, prompts, reqs, strict=True):
+            seed = salt_digest(r.cache_salt)
+            expect = extend_block_hashes([], p, want, seed) if want else []
+            assert wire.cache_salt == r.cache_salt
             assert wire.block_hashes == expect
             assert wire.to_request().block_hashes == expect

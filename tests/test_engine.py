@@ -107,6 +107,29 @@ def test_scoring_leaves_only_cached_full_prefix_blocks(engine_and_sink) -> None:
     assert sum(sink.last("cold").label_probs) == pytest.approx(1.0, abs=1e-5)
 
 
+def test_a_cache_salt_shares_blocks_only_with_its_own_salt(engine_and_sink) -> None:
+    """vLLM's `cache_salt`: a salted request finds nothing another salt (or none) cached,
+    and finds what its own salt cached, with the same probabilities either way."""
+    engine, sink = engine_and_sink
+    prompt = PROFILE + [5, 6, 7]
+
+    def run(rid: str, salt: str | None) -> tuple[int, list[float]]:
+        req = score(rid, prompt)
+        req.cache_salt = salt
+        engine.add(req)
+        sink.wait(rid)
+        out = sink.last(rid)
+        return out.num_cached_tokens, out.label_probs
+
+    _, probs = run("plain", None)
+    assert run("plain-again", None)[0] == 32
+    assert run("salt-a", "tenant a")[0] == 0
+    cached_a, probs_a = run("salt-a-again", "tenant a")
+    assert cached_a == 32 and run("salt-b", "tenant b")[0] == 0
+    assert probs_a == pytest.approx(probs, rel=1e-4, abs=1e-6)
+    engine.block_manager.check_integrity()
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_chunking_prefix_hits_and_preemption_do_not_change_greedy_tokens(device: str) -> None:
     prompts = [PROFILE + [7, 8, 9], PROFILE[:13] + [1, 2], list(range(3000, 3021)), [42]]

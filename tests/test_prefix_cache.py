@@ -9,6 +9,7 @@ from runtime.kv.prefix_cache import (
     chain_hash,
     extend_block_hashes,
     prompts_block_hashes,
+    salt_digest,
 )
 
 BS = 4
@@ -141,8 +142,29 @@ def test_batch_digests_reuse_a_shared_prefix_and_equal_one_by_one() -> None:
     query = [rng.randrange(1000) for _ in range(37)]
     prompts = [query + [rng.randrange(1000) for _ in range(rng.randrange(0, 9))] for _ in range(6)]
     prompts += [[], [1, 2, 3], query[:9], [rng.randrange(1000) for _ in range(20)], query]
-    batch = prompts_block_hashes(prompts, BS)
+    seeds = [b""] * len(prompts)
+    batch = prompts_block_hashes(prompts, BS, seeds)
     assert batch == [extend_block_hashes([], p, BS) for p in prompts]
+    # Under another salt nothing is shared with the unsalted prompt before it.
+    salt = salt_digest("tenant")
+    mixed = prompts_block_hashes([query, query, query], BS, [b"", salt, salt])
+    assert mixed[1] == extend_block_hashes([], query, BS, salt) == mixed[2]
+    assert not set(mixed[0]) & set(mixed[1])
+
+
+def test_a_salt_changes_every_digest_and_none_is_no_salt() -> None:
+    tokens = list(range(12))
+    plain = extend_block_hashes([], tokens, BS)
+    assert salt_digest(None) == b"" and extend_block_hashes([], tokens, BS, b"") == plain
+    a, b = salt_digest("a"), salt_digest("b")
+    assert a != b and len(a) == 16
+    salted = extend_block_hashes([], tokens, BS, a)
+    assert not set(salted) & set(plain) and salted != extend_block_hashes([], tokens, BS, b)
+    cache = PrefixCache(BS)
+    bm = BlockManager(8, BS, cache)
+    bm.allocate("x", 3)
+    bm.cache_full_blocks("x", salted, 3)
+    assert cache.match_prefix(tokens)[1] == 0 and cache.match_prefix(tokens, a)[1] == 12
 
 
 def test_a_lookup_stops_at_the_first_block_not_cached() -> None:

@@ -41,7 +41,7 @@ from runtime.core.messages import (
 from runtime.core.output_processor import OutputProcessor
 from runtime.core.process import CoreHandle
 from runtime.gc_watch import untrack_int_list
-from runtime.kv.prefix_cache import prompts_block_hashes
+from runtime.kv.prefix_cache import prompts_block_hashes, salt_digest
 from runtime.request import Request, RequestOutput
 
 log = logging.getLogger("greenlane.core")
@@ -177,7 +177,9 @@ class EngineCoreClient:
             for r, hashes in zip(
                 digested,
                 prompts_block_hashes(
-                    [r.prompt_token_ids for r in digested], self._prefix_block_size
+                    [r.prompt_token_ids for r in digested],
+                    self._prefix_block_size,
+                    [salt_digest(r.cache_salt) for r in digested],
                 ),
                 strict=True,
             ):

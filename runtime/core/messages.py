@@ -33,6 +33,7 @@ class WireRequest(msgspec.Struct, array_like=True):
     apply_softmax: bool
     arrival_s: float
     block_hashes: list[bytes]
+    cache_salt: str | None
 
     @classmethod
     def of(cls, req: Request) -> WireRequest:
@@ -45,6 +46,7 @@ class WireRequest(msgspec.Struct, array_like=True):
             req.apply_softmax,
             req.arrival_s,
             req.block_hashes,
+            req.cache_salt,
         )
 
     def to_request(self) -> Request:
@@ -57,6 +59,7 @@ class WireRequest(msgspec.Struct, array_like=True):
             apply_softmax=self.apply_softmax,
             arrival_s=self.arrival_s,
             block_hashes=self.block_hashes,
+            cache_salt=self.cache_salt,
         )
 
 

@@ -49,12 +49,23 @@ def _int32_bytes(token_ids: Sequence[int]) -> bytes:
     return words.tobytes()
 
 
-def _append_digests(hashes: list[bytes], data: bytes, block_size: int) -> None:
+def salt_digest(cache_salt: str | None) -> bytes:
+    """The parent digest of a request's first block: b"" unsalted, else a digest of its
+    `cache_salt`, so that requests with different salts share no cached block (one tenant
+    cannot tell from its latency whether another sent a prompt) and equal salts share as
+    usual."""
+    if cache_salt is None:
+        return b""
+    salt = cache_salt.encode("utf-8")
+    return blake2b(salt, digest_size=DIGEST_BYTES, person=b"gl-salt").digest()
+
+
+def _append_digests(hashes: list[bytes], data: bytes, block_size: int, seed: bytes) -> None:
     """Digest `data` (whole blocks of int32 token bytes, the ones after `hashes`'s blocks)
-    block by block onto `hashes`."""
+    block by block onto `hashes`; `seed`: the first block's parent (`salt_digest`)."""
     step = 4 * block_size
     view = memoryview(data)  # slices without copies
-    parent = hashes[-1] if hashes else b""
+    parent = hashes[-1] if hashes else seed
     for off in range(0, len(data) - step + 1, step):
         h = blake2b(parent, digest_size=DIGEST_BYTES)
         h.update(view[off : off + step])
@@ -63,48 +74,54 @@ def _append_digests(hashes: list[bytes], data: bytes, block_size: int) -> None:
 
 
 def chain_hash(parent_hash: bytes, tokens: Sequence[int]) -> bytes:
-    """Digest of one full block given its parent's digest (b"" for the first block)."""
+    """Digest of one full block given its parent's digest (the seed for the first block)."""
     h = blake2b(parent_hash, digest_size=DIGEST_BYTES)
     h.update(_int32_bytes(tokens))
     return h.digest()
 
 
 def extend_block_hashes(
-    hashes: list[bytes], token_ids: Sequence[int], block_size: int
+    hashes: list[bytes], token_ids: Sequence[int], block_size: int, seed: bytes = b""
 ) -> list[bytes]:
     """Append the digests of the full blocks of `token_ids` not yet in `hashes` (in place).
 
     `hashes` is a per-request memo: it must have been built from a prefix of the same
-    `token_ids` (digests chain, so it resumes after the last one). Returns `hashes`."""
+    `token_ids` with the same `seed` (digests chain, so it resumes after the last one).
+    Returns `hashes`."""
     first, num_full = len(hashes), len(token_ids) // block_size
     if first < num_full:
-        append_block_hashes(
-            hashes, token_ids[first * block_size : num_full * block_size], block_size
-        )
+        new_ids = token_ids[first * block_size : num_full * block_size]
+        append_block_hashes(hashes, new_ids, block_size, seed)
     return hashes
 
 
-def append_block_hashes(hashes: list[bytes], new_ids: Sequence[int], block_size: int) -> None:
+def append_block_hashes(
+    hashes: list[bytes], new_ids: Sequence[int], block_size: int, seed: bytes = b""
+) -> None:
     """Append the digests of `new_ids` (whole blocks: a multiple of `block_size` tokens, the
-    ones right after the blocks of `hashes`) to `hashes`, in place. Raises OverflowError for
-    a token id outside int32 (none is: ids are below the vocabulary size)."""
+    ones right after the blocks of `hashes`) to `hashes`, in place; `seed` is the first
+    block's parent (`salt_digest`). Raises OverflowError for a token id outside int32 (none
+    is: ids are below the vocabulary size)."""
     if len(new_ids) % block_size:
         raise ValueError(f"{len(new_ids)} tokens are not whole blocks of {block_size}")
-    _append_digests(hashes, _int32_bytes(new_ids), block_size)
+    _append_digests(hashes, _int32_bytes(new_ids), block_size, seed)
 
 
-def prompts_block_hashes(prompts: Sequence[Sequence[int]], block_size: int) -> list[list[bytes]]:
-    """The full-block digests of each prompt, for a batch of requests sent together (the items
-    of one score call share its query): the blocks a prompt shares with the one before it
-    reuse that one's digests instead of digesting them again."""
+def prompts_block_hashes(
+    prompts: Sequence[Sequence[int]], block_size: int, seeds: Sequence[bytes]
+) -> list[list[bytes]]:
+    """The full-block digests of each prompt (`seeds[i]`: its first block's parent), for a
+    batch of requests sent together (the items of one score call share its query): the blocks
+    a prompt shares with the one before it, under the same seed, reuse that one's digests
+    instead of digesting them again."""
     out: list[list[bytes]] = []
     step = 4 * block_size
-    prev, prev_hashes = b"", []
-    for ids in prompts:
+    prev, prev_seed, prev_hashes = b"", b"", []
+    for ids, seed in zip(prompts, seeds, strict=True):
         data = _int32_bytes(ids)
         # Longest run of equal leading blocks, by bisection over byte-string comparisons
         # (memcmp; ~3 us for 14k tokens): equal first k blocks imply equal first k - 1.
-        lo, hi = 0, min(len(data), len(prev)) // step
+        lo, hi = 0, (min(len(data), len(prev)) // step if seed == prev_seed else 0)
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if data[: mid * step] == prev[: mid * step]:
@@ -112,9 +129,9 @@ def prompts_block_hashes(prompts: Sequence[Sequence[int]], block_size: int) -> l
             else:
                 hi = mid - 1
         hashes: list[bytes] = prev_hashes[:lo]
-        _append_digests(hashes, data[lo * step : len(ids) // block_size * step], block_size)
+        _append_digests(hashes, data[lo * step : len(ids) // block_size * step], block_size, seed)
         out.append(hashes)
-        prev, prev_hashes = data, hashes
+        prev, prev_seed, prev_hashes = data, seed, hashes
     return out
 
 
@@ -176,10 +193,11 @@ class PrefixCache:
         """True if `block_id` is still the cached block for `block_hash` (memo check)."""
         return self._hash_of_block.get(block_id) == block_hash
 
-    def match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
-        """(block ids, number of tokens) of the longest cached prefix of `token_ids`.
-        Read-only convenience that digests from scratch; the scheduler memoizes digests."""
-        blocks = self.lookup(extend_block_hashes([], token_ids, self.block_size))
+    def match_prefix(self, token_ids: Sequence[int], seed: bytes = b"") -> tuple[list[int], int]:
+        """(block ids, number of tokens) of the longest cached prefix of `token_ids` (under
+        the salt whose digest is `seed`). Read-only convenience that digests from scratch;
+        the scheduler memoizes digests."""
+        blocks = self.lookup(extend_block_hashes([], token_ids, self.block_size, seed))
         return blocks, len(blocks) * self.block_size
 
     def record_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
