@@ -59,6 +59,10 @@
 #                                         #   py-spy + the torch profiler under scoring at
 #                                         #   SQPS (40) beside chat, off-2k then auto-2k
 #                                         #   (M: the 3B; ~2.5 min after `warm`)
+#   bash bench/gpu_next.sh hostab REV [M] # the engine thread's per-step work, this tree vs
+#                                         #   .old_rev/old.tar.gz (e.g. dc82b8c), A B A B:
+#                                         #   scoring at SQPS (40) beside chat on default
+#                                         #   servers, no profilers (M: the 3B; ~6 min)
 #   bash bench/gpu_next.sh abandon REV [M] # a client leaving a long scoring prompt: the GPU
 #                                         #   test, then bench.abandoned through HTTP (M: the
 #                                         #   8B shape; 131k tokens, two repeats; ~3 min)
@@ -521,6 +525,36 @@ try:
         subprocess.run(["cp", f"/tmp/serving/hostprof/hostprof-{name}.json", out], check=True)
 finally:
     s.stop()
+PY
+    ;;
+  hostab)
+    # Through HTTP, what the engine thread's lighter steps buy (since dc82b8c: digests from the
+    # API server, no per-block token check, a decode's applied step without copies, inline
+    # reference counts): scoring at SQPS next to chat at 2 QPS on default servers, this tree
+    # and the old one alternated A B A B, no profiler attached. Each JSON holds the scoring
+    # latency, the chat stream's file beside it, and the step trace's short suffix steps and
+    # decode steps (device, launch and plan time). ~80 s a server after `warm`.
+    mkdir -p /tmp/old && tar xzf .old_rev/old.tar.gz -C /tmp/old || { echo "no .old_rev"; exit 1; }
+    python3 - "${split:-random:qwen2.5-3b}" "$deadline" "$t0" "${SQPS:-40}" "$OUT" <<'PY' || rc=1
+import subprocess, sys, time
+from pathlib import Path
+from bench.gpu_serving import Server
+model, deadline, t0, qps, out = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5]
+for i, (name, tree) in enumerate([("new", None), ("old", Path("/tmp/old"))] * 2):
+    if deadline - (time.time() - t0) < 110:
+        print(f"hostab: {i}-{name} skipped for time", flush=True)
+        break
+    s = Server(model, 8011, ["--calibrate", "false"], Path(f"/tmp/serving/hostab-{i}-{name}.log"), tree)
+    print(f"hostab: {i}-{name} healthy after {s.start(120.0):.0f} s", flush=True)
+    try:
+        tag = f"hostab-{i}-{name}"
+        subprocess.run(
+            [sys.executable, "-m", "bench.host_profile", "--url", s.url, "--score-qps", qps,
+             "--py-spy-s", "0", "--profile-steps", "0", "--out-dir", "/tmp/serving/hostab",
+             "--tag", tag], check=True, timeout=150)
+        subprocess.run(["cp", f"/tmp/serving/hostab/{tag}.json", out], check=True)
+    finally:
+        s.stop()
 PY
     ;;
   warm)

@@ -363,7 +363,12 @@ def wait_healthy(url: str, deadline_s: float, proc: subprocess.Popen) -> None:
 class Server:
     """`python3 -m app serve` in a child process, killed on exit (log kept in the out dir)."""
 
-    def __init__(self, model: str, port: int, extra: list[str], log_path: Path) -> None:
+    def __init__(
+        self, model: str, port: int, extra: list[str], log_path: Path, tree: Path | None = None
+    ) -> None:
+        """`tree`: serve that checkout's code (an older revision for an A/B), run from its
+        root with it first on PYTHONPATH; None: this one."""
+        self.tree = tree
         self.cmd = [
             sys.executable,
             "-m",
@@ -382,7 +387,15 @@ class Server:
     def start(self, timeout_s: float) -> float:
         t0 = time.perf_counter()
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        env = None
+        if self.tree is not None:
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (str(self.tree), env.get("PYTHONPATH", "")) if p
+            )
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.tree, env=env
+        )
         try:
             wait_healthy(self.url + "/health", timeout_s, self.proc)
         except Exception:

@@ -71,6 +71,34 @@ def _post_json(url: str, body: dict[str, Any], timeout_s: float) -> dict[str, An
     return r.json()
 
 
+def step_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The engine's step trace of the run, summarised: the short suffix steps beside decodes
+    (`bench.step_fit.short_steps`) and the decode-only steps' medians (device, launch and plan
+    time, the device's idle before them)."""
+    import numpy as np
+
+    from bench.step_fit import short_steps
+
+    decode = [
+        s
+        for s in steps
+        if s.get("num_decodes") and not s.get("num_prefill_tokens") and s.get("launch_ms")
+    ]
+
+    def p50(key: str) -> float | None:
+        vals = [s[key] for s in decode if s.get(key) is not None]
+        return float(np.median(vals)) if vals else None
+
+    return {
+        "num_steps": len(steps),
+        "short_steps": short_steps(steps),
+        "decode_steps": {
+            "num_steps": len(decode),
+            **{f"{k}_p50": p50(k) for k in ("device_ms", "launch_ms", "plan_ms", "idle_before_ms")},
+        },
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -83,11 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", type=float, default=1.0, help="prompt lengths (bench.serve's)")
     ap.add_argument("--duration-s", type=float, default=24.0, help="seconds of scoring arrivals")
     ap.add_argument("--warm-s", type=float, default=6.0, help="load before py-spy starts")
-    ap.add_argument("--py-spy-s", type=float, default=8.0)
+    ap.add_argument("--py-spy-s", type=float, default=8.0, help="0: no py-spy")
     ap.add_argument("--profile-steps", type=int, default=300, help="0: no torch profile")
     ap.add_argument("--out-dir", type=Path, required=True)
     ap.add_argument("--tag", default="host-profile")
     args = ap.parse_args(argv)
+
+    import httpx
 
     from bench.decode import CpuMeter, _role, py_spy, server_processes
     from bench.gpu_serving import apply_settings, prime_args
@@ -131,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     time.sleep(args.warm_s)
     meter = CpuMeter(procs)
     meter.start()
-    files = py_spy(procs, args.py_spy_s, out_dir, args.tag)
-    time.sleep(args.py_spy_s + 2.0)
+    files = py_spy(procs, args.py_spy_s, out_dir, args.tag) if args.py_spy_s > 0 else []
+    time.sleep(max(args.py_spy_s, 4.0) + 2.0)
     record["cpu_percent_while_sampled"] = meter.read()
     if args.profile_steps:
         try:
@@ -148,6 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     except subprocess.TimeoutExpired:  # an overloaded server: keep what was sampled
         score.terminate()  # SIGTERM: bench.serve writes what completed
         _, err = score.communicate(timeout=30)
+    try:  # while chat still streams: the trace's last 4,096 steps are the scoring window's
+        r = httpx.get(args.url + "/admin/api/steps", params={"limit": "4096"}, timeout=30)
+        r.raise_for_status()
+        steps = r.json()["steps"]
+        (out_dir / f"{args.tag}-steps.json").write_text(json.dumps(steps))
+        record["steps"] = step_summary(steps)
+    except Exception as exc:  # noqa: BLE001 - the load's figures stand on their own
+        record["steps"] = {"error": str(exc)[:400]}
     chat.terminate()  # SIGTERM: bench.serve writes what completed
     chat.wait(30)
     record["py_spy"] = {}
@@ -167,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     path = out_dir / f"{args.tag}.json"
     path.write_text(json.dumps(record, indent=1))
     print(f"wrote {path}")
+    print(f"steps: {json.dumps(record['steps'])}")
     for key, s in record["py_spy"].items():
         if "own" in s:
             print(f"== {key}: {s['samples']} samples; most own samples:")

@@ -29,3 +29,23 @@ def test_summarize_raw_counts_own_samples_at_the_leaf_and_each_frame_once_a_stac
     assert below["launch (runner.py:2)"] == 8
     assert below["plan (sched.py:4)"] == 2
     assert s["own"][0] == {"frame": "run (fi.py:3)", "samples": 6, "share": pytest.approx(0.6)}
+
+
+def test_step_summary_reads_short_and_decode_steps() -> None:
+    from bench.host_profile import step_summary
+
+    decode = {"num_decodes": 8, "num_prefill_tokens": 0, "device_ms": 3.0, "launch_ms": 1.0}
+    decode |= {"plan_ms": 0.5, "idle_before_ms": 0.1}
+    short = {"num_decodes": 8, "num_prefill_tokens": 150, "prefill_context_tokens": 14_000}
+    short |= {"device_ms": 8.0, "launch_ms": 7.0, "plan_ms": 2.0, "idle_before_ms": 1.0}
+    long = dict(short, num_prefill_tokens=2048, device_ms=40.0)
+    got = step_summary([decode, decode, short, long, {"num_decodes": 0}])
+    assert got["num_steps"] == 5
+    assert got["decode_steps"] == {
+        "num_steps": 2,
+        "device_ms_p50": 3.0,
+        "launch_ms_p50": 1.0,
+        "plan_ms_p50": 0.5,
+        "idle_before_ms_p50": 0.1,
+    }
+    assert got["short_steps"]["num_steps"] == 1 and got["short_steps"]["plan_ms_p50"] == 2.0
