@@ -50,8 +50,8 @@ TokenId = StrictInt  # range checked against the vocabulary in the routes
 MAX_CHOICES = 16  # n: each choice is an engine request (the prompt's KV is shared via the cache)
 # vLLM's `cache_salt`: requests share prefix-cache blocks only with requests of the same salt
 # (runtime/kv/prefix_cache.py, `salt_digest`), so a tenant cannot probe another's prompts by
-# their latency. Any non-empty text; 256 characters is room for any key or tenant id.
-CacheSalt = Annotated[Text, Field(min_length=1, max_length=256)]
+# their latency. Any non-empty text, as vLLM (digested once a request: its length costs little).
+CacheSalt = Annotated[Text, Field(min_length=1)]
 
 
 class _Request(BaseModel):

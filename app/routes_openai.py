@@ -32,6 +32,7 @@ from app.common import (
     check_token_ids,
     client_of,
     default_max_tokens,
+    digest_off_loop,
     encode,
     engine_of,
     observe_finished,
@@ -293,6 +294,7 @@ def _openai_finish_reason(reason: str | None) -> str | None:
 
 async def _run_non_streaming(request: Request, reqs: list[EngineRequest]) -> list[_Collected]:
     client = client_of(request)
+    await digest_off_loop(request, reqs)
     timeout_s = settings_of(request).request_timeout_s
     results = await until_disconnect(request, client.run_all(reqs), timeout_s)
     cols = []
@@ -308,6 +310,7 @@ async def _open_streams(request: Request, reqs: list[EngineRequest]) -> list[Req
     """Admit and submit every request, or none: a later admission failure closes (aborts)
     the ones already opened before the HTTP error is raised."""
     streams: list[RequestStream] = []
+    await digest_off_loop(request, reqs)
     try:
         for req in reqs:
             streams.append(client_of(request).generate(req))

@@ -31,6 +31,7 @@ from app.common import (
     check_prompt_fits,
     check_token_ids,
     client_of,
+    digest_off_loop,
     encode,
     engine_of,
     observe_finished,
@@ -213,6 +214,7 @@ async def _run_scoring(
         )
         for i, ids in enumerate(prompts)
     ]
+    await digest_off_loop(request, reqs)
     start_s = time.monotonic()
     results = await until_disconnect(
         request, client.run_all(reqs), settings_of(request).request_timeout_s

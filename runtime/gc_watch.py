@@ -43,10 +43,10 @@ def freeze_startup_objects(process: str = "engine core") -> int:
     return n
 
 
-# CPython's own call: a list is tracked from creation to its end, and Python has no way to
-# untrack one (CPython untracks tuples and dicts of atomic values itself, never lists).
 _AtomList = TypeVar("_AtomList", list[int], list[bytes])
 
+# CPython's own call: a list is tracked from creation to its end, and Python has no way to
+# untrack one (CPython untracks tuples and dicts of atomic values itself, never lists).
 _gc_untrack: Any = None
 if sys.implementation.name == "cpython":
     _gc_untrack = ctypes.pythonapi.PyObject_GC_UnTrack

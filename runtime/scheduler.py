@@ -509,7 +509,8 @@ class Scheduler:
         # The prompt's digests as the API server computed them (the same in every process);
         # anything else than one a full block of the prompt is ignored and recomputed here.
         if len(req.block_hashes) == req.num_prompt_tokens // self.block_size:
-            t.block_hashes.extend(req.block_hashes)
+            t.block_hashes = untrack_int_list(req.block_hashes)  # taken over, not copied
+        req.block_hashes = []
         self._arrival_seq[req.request_id] = self._next_seq
         self._next_seq += 1
         self.waiting.append(req)
@@ -553,14 +554,17 @@ class Scheduler:
             self._free_lease(lease)
 
     # ---- prefix lookups (continuous calibration) -------------------------------------------
+    def _uses_prefix_cache(self, req: Request) -> bool:
+        """Whether `req` may start from cached blocks: not when it asks for prompt logprobs
+        (every prompt position's logits are wanted, so it computes them all)."""
+        return self.config.enable_prefix_cache and req.sampling.prompt_logprobs is None
+
     def _cached_prefix(self, req: Request) -> tuple[list[int], int]:
         """(block ids, tokens) of the cached prefix of the tokens to prefill, capped so that at
         least one token is computed. Memoized until the cache generation or tokens change."""
         cache = self.bm.prefix_cache
-        if cache is None or not self.config.enable_prefix_cache:
+        if cache is None or not self._uses_prefix_cache(req):
             return [], 0
-        if req.sampling.prompt_logprobs is not None:
-            return [], 0  # every prompt position's logits are wanted: compute them all
         t = self._track[req.request_id]
         num_tokens = req.num_tokens
         if t.cached_gen != cache.generation or t.cached_tokens_at != num_tokens:
@@ -834,8 +838,9 @@ class Scheduler:
         out.update(self._digests(req, t, num_kept)[first:num_kept])
 
     def _shared_tokens_being_prefilled(self, req: Request, being_prefilled: set[bytes]) -> int:
-        """Tokens right after `req`'s cached prefix that a running request is computing now."""
-        if not being_prefilled:
+        """Tokens right after `req`'s cached prefix that a running request is computing now
+        (0 for a request that would not read them from the cache: it must not wait)."""
+        if not being_prefilled or not self._uses_prefix_cache(req):
             return 0
         prefix_blocks, _ = self._cached_prefix(req)  # also fills the block-hash memo
         hashes = self._track[req.request_id].block_hashes

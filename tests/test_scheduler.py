@@ -468,6 +468,21 @@ def test_the_prompt_digests_the_api_server_sent_are_the_ones_looked_up() -> None
     assert s._track["c"].block_hashes == extend_block_hashes([], prefix + [5], BS)
 
 
+def test_prompt_logprobs_requests_never_wait_for_a_prefix_they_will_not_read() -> None:
+    """A request asking for prompt logprobs computes its whole prompt (it reads no cached
+    block), so another request prefilling the same prompt must not hold it back: four such
+    copies with the API server's digests start together."""
+    s = make(budget=200, wait_tokens=8)
+    prompt = list(range(100, 140))
+    for i in range(4):
+        r = gen(f"p{i}", 40, max_tokens=1, prompt_logprobs=1)
+        assert r.prompt_token_ids == prompt
+        r.block_hashes = extend_block_hashes([], prompt, BS)
+        s.add(r)
+    plan = s.schedule(cap(s))
+    assert sorted(q.request.request_id for q in plan.prefill) == ["p0", "p1", "p2", "p3"]
+
+
 def test_cached_prefix_memo_follows_insertions_and_evictions() -> None:
     s = make(num_blocks=4)
     prefix = [7, 7, 7, 7, 8, 8, 8, 8]

@@ -37,9 +37,10 @@ from hashlib import blake2b
 
 DIGEST_BYTES = 16  # 128 bits: a collision needs ~2^64 work
 
-# A token id as 4 little-endian bytes: `array("i")` is the machine's int (4 bytes here), so
-# the bytes are swapped on a big-endian machine to keep digests the same everywhere.
+# A token id as 4 little-endian bytes: `array("i")` is the machine's C int, so the bytes are
+# swapped on a big-endian machine to keep digests the same everywhere.
 _BIG_ENDIAN = sys.byteorder == "big"
+assert array("i").itemsize == 4, "digests assume a 4-byte C int"
 
 
 def _int32_bytes(token_ids: Sequence[int]) -> bytes:
