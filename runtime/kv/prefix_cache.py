@@ -12,7 +12,7 @@ needs ~2^64 work, so the index holds digest -> block id alone: no token tuples i
 per-block token comparison on the engine thread.
 
 Where they are computed: a digest is the same in every process, so the API server computes a
-prompt's digests (`extend_block_hashes`, the event loop's time, beside tokenization) and sends
+prompt's digests (`EngineCoreClient.digest`, on the preparation threads that tokenize) and sends
 them with the request (`Request.block_hashes`); the engine thread only looks them up and
 extends the chain over generated tokens. On a CPU here, digesting a 14k-token prompt takes
 ~0.7 ms (the Python tuple hash it replaces took ~0.3 ms, on the engine thread).
