@@ -64,9 +64,12 @@ def time_steps(
     post_tokens: int,
     num_users: int,
     seed: int,
+    pool_factor: float = 4.0,
 ) -> dict[str, Any]:
     """Mean host time (ms) of `schedule` and of `update` over `num_steps` steps with the queue
-    held at `num_waiting` scoring requests whose profiles are cached."""
+    held at `num_waiting` scoring requests whose profiles are cached (with `pool_factor` < 1
+    the KV pool holds that share of the users' profiles: evictions every step, as issue 17's
+    0.5x pool)."""
     cfg = EngineConfig(
         block_size=BLOCK_SIZE,
         prefill_token_budget=max(budget, 16_384),
@@ -74,7 +77,7 @@ def time_steps(
         enable_prefix_cache=True,
         prefill_policy=policy,
     )
-    blocks = num_users * (profile_tokens + post_tokens) // BLOCK_SIZE * 4
+    blocks = int(num_users * (profile_tokens + post_tokens) // BLOCK_SIZE * pool_factor)
     sched = Scheduler(
         cfg, BlockManager(blocks, BLOCK_SIZE, PrefixCache(BLOCK_SIZE)), make_policy(policy), [2]
     )
@@ -181,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--users", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--pool-factor", type=float, default=4.0, help="KV pool / the users' working set"
+    )
+    ap.add_argument(
         "--decode-streams", type=int, default=0, help="also time decode steps of this many"
     )
     ap.add_argument("--decode-prompt-tokens", type=int, default=2048)
@@ -222,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.post_tokens,
                     args.users,
                     args.seed + r,
+                    args.pool_factor,
                 )
                 for r in range(args.repeats)
             ]

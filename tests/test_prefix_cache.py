@@ -180,3 +180,21 @@ def test_a_lookup_stops_at_the_first_block_not_cached() -> None:
         cache.lookup([b"not cached", *extend_block_hashes([], [1, 2, 3, 4, 5, 6, 7, 8], BS)[1:]])
         == []
     )
+
+
+def test_num_still_cached_counts_the_leading_blocks_a_memo_may_keep() -> None:
+    cache = PrefixCache(BS)
+    bm = BlockManager(4, BS, cache)
+    ta = _cached_seq(bm, "a", [1] * 8)
+    tb = _cached_seq(bm, "b", [2] * 8)
+    ha = extend_block_hashes([], [1] * 8, BS)
+    assert cache.num_still_cached(ta, ha) == 2
+    assert cache.num_still_cached(ta, ha[:1]) == 1  # a memo never runs past its digests
+    assert cache.num_still_cached([], ha) == 0
+    bm.free("a")
+    bm.free("b")
+    bm.allocate("c", 1)  # evicts a's tail block first (released first: least recently used)
+    assert cache.num_still_cached(ta, ha) == 1
+    bm.allocate("d", 1)
+    assert cache.num_still_cached(ta, ha) == 0
+    assert cache.num_still_cached(tb, extend_block_hashes([], [2] * 8, BS)) == 2

@@ -483,6 +483,22 @@ def test_prompt_logprobs_requests_never_wait_for_a_prefix_they_will_not_read() -
     assert sorted(q.request.request_id for q in plan.prefill) == ["p0", "p1", "p2", "p3"]
 
 
+@pytest.mark.parametrize(("policy", "lookups"), [("fcfs", 0), ("spf", 0), ("srjf", 5)])
+def test_the_queue_is_ordered_without_prefix_lookups_a_policy_does_not_read(
+    policy: str, lookups: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After evictions a lookup re-checks a waiting request's whole cached prefix, so the
+    views look it up only for a policy that reads it (SRJF's job size)."""
+    s = make(policy=policy)
+    for i in range(5):
+        s.add(score(f"w{i}", list(range(100 * i, 100 * i + 20))))
+    calls: list[str] = []
+    real = s._cached_prefix
+    monkeypatch.setattr(s, "_cached_prefix", lambda req: calls.append(req.request_id) or real(req))
+    assert len(s.ordered_waiting(0.0)) == 5
+    assert len(calls) == lookups
+
+
 def test_cached_prefix_memo_follows_insertions_and_evictions() -> None:
     s = make(num_blocks=4)
     prefix = [7, 7, 7, 7, 8, 8, 8, 8]

@@ -194,6 +194,22 @@ class PrefixCache:
         """True if `block_id` is still the cached block for `block_hash` (memo check)."""
         return self._hash_of_block.get(block_id) == block_hash
 
+    def num_still_cached(self, block_ids: Sequence[int], hashes: Sequence[bytes]) -> int:
+        """How many leading `block_ids` are still the cached blocks of `hashes` (a memo's
+        check after evictions). Why not `still_cached` in a loop: after evictions the
+        scheduler checks every waiting request's memo, ~900 blocks each for a 14k-token
+        profile, so with 40 waiting under a pool smaller than the working set (evictions every
+        step) that loop took ~1.5 ms a step on a CPU here; compared as whole lists the loop
+        runs in C, and a block-by-block walk happens only where a memo was cut."""
+        n = len(block_ids)
+        now = list(map(self._hash_of_block.get, block_ids))
+        if now == hashes[:n]:
+            return n
+        for i, (h_now, h) in enumerate(zip(now, hashes, strict=False)):
+            if h_now != h:
+                return i
+        return min(n, len(hashes))
+
     def match_prefix(self, token_ids: Sequence[int], seed: bytes = b"") -> tuple[list[int], int]:
         """(block ids, number of tokens) of the longest cached prefix of `token_ids` (under
         the salt whose digest is `seed`). Read-only convenience that digests from scratch;
