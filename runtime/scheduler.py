@@ -537,7 +537,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         t = self._track[req.request_id] = _Tracking(digest_seed=salt_digest(req.cache_salt))
         # The prompt's digests as the API server computed them (the same in every process);
-        # anything else than one a full block of the prompt is ignored and recomputed here.
+        # a list of any other length than one a full block of the prompt is recomputed here.
         if len(req.block_hashes) == req.num_prompt_tokens // self.block_size:
             t.block_hashes = untrack_int_list(req.block_hashes)  # taken over, not copied
         req.block_hashes = []

@@ -190,13 +190,9 @@ class PrefixCache:
             out.append(b)
         return out
 
-    def still_cached(self, block_id: int, block_hash: bytes) -> bool:
-        """True if `block_id` is still the cached block for `block_hash` (memo check)."""
-        return self._hash_of_block.get(block_id) == block_hash
-
     def num_still_cached(self, block_ids: Sequence[int], hashes: Sequence[bytes]) -> int:
         """How many leading `block_ids` are still the cached blocks of `hashes` (a memo's
-        check after evictions). Why not `still_cached` in a loop: after evictions the
+        check after evictions). Why not a Python loop a block: after evictions the
         scheduler checks every waiting request's memo, ~900 blocks each for a 14k-token
         profile, so with 40 waiting under a pool smaller than the working set (evictions every
         step) that loop took ~1.5 ms a step on a CPU here; compared as whole lists the loop
