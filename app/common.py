@@ -167,7 +167,7 @@ async def digest_off_loop(request: Request, reqs: list[Any]) -> None:
     """The engine requests' prefix-cache digests (`EngineCoreClient.digest`) on the
     preparation threads: a long prompt's take ~0.7 ms, a score call's items after a long
     query ~0.25 ms each, which the event loop would otherwise spend with every stream
-    waiting. A core without digests (a test engine) is skipped; sending digests what is left."""
+    waiting. A core without digests (a test engine) is skipped; `add` digests what is left."""
     digest = getattr(client_of(request).core, "digest", None)
     if digest is not None and reqs:
         await off_loop(digest, reqs)
