@@ -246,3 +246,25 @@ def test_multi_item_score_computes_the_shared_query_once(
         computed,
         num_query,
     )
+
+
+def test_prefix_hits_through_http_follow_the_cache_salt(http: httpx.Client) -> None:
+    """The API server digests the prompt's blocks and the engine core looks them up: a
+    repeated prompt is a hit, under a new salt a miss, under the same salt a hit again."""
+    body = {
+        "query": "Decide whether this review of a lighthouse tour is positive. " * 12,
+        "items": [" Review: the keeper's stories were wonderful."],
+        "labels": ["Yes", "No"],
+    }
+
+    def cached(**extra: str) -> int:
+        r = http.post("/v1/score", json={**body, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    first = cached()
+    hit = cached()
+    assert hit > first and hit >= 64
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-a") == hit
+    assert cached(cache_salt="tenant-b") == 0
