@@ -76,9 +76,9 @@ def _append_digests(hashes: list[bytes], data: bytes, block_size: int, seed: byt
 
 def chain_hash(parent_hash: bytes, tokens: Sequence[int]) -> bytes:
     """Digest of one full block given its parent's digest (the seed for the first block)."""
-    h = blake2b(parent_hash, digest_size=DIGEST_BYTES)
-    h.update(_int32_bytes(tokens))
-    return h.digest()
+    out: list[bytes] = []
+    _append_digests(out, _int32_bytes(tokens), len(tokens), parent_hash)
+    return out[0]
 
 
 def extend_block_hashes(
