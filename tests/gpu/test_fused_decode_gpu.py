@@ -100,8 +100,15 @@ def test_fused_decode_is_as_close_to_fp32_as_unfused(preset: str, rows: int, ctx
         ref = model.compute_logits(model(batch.input_ids, batch.positions, be)).float()
     err = {label: _rel_err(lg, ref) for label, lg in logits.items()}
     assert err["fused"] <= 1.25 * err["unfused"], err
-    agree = {
-        label: float((lg.argmax(-1) == ref.argmax(-1)).float().mean())
-        for label, lg in logits.items()
-    }
-    assert agree["fused"] >= agree["unfused"] - 0.15, agree
+    # Greedy picks, judged where fp32 decides: a row whose best two fp32 logits lie closer
+    # than twice the unfused bf16 step's largest logit error there may flip in either bf16
+    # path (random weights make such near ties common: on the H100 one of the 5-row case's
+    # rows flipped in the fused step only). A decisive row that flips is a real fault.
+    top2 = ref.topk(2, dim=-1).values
+    margin = top2[:, 0] - top2[:, 1]
+    noise = (logits["unfused"] - ref).abs().amax(-1)
+    decisive = margin > 2 * noise
+    assert int(decisive.sum()) >= max(1, rows // 8), (margin, noise)  # the check means something
+    for label, lg in logits.items():
+        flipped = (lg.argmax(-1) != ref.argmax(-1)) & decisive
+        assert not bool(flipped.any()), (label, flipped.nonzero().flatten().tolist())

@@ -140,16 +140,19 @@ _TIE_NATS = 0.15
 
 def _same_up_to_a_near_tie(ref: list, other: list) -> None:
     """`ref` and `other` are one request's TokenLogprobs (top-2) off and on. Equal tokens with
-    close logprobs up to the first difference; there, `other` picked the reference's second
-    best, within a tie of its best. Past it the contexts differ, so nothing is compared."""
+    close logprobs up to the first difference; there, each run's pick is among the other's
+    best two, within a tie of it. Past it the contexts differ, so nothing is compared.
+    (Not "`other` picked `ref`'s second": at an exact tie the greedy pick (argmax: the lower
+    id) and the top-2 list's order (topk: unspecified among equals) may disagree, seen on the
+    H100: picked 14101, listed [(14216, -7.1481), (14101, -7.1481)].)"""
     for j, (a, b) in enumerate(zip(ref, other, strict=True)):
         if a.token_id == b.token_id:
             assert abs(a.logprob - b.logprob) <= _LOGPROB_TOL, (j, a, b)
             continue
-        assert len(a.top) >= 2, (j, a)
-        (best, best_lp), (second, second_lp) = a.top[0], a.top[1]
-        assert best == a.token_id and second == b.token_id, (j, a, b)
-        assert best_lp - second_lp <= _TIE_NATS, (j, a, b)
+        for mine, theirs in ((a, b), (b, a)):
+            top = dict(mine.top)
+            assert theirs.token_id in top, (j, a, b)
+            assert mine.logprob - top[theirs.token_id] <= _TIE_NATS, (j, a, b)
         return
 
 
