@@ -131,13 +131,31 @@ def alternate(
     return runs
 
 
+def device_name() -> str:
+    """The accelerator this runs beside, as nvidia-smi names it ("cpu" without one). Asked
+    of nvidia-smi, not torch: a client process beside a server must not open a CUDA context
+    (it would take GPU memory from the server it measures)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "cpu"
+    names = [n.strip() for n in out.stdout.splitlines() if n.strip()]
+    return ", ".join(names) if out.returncode == 0 and names else "cpu"
+
+
 def provenance(prog: str, argv: list[str] | None) -> dict[str, Any]:
-    """What every result file records: the command, git revision, date and machine."""
+    """What every result file records: the command, git revision, device, date and machine."""
     import torch
 
     return {
         "command": f"python -m {prog} " + " ".join(argv if argv is not None else sys.argv[1:]),
         "git_revision": git_revision(),
+        "device": device_name(),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": {
             "platform": platform.platform(),

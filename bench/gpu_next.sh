@@ -57,8 +57,9 @@
 #                                         #   the cache comes back as fi_cache.tar.gz
 #   bash bench/gpu_next.sh hostprof REV [M] # where the host's time goes next to scoring:
 #                                         #   py-spy + the torch profiler under scoring at
-#                                         #   SQPS (40) beside chat, off-2k then auto-2k
-#                                         #   (M: the 3B; ~2.5 min after `warm`)
+#                                         #   SQPS (40) beside chat on a default server
+#                                         #   (SIDES=off-2k,auto-2k: plan cap's server and
+#                                         #   sides instead; M: the 3B; ~1.5 min after `warm`)
 #   bash bench/gpu_next.sh hostab REV [M] # the engine thread's per-step work, this tree vs
 #                                         #   .old_rev/old.tar.gz (e.g. dc82b8c), A B A B:
 #                                         #   scoring at SQPS (40) beside chat on default
@@ -498,23 +499,32 @@ finally:
 PY
     ;;
   hostprof)
-    # Where the host's time goes next to scoring (bench.host_profile): one 3B server started
-    # as plan cap's, scoring at a fixed rate (SQPS, 40: the rate where the sides part) next to
-    # chat at 2 QPS, py-spy over the server's processes, then the torch profiler over 300
-    # steps; off-2k, then auto-2k (SIDES as plan cap's names). ~2.5 min after `warm`.
+    # Where the host's time goes next to scoring (bench.host_profile): scoring at a fixed rate
+    # (SQPS, 40) next to chat at 2 QPS, py-spy over the server's processes, then the torch
+    # profiler over 300 steps. SIDES=default (the default): a default server, as plan hostab's,
+    # where the short suffix steps are ~40 % of the mixed steps. SIDES=off-2k,auto-2k (plan
+    # cap's names): one server started as plan cap's, each side in turn; on the H100
+    # (2026-12-05) both sides fell behind 40 QPS (queues of 20 s, 429s), a profile of an
+    # overloaded server, not of the short steps. ~1.5 min a side after `warm`.
     export PATH=/tmp/site/bin:$PATH  # py-spy, from its wheel in .whl
     python3 - "${split:-random:qwen2.5-3b}" "$(( $(left) - 20 ))" "${SQPS:-40}" \
-      "${SIDES:-off-2k,auto-2k}" "$OUT" <<'PY' || rc=1
+      "${SIDES:-default}" "$OUT" <<'PY' || rc=1
 import subprocess, sys
 from pathlib import Path
 from bench.gpu_serving import Server
 model, budget_s, qps, names, out = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
-sides = {"off-2k": "partition=off,budget=2048,tbt=none",
+sides = {"default": "",
+         "off-2k": "partition=off,budget=2048,tbt=none",
          "auto-2k": "partition=auto,budget=8192,mixed=2048,tbt=none",
          "auto": "partition=auto,budget=8192,mixed=none,tbt=none"}
-s = Server(model, 8011, ["--partition", "auto", "--calibrate", "true",
-                         "--partition-tbt-slo-ms", "80", "--prefill-token-budget", "8192"],
-           Path("/tmp/serving/hostprof.log"))
+if names == "default":
+    args = ["--calibrate", "false"]
+elif "default" in names.split(","):
+    sys.exit("hostprof: SIDES=default runs alone (its own server)")
+else:
+    args = ["--partition", "auto", "--calibrate", "true", "--partition-tbt-slo-ms", "80",
+            "--prefill-token-budget", "8192"]
+s = Server(model, 8011, args, Path("/tmp/serving/hostprof.log"))
 print(f"hostprof: {model} healthy after {s.start(min(200.0, budget_s)):.0f} s", flush=True)
 try:
     for name in names.split(","):

@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import httpx
 
+    from bench.bursts import provenance
     from bench.decode import CpuMeter, _role, py_spy, server_processes
     from bench.gpu_serving import apply_settings, prime_args
 
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     port = int(args.url.rsplit(":", 1)[1].split("/")[0])
     record: dict[str, Any] = {
-        "command": " ".join(["python", "-m", "bench.host_profile", *(argv or sys.argv[1:])]),
+        **provenance("bench.host_profile", argv),
         "note": "engine-level diagnostic through a running server; not a headline figure",
     }
     if args.settings:
