@@ -20,6 +20,8 @@ from typing import Protocol
 
 import torch
 
+from runtime.model.ops import host_tensor
+
 
 @dataclass(slots=True)
 class SeqSlice:
@@ -84,7 +86,7 @@ class IndexSpans:
         if end - start >= self.LONG:
             self._flush()
             first = start // block_size
-            table = torch.tensor(block_ids[first : (end - 1) // block_size + 1], dtype=torch.int64)
+            table = host_tensor(block_ids[first : (end - 1) // block_size + 1], torch.int64)
             pos = torch.arange(start, end, dtype=torch.int64)
             self._parts.append(table[pos // block_size - first] * block_size + pos % block_size)
         else:
@@ -96,7 +98,8 @@ class IndexSpans:
         """Everything added, in order, as one int64 host tensor (pinned if asked: its copy to
         the device is then asynchronous)."""
         if not self._parts:
-            return torch.tensor(self._ints, dtype=torch.int64, pin_memory=pin_memory)
+            t = host_tensor(self._ints, torch.int64)
+            return t.pin_memory() if pin_memory else t
         self._flush()
         out = torch.empty(
             sum(int(p.numel()) for p in self._parts), dtype=torch.int64, pin_memory=pin_memory
@@ -106,7 +109,7 @@ class IndexSpans:
 
     def _flush(self) -> None:
         if self._ints:
-            self._parts.append(torch.tensor(self._ints, dtype=torch.int64))
+            self._parts.append(host_tensor(self._ints, torch.int64))
             self._ints = []
 
 

@@ -359,7 +359,7 @@ class FlashInferBackend:
         if isinstance(values, IndexSpans):
             t = values.tensor(pin_memory=True)
         else:
-            t = torch.tensor(values, dtype=dtype, pin_memory=True)
+            t = ops.host_tensor(values, dtype).pin_memory()
         return t.to(self.device, dtype=dtype, non_blocking=True)
 
     @staticmethod
@@ -368,7 +368,7 @@ class FlashInferBackend:
         plan reads these on the host (`.to("cpu")`): given device tensors it copies them
         back, which synchronises the stream and stalls the host behind the step in flight.
         Given pinned host tensors, that is a no-op and its own device copies stay async."""
-        return torch.tensor(values, dtype=torch.int32, pin_memory=True)
+        return ops.host_tensor(values, torch.int32).pin_memory()
 
     def plan(self, batch: ForwardBatch) -> None:
         self._deferred = []

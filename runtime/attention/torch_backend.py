@@ -71,7 +71,7 @@ class TorchAttentionBackend:
                 raise ValueError(f"num_kept_tokens {kept} < num_context_tokens {ctx}")
             if len(s.block_ids) * bs < kept:
                 raise ValueError(f"{len(s.block_ids)} blocks cannot hold {kept} kept tokens")
-            table = torch.tensor(s.block_ids, dtype=torch.int64)
+            table = ops.host_tensor(s.block_ids, torch.int64)
             num_written = max(0, min(ctx + n, kept) - ctx)
             if num_written:
                 pos = torch.arange(ctx, ctx + num_written)
@@ -112,7 +112,7 @@ class TorchAttentionBackend:
         key_mask = torch.zeros((len(lengths), max_len), dtype=torch.bool)
         for i, (s, n) in enumerate(zip(batch.seqs, lengths, strict=True)):
             pos = torch.arange(n)
-            table = torch.tensor(s.block_ids, dtype=torch.int64)
+            table = ops.host_tensor(s.block_ids, torch.int64)
             gather[i, :n] = table[pos // bs] * bs + pos % bs
             key_mask[i, :n] = True
         dev = self.pool.device

@@ -10,6 +10,8 @@ Norms and RoPE compute in float32 internally and cast back to the input dtype, m
 from __future__ import annotations
 
 import math
+from array import array
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,12 +31,28 @@ def flashinfer_enabled() -> bool:
     return _FLASHINFER
 
 
-def h2d(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+# The array.array type code of each dtype host lists become. Why: `torch.tensor(list)`
+# converts element by element through Python's number protocol; `array.array` converts in one
+# C loop and the tensor then views its buffer. This 2-core VM: 2,400 ints 36 against 132 us,
+# 14,400 (the page indices of 16 queries after 14k-token cached profiles) 206 against 758.
+_ARRAY_CODES = {torch.int64: "q", torch.int32: "i", torch.float32: "f"}
+
+
+def host_tensor(values: Sequence, dtype: torch.dtype) -> torch.Tensor:
+    """A flat sequence of numbers as a CPU tensor of `dtype` (through `array.array` for the
+    dtypes above; a nested list, an empty one or another dtype through `torch.tensor`)."""
+    code = _ARRAY_CODES.get(dtype)
+    if code is None or not values or isinstance(values[0], (list, tuple)):
+        return torch.tensor(values, dtype=dtype)
+    return torch.frombuffer(array(code, values), dtype=dtype)  # the tensor keeps the array
+
+
+def h2d(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a device tensor without waiting for the device: from pinned memory
     with a non-blocking copy on CUDA. (A plain `torch.tensor(values, device=cuda)` or a
     list index on a CUDA tensor copies from pageable memory and synchronises the stream,
     which would serialise the host with the step in flight.)"""
-    t = torch.tensor(values, dtype=dtype)
+    t = host_tensor(values, dtype)
     if device.type != "cuda":
         return t
     return t.pin_memory().to(device, non_blocking=True)
