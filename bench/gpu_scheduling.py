@@ -484,6 +484,7 @@ class Orchestrator:
         est = self.search_s(workload)
         e = run_harness("bench.serve", argv, min(2 * est, self.budget.left_s() - 3))
         view = search_view(e["record"])
+        view["steps"] = search_steps(srv.url)
         view.update(
             {
                 "repeat": repeat,
@@ -584,6 +585,20 @@ class Orchestrator:
         print(markdown(self.results))
         print(f"wrote {self.path}")
         return 0 if not self.results["errors"] else 1
+
+
+def search_steps(url: str) -> dict[str, Any]:
+    """The server's step trace over the search's last 4,096 steps (its last probes, near the
+    max QPS), summarised by `bench.host_profile.step_summary`: the prefill-only steps' device,
+    launch and plan time and the device's idle before them, the host time per step that the
+    simulator leaves out. An error is recorded, not raised: the search's figures stand."""
+    from bench.host_profile import step_summary
+
+    try:
+        steps = http_json(url + "/admin/api/steps?limit=4096")["steps"]
+    except Exception as e:  # noqa: BLE001 - a diagnostic beside the result
+        return {"error": repr(e)[:200]}
+    return step_summary(steps)
 
 
 def wait_idle(url: str, timeout_s: float = 15.0) -> bool:

@@ -73,29 +73,30 @@ def _post_json(url: str, body: dict[str, Any], timeout_s: float) -> dict[str, An
 
 def step_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
     """The engine's step trace of the run, summarised: the short suffix steps beside decodes
-    (`bench.step_fit.short_steps`) and the decode-only steps' medians (device, launch and plan
-    time, the device's idle before them)."""
+    (`bench.step_fit.short_steps`), and the decode-only and prefill-only steps' medians (device,
+    launch and plan time, the device's idle before them; prefill-only: also their tokens and
+    sequences). The prefill-only steps' host times are what a simulator of scoring alone leaves
+    out (`bench.sim`'s `step_overhead_s`)."""
     import numpy as np
 
     from bench.step_fit import short_steps
 
-    decode = [
-        s
-        for s in steps
-        if s.get("num_decodes") and not s.get("num_prefill_tokens") and s.get("launch_ms")
-    ]
+    def medians(kind: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, Any]:
+        out: dict[str, Any] = {"num_steps": len(kind)}
+        for k in keys:
+            vals = [s[k] for s in kind if s.get(k) is not None]
+            out[f"{k}_p50"] = float(np.median(vals)) if vals else None
+        return out
 
-    def p50(key: str) -> float | None:
-        vals = [s[key] for s in decode if s.get(key) is not None]
-        return float(np.median(vals)) if vals else None
-
+    timed = [s for s in steps if s.get("launch_ms") and not s.get("on_split")]
+    decode = [s for s in timed if s.get("num_decodes") and not s.get("num_prefill_tokens")]
+    prefill = [s for s in timed if s.get("num_prefill_tokens") and not s.get("num_decodes")]
+    host = ("device_ms", "launch_ms", "plan_ms", "idle_before_ms")
     return {
         "num_steps": len(steps),
         "short_steps": short_steps(steps),
-        "decode_steps": {
-            "num_steps": len(decode),
-            **{f"{k}_p50": p50(k) for k in ("device_ms", "launch_ms", "plan_ms", "idle_before_ms")},
-        },
+        "decode_steps": medians(decode, host),
+        "prefill_steps": medians(prefill, (*host, "num_prefill_tokens", "num_prefill_seqs")),
     }
 
 

@@ -228,6 +228,9 @@ def test_plan_against_a_real_tiny_server(tmp_path: Path) -> None:
             assert r["probes"] and r["hit_rate_over_search"] is not None
             first = r["probes"][str(float(r["start_qps"]))]
             assert first["prime"]["requests"] == 20  # primed once per search, before it
+            # The server's step trace: scoring alone runs prefill-only steps, host times kept.
+            pre = r["steps"]["prefill_steps"]
+            assert pre["num_steps"] > 0 and pre["launch_ms_p50"] > 0 and pre["plan_ms_p50"] > 0
     # Every search after FCFS's first starts at FCFS's max QPS of repeat 1.
     q1 = runs["fcfs"][0]["max_qps"]
     assert all(r["start_qps"] == q1 for r in runs["srjf"] + runs["fcfs"][1:])

@@ -39,8 +39,20 @@ def test_step_summary_reads_short_and_decode_steps() -> None:
     short = {"num_decodes": 8, "num_prefill_tokens": 150, "prefill_context_tokens": 14_000}
     short |= {"device_ms": 8.0, "launch_ms": 7.0, "plan_ms": 2.0, "idle_before_ms": 1.0}
     long = dict(short, num_prefill_tokens=2048, device_ms=40.0)
-    got = step_summary([decode, decode, short, long, {"num_decodes": 0}])
-    assert got["num_steps"] == 5
+    alone = {"num_decodes": 0, "num_prefill_tokens": 300, "num_prefill_seqs": 2}
+    alone |= {"device_ms": 20.0, "launch_ms": 6.0, "plan_ms": 1.5, "idle_before_ms": 0.4}
+    split = dict(alone, on_split=True, device_ms=99.0)  # a partition's step: not the GPU's
+    got = step_summary([decode, decode, short, long, {"num_decodes": 0}, alone, split])
+    assert got["num_steps"] == 7
+    assert got["prefill_steps"] == {
+        "num_steps": 1,
+        "device_ms_p50": 20.0,
+        "launch_ms_p50": 6.0,
+        "plan_ms_p50": 1.5,
+        "idle_before_ms_p50": 0.4,
+        "num_prefill_tokens_p50": 300.0,
+        "num_prefill_seqs_p50": 2.0,
+    }
     assert got["decode_steps"] == {
         "num_steps": 2,
         "device_ms_p50": 3.0,
