@@ -76,8 +76,12 @@ class Replayer:
         tokenizer: Any,
         planned: bool = False,
         srjf_options: dict[str, float] | None = None,
+        step_overhead_s: float = 0.0,
     ) -> None:
         self.gpu = gpu
+        # Host time added to every simulated forward (a what-if unless read off the GPU run's
+        # step trace: `bench.gpu_scheduling` records it per search since the 35th session).
+        self.step_overhead_s = step_overhead_s
         self.planned = planned  # replay every planned search, not only those the GPU did
         # What-if settings of SRJF the GPU did not run (fairness_lambda, latency_slo_s); empty:
         # the policies as the servers ran them (their defaults).
@@ -146,6 +150,7 @@ class Replayer:
                 jct_model=jct,
                 arrivals_s=arrivals,
                 latencies_out=lat,
+                step_overhead_s=self.step_overhead_s,
             )
             ok = [x for x in lat if x <= timeout_s]
             p99 = float(np.percentile(np.asarray(ok), 99)) * 1e3 if ok else None
@@ -358,8 +363,11 @@ def compare(
     setup: SimSetup,
     tokenizer: Any,
     srjf_options: dict[str, float] | None = None,
+    step_overhead_s: float = 0.0,
 ) -> dict[str, Any]:
-    replayed = Replayer(gpu, setup, tokenizer, srjf_options=srjf_options).replay()
+    replayed = Replayer(
+        gpu, setup, tokenizer, srjf_options=srjf_options, step_overhead_s=step_overhead_s
+    ).replay()
     rows = []
     for key, both in replayed.items():
         g, s = ratios(both["gpu"]), ratios(both["sim"])
@@ -607,6 +615,14 @@ def main(argv: list[str] | None = None) -> int:
         help="--issue-point: host time per engine step to try (not measured yet; 0 = none)",
     )
     p.add_argument(
+        "--step-overhead-ms",
+        type=float,
+        default=0.0,
+        help="--gpu: host time added to every simulated forward of the replay (a what-if the "
+        "GPU file does not state; recorded as step_overhead_what_if_ms; the long runs beside "
+        "the replay keep none)",
+    )
+    p.add_argument(
         "--srjf-fairness-lambda",
         type=float,
         help="--gpu: replay SRJF with this fairness offset instead of the one the servers ran "
@@ -628,6 +644,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if v is not None
     }
+    if args.step_overhead_ms and not args.gpu:
+        p.error("--step-overhead-ms replays a --gpu file (--issue-point: --step-overheads-ms)")
     if what_if and not args.gpu:
         p.error("--srjf-fairness-lambda / --srjf-latency-slo-s replay a --gpu file")
     if len(what_if) > 1:
@@ -646,8 +664,12 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
         setup = _setup(args)
-        data = compare(gpu, setup, tok, srjf_options=what_if)
+        data = compare(
+            gpu, setup, tok, srjf_options=what_if, step_overhead_s=args.step_overhead_ms / 1e3
+        )
         data.update({"gpu_file": args.gpu, **setup.record})
+        if args.step_overhead_ms:
+            data["step_overhead_what_if_ms"] = args.step_overhead_ms
         if what_if:
             # Not what the GPU ran: its SRJF used the server's defaults.
             data["srjf_what_if"] = what_if

@@ -187,3 +187,25 @@ def test_srjf_what_if_reaches_the_policy_and_is_recorded(tok, monkeypatch) -> No
     assert {r["policy"] for r in data["rows"]} == {"fcfs", "srjf"}
     with pytest.raises(SystemExit):
         svg.main(["--issue-point", "--srjf-fairness-lambda", "0.3", "--out", "/dev/null"])
+
+
+def test_step_overhead_what_if_reaches_every_forward_and_is_recorded(tok, tmp_path) -> None:
+    """--step-overhead-ms: every simulated forward of the replay takes that much longer, so a
+    search can only sustain less; the output names the what-if; without --gpu it is refused."""
+    base = svg.compare(_gpu_file(tok), build_setup(), tok)
+    slow = svg.compare(_gpu_file(tok), build_setup(), tok, step_overhead_s=0.5)
+
+    def probes(d: dict) -> dict:
+        return d["replayed"]["post-recommendation@0.5"]["sim"]["fcfs"][0]["probes"]
+
+    first = next(iter(probes(base)))
+    assert probes(slow)[first]["p99_ms"] > probes(base)[first]["p99_ms"] + 400
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    gpu_path, out = tmp_path / "gpu.json", tmp_path / "out.json"
+    gpu_path.write_text(json.dumps(_gpu_file(tok)))
+    argv = ["--gpu", str(gpu_path), "--tokenizer", str(path), "--out", str(out)]
+    assert svg.main([*argv, "--step-overhead-ms", "3"]) == 0
+    assert json.loads(out.read_text())["step_overhead_what_if_ms"] == 3.0
+    with pytest.raises(SystemExit):
+        svg.main(["--issue-point", "--step-overhead-ms", "3", "--out", "/dev/null"])
