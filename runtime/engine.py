@@ -39,6 +39,7 @@ Stats (`stats()`) are a snapshot rebuilt at most every `STATS_INTERVAL_S` on the
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import threading
 import time
@@ -239,6 +240,13 @@ class Engine:
         self._sink = sink
         fallbacks.clear()  # this engine's own (runtime/fallbacks.py)
         self.device, self.dtype = resolve_device_dtype(config)
+        if self.device.type == "cuda":
+            # An engine shut down earlier in this process (A/B benchmarks, the GPU tests) is
+            # freed only when the cyclic collector runs (its thread, executor and runner refer
+            # to each other); until then its weights and KV pool count as used and this
+            # engine's pool would be sized smaller, or not fit (seen: 74 GiB held on an H100).
+            gc.collect()
+            torch.cuda.empty_cache()
         # What this process's allocator held before this engine: --max-gpu-memory-gb caps
         # this engine alone, also beside another engine in the same process (benchmarks).
         self._reserved_at_start = (
