@@ -132,20 +132,10 @@ def alternate(
 
 
 def device_name() -> str:
-    """The accelerator this runs beside, as nvidia-smi names it ("cpu" without one). Asked
-    of nvidia-smi, not torch: a client process beside a server must not open a CUDA context
-    (it would take GPU memory from the server it measures)."""
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return "cpu"
-    names = [n.strip() for n in out.stdout.splitlines() if n.strip()]
-    return ", ".join(names) if out.returncode == 0 and names else "cpu"
+    """The accelerator this runs beside, as nvidia-smi names it ("cpu" without one)."""
+    from bench.serve import nvidia_smi_gpus
+
+    return ", ".join(nvidia_smi_gpus("name") or []) or "cpu"
 
 
 def provenance(prog: str, argv: list[str] | None) -> dict[str, Any]:

@@ -502,18 +502,30 @@ def machine_info() -> dict[str, Any]:
     if hasattr(os, "getloadavg"):
         # Other work on the machine skews CPU results; the 1/5/15-minute load shows how much.
         info["load_avg_1_5_15_min"] = [round(x, 2) for x in os.getloadavg()]
-    if shutil.which("nvidia-smi"):
-        try:
-            out = subprocess.run(
-                ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=10,
-            )
-            info["gpus"] = [g.strip() for g in out.stdout.splitlines() if g.strip()]
-        except (OSError, subprocess.SubprocessError):
-            pass
+    gpus = nvidia_smi_gpus("name,memory.total")
+    if gpus is not None:
+        info["gpus"] = gpus
     return info
+
+
+def nvidia_smi_gpus(fields: str) -> list[str] | None:
+    """One CSV line of `fields` per GPU as nvidia-smi reports them (`--query-gpu`); None without
+    nvidia-smi. Asked of nvidia-smi, not torch: a client beside a server must not open a CUDA
+    context (it would take GPU memory from the server it measures)."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return []
+    return [g.strip() for g in out.stdout.splitlines() if g.strip()]
 
 
 async def server_info(base_url: str, opts: ClientOptions, admin_token: str | None) -> dict:
