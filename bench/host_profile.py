@@ -13,10 +13,13 @@ What, in one call against a server already running (`--url`):
   2. chat streaming in the background (ShareGPT at `--chat-qps`) and scoring at a fixed rate
      (`--score-workload`, primed when it is a stream of users) for `--duration-s`;
   3. after `--warm-s`, py-spy (raw samples, idle frames left out) over every server process
-     for `--py-spy-s`, then the torch profiler over the next `--profile-steps` steps;
+     for `--py-spy-s`, then the engine's step trace (the last 4,096 steps), then the torch
+     profiler over the next `--profile-steps` steps;
   4. one JSON: the settings, each process's role and CPU use, the py-spy summary of each
-     (`summarize_raw`: the frames with the most samples, own and below them), the profiler's
-     summary (kernels and host ops per step, device busy fraction) and the load's figures.
+     (`summarize_raw`: the frames with the most samples, own and below them), the step
+     trace's medians by kind, the profiler's summary (kernels and host ops per step, device
+     busy fraction, how long its stop held the engine thread) and the load's figures. The
+     load's latencies include the profile's cost; the py-spy and step figures do not.
 
     python -m bench.host_profile --url http://127.0.0.1:8011 \
         --settings partition=off,budget=2048,tbt=none --score-qps 40 --out-dir /tmp/prof
@@ -166,6 +169,17 @@ def main(argv: list[str] | None = None) -> int:
     files = py_spy(procs, args.py_spy_s, out_dir, args.tag) if args.py_spy_s > 0 else []
     time.sleep(max(args.py_spy_s, 4.0) + 2.0)
     record["cpu_percent_while_sampled"] = meter.read()
+    # The step trace before the torch profile: the profiler slows the steps it records and
+    # stalls the engine thread when it stops (`engine_stop_ms`), and on the H100 (2026-12-05)
+    # the trace read afterwards held a backlog of queued requests, not the load's steps.
+    try:  # the trace's last 4,096 steps: the scoring window's, py-spy's included
+        r = httpx.get(args.url + "/admin/api/steps", params={"limit": "4096"}, timeout=30)
+        r.raise_for_status()
+        steps = r.json()["steps"]
+        (out_dir / f"{args.tag}-steps.json").write_text(json.dumps(steps))
+        record["steps"] = step_summary(steps)
+    except Exception as exc:  # noqa: BLE001 - the load's figures stand on their own
+        record["steps"] = {"error": str(exc)[:400]}
     if args.profile_steps:
         try:
             record["torch_profile"] = _post_json(
@@ -180,14 +194,6 @@ def main(argv: list[str] | None = None) -> int:
     except subprocess.TimeoutExpired:  # an overloaded server: keep what was sampled
         score.terminate()  # SIGTERM: bench.serve writes what completed
         _, err = score.communicate(timeout=30)
-    try:  # while chat still streams: the trace's last 4,096 steps are the scoring window's
-        r = httpx.get(args.url + "/admin/api/steps", params={"limit": "4096"}, timeout=30)
-        r.raise_for_status()
-        steps = r.json()["steps"]
-        (out_dir / f"{args.tag}-steps.json").write_text(json.dumps(steps))
-        record["steps"] = step_summary(steps)
-    except Exception as exc:  # noqa: BLE001 - the load's figures stand on their own
-        record["steps"] = {"error": str(exc)[:400]}
     chat.terminate()  # SIGTERM: bench.serve writes what completed
     chat.wait(30)
     record["py_spy"] = {}

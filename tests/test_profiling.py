@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from runtime.profiling import kernel_category, summarize_trace
@@ -237,3 +238,34 @@ def test_a_profiler_that_fails_to_start_leaves_the_engine_serving(
         assert len(sink.tokens("after")) == 3
     finally:
         engine.shutdown(0)
+
+
+def test_the_profile_is_parsed_off_the_engine_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parsing a profile's events takes seconds for a few hundred GPU steps; on the engine
+    thread it stalled serving (the H100, 2026-12-05). The engine thread only stops the
+    profiler; `key_averages` runs on the caller's thread, and the summary says how long the
+    stop held the engine."""
+    from test_engine import make_engine
+
+    from runtime.request import Request, RequestKind, SamplingParams
+
+    threads: list[str] = []
+    real = torch.profiler.profile.key_averages
+
+    def spy(self, *a, **kw):  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread().name)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(torch.profiler.profile, "key_averages", spy)
+    engine, sink = make_engine()
+    try:
+        sp = SamplingParams(max_tokens=40, ignore_eos=True)
+        engine.add(Request("busy", RequestKind.GENERATE, [5, 6, 7], sp))
+        s = engine.profile_steps(4, timeout_s=30)
+        sink.wait("busy")
+    finally:
+        engine.shutdown(0)
+    assert s["num_steps"] == 4 and not s["timed_out"]
+    assert threads and "greenlane-engine" not in threads
+    assert threading.current_thread().name in threads
+    assert s["engine_stop_ms"] >= 0 and s["summarize_ms"] > 0
