@@ -503,9 +503,10 @@ PY
     # (SQPS, 40) next to chat at 2 QPS, py-spy over the server's processes, then the torch
     # profiler over 300 steps. SIDES=default (the default): a default server, as plan hostab's,
     # where the short suffix steps are ~40 % of the mixed steps. SIDES=off-2k,auto-2k (plan
-    # cap's names): one server started as plan cap's, each side in turn; on the H100
-    # (2026-12-05) both sides fell behind 40 QPS (queues of 20 s, 429s), a profile of an
-    # overloaded server, not of the short steps. ~1.5 min a side after `warm`.
+    # cap's names): one server started as plan cap's, each side in turn. Until 7b97c1b the
+    # profiler's stop parsed its events on the engine thread, a 30-s stall (a default server's
+    # step trace, H100, 2026-12-05) that filled the queue (429s): the load's latencies of
+    # those runs are the stall's; py-spy, sampled before it, is not. ~1.5 min a side.
     export PATH=/tmp/site/bin:$PATH  # py-spy, from its wheel in .whl
     python3 - "${split:-random:qwen2.5-3b}" "$(( $(left) - 20 ))" "${SQPS:-40}" \
       "${SIDES:-default}" "$OUT" <<'PY' || rc=1
@@ -546,10 +547,12 @@ PY
     # decode steps (device, launch and plan time). ~80 s a server after `warm`.
     mkdir -p /tmp/old && tar xzf .old_rev/old.tar.gz -C /tmp/old || { echo "no .old_rev"; exit 1; }
     python3 - "${split:-random:qwen2.5-3b}" "$deadline" "$t0" "${SQPS:-40}" "$OUT" <<'PY' || rc=1
-import subprocess, sys, time
+import subprocess, sys, tarfile, time
 from pathlib import Path
 from bench.gpu_serving import Server
 model, deadline, t0, qps, out = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5]
+# git archive writes the commit into the tarball's pax header: the old side's revision.
+old_rev = tarfile.open(".old_rev/old.tar.gz").pax_headers.get("comment", "unknown")
 for i, (name, tree) in enumerate([("new", None), ("old", Path("/tmp/old"))] * 2):
     if deadline - (time.time() - t0) < 110:
         print(f"hostab: {i}-{name} skipped for time", flush=True)
@@ -561,7 +564,8 @@ for i, (name, tree) in enumerate([("new", None), ("old", Path("/tmp/old"))] * 2)
         subprocess.run(
             [sys.executable, "-m", "bench.host_profile", "--url", s.url, "--score-qps", qps,
              "--py-spy-s", "0", "--profile-steps", "0", "--out-dir", "/tmp/serving/hostab",
-             "--tag", tag], check=True, timeout=150)
+             "--tag", tag, *(["--server-revision", old_rev] if tree else [])],
+            check=True, timeout=150)
         subprocess.run(["cp", f"/tmp/serving/hostab/{tag}.json", out], check=True)
     finally:
         s.stop()

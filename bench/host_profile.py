@@ -119,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-steps", type=int, default=300, help="0: no torch profile")
     ap.add_argument("--out-dir", type=Path, required=True)
     ap.add_argument("--tag", default="host-profile")
+    ap.add_argument(
+        "--server-revision",
+        default="",
+        help="the served tree's git revision when it is not this one's (plan hostab's old side)",
+    )
     args = ap.parse_args(argv)
 
     import httpx
@@ -133,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     record: dict[str, Any] = {
         **provenance("bench.host_profile", argv),
         "note": "engine-level diagnostic through a running server; not a headline figure",
+        # The server's tree: this client's revision unless another tree was served.
+        "server_revision": args.server_revision or None,
     }
     if args.settings:
         record["settings"] = apply_settings(args.url, args.settings)
