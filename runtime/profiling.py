@@ -8,8 +8,10 @@ the user's load, not in a harness that builds its own batches. vLLM and SGLang e
 
 `StepProfile` lives on the engine thread: started between two steps, it counts applied steps
 (by kind) and stops after `num_steps`. Nothing runs per step while no profile is asked for
-(the engine checks one attribute). The chrome trace goes to a file; the summary (the kernels
-with the most device time, grouped by `kernel_category` as well) comes back as a dict.
+(the engine checks one attribute). The summary (the kernels with the most device time,
+grouped by `kernel_category` as well) comes back as a dict and the chrome trace goes to a
+file, both built on the caller's thread (`summarize`): parsing a few hundred GPU steps' events
+takes seconds, which on the engine thread stall serving.
 """
 
 from __future__ import annotations
@@ -191,7 +193,7 @@ class StepProfile:
         profiler's own stop run here: its events are parsed later, in `summarize` on the
         caller's thread. Parsing 300 steps' events takes seconds of Python, and on the engine
         thread that stalled every request behind it (H100, 2026-12-05: a server that held 40
-        scoring QPS without the profile queued 20 s and answered 429s with it)."""
+        scoring QPS without the profile stopped stepping for 30 s and answered 429s)."""
         try:
             prof = self._prof
             if prof is None:
