@@ -6,7 +6,8 @@
 Model (docs/scheduling.md, "Simulator"):
 * One GPU runs one forward at a time, non-preemptively. A forward takes waiting requests in
   policy order (lowest score first, ties by arrival) while their uncached tokens fit the token
-  budget; a request larger than the budget runs alone (the engine's rule for scoring requests).
+  budget and their number `max_num_seqs` (256, the engine's default); a request larger than
+  the budget runs alone (the engine's rule for scoring requests).
 * Service times come from a measured prefill profile (`--profile`, bench/sim_profile.py):
   interpolated medians times the profile's measured noise. They do not come from the JCT model
   the scheduler ranks with: that model is fitted on the other half of the profile's repeats
@@ -52,6 +53,7 @@ MIN_SPAN_SLOS = 10.0  # a run's arrivals span at least this many SLOs (run_exper
 # each request aging by its own slack instead of one fairness lambda (policies/srjf.py).
 SLO_AWARE_SRJF = "srjf-slo"
 DEFAULT_TOKEN_BUDGET = 8192  # EngineConfig.prefill_token_budget's default
+DEFAULT_MAX_NUM_SEQS = 256  # EngineConfig.max_num_seqs's default: requests in one step at most
 DEFAULT_BLOCK_SIZE = 16  # EngineConfig.block_size's default
 
 Service = ProfileService | JCTService
@@ -241,6 +243,12 @@ class RunStats:
     stopped_early: bool = False
     extrapolated_forward_fraction: float = 0.0  # forwards outside the profile's measured grid
     jct_mape: float | None = None  # the scheduler's prediction error (online, like the engine)
+    # The simulated GPU's work: forwards run, their summed seconds, the largest batch. Busy
+    # seconds per completed request near saturation are the simulator's capacity, to set
+    # beside a GPU run's completions per second.
+    num_forwards: int = 0
+    busy_s: float = 0.0
+    max_batch: int = 0
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -260,6 +268,7 @@ def simulate(
     cache_tokens: int | None = None,
     cache: BlockPrefixCache | None = None,
     token_budget: int = DEFAULT_TOKEN_BUDGET,
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
     seed: int = 0,
     fail_above_s: float | None = None,
     jct_model: JCTModel | None = None,
@@ -304,7 +313,8 @@ def simulate(
     violation_limit = math.floor(0.01 * n)
     waiting: list[SimRequest] = []
     latencies: list[float] = []
-    violations = forwards = extrapolated = 0
+    violations = forwards = extrapolated = max_batch = 0
+    busy_s = 0.0
     hit_tokens = prompt_tokens = 0
     now = pending[0].arrival_s if pending else 0.0
     next_arrival = 0
@@ -323,6 +333,9 @@ def simulate(
             stopped,
             extrapolated / forwards if forwards else 0.0,
             jct_model.mape() if jct_model is not None else None,
+            forwards,
+            busy_s,
+            max_batch,
         )
 
     while len(latencies) < n:
@@ -340,7 +353,9 @@ def simulate(
         used = 0
         for r in order:
             u, _ = prefill_work(r)
-            if batch and used + u > token_budget:
+            # The engine's two caps on a step: its token budget and max_num_seqs (nearly
+            # fully cached requests of a few tokens each reach the second one first).
+            if batch and (used + u > token_budget or len(batch) >= max_num_seqs):
                 break
             batch.append(r)
             used += u
@@ -354,6 +369,8 @@ def simulate(
             items.append(prefill_work(r))
         duration = service.forward_s(items, noise_rng) + step_overhead_s
         forwards += 1
+        busy_s += duration
+        max_batch = max(max_batch, len(batch))
         extrapolated += not all(service.in_range(u, c) for u, c in items)
         if jct_model is not None:
             jct_model.observe_batch(items, duration)  # the engine times the whole step
@@ -432,6 +449,9 @@ def _stats(
     stopped_early: bool = False,
     extrapolated_fraction: float = 0.0,
     jct_mape: float | None = None,
+    num_forwards: int = 0,
+    busy_s: float = 0.0,
+    max_batch: int = 0,
 ) -> RunStats:
     lat = sorted(latencies)
     return RunStats(
@@ -449,6 +469,9 @@ def _stats(
         stopped_early=stopped_early,
         extrapolated_forward_fraction=extrapolated_fraction,
         jct_mape=jct_mape,
+        num_forwards=num_forwards,
+        busy_s=busy_s,
+        max_batch=max_batch,
     )
 
 

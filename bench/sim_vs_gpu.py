@@ -161,6 +161,12 @@ class Replayer:
                 "completed": len(ok),
                 "failed": len(lat) - len(ok),
                 "hit_rate": st.cache_hit_token_fraction,
+                # The simulated GPU's work: near saturation its busy time per request is the
+                # simulator's capacity (set it beside the GPU probe's request_throughput).
+                "forwards": st.num_forwards,
+                "mean_batch": round(len(lat) / st.num_forwards, 2) if st.num_forwards else None,
+                "max_batch": st.max_batch,
+                "busy_ms_per_request": round(st.busy_s / len(lat) * 1e3, 3) if lat else None,
             }
             return {
                 "completed": len(ok),

@@ -309,6 +309,13 @@ def test_batching_packs_short_prompts_up_to_the_budget() -> None:
     b = sim.simulate(swl, make_policy("fcfs"), 1.0, service=prof, token_budget=8192, **kwargs)
     a = sim.simulate(swl, make_policy("fcfs"), 1.0, service=prof, token_budget=1, **kwargs)
     assert a.makespan_s > 2 * b.makespan_s
+    # The run reports the simulated GPU's work: one request a forward alone, 200 in few
+    # forwards batched, and the summed forward seconds never exceed the run's span.
+    assert a.num_forwards == 200 and a.max_batch == 1
+    assert b.num_forwards < 20 and b.max_batch > 10
+    assert b.num_forwards * b.max_batch >= 200
+    for run in (a, b):
+        assert 0 < run.busy_s <= run.makespan_s + 1e-9
 
 
 def test_explicit_arrivals_and_a_carried_cache() -> None:
@@ -483,3 +490,15 @@ def test_ttft_slo_and_fairness_lambda_are_exclusive() -> None:
         EngineConfig(ttft_slo_ms=3000, fairness_lambda=0.1)
     with pytest.raises(ValueError, match="ttft_slo_ms"):
         EngineConfig(ttft_slo_ms=0)
+
+
+def test_a_forward_holds_at_most_max_num_seqs_requests() -> None:
+    """Nearly fully cached requests of a few tokens each fill the engine's max_num_seqs long
+    before its token budget: the simulator caps a forward there too."""
+    svc = JCTService(JCTModel(), noise_sigma=0.0)
+    reqs = [SimRequestSpec(f"r{i}", 0.0, None, 0, 4) for i in range(40)]
+    wl = sim.Workload(make_workload("short-scoring", 1, seed=0).spec, reqs, {})
+    st = sim.simulate(wl, make_policy("fcfs"), 1.0, service=svc, cache_tokens=0, max_num_seqs=16)
+    assert st.max_batch == 16 and st.num_forwards == 3  # 16 + 16 + 8
+    default = sim.simulate(wl, make_policy("fcfs"), 1.0, service=svc, cache_tokens=0)
+    assert default.max_batch == 40 and default.num_forwards == 1  # under 256 and the budget
