@@ -251,17 +251,20 @@ class PrefillGraphs:
         self.input_ids[:T].copy_(input_ids, non_blocking=True)
         self.positions[:T].copy_(positions, non_blocking=True)
         q, k, v = self.q[:T], self.k[:T], self.v[:T]
-        # Attention writes straight into the next graph's input ([T, Hq, D] view of the
-        # contiguous [T, q_size] rows): no copy launched per layer between the replays, where
-        # the host paces a short step (py-spy, H100, 2026-12-05).
+        # A backend that writes `out=` (FlashInfer) puts attention straight into the next
+        # graph's input ([T, Hq, D] view of the contiguous [T, q_size] rows): no copy launched
+        # per layer between the replays, where the host paces a short step (py-spy, H100,
+        # 2026-12-05). Others return a tensor, copied here.
         out = self.attn_out[:T].view(q.shape)
+        direct = bool(getattr(attn, "writes_out", False))
         rope = (self.positions[:T], self.model.rotary.cos_sin_cache)
         rope = rope if self.rotate_in_attention else None
         graphs[0].replay()
         for i in range(self.model.num_layers):
-            o = attend(attn, i, q, k, v, rope, out)
-            if o.data_ptr() != out.data_ptr():  # a backend that ignores `out` (none of ours)
-                out.copy_(o)
+            if direct:
+                attend(attn, i, q, k, v, rope, out)
+            else:
+                out.copy_(attend(attn, i, q, k, v, rope))
             graphs[i + 1].replay()
         return self.hidden[:T]
 

@@ -86,7 +86,21 @@ def test_buckets_and_the_largest_one() -> None:
         EngineConfig(prefill_graph_max_tokens=-1)
 
 
-def test_segments_with_padding_match_the_eager_forward() -> None:
+class _OutBackend(TorchAttentionBackend):
+    """The torch backend declaring `writes_out` (FlashInfer's way): it is handed `out=`."""
+
+    def __init__(self, pool) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(pool)
+        self.writes_out = True
+        self.outs: list[int] = []
+
+    def forward(self, layer_idx, q, k, v, rope=None, out=None):  # type: ignore[no-untyped-def]
+        self.outs.append(-1 if out is None else out.data_ptr())
+        return super().forward(layer_idx, q, k, v, rope=rope, out=out)
+
+
+@pytest.mark.parametrize("writes_out", [False, True])
+def test_segments_with_padding_match_the_eager_forward(writes_out: bool) -> None:
     eng, _ = tiny_engine()
     model, pool = eng.model, eng.kv_pool
     pg = PrefillGraphs(model, pool.device, pool.k[0].dtype, (4, 16, 32))
@@ -114,13 +128,17 @@ def test_segments_with_padding_match_the_eager_forward() -> None:
     ]
     for specs in steps:
         b = batch(specs)
-        eager_be, graph_be = TorchAttentionBackend(pool), TorchAttentionBackend(pool)
+        eager_be = TorchAttentionBackend(pool)
+        graph_be = _OutBackend(pool) if writes_out else TorchAttentionBackend(pool)
         eager_be.plan(b)
         want = model(b.input_ids, b.positions, eager_be)
         graph_be.plan(b)
         got = pg.run(b.input_ids, b.positions, graph_be)
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        if writes_out:  # every layer's attention went straight into the graphs' input buffer
+            assert graph_be.outs == [pg.attn_out.data_ptr()] * model.num_layers
+            graph_be.outs.clear()
     # Each step replayed one bucket's segments, in order.
     segs = model.num_layers + 1
     assert log == [(n, s) for n in (16, 32, 4) for s in range(segs)]
