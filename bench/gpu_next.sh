@@ -64,6 +64,8 @@
 #                                         #   .old_rev/old.tar.gz (e.g. dc82b8c), A B A B:
 #                                         #   scoring at SQPS (40) beside chat on default
 #                                         #   servers, no profilers (M: the 3B; ~6 min)
+#   bash bench/gpu_next.sh kvab REV [M]   # --prefill-graphs-write-kv true vs the default, one
+#                                         #   tree, A B A B, as plan hostab (M: the 3B; ~6 min)
 #   bash bench/gpu_next.sh abandon REV [M] # a client leaving a long scoring prompt: the GPU
 #                                         #   test, then bench.abandoned through HTTP (M: the
 #                                         #   8B shape; 131k tokens, two repeats; ~3 min)
@@ -567,6 +569,35 @@ for i, (name, tree) in enumerate([("new", None), ("old", Path("/tmp/old"))] * 2)
              "--tag", tag, *(["--server-revision", old_rev] if tree else [])],
             check=True, timeout=150)
         subprocess.run(["cp", f"/tmp/serving/hostab/{tag}.json", out], check=True)
+    finally:
+        s.stop()
+PY
+    ;;
+  kvab)
+    # The prefill graphs running the fused RoPE + K/V write themselves (--prefill-graphs-write-kv,
+    # off by default until this says it pays) against the default, one tree, servers alternated
+    # A B A B, as plan hostab: scoring at SQPS next to chat at 2 QPS, no profiler; each JSON
+    # holds the scoring latency and the short steps' device, launch and plan time. Run
+    # tests/gpu/test_prefill_graphs_gpu.py first. ~80 s a server after `warm`.
+    python3 - "${split:-random:qwen2.5-3b}" "$deadline" "$t0" "${SQPS:-40}" "$OUT" <<'PY' || rc=1
+import subprocess, sys, time
+from pathlib import Path
+from bench.gpu_serving import Server
+model, deadline, t0, qps, out = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5]
+sides = [("default", []), ("graphkv", ["--prefill-graphs-write-kv", "true"])] * 2
+for i, (name, extra) in enumerate(sides):
+    if deadline - (time.time() - t0) < 110:
+        print(f"kvab: {i}-{name} skipped for time", flush=True)
+        break
+    s = Server(model, 8011, ["--calibrate", "false", *extra], Path(f"/tmp/serving/kvab-{i}-{name}.log"))
+    print(f"kvab: {i}-{name} healthy after {s.start(120.0):.0f} s", flush=True)
+    try:
+        tag = f"kvab-{i}-{name}"
+        subprocess.run(
+            [sys.executable, "-m", "bench.host_profile", "--url", s.url, "--score-qps", qps,
+             "--py-spy-s", "0", "--profile-steps", "0", "--out-dir", "/tmp/serving/kvab",
+             "--tag", tag], check=True, timeout=150)
+        subprocess.run(["cp", f"/tmp/serving/kvab/{tag}.json", out], check=True)
     finally:
         s.stop()
 PY

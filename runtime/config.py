@@ -89,6 +89,11 @@ class EngineConfig:
     # only); false: never. On the H200 through HTTP it cut the decode ITL 7 % (Llama-3.1-8B
     # shape, 16 streams) and 8-9 % (Qwen2.5-3B shape, 48 streams), tied at batch 1.
     fused_rope_kv_write: str = "auto"
+    # With the fused RoPE + K/V write, the prefill graphs run it inside their replays (from a
+    # static slot buffer) and attention alone runs between them: one Python launch a layer
+    # fewer in a graph-path step, which the host paces (py-spy, H100, 2026-12-05). Off until
+    # it is measured on the GPU (tested on CPU only: tests/test_prefill_graphs.py).
+    prefill_graphs_write_kv: bool = False
     # A step with prefill parts and decodes runs them as one forward (the weights read once)
     # instead of the prefill forward then the decode graph, when the merged rows fit a prefill
     # graph's bucket (on CUDA; the decode rows then ride in that graph) and no prefill part

@@ -19,6 +19,13 @@ before the step, as for eager steps). A bucket of `n` tokens holds `num_layers +
 
 and a step of T <= n tokens replays them with attention over its T real rows in between.
 
+With `kv_write` (`prefill_graphs_write_kv`, off until measured on the GPU) each segment also
+runs the fused RoPE + K/V pool write on layer i's q, k, v, at the slots `run` copies into a
+static buffer (-1: padding rows and a discarded scoring suffix, never written), so only
+attention runs between replays: a graph-path step's host time per layer was a replay, the
+fused write's Triton launch and FlashInfer's `run()` (py-spy, H100, 2026-12-05), and short
+steps next to scoring launched for as long as they ran.
+
 Measured on the H200 (3B, one prefill part, `gpu_suite --sections prefill_graphs`): the host
 enqueues a part in ~2-3 ms instead of ~8-10; its wall time is 0.41x the eager one at 16
 tokens, 0.49x at 160, 0.79x at 512, a tie at 1,024 (GPU-bound) and 1.07x at 2,048, hence the
@@ -33,6 +40,8 @@ pool (captured largest first). Rows T..n are padding: they hold whatever an earl
 attention and the KV writes see the first T rows only.
 
 Hazards:
+- With `kv_write` the static slot buffer must hold -1 past T before every replay: padding
+  rows keep the rows of a larger earlier step, and their stale slots belong to live requests.
 - A graph keeps the SM partition of the stream it was captured on (H200.md): these are
   captured on an ordinary stream and run on every SM, so they serve only prefill parts that
   run on the whole GPU (`ModelRunner._prefill_forward`; the split executor's partitioned prefill
@@ -47,6 +56,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -124,16 +134,23 @@ class PrefillGraphs:
         stream: Any = None,
         pool: Any = None,
         rotate_in_attention: bool = False,
+        kv_write: tuple[Callable[..., Any], list[torch.Tensor], list[torch.Tensor]] | None = None,
     ) -> None:
         """rotate_in_attention: the graphs leave q and k un-rotated and `run` passes `rope=` to
-        the backend (which fuses RoPE with its pool write); set it when the backend fuses."""
+        the backend (which fuses RoPE with its pool write); set it when the backend fuses.
+        kv_write: (the fused RoPE + K/V write, each layer's flat K pool, each layer's flat V
+        pool): the graphs rotate q and k and write the kept k/v into the pool themselves, at
+        the slots `run` copies into a static buffer, and attention runs alone between the
+        replays (`kv_written=`): one Python launch a layer fewer where the host paces a short
+        step. Overrides rotate_in_attention."""
         if not token_sizes:
             raise ValueError("PrefillGraphs needs at least one token bucket")
         self.model = model
         self.token_sizes = tuple(sorted(token_sizes))
         self.stream = stream
         self._pool = pool
-        self.rotate_in_attention = rotate_in_attention
+        self.kv_write = kv_write
+        self.rotate_in_attention = rotate_in_attention and kv_write is None
         self.graphs: dict[int, list[Any]] = {}  # bucket -> num_layers + 1 CUDA graphs
         self.capture_s = 0.0
         self.memory_bytes = 0
@@ -147,6 +164,9 @@ class PrefillGraphs:
         self.v = torch.zeros(m, c.num_kv_heads, c.head_dim, dtype=dtype, device=device)
         self.attn_out = torch.zeros(m, c.q_size, dtype=dtype, device=device)
         self.hidden = torch.zeros(m, c.hidden_size, dtype=dtype, device=device)
+        # With kv_write: each row's pool slot, -1 = not written (padding rows, a discarded
+        # suffix); `run` fills it before the first replay.
+        self.slots = torch.full((m,), -1, dtype=torch.int64, device=device)
 
     @property
     def captured(self) -> bool:
@@ -169,10 +189,16 @@ class PrefillGraphs:
 
     # ---- segments: what each graph records ----------------------------------------------------
     def _qkv(self, i: int, x: torch.Tensor, n: int) -> None:
-        """Layer i's q, k, v (normed, RoPE'd) of the first n rows into the static buffers."""
+        """Layer i's q, k, v (normed, RoPE'd) of the first n rows into the static buffers; with
+        kv_write, also its kept k/v into the pool."""
+        rotate_here = not self.rotate_in_attention and self.kv_write is None
         q, k, v = self.model.layers[i].self_attn.project_qkv(
-            x, self.positions[:n], self.model.rotary, apply_rope=not self.rotate_in_attention
+            x, self.positions[:n], self.model.rotary, apply_rope=rotate_here
         )
+        if self.kv_write is not None:
+            write, k_flat, v_flat = self.kv_write
+            cos_sin = self.model.rotary.cos_sin_cache
+            q, k = write(q, k, v, self.positions[:n], cos_sin, self.slots[:n], k_flat[i], v_flat[i])
         self.q[:n].copy_(q)
         self.k[:n].copy_(k)
         self.v[:n].copy_(v)
@@ -250,6 +276,9 @@ class PrefillGraphs:
         graphs = self.graphs[n]
         self.input_ids[:T].copy_(input_ids, non_blocking=True)
         self.positions[:T].copy_(positions, non_blocking=True)
+        if self.kv_write is not None:  # rows past T (padding) keep -1: never written
+            self.slots[:T].copy_(attn.row_slots(), non_blocking=True)
+            self.slots[T:].fill_(-1)
         q, k, v = self.q[:T], self.k[:T], self.v[:T]
         # A backend that writes `out=` (FlashInfer) puts attention straight into the next
         # graph's input ([T, Hq, D] view of the contiguous [T, q_size] rows): no copy launched
@@ -259,12 +288,13 @@ class PrefillGraphs:
         direct = bool(getattr(attn, "writes_out", False))
         rope = (self.positions[:T], self.model.rotary.cos_sin_cache)
         rope = rope if self.rotate_in_attention else None
+        written = self.kv_write is not None
         graphs[0].replay()
         for i in range(self.model.num_layers):
             if direct:
-                attend(attn, i, q, k, v, rope, out)
+                attend(attn, i, q, k, v, rope, out, kv_written=written)
             else:
-                out.copy_(attend(attn, i, q, k, v, rope))
+                out.copy_(attend(attn, i, q, k, v, rope, kv_written=written))
             graphs[i + 1].replay()
         return self.hidden[:T]
 

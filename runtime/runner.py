@@ -43,7 +43,12 @@ from typing import Any
 import torch
 
 from runtime import fallbacks
-from runtime.attention.base import AttentionBackend, ForwardBatch, SeqSlice
+from runtime.attention.base import (
+    AttentionBackend,
+    ForwardBatch,
+    SeqSlice,
+    load_rope_kv_write,
+)
 from runtime.config import EngineConfig
 from runtime.cuda_graphs import (
     SPLIT_BATCH_SIZES,
@@ -478,6 +483,20 @@ class ModelRunner:
                 prefill_graph_max_tokens(config), config.prefill_graph_padding
             )
             if sizes:
+                # With the fused RoPE + K/V write, the graphs may run it themselves (captured),
+                # so that attention alone runs between replays (one Python launch a layer
+                # fewer; `prefill_graphs_write_kv`, off until measured on the GPU).
+                kv_write = None
+                write = None
+                if config.prefill_graphs_write_kv:
+                    write = load_rope_kv_write(fuse_rope, self.device, model_config.head_dim)
+                if write is not None:
+                    layers = range(model_config.num_layers)
+                    kv_write = (
+                        write,
+                        [kv_pool.flat_k(i) for i in layers],
+                        [kv_pool.flat_v(i) for i in layers],
+                    )
                 # Their own pool: their intermediates must not alias a decode graph's.
                 self.prefill_graphs = PrefillGraphs(
                     model,
@@ -486,6 +505,7 @@ class ModelRunner:
                     sizes,
                     stream=self.decode_stream,
                     rotate_in_attention=fuse_rope,
+                    kv_write=kv_write,
                 )
                 if capture_graphs:
                     self.capture_prefill_graphs()
@@ -493,6 +513,12 @@ class ModelRunner:
             log.warning(
                 "CUDA graphs need the FlashInfer backend and a pool with a pad block; "
                 "decoding eagerly"
+            )
+        pg = self.prefill_graphs
+        if config.prefill_graphs_write_kv and (pg is None or pg.kv_write is None):
+            log.warning(
+                "prefill_graphs_write_kv has no effect here: it needs the prefill graphs (CUDA, "
+                "FlashInfer) and the fused RoPE + K/V write"
             )
         if self.uses_flashinfer:
             self.warm_up_attention()

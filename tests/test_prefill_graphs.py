@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_engine import Collector
 
-from runtime.attention.base import ForwardBatch, SeqSlice
+from runtime.attention.base import ForwardBatch, SeqSlice, load_rope_kv_write
 from runtime.attention.torch_backend import TorchAttentionBackend
 from runtime.config import EngineConfig
 from runtime.engine import Engine
@@ -146,6 +146,61 @@ def test_segments_with_padding_match_the_eager_forward(writes_out: bool) -> None
         pg.run(torch.zeros(40, dtype=torch.int64), torch.arange(40), TorchAttentionBackend(pool))
 
 
+def test_graphs_that_write_the_kv_leave_the_pool_as_the_eager_forward_does() -> None:
+    """With `kv_write` the graphs rotate q/k and write the kept k/v themselves (the fused
+    kernel, interpreted on CPU) and attention runs alone between them: the hidden states and
+    the pool must be the eager forward's. Rows not kept (a scoring suffix) and padding rows,
+    including rows a larger earlier step filled, write nothing."""
+    eng, _ = tiny_engine()
+    model, pool = eng.model, eng.kv_pool
+    write = load_rope_kv_write(True, pool.device, model.cfg.head_dim)
+    assert write is not None  # the Triton interpreter (tests/conftest.py) runs it on CPU
+    layers = range(model.num_layers)
+    pg = PrefillGraphs(
+        model,
+        pool.device,
+        pool.k[0].dtype,
+        (16, 32),
+        rotate_in_attention=True,
+        kv_write=(write, [pool.flat_k(i) for i in layers], [pool.flat_v(i) for i in layers]),
+    )
+    eager_capture(pg)
+    rng = random.Random(1)
+
+    def batch(specs: list[tuple[int, int, int, list[int]]]) -> ForwardBatch:
+        ids, pos, seqs = [], [], []
+        for ctx, n, kept, blocks in specs:
+            seqs.append(SeqSlice(len(ids), n, ctx, kept, blocks))
+            ids += [rng.randrange(5, 500) for _ in range(n)]
+            pos += range(ctx, ctx + n)
+        rows = torch.tensor([s.query_start + s.num_query_tokens - 1 for s in seqs])
+        return ForwardBatch(torch.tensor(ids), torch.tensor(pos), seqs, rows, False)
+
+    steps = [
+        [(0, 9, 9, [0, 1, 2]), (0, 6, 6, [3, 4])],
+        # 25 rows in the 32 bucket; the second prompt keeps 12 of its 20 (scoring)
+        [(9, 5, 14, [0, 1, 2, 3]), (0, 20, 12, [5, 6, 7])],
+        # 3 rows in the 16 bucket: rows 3..15 held the step before's slots
+        [(14, 3, 17, [0, 1, 2, 3, 8])],
+    ]
+    for specs in steps:
+        b = batch(specs)
+        before = [t.clone() for t in (*pool.k, *pool.v)]
+        eager_be = TorchAttentionBackend(pool)
+        eager_be.plan(b)
+        want = model(b.input_ids, b.positions, eager_be).clone()
+        want_pool = [t.clone() for t in (*pool.k, *pool.v)]
+        for t, saved in zip((*pool.k, *pool.v), before, strict=True):
+            t.copy_(saved)  # the graph path starts from the same pool
+        graph_be = TorchAttentionBackend(pool)
+        graph_be.plan(b)
+        got = pg.run(b.input_ids, b.positions, graph_be)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for t, w in zip((*pool.k, *pool.v), want_pool, strict=True):
+            torch.testing.assert_close(t, w, rtol=1e-5, atol=1e-5)  # RoPE rounding
+    assert pg.slots[3:].eq(-1).all()  # the last step's padding rows were cleared
+
+
 def _gen(rid: str, tokens: list[int], max_tokens: int) -> Request:
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
     return Request(rid, RequestKind.GENERATE, tokens, sp)
@@ -225,3 +280,12 @@ def test_reserved_bytes_grow_with_the_largest_bucket() -> None:
     large = prefill_graph_bytes(eng.model, 2048, torch.bfloat16)
     assert prefill_graph_bytes(eng.model, 0, torch.bfloat16) == 0
     assert large == 8 * small > 0
+
+
+def test_writing_the_kv_in_the_graphs_says_when_it_cannot(caplog: pytest.LogCaptureFixture) -> None:
+    """`prefill_graphs_write_kv` needs the prefill graphs (CUDA): asked for on the CPU, the
+    runner says it has no effect rather than ignoring it silently."""
+    with caplog.at_level("WARNING", logger="greenlane.runner"):
+        eng, _ = tiny_engine(prefill_graphs_write_kv=True)
+    assert eng.runner.prefill_graphs is None
+    assert "prefill_graphs_write_kv has no effect here" in caplog.text

@@ -140,7 +140,8 @@ def test_engine_with_the_fused_rope_gives_the_same_tokens_and_scores() -> None:
     prompts = [profile + [rng.randrange(5, 4000) for _ in range(n)] for n in (3, 9)]
     prompts.append([rng.randrange(5, 4000) for _ in range(40)])  # hybrid-chunked (chunk 16)
     results = []
-    for fuse in (False, True):
+    # Unfused; fused in attention (graphs leave q/k un-rotated); fused inside the graphs.
+    for fuse, in_graphs in ((False, False), (True, False), (True, True)):
         cfg = EngineConfig(
             model="random:tiny",
             prefill_policy="fcfs",
@@ -154,9 +155,22 @@ def test_engine_with_the_fused_rope_gives_the_same_tokens_and_scores() -> None:
         eng = Engine(cfg, sink)
         assert eng.backend.fuses_rope is fuse
         log: list = []
-        if fuse:  # prefill parts of up to 24 tokens through graphs that leave q/k un-rotated
+        if fuse:  # prefill parts of up to 24 tokens through the graphs
+            pool, layers = eng.kv_pool, range(eng.model.num_layers)
+            kv_write = None
+            if in_graphs:  # the graphs rotate and write the pool themselves
+                kv_write = (
+                    rope_kv_write,
+                    [pool.flat_k(i) for i in layers],
+                    [pool.flat_v(i) for i in layers],
+                )
             pg = PrefillGraphs(
-                eng.model, eng.kv_pool.device, torch.float32, (8, 24), rotate_in_attention=True
+                eng.model,
+                pool.device,
+                torch.float32,
+                (8, 24),
+                rotate_in_attention=True,
+                kv_write=kv_write,
             )
             log = eager_capture(pg)
             eng.runner.prefill_graphs = pg
@@ -195,9 +209,11 @@ def test_engine_with_the_fused_rope_gives_the_same_tokens_and_scores() -> None:
                 sink.last("s").label_probs,
             )
         )
-    (g0, s0), (g1, s1) = results
-    assert g1 == g0 and all(len(t) == 6 for t in g0.values())
-    assert s1 == pytest.approx(s0, rel=1e-4, abs=1e-6)
+    (g0, s0), *others = results
+    assert all(len(t) == 6 for t in g0.values())
+    for g1, s1 in others:
+        assert g1 == g0
+        assert s1 == pytest.approx(s0, rel=1e-4, abs=1e-6)
 
 
 # Its backend's pool is on the CPU (test_torch_backend's set-up), where the kernel runs only

@@ -145,12 +145,20 @@ class AttentionBackend(Protocol):
         v: torch.Tensor,
         rope: Rope | None = None,
         out: torch.Tensor | None = None,
+        kv_written: bool = False,
     ) -> torch.Tensor:
         """q: [T, num_q_heads, head_dim]; k, v: [T, num_kv_heads, head_dim], RoPE applied
         (or, with `rope`, to be applied here). Writes k/v of kept positions into the pool for
         `layer_idx`, then returns the attention output [T, num_q_heads, head_dim] (each query
         attends to its sequence's positions <= its own: cached context from the pool plus this
-        step's new tokens), in `out` when given (`writes_out`)."""
+        step's new tokens), in `out` when given (`writes_out`). `kv_written`: the caller has
+        already rotated q and k and written the kept k/v to the pool at `row_slots()` (the
+        prefill graphs do it inside their replay): attention only."""
+        ...
+
+    def row_slots(self) -> torch.Tensor:
+        """The planned batch's pool slot of each row, [T] int64 on the device, -1 where the
+        row's k/v is not kept (a scoring request's discarded suffix)."""
         ...
 
     # Row streaming, for the hybrid prefill of one long prompt (`DecoderLayer.forward_rows`):

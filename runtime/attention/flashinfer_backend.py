@@ -257,6 +257,7 @@ class FlashInferBackend:
             self._g_last = torch.ones(bs, dtype=torch.int32, device=self.device)
             self._static_slots = torch.zeros(bs, dtype=torch.int64, device=self.device)
         self._plan: _Plan | None = None
+        self._plan_num_tokens = 0  # the planned batch's rows (row_slots)
         # FlashInfer's `fixed_split_size`, in pages: the longest request a graph instance
         # takes, so that no request is ever split (and no merge kernel is captured).
         self._fixed_split_pages: int | None = None
@@ -372,6 +373,7 @@ class FlashInferBackend:
 
     def plan(self, batch: ForwardBatch) -> None:
         self._deferred = []
+        self._plan_num_tokens = batch.num_tokens
         bs_tok = self.block_size
         seqs = batch.seqs
         # Built span by span (IndexSpans): a long prompt's or context's indices in one tensor
@@ -559,6 +561,17 @@ class FlashInferBackend:
         out = torch.full((batch.num_tokens,), -1, dtype=torch.int64, device=self.device)
         return out.index_copy_(0, rows, slots)
 
+    def row_slots(self) -> torch.Tensor:
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("plan() must be called before row_slots()")
+        if plan.token_slots is not None:
+            return plan.token_slots
+        if plan.write_rows is None:  # every row written, in order
+            return plan.write_slots
+        out = torch.full((self._plan_num_tokens,), -1, dtype=torch.int64, device=self.device)
+        return out.index_copy_(0, plan.write_rows, plan.write_slots)
+
     # ------------------------------------------------------------------ forward
     def _flat_caches(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V pool as flat [num_blocks * block_size, Hkv, D] slot views."""
@@ -584,6 +597,7 @@ class FlashInferBackend:
         v: torch.Tensor,
         rope: Rope | None = None,
         out: torch.Tensor | None = None,
+        kv_written: bool = False,
     ) -> torch.Tensor:
         plan = self._plan
         if plan is None:
@@ -595,7 +609,9 @@ class FlashInferBackend:
             for fn in self._deferred:
                 fn(self.num_q_heads)
             self._deferred = []
-        if rope is not None and plan.token_slots is not None and rope[1].dtype == torch.float32:
+        if kv_written:  # rotated and written by the caller (the prefill graphs)
+            pass
+        elif rope is not None and plan.token_slots is not None and rope[1].dtype == torch.float32:
             kc, vc = self._flat_caches(layer_idx)
             q, k = self._rope_kv_write(q, k, v, *rope, plan.token_slots, kc, vc)
         else:

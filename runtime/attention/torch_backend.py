@@ -54,6 +54,7 @@ class TorchAttentionBackend:
         self._write_rows: torch.Tensor | None = None  # [W] rows of this step's k/v to keep
         self._write_slots: torch.Tensor | None = None  # [W] their pool slots
         self._all_rows_written = False
+        self._num_tokens = 0
         self._seqs: list[_SeqPlan] = []
         self._decode: _DecodePlan | None = None
         # One sequence without context: how many of its rows are written, in order; else None.
@@ -96,6 +97,7 @@ class TorchAttentionBackend:
         fuse = self.fuses_rope and fuse_rope_for(batch.num_tokens)
         self._token_slots = slot_mapping.to(dev, non_blocking=True) if fuse else None
         self._seqs = seq_plans
+        self._num_tokens = batch.num_tokens
         self._decode = self._plan_decode(batch) if batch.is_decode else None
         # One prefill sequence: its written rows are its first ones, in order.
         one = len(batch.seqs) == 1 and not batch.is_decode
@@ -130,12 +132,15 @@ class TorchAttentionBackend:
         v: torch.Tensor,
         rope: Rope | None = None,
         out: torch.Tensor | None = None,
+        kv_written: bool = False,
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D] (copied into `out` when given)."""
         assert self._write_rows is not None and self._write_slots is not None, "plan() first"
         k_pool = self.pool.flat_k(layer_idx)  # [slots, Hkv, D]
         v_pool = self.pool.flat_v(layer_idx)
-        if rope is not None and self._token_slots is not None:
+        if kv_written:  # rotated and written by the caller (the prefill graphs)
+            pass
+        elif rope is not None and self._token_slots is not None:
             q, k = self._rope_kv_write(q, k, v, *rope, self._token_slots, k_pool, v_pool)
         else:
             if rope is not None:
@@ -143,6 +148,13 @@ class TorchAttentionBackend:
             self._write(k, v, k_pool, v_pool)
         o = self._attend(q, k, v, k_pool, v_pool)
         return o if out is None else out.copy_(o)
+
+    def row_slots(self) -> torch.Tensor:
+        assert self._write_rows is not None and self._write_slots is not None, "plan() first"
+        if self._token_slots is not None:
+            return self._token_slots
+        out = torch.full((self._num_tokens,), -1, dtype=torch.int64, device=self.pool.device)
+        return out.index_copy_(0, self._write_rows, self._write_slots)
 
     # ---- row streaming (a long prompt's hybrid prefill: DecoderLayer.forward_rows) -------
     def attends_rows(self) -> bool:

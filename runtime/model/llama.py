@@ -187,15 +187,18 @@ def attend(
     v: torch.Tensor,
     rope: Rope | None,
     out: torch.Tensor | None = None,
+    kv_written: bool = False,
 ) -> torch.Tensor:
-    """`attn.forward`, with `rope=` and `out=` only when there is one (backends written before
-    them take neither)."""
-    kwargs: dict[str, torch.Tensor | Rope] = {}
+    """`attn.forward`, with `rope=`, `out=` and `kv_written=` only when there is one (backends
+    written before them take none)."""
+    kwargs: dict[str, torch.Tensor | Rope | bool] = {}
     if rope is not None:
         kwargs["rope"] = rope
     if out is not None:
         kwargs["out"] = out
-    return attn.forward(layer_idx, q, k, v, **kwargs)
+    if kv_written:
+        kwargs["kv_written"] = True
+    return attn.forward(layer_idx, q, k, v, **kwargs)  # type: ignore[arg-type]
 
 
 def attends_rows(attn: AttentionBackend) -> bool:

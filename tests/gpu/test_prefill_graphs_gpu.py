@@ -19,13 +19,16 @@ from gpu_engines import chat_and_scoring, greedy_agreement, rel_err, run_to_end,
 pytestmark = pytest.mark.gpu
 
 
-def test_captured_prefill_graphs_match_the_eager_forward() -> None:
+@pytest.mark.parametrize("write_kv", [False, True])
+def test_captured_prefill_graphs_match_the_eager_forward(write_kv: bool) -> None:
     import torch
 
     from runtime.attention.base import ForwardBatch, SeqSlice
     from runtime.engine import make_attention_backend
 
-    eng, _ = small_engine(prefill_graph_max_tokens=2048)  # every bucket, not only the default's
+    # Every bucket, not only the default's; write_kv: the graphs run the fused RoPE + K/V
+    # write themselves (`prefill_graphs_write_kv`).
+    eng, _ = small_engine(prefill_graph_max_tokens=2048, prefill_graphs_write_kv=write_kv)
     try:
         pg = eng.runner.prefill_graphs
         assert pg is not None and pg.captured, "prefill graphs were not captured"
@@ -64,18 +67,32 @@ def test_captured_prefill_graphs_match_the_eager_forward() -> None:
             [(1000, 400, 1400, a), (0, 500, 160, blocks(500))],  # context; scoring suffix
             [(300, 5, 305, b)],  # 5 tokens after larger steps: padding rows hold leftovers
         ]
-        errs = []
+        # The pool after each step must be the eager forward's too; when the graphs write it
+        # themselves, padding rows (some holding a larger step's slots) and the scoring suffix
+        # write nothing.
+        assert (pg.kv_write is not None) is write_kv
+        errs, pool_errs = [], []
         with torch.inference_mode():
             for specs in steps:
                 fb = batch(specs)
+                before = [t.clone() for t in (*pool.k, *pool.v)]
                 eager_be = make_attention_backend(cfg, pool, model.cfg.num_q_heads)
                 graph_be = make_attention_backend(cfg, pool, model.cfg.num_q_heads)
                 eager_be.plan(fb)
                 want = model(fb.input_ids, fb.positions, eager_be).clone()
+                want_pool = [t.clone() for t in (*pool.k, *pool.v)]
+                for t, saved in zip((*pool.k, *pool.v), before, strict=True):
+                    t.copy_(saved)
                 graph_be.plan(fb)
                 got = pg.run(fb.input_ids, fb.positions, graph_be).clone()
                 errs.append(rel_err(got, want))
+                for t, w, b0 in zip((*pool.k, *pool.v), want_pool, before, strict=True):
+                    pool_errs.append(rel_err(t, w))
+                    # Slots the eager forward left alone: the graphs left them too, exactly.
+                    untouched = (w == b0).all(dim=-1).all(dim=-1)
+                    assert torch.equal(t[untouched], b0[untouched]), "a stray K/V write"
         assert max(errs) < 2e-2, errs
+        assert max(pool_errs) < 2e-2, pool_errs
     finally:
         eng.shutdown(0)
 

@@ -76,11 +76,15 @@ def test_fused_forward_matches_the_unfused_one_in_every_mode() -> None:
 
 def test_engine_with_fused_rope_scores_like_without() -> None:
     results = []
-    for fuse in (False, True):
-        eng, sink = small_engine(fused_rope_kv_write="true" if fuse else "false")
+    # Unfused; fused in attention; fused inside the prefill graphs (`prefill_graphs_write_kv`).
+    for fuse, write_kv in ((False, False), (True, False), (True, True)):
+        eng, sink = small_engine(
+            fused_rope_kv_write="true" if fuse else "false", prefill_graphs_write_kv=write_kv
+        )
         assert eng.backend.fuses_rope is fuse
         assert eng.runner.prefill_graphs is not None
-        assert eng.runner.prefill_graphs.rotate_in_attention is fuse
+        assert eng.runner.prefill_graphs.rotate_in_attention is (fuse and not write_kv)
+        assert (eng.runner.prefill_graphs.kv_write is not None) is write_kv
         # Fresh requests per engine (a request is mutable state), the same ones each time.
         reqs = chat_and_scoring(
             seed=4, profile_tokens=500, num_items=5, item_max=150, chat_max=300, max_tokens=12
@@ -91,4 +95,5 @@ def test_engine_with_fused_rope_scores_like_without() -> None:
         results.append({rid: out for rid, (out, _) in done.items()})
     for rid, out in results[0].items():
         if rid.startswith("s"):
-            assert results[1][rid].label_probs == pytest.approx(out.label_probs, abs=2e-2), rid
+            for other in results[1:]:
+                assert other[rid].label_probs == pytest.approx(out.label_probs, abs=2e-2), rid
