@@ -488,7 +488,9 @@ class ModelRunner:
                 # fewer; `prefill_graphs_write_kv`, off until measured on the GPU).
                 kv_write = None
                 write = None
-                if config.prefill_graphs_write_kv:
+                # (the kernel takes a float32 RoPE cache, as attention's fused path checks)
+                f32_rope = model.rotary.cos_sin_cache.dtype == torch.float32
+                if config.prefill_graphs_write_kv and f32_rope:
                     write = load_rope_kv_write(fuse_rope, self.device, model_config.head_dim)
                 if write is not None:
                     layers = range(model_config.num_layers)
@@ -518,7 +520,7 @@ class ModelRunner:
         if config.prefill_graphs_write_kv and (pg is None or pg.kv_write is None):
             log.warning(
                 "prefill_graphs_write_kv has no effect here: it needs the prefill graphs (CUDA, "
-                "FlashInfer) and the fused RoPE + K/V write"
+                "FlashInfer) and the fused RoPE + K/V write (a float32 RoPE cache)"
             )
         if self.uses_flashinfer:
             self.warm_up_attention()
