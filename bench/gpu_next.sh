@@ -540,64 +540,47 @@ finally:
     s.stop()
 PY
     ;;
-  hostab)
-    # Through HTTP, what the engine thread's lighter steps buy (since dc82b8c: digests from the
+  hostab|kvab)
+    # hostab: through HTTP, what the engine thread's lighter steps buy (since dc82b8c: digests from the
     # API server, no per-block token check, a decode's applied step without copies, inline
     # reference counts): scoring at SQPS next to chat at 2 QPS on default servers, this tree
     # and the old one alternated A B A B, no profiler attached. Each JSON holds the scoring
     # latency, the chat stream's file beside it, and the step trace's short suffix steps and
     # decode steps (device, launch and plan time). ~80 s a server after `warm`.
-    mkdir -p /tmp/old && tar xzf .old_rev/old.tar.gz -C /tmp/old || { echo "no .old_rev"; exit 1; }
-    python3 - "${split:-random:qwen2.5-3b}" "$deadline" "$t0" "${SQPS:-40}" "$OUT" <<'PY' || rc=1
-import subprocess, sys, tarfile, time
-from pathlib import Path
-from bench.gpu_serving import Server
-model, deadline, t0, qps, out = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5]
-# git archive writes the commit into the tarball's pax header: the old side's revision.
-old_rev = tarfile.open(".old_rev/old.tar.gz").pax_headers.get("comment", "unknown")
-for i, (name, tree) in enumerate([("new", None), ("old", Path("/tmp/old"))] * 2):
-    if deadline - (time.time() - t0) < 110:
-        print(f"hostab: {i}-{name} skipped for time", flush=True)
-        break
-    s = Server(model, 8011, ["--calibrate", "false"], Path(f"/tmp/serving/hostab-{i}-{name}.log"), tree)
-    print(f"hostab: {i}-{name} healthy after {s.start(120.0):.0f} s", flush=True)
-    try:
-        tag = f"hostab-{i}-{name}"
-        subprocess.run(
-            [sys.executable, "-m", "bench.host_profile", "--url", s.url, "--score-qps", qps,
-             "--py-spy-s", "0", "--profile-steps", "0", "--out-dir", "/tmp/serving/hostab",
-             "--tag", tag, *(["--server-revision", old_rev] if tree else [])],
-            check=True, timeout=150)
-        subprocess.run(["cp", f"/tmp/serving/hostab/{tag}.json", out], check=True)
-    finally:
-        s.stop()
-PY
-    ;;
-  kvab)
-    # The prefill graphs running the fused RoPE + K/V write themselves (--prefill-graphs-write-kv,
+    # kvab: the prefill graphs running the fused RoPE + K/V write themselves (--prefill-graphs-write-kv,
     # off by default until this says it pays) against the default, one tree, servers alternated
     # A B A B, as plan hostab: scoring at SQPS next to chat at 2 QPS, no profiler; each JSON
     # holds the scoring latency and the short steps' device, launch and plan time. Run
     # tests/gpu/test_prefill_graphs_gpu.py first. ~80 s a server after `warm`.
-    python3 - "${split:-random:qwen2.5-3b}" "$deadline" "$t0" "${SQPS:-40}" "$OUT" <<'PY' || rc=1
-import subprocess, sys, time
+    if [ "$plan" = hostab ]; then
+      mkdir -p /tmp/old && tar xzf .old_rev/old.tar.gz -C /tmp/old || { echo "no .old_rev"; exit 1; }
+    fi
+    python3 - "${split:-random:qwen2.5-3b}" "$deadline" "$t0" "${SQPS:-40}" "$OUT" "$plan" <<'PY' || rc=1
+import subprocess, sys, tarfile, time
 from pathlib import Path
 from bench.gpu_serving import Server
-model, deadline, t0, qps, out = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5]
-sides = [("default", []), ("graphkv", ["--prefill-graphs-write-kv", "true"])] * 2
-for i, (name, extra) in enumerate(sides):
+model, deadline, t0, qps, out, plan = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6]
+# (name, server args, served tree, host_profile args), alternated A B A B.
+if plan == "hostab":
+    # git archive writes the commit into the tarball's pax header: the old side's revision.
+    old_rev = tarfile.open(".old_rev/old.tar.gz").pax_headers.get("comment", "unknown")
+    sides = [("new", [], None, []), ("old", [], Path("/tmp/old"), ["--server-revision", old_rev])]
+else:
+    sides = [("default", [], None, []), ("graphkv", ["--prefill-graphs-write-kv", "true"], None, [])]
+for i, (name, server_args, tree, profile_args) in enumerate(sides * 2):
     if deadline - (time.time() - t0) < 110:
-        print(f"kvab: {i}-{name} skipped for time", flush=True)
+        print(f"{plan}: {i}-{name} skipped for time", flush=True)
         break
-    s = Server(model, 8011, ["--calibrate", "false", *extra], Path(f"/tmp/serving/kvab-{i}-{name}.log"))
-    print(f"kvab: {i}-{name} healthy after {s.start(120.0):.0f} s", flush=True)
+    log = Path(f"/tmp/serving/{plan}-{i}-{name}.log")
+    s = Server(model, 8011, ["--calibrate", "false", *server_args], log, tree)
+    print(f"{plan}: {i}-{name} healthy after {s.start(120.0):.0f} s", flush=True)
     try:
-        tag = f"kvab-{i}-{name}"
+        tag = f"{plan}-{i}-{name}"
         subprocess.run(
             [sys.executable, "-m", "bench.host_profile", "--url", s.url, "--score-qps", qps,
-             "--py-spy-s", "0", "--profile-steps", "0", "--out-dir", "/tmp/serving/kvab",
-             "--tag", tag], check=True, timeout=150)
-        subprocess.run(["cp", f"/tmp/serving/kvab/{tag}.json", out], check=True)
+             "--py-spy-s", "0", "--profile-steps", "0", "--out-dir", f"/tmp/serving/{plan}",
+             "--tag", tag, *profile_args], check=True, timeout=150)
+        subprocess.run(["cp", f"/tmp/serving/{plan}/{tag}.json", out], check=True)
     finally:
         s.stop()
 PY

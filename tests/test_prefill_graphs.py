@@ -86,6 +86,17 @@ def test_buckets_and_the_largest_one() -> None:
         EngineConfig(prefill_graph_max_tokens=-1)
 
 
+def _batch(rng: random.Random, specs: list[tuple[int, int, int, list[int]]]) -> ForwardBatch:
+    """A prefill batch of (context, new, kept, block ids) sequences with random token ids."""
+    ids, pos, seqs = [], [], []
+    for ctx, n, kept, blocks in specs:
+        seqs.append(SeqSlice(len(ids), n, ctx, kept, blocks))
+        ids += [rng.randrange(5, 500) for _ in range(n)]
+        pos += range(ctx, ctx + n)
+    rows = torch.tensor([s.query_start + s.num_query_tokens - 1 for s in seqs])
+    return ForwardBatch(torch.tensor(ids), torch.tensor(pos), seqs, rows, False)
+
+
 class _OutBackend(TorchAttentionBackend):
     """The torch backend declaring `writes_out` (FlashInfer's way): it is handed `out=`."""
 
@@ -108,15 +119,6 @@ def test_segments_with_padding_match_the_eager_forward(writes_out: bool) -> None
     assert pg.bucket_for(17) == 32 and pg.bucket_for(33) is None and pg.bucket_for(0) is None
     rng = random.Random(0)
 
-    def batch(specs: list[tuple[int, int, int, list[int]]]) -> ForwardBatch:
-        ids, pos, seqs = [], [], []
-        for ctx, n, kept, blocks in specs:
-            seqs.append(SeqSlice(len(ids), n, ctx, kept, blocks))
-            ids += [rng.randrange(5, 500) for _ in range(n)]
-            pos += range(ctx, ctx + n)
-        rows = torch.tensor([s.query_start + s.num_query_tokens - 1 for s in seqs])
-        return ForwardBatch(torch.tensor(ids), torch.tensor(pos), seqs, rows, False)
-
     steps = [
         # two fresh prompts: 15 tokens in the 16 bucket
         [(0, 9, 9, [0, 1, 2]), (0, 6, 6, [3, 4])],
@@ -127,7 +129,7 @@ def test_segments_with_padding_match_the_eager_forward(writes_out: bool) -> None
         [(14, 3, 17, [0, 1, 2, 3, 8])],
     ]
     for specs in steps:
-        b = batch(specs)
+        b = _batch(rng, specs)
         eager_be = TorchAttentionBackend(pool)
         graph_be = _OutBackend(pool) if writes_out else TorchAttentionBackend(pool)
         eager_be.plan(b)
@@ -167,15 +169,6 @@ def test_graphs_that_write_the_kv_leave_the_pool_as_the_eager_forward_does() -> 
     eager_capture(pg)
     rng = random.Random(1)
 
-    def batch(specs: list[tuple[int, int, int, list[int]]]) -> ForwardBatch:
-        ids, pos, seqs = [], [], []
-        for ctx, n, kept, blocks in specs:
-            seqs.append(SeqSlice(len(ids), n, ctx, kept, blocks))
-            ids += [rng.randrange(5, 500) for _ in range(n)]
-            pos += range(ctx, ctx + n)
-        rows = torch.tensor([s.query_start + s.num_query_tokens - 1 for s in seqs])
-        return ForwardBatch(torch.tensor(ids), torch.tensor(pos), seqs, rows, False)
-
     steps = [
         [(0, 9, 9, [0, 1, 2]), (0, 6, 6, [3, 4])],
         # 25 rows in the 32 bucket; the second prompt keeps 12 of its 20 (scoring)
@@ -184,7 +177,7 @@ def test_graphs_that_write_the_kv_leave_the_pool_as_the_eager_forward_does() -> 
         [(14, 3, 17, [0, 1, 2, 3, 8])],
     ]
     for specs in steps:
-        b = batch(specs)
+        b = _batch(rng, specs)
         before = [t.clone() for t in (*pool.k, *pool.v)]
         eager_be = TorchAttentionBackend(pool)
         eager_be.plan(b)
