@@ -207,6 +207,13 @@ class FlashInferBackend:
         self._fi = flashinfer
         self.k_caches = k_caches
         self.v_caches = v_caches
+        # Each layer's pool as flat [num_blocks * block_size, Hkv, D] slot views, built once:
+        # the pool never moves, and two views a layer a step showed in the host's profile.
+        flat_shape = (-1, num_kv_heads, head_dim)
+        self._flat = [
+            (kc.view(flat_shape), vc.view(flat_shape))
+            for kc, vc in zip(k_caches, v_caches, strict=True)
+        ]
         self.num_q_heads = num_q_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -575,8 +582,7 @@ class FlashInferBackend:
     # ------------------------------------------------------------------ forward
     def _flat_caches(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V pool as flat [num_blocks * block_size, Hkv, D] slot views."""
-        shape = (-1, self.num_kv_heads, self.head_dim)
-        return self.k_caches[layer_idx].view(shape), self.v_caches[layer_idx].view(shape)
+        return self._flat[layer_idx]
 
     def _write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, plan: _Plan) -> None:
         if plan.write_slots.numel() == 0:
