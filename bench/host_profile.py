@@ -100,6 +100,58 @@ def step_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "short_steps": short_steps(steps),
         "decode_steps": medians(decode, host),
         "prefill_steps": medians(prefill, (*host, "num_prefill_tokens", "num_prefill_seqs")),
+        "device_load": device_load(steps),
+    }
+
+
+# A device gap longer than this is taken for "no work queued" (between probes, a drained
+# queue), not for the host's time between two steps: a step's own host work is 1-10 ms.
+NO_WORK_GAP_MS = 50.0
+# Prefill-only steps grouped by their number of requests: [low, high] inclusive.
+BATCH_BANDS = ((1, 1), (2, 8), (9, 32), (33, 128), (129, 1 << 30))
+
+
+def device_load(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Whether the device or the host set the pace over the trace, and what a prefill-only step
+    cost per request at each batch size: the GPU's own batch model, read off a served load
+    (docs/scheduling.md: the simulator prices batches of 20-60 warm requests from points of 4
+    and 16). `busy_share`: device time over device time plus the host's gaps between steps
+    (gaps of `NO_WORK_GAP_MS` or more are counted apart, as `no_work_gaps`: nothing queued).
+    Whole-GPU steps with a device time only (a split's partitions overlap)."""
+    whole = [s for s in steps if not s.get("on_split") and s.get("device_ms") is not None]
+    device_ms = sum(s["device_ms"] for s in whole)
+    gaps = [s["idle_before_ms"] for s in whole if s.get("idle_before_ms") is not None]
+    host_gap_ms = sum(g for g in gaps if g < NO_WORK_GAP_MS)
+    bands = []
+    for low, high in BATCH_BANDS:
+        band = [
+            s
+            for s in whole
+            if s.get("num_prefill_tokens")
+            and not s.get("num_decodes")
+            and low <= (s.get("num_prefill_seqs") or 0) <= high
+        ]
+        if not band:
+            continue
+        seqs = sum(s["num_prefill_seqs"] for s in band)
+        band_ms = sum(s["device_ms"] for s in band)
+        bands.append(
+            {
+                "num_seqs": [low, high] if high < 1 << 30 else [low, None],
+                "num_steps": len(band),
+                "device_ms_per_seq": band_ms / seqs,
+                "new_tokens_per_seq": sum(s["num_prefill_tokens"] for s in band) / seqs,
+                "context_tokens_per_seq": sum(s.get("prefill_context_tokens") or 0 for s in band)
+                / seqs,
+            }
+        )
+    return {
+        "num_steps": len(whole),
+        "device_ms": device_ms,
+        "host_gap_ms": host_gap_ms,
+        "busy_share": device_ms / (device_ms + host_gap_ms) if device_ms + host_gap_ms else None,
+        "no_work_gaps": sum(1 for g in gaps if g >= NO_WORK_GAP_MS),
+        "prefill_by_batch": bands,
     }
 
 

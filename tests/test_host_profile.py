@@ -61,3 +61,41 @@ def test_step_summary_reads_short_and_decode_steps() -> None:
         "idle_before_ms_p50": 0.1,
     }
     assert got["short_steps"]["num_steps"] == 1 and got["short_steps"]["plan_ms_p50"] == 2.0
+
+
+def test_device_load_separates_host_gaps_from_idle_and_prices_batches_per_request() -> None:
+    from bench.host_profile import device_load
+
+    def prefill(seqs: int, device_ms: float, idle_ms: float) -> dict:
+        return {
+            "num_decodes": 0,
+            "num_prefill_seqs": seqs,
+            "num_prefill_tokens": 16 * seqs,
+            "prefill_context_tokens": 14_000 * seqs,
+            "device_ms": device_ms,
+            "idle_before_ms": idle_ms,
+        }
+
+    steps = [
+        prefill(1, 10.0, 2.0),
+        prefill(40, 300.0, 1.0),
+        prefill(40, 340.0, 3000.0),  # a drained queue before it: not the host's gap
+        prefill(4, 30.0, 1.0),
+        dict(prefill(40, 999.0, 0.0), on_split=True),  # a partition's step
+        {"num_decodes": 8, "num_prefill_tokens": 0, "device_ms": 6.0, "idle_before_ms": 0.5},
+        {"num_decodes": 8, "num_prefill_tokens": 0, "device_ms": None},
+    ]
+    got = device_load(steps)
+    assert got["num_steps"] == 5
+    assert got["device_ms"] == 686.0
+    assert got["host_gap_ms"] == 4.5
+    assert got["no_work_gaps"] == 1
+    assert got["busy_share"] == pytest.approx(686.0 / 690.5)
+    bands = {tuple(b["num_seqs"]): b for b in got["prefill_by_batch"]}
+    assert set(bands) == {(1, 1), (2, 8), (33, 128)}
+    assert bands[(33, 128)]["num_steps"] == 2
+    assert bands[(33, 128)]["device_ms_per_seq"] == pytest.approx(640.0 / 80)
+    assert bands[(2, 8)]["device_ms_per_seq"] == pytest.approx(7.5)
+    assert bands[(1, 1)]["context_tokens_per_seq"] == 14_000
+    assert bands[(33, 128)]["new_tokens_per_seq"] == 16
+    assert device_load([])["busy_share"] is None
