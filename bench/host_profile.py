@@ -139,6 +139,7 @@ def device_load(steps: list[dict[str, Any]]) -> dict[str, Any]:
             {
                 "num_seqs": [low, high] if high < 1 << 30 else [low, None],
                 "num_steps": len(band),
+                "num_requests": seqs,
                 "device_ms_per_seq": band_ms / seqs,
                 "new_tokens_per_seq": sum(s["num_prefill_tokens"] for s in band) / seqs,
                 "context_tokens_per_seq": sum(s.get("prefill_context_tokens") or 0 for s in band)

@@ -364,6 +364,45 @@ def at_first_probe(by_policy: dict[str, list[dict[str, Any]]]) -> dict[str, dict
     return out
 
 
+def batch_model_check(gpu: dict[str, Any], service: Any) -> list[dict[str, Any]]:
+    """The simulator's price of a prefill-only forward against the GPU's, per batch size, on
+    the batches the GPU ran: each search's step trace (`steps.device_load.prefill_by_batch`,
+    bench.host_profile.device_load) gives, per band of batch sizes, the device time per
+    request, the mean batch and the mean new and cached tokens per request; the simulator
+    prices a forward of that many such requests (`median_forward_s`, batch correction
+    included). `measured_over_sim` > 1: the simulator undercharges the GPU's batches (its
+    capacity too high). Searches without a step trace are left out."""
+    rows = []
+    for wl, pools in (gpu.get("results") or {}).items():
+        for pool, by_policy in pools.items():
+            for policy, reps in by_policy.items():
+                for r in reps:
+                    load = ((r.get("steps") or {}).get("device_load")) or {}
+                    for band in load.get("prefill_by_batch") or []:
+                        batch = max(round(band["num_requests"] / band["num_steps"]), 1)
+                        u = max(round(band["new_tokens_per_seq"]), 1)
+                        c = round(band["context_tokens_per_seq"])
+                        sim_ms = service.median_forward_s([(u, c)] * batch) * 1e3 / batch
+                        rows.append(
+                            {
+                                "workload": wl,
+                                "pool": pool,
+                                "policy": policy,
+                                "repeat": r.get("repeat"),
+                                "num_seqs": band["num_seqs"],
+                                "num_steps": band["num_steps"],
+                                "mean_batch": batch,
+                                "new_tokens_per_seq": u,
+                                "context_tokens_per_seq": c,
+                                "gpu_device_ms_per_seq": band["device_ms_per_seq"],
+                                "sim_ms_per_seq": sim_ms,
+                                "measured_over_sim": band["device_ms_per_seq"] / sim_ms,
+                                "busy_share": load.get("busy_share"),
+                            }
+                        )
+    return rows
+
+
 def compare(
     gpu: dict[str, Any],
     setup: SimSetup,
@@ -418,7 +457,11 @@ def compare(
                     "sim_hit_rate": s_first[policy]["hit_rate"],
                 }
             )
-    return {"rows": rows, "replayed": replayed}
+    return {
+        "rows": rows,
+        "batch_model": batch_model_check(gpu, setup.service),
+        "replayed": replayed,
+    }
 
 
 def issue_point(
@@ -679,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
         if what_if:
             # Not what the GPU ran: its SRJF used the server's defaults.
             data["srjf_what_if"] = what_if
-        table = markdown_rows(data["rows"])
+        table = markdown_rows(data["rows"]) + markdown_batches(data["batch_model"])
     elif args.predict:
         setup = _setup(args)
         data = predict(args, setup, tok)
@@ -711,6 +754,28 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(data, indent=1, default=str) + "\n")
     print(table)
     return 0
+
+
+def markdown_batches(rows: list[dict[str, Any]]) -> str:
+    """The batch-model check as a table (empty without step traces in the GPU file)."""
+    if not rows:
+        return ""
+    lines = [
+        "",
+        "| search | batch band | steps | mean batch | new / cached tokens | GPU ms/req | "
+        "sim ms/req | GPU / sim |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        low, high = r["num_seqs"]
+        lines.append(
+            f"| {r['workload']}@{r['pool']} {r['policy']} r{r['repeat']} | "
+            f"{low}-{high if high is not None else ''} | {r['num_steps']} | {r['mean_batch']} | "
+            f"{r['new_tokens_per_seq']} / {r['context_tokens_per_seq']} | "
+            f"{r['gpu_device_ms_per_seq']:.2f} | {r['sim_ms_per_seq']:.2f} | "
+            f"{r['measured_over_sim']:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def _setup(args: argparse.Namespace) -> SimSetup:

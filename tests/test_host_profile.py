@@ -93,7 +93,7 @@ def test_device_load_separates_host_gaps_from_idle_and_prices_batches_per_reques
     assert got["busy_share"] == pytest.approx(686.0 / 690.5)
     bands = {tuple(b["num_seqs"]): b for b in got["prefill_by_batch"]}
     assert set(bands) == {(1, 1), (2, 8), (33, 128)}
-    assert bands[(33, 128)]["num_steps"] == 2
+    assert bands[(33, 128)]["num_steps"] == 2 and bands[(33, 128)]["num_requests"] == 80
     assert bands[(33, 128)]["device_ms_per_seq"] == pytest.approx(640.0 / 80)
     assert bands[(2, 8)]["device_ms_per_seq"] == pytest.approx(7.5)
     assert bands[(1, 1)]["context_tokens_per_seq"] == 14_000

@@ -209,3 +209,30 @@ def test_step_overhead_what_if_reaches_every_forward_and_is_recorded(tok, tmp_pa
     assert json.loads(out.read_text())["step_overhead_what_if_ms"] == 3.0
     with pytest.raises(SystemExit):
         svg.main(["--issue-point", "--step-overhead-ms", "3", "--out", "/dev/null"])
+
+
+def test_batch_model_check_prices_the_gpus_batches_as_the_simulator_would(tok) -> None:
+    from bench.sim_profile import ProfileService
+
+    setup = build_setup()
+    assert isinstance(setup.service, ProfileService)
+    gpu = _gpu_file(tok)
+    band = {
+        "num_seqs": [33, 128],
+        "num_steps": 4,
+        "num_requests": 160,
+        "device_ms_per_seq": 9.0,
+        "new_tokens_per_seq": 16.2,
+        "context_tokens_per_seq": 14_000.4,
+    }
+    load = {"busy_share": 0.97, "prefill_by_batch": [band]}
+    gpu["results"]["post-recommendation"]["0.5"]["fcfs"][0]["steps"] = {"device_load": load}
+    rows = svg.batch_model_check(gpu, setup.service)
+    assert len(rows) == 1  # srjf's search has no step trace: left out
+    r = rows[0]
+    assert (r["policy"], r["mean_batch"], r["new_tokens_per_seq"]) == ("fcfs", 40, 16)
+    want = setup.service.median_forward_s([(16, 14_000)] * 40) * 1e3 / 40
+    assert r["sim_ms_per_seq"] == pytest.approx(want)
+    assert r["measured_over_sim"] == pytest.approx(9.0 / want)
+    assert "| 33-128 | 4 | 40 |" in svg.markdown_batches(rows)
+    assert svg.markdown_batches([]) == ""
