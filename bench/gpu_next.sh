@@ -69,6 +69,10 @@
 #   bash bench/gpu_next.sh abandon REV [M] # a client leaving a long scoring prompt: the GPU
 #                                         #   test, then bench.abandoned through HTTP (M: the
 #                                         #   8B shape; 131k tokens, two repeats; ~3 min)
+#   bash bench/gpu_next.sh batch REV      # issue 17: the default pool's batches on this GPU
+#                                         #   (FCFS, SRJF; each search's step trace prices
+#                                         #   the GPU's batches) after a profile of this GPU
+#                                         #   with warm batch points of 24-32 (~8 min)
 #   bash bench/gpu_next.sh l REV          # issue 12: the fused RoPE + K/V write vs the unfused
 #                                         #   pair, one layer, T = 1..16k, tiled variants; then
 #                                         #   the decode-path GPU tests; issue 17: the prefill
@@ -476,6 +480,22 @@ case $plan in
       --parts "$parts" --tag gpu-scheduling-$plan --command "${DUR:+DUR=$DUR }${PROBES:+PROBES=$PROBES }${PARTS:+PARTS='$PARTS' }${SERVER_ARGS:+SERVER_ARGS='$SERVER_ARGS' }bash bench/gpu_next.sh $plan $rev" \
       --deadline-s "$(( $(left) - 15 ))" || rc=1
     cp $work/sched/gpu-scheduling-*.json "$OUT/" ;;
+  batch)
+    # Issue 17: why the simulator over-predicts the default pool's ceiling (docs/scheduling.md,
+    # "The replays' forwards"). A prefill profile of this GPU first, with warm batch points at
+    # the sizes the engine runs there (BATCH_POINTS; a point whose contexts do not fit the
+    # pool is recorded as skipped), then FCFS and SRJF at the default pool, five probes each.
+    # Every search records the server's step trace after it (its last probes, at the
+    # ceiling): the device's busy share against the host's gaps, and the device time per
+    # request by batch size, which bench.sim_vs_gpu sets beside the simulator's price.
+    python3 -m bench.gpu_scheduling --model random:llama-3.1-8b --rev "$rev" \
+      --out-dir $work/sched --duration-s 14 --max-probes 5 --start-s 30 --profile-s 110 \
+      --profile-args "--batch-points ${BATCH_POINTS:-150:16384:4,150:16384:16,512:0:8,1024:0:8,16:14336:24,150:14336:24,16:14336:32}" \
+      --start-qps "post-recommendation@default=40" \
+      --parts "post-recommendation:default:fcfs,srjf:1" --tag gpu-scheduling-batch \
+      --command "bash bench/gpu_next.sh batch $rev" \
+      --deadline-s "$(( $(left) - 15 ))" || rc=1
+    cp $work/sched/gpu-scheduling-*.json $work/sched/prefill-profile-*.json "$OUT/" ;;
   abandon)
     # A client leaving a long scoring prompt (since c74da04 its step stops at the next layer):
     # the GPU test, then through HTTP what the next request waits (bench.abandoned) on the 8B
