@@ -266,6 +266,7 @@ class Orchestrator:
                 "scales": self.scales,
                 "start_qps": self.start_qps,
                 "server_args": args.server_args,
+                "client_procs": args.client_procs,
                 "parts": self.parts,
             },
             "definitions": {
@@ -477,6 +478,8 @@ class Orchestrator:
             f"e2el:{self.slo_ms[workload]:g}",
             "--no-reset-prefix-cache",
             "--prime-prefixes",
+            "--client-procs",
+            str(a.client_procs),
             "--out",
             str(path),
             *(["--tokenizer", a.tokenizer] if a.tokenizer else []),
@@ -770,6 +773,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-probes", type=int, default=4)
     p.add_argument("--search-factor", type=float, default=1.5)
     p.add_argument("--server-args", default="", help="extra `app serve` options")
+    p.add_argument(
+        "--client-procs",
+        type=int,
+        default=4,
+        help="bench.serve --client-procs (since 2026-12-05; one process, as before, sent late "
+        "past ~110 QPS of post recommendation: docs/scheduling.md)",
+    )
     p.add_argument("--start-s", type=float, default=35.0, help="estimated server start-up")
     p.add_argument(
         "--profile",

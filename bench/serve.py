@@ -430,6 +430,150 @@ async def run_once(
     return metrics, results
 
 
+# ---------------------------------------------------------------- several client processes
+
+# One Python client process sends long scoring requests at ~5 ms of its CPU each (httpx and
+# asyncio per request, the JSON of a 14k-token body). Past ~80 % of a core it sends late and
+# reads late, and a run then measures the client: post recommendation at the default pool on
+# an H100 (2026-12-05) failed its 135-QPS probe with the client at 87 % of a core, its send
+# lag P99 3.0 s, while the server's own request times stayed under 1 s (P99 0.8 s).
+# `--client-procs N` deals a run's requests round-robin to N processes, which start sending
+# at one wall-clock instant, each on its own core.
+SPREAD_LEAD_S = 1.0  # a run's start this far ahead of the dispatch, plus the bodies' pickling
+SPREAD_LEAD_S_PER_MTOKEN = 0.2  # per million distinct prompt tokens shipped to the processes
+SPREAD_LATE_WARN_S = 0.05
+
+_worker_tokenizer: dict[str, Any] = {}
+
+
+def _worker_ready(_: int) -> int:
+    time.sleep(0.2)  # so that each process takes one (the pool spawns every process)
+    return os.getpid()
+
+
+def _worker_run(
+    base_url: str,
+    requests: list[WorkloadRequest],
+    arrivals_s: list[float],
+    opts: ClientOptions,
+    tokenizer_spec: str | None,
+    start_at_unix_s: float,
+) -> tuple[dict[str, Any], list[RequestResult]]:
+    """One process's share of a run (`ClientPool.run`): wait for the common start, then send.
+    Returns its metrics and results (times relative to its own start, `started_unix_s`)."""
+    if tokenizer_spec is not None:  # loaded once a process, as the parent's was
+        if tokenizer_spec not in _worker_tokenizer:
+            spec = tokenizer_spec or None
+            _worker_tokenizer[tokenizer_spec] = load_tokenizer(spec)
+        opts.tokenizer = _worker_tokenizer[tokenizer_spec]
+    delay_s = start_at_unix_s - time.time()
+    if delay_s > 0:
+        time.sleep(delay_s)
+    return asyncio.run(run_once(base_url, requests, arrivals_s, opts))
+
+
+class ClientPool:
+    """`num_procs` client processes kept across a search's probes (spawned once: each imports
+    this module, ~1-2 s). `run` has `run_once`'s contract, without `stop`: a run in flight on
+    several processes ends when its requests do (or time out)."""
+
+    def __init__(self, num_procs: int, tokenizer_spec: str | None) -> None:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        if num_procs < 2:
+            raise ValueError("ClientPool needs at least 2 processes (1: use run_once)")
+        self.num_procs = num_procs
+        # "" stands for the default tokenizer (load_tokenizer(None)); None: no tokenizer.
+        self.tokenizer_spec = tokenizer_spec
+        self._pool = ProcessPoolExecutor(num_procs, mp_context=multiprocessing.get_context("spawn"))
+        self._started = False
+
+    async def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        pids = await asyncio.gather(
+            *[loop.run_in_executor(self._pool, _worker_ready, i) for i in range(self.num_procs)]
+        )
+        self._started = True
+        if len(set(pids)) != self.num_procs:  # a slow spawn: one process took two of them
+            print(
+                f"warning: {len(set(pids))} of {self.num_procs} client processes answered at "
+                "start-up (the rest start with the first run)",
+                file=sys.stderr,
+            )
+
+    async def run(
+        self,
+        base_url: str,
+        requests: list[WorkloadRequest],
+        arrivals_s: list[float],
+        opts: ClientOptions,
+        slo: SLO | None = None,
+        label: str = "",
+    ) -> tuple[dict[str, Any], list[RequestResult]]:
+        assert len(requests) == len(arrivals_s)
+        if opts.max_concurrency:
+            raise ValueError("a closed loop (--max-concurrency) runs in one client process")
+        if not self._started:
+            await self._start()
+        quiet = ClientOptions(
+            **{f: getattr(opts, f) for f in opts.__slots__ if f not in ("tokenizer", "progress")},
+            progress=False,
+        )
+        spec = self.tokenizer_spec if opts.tokenizer is not None else None
+        n = self.num_procs
+        # Distinct prompt tokens shipped (a user's shared query list is pickled once a process).
+        distinct = {id(r.query_token_ids): len(r.query_token_ids) for r in requests}
+        mtokens = (sum(distinct.values()) * n + sum(len(r.item_token_ids) for r in requests)) / 1e6
+        start_at = time.time() + SPREAD_LEAD_S + SPREAD_LEAD_S_PER_MTOKEN * mtokens
+        loop = asyncio.get_running_loop()
+        parts = await asyncio.gather(
+            *[
+                loop.run_in_executor(
+                    self._pool,
+                    _worker_run,
+                    base_url,
+                    requests[i::n],
+                    arrivals_s[i::n],
+                    quiet,
+                    spec,
+                    start_at,
+                )
+                for i in range(n)
+            ]
+        )
+        # Onto the common clock: a process that started late sent its requests that much
+        # later than planned, which its send lag must show.
+        late = [max(m["started_unix_s"] - start_at, 0.0) for m, _ in parts]
+        results = []
+        for (_, rs), late_s in zip(parts, late, strict=True):
+            for r in rs:
+                r.send_s += late_s
+            results += rs
+        ended = max(m["ended_unix_s"] for m, _ in parts)
+        metrics = compute_metrics(results, ended - start_at, slo, None)
+        cpu = [m["client_cpu_percent"] for m, _ in parts]
+        # The busiest process is the one whose lag would show in the timings.
+        metrics["client_cpu_percent"] = max(cpu)
+        metrics["client_procs"] = {
+            "num": n,
+            "cpu_percent": cpu,
+            "late_start_s": [round(x, UNIX_S_DECIMALS) for x in late],
+        }
+        metrics["started_unix_s"] = round(start_at, UNIX_S_DECIMALS)
+        metrics["ended_unix_s"] = round(ended, UNIX_S_DECIMALS)
+        if max(late) > SPREAD_LATE_WARN_S:
+            print(
+                f"warning: {label or 'run'}: a client process started {max(late):.2f} s late "
+                "(its requests left late; send_lag_ms counts it)",
+                file=sys.stderr,
+            )
+        return metrics, results
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
 # ---------------------------------------------------------------- max-QPS search
 
 
@@ -758,6 +902,13 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="tokenizer.json or model folder (default: default model)")
     p.add_argument("--model", help="model name in request bodies (default: first of /v1/models)")
     p.add_argument("--max-concurrency", type=int)
+    p.add_argument(
+        "--client-procs",
+        type=int,
+        default=1,
+        help="client processes a run's requests are dealt to (open loop only): one Python "
+        "process sends late past ~80 %% of a core (client_cpu_percent says)",
+    )
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -947,6 +1098,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     slo = SLO.parse(args.slo)
     if args.find_max_qps and slo is None:
         raise SystemExit("--find-max-qps needs --slo")
+    if args.client_procs > 1 and args.max_concurrency:
+        raise SystemExit("--client-procs deals an open loop; --max-concurrency runs in one process")
     if args.save_steps and args.server != "greenlane":
         raise SystemExit(f"--save-steps reads Greenlane's /admin/api/steps, not {args.server}'s")
     tok = load_tokenizer(args.tokenizer)
@@ -972,6 +1125,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "ignore_eos": opts.ignore_eos,
         "temperature": opts.temperature,
         "max_concurrency": opts.max_concurrency,
+        "client_procs": args.client_procs,
         "request_timeout_s": opts.request_timeout_s,
         "warmup_requests": args.warmup_requests,
         "reset_prefix_cache": args.reset_prefix_cache,
@@ -998,9 +1152,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             prime = await prime_prefixes(base_url, gen, opts)
             primed.append(prime)
         before = await server_counters(base_url, args.admin_token, args.server)
-        metrics, results = await run_once(
-            base_url, plan.requests, plan.arrivals_s, opts, slo, label=f"qps {qps:g}", stop=stop
-        )
+        if pool is not None:
+            metrics, results = await pool.run(
+                base_url, plan.requests, plan.arrivals_s, opts, slo, label=f"qps {qps:g}"
+            )
+        else:
+            metrics, results = await run_once(
+                base_url, plan.requests, plan.arrivals_s, opts, slo, f"qps {qps:g}", stop
+            )
         after = await server_counters(base_url, args.admin_token, args.server)
         run = run_record(qps, metrics, plan, reset, prefix_cache_delta(before, after), prime)
         run["engine_failures"] = failures = engine_failures_delta(before, after)
@@ -1022,17 +1181,23 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         runs.append(run)
         return metrics
 
-    if args.find_max_qps:
-        assert slo is not None
-        search = await search_max_qps(
-            run_at, slo, qps_list[0], args.max_probes, factor=args.search_factor
-        )
-        record["max_qps_search"] = {k: v for k, v in search.items() if k != "probes"}
-    else:
-        for qps in qps_list:
-            if stop.is_set():
-                break
-            await run_at(qps)
+    # "" stands for the default tokenizer in the client processes (load_tokenizer(None)).
+    pool = ClientPool(args.client_procs, args.tokenizer or "") if args.client_procs > 1 else None
+    try:
+        if args.find_max_qps:
+            assert slo is not None
+            search = await search_max_qps(
+                run_at, slo, qps_list[0], args.max_probes, factor=args.search_factor
+            )
+            record["max_qps_search"] = {k: v for k, v in search.items() if k != "probes"}
+        else:
+            for qps in qps_list:
+                if stop.is_set():
+                    break
+                await run_at(qps)
+    finally:
+        if pool is not None:
+            pool.close()
     record["stopped_by_signal"] = stop.is_set()
     runs.sort(key=lambda r: math.inf if r["qps"] == "inf" else r["qps"])
     record["runs"] = runs

@@ -375,6 +375,40 @@ def test_scoring_run_sends_token_ids_with_shared_prefixes(fake_server, tokenizer
     assert len(set(queries)) < len(queries) or len(queries) <= 1
 
 
+def test_client_procs_send_the_same_requests_on_one_clock(fake_server, tokenizer_file, tmp_path):
+    """Two client processes deal one run's requests between them: the server gets the same
+    bodies as from one process, and the record says how the processes fared."""
+    url, app = fake_server
+
+    def run(procs: int) -> tuple[dict[str, Any], list[tuple]]:
+        app.state.seen.clear()
+        argv = ["--url", url, "--workload", "post-recommendation", "--scale", "0.01"]
+        argv += ["--num-requests", "24", "--qps", "60", "--seed", "5", "--no-progress"]
+        argv += ["--tokenizer", str(tokenizer_file), "--client-procs", str(procs)]
+        record = run_cli([*argv, "--out", str(tmp_path / f"p{procs}.json")])
+        bodies = [b for kind, b in app.state.seen if kind == "score"]
+        return record, sorted((tuple(b["query"]), tuple(b["items"][0])) for b in bodies)
+
+    one, bodies_one = run(1)
+    two, bodies_two = run(2)
+    assert bodies_two == bodies_one and len(bodies_one) == 24
+    m = two["metrics"]
+    assert m["completed"] == 24 and m["failed"] == 0
+    assert two["options"]["client_procs"] == 2 and "client_procs" not in one["metrics"]
+    procs = m["client_procs"]
+    assert procs["num"] == 2 and len(procs["cpu_percent"]) == 2
+    assert m["client_cpu_percent"] == max(procs["cpu_percent"])
+    # One clock: both processes started at the common instant, and the requests left near
+    # their planned times on it (a late process's lag is added to its requests').
+    assert max(procs["late_start_s"]) < 0.5
+    assert m["send_lag_ms"]["median"] < 500
+    with pytest.raises(SystemExit, match="client-procs"):
+        closed = ["--workload", "sharegpt", "--seed", "1", "--qps", "5", "--num-requests", "2"]
+        closed += ["--client-procs", "2"]
+        closed += ["--max-concurrency", "4", "--out", str(tmp_path / "x.json")]
+        serve.main(["--url", url, *closed])
+
+
 def test_arrival_times_are_seeded_and_have_the_requested_rate():
     a = serve.arrival_times_s(20.0, seed=1, num_requests=4000)
     b = serve.arrival_times_s(20.0, seed=1, num_requests=4000)
