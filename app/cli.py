@@ -78,9 +78,9 @@ _ENGINE_HELP = {
     "fused_rope_kv_write": "auto | true | false: RoPE and the K/V pool write in one Triton "
     "launch per layer instead of three (auto: with the FlashInfer backend; true: also with "
     "torch SDPA)",
-    "prefill_graphs_write_kv": "experimental, not yet measured on a GPU (CUDA only): with the "
-    "fused RoPE + K/V write, the prefill graphs run it inside their replays and attention "
-    "alone runs between them",
+    "prefill_graphs_write_kv": "auto | true | false: with the fused RoPE + K/V write, the "
+    "prefill graphs run it inside their replays and attention alone runs between them (auto: "
+    "wherever the graphs and the fused write run; true: also say where it cannot)",
     "decode_kv_split": "auto | always | never: decode attention's KV split in the FlashInfer "
     "CUDA graphs, batches above --fused-decode-max-batch "
     "(always: FlashInfer's split and its merge kernel a layer; never: one chunk a request, no "

@@ -64,7 +64,7 @@
 #                                         #   .old_rev/old.tar.gz (e.g. dc82b8c), A B A B:
 #                                         #   scoring at SQPS (40) beside chat on default
 #                                         #   servers, no profilers (M: the 3B; ~6 min)
-#   bash bench/gpu_next.sh kvab REV [M]   # --prefill-graphs-write-kv true vs the default, one
+#   bash bench/gpu_next.sh kvab REV [M]   # --prefill-graphs-write-kv false vs the default, one
 #                                         #   tree, A B A B, as plan hostab (M: the 3B; ~6 min)
 #   bash bench/gpu_next.sh abandon REV [M] # a client leaving a long scoring prompt: the GPU
 #                                         #   test, then bench.abandoned through HTTP (M: the
@@ -567,8 +567,8 @@ PY
     # and the old one alternated A B A B, no profiler attached. Each JSON holds the scoring
     # latency, the chat stream's file beside it, and the step trace's short suffix steps and
     # decode steps (device, launch and plan time). ~80 s a server after `warm`.
-    # kvab: the prefill graphs running the fused RoPE + K/V write themselves (--prefill-graphs-write-kv,
-    # off by default until this says it pays) against the default, one tree, servers alternated
+    # kvab: the prefill graphs running the fused RoPE + K/V write themselves (the default since
+    # 2026-12-05, measured by this plan) against --prefill-graphs-write-kv false, one tree, alternated
     # A B A B, as plan hostab: scoring at SQPS next to chat at 2 QPS, no profiler; each JSON
     # holds the scoring latency and the short steps' device, launch and plan time. Run
     # tests/gpu/test_prefill_graphs_gpu.py first. ~80 s a server after `warm`.
@@ -586,7 +586,8 @@ if plan == "hostab":
     old_rev = tarfile.open(".old_rev/old.tar.gz").pax_headers.get("comment", "unknown")
     sides = [("new", [], None, []), ("old", [], Path("/tmp/old"), ["--server-revision", old_rev])]
 else:
-    sides = [("default", [], None, []), ("graphkv", ["--prefill-graphs-write-kv", "true"], None, [])]
+    # Since 2026-12-05 the graphs write the KV by default: the other side turns it off.
+    sides = [("nographkv", ["--prefill-graphs-write-kv", "false"], None, []), ("default", [], None, [])]
 for i, (name, server_args, tree, profile_args) in enumerate(sides * 2):
     if deadline - (time.time() - t0) < 110:
         print(f"{plan}: {i}-{name} skipped for time", flush=True)

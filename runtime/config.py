@@ -91,9 +91,13 @@ class EngineConfig:
     fused_rope_kv_write: str = "auto"
     # With the fused RoPE + K/V write, the prefill graphs run it inside their replays (from a
     # static slot buffer) and attention alone runs between them: one Python launch a layer
-    # fewer in a graph-path step, which the host paces (py-spy, H100, 2026-12-05). Off until
-    # it is measured on the GPU (tested on CPU only: tests/test_prefill_graphs.py).
-    prefill_graphs_write_kv: bool = False
+    # fewer in a graph-path step, which the host paced (py-spy, H100, 2026-12-05). Measured
+    # on the H100 through HTTP (docs/benchmarks.md, "The prefill graphs write the KV"): a
+    # prefill-only step's launch 4.7-4.9 ms against 7.3-9.4 at the same device time, scoring
+    # latency P50 51-57 ms against 70 next to chat. auto: wherever the graphs and the fused
+    # write run (CUDA, FlashInfer, a float32 RoPE cache); true: the same, saying so where it
+    # cannot; false: the write between replays, as before.
+    prefill_graphs_write_kv: str = "auto"
     # A step with prefill parts and decodes runs them as one forward (the weights read once)
     # instead of the prefill forward then the decode graph, when the merged rows fit a prefill
     # graph's bucket (on CUDA; the decode rows then ride in that graph) and no prefill part
@@ -206,6 +210,11 @@ class EngineConfig:
         if self.decode_kv_split not in ("auto", "always", "never"):
             raise ValueError(
                 f"decode_kv_split must be auto, always or never, got {self.decode_kv_split!r}"
+            )
+        if self.prefill_graphs_write_kv not in ("auto", "true", "false"):
+            raise ValueError(
+                "prefill_graphs_write_kv must be auto, true or false, got "
+                f"{self.prefill_graphs_write_kv!r}"
             )
         if self.fused_rope_kv_write not in ("auto", "true", "false"):
             raise ValueError(

@@ -19,7 +19,7 @@ before the step, as for eager steps). A bucket of `n` tokens holds `num_layers +
 
 and a step of T <= n tokens replays them with attention over its T real rows in between.
 
-With `kv_write` (`prefill_graphs_write_kv`, off until measured on the GPU) each segment also
+With `kv_write` (`prefill_graphs_write_kv`, on by default since 2026-12-05) each segment also
 runs the fused RoPE + K/V pool write on layer i's q, k, v, at the slots `run` copies into a
 static buffer (-1: padding rows and a discarded scoring suffix, never written), so only
 attention runs between replays: a graph-path step's host time per layer was a replay, the

@@ -485,12 +485,12 @@ class ModelRunner:
             if sizes:
                 # With the fused RoPE + K/V write, the graphs may run it themselves (captured),
                 # so that attention alone runs between replays (one Python launch a layer
-                # fewer; `prefill_graphs_write_kv`, off until measured on the GPU).
+                # fewer; `prefill_graphs_write_kv`).
                 kv_write = None
                 write = None
                 # (the kernel takes a float32 RoPE cache, as attention's fused path checks)
                 f32_rope = model.rotary.cos_sin_cache.dtype == torch.float32
-                if config.prefill_graphs_write_kv and f32_rope:
+                if config.prefill_graphs_write_kv != "false" and f32_rope:
                     write = load_rope_kv_write(fuse_rope, self.device, model_config.head_dim)
                 if write is not None:
                     layers = range(model_config.num_layers)
@@ -517,7 +517,7 @@ class ModelRunner:
                 "decoding eagerly"
             )
         pg = self.prefill_graphs
-        if config.prefill_graphs_write_kv and (pg is None or pg.kv_write is None):
+        if config.prefill_graphs_write_kv == "true" and (pg is None or pg.kv_write is None):
             log.warning(
                 "prefill_graphs_write_kv has no effect here: it needs the prefill graphs (CUDA, "
                 "FlashInfer) and the fused RoPE + K/V write (a float32 RoPE cache)"

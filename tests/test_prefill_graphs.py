@@ -279,6 +279,12 @@ def test_writing_the_kv_in_the_graphs_says_when_it_cannot(caplog: pytest.LogCapt
     """`prefill_graphs_write_kv` needs the prefill graphs (CUDA): asked for on the CPU, the
     runner says it has no effect rather than ignoring it silently."""
     with caplog.at_level("WARNING", logger="greenlane.runner"):
-        eng, _ = tiny_engine(prefill_graphs_write_kv=True)
+        eng, _ = tiny_engine(prefill_graphs_write_kv="true")
     assert eng.runner.prefill_graphs is None
     assert "prefill_graphs_write_kv has no effect here" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="greenlane.runner"):
+        tiny_engine()  # the default (auto): off where it cannot run, and nothing to say
+    assert "prefill_graphs_write_kv" not in caplog.text
+    with pytest.raises(ValueError, match="prefill_graphs_write_kv must be auto, true or false"):
+        tiny_engine(prefill_graphs_write_kv="yes")

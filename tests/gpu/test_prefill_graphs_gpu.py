@@ -28,7 +28,9 @@ def test_captured_prefill_graphs_match_the_eager_forward(write_kv: bool) -> None
 
     # Every bucket, not only the default's; write_kv: the graphs run the fused RoPE + K/V
     # write themselves (`prefill_graphs_write_kv`).
-    eng, _ = small_engine(prefill_graph_max_tokens=2048, prefill_graphs_write_kv=write_kv)
+    eng, _ = small_engine(
+        prefill_graph_max_tokens=2048, prefill_graphs_write_kv="true" if write_kv else "false"
+    )
     try:
         pg = eng.runner.prefill_graphs
         assert pg is not None and pg.captured, "prefill graphs were not captured"

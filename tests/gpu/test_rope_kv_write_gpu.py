@@ -79,7 +79,8 @@ def test_engine_with_fused_rope_scores_like_without() -> None:
     # Unfused; fused in attention; fused inside the prefill graphs (`prefill_graphs_write_kv`).
     for fuse, write_kv in ((False, False), (True, False), (True, True)):
         eng, sink = small_engine(
-            fused_rope_kv_write="true" if fuse else "false", prefill_graphs_write_kv=write_kv
+            fused_rope_kv_write="true" if fuse else "false",
+            prefill_graphs_write_kv="true" if write_kv else "false",
         )
         assert eng.backend.fuses_rope is fuse
         assert eng.runner.prefill_graphs is not None
