@@ -488,6 +488,14 @@ case $plan in
     # Every search records the server's step trace after it (its last probes, at the
     # ceiling): the device's busy share against the host's gaps, and the device time per
     # request by batch size, which bench.sim_vs_gpu sets beside the simulator's price.
+    # First (BATCH_COST=0 skips it, ~1.5 min): bench.batch_cost, the same warm points read by
+    # wall clock and by device events, contexts separate and shared, to place the profile's
+    # 2-4x overcharge of warm batches (docs/scheduling.md) on the host or on the memory reads.
+    if [ "${BATCH_COST:-1}" != 0 ]; then
+      timeout 170 python3 -m bench.batch_cost --model random:llama-3.1-8b --device cuda \
+        --points 16:14336:1,16:14336:8,16:14336:24,16:14336:48,150:14336:24 --rev "$rev" \
+        --out "$OUT/batch-cost-$rev.json" || rc=1
+    fi
     python3 -m bench.gpu_scheduling --model random:llama-3.1-8b --rev "$rev" \
       --out-dir $work/sched --duration-s 14 --max-probes 5 --start-s 30 --profile-s 110 \
       --profile-args "--batch-points ${BATCH_POINTS:-150:16384:4,150:16384:16,512:0:8,1024:0:8,16:14336:24,150:14336:24,16:14336:32}" \

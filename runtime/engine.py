@@ -1048,7 +1048,12 @@ class Engine:
         return self.measure_prefill_batch([(uncached_tokens, cached_tokens)])
 
     def measure_prefill_batch(
-        self, items: list[tuple[int, int]], *, keep_kv: bool = False
+        self,
+        items: list[tuple[int, int]],
+        *,
+        keep_kv: bool = False,
+        share_context: bool = False,
+        device_s_out: list[float] | None = None,
     ) -> float:
         """Seconds of one real prefill step over several sequences, (uncached, cached) tokens
         each (the JCT profiles: runtime/calibrate.py, bench/prefill_profile.py). Call before
@@ -1056,18 +1061,29 @@ class Engine:
         (as for scoring requests), so only the contexts need pool blocks; their KV values are
         whatever the pool holds, which does not change the timing. `keep_kv`: the new tokens'
         KV is written to the pool as a chat prompt's is (blocks for it too), so the step takes
-        the attention path of a prefill that keeps its KV (paged, not gathered)."""
+        the attention path of a prefill that keeps its KV (paged, not gathered).
+        `share_context`: every member reads the first member's context blocks, as a user's
+        requests share their profile's (equal cached lengths, no `keep_kv`: nothing writes
+        them). `device_s_out`: the step's device span is appended to it (events around the
+        launch, as the serial executor times a served step), beside the wall time returned."""
         if self._thread is not None:
             raise RuntimeError("measure_prefill must run before the engine thread starts")
+        if share_context and (keep_kv or len({c for _, c in items}) > 1):
+            raise ValueError("share_context needs equal cached lengths and no keep_kv")
         bm = self.block_manager
         keys: list[str] = []
         try:
             seqs = []
+            shared: list[int] | None = None
             for i, (uncached, cached) in enumerate(items):
                 key = f"__measure_prefill_{i}__"
                 kept = cached + uncached if keep_kv else cached
-                blocks = bm.allocate(key, bm.num_blocks_for(kept))
-                keys.append(key)
+                if shared is None or not share_context:
+                    blocks = bm.allocate(key, bm.num_blocks_for(kept))
+                    keys.append(key)
+                    shared = list(blocks)
+                else:
+                    blocks = shared
                 req = Request(
                     key, RequestKind.SCORE, [0] * (cached + uncached), label_token_ids=[0]
                 )
@@ -1086,9 +1102,17 @@ class Engine:
             plan = StepPlan(step_id=-1, prefill=seqs)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+            start, end = self.stream_device.event(), self.stream_device.event()
             t0 = time.perf_counter()
-            self.runner.run(plan)  # waits for the outputs
-            return time.perf_counter() - t0
+            start.record()
+            pending = self.runner.launch(plan)
+            end.record()
+            pending.result()  # waits for the outputs
+            wall_s = time.perf_counter() - t0
+            if device_s_out is not None:
+                end.synchronize()
+                device_s_out.append(start.elapsed_time(end) / 1e3)
+            return wall_s
         finally:
             for key in keys:
                 bm.free(key)

@@ -167,6 +167,28 @@ def test_keep_kv_writes_the_new_tokens_kv_and_the_default_discards_it() -> None:
         engine.shutdown(0)
 
 
+def test_measured_batches_may_share_one_context_and_report_their_device_span() -> None:
+    """`share_context`: the members read the first member's context blocks, as one user's
+    requests share a profile: a batch whose separate contexts overflow the pool fits. The
+    device span of each reading is returned beside the wall time."""
+    from runtime.kv.block_manager import NoFreeBlocksError
+
+    engine = Engine(EngineConfig(model="random:tiny", block_size=4, num_kv_blocks=64), None)
+    try:
+        items = [(3, 80)] * 4  # 4 contexts of 20 blocks: 80 of the pool's 64
+        with pytest.raises(NoFreeBlocksError):
+            engine.measure_prefill_batch(items)
+        spans: list[float] = []
+        wall_s = engine.measure_prefill_batch(items, share_context=True, device_s_out=spans)
+        assert len(spans) == 1 and 0 < spans[0] <= wall_s
+        bm = engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+        with pytest.raises(ValueError, match="equal cached lengths"):
+            engine.measure_prefill_batch([(3, 80), (3, 40)], share_context=True)
+    finally:
+        engine.shutdown(0)
+
+
 def test_a_failed_forms_warm_up_is_said_and_the_engine_serves(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
