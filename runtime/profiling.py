@@ -32,9 +32,11 @@ from typing import Any
 
 import torch
 
-# The trace reader's process (runtime/profile_trace.py) runs from the repository root.
+# The trace reader's process (runtime/profile_trace.py) runs from the repository root, and is
+# given this long (s) for a trace: a few hundred GPU steps' trace reads in seconds.
 _REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARSE_TIMEOUT_S = 300.0
+
 # Kernel name -> category, first match wins. The names are those of the libraries both servers
 # use (cuBLAS/CUTLASS GEMMs, FlashInfer and FlashAttention, Triton, torch's elementwise
 # kernels): a rough map, enough to put two servers' decode steps side by side.
