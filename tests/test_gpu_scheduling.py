@@ -97,6 +97,25 @@ def test_summary_arithmetic() -> None:
         "| post@0.5 | srjf | 7.00 [6.00, 8.00] | 1.60 [1.20, 2.00] | [1.60, 2.25) [1.00, 1.80) |"
         in table
     )
+    # A probe whose client ran past 80 % of a core is named under the table.
+    assert "CLIENT-BOUND" not in table
+    results["post"]["0.5"]["fcfs"][0]["probes"]["6.0"] |= {
+        "client_cpu_percent": 91.0,
+        "send_lag_p99_ms": 2985.8,
+    }
+    results["post"]["0.5"]["fcfs"][0]["probes"]["5.0"]["client_cpu_percent"] = 80.0
+    table = gs.markdown(
+        {
+            "summary": gs.summarize(results),
+            "results": results,
+            "settings": {"slo_p99_ms": {"post": 3000}},
+        }
+    )
+    assert (
+        "CLIENT-BOUND post@0.5 fcfs r1 at 6 QPS: the client at 91 % of a core, send lag P99 "
+        "2986 ms: that probe measured the load generator" in table
+    )
+    assert table.count("CLIENT-BOUND") == 1
     # Two calls of one repeat each merge into the same summary.
     post = results["post"]["0.5"]
     calls = [
@@ -228,6 +247,8 @@ def test_plan_against_a_real_tiny_server(tmp_path: Path) -> None:
             assert r["probes"] and r["hit_rate_over_search"] is not None
             first = r["probes"][str(float(r["start_qps"]))]
             assert first["prime"]["requests"] == 20  # primed once per search, before it
+            # The client's own load per probe, from its (four) processes' busiest.
+            assert first["client_cpu_percent"] is not None and first["send_lag_p99_ms"] >= 0
             # The server's step trace: scoring alone runs prefill-only steps, host times kept.
             pre = r["steps"]["prefill_steps"]
             assert pre["num_steps"] > 0 and pre["launch_ms_p50"] > 0 and pre["plan_ms_p50"] > 0
