@@ -86,6 +86,20 @@ def test_buckets_and_the_largest_one() -> None:
         EngineConfig(prefill_graph_max_tokens=-1)
 
 
+# Three steps both graph tests replay, as `_batch` specs (context, new tokens, kept tokens,
+# blocks) per sequence.
+STEPS = [
+    # two fresh prompts: 15 tokens in the 16 bucket
+    [(0, 9, 9, [0, 1, 2]), (0, 6, 6, [3, 4])],
+    # a continuation over cached context, and a prompt whose suffix KV is discarded (scoring:
+    # it keeps 12 of its 20): 25 tokens in the 32 bucket, rows 25..31 hold nothing of this step
+    [(9, 5, 14, [0, 1, 2, 3]), (0, 20, 12, [5, 6, 7])],
+    # 3 tokens after larger steps: the padding rows hold their leftovers (and, with the
+    # graphs writing the KV, the step before's slots until reset)
+    [(14, 3, 17, [0, 1, 2, 3, 8])],
+]
+
+
 def _batch(rng: random.Random, specs: list[tuple[int, int, int, list[int]]]) -> ForwardBatch:
     """A prefill batch of (context, new, kept, block ids) sequences with random token ids."""
     ids, pos, seqs = [], [], []
@@ -119,16 +133,7 @@ def test_segments_with_padding_match_the_eager_forward(writes_out: bool) -> None
     assert pg.bucket_for(17) == 32 and pg.bucket_for(33) is None and pg.bucket_for(0) is None
     rng = random.Random(0)
 
-    steps = [
-        # two fresh prompts: 15 tokens in the 16 bucket
-        [(0, 9, 9, [0, 1, 2]), (0, 6, 6, [3, 4])],
-        # a continuation over cached context, and a prompt whose suffix KV is discarded
-        # (scoring): 25 tokens in the 32 bucket, rows 15..31 hold nothing of this step
-        [(9, 5, 14, [0, 1, 2, 3]), (0, 20, 12, [5, 6, 7])],
-        # 3 tokens after larger steps: the padding rows hold their leftovers
-        [(14, 3, 17, [0, 1, 2, 3, 8])],
-    ]
-    for specs in steps:
+    for specs in STEPS:
         b = _batch(rng, specs)
         eager_be = TorchAttentionBackend(pool)
         graph_be = _OutBackend(pool) if writes_out else TorchAttentionBackend(pool)
@@ -169,14 +174,7 @@ def test_graphs_that_write_the_kv_leave_the_pool_as_the_eager_forward_does() -> 
     eager_capture(pg)
     rng = random.Random(1)
 
-    steps = [
-        [(0, 9, 9, [0, 1, 2]), (0, 6, 6, [3, 4])],
-        # 25 rows in the 32 bucket; the second prompt keeps 12 of its 20 (scoring)
-        [(9, 5, 14, [0, 1, 2, 3]), (0, 20, 12, [5, 6, 7])],
-        # 3 rows in the 16 bucket: rows 3..15 held the step before's slots
-        [(14, 3, 17, [0, 1, 2, 3, 8])],
-    ]
-    for specs in steps:
+    for specs in STEPS:
         b = _batch(rng, specs)
         before = [t.clone() for t in (*pool.k, *pool.v)]
         eager_be = TorchAttentionBackend(pool)
