@@ -1098,6 +1098,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     slo = SLO.parse(args.slo)
     if args.find_max_qps and slo is None:
         raise SystemExit("--find-max-qps needs --slo")
+    if args.client_procs < 1:
+        raise SystemExit(f"--client-procs must be at least 1, got {args.client_procs}")
     if args.client_procs > 1 and args.max_concurrency:
         raise SystemExit("--client-procs deals an open loop; --max-concurrency runs in one process")
     if args.save_steps and args.server != "greenlane":

@@ -407,6 +407,8 @@ def test_client_procs_send_the_same_requests_on_one_clock(fake_server, tokenizer
         closed += ["--client-procs", "2"]
         closed += ["--max-concurrency", "4", "--out", str(tmp_path / "x.json")]
         serve.main(["--url", url, *closed])
+    with pytest.raises(SystemExit, match="client-procs must be at least 1"):
+        serve.main(["--url", url, *closed[:8], "--client-procs", "0", "--out", "x.json"])
 
 
 def test_arrival_times_are_seeded_and_have_the_requested_rate():
