@@ -1,16 +1,21 @@
-"""What a prefill step of warm scoring requests costs, measured four ways (engine-level
+"""What a prefill step of warm scoring requests costs, measured three ways (engine-level
 diagnostic, issue 17).
 
 Why: the simulator prices a forward from `bench.prefill_profile`'s wall times of isolated,
-synchronised steps, each member's context in blocks of its own. On the H100 (2026-12-05,
-docs/scheduling.md "The default pool's ceiling was the load generator's") the served steps of
-warm post-recommendation requests took 0.27-0.70x that price on the device, the gap widening
-with the batch (a profile batch of 24: 7.35 ms a request; served batches of 59: 2.57 ms of
-device time a request). This reads, for each point, the wall time and the device span
-(events around the launch, as the serial executor times a served step), with the members'
-contexts separate and shared (one user's requests share a profile), alternated, so the
-difference can be pinned on the host (wall against device), the memory reads (separate
-against shared), or neither.
+synchronised steps. On the H100 (2026-12-05, docs/scheduling.md "The default pool's ceiling was
+the load generator's") the served steps of warm post-recommendation requests took 0.27-0.70x
+that price on the device, the gap widening with the batch (a profile batch of 24: 7.35 ms a
+request; served batches of 59: 2.57 ms of device time a request). The likely cause, found by
+reading the code: the profiles discarded the new tokens' KV, so every warm point attended a
+copy of its context made in every layer (the FlashInfer backend's gathered path), while a served
+warm request keeps its few new tokens' KV whenever the pool has room and reads the context in
+place (paged). This reads each point on both paths, and kept with the members sharing one
+context (one user's requests share a profile), alternated, with the wall time and the device
+span (events around the launch, as the serial executor times a served step) of each:
+
+- `gathered` against `kept`: the attention path (the profiles' old price against today's);
+- `kept` against `kept-shared`: the memory reads of separate contexts;
+- wall against device: the host.
 
     python -m bench.batch_cost --model random:llama-3.1-8b --device cuda \\
         --points 16:14336:1,16:14336:8,16:14336:24,16:14336:48 --out $OUT/batch-cost.json
@@ -28,7 +33,12 @@ import sys
 import time
 from typing import Any
 
-VARIANTS = ("separate", "shared")
+# name -> Engine.measure_prefill_batch's keyword arguments
+VARIANTS: dict[str, dict[str, bool]] = {
+    "gathered": {"keep_kv": False},
+    "kept": {"keep_kv": True},
+    "kept-shared": {"keep_kv": True, "share_context": True},
+}
 
 
 def measure(
@@ -47,7 +57,7 @@ def measure(
         spans: list[float] = []
         try:
             wall_s = engine.measure_prefill_batch(
-                [(u, c)] * b, share_context=variant == "shared", device_s_out=spans
+                [(u, c)] * b, device_s_out=spans, **VARIANTS[variant]
             )
         except Exception as exc:  # noqa: BLE001 - one variant failing must not end the run
             errors[f"{key[0]} {variant}"] = f"{type(exc).__name__}: {exc}"[:300]

@@ -489,8 +489,10 @@ case $plan in
     # ceiling): the device's busy share against the host's gaps, and the device time per
     # request by batch size, which bench.sim_vs_gpu sets beside the simulator's price.
     # First (BATCH_COST=0 skips it, ~1.5 min): bench.batch_cost, the same warm points read by
-    # wall clock and by device events, contexts separate and shared, to place the profile's
-    # 2-4x overcharge of warm batches (docs/scheduling.md) on the host or on the memory reads.
+    # wall clock and by device events, on the gathered path (the old profiles' price) and kept
+    # (the served path, today's profile), contexts separate and shared, to check that the
+    # attention path explains the old profiles' 2-4x overcharge of warm batches
+    # (docs/scheduling.md) and what is left for the host or the memory reads.
     if [ "${BATCH_COST:-1}" != 0 ]; then
       timeout 170 python3 -m bench.batch_cost --model random:llama-3.1-8b --device cuda \
         --points 16:14336:1,16:14336:8,16:14336:24,16:14336:48,150:14336:24 --rev "$rev" \

@@ -6,7 +6,12 @@
 
 Method: one engine (not started: `Engine.measure_prefill(u, c)` runs one real prefill of u new
 tokens after c tokens of context already in the KV pool, device synchronised, and returns its
-wall time). Cold points are c = 0; warm points (c > 0) time a prefill over a cached prefix.
+wall time). Cold points are c = 0; warm points (c > 0) time a prefill over a cached prefix,
+on the attention path a served scoring request of that shape takes: its KV kept, and the
+cached prefix read in place, when the pool holds it (the record's `kv_path` says per point;
+profiles before 2026-12-05 have none: they discarded the new KV, so every warm point was timed
+on the gathered path that copies the prefix in every layer, a path served steps take only when
+the pool is too full to keep a suffix).
 Batch points (`--batch-points u:c:B`) time one forward over B such prefills (the engine batches
 short scoring prompts and warm posts up to its token budget). One untimed warm-up pass over the
 grid (first-call costs: kernel plans, allocator growth), then `--repeats` timed passes, each over
@@ -83,8 +88,9 @@ def git_revision(given: str | None) -> dict[str, Any]:
 
 def measure_batch(engine: Any, items: list[tuple[int, int]]) -> float:
     """Seconds of one prefill forward over several scoring requests, each of u new tokens after
-    c tokens of context in the pool: `Engine.measure_prefill` for a batch (same method: a step
-    plan straight to the runner, before the engine thread starts). Uses the engine's block
+    c tokens of context in the pool (each its own): `Engine.measure_prefill` for a batch (same
+    method: a step plan straight to the runner, before the engine thread starts; the new
+    tokens' KV kept when the pool holds the whole batch, as served). Uses the engine's block
     manager, runner and plan types; raises if they changed shape (the caller records it)."""
     return engine.measure_prefill_batch([(u, c) for u, c in items])
 
@@ -258,6 +264,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         device_name = engine.device_name
         block_size = engine.block_manager.block_size
+        # Which attention path each point took (Engine.measure_prefill_batch's default: as a
+        # served scoring request would). Profiles without this key were all measured with the
+        # suffix discarded, their cached points on the gathered path served steps rarely take.
+        kv_path = {
+            f"{u}:{c}:{b}": "kept" if engine.served_keeps_kv([(u, c)] * b) else "discarded"
+            for u, c, b in points
+        }
         backend = getattr(getattr(engine, "backend", None), "name", None)
     finally:
         engine.shutdown()
@@ -297,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
             "python": platform.python_version(),
             "measurement": record,
+            "kv_path": kv_path,
             "points_without_values": skipped,
             "wall_s": round(time.monotonic() - t0, 2),
         },

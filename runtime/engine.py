@@ -1044,46 +1044,82 @@ class Engine:
 
     def measure_prefill(self, uncached_tokens: int, cached_tokens: int) -> float:
         """Seconds of one real prefill of `uncached_tokens` new tokens after `cached_tokens`
-        of context already in the pool (runtime.calibrate's `measure`)."""
+        of context already in the pool (runtime.calibrate's `measure`), on the attention path
+        a served scoring request of that shape takes (`measure_prefill_batch`, `keep_kv=None`)."""
         return self.measure_prefill_batch([(uncached_tokens, cached_tokens)])
+
+    def served_keeps_kv(self, items: list[tuple[int, int]], share_context: bool = False) -> bool:
+        """Whether served scoring requests of these (uncached, cached) shapes would keep their
+        new tokens' KV: the scheduler keeps a scoring prompt's whole KV when the pool has the
+        blocks for it now (runtime/scheduler.py, `_admit`), and only then does a request with
+        cached context run on the paged attention path; a discarded suffix after a context
+        is attended from a copy of the context made in every layer (the FlashInfer backend's
+        "gather" path). Here: the pool is free now (nothing is served before `start()`).
+        The scheduler keeps what fits block by block; a partial keep takes the gathered path
+        as no keep does, which is what this answers for it."""
+        bm = self.block_manager
+        if share_context:
+            need = bm.num_blocks_for(items[0][1]) + sum(bm.num_blocks_for(n) for n, _ in items)
+        else:
+            need = sum(bm.num_blocks_for(n + c) for n, c in items)
+        return need <= bm.num_free_blocks
 
     def measure_prefill_batch(
         self,
         items: list[tuple[int, int]],
         *,
-        keep_kv: bool = False,
+        keep_kv: bool | None = None,
         share_context: bool = False,
         device_s_out: list[float] | None = None,
     ) -> float:
         """Seconds of one real prefill step over several sequences, (uncached, cached) tokens
         each (the JCT profiles: runtime/calibrate.py, bench/prefill_profile.py). Call before
-        `start()` (the engine thread must not be running). The new tokens' KV is discarded
-        (as for scoring requests), so only the contexts need pool blocks; their KV values are
-        whatever the pool holds, which does not change the timing. `keep_kv`: the new tokens'
-        KV is written to the pool as a chat prompt's is (blocks for it too), so the step takes
-        the attention path of a prefill that keeps its KV (paged, not gathered).
-        `share_context`: every member reads the first member's context blocks, as a user's
-        requests share their profile's (equal cached lengths, no `keep_kv`: nothing writes
-        them). `device_s_out`: the step's device span is appended to it (events around the
-        launch, as the serial executor times a served step), beside the wall time returned."""
+        `start()` (the engine thread must not be running). The contexts' KV values are
+        whatever the pool holds, which does not change the timing.
+
+        `keep_kv`: True, the new tokens' KV is written to the pool (blocks for it too) and a
+        step with context takes the paged attention path; False, it is discarded (only the
+        contexts need blocks) and a step with context attends a per-layer copy of it (the
+        gathered path); None (the default), as a served scoring request of that shape would:
+        kept when the pool holds it (`served_keeps_kv`). Until 2026-12-05 the default was
+        False, so every profile point with cached context was priced on the gathered path,
+        which served steps take only when the pool is too full to keep a suffix.
+        `share_context`: every member reads one context's blocks, as one user's requests
+        share a profile (equal cached lengths; with `keep_kv`, whole blocks of it, since each
+        member writes its own new tokens after it, as after a prefix-cache hit).
+        `device_s_out`: the step's device span is appended to it (events around the launch,
+        as the serial executor times a served step), beside the wall time returned."""
         if self._thread is not None:
             raise RuntimeError("measure_prefill must run before the engine thread starts")
-        if share_context and (keep_kv or len({c for _, c in items}) > 1):
-            raise ValueError("share_context needs equal cached lengths and no keep_kv")
         bm = self.block_manager
+        if share_context and len({c for _, c in items}) > 1:
+            raise ValueError("share_context needs equal cached lengths")
+        if keep_kv is None:
+            keep_kv = self.served_keeps_kv(items, share_context)
+        if share_context and keep_kv and items[0][1] % bm.block_size:
+            raise ValueError(
+                f"share_context with keep_kv needs a context of whole blocks "
+                f"({items[0][1]} tokens, blocks of {bm.block_size}): members write after it"
+            )
+        ctx_key = "__measure_prefill_context__"
         keys: list[str] = []
         try:
+            ctx_blocks: list[int] = []
+            if share_context:
+                ctx_blocks = bm.allocate(ctx_key, bm.num_blocks_for(items[0][1]))
+                keys.append(ctx_key)
             seqs = []
-            shared: list[int] | None = None
             for i, (uncached, cached) in enumerate(items):
                 key = f"__measure_prefill_{i}__"
                 kept = cached + uncached if keep_kv else cached
-                if shared is None or not share_context:
+                if share_context and not keep_kv:
+                    blocks = ctx_blocks  # nothing written: the members read the one context
+                elif share_context:
+                    blocks = bm.allocate(key, bm.num_blocks_for(uncached), ctx_blocks)
+                    keys.append(key)
+                else:
                     blocks = bm.allocate(key, bm.num_blocks_for(kept))
                     keys.append(key)
-                    shared = list(blocks)
-                else:
-                    blocks = shared
                 req = Request(
                     key, RequestKind.SCORE, [0] * (cached + uncached), label_token_ids=[0]
                 )
@@ -1114,7 +1150,7 @@ class Engine:
                 device_s_out.append(start.elapsed_time(end) / 1e3)
             return wall_s
         finally:
-            for key in keys:
+            for key in reversed(keys):  # the members before the context they share
                 bm.free(key)
 
     def stats(self) -> dict[str, Any]:

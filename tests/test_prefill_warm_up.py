@@ -144,10 +144,10 @@ def test_the_first_chunked_steps_forms_run_within_budget_and_length(
         small.shutdown(0)
 
 
-def test_keep_kv_writes_the_new_tokens_kv_and_the_default_discards_it() -> None:
+def test_keep_kv_writes_the_new_tokens_kv_and_false_discards_it() -> None:
     """`measure_prefill_batch(keep_kv=True)` takes the path of a prefill that keeps its KV
-    (the warm-up's paged forms): the new tokens' K lands in the pool; by default (a scoring
-    prompt's suffix) nothing is written."""
+    (the warm-up's paged forms): the new tokens' K lands in the pool; with False (a scoring
+    prompt's suffix the pool had no room for) nothing is written."""
     import torch
 
     from runtime.config import EngineConfig
@@ -157,7 +157,7 @@ def test_keep_kv_writes_the_new_tokens_kv_and_the_default_discards_it() -> None:
         pool = engine.runner.kv_pool
         k = pool.flat_k(0)
         k.zero_()
-        engine.measure_prefill_batch([(7, 0)])
+        engine.measure_prefill_batch([(7, 0)], keep_kv=False)
         assert torch.count_nonzero(k) == 0
         engine.measure_prefill_batch([(7, 0)], keep_kv=True)
         assert torch.count_nonzero(k) > 0
@@ -167,24 +167,70 @@ def test_keep_kv_writes_the_new_tokens_kv_and_the_default_discards_it() -> None:
         engine.shutdown(0)
 
 
+def test_the_default_measures_what_a_served_scoring_request_would_do() -> None:
+    """By default (`keep_kv=None`) a measured prefill keeps its new tokens' KV exactly when
+    the pool holds the whole prompt, as the scheduler keeps a scoring prompt's: a context with
+    room after it is read in place (paged), not copied in every layer (gathered). The profiles
+    measured the gathered path for every cached point until 2026-12-05."""
+    import torch
+
+    from runtime.config import EngineConfig
+
+    engine = Engine(EngineConfig(model="random:tiny", block_size=4, num_kv_blocks=64), None)
+    try:
+        k = engine.runner.kv_pool.flat_k(0)
+        # 40 + 100 tokens: 35 blocks of the 64, so kept; the new rows are written.
+        assert engine.served_keeps_kv([(40, 100)])
+        k.zero_()
+        engine.measure_prefill(40, 100)
+        assert torch.count_nonzero(k) > 0
+        # 200 + 60: 65 blocks, more than the pool: the suffix is discarded, nothing written.
+        assert not engine.served_keeps_kv([(200, 60)])
+        k.zero_()
+        engine.measure_prefill(200, 60)
+        assert torch.count_nonzero(k) == 0
+        # A batch is judged whole: two prompts of 35 blocks do not both fit.
+        assert not engine.served_keeps_kv([(40, 100)] * 2)
+        # ...unless they share the context (25 blocks once, 10 each after it).
+        assert engine.served_keeps_kv([(40, 100)] * 2, share_context=True)
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        engine.shutdown(0)
+
+
 def test_measured_batches_may_share_one_context_and_report_their_device_span() -> None:
-    """`share_context`: the members read the first member's context blocks, as one user's
-    requests share a profile: a batch whose separate contexts overflow the pool fits. The
-    device span of each reading is returned beside the wall time."""
+    """`share_context`: the members read one context's blocks, as one user's requests share a
+    profile: a batch whose separate contexts overflow the pool fits. Kept, each member writes
+    its own new tokens after the shared blocks (which must then be whole). The device span
+    of each reading is returned beside the wall time."""
+
     from runtime.kv.block_manager import NoFreeBlocksError
 
     engine = Engine(EngineConfig(model="random:tiny", block_size=4, num_kv_blocks=64), None)
     try:
+        bm = engine.block_manager
         items = [(3, 80)] * 4  # 4 contexts of 20 blocks: 80 of the pool's 64
         with pytest.raises(NoFreeBlocksError):
-            engine.measure_prefill_batch(items)
+            engine.measure_prefill_batch(items, keep_kv=False)
         spans: list[float] = []
-        wall_s = engine.measure_prefill_batch(items, share_context=True, device_s_out=spans)
+        wall_s = engine.measure_prefill_batch(
+            items, keep_kv=False, share_context=True, device_s_out=spans
+        )
         assert len(spans) == 1 and 0 < spans[0] <= wall_s
-        bm = engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks
+        # Kept and shared: 20 context blocks + 4 x 1 block of new tokens = 24 of 64.
+        k = engine.runner.kv_pool.flat_k(0)
+        k.zero_()
+        engine.measure_prefill_batch(items, share_context=True)
+        per_block = k.view(-1, bm.block_size * k[0].numel())  # [blocks (+ spare), ...]
+        written = per_block.count_nonzero(dim=1).nonzero().numel()
+        assert written == 4  # one fresh block a member, the shared context untouched
+        assert bm.num_free_blocks == bm.num_blocks
+        bm.check_integrity()
         with pytest.raises(ValueError, match="equal cached lengths"):
             engine.measure_prefill_batch([(3, 80), (3, 40)], share_context=True)
+        with pytest.raises(ValueError, match="whole blocks"):
+            engine.measure_prefill_batch([(3, 42)] * 2, keep_kv=True, share_context=True)
     finally:
         engine.shutdown(0)
 
