@@ -37,6 +37,7 @@ import datetime
 import json
 import platform
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -86,15 +87,6 @@ def git_revision(given: str | None) -> dict[str, Any]:
     return rec
 
 
-def measure_batch(engine: Any, items: list[tuple[int, int]]) -> float:
-    """Seconds of one prefill forward over several scoring requests, each of u new tokens after
-    c tokens of context in the pool (each its own): `Engine.measure_prefill` for a batch (same
-    method: a step plan straight to the runner, before the engine thread starts; the new
-    tokens' KV kept when the pool holds the whole batch, as served). Uses the engine's block
-    manager, runner and plan types; raises if they changed shape (the caller records it)."""
-    return engine.measure_prefill_batch([(u, c) for u, c in items])
-
-
 def grid_points(
     uncached: list[int], cached: list[int], batch_points: list[tuple[int, int, int]], limit: int
 ) -> list[tuple[int, int, int]]:
@@ -124,14 +116,21 @@ def measure_profile(
     rng = random.Random(seed)
     errors: dict[str, str] = {}
 
-    def one(u: int, c: int, b: int) -> float | None:
+    device_s: dict[str, list[float]] = {}
+
+    def one(u: int, c: int, b: int, timed: bool = True) -> float | None:
+        """One reading: a step plan of b requests straight to the runner, before the engine
+        thread starts (`Engine.measure_prefill_batch`: each its own context, the new KV kept
+        when the pool holds the batch, as served). Its device span is kept beside it."""
         key = f"{u}:{c}:{b}"
         if key in errors:
             return None
         try:
-            if b == 1:
-                return float(engine.measure_prefill(u, c))
-            return measure_batch(engine, [(u, c)] * b)
+            spans: list[float] = []
+            wall_s = float(engine.measure_prefill_batch([(u, c)] * b, device_s_out=spans))
+            if timed:
+                device_s.setdefault(key, []).extend(spans)
+            return wall_s
         except Exception as exc:  # noqa: BLE001 - one point failing must not end the profile
             errors[key] = f"{type(exc).__name__}: {exc}"[:300]
             say(f"[profile] point u={u} c={c} B={b} failed: {errors[key]}")
@@ -140,7 +139,7 @@ def measure_profile(
     samples = dict.fromkeys(points, 1)
     for _ in range(warmup_passes):
         for p in points:
-            v = one(*p)
+            v = one(*p, timed=False)
             if v is not None and v < cheap_below_s:
                 samples[p] = max(1, cheap_samples)
     warm_s = time.monotonic() - t_start
@@ -176,6 +175,10 @@ def measure_profile(
         "pass_order": "shuffled per pass (seeded); a point's values in pass order",
         "samples_per_pass": {f"{u}:{c}:{b}": k for (u, c, b), k in samples.items() if k > 1},
         "cheap_below_s": cheap_below_s,
+        # Diagnostic beside the wall times the simulator prices: each point's device span
+        # (events around the launch, as a served step's `device_ms` is read), median of the
+        # timed readings. Wall minus device is the host's share of an isolated step.
+        "device_s_median": {k: statistics.median(v) for k, v in device_s.items() if v},
     }
     return values, record
 
@@ -282,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             tuple(v),
             b,
             "measured",
-            "Engine.measure_prefill" if b == 1 else "bench.prefill_profile.measure_batch",
+            "Engine.measure_prefill_batch",
         )
         for (u, c, b), v in values.items()
         if v

@@ -355,6 +355,11 @@ class ProfileService:
         # `da95cc8`). Scaling it with the query length instead (as until 2026-12-04) priced a
         # few-token query after a 14k prefix at 0.5 ms in a batch of sixteen, and the replay of
         # the engine's default pool (hit rate 0.997) sustained 455 QPS where the GPU held 90.
+        # (Those H200 figures were timed with the new tokens' KV discarded, so the prefix was
+        # copied out of the pool in every layer, a path served warm requests do not take when
+        # the pool has room; profiles with a `kv_path` record time the served path:
+        # bench/prefill_profile.py, docs/scheduling.md "The simulator's price of the GPU's
+        # batches".)
         return self._grid_s(max(u, float(self._u_range[0])), c)
 
     def _grid_s(self, u: float, c: float) -> float:

@@ -165,6 +165,11 @@ def test_prefill_profile_through_the_real_engine(tmp_path: Path) -> None:
     prov = prof.provenance
     assert prov["git_revision"]["given"] == "abc" and prov["measurement"]["passes_done"] == 2
     assert prov["command"].startswith("python -m bench.prefill_profile")
+    # Every point on the path a served request takes (the pool holds them all: kept), with its
+    # device span's median beside the wall times.
+    assert prov["kv_path"] == {f"{u}:{c}:{b}": "kept" for u, c, b in keys}
+    spans = prov["measurement"]["device_s_median"]
+    assert set(spans) == set(prov["kv_path"]) and all(v > 0 for v in spans.values())
     # The calibration file is the engine's format, fitted on the first pass (even repeats).
     jct = JCTModel.load(str(jct_out))
     assert jct.model == "random:tiny"
