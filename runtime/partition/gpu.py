@@ -386,7 +386,11 @@ class EngineProbe:
     @contextmanager
     def _seqs(self, specs: list[tuple[int, int]], decode: bool) -> Iterator[list[Any]]:
         """ScheduledSeqs for (context_tokens, new_tokens) each; a decode keeps its new token's
-        KV (blocks for context + 1), a prefill keeps only its context."""
+        KV (blocks for context + 1). A prefill keeps its new tokens' KV too when the pool has
+        the blocks now, as a served one does (a chat chunk always; a scoring prompt when there
+        is room), so a prefill after context is timed on the paged attention path it is served
+        on; only without room does it discard them and attend a per-layer copy of the context
+        (as until 2026-12-05 every probe did, Engine.measure_prefill_batch's note)."""
         from runtime.request import Request, RequestKind
         from runtime.scheduler import Lease, ScheduledSeq
 
@@ -397,7 +401,8 @@ class EngineProbe:
             for ctx, new in specs:
                 self._serial += 1
                 rid = f"__partition_probe_{self._serial}__"
-                kept = ctx + new if decode else ctx
+                whole = bm.num_blocks_for(ctx + new)
+                kept = ctx + new if decode or whole <= bm.num_free_blocks else ctx
                 blocks = bm.allocate(rid, bm.num_blocks_for(kept))
                 rids.append(rid)
                 kind = RequestKind.GENERATE if decode else RequestKind.SCORE
@@ -482,9 +487,11 @@ class EngineProbe:
         decode_sms = self.total_sms - prefill_sms
         runner.ensure_split_graphs(ds, f"{prefill_sms}/{decode_sms}")
         (num_tokens, p_ctx), (batch, d_ctx) = prefill, decode
+        # The decodes' blocks first: the prefill keeps its new tokens' KV only if room is left
+        # (fit_shapes_to_limits sizes the decodes to the pool with the prefill's context alone).
         with (
-            self._seqs([(p_ctx, num_tokens)], decode=False) as pseqs,
             self._seqs([(d_ctx, 1)] * batch, decode=True) as dseqs,
+            self._seqs([(p_ctx, num_tokens)], decode=False) as pseqs,
         ):
             torch.cuda.synchronize()
             p0, p1 = _timing_events()
