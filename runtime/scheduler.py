@@ -31,10 +31,11 @@ KV admission
   - GENERATE (and chunked SCORE): blocks for every token to prefill at admission (minus
     prefix-cache hits), one more block whenever decode crosses a block boundary.
   - whole SCORE: only the full prompt blocks that the pool can hold right now are allocated
-    (suffix-KV discard: `num_kept_tokens`), and the last partial block only after a prefix hit
-    (so that attention reads the cached context from the pool rather than a per-layer copy of
-    it). After the answer everything is released; the kept full blocks stay in the prefix
-    cache (cached-idle).
+    (suffix-KV discard: `num_kept_tokens`), and the last partial block too when they all fit
+    and one more block is free (then nothing in the step is discarded, so attention reads
+    every context from the pool rather than a per-layer copy of it, and the step may merge
+    with decodes). After the answer everything is released; the kept full blocks stay in the
+    prefix cache (cached-idle).
   - A prefix hit never covers the whole prompt: the last prompt token is always computed
     (its logits are the answer).
 
@@ -922,20 +923,23 @@ class Scheduler:
                 return None  # runs in a step of its own, whole
             n = num_new
             num_full = req.num_tokens // bs
-            keep_new = 0
+            keep_new = pinned = 0
             if self.config.enable_prefix_cache and self.bm.prefix_cache is not None:
                 pinned = self.bm.num_pinned(prefix_blocks)
                 keep_new = max(
                     0, min(num_full - len(prefix_blocks), self.bm.num_free_blocks - pinned)
                 )
             num_kept = (len(prefix_blocks) + keep_new) * bs
-            # After a prefix hit, keep the last partial block too when the pool has one more
-            # block: then every new token is written and attention reads the cached context
-            # from the pool (FlashInfer's paged prefill) instead of copying the whole context
-            # into a buffer in every layer (its path for a discarded suffix after a hit). The
-            # block is freed with the request (a partial block is never cached).
+            # Keep the last partial block too when the pool has one more block: then every new
+            # token is written and nothing in the step is discarded. One discarding member is
+            # enough for the backend to copy the whole context of EVERY member with context
+            # (a prefix hit's, a chat chunk's) out of the pool in every layer, instead of
+            # reading it in place (FlashInfer's paged prefill), and for the step not to merge
+            # with decodes (runner._mergeable). So a cold prompt keeps it as well, not only one
+            # after a hit (as until 2026-12-05). The block is freed with the request (a partial
+            # block is never cached).
             whole_kept = keep_new == num_full - len(prefix_blocks)
-            if prefix_blocks and whole_kept and req.num_tokens % bs:
+            if whole_kept and req.num_tokens % bs:
                 if self.bm.num_free_blocks - pinned > keep_new:
                     keep_new += 1
                     num_kept = req.num_tokens

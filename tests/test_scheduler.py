@@ -266,15 +266,39 @@ def test_continuous_calibration_sees_new_cache_entries() -> None:
 
 
 def test_score_keeps_only_full_prompt_blocks_in_cache() -> None:
+    """A cold scoring prompt with room writes all of its KV for the step (its partial block
+    too: nothing discarded), and only the full blocks stay cached after it."""
     s = make(num_blocks=64)
     s.add(score("a", list(range(10, 31))))  # 21 tokens: 5 full blocks + 1 partial
     plan = s.schedule(cap(s))
     seq = plan.prefill[0]
-    assert seq.num_kept_tokens == 20 and len(seq.block_ids) == 5
+    assert seq.num_kept_tokens == 21 and len(seq.block_ids) == 6
     s.update(plan, FakeRunner().run(plan))
     s.bm.check_integrity()
     assert s.bm.num_used_blocks == 0
     assert s.bm.prefix_cache.num_evictable == 5 == len(s.bm.prefix_cache)
+    # With exactly the full blocks free the partial one is discarded, as before.
+    tight = make(num_blocks=5)
+    tight.add(score("a", list(range(10, 31))))
+    assert tight.schedule(cap(tight)).prefill[0].num_kept_tokens == 20
+
+
+def test_a_cold_scoring_prompt_beside_a_warm_one_leaves_nothing_discarded() -> None:
+    """One discarding member sends a whole prefill batch with context down the backend's
+    gathered path (every member's context copied in every layer) and keeps the step from
+    merging with decodes; a cold prompt keeping its partial block avoids both."""
+    s = make(num_blocks=64)
+    s.add(score("a", list(range(10, 31))))
+    plan = s.schedule(cap(s))
+    s.update(plan, FakeRunner().run(plan))
+    s.add(score("warm", list(range(10, 30)) + [99, 98, 97]))  # a 5-block hit
+    s.add(score("cold", list(range(200, 219))))  # 19 tokens: 4 full blocks + 1 partial
+    plan = s.schedule(cap(s))
+    assert {q.request.request_id for q in plan.prefill} == {"warm", "cold"}
+    assert any(q.num_context_tokens for q in plan.prefill)
+    assert all(q.num_kept_tokens == q.num_context_tokens + q.num_new_tokens for q in plan.prefill)
+    s.update(plan, FakeRunner().run(plan))
+    s.bm.check_integrity()
 
 
 def test_score_discards_what_the_pool_cannot_hold() -> None:

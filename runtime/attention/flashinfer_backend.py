@@ -22,8 +22,10 @@ Kernel choice per step (`plan`):
 - prefill with cached context AND a discarded suffix (a scoring request with a prefix hit):
   the suffix has no pool slots, so the context is gathered from the pool into a per-layer
   buffer next to this step's k/v and ragged prefill runs over that (on FA2's kernels by the
-  same rule, `prefill_on_fa2`). This costs one copy of the context per layer; it is the
-  uncommon case (the pool too full to keep the suffix).
+  same rule, `prefill_on_fa2`). This costs one copy of the context per layer, for EVERY
+  member of the batch with context once any one member discards; so the scheduler keeps a
+  scoring prompt's whole KV (its partial last block too) whenever the pool has room, and this
+  is the uncommon case (the pool too full to keep a suffix).
 
 Suffix-KV discard: tokens at positions >= num_kept_tokens are attended from this step's k/v
 (which live only as long as the layer's forward: the per-layer scratch) and never written.
