@@ -120,6 +120,14 @@ def device_load(steps: list[dict[str, Any]]) -> dict[str, Any]:
     Whole-GPU steps with a device time only (a split's partitions overlap)."""
     whole = [s for s in steps if not s.get("on_split") and s.get("device_ms") is not None]
     device_ms = sum(s["device_ms"] for s in whole)
+    # Steps that discarded prompt KV beside prefill context: the FlashInfer backend copied
+    # every member's context in every layer (traces before 2026-12-05 lack the field: None).
+    gathered = [
+        s
+        for s in whole
+        if (s.get("prefill_discarded_tokens") or 0) > 0 and s.get("prefill_context_tokens")
+    ]
+    traced = any("prefill_discarded_tokens" in s for s in steps)
     gaps = [s["idle_before_ms"] for s in whole if s.get("idle_before_ms") is not None]
     host_gap_ms = sum(g for g in gaps if g < NO_WORK_GAP_MS)
     bands = []
@@ -152,6 +160,8 @@ def device_load(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "host_gap_ms": host_gap_ms,
         "busy_share": device_ms / (device_ms + host_gap_ms) if device_ms + host_gap_ms else None,
         "no_work_gaps": sum(1 for g in gaps if g >= NO_WORK_GAP_MS),
+        "gathered_steps": len(gathered) if traced else None,
+        "gathered_device_ms": sum(s["device_ms"] for s in gathered) if traced else None,
         "prefill_by_batch": bands,
     }
 

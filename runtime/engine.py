@@ -145,6 +145,10 @@ STEP_TRACE_FIELDS = (
     # prefill and decode parts separately).
     "plan_ms",
     "launch_ms",
+    # Prompt tokens of the prefill parts whose KV the step did not keep (a scoring suffix the
+    # pool had no room for). With any prefill context beside them the FlashInfer backend
+    # attends every member's context from a per-layer copy of it (its gathered path).
+    "prefill_discarded_tokens",
 )
 
 Sink = Callable[[list[EngineOutput]], None]
@@ -1574,6 +1578,11 @@ class Engine:
                 _ms(decode_base_s),
                 plan_ms,
                 launch_ms,
+                sum(
+                    s.num_context_tokens + s.num_new_tokens - s.num_kept_tokens
+                    for s in plan.prefill
+                    if s.num_kept_tokens < s.num_context_tokens + s.num_new_tokens
+                ),
             )
         )
 

@@ -504,7 +504,7 @@ def test_step_trace_of_the_real_engine() -> None:
 
     app = create_app(Settings(model="random:tiny", max_num_seqs=4, block_size=4, admin_token=None))
     with TestClient(app, client=LOOPBACK, base_url=LOCAL_URL) as client:
-        query = list(range(10, 60))
+        query = list(range(10, 61))  # 51 + 2 tokens: a partial last block of 4
         r = client.post(
             "/v1/score", json={"query": query, "items": [[70, 71]], "label_token_ids": [1, 2]}
         )
@@ -540,7 +540,10 @@ def test_step_trace_of_the_real_engine() -> None:
             "decode_base_ms",
             "plan_ms",
             "launch_ms",
+            "prefill_discarded_tokens",
         }
+        # A short scoring prompt with room keeps all of its KV: nothing discarded.
+        assert all(s["prefill_discarded_tokens"] == 0 for s in steps)
         assert all(s["chunked_predicted_ms"] is None for s in steps)  # off: no chunked choice
         assert all(s["layer_sliced_span_ms"] is None for s in steps)  # nor layer slices
         assert all(s["decode_gap_ms"] is None for s in steps)  # the serial executor: none

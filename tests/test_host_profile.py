@@ -99,3 +99,19 @@ def test_device_load_separates_host_gaps_from_idle_and_prices_batches_per_reques
     assert bands[(1, 1)]["context_tokens_per_seq"] == 14_000
     assert bands[(33, 128)]["new_tokens_per_seq"] == 16
     assert device_load([])["busy_share"] is None
+    assert got["gathered_steps"] is None  # a trace from before the field: not known
+
+
+def test_device_load_counts_the_steps_that_copied_their_contexts() -> None:
+    """A step that discarded prompt KV beside prefill context took the backend's gathered path;
+    one that discarded without any context (ragged) or kept everything did not."""
+    from bench.host_profile import device_load
+
+    base = {"num_decodes": 0, "num_prefill_seqs": 2, "num_prefill_tokens": 300}
+    steps = [
+        base | {"prefill_context_tokens": 14_000, "prefill_discarded_tokens": 5, "device_ms": 9.0},
+        base | {"prefill_context_tokens": 14_000, "prefill_discarded_tokens": 0, "device_ms": 4.0},
+        base | {"prefill_context_tokens": 0, "prefill_discarded_tokens": 7, "device_ms": 3.0},
+    ]
+    got = device_load(steps)
+    assert got["gathered_steps"] == 1 and got["gathered_device_ms"] == 9.0
