@@ -976,8 +976,9 @@ class Engine:
         return "cpu"
 
     def _warm_up_prefill(self, num_tokens: int) -> None:
-        """One discarded prefill of `num_tokens` (at most the longest scoring prompt) through
-        the serving runner, before the first request, so its first-use host costs are paid
+        """One prefill of `num_tokens` (at most the longest scoring prompt) through the serving
+        runner, its KV kept or discarded as a served scoring prompt's would be
+        (`measure_prefill`), before the first request, so its first-use host costs are paid
         here: on the H200 a fresh server's first 16k prompt spent ~130 ms more host time inside
         cuBLAS (its first GEMMs of that many rows) and in the scoring path's first elementwise
         kernels, with the GPU waiting (docs/benchmarks.md, "A fresh server's first long

@@ -101,10 +101,10 @@ def test_the_first_chunked_steps_forms_run_within_budget_and_length(
     (Engine._warm_up_forms): decode-like one-token rows beside a short part, discarding and
     keeping KV, a later chunk over a context, a first chunk past the graphs' buckets. Each
     within the step budget and the model's length (a small engine skips what does not fit)."""
-    seen: list[tuple[list[tuple[int, int]], bool]] = []
+    seen: list[tuple[list[tuple[int, int]], bool | None]] = []
     real = Engine.measure_prefill_batch
 
-    def spy(self: Engine, items: list[tuple[int, int]], *, keep_kv: bool = False) -> float:
+    def spy(self: Engine, items: list[tuple[int, int]], *, keep_kv: bool | None = None) -> float:
         seen.append((list(items), keep_kv))
         return real(self, items, keep_kv=keep_kv)
 
@@ -117,7 +117,7 @@ def test_the_first_chunked_steps_forms_run_within_budget_and_length(
     )
     try:
         forms = seen[1:]  # seen[0]: the long prefill (through measure_prefill)
-        assert seen[0] == ([(32, 0)], False)
+        assert seen[0] == ([(32, 0)], None)  # as a served scoring prompt: kept if it fits
         assert ([(1, 64)] * 8 + [(19, 0)], False) in forms
         assert ([(1, 64)] * 8 + [(19, 0)], True) in forms
         assert ([(333, 1499)], True) in forms
@@ -238,7 +238,7 @@ def test_measured_batches_may_share_one_context_and_report_their_device_span() -
 def test_a_failed_forms_warm_up_is_said_and_the_engine_serves(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def broken(self: Engine, items: list[tuple[int, int]], *, keep_kv: bool = False) -> float:
+    def broken(self: Engine, items: list[tuple[int, int]], *, keep_kv: bool | None = None) -> float:
         raise RuntimeError("a kernel failed in the forms warm-up")
 
     monkeypatch.setattr(Engine, "measure_prefill_batch", broken)
