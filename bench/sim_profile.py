@@ -256,6 +256,30 @@ class PrefillProfile:
 
         return half(0, "calibration"), half(1, "service")
 
+    def device_priced(self) -> PrefillProfile | None:
+        """This profile with each point's recorded device span (median) for its seconds: the
+        same forwards priced without the host's share of an isolated step (bench.prefill_profile
+        records `device_s_median` since 2026-12-05). None unless every point has one (older
+        profiles, pooled ones). A diagnostic to set beside served steps' device times, not a
+        service model: a served step's host time is not zero."""
+        medians = (self.provenance.get("measurement") or {}).get("device_s_median") or {}
+        pts = []
+        for p in self.points:
+            v = medians.get(f"{p.uncached}:{p.cached}:{p.batch}")
+            if not v or not v > 0:
+                return None
+            pts.append(ProfilePoint(p.uncached, p.cached, (float(v),), p.batch, p.origin, p.source))
+        return PrefillProfile(
+            pts,
+            self.device,
+            self.model,
+            self.origin,
+            f"device spans of {self.path or 'a profile'}",
+            self.provenance,
+            self.block_size,
+            f"{self.path}#device",
+        )
+
     def describe(self) -> dict[str, Any]:
         single = sum(1 for p in self.points if len(p.seconds) == 1)
         return {

@@ -371,7 +371,14 @@ def batch_model_check(gpu: dict[str, Any], service: Any) -> list[dict[str, Any]]
     request, the mean batch and the mean new and cached tokens per request; the simulator
     prices a forward of that many such requests (`median_forward_s`, batch correction
     included). `measured_over_sim` > 1: the simulator undercharges the GPU's batches (its
-    capacity too high). Searches without a step trace are left out."""
+    capacity too high). Searches without a step trace are left out. Where the profile
+    recorded device spans (`PrefillProfile.device_priced`), the same forward priced by them
+    too (`sim_device_ms_per_seq`): device against device, the host's share left out."""
+    from bench.sim_profile import ProfileService
+
+    profile = getattr(service, "profile", None)
+    device_profile = profile.device_priced() if profile is not None else None
+    device_service = ProfileService(device_profile) if device_profile is not None else None
     rows = []
     for wl, pools in (gpu.get("results") or {}).items():
         for pool, by_policy in pools.items():
@@ -383,6 +390,11 @@ def batch_model_check(gpu: dict[str, Any], service: Any) -> list[dict[str, Any]]
                         u = max(round(band["new_tokens_per_seq"]), 1)
                         c = round(band["context_tokens_per_seq"])
                         sim_ms = service.median_forward_s([(u, c)] * batch) * 1e3 / batch
+                        dev_ms = (
+                            device_service.median_forward_s([(u, c)] * batch) * 1e3 / batch
+                            if device_service is not None
+                            else None
+                        )
                         rows.append(
                             {
                                 "workload": wl,
@@ -397,6 +409,10 @@ def batch_model_check(gpu: dict[str, Any], service: Any) -> list[dict[str, Any]]
                                 "gpu_device_ms_per_seq": band["device_ms_per_seq"],
                                 "sim_ms_per_seq": sim_ms,
                                 "measured_over_sim": band["device_ms_per_seq"] / sim_ms,
+                                "sim_device_ms_per_seq": dev_ms,
+                                "measured_over_sim_device": (
+                                    band["device_ms_per_seq"] / dev_ms if dev_ms else None
+                                ),
                                 "busy_share": load.get("busy_share"),
                             }
                         )
@@ -763,17 +779,21 @@ def markdown_batches(rows: list[dict[str, Any]]) -> str:
     lines = [
         "",
         "| search | batch band | steps | mean batch | new / cached tokens | GPU ms/req | "
-        "sim ms/req | GPU / sim |",
-        "|---|---|---|---|---|---|---|---|",
+        "sim ms/req | GPU / sim | profile device ms/req | GPU / profile device |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         low, high = r["num_seqs"]
+        dev = r.get("sim_device_ms_per_seq")
+        dev_cells = (
+            f"{dev:.2f} | {r['measured_over_sim_device']:.2f}" if dev is not None else "- | -"
+        )
         lines.append(
             f"| {r['workload']}@{r['pool']} {r['policy']} r{r['repeat']} | "
             f"{low}-{high if high is not None else ''} | {r['num_steps']} | {r['mean_batch']} | "
             f"{r['new_tokens_per_seq']} / {r['context_tokens_per_seq']} | "
             f"{r['gpu_device_ms_per_seq']:.2f} | {r['sim_ms_per_seq']:.2f} | "
-            f"{r['measured_over_sim']:.2f} |"
+            f"{r['measured_over_sim']:.2f} | {dev_cells} |"
         )
     return "\n".join(lines)
 

@@ -236,3 +236,19 @@ def test_batch_model_check_prices_the_gpus_batches_as_the_simulator_would(tok) -
     assert r["measured_over_sim"] == pytest.approx(9.0 / want)
     assert "| 33-128 | 4 | 40 |" in svg.markdown_batches(rows)
     assert svg.markdown_batches([]) == ""
+    # The committed default profile predates device spans: no device column.
+    assert r["sim_device_ms_per_seq"] is None and "| - | - |" in svg.markdown_batches(rows)
+
+    # A profile that recorded each point's device span: the same forward priced by them too.
+    prof = setup.service.profile
+    spans = {f"{p.uncached}:{p.cached}:{p.batch}": p.median_s / 2 for p in prof.points}
+    prof.provenance = {**prof.provenance, "measurement": {"device_s_median": spans}}
+    dev = prof.device_priced()
+    assert dev is not None and all(len(p.seconds) == 1 for p in dev.points)
+    r = svg.batch_model_check(gpu, setup.service)[0]
+    want_dev = ProfileService(dev).median_forward_s([(16, 14_000)] * 40) * 1e3 / 40
+    assert r["sim_device_ms_per_seq"] == pytest.approx(want_dev)
+    assert r["measured_over_sim_device"] == pytest.approx(9.0 / want_dev)
+    assert f"| {want_dev:.2f} | {9.0 / want_dev:.2f} |" in svg.markdown_batches([r])
+    spans.pop(next(iter(spans)))  # one point without a span: not device-priced at all
+    assert prof.device_priced() is None
