@@ -5,8 +5,9 @@ Why: the simulator prices a forward from `bench.prefill_profile`'s wall times of
 synchronised steps. On the H100 (2026-12-05, docs/scheduling.md "The default pool's ceiling was
 the load generator's") the served steps of warm post-recommendation requests took 0.27-0.70x
 that price on the device, the gap widening with the batch (a profile batch of 24: 7.35 ms a
-request; served batches of 59: 2.57 ms of device time a request). The likely cause, found by
-reading the code: the profiles discarded the new tokens' KV, so every warm point attended a
+request; served batches of 59: 2.57 ms of device time a request). One cause, found by reading
+the code (about half of that gap by arithmetic: ~7.5 GB moved a 14k-token request on the 8B
+shape, ~2.2-2.5 ms): the profiles discarded the new tokens' KV, so every warm point attended a
 copy of its context made in every layer (the FlashInfer backend's gathered path), while a served
 warm request keeps its few new tokens' KV whenever the pool has room and reads the context in
 place (paged). This reads each point on both paths, and kept with the members sharing one
