@@ -529,8 +529,8 @@ def test_steps_on_a_split_teach_neither_the_jct_model_nor_the_decode_average() -
     from runtime.scheduler import RunnerOutput, StepPlan
 
     eng, _, _ = split_engine(FakeDevice(), None)
-    seq = SimpleNamespace(num_new_tokens=512, num_context_tokens=0)
-    dseq = SimpleNamespace(num_new_tokens=1, num_context_tokens=64)
+    seq = SimpleNamespace(num_new_tokens=512, num_context_tokens=0, num_kept_tokens=512)
+    dseq = SimpleNamespace(num_new_tokens=1, num_context_tokens=64, num_kept_tokens=65)
     prefill, decode = StepPlan(1, prefill=[seq]), StepPlan(2, decode=[dseq])
     for plan in (prefill, decode):
         eng._observe(StepResult(plan, RunnerOutput(), 0.5, None, on_split=True))
