@@ -194,6 +194,26 @@ def client_bound_probes(results: dict[str, Any]) -> list[str]:
     return out
 
 
+def gathered_searches(results: dict[str, Any]) -> list[str]:
+    """Searches whose step trace has steps that discarded prompt KV beside prefill context:
+    the FlashInfer backend copied every member's context in every layer there (the pool had
+    no room for a suffix; docs/scheduling.md, "What is left of the gathered path")."""
+    out = []
+    for wl, pools in results.items():
+        for pool, by_policy in pools.items():
+            for policy, reps in by_policy.items():
+                for r in reps:
+                    load = (r.get("steps") or {}).get("device_load") or {}
+                    n, ms = load.get("gathered_steps"), load.get("gathered_device_ms")
+                    if n and ms is not None and load.get("device_ms"):
+                        out.append(
+                            f"{wl}@{pool} {policy} r{r.get('repeat')}: {n} of "
+                            f"{load.get('num_steps')} traced steps, {ms / load['device_ms']:.1%} "
+                            "of their device time"
+                        )
+    return out
+
+
 def summarize(results: dict[str, Any]) -> dict[str, Any]:
     """Per (workload, pool): each policy's max QPS per repeat (mean, spread), over FCFS's of
     the same repeat, P99 at FCFS's max QPS over FCFS's P99 there, and hit rates."""
@@ -717,6 +737,8 @@ def markdown(results: dict[str, Any]) -> str:
     )
     for k in client_bound_probes(results.get("results") or {}):
         lines.append(f"CLIENT-BOUND {k}: that probe measured the load generator")
+    for k in gathered_searches(results.get("results") or {}):
+        lines.append(f"GATHERED {k} copied their contexts (no room to keep a suffix)")
     for k in results.get("skipped") or []:
         lines.append(f"SKIPPED {k}")
     for k, e in (results.get("errors") or {}).items():

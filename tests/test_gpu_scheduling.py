@@ -116,6 +116,26 @@ def test_summary_arithmetic() -> None:
         "2986 ms: that probe measured the load generator" in table
     )
     assert table.count("CLIENT-BOUND") == 1
+    # A search whose step trace has gathered steps is named too; one with none, or an old
+    # trace without the field (None), is not.
+    assert "GATHERED" not in table
+    results["post"]["0.5"]["srjf"][0]["steps"] = {
+        "device_load": {
+            "num_steps": 400,
+            "device_ms": 2000.0,
+            "gathered_steps": 12,
+            "gathered_device_ms": 250.0,
+        }
+    }
+    results["post"]["0.5"]["srjf"][1]["steps"] = {
+        "device_load": {"num_steps": 400, "device_ms": 2000.0, "gathered_steps": None}
+    }
+    table = gs.markdown({"summary": gs.summarize(results), "results": results, "settings": {}})
+    assert (
+        "GATHERED post@0.5 srjf r1: 12 of 400 traced steps, 12.5% of their device time copied "
+        "their contexts (no room to keep a suffix)" in table
+    )
+    assert table.count("GATHERED") == 1
     # Two calls of one repeat each merge into the same summary.
     post = results["post"]["0.5"]
     calls = [
