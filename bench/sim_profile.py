@@ -325,6 +325,21 @@ def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+def warm_points_path(profile: PrefillProfile) -> str:
+    """Which attention path the profile's warm points (cached > 0) were timed on, as the
+    simulator's results say it: profiles before 2026-12-05 (no `kv_path` in their provenance;
+    pooled ones, per member) discarded the new KV, so their warm points paid a per-layer copy
+    of the context that a served warm request with room in the pool does not."""
+    members = profile.provenance.get("pooled") or [profile.provenance]
+    paths = [(m or {}).get("kv_path") for m in members]
+    if all(p is None for p in paths):
+        return "gathered (a profile from before kv_path: warm points copied their context)"
+    if any(p is None for p in paths):
+        return "mixed (pooled with a profile from before kv_path)"
+    warm = {v for p in paths for k, v in p.items() if int(k.split(":")[1]) > 0}
+    return "served: " + (", ".join(sorted(warm)) or "no warm points")
+
+
 class ProfileService:
     """Forward times drawn from a profile: interpolated medians times measured noise."""
 
@@ -440,6 +455,7 @@ class ProfileService:
         return {
             "kind": "profile",
             **self.profile.describe(),
+            "warm_points_path": warm_points_path(self.profile),
             "attention_s_per_pair": self.k_s_per_pair,
             "batch_correction": self.batch_correction,
             "batch_correction_source": self.batch_correction_source,

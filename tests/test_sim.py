@@ -502,3 +502,25 @@ def test_a_forward_holds_at_most_max_num_seqs_requests() -> None:
     assert st.max_batch == 16 and st.num_forwards == 3  # 16 + 16 + 8
     default = sim.simulate(wl, make_policy("fcfs"), 1.0, service=svc, cache_tokens=0)
     assert default.max_batch == 40 and default.num_forwards == 1  # under 256 and the budget
+
+
+def test_results_say_which_path_the_profiles_warm_points_were_timed_on() -> None:
+    """Profiles before 2026-12-05 timed warm points with the new KV discarded (the context
+    copied in every layer); the simulator's service description says so, and what a newer
+    profile's `kv_path` recorded."""
+    from bench.sim_profile import warm_points_path
+
+    pts = [
+        ProfilePoint(16, 0, (0.01,)),
+        ProfilePoint(64, 0, (0.02,)),
+        ProfilePoint(16, 256, (0.03,)),
+    ]
+    old = PrefillProfile(pts, provenance={"command": "x"})
+    assert warm_points_path(old).startswith("gathered")
+    new = PrefillProfile(
+        pts, provenance={"kv_path": {"16:0:1": "kept", "16:256:1": "kept", "16:256:4": "discarded"}}
+    )
+    assert warm_points_path(new) == "served: discarded, kept"
+    pooled = PrefillProfile(pts, provenance={"pooled": [old.provenance, new.provenance]})
+    assert warm_points_path(pooled).startswith("mixed")
+    assert ProfileService(new).describe()["warm_points_path"] == "served: discarded, kept"
