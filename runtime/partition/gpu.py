@@ -401,8 +401,8 @@ class EngineProbe:
             for ctx, new in specs:
                 self._serial += 1
                 rid = f"__partition_probe_{self._serial}__"
-                whole = bm.num_blocks_for(ctx + new)
-                kept = ctx + new if decode or whole <= bm.num_free_blocks else ctx
+                keep = decode or self.engine.served_keeps_kv([(new, ctx)])
+                kept = ctx + new if keep else ctx
                 blocks = bm.allocate(rid, bm.num_blocks_for(kept))
                 rids.append(rid)
                 kind = RequestKind.GENERATE if decode else RequestKind.SCORE
