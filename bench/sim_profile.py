@@ -336,7 +336,15 @@ def warm_points_path(profile: PrefillProfile) -> str:
         return "gathered (a profile from before kv_path: warm points copied their context)"
     if any(p is None for p in paths):
         return "mixed (pooled with a profile from before kv_path)"
-    warm = {v for p in paths for k, v in p.items() if int(k.split(":")[1]) > 0}
+    # A point that got no values (its batch did not fit the pool) records the path it was
+    # planned on but priced nothing: left out.
+    unvalued = [set((m or {}).get("points_without_values") or ()) for m in members]
+    warm = {
+        v
+        for p, skip in zip(paths, unvalued, strict=True)
+        for k, v in p.items()
+        if int(k.split(":")[1]) > 0 and k not in skip
+    }
     return "served: " + (", ".join(sorted(warm)) or "no warm points")
 
 

@@ -524,3 +524,13 @@ def test_results_say_which_path_the_profiles_warm_points_were_timed_on() -> None
     pooled = PrefillProfile(pts, provenance={"pooled": [old.provenance, new.provenance]})
     assert warm_points_path(pooled).startswith("mixed")
     assert ProfileService(new).describe()["warm_points_path"] == "served: discarded, kept"
+    # A point whose batch did not fit the pool priced nothing: its planned path is not told
+    # (the H100 profile of 2026-12-05 read "served: discarded, kept" for one such point).
+    unvalued = PrefillProfile(
+        pts,
+        provenance={
+            "kv_path": {"16:256:1": "kept", "16:256:32": "discarded"},
+            "points_without_values": ["16:256:32"],  # as bench.prefill_profile writes it
+        },
+    )
+    assert warm_points_path(unvalued) == "served: kept"
