@@ -24,6 +24,7 @@ from app.client import EngineClient
 from app.engine_view import EngineView, load_frontend_tokenizer, load_sampling_defaults
 from app.errors import install_error_handlers
 from app.gate import Gate
+from app.load_watch import FrontEndLoad
 from app.metrics import Metrics
 from app.settings import Settings
 from runtime.config import EngineConfig
@@ -153,9 +154,13 @@ def create_app(
             # start-up left (FastAPI, pydantic, the routes; ~72k objects) it took 56 ms on a
             # CPU here, ~0 ms once they are frozen (docs/benchmarks-cpu.md, section 6).
             freeze_startup_objects("API server")
+        # Whether this process is what clients wait for (its CPU share; a warning when so).
+        load = FrontEndLoad(settings.api_server_count, metrics.api_cpu_share.set)
+        load_task = asyncio.create_task(load.run(), name="greenlane-load-watch")
         try:
             yield
         finally:
+            load_task.cancel()
             await asyncio.to_thread(stop_engine, app, settings.shutdown_grace_s)
             await core_client.close()
             if process is not None:

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -399,6 +399,12 @@ class Metrics:
             "greenlane_output_tokens",
             "output tokens generated",
             ["endpoint"],
+            registry=self.registry,
+        )
+        self.api_cpu_share = Gauge(
+            "greenlane_api_server_cpu_share",
+            "this API server process's CPU seconds per second over its last window "
+            "(app/load_watch.py; near 1: requests wait for it, --api-server-count adds processes)",
             registry=self.registry,
         )
         self._engine_collector: _EngineCollector | None = None

@@ -146,6 +146,7 @@ def test_health_and_metrics(server: ServerThread, http: httpx.Client) -> None:
         "greenlane_kv_blocks_used",
         "greenlane_kv_blocks_total 1000.0",
         "greenlane_prefix_cache_hit_ratio",
+        "greenlane_api_server_cpu_share",  # this process's (app/load_watch.py)
     ):
         assert name in text, name
     recent = server.app.state.metrics.recent()
