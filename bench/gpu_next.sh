@@ -470,14 +470,15 @@ case $plan in
     # START_S: the server's start-up estimate (its timeout is 3x): on a bare machine Triton
     # compiles the fused decode's sizes at the first start (the 90 s of 30 were not enough).
     # SERVER_ARGS: more server options for every part (e.g. "--ttft-slo-ms 3600": SRJF's lambda
-    # from the SLO), recorded in the results' command.
+    # from the SLO), recorded in the results' command. PER_REQUEST=1: each probe's requests'
+    # send times and latencies in the search records (bench.gpu_scheduling --per-request).
     cal=bench/results/jct-calibration-h200.json
     python3 -m bench.gpu_scheduling --model random:llama-3.1-8b --rev "$rev" \
       --out-dir $work/sched --duration-s $dur --max-probes $probes --start-s ${START_S:-30} --no-profile \
       $( [ -f $cal ] && echo --jct-calibration $cal ) \
       --start-qps "post-recommendation@0.5=4.5,post-recommendation@1=30,post-recommendation@default=40,credit-verification=5" \
-      ${SERVER_ARGS:+--server-args "$SERVER_ARGS"} \
-      --parts "$parts" --tag gpu-scheduling-$plan --command "${DUR:+DUR=$DUR }${PROBES:+PROBES=$PROBES }${PARTS:+PARTS='$PARTS' }${SERVER_ARGS:+SERVER_ARGS='$SERVER_ARGS' }bash bench/gpu_next.sh $plan $rev" \
+      ${SERVER_ARGS:+--server-args "$SERVER_ARGS"} ${PER_REQUEST:+--per-request} \
+      --parts "$parts" --tag gpu-scheduling-$plan --command "${DUR:+DUR=$DUR }${PROBES:+PROBES=$PROBES }${PARTS:+PARTS='$PARTS' }${SERVER_ARGS:+SERVER_ARGS='$SERVER_ARGS' }${PER_REQUEST:+PER_REQUEST=1 }bash bench/gpu_next.sh $plan $rev" \
       --deadline-s "$(( $(left) - 15 ))" || rc=1
     cp $work/sched/gpu-scheduling-*.json "$OUT/" ;;
   batch)

@@ -529,11 +529,13 @@ class Orchestrator:
             "--out",
             str(path),
             *(["--tokenizer", a.tokenizer] if a.tokenizer else []),
+            *(["--record-requests"] if a.per_request else []),
         ]
         est = self.search_s(workload)
+        started = time.monotonic()
         e = run_harness("bench.serve", argv, min(2 * est, self.budget.left_s() - 3))
         view = search_view(e["record"])
-        view["steps"] = search_steps(srv.url)
+        view["steps"] = search_steps(srv.url, time.monotonic() - started)
         view.update(
             {
                 "repeat": repeat,
@@ -636,18 +638,27 @@ class Orchestrator:
         return 0 if not self.results["errors"] else 1
 
 
-def search_steps(url: str) -> dict[str, Any]:
-    """The server's step trace over the search's last 4,096 steps (its last probes, near the
-    max QPS), summarised by `bench.host_profile.step_summary`: the prefill-only steps' device,
-    launch and plan time and the device's idle before them, the host time per step that the
-    simulator leaves out. An error is recorded, not raised: the search's figures stand."""
+def search_steps(url: str, search_s: float) -> dict[str, Any]:
+    """The server's step trace over the search (the steps of the last `search_s` seconds; at
+    most its last 4,096 steps: its last probes, near the max QPS), summarised by
+    `bench.host_profile.step_summary`: the prefill-only steps' device, launch and plan time and
+    the device's idle before them, the host time per step that the simulator leaves out.
+    Steps older than the search are left out: the trace is the server's, and a short search
+    (a 0.5x pool runs a few hundred steps) would otherwise carry the steps of the search
+    before it on the same server (every second search's summary until 2026-12-05).
+    `whole_search`: whether the trace reaches back to the search's start. An error is
+    recorded, not raised: the search's figures stand."""
     from bench.host_profile import step_summary
 
     try:
         steps = http_json(url + "/admin/api/steps?limit=4096")["steps"]
     except Exception as e:  # noqa: BLE001 - a diagnostic beside the result
         return {"error": repr(e)[:200]}
-    return step_summary(steps)
+    mine = [s for s in steps if s.get("age_s") is not None and s["age_s"] <= search_s]
+    out = step_summary(mine)
+    out["steps_before_search"] = len(steps) - len(mine)
+    out["whole_search"] = len(mine) < len(steps) or len(steps) < 4096
+    return out
 
 
 def wait_idle(url: str, timeout_s: float = 15.0) -> bool:
@@ -842,6 +853,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jct-calibration", help="serve with this calibration (not the profile's)")
     p.add_argument("--tokenizer", help="bench.serve --tokenizer (default: the default model's)")
     p.add_argument("--record-requests", type=int, default=400, help="request shapes recorded")
+    p.add_argument(
+        "--per-request",
+        action="store_true",
+        help="each probe's requests' send times and latencies in the search's bench.serve "
+        "record (bench.serve --record-requests): the GPU's queue request by request, beside the "
+        "simulator's replay of the same requests",
+    )
     p.add_argument("--smoke", action="store_true", help="CPU plumbing check (random:tiny)")
     p.add_argument(
         "--dry-run", action="store_true", help="print the plan's time estimates; run nothing"

@@ -249,6 +249,7 @@ def test_plan_against_a_real_tiny_server(tmp_path: Path) -> None:
             "90",
             "--profile-args",
             "--uncached 8,32 --cached 0,64 --batch-points 8:64:2 --repeats 2 --warmup-passes 0",
+            "--per-request",
         ]
     )
     res = json.loads(next(tmp_path.glob("gpu-scheduling-*.json")).read_text())
@@ -277,6 +278,14 @@ def test_plan_against_a_real_tiny_server(tmp_path: Path) -> None:
             # The server's step trace: scoring alone runs prefill-only steps, host times kept.
             pre = r["steps"]["prefill_steps"]
             assert pre["num_steps"] > 0 and pre["launch_ms_p50"] > 0 and pre["plan_ms_p50"] > 0
+    # --per-request: every probe's requests, one record each, in the search's own file.
+    search = json.loads(next(tmp_path.rglob(runs["srjf"][0]["file"])).read_text())
+    assert all(len(run["requests"]) == run["num_requests"] for run in search["runs"])
+    # Each search's trace holds its own steps only: the four share one server (a ring of
+    # 4,096 steps, far from full here), so every search but the first leaves earlier ones out.
+    traces = [r["steps"] for reps in runs.values() for r in reps]
+    assert all(t["whole_search"] and t["num_steps"] > 0 for t in traces)
+    assert sum(t["steps_before_search"] > 0 for t in traces) >= len(traces) - 1
     # Every search after FCFS's first starts at FCFS's max QPS of repeat 1.
     q1 = runs["fcfs"][0]["max_qps"]
     assert all(r["start_qps"] == q1 for r in runs["srjf"] + runs["fcfs"][1:])
