@@ -19,6 +19,8 @@ import os
 import time
 from collections.abc import Callable
 
+from app.settings import MAX_API_SERVERS
+
 log = logging.getLogger("greenlane.app")
 
 SAMPLE_EVERY_S = 5.0  # one sample: two clock reads, off the request path
@@ -75,7 +77,7 @@ class FrontEndLoad:
                 100 * share,
                 wall_s,
                 self.api_server_count,
-                self.api_server_count * 2,
+                min(2 * self.api_server_count, MAX_API_SERVERS),
             )
         return share
 

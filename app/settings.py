@@ -29,6 +29,7 @@ from runtime.config import EngineConfig
 log = logging.getLogger("greenlane.app")
 
 ENV_PREFIX = "GREENLANE_"
+MAX_API_SERVERS = 64  # --api-server-count's cap
 
 
 class ServerSettings(BaseSettings):
@@ -123,7 +124,7 @@ class ServerSettings(BaseSettings):
     api_server_count: int = Field(
         1,
         ge=1,
-        le=64,
+        le=MAX_API_SERVERS,
         description="HTTP front-end processes (tokenizing, detokenizing, SSE), sharing the port "
         "and one engine core process",
     )

@@ -67,3 +67,15 @@ def test_the_share_is_a_metric() -> None:
     clocks.advance(5.0, 0.4)
     watch.sample()
     assert "greenlane_api_server_cpu_share 0.4" in metrics.render().decode()
+
+
+def test_the_suggestion_keeps_within_the_options_cap(caplog: pytest.LogCaptureFixture) -> None:
+    from app.settings import MAX_API_SERVERS
+
+    clocks = _Clocks()
+    watch = _watch(clocks, count=MAX_API_SERVERS - 1)
+    with caplog.at_level(logging.WARNING, logger="greenlane.app"):
+        for _ in range(2):
+            clocks.advance(5.0, 1.0)
+            watch.sample()
+    assert caplog.records[0].getMessage().endswith(f"--api-server-count {MAX_API_SERVERS}")
