@@ -276,6 +276,7 @@ def simulate(
     latencies_out: list[float] | None = None,
     step_overhead_s: float = 0.0,
     request_overhead_s: float = 0.0,
+    plan_ahead: bool = False,
 ) -> RunStats:
     """Run one (policy, QPS) point.
 
@@ -287,7 +288,14 @@ def simulate(
     `latencies_out` receives every completed request's latency (completion order).
     `step_overhead_s` is added to every forward (host work on the engine thread between
     forwards: it delays everything behind it); `request_overhead_s` to every request's latency
-    only (HTTP and front-end work done beside the GPU). Both are 0 unless measured."""
+    only (HTTP and front-end work done beside the GPU). Both are 0 unless measured.
+
+    `plan_ahead`: the engine's overlapped scheduling (runtime/engine.py, on by default there).
+    The engine plans step N+1 as soon as step N starts on the device, from the requests queued
+    then, so a request that arrives during step N can run in step N+2 at the earliest; when
+    nothing is queued at N's start it plans N+1 at N's end, as the simulator does without this.
+    Requests whose prefix step N is computing are passed over then (the scheduler's wait for a
+    shared prefix being prefilled). Off: every forward is chosen when the one before it ends."""
     noise_rng = random.Random(f"noise:{seed}")
     if cache is None:
         if cache_tokens is None:
@@ -338,17 +346,12 @@ def simulate(
             max_batch,
         )
 
-    while len(latencies) < n:
-        while next_arrival < n and pending[next_arrival].arrival_s <= now:
-            waiting.append(pending[next_arrival])
-            next_arrival += 1
-        if not waiting:
-            now = pending[next_arrival].arrival_s
-            continue
-        # One scheduling decision: refresh every cache hit (continuous calibration), score.
-        for r in waiting:
+    def choose(candidates: list[SimRequest], at_s: float) -> list[SimRequest]:
+        """One scheduling decision: refresh every cache hit (continuous calibration), score,
+        fill the step in policy order."""
+        for r in candidates:
             r.num_cached_tokens_now = cache.peek(r)
-        order = sorted(waiting, key=lambda r: (policy.score(r, now), r.arrival_s))
+        order = sorted(candidates, key=lambda r: (policy.score(r, at_s), r.arrival_s))
         batch: list[SimRequest] = []
         used = 0
         for r in order:
@@ -361,12 +364,34 @@ def simulate(
             used += u
             if used >= token_budget:
                 break
+        return batch
+
+    planned: list[SimRequest] = []  # the next forward, chosen when the current one started
+    while len(latencies) < n:
+        while next_arrival < n and pending[next_arrival].arrival_s <= now:
+            waiting.append(pending[next_arrival])
+            next_arrival += 1
+        if not waiting:
+            now = pending[next_arrival].arrival_s
+            continue
+        batch, planned = (planned, []) if planned else (choose(waiting, now), [])
         # Admission: pin hits, allocate (evicting); the forward runs; its blocks are released.
         hits = cache.admit(batch, waiting)
         items = []
         for r, hit in zip(batch, hits, strict=True):
             r.num_cached_tokens_now = hit
             items.append(prefill_work(r))
+        if plan_ahead:
+            # Step N+1 from the queue as it stands when step N starts (see the docstring).
+            chosen = {id(r) for r in batch}
+            computing = {
+                r.prefix_key
+                for r, (_u, c) in zip(batch, items, strict=True)
+                if r.prefix_key is not None and c < r.prefix_tokens
+            }
+            rest = [r for r in waiting if id(r) not in chosen and r.prefix_key not in computing]
+            if rest:
+                planned = choose(rest, now)
         duration = service.forward_s(items, noise_rng) + step_overhead_s
         forwards += 1
         busy_s += duration

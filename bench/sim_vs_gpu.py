@@ -77,8 +77,12 @@ class Replayer:
         planned: bool = False,
         srjf_options: dict[str, float] | None = None,
         step_overhead_s: float = 0.0,
+        plan_ahead: bool = False,
     ) -> None:
         self.gpu = gpu
+        # The engine's overlapped scheduling (bench.sim.simulate's `plan_ahead`): step N+1
+        # chosen when step N starts. Off by default, as every replay before it ran.
+        self.plan_ahead = plan_ahead
         # Host time added to every simulated forward (a what-if unless read off the GPU run's
         # step trace: `bench.gpu_scheduling` records it per search since the 35th session).
         self.step_overhead_s = step_overhead_s
@@ -151,6 +155,7 @@ class Replayer:
                 arrivals_s=arrivals,
                 latencies_out=lat,
                 step_overhead_s=self.step_overhead_s,
+                plan_ahead=self.plan_ahead,
             )
             ok = [x for x in lat if x <= timeout_s]
             p99 = float(np.percentile(np.asarray(ok), 99)) * 1e3 if ok else None
@@ -425,9 +430,15 @@ def compare(
     tokenizer: Any,
     srjf_options: dict[str, float] | None = None,
     step_overhead_s: float = 0.0,
+    plan_ahead: bool = False,
 ) -> dict[str, Any]:
     replayed = Replayer(
-        gpu, setup, tokenizer, srjf_options=srjf_options, step_overhead_s=step_overhead_s
+        gpu,
+        setup,
+        tokenizer,
+        srjf_options=srjf_options,
+        step_overhead_s=step_overhead_s,
+        plan_ahead=plan_ahead,
     ).replay()
     rows = []
     for key, both in replayed.items():
@@ -688,6 +699,13 @@ def main(argv: list[str] | None = None) -> int:
         "the replay keep none)",
     )
     p.add_argument(
+        "--plan-ahead",
+        action="store_true",
+        help="--gpu: the replay plans each forward when the one before it starts, as the "
+        "engine's overlapped scheduling does (recorded as plan_ahead; the long runs beside the "
+        "replay keep the simulator's rule: chosen when the one before ends)",
+    )
+    p.add_argument(
         "--srjf-fairness-lambda",
         type=float,
         help="--gpu: replay SRJF with this fairness offset instead of the one the servers ran "
@@ -709,6 +727,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if v is not None
     }
+    if args.plan_ahead and not args.gpu:
+        p.error("--plan-ahead replays a --gpu file")
     if args.step_overhead_ms and not args.gpu:
         p.error("--step-overhead-ms replays a --gpu file (--issue-point: --step-overheads-ms)")
     if what_if and not args.gpu:
@@ -730,9 +750,16 @@ def main(argv: list[str] | None = None) -> int:
                 )
         setup = _setup(args)
         data = compare(
-            gpu, setup, tok, srjf_options=what_if, step_overhead_s=args.step_overhead_ms / 1e3
+            gpu,
+            setup,
+            tok,
+            srjf_options=what_if,
+            step_overhead_s=args.step_overhead_ms / 1e3,
+            plan_ahead=args.plan_ahead,
         )
         data.update({"gpu_file": args.gpu, **setup.record})
+        if args.plan_ahead:
+            data["plan_ahead"] = True
         if args.step_overhead_ms:
             data["step_overhead_what_if_ms"] = args.step_overhead_ms
         if what_if:

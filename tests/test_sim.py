@@ -534,3 +534,75 @@ def test_results_say_which_path_the_profiles_warm_points_were_timed_on() -> None
         },
     )
     assert warm_points_path(unvalued) == "served: kept"
+
+
+def test_plan_ahead_chooses_the_next_forward_when_the_current_one_starts() -> None:
+    """The engine's overlapped scheduling: step N+1 is planned from the queue as it stands when
+    step N starts. A short request arriving during a long step then waits for the long step
+    planned behind it; SRJF loses what it would gain, FCFS's order is the same."""
+    svc = JCTService(JCTModel(), noise_sigma=0.0)
+    long_s = svc.forward_s([(4000, 0)], random.Random(0))
+    reqs = [
+        SimRequestSpec("a", 0.0, None, 0, 4000),
+        SimRequestSpec("b", 0.0, None, 0, 4000),
+        SimRequestSpec("c", long_s / 2, None, 0, 100),  # arrives during a's forward
+    ]
+    wl = sim.Workload(make_workload("short-scoring", 1, 0).spec, reqs, {})
+
+    def latencies(policy: str, plan_ahead: bool) -> list[float]:
+        out: list[float] = []
+        sim.simulate(
+            wl,
+            make_policy(policy),
+            1.0,
+            service=svc,
+            cache_tokens=0,
+            token_budget=4096,  # one long request a forward
+            arrivals_s=[r.arrival_unit_s for r in reqs],
+            latencies_out=out,
+            plan_ahead=plan_ahead,
+        )
+        return out  # completion order
+
+    short_s = svc.forward_s([(100, 0)], random.Random(0))
+    # Without it, SRJF runs c as soon as a ends; with it, b was planned when a started.
+    assert latencies("srjf", False) == pytest.approx(
+        [long_s, long_s / 2 + short_s, 2 * long_s + short_s]  # a, c, b
+    )
+    assert latencies("srjf", True) == pytest.approx(
+        [long_s, 2 * long_s, 1.5 * long_s + short_s]  # a, b, c
+    )
+    assert latencies("fcfs", True) == pytest.approx(latencies("fcfs", False))
+
+
+def test_plan_ahead_passes_over_a_prefix_being_computed() -> None:
+    """A request whose prefix the running forward computes is not planned behind it (the
+    scheduler's wait for a shared prefix): it runs later, with the prefix as a hit."""
+    svc = JCTService(JCTModel(), noise_sigma=0.0)
+    reqs = [
+        SimRequestSpec("a", 0.0, "u", 3000, 3100, "p1"),
+        SimRequestSpec("b", 0.0, "u", 3000, 3100, "p2"),  # same user, other post
+        SimRequestSpec("d", 0.0, "v", 3000, 3100, "p1"),
+    ]
+    wl = sim.Workload(make_workload("short-scoring", 1, 0).spec, reqs, {"u": 3000, "v": 3000})
+    stats, lat = {}, {}
+    for plan_ahead in (False, True):
+        lat[plan_ahead] = []
+        stats[plan_ahead] = sim.simulate(
+            wl,
+            make_policy("fcfs"),
+            1.0,
+            service=svc,
+            cache_tokens=100_000,
+            token_budget=3100,  # one request a forward
+            arrivals_s=[0.0, 0.0, 0.0],
+            latencies_out=lat[plan_ahead],
+            plan_ahead=plan_ahead,
+        )
+    cold_s = svc.forward_s([(3100, 0)], random.Random(0))
+    warm_s = svc.forward_s([(3100 - 2992, 2992)], random.Random(0))  # u's 187 blocks cached
+    assert lat[False] == pytest.approx([cold_s, cold_s + warm_s, 2 * cold_s + warm_s])  # a b d
+    assert lat[True] == pytest.approx([cold_s, 2 * cold_s, 2 * cold_s + warm_s])  # a d b
+    # Either way b finds u's profile cached.
+    assert stats[True].cache_hit_token_fraction == pytest.approx(2992 / 9300)
+    assert stats[False].cache_hit_token_fraction == pytest.approx(2992 / 9300)
