@@ -291,8 +291,10 @@ def simulate(
     only (HTTP and front-end work done beside the GPU). Both are 0 unless measured.
 
     `plan_ahead`: the engine's overlapped scheduling (runtime/engine.py, on by default there).
-    The engine plans step N+1 as soon as step N starts on the device, from the requests queued
-    then, so a request that arrives during step N can run in step N+2 at the earliest; when
+    The engine plans step N+1 as soon as step N starts on the device (when launching a step is
+    quicker than running it; a launch that waits on the device decides later, so this is an
+    upper bound), from the requests queued then: a request that arrives during step N can run
+    in step N+2 at the earliest; when
     nothing is queued at N's start it plans N+1 at N's end, as the simulator does without this.
     Requests whose prefix step N is computing are passed over then (the scheduler's wait for a
     shared prefix being prefilled). Off: every forward is chosen when the one before it ends."""
