@@ -655,6 +655,7 @@ def run_experiment(
     prime: bool = False,
     min_span_slos: float = MIN_SPAN_SLOS,
     queue_aware_eviction: bool = False,
+    plan_ahead: bool = False,
 ) -> dict[str, Any]:
     """Everything `python -m bench.sim` writes, as a JSON-ready dict. Every run starts with an
     empty cache (with `prime`: one request per user first, as a running service's cache) and
@@ -703,6 +704,7 @@ def run_experiment(
                 seed=seed,
                 fail_above_s=fail_above_s,
                 jct_model=jct if setup.online_refit else None,
+                plan_ahead=plan_ahead,
             )
 
         return run
@@ -736,6 +738,7 @@ def run_experiment(
         "fairness_lambda": fairness_lambda,
         "primed": prime,
         "eviction": "queue-aware" if queue_aware_eviction else "lru",
+        "plan_ahead": plan_ahead,
         "slo_p99_s": slo_p99_s,
         "min_span_slos": min_span_slos,
         "results": results,
@@ -857,6 +860,12 @@ def main(argv: list[str] | None = None) -> int:
         help="lru: the engine's rule; queue-aware (a what-if): evict chains no waiting request "
         "would hit first",
     )
+    p.add_argument(
+        "--plan-ahead",
+        action="store_true",
+        help="each forward chosen when the one before it starts, as the engine's overlapped "
+        "scheduling plans a step ahead (bench.sim.simulate; default: when it ends)",
+    )
     p.add_argument("--out", required=True)
     p.add_argument("--plot")
     args = p.parse_args(argv)
@@ -882,6 +891,7 @@ def main(argv: list[str] | None = None) -> int:
         search=not args.no_search,
         prime=args.prime,
         queue_aware_eviction=args.eviction == "queue-aware",
+        plan_ahead=args.plan_ahead,
     )
     data["command"] = "python -m bench.sim " + " ".join(argv if argv is not None else sys.argv[1:])
     with open(args.out, "w", encoding="utf-8") as f:

@@ -71,6 +71,7 @@ def sweep(
     slo_multiple: float = SLO_MULTIPLE,
     prime: bool = False,
     queue_aware_eviction: bool = False,
+    plan_ahead: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Run every (value, seed); returns raw per-seed results and the aggregates."""
@@ -104,6 +105,7 @@ def sweep(
                 slo_multiple=slo_multiple,
                 prime=prime,
                 queue_aware_eviction=queue_aware_eviction,
+                plan_ahead=plan_ahead,
                 **kwargs,
             )
             if kind == "lambda":
@@ -152,6 +154,7 @@ def sweep(
         "slo_multiple": slo_multiple,
         "primed": prime,
         "eviction": "queue-aware" if queue_aware_eviction else "lru",
+        "plan_ahead": plan_ahead,
         **setup.record,
         "raw": raw,
         "aggregate": aggregate(raw, values, policies, qps_list),
@@ -247,6 +250,12 @@ def main(argv: list[str] | None = None) -> int:
         help="lru: the engine's rule; queue-aware (a what-if): evict chains no waiting request "
         "would hit first (bench.sim.BlockPrefixCache)",
     )
+    p.add_argument(
+        "--plan-ahead",
+        action="store_true",
+        help="each forward chosen when the one before it starts, as the engine's overlapped "
+        "scheduling plans a step ahead (bench.sim.simulate; default: when it ends)",
+    )
     add_setup_args(p)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -270,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         slo_multiple=args.slo_multiple,
         prime=args.prime,
         queue_aware_eviction=args.eviction == "queue-aware",
+        plan_ahead=args.plan_ahead,
     )
     data["command"] = "python -m bench.sim_sweep " + " ".join(
         argv if argv is not None else sys.argv[1:]

@@ -606,3 +606,13 @@ def test_plan_ahead_passes_over_a_prefix_being_computed() -> None:
     # Either way b finds u's profile cached.
     assert stats[True].cache_hit_token_fraction == pytest.approx(2992 / 9300)
     assert stats[False].cache_hit_token_fraction == pytest.approx(2992 / 9300)
+
+
+def test_long_runs_take_plan_ahead_too() -> None:
+    """`run_experiment` (bench.sim, bench.sim_sweep) passes `plan_ahead` to every run and says
+    so; under load SRJF's short jobs then wait longer."""
+    kw = dict(seed=0, num_requests=120, search=False, prime=True, min_span_slos=0)
+    base = sim.run_experiment("post-recommendation", ["srjf"], [6.0], **kw)
+    ahead = sim.run_experiment("post-recommendation", ["srjf"], [6.0], plan_ahead=True, **kw)
+    assert (base["plan_ahead"], ahead["plan_ahead"]) == (False, True)
+    assert ahead["results"][0]["mean_latency_s"] > base["results"][0]["mean_latency_s"]
