@@ -135,7 +135,7 @@ def prefill_check(
         r = c.post("/v1/score", json=body)
         e2e_s = time.monotonic() - t0
         r.raise_for_status()
-        steps = engine_steps_within(c, time.monotonic() - t0)
+        steps = engine_steps_within(c, t0)
         if worker is not None:
             worker.join(60)
     server_s = r.json().get("timing", {}).get("server_s")
@@ -175,15 +175,20 @@ def _profile_into(url: str, num_steps: int, into: dict[str, Any]) -> None:
     into["host_ops"] = (s.get("host_ops") or [])[:20]
 
 
-def engine_steps_within(client: httpx.Client, window_s: float) -> dict[str, Any] | None:
-    """The engine's steps that ended in the last `window_s` seconds (GET /admin/api/steps; the
-    server is idle but for the request just timed, so they are its steps): how many, their
-    prefill tokens, device time and the device idle before each (the host's gap), totalled
-    and one row a step. None where the server keeps no step trace."""
+def engine_steps_within(client: httpx.Client, since_s: float) -> dict[str, Any] | None:
+    """The engine's steps that ended since `since_s` (this process's monotonic clock; GET
+    /admin/api/steps; the server is idle but for the request just timed, so they are its
+    steps): how many, their prefill tokens, device time and the device idle before each (the
+    host's gap), totalled and one row a step. None where the server keeps no step trace.
+
+    The window is read after the answer: the server ages its steps when it answers, so a
+    window read before asking would be short by the request's own time and, on a loaded
+    machine, leave out a step that ended soon after `since_s` (a CI flake, 2026-12-05)."""
     try:
         r = client.get("/admin/api/steps", params={"limit": 256}, timeout=30)
     except httpx.HTTPError:
         return None
+    window_s = time.monotonic() - since_s
     if r.status_code != 200:
         return None
     keep = ("num_prefill_tokens", "device_ms", "idle_before_ms", "gc_ms")

@@ -535,7 +535,7 @@ class Orchestrator:
         started = time.monotonic()
         e = run_harness("bench.serve", argv, min(2 * est, self.budget.left_s() - 3))
         view = search_view(e["record"])
-        view["steps"] = search_steps(srv.url, time.monotonic() - started)
+        view["steps"] = search_steps(srv.url, started)
         view.update(
             {
                 "repeat": repeat,
@@ -638,9 +638,10 @@ class Orchestrator:
         return 0 if not self.results["errors"] else 1
 
 
-def search_steps(url: str, search_s: float) -> dict[str, Any]:
-    """The server's step trace over the search (the steps of the last `search_s` seconds; at
-    most its last 4,096 steps: its last probes, near the max QPS), summarised by
+def search_steps(url: str, started_s: float) -> dict[str, Any]:
+    """The server's step trace over the search (the steps that ended since `started_s`, this
+    process's monotonic clock, read after the server answered, which ages its steps as it
+    answers; at most its last 4,096 steps: its last probes, near the max QPS), summarised by
     `bench.host_profile.step_summary`: the prefill-only steps' device, launch and plan time and
     the device's idle before them, the host time per step that the simulator leaves out.
     Steps older than the search are left out: the trace is the server's, and a short search
@@ -654,6 +655,7 @@ def search_steps(url: str, search_s: float) -> dict[str, Any]:
         steps = http_json(url + "/admin/api/steps?limit=4096")["steps"]
     except Exception as e:  # noqa: BLE001 - a diagnostic beside the result
         return {"error": repr(e)[:200]}
+    search_s = time.monotonic() - started_s
     mine = [s for s in steps if s.get("age_s") is not None and s["age_s"] <= search_s]
     out = step_summary(mine)
     out["steps_before_search"] = len(steps) - len(mine)
