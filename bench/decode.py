@@ -178,22 +178,21 @@ def _profile_into(url: str, num_steps: int, into: dict[str, Any]) -> None:
 def engine_steps_within(client: httpx.Client, since_s: float) -> dict[str, Any] | None:
     """The engine's steps that ended since `since_s` (this process's monotonic clock; GET
     /admin/api/steps; the server is idle but for the request just timed, so they are its
-    steps): how many, their prefill tokens, device time and the device idle before each (the
-    host's gap), totalled and one row a step. None where the server keeps no step trace.
+    steps, `bench.host_profile.steps_since`): how many, their prefill tokens, device time and
+    the device idle before each (the host's gap), totalled and one row a step. None where the
+    server keeps no step trace."""
+    from bench.host_profile import steps_since
 
-    The window is read after the answer: the server ages its steps when it answers, so a
-    window read before asking would be short by the request's own time and, on a loaded
-    machine, leave out a step that ended soon after `since_s` (a CI flake, 2026-12-05)."""
     try:
         r = client.get("/admin/api/steps", params={"limit": 256}, timeout=30)
     except httpx.HTTPError:
         return None
-    window_s = time.monotonic() - since_s
+    answered_s = time.monotonic()
     if r.status_code != 200:
         return None
     keep = ("num_prefill_tokens", "device_ms", "idle_before_ms", "gc_ms")
     rows = [
-        {k: s.get(k) for k in keep} for s in r.json()["steps"] if s.get("age_s", 1e9) <= window_s
+        {k: s.get(k) for k in keep} for s in steps_since(r.json()["steps"], since_s, answered_s)
     ]
 
     def total(key: str) -> float | None:

@@ -649,17 +649,16 @@ def search_steps(url: str, started_s: float) -> dict[str, Any]:
     before it on the same server (every second search's summary until 2026-12-05).
     `whole_search`: whether the trace reaches back to the search's start. An error is
     recorded, not raised: the search's figures stand."""
-    from bench.host_profile import step_summary
+    from bench.host_profile import TRACE_STEPS, step_summary, steps_since
 
     try:
-        steps = http_json(url + "/admin/api/steps?limit=4096")["steps"]
+        steps = http_json(url + f"/admin/api/steps?limit={TRACE_STEPS}")["steps"]
     except Exception as e:  # noqa: BLE001 - a diagnostic beside the result
         return {"error": repr(e)[:200]}
-    search_s = time.monotonic() - started_s
-    mine = [s for s in steps if s.get("age_s") is not None and s["age_s"] <= search_s]
+    mine = steps_since(steps, started_s, time.monotonic())
     out = step_summary(mine)
     out["steps_before_search"] = len(steps) - len(mine)
-    out["whole_search"] = len(mine) < len(steps) or len(steps) < 4096
+    out["whole_search"] = len(mine) < len(steps) or len(steps) < TRACE_STEPS
     return out
 
 

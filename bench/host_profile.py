@@ -104,6 +104,22 @@ def step_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+# Steps the engine's trace keeps (runtime.engine.STEP_TRACE_LEN; /admin/api/steps' most).
+TRACE_STEPS = 4096
+
+
+def steps_since(
+    steps: list[dict[str, Any]], started_s: float, answered_s: float
+) -> list[dict[str, Any]]:
+    """The steps of a trace (`/admin/api/steps`, each with its `age_s`) that ended since
+    `started_s`, this process's monotonic clock. `answered_s`: the same clock read after the
+    server answered. The server ages its steps as it answers, so a clock read before asking is
+    short by the request's own time and, on a loaded machine, leaves out a step that ended
+    soon after `started_s` (a CI flake, 2026-12-05)."""
+    window_s = answered_s - started_s
+    return [s for s in steps if s.get("age_s") is not None and s["age_s"] <= window_s]
+
+
 # A device gap longer than this is taken for "no work queued" (between probes, a drained
 # queue), not for the host's time between two steps: a step's own host work is 1-10 ms.
 NO_WORK_GAP_MS = 50.0

@@ -55,6 +55,10 @@ SLO_AWARE_SRJF = "srjf-slo"
 DEFAULT_TOKEN_BUDGET = 8192  # EngineConfig.prefill_token_budget's default
 DEFAULT_MAX_NUM_SEQS = 256  # EngineConfig.max_num_seqs's default: requests in one step at most
 DEFAULT_BLOCK_SIZE = 16  # EngineConfig.block_size's default
+PLAN_AHEAD_HELP = (  # bench.sim's and bench.sim_sweep's --plan-ahead
+    "each forward chosen when the one before it starts, as the engine's overlapped scheduling "
+    "plans a step ahead (simulate's `plan_ahead`; default: when it ends)"
+)
 
 Service = ProfileService | JCTService
 
@@ -863,8 +867,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--plan-ahead",
         action="store_true",
-        help="each forward chosen when the one before it starts, as the engine's overlapped "
-        "scheduling plans a step ahead (bench.sim.simulate; default: when it ends)",
+        help=PLAN_AHEAD_HELP,
     )
     p.add_argument("--out", required=True)
     p.add_argument("--plot")

@@ -27,6 +27,7 @@ from typing import Any
 
 from bench.sim import (
     DEFAULT_TOKEN_BUDGET,
+    PLAN_AHEAD_HELP,
     SLO_MULTIPLE,
     SimSetup,
     add_setup_args,
@@ -253,8 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--plan-ahead",
         action="store_true",
-        help="each forward chosen when the one before it starts, as the engine's overlapped "
-        "scheduling plans a step ahead (bench.sim.simulate; default: when it ends)",
+        help=PLAN_AHEAD_HELP,
     )
     add_setup_args(p)
     p.add_argument("--out", required=True)
