@@ -14,7 +14,7 @@ import pytest
 from test_cost_model import SPLITS, TOTAL, truth
 from test_partition_manager import manager  # noqa: F401 - the fixture
 from test_scheduler import LinearCost, _decoding, _prefill_sizes, cap
-from test_split_executor import FakeDevice, gen, split_engine
+from test_split_executor import FakeDevice, FakeEvent, gen, split_engine
 
 from runtime.partition import SplitDecision
 from runtime.partition.cost_model import (
@@ -261,6 +261,26 @@ class _HeldCost(CorrectedCost):
         self.seen = [*getattr(self, "seen", []), (predicted_s, extra_s)]
 
 
+DECODE_MEASURED_MS = 1.5  # what `_ClockedDevice` times the decode-only steps of off-tbt at
+
+
+class _ClockedEvent(FakeEvent):
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return self.dev.step_ms  # type: ignore[attr-defined]
+
+
+class _ClockedDevice(FakeDevice):
+    """A fake device whose every step (and idle gap) lasts `step_ms`: a test's lesson for the
+    cost model that does not depend on how fast the machine runs the CPU model."""
+
+    def __init__(self, step_ms: float) -> None:
+        super().__init__()
+        self.step_ms = step_ms
+
+    def event(self) -> _ClockedEvent:
+        return _ClockedEvent(self)
+
+
 def _auto_engine(manager, **cfg: Any):  # noqa: F811
     """An engine in auto whose split executor asks `manager` (GreenContextPartition over
     stand-ins) through the engine's own `_choose_split`; a JCT model agreeing with the cost
@@ -378,6 +398,11 @@ def test_off_with_a_tbt_target_cuts_on_the_models_decode_and_teaches_it(manager)
     eng.scheduler.add(gen("chat", 8, 200, seed=1))
     _run(eng, lambda: eng.scheduler.running and eng.scheduler.running[0].num_output_tokens > 0)
     assert eng.executor is eng.serial
+    # From here the serial executor's steps read 1.5 ms on a fake clock: on the host's own
+    # clock the lesson was this CPU's speed, and a fast CI machine cut 567 tokens (a flake).
+    assert eng.serial.num_in_flight == 0  # nothing left to time on the host's clock
+    eng.serial.device = _ClockedDevice(DECODE_MEASURED_MS)
+    eng.serial._last_end = None  # a host event cannot time the gap to a fake one
     observed = manager.cost_model_errors().get("num_decode_alone", 0)
     for _ in range(3):
         eng._step()  # decode-only steps on the serial executor
@@ -387,9 +412,9 @@ def test_off_with_a_tbt_target_cuts_on_the_models_decode_and_teaches_it(manager)
     eng.scheduler.add(gen("long", 1000, 1))
     eng._step()
     mixed = next(p for p in plans if p.prefill)
-    # Room (2.7 ms - the model's 2 ms decode, corrected) at 2 us a token: about 350 tokens.
-    # On the stale 0.5 ms average the step would have taken 1,000.
-    assert _sizes(mixed)["long"] < 500
+    # Room: 2.7 ms less the model's decode as taught (1.5 ms), at 2 us a token: 600 tokens.
+    # Untaught (the model's 2 ms) it would be 350; on the stale 0.5 ms average, all 1,000.
+    assert _sizes(mixed)["long"] == pytest.approx(600, abs=2)
     # The cap on a step with decodes stays under the target: it can only cut shorter.
     eng.serial.set_mixed_step_token_budget(101)
     plans.clear()
