@@ -91,6 +91,9 @@ _ENGINE_HELP = {
     "16384 on CUDA, off on the CPU; 0: off)",
     "fused_decode_max_batch": "decode graphs of batches up to this size (at most 64) run the "
     "fused Triton decode kernels instead of FlashInfer + cuBLAS (0: never)",
+    "plan_ahead_max_ms": "with --overlap-scheduling: plan nothing ahead of a step whose "
+    "prefill the JCT model predicts at this many ms or more, so that requests arriving while "
+    "it runs can be chosen for the next step (default: none, always plan ahead)",
     "wait_for_shared_prefix_tokens": "a waiting request whose next N+ prompt tokens a running "
     "request is prefilling now (a shared, not yet cached prefix) waits for them to be cached "
     "rather than computing them twice (0: off)",

@@ -109,6 +109,13 @@ class EngineConfig:
     # Plan and launch step N+1 while the device runs step N (sampled tokens feed the next
     # step on the device; the host sees them one step later). False: one step at a time.
     overlap_scheduling: bool = True
+    # With overlap: plan nothing ahead of a step whose prefill the JCT model predicts at this
+    # many ms or more; collect it first, so a request that arrives while it runs can be chosen
+    # for the very next step (a plan made at its launch is stale by the whole step: 330 ms for
+    # a cold 14k-token prefill of the 8B shape). The device idles for the host's planning and
+    # launch (~1.4 ms on the H100, 0.4 % of such a step). None: always plan ahead. Off by
+    # default until measured (issue 17, docs/scheduling.md).
+    plan_ahead_max_ms: float | None = None
     # A long scoring prompt next to running decodes is prefilled in budget-sized chunks when
     # the KV pool can hold its whole prompt until it finishes (else whole, hybrid prefill).
     chunk_scoring_prefill: bool = True
@@ -200,6 +207,8 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise ValueError(f"unknown attention backend {self.attention_backend!r}")
+        if self.plan_ahead_max_ms is not None and not self.plan_ahead_max_ms > 0:
+            raise ValueError("plan_ahead_max_ms must be > 0 (ms)")
         if self.ttft_slo_ms is not None and not self.ttft_slo_ms > 0:
             raise ValueError("ttft_slo_ms must be > 0 (ms)")
         if self.ttft_slo_ms is not None and self.fairness_lambda is not None:

@@ -14,7 +14,9 @@ Overlapped (`overlap_scheduling`, default on): one step stays queued ahead of th
 results are applied, so the host plans and launches step N+1 while the device runs step N;
 step N's sampled tokens feed step N+1 on the device (runtime/runner.py token slots) and reach
 the host one step later (runtime/scheduler.py). Off: each step is collected before the next is
-planned. Greedy outputs are the same either way.
+planned. Greedy outputs are the same either way. With `plan_ahead_max_ms`, a step whose prefill
+is predicted that long is collected before the next is planned (a plan made at its launch
+would pass over every request that arrives while it runs).
 
 Executors (runtime/executor/): `SerialExecutor` (the whole device; CPU too) and, on CUDA with
 green contexts, `SplitExecutor` (prefill and decode concurrently on a pair of SM partitions,
@@ -365,6 +367,12 @@ class Engine:
         self.executor: SerialExecutor | SplitExecutor = self.serial
         # Steps kept queued ahead of the one being collected (overlapped scheduling).
         self._max_in_flight = 1 if config.overlap_scheduling else 0
+        # Behind a step predicted this long (s), nothing is planned ahead (`plan_ahead_max_ms`).
+        self._plan_ahead_max_s = (
+            None if config.plan_ahead_max_ms is None else config.plan_ahead_max_ms / 1e3
+        )
+        self._behind_long_step = False  # the last step launched is such a step
+        self._num_steps_collected_before_planning = 0
 
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
@@ -1430,6 +1438,7 @@ class Engine:
                 try:
                     ex.launch(plan)
                     planned = True
+                    self._behind_long_step = self._is_long_step(ex, plan)
                     if len(self._host_ms) > 64:
                         self._host_ms.clear()  # steps that failed never came back
                     self._host_ms[plan.step_id] = (
@@ -1441,11 +1450,17 @@ class Engine:
                 except StepFailed as e:
                     return outputs + self._recover(e)
         in_flight = ex.num_in_flight
-        block = in_flight > 0 and (in_flight > self._max_in_flight or not planned)
+        max_in_flight = 0 if planned and self._behind_long_step else self._max_in_flight
+        block = in_flight > 0 and (in_flight > max_in_flight or not planned)
         try:
             results = ex.results(block)
+            while block and ex.num_in_flight > max_in_flight:
+                # Behind a long step: collect it too (a blocking call returns at least one).
+                results += ex.results(True)
         except StepFailed as e:
             return outputs + self._recover(e)
+        if max_in_flight < self._max_in_flight:
+            self._num_steps_collected_before_planning += 1
         for r in results:
             outputs += self._apply(r)
         if not planned and not results and not outputs and ex.num_in_flight == 0:
@@ -1453,6 +1468,17 @@ class Engine:
         if ex.num_in_flight == 0:
             self._step_started_s = None
         return outputs
+
+    def _is_long_step(self, ex: Any, plan: StepPlan) -> bool:
+        """Whether nothing should be planned ahead of `plan` (`plan_ahead_max_ms`): its prefill
+        parts' predicted time (the JCT model; its decodes are a small part of such a step)
+        reaches the limit. Serial executor only: the split executor runs its own pipeline of
+        prefill slices beside decode steps."""
+        limit_s = self._plan_ahead_max_s
+        if limit_s is None or not plan.prefill or ex is not self.serial or not self._max_in_flight:
+            return False
+        items = [(s.num_new_tokens, s.num_context_tokens) for s in plan.prefill]
+        return self.jct_model.predict_batch_s(items) >= limit_s
 
     def _apply(self, result: StepResult) -> list[EngineOutput]:
         outputs = self.scheduler.update(result.plan, result.output)
@@ -1805,6 +1831,10 @@ class Engine:
             "step_running_s": None if step_s is None else time.monotonic() - step_s,
             "executor": self.executor.name,
             "overlap_scheduling": self._max_in_flight > 0,
+            "plan_ahead_max_ms": self.config.plan_ahead_max_ms,
+            # Steps whose results were collected before the next was planned (behind a step
+            # predicted past plan_ahead_max_ms).
+            "num_steps_collected_before_planning": self._num_steps_collected_before_planning,
             "kv_blocks_used": bm.num_used_blocks,
             "kv_blocks_total": bm.num_blocks,
             "kv_block_size": bm.block_size,

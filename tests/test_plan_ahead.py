@@ -1,0 +1,134 @@
+"""`plan_ahead_max_ms`: with overlapped scheduling the engine plans step N+1 while step N runs,
+except behind a step whose prefill the JCT model predicts that long. There it collects the
+step first, so a request that arrives while it runs can be chosen for the next step."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import pytest
+from test_split_executor import gen
+
+from runtime.config import EngineConfig
+from runtime.engine import Engine
+from runtime.request import Request, RequestKind
+
+MS_PER_TOKEN = 1.0  # the JCT model the tests hold: a prefill of n new tokens takes n ms
+
+
+class _HeldSerial:
+    """The engine's serial executor on a device whose steps end only when the host waits for
+    them (a long step as the host sees it): `results(block=False)` collects nothing and a
+    blocking call one step. Everything else is the real executor's."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.ended: deque[Any] = deque()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def launch(self, plan: Any) -> None:
+        self.real.launch(plan)
+        self.ended.extend(self.real.results(True))  # the CPU runs it at once; held here
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.ended)
+
+    def results(self, block: bool) -> list[Any]:
+        return [self.ended.popleft()] if block and self.ended else []
+
+
+def _engine(plan_ahead_max_ms: float | None, **cfg: Any) -> tuple[Engine, list[tuple[str, int]]]:
+    """An engine (not started: the test drives its steps) whose serial executor is held, whose
+    JCT model prices a prefill at MS_PER_TOKEN a token and learns nothing, and which records,
+    for each step it plans, the first request's id and the steps in flight at that moment."""
+    config = EngineConfig(
+        model="random:tiny",
+        prefill_policy="srjf",
+        block_size=4,
+        num_kv_blocks=256,
+        plan_ahead_max_ms=plan_ahead_max_ms,
+        **{"prefill_token_budget": 256, **cfg},
+    )
+    eng = Engine(config, lambda outs: None)
+    held = _HeldSerial(eng.serial)
+    eng.serial = eng.executor = held  # type: ignore[assignment]
+    jct = eng.jct_model
+    jct.a_s, jct.b_s_per_token, jct.k_s_per_pair = 0.0, MS_PER_TOKEN / 1e3, 0.0
+    jct.observe_batch = lambda items, device_s: None  # type: ignore[method-assign]
+    planned: list[tuple[str, int]] = []
+    schedule = eng.scheduler.schedule
+
+    def spy(capacity: Any) -> Any:
+        in_flight = held.num_in_flight
+        plan = schedule(capacity)
+        seqs = plan.prefill or plan.decode
+        if seqs:
+            planned.append((seqs[0].request.request_id, in_flight))
+        return plan
+
+    eng.scheduler.schedule = spy  # type: ignore[method-assign]
+    return eng, planned
+
+
+def _score(rid: str, n: int, seed: int) -> Request:
+    r = gen(rid, n, 1, seed=seed)
+    return Request(rid, RequestKind.SCORE, r.prompt_token_ids, label_token_ids=[5, 6])
+
+
+def test_a_long_prefill_is_collected_before_the_next_step_is_planned() -> None:
+    # A budget of 210 tokens: one long prompt a step (a scoring prompt is not chunked here).
+    eng, planned = _engine(plan_ahead_max_ms=100.0, prefill_token_budget=210)
+    eng.scheduler.add(_score("long-a", 200, 1))  # 200 ms predicted: long
+    eng.scheduler.add(_score("long-b", 220, 2))
+    eng._step()
+    assert eng.executor.num_in_flight == 0  # collected: nothing planned ahead of it
+    # A short request that arrived while long-a ran goes before long-b, under SRJF.
+    eng.scheduler.add(_score("short", 20, 3))
+    eng._step()
+    assert planned == [("long-a", 0), ("short", 0)]
+    stats = eng.fresh_stats()
+    assert stats["num_steps_collected_before_planning"] == 1  # "short" was planned ahead of
+    assert stats["plan_ahead_max_ms"] == 100.0
+
+
+def test_without_a_limit_the_next_step_is_planned_while_a_long_one_runs() -> None:
+    """The default: the step after long-a is chosen while long-a runs, before "short" came."""
+    eng, planned = _engine(plan_ahead_max_ms=None, prefill_token_budget=210)
+    eng.scheduler.add(_score("long-a", 200, 1))
+    eng.scheduler.add(_score("long-b", 220, 2))
+    eng._step()
+    assert eng.executor.num_in_flight == 1
+    eng._step()  # plans long-b ahead, then waits for long-a
+    eng.scheduler.add(_score("short", 20, 3))
+    eng._step()
+    assert [rid for rid, _ in planned] == ["long-a", "long-b", "short"]
+    assert planned[1] == ("long-b", 1)
+    assert eng.fresh_stats()["num_steps_collected_before_planning"] == 0
+
+
+def test_short_steps_are_still_planned_ahead() -> None:
+    """Decode steps and prefills predicted under the limit keep the overlap."""
+    eng, planned = _engine(plan_ahead_max_ms=100.0)
+    eng.scheduler.add(gen("chat", 30, 4, seed=1))  # a 30-ms prefill, then decodes
+    for _ in range(4):
+        eng._step()
+        assert eng.executor.num_in_flight == 1
+    assert all(rid == "chat" for rid, _ in planned)
+    assert eng.fresh_stats()["num_steps_collected_before_planning"] == 0
+
+
+def test_no_limit_applies_without_overlap() -> None:
+    eng, _ = _engine(plan_ahead_max_ms=100.0, overlap_scheduling=False)
+    eng.scheduler.add(_score("long-a", 200, 1))
+    eng._step()
+    assert eng.executor.num_in_flight == 0
+    assert eng.fresh_stats()["num_steps_collected_before_planning"] == 0  # nothing to undo
+
+
+def test_the_limit_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="plan_ahead_max_ms"):
+        EngineConfig(model="random:tiny", plan_ahead_max_ms=0.0)
