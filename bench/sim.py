@@ -281,6 +281,8 @@ def simulate(
     step_overhead_s: float = 0.0,
     request_overhead_s: float = 0.0,
     plan_ahead: bool = False,
+    plan_lead_s: float | None = None,
+    plan_ahead_max_s: float | None = None,
 ) -> RunStats:
     """Run one (policy, QPS) point.
 
@@ -301,7 +303,12 @@ def simulate(
     in step N+2 at the earliest; when
     nothing is queued at N's start it plans N+1 at N's end, as the simulator does without this.
     Requests whose prefix step N is computing are passed over then (the scheduler's wait for a
-    shared prefix being prefilled). Off: every forward is chosen when the one before it ends."""
+    shared prefix being prefilled). Off: every forward is chosen when the one before it ends.
+    `plan_lead_s` (with `plan_ahead`): step N+1 is chosen this long before step N ends (at its
+    start if N is shorter), arrivals until then included: a launch that waits on the device
+    returns about that long before its step ends. None: at N's start, the upper bound.
+    `plan_ahead_max_s` (with `plan_ahead`): the engine's `plan_ahead_max_ms`, nothing planned
+    ahead of a forward that `jct_model` (else the forward's own time) predicts this long."""
     noise_rng = random.Random(f"noise:{seed}")
     if cache is None:
         if cache_tokens is None:
@@ -387,8 +394,18 @@ def simulate(
         for r, hit in zip(batch, hits, strict=True):
             r.num_cached_tokens_now = hit
             items.append(prefill_work(r))
-        if plan_ahead:
-            # Step N+1 from the queue as it stands when step N starts (see the docstring).
+        duration = service.forward_s(items, noise_rng) + step_overhead_s
+        if plan_ahead and plan_ahead_max_s is not None:
+            predicted_s = jct_model.predict_batch_s(items) if jct_model is not None else duration
+            long_step = predicted_s >= plan_ahead_max_s
+        else:
+            long_step = False
+        if plan_ahead and not long_step:
+            # Step N+1 from the queue as it stands when it is planned (see the docstring).
+            plan_at = now if plan_lead_s is None else max(now, now + duration - plan_lead_s)
+            while next_arrival < n and pending[next_arrival].arrival_s <= plan_at:
+                waiting.append(pending[next_arrival])
+                next_arrival += 1
             chosen = {id(r) for r in batch}
             computing = {
                 r.prefix_key
@@ -397,8 +414,7 @@ def simulate(
             }
             rest = [r for r in waiting if id(r) not in chosen and r.prefix_key not in computing]
             if rest:
-                planned = choose(rest, now)
-        duration = service.forward_s(items, noise_rng) + step_overhead_s
+                planned = choose(rest, plan_at)
         forwards += 1
         busy_s += duration
         max_batch = max(max_batch, len(batch))

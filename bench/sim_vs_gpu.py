@@ -78,11 +78,16 @@ class Replayer:
         srjf_options: dict[str, float] | None = None,
         step_overhead_s: float = 0.0,
         plan_ahead: bool = False,
+        plan_lead_s: float | None = None,
+        plan_ahead_max_s: float | None = None,
     ) -> None:
         self.gpu = gpu
         # The engine's overlapped scheduling (bench.sim.simulate's `plan_ahead`): step N+1
-        # chosen when step N starts. Off by default, as every replay before it ran.
+        # chosen when step N starts, or `plan_lead_s` before it ends; none ahead of a forward
+        # predicted `plan_ahead_max_s` long. Off by default, as every replay before it ran.
         self.plan_ahead = plan_ahead
+        self.plan_lead_s = plan_lead_s
+        self.plan_ahead_max_s = plan_ahead_max_s
         # Host time added to every simulated forward (a what-if unless read off the GPU run's
         # step trace: `bench.gpu_scheduling` records it per search since the 35th session).
         self.step_overhead_s = step_overhead_s
@@ -156,6 +161,8 @@ class Replayer:
                 latencies_out=lat,
                 step_overhead_s=self.step_overhead_s,
                 plan_ahead=self.plan_ahead,
+                plan_lead_s=self.plan_lead_s,
+                plan_ahead_max_s=self.plan_ahead_max_s,
             )
             ok = [x for x in lat if x <= timeout_s]
             p99 = float(np.percentile(np.asarray(ok), 99)) * 1e3 if ok else None
@@ -431,6 +438,8 @@ def compare(
     srjf_options: dict[str, float] | None = None,
     step_overhead_s: float = 0.0,
     plan_ahead: bool = False,
+    plan_lead_s: float | None = None,
+    plan_ahead_max_s: float | None = None,
 ) -> dict[str, Any]:
     replayed = Replayer(
         gpu,
@@ -439,6 +448,8 @@ def compare(
         srjf_options=srjf_options,
         step_overhead_s=step_overhead_s,
         plan_ahead=plan_ahead,
+        plan_lead_s=plan_lead_s,
+        plan_ahead_max_s=plan_ahead_max_s,
     ).replay()
     rows = []
     for key, both in replayed.items():
@@ -706,6 +717,19 @@ def main(argv: list[str] | None = None) -> int:
         "replay keep the simulator's rule: chosen when the one before ends)",
     )
     p.add_argument(
+        "--plan-lead-ms",
+        type=float,
+        help="--plan-ahead: the next forward is chosen this long before the current one ends "
+        "(at its start if shorter), as when a launch waits on the device; default: at its "
+        "start, the upper bound (recorded as plan_lead_ms)",
+    )
+    p.add_argument(
+        "--plan-ahead-max-ms",
+        type=float,
+        help="--plan-ahead: nothing chosen ahead of a forward the scheduler's JCT model predicts "
+        "this long, as the engine's --plan-ahead-max-ms (recorded as plan_ahead_max_ms)",
+    )
+    p.add_argument(
         "--srjf-fairness-lambda",
         type=float,
         help="--gpu: replay SRJF with this fairness offset instead of the one the servers ran "
@@ -729,6 +753,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.plan_ahead and not args.gpu:
         p.error("--plan-ahead replays a --gpu file")
+    if (args.plan_lead_ms is not None or args.plan_ahead_max_ms is not None) and not (
+        args.plan_ahead
+    ):
+        p.error("--plan-lead-ms and --plan-ahead-max-ms refine --plan-ahead: give it too")
     if args.step_overhead_ms and not args.gpu:
         p.error("--step-overhead-ms replays a --gpu file (--issue-point: --step-overheads-ms)")
     if what_if and not args.gpu:
@@ -756,10 +784,16 @@ def main(argv: list[str] | None = None) -> int:
             srjf_options=what_if,
             step_overhead_s=args.step_overhead_ms / 1e3,
             plan_ahead=args.plan_ahead,
+            plan_lead_s=None if args.plan_lead_ms is None else args.plan_lead_ms / 1e3,
+            plan_ahead_max_s=None
+            if args.plan_ahead_max_ms is None
+            else args.plan_ahead_max_ms / 1e3,
         )
         data.update({"gpu_file": args.gpu, **setup.record})
         if args.plan_ahead:
             data["plan_ahead"] = True
+            data["plan_lead_ms"] = args.plan_lead_ms
+            data["plan_ahead_max_ms"] = args.plan_ahead_max_ms
         if args.step_overhead_ms:
             data["step_overhead_what_if_ms"] = args.step_overhead_ms
         if what_if:

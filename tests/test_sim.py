@@ -575,6 +575,45 @@ def test_plan_ahead_chooses_the_next_forward_when_the_current_one_starts() -> No
     assert latencies("fcfs", True) == pytest.approx(latencies("fcfs", False))
 
 
+def test_plan_ahead_with_a_lead_or_a_limit() -> None:
+    """`plan_lead_s`: step N+1 is chosen that long before step N ends, so a request arriving
+    before then is among the candidates. `plan_ahead_max_s`: nothing is planned ahead of a
+    forward predicted that long (the engine's `plan_ahead_max_ms`)."""
+    svc = JCTService(JCTModel(), noise_sigma=0.0)
+    long_s = svc.forward_s([(4000, 0)], random.Random(0))
+    short_s = svc.forward_s([(100, 0)], random.Random(0))
+    reqs = [
+        SimRequestSpec("a", 0.0, None, 0, 4000),
+        SimRequestSpec("b", 0.0, None, 0, 4000),
+        SimRequestSpec("c", long_s / 2, None, 0, 100),  # arrives during a's forward
+    ]
+    wl = sim.Workload(make_workload("short-scoring", 1, 0).spec, reqs, {})
+
+    def latencies(**kw: float) -> list[float]:
+        out: list[float] = []
+        sim.simulate(
+            wl,
+            make_policy("srjf"),
+            1.0,
+            service=svc,
+            cache_tokens=0,
+            token_budget=4096,
+            arrivals_s=[r.arrival_unit_s for r in reqs],
+            latencies_out=out,
+            plan_ahead=True,
+            **kw,
+        )
+        return out
+
+    a_c_b = [long_s, long_s / 2 + short_s, 2 * long_s + short_s]
+    a_b_c = [long_s, 2 * long_s, 1.5 * long_s + short_s]
+    assert latencies(plan_lead_s=long_s / 4) == pytest.approx(a_c_b)  # planned after c came
+    assert latencies(plan_lead_s=0.75 * long_s) == pytest.approx(a_b_c)  # before
+    assert latencies(plan_lead_s=2 * long_s) == pytest.approx(a_b_c)  # at a's start
+    assert latencies(plan_ahead_max_s=long_s / 2) == pytest.approx(a_c_b)  # a is long
+    assert latencies(plan_ahead_max_s=2 * long_s) == pytest.approx(a_b_c)
+
+
 def test_plan_ahead_passes_over_a_prefix_being_computed() -> None:
     """A request whose prefix the running forward computes is not planned behind it (the
     scheduler's wait for a shared prefix): it runs later, with the prefix as a hit."""
