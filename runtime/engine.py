@@ -1452,17 +1452,19 @@ class Engine:
         in_flight = ex.num_in_flight
         max_in_flight = 0 if planned and self._behind_long_step else self._max_in_flight
         block = in_flight > 0 and (in_flight > max_in_flight or not planned)
-        try:
-            results = ex.results(block)
-            while block and ex.num_in_flight > max_in_flight:
-                # Behind a long step: collect it too (a blocking call returns at least one).
-                results += ex.results(True)
-        except StepFailed as e:
-            return outputs + self._recover(e)
+        while True:
+            try:
+                results = ex.results(block)
+            except StepFailed as e:
+                return outputs + self._recover(e)
+            for r in results:
+                outputs += self._apply(r)
+            # Behind a long step: collect it too (a blocking call returns at least one step).
+            # Each call's steps are applied first: a later step's failure must not lose them.
+            if not (block and ex.num_in_flight > max_in_flight):
+                break
         if max_in_flight < self._max_in_flight:
             self._num_steps_collected_before_planning += 1
-        for r in results:
-            outputs += self._apply(r)
         if not planned and not results and not outputs and ex.num_in_flight == 0:
             time.sleep(0.001)  # nothing runnable now (e.g. waiting for KV): do not spin hot
         if ex.num_in_flight == 0:

@@ -12,6 +12,7 @@ from test_split_executor import gen
 
 from runtime.config import EngineConfig
 from runtime.engine import Engine
+from runtime.executor.base import StepFailed
 from runtime.request import Request, RequestKind
 
 MS_PER_TOKEN = 1.0  # the JCT model the tests hold: a prefill of n new tokens takes n ms
@@ -25,6 +26,7 @@ class _HeldSerial:
     def __init__(self, real: Any) -> None:
         self.real = real
         self.ended: deque[Any] = deque()
+        self.failing: set[str] = set()  # request ids whose step fails when collected
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.real, name)
@@ -38,7 +40,13 @@ class _HeldSerial:
         return len(self.ended)
 
     def results(self, block: bool) -> list[Any]:
-        return [self.ended.popleft()] if block and self.ended else []
+        if not (block and self.ended):
+            return []
+        result = self.ended.popleft()
+        if any(s.request.request_id in self.failing for s in result.plan.seqs):
+            # As a device error found when collecting (runtime/executor/serial.py).
+            raise StepFailed(result.plan, RuntimeError("device error"), rerun_ok=False)
+        return [result]
 
 
 def _engine(plan_ahead_max_ms: float | None, **cfg: Any) -> tuple[Engine, list[tuple[str, int]]]:
@@ -132,3 +140,19 @@ def test_no_limit_applies_without_overlap() -> None:
 def test_the_limit_must_be_positive() -> None:
     with pytest.raises(ValueError, match="plan_ahead_max_ms"):
         EngineConfig(model="random:tiny", plan_ahead_max_ms=0.0)
+
+
+def test_steps_collected_before_a_failing_long_one_are_applied() -> None:
+    """Behind a long step the loop collects two steps in one iteration; when the second fails,
+    the first one's outputs still go out (only the failed step's requests fail)."""
+    eng, _ = _engine(plan_ahead_max_ms=100.0)
+    eng.scheduler.add(_score("short", 30, 1))
+    eng._step()  # a 30-ms step: planned ahead of, still in flight
+    assert eng.executor.num_in_flight == 1
+    eng.executor.failing.add("long")
+    eng.scheduler.add(_score("long", 200, 2))
+    outs = {o.request_id: o for o in eng._step()}  # launches "long", collects both
+    assert outs["short"].finished and outs["short"].label_probs is not None
+    assert outs["long"].finish_reason == "error"
+    assert eng.executor.num_in_flight == 0 and not eng.scheduler.has_work()
+    eng.block_manager.check_integrity()
