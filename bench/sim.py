@@ -60,6 +60,54 @@ PLAN_AHEAD_HELP = (  # bench.sim's and bench.sim_sweep's --plan-ahead
     "plans a step ahead (simulate's `plan_ahead`; default: when it ends)"
 )
 
+
+def add_plan_ahead_args(p: argparse.ArgumentParser, plan_ahead_help: str = PLAN_AHEAD_HELP) -> None:
+    """--plan-ahead and its two refinements (bench.sim, bench.sim_sweep, bench.sim_vs_gpu)."""
+    p.add_argument("--plan-ahead", action="store_true", help=plan_ahead_help)
+    p.add_argument(
+        "--plan-lead-ms",
+        type=float,
+        help="--plan-ahead: the next forward is chosen this long before the current one ends "
+        "(at its start if shorter), as when a launch waits on the device; default: at its "
+        "start, the upper bound (recorded as plan_lead_ms)",
+    )
+    p.add_argument(
+        "--plan-ahead-max-ms",
+        type=float,
+        help="--plan-ahead: nothing chosen ahead of a forward the scheduler's JCT model predicts "
+        "this long, as the engine's --plan-ahead-max-ms (recorded as plan_ahead_max_ms)",
+    )
+
+
+def plan_ahead_from_args(
+    p: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[float | None, float | None]:
+    """(`plan_lead_s`, `plan_ahead_max_s`) from `add_plan_ahead_args`'s flags; refuses the
+    refinements without --plan-ahead."""
+    lead_ms, max_ms = args.plan_lead_ms, args.plan_ahead_max_ms
+    if (lead_ms is not None or max_ms is not None) and not args.plan_ahead:
+        p.error("--plan-lead-ms and --plan-ahead-max-ms refine --plan-ahead: give it too")
+    for name, ms in (("--plan-lead-ms", lead_ms), ("--plan-ahead-max-ms", max_ms)):
+        if ms is not None and not ms >= 0:
+            p.error(f"{name} must be >= 0")
+    return (
+        None if lead_ms is None else lead_ms / 1e3,
+        None if max_ms is None else max_ms / 1e3,
+    )
+
+
+def plan_ahead_record(
+    plan_ahead: bool, plan_lead_s: float | None, plan_ahead_max_s: float | None
+) -> dict[str, float | None]:
+    """The refinements a run used, for its JSON (none without plan-ahead)."""
+    if not plan_ahead:
+        return {}
+    return {
+        "plan_lead_ms": None if plan_lead_s is None else plan_lead_s * 1e3,
+        "plan_ahead_max_ms": None if plan_ahead_max_s is None else plan_ahead_max_s * 1e3,
+    }
+
+
 Service = ProfileService | JCTService
 
 
@@ -676,6 +724,8 @@ def run_experiment(
     min_span_slos: float = MIN_SPAN_SLOS,
     queue_aware_eviction: bool = False,
     plan_ahead: bool = False,
+    plan_lead_s: float | None = None,
+    plan_ahead_max_s: float | None = None,
 ) -> dict[str, Any]:
     """Everything `python -m bench.sim` writes, as a JSON-ready dict. Every run starts with an
     empty cache (with `prime`: one request per user first, as a running service's cache) and
@@ -725,6 +775,8 @@ def run_experiment(
                 fail_above_s=fail_above_s,
                 jct_model=jct if setup.online_refit else None,
                 plan_ahead=plan_ahead,
+                plan_lead_s=plan_lead_s,
+                plan_ahead_max_s=plan_ahead_max_s,
             )
 
         return run
@@ -759,6 +811,7 @@ def run_experiment(
         "primed": prime,
         "eviction": "queue-aware" if queue_aware_eviction else "lru",
         "plan_ahead": plan_ahead,
+        **plan_ahead_record(plan_ahead, plan_lead_s, plan_ahead_max_s),
         "slo_p99_s": slo_p99_s,
         "min_span_slos": min_span_slos,
         "results": results,
@@ -880,14 +933,11 @@ def main(argv: list[str] | None = None) -> int:
         help="lru: the engine's rule; queue-aware (a what-if): evict chains no waiting request "
         "would hit first",
     )
-    p.add_argument(
-        "--plan-ahead",
-        action="store_true",
-        help=PLAN_AHEAD_HELP,
-    )
+    add_plan_ahead_args(p)
     p.add_argument("--out", required=True)
     p.add_argument("--plot")
     args = p.parse_args(argv)
+    plan_lead_s, plan_ahead_max_s = plan_ahead_from_args(p, args)
     try:
         setup = setup_from_args(args)
     except ValueError as exc:
@@ -911,6 +961,8 @@ def main(argv: list[str] | None = None) -> int:
         prime=args.prime,
         queue_aware_eviction=args.eviction == "queue-aware",
         plan_ahead=args.plan_ahead,
+        plan_lead_s=plan_lead_s,
+        plan_ahead_max_s=plan_ahead_max_s,
     )
     data["command"] = "python -m bench.sim " + " ".join(argv if argv is not None else sys.argv[1:])
     with open(args.out, "w", encoding="utf-8") as f:

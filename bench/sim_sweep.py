@@ -27,10 +27,12 @@ from typing import Any
 
 from bench.sim import (
     DEFAULT_TOKEN_BUDGET,
-    PLAN_AHEAD_HELP,
     SLO_MULTIPLE,
     SimSetup,
+    add_plan_ahead_args,
     add_setup_args,
+    plan_ahead_from_args,
+    plan_ahead_record,
     run_experiment,
     setup_from_args,
 )
@@ -73,6 +75,8 @@ def sweep(
     prime: bool = False,
     queue_aware_eviction: bool = False,
     plan_ahead: bool = False,
+    plan_lead_s: float | None = None,
+    plan_ahead_max_s: float | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Run every (value, seed); returns raw per-seed results and the aggregates."""
@@ -107,6 +111,8 @@ def sweep(
                 prime=prime,
                 queue_aware_eviction=queue_aware_eviction,
                 plan_ahead=plan_ahead,
+                plan_lead_s=plan_lead_s,
+                plan_ahead_max_s=plan_ahead_max_s,
                 **kwargs,
             )
             if kind == "lambda":
@@ -156,6 +162,7 @@ def sweep(
         "primed": prime,
         "eviction": "queue-aware" if queue_aware_eviction else "lru",
         "plan_ahead": plan_ahead,
+        **plan_ahead_record(plan_ahead, plan_lead_s, plan_ahead_max_s),
         **setup.record,
         "raw": raw,
         "aggregate": aggregate(raw, values, policies, qps_list),
@@ -251,14 +258,11 @@ def main(argv: list[str] | None = None) -> int:
         help="lru: the engine's rule; queue-aware (a what-if): evict chains no waiting request "
         "would hit first (bench.sim.BlockPrefixCache)",
     )
-    p.add_argument(
-        "--plan-ahead",
-        action="store_true",
-        help=PLAN_AHEAD_HELP,
-    )
+    add_plan_ahead_args(p)
     add_setup_args(p)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    plan_lead_s, plan_ahead_max_s = plan_ahead_from_args(p, args)
     try:
         setup = setup_from_args(args)
     except ValueError as exc:
@@ -280,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         prime=args.prime,
         queue_aware_eviction=args.eviction == "queue-aware",
         plan_ahead=args.plan_ahead,
+        plan_lead_s=plan_lead_s,
+        plan_ahead_max_s=plan_ahead_max_s,
     )
     data["command"] = "python -m bench.sim_sweep " + " ".join(
         argv if argv is not None else sys.argv[1:]

@@ -49,8 +49,11 @@ from bench.serve import arrival_times_s, search_max_qps
 from bench.sim import (
     BlockPrefixCache,
     SimSetup,
+    add_plan_ahead_args,
     add_setup_args,
     build_setup,
+    plan_ahead_from_args,
+    plan_ahead_record,
     prime_cache,
     run_experiment,
     simulate,
@@ -709,25 +712,11 @@ def main(argv: list[str] | None = None) -> int:
         "GPU file does not state; recorded as step_overhead_what_if_ms; the long runs beside "
         "the replay keep none)",
     )
-    p.add_argument(
-        "--plan-ahead",
-        action="store_true",
-        help="--gpu: the replay plans each forward when the one before it starts, as the "
-        "engine's overlapped scheduling does (recorded as plan_ahead; the long runs beside the "
-        "replay keep the simulator's rule: chosen when the one before ends)",
-    )
-    p.add_argument(
-        "--plan-lead-ms",
-        type=float,
-        help="--plan-ahead: the next forward is chosen this long before the current one ends "
-        "(at its start if shorter), as when a launch waits on the device; default: at its "
-        "start, the upper bound (recorded as plan_lead_ms)",
-    )
-    p.add_argument(
-        "--plan-ahead-max-ms",
-        type=float,
-        help="--plan-ahead: nothing chosen ahead of a forward the scheduler's JCT model predicts "
-        "this long, as the engine's --plan-ahead-max-ms (recorded as plan_ahead_max_ms)",
+    add_plan_ahead_args(
+        p,
+        "--gpu: the replay plans each forward when the one before it starts, as the engine's "
+        "overlapped scheduling does (recorded as plan_ahead; the long runs beside the replay "
+        "keep the simulator's rule: chosen when the one before ends)",
     )
     p.add_argument(
         "--srjf-fairness-lambda",
@@ -753,10 +742,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.plan_ahead and not args.gpu:
         p.error("--plan-ahead replays a --gpu file")
-    if (args.plan_lead_ms is not None or args.plan_ahead_max_ms is not None) and not (
-        args.plan_ahead
-    ):
-        p.error("--plan-lead-ms and --plan-ahead-max-ms refine --plan-ahead: give it too")
+    plan_lead_s, plan_ahead_max_s = plan_ahead_from_args(p, args)
     if args.step_overhead_ms and not args.gpu:
         p.error("--step-overhead-ms replays a --gpu file (--issue-point: --step-overheads-ms)")
     if what_if and not args.gpu:
@@ -784,16 +770,13 @@ def main(argv: list[str] | None = None) -> int:
             srjf_options=what_if,
             step_overhead_s=args.step_overhead_ms / 1e3,
             plan_ahead=args.plan_ahead,
-            plan_lead_s=None if args.plan_lead_ms is None else args.plan_lead_ms / 1e3,
-            plan_ahead_max_s=None
-            if args.plan_ahead_max_ms is None
-            else args.plan_ahead_max_ms / 1e3,
+            plan_lead_s=plan_lead_s,
+            plan_ahead_max_s=plan_ahead_max_s,
         )
         data.update({"gpu_file": args.gpu, **setup.record})
         if args.plan_ahead:
             data["plan_ahead"] = True
-            data["plan_lead_ms"] = args.plan_lead_ms
-            data["plan_ahead_max_ms"] = args.plan_ahead_max_ms
+            data.update(plan_ahead_record(True, plan_lead_s, plan_ahead_max_s))
         if args.step_overhead_ms:
             data["step_overhead_what_if_ms"] = args.step_overhead_ms
         if what_if:

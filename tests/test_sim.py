@@ -655,3 +655,12 @@ def test_long_runs_take_plan_ahead_too() -> None:
     ahead = sim.run_experiment("post-recommendation", ["srjf"], [6.0], plan_ahead=True, **kw)
     assert (base["plan_ahead"], ahead["plan_ahead"]) == (False, True)
     assert ahead["results"][0]["mean_latency_s"] > base["results"][0]["mean_latency_s"]
+    # The refinements reach the runs and are recorded; without --plan-ahead they are refused.
+    late = sim.run_experiment(
+        "post-recommendation", ["srjf"], [6.0], plan_ahead=True, plan_lead_s=1e-3, **kw
+    )
+    assert (late["plan_lead_ms"], late["plan_ahead_max_ms"]) == (1.0, None)
+    assert "plan_lead_ms" not in base
+    assert late["results"][0]["mean_latency_s"] < ahead["results"][0]["mean_latency_s"]
+    with pytest.raises(SystemExit):
+        sim.main(["--plan-lead-ms", "70", "--out", "/dev/null"])
