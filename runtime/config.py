@@ -111,10 +111,11 @@ class EngineConfig:
     overlap_scheduling: bool = True
     # With overlap: plan nothing ahead of a step whose prefill the JCT model predicts at this
     # many ms or more; collect it first, so a request that arrives while it runs can be chosen
-    # for the very next step (a plan made at its launch is stale by the whole step: 330 ms for
-    # a cold 14k-token prefill of the 8B shape). The device idles for the host's planning and
-    # launch (~1.4 ms on the H100, 0.4 % of such a step). None: always plan ahead. Off by
-    # default until measured (issue 17, docs/scheduling.md).
+    # for the very next step. A plan made when the step's launch returns is stale by what the
+    # step has left then: up to the whole step, ~70 ms of a 350-ms cold prefill of the 8B shape
+    # on the H100, whose launch waits for the device's launch queue. The device idles for the
+    # host's planning and launch (~1.4 ms on the H100, 0.4 % of such a step). None: always
+    # plan ahead. Off by default until measured (issue 17, docs/scheduling.md).
     plan_ahead_max_ms: float | None = None
     # A long scoring prompt next to running decodes is prefilled in budget-sized chunks when
     # the KV pool can hold its whole prompt until it finishes (else whole, hybrid prefill).
