@@ -31,7 +31,8 @@ Failure containment: a step whose launch raises is re-run one request at a time 
 steps before it have been collected, so only the request(s) at fault finish with
 FINISHED_ERROR and the loop keeps serving the others; a split whose work failed while the same
 requests then ran fine on the whole GPU is taken out of service. An asynchronous device error
-found when collecting a step fails the requests of every step in flight. Invalid requests
+found when collecting a step fails the requests of every step in flight; steps collected before
+it in the same call are applied first (`HeldFailure`, runtime/executor/base.py). Invalid requests
 (empty prompt, ids outside the vocabulary, too long) are failed one by one at `add`.
 
 Stats (`stats()`) are a snapshot rebuilt at most every `STATS_INTERVAL_S` on the engine thread
@@ -1629,14 +1630,16 @@ class Engine:
         return out
 
     def _drain(self) -> list[EngineOutput]:
-        """Collect everything the current executor has in flight."""
-        try:
-            results = self.executor.drain()
-        except StepFailed as e:
-            return self._recover(e)
+        """Collect everything the current executor has in flight (a failure behind collected
+        steps comes with the next call: those are applied first)."""
         outputs: list[EngineOutput] = []
-        for r in results:
-            outputs += self._apply(r)
+        while self.executor.num_in_flight:
+            try:
+                results = self.executor.drain()
+            except StepFailed as e:
+                return outputs + self._recover(e)
+            for r in results:
+                outputs += self._apply(r)
         return outputs
 
     def _recover(self, failure: StepFailed) -> list[EngineOutput]:

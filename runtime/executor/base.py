@@ -68,6 +68,32 @@ class StepFailed(Exception):
         self.rerun_ok = rerun_ok
 
 
+class HeldFailure:
+    """A StepFailed met after an executor's call had already taken other steps off the device:
+    those go out first and the failure with the next `results`/`drain` call, so a failure
+    never loses results already collected (their requests would hang and keep their KV). An
+    executor counts a held failure in `num_in_flight`, so loops that collect until nothing is
+    in flight reach it."""
+
+    def __init__(self) -> None:
+        self._failure: StepFailed | None = None
+
+    @property
+    def count(self) -> int:
+        return self._failure is not None
+
+    def hold(self, failure: StepFailed, collected: list[StepResult]) -> None:
+        """Keep `failure` for the next call when `collected` has steps; else raise it now."""
+        if not collected:
+            raise failure
+        self._failure = failure
+
+    def raise_held(self) -> None:
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+
 class StepInterrupted(Exception):
     """A launch stopped before layer `layer` because the runner's `interrupt` said so (every
     request of `plan` is being aborted, or the engine's stop deadline passed). Nothing of it
@@ -93,7 +119,9 @@ class Executor(Protocol):
 
     def results(self, block: bool) -> list[StepResult]:
         """Launched steps whose outputs have reached the host, oldest first. With `block`,
-        waits until at least one has (if any is in flight). Raises StepFailed."""
+        waits until at least one has (if any is in flight). Raises StepFailed; a step that
+        fails after others were collected in the same call fails with the next call
+        (`HeldFailure`)."""
         ...
 
     @property
@@ -102,7 +130,8 @@ class Executor(Protocol):
         ...
 
     def drain(self) -> list[StepResult]:
-        """Wait for everything in flight; return its results."""
+        """Wait for everything in flight; return its results. Raises StepFailed as `results`
+        does (a failure after collected steps is held for the next call)."""
         ...
 
     def run_alone(self, plan: StepPlan) -> RunnerOutput:

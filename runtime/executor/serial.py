@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.config import EngineConfig
-from runtime.executor.base import StepFailed, StepInterrupted, StepResult
+from runtime.executor.base import HeldFailure, StepFailed, StepInterrupted, StepResult
 from runtime.executor.streams import EventLike, StreamDevice
 from runtime.model.llama import ForwardInterrupted
 from runtime.runner import ModelRunner, PendingOutput
@@ -54,6 +54,7 @@ class SerialExecutor:
             mixed_step_token_budget=mixed_step_token_budget,
         )
         self._inflight: deque[_Launched] = deque()
+        self._held = HeldFailure()
         self._last_end: EventLike | None = None  # end event of the last collected step
 
     def capacity(self) -> StepCapacity:
@@ -75,7 +76,7 @@ class SerialExecutor:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._inflight)
+        return len(self._inflight) + self._held.count
 
     def launch(self, plan: StepPlan) -> None:
         start, end = self.device.event(), self.device.event()
@@ -90,6 +91,7 @@ class SerialExecutor:
         self._inflight.append(_Launched(plan, pending, start, end))
 
     def results(self, block: bool) -> list[StepResult]:
+        self._held.raise_held()
         out: list[StepResult] = []
         while self._inflight:
             head = self._inflight[0]
@@ -98,7 +100,11 @@ class SerialExecutor:
                     break
                 head.pending.wait()
             self._inflight.popleft()
-            out.append(self._result(head))
+            try:
+                out.append(self._result(head))
+            except StepFailed as e:
+                self._held.hold(e, out)  # raises unless steps before it go out now
+                break
         return out
 
     def _result(self, f: _Launched) -> StepResult:
@@ -116,8 +122,12 @@ class SerialExecutor:
 
     def drain(self) -> list[StepResult]:
         out: list[StepResult] = []
-        while self._inflight:
-            out += self.results(block=True)
+        while self.num_in_flight:
+            try:
+                out += self.results(block=True)
+            except StepFailed as e:
+                self._held.hold(e, out)
+                break
         return out
 
     def run_alone(self, plan: StepPlan) -> RunnerOutput:

@@ -39,7 +39,7 @@ import torch
 
 from runtime.attention.base import ForwardBatch
 from runtime.config import EngineConfig
-from runtime.executor.base import StepFailed, StepInterrupted, StepResult
+from runtime.executor.base import HeldFailure, StepFailed, StepInterrupted, StepResult
 from runtime.executor.streams import EventLike, StreamDevice
 from runtime.model.llama import ForwardInterrupted
 from runtime.partition import TIME_SLICE, SplitChoice
@@ -133,6 +133,7 @@ class SplitExecutor:
         self.split_usable = split_usable or (lambda _sms: True)
         self.prefill: _Prefill | None = None
         self._queue: deque[_Launched] = deque()
+        self._held = HeldFailure()  # a collect failure behind steps already collected
         cur = device.current_stream()
         self._last_stream: dict[str, Any] = {"prefill": cur, "decode": cur}
         self.num_prefill_batches = 0
@@ -175,7 +176,7 @@ class SplitExecutor:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._queue) + (self.prefill is not None)
+        return len(self._queue) + (self.prefill is not None) + self._held.count
 
     @property
     def busy(self) -> bool:
@@ -207,13 +208,18 @@ class SplitExecutor:
 
     @torch.inference_mode()
     def results(self, block: bool) -> list[StepResult]:
+        self._held.raise_held()
         out: list[StepResult] = []
         while True:
             self._guarded_pump()
             if self.prefill is not None and self._prefill_done():
                 self._finish_prefill()
             while self._queue and self._queue[0].pending.ready():
-                out.append(self._collect(self._queue.popleft()))
+                try:
+                    out.append(self._collect(self._queue.popleft()))
+                except StepFailed as e:
+                    self._held.hold(e, out)  # raises unless steps before it go out now
+                    return out
             if out or not block or self.num_in_flight == 0:
                 return out
             if self._queue:
@@ -224,7 +230,11 @@ class SplitExecutor:
     def drain(self) -> list[StepResult]:
         out: list[StepResult] = []
         while self.num_in_flight:
-            out += self.results(block=True)
+            try:
+                out += self.results(block=True)
+            except StepFailed as e:
+                self._held.hold(e, out)
+                return out
         self._last_decode = None  # (the executor may sit unused: no gap across that)
         return out
 
