@@ -701,14 +701,17 @@ def admin_headers(admin_token: str | None) -> dict[str, str]:
 
 
 async def save_steps(
-    base_url: str, admin_token: str | None, path: Path, run_s: float
+    base_url: str, admin_token: str | None, path: Path, started_unix_s: float, ended_unix_s: float
 ) -> dict[str, Any]:
     """Right after a run: the engine's step trace (`/admin/api/steps`, the last 4,096 steps it
     keeps) written to `path`, so a run's steps can be read per probe (a search's probes differ
     in rate; the harness's own save at the end of a side holds only its last seconds). Says
-    how much of the run the trace spans: on a busy server 4,096 steps can be fewer seconds
-    than the run took. Never raises."""
+    whether the trace reaches back to the run's start: on a busy server 4,096 steps can be
+    fewer seconds than the run took. Never raises."""
     ok, reply = await admin_call(base_url, "GET", "/admin/api/steps?limit=4096", admin_token)
+    # Steps' ages count back from the reply, which comes after the run ended: the trace must
+    # reach back to the run's start from now, not only the run's own length.
+    needed_s = time.time() - started_unix_s
     if not ok or not isinstance(reply, dict):
         return {"saved": False, "why": str(reply)[:200]}
     steps = reply.get("steps") or []
@@ -723,8 +726,8 @@ async def save_steps(
         "file": path.name,
         "num_steps": len(steps),
         "span_s": round(span_s, 3),
-        "run_s": round(run_s, 3),
-        "covers_run": span_s >= run_s,
+        "run_s": round(ended_unix_s - started_unix_s, 3),
+        "covers_run": span_s >= needed_s,
     }
 
 
@@ -1178,7 +1181,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 base_url,
                 args.admin_token,
                 Path(f"{args.save_steps}-qps{qps:g}.steps.json"),
-                metrics["ended_unix_s"] - metrics["started_unix_s"],
+                metrics["started_unix_s"],
+                metrics["ended_unix_s"],
             )
         runs.append(run)
         return metrics

@@ -1072,3 +1072,23 @@ def test_save_steps_is_said_per_run_and_refused_for_another_server(
                 str(tmp_path / "v.json"),
             ]
         )
+
+
+def test_save_steps_covers_the_run_only_if_the_trace_reaches_its_start(
+    monkeypatch, tmp_path
+) -> None:
+    """A step's age counts back from the trace's reply, which comes after the run ended: the
+    trace covers the run when its oldest step is older than the run's start, not merely older
+    than the run's length."""
+    now = time.time()
+    ages: list[float] = []
+
+    async def reply(*args, **kwargs):  # type: ignore[no-untyped-def]
+        return True, {"steps": [{"age_s": a} for a in ages]}
+
+    monkeypatch.setattr(serve, "admin_call", reply)
+    for oldest_s, covers in ((9.0, False), (10.5, True)):
+        ages[:] = [0.5, oldest_s]
+        # A run of 8 s that started 10 s ago (ended 2 s before the trace was read).
+        saved = asyncio.run(serve.save_steps("u", None, tmp_path / "s.json", now - 10, now - 2))
+        assert saved["covers_run"] is covers and saved["run_s"] == 8.0
