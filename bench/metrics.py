@@ -40,6 +40,13 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     num_prompt_tokens: int = 0  # from the workload
     num_prompt_tokens_server: int | None = None  # usage.prompt_tokens, when the server says
+    # A score's own account, when the server gives one (Greenlane's /v1/score): prompt tokens
+    # found in its prefix cache, seconds from handing the request to the engine to its answer,
+    # and the engine's queue (arrival -> first scheduled) and time to the probabilities.
+    num_cached_tokens_server: int | None = None
+    server_s: float | None = None
+    engine_queue_s: float | None = None
+    engine_ttft_s: float | None = None
     num_output_tokens: int = 0
     expected_output_tokens: int = 0
     output_tokens_from_usage: bool = False  # False: counted from chunks (a fallback)

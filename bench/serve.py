@@ -253,8 +253,23 @@ async def _send_score(
         return
     usage = payload.get("usage") or {}
     result.num_prompt_tokens_server = usage.get("prompt_tokens")
+    result.num_cached_tokens_server = (usage.get("prompt_tokens_details") or {}).get(
+        "cached_tokens"
+    )
+    timing = payload.get("timing")
+    if isinstance(timing, dict):  # Greenlane's extension: where the server's time went
+        result.server_s = timing.get("server_s")
+        result.engine_queue_s = _only_item(timing.get("queue_s"))
+        result.engine_ttft_s = _only_item(timing.get("ttft_s"))
     result.num_output_tokens = 1  # one forward pass yields the label probabilities
     result.success = True
+
+
+def _only_item(values: Any) -> float | None:
+    """The one item's value of a per-item timing list (None if not exactly one number)."""
+    if isinstance(values, list) and len(values) == 1 and isinstance(values[0], int | float):
+        return float(values[0])
+    return None
 
 
 async def send_request(
@@ -341,7 +356,10 @@ LATENCY_S_DECIMALS = 5
 def request_records(results: list[RequestResult], started_unix_s: float) -> list[dict[str, Any]]:
     """Per-request timings (`--record-requests`), seconds: when each request was sent (wall
     clock, `started_unix_s` = the run's start), its TTFT, TPOT and inter-token gaps (the gaps
-    that `compute_metrics` pools as ITL). Failed requests have only `start_unix_s` and `ok`."""
+    that `compute_metrics` pools as ITL). Failed requests have only `start_unix_s`, `ok` and
+    their id. A score answered with the server's own account adds its cached prompt tokens,
+    `server_s`, `engine_queue_s` and `engine_ttft_s` (client TTFT - server_s: the front end and
+    HTTP; engine_ttft_s - engine_queue_s: its prefill, the wait for a planned step included)."""
 
     def rounded(value_s: float | None) -> float | None:
         return None if value_s is None else round(value_s, LATENCY_S_DECIMALS)
@@ -349,6 +367,7 @@ def request_records(results: list[RequestResult], started_unix_s: float) -> list
     records: list[dict[str, Any]] = []
     for r in results:
         rec: dict[str, Any] = {
+            "request_id": r.request_id,
             "start_unix_s": round(started_unix_s + r.send_s, UNIX_S_DECIMALS),
             "ok": r.success,
         }
@@ -356,6 +375,11 @@ def request_records(results: list[RequestResult], started_unix_s: float) -> list
             rec["ttft_s"] = rounded(r.ttft_s)
             rec["tpot_s"] = rounded(r.tpot_s)
             rec["itl_s"] = [rounded(gap) for gap in r.itl_s]
+            if r.num_cached_tokens_server is not None:
+                rec["cached_tokens"] = r.num_cached_tokens_server
+            for key in ("server_s", "engine_queue_s", "engine_ttft_s"):
+                if getattr(r, key) is not None:
+                    rec[key] = rounded(getattr(r, key))
         records.append(rec)
     return records
 

@@ -82,7 +82,10 @@ def fake_app(tok: Any) -> FastAPI:
         app.state.log.append("score")
         n = len(body["query"]) + len(body["items"][0])
         await asyncio.sleep(0.001 * n / 100)
-        return JSONResponse({"scores": [[0.7, 0.3]], "usage": {"prompt_tokens": n}})
+        # Greenlane's own account: the query counted as cached, the engine's timings.
+        usage = {"prompt_tokens": n, "prompt_tokens_details": {"cached_tokens": len(body["query"])}}
+        timing = {"server_s": 0.001 * n / 100, "queue_s": [0.0002], "ttft_s": [0.0007]}
+        return JSONResponse({"scores": [[0.7, 0.3]], "usage": usage, "timing": timing})
 
     # vLLM's spellings (bench.serve --server vllm): generative scoring, the dev-mode prefix
     # cache reset (an empty 200), Prometheus counters of prefix-cache tokens.
@@ -293,7 +296,7 @@ def test_record_requests_writes_per_request_timings_inside_the_run_windows(
         assert len(reqs) == 10 and all(start_s <= r["start_unix_s"] < end_s for r in reqs)
         failed = [r for r in reqs if not r["ok"]]
         assert len(failed) == m["failed"] == 2
-        assert all(set(r) == {"start_unix_s", "ok"} for r in failed)
+        assert all(set(r) == {"request_id", "start_unix_s", "ok"} for r in failed)
         ok = [r for r in reqs if r["ok"]]
         # One content chunk per token: a request of n tokens has n - 1 gaps.
         assert sum(len(r["itl_s"]) + 1 for r in ok) == m["total_output_tokens"]
@@ -376,6 +379,28 @@ def test_scoring_run_sends_token_ids_with_shared_prefixes(fake_server, tokenizer
     # 20 users: with more requests than users some users repeat, and their queries are equal.
     queries = [tuple(b["query"]) for b in bodies]
     assert len(set(queries)) < len(queries) or len(queries) <= 1
+
+
+def test_score_records_carry_the_servers_own_account(fake_server, tokenizer_file, tmp_path):
+    """--record-requests on /v1/score: each record names its request and adds what the server
+    said of it (cached prompt tokens, its own time, the engine's queue and TTFT), through the
+    client processes too."""
+    url, app = fake_server
+    argv = ["--url", url, "--workload", "post-recommendation", "--scale", "0.01"]
+    argv += ["--num-requests", "8", "--qps", "60", "--seed", "5", "--no-progress"]
+    argv += ["--tokenizer", str(tokenizer_file), "--client-procs", "2", "--record-requests"]
+    app.state.seen.clear()
+    record = run_cli([*argv, "--out", str(tmp_path / "r.json")])
+    reqs = record["runs"][0]["requests"]
+    bodies = {
+        len(b["query"]) + len(b["items"][0]): b for kind, b in app.state.seen if kind == "score"
+    }
+    assert len(reqs) == 8 and len({r["request_id"] for r in reqs}) == 8
+    for r in reqs:
+        assert r["ok"] and r["engine_queue_s"] == 0.0002 and r["engine_ttft_s"] == 0.0007
+        body = bodies[round(r["server_s"] * 1e5)]  # the fake's server_s: n / 100 ms
+        assert r["cached_tokens"] == len(body["query"])
+        assert r["ttft_s"] >= r["server_s"]
 
 
 def test_client_procs_send_the_same_requests_on_one_clock(fake_server, tokenizer_file, tmp_path):
