@@ -331,6 +331,7 @@ def simulate(
     plan_ahead: bool = False,
     plan_lead_s: float | None = None,
     plan_ahead_max_s: float | None = None,
+    records_out: list[dict[str, Any]] | None = None,
 ) -> RunStats:
     """Run one (policy, QPS) point.
 
@@ -339,7 +340,10 @@ def simulate(
     model the policy ranks with). `arrivals_s` replaces the workload's unit-rate arrivals / QPS
     (one per request). With `fail_above_s`, stop as soon as more than 1% of the requests are
     certain to exceed that latency (the max-QPS search; the result is then `stopped_early`).
-    `latencies_out` receives every completed request's latency (completion order).
+    `latencies_out` receives every completed request's latency (completion order);
+    `records_out` one dict per completed request (`request_id`, `latency_s`, `queue_s`: arrival
+    to its forward's start, `cached_tokens`, `batch`: its forward's size), to set beside a GPU
+    run's per-request records.
     `step_overhead_s` is added to every forward (host work on the engine thread between
     forwards: it delays everything behind it); `request_overhead_s` to every request's latency
     only (HTTP and front-end work done beside the GPU). Both are 0 unless measured.
@@ -352,11 +356,15 @@ def simulate(
     nothing is queued at N's start it plans N+1 at N's end, as the simulator does without this.
     Requests whose prefix step N is computing are passed over then (the scheduler's wait for a
     shared prefix being prefilled). Off: every forward is chosen when the one before it ends.
-    `plan_lead_s` (with `plan_ahead`): step N+1 is chosen this long before step N ends (at its
-    start if N is shorter), arrivals until then included: a launch that waits on the device
-    returns about that long before its step ends. None: at N's start, the upper bound.
-    `plan_ahead_max_s` (with `plan_ahead`): the engine's `plan_ahead_max_ms`, nothing planned
-    ahead of a forward that `jct_model` (else the forward's own time) predicts this long."""
+    `plan_lead_s` (with `plan_ahead`): a launch that waits on the device (its launch queue
+    full) returns about this long before its step ends (at once if the step is shorter). So
+    step N+1 is chosen `plan_lead_s` before step N ends, arrivals until then included; and
+    step N's answers, which the engine applies after launching step N+1, come out when that
+    launch returns, `plan_lead_s` before step N+1 ends (at N's end when N+1 was not planned
+    ahead). None: N+1 chosen at N's start and answers at their step's end, the upper bound
+    of the stale plan. `plan_ahead_max_s` (with `plan_ahead`): the engine's
+    `plan_ahead_max_ms`: a forward that `jct_model` (else its own time) predicts this long
+    runs alone (the one before it is answered first; nothing is planned ahead of it)."""
     noise_rng = random.Random(f"noise:{seed}")
     if cache is None:
         if cache_tokens is None:
@@ -428,13 +436,45 @@ def simulate(
         return batch
 
     planned: list[SimRequest] = []  # the next forward, chosen when the current one started
+    # The last forward whose answers are not out yet: (batch, items, its end). With a plan
+    # lead they come out when the next forward's launch returns (see the docstring).
+    undelivered: tuple[list[SimRequest], list[tuple[int, int]], float, float] | None = None
+
+    def deliver(
+        done: tuple[list[SimRequest], list[tuple[int, int]], float, float], at_s: float
+    ) -> None:
+        nonlocal hit_tokens, prompt_tokens, violations
+        batch, items, start_s, _end_s = done
+        for r, (_u, c) in zip(batch, items, strict=True):
+            latency = at_s - r.arrival_s + request_overhead_s
+            latencies.append(latency)
+            if records_out is not None:
+                records_out.append(
+                    {
+                        "request_id": r.request_id,
+                        "latency_s": latency,
+                        "queue_s": start_s - r.arrival_s,
+                        "cached_tokens": c,
+                        "batch": len(batch),
+                    }
+                )
+            hit_tokens += c
+            prompt_tokens += r.num_prompt_tokens
+            if fail_above_s is not None and latency > fail_above_s:
+                violations += 1
+
     while len(latencies) < n:
         while next_arrival < n and pending[next_arrival].arrival_s <= now:
             waiting.append(pending[next_arrival])
             next_arrival += 1
         if not waiting:
+            if undelivered is not None:  # nothing to launch: the engine waits for it
+                deliver(undelivered, undelivered[3])
+                undelivered = None
+                continue
             now = pending[next_arrival].arrival_s
             continue
+        from_plan = bool(planned)
         batch, planned = (planned, []) if planned else (choose(waiting, now), [])
         # Admission: pin hits, allocate (evicting); the forward runs; its blocks are released.
         hits = cache.admit(batch, waiting)
@@ -448,6 +488,15 @@ def simulate(
             long_step = predicted_s >= plan_ahead_max_s
         else:
             long_step = False
+        if undelivered is not None:
+            # The previous forward's answers: with a plan lead, this forward was launched while
+            # it ran (planned ahead, not a long one) and the host is in that launch until
+            # `plan_lead_s` before this one ends; otherwise they come at its end.
+            late = plan_ahead and plan_lead_s is not None and from_plan and not long_step
+            deliver(
+                undelivered, undelivered[3] + (max(0.0, duration - plan_lead_s) if late else 0.0)
+            )
+            undelivered = None
         if plan_ahead and not long_step:
             # Step N+1 from the queue as it stands when it is planned (see the docstring).
             plan_at = now if plan_lead_s is None else max(now, now + duration - plan_lead_s)
@@ -469,18 +518,16 @@ def simulate(
         extrapolated += not all(service.in_range(u, c) for u, c in items)
         if jct_model is not None:
             jct_model.observe_batch(items, duration)  # the engine times the whole step
+        start_s = now
         now += duration
         cache.release()
         # (The forward's requests all finish at its end: scoring answers come with the logits.)
         chosen = {id(r) for r in batch}
         waiting = [r for r in waiting if id(r) not in chosen]
-        for r, (_u, c) in zip(batch, items, strict=True):
-            latency = now - r.arrival_s + request_overhead_s
-            latencies.append(latency)
-            hit_tokens += c
-            prompt_tokens += r.num_prompt_tokens
-            if fail_above_s is not None and latency > fail_above_s:
-                violations += 1
+        undelivered = (batch, items, start_s, now)
+        if not (plan_ahead and plan_lead_s is not None):
+            deliver(undelivered, now)  # no launch holds the host: answered at its end
+            undelivered = None
         if fail_above_s is not None:
             certain = violations + sum(1 for r in waiting if now - r.arrival_s > fail_above_s)
             if certain > violation_limit:

@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.metrics import meets_p99_slo
 from bench.serve import arrival_times_s, search_max_qps
 from bench.sim import (
     BlockPrefixCache,
@@ -83,8 +84,16 @@ class Replayer:
         plan_ahead: bool = False,
         plan_lead_s: float | None = None,
         plan_ahead_max_s: float | None = None,
+        follow_gpu: bool = False,
+        gpu_searches: Path | None = None,
     ) -> None:
         self.gpu = gpu
+        # Follow: run the GPU search's own probes, in its order, instead of searching: every
+        # probe is then comparable (a search of its own leaves the GPU's path after a
+        # different pass or fail). `gpu_searches`: the folder of the searches' bench.serve
+        # files, whose per-request records (`--per-request`) are paired with the replay's.
+        self.follow_gpu = follow_gpu
+        self.gpu_searches = gpu_searches
         # The engine's overlapped scheduling (bench.sim.simulate's `plan_ahead`): step N+1
         # chosen when step N starts, or `plan_lead_s` before it ends; none ahead of a forward
         # predicted `plan_ahead_max_s` long. Off by default, as every replay before it ran.
@@ -133,7 +142,10 @@ class Replayer:
         start_qps: float,
         cache: BlockPrefixCache,
         jct: JCTModel,
+        gpu_search: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        """One search replayed (`gpu_search`: the GPU's record of it, which follow mode
+        walks)."""
         from bench.metrics import SLO
 
         s = self.settings
@@ -152,6 +164,7 @@ class Replayer:
                 arrivals = arrival_times_s(qps, seed, 1.0, int(s["num_requests"]), None)
             wl = from_bench_requests(workload, gen.take(len(arrivals)))
             lat: list[float] = []
+            records: list[dict[str, Any]] = []
             st = simulate(
                 wl,
                 make_policy(policy, jct_model=jct, **self.srjf_options),
@@ -166,6 +179,7 @@ class Replayer:
                 plan_ahead=self.plan_ahead,
                 plan_lead_s=self.plan_lead_s,
                 plan_ahead_max_s=self.plan_ahead_max_s,
+                records_out=records,
             )
             ok = [x for x in lat if x <= timeout_s]
             p99 = float(np.percentile(np.asarray(ok), 99)) * 1e3 if ok else None
@@ -183,12 +197,32 @@ class Replayer:
                 "max_batch": st.max_batch,
                 "busy_ms_per_request": round(st.busy_s / len(lat) * 1e3, 3) if lat else None,
             }
+            if self.follow_gpu and gpu_search is not None:
+                probes[str(float(qps))].update(
+                    beside_gpu_probe(
+                        gpu_search, qps, records, self._gpu_requests(gpu_search, qps), timeout_s
+                    )
+                )
             return {
                 "completed": len(ok),
                 "failed": len(lat) - len(ok),
                 "e2el_ms": {"p99": p99},
             }
 
+        if self.follow_gpu and gpu_search is not None:
+            slo = SLO(e2el_ms=slo_ms)
+            passed = [
+                q
+                for q in (float(k) for k in gpu_search.get("probes") or {})
+                if meets_p99_slo(asyncio.run(run_at(q)), slo)
+            ]
+            # The GPU's probes judged by the replay: not a search of its own.
+            return {
+                "max_qps": max(passed, default=None),
+                "start_qps": start_qps,
+                "probes": probes,
+                "followed_gpu_probes": True,
+            }
         out = asyncio.run(
             search_max_qps(
                 run_at,
@@ -199,6 +233,21 @@ class Replayer:
             )
         )
         return {"max_qps": out["max_qps"], "start_qps": start_qps, "probes": probes}
+
+    def _gpu_requests(self, gpu_search: dict[str, Any], qps: float) -> list[dict[str, Any]] | None:
+        """The GPU probe's per-request records (bench.serve --record-requests), if the
+        search's bench.serve file is in `gpu_searches` and recorded them."""
+        name = gpu_search.get("file")
+        if self.gpu_searches is None or not name:
+            return None
+        found = sorted(
+            p for p in self.gpu_searches.iterdir() if p.name == name or p.name.endswith(f"-{name}")
+        )
+        if not found:
+            return None
+        runs = json.loads(found[0].read_text()).get("runs") or []
+        run = next((r for r in runs if abs(float(r.get("qps", -1)) - qps) < 1e-9), None)
+        return None if run is None else run.get("requests")
 
     def replay(self) -> dict[str, Any]:
         """Every (workload, pool) the GPU measured, its searches in the GPU's order."""
@@ -235,7 +284,11 @@ class Replayer:
                         else:
                             starts = self.settings["start_qps"]
                             start = float(starts.get(key, starts.get(wl, 2.0)))
-                        r = self.search(wl, policy, repeat - 1, start, cache, jct)
+                        if self.follow_gpu and done:
+                            start = float(done[0]["start_qps"])  # the GPU's path
+                        r = self.search(
+                            wl, policy, repeat - 1, start, cache, jct, done[0] if done else None
+                        )
                         r["repeat"] = repeat
                         sim_res.setdefault(policy, []).append(r)
                         print(
@@ -246,6 +299,57 @@ class Replayer:
                         )
             out[key] = {"gpu": gpu_res, "sim": sim_res, "pool_tokens": self.pool_tokens(key)}
         return out
+
+
+def beside_gpu_probe(
+    gpu_search: dict[str, Any],
+    qps: float,
+    records: list[dict[str, Any]],
+    gpu_requests: list[dict[str, Any]] | None,
+    timeout_s: float,
+) -> dict[str, Any]:
+    """The GPU's figures for the probe the replay just ran at `qps` (follow mode), and, with
+    the GPU's per-request records, the two paired by request id: where the GPU's latency went
+    (front end + HTTP, engine queue, prefill) against the replay's (queue, forward)."""
+    gpu = (gpu_search.get("probes") or {}).get(str(float(qps))) or {}
+    out: dict[str, Any] = {
+        "gpu_p99_ms": gpu.get("p99_ms"),
+        "gpu_mean_ms": gpu.get("mean_ms"),
+        "gpu_hit_rate": gpu.get("hit_rate"),
+    }
+    if not gpu_requests:
+        return out
+    sim = {r["request_id"]: r for r in records if r["latency_s"] <= timeout_s}
+    pairs = [
+        (g, sim[g["request_id"]])
+        for g in gpu_requests
+        if g.get("ok") and g.get("request_id") in sim
+    ]
+
+    def mean(values: list[float]) -> float | None:
+        return round(float(np.mean(values)) * 1e3, 3) if values else None
+
+    with_account = [(g, m) for g, m in pairs if g.get("engine_queue_s") is not None]
+    out["paired"] = {
+        "num_requests": len(pairs),
+        "gpu_mean_ms": mean([g["ttft_s"] for g, _ in pairs]),
+        "sim_mean_ms": mean([m["latency_s"] for _, m in pairs]),
+        # The server's own account (a Greenlane score): its front end and HTTP, the engine's
+        # queue and what followed it, against the replay's queue and forward.
+        "gpu_front_end_ms": mean([g["ttft_s"] - g["server_s"] for g, _ in with_account]),
+        "gpu_engine_queue_ms": mean([g["engine_queue_s"] for g, _ in with_account]),
+        "sim_queue_ms": mean([m["queue_s"] for _, m in with_account]),
+        "gpu_after_queue_ms": mean(
+            [g["engine_ttft_s"] - g["engine_queue_s"] for g, _ in with_account]
+        ),
+        "sim_forward_ms": mean([m["latency_s"] - m["queue_s"] for _, m in with_account]),
+        "cached_tokens_gpu_minus_sim_mean": round(
+            float(np.mean([g["cached_tokens"] - m["cached_tokens"] for g, m in with_account])), 1
+        )
+        if with_account
+        else None,
+    }
+    return out
 
 
 def planned_file(args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
@@ -443,6 +547,8 @@ def compare(
     plan_ahead: bool = False,
     plan_lead_s: float | None = None,
     plan_ahead_max_s: float | None = None,
+    follow_gpu: bool = False,
+    gpu_searches: Path | None = None,
 ) -> dict[str, Any]:
     replayed = Replayer(
         gpu,
@@ -453,6 +559,8 @@ def compare(
         plan_ahead=plan_ahead,
         plan_lead_s=plan_lead_s,
         plan_ahead_max_s=plan_ahead_max_s,
+        follow_gpu=follow_gpu,
+        gpu_searches=gpu_searches,
     ).replay()
     rows = []
     for key, both in replayed.items():
@@ -628,6 +736,39 @@ def markdown_rows(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def markdown_followed(replayed: dict[str, Any]) -> str:
+    """Follow mode: each GPU probe beside the replay's run of it, in the GPU's order."""
+
+    def f(v: Any, d: int = 0) -> str:
+        return "-" if v is None else f"{v:.{d}f}"
+
+    lines = [
+        "| server | policy | repeat | QPS | mean ms, GPU / sim | P99 ms, GPU / sim "
+        "| hit rate, GPU / sim | paired: front end / engine queue (sim queue) / after queue "
+        "(sim forward) ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key, both in replayed.items():
+        for policy, reps in both["sim"].items():
+            for r in reps:
+                for q, p in r["probes"].items():
+                    pr = p.get("paired") or {}
+                    paired = (
+                        f"{f(pr.get('gpu_front_end_ms'))} / {f(pr.get('gpu_engine_queue_ms'))} "
+                        f"({f(pr.get('sim_queue_ms'))}) / {f(pr.get('gpu_after_queue_ms'))} "
+                        f"({f(pr.get('sim_forward_ms'))})"
+                        if pr
+                        else "-"
+                    )
+                    lines.append(
+                        f"| {key} | {policy} | {r['repeat']} | {float(q):g} "
+                        f"| {f(p.get('gpu_mean_ms'))} / {f(p['mean_ms'])} "
+                        f"| {f(p.get('gpu_p99_ms'))} / {f(p['p99_ms'])} "
+                        f"| {f(p.get('gpu_hit_rate'), 2)} / {f(p['hit_rate'], 2)} | {paired} |"
+                    )
+    return "\n".join(lines)
+
+
 def markdown_predict(rows: list[dict[str, Any]]) -> str:
     def f(v: Any) -> str:
         return "-" if v is None else f"{v:.2f}"
@@ -719,6 +860,19 @@ def main(argv: list[str] | None = None) -> int:
         "keep the simulator's rule: chosen when the one before ends)",
     )
     p.add_argument(
+        "--follow-gpu-probes",
+        action="store_true",
+        help="--gpu: run each search's GPU probes in the GPU's order instead of a search of "
+        "the replay's own, so every probe compares (a table of them; max QPS is then the "
+        "GPU's probes judged by the replay; recorded as follow_gpu_probes)",
+    )
+    p.add_argument(
+        "--gpu-searches",
+        help="--follow-gpu-probes: the folder of the searches' bench.serve files; their "
+        "per-request records (bench.gpu_scheduling --per-request) are paired with the "
+        "replay's by request id",
+    )
+    p.add_argument(
         "--srjf-fairness-lambda",
         type=float,
         help="--gpu: replay SRJF with this fairness offset instead of the one the servers ran "
@@ -743,6 +897,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan_ahead and not args.gpu:
         p.error("--plan-ahead replays a --gpu file")
     plan_lead_s, plan_ahead_max_s = plan_ahead_from_args(p, args)
+    if args.follow_gpu_probes and not args.gpu:
+        p.error("--follow-gpu-probes replays a --gpu file")
+    if args.gpu_searches and not args.follow_gpu_probes:
+        p.error("--gpu-searches pairs requests in --follow-gpu-probes: give it too")
     if args.step_overhead_ms and not args.gpu:
         p.error("--step-overhead-ms replays a --gpu file (--issue-point: --step-overheads-ms)")
     if what_if and not args.gpu:
@@ -772,8 +930,12 @@ def main(argv: list[str] | None = None) -> int:
             plan_ahead=args.plan_ahead,
             plan_lead_s=plan_lead_s,
             plan_ahead_max_s=plan_ahead_max_s,
+            follow_gpu=args.follow_gpu_probes,
+            gpu_searches=Path(args.gpu_searches) if args.gpu_searches else None,
         )
         data.update({"gpu_file": args.gpu, **setup.record})
+        if args.follow_gpu_probes:
+            data["follow_gpu_probes"] = True
         if args.plan_ahead:
             data["plan_ahead"] = True
             data.update(plan_ahead_record(True, plan_lead_s, plan_ahead_max_s))
@@ -783,6 +945,8 @@ def main(argv: list[str] | None = None) -> int:
             # Not what the GPU ran: its SRJF used the server's defaults.
             data["srjf_what_if"] = what_if
         table = markdown_rows(data["rows"]) + markdown_batches(data["batch_model"])
+        if args.follow_gpu_probes:
+            table += "\n\n" + markdown_followed(data["replayed"])
     elif args.predict:
         setup = _setup(args)
         data = predict(args, setup, tok)

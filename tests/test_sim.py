@@ -576,12 +576,15 @@ def test_plan_ahead_chooses_the_next_forward_when_the_current_one_starts() -> No
 
 
 def test_plan_ahead_with_a_lead_or_a_limit() -> None:
-    """`plan_lead_s`: step N+1 is chosen that long before step N ends, so a request arriving
-    before then is among the candidates. `plan_ahead_max_s`: nothing is planned ahead of a
-    forward predicted that long (the engine's `plan_ahead_max_ms`)."""
+    """`plan_lead_s`: a launch returns that long before its step ends, so step N+1 is chosen
+    then (a request arriving before is among the candidates) and step N's answers wait for
+    step N+1's launch to return. `plan_ahead_max_s`: a forward predicted that long runs alone
+    (the engine's `plan_ahead_max_ms`): the one before it is answered first, and nothing is
+    planned ahead of it."""
     svc = JCTService(JCTModel(), noise_sigma=0.0)
     long_s = svc.forward_s([(4000, 0)], random.Random(0))
     short_s = svc.forward_s([(100, 0)], random.Random(0))
+    assert short_s < long_s / 4
     reqs = [
         SimRequestSpec("a", 0.0, None, 0, 4000),
         SimRequestSpec("b", 0.0, None, 0, 4000),
@@ -603,15 +606,24 @@ def test_plan_ahead_with_a_lead_or_a_limit() -> None:
             plan_ahead=True,
             **kw,
         )
-        return out
+        return out  # answer order
 
     a_c_b = [long_s, long_s / 2 + short_s, 2 * long_s + short_s]
     a_b_c = [long_s, 2 * long_s, 1.5 * long_s + short_s]
-    assert latencies(plan_lead_s=long_s / 4) == pytest.approx(a_c_b)  # planned after c came
-    assert latencies(plan_lead_s=0.75 * long_s) == pytest.approx(a_b_c)  # before
+    # c is planned after it came (3/4 into a); a's answer is out at once (c's launch is
+    # short), c's only when b's launch returns, 1/4 before b ends.
+    assert latencies(plan_lead_s=long_s / 4) == pytest.approx(
+        [long_s, 1.25 * long_s + short_s, 2 * long_s + short_s]
+    )
+    # b is planned before c came (1/4 into a); a's answer waits for b's launch.
+    assert latencies(plan_lead_s=0.75 * long_s) == pytest.approx(
+        [1.25 * long_s, 2 * long_s, 1.5 * long_s + short_s]
+    )
     assert latencies(plan_lead_s=2 * long_s) == pytest.approx(a_b_c)  # at a's start
     assert latencies(plan_ahead_max_s=long_s / 2) == pytest.approx(a_c_b)  # a is long
     assert latencies(plan_ahead_max_s=2 * long_s) == pytest.approx(a_b_c)
+    # Both: a and b run alone, so every answer is out at its forward's end.
+    assert latencies(plan_lead_s=long_s / 4, plan_ahead_max_s=long_s / 2) == pytest.approx(a_c_b)
 
 
 def test_plan_ahead_passes_over_a_prefix_being_computed() -> None:
@@ -661,6 +673,8 @@ def test_long_runs_take_plan_ahead_too() -> None:
     )
     assert (late["plan_lead_ms"], late["plan_ahead_max_ms"]) == (1.0, None)
     assert "plan_lead_ms" not in base
-    assert late["results"][0]["mean_latency_s"] < ahead["results"][0]["mean_latency_s"]
+    # Chosen 1 ms before the step ends (as fresh as without plan-ahead), but each step's
+    # answers wait for the next launch: later than without plan-ahead.
+    assert late["results"][0]["mean_latency_s"] > base["results"][0]["mean_latency_s"]
     with pytest.raises(SystemExit):
         sim.main(["--plan-lead-ms", "70", "--out", "/dev/null"])

@@ -278,3 +278,36 @@ def test_batch_model_check_prices_the_gpus_batches_as_the_simulator_would(tok) -
     assert f"| {want_dev:.2f} | {9.0 / want_dev:.2f} |" in svg.markdown_batches([r])
     spans.pop(next(iter(spans)))  # one point without a span: not device-priced at all
     assert prof.device_priced() is None
+
+
+def test_follow_mode_runs_the_gpus_probes_and_pairs_its_requests(tok, tmp_path) -> None:
+    """--follow-gpu-probes: each search runs the GPU's probes in the GPU's order (a search of
+    its own would take another path) and shows the GPU's figures beside its own; with the
+    searches' bench.serve files, the GPU's per-request records are paired by request id."""
+    gpu = _gpu_file(tok)
+    # The SRJF search's bench.serve file, with per-request records at 12 QPS only.
+    gpu["results"]["post-recommendation"]["0.5"]["srjf"][0]["file"] = "srjf-r1.json"
+    searches = tmp_path / "searches"
+    searches.mkdir()
+    gen = WorkloadGenerator("post-recommendation", tok, 0, 0.25, verify=False)
+    gen.group_requests()  # the priming requests come first, as in bench.serve
+    ids = [r.request_id for r in gen.take(3)]
+    account = {"server_s": 0.1, "engine_queue_s": 0.05, "engine_ttft_s": 0.09, "cached_tokens": 8}
+    records = [{"request_id": i, "ok": True, "ttft_s": 0.12, **account} for i in ids]
+    runs = [{"qps": 8.0}, {"qps": 12.0, "requests": records}]
+    (searches / "q-srjf-r1.json").write_text(json.dumps({"runs": runs}))
+    data = svg.compare(gpu, build_setup(), tok, follow_gpu=True, gpu_searches=searches)
+    sim = data["replayed"]["post-recommendation@0.5"]["sim"]
+    for policy, first_p99 in (("fcfs", 900.0), ("srjf", 300.0)):
+        r = sim[policy][0]
+        assert r["followed_gpu_probes"] and list(r["probes"]) == ["8.0", "12.0"]
+        assert r["probes"]["8.0"]["gpu_p99_ms"] == first_p99
+    srjf = sim["srjf"][0]["probes"]
+    assert "paired" not in srjf["8.0"]  # no records at 8 QPS
+    paired = srjf["12.0"]["paired"]
+    assert paired["num_requests"] == 3
+    assert paired["gpu_front_end_ms"] == pytest.approx(20.0)  # ttft - server_s
+    assert paired["gpu_engine_queue_ms"] == pytest.approx(50.0)
+    assert paired["gpu_after_queue_ms"] == pytest.approx(40.0)
+    assert paired["sim_queue_ms"] is not None and paired["sim_forward_ms"] > 0
+    assert "| 12 |" in svg.markdown_followed(data["replayed"])
