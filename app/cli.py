@@ -91,9 +91,11 @@ _ENGINE_HELP = {
     "16384 on CUDA, off on the CPU; 0: off)",
     "fused_decode_max_batch": "decode graphs of batches up to this size (at most 64) run the "
     "fused Triton decode kernels instead of FlashInfer + cuBLAS (0: never)",
-    "plan_ahead_max_ms": "with --overlap-scheduling: plan nothing ahead of a step whose "
-    "prefill the JCT model predicts at this many ms or more, so that requests arriving while "
-    "it runs can be chosen for the next step (default: none, always plan ahead)",
+    "overlap_max_step_ms": "with --overlap-scheduling: a prefill-only step the JCT model "
+    "predicts at this many ms or more runs alone (the steps in flight are answered before it "
+    "is launched, and the next step is planned after it ends), so answers are not held "
+    "behind a long launch and requests arriving during it can run next (default: none, "
+    "always overlap)",
     "wait_for_shared_prefix_tokens": "a waiting request whose next N+ prompt tokens a running "
     "request is prefilling now (a shared, not yet cached prefix) waits for them to be cached "
     "rather than computing them twice (0: off)",

@@ -72,22 +72,22 @@ def add_plan_ahead_args(p: argparse.ArgumentParser, plan_ahead_help: str = PLAN_
         "start, the upper bound (recorded as plan_lead_ms)",
     )
     p.add_argument(
-        "--plan-ahead-max-ms",
+        "--overlap-max-step-ms",
         type=float,
         help="--plan-ahead: nothing chosen ahead of a forward the scheduler's JCT model predicts "
-        "this long, as the engine's --plan-ahead-max-ms (recorded as plan_ahead_max_ms)",
+        "this long, as the engine's --overlap-max-step-ms (recorded as overlap_max_step_ms)",
     )
 
 
 def plan_ahead_from_args(
     p: argparse.ArgumentParser, args: argparse.Namespace
 ) -> tuple[float | None, float | None]:
-    """(`plan_lead_s`, `plan_ahead_max_s`) from `add_plan_ahead_args`'s flags; refuses the
+    """(`plan_lead_s`, `overlap_max_step_s`) from `add_plan_ahead_args`'s flags; refuses the
     refinements without --plan-ahead."""
-    lead_ms, max_ms = args.plan_lead_ms, args.plan_ahead_max_ms
+    lead_ms, max_ms = args.plan_lead_ms, args.overlap_max_step_ms
     if (lead_ms is not None or max_ms is not None) and not args.plan_ahead:
-        p.error("--plan-lead-ms and --plan-ahead-max-ms refine --plan-ahead: give it too")
-    for name, ms in (("--plan-lead-ms", lead_ms), ("--plan-ahead-max-ms", max_ms)):
+        p.error("--plan-lead-ms and --overlap-max-step-ms refine --plan-ahead: give it too")
+    for name, ms in (("--plan-lead-ms", lead_ms), ("--overlap-max-step-ms", max_ms)):
         if ms is not None and not ms >= 0:
             p.error(f"{name} must be >= 0")
     return (
@@ -97,14 +97,14 @@ def plan_ahead_from_args(
 
 
 def plan_ahead_record(
-    plan_ahead: bool, plan_lead_s: float | None, plan_ahead_max_s: float | None
+    plan_ahead: bool, plan_lead_s: float | None, overlap_max_step_s: float | None
 ) -> dict[str, float | None]:
     """The refinements a run used, for its JSON (none without plan-ahead)."""
     if not plan_ahead:
         return {}
     return {
         "plan_lead_ms": None if plan_lead_s is None else plan_lead_s * 1e3,
-        "plan_ahead_max_ms": None if plan_ahead_max_s is None else plan_ahead_max_s * 1e3,
+        "overlap_max_step_ms": None if overlap_max_step_s is None else overlap_max_step_s * 1e3,
     }
 
 
@@ -330,7 +330,7 @@ def simulate(
     request_overhead_s: float = 0.0,
     plan_ahead: bool = False,
     plan_lead_s: float | None = None,
-    plan_ahead_max_s: float | None = None,
+    overlap_max_step_s: float | None = None,
     records_out: list[dict[str, Any]] | None = None,
 ) -> RunStats:
     """Run one (policy, QPS) point.
@@ -362,8 +362,8 @@ def simulate(
     step N's answers, which the engine applies after launching step N+1, come out when that
     launch returns, `plan_lead_s` before step N+1 ends (at N's end when N+1 was not planned
     ahead). None: N+1 chosen at N's start and answers at their step's end, the upper bound
-    of the stale plan. `plan_ahead_max_s` (with `plan_ahead`): the engine's
-    `plan_ahead_max_ms`: a forward that `jct_model` (else its own time) predicts this long
+    of the stale plan. `overlap_max_step_s` (with `plan_ahead`): the engine's
+    `overlap_max_step_ms`: a forward that `jct_model` (else its own time) predicts this long
     runs alone (the one before it is answered first; nothing is planned ahead of it)."""
     noise_rng = random.Random(f"noise:{seed}")
     if cache is None:
@@ -483,9 +483,9 @@ def simulate(
             r.num_cached_tokens_now = hit
             items.append(prefill_work(r))
         duration = service.forward_s(items, noise_rng) + step_overhead_s
-        if plan_ahead and plan_ahead_max_s is not None:
+        if plan_ahead and overlap_max_step_s is not None:
             predicted_s = jct_model.predict_batch_s(items) if jct_model is not None else duration
-            long_step = predicted_s >= plan_ahead_max_s
+            long_step = predicted_s >= overlap_max_step_s
         else:
             long_step = False
         if undelivered is not None:
@@ -772,7 +772,7 @@ def run_experiment(
     queue_aware_eviction: bool = False,
     plan_ahead: bool = False,
     plan_lead_s: float | None = None,
-    plan_ahead_max_s: float | None = None,
+    overlap_max_step_s: float | None = None,
 ) -> dict[str, Any]:
     """Everything `python -m bench.sim` writes, as a JSON-ready dict. Every run starts with an
     empty cache (with `prime`: one request per user first, as a running service's cache) and
@@ -823,7 +823,7 @@ def run_experiment(
                 jct_model=jct if setup.online_refit else None,
                 plan_ahead=plan_ahead,
                 plan_lead_s=plan_lead_s,
-                plan_ahead_max_s=plan_ahead_max_s,
+                overlap_max_step_s=overlap_max_step_s,
             )
 
         return run
@@ -858,7 +858,7 @@ def run_experiment(
         "primed": prime,
         "eviction": "queue-aware" if queue_aware_eviction else "lru",
         "plan_ahead": plan_ahead,
-        **plan_ahead_record(plan_ahead, plan_lead_s, plan_ahead_max_s),
+        **plan_ahead_record(plan_ahead, plan_lead_s, overlap_max_step_s),
         "slo_p99_s": slo_p99_s,
         "min_span_slos": min_span_slos,
         "results": results,
@@ -984,7 +984,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--plot")
     args = p.parse_args(argv)
-    plan_lead_s, plan_ahead_max_s = plan_ahead_from_args(p, args)
+    plan_lead_s, overlap_max_step_s = plan_ahead_from_args(p, args)
     try:
         setup = setup_from_args(args)
     except ValueError as exc:
@@ -1009,7 +1009,7 @@ def main(argv: list[str] | None = None) -> int:
         queue_aware_eviction=args.eviction == "queue-aware",
         plan_ahead=args.plan_ahead,
         plan_lead_s=plan_lead_s,
-        plan_ahead_max_s=plan_ahead_max_s,
+        overlap_max_step_s=overlap_max_step_s,
     )
     data["command"] = "python -m bench.sim " + " ".join(argv if argv is not None else sys.argv[1:])
     with open(args.out, "w", encoding="utf-8") as f:

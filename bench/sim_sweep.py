@@ -76,7 +76,7 @@ def sweep(
     queue_aware_eviction: bool = False,
     plan_ahead: bool = False,
     plan_lead_s: float | None = None,
-    plan_ahead_max_s: float | None = None,
+    overlap_max_step_s: float | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Run every (value, seed); returns raw per-seed results and the aggregates."""
@@ -112,7 +112,7 @@ def sweep(
                 queue_aware_eviction=queue_aware_eviction,
                 plan_ahead=plan_ahead,
                 plan_lead_s=plan_lead_s,
-                plan_ahead_max_s=plan_ahead_max_s,
+                overlap_max_step_s=overlap_max_step_s,
                 **kwargs,
             )
             if kind == "lambda":
@@ -162,7 +162,7 @@ def sweep(
         "primed": prime,
         "eviction": "queue-aware" if queue_aware_eviction else "lru",
         "plan_ahead": plan_ahead,
-        **plan_ahead_record(plan_ahead, plan_lead_s, plan_ahead_max_s),
+        **plan_ahead_record(plan_ahead, plan_lead_s, overlap_max_step_s),
         **setup.record,
         "raw": raw,
         "aggregate": aggregate(raw, values, policies, qps_list),
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     add_setup_args(p)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    plan_lead_s, plan_ahead_max_s = plan_ahead_from_args(p, args)
+    plan_lead_s, overlap_max_step_s = plan_ahead_from_args(p, args)
     try:
         setup = setup_from_args(args)
     except ValueError as exc:
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         queue_aware_eviction=args.eviction == "queue-aware",
         plan_ahead=args.plan_ahead,
         plan_lead_s=plan_lead_s,
-        plan_ahead_max_s=plan_ahead_max_s,
+        overlap_max_step_s=overlap_max_step_s,
     )
     data["command"] = "python -m bench.sim_sweep " + " ".join(
         argv if argv is not None else sys.argv[1:]

@@ -83,7 +83,7 @@ class Replayer:
         step_overhead_s: float = 0.0,
         plan_ahead: bool = False,
         plan_lead_s: float | None = None,
-        plan_ahead_max_s: float | None = None,
+        overlap_max_step_s: float | None = None,
         follow_gpu: bool = False,
         gpu_searches: Path | None = None,
     ) -> None:
@@ -96,10 +96,10 @@ class Replayer:
         self.gpu_searches = gpu_searches
         # The engine's overlapped scheduling (bench.sim.simulate's `plan_ahead`): step N+1
         # chosen when step N starts, or `plan_lead_s` before it ends; none ahead of a forward
-        # predicted `plan_ahead_max_s` long. Off by default, as every replay before it ran.
+        # predicted `overlap_max_step_s` long. Off by default, as every replay before it ran.
         self.plan_ahead = plan_ahead
         self.plan_lead_s = plan_lead_s
-        self.plan_ahead_max_s = plan_ahead_max_s
+        self.overlap_max_step_s = overlap_max_step_s
         # Host time added to every simulated forward (a what-if unless read off the GPU run's
         # step trace: `bench.gpu_scheduling` records it per search since the 35th session).
         self.step_overhead_s = step_overhead_s
@@ -178,7 +178,7 @@ class Replayer:
                 step_overhead_s=self.step_overhead_s,
                 plan_ahead=self.plan_ahead,
                 plan_lead_s=self.plan_lead_s,
-                plan_ahead_max_s=self.plan_ahead_max_s,
+                overlap_max_step_s=self.overlap_max_step_s,
                 records_out=records,
             )
             ok = [x for x in lat if x <= timeout_s]
@@ -546,7 +546,7 @@ def compare(
     step_overhead_s: float = 0.0,
     plan_ahead: bool = False,
     plan_lead_s: float | None = None,
-    plan_ahead_max_s: float | None = None,
+    overlap_max_step_s: float | None = None,
     follow_gpu: bool = False,
     gpu_searches: Path | None = None,
 ) -> dict[str, Any]:
@@ -558,7 +558,7 @@ def compare(
         step_overhead_s=step_overhead_s,
         plan_ahead=plan_ahead,
         plan_lead_s=plan_lead_s,
-        plan_ahead_max_s=plan_ahead_max_s,
+        overlap_max_step_s=overlap_max_step_s,
         follow_gpu=follow_gpu,
         gpu_searches=gpu_searches,
     ).replay()
@@ -896,7 +896,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.plan_ahead and not args.gpu:
         p.error("--plan-ahead replays a --gpu file")
-    plan_lead_s, plan_ahead_max_s = plan_ahead_from_args(p, args)
+    plan_lead_s, overlap_max_step_s = plan_ahead_from_args(p, args)
     if args.follow_gpu_probes and not args.gpu:
         p.error("--follow-gpu-probes replays a --gpu file")
     if args.gpu_searches and not args.follow_gpu_probes:
@@ -929,7 +929,7 @@ def main(argv: list[str] | None = None) -> int:
             step_overhead_s=args.step_overhead_ms / 1e3,
             plan_ahead=args.plan_ahead,
             plan_lead_s=plan_lead_s,
-            plan_ahead_max_s=plan_ahead_max_s,
+            overlap_max_step_s=overlap_max_step_s,
             follow_gpu=args.follow_gpu_probes,
             gpu_searches=Path(args.gpu_searches) if args.gpu_searches else None,
         )
@@ -938,7 +938,7 @@ def main(argv: list[str] | None = None) -> int:
             data["follow_gpu_probes"] = True
         if args.plan_ahead:
             data["plan_ahead"] = True
-            data.update(plan_ahead_record(True, plan_lead_s, plan_ahead_max_s))
+            data.update(plan_ahead_record(True, plan_lead_s, overlap_max_step_s))
         if args.step_overhead_ms:
             data["step_overhead_what_if_ms"] = args.step_overhead_ms
         if what_if:

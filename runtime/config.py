@@ -109,14 +109,16 @@ class EngineConfig:
     # Plan and launch step N+1 while the device runs step N (sampled tokens feed the next
     # step on the device; the host sees them one step later). False: one step at a time.
     overlap_scheduling: bool = True
-    # With overlap: plan nothing ahead of a step whose prefill the JCT model predicts at this
-    # many ms or more; collect it first, so a request that arrives while it runs can be chosen
-    # for the very next step. A plan made when the step's launch returns is stale by what the
-    # step has left then: up to the whole step, ~70 ms of a 350-ms cold prefill of the 8B shape
-    # on the H100, whose launch waits for the device's launch queue. The device idles for the
-    # host's planning and launch (~1.4 ms on the H100, 0.4 % of such a step). None: always
-    # plan ahead. Off by default until measured (issue 17, docs/scheduling.md).
-    plan_ahead_max_ms: float | None = None
+    # With overlap: a prefill-only step that the JCT model predicts at this many ms or more
+    # runs alone. Launching a long step holds the engine thread until near the step's end (the
+    # device's launch queue fills: ~70 ms before the end of a 350-ms cold prefill of the 8B
+    # shape on the H100), and the step before it is answered only after that launch; and the
+    # step after it would be planned from the queue as it stood then. So the steps in flight
+    # are collected before it is launched, and it is collected before the next is planned.
+    # The device idles for the host's planning and launch (~1.4 ms on the H100, 0.4 % of such
+    # a step). None: always overlap. Off by default until measured (issue 17,
+    # docs/scheduling.md).
+    overlap_max_step_ms: float | None = None
     # A long scoring prompt next to running decodes is prefilled in budget-sized chunks when
     # the KV pool can hold its whole prompt until it finishes (else whole, hybrid prefill).
     chunk_scoring_prefill: bool = True
@@ -208,8 +210,8 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise ValueError(f"unknown attention backend {self.attention_backend!r}")
-        if self.plan_ahead_max_ms is not None and not self.plan_ahead_max_ms > 0:
-            raise ValueError("plan_ahead_max_ms must be > 0 (ms)")
+        if self.overlap_max_step_ms is not None and not self.overlap_max_step_ms > 0:
+            raise ValueError("overlap_max_step_ms must be > 0 (ms)")
         if self.ttft_slo_ms is not None and not self.ttft_slo_ms > 0:
             raise ValueError("ttft_slo_ms must be > 0 (ms)")
         if self.ttft_slo_ms is not None and self.fairness_lambda is not None:

@@ -14,9 +14,11 @@ Overlapped (`overlap_scheduling`, default on): one step stays queued ahead of th
 results are applied, so the host plans and launches step N+1 while the device runs step N;
 step N's sampled tokens feed step N+1 on the device (runtime/runner.py token slots) and reach
 the host one step later (runtime/scheduler.py). Off: each step is collected before the next is
-planned. Greedy outputs are the same either way. With `plan_ahead_max_ms`, a step whose prefill
-is predicted that long is collected before the next is planned (a plan made at its launch
-would pass over every request that arrives while it runs).
+planned. Greedy outputs are the same either way. With `overlap_max_step_ms`, a prefill-only
+step predicted that long runs alone: the steps in flight are collected before it is launched
+(a long launch holds this thread until near its step's end, as the device's launch queue
+fills, so they would be answered only then), and it is collected before the next is planned
+(a plan made at its launch would pass over what arrives while it runs).
 
 Executors (runtime/executor/): `SerialExecutor` (the whole device; CPU too) and, on CUDA with
 green contexts, `SplitExecutor` (prefill and decode concurrently on a pair of SM partitions,
@@ -368,12 +370,12 @@ class Engine:
         self.executor: SerialExecutor | SplitExecutor = self.serial
         # Steps kept queued ahead of the one being collected (overlapped scheduling).
         self._max_in_flight = 1 if config.overlap_scheduling else 0
-        # Behind a step predicted this long (s), nothing is planned ahead (`plan_ahead_max_ms`).
-        self._plan_ahead_max_s = (
-            None if config.plan_ahead_max_ms is None else config.plan_ahead_max_ms / 1e3
+        # A prefill-only step predicted this long (s) runs alone (`overlap_max_step_ms`).
+        self._overlap_max_step_s = (
+            None if config.overlap_max_step_ms is None else config.overlap_max_step_ms / 1e3
         )
-        self._behind_long_step = False  # the last step launched is such a step
-        self._num_steps_collected_before_planning = 0
+        self._behind_step_alone = False  # the last step launched is such a step
+        self._num_steps_run_alone = 0
 
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
@@ -1432,6 +1434,11 @@ class Engine:
                 return outputs + sched.fail(ids, f"internal scheduler error: {e!r}")
             outputs += sched.take_pending_outputs()
             if not plan.is_empty:
+                alone = self._runs_alone(ex, plan)
+                if alone and ex.num_in_flight:
+                    # Its launch would hold this thread until near its end (the device's launch
+                    # queue fills), and the steps in flight would be answered only then.
+                    outputs += self._collect_in_flight(ex)
                 self._step_started_s = time.monotonic()
                 if plan.prefill:
                     self._publish_counts()
@@ -1439,7 +1446,7 @@ class Engine:
                 try:
                     ex.launch(plan)
                     planned = True
-                    self._behind_long_step = self._is_long_step(ex, plan)
+                    self._behind_step_alone = alone
                     if len(self._host_ms) > 64:
                         self._host_ms.clear()  # steps that failed never came back
                     self._host_ms[plan.step_id] = (
@@ -1451,7 +1458,7 @@ class Engine:
                 except StepFailed as e:
                     return outputs + self._recover(e)
         in_flight = ex.num_in_flight
-        max_in_flight = 0 if planned and self._behind_long_step else self._max_in_flight
+        max_in_flight = 0 if planned and self._behind_step_alone else self._max_in_flight
         block = in_flight > 0 and (in_flight > max_in_flight or not planned)
         while True:
             try:
@@ -1465,20 +1472,39 @@ class Engine:
             if not (block and ex.num_in_flight > max_in_flight):
                 break
         if max_in_flight < self._max_in_flight:
-            self._num_steps_collected_before_planning += 1
+            self._num_steps_run_alone += 1
         if not planned and not results and not outputs and ex.num_in_flight == 0:
             time.sleep(0.001)  # nothing runnable now (e.g. waiting for KV): do not spin hot
         if ex.num_in_flight == 0:
             self._step_started_s = None
         return outputs
 
-    def _is_long_step(self, ex: Any, plan: StepPlan) -> bool:
-        """Whether nothing should be planned ahead of `plan` (`plan_ahead_max_ms`): its prefill
-        parts' predicted time (the JCT model; its decodes are a small part of such a step)
-        reaches the limit. Serial executor only: the split executor runs its own pipeline of
-        prefill slices beside decode steps."""
-        limit_s = self._plan_ahead_max_s
-        if limit_s is None or not plan.prefill or ex is not self.serial or not self._max_in_flight:
+    def _collect_in_flight(self, ex: Any) -> list[EngineOutput]:
+        """Wait for every step in flight and apply it (before a step that runs alone). A device
+        error found here fails the steps in flight (`_recover`); the planned step is not among
+        them (a prefill-only plan reads nothing they compute: a prefix being computed makes a
+        request wait), so it is launched after."""
+        outputs: list[EngineOutput] = []
+        while ex.num_in_flight:
+            try:
+                results = ex.results(True)
+            except StepFailed as e:
+                outputs += self._recover(e)
+                continue
+            for r in results:
+                outputs += self._apply(r)
+        return outputs
+
+    def _runs_alone(self, ex: Any, plan: StepPlan) -> bool:
+        """Whether `plan` runs alone (`overlap_max_step_ms`): prefill only, and predicted by the
+        JCT model at the limit or more. Such a step is launched with nothing in flight and
+        collected before the next is planned. Serial executor only: the split executor runs
+        its own pipeline of prefill slices beside decode steps. Not a step with decodes: its
+        decodes may read tokens a step in flight samples, and a TBT target keeps it short."""
+        limit_s = self._overlap_max_step_s
+        if limit_s is None or not plan.prefill or plan.decode:
+            return False
+        if ex is not self.serial or not self._max_in_flight:
             return False
         items = [(s.num_new_tokens, s.num_context_tokens) for s in plan.prefill]
         return self.jct_model.predict_batch_s(items) >= limit_s
@@ -1836,10 +1862,9 @@ class Engine:
             "step_running_s": None if step_s is None else time.monotonic() - step_s,
             "executor": self.executor.name,
             "overlap_scheduling": self._max_in_flight > 0,
-            "plan_ahead_max_ms": self.config.plan_ahead_max_ms,
-            # Steps whose results were collected before the next was planned (behind a step
-            # predicted past plan_ahead_max_ms).
-            "num_steps_collected_before_planning": self._num_steps_collected_before_planning,
+            "overlap_max_step_ms": self.config.overlap_max_step_ms,
+            # Prefill-only steps predicted past overlap_max_step_ms, run alone.
+            "num_steps_run_alone": self._num_steps_run_alone,
             "kv_blocks_used": bm.num_used_blocks,
             "kv_blocks_total": bm.num_blocks,
             "kv_block_size": bm.block_size,

@@ -578,8 +578,8 @@ def test_plan_ahead_chooses_the_next_forward_when_the_current_one_starts() -> No
 def test_plan_ahead_with_a_lead_or_a_limit() -> None:
     """`plan_lead_s`: a launch returns that long before its step ends, so step N+1 is chosen
     then (a request arriving before is among the candidates) and step N's answers wait for
-    step N+1's launch to return. `plan_ahead_max_s`: a forward predicted that long runs alone
-    (the engine's `plan_ahead_max_ms`): the one before it is answered first, and nothing is
+    step N+1's launch to return. `overlap_max_step_s`: a forward predicted that long runs alone
+    (the engine's `overlap_max_step_ms`): the one before it is answered first, and nothing is
     planned ahead of it."""
     svc = JCTService(JCTModel(), noise_sigma=0.0)
     long_s = svc.forward_s([(4000, 0)], random.Random(0))
@@ -620,10 +620,10 @@ def test_plan_ahead_with_a_lead_or_a_limit() -> None:
         [1.25 * long_s, 2 * long_s, 1.5 * long_s + short_s]
     )
     assert latencies(plan_lead_s=2 * long_s) == pytest.approx(a_b_c)  # at a's start
-    assert latencies(plan_ahead_max_s=long_s / 2) == pytest.approx(a_c_b)  # a is long
-    assert latencies(plan_ahead_max_s=2 * long_s) == pytest.approx(a_b_c)
+    assert latencies(overlap_max_step_s=long_s / 2) == pytest.approx(a_c_b)  # a is long
+    assert latencies(overlap_max_step_s=2 * long_s) == pytest.approx(a_b_c)
     # Both: a and b run alone, so every answer is out at its forward's end.
-    assert latencies(plan_lead_s=long_s / 4, plan_ahead_max_s=long_s / 2) == pytest.approx(a_c_b)
+    assert latencies(plan_lead_s=long_s / 4, overlap_max_step_s=long_s / 2) == pytest.approx(a_c_b)
 
 
 def test_plan_ahead_passes_over_a_prefix_being_computed() -> None:
@@ -671,7 +671,7 @@ def test_long_runs_take_plan_ahead_too() -> None:
     late = sim.run_experiment(
         "post-recommendation", ["srjf"], [6.0], plan_ahead=True, plan_lead_s=1e-3, **kw
     )
-    assert (late["plan_lead_ms"], late["plan_ahead_max_ms"]) == (1.0, None)
+    assert (late["plan_lead_ms"], late["overlap_max_step_ms"]) == (1.0, None)
     assert "plan_lead_ms" not in base
     # Chosen 1 ms before the step ends (as fresh as without plan-ahead), but each step's
     # answers wait for the next launch: later than without plan-ahead.

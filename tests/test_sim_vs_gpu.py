@@ -214,13 +214,13 @@ def test_step_overhead_what_if_reaches_every_forward_and_is_recorded(tok, tmp_pa
 def test_plan_ahead_refinements_reach_every_replay_and_are_recorded(
     tok, tmp_path, monkeypatch
 ) -> None:
-    """--plan-lead-ms and --plan-ahead-max-ms reach every simulated run as seconds and are named
+    """--plan-lead-ms and --overlap-max-step-ms reach every simulated run as seconds and are named
     in the output; without --plan-ahead they are refused."""
     seen: list[tuple[bool, float | None, float | None]] = []
     real = svg.simulate
 
     def spy(*args, **kw):  # type: ignore[no-untyped-def]
-        seen.append((kw["plan_ahead"], kw["plan_lead_s"], kw["plan_ahead_max_s"]))
+        seen.append((kw["plan_ahead"], kw["plan_lead_s"], kw["overlap_max_step_s"]))
         return real(*args, **kw)
 
     monkeypatch.setattr(svg, "simulate", spy)
@@ -229,10 +229,10 @@ def test_plan_ahead_refinements_reach_every_replay_and_are_recorded(
     gpu_path, out = tmp_path / "gpu.json", tmp_path / "out.json"
     gpu_path.write_text(json.dumps(_gpu_file(tok)))
     argv = ["--gpu", str(gpu_path), "--tokenizer", str(path), "--out", str(out), "--plan-ahead"]
-    assert svg.main([*argv, "--plan-lead-ms", "60", "--plan-ahead-max-ms", "100"]) == 0
+    assert svg.main([*argv, "--plan-lead-ms", "60", "--overlap-max-step-ms", "100"]) == 0
     assert seen and all(s == (True, pytest.approx(0.06), pytest.approx(0.1)) for s in seen)
     data = json.loads(out.read_text())
-    assert (data["plan_lead_ms"], data["plan_ahead_max_ms"]) == (60.0, 100.0)
+    assert (data["plan_lead_ms"], data["overlap_max_step_ms"]) == (60.0, 100.0)
     with pytest.raises(SystemExit):
         svg.main(argv[:-1] + ["--plan-lead-ms", "60"])
 

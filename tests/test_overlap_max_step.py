@@ -1,6 +1,8 @@
-"""`plan_ahead_max_ms`: with overlapped scheduling the engine plans step N+1 while step N runs,
-except behind a step whose prefill the JCT model predicts that long. There it collects the
-step first, so a request that arrives while it runs can be chosen for the next step."""
+"""`overlap_max_step_ms`: with overlapped scheduling the engine launches step N+1 while step N
+runs, except around a prefill-only step the JCT model predicts that long, which runs alone: the
+steps in flight are answered before it is launched (its launch holds the engine thread until
+near its end), and it is answered before the next step is planned (so a request arriving while
+it runs can be chosen next)."""
 
 from __future__ import annotations
 
@@ -39,6 +41,12 @@ class _HeldSerial:
     def num_in_flight(self) -> int:
         return len(self.ended)
 
+    def drain(self) -> list[Any]:
+        out: list[Any] = []
+        while self.ended:
+            out += self.results(True)
+        return out
+
     def results(self, block: bool) -> list[Any]:
         if not (block and self.ended):
             return []
@@ -49,7 +57,7 @@ class _HeldSerial:
         return [result]
 
 
-def _engine(plan_ahead_max_ms: float | None, **cfg: Any) -> tuple[Engine, list[tuple[str, int]]]:
+def _engine(overlap_max_step_ms: float | None, **cfg: Any) -> tuple[Engine, list[tuple[str, int]]]:
     """An engine (not started: the test drives its steps) whose serial executor is held, whose
     JCT model prices a prefill at MS_PER_TOKEN a token and learns nothing, and which records,
     for each step it plans, the first request's id and the steps in flight at that moment."""
@@ -58,7 +66,7 @@ def _engine(plan_ahead_max_ms: float | None, **cfg: Any) -> tuple[Engine, list[t
         prefill_policy="srjf",
         block_size=4,
         num_kv_blocks=256,
-        plan_ahead_max_ms=plan_ahead_max_ms,
+        overlap_max_step_ms=overlap_max_step_ms,
         **{"prefill_token_budget": 256, **cfg},
     )
     eng = Engine(config, lambda outs: None)
@@ -89,7 +97,7 @@ def _score(rid: str, n: int, seed: int) -> Request:
 
 def test_a_long_prefill_is_collected_before_the_next_step_is_planned() -> None:
     # A budget of 210 tokens: one long prompt a step (a scoring prompt is not chunked here).
-    eng, planned = _engine(plan_ahead_max_ms=100.0, prefill_token_budget=210)
+    eng, planned = _engine(overlap_max_step_ms=100.0, prefill_token_budget=210)
     eng.scheduler.add(_score("long-a", 200, 1))  # 200 ms predicted: long
     eng.scheduler.add(_score("long-b", 220, 2))
     eng._step()
@@ -99,13 +107,13 @@ def test_a_long_prefill_is_collected_before_the_next_step_is_planned() -> None:
     eng._step()
     assert planned == [("long-a", 0), ("short", 0)]
     stats = eng.fresh_stats()
-    assert stats["num_steps_collected_before_planning"] == 1  # "short" was planned ahead of
-    assert stats["plan_ahead_max_ms"] == 100.0
+    assert stats["num_steps_run_alone"] == 1  # "short" was planned ahead of
+    assert stats["overlap_max_step_ms"] == 100.0
 
 
 def test_without_a_limit_the_next_step_is_planned_while_a_long_one_runs() -> None:
     """The default: the step after long-a is chosen while long-a runs, before "short" came."""
-    eng, planned = _engine(plan_ahead_max_ms=None, prefill_token_budget=210)
+    eng, planned = _engine(overlap_max_step_ms=None, prefill_token_budget=210)
     eng.scheduler.add(_score("long-a", 200, 1))
     eng.scheduler.add(_score("long-b", 220, 2))
     eng._step()
@@ -115,44 +123,79 @@ def test_without_a_limit_the_next_step_is_planned_while_a_long_one_runs() -> Non
     eng._step()
     assert [rid for rid, _ in planned] == ["long-a", "long-b", "short"]
     assert planned[1] == ("long-b", 1)
-    assert eng.fresh_stats()["num_steps_collected_before_planning"] == 0
+    assert eng.fresh_stats()["num_steps_run_alone"] == 0
 
 
 def test_short_steps_are_still_planned_ahead() -> None:
     """Decode steps and prefills predicted under the limit keep the overlap."""
-    eng, planned = _engine(plan_ahead_max_ms=100.0)
+    eng, planned = _engine(overlap_max_step_ms=100.0)
     eng.scheduler.add(gen("chat", 30, 4, seed=1))  # a 30-ms prefill, then decodes
     for _ in range(4):
         eng._step()
         assert eng.executor.num_in_flight == 1
     assert all(rid == "chat" for rid, _ in planned)
-    assert eng.fresh_stats()["num_steps_collected_before_planning"] == 0
+    assert eng.fresh_stats()["num_steps_run_alone"] == 0
 
 
 def test_no_limit_applies_without_overlap() -> None:
-    eng, _ = _engine(plan_ahead_max_ms=100.0, overlap_scheduling=False)
+    eng, _ = _engine(overlap_max_step_ms=100.0, overlap_scheduling=False)
     eng.scheduler.add(_score("long-a", 200, 1))
     eng._step()
     assert eng.executor.num_in_flight == 0
-    assert eng.fresh_stats()["num_steps_collected_before_planning"] == 0  # nothing to undo
+    assert eng.fresh_stats()["num_steps_run_alone"] == 0  # nothing to undo
 
 
 def test_the_limit_must_be_positive() -> None:
-    with pytest.raises(ValueError, match="plan_ahead_max_ms"):
-        EngineConfig(model="random:tiny", plan_ahead_max_ms=0.0)
+    with pytest.raises(ValueError, match="overlap_max_step_ms"):
+        EngineConfig(model="random:tiny", overlap_max_step_ms=0.0)
 
 
-def test_steps_collected_before_a_failing_long_one_are_applied() -> None:
-    """Behind a long step the loop collects two steps in one iteration; when the second fails,
-    the first one's outputs still go out (only the failed step's requests fail)."""
-    eng, _ = _engine(plan_ahead_max_ms=100.0)
+def test_the_steps_in_flight_are_answered_before_a_long_step_is_launched() -> None:
+    eng, _ = _engine(overlap_max_step_ms=100.0)
+    in_flight_at_launch: list[int] = []
+    launch = eng.executor.launch
+
+    def spy(plan: Any) -> None:
+        in_flight_at_launch.append(eng.executor.num_in_flight)
+        launch(plan)
+
+    eng.executor.launch = spy  # type: ignore[method-assign]
     eng.scheduler.add(_score("short", 30, 1))
-    eng._step()  # a 30-ms step: planned ahead of, still in flight
-    assert eng.executor.num_in_flight == 1
-    eng.executor.failing.add("long")
+    eng._step()  # a 30-ms step: overlapped, still in flight
     eng.scheduler.add(_score("long", 200, 2))
-    outs = {o.request_id: o for o in eng._step()}  # launches "long", collects both
-    assert outs["short"].finished and outs["short"].label_probs is not None
-    assert outs["long"].finish_reason == "error"
+    outs = {o.request_id: o for o in eng._step()}
+    assert in_flight_at_launch == [0, 0]  # "short" was collected before "long" was launched
+    assert outs["short"].finished and outs["long"].finished  # both answered in that iteration
+    assert eng.fresh_stats()["num_steps_run_alone"] == 1
+
+
+def test_steps_with_decodes_never_run_alone() -> None:
+    """A chat's steps keep the overlap whatever their size: their decodes read the tokens the
+    step in flight samples."""
+    eng, _ = _engine(overlap_max_step_ms=1e-3)  # every prefill counts as long
+    eng.scheduler.add(gen("chat", 30, 6, seed=1))
+    eng._step()  # its prefill alone: prefill-only, so it runs alone
+    eng.scheduler.add(gen("chat-2", 30, 2, seed=2))
+    eng._step()  # chat's decode with chat-2's prefill: overlapped
+    assert eng.executor.num_in_flight == 1
+    assert eng.fresh_stats()["num_steps_run_alone"] == 1
+
+
+@pytest.mark.parametrize("failing", ["short", "long"])
+def test_a_failure_around_a_step_that_runs_alone_loses_no_other_answer(failing: str) -> None:
+    """A device error in the step collected before the long one's launch fails that step's
+    request only, and the long one still runs; one in the long step itself fails only it."""
+    eng, _ = _engine(overlap_max_step_ms=100.0)
+    eng.scheduler.add(_score("short", 30, 1))
+    eng._step()
+    assert eng.executor.num_in_flight == 1
+    eng.executor.failing.add(failing)
+    eng.scheduler.add(_score("long", 200, 2))
+    outs = {o.request_id: o for o in eng._step()}
+    for rid in ("short", "long"):
+        if rid == failing:
+            assert outs[rid].finish_reason == "error"
+        else:
+            assert outs[rid].finished and outs[rid].label_probs is not None
     assert eng.executor.num_in_flight == 0 and not eng.scheduler.has_work()
     eng.block_manager.check_integrity()
