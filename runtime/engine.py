@@ -1438,15 +1438,17 @@ class Engine:
                 if alone and ex.num_in_flight:
                     # Its launch would hold this thread until near its end (the device's launch
                     # queue fills), and the steps in flight would be answered only then.
-                    collected, failure = self._collect_in_flight(ex)
-                    outputs += collected
-                    if failure is not None:
+                    failed_before = self._num_failed_steps
+                    outputs += self._drain()
+                    if self._num_failed_steps > failed_before:
                         # Planned while a failing step ran: it shares their fate, as a step
-                        # launched behind them would (`_recover`).
+                        # launched behind them would (`_recover`); a chunk of a prompt whose
+                        # previous chunk failed must not run.
                         sched.retire(plan)
                         self._num_failed_requests += len(plan.seqs)
                         ids = [seq.request.request_id for seq in plan.seqs]
-                        return outputs + sched.fail(ids, failure)
+                        msg = "internal error while running the model: a step before it failed"
+                        return outputs + sched.fail(ids, msg)
                 self._step_started_s = time.monotonic()
                 if plan.prefill:
                     self._publish_counts()
@@ -1486,24 +1488,6 @@ class Engine:
         if ex.num_in_flight == 0:
             self._step_started_s = None
         return outputs
-
-    def _collect_in_flight(self, ex: Any) -> tuple[list[EngineOutput], str | None]:
-        """Wait for every step in flight and apply it (before a step that runs alone). A device
-        error found here fails the steps in flight (`_recover`) and is returned as the error
-        message for the planned step, which the caller fails too (a chunk of a prompt whose
-        previous chunk failed must not run)."""
-        outputs: list[EngineOutput] = []
-        failure: str | None = None
-        while ex.num_in_flight:
-            try:
-                results = ex.results(True)
-            except StepFailed as e:
-                outputs += self._recover(e)
-                failure = f"internal error while running the model: {e}"
-                continue
-            for r in results:
-                outputs += self._apply(r)
-        return outputs, failure
 
     def _runs_alone(self, ex: Any, plan: StepPlan) -> bool:
         """Whether `plan` runs alone (`overlap_max_step_ms`): prefill only, and predicted by the
