@@ -708,9 +708,13 @@ def issue_point(
     }
 
 
+def _fixed(v: Any, d: int = 2) -> str:
+    """A table cell: `v` with `d` decimals, "-" for none."""
+    return "-" if v is None else f"{v:.{d}f}"
+
+
 def markdown_rows(rows: list[dict[str, Any]]) -> str:
-    def f(v: Any, d: int = 2) -> str:
-        return "-" if v is None else f"{v:.{d}f}"
+    f = _fixed
 
     lines = [
         "| workload @ pool | policy | GPU max QPS (repeats) | sim max QPS (replay) | GPU ÷ FCFS "
@@ -739,8 +743,8 @@ def markdown_rows(rows: list[dict[str, Any]]) -> str:
 def markdown_followed(replayed: dict[str, Any]) -> str:
     """Follow mode: each GPU probe beside the replay's run of it, in the GPU's order."""
 
-    def f(v: Any, d: int = 0) -> str:
-        return "-" if v is None else f"{v:.{d}f}"
+    def f(v: Any, d: int = 0) -> str:  # milliseconds: whole ones
+        return _fixed(v, d)
 
     lines = [
         "| server | policy | repeat | QPS | mean ms, GPU / sim | P99 ms, GPU / sim "
@@ -770,8 +774,7 @@ def markdown_followed(replayed: dict[str, Any]) -> str:
 
 
 def markdown_predict(rows: list[dict[str, Any]]) -> str:
-    def f(v: Any) -> str:
-        return "-" if v is None else f"{v:.2f}"
+    f = _fixed
 
     lines = [
         "| server | policy | repeat | predicted max QPS | ÷ FCFS | P99 at FCFS's max ÷ FCFS |",
