@@ -39,6 +39,7 @@ import json
 import statistics
 import sys
 import zlib
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,52 @@ ISSUE_POINT = {
 }
 
 
+@dataclass(frozen=True)
+class ReplayOptions:
+    """A --gpu replay's plan-ahead and follow-GPU-probes settings, built once from the CLI."""
+
+    # The engine's overlapped scheduling (bench.sim.simulate's `plan_ahead`): step N+1 chosen
+    # when step N starts, or `plan_lead_s` before it ends; none ahead of a forward predicted
+    # `overlap_max_step_s` long. Off by default, as every replay before it ran.
+    plan_ahead: bool = False
+    plan_lead_s: float | None = None
+    overlap_max_step_s: float | None = None
+    # Follow: run the GPU search's own probes, in its order, instead of searching: every probe
+    # is then comparable (a search of its own leaves the GPU's path after a different pass or
+    # fail). `gpu_searches`: the folder of the searches' bench.serve files, whose per-request
+    # records (`--per-request`) are paired with the replay's.
+    follow_gpu: bool = False
+    gpu_searches: Path | None = None
+
+    @classmethod
+    def from_args(cls, p: argparse.ArgumentParser, args: argparse.Namespace) -> ReplayOptions:
+        """The options `main`'s flags give; refuses those that need --gpu or each other."""
+        if args.plan_ahead and not args.gpu:
+            p.error("--plan-ahead replays a --gpu file")
+        plan_lead_s, overlap_max_step_s = plan_ahead_from_args(p, args)
+        if args.follow_gpu_probes and not args.gpu:
+            p.error("--follow-gpu-probes replays a --gpu file")
+        if args.gpu_searches and not args.follow_gpu_probes:
+            p.error("--gpu-searches pairs requests in --follow-gpu-probes: give it too")
+        return cls(
+            plan_ahead=args.plan_ahead,
+            plan_lead_s=plan_lead_s,
+            overlap_max_step_s=overlap_max_step_s,
+            follow_gpu=args.follow_gpu_probes,
+            gpu_searches=Path(args.gpu_searches) if args.gpu_searches else None,
+        )
+
+    def record(self) -> dict[str, Any]:
+        """What the output JSON names of these options (nothing for those left off)."""
+        out: dict[str, Any] = {}
+        if self.follow_gpu:
+            out["follow_gpu_probes"] = True
+        if self.plan_ahead:
+            out["plan_ahead"] = True
+            out.update(plan_ahead_record(True, self.plan_lead_s, self.overlap_max_step_s))
+        return out
+
+
 class Replayer:
     """The simulated side of one bench.gpu_scheduling results file."""
 
@@ -81,25 +128,11 @@ class Replayer:
         planned: bool = False,
         srjf_options: dict[str, float] | None = None,
         step_overhead_s: float = 0.0,
-        plan_ahead: bool = False,
-        plan_lead_s: float | None = None,
-        overlap_max_step_s: float | None = None,
-        follow_gpu: bool = False,
-        gpu_searches: Path | None = None,
+        options: ReplayOptions | None = None,
     ) -> None:
         self.gpu = gpu
-        # Follow: run the GPU search's own probes, in its order, instead of searching: every
-        # probe is then comparable (a search of its own leaves the GPU's path after a
-        # different pass or fail). `gpu_searches`: the folder of the searches' bench.serve
-        # files, whose per-request records (`--per-request`) are paired with the replay's.
-        self.follow_gpu = follow_gpu
-        self.gpu_searches = gpu_searches
-        # The engine's overlapped scheduling (bench.sim.simulate's `plan_ahead`): step N+1
-        # chosen when step N starts, or `plan_lead_s` before it ends; none ahead of a forward
-        # predicted `overlap_max_step_s` long. Off by default, as every replay before it ran.
-        self.plan_ahead = plan_ahead
-        self.plan_lead_s = plan_lead_s
-        self.overlap_max_step_s = overlap_max_step_s
+        # Plan-ahead and follow mode (ReplayOptions): none by default.
+        self.options = options or ReplayOptions()
         # Host time added to every simulated forward (a what-if unless read off the GPU run's
         # step trace: `bench.gpu_scheduling` records it per search since the 35th session).
         self.step_overhead_s = step_overhead_s
@@ -176,9 +209,9 @@ class Replayer:
                 arrivals_s=arrivals,
                 latencies_out=lat,
                 step_overhead_s=self.step_overhead_s,
-                plan_ahead=self.plan_ahead,
-                plan_lead_s=self.plan_lead_s,
-                overlap_max_step_s=self.overlap_max_step_s,
+                plan_ahead=self.options.plan_ahead,
+                plan_lead_s=self.options.plan_lead_s,
+                overlap_max_step_s=self.options.overlap_max_step_s,
                 records_out=records,
             )
             ok = [x for x in lat if x <= timeout_s]
@@ -197,7 +230,7 @@ class Replayer:
                 "max_batch": st.max_batch,
                 "busy_ms_per_request": round(st.busy_s / len(lat) * 1e3, 3) if lat else None,
             }
-            if self.follow_gpu and gpu_search is not None:
+            if self.options.follow_gpu and gpu_search is not None:
                 probes[str(float(qps))].update(
                     beside_gpu_probe(
                         gpu_search, qps, records, self._gpu_requests(gpu_search, qps), timeout_s
@@ -209,7 +242,7 @@ class Replayer:
                 "e2el_ms": {"p99": p99},
             }
 
-        if self.follow_gpu and gpu_search is not None:
+        if self.options.follow_gpu and gpu_search is not None:
             slo = SLO(e2el_ms=slo_ms)
             passed = [
                 q
@@ -238,11 +271,10 @@ class Replayer:
         """The GPU probe's per-request records (bench.serve --record-requests), if the
         search's bench.serve file is in `gpu_searches` and recorded them."""
         name = gpu_search.get("file")
-        if self.gpu_searches is None or not name:
+        folder = self.options.gpu_searches
+        if folder is None or not name:
             return None
-        found = sorted(
-            p for p in self.gpu_searches.iterdir() if p.name == name or p.name.endswith(f"-{name}")
-        )
+        found = sorted(p for p in folder.iterdir() if p.name == name or p.name.endswith(f"-{name}"))
         if not found:
             return None
         runs = json.loads(found[0].read_text()).get("runs") or []
@@ -284,7 +316,7 @@ class Replayer:
                         else:
                             starts = self.settings["start_qps"]
                             start = float(starts.get(key, starts.get(wl, 2.0)))
-                        if self.follow_gpu and done:
+                        if self.options.follow_gpu and done:
                             start = float(done[0]["start_qps"])  # the GPU's path
                         r = self.search(
                             wl, policy, repeat - 1, start, cache, jct, done[0] if done else None
@@ -544,11 +576,7 @@ def compare(
     tokenizer: Any,
     srjf_options: dict[str, float] | None = None,
     step_overhead_s: float = 0.0,
-    plan_ahead: bool = False,
-    plan_lead_s: float | None = None,
-    overlap_max_step_s: float | None = None,
-    follow_gpu: bool = False,
-    gpu_searches: Path | None = None,
+    options: ReplayOptions | None = None,
 ) -> dict[str, Any]:
     replayed = Replayer(
         gpu,
@@ -556,11 +584,7 @@ def compare(
         tokenizer,
         srjf_options=srjf_options,
         step_overhead_s=step_overhead_s,
-        plan_ahead=plan_ahead,
-        plan_lead_s=plan_lead_s,
-        overlap_max_step_s=overlap_max_step_s,
-        follow_gpu=follow_gpu,
-        gpu_searches=gpu_searches,
+        options=options,
     ).replay()
     rows = []
     for key, both in replayed.items():
@@ -897,13 +921,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         if v is not None
     }
-    if args.plan_ahead and not args.gpu:
-        p.error("--plan-ahead replays a --gpu file")
-    plan_lead_s, overlap_max_step_s = plan_ahead_from_args(p, args)
-    if args.follow_gpu_probes and not args.gpu:
-        p.error("--follow-gpu-probes replays a --gpu file")
-    if args.gpu_searches and not args.follow_gpu_probes:
-        p.error("--gpu-searches pairs requests in --follow-gpu-probes: give it too")
+    options = ReplayOptions.from_args(p, args)
     if args.step_overhead_ms and not args.gpu:
         p.error("--step-overhead-ms replays a --gpu file (--issue-point: --step-overheads-ms)")
     if what_if and not args.gpu:
@@ -930,25 +948,16 @@ def main(argv: list[str] | None = None) -> int:
             tok,
             srjf_options=what_if,
             step_overhead_s=args.step_overhead_ms / 1e3,
-            plan_ahead=args.plan_ahead,
-            plan_lead_s=plan_lead_s,
-            overlap_max_step_s=overlap_max_step_s,
-            follow_gpu=args.follow_gpu_probes,
-            gpu_searches=Path(args.gpu_searches) if args.gpu_searches else None,
+            options=options,
         )
-        data.update({"gpu_file": args.gpu, **setup.record})
-        if args.follow_gpu_probes:
-            data["follow_gpu_probes"] = True
-        if args.plan_ahead:
-            data["plan_ahead"] = True
-            data.update(plan_ahead_record(True, plan_lead_s, overlap_max_step_s))
+        data.update({"gpu_file": args.gpu, **setup.record, **options.record()})
         if args.step_overhead_ms:
             data["step_overhead_what_if_ms"] = args.step_overhead_ms
         if what_if:
             # Not what the GPU ran: its SRJF used the server's defaults.
             data["srjf_what_if"] = what_if
         table = markdown_rows(data["rows"]) + markdown_batches(data["batch_model"])
-        if args.follow_gpu_probes:
+        if options.follow_gpu:
             table += "\n\n" + markdown_followed(data["replayed"])
     elif args.predict:
         setup = _setup(args)

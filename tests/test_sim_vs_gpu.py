@@ -296,7 +296,8 @@ def test_follow_mode_runs_the_gpus_probes_and_pairs_its_requests(tok, tmp_path) 
     records = [{"request_id": i, "ok": True, "ttft_s": 0.12, **account} for i in ids]
     runs = [{"qps": 8.0}, {"qps": 12.0, "requests": records}]
     (searches / "q-srjf-r1.json").write_text(json.dumps({"runs": runs}))
-    data = svg.compare(gpu, build_setup(), tok, follow_gpu=True, gpu_searches=searches)
+    options = svg.ReplayOptions(follow_gpu=True, gpu_searches=searches)
+    data = svg.compare(gpu, build_setup(), tok, options=options)
     sim = data["replayed"]["post-recommendation@0.5"]["sim"]
     for policy, first_p99 in (("fcfs", 900.0), ("srjf", 300.0)):
         r = sim[policy][0]
