@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import statistics
 import sys
@@ -269,15 +270,22 @@ class Replayer:
 
     def _gpu_requests(self, gpu_search: dict[str, Any], qps: float) -> list[dict[str, Any]] | None:
         """The GPU probe's per-request records (bench.serve --record-requests), if the
-        search's bench.serve file is in `gpu_searches` and recorded them."""
+        search's bench.serve file is in `gpu_searches` and recorded them. The file may be
+        gzipped (`NAME.gz`: the records are ~10x smaller so, as committed)."""
         name = gpu_search.get("file")
         folder = self.options.gpu_searches
         if folder is None or not name:
             return None
-        found = sorted(p for p in folder.iterdir() if p.name == name or p.name.endswith(f"-{name}"))
+        found = sorted(
+            p
+            for p in folder.iterdir()
+            if p.name.removesuffix(".gz") == name or p.name.removesuffix(".gz").endswith(f"-{name}")
+        )
         if not found:
             return None
-        runs = json.loads(found[0].read_text()).get("runs") or []
+        raw = found[0].read_bytes()
+        text = gzip.decompress(raw) if found[0].suffix == ".gz" else raw
+        runs = json.loads(text).get("runs") or []
         run = next((r for r in runs if abs(float(r.get("qps", -1)) - qps) < 1e-9), None)
         return None if run is None else run.get("requests")
 

@@ -3,6 +3,7 @@ point. Synthetic GPU numbers: this checks the replay and the arithmetic, not the
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -280,10 +281,12 @@ def test_batch_model_check_prices_the_gpus_batches_as_the_simulator_would(tok) -
     assert prof.device_priced() is None
 
 
-def test_follow_mode_runs_the_gpus_probes_and_pairs_its_requests(tok, tmp_path) -> None:
+@pytest.mark.parametrize("gzipped", [False, True])
+def test_follow_mode_runs_the_gpus_probes_and_pairs_its_requests(tok, tmp_path, gzipped) -> None:
     """--follow-gpu-probes: each search runs the GPU's probes in the GPU's order (a search of
     its own would take another path) and shows the GPU's figures beside its own; with the
-    searches' bench.serve files, the GPU's per-request records are paired by request id."""
+    searches' bench.serve files (plain or gzipped, as committed), the GPU's per-request
+    records are paired by request id."""
     gpu = _gpu_file(tok)
     # The SRJF search's bench.serve file, with per-request records at 12 QPS only.
     gpu["results"]["post-recommendation"]["0.5"]["srjf"][0]["file"] = "srjf-r1.json"
@@ -295,7 +298,11 @@ def test_follow_mode_runs_the_gpus_probes_and_pairs_its_requests(tok, tmp_path) 
     account = {"server_s": 0.1, "engine_queue_s": 0.05, "engine_ttft_s": 0.09, "cached_tokens": 8}
     records = [{"request_id": i, "ok": True, "ttft_s": 0.12, **account} for i in ids]
     runs = [{"qps": 8.0}, {"qps": 12.0, "requests": records}]
-    (searches / "q-srjf-r1.json").write_text(json.dumps({"runs": runs}))
+    body = json.dumps({"runs": runs}).encode()
+    if gzipped:
+        (searches / "q-srjf-r1.json.gz").write_bytes(gzip.compress(body))
+    else:
+        (searches / "q-srjf-r1.json").write_bytes(body)
     options = svg.ReplayOptions(follow_gpu=True, gpu_searches=searches)
     data = svg.compare(gpu, build_setup(), tok, options=options)
     sim = data["replayed"]["post-recommendation@0.5"]["sim"]
