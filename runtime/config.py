@@ -115,9 +115,13 @@ class EngineConfig:
     # shape on the H100), and the step before it is answered only after that launch; and the
     # step after it would be planned from the queue as it stood then. So the steps in flight
     # are collected before it is launched, and it is collected before the next is planned.
-    # The device idles for the host's planning and launch (~1.4 ms on the H100, 0.4 % of such
-    # a step). None: always overlap. Off by default until measured (issue 17,
-    # docs/scheduling.md).
+    # The price: such a step starts on an empty launch queue, and the device waits for the
+    # host's launches where its kernels are short (+2 % device time on those steps, H100).
+    # Measured through HTTP (issue 17, docs/scheduling.md, "Running a long step alone"), 100
+    # ms against None over four seeds: SRJF's P99 fell at 11 of 14 common probes, its mean
+    # and FCFS's did not; max QPS within one bisection step. Off by default (None: always
+    # overlap) until larger prefill chunks, which make the launch outrun the device, are
+    # measured with it; deleted if it does not win then.
     overlap_max_step_ms: float | None = None
     # A long scoring prompt next to running decodes is prefilled in budget-sized chunks when
     # the KV pool can hold its whole prompt until it finishes (else whole, hybrid prefill).
