@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gzip
 import json
 import math
 import statistics
@@ -535,7 +536,7 @@ class Orchestrator:
         started = time.monotonic()
         e = run_harness("bench.serve", argv, min(2 * est, self.budget.left_s() - 3))
         view = search_view(e["record"])
-        view["steps"] = search_steps(srv.url, started)
+        view["steps"] = search_steps(srv.url, started, path.with_name(f"{path.stem}.steps.json.gz"))
         view.update(
             {
                 "repeat": repeat,
@@ -638,7 +639,7 @@ class Orchestrator:
         return 0 if not self.results["errors"] else 1
 
 
-def search_steps(url: str, started_s: float) -> dict[str, Any]:
+def search_steps(url: str, started_s: float, raw_path: Path | None = None) -> dict[str, Any]:
     """The server's step trace over the search (the steps that ended since `started_s`, this
     process's monotonic clock, read after the server answered, which ages its steps as it
     answers; at most its last 4,096 steps: its last probes, near the max QPS), summarised by
@@ -647,18 +648,30 @@ def search_steps(url: str, started_s: float) -> dict[str, Any]:
     Steps older than the search are left out: the trace is the server's, and a short search
     (a 0.5x pool runs a few hundred steps) would otherwise carry the steps of the search
     before it on the same server (every second search's summary until 2026-12-05).
-    `whole_search`: whether the trace reaches back to the search's start. An error is
-    recorded, not raised: the search's figures stand."""
+    `whole_search`: whether the trace reaches back to the search's start. `raw_path`: the
+    search's steps themselves, gzipped JSON, each with `end_unix_s` (when it ended, on the
+    clock of the per-request records' `start_unix_s`), so that they can be read per probe
+    (`bench.sim_vs_gpu --gpu-searches`). An error is recorded, not raised: the search's
+    figures stand."""
     from bench.host_profile import TRACE_STEPS, step_summary, steps_since
 
     try:
         steps = http_json(url + f"/admin/api/steps?limit={TRACE_STEPS}")["steps"]
     except Exception as e:  # noqa: BLE001 - a diagnostic beside the result
         return {"error": repr(e)[:200]}
+    answered_unix_s = time.time()
     mine = steps_since(steps, started_s, time.monotonic())
     out = step_summary(mine)
     out["steps_before_search"] = len(steps) - len(mine)
     out["whole_search"] = len(mine) < len(steps) or len(steps) < TRACE_STEPS
+    if raw_path is not None:
+        raw = [{**st, "end_unix_s": round(answered_unix_s - st["age_s"], 6)} for st in mine]
+        body = json.dumps({"answered_unix_s": answered_unix_s, "steps": raw}).encode()
+        try:
+            raw_path.write_bytes(gzip.compress(body))
+            out["raw_file"] = raw_path.name
+        except OSError as e:
+            out["raw_error"] = repr(e)[:200]
     return out
 
 

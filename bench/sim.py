@@ -455,6 +455,7 @@ def simulate(
                         "latency_s": latency,
                         "queue_s": start_s - r.arrival_s,
                         "cached_tokens": c,
+                        "prompt_tokens": r.num_prompt_tokens,
                         "batch": len(batch),
                     }
                 )

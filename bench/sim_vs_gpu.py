@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.host_profile import NO_WORK_GAP_MS
 from bench.metrics import meets_p99_slo
 from bench.serve import arrival_times_s, search_max_qps
 from bench.sim import (
@@ -232,11 +233,17 @@ class Replayer:
                 "busy_ms_per_request": round(st.busy_s / len(lat) * 1e3, 3) if lat else None,
             }
             if self.options.follow_gpu and gpu_search is not None:
+                gpu_requests = self._gpu_requests(gpu_search, qps)
                 probes[str(float(qps))].update(
                     beside_gpu_probe(
-                        gpu_search, qps, records, self._gpu_requests(gpu_search, qps), timeout_s
+                        gpu_search, qps, records, gpu_requests, timeout_s, self.setup.service
                     )
                 )
+                gpu_steps = self._gpu_steps(gpu_search)
+                if gpu_requests and gpu_steps:
+                    probes[str(float(qps))]["gpu_steps"] = steps_in_probe(
+                        gpu_steps, gpu_requests, timeout_s, self.setup.service
+                    )
             return {
                 "completed": len(ok),
                 "failed": len(lat) - len(ok),
@@ -268,11 +275,9 @@ class Replayer:
         )
         return {"max_qps": out["max_qps"], "start_qps": start_qps, "probes": probes}
 
-    def _gpu_requests(self, gpu_search: dict[str, Any], qps: float) -> list[dict[str, Any]] | None:
-        """The GPU probe's per-request records (bench.serve --record-requests), if the
-        search's bench.serve file is in `gpu_searches` and recorded them. The file may be
-        gzipped (`NAME.gz`: the records are ~10x smaller so, as committed)."""
-        name = gpu_search.get("file")
+    def _search_file(self, name: str | None) -> Any:
+        """The parsed JSON of `name` in `gpu_searches` (or `NAME.gz`, or with a plan prefix
+        such as `q-NAME`), else None."""
         folder = self.options.gpu_searches
         if folder is None or not name:
             return None
@@ -284,10 +289,23 @@ class Replayer:
         if not found:
             return None
         raw = found[0].read_bytes()
-        text = gzip.decompress(raw) if found[0].suffix == ".gz" else raw
-        runs = json.loads(text).get("runs") or []
+        return json.loads(gzip.decompress(raw) if found[0].suffix == ".gz" else raw)
+
+    def _gpu_requests(self, gpu_search: dict[str, Any], qps: float) -> list[dict[str, Any]] | None:
+        """The GPU probe's per-request records (bench.serve --record-requests), if the
+        search's bench.serve file is in `gpu_searches` and recorded them. The file may be
+        gzipped (`NAME.gz`: the records are ~10x smaller so, as committed)."""
+        data = self._search_file(gpu_search.get("file"))
+        runs = (data or {}).get("runs") or []
         run = next((r for r in runs if abs(float(r.get("qps", -1)) - qps) < 1e-9), None)
         return None if run is None else run.get("requests")
+
+    def _gpu_steps(self, gpu_search: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """The search's own server steps (bench.gpu_scheduling saves them as
+        `STEM.steps.json.gz` since the forty-first session), if they are in `gpu_searches`."""
+        name = ((gpu_search.get("steps") or {}).get("raw_file") or "").removesuffix(".gz")
+        data = self._search_file(name or None)
+        return None if data is None else data.get("steps")
 
     def replay(self) -> dict[str, Any]:
         """Every (workload, pool) the GPU measured, its searches in the GPU's order."""
@@ -347,10 +365,14 @@ def beside_gpu_probe(
     records: list[dict[str, Any]],
     gpu_requests: list[dict[str, Any]] | None,
     timeout_s: float,
+    service: Any = None,
 ) -> dict[str, Any]:
     """The GPU's figures for the probe the replay just ran at `qps` (follow mode), and, with
     the GPU's per-request records, the two paired by request id: where the GPU's latency went
-    (front end + HTTP, engine queue, prefill) against the replay's (queue, forward)."""
+    (front end + HTTP, engine queue, prefill) against the replay's (queue, forward). With
+    `service`, the paired requests' work on each side: every request's new and cached tokens
+    priced as one forward of its own (`service.median_forward_s`), so that a difference in
+    what was cached shows as work."""
     gpu = (gpu_search.get("probes") or {}).get(str(float(qps))) or {}
     out: dict[str, Any] = {
         "gpu_p99_ms": gpu.get("p99_ms"),
@@ -389,7 +411,63 @@ def beside_gpu_probe(
         if with_account
         else None,
     }
+    priced = [(g, m) for g, m in with_account if m.get("prompt_tokens")]
+    if service is not None and priced:
+
+        def work_s(prompt: int, cached: int) -> float:
+            return service.median_forward_s([(max(prompt - cached, 1), cached)])
+
+        gpu_s = sum(work_s(m["prompt_tokens"], g["cached_tokens"]) for g, m in priced)
+        sim_s = sum(work_s(m["prompt_tokens"], m["cached_tokens"]) for _, m in priced)
+        out["paired"]["gpu_work_s"] = round(gpu_s, 3)
+        out["paired"]["sim_work_s"] = round(sim_s, 3)
     return out
+
+
+def steps_in_probe(
+    steps: list[dict[str, Any]],
+    requests: list[dict[str, Any]],
+    timeout_s: float,
+    service: Any,
+) -> dict[str, Any]:
+    """What the GPU's own steps did over one probe: those that ended between its first request
+    and its last answer (a failed request's at the client's timeout), from the search's step
+    trace (`end_unix_s`, the records' clock). Their device time against the simulator's price
+    of the same forwards (`service.median_forward_s`; a step of n requests priced as n equal
+    parts of its new and context tokens, the trace keeping only their sums) and the device's
+    idle between them, long gaps (`NO_WORK_GAP_MS` or more, which bench.host_profile's
+    `busy_share` leaves out as "nothing queued") included: whether the GPU ran slower than the
+    simulator charges, or waited."""
+    first_s = min(r["start_unix_s"] for r in requests)
+    last_s = max(r["start_unix_s"] + (r.get("ttft_s") or timeout_s) for r in requests)
+    mine = [
+        st
+        for st in steps
+        if first_s <= st["end_unix_s"] <= last_s and st.get("device_ms") is not None
+    ]
+    prefill = [st for st in mine if st.get("num_prefill_seqs") and not st.get("num_decodes")]
+    device_ms = sum(st["device_ms"] for st in prefill)
+    price_ms = 0.0
+    for st in prefill:
+        n = int(st["num_prefill_seqs"])
+        u = max(round(st["num_prefill_tokens"] / n), 1)
+        c = round((st.get("prefill_context_tokens") or 0) / n)
+        price_ms += service.median_forward_s([(u, c)] * n) * 1e3
+    idle = [st["idle_before_ms"] for st in mine if st.get("idle_before_ms") is not None]
+    window_ms = (last_s - first_s) * 1e3
+    return {
+        "window_ms": round(window_ms, 1),
+        "num_steps": len(mine),
+        "num_prefill_steps": len(prefill),
+        "device_ms": round(device_ms, 1),
+        "price_ms": round(price_ms, 1),
+        "device_over_price": round(device_ms / price_ms, 4) if price_ms else None,
+        "idle_ms": round(sum(idle), 1),
+        "idle_ms_in_long_gaps": round(sum(g for g in idle if g >= NO_WORK_GAP_MS), 1),
+        "device_share_of_window": round(sum(st["device_ms"] for st in mine) / window_ms, 4)
+        if window_ms > 0
+        else None,
+    }
 
 
 def planned_file(args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
@@ -781,8 +859,8 @@ def markdown_followed(replayed: dict[str, Any]) -> str:
     lines = [
         "| server | policy | repeat | QPS | mean ms, GPU / sim | P99 ms, GPU / sim "
         "| hit rate, GPU / sim | paired: front end / engine queue (sim queue) / after queue "
-        "(sim forward) ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "(sim forward) ms | GPU steps: device ÷ price, device share, idle ms |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for key, both in replayed.items():
         for policy, reps in both["sim"].items():
@@ -796,11 +874,19 @@ def markdown_followed(replayed: dict[str, Any]) -> str:
                         if pr
                         else "-"
                     )
+                    st = p.get("gpu_steps") or {}
+                    steps = (
+                        f"{f(st.get('device_over_price'), 3)}, "
+                        f"{f(st.get('device_share_of_window'), 3)}, {f(st.get('idle_ms'))}"
+                        if st
+                        else "-"
+                    )
                     lines.append(
                         f"| {key} | {policy} | {r['repeat']} | {float(q):g} "
                         f"| {f(p.get('gpu_mean_ms'))} / {f(p['mean_ms'])} "
                         f"| {f(p.get('gpu_p99_ms'))} / {f(p['p99_ms'])} "
-                        f"| {f(p.get('gpu_hit_rate'), 2)} / {f(p['hit_rate'], 2)} | {paired} |"
+                        f"| {f(p.get('gpu_hit_rate'), 2)} / {f(p['hit_rate'], 2)} | {paired} "
+                        f"| {steps} |"
                     )
     return "\n".join(lines)
 

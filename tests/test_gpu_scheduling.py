@@ -5,6 +5,7 @@ switches, priming, search, ratios, the report), not performance."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import socket
 from pathlib import Path
@@ -286,6 +287,18 @@ def test_plan_against_a_real_tiny_server(tmp_path: Path) -> None:
     traces = [r["steps"] for reps in runs.values() for r in reps]
     assert all(t["whole_search"] and t["num_steps"] > 0 for t in traces)
     assert sum(t["steps_before_search"] > 0 for t in traces) >= len(traces) - 1
+    # And the steps themselves, gzipped beside the search's file, each with its end on the
+    # per-request records' clock: within the search, the last after its last request was sent.
+    for r in (r for reps in runs.values() for r in reps):
+        raw_file = next(tmp_path.rglob(r["steps"]["raw_file"]))
+        raw = json.loads(gzip.decompress(raw_file.read_bytes()))
+        assert len(raw["steps"]) == r["steps"]["num_steps"]
+        ends = [st["end_unix_s"] for st in raw["steps"]]
+        assert raw["answered_unix_s"] - r["wall_s"] - 5 < min(ends) <= max(ends)
+        assert max(ends) <= raw["answered_unix_s"]
+        search = json.loads(next(tmp_path.rglob(r["file"])).read_text())
+        last_sent = max(q["start_unix_s"] for run in search["runs"] for q in run["requests"])
+        assert max(ends) > last_sent
     # Every search after FCFS's first starts at FCFS's max QPS of repeat 1.
     q1 = runs["fcfs"][0]["max_qps"]
     assert all(r["start_qps"] == q1 for r in runs["srjf"] + runs["fcfs"][1:])

@@ -298,6 +298,22 @@ def test_follow_mode_runs_the_gpus_probes_and_pairs_its_requests(tok, tmp_path, 
     account = {"server_s": 0.1, "engine_queue_s": 0.05, "engine_ttft_s": 0.09, "cached_tokens": 8}
     records = [{"request_id": i, "ok": True, "ttft_s": 0.12, **account} for i in ids]
     runs = [{"qps": 8.0}, {"qps": 12.0, "requests": records}]
+    # The search's server steps: two prefill-only steps while the 12-QPS probe ran, one after.
+    t0 = 1000.0
+    for r in records:
+        r["start_unix_s"] = t0
+    step = {"num_prefill_seqs": 1, "num_prefill_tokens": 100, "prefill_context_tokens": 0}
+    steps = [
+        {**step, "end_unix_s": t0 + 0.05, "device_ms": 40.0, "idle_before_ms": 1.0},
+        {**step, "end_unix_s": t0 + 0.1, "device_ms": 40.0, "idle_before_ms": 2.0},
+        {**step, "end_unix_s": t0 + 9.0, "device_ms": 40.0, "idle_before_ms": 1.0},
+    ]
+    gpu["results"]["post-recommendation"]["0.5"]["srjf"][0]["steps"] = {
+        "raw_file": "srjf-r1.steps.json.gz"
+    }
+    (searches / "q-srjf-r1.steps.json.gz").write_bytes(
+        gzip.compress(json.dumps({"steps": steps}).encode())
+    )
     body = json.dumps({"runs": runs}).encode()
     if gzipped:
         (searches / "q-srjf-r1.json.gz").write_bytes(gzip.compress(body))
@@ -318,4 +334,63 @@ def test_follow_mode_runs_the_gpus_probes_and_pairs_its_requests(tok, tmp_path, 
     assert paired["gpu_engine_queue_ms"] == pytest.approx(50.0)
     assert paired["gpu_after_queue_ms"] == pytest.approx(40.0)
     assert paired["sim_queue_ms"] is not None and paired["sim_forward_ms"] > 0
+    # Each side's work on the paired requests, priced alike: the GPU cached 8 tokens of each.
+    assert paired["gpu_work_s"] > 0 and paired["sim_work_s"] > 0
+    more_cached = paired["cached_tokens_gpu_minus_sim_mean"]
+    assert more_cached != 0  # (the replay's first requests are cold)
+    assert (paired["gpu_work_s"] < paired["sim_work_s"]) == (more_cached > 0)
+    # The GPU's own steps over that probe (first request to last answer, 0.12 s): two.
+    gpu_steps = srjf["12.0"]["gpu_steps"]
+    assert gpu_steps["num_prefill_steps"] == 2 and gpu_steps["device_ms"] == 80.0
+    assert gpu_steps["idle_ms"] == 3.0 and gpu_steps["price_ms"] > 0
+    assert "gpu_steps" not in srjf["8.0"]
     assert "| 12 |" in svg.markdown_followed(data["replayed"])
+
+
+class _PerToken:
+    """A service pricing a forward at 0.1 ms a new token plus 0.01 ms a context token."""
+
+    def median_forward_s(self, items: list[tuple[int, int]]) -> float:
+        return sum(u * 1e-4 + c * 1e-5 for u, c in items)
+
+
+def test_steps_in_probe_prices_the_gpus_steps_over_the_probes_window() -> None:
+    requests = [
+        {"start_unix_s": 10.0, "ttft_s": 1.0},
+        {"start_unix_s": 12.0, "ttft_s": None},  # failed: its window ends at the timeout
+    ]
+    steps = [
+        # Before the probe's first request: left out.
+        {"end_unix_s": 9.9, "device_ms": 500.0, "num_prefill_seqs": 1, "num_prefill_tokens": 9},
+        # One request of 1,000 new tokens over 2,000 cached: priced 120 ms, ran 150.
+        {
+            "end_unix_s": 10.5,
+            "device_ms": 150.0,
+            "idle_before_ms": 0.5,
+            "num_prefill_seqs": 1,
+            "num_prefill_tokens": 1000,
+            "prefill_context_tokens": 2000,
+        },
+        # Two requests sharing 400 new tokens: priced as two of 200, 40 ms; ran 30. A long
+        # gap before it (the device waited 80 ms) counts in full.
+        {
+            "end_unix_s": 13.0,
+            "device_ms": 30.0,
+            "idle_before_ms": 80.0,
+            "num_prefill_seqs": 2,
+            "num_prefill_tokens": 400,
+        },
+        # A decode step: device time in the window, not a priced prefill.
+        {"end_unix_s": 13.5, "device_ms": 5.0, "num_decodes": 3, "num_prefill_seqs": 0},
+        # After the failed request's timeout (12 + 5 s): left out.
+        {"end_unix_s": 17.5, "device_ms": 99.0, "num_prefill_seqs": 1, "num_prefill_tokens": 9},
+    ]
+    out = svg.steps_in_probe(steps, requests, 5.0, _PerToken())
+    assert out["window_ms"] == pytest.approx(7000.0)
+    assert out["num_steps"] == 3 and out["num_prefill_steps"] == 2
+    assert out["device_ms"] == pytest.approx(180.0)
+    assert out["price_ms"] == pytest.approx(160.0)
+    assert out["device_over_price"] == pytest.approx(180.0 / 160.0, abs=1e-4)
+    assert out["idle_ms"] == pytest.approx(80.5)
+    assert out["idle_ms_in_long_gaps"] == pytest.approx(80.0)
+    assert out["device_share_of_window"] == pytest.approx(185.0 / 7000.0, abs=1e-4)
