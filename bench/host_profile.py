@@ -176,6 +176,10 @@ def device_load(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "host_gap_ms": host_gap_ms,
         "busy_share": device_ms / (device_ms + host_gap_ms) if device_ms + host_gap_ms else None,
         "no_work_gaps": sum(1 for g in gaps if g >= NO_WORK_GAP_MS),
+        # Their length: between probes they are the harness's, within one they would be a
+        # device waiting with requests queued (only a per-probe reading tells them apart:
+        # bench.sim_vs_gpu's `steps_in_probe`).
+        "no_work_gap_ms": sum(g for g in gaps if g >= NO_WORK_GAP_MS),
         "gathered_steps": len(gathered) if traced else None,
         "gathered_device_ms": sum(s["device_ms"] for s in gathered) if traced else None,
         "prefill_by_batch": bands,

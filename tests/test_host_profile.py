@@ -89,7 +89,7 @@ def test_device_load_separates_host_gaps_from_idle_and_prices_batches_per_reques
     assert got["num_steps"] == 5
     assert got["device_ms"] == 686.0
     assert got["host_gap_ms"] == 4.5
-    assert got["no_work_gaps"] == 1
+    assert got["no_work_gaps"] == 1 and got["no_work_gap_ms"] == 3000.0
     assert got["busy_share"] == pytest.approx(686.0 / 690.5)
     bands = {tuple(b["num_seqs"]): b for b in got["prefill_by_batch"]}
     assert set(bands) == {(1, 1), (2, 8), (33, 128)}
