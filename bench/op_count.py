@@ -4,9 +4,10 @@ hybrid-prefill chunk size (`--prefill-chunk-tokens`).
 On CUDA nearly every dispatched operation is a kernel launch, and a long prefill that launches
 more kernels than the device's launch queue holds keeps the engine thread inside its launch
 until near the step's end (docs/scheduling.md, "A long launch holds the engine thread"). This
-counts them on the CPU with `TorchDispatchMode` (views and metadata included, so an upper bound
-on the kernels) for one scoring request of `--tokens` new tokens, after a first request has
-warmed the engine. The count scales with the layers: report it per layer.
+counts them on the CPU with `TorchDispatchMode` (views and metadata included) for one scoring
+request of `--tokens` new tokens, after a first request has warmed the engine. The CPU path
+fuses less than CUDA's (its norms and RoPE are several operations each), so compare chunk
+sizes with it, not devices. The count scales with the layers: report it per layer.
 
     python -m bench.op_count --tokens 10188 --chunks 2048,4096,8192,16384
 """
