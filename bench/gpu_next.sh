@@ -472,14 +472,25 @@ case $plan in
     # SERVER_ARGS: more server options for every part (e.g. "--ttft-slo-ms 3600": SRJF's lambda
     # from the SLO), recorded in the results' command. PER_REQUEST=1: each probe's requests'
     # send times and latencies in the search records (bench.gpu_scheduling --per-request).
+    # SIDES_Q="c16k=--prefill-chunk-tokens 16384;base=": several server settings in one call,
+    # in the order given (one machine, one setup), each with its own results JSON
+    # (gpu-scheduling-$plan-NAME-DATE.json) and work folder; SERVER_ARGS is added to every
+    # side. Each side gets an equal share of the time left when it starts.
     cal=bench/results/jct-calibration-h200.json
-    python3 -m bench.gpu_scheduling --model random:llama-3.1-8b --rev "$rev" \
-      --out-dir $work/sched --duration-s $dur --max-probes $probes --start-s ${START_S:-30} --no-profile \
-      $( [ -f $cal ] && echo --jct-calibration $cal ) \
-      --start-qps "post-recommendation@0.5=4.5,post-recommendation@1=30,post-recommendation@default=40,credit-verification=5" \
-      ${SERVER_ARGS:+--server-args "$SERVER_ARGS"} ${PER_REQUEST:+--per-request} \
-      --parts "$parts" --tag gpu-scheduling-$plan --command "${DUR:+DUR=$DUR }${PROBES:+PROBES=$PROBES }${PARTS:+PARTS='$PARTS' }${SERVER_ARGS:+SERVER_ARGS='$SERVER_ARGS' }${PER_REQUEST:+PER_REQUEST=1 }bash bench/gpu_next.sh $plan $rev" \
-      --deadline-s "$(( $(left) - 15 ))" || rc=1
+    IFS=';' read -r -a sides_q <<< "${SIDES_Q:-=}"
+    for (( i = 0; i < ${#sides_q[@]}; i++ )); do
+      name=${sides_q[i]%%=*}; extra=${sides_q[i]#*=}
+      args="${SERVER_ARGS:-}${extra:+ $extra}"; args=${args# }
+      tag=gpu-scheduling-$plan${name:+-$name}
+      share=$(( ($(left) - 15) / (${#sides_q[@]} - i) ))
+      python3 -m bench.gpu_scheduling --model random:llama-3.1-8b --rev "$rev" \
+        --out-dir $work/sched --duration-s $dur --max-probes $probes --start-s ${START_S:-30} --no-profile \
+        $( [ -f $cal ] && echo --jct-calibration $cal ) \
+        --start-qps "post-recommendation@0.5=4.5,post-recommendation@1=30,post-recommendation@default=40,credit-verification=5" \
+        ${args:+--server-args "$args"} ${PER_REQUEST:+--per-request} \
+        --parts "$parts" --tag $tag --command "${DUR:+DUR=$DUR }${PROBES:+PROBES=$PROBES }${PARTS:+PARTS='$PARTS' }${args:+SERVER_ARGS='$args' }${PER_REQUEST:+PER_REQUEST=1 }bash bench/gpu_next.sh $plan $rev" \
+        --deadline-s "$share" || rc=1
+    done
     cp $work/sched/gpu-scheduling-*.json "$OUT/" ;;
   batch)
     # Issue 17: why the simulator over-predicts the default pool's ceiling (docs/scheduling.md,
