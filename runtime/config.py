@@ -64,7 +64,13 @@ class EngineConfig:
     jct_calibration: str | None = None
 
     hybrid_prefill: bool = True
-    prefill_chunk_tokens: int = 2048  # C: token-wise ops run in chunks of C tokens
+    # C: token-wise ops of a prompt longer than C run in chunks of C tokens (memory: the
+    # start-up dry runs reserve the peak at this C). Each chunk adds its own launches: a cold
+    # 12-16k-token prompt at 2,048 enqueues more kernels than the launch queue holds, so the
+    # engine thread waits on the device for ~0.9 of the step; at 16,384 it returned at once
+    # and a token cost 5 % less device time (H200, one search a side: docs/scheduling.md,
+    # "A 16,384-token prefill chunk"). Kept at 2,048 until repeated and its memory measured.
+    prefill_chunk_tokens: int = 2048
     enable_prefix_cache: bool = True
     # A waiting request whose next >= this many prompt tokens are being prefilled right now by
     # a running request (same per-user prefix, not cached yet) waits for them to be cached
