@@ -24,13 +24,20 @@ What, in one call against a server already running (`--url`):
     python -m bench.host_profile --url http://127.0.0.1:8011 \
         --settings partition=off,budget=2048,tbt=none --score-qps 40 --out-dir /tmp/prof
 
+    python -m bench.host_profile --steps searches/c16k/post-recommendation-0.5-fcfs-r1.steps.json.gz
+
+reads a saved step trace instead (`device_load`: busy share, batches priced per request, the
+cold one-prompt steps' device time per token and launch against device time).
+
 An engine-level diagnostic run through the product path; its figures are not headline ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -127,6 +134,37 @@ NO_WORK_GAP_MS = 50.0
 BATCH_BANDS = ((1, 1), (2, 8), (9, 32), (33, 128), (129, 1 << 30))
 
 
+def _p50(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def cold_prefill(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The one-prompt prefill-only steps with nothing cached (a cold scoring prompt alone):
+    their device time per new token, and whether their launch held the engine thread — the
+    launch's wall time against the device's (a launch whose kernels outrun the launch queue
+    returns only near the step's end; docs/scheduling.md, "A 16,384-token prefill chunk")."""
+    cold = [
+        s
+        for s in steps
+        if s.get("num_prefill_seqs") == 1
+        and not s.get("num_decodes")
+        and not s.get("prefill_context_tokens")
+        and s.get("num_prefill_tokens")
+    ]
+    launched = [s for s in cold if s.get("launch_ms") is not None and s["device_ms"] > 0]
+    tokens = sum(s["num_prefill_tokens"] for s in cold)
+    return {
+        "num_steps": len(cold),
+        "new_tokens_p50": _p50([s["num_prefill_tokens"] for s in cold]),
+        "device_ms_p50": _p50([s["device_ms"] for s in cold]),
+        "device_us_per_token": 1000 * sum(s["device_ms"] for s in cold) / tokens
+        if tokens
+        else None,
+        "launch_ms_p50": _p50([s["launch_ms"] for s in launched]),
+        "launch_over_device_p50": _p50([s["launch_ms"] / s["device_ms"] for s in launched]),
+    }
+
+
 def device_load(steps: list[dict[str, Any]]) -> dict[str, Any]:
     """Whether the device or the host set the pace over the trace, and what a prefill-only step
     cost per request at each batch size: the GPU's own batch model, read off a served load
@@ -173,6 +211,7 @@ def device_load(steps: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "num_steps": len(whole),
         "device_ms": device_ms,
+        "cold_prefill": cold_prefill(whole),
         "host_gap_ms": host_gap_ms,
         "busy_share": device_ms / (device_ms + host_gap_ms) if device_ms + host_gap_ms else None,
         "no_work_gaps": sum(1 for g in gaps if g >= NO_WORK_GAP_MS),
@@ -200,7 +239,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-s", type=float, default=6.0, help="load before py-spy starts")
     ap.add_argument("--py-spy-s", type=float, default=8.0, help="0: no py-spy")
     ap.add_argument("--profile-steps", type=int, default=300, help="0: no torch profile")
-    ap.add_argument("--out-dir", type=Path, required=True)
+    ap.add_argument("--out-dir", type=Path, help="where the profile's files go (required)")
+    ap.add_argument(
+        "--steps",
+        type=Path,
+        help="instead: print the device load of a saved step trace (a search's "
+        "STEM.steps.json[.gz], bench.gpu_scheduling) and exit",
+    )
     ap.add_argument("--tag", default="host-profile")
     ap.add_argument(
         "--server-revision",
@@ -208,6 +253,15 @@ def main(argv: list[str] | None = None) -> int:
         help="the served tree's git revision when it is not this one's (plan hostab's old side)",
     )
     args = ap.parse_args(argv)
+    if args.steps is not None:
+        opener = gzip.open if args.steps.suffix == ".gz" else open
+        with opener(args.steps, "rt") as f:
+            trace = json.load(f)
+        steps = trace["steps"] if isinstance(trace, dict) else trace
+        print(json.dumps(device_load(steps), indent=1))
+        return 0
+    if args.out_dir is None:
+        ap.error("--out-dir is required (unless --steps)")
 
     import httpx
 

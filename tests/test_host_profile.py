@@ -115,3 +115,61 @@ def test_device_load_counts_the_steps_that_copied_their_contexts() -> None:
     ]
     got = device_load(steps)
     assert got["gathered_steps"] == 1 and got["gathered_device_ms"] == 9.0
+
+
+def test_cold_prefill_reads_the_launch_against_the_device_on_cold_single_prompts() -> None:
+    from bench.host_profile import device_load
+
+    def step(tokens: int, context: int, seqs: int, device_ms: float, launch_ms: float) -> dict:
+        return {
+            "num_decodes": 0,
+            "num_prefill_seqs": seqs,
+            "num_prefill_tokens": tokens,
+            "prefill_context_tokens": context,
+            "device_ms": device_ms,
+            "launch_ms": launch_ms,
+        }
+
+    steps = [
+        step(10_000, 0, 1, 300.0, 270.0),  # cold, the launch held to the device
+        step(14_000, 0, 1, 420.0, 12.0),  # cold, the launch returned at once
+        step(12_000, 0, 1, 360.0, 330.0),
+        step(150, 14_000, 1, 12.0, 2.0),  # a prefix hit: not cold
+        step(300, 0, 2, 20.0, 3.0),  # two prompts: not one alone
+        dict(step(9_000, 0, 1, 250.0, 5.0), num_decodes=4),  # beside decodes
+    ]
+    cold = device_load(steps)["cold_prefill"]
+    assert cold["num_steps"] == 3
+    assert cold["new_tokens_p50"] == 12_000
+    assert cold["device_ms_p50"] == 360.0
+    assert cold["device_us_per_token"] == pytest.approx(1000 * 1080.0 / 36_000)
+    assert cold["launch_ms_p50"] == 270.0
+    assert cold["launch_over_device_p50"] == pytest.approx(270.0 / 300.0)  # of 0.9, 0.03, 0.92
+    assert device_load([])["cold_prefill"]["device_ms_p50"] is None
+
+
+def test_steps_option_summarizes_a_saved_trace(tmp_path, capsys) -> None:
+    import gzip
+    import json
+
+    from bench.host_profile import main
+
+    trace = {
+        "answered_unix_s": 0.0,
+        "steps": [
+            {
+                "num_prefill_seqs": 1,
+                "num_prefill_tokens": 8_000,
+                "prefill_context_tokens": 0,
+                "device_ms": 240.0,
+                "launch_ms": 10.0,
+                "idle_before_ms": 0.0,
+            },
+        ],
+    }
+    path = tmp_path / "s.steps.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(trace, f)
+    assert main(["--steps", str(path)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["num_steps"] == 1 and got["cold_prefill"]["launch_ms_p50"] == 10.0
