@@ -134,6 +134,13 @@ NO_WORK_GAP_MS = 50.0
 BATCH_BANDS = ((1, 1), (2, 8), (9, 32), (33, 128), (129, 1 << 30))
 
 
+def read_json(path: Path) -> Any:
+    """A saved JSON file, gzipped when its name ends in `.gz` (step traces and search records
+    are committed so)."""
+    raw = path.read_bytes()
+    return json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
+
+
 def _p50(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -254,9 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     if args.steps is not None:
-        opener = gzip.open if args.steps.suffix == ".gz" else open
-        with opener(args.steps, "rt") as f:
-            trace = json.load(f)
+        trace = read_json(args.steps)
         steps = trace["steps"] if isinstance(trace, dict) else trace
         print(json.dumps(device_load(steps), indent=1))
         return 0

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gzip
 import json
 import statistics
 import sys
@@ -47,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.host_profile import NO_WORK_GAP_MS
+from bench.host_profile import NO_WORK_GAP_MS, read_json
 from bench.metrics import meets_p99_slo
 from bench.serve import arrival_times_s, search_max_qps
 from bench.sim import (
@@ -288,8 +287,7 @@ class Replayer:
         )
         if not found:
             return None
-        raw = found[0].read_bytes()
-        return json.loads(gzip.decompress(raw) if found[0].suffix == ".gz" else raw)
+        return read_json(found[0])
 
     def _gpu_requests(self, gpu_search: dict[str, Any], qps: float) -> list[dict[str, Any]] | None:
         """The GPU probe's per-request records (bench.serve --record-requests), if the
