@@ -552,8 +552,11 @@ def test_tbt_cut_learns_how_wrong_the_jct_model_is_in_mixed_steps() -> None:
     # Chunks of 256 tokens and a decode base from a dozen decode-only steps: on a loaded 2-core
     # CPU, 64-token chunks after a base of 3 steps measured no dearer than the decodes beside
     # them (1 failure in 5 with both cores busy elsewhere; once in CI), and the fit rightly
-    # found no offset.
-    engine, sink = make_engine(tbt_slo_ms=50.0, prefill_token_budget=256, num_kv_blocks=512)
+    # found no offset. A 900-token prompt (4 mixed steps, ~9 ms each beyond the decode base)
+    # also once measured no dearer in CI: the base is an average of decode-only steps, and one
+    # slow step on a loaded machine lifts it by a tenth of the stall. 2,000 tokens: 8 mixed
+    # steps at growing context, 26-51 ms beyond the base with both cores busy elsewhere.
+    engine, sink = make_engine(tbt_slo_ms=50.0, prefill_token_budget=256, num_kv_blocks=1024)
     jct = engine.jct_model
     jct.a_s, jct.b_s_per_token, jct.k_s_per_pair = 1e-9, 1e-7, 0.0
     jct.refit_every = 10**9  # keep it wrong: this test is about the correction
@@ -563,7 +566,7 @@ def test_tbt_cut_learns_how_wrong_the_jct_model_is_in_mixed_steps() -> None:
         while engine.fresh_stats()["num_decode_steps"] < 12:
             time.sleep(0.01)
         long_sp = SamplingParams(max_tokens=1, temperature=0.0)
-        engine.add(Request("long", RequestKind.GENERATE, list(range(30, 30 + 900)), long_sp))
+        engine.add(Request("long", RequestKind.GENERATE, list(range(30, 30 + 2000)), long_sp))
         sink.wait("long")
         stats = engine.fresh_stats()
         cost = engine._prefill_cost
