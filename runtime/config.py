@@ -127,7 +127,9 @@ class EngineConfig:
     # ms against None over four seeds: SRJF's P99 fell at 11 of 14 common probes, its mean
     # and FCFS's did not; max QPS within one bisection step. Off by default (None: always
     # overlap) until larger prefill chunks, which make the launch outrun the device, are
-    # measured with it; deleted if it does not win then.
+    # measured with it; deleted if it does not win then. Whatever this is, a prefill of at
+    # least INTERRUPT_GATE_MIN_TOKENS (runtime/runner.py) is launched with nothing in flight:
+    # the abort gate holds the host within two layers of it anyway (`ModelRunner.holds_host`).
     overlap_max_step_ms: float | None = None
     # A long scoring prompt next to running decodes is prefilled in budget-sized chunks when
     # the KV pool can hold its whole prompt until it finishes (else whole, hybrid prefill).

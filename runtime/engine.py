@@ -18,7 +18,9 @@ planned. Greedy outputs are the same either way. With `overlap_max_step_ms`, a p
 step predicted that long runs alone: the steps in flight are collected before it is launched
 (a long launch holds this thread until near its step's end, as the device's launch queue
 fills, so they would be answered only then), and it is collected before the next is planned
-(a plan made at its launch would pass over what arrives while it runs).
+(a plan made at its launch would pass over what arrives while it runs). A prefill the runner
+gates for aborts (`ModelRunner.holds_host`: its launch trails the device by two layers) is
+always launched with nothing in flight, and overlapped after.
 
 Executors (runtime/executor/): `SerialExecutor` (the whole device; CPU too) and, on CUDA with
 green contexts, `SplitExecutor` (prefill and decode concurrently on a pair of SM partitions,
@@ -376,6 +378,8 @@ class Engine:
         )
         self._behind_step_alone = False  # the last step launched is such a step
         self._num_steps_run_alone = 0
+        # Steps in flight answered before a launch that holds the host (`_launch_holds_host`).
+        self._num_drains_before_held_launch = 0
 
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
@@ -1435,9 +1439,20 @@ class Engine:
             outputs += sched.take_pending_outputs()
             if not plan.is_empty:
                 alone = self._runs_alone(ex, plan)
-                if alone and ex.num_in_flight:
+                # A gated long prefill (`ModelRunner.holds_host`) holds this thread until near
+                # its end whatever the limit: answer the steps in flight first, as for a step
+                # that runs alone, but keep the overlap after it (its launch returns with two
+                # layers still to run, time enough to plan the next step). On the H200 (issue
+                # 17, 0.5x pool, 16,384-token chunk) the step before such a prompt was answered
+                # ~450 ms late; answering it first costs the device the update of that step
+                # and the build of this one, a few ms.
+                held = not alone and self._launch_holds_host(ex, plan)
+                if (alone or held) and ex.num_in_flight:
                     # Its launch would hold this thread until near its end (the device's launch
-                    # queue fills), and the steps in flight would be answered only then.
+                    # queue fills, or the gate holds it), and the steps in flight would be
+                    # answered only then.
+                    if held:
+                        self._num_drains_before_held_launch += 1
                     failed_before = self._num_failed_steps
                     outputs += self._drain()
                     if self._num_failed_steps > failed_before:
@@ -1488,6 +1503,11 @@ class Engine:
         if ex.num_in_flight == 0:
             self._step_started_s = None
         return outputs
+
+    def _launch_holds_host(self, ex: Any, plan: StepPlan) -> bool:
+        """Whether `plan`'s launch on the serial executor, overlapped, would hold this thread
+        until near the step's end (`ModelRunner.holds_host`)."""
+        return ex is self.serial and bool(self._max_in_flight) and self.runner.holds_host(plan)
 
     def _runs_alone(self, ex: Any, plan: StepPlan) -> bool:
         """Whether `plan` runs alone (`overlap_max_step_ms`): prefill only, and predicted by the
@@ -1859,6 +1879,8 @@ class Engine:
             "overlap_max_step_ms": self.config.overlap_max_step_ms,
             # Prefill-only steps predicted past overlap_max_step_ms, run alone.
             "num_steps_run_alone": self._num_steps_run_alone,
+            # Steps in flight answered before a gated long prefill's launch (the host trails it).
+            "num_drains_before_held_launch": self._num_drains_before_held_launch,
             "kv_blocks_used": bm.num_used_blocks,
             "kv_blocks_total": bm.num_blocks,
             "kv_block_size": bm.block_size,

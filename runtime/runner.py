@@ -735,6 +735,22 @@ class ModelRunner:
             interrupt=self._interrupt_for(batch.num_tokens),
         )
 
+    def _gates(self, num_tokens: int) -> bool:
+        """Whether an eager forward of `num_tokens` keeps the host within two layers of the
+        device (`_interrupt_for`)."""
+        return self.device.type == "cuda" and num_tokens >= INTERRUPT_GATE_MIN_TOKENS
+
+    def holds_host(self, plan: StepPlan) -> bool:
+        """Whether launching `plan` (serial executor) returns only near the step's end: its
+        prefill forward is gated (`_interrupt_for`), so the host trails the device by two
+        layers. The engine answers the steps in flight before such a launch."""
+        if self.interrupt is None or not plan.prefill:
+            return False
+        num_tokens = sum(s.num_new_tokens for s in plan.prefill)
+        if plan.decode and self._mergeable(plan.prefill, len(plan.decode)):
+            num_tokens += len(plan.decode)  # one forward, the decode rows included
+        return self._gates(num_tokens)
+
     def _interrupt_for(self, num_tokens: int) -> Callable[[int], bool] | None:
         """What an eager prefill forward asks before each layer (None: not interruptible); it
         also keeps `forward_layer` (progress) current."""
@@ -742,7 +758,7 @@ class ModelRunner:
         if ask is None or plan is None:
             return None
         self.forward_tokens = num_tokens
-        if self.device.type != "cuda" or num_tokens < INTERRUPT_GATE_MIN_TOKENS:
+        if not self._gates(num_tokens):
 
             def ask_at(layer: int) -> bool:
                 self.forward_layer = layer

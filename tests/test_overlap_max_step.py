@@ -2,7 +2,8 @@
 runs, except around a prefill-only step the JCT model predicts that long, which runs alone: the
 steps in flight are answered before it is launched (its launch holds the engine thread until
 near its end), and it is answered before the next step is planned (so a request arriving while
-it runs can be chosen next)."""
+it runs can be chosen next). A prefill the runner gates for aborts (`ModelRunner.holds_host`)
+is launched with nothing in flight whatever the limit, and overlapped after."""
 
 from __future__ import annotations
 
@@ -206,3 +207,86 @@ def test_a_failure_around_a_step_that_runs_alone_loses_no_other_answer(failing: 
     for _ in range(3):
         outs.update({o.request_id: o for o in eng._step()})
     assert outs["after"].finished and outs["after"].label_probs is not None
+
+
+def _gate_at(eng: Engine, min_tokens: int) -> None:
+    """The engine sees launches of prefills of `min_tokens` or more hold the host
+    (`ModelRunner.holds_host`), as gated ones do on CUDA; this CPU runner's forwards still run
+    ungated (the gate's CUDA events need a GPU)."""
+
+    def holds_host(plan: Any) -> bool:
+        return sum(s.num_new_tokens for s in plan.prefill) >= min_tokens
+
+    eng.runner.holds_host = holds_host  # type: ignore[method-assign]
+
+
+def test_a_gated_launch_answers_the_steps_in_flight_first_and_keeps_the_overlap_after() -> None:
+    """Without a limit: a prefill the runner gates (its launch holds the engine thread until
+    near its end) is launched with nothing in flight, so the step before it is answered then;
+    the step after it is still planned while it runs."""
+    eng, planned = _engine(overlap_max_step_ms=None, prefill_token_budget=210)
+    _gate_at(eng, 150)
+    in_flight_at_launch: list[int] = []
+    launch = eng.executor.launch
+
+    def spy(plan: Any) -> None:
+        in_flight_at_launch.append(eng.executor.num_in_flight)
+        launch(plan)
+
+    eng.executor.launch = spy  # type: ignore[method-assign]
+    eng.scheduler.add(_score("short", 30, 1))
+    eng._step()  # not gated: overlapped, still in flight
+    assert eng.executor.num_in_flight == 1
+    eng.scheduler.add(_score("long-a", 190, 2))  # the shorter: first under SRJF
+    eng.scheduler.add(_score("long-b", 200, 3))
+    outs = {o.request_id: o for o in eng._step()}
+    assert outs["short"].finished  # answered before long-a's launch, not behind it
+    assert in_flight_at_launch == [0, 0]
+    assert eng.executor.num_in_flight == 1  # long-a not collected: the overlap after it stays
+    eng._step()  # long-b planned while long-a is in flight (then gated: long-a answered first)
+    assert planned[2] == ("long-b", 1)
+    assert in_flight_at_launch == [0, 0, 0]
+    stats = eng.fresh_stats()
+    assert stats["num_drains_before_held_launch"] == 2
+    assert stats["num_steps_run_alone"] == 0
+
+
+def test_ungated_steps_keep_the_overlap() -> None:
+    eng, _ = _engine(overlap_max_step_ms=None, prefill_token_budget=210)
+    _gate_at(eng, 10_000)
+    eng.scheduler.add(_score("short", 30, 1))
+    eng._step()
+    eng.scheduler.add(_score("long-a", 200, 2))
+    eng._step()
+    assert eng.executor.num_in_flight == 1
+    assert eng.fresh_stats()["num_drains_before_held_launch"] == 0
+
+
+def test_the_runner_gates_only_long_prefill_forwards_on_cuda() -> None:
+    """`holds_host` follows the gate `_interrupt_for` applies: CUDA, a prefill forward of at
+    least INTERRUPT_GATE_MIN_TOKENS tokens (decode rows counted when they merge into it)."""
+    import torch
+
+    from runtime import runner as runner_mod
+
+    eng, _ = _engine(overlap_max_step_ms=None)
+    runner = eng.runner
+    assert not runner._gates(runner_mod.INTERRUPT_GATE_MIN_TOKENS)  # CPU: never
+    cpu = runner.device
+    try:
+        runner.device = torch.device("cuda")  # only read for its type here
+        assert runner._gates(runner_mod.INTERRUPT_GATE_MIN_TOKENS)
+        assert not runner._gates(runner_mod.INTERRUPT_GATE_MIN_TOKENS - 1)
+    finally:
+        runner.device = cpu
+    eng.runner._gates = lambda num_tokens: num_tokens >= 100  # type: ignore[method-assign]
+    eng.scheduler.add(_score("long", 120, 1))
+    eng.scheduler.add(_score("short", 40, 2))
+    plan = eng.scheduler.schedule(eng.executor.capacity())
+    assert runner.holds_host(plan) == (sum(s.num_new_tokens for s in plan.prefill) >= 100)
+    interrupt = runner.interrupt
+    runner.interrupt = None  # nothing to ask between layers: no gate
+    try:
+        assert not runner.holds_host(plan)
+    finally:
+        runner.interrupt = interrupt
