@@ -591,7 +591,7 @@ class Orchestrator:
                 rec["state_at_end"] = {
                     k: v
                     for k, v in http_json(srv.url + "/admin/api/state").items()
-                    if k in ("kv", "prefix_cache", "policy")
+                    if k in ("engine", "kv", "prefix_cache", "policy")
                 }
             except Exception as exc:  # noqa: BLE001
                 rec["state_error"] = f"{type(exc).__name__}: {exc}"
