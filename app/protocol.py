@@ -11,6 +11,7 @@ the table in README "OpenAI parameters"). Responses are plain dicts shaped like 
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Annotated, Any, Literal
 
@@ -31,6 +32,10 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64-bit seeds
 MAX_TOP_K = 2**31 - 1  # top_k >= the vocabulary means no limit; beyond int32 is a mistake
+_TOKEN_ID_KEY = re.compile(r"\s*-?[0-9]+\s*")  # a logit_bias key: a token id as a string
+# vLLM's `request_id` body field becomes the response's id and X-Request-Id header: the same
+# characters as an X-Request-Id the server takes (app/logs.py), none that breaks a header.
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:/+=@-]{1,128}$"
 
 
 def _valid_unicode(value: str) -> str:
@@ -108,10 +113,11 @@ class StructuredOutputs(_Request):
 
     model_config = ConfigDict(extra="forbid")
 
-    json_: dict[str, Any] | str | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = Field(None, max_length=1024)
-    grammar: str | None = None
+    # Text: a lone surrogate reaches no grammar compiler (it cannot be encoded): a 400 here.
+    json_: dict[str, Any] | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = Field(None, max_length=1024)
+    grammar: Text | None = None
     json_object: bool | None = None
     # vLLM's "do not fall back to another backend": there is only one backend, llguidance.
     disable_fallback: bool | None = None
@@ -223,7 +229,8 @@ class _SamplingFields(_Request):
         if len(v) > 300:
             raise ValueError("at most 300 logit_bias entries")
         for key, bias in v.items():
-            if not key.strip().lstrip("-").isdigit():
+            # ASCII digits only: str.isdigit() also takes "²", which int() refuses
+            if _TOKEN_ID_KEY.fullmatch(key) is None:
                 raise ValueError(f"logit_bias keys are token ids, got {key!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
@@ -461,9 +468,9 @@ class GenerativeScoreRequest(_Request):
     sampling knobs do not change next-token probabilities there either; we accept only their
     neutral values so none is ignored."""
 
-    model: str | None = None
-    query: str | list[int]
-    items: list[str] | list[list[int]] = Field(..., min_length=1)
+    model: Text | None = None
+    query: Text | list[int]
+    items: list[Text] | list[list[int]] = Field(..., min_length=1)
     label_token_ids: list[int] = Field(..., min_length=1)
     apply_softmax: bool = True  # vLLM's default (SGLang's /v1/score defaults to false)
     item_first: bool = False
@@ -472,7 +479,7 @@ class GenerativeScoreRequest(_Request):
     top_k: int | None = None
     top_p: float | None = None
     priority: int = 0
-    request_id: str | None = Field(None, max_length=128)
+    request_id: str | None = Field(None, pattern=REQUEST_ID_PATTERN)
     cache_salt: CacheSalt | None = None  # a prefix-cache namespace, as in vLLM
     user: str | None = None  # no effect on the scores (identification; replica affinity)
 

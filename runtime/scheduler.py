@@ -1086,12 +1086,14 @@ class Scheduler:
         return self._append_token(req, token, out.logprobs.get(req.request_id), now)
 
     def _collect_prompt_logprobs(self, req: Request, out: RunnerOutput) -> None:
+        t = self._track[req.request_id]
+        if t.prompt_logprobs is None:
+            # The first prompt token has no logprob. Set before any chunk: a one-token prompt
+            # predicts nothing (the runner sends no chunk), and its answer is this [None].
+            t.prompt_logprobs = [None]
         chunk = out.prompt_logprobs.get(req.request_id)
         if chunk is None:
             return
-        t = self._track[req.request_id]
-        if t.prompt_logprobs is None:
-            t.prompt_logprobs = [None]  # the first prompt token has no logprob
         room = req.num_prompt_tokens - len(t.prompt_logprobs)
         t.prompt_logprobs.extend(chunk[:room])
 
