@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -172,7 +173,9 @@ def test_inter_token_latency_counts_each_gap_so_a_stall_shows(monkeypatch) -> No
     from runtime.request import RequestOutput
 
     clock = iter([0.0, 0.01, 0.02, 0.03, 7.03, 7.04])
-    monkeypatch.setattr(client_mod.time, "monotonic", lambda: next(clock))
+    # app.client's own `time` only: patching time.monotonic itself fed this clock to every
+    # thread in the process (a server thread left by an earlier test ran it dry once in CI).
+    monkeypatch.setattr(client_mod, "time", SimpleNamespace(monotonic=lambda: next(clock)))
     metrics = Metrics(model_name="m")
     client = EngineClient(max_in_flight=4)
     client.on_token_gaps = metrics.observe_token_gaps
