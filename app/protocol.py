@@ -136,8 +136,22 @@ class StreamOptions(_Request):
 
 
 class ContentPart(_Request):
+    # A text part's unknown fields that ask for something are a 400, as a message's are.
+    # `cache_control` (a prompt-cache breakpoint some clients add) asks for what the prefix
+    # cache does for every prompt anyway. Other part types are refused by `ChatMessage.text`.
+    model_config = ConfigDict(extra="allow")
+
     type: Text
     text: Text | None = None
+    cache_control: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _no_unknown_fields(self) -> ContentPart:
+        if self.type == "text":
+            for key, value in (self.model_extra or {}).items():
+                if value not in (None, "", [], {}):
+                    raise ValueError(f"text content part field {key!r} is not supported")
+        return self
 
 
 class ChatMessage(_Request):

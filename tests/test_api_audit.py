@@ -189,3 +189,20 @@ def test_prompt_logprobs_of_a_one_token_prompt() -> None:
     outs = sched.take_pending_outputs() + sched.update(plan, RunnerOutput())
     assert [o.finished for o in outs] == [True]
     assert outs[0].prompt_logprobs == [None]
+
+
+def test_a_text_part_field_that_asks_for_something_is_refused(http: httpx.Client) -> None:
+    """Content parts ignored unknown fields (a message's are refused): now a 400 naming it,
+    with `cache_control` (prefix caching is automatic) and empty values accepted."""
+    part = {"type": "text", "text": "hi", "detail": "high"}
+    r = http.post(CHAT, json={"messages": [{"role": "user", "content": [part]}], "max_tokens": 1})
+    err = _error(r, "messages")
+    assert "detail" in err["message"]
+    for extra in ({"cache_control": {"type": "ephemeral"}}, {"annotations": []}):
+        part = {"type": "text", "text": "hi", **extra}
+        body = {"messages": [{"role": "user", "content": [part]}], "max_tokens": 1}
+        assert http.post(CHAT, json=body).status_code == 200, extra
+    # Other part types: refused by type, as before.
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    r = http.post(CHAT, json={"messages": [{"role": "user", "content": [image]}], "max_tokens": 1})
+    assert r.status_code == 400 and "image_url" in r.json()["error"]["message"]
