@@ -140,3 +140,9 @@ def _too_large(num_bytes: int | None, cap: int) -> str:
         f"The request body {size}is larger than this server's limit of {cap} bytes "
         "(--max-body-bytes)"
     )
+
+
+def too_large_body(num_bytes: int | None, cap: int) -> dict[str, Any]:
+    """The 413's OpenAI-shaped body, for a relay that refuses a body before this server sees
+    it (app/cluster/)."""
+    return error_body(_too_large(num_bytes, cap), _TOO_LARGE[0], None, _TOO_LARGE[1])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +28,8 @@ pytestmark = pytest.mark.cluster
 
 APP = "greenlane-test"
 STATS_PERIOD_S = 0.25
+ADMIN_TOKEN = "cluster-admin-token"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 # Small admission limits so that overload is reachable: each replica admits 4 + 4 requests,
 # and 4 more may wait in the ingress for a free replica.
 REPLICA_SETTINGS = {
@@ -35,6 +38,8 @@ REPLICA_SETTINGS = {
     "max_queue": 4,
     "cpu_kv_cache_gb": 0.25,
     "log_level": "warning",
+    # The ingress's admin and read endpoints need it, like a replica's.
+    "admin_token": ADMIN_TOKEN,
 }
 
 
@@ -63,7 +68,7 @@ def cluster() -> Iterator[str]:
 
 
 def replicas(url: str) -> dict[str, dict[str, Any]]:
-    return httpx.get(url + "/cluster/replicas", timeout=30).json()["replicas"]
+    return httpx.get(url + "/cluster/replicas", headers=ADMIN, timeout=30).json()["replicas"]
 
 
 def wait_reports_newer_than(url: str, t: float, timeout_s: float = 20.0) -> dict[str, Any]:
@@ -101,6 +106,26 @@ def test_app_builder_for_serve_config_files() -> None:
         app_builder({"replica_settings": {"model": "random:tiny", "block_size": 3}})
     with pytest.raises(ValueError, match="router"):
         app_builder({"router": "random"})
+
+
+def test_secret_files_resolve_once_for_the_replicas(tmp_path: Any) -> None:
+    """--api-key-file / --admin-token-file: the secrets are read once, and the replicas get
+    them without the file (a replica given both refused to start: the deploy failed)."""
+    from app.cluster.cli import build_parser, config_from_args
+    from app.cluster.deployment import app_builder
+    from app.settings import Settings
+
+    key, token = tmp_path / "key", tmp_path / "token"
+    key.write_text("k-123\n")
+    token.write_text("t-456\n")
+    files = ["--api-key-file", str(key), "--admin-token-file", str(token)]
+    args = build_parser().parse_args(["--model", "random:tiny", "--replica-num-gpus", "0", *files])
+    config = config_from_args(args)
+    replica = Settings(**config.replica_settings)  # what each replica builds
+    assert (replica.api_key, replica.admin_token) == ("k-123", "t-456")
+    assert config.replica_admission_limit() >= 1
+    built = app_builder({"replica_settings": {"model": "random:tiny", "api_key_file": str(key)}})
+    assert type(built).__name__ == "Application"
 
 
 # ----------------------------------------------------------------------------- endpoints
@@ -156,7 +181,7 @@ def test_every_endpoint_through_the_ingress(cluster: str) -> None:
     assert score.headers["x-greenlane-replica"] in replicas(cluster)
 
     assert httpx.get(cluster + "/health", timeout=30).json() == {"status": "ok"}
-    metrics = httpx.get(cluster + "/metrics", timeout=30)
+    metrics = httpx.get(cluster + "/metrics", headers=ADMIN, timeout=30)
     assert metrics.status_code == 200
     assert "greenlane_cluster_replicas 2.0" in metrics.text
     assert 'greenlane_cluster_requests_total{endpoint="/v1/score",status="200"}' in metrics.text
@@ -171,6 +196,50 @@ def test_errors_keep_the_openai_shape(cluster: str) -> None:
     assert garbage.json()["error"]["type"] == "invalid_request_error"
     missing = httpx.get(cluster + "/v1/nothing", timeout=30)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    # A body over the replicas' cap (4 MiB for random:tiny) is the replicas' 413, answered at
+    # the ingress (it was a 503: the replica's server closed the upload early).
+    huge = b'{"prompt": "' + b"a" * (5 << 20) + b'"}'
+    for content in (huge, iter([huge[: 1 << 20], huge[1 << 20 :]])):  # declared, chunked
+        big = httpx.post(cluster + "/v1/completions", content=content, timeout=60)
+        assert big.status_code == 413, big.text
+        assert big.json()["error"]["code"] == "request_too_large"
+        assert big.json()["error"]["type"] == "invalid_request_error"
+    # The request id the client sent comes back once (it came twice: "id, id").
+    r = httpx.post(
+        cluster + "/v1/completions",
+        json={"prompt": "hi", "max_tokens": 1},
+        headers={"X-Request-Id": "client-id-1"},
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.headers.get_list("x-request-id") == ["client-id-1"]
+    assert r.json()["id"] == "client-id-1"
+
+
+def test_the_single_servers_other_endpoints_and_admin_token(cluster: str) -> None:
+    """/v1/models/{id}, the tokenizer endpoints and /version are forwarded (they were 404s);
+    the ingress's admin and read endpoints need the admin token, like a replica's."""
+    model = httpx.get(cluster + "/v1/models/random:tiny", timeout=30)
+    assert model.status_code == 200 and model.json()["id"] == "random:tiny"
+    nope = httpx.get(cluster + "/v1/models/nope", timeout=30)
+    assert nope.status_code == 404 and nope.json()["error"]["code"] == "model_not_found"
+    tok = httpx.post(cluster + "/tokenize", json={"prompt": "hello world"}, timeout=30)
+    assert tok.status_code == 200, tok.text
+    detok = httpx.post(cluster + "/detokenize", json={"tokens": tok.json()["tokens"]}, timeout=30)
+    assert detok.status_code == 200 and "hello" in detok.json()["prompt"]
+    assert httpx.get(cluster + "/tokenizer_info", timeout=30).status_code == 200
+    assert "version" in httpx.get(cluster + "/version", timeout=30).json()
+
+    for method, path in [
+        ("GET", "/metrics"),
+        ("GET", "/cluster/replicas"),
+        ("GET", "/admin/api/state"),
+        ("POST", "/admin/api/prefix-cache/reset"),
+    ]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = httpx.request(method, cluster + path, headers=headers, timeout=30)
+            assert r.status_code == 401, (path, r.status_code)
+            assert r.json()["error"]["type"] == "authentication_error"
+        assert httpx.request(method, cluster + path, headers=ADMIN, timeout=60).status_code == 200
 
 
 def test_sse_is_relayed_chunk_by_chunk(cluster: str) -> None:
@@ -199,7 +268,9 @@ def test_sse_is_relayed_chunk_by_chunk(cluster: str) -> None:
 
 
 def test_one_users_requests_land_on_one_replica_and_hit_its_cache(cluster: str) -> None:
-    httpx.post(cluster + "/admin/api/prefix-cache/reset", timeout=60).raise_for_status()
+    httpx.post(
+        cluster + "/admin/api/prefix-cache/reset", headers=ADMIN, timeout=60
+    ).raise_for_status()
     profile = list(range(300, 300 + 320))  # 20 KV blocks of 16: the key window is 256 ids
     # Hit counters are cumulative: earlier tests' traffic is subtracted.
     start = {
@@ -247,7 +318,7 @@ def test_one_users_requests_land_on_one_replica_and_hit_its_cache(cluster: str) 
 
 
 def test_prefix_cache_reset_reaches_every_replica(cluster: str) -> None:
-    r = httpx.post(cluster + "/admin/api/prefix-cache/reset", timeout=60)
+    r = httpx.post(cluster + "/admin/api/prefix-cache/reset", headers=ADMIN, timeout=60)
     assert r.status_code == 200
     reply = r.json()
     assert len(reply["replicas"]) == 2
@@ -404,3 +475,49 @@ def test_killed_replica_is_replaced_and_the_service_answers_throughout(cluster: 
     assert len(results) >= 5
     failed = [res for res in results if res[0] != 200]
     assert not failed, failed[:3]
+
+
+def _child_pids(pid: int) -> list[int]:
+    """A process's children, from Linux's /proc (CI's machines are Linux)."""
+    found: list[int] = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children", encoding="ascii") as f:
+            found += [int(c) for c in f.read().split()]
+    return found
+
+
+def _cmdline(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read()
+
+
+def test_a_replica_whose_engine_died_is_passed_over_until_replaced(cluster: str) -> None:
+    """The engine core of a replica dies; the replica's process lives on (answering 503) until
+    Ray's health check replaces it, seconds later. Requests routed to it in that window are
+    sent again, once, to another replica (they were answered 503: its user's home is there).
+    Last: the replacement starts after this test (the fixture's teardown does not wait)."""
+    import signal
+
+    body = {"prompt": "x", "max_tokens": 1, "user": "engine-victim"}
+    victim = httpx.post(cluster + "/v1/completions", json=body, timeout=60).headers[
+        "x-greenlane-replica"
+    ]
+    pid = ray.get(_replica_actor(victim).__ray_call__.remote(lambda _: os.getpid()))
+    cores = [c for c in _child_pids(pid) if b"spawn_main" in _cmdline(c)]
+    assert cores
+    for c in cores:
+        os.kill(c, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # its report says so within a stats period or two
+        rep = replicas(cluster).get(victim)
+        if rep is None or not rep["alive"]:
+            break
+        time.sleep(0.05)
+    answers = []
+    until = time.monotonic() + 1.5
+    while time.monotonic() < until:
+        r = httpx.post(cluster + "/v1/completions", json=body, timeout=60)
+        answers.append((r.status_code, r.headers.get("x-greenlane-replica"), r.text[:160]))
+    assert len(answers) >= 3
+    assert all(status == 200 for status, _, _ in answers), answers
+    assert all(served_by != victim for _, served_by, _ in answers), answers

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from app.cluster.config import ROUTERS, ClusterConfig
+from app.cluster.config import REPLICA_SETTINGS_EXCLUDE, ROUTERS, ClusterConfig
 
 log = logging.getLogger("greenlane.cluster")
 
@@ -157,7 +157,7 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     # Resolve env + flags here, once: replicas run elsewhere and must not see another env.
     settings = Settings(**overrides)
     settings.to_engine_config(resolve_calibration=False)  # validate before deploying
-    replica_settings = settings.model_dump(exclude={"host", "port"})
+    replica_settings = settings.model_dump(exclude=set(REPLICA_SETTINGS_EXCLUDE))
     num_gpus = args.replica_num_gpus
     if num_gpus is None:
         import ray

@@ -8,6 +8,10 @@ from typing import Any
 from app.cluster.routing import DEFAULT_PREFIX_CHARS, DEFAULT_PREFIX_TOKENS, AffinityConfig
 
 ROUTERS = ("affinity", "power-of-two")
+# Settings fields replicas must not get: their own address, and the secret files (the secrets
+# are read here, once; a replica given both the secret and its file refuses to start, and the
+# file may not exist where the replica runs).
+REPLICA_SETTINGS_EXCLUDE = frozenset({"host", "port", "api_key_file", "admin_token_file"})
 
 
 @dataclass(slots=True)

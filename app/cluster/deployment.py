@@ -23,7 +23,7 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from app.cluster.config import ClusterConfig
+from app.cluster.config import REPLICA_SETTINGS_EXCLUDE, ClusterConfig
 from app.cluster.replica import GreenlaneServer
 
 log = logging.getLogger("greenlane.cluster")
@@ -117,9 +117,11 @@ class GreenlaneReplica:
         query: str,
         headers: list[tuple[str, str]],
         body: bytes,
+        avoid: str | None = None,
     ) -> AsyncIterator[Any]:
         """Stream one HTTP exchange: the head `{"status", "headers", "replica_id"}`, then body
-        chunks. `route_key` is read by the router only (app/cluster/router.py)."""
+        chunks. `route_key` and `avoid` (a replica that just answered 503 to this request)
+        are read by the router only (app/cluster/router.py)."""
         first = True
         async for item in self._server.forward(method, path, query, headers, body):
             if first:
@@ -197,5 +199,6 @@ def app_builder(args: dict[str, Any]) -> Any:
     fields = dict(args)
     settings = Settings(**dict(fields.pop("replica_settings", {}) or {}))
     settings.to_engine_config(resolve_calibration=False)  # bad options fail the deploy, clearly
-    config = ClusterConfig(replica_settings=settings.model_dump(exclude={"host", "port"}), **fields)
+    replica_settings = settings.model_dump(exclude=set(REPLICA_SETTINGS_EXCLUDE))
+    config = ClusterConfig(replica_settings=replica_settings, **fields)
     return build_app(config)

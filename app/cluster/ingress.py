@@ -8,20 +8,26 @@ chunk as they arrive; other bodies are collected first.
 Faults:
 * The replica dies before any byte reached the client (for a non-streamed response: before its
   body was complete) -> the request is sent again, once, to whichever replica the router picks
-  now; a second failure is a 503 `replica_unavailable`.
+  now; a second failure is a 503 `replica_unavailable`. A replica's own non-streamed 503 (its
+  engine died and Ray's health check has not replaced it yet; it is draining) is sent again,
+  once, to another replica too.
 * The replica dies mid-stream -> the stream ends with an OpenAI-shaped error event
   (`data: {"error": {..., "code": "replica_failed"}}`) and `data: [DONE]`: a clear error, never
   a hang or a silently truncated answer.
 * Every replica is at its limit and `max_queued_requests` are already waiting -> 429 with
   `Retry-After` (Ray's BackPressureError); a replica's own 429 passes through unchanged.
 
-Endpoints: `/v1/*` (score, chat/completions, completions, models) and `/health` are forwarded
+Endpoints: `/v1/*` (score, generative-scores, chat/completions, completions, models and
+models/{id}), `/generative_scoring`, `/tokenize`, `/detokenize`, `/tokenizer_info`, `/version`
+and `/health` are forwarded
 (`/health` reaches one replica through the router: it checks the whole data path).
 `/metrics` is the cluster's, built here: the ingress's own counters plus one gauge set per
 replica (label `replica`) from the replicas' reports; each replica's full metrics (latency
 histograms) stay on its own server. `/cluster/replicas` is the same state as JSON;
 `POST /admin/api/prefix-cache/reset` empties every replica's prefix cache (benchmarks call it
-between runs); `GET /admin/api/state` answers the cluster state.
+between runs); `GET /admin/api/state` answers the cluster state. With an admin token in the
+replicas' settings, these four need it (`Authorization: Bearer <token>`), as on a replica. A body
+over the replicas' cap (`max_body_bytes`, which they report) is their 413, answered here.
 """
 
 # No `from __future__ import annotations` here: Serve rebuilds the ingress methods for FastAPI,
@@ -47,6 +53,8 @@ from app.cluster.config import ClusterConfig
 from app.cluster.deployment import REPORT_STALE_AFTER_PERIODS
 from app.cluster.routing import route_key
 from app.errors import error_body, install_error_handlers
+from app.gate import too_large_body
+from app.security import bearer_token, same_secret, secret_of
 
 log = logging.getLogger("greenlane.cluster")
 
@@ -76,8 +84,13 @@ def _is_sse(head: dict[str, Any]) -> bool:
     return False
 
 
+# Serve's proxy adds X-Request-Id to every answer itself (the id the replica was sent, so the
+# same value): relayed too, a client would read both at once ("id, id").
+_NOT_RELAYED = frozenset({"content-type", "x-request-id"})
+
+
 def _header_dict(head: dict[str, Any]) -> dict[str, str]:
-    headers = {k: v for k, v in head["headers"] if k.lower() != "content-type"}
+    headers = {k: v for k, v in head["headers"] if k.lower() not in _NOT_RELAYED}
     for k, v in head["headers"]:
         if k.lower() == "content-type":
             headers["content-type"] = v
@@ -152,12 +165,73 @@ class GreenlaneIngress:
         )
         self._gauges = _ReplicaGauges()
         self.registry.register(self._gauges)
+        from app.settings import Settings
+
+        # The replicas' settings, for what the ingress answers itself: the admin token its
+        # admin and read endpoints need, like a replica's; the body cap (else learned from
+        # the replicas' reports, which know their engine's max_model_len).
+        settings = Settings(**config.replica_settings)
+        self._admin_token = secret_of(settings, "admin_token")
+        self._max_body_bytes: int | None = settings.max_body_bytes
+
+    # ---- admission ---------------------------------------------------------------------------
+    def _admin_denied(self, request: Request) -> Response | None:
+        """401 unless the caller holds the admin token (when one is set), as on a replica."""
+        if self._admin_token is None:
+            return None
+        given = bearer_token({k.lower(): v for k, v in request.headers.items()})
+        if given is not None and same_secret(given, self._admin_token):
+            return None
+        return JSONResponse(
+            error_body(
+                "admin token required: Authorization: Bearer <token>",
+                "authentication_error",
+                None,
+                "invalid_admin_token",
+            ),
+            401,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+    async def _body_cap(self) -> int | None:
+        if self._max_body_bytes is None:
+            try:
+                reports = await self._reports()
+            except Exception:  # the directory is being replaced: the replica checks it too
+                return None
+            caps = [s.get("max_body_bytes") for s in reports.values()]
+            caps = [c for c in caps if isinstance(c, int) and not isinstance(c, bool)]
+            if caps:
+                self._max_body_bytes = min(caps)
+        return self._max_body_bytes
+
+    async def _read_body(self, request: Request) -> bytes | Response:
+        """The body, or 413 as soon as it is known to pass the replicas' cap (not read whole
+        into this process first, nor sent on to a replica)."""
+        cap = await self._body_cap()
+        if cap is None:
+            return await request.body()
+        declared = request.headers.get("content-length", "").strip()
+        if declared.isdigit() and int(declared) > cap:
+            return self._too_large(int(declared), cap)
+        chunks: list[bytes] = []
+        num_bytes = 0
+        async for chunk in request.stream():
+            num_bytes += len(chunk)
+            if num_bytes > cap:
+                return self._too_large(None, cap)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _too_large(self, num_bytes: int | None, cap: int) -> Response:
+        return JSONResponse(too_large_body(num_bytes, cap), 413)
 
     # ---- forwarding --------------------------------------------------------------------------
     async def _open(
-        self, key: str | None, request: Request, body: bytes
+        self, key: str | None, request: Request, body: bytes, avoid: str | None = None
     ) -> tuple[Any, dict[str, Any], bytes | None]:
-        """Start the exchange on a replica: (generator, head, first body chunk or None)."""
+        """Start the exchange on a replica (not `avoid`, when another is there): (generator,
+        head, first body chunk or None)."""
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.scope["headers"]]
         gen = self._replicas.forward.remote(
             key,
@@ -166,6 +240,7 @@ class GreenlaneIngress:
             request.url.query,
             headers,
             body,
+            avoid=avoid,
         )
         try:
             head = await gen.__anext__()
@@ -186,16 +261,27 @@ class GreenlaneIngress:
         return b"".join(parts)
 
     async def _relay(self, request: Request, endpoint: str) -> Response:
-        body = await request.body()
+        body = await self._read_body(request)
+        if isinstance(body, Response):
+            self._requests.labels(endpoint, str(body.status_code)).inc()
+            return body
         headers = {
             k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.scope["headers"]
         }
         key = route_key(request.url.path, headers, body, self._affinity)
+        avoid: str | None = None
         for attempt in (1, 2):
             try:
-                gen, head, first = await self._open(key, request, body)
+                gen, head, first = await self._open(key, request, body, avoid)
                 if not _is_sse(head):
                     content = await self._collect(gen)
+                    if head["status"] == 503 and attempt == 1:
+                        # That replica cannot serve now (its engine died and Ray has not yet
+                        # replaced it; it is draining) and did no work: try another once.
+                        avoid = head.get("replica_id")
+                        self._retries.inc()
+                        log.warning("replica %s answered 503; retrying once elsewhere", avoid)
+                        continue
                     self._requests.labels(endpoint, str(head["status"])).inc()
                     return Response(content, head["status"], headers=_header_dict(head))
             except BackPressureError as exc:
@@ -261,6 +347,34 @@ class GreenlaneIngress:
     async def models(self, request: Request) -> Response:
         return await self._relay(request, "/v1/models")
 
+    @fastapi_app.get("/v1/models/{model_id:path}")
+    async def model(self, request: Request) -> Response:
+        return await self._relay(request, "/v1/models/{model_id}")
+
+    @fastapi_app.post("/v1/generative-scores")
+    async def generative_scores(self, request: Request) -> Response:
+        return await self._relay(request, "/v1/generative-scores")
+
+    @fastapi_app.post("/generative_scoring")
+    async def generative_scoring(self, request: Request) -> Response:
+        return await self._relay(request, "/generative_scoring")
+
+    @fastapi_app.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        return await self._relay(request, "/tokenize")
+
+    @fastapi_app.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        return await self._relay(request, "/detokenize")
+
+    @fastapi_app.get("/tokenizer_info")
+    async def tokenizer_info(self, request: Request) -> Response:
+        return await self._relay(request, "/tokenizer_info")
+
+    @fastapi_app.get("/version")
+    async def version(self, request: Request) -> Response:
+        return await self._relay(request, "/version")
+
     @fastapi_app.get("/health")
     async def health(self, request: Request) -> Response:
         """One replica's `/health`, reached through the router (the whole data path); 503 when
@@ -274,7 +388,10 @@ class GreenlaneIngress:
         return await self._directory.snapshot.remote(self._max_report_age_s)
 
     @fastapi_app.get("/cluster/replicas")
-    async def replicas(self) -> JSONResponse:
+    async def replicas(self, request: Request) -> Response:
+        denied = self._admin_denied(request)
+        if denied is not None:
+            return denied
         reports = await self._reports()
         return JSONResponse(
             {
@@ -290,11 +407,14 @@ class GreenlaneIngress:
         )
 
     @fastapi_app.get("/admin/api/state")
-    async def state(self) -> JSONResponse:
-        return await self.replicas()
+    async def state(self, request: Request) -> Response:
+        return await self.replicas(request)
 
     @fastapi_app.get("/metrics")
-    async def metrics(self) -> Response:
+    async def metrics(self, request: Request) -> Response:
+        denied = self._admin_denied(request)
+        if denied is not None:
+            return denied
         try:
             self._gauges.reports = await self._reports()
         except Exception as exc:  # the directory is being replaced: counters still render
@@ -303,8 +423,11 @@ class GreenlaneIngress:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE)
 
     @fastapi_app.post("/admin/api/prefix-cache/reset")
-    async def reset_prefix_cache(self) -> JSONResponse:
+    async def reset_prefix_cache(self, request: Request) -> Response:
         """Every live replica empties its idle prefix-cache blocks; answers once all have."""
+        denied = self._admin_denied(request)
+        if denied is not None:
+            return denied
         epoch = await self._directory.request_reset.remote()
         deadline = time.monotonic() + _RESET_TIMEOUT_S
         while True:

@@ -124,11 +124,25 @@ class GreenlaneServer:
             "prefix_hit_tokens": stats.get("prefix_hit_tokens"),
             "prefix_query_tokens": stats.get("prefix_query_tokens"),
             "policy": stats.get("policy"),
+            "max_body_bytes": self.max_body_bytes(),
             "reported_at_s": time.time(),
         }
 
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
+
+    def max_body_bytes(self) -> int:
+        """The server's body cap (app/gate.py's rule: `--max-body-bytes`, else sized from the
+        engine's max_model_len)."""
+        from app.limits import default_max_body_bytes
+
+        if self.settings.max_body_bytes is not None:
+            return int(self.settings.max_body_bytes)
+        engine = self.engine
+        max_model_len = getattr(engine, "max_model_len", None)
+        if max_model_len is None:
+            max_model_len = getattr(self.settings, "max_model_len", None)
+        return default_max_body_bytes(max_model_len)
 
     # ---- forwarding ------------------------------------------------------------------------
     def _http(self) -> httpx.AsyncClient:
@@ -154,6 +168,15 @@ class GreenlaneServer:
         Closing the generator early (the client went away) closes the connection, which the
         Greenlane server sees as a disconnect and aborts the request (freeing its KV)."""
         url = path + (f"?{query}" if query else "")
+        cap = self.max_body_bytes()
+        if len(body) > cap:
+            # The server would answer 413 and close the connection before reading the body,
+            # which the upload here meets as a broken connection (a 503): answer its 413 here.
+            from app.gate import too_large_body
+
+            yield response_head(413, [("content-type", "application/json")])
+            yield json.dumps(too_large_body(len(body), cap)).encode()
+            return
         send_headers = [(k, v) for k, v in headers if k.lower() not in _DROP_REQUEST_HEADERS]
         request = self._http().build_request(method, url, headers=send_headers, content=body)
         try:

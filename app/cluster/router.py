@@ -73,6 +73,11 @@ class PrefixAffinityRouter(RequestRouter):
         if not candidate_replicas:
             return []
         key = key_of(pending_request)
+        avoid = pending_request.kwargs.get("avoid") if pending_request is not None else None
+        if avoid is not None and len(candidate_replicas) > 1:
+            # A retry after that replica answered 503 (its engine is dead or it is draining).
+            others = [r for r in candidate_replicas if r.replica_id.unique_id != avoid]
+            candidate_replicas = others or candidate_replicas
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         if key is None or len(candidate_replicas) == 1:
             queue_lens: dict[ReplicaID, int] = {}
