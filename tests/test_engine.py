@@ -4,6 +4,7 @@ containment, seeds, shutdown."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -554,8 +555,16 @@ def test_tbt_cut_learns_how_wrong_the_jct_model_is_in_mixed_steps() -> None:
     # them (1 failure in 5 with both cores busy elsewhere; once in CI), and the fit rightly
     # found no offset. A 900-token prompt (4 mixed steps, ~9 ms each beyond the decode base)
     # also once measured no dearer in CI: the base is an average of decode-only steps, and one
-    # slow step on a loaded machine lifts it by a tenth of the stall. 2,000 tokens: 8 mixed
-    # steps at growing context, 26-51 ms beyond the base with both cores busy elsewhere.
+    # stalled step lifts it by a tenth of the stall. 2,000 tokens (8 mixed steps at growing
+    # context, 17 ms beyond the base on an idle machine, 26-51 with both cores busy elsewhere)
+    # failed so once more in CI, in the whole suite only (not reproduced alone, under load, with
+    # a busy thread beside it, or with a 3 M-object heap). What stalls a step there is not
+    # known; a full garbage collection over the suite's objects is one candidate (the engine
+    # core freezes its start-up objects, runtime/gc_watch.py; this in-process engine does not).
+    # So: the collector is off, and the base this test's correction is fitted against is the
+    # median decode-only step, not their average (the base's estimator is not this test's).
+    gc.collect()
+    gc.disable()
     engine, sink = make_engine(tbt_slo_ms=50.0, prefill_token_budget=256, num_kv_blocks=1024)
     jct = engine.jct_model
     jct.a_s, jct.b_s_per_token, jct.k_s_per_pair = 1e-9, 1e-7, 0.0
@@ -563,8 +572,14 @@ def test_tbt_cut_learns_how_wrong_the_jct_model_is_in_mixed_steps() -> None:
     try:
         sp = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
         engine.add(Request("chat", RequestKind.GENERATE, list(range(5, 25)), sp))
-        while engine.fresh_stats()["num_decode_steps"] < 12:
+        while engine.fresh_stats()["num_decode_steps"] < 24:
             time.sleep(0.01)
+        decode_ms = sorted(
+            st["device_ms"]
+            for st in engine.step_trace()
+            if st["num_decodes"] and not st["num_prefill_tokens"]
+        )
+        engine._decode_step_avg_s = decode_ms[len(decode_ms) // 2] / 1e3
         long_sp = SamplingParams(max_tokens=1, temperature=0.0)
         engine.add(Request("long", RequestKind.GENERATE, list(range(30, 30 + 2000)), long_sp))
         sink.wait("long")
@@ -576,6 +591,7 @@ def test_tbt_cut_learns_how_wrong_the_jct_model_is_in_mixed_steps() -> None:
     finally:
         engine.abort("chat")
         engine.shutdown()
+        gc.enable()
     # Bounded; which of scale, offset and the cost of the prefill parts' cached tokens carries
     # the difference is not this test's: its JCT model predicts ~nothing, so the scale is
     # timing noise (below 1 when the context term takes the chunks' growing context).
