@@ -26,3 +26,22 @@ def default_model_dir():
     from runtime.model.convert import ensure_default_model
 
     return ensure_default_model()
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A module's HTTP server over the fake engine (tests/server_thread.py), default settings. A
+    module that needs other settings defines its own `server`; `http` then uses that one."""
+    from server_thread import fake_server
+
+    with fake_server() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    """An HTTP client on the module's `server`."""
+    import httpx
+
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        yield c

@@ -7,30 +7,17 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from server_thread import ServerThread, fake_server
+from server_thread import ServerThread
 
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
 GENSCORE = "/v1/generative-scores"
 MSG = [{"role": "user", "content": "hi"}]
 LONE = "\ud800"  # a lone surrogate: valid JSON ("\ud800"), not text
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerThread]:
-    with fake_server() as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def http(server: ServerThread) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=30) as c:
-        yield c
 
 
 def _post_text(http: httpx.Client, path: str, body: Any) -> httpx.Response:

@@ -6,7 +6,6 @@ lm-evaluation-harness sends), `n` choices, the sampling parameters mapped onto
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -20,18 +19,6 @@ from runtime.request import Request, RequestKind, SamplingParams
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
 MSG = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerThread]:
-    with fake_server() as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def http(server: ServerThread) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=30) as c:
-        yield c
 
 
 def _ok(r: httpx.Response) -> dict[str, Any]:

@@ -2,30 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 from fake_engine import MAX_MODEL_LEN, VOCAB_SIZE
-from server_thread import ServerThread, fake_server
+from server_thread import ServerThread
 
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
 SCORE = "/v1/score"
 MSG = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerThread]:
-    with fake_server() as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def http(server: ServerThread) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=30) as c:
-        yield c
 
 
 def _assert_openai_error(r: httpx.Response, status: int) -> dict[str, Any]:

@@ -31,12 +31,6 @@ def server() -> Iterator[ServerThread]:
         yield srv
 
 
-@pytest.fixture(scope="module")
-def http(server: ServerThread) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=30) as c:
-        yield c
-
-
 def assert_error(r: httpx.Response, status: int | None = None) -> dict[str, Any]:
     """4xx (or `status`), the OpenAI error shape, and no exception text."""
     if status is None:

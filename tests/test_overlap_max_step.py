@@ -91,6 +91,19 @@ def _engine(overlap_max_step_ms: float | None, **cfg: Any) -> tuple[Engine, list
     return eng, planned
 
 
+def _count_in_flight_at_launch(eng: Engine) -> list[int]:
+    """The steps in flight at each launch from now on (appended as they come)."""
+    counts: list[int] = []
+    launch = eng.executor.launch
+
+    def spy(plan: Any) -> None:
+        counts.append(eng.executor.num_in_flight)
+        launch(plan)
+
+    eng.executor.launch = spy  # type: ignore[method-assign]
+    return counts
+
+
 def _score(rid: str, n: int, seed: int) -> Request:
     r = gen(rid, n, 1, seed=seed)
     return Request(rid, RequestKind.SCORE, r.prompt_token_ids, label_token_ids=[5, 6])
@@ -153,14 +166,7 @@ def test_the_limit_must_be_positive() -> None:
 
 def test_the_steps_in_flight_are_answered_before_a_long_step_is_launched() -> None:
     eng, _ = _engine(overlap_max_step_ms=100.0)
-    in_flight_at_launch: list[int] = []
-    launch = eng.executor.launch
-
-    def spy(plan: Any) -> None:
-        in_flight_at_launch.append(eng.executor.num_in_flight)
-        launch(plan)
-
-    eng.executor.launch = spy  # type: ignore[method-assign]
+    in_flight_at_launch = _count_in_flight_at_launch(eng)
     eng.scheduler.add(_score("short", 30, 1))
     eng._step()  # a 30-ms step: overlapped, still in flight
     eng.scheduler.add(_score("long", 200, 2))
@@ -226,14 +232,7 @@ def test_a_gated_launch_answers_the_steps_in_flight_first_and_keeps_the_overlap_
     the step after it is still planned while it runs."""
     eng, planned = _engine(overlap_max_step_ms=None, prefill_token_budget=210)
     _gate_at(eng, 150)
-    in_flight_at_launch: list[int] = []
-    launch = eng.executor.launch
-
-    def spy(plan: Any) -> None:
-        in_flight_at_launch.append(eng.executor.num_in_flight)
-        launch(plan)
-
-    eng.executor.launch = spy  # type: ignore[method-assign]
+    in_flight_at_launch = _count_in_flight_at_launch(eng)
     eng.scheduler.add(_score("short", 30, 1))
     eng._step()  # not gated: overlapped, still in flight
     assert eng.executor.num_in_flight == 1

@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import httpx
 import pytest
-from server_thread import ServerThread, fake_server, parse_sse_strict
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerThread]:
-    with fake_server() as srv:
-        yield srv
+from server_thread import ServerThread, parse_sse_strict
 
 
 def _stream(server: ServerThread, path: str, body: dict) -> tuple[httpx.Response, bytes]:
