@@ -30,11 +30,13 @@ class _HeldSerial:
         self.real = real
         self.ended: deque[Any] = deque()
         self.failing: set[str] = set()  # request ids whose step fails when collected
+        self.num_launches = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.real, name)
 
     def launch(self, plan: Any) -> None:
+        self.num_launches += 1
         self.real.launch(plan)
         self.ended.extend(self.real.results(True))  # the CPU runs it at once; held here
 
@@ -58,6 +60,33 @@ class _HeldSerial:
         return [result]
 
 
+class _Sink:
+    """The engine's output sink: each output delivered, with the launches made before it."""
+
+    def __init__(self) -> None:
+        self.delivered: list[tuple[Any, int]] = []
+        self.held: _HeldSerial | None = None
+
+    def __call__(self, outs: list[Any]) -> None:
+        assert self.held is not None
+        self.delivered += [(o, self.held.num_launches) for o in outs]
+
+    def launches_before(self, request_id: str) -> int:
+        """How many steps had been launched when `request_id`'s last output was delivered."""
+        return [n for o, n in self.delivered if o.request_id == request_id][-1]
+
+
+def _step(eng: Engine) -> dict[str, Any]:
+    """One loop iteration's outputs by request id: those `_step` returns and those it delivered
+    before a launch that holds the engine thread."""
+    sink: _Sink = eng._sink  # type: ignore[assignment]
+    first = len(sink.delivered)
+    returned = eng._step()
+    outs = {o.request_id: o for o, _ in sink.delivered[first:]}
+    outs.update({o.request_id: o for o in returned})
+    return outs
+
+
 def _engine(overlap_max_step_ms: float | None, **cfg: Any) -> tuple[Engine, list[tuple[str, int]]]:
     """An engine (not started: the test drives its steps) whose serial executor is held, whose
     JCT model prices a prefill at MS_PER_TOKEN a token and learns nothing, and which records,
@@ -70,8 +99,9 @@ def _engine(overlap_max_step_ms: float | None, **cfg: Any) -> tuple[Engine, list
         overlap_max_step_ms=overlap_max_step_ms,
         **{"prefill_token_budget": 256, **cfg},
     )
-    eng = Engine(config, lambda outs: None)
-    held = _HeldSerial(eng.serial)
+    sink = _Sink()
+    eng = Engine(config, sink)
+    held = sink.held = _HeldSerial(eng.serial)
     eng.serial = eng.executor = held  # type: ignore[assignment]
     jct = eng.jct_model
     jct.a_s, jct.b_s_per_token, jct.k_s_per_pair = 0.0, MS_PER_TOKEN / 1e3, 0.0
@@ -170,9 +200,10 @@ def test_the_steps_in_flight_are_answered_before_a_long_step_is_launched() -> No
     eng.scheduler.add(_score("short", 30, 1))
     eng._step()  # a 30-ms step: overlapped, still in flight
     eng.scheduler.add(_score("long", 200, 2))
-    outs = {o.request_id: o for o in eng._step()}
+    outs = _step(eng)
     assert in_flight_at_launch == [0, 0]  # "short" was collected before "long" was launched
     assert outs["short"].finished and outs["long"].finished  # both answered in that iteration
+    assert eng._sink.launches_before("short") == 1  # type: ignore[attr-defined]  (out first)
     assert eng.fresh_stats()["num_steps_run_alone"] == 1
 
 
@@ -199,7 +230,7 @@ def test_a_failure_around_a_step_that_runs_alone_loses_no_other_answer(failing: 
     assert eng.executor.num_in_flight == 1
     eng.executor.failing.add(failing)
     eng.scheduler.add(_score("long", 200, 2))
-    outs = {o.request_id: o for o in eng._step()}
+    outs = _step(eng)
     assert outs["long"].finish_reason == "error"
     if failing == "short":
         assert outs["short"].finish_reason == "error"
@@ -211,7 +242,7 @@ def test_a_failure_around_a_step_that_runs_alone_loses_no_other_answer(failing: 
     eng.scheduler.add(_score("after", 20, 3))
     outs = {}
     for _ in range(3):
-        outs.update({o.request_id: o for o in eng._step()})
+        outs.update(_step(eng))
     assert outs["after"].finished and outs["after"].label_probs is not None
 
 
@@ -238,8 +269,11 @@ def test_a_gated_launch_answers_the_steps_in_flight_first_and_keeps_the_overlap_
     assert eng.executor.num_in_flight == 1
     eng.scheduler.add(_score("long-a", 190, 2))  # the shorter: first under SRJF
     eng.scheduler.add(_score("long-b", 200, 3))
-    outs = {o.request_id: o for o in eng._step()}
-    assert outs["short"].finished  # answered before long-a's launch, not behind it
+    outs = _step(eng)
+    assert outs["short"].finished
+    # Delivered before long-a's launch, not with what follows it (that launch returns only
+    # near the step's end on CUDA).
+    assert eng._sink.launches_before("short") == 1  # type: ignore[attr-defined]
     assert in_flight_at_launch == [0, 0]
     assert eng.executor.num_in_flight == 1  # long-a not collected: the overlap after it stays
     eng._step()  # long-b planned while long-a is in flight (then gated: long-a answered first)
