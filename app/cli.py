@@ -65,7 +65,9 @@ _ENGINE_HELP = {
     "jct_calibration": "calibration file for the JCT model: a calibration-<device>--<model>.json "
     "(its jct section) or an old jct-*.json; default: the cached file for this device and model",
     "hybrid_prefill": "run token-wise ops of long prefills in chunks",
-    "prefill_chunk_tokens": "chunk size for hybrid prefill",
+    "prefill_chunk_tokens": "tokens a long prompt's token-wise ops (the MLP) run at a time with "
+    "hybrid prefill (default: on CUDA the largest of 16384/8192/4096/2048 whose MLP temporaries "
+    "take at most 5 %% of the memory the KV pool and activations share; 2048 on the CPU)",
     "enable_prefix_cache": "reuse KV blocks of shared prompt prefixes",
     "cuda_graphs": "capture decode steps in CUDA graphs",
     "prefill_graph_max_tokens": "prefill parts of up to this many tokens replay piecewise CUDA "

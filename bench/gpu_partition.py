@@ -104,7 +104,7 @@ def section_profile(engine: Any) -> dict:
     held_splits = [s for s in (48, 80) if s in g.pairs]
     whole = torch.cuda.Stream()
     out: dict[str, Any] = {"total_sms": total, "splits": g.splits, "alone": {}, "concurrent": {}}
-    chunk = engine.config.prefill_chunk_tokens
+    chunk = engine.config.chunk_tokens()
 
     def pre(T: int, ctx: int = 0) -> tuple[Any, Any]:
         nb = (ctx + T + bs - 1) // bs

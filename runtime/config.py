@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 # `prefill_warm_up_tokens` when left to auto on CUDA: the 16k-token prompt it was measured with.
 PREFILL_WARM_UP_TOKENS = 16384
+# `prefill_chunk_tokens` when left to auto and not sized by the engine from the GPU's memory
+# (`runtime.kv.kv_pool.auto_prefill_chunk_tokens`): on the CPU, and in parts built without an
+# engine.
+PREFILL_CHUNK_TOKENS_UNSIZED = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,10 +71,13 @@ class EngineConfig:
     # C: token-wise ops of a prompt longer than C run in chunks of C tokens (memory: the
     # start-up dry runs reserve the peak at this C). Each chunk adds its own launches: a cold
     # 12-16k-token prompt at 2,048 enqueues more kernels than the launch queue holds, so the
-    # engine thread waits on the device for ~0.9 of the step; at 16,384 it returned at once
-    # and a token cost 5 % less device time (H200, one search a side: docs/scheduling.md,
-    # "A 16,384-token prefill chunk"). Kept at 2,048 until repeated and its memory measured.
-    prefill_chunk_tokens: int = 2048
+    # engine thread waits on the device for ~0.9 of the step; at 16,384 it returns at once, a
+    # token costs 6 % less device time and FCFS's mean latency fell 22-30 % at equal load
+    # (H200 and H100, FCFS and SRJF, three repeats: docs/scheduling.md, "The prefill chunk
+    # follows the memory"). None = auto: on CUDA the largest chunk whose MLP temporaries take
+    # a small share of the memory (`auto_prefill_chunk_tokens`), so a tight cap keeps 2,048
+    # and its longest prompts; PREFILL_CHUNK_TOKENS_UNSIZED on the CPU.
+    prefill_chunk_tokens: int | None = None
     enable_prefix_cache: bool = True
     # A waiting request whose next >= this many prompt tokens are being prefilled right now by
     # a running request (same per-user prefix, not cached yet) waits for them to be cached
@@ -204,8 +211,8 @@ class EngineConfig:
         m = self.mixed_step_token_budget
         if m not in ("auto", "none") and not (m.isdigit() and int(m) >= 1):
             raise ValueError(f"mixed_step_token_budget must be auto, none or >= 1, got {m!r}")
-        if self.prefill_chunk_tokens < 1:
-            raise ValueError("prefill_chunk_tokens must be >= 1")
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
+            raise ValueError("prefill_chunk_tokens must be >= 1 (or unset: auto)")
         if self.prefill_graph_max_tokens < 0:
             raise ValueError("prefill_graph_max_tokens must be >= 0 (0 = off)")
         if not 0.0625 <= self.prefill_graph_padding <= 1.0:
@@ -276,9 +283,14 @@ class EngineConfig:
         prefill budget, within which one prompt attends all rows at once (the faster form; the
         start-up dry run reserves a budget step's peak on it) and past which it streams rows."""
         return (
-            self.prefill_chunk_tokens if self.hybrid_prefill else None,
+            self.chunk_tokens() if self.hybrid_prefill else None,
             self.prefill_token_budget,
         )
+
+    def chunk_tokens(self) -> int:
+        """Hybrid prefill's chunk: `prefill_chunk_tokens`, or while it is still auto (the engine
+        sizes it on CUDA before anything reads it) PREFILL_CHUNK_TOKENS_UNSIZED."""
+        return self.prefill_chunk_tokens or PREFILL_CHUNK_TOKENS_UNSIZED
 
 
 def check_prefill_limits(

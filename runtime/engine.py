@@ -70,10 +70,14 @@ from runtime.executor.streams import stream_device_for
 from runtime.gc_watch import GcWatch, untrack_int_list
 from runtime.kv.block_manager import BlockManager
 from runtime.kv.kv_pool import (
+    CHUNK_MEMORY_SHARE,
     CUDA_SAFETY_BYTES,
     NUM_RESERVED_BLOCKS,
+    PREFILL_CHUNK_CHOICES,
     KVPool,
+    auto_prefill_chunk_tokens,
     bytes_per_block,
+    chunk_temporaries_bytes,
     compute_num_blocks,
     cuda_memory_budget_bytes,
 )
@@ -285,6 +289,12 @@ class Engine:
         self._max_model_len = limit
 
         self._max_score_tokens = min(config.max_score_tokens or limit, limit)
+        if config.prefill_chunk_tokens is None and self.device.type == "cuda":
+            # Sized before anything reads it: the dry runs below reserve its peak, the runner
+            # and the executors chunk with it.
+            self.config = config = dataclasses.replace(
+                config, prefill_chunk_tokens=self._size_prefill_chunk()
+            )
         activation_bytes = None
         if self.device.type == "cuda" and config.num_kv_blocks is None:
             try:
@@ -714,6 +724,33 @@ class Engine:
     def _kv_usage(self) -> float:
         bm = self.block_manager
         return bm.num_used_blocks / max(bm.num_blocks, 1)
+
+    def _size_prefill_chunk(self) -> int:
+        """`prefill_chunk_tokens` = auto on CUDA (`auto_prefill_chunk_tokens`): from the bytes
+        the KV pool and the activations may share here, less an explicitly sized pool."""
+        cfg, mc = self.config, self.model_config
+        shared = cuda_memory_budget_bytes(cfg, self.device, self._reserved_at_start)
+        pool = ""
+        if cfg.num_kv_blocks is not None:
+            pool_bytes = cfg.num_kv_blocks * bytes_per_block(mc, cfg.block_size, self.dtype)
+            shared -= pool_bytes
+            pool = f" beside the {pool_bytes / 2**30:.1f} GiB pool asked for"
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        chunk = auto_prefill_chunk_tokens(mc, elem, shared)
+        temporaries = chunk_temporaries_bytes(mc, chunk, elem)
+        log.info(
+            "hybrid prefill's chunk: %d tokens (auto: the largest of %s whose MLP temporaries "
+            "take at most %g %% of the %.1f GiB the KV pool and activations share%s, else the "
+            "smallest; %.2f GiB, %.1f %%; --prefill-chunk-tokens sets it)",
+            chunk,
+            "/".join(map(str, PREFILL_CHUNK_CHOICES)),
+            CHUNK_MEMORY_SHARE * 100,
+            shared / 2**30,
+            pool,
+            temporaries / 2**30,
+            100 * temporaries / max(shared, 1.0),
+        )
+        return chunk
 
     def _measure_activation_reserve(self) -> int:
         """Activation bytes to keep free beside the KV pool, measured, not guessed: dry-run
@@ -1903,6 +1940,7 @@ class Engine:
             "ttft_slo_ms": self.config.ttft_slo_ms,
             "prefill_token_budget": self.serial.prefill_token_budget,
             "mixed_step_token_budget": self.serial.mixed_step_token_budget,
+            "prefill_chunk_tokens": self.config.chunk_tokens(),
             "tbt_slo_ms": None if self._tbt_s is None else self._tbt_s * 1e3,
             "tbt_cost_scale": self._prefill_cost.scale,
             "tbt_cost_offset_ms": self._prefill_cost.offset_s * 1e3,

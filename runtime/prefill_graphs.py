@@ -81,7 +81,7 @@ def prefill_graph_max_tokens(config: EngineConfig) -> int:
     its chunk (a longer part runs its token-wise ops in chunks, eagerly)."""
     m = min(config.prefill_graph_max_tokens, config.prefill_token_budget)
     if config.hybrid_prefill:
-        m = min(m, config.prefill_chunk_tokens)
+        m = min(m, config.chunk_tokens())
     return max(0, m)
 
 

@@ -12,9 +12,17 @@ import types
 import pytest
 import torch
 
-from runtime.config import EngineConfig
+from runtime.config import PREFILL_CHUNK_TOKENS_UNSIZED, EngineConfig
 from runtime.engine import Engine
-from runtime.kv.kv_pool import bytes_per_block, compute_num_blocks, cuda_memory_budget_bytes
+from runtime.kv.kv_pool import (
+    CHUNK_MEMORY_SHARE,
+    PREFILL_CHUNK_CHOICES,
+    auto_prefill_chunk_tokens,
+    bytes_per_block,
+    chunk_temporaries_bytes,
+    compute_num_blocks,
+    cuda_memory_budget_bytes,
+)
 from runtime.model.presets import get_preset
 from runtime.runner import ActivationLine
 
@@ -253,5 +261,65 @@ def test_start_up_says_which_model_it_loaded_and_how_long_it_took(caplog) -> Non
         engine = Engine(EngineConfig(model="random:tiny", device="cpu"), lambda outs: None)
     try:
         assert "model random:tiny loaded in " in caplog.text and "(cpu, " in caplog.text
+    finally:
+        engine.shutdown()
+
+
+def _chunk_stub(**cfg: object) -> types.SimpleNamespace:
+    """An engine of the 8B shape on the fake device, far enough built to size its chunk."""
+    stub = types.SimpleNamespace(
+        config=EngineConfig(model="random:llama-3.1-8b", **cfg),  # type: ignore[arg-type]
+        model_config=get_preset("llama-3.1-8b"),
+        dtype=torch.bfloat16,
+        device=torch.device("cuda"),
+        _reserved_at_start=0,
+    )
+    stub.size = types.MethodType(Engine._size_prefill_chunk, stub)
+    return stub
+
+
+def test_the_auto_chunk_follows_the_memory_the_pool_and_activations_share(fake_gpu, caplog):
+    """16,384 where the pool is tens of GiB; smaller under a tight cap, where the chunk's
+    temporaries come out of the longest prompt's room."""
+    state, _ = fake_gpu
+    state["reserved"] = 16 * GIB  # this process holds the 8B's weights
+    mc = get_preset("llama-3.1-8b")
+    # 90 % of 100 GiB minus 40 in use: 50 GiB shared; 16,384's temporaries are ~1.6 GiB.
+    assert chunk_temporaries_bytes(mc, 16384, 2) == pytest.approx(1.57 * GIB, rel=0.01)
+    with caplog.at_level("INFO", logger="greenlane.engine"):
+        assert _chunk_stub().size() == 16384
+    assert "hybrid prefill's chunk: 16384 tokens (auto" in caplog.text
+    # A 24 GB cap: 8 GiB shared, of which 5 % is 0.4 GiB: 4,096's 0.39 GiB fits, by a hair.
+    assert _chunk_stub(max_gpu_memory_gb=24).size() == 4096
+    # 20 GB: 4 GiB shared; 2,048, the old fixed chunk, is the smallest choice.
+    assert _chunk_stub(max_gpu_memory_gb=20).size() == 2048
+    # A pool asked for: the chunk is sized from what is left beside it (16,384 needs 31 GiB,
+    # 8,192 16 GiB, 4,096 8 GiB).
+    per_block = bytes_per_block(mc, 16, torch.bfloat16)
+    for pool_gib, chunk in ((10, 16384), (20, 8192), (44, 2048)):
+        assert _chunk_stub(num_kv_blocks=int(pool_gib * GIB // per_block)).size() == chunk
+
+
+def test_the_rule_takes_the_largest_choice_within_the_share_else_the_smallest() -> None:
+    mc = get_preset("llama-3.1-8b")
+    for chunk in PREFILL_CHUNK_CHOICES:
+        need = chunk_temporaries_bytes(mc, chunk, 2) / CHUNK_MEMORY_SHARE
+        assert auto_prefill_chunk_tokens(mc, 2, need) == chunk
+        if chunk != PREFILL_CHUNK_CHOICES[-1]:
+            assert auto_prefill_chunk_tokens(mc, 2, need - 1) < chunk
+    assert auto_prefill_chunk_tokens(mc, 2, 0.0) == PREFILL_CHUNK_CHOICES[-1]
+
+
+def test_an_unsized_chunk_reads_2048_and_a_given_one_is_kept() -> None:
+    """On the CPU the engine does not size it: hybrid prefill chunks at 2,048 as before."""
+    assert EngineConfig(model="random:tiny").hybrid_form()[0] == PREFILL_CHUNK_TOKENS_UNSIZED
+    assert EngineConfig(model="random:tiny", prefill_chunk_tokens=512).hybrid_form()[0] == 512
+    assert EngineConfig(model="random:tiny", hybrid_prefill=False).hybrid_form()[0] is None
+    with pytest.raises(ValueError, match="prefill_chunk_tokens"):
+        EngineConfig(model="random:tiny", prefill_chunk_tokens=0)
+    engine = Engine(EngineConfig(model="random:tiny", device="cpu"), lambda outs: None)
+    try:
+        assert engine.config.prefill_chunk_tokens is None
+        assert engine.fresh_stats()["prefill_chunk_tokens"] == PREFILL_CHUNK_TOKENS_UNSIZED
     finally:
         engine.shutdown()

@@ -27,6 +27,39 @@ def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dty
     return 2 * model_config.num_layers * block_size * model_config.kv_size * elem
 
 
+# Hybrid prefill's chunk when left to auto on CUDA (`auto_prefill_chunk_tokens`): the largest
+# of these whose MLP temporaries take at most CHUNK_MEMORY_SHARE of the memory the KV pool and
+# the activations share. A larger chunk launches fewer kernels a layer (at 2,048 a cold 12-16k
+# prompt filled the launch queue and held the engine thread for ~0.9 of the step) and runs
+# fewer, larger GEMMs; what it costs is those temporaries, reserved at start-up, so KV. The
+# share keeps a tight cap at 2,048, where memory decides the longest prompt (an 8B shape in
+# 24 GB: ~8 GB shared, 16,384 would take 1.6 GB of it), and gives 16,384 wherever the pool is
+# tens of GB (an 8B shape on an 80 GB GPU: ~3 % of the pool).
+PREFILL_CHUNK_CHOICES = (16384, 8192, 4096, 2048)
+CHUNK_MEMORY_SHARE = 0.05
+
+
+def chunk_temporaries_bytes(model_config: ModelConfig, chunk_tokens: int, elem_bytes: int) -> int:
+    """Bytes a chunk of the MLP holds at its peak, about: the gate|up intermediate and its
+    activation (3 x intermediate) and the output and residual rows (2 x hidden), per token."""
+    mc = model_config
+    return chunk_tokens * (3 * mc.intermediate_size + 2 * mc.hidden_size) * elem_bytes
+
+
+def auto_prefill_chunk_tokens(
+    model_config: ModelConfig, elem_bytes: int, shared_bytes: float
+) -> int:
+    """The chunk `prefill_chunk_tokens` = auto takes on CUDA, given the bytes the KV pool and
+    the activations may share (`cuda_memory_budget_bytes`, less an explicitly sized pool): the
+    largest of PREFILL_CHUNK_CHOICES within CHUNK_MEMORY_SHARE of them, else the smallest."""
+    for chunk in PREFILL_CHUNK_CHOICES:
+        if chunk_temporaries_bytes(model_config, chunk, elem_bytes) <= (
+            CHUNK_MEMORY_SHARE * shared_bytes
+        ):
+            return chunk
+    return PREFILL_CHUNK_CHOICES[-1]
+
+
 def activation_reserve_bytes(
     config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype
 ) -> int:
@@ -39,7 +72,7 @@ def activation_reserve_bytes(
     The GPU runtime replaces this with a measured peak."""
     elem = torch.empty((), dtype=dtype).element_size()
     t = config.prefill_token_budget
-    c = min(config.prefill_chunk_tokens, t) if config.hybrid_prefill else t
+    c = min(config.chunk_tokens(), t) if config.hybrid_prefill else t
     mc = model_config
     per_token = (4 * mc.hidden_size + mc.q_size + 2 * mc.kv_size) * elem
     mlp = c * 3 * mc.intermediate_size * elem
