@@ -75,8 +75,8 @@ class EngineConfig:
     # token costs 6 % less device time and FCFS's mean latency fell 22-30 % at equal load
     # (H200 and H100, FCFS and SRJF, three repeats: docs/scheduling.md, "The prefill chunk
     # follows the memory"). None = auto: on CUDA the largest chunk whose MLP temporaries take
-    # a small share of the memory (`auto_prefill_chunk_tokens`), so a tight cap keeps 2,048
-    # and its longest prompts; PREFILL_CHUNK_TOKENS_UNSIZED on the CPU.
+    # a small share of the memory (`auto_prefill_chunk_tokens`), so a tight cap keeps a small
+    # one and its longest prompts; PREFILL_CHUNK_TOKENS_UNSIZED on the CPU.
     prefill_chunk_tokens: int | None = None
     enable_prefix_cache: bool = True
     # A waiting request whose next >= this many prompt tokens are being prefilled right now by

@@ -32,9 +32,9 @@ def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dty
 # the activations share. A larger chunk launches fewer kernels a layer (at 2,048 a cold 12-16k
 # prompt filled the launch queue and held the engine thread for ~0.9 of the step) and runs
 # fewer, larger GEMMs; what it costs is those temporaries, reserved at start-up, so KV. The
-# share keeps a tight cap at 2,048, where memory decides the longest prompt (an 8B shape in
-# 24 GB: ~8 GB shared, 16,384 would take 1.6 GB of it), and gives 16,384 wherever the pool is
-# tens of GB (an 8B shape on an 80 GB GPU: ~3 % of the pool).
+# share keeps the chunk small under a tight cap, where memory decides the longest prompt (an
+# 8B shape in 24 GB: ~9 GiB shared, 4,096 takes 0.4 of it where 16,384 would take 1.6), and
+# gives 16,384 wherever the pool is tens of GB (an 8B shape on an 80 GB GPU: ~3 % of it).
 PREFILL_CHUNK_CHOICES = (16384, 8192, 4096, 2048)
 CHUNK_MEMORY_SHARE = 0.05
 
