@@ -461,7 +461,10 @@ case $plan in
     probes=4; dur=14
     case $plan in
       p) parts="post-recommendation:1:fcfs,srjf:1;post-recommendation:default:fcfs,srjf:1" ;;
-      q) parts="post-recommendation:0.5:fcfs,spf,srjf-oneshot:1;credit-verification:0.5:fcfs,srjf:1" ;;
+      # q: six probes since the forty-fourth session: with four, SRJF's search (from FCFS's
+      # max, x1.5) ended in [6.75, 8.44), a quarter wide, in 10 of the 12 at the 0.5x pool of
+      # the forty-first and forty-fourth sessions.
+      q) parts="post-recommendation:0.5:fcfs,spf,srjf-oneshot:1;credit-verification:0.5:fcfs,srjf:1"; probes=6 ;;
       y) parts="post-recommendation:1:fcfs,srjf:2"; probes=6; dur=12 ;;
     esac
     parts=${PARTS:-$parts}  # e.g. PARTS="credit-verification:0.5:fcfs,srjf:1": one part again
@@ -472,7 +475,7 @@ case $plan in
     # SERVER_ARGS: more server options for every part (e.g. "--ttft-slo-ms 3600": SRJF's lambda
     # from the SLO), recorded in the results' command. PER_REQUEST=1: each probe's requests'
     # send times and latencies in the search records (bench.gpu_scheduling --per-request).
-    # SIDES_Q="c16k=--prefill-chunk-tokens 16384;base=": several server settings in one call,
+    # SIDES_Q="c2k=--prefill-chunk-tokens 2048;base=": several server settings in one call,
     # in the order given (one machine, one setup), each with its own results JSON
     # (gpu-scheduling-$plan-NAME-DATE.json) and work folder; SERVER_ARGS is added to every
     # side. Each side gets an equal share of the time left when it starts.
