@@ -324,7 +324,8 @@ class Replayer:
             jct = self.setup.new_jct()  # one server: one model, refined across its searches
             sim_res: dict[str, list[dict[str, Any]]] = {}
             for part in gparts:
-                for repeat in range(1, part["repeats"] + 1):
+                # `repeats` is the part's last; A-B parts start at A (older files: at 1).
+                for repeat in range(part.get("first_repeat", 1), part["repeats"] + 1):
                     order = part["policies"] if repeat % 2 else part["policies"][::-1]
                     for policy in order:
                         done = [

@@ -89,6 +89,29 @@ def test_replay_follows_the_gpu_protocol(tok) -> None:
     assert "| post-recommendation @ 0.5 | srjf |" in svg.markdown_rows(data["rows"])
 
 
+def test_a_part_of_later_repeats_replays_those_repeats_only(tok) -> None:
+    """`srjf:2-2` (a second part, as plan q's `PARTS='...:fcfs,srjf:1-1;...:srjf:2-2'`) is
+    repeat 2: replaying it from repeat 1 ran SRJF's first search twice (forty-fourth session)."""
+    gpu = _gpu_file(tok)
+    wl = "post-recommendation"
+    part = gpu["settings"]["parts"][0]
+    part["first_repeat"] = 1
+    gpu["settings"]["parts"].append(
+        {"workload": wl, "pool": "0.5", "policies": ["srjf"], "first_repeat": 2, "repeats": 2}
+    )
+    seed0 = gpu["workloads"][wl]["per_seed"]["0"]
+    gen = WorkloadGenerator(wl, tok, 1, 0.25, verify=False)
+    gpu["workloads"][wl]["per_seed"]["1"] = {
+        "users": seed0["users"],
+        "first_requests": [[r.group, r.num_prompt_tokens] for r in gen.take(50)],
+    }
+    srjf = gpu["results"][wl]["0.5"]["srjf"]
+    srjf.append({**srjf[0], "repeat": 2})
+    sim = svg.compare(gpu, build_setup(), tok)["replayed"][f"{wl}@0.5"]["sim"]
+    assert [r["repeat"] for r in sim["srjf"]] == [1, 2]
+    assert [r["repeat"] for r in sim["fcfs"]] == [1]
+
+
 def test_replay_refuses_other_requests_than_the_gpu_sent(tok) -> None:
     gpu = _gpu_file(tok, first_requests=[["user0", 12]])
     with pytest.raises(ValueError, match="does not make the requests"):
