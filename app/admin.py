@@ -528,6 +528,9 @@ def _build_state(app: Any) -> dict[str, Any]:
             "token_budget": stats.get("prefill_token_budget"),
             # Tokens a step with decodes may take when no TBT target sizes it (None: the budget).
             "mixed_step_token_budget": stats.get("mixed_step_token_budget"),
+            # Hybrid prefill's chunk (fixed at start-up; on CUDA sized from the memory unless
+            # --prefill-chunk-tokens set it).
+            "chunk_tokens": stats.get("prefill_chunk_tokens"),
             "tbt_slo_ms": stats.get("tbt_slo_ms"),
             # How the TBT cut sizes chunks (the online correction of the chunk cost) and how
             # steps that mixed prefill with decodes came out against it (counters since start;

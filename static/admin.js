@@ -231,7 +231,8 @@
     const cap = isNum(p.mixed_step_token_budget) ? `${p.mixed_step_token_budget} with decodes`
       : "the same with decodes";
     const beside = isNum(p.tbt_slo_ms) ? `${cap}, cut to a ${p.tbt_slo_ms} ms TBT target` : cap;
-    setText("prefill-limits", `prefill per step: ${p.token_budget} tokens; ${beside}`);
+    const chunk = isNum(p.chunk_tokens) ? `; long prompts' MLP in chunks of ${p.chunk_tokens}` : "";
+    setText("prefill-limits", `prefill per step: ${p.token_budget} tokens; ${beside}${chunk}`);
   }
   function renderCostModel(cm) {
     const err = (p, m) => (isNum(p) && isNum(m) && m > 0 ? ((p - m) / m * 100).toFixed(1) + "%" : "–");

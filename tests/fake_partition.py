@@ -213,6 +213,7 @@ class FakeEngine:
                 "prefill_token_budget": self.prefill_limits[0],
                 "tbt_slo_ms": self.prefill_limits[1],
                 "mixed_step_token_budget": self.mixed_step_token_budget,
+                "prefill_chunk_tokens": 16384,
                 "num_failed_steps": 3,
                 "num_failed_requests": 1,
                 "fallbacks": {"prefill graphs": "stand-in: out of memory"},

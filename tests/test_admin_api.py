@@ -599,6 +599,7 @@ def test_prefill_limits_change_and_show_in_the_state() -> None:
     state = client.get("/admin/api/state").json()
     assert limits(state) == {"token_budget": 8192, "tbt_slo_ms": None}
     assert state["prefill"]["mixed_step_token_budget"] == 2048
+    assert state["prefill"]["chunk_tokens"] == 16384  # the engine's, as its stats report it
     # How the cut is doing: keys always there (null where the engine does not report them).
     assert set(state["prefill"]["tbt_cut"]) == {
         "cost_scale",

@@ -209,11 +209,13 @@ def test_admin_page_live_and_controls(
     mixed = stats.get("mixed_step_token_budget")
     beside = "the same with decodes" if mixed is None else f"{mixed} with decodes"
     budget = stats["prefill_token_budget"]
-    assert _text(page, "#prefill-limits") == f"prefill per step: {budget} tokens; {beside}"
+    # ... and hybrid prefill's chunk (the CPU engine's 2,048; the fake one's 16,384).
+    chunk = f"; long prompts' MLP in chunks of {stats['prefill_chunk_tokens']}"
+    assert _text(page, "#prefill-limits") == f"prefill per step: {budget} tokens; {beside}{chunk}"
     # A TBT target set while serving: the cap stays, the cut is added to it.
     r = httpx.put(f"{served.base_url}/admin/api/prefill", json={"tbt_slo_ms": 50.0})
     assert r.status_code == 200, r.text
-    want = f"prefill per step: {budget} tokens; {beside}, cut to a 50 ms TBT target"
+    want = f"prefill per step: {budget} tokens; {beside}, cut to a 50 ms TBT target{chunk}"
     page.wait_for_function(
         f"document.getElementById('prefill-limits').textContent.trim() === {want!r}"
     )
