@@ -37,7 +37,7 @@ def test_held_back_answers_before_a_gated_step_are_counted_late() -> None:
     assert res["clock_offset_ms"] == pytest.approx(-8.0, abs=0.5)
     assert res["before_gated"]["num_steps"] == 4 and res["before_gated"]["num_within"] == 0
     assert res["before_gated"]["late_ms_p50"] == pytest.approx(450.0, abs=1.0)
-    assert res["other"]["num_within"] == res["other"]["num_steps"] == 15
+    assert res["other"]["num_within"] == res["other"]["num_steps"] == 16
 
 
 def test_answers_delivered_at_once_are_within_the_window(tmp_path, capsys) -> None:
