@@ -72,6 +72,28 @@ ISSUE_POINT = {
 }
 
 
+class ScaledForwards:
+    """A what-if service: the wrapped one's forwards times `one` (one request) or `batch`
+    (several), e.g. as a GPU's step trace read them against the profile's price (the batch
+    model check's table, "GPU / sim" by band). Not a measurement: recorded as
+    `forward_scales_what_if` beside the replay."""
+
+    def __init__(self, inner: Any, one: float, batch: float) -> None:
+        self.inner, self.one, self.batch = inner, one, batch
+
+    def _scale(self, items: Any) -> float:
+        return self.one if len(items) == 1 else self.batch
+
+    def forward_s(self, items: Any, rng: Any) -> float:
+        return self.inner.forward_s(items, rng) * self._scale(items)
+
+    def median_forward_s(self, items: Any) -> float:
+        return self.inner.median_forward_s(items) * self._scale(items)
+
+    def __getattr__(self, name: str) -> Any:  # everything else: the wrapped service's
+        return getattr(self.inner, name)
+
+
 @dataclass(frozen=True)
 class ReplayOptions:
     """A --gpu replay's plan-ahead and follow-GPU-probes settings, built once from the CLI."""
@@ -1004,8 +1026,25 @@ def main(argv: list[str] | None = None) -> int:
         help="--gpu: replay SRJF with its offset derived from this latency SLO, as the engine's "
         "--ttft-slo-ms does (what-if)",
     )
+    p.add_argument(
+        "--forward-scales-what-if",
+        help="--gpu: ONE,BATCH: the replay's one-request forwards cost ONE times the profile's "
+        "price and its batched ones BATCH times (a what-if, e.g. the GPU's own 'GPU / sim' by "
+        "band; recorded as forward_scales_what_if)",
+    )
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    scales = None
+    if args.forward_scales_what_if:
+        if not args.gpu:
+            p.error("--forward-scales-what-if replays a --gpu file")
+        try:
+            one, batch = (float(x) for x in args.forward_scales_what_if.split(","))
+        except ValueError:
+            p.error("--forward-scales-what-if takes ONE,BATCH, e.g. 0.94,1.15")
+        if not (one > 0 and batch > 0):
+            p.error("--forward-scales-what-if: both scales must be > 0")
+        scales = {"one_request": one, "batch": batch}
     what_if = {
         k: v
         for k, v in (
@@ -1035,6 +1074,8 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
         setup = _setup(args)
+        if scales is not None:
+            setup.service = ScaledForwards(setup.service, scales["one_request"], scales["batch"])
         data = compare(
             gpu,
             setup,
@@ -1046,6 +1087,8 @@ def main(argv: list[str] | None = None) -> int:
         data.update({"gpu_file": args.gpu, **setup.record, **options.record()})
         if args.step_overhead_ms:
             data["step_overhead_what_if_ms"] = args.step_overhead_ms
+        if scales is not None:
+            data["forward_scales_what_if"] = scales
         if what_if:
             # Not what the GPU ran: its SRJF used the server's defaults.
             data["srjf_what_if"] = what_if

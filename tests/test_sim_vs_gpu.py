@@ -235,6 +235,41 @@ def test_step_overhead_what_if_reaches_every_forward_and_is_recorded(tok, tmp_pa
         svg.main(["--issue-point", "--step-overhead-ms", "3", "--out", "/dev/null"])
 
 
+def test_forward_scales_what_if_prices_one_request_and_batched_forwards_apart(
+    tok, tmp_path
+) -> None:
+    """--forward-scales-what-if ONE,BATCH: a one-request forward costs ONE times the profile's
+    price, a batched one BATCH times; recorded in the output; refused without --gpu."""
+    import random
+
+    base = build_setup().service
+    scaled = svg.ScaledForwards(base, 0.5, 2.0)
+    one, two = [(4000, 0)], [(500, 3000), (400, 3000)]
+    assert scaled.median_forward_s(one) == pytest.approx(0.5 * base.median_forward_s(one))
+    assert scaled.median_forward_s(two) == pytest.approx(2.0 * base.median_forward_s(two))
+    rng_a, rng_b = random.Random(1), random.Random(1)
+    assert scaled.forward_s(two, rng_a) == pytest.approx(2.0 * base.forward_s(two, rng_b))
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    gpu_path, out = tmp_path / "gpu.json", tmp_path / "out.json"
+    gpu_path.write_text(json.dumps(_gpu_file(tok)))
+    argv = ["--gpu", str(gpu_path), "--tokenizer", str(path), "--out", str(out)]
+    assert svg.main([*argv, "--forward-scales-what-if", "3,1"]) == 0
+    data = json.loads(out.read_text())
+    assert data["forward_scales_what_if"] == {"one_request": 3.0, "batch": 1.0}
+    plain = svg.compare(_gpu_file(tok), build_setup(), tok)
+
+    def first_p99_ms(d: dict) -> float:
+        probes = d["replayed"]["post-recommendation@0.5"]["sim"]["fcfs"][0]["probes"]
+        return next(iter(probes.values()))["p99_ms"]
+
+    # Three times slower one-request forwards: a slower first probe than the plain replay's.
+    assert first_p99_ms(data) > 1.5 * first_p99_ms(plain)
+    for bad in ("3", "0,1", "a,b"):
+        with pytest.raises(SystemExit):
+            svg.main([*argv, "--forward-scales-what-if", bad])
+
+
 def test_plan_ahead_refinements_reach_every_replay_and_are_recorded(
     tok, tmp_path, monkeypatch
 ) -> None:
