@@ -32,7 +32,7 @@ from typing import Any
 import uvicorn
 
 from app import __version__
-from app.settings import ENV_PREFIX, Settings, engine_field_names
+from app.settings import AUTO_WHEN_UNSET, ENV_PREFIX, Settings, engine_field_names
 
 log = logging.getLogger("greenlane.app")
 
@@ -159,9 +159,11 @@ def _scalar_type(annotation: Any) -> tuple[type, bool]:
     return annotation, False
 
 
-def _optional(convert: Any) -> Any:
+def _optional(convert: Any, auto: bool = False) -> Any:
+    unset = ("none", "null", "", "auto") if auto else ("none", "null", "")
+
     def parse(text: str) -> Any:
-        return None if text.strip().lower() in ("none", "null", "") else convert(text)
+        return None if text.strip().lower() in unset else convert(text)
 
     parse.__name__ = getattr(convert, "__name__", "value")
     return parse
@@ -176,8 +178,9 @@ def _add_settings_options(parser: argparse.ArgumentParser, names: Sequence[str])
         field = Settings.model_fields[name]
         scalar, optional = _scalar_type(field.annotation)
         convert: Any = _parse_bool if scalar is bool else scalar if scalar in (int, float) else str
+        auto = name in AUTO_WHEN_UNSET
         if optional:
-            convert = _optional(convert)
+            convert = _optional(convert, auto)
         doc = _ENGINE_HELP.get(name) or field.description or name
         extra: dict[str, Any] = {"nargs": "?", "const": True} if scalar is bool else {}
         parser.add_argument(
@@ -185,8 +188,15 @@ def _add_settings_options(parser: argparse.ArgumentParser, names: Sequence[str])
             dest=name,
             type=convert,
             default=argparse.SUPPRESS,  # absent flags leave env / defaults in charge
-            metavar=scalar.__name__.upper() if scalar in (int, float, bool) else "STR",
-            help=f"{doc} [env {ENV_PREFIX}{name.upper()}; default {field.default!r}]",
+            metavar=(
+                f"{scalar.__name__.upper()}|auto"
+                if auto
+                else scalar.__name__.upper()
+                if scalar in (int, float, bool)
+                else "STR"
+            ),
+            help=f"{doc} [env {ENV_PREFIX}{name.upper()}; default "
+            f"{'auto' if auto and field.default is None else repr(field.default)}]",
             **extra,
         )
 

@@ -192,8 +192,23 @@ _SettingsBase = create_model(  # type: ignore[call-overload]
 )
 
 
+# Engine options whose unset value (None) means "the engine sizes it": `auto` (and `none`)
+# say so on the command line and in the environment.
+AUTO_WHEN_UNSET = frozenset({"prefill_chunk_tokens", "prefill_warm_up_tokens", "num_kv_blocks"})
+
+
 class Settings(_SettingsBase):  # type: ignore[valid-type,misc]
     """All options. Precedence: constructor kwargs (the CLI) > GREENLANE_* env > defaults."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_is_unset(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in AUTO_WHEN_UNSET & data.keys():
+                value = data[name]
+                if isinstance(value, str) and value.strip().lower() in ("auto", "none", "null"):
+                    data = {**data, name: None}
+        return data
 
     def to_engine_config(self, resolve_calibration: bool = True) -> EngineConfig:
         """The engine's config. With `resolve_calibration`, `jct_calibration` is the file the

@@ -66,6 +66,22 @@ def test_env_then_cli_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
     )
 
 
+def test_options_the_engine_sizes_take_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--prefill-chunk-tokens auto` (and the environment's) is the default, the engine's
+    sizing; a number is kept; `auto` is no word for an option where unset means off."""
+    assert _settings_from_cli(["--prefill-chunk-tokens", "auto"]).prefill_chunk_tokens is None
+    assert _settings_from_cli(["--prefill-chunk-tokens", "8192"]).prefill_chunk_tokens == 8192
+    assert _settings_from_cli(["--num-kv-blocks", "AUTO"]).num_kv_blocks is None
+    monkeypatch.setenv("GREENLANE_PREFILL_WARM_UP_TOKENS", "auto")
+    monkeypatch.setenv("GREENLANE_PREFILL_CHUNK_TOKENS", "4096")
+    s = Settings()
+    assert (s.prefill_warm_up_tokens, s.prefill_chunk_tokens) == (None, 4096)
+    with pytest.raises(SystemExit):
+        _settings_from_cli(["--ttft-slo-ms", "auto"])
+    with pytest.raises(SystemExit):
+        _settings_from_cli(["--prefill-chunk-tokens", "big"])
+
+
 def test_every_engine_option_is_a_setting_and_a_flag(capsys: pytest.CaptureFixture[str]) -> None:
     import dataclasses
 
