@@ -73,6 +73,11 @@
 #                                         #   (FCFS, SRJF; each search's step trace prices
 #                                         #   the GPU's batches) after a profile of this GPU
 #                                         #   with warm batch points of 24-32 (~8 min)
+#   bash bench/gpu_next.sh mem REV [M]    # the chunk that follows the memory: its GPU test and
+#                                         #   the gated launch's, then what start-up sizes at
+#                                         #   the default against --prefill-chunk-tokens 2048
+#                                         #   (chunk, reserve, KV cache, start-up time; M: the
+#                                         #   8B shape; ~5 min)
 #   bash bench/gpu_next.sh l REV          # issue 12: the fused RoPE + K/V write vs the unfused
 #                                         #   pair, one layer, T = 1..16k, tiled variants; then
 #                                         #   the decode-path GPU tests; issue 17: the prefill
@@ -521,6 +526,17 @@ case $plan in
       --command "bash bench/gpu_next.sh batch $rev" \
       --deadline-s "$(( $(left) - 15 ))" || rc=1
     cp $work/sched/gpu-scheduling-*.json $work/sched/prefill-profile-*.json "$OUT/" ;;
+  mem)
+    # Since 7992938 hybrid prefill's chunk follows the memory on CUDA. First its GPU test and
+    # the gated launch's, then, one server at a time at the default sizing, what start-up
+    # decides with the chunk left to auto and with the old 2,048 (bench.startup_memory: the
+    # chunk, the activation reserve, the KV cache's tokens, the start-up time).
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_prefill_chunk_auto_gpu.py \
+      tests/gpu/test_gated_launch_gpu.py >"$OUT/pytest-mem.log" 2>&1 || rc=1
+    tail -3 "$OUT/pytest-mem.log"
+    timeout "$(( $(left) - 10 ))" python3 -m bench.startup_memory --model "${split:-random:llama-3.1-8b}" \
+      --side auto= --side "c2k=--prefill-chunk-tokens 2048" --rev "$rev" --log-dir $work \
+      --out "$OUT/startup-memory-$rev.json" || rc=1 ;;
   abandon)
     # A client leaving a long scoring prompt (since c74da04 its step stops at the next layer):
     # the GPU test, then through HTTP what the next request waits (bench.abandoned) on the 8B

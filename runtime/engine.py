@@ -319,6 +319,19 @@ class Engine:
         self.kv_pool = KVPool.for_model(
             model_config, num_blocks, config.block_size, self.dtype, self.device
         )
+        kv_bytes = num_blocks * bytes_per_block(model_config, config.block_size, self.dtype)
+        log.info(
+            "KV cache: %d blocks of %d tokens, %d tokens, %.2f GiB (%s)",
+            num_blocks,
+            config.block_size,
+            num_blocks * config.block_size,
+            kv_bytes / 2**30,
+            "--num-kv-blocks"
+            if config.num_kv_blocks is not None
+            else "sized from memory"
+            if self.device.type == "cuda"
+            else "--cpu-kv-cache-gb",
+        )
         self.backend = make_attention_backend(config, self.kv_pool, model_config.num_q_heads)
         cache = PrefixCache(config.block_size) if config.enable_prefix_cache else None
         self.block_manager = BlockManager(num_blocks, config.block_size, cache)

@@ -261,6 +261,10 @@ def test_start_up_says_which_model_it_loaded_and_how_long_it_took(caplog) -> Non
         engine = Engine(EngineConfig(model="random:tiny", device="cpu"), lambda outs: None)
     try:
         assert "model random:tiny loaded in " in caplog.text and "(cpu, " in caplog.text
+        # How large the KV cache came out, and from what (vLLM logs its blocks too).
+        n = engine.block_manager.num_blocks
+        assert f"KV cache: {n} blocks of 16 tokens, {16 * n} tokens, " in caplog.text
+        assert "(--cpu-kv-cache-gb)" in caplog.text
     finally:
         engine.shutdown()
 
