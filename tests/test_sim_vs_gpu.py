@@ -64,6 +64,16 @@ def _gpu_file(tok, first_requests=None) -> dict:
     }
 
 
+def _gpu_argv(tok, tmp_path) -> tuple[list[str], object]:
+    """`main`'s command line for `_gpu_file` (written with the tokenizer under tmp_path), and
+    the output path it writes."""
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    gpu_path, out = tmp_path / "gpu.json", tmp_path / "out.json"
+    gpu_path.write_text(json.dumps(_gpu_file(tok)))
+    return ["--gpu", str(gpu_path), "--tokenizer", str(path), "--out", str(out)], out
+
+
 def test_replay_follows_the_gpu_protocol(tok) -> None:
     gpu = _gpu_file(tok)
     setup = build_setup()
@@ -180,11 +190,7 @@ def test_first_probe_ratios_and_hit_rates_pair_by_repeat() -> None:
 
 
 def test_gpu_mode_records_revision_date_and_machine(tok, tmp_path, monkeypatch) -> None:
-    path = tmp_path / "tokenizer.json"
-    tok.save(str(path))
-    gpu_path, out = tmp_path / "gpu.json", tmp_path / "out.json"
-    gpu_path.write_text(json.dumps(_gpu_file(tok)))
-    argv = ["--gpu", str(gpu_path), "--tokenizer", str(path), "--out", str(out)]
+    argv, out = _gpu_argv(tok, tmp_path)
     assert svg.main(argv) == 0
     data = json.loads(out.read_text())
     assert {"command", "date", "git", "machine", "service", "scheduler_jct"} <= set(data)
@@ -224,11 +230,7 @@ def test_step_overhead_what_if_reaches_every_forward_and_is_recorded(tok, tmp_pa
 
     first = next(iter(probes(base)))
     assert probes(slow)[first]["p99_ms"] > probes(base)[first]["p99_ms"] + 400
-    path = tmp_path / "tokenizer.json"
-    tok.save(str(path))
-    gpu_path, out = tmp_path / "gpu.json", tmp_path / "out.json"
-    gpu_path.write_text(json.dumps(_gpu_file(tok)))
-    argv = ["--gpu", str(gpu_path), "--tokenizer", str(path), "--out", str(out)]
+    argv, out = _gpu_argv(tok, tmp_path)
     assert svg.main([*argv, "--step-overhead-ms", "3"]) == 0
     assert json.loads(out.read_text())["step_overhead_what_if_ms"] == 3.0
     with pytest.raises(SystemExit):
@@ -249,11 +251,7 @@ def test_forward_scales_what_if_prices_one_request_and_batched_forwards_apart(
     assert scaled.median_forward_s(two) == pytest.approx(2.0 * base.median_forward_s(two))
     rng_a, rng_b = random.Random(1), random.Random(1)
     assert scaled.forward_s(two, rng_a) == pytest.approx(2.0 * base.forward_s(two, rng_b))
-    path = tmp_path / "tokenizer.json"
-    tok.save(str(path))
-    gpu_path, out = tmp_path / "gpu.json", tmp_path / "out.json"
-    gpu_path.write_text(json.dumps(_gpu_file(tok)))
-    argv = ["--gpu", str(gpu_path), "--tokenizer", str(path), "--out", str(out)]
+    argv, out = _gpu_argv(tok, tmp_path)
     assert svg.main([*argv, "--forward-scales-what-if", "3,1"]) == 0
     data = json.loads(out.read_text())
     assert data["forward_scales_what_if"] == {"one_request": 3.0, "batch": 1.0}
@@ -283,11 +281,8 @@ def test_plan_ahead_refinements_reach_every_replay_and_are_recorded(
         return real(*args, **kw)
 
     monkeypatch.setattr(svg, "simulate", spy)
-    path = tmp_path / "tokenizer.json"
-    tok.save(str(path))
-    gpu_path, out = tmp_path / "gpu.json", tmp_path / "out.json"
-    gpu_path.write_text(json.dumps(_gpu_file(tok)))
-    argv = ["--gpu", str(gpu_path), "--tokenizer", str(path), "--out", str(out), "--plan-ahead"]
+    argv, out = _gpu_argv(tok, tmp_path)
+    argv.append("--plan-ahead")
     assert svg.main([*argv, "--plan-lead-ms", "60", "--overlap-max-step-ms", "100"]) == 0
     assert seen and all(s == (True, pytest.approx(0.06), pytest.approx(0.1)) for s in seen)
     data = json.loads(out.read_text())
