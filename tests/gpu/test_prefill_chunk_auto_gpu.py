@@ -37,12 +37,12 @@ def _serve_one(eng, sink) -> None:  # noqa: ANN001 - the engine and sink of `sma
 def test_with_room_the_chunk_is_16384_and_serves_a_longer_prompt() -> None:
     import torch
 
-    from runtime.kv.kv_pool import chunk_temporaries_bytes
+    from runtime.kv.kv_pool import CHUNK_MEMORY_SHARE, chunk_temporaries_bytes
 
     eng, sink = small_engine(num_kv_blocks=None, max_model_len=32_768, max_score_tokens=32_768)
     try:
         total = torch.cuda.get_device_properties(0).total_memory
-        need = chunk_temporaries_bytes(eng.model_config, 16384, 2) / 0.05
+        need = chunk_temporaries_bytes(eng.model_config, 16384, 2) / CHUNK_MEMORY_SHARE
         if total * 0.9 - 8 * 2**30 < need:  # the 3B's weights and more: not this GPU's case
             pytest.skip(f"a {total / 2**30:.0f} GiB GPU shares too little for 16,384")
         assert eng.config.prefill_chunk_tokens == 16384
