@@ -492,11 +492,10 @@ def _build_state(app: Any) -> dict[str, Any]:
             # Triton kernel variants compiled after start-up, each a first use paid on the
             # engine thread (runtime/compile_watch.py; None: not counted, e.g. on a CPU).
             "kernels_compiled_while_serving": stats.get("kernels_compiled_while_serving"),
-            # Overlapped scheduling's exceptions since start: prefill steps run alone
-            # (--overlap-max-step-ms), and steps in flight answered before a launch gated for
-            # aborts (a prefill of >= 16,384 tokens on CUDA, which holds the engine thread).
+            # Overlapped scheduling's exceptions since start: steps in flight answered before
+            # a launch gated for aborts (a prefill of >= 16,384 tokens on CUDA, which holds the
+            # engine thread).
             "overlap": {
-                "num_steps_run_alone": stats.get("num_steps_run_alone"),
                 "num_drains_before_held_launch": stats.get("num_drains_before_held_launch"),
             },
             # The step under way (as of the last heartbeat): seconds since its launch, and for

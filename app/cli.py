@@ -32,7 +32,13 @@ from typing import Any
 import uvicorn
 
 from app import __version__
-from app.settings import AUTO_WHEN_UNSET, ENV_PREFIX, Settings, engine_field_names
+from app.settings import (
+    AUTO_WHEN_UNSET,
+    ENV_PREFIX,
+    Settings,
+    engine_field_names,
+    unknown_env_options,
+)
 
 log = logging.getLogger("greenlane.app")
 
@@ -93,11 +99,6 @@ _ENGINE_HELP = {
     "16384 on CUDA, off on the CPU; 0: off)",
     "fused_decode_max_batch": "decode graphs of batches up to this size (at most 64) run the "
     "fused Triton decode kernels instead of FlashInfer + cuBLAS (0: never)",
-    "overlap_max_step_ms": "with --overlap-scheduling: a prefill-only step the JCT model "
-    "predicts at this many ms or more runs alone (the steps in flight are answered before it "
-    "is launched, and the next step is planned after it ends), so answers are not held "
-    "behind a long launch and requests arriving during it can run next (default: none, "
-    "always overlap)",
     "wait_for_shared_prefix_tokens": "a waiting request whose next N+ prompt tokens a running "
     "request is prefilling now (a shared, not yet cached prefix) waits for them to be cached "
     "rather than computing them twice (0: off)",
@@ -640,6 +641,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     extra = ("command", "out", "uncached_tokens", "cached_tokens", "repeats", "what")
     overrides = {k: v for k, v in vars(args).items() if k not in extra}
+    for name in unknown_env_options():
+        print(f"greenlane: warning: {name} names no option: ignored", file=sys.stderr)
     try:
         settings = Settings(**overrides)
         # Validate engine options before loading anything (the calibration file is chosen,

@@ -250,6 +250,19 @@ def engine_field_names() -> tuple[str, ...]:
     return _ENGINE_FIELDS
 
 
+# GREENLANE_* variables the server reads that are not options (runtime/model/convert.py,
+# runtime/core/process.py).
+ENV_NOT_OPTIONS = frozenset({"GREENLANE_CACHE_DIR", "GREENLANE_PROFILE_DIR"})
+
+
+def unknown_env_options(environ: typing.Mapping[str, str] | None = None) -> list[str]:
+    """The GREENLANE_* variables that name no option (a typo, or an option since removed):
+    the settings ignore them (extra="ignore"), so the command line says so."""
+    environ = os.environ if environ is None else environ
+    known = {ENV_PREFIX + name.upper() for name in Settings.model_fields} | ENV_NOT_OPTIONS
+    return sorted(k for k in environ if k.upper().startswith(ENV_PREFIX) and k.upper() not in known)
+
+
 def resolve_calibration_file(settings: Settings) -> tuple[str | None, str]:
     """(path or None, a log line saying which JCT calibration is used and why)."""
     return resolve_calibration(

@@ -75,7 +75,9 @@ def add_plan_ahead_args(p: argparse.ArgumentParser, plan_ahead_help: str = PLAN_
         "--overlap-max-step-ms",
         type=float,
         help="--plan-ahead: nothing chosen ahead of a forward the scheduler's JCT model predicts "
-        "this long, as the engine's --overlap-max-step-ms (recorded as overlap_max_step_ms)",
+        "this long, a what-if modelling the engine's former --overlap-max-step-ms (removed in "
+        "the forty-fifth session; kept for replays of earlier GPU runs; recorded as "
+        "overlap_max_step_ms)",
     )
 
 
@@ -362,8 +364,9 @@ def simulate(
     step N's answers, which the engine applies after launching step N+1, come out when that
     launch returns, `plan_lead_s` before step N+1 ends (at N's end when N+1 was not planned
     ahead). None: N+1 chosen at N's start and answers at their step's end, the upper bound
-    of the stale plan. `overlap_max_step_s` (with `plan_ahead`): the engine's
-    `overlap_max_step_ms`: a forward that `jct_model` (else its own time) predicts this long
+    of the stale plan. `overlap_max_step_s` (with `plan_ahead`): a what-if modelling the
+    engine's former `overlap_max_step_ms` (removed in the forty-fifth session; kept for replays
+    of earlier GPU runs): a forward that `jct_model` (else its own time) predicts this long
     runs alone (the one before it is answered first; nothing is planned ahead of it)."""
     noise_rng = random.Random(f"noise:{seed}")
     if cache is None:

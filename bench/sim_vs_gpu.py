@@ -100,7 +100,9 @@ class ReplayOptions:
 
     # The engine's overlapped scheduling (bench.sim.simulate's `plan_ahead`): step N+1 chosen
     # when step N starts, or `plan_lead_s` before it ends; none ahead of a forward predicted
-    # `overlap_max_step_s` long. Off by default, as every replay before it ran.
+    # `overlap_max_step_s` long (a what-if: the engine's former --overlap-max-step-ms, removed
+    # in the forty-fifth session; kept for replays of earlier GPU runs). Off by default, as
+    # every replay before it ran.
     plan_ahead: bool = False
     plan_lead_s: float | None = None
     overlap_max_step_s: float | None = None

@@ -121,23 +121,12 @@ class EngineConfig:
     merge_mixed_steps: bool = True
     # Plan and launch step N+1 while the device runs step N (sampled tokens feed the next
     # step on the device; the host sees them one step later). False: one step at a time.
+    # Even so, a prefill of at least INTERRUPT_GATE_MIN_TOKENS (runtime/runner.py) is launched
+    # with nothing in flight: the abort gate holds the host within two layers of its end
+    # (`ModelRunner.holds_host`). (`overlap_max_step_ms`, which launched any long prefill-only
+    # step that way and collected it before planning the next, won nothing in two GPU
+    # measurements and was removed in the forty-fifth session: docs/scheduling.md.)
     overlap_scheduling: bool = True
-    # With overlap: a prefill-only step that the JCT model predicts at this many ms or more
-    # runs alone. Launching a long step holds the engine thread until near the step's end (the
-    # device's launch queue fills: ~70 ms before the end of a 350-ms cold prefill of the 8B
-    # shape on the H100), and the step before it is answered only after that launch; and the
-    # step after it would be planned from the queue as it stood then. So the steps in flight
-    # are collected before it is launched, and it is collected before the next is planned.
-    # The price: such a step starts on an empty launch queue, and the device waits for the
-    # host's launches where its kernels are short (+2 % device time on those steps, H100).
-    # Measured through HTTP (issue 17, docs/scheduling.md, "Running a long step alone"), 100
-    # ms against None over four seeds: SRJF's P99 fell at 11 of 14 common probes, its mean
-    # and FCFS's did not; max QPS within one bisection step. Off by default (None: always
-    # overlap) until larger prefill chunks, which make the launch outrun the device, are
-    # measured with it; deleted if it does not win then. Whatever this is, a prefill of at
-    # least INTERRUPT_GATE_MIN_TOKENS (runtime/runner.py) is launched with nothing in flight:
-    # the abort gate holds the host within two layers of it anyway (`ModelRunner.holds_host`).
-    overlap_max_step_ms: float | None = None
     # A long scoring prompt next to running decodes is prefilled in budget-sized chunks when
     # the KV pool can hold its whole prompt until it finishes (else whole, hybrid prefill).
     chunk_scoring_prefill: bool = True
@@ -229,8 +218,6 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise ValueError(f"unknown attention backend {self.attention_backend!r}")
-        if self.overlap_max_step_ms is not None and not self.overlap_max_step_ms > 0:
-            raise ValueError("overlap_max_step_ms must be > 0 (ms)")
         if self.ttft_slo_ms is not None and not self.ttft_slo_ms > 0:
             raise ValueError("ttft_slo_ms must be > 0 (ms)")
         if self.ttft_slo_ms is not None and self.fairness_lambda is not None:

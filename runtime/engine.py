@@ -14,13 +14,10 @@ Overlapped (`overlap_scheduling`, default on): one step stays queued ahead of th
 results are applied, so the host plans and launches step N+1 while the device runs step N;
 step N's sampled tokens feed step N+1 on the device (runtime/runner.py token slots) and reach
 the host one step later (runtime/scheduler.py). Off: each step is collected before the next is
-planned. Greedy outputs are the same either way. With `overlap_max_step_ms`, a prefill-only
-step predicted that long runs alone: the steps in flight are collected before it is launched
-(a long launch holds this thread until near its step's end, as the device's launch queue
-fills, so they would be answered only then), and it is collected before the next is planned
-(a plan made at its launch would pass over what arrives while it runs). A prefill the runner
-gates for aborts (`ModelRunner.holds_host`: its launch trails the device by two layers) is
-always launched with nothing in flight, and overlapped after.
+planned. Greedy outputs are the same either way. A prefill the runner gates for aborts
+(`ModelRunner.holds_host`: its launch trails the device by two layers, so it holds this thread
+until near its step's end) is launched with nothing in flight, the answers of the steps
+collected before it delivered first, and overlapped after.
 
 Executors (runtime/executor/): `SerialExecutor` (the whole device; CPU too) and, on CUDA with
 green contexts, `SplitExecutor` (prefill and decode concurrently on a pair of SM partitions,
@@ -395,12 +392,6 @@ class Engine:
         self.executor: SerialExecutor | SplitExecutor = self.serial
         # Steps kept queued ahead of the one being collected (overlapped scheduling).
         self._max_in_flight = 1 if config.overlap_scheduling else 0
-        # A prefill-only step predicted this long (s) runs alone (`overlap_max_step_ms`).
-        self._overlap_max_step_s = (
-            None if config.overlap_max_step_ms is None else config.overlap_max_step_ms / 1e3
-        )
-        self._behind_step_alone = False  # the last step launched is such a step
-        self._num_steps_run_alone = 0
         # Steps in flight answered before a launch that holds the host (`_launch_holds_host`).
         self._num_drains_before_held_launch = 0
 
@@ -1491,21 +1482,17 @@ class Engine:
                 return outputs + sched.fail(ids, f"internal scheduler error: {e!r}")
             outputs += sched.take_pending_outputs()
             if not plan.is_empty:
-                alone = self._runs_alone(ex, plan)
                 # A gated long prefill (`ModelRunner.holds_host`) holds this thread until near
-                # its end whatever the limit: answer the steps in flight first, as for a step
-                # that runs alone, but keep the overlap after it (its launch returns with two
-                # layers still to run, time enough to plan the next step). On the H200 (issue
-                # 17, 0.5x pool, 16,384-token chunk) the step before such a prompt was answered
-                # ~450 ms late; answering it first costs the device the update of that step
-                # and the build of this one, a few ms.
-                held = not alone and self._launch_holds_host(ex, plan)
-                if (alone or held) and ex.num_in_flight:
-                    # Its launch would hold this thread until near its end (the device's launch
-                    # queue fills, or the gate holds it), and the steps in flight would be
-                    # answered only then.
-                    if held:
-                        self._num_drains_before_held_launch += 1
+                # its end: answer the steps in flight first, but keep the overlap after it (its
+                # launch returns with two layers still to run, time enough to plan the next
+                # step). On the H200 (issue 17, 0.5x pool, 16,384-token chunk) the step before
+                # such a prompt was answered ~450 ms late; answering it first costs the device
+                # the update of that step and the build of this one, a few ms.
+                held = self._launch_holds_host(ex, plan)
+                if held and ex.num_in_flight:
+                    # Launched behind them, it would hold this thread until near its end, and
+                    # the steps in flight would be answered only then.
+                    self._num_drains_before_held_launch += 1
                     failed_before = self._num_failed_steps
                     outputs += self._drain()
                     if self._num_failed_steps > failed_before:
@@ -1517,11 +1504,11 @@ class Engine:
                         ids = [seq.request.request_id for seq in plan.seqs]
                         msg = "internal error while running the model: a step before it failed"
                         return outputs + sched.fail(ids, msg)
-                if alone or held:
-                    # Delivered now, not when `_step` returns: the launch below returns only
-                    # near the step's end. (Drained but held back, the answers of the steps
-                    # before a gated 32k prompt reached their clients with it, the forty-
-                    # fourth session's GPU test: 0.58 s against the long one's 0.62 s.)
+                if held:
+                    # Delivered now, not when `_step` returns: the launch below holds this
+                    # thread until near the step's end. (Drained but held back, the answers of
+                    # the steps before a gated 32k prompt reached their clients with it, the
+                    # forty-fourth session's GPU test: 0.58 s against the long one's 0.62 s.)
                     self._deliver(outputs)
                     outputs = []
                 self._step_started_s = time.monotonic()
@@ -1531,7 +1518,6 @@ class Engine:
                 try:
                     ex.launch(plan)
                     planned = True
-                    self._behind_step_alone = alone
                     if len(self._host_ms) > 64:
                         self._host_ms.clear()  # steps that failed never came back
                     self._host_ms[plan.step_id] = (
@@ -1543,7 +1529,7 @@ class Engine:
                 except StepFailed as e:
                     return outputs + self._recover(e)
         in_flight = ex.num_in_flight
-        max_in_flight = 0 if planned and self._behind_step_alone else self._max_in_flight
+        max_in_flight = self._max_in_flight
         block = in_flight > 0 and (in_flight > max_in_flight or not planned)
         while True:
             try:
@@ -1552,12 +1538,11 @@ class Engine:
                 return outputs + self._recover(e)
             for r in results:
                 outputs += self._apply(r)
-            # Behind a long step: collect it too (a blocking call returns at least one step).
-            # Each call's steps are applied first: a later step's failure must not lose them.
+            # Until no more than max_in_flight remain (a blocking call returns at least one
+            # step). Each call's steps are applied first: a later step's failure must not lose
+            # them.
             if not (block and ex.num_in_flight > max_in_flight):
                 break
-        if max_in_flight < self._max_in_flight:
-            self._num_steps_run_alone += 1
         if not planned and not results and not outputs and ex.num_in_flight == 0:
             time.sleep(0.001)  # nothing runnable now (e.g. waiting for KV): do not spin hot
         if ex.num_in_flight == 0:
@@ -1568,20 +1553,6 @@ class Engine:
         """Whether `plan`'s launch on the serial executor, overlapped, would hold this thread
         until near the step's end (`ModelRunner.holds_host`)."""
         return ex is self.serial and bool(self._max_in_flight) and self.runner.holds_host(plan)
-
-    def _runs_alone(self, ex: Any, plan: StepPlan) -> bool:
-        """Whether `plan` runs alone (`overlap_max_step_ms`): prefill only, and predicted by the
-        JCT model at the limit or more. Such a step is launched with nothing in flight and
-        collected before the next is planned. Serial executor only: the split executor runs
-        its own pipeline of prefill slices beside decode steps. Not a step with decodes: its
-        decodes may read tokens a step in flight samples, and a TBT target keeps it short."""
-        limit_s = self._overlap_max_step_s
-        if limit_s is None or not plan.prefill or plan.decode:
-            return False
-        if ex is not self.serial or not self._max_in_flight:
-            return False
-        items = [(s.num_new_tokens, s.num_context_tokens) for s in plan.prefill]
-        return self.jct_model.predict_batch_s(items) >= limit_s
 
     def _apply(self, result: StepResult) -> list[EngineOutput]:
         outputs = self.scheduler.update(result.plan, result.output)
@@ -1936,9 +1907,6 @@ class Engine:
             "step_running_s": None if step_s is None else time.monotonic() - step_s,
             "executor": self.executor.name,
             "overlap_scheduling": self._max_in_flight > 0,
-            "overlap_max_step_ms": self.config.overlap_max_step_ms,
-            # Prefill-only steps predicted past overlap_max_step_ms, run alone.
-            "num_steps_run_alone": self._num_steps_run_alone,
             # Steps in flight answered before a gated long prefill's launch (the host trails it).
             "num_drains_before_held_launch": self._num_drains_before_held_launch,
             "kv_blocks_used": bm.num_used_blocks,

@@ -218,7 +218,6 @@ class FakeEngine:
                 "num_failed_requests": 1,
                 "fallbacks": {"prefill graphs": "stand-in: out of memory"},
                 "kernels_compiled_while_serving": 2,
-                "num_steps_run_alone": 4,
                 "num_drains_before_held_launch": 1,
             }
 

@@ -238,10 +238,7 @@ def test_state_shape_and_numbers() -> None:
     assert state["engine"]["num_failed_requests"] == 1
     assert state["engine"]["fallbacks"] == {"prefill graphs": "stand-in: out of memory"}
     assert state["engine"]["kernels_compiled_while_serving"] == 2
-    assert state["engine"]["overlap"] == {
-        "num_steps_run_alone": 4,
-        "num_drains_before_held_launch": 1,
-    }
+    assert state["engine"]["overlap"] == {"num_drains_before_held_launch": 1}
     assert state["kv"]["blocks_total"] == 256 and state["kv"]["usage"] == 0
     assert state["policy"] == {
         "current": "srjf",
@@ -387,7 +384,7 @@ def test_engine_not_started_yet() -> None:
         "num_failed_requests": None,
         "fallbacks": None,
         "kernels_compiled_while_serving": None,
-        "overlap": {"num_steps_run_alone": None, "num_drains_before_held_launch": None},
+        "overlap": {"num_drains_before_held_launch": None},
         "step": {"running_s": None, "layer": None, "num_layers": None, "prefill_tokens": None},
     }
     assert state["partition"]["available"] is False

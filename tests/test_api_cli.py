@@ -102,6 +102,30 @@ def test_invalid_option_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
         main(["serve", "--port", "not-a-port"])
 
 
+def test_a_variable_that_names_no_option_is_reported(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from app.settings import unknown_env_options
+
+    # A removed option (forty-fifth session) and a typo; real options and the two non-option
+    # variables the server reads are not reported.
+    env = {
+        "GREENLANE_OVERLAP_MAX_STEP_MS": "100",
+        "GREENLANE_PREFIL_POLICY": "fcfs",
+        "GREENLANE_PREFILL_POLICY": "fcfs",
+        "GREENLANE_PORT": "9001",
+        "GREENLANE_CACHE_DIR": "/tmp",
+        "GREENLANE_PROFILE_DIR": "/tmp",
+        "PATH": "/bin",
+    }
+    assert unknown_env_options(env) == ["GREENLANE_OVERLAP_MAX_STEP_MS", "GREENLANE_PREFIL_POLICY"]
+    monkeypatch.setenv("GREENLANE_OVERLAP_MAX_STEP_MS", "100")
+    assert main(["serve", "--block-size", "3"]) == 2  # stops before loading anything
+    err = capsys.readouterr().err
+    assert "GREENLANE_OVERLAP_MAX_STEP_MS names no option: ignored" in err
+    assert "block_size" in err
+
+
 _SERVER_SCRIPT = """
 import sys
 sys.path[:0] = [{root!r}, {tests!r}]

@@ -23,10 +23,8 @@ def _score(r: Any) -> Request:
     return Request(r.request_id, RequestKind.SCORE, prompt, label_token_ids=[5, 6])
 
 
-@pytest.mark.parametrize(
-    ("policy", "overlap_max_step_ms"), [("fcfs", None), ("srjf", None), ("srjf", 1e-3)]
-)
-def test_nothing_waits_while_the_engine_idles(policy: str, overlap_max_step_ms: float | None):
+@pytest.mark.parametrize("policy", ["fcfs", "srjf"])
+def test_nothing_waits_while_the_engine_idles(policy: str):
     gen = WorkloadGenerator("post-recommendation", make_tokenizer(), 0, 0.05, verify=False)
     priming = gen.group_requests()
     working_set = sum(len(r.query_token_ids) for r in priming)
@@ -36,7 +34,6 @@ def test_nothing_waits_while_the_engine_idles(policy: str, overlap_max_step_ms: 
         block_size=16,
         num_kv_blocks=working_set // 2 // 16,  # half the users' profiles
         max_model_len=4096,
-        overlap_max_step_ms=overlap_max_step_ms,
     )
     eng = Engine(config, lambda outs: None)
     for r in priming:

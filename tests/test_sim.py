@@ -579,8 +579,8 @@ def test_plan_ahead_with_a_lead_or_a_limit() -> None:
     """`plan_lead_s`: a launch returns that long before its step ends, so step N+1 is chosen
     then (a request arriving before is among the candidates) and step N's answers wait for
     step N+1's launch to return. `overlap_max_step_s`: a forward predicted that long runs alone
-    (the engine's `overlap_max_step_ms`): the one before it is answered first, and nothing is
-    planned ahead of it."""
+    (a what-if: the engine's former `overlap_max_step_ms`, removed in the forty-fifth session):
+    the one before it is answered first, and nothing is planned ahead of it."""
     svc = JCTService(JCTModel(), noise_sigma=0.0)
     long_s = svc.forward_s([(4000, 0)], random.Random(0))
     short_s = svc.forward_s([(100, 0)], random.Random(0))

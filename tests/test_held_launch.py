@@ -1,9 +1,9 @@
-"""`overlap_max_step_ms`: with overlapped scheduling the engine launches step N+1 while step N
-runs, except around a prefill-only step the JCT model predicts that long, which runs alone: the
-steps in flight are answered before it is launched (its launch holds the engine thread until
-near its end), and it is answered before the next step is planned (so a request arriving while
-it runs can be chosen next). A prefill the runner gates for aborts (`ModelRunner.holds_host`)
-is launched with nothing in flight whatever the limit, and overlapped after."""
+"""Held launches: with overlapped scheduling the engine launches step N+1 while step N runs,
+except that a prefill the runner gates for aborts (`ModelRunner.holds_host`: its launch holds
+the engine thread until near its end) is launched with nothing in flight, the answers of the
+steps drained before it delivered before its launch, and overlapped after. (The tests of
+`overlap_max_step_ms`, which ran any long prefill-only step alone, went with the option in the
+forty-fifth session.)"""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def _step(eng: Engine) -> dict[str, Any]:
     return outs
 
 
-def _engine(overlap_max_step_ms: float | None, **cfg: Any) -> tuple[Engine, list[tuple[str, int]]]:
+def _engine(**cfg: Any) -> tuple[Engine, list[tuple[str, int]]]:
     """An engine (not started: the test drives its steps) whose serial executor is held, whose
     JCT model prices a prefill at MS_PER_TOKEN a token and learns nothing, and which records,
     for each step it plans, the first request's id and the steps in flight at that moment."""
@@ -96,7 +96,6 @@ def _engine(overlap_max_step_ms: float | None, **cfg: Any) -> tuple[Engine, list
         prefill_policy="srjf",
         block_size=4,
         num_kv_blocks=256,
-        overlap_max_step_ms=overlap_max_step_ms,
         **{"prefill_token_budget": 256, **cfg},
     )
     sink = _Sink()
@@ -139,113 +138,6 @@ def _score(rid: str, n: int, seed: int) -> Request:
     return Request(rid, RequestKind.SCORE, r.prompt_token_ids, label_token_ids=[5, 6])
 
 
-def test_a_long_prefill_is_collected_before_the_next_step_is_planned() -> None:
-    # A budget of 210 tokens: one long prompt a step (a scoring prompt is not chunked here).
-    eng, planned = _engine(overlap_max_step_ms=100.0, prefill_token_budget=210)
-    eng.scheduler.add(_score("long-a", 200, 1))  # 200 ms predicted: long
-    eng.scheduler.add(_score("long-b", 220, 2))
-    eng._step()
-    assert eng.executor.num_in_flight == 0  # collected: nothing planned ahead of it
-    # A short request that arrived while long-a ran goes before long-b, under SRJF.
-    eng.scheduler.add(_score("short", 20, 3))
-    eng._step()
-    assert planned == [("long-a", 0), ("short", 0)]
-    stats = eng.fresh_stats()
-    assert stats["num_steps_run_alone"] == 1  # "short" was planned ahead of
-    assert stats["overlap_max_step_ms"] == 100.0
-
-
-def test_without_a_limit_the_next_step_is_planned_while_a_long_one_runs() -> None:
-    """The default: the step after long-a is chosen while long-a runs, before "short" came."""
-    eng, planned = _engine(overlap_max_step_ms=None, prefill_token_budget=210)
-    eng.scheduler.add(_score("long-a", 200, 1))
-    eng.scheduler.add(_score("long-b", 220, 2))
-    eng._step()
-    assert eng.executor.num_in_flight == 1
-    eng._step()  # plans long-b ahead, then waits for long-a
-    eng.scheduler.add(_score("short", 20, 3))
-    eng._step()
-    assert [rid for rid, _ in planned] == ["long-a", "long-b", "short"]
-    assert planned[1] == ("long-b", 1)
-    assert eng.fresh_stats()["num_steps_run_alone"] == 0
-
-
-def test_short_steps_are_still_planned_ahead() -> None:
-    """Decode steps and prefills predicted under the limit keep the overlap."""
-    eng, planned = _engine(overlap_max_step_ms=100.0)
-    eng.scheduler.add(gen("chat", 30, 4, seed=1))  # a 30-ms prefill, then decodes
-    for _ in range(4):
-        eng._step()
-        assert eng.executor.num_in_flight == 1
-    assert all(rid == "chat" for rid, _ in planned)
-    assert eng.fresh_stats()["num_steps_run_alone"] == 0
-
-
-def test_no_limit_applies_without_overlap() -> None:
-    eng, _ = _engine(overlap_max_step_ms=100.0, overlap_scheduling=False)
-    eng.scheduler.add(_score("long-a", 200, 1))
-    eng._step()
-    assert eng.executor.num_in_flight == 0
-    assert eng.fresh_stats()["num_steps_run_alone"] == 0  # nothing to undo
-
-
-def test_the_limit_must_be_positive() -> None:
-    with pytest.raises(ValueError, match="overlap_max_step_ms"):
-        EngineConfig(model="random:tiny", overlap_max_step_ms=0.0)
-
-
-def test_the_steps_in_flight_are_answered_before_a_long_step_is_launched() -> None:
-    eng, _ = _engine(overlap_max_step_ms=100.0)
-    in_flight_at_launch = _count_in_flight_at_launch(eng)
-    eng.scheduler.add(_score("short", 30, 1))
-    eng._step()  # a 30-ms step: overlapped, still in flight
-    eng.scheduler.add(_score("long", 200, 2))
-    outs = _step(eng)
-    assert in_flight_at_launch == [0, 0]  # "short" was collected before "long" was launched
-    assert outs["short"].finished and outs["long"].finished  # both answered in that iteration
-    assert eng._sink.launches_before("short") == 1  # type: ignore[attr-defined]  (out first)
-    assert eng.fresh_stats()["num_steps_run_alone"] == 1
-
-
-def test_steps_with_decodes_never_run_alone() -> None:
-    """A chat's steps keep the overlap whatever their size: their decodes read the tokens the
-    step in flight samples."""
-    eng, _ = _engine(overlap_max_step_ms=1e-3)  # every prefill counts as long
-    eng.scheduler.add(gen("chat", 30, 6, seed=1))
-    eng._step()  # its prefill alone: prefill-only, so it runs alone
-    eng.scheduler.add(gen("chat-2", 30, 2, seed=2))
-    eng._step()  # chat's decode with chat-2's prefill: overlapped
-    assert eng.executor.num_in_flight == 1
-    assert eng.fresh_stats()["num_steps_run_alone"] == 1
-
-
-@pytest.mark.parametrize("failing", ["short", "long"])
-def test_a_failure_around_a_step_that_runs_alone_loses_no_other_answer(failing: str) -> None:
-    """A device error in the step in flight, found when it is collected before the long step's
-    launch, fails it and the planned long step (planned while it ran, as one launched behind
-    it would); the engine goes on. One in the long step itself fails only the long step."""
-    eng, _ = _engine(overlap_max_step_ms=100.0)
-    eng.scheduler.add(_score("short", 30, 1))
-    eng._step()
-    assert eng.executor.num_in_flight == 1
-    eng.executor.failing.add(failing)
-    eng.scheduler.add(_score("long", 200, 2))
-    outs = _step(eng)
-    assert outs["long"].finish_reason == "error"
-    if failing == "short":
-        assert outs["short"].finish_reason == "error"
-    else:
-        assert outs["short"].finished and outs["short"].label_probs is not None
-    assert eng.executor.num_in_flight == 0 and not eng.scheduler.has_work()
-    eng.block_manager.check_integrity()
-    # The engine goes on: a new request is served.
-    eng.scheduler.add(_score("after", 20, 3))
-    outs = {}
-    for _ in range(3):
-        outs.update(_step(eng))
-    assert outs["after"].finished and outs["after"].label_probs is not None
-
-
 def _gate_at(eng: Engine, min_tokens: int) -> None:
     """The engine sees launches of prefills of `min_tokens` or more hold the host
     (`ModelRunner.holds_host`), as gated ones do on CUDA; this CPU runner's forwards still run
@@ -258,10 +150,9 @@ def _gate_at(eng: Engine, min_tokens: int) -> None:
 
 
 def test_a_gated_launch_answers_the_steps_in_flight_first_and_keeps_the_overlap_after() -> None:
-    """Without a limit: a prefill the runner gates (its launch holds the engine thread until
-    near its end) is launched with nothing in flight, so the step before it is answered then;
+    """A prefill the runner gates (its launch holds the engine thread until near its end) is launched with nothing in flight, so the step before it is answered then;
     the step after it is still planned while it runs."""
-    eng, planned = _engine(overlap_max_step_ms=None, prefill_token_budget=210)
+    eng, planned = _engine(prefill_token_budget=210)
     _gate_at(eng, 150)
     in_flight_at_launch = _count_in_flight_at_launch(eng)
     eng.scheduler.add(_score("short", 30, 1))
@@ -281,11 +172,10 @@ def test_a_gated_launch_answers_the_steps_in_flight_first_and_keeps_the_overlap_
     assert in_flight_at_launch == [0, 0, 0]
     stats = eng.fresh_stats()
     assert stats["num_drains_before_held_launch"] == 2
-    assert stats["num_steps_run_alone"] == 0
 
 
 def test_ungated_steps_keep_the_overlap() -> None:
-    eng, _ = _engine(overlap_max_step_ms=None, prefill_token_budget=210)
+    eng, _ = _engine(prefill_token_budget=210)
     _gate_at(eng, 10_000)
     eng.scheduler.add(_score("short", 30, 1))
     eng._step()
@@ -295,6 +185,37 @@ def test_ungated_steps_keep_the_overlap() -> None:
     assert eng.fresh_stats()["num_drains_before_held_launch"] == 0
 
 
+@pytest.mark.parametrize("failing", ["short", "long"])
+def test_a_failure_around_a_gated_launch_loses_no_other_answer(failing: str) -> None:
+    """A device error in the step in flight, found when it is drained before the gated long
+    step's launch, fails it and the planned long step (planned while it ran, as one launched
+    behind it would); the engine goes on. One in the long step itself (collected the iteration
+    after, the overlap kept) fails only the long step."""
+    eng, _ = _engine(prefill_token_budget=210)
+    _gate_at(eng, 150)
+    eng.scheduler.add(_score("short", 30, 1))
+    eng._step()
+    assert eng.executor.num_in_flight == 1
+    eng.executor.failing.add(failing)
+    eng.scheduler.add(_score("long", 200, 2))
+    outs = _step(eng)
+    if failing == "short":
+        assert outs["short"].finish_reason == "error"
+    else:
+        assert outs["short"].finished and outs["short"].label_probs is not None
+        assert eng.executor.num_in_flight == 1  # long launched, still in flight
+        outs.update(_step(eng))
+    assert outs["long"].finish_reason == "error"
+    assert eng.executor.num_in_flight == 0 and not eng.scheduler.has_work()
+    eng.block_manager.check_integrity()
+    # The engine goes on: a new request is served.
+    eng.scheduler.add(_score("after", 20, 3))
+    outs = {}
+    for _ in range(3):
+        outs.update(_step(eng))
+    assert outs["after"].finished and outs["after"].label_probs is not None
+
+
 def test_the_runner_gates_only_long_prefill_forwards_on_cuda() -> None:
     """`holds_host` follows the gate `_interrupt_for` applies: CUDA, a prefill forward of at
     least INTERRUPT_GATE_MIN_TOKENS tokens (decode rows counted when they merge into it)."""
@@ -302,7 +223,7 @@ def test_the_runner_gates_only_long_prefill_forwards_on_cuda() -> None:
 
     from runtime import runner as runner_mod
 
-    eng, _ = _engine(overlap_max_step_ms=None)
+    eng, _ = _engine()
     runner = eng.runner
     assert not runner._gates(runner_mod.INTERRUPT_GATE_MIN_TOKENS)  # CPU: never
     cpu = runner.device
