@@ -215,9 +215,37 @@ def gathered_searches(results: dict[str, Any]) -> list[str]:
     return out
 
 
-def summarize(results: dict[str, Any]) -> dict[str, Any]:
+# Probes whose P99 lies within these fractions of the SLO make up the slope at the SLO.
+SLOPE_BAND = (2 / 3, 4 / 3)
+
+
+def p99_rise_per_qps(probes: dict[str, dict[str, Any]], slo_ms: float) -> float | None:
+    """How sharply a search's P99 crosses the SLO: the least-squares slope (ms of P99 a QPS)
+    over its probes whose P99 lies within SLOPE_BAND of the SLO (None: fewer than two). A
+    flat one makes the max QPS at that SLO ill-conditioned: a P99 off by x ms moves it by
+    x / slope QPS. SRJF's is flat at the 0.5x pool (its tail is the cold prompts the fairness
+    window holds, not the load: docs/scheduling.md, "The default sizing measured")."""
+    lo, hi = SLOPE_BAND[0] * slo_ms, SLOPE_BAND[1] * slo_ms
+    pts = [
+        (float(q), p["p99_ms"])
+        for q, p in probes.items()
+        if p.get("p99_ms") is not None and lo <= p["p99_ms"] <= hi
+    ]
+    if len(pts) < 2:
+        return None
+    mean_q = statistics.fmean(q for q, _ in pts)
+    mean_p = statistics.fmean(p for _, p in pts)
+    var_q = sum((q - mean_q) ** 2 for q, _ in pts)
+    if var_q == 0:
+        return None
+    return sum((q - mean_q) * (p - mean_p) for q, p in pts) / var_q
+
+
+def summarize(results: dict[str, Any], slo_ms: dict[str, float] | None = None) -> dict[str, Any]:
     """Per (workload, pool): each policy's max QPS per repeat (mean, spread), over FCFS's of
-    the same repeat, P99 at FCFS's max QPS over FCFS's P99 there, and hit rates."""
+    the same repeat, P99 at FCFS's max QPS over FCFS's P99 there, and hit rates; with the
+    SLO per workload (`slo_ms`), how sharply each search's P99 crosses it
+    (`p99_rise_per_qps`)."""
     out: dict[str, Any] = {}
     for wl, pools in results.items():
         for pool, by_policy in pools.items():
@@ -255,7 +283,14 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                         p99_ratios.append(mine["p99_ms"] / theirs["p99_ms"])
                     if mine.get("mean_ms") and theirs.get("mean_ms"):
                         mean_ratios.append(mine["mean_ms"] / theirs["mean_ms"])
+                slo = (slo_ms or {}).get(wl)
+                slopes = [p99_rise_per_qps(r["probes"], slo) if slo else None for r in done]
                 entry[policy] = {
+                    # ms of P99 a QPS near the SLO, and the max QPS a 5 % P99 error moves
+                    "p99_ms_per_qps_near_slo": spread(slopes),
+                    "max_qps_per_5pct_p99": spread(
+                        [0.05 * slo / k if slo and k and k > 0 else None for k in slopes]
+                    ),
                     "max_qps": spread([r["max_qps"] for r in done]),
                     "max_qps_per_repeat": [r["max_qps"] for r in done],
                     "any_lower_bound": any(r["max_qps_is_lower_bound"] for r in done),
@@ -339,7 +374,7 @@ class Orchestrator:
 
     # -- bookkeeping
     def save(self) -> None:
-        self.results["summary"] = summarize(self.results["results"])
+        self.results["summary"] = summarize(self.results["results"], self.slo_ms)
         self.results["left_s_at_save"] = round(self.budget.left_s(), 1)
         self.path.write_text(json.dumps(self.results, indent=1, default=str) + "\n")
 
@@ -733,8 +768,9 @@ def markdown(results: dict[str, Any]) -> str:
 
     lines = [
         "| workload @ pool | policy | max QPS at P99 SLO | ÷ FCFS | ÷ FCFS within the brackets "
-        "| P99 at FCFS's max QPS ÷ FCFS | mean there ÷ FCFS | hit rate |",
-        "|---|---|---|---|---|---|---|---|",
+        "| P99 at FCFS's max QPS ÷ FCFS | mean there ÷ FCFS | hit rate "
+        "| P99 rise near the SLO (ms a QPS) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
 
     def brackets(e: dict[str, Any]) -> str:
@@ -753,12 +789,15 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(
                 f"| {label} | {policy} | {f(e['max_qps'])}{lb} | {f(e['max_qps_over_fcfs'])} "
                 f"| {brackets(e)} | {f(e['p99_at_fcfs_max_qps_over_fcfs'])} "
-                f"| {f(e['mean_at_fcfs_max_qps_over_fcfs'])} | {f(e['hit_rate'])} |"
+                f"| {f(e['mean_at_fcfs_max_qps_over_fcfs'])} | {f(e['hit_rate'])} "
+                f"| {f(e.get('p99_ms_per_qps_near_slo'), 0)} |"
             )
     s = results.get("settings", {})
     lines.append(
         f"\nP99 SLO (ms) {s.get('slo_p99_ms')}; probes of {s.get('duration_s')} s; mean "
-        "[min, max] over repeats."
+        "[min, max] over repeats. P99 rise near the SLO: the slope over a search's probes "
+        "whose P99 is within 2/3-4/3 of the SLO; a P99 off by 5 % moves the max QPS by "
+        "0.05 x SLO / slope."
     )
     for k in client_bound_probes(results.get("results") or {}):
         lines.append(f"CLIENT-BOUND {k}: that probe measured the load generator")
@@ -894,7 +933,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         results = merge_results([json.loads(Path(f).read_text()) for f in args.report])
         if results.get("results"):  # recomputed: a file written before a summary field existed
-            results["summary"] = summarize(results["results"])
+            slo = (results.get("settings") or {}).get("slo_p99_ms")
+            results["summary"] = summarize(results["results"], slo)
         print(markdown(results))
         if args.plot:
             plot(results, args.plot)

@@ -60,6 +60,21 @@ def _search(repeat: int, start: float, max_qps: float, probes: dict) -> dict:
     }
 
 
+def test_the_p99_slope_at_the_slo_reads_only_the_probes_near_it() -> None:
+    # SLO 3,000 ms: the band is [2,000, 4,000]; 1,000 and 9,000 lie outside it.
+    probes = {
+        "4.0": {"p99_ms": 1000.0},
+        "5.0": {"p99_ms": 2000.0},
+        "6.0": {"p99_ms": 2500.0},
+        "7.0": {"p99_ms": 4000.0},
+        "9.0": {"p99_ms": 9000.0},
+    }
+    # Least squares through (5, 2000), (6, 2500), (7, 4000): slope 1000 ms a QPS.
+    assert gs.p99_rise_per_qps(probes, 3000) == pytest.approx(1000.0)
+    assert gs.p99_rise_per_qps({"4.0": {"p99_ms": 2500.0}}, 3000) is None  # one point
+    assert gs.p99_rise_per_qps(probes, 30_000) is None  # nothing in the band
+
+
 def test_summary_arithmetic() -> None:
     """Max-QPS ratios per repeat; the P99 ratio at the policy's first probe (FCFS's max QPS of
     repeat 1), which FCFS also probed in every repeat."""
@@ -85,6 +100,16 @@ def test_summary_arithmetic() -> None:
     assert s["srjf"]["max_qps"] == {"mean": 7.0, "min": 6.0, "max": 8.0, "n": 2}
     assert s["srjf"]["skipped_or_failed"] == [{"repeat": 3, "skipped": "device time"}]
     assert s["fcfs"]["max_qps_over_fcfs"]["mean"] == 1.0
+    assert s["srjf"]["p99_ms_per_qps_near_slo"]["n"] == 0  # no SLO given
+    with_slo = gs.summarize(results, {"post": 3000})["post@0.5"]
+    # FCFS r1 (4, 1000) (5, 4000) -> only 5 is in [2000, 4000]: None; r2 (5, 2000) only: None.
+    assert with_slo["fcfs"]["p99_ms_per_qps_near_slo"]["n"] == 0
+    # SRJF r1: (8, 2000) only -> None; r2: (6, 2500) only -> None; so add one probe near it.
+    results["post"]["0.5"]["srjf"][0]["probes"]["8.5"] = {"p99_ms": 3000.0, "mean_ms": 1.0}
+    with_slo = gs.summarize(results, {"post": 3000})["post@0.5"]
+    assert with_slo["srjf"]["p99_ms_per_qps_near_slo"]["mean"] == pytest.approx(2000.0)
+    assert with_slo["srjf"]["max_qps_per_5pct_p99"]["mean"] == pytest.approx(150 / 2000)
+    del results["post"]["0.5"]["srjf"][0]["probes"]["8.5"]
     table = gs.markdown(
         {"summary": gs.summarize(results), "settings": {"slo_p99_ms": {"post": 3000}}}
     )
