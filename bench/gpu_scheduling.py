@@ -834,7 +834,7 @@ def plot(results: dict[str, Any], path: str) -> None:
                 )
                 if not pts:
                     continue
-                marker = "o" if rep["repeat"] % 2 else "s"
+                marker = "os^Dv<>p"[(rep["repeat"] - 1) % 8]  # one per repeat
                 label = f"{policy} r{rep['repeat']}"
                 xs = [p[0] for p in pts]
                 ax.plot(xs, [p[1] / 1e3 for p in pts], marker + "-", color=f"C{i}", label=label)
