@@ -54,3 +54,11 @@ def test_answers_delivered_at_once_are_within_the_window(tmp_path, capsys) -> No
     (tmp_path / "s.json.gz").write_bytes(gzip.compress(json.dumps(record).encode()))
     main([str(tmp_path / "s.steps.json.gz")])
     assert '"num_within": 4' in capsys.readouterr().out
+
+
+def test_its_gate_is_the_runners() -> None:
+    # bench.late_answers keeps a copy (it stays free of torch); this test reads both.
+    from bench.late_answers import GATED_TOKENS
+    from runtime.runner import INTERRUPT_GATE_MIN_TOKENS
+
+    assert GATED_TOKENS == INTERRUPT_GATE_MIN_TOKENS
