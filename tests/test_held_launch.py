@@ -150,8 +150,9 @@ def _gate_at(eng: Engine, min_tokens: int) -> None:
 
 
 def test_a_gated_launch_answers_the_steps_in_flight_first_and_keeps_the_overlap_after() -> None:
-    """A prefill the runner gates (its launch holds the engine thread until near its end) is launched with nothing in flight, so the step before it is answered then;
-    the step after it is still planned while it runs."""
+    """A prefill the runner gates (its launch holds the engine thread until near its end) is
+    launched with nothing in flight, so the step before it is answered then; the step after it
+    is still planned while it runs."""
     eng, planned = _engine(prefill_token_budget=210)
     _gate_at(eng, 150)
     in_flight_at_launch = _count_in_flight_at_launch(eng)
