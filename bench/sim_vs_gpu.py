@@ -39,6 +39,7 @@ import json
 import statistics
 import sys
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -109,7 +110,8 @@ class ReplayOptions:
     # Follow: run the GPU search's own probes, in its order, instead of searching: every probe
     # is then comparable (a search of its own leaves the GPU's path after a different pass or
     # fail). `gpu_searches`: the folder of the searches' bench.serve files, whose per-request
-    # records (`--per-request`) are paired with the replay's.
+    # records (`--per-request`) are paired with the replay's when following, and whose step
+    # traces are priced step by step (`step_price_check`) either way.
     follow_gpu: bool = False
     gpu_searches: Path | None = None
 
@@ -121,8 +123,8 @@ class ReplayOptions:
         plan_lead_s, overlap_max_step_s = plan_ahead_from_args(p, args)
         if args.follow_gpu_probes and not args.gpu:
             p.error("--follow-gpu-probes replays a --gpu file")
-        if args.gpu_searches and not args.follow_gpu_probes:
-            p.error("--gpu-searches pairs requests in --follow-gpu-probes: give it too")
+        if args.gpu_searches and not args.gpu:
+            p.error("--gpu-searches reads the searches of a --gpu file")
         return cls(
             plan_ahead=args.plan_ahead,
             plan_lead_s=plan_lead_s,
@@ -262,7 +264,7 @@ class Replayer:
                         gpu_search, qps, records, gpu_requests, timeout_s, self.setup.service
                     )
                 )
-                gpu_steps = self._gpu_steps(gpu_search)
+                gpu_steps = self.gpu_steps(gpu_search)
                 if gpu_requests and gpu_steps:
                     probes[str(float(qps))]["gpu_steps"] = steps_in_probe(
                         gpu_steps, gpu_requests, timeout_s, self.setup.service
@@ -322,7 +324,7 @@ class Replayer:
         run = next((r for r in runs if abs(float(r.get("qps", -1)) - qps) < 1e-9), None)
         return None if run is None else run.get("requests")
 
-    def _gpu_steps(self, gpu_search: dict[str, Any]) -> list[dict[str, Any]] | None:
+    def gpu_steps(self, gpu_search: dict[str, Any]) -> list[dict[str, Any]] | None:
         """The search's own server steps (bench.gpu_scheduling saves them as
         `STEM.steps.json.gz` since the forty-first session), if they are in `gpu_searches`."""
         name = ((gpu_search.get("steps") or {}).get("raw_file") or "").removesuffix(".gz")
@@ -633,7 +635,11 @@ def batch_model_check(gpu: dict[str, Any], service: Any) -> list[dict[str, Any]]
     included). `measured_over_sim` > 1: the simulator undercharges the GPU's batches (its
     capacity too high). Searches without a step trace are left out. Where the profile
     recorded device spans (`PrefillProfile.device_priced`), the same forward priced by them
-    too (`sim_device_ms_per_seq`): device against device, the host's share left out."""
+    too (`sim_device_ms_per_seq`): device against device, the host's share left out.
+    Hazard: a band's price is its *mean* request's, biased where a band mixes cold and warm
+    requests (one-request steps at the 0.5x pool read 0.90-0.94 here, 1.03 priced step by
+    step in the forty-fifth session): `step_price_check` is the measure of the forwards'
+    price."""
     from bench.sim_profile import ProfileService
 
     profile = getattr(service, "profile", None)
@@ -679,6 +685,78 @@ def batch_model_check(gpu: dict[str, Any], service: Any) -> list[dict[str, Any]]
     return rows
 
 
+# Kinds of prefill-only step for `step_price_check`.
+STEP_KINDS = ("one cold", "one warm", "batched")
+
+
+def step_kind(num_seqs: int, context_tokens: int) -> str:
+    """One request with no cached context, one with some, or several."""
+    if num_seqs > 1:
+        return "batched"
+    return "one warm" if context_tokens else "one cold"
+
+
+def step_price_check(
+    gpu: dict[str, Any],
+    service: Any,
+    steps_of: Callable[[dict[str, Any]], list[dict[str, Any]] | None],
+) -> list[dict[str, Any]]:
+    """Each prefill-only step the GPU ran priced by the simulator as its own forward (its n
+    requests as n equal parts of its new and context tokens, the trace keeping only their
+    sums), against its device time, by search and `step_kind`: whether the replay charges
+    the GPU's forwards what they took. `steps_of`: a search's step trace, None where it is
+    not at hand (then the search is left out)."""
+    rows = []
+    for wl, pools in (gpu.get("results") or {}).items():
+        for pool, by_policy in pools.items():
+            for policy, reps in by_policy.items():
+                for r in reps:
+                    steps = steps_of(r) if isinstance(r, dict) and "max_qps" in r else None
+                    if not steps:
+                        continue
+                    acc = {k: [0, 0.0, 0.0] for k in STEP_KINDS}  # steps, device ms, price ms
+                    for st in steps:
+                        n = int(st.get("num_prefill_seqs") or 0)
+                        if not n or st.get("num_decodes") or st.get("device_ms") is None:
+                            continue
+                        u = max(round(st["num_prefill_tokens"] / n), 1)
+                        c = round((st.get("prefill_context_tokens") or 0) / n)
+                        a = acc[step_kind(n, c)]
+                        a[0] += 1
+                        a[1] += st["device_ms"]
+                        a[2] += service.median_forward_s([(u, c)] * n) * 1e3
+                    for kind, (num, device_ms, price_ms) in acc.items():
+                        if num:
+                            rows.append(
+                                {
+                                    "search": f"{wl}@{pool} {policy} r{r.get('repeat')}",
+                                    "kind": kind,
+                                    "num_steps": num,
+                                    "device_ms": round(device_ms, 1),
+                                    "price_ms": round(price_ms, 1),
+                                    "device_over_price": device_ms / price_ms,
+                                }
+                            )
+    return rows
+
+
+def markdown_step_prices(rows: list[dict[str, Any]]) -> str:
+    """`step_price_check` as a table (empty without the searches' step traces)."""
+    if not rows:
+        return ""
+    lines = [
+        "",
+        "| search | step kind | steps | GPU device s | sim price s | GPU ÷ price, step by step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['search']} | {r['kind']} | {r['num_steps']} | {r['device_ms'] / 1e3:.1f} "
+            f"| {r['price_ms'] / 1e3:.1f} | {r['device_over_price']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
 def compare(
     gpu: dict[str, Any],
     setup: SimSetup,
@@ -687,14 +765,15 @@ def compare(
     step_overhead_s: float = 0.0,
     options: ReplayOptions | None = None,
 ) -> dict[str, Any]:
-    replayed = Replayer(
+    replayer = Replayer(
         gpu,
         setup,
         tokenizer,
         srjf_options=srjf_options,
         step_overhead_s=step_overhead_s,
         options=options,
-    ).replay()
+    )
+    replayed = replayer.replay()
     rows = []
     for key, both in replayed.items():
         g, s = ratios(both["gpu"]), ratios(both["sim"])
@@ -742,6 +821,7 @@ def compare(
     return {
         "rows": rows,
         "batch_model": batch_model_check(gpu, setup.service),
+        "step_prices": step_price_check(gpu, setup.service, replayer.gpu_steps),
         "replayed": replayed,
     }
 
@@ -1012,9 +1092,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--gpu-searches",
-        help="--follow-gpu-probes: the folder of the searches' bench.serve files; their "
-        "per-request records (bench.gpu_scheduling --per-request) are paired with the "
-        "replay's by request id",
+        help="--gpu: the folder of the searches' bench.serve files and step traces: each "
+        "prefill step priced by the profile step by step (a table by kind); with "
+        "--follow-gpu-probes their per-request records (bench.gpu_scheduling --per-request) "
+        "are paired with the replay's by request id",
     )
     p.add_argument(
         "--srjf-fairness-lambda",
@@ -1094,7 +1175,11 @@ def main(argv: list[str] | None = None) -> int:
         if what_if:
             # Not what the GPU ran: its SRJF used the server's defaults.
             data["srjf_what_if"] = what_if
-        table = markdown_rows(data["rows"]) + markdown_batches(data["batch_model"])
+        table = (
+            markdown_rows(data["rows"])
+            + markdown_batches(data["batch_model"])
+            + markdown_step_prices(data["step_prices"])
+        )
         if options.follow_gpu:
             table += "\n\n" + markdown_followed(data["replayed"])
     elif args.predict:

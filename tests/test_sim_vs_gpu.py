@@ -447,3 +447,39 @@ def test_steps_in_probe_prices_the_gpus_steps_over_the_probes_window() -> None:
     assert out["idle_ms"] == pytest.approx(80.5)
     assert out["idle_ms_in_long_gaps"] == pytest.approx(80.0)
     assert out["device_share_of_window"] == pytest.approx(185.0 / 7000.0, abs=1e-4)
+
+
+def test_step_price_check_prices_each_step_by_kind() -> None:
+    """Each prefill-only step priced as its own forward and summed by kind (one cold request,
+    one warm, several), against its device time. Steps with decodes or without a device time,
+    and searches without a trace, are left out."""
+    steps = [
+        {"num_prefill_seqs": 1, "num_prefill_tokens": 1000, "device_ms": 110.0},
+        {
+            "num_prefill_seqs": 1,
+            "num_prefill_tokens": 100,
+            "prefill_context_tokens": 2000,
+            "device_ms": 30.0,
+        },
+        {
+            "num_prefill_seqs": 2,
+            "num_prefill_tokens": 200,
+            "prefill_context_tokens": 4000,
+            "device_ms": 60.0,
+        },
+        {"num_prefill_seqs": 1, "num_prefill_tokens": 500, "num_decodes": 8, "device_ms": 9.0},
+        {"num_prefill_seqs": 1, "num_prefill_tokens": 500, "device_ms": None},
+    ]
+    search = {"max_qps": 5.0, "repeat": 1}
+    gpu = {"results": {"w": {"0.5": {"fcfs": [search], "srjf": [{"max_qps": 6.0, "repeat": 1}]}}}}
+    rows = svg.step_price_check(gpu, _PerToken(), lambda r: steps if r is search else None)
+    by_kind = {r["kind"]: r for r in rows}
+    assert [r["search"] for r in rows] == ["w@0.5 fcfs r1"] * 3
+    # cold: 1,000 x 0.1 ms = 100 ms; warm: 10 + 20 = 30 ms; batched: 2 x (10 + 20) = 60 ms.
+    assert by_kind["one cold"]["price_ms"] == pytest.approx(100.0)
+    assert by_kind["one cold"]["device_over_price"] == pytest.approx(1.1)
+    assert by_kind["one warm"]["device_over_price"] == pytest.approx(1.0)
+    assert by_kind["batched"]["num_steps"] == 1
+    assert by_kind["batched"]["device_over_price"] == pytest.approx(1.0)
+    assert "| w@0.5 fcfs r1 | one cold | 1 | 0.1 | 0.1 | 1.100 |" in svg.markdown_step_prices(rows)
+    assert svg.markdown_step_prices([]) == ""
