@@ -55,6 +55,8 @@
 #                                         #   until healthy, so FlashInfer's modules and the
 #                                         #   fused decode's Triton sizes compile, then stop;
 #                                         #   the cache comes back as fi_cache.tar.gz
+#   bash bench/gpu_next.sh prof REV       # issue 17: the served-path prefill profile at the
+#                                         #   default chunk, for the replays (~2 min)
 #   bash bench/gpu_next.sh hostprof REV [M] # where the host's time goes next to scoring:
 #                                         #   py-spy + the torch profiler under scoring at
 #                                         #   SQPS (40) beside chat on a default server
@@ -526,6 +528,17 @@ case $plan in
       --command "bash bench/gpu_next.sh batch $rev" \
       --deadline-s "$(( $(left) - 15 ))" || rc=1
     cp $work/sched/gpu-scheduling-*.json $work/sched/prefill-profile-*.json "$OUT/" ;;
+  prof)
+    # The served-path prefill profile of plan batch's first part, alone, at the engine's
+    # default sizing (hybrid prefill's chunk follows the memory since 7992938; the profile of
+    # 86ce54d ran at 2,048, and the forty-fifth session found the GPU's cold forwards at 16,384
+    # 1.02-1.03x its price, step by step): the replays of plan q's searches then need no
+    # --forward-scales-what-if. ~2 min after `warm`.
+    timeout "$(( $(left) - 10 ))" python3 -m bench.prefill_profile --model random:llama-3.1-8b \
+      --device auto --out "$OUT/prefill-profile-served-$rev.json" --deadline-s "$(( $(left) - 25 ))" \
+      --rev "$rev" --no-progress \
+      --batch-points "${BATCH_POINTS:-150:16384:4,150:16384:16,512:0:8,1024:0:8,16:14336:24,150:14336:24,16:14336:32}" \
+      || rc=1 ;;
   mem)
     # Since 7992938 hybrid prefill's chunk follows the memory on CUDA. First its GPU test and
     # the gated launch's, then, one server at a time at the default sizing, what start-up

@@ -211,6 +211,7 @@ def test_prefill_profile_through_the_real_engine(tmp_path: Path) -> None:
     prov = prof.provenance
     assert prov["git_revision"]["given"] == "abc" and prov["measurement"]["passes_done"] == 2
     assert prov["command"].startswith("python -m bench.prefill_profile")
+    assert prov["engine"]["prefill_chunk_tokens"] == 2048  # the CPU's (unsized) chunk
     # Every point on the path a served request takes (the pool holds them all: kept), with its
     # device span's median beside the wall times.
     assert prov["kv_path"] == {f"{u}:{c}:{b}": "kept" for u, c, b in keys}
