@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import gzip
 import json
 from pathlib import Path
 from typing import Any
+
+from bench.host_profile import read_json
 
 GATED_TOKENS = 16_384  # runtime.runner.INTERRUPT_GATE_MIN_TOKENS (kept free of torch here)
 
@@ -91,13 +92,10 @@ def late_answers(
 def read_search(steps_path: Path) -> tuple[list[dict[str, Any]], list[float]]:
     """A search's steps and its answers' arrival times (unix s) from `STEM.steps.json.gz` and
     the `STEM.json.gz` (or `STEM.json`) beside it."""
-    steps = json.loads(gzip.decompress(steps_path.read_bytes()))["steps"]
+    steps = read_json(steps_path)["steps"]
     stem = steps_path.name.removesuffix(".steps.json.gz")
     record_path = steps_path.with_name(stem + ".json.gz")
-    if record_path.exists():
-        record = json.loads(gzip.decompress(record_path.read_bytes()))
-    else:
-        record = json.loads(steps_path.with_name(stem + ".json").read_text())
+    record = read_json(record_path if record_path.exists() else record_path.with_suffix(""))
     answered = [
         r["start_unix_s"] + r["ttft_s"]
         for run in record["runs"]

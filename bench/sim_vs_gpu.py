@@ -449,6 +449,16 @@ def beside_gpu_probe(
     return out
 
 
+def step_price_ms(st: dict[str, Any], service: Any) -> tuple[float, int]:
+    """(the simulator's price of a traced prefill step as one forward, ms; its requests'
+    cached context tokens each): its n requests as n equal parts of its new and context tokens,
+    the trace keeping only their sums."""
+    n = int(st["num_prefill_seqs"])
+    u = max(round(st["num_prefill_tokens"] / n), 1)
+    c = round((st.get("prefill_context_tokens") or 0) / n)
+    return service.median_forward_s([(u, c)] * n) * 1e3, c
+
+
 def steps_in_probe(
     steps: list[dict[str, Any]],
     requests: list[dict[str, Any]],
@@ -472,12 +482,7 @@ def steps_in_probe(
     ]
     prefill = [st for st in mine if st.get("num_prefill_seqs") and not st.get("num_decodes")]
     device_ms = sum(st["device_ms"] for st in prefill)
-    price_ms = 0.0
-    for st in prefill:
-        n = int(st["num_prefill_seqs"])
-        u = max(round(st["num_prefill_tokens"] / n), 1)
-        c = round((st.get("prefill_context_tokens") or 0) / n)
-        price_ms += service.median_forward_s([(u, c)] * n) * 1e3
+    price_ms = sum(step_price_ms(st, service)[0] for st in prefill)
     idle = [st["idle_before_ms"] for st in mine if st.get("idle_before_ms") is not None]
     window_ms = (last_s - first_s) * 1e3
     return {
@@ -701,9 +706,8 @@ def step_price_check(
     service: Any,
     steps_of: Callable[[dict[str, Any]], list[dict[str, Any]] | None],
 ) -> list[dict[str, Any]]:
-    """Each prefill-only step the GPU ran priced by the simulator as its own forward (its n
-    requests as n equal parts of its new and context tokens, the trace keeping only their
-    sums), against its device time, by search and `step_kind`: whether the replay charges
+    """Each prefill-only step the GPU ran priced by the simulator as its own forward
+    (`step_price_ms`), against its device time, by search and `step_kind`: whether the replay charges
     the GPU's forwards what they took. `steps_of`: a search's step trace, None where it is
     not at hand (then the search is left out)."""
     rows = []
@@ -719,12 +723,11 @@ def step_price_check(
                         n = int(st.get("num_prefill_seqs") or 0)
                         if not n or st.get("num_decodes") or st.get("device_ms") is None:
                             continue
-                        u = max(round(st["num_prefill_tokens"] / n), 1)
-                        c = round((st.get("prefill_context_tokens") or 0) / n)
+                        price_ms, c = step_price_ms(st, service)
                         a = acc[step_kind(n, c)]
                         a[0] += 1
                         a[1] += st["device_ms"]
-                        a[2] += service.median_forward_s([(u, c)] * n) * 1e3
+                        a[2] += price_ms
                     for kind, (num, device_ms, price_ms) in acc.items():
                         if num:
                             rows.append(
