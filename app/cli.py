@@ -39,6 +39,11 @@ from app.settings import (
     engine_field_names,
     unknown_env_options,
 )
+from runtime.config import (
+    CHUNK_MEMORY_SHARE,
+    PREFILL_CHUNK_CHOICES,
+    PREFILL_CHUNK_TOKENS_UNSIZED,
+)
 
 log = logging.getLogger("greenlane.app")
 
@@ -72,8 +77,9 @@ _ENGINE_HELP = {
     "(its jct section) or an old jct-*.json; default: the cached file for this device and model",
     "hybrid_prefill": "run token-wise ops of long prefills in chunks",
     "prefill_chunk_tokens": "tokens a long prompt's token-wise ops (the MLP) run at a time with "
-    "hybrid prefill (default: on CUDA the largest of 16384/8192/4096/2048 whose MLP temporaries "
-    "take at most 5 %% of the memory the KV pool and activations share; 2048 on the CPU)",
+    f"hybrid prefill (default: on CUDA the largest of {'/'.join(map(str, PREFILL_CHUNK_CHOICES))} "
+    f"whose MLP temporaries take at most {CHUNK_MEMORY_SHARE * 100:g} %% of the memory the KV pool "
+    f"and activations share; {PREFILL_CHUNK_TOKENS_UNSIZED} on the CPU)",
     "enable_prefix_cache": "reuse KV blocks of shared prompt prefixes",
     "cuda_graphs": "capture decode steps in CUDA graphs",
     "prefill_graph_max_tokens": "prefill parts of up to this many tokens replay piecewise CUDA "

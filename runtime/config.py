@@ -11,6 +11,17 @@ PREFILL_WARM_UP_TOKENS = 16384
 # engine.
 PREFILL_CHUNK_TOKENS_UNSIZED = 2048
 
+# Hybrid prefill's chunk when left to auto on CUDA (`runtime.kv.kv_pool.auto_prefill_chunk_tokens`): the largest
+# of these whose MLP temporaries take at most CHUNK_MEMORY_SHARE of the memory the KV pool and
+# the activations share. A larger chunk launches fewer kernels a layer (at 2,048 a cold 12-16k
+# prompt filled the launch queue and held the engine thread for ~0.9 of the step) and runs
+# fewer, larger GEMMs; what it costs is those temporaries, reserved at start-up, so KV. The
+# share keeps the chunk small under a tight cap, where memory decides the longest prompt (an
+# 8B shape in 24 GB: ~9 GiB shared, 4,096 takes 0.4 of it where 16,384 would take 1.6), and
+# gives 16,384 wherever the pool is tens of GB (an 8B shape on an 80 GB GPU: ~3 % of it).
+PREFILL_CHUNK_CHOICES = (16384, 8192, 4096, 2048)
+CHUNK_MEMORY_SHARE = 0.05
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
