@@ -75,9 +75,9 @@ ISSUE_POINT = {
 
 class ScaledForwards:
     """A what-if service: the wrapped one's forwards times `one` (one request) or `batch`
-    (several), e.g. as a GPU's step trace read them against the profile's price (the batch
-    model check's table, "GPU / sim" by band). Not a measurement: recorded as
-    `forward_scales_what_if` beside the replay."""
+    (several), e.g. as a GPU's steps read them against the profile's price, step by step
+    (`step_price_check`; not the batch model check's band table, whose mean request misprices
+    mixed bands). Not a measurement: recorded as `forward_scales_what_if` beside the replay."""
 
     def __init__(self, inner: Any, one: float, batch: float) -> None:
         self.inner, self.one, self.batch = inner, one, batch
@@ -1115,8 +1115,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--forward-scales-what-if",
         help="--gpu: ONE,BATCH: the replay's one-request forwards cost ONE times the profile's "
-        "price and its batched ones BATCH times (a what-if, e.g. the GPU's own 'GPU / sim' by "
-        "band; recorded as forward_scales_what_if)",
+        "price and its batched ones BATCH times (a what-if, e.g. the GPU's own steps against "
+        "the price, the step-by-step table --gpu-searches prints; that table then reads the "
+        "scaled price; recorded as forward_scales_what_if)",
     )
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
