@@ -486,6 +486,10 @@ def _build_state(app: Any) -> dict[str, Any]:
             # requests that failed: since start. A benchmark reads them around each run.
             "num_failed_steps": stats.get("num_failed_steps"),
             "num_failed_requests": stats.get("num_failed_requests"),
+            # Requests preempted for KV blocks (recomputed later: their work so far is lost)
+            # and long scoring prompts chunked next to decodes, since start.
+            "num_preemptions": stats.get("num_preemptions"),
+            "num_chunked_scoring": stats.get("num_chunked_scoring"),
             # Every fallback the engine took since it started, and why (runtime/fallbacks.py):
             # merged steps turned off, prefill graphs not captured, ...
             "fallbacks": stats.get("fallbacks"),

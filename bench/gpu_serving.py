@@ -140,6 +140,9 @@ def engine_counters(base_url: str) -> dict[str, Any]:
         "cost_model_errors": (st.get("cost_model") or {}).get("errors"),
         "gc": st.get("gc") or {},
         "kernels_compiled": (st.get("engine") or {}).get("kernels_compiled_while_serving"),
+        # Requests preempted (their KV recomputed later) and scoring prompts chunked: counters.
+        "num_preemptions": (st.get("engine") or {}).get("num_preemptions"),
+        "num_chunked_scoring": (st.get("engine") or {}).get("num_chunked_scoring"),
     }
 
 
@@ -159,7 +162,11 @@ def engine_during(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
         k: (v - (gc_b.get(k) or 0) if isinstance(v, int | float) and k.startswith("full") else v)
         for k, v in gc_a.items()
     }
-    compiled_b, compiled_a = before.get("kernels_compiled"), after.get("kernels_compiled")
+
+    def during(key: str) -> int | None:
+        b, a = before.get(key), after.get(key)
+        return None if a is None or b is None else a - b
+
     return {
         "tbt_cut": out,
         "choice_counts": {k: v for k, v in choices.items() if v},
@@ -167,9 +174,9 @@ def engine_during(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
         "gc": gc_during,
         # Triton variants compiled during the run (first uses on the engine thread; None: the
         # server does not count them, e.g. on a CPU).
-        "kernels_compiled": None
-        if compiled_a is None or compiled_b is None
-        else compiled_a - compiled_b,
+        "kernels_compiled": during("kernels_compiled"),
+        "num_preemptions": during("num_preemptions"),
+        "num_chunked_scoring": during("num_chunked_scoring"),
     }
 
 

@@ -16,7 +16,8 @@ tokens computed and tokens wanted, and a step gives tokens to the first to catch
   1. every running request with one pending token decodes (1 token each, FCFS). If it needs a
      new block and none is left, the most recently admitted running request is preempted
      (recompute style: it goes back to waiting with its output so far; it re-prefills prompt
-     + output later, mostly from the prefix cache);
+     + output later, mostly from the prefix cache), unless a launched step answers that
+     request: then the decode waits a step for the blocks its finish frees;
   2. prefills in progress continue, then waiting requests are admitted in policy order while
      the budget (`capacity.prefill_token_budget`, which decode tokens share when
      `capacity.decodes_share_budget`; in a step with decodes at most
@@ -30,11 +31,11 @@ tokens computed and tokens wanted, and a step gives tokens to the first to catch
 KV admission
   - GENERATE (and chunked SCORE): blocks for every token to prefill at admission (minus
     prefix-cache hits), one more block whenever decode crosses a block boundary.
-  - whole SCORE: only the full prompt blocks that the pool can hold right now are allocated
-    (suffix-KV discard: `num_kept_tokens`), and the last partial block too when they all fit
-    and one more block is free (then nothing in the step is discarded, so attention reads
-    every context from the pool rather than a per-layer copy of it, and the step may merge
-    with decodes). After the answer everything is released; the kept full blocks stay in the
+  - whole SCORE: only the full prompt blocks that the pool can hold right now, less a block
+    for each decode beside it, are allocated (suffix-KV discard: `num_kept_tokens`), and the
+    last partial block too when they all fit and one more block is free (then nothing in the
+    step is discarded, so attention reads every context from the pool rather than a
+    per-layer copy of it, and the step may merge with decodes). After the answer everything is released; the kept full blocks stay in the
     prefix cache (cached-idle).
   - A prefix hit never covers the whole prompt: the last prompt token is always computed
     (its logits are the answer).
@@ -768,6 +769,14 @@ class Scheduler:
                     self.bm.append_blocks(lease.key, 1)
                     continue
                 victim = self._victim(req)
+                if victim is not req and self._answered_in_flight(victim):
+                    # A launched step answers it, and its blocks come back when that step's
+                    # results are applied: preempting it would only throw the step away. On
+                    # an H100 (8B in 24 GB, credit-verification scoring next to chat, `off`)
+                    # a 50k-token whole prefill was preempted so by the chats' decodes, and
+                    # re-run, up to 7 times (2.3 s each). This decode waits a step instead.
+                    ok = False
+                    break
                 victim_lease = self._track[victim.request_id].lease
                 frees_now = victim_lease is not None and victim_lease.num_inflight == 0
                 self._preempt(victim)
@@ -780,6 +789,17 @@ class Scheduler:
                 continue
             plan.decode.append(self._seq(req, lease, 1, computed + 1, True, decode=True))
         return len(plan.decode)
+
+    def _answered_in_flight(self, req: Request) -> bool:
+        """Whether a step already planned or launched gives `req` its last output (a
+        scoring prompt's final prefill, a generation's max_tokens-th sample): applied, it
+        finishes the request and releases its blocks."""
+        lease = self._track[req.request_id].lease
+        if lease is None or lease.num_inflight == 0 or req.num_computed_tokens < req.num_tokens:
+            return False  # nothing in flight, or prompt (or output) tokens still to compute
+        if req.kind == RequestKind.SCORE:
+            return True
+        return req.num_output_tokens + req.num_output_placeholders >= req.sampling.max_tokens
 
     def _plan_prefills(
         self, plan: StepPlan, budget: int, admit: bool, capacity: StepCapacity
@@ -828,7 +848,13 @@ class Scheduler:
                 continue
             chunk_ok = capacity.chunk_scoring and decoding
             seq = self._admit(
-                req, budget, first, chunk_ok, nothing_running=not self.running, capacity=capacity
+                req,
+                budget,
+                first,
+                chunk_ok,
+                nothing_running=not self.running,
+                capacity=capacity,
+                num_decodes=len(plan.decode),
             )
             if seq is None:
                 break
@@ -904,8 +930,11 @@ class Scheduler:
         chunk_ok: bool,
         nothing_running: bool,
         capacity: StepCapacity,
+        num_decodes: int = 0,
     ) -> ScheduledSeq | None:
-        """Allocate KV for a waiting request and move it to running; None to stop admitting."""
+        """Allocate KV for a waiting request and move it to running; None to stop admitting.
+        `num_decodes`: decodes planned in this step; a whole scoring prompt leaves them a
+        block each, which the next step (planned while this one runs) may need."""
         bs = self.block_size
         samples = req.kind == RequestKind.GENERATE and req.sampling.max_tokens > 0
         if samples and self.slots.num_free == 0:
@@ -923,12 +952,12 @@ class Scheduler:
                 return None  # runs in a step of its own, whole
             n = num_new
             num_full = req.num_tokens // bs
-            keep_new = pinned = 0
+            keep_new = room = 0
             if self.config.enable_prefix_cache and self.bm.prefix_cache is not None:
-                pinned = self.bm.num_pinned(prefix_blocks)
-                keep_new = max(
-                    0, min(num_full - len(prefix_blocks), self.bm.num_free_blocks - pinned)
-                )
+                # Blocks it may keep: what is free, less its pinned prefix hits and a block for
+                # each decode beside it (else their next block comes from preempting someone).
+                room = self.bm.num_free_blocks - self.bm.num_pinned(prefix_blocks) - num_decodes
+                keep_new = max(0, min(num_full - len(prefix_blocks), room))
             num_kept = (len(prefix_blocks) + keep_new) * bs
             # Keep the last partial block too when the pool has one more block: then every new
             # token is written and nothing in the step is discarded. One discarding member is
@@ -940,7 +969,7 @@ class Scheduler:
             # block is never cached).
             whole_kept = keep_new == num_full - len(prefix_blocks)
             if whole_kept and req.num_tokens % bs:
-                if self.bm.num_free_blocks - pinned > keep_new:
+                if room > keep_new:
                     keep_new += 1
                     num_kept = req.num_tokens
             num_blocks_new = keep_new

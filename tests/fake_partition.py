@@ -216,6 +216,8 @@ class FakeEngine:
                 "prefill_chunk_tokens": 16384,
                 "num_failed_steps": 3,
                 "num_failed_requests": 1,
+                "num_preemptions": 4,
+                "num_chunked_scoring": 5,
                 "fallbacks": {"prefill graphs": "stand-in: out of memory"},
                 "kernels_compiled_while_serving": 2,
                 "num_drains_before_held_launch": 1,

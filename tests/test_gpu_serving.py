@@ -328,6 +328,12 @@ def test_engine_counters_over_one_run_are_differences() -> None:
     assert d["kernels_compiled"] is None  # the server did not count them (before / after)
     d = gs.engine_during({**before, "kernels_compiled": 1}, {**after, "kernels_compiled": 4})
     assert d["kernels_compiled"] == 3  # compiled during the run
+    assert d["num_preemptions"] is None  # an older server: not reported
+    d = gs.engine_during(
+        {**before, "num_preemptions": 7, "num_chunked_scoring": 0},
+        {**after, "num_preemptions": 9, "num_chunked_scoring": 5},
+    )
+    assert (d["num_preemptions"], d["num_chunked_scoring"]) == (2, 5)
     assert gs.engine_during(before, {}) == {"unreadable": True}
 
 

@@ -359,6 +359,49 @@ def test_preemption_under_overlap_waits_for_the_victims_step_instead_of_cascadin
     assert s.bm.num_free_blocks == 6
 
 
+def test_a_whole_scoring_prompt_in_flight_is_not_preempted_by_the_decodes_beside_it() -> None:
+    """A scoring prompt the pool cannot hold whole runs whole, keeping what fits. Planned one
+    step ahead, the chats' next decodes crossed into new blocks while it ran and preempted it:
+    its answer was thrown away and it ran again (seven times for one 50k-token prompt on the
+    GPU). It now leaves a block for each decode beside it and is never preempted once its
+    step is launched; it runs once and the chats still finish."""
+    for num_blocks in (8, 10, 12):
+        s = make(num_blocks=num_blocks, budget=16)
+        s.add(gen("chat", 4, max_tokens=20, ignore_eos=True))
+        s.add(gen("chat2", 3, max_tokens=20, ignore_eos=True))
+        step(s, FakeRunner())  # both chats prefilled: they decode from now on
+        long = score("long", list(range(200, 240)))  # 10 blocks: more than the pool has free
+        s.add(long)
+        runner = FakeRunner()
+        outs = drive(s, runner, overlap=True)
+        runs = [q for p in runner.plans for q in p.prefill if q.request.request_id == "long"]
+        assert [q.num_new_tokens for q in runs] == [40], num_blocks
+        assert runs[0].num_kept_tokens < 40  # whole, its suffix discarded
+        assert long.num_preemptions == 0
+        assert outs["long"][-1].label_probs == [0.25, 0.75]
+        for rid in ("chat", "chat2"):
+            assert outs[rid][-1].finish_reason == "length" and len(tokens(outs, rid)) == 19
+        assert s.bm.num_used_blocks == 0
+
+
+def test_a_decode_short_of_a_block_waits_for_a_request_its_launched_step_answers() -> None:
+    """The newest request's last sample is in flight (max_tokens reached): applied, that
+    step finishes it and frees its blocks. A decode short of a block then waits a step
+    rather than preempt it (which threw the finished work away and re-ran its prompt)."""
+    s = make(num_blocks=3, budget=64, cache=False)
+    s.add(gen("a", 4, max_tokens=6, arrival=0.0, ignore_eos=True))  # 1 block, grows to 3
+    s.add(gen("b", 8, max_tokens=1, arrival=1.0))  # 2 blocks: the pool is full
+    runner = FakeRunner()
+    outs = drive(s, runner, overlap=True)
+    assert s.num_preemptions == 0
+    assert [[q.request.request_id for q in p.prefill] for p in runner.plans if p.prefill] == [
+        ["a", "b"]
+    ]
+    assert tokens(outs, "b") == [1] and outs["b"][-1].finish_reason == "length"
+    assert len(tokens(outs, "a")) == 6 and outs["a"][-1].finish_reason == "length"
+    assert s.bm.num_free_blocks == 3
+
+
 def test_abort_frees_kv_waiting_and_running() -> None:
     s = make()
     s.add(gen("a", 10, max_tokens=50))
