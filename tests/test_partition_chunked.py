@@ -16,6 +16,7 @@ from test_partition_manager import manager  # noqa: F401 - the fixture
 from test_scheduler import LinearCost, _decoding, _prefill_sizes, cap
 from test_split_executor import FakeDevice, FakeEvent, gen, split_engine
 
+from policies.jct import JCTModel
 from runtime.partition import SplitDecision
 from runtime.partition.cost_model import (
     DECODE,
@@ -30,7 +31,7 @@ from runtime.partition.cost_model import (
     SplitController,
 )
 from runtime.request import Request, RequestKind
-from runtime.scheduler import MIN_TBT_CHUNK_TOKENS, CorrectedCost
+from runtime.scheduler import MIN_TBT_CHUNK_TOKENS, CorrectedCost, tbt_chunk_tokens
 
 # --------------------------------------------------------------------------- the controller
 P = PrefillShape.from_seqs([(0, 8192)], num_layers=32)
@@ -116,6 +117,35 @@ def test_the_cap_on_a_step_with_decodes_bounds_the_chunk_and_counts_its_steps() 
     # A cap above the room changes nothing.
     loose = ctl._chunked(P, D, ChunkInput(cost, 0, target, max_chunk_tokens=room + 1))
     assert loose.chunk_tokens == room
+
+
+def test_the_chunked_prediction_walks_the_chunks_the_cut_makes_as_the_context_grows() -> None:
+    """With a context term (every chunk reads its whole context again: `CorrectedCost`) the
+    cut's chunks shrink as a long prompt fills in, and their steps add up: the prediction
+    follows the chunks the scheduler's cut makes, step by step, within a few per cent, where
+    one whole marginal (as until 2026-12-06) fell ~30 % short on the H100's fitted costs and
+    auto chose chunks over faster layer slices."""
+    jct = JCTModel(a_s=0.005882, b_s_per_token=1.628e-05, k_s_per_pair=1.109e-09)  # 8B, H100
+    cost = CorrectedCost(jct, scale=1.196, offset_s=0.0005, context_s_per_token=0.668e-6)
+    m = _model()
+    ctl = SplitController(m, [32, 64], ControllerConfig(tbt_slo_ms=67.0))
+    d = DecodeShape(10, 10 * 400, 32)
+    for n, ctx in ((40_283, 0), (59_454, 0), (8_000, 30_000)):
+        chunk = ChunkInput(cost, ctx, 67.0, decode_step_ms=7.0, max_chunk_tokens=2038)
+        dec = ctl._chunked(PrefillShape.from_seqs([(ctx, n)], 32), d, chunk)
+        room_s = ctl.chunk_room_ms(d, chunk) / 1e3
+        decode_ms = 67.0 - room_s * 1e3
+        done, steps, prefill_s = ctx, 0, 0.0  # the cut, chunk by chunk
+        while done < ctx + n:
+            t = min(tbt_chunk_tokens(cost, room_s, done), 2038, ctx + n - done)
+            prefill_s += cost.marginal_s(t, done)
+            done, steps = done + t, steps + 1
+        walked_ms = steps * decode_ms + prefill_s * 1e3
+        assert dec.predicted_prefill_ms == pytest.approx(walked_ms, rel=0.05), n
+        if ctx == 0:
+            assert steps > 1.3 * -(-n // 2038)  # the chunks shrank well below the cap
+            one_marginal_ms = -(-n // 2038) * decode_ms + cost.marginal_s(n, 0) * 1e3
+            assert dec.predicted_prefill_ms > 1.25 * one_marginal_ms
 
 
 def gen_prompt(rid: str, n: int) -> Request:

@@ -56,7 +56,7 @@ import numpy as np
 
 from runtime.online_fit import DecayingLine
 from runtime.partition import TIME_SLICE, SplitDecision
-from runtime.scheduler import MIN_TBT_CHUNK_TOKENS, PrefillCost, tbt_chunk_tokens
+from runtime.scheduler import PrefillCost, tbt_chunk_tokens
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -95,6 +95,36 @@ def interference_slope(groups: list[tuple[np.ndarray, np.ndarray]]) -> float:
         if err < best_err - 1e-12:
             best, best_err = float(nu), err
     return best
+
+
+# Spans of a prompt over which `_chunk_steps` holds the chunk size constant.
+CHUNK_SPANS = 16
+
+
+def _chunk_steps(
+    cost: PrefillCost, room_s: float, context_tokens: int, num_tokens: int, cap: int | None
+) -> tuple[int, float]:
+    """(steps, prefill ms) to prefill `num_tokens` after `context_tokens` in chunks cut by
+    time to `room_s` a step (`tbt_chunk_tokens`, at most `cap`). The chunks shrink as the
+    context grows: every step reads its whole context again (the corrected cost's context
+    term, `CorrectedCost`), so the prompt is walked in CHUNK_SPANS spans, each at the chunk
+    its middle context gets, and every step pays its own context read. Costed as one whole
+    marginal (until 2026-12-06), 40k- and 44k-token scoring prompts beside chat on an H100
+    (8B, 80 ms target, the run's own fitted costs) were predicted at 32 and 37 steps, 2.1 and
+    2.4 s, where their chunks (2,038 tokens at first, ~350 at 44k of context) took 42-43 and
+    51-57 steps, 2.6-2.7 and 3.2-3.5 s; walked so, 46 and 56 steps, 3.0 and 3.7 s."""
+    span = num_tokens / CHUNK_SPANS
+    steps = prefill_s = 0.0
+    for i in range(CHUNK_SPANS):
+        ctx = int(context_tokens + (i + 0.5) * span)
+        tokens = tbt_chunk_tokens(cost, room_s, ctx)
+        if cap is not None:
+            tokens = min(tokens, cap)
+        tokens = max(1, min(tokens, num_tokens))
+        k = span / tokens  # steps in this span (fractional)
+        steps += k
+        prefill_s += k * cost.marginal_s(tokens, ctx)
+    return max(2, math.ceil(steps - 1e-9)), prefill_s * 1e3
 
 
 @dataclass(frozen=True, slots=True)
@@ -648,8 +678,8 @@ class SplitController:
         the target after the decode step (`tbt_chunk_tokens`: the arithmetic of the
         scheduler's `--tbt-slo-ms` cut), at most `chunk.max_chunk_tokens`. Predicted prefill:
         until the last chunk is done (the chunks' marginal cost plus one decode step per chunk
-        step); predicted decode: one step (decodes + the first chunk), which is what a decode
-        waits."""
+        step, `_chunk_steps`); predicted decode: one step (decodes + the first chunk), which
+        is what a decode waits."""
         room_ms = self.chunk_room_ms(d, chunk)
         decode_ms = chunk.tbt_slo_ms - room_ms  # the decode step with a chunk beside it
         cost, ctx, n = chunk.prefill_cost, chunk.context_tokens, max(p.num_tokens, 1)
@@ -657,20 +687,14 @@ class SplitController:
         cap = chunk.max_chunk_tokens
         if cap is not None:
             tokens = min(tokens, cap)
-        all_ms = cost.marginal_s(n, ctx) * 1e3
         if tokens >= n:
-            steps = 1
+            steps, prefill_ms = 1, cost.marginal_s(n, ctx) * 1e3
         else:
-            # The cut is by time, so each step fills the room (chunks shrink as the context
-            # grows), but takes at least MIN_TBT_CHUNK_TOKENS, and at most the cap.
-            by_time = math.ceil(all_ms / room_ms) if room_ms > 0 else n
-            steps = max(2, min(by_time, math.ceil(n / MIN_TBT_CHUNK_TOKENS)))
-            if cap is not None:
-                steps = max(steps, math.ceil(n / cap))
+            steps, prefill_ms = _chunk_steps(cost, room_ms / 1e3, ctx, n, cap)
         return SplitDecision(
             TIME_SLICE,
             chunk_tokens=tokens,
-            predicted_prefill_ms=steps * decode_ms + all_ms,
+            predicted_prefill_ms=steps * decode_ms + prefill_ms,
             predicted_decode_ms=decode_ms + cost.marginal_s(min(tokens, n), ctx) * 1e3,
             reason="chunked time-slicing",
             evaluations=1,
@@ -816,7 +840,15 @@ class SplitController:
         if tbt_rule and cfg.allow_time_slice and cfg.layer_slicing:
             sliced = self._layer_slices(p, d, aim_ms)
             tp_split, td_split = ev(best_split)
-            if sliced is not None and (td_split > cfg.tbt_slo_ms or sliced[1] <= tp_split):
+            # The split must finish the prefill sooner by its margin, as against chunks
+            # (`_versus`): the larger of min_split_speedup and its prefill prediction's
+            # measured error. Without one, on an H100 (8B in 24 GB, scoring prompts beside
+            # chat) 59k-token prompts went to 112 SMs and took 3.60-3.67 s, 1.25x the whole
+            # GPU's 2.89 s, where 50-52k-token ones in layer slices took 1.07x its time.
+            need = max(
+                cfg.min_split_speedup, 1.0 + self.model.recent_error(f"{PREFILL}/concurrent")
+            )
+            if sliced is not None and (td_split > cfg.tbt_slo_ms or sliced[1] <= tp_split * need):
                 layers, tp_sliced = sliced
                 dec = self._settle(
                     TIME_SLICE, f"layer slices of {layers} meet the TBT target", p, d, ev, None
