@@ -116,7 +116,7 @@ common=(--out-dir $work --rev "$rev" --scale 1.0 --duration-s ${DUR:-16} --drain
 # reverse order, SIDES=a,b only those named (plans s, t, sweep, default, cap);
 # SCORE_WORKLOAD=post-recommendation-stream scores a stream of arriving users, primed, instead
 # of 20 users all cold at each probe's start.
-bisect_sides() {
+pick_sides() {
   if [ -n "${SIDES:-}" ]; then  # SIDES=a,b: only the sides of these names, in the plan's order
     local kept=() j
     for (( j = 0; j < ${#sides[@]}; j += 2 )); do
@@ -124,6 +124,9 @@ bisect_sides() {
     done
     sides=("${kept[@]}")
   fi
+}
+bisect_sides() {
+  pick_sides
   if [ "${REVERSE:-}" = 1 ]; then
     local reversed=() i
     for (( i = ${#sides[@]} - 2; i >= 0; i -= 2 )); do reversed+=("${sides[@]:i:2}"); done
@@ -367,14 +370,16 @@ case $plan in
     # case with --chunk-scoring-prefill false; here it is what memory forces: credit
     # verification (histories of 40-60k tokens) on the 8B in 24 GB (weights ~16 GB: a pool
     # of tens of thousands of tokens), chat at 2 QPS beside it, SRJF (the default) on both
-    # sides: off-2k (the chats wait for each whole prompt) and auto (layer slices or a
-    # split). Unrun as of the twenty-eighth session: whether 24 GB holds the 8B with every
-    # split's decode graphs is part of what it finds (START_S: the start-up estimate).
+    # sides: off-2k (the chats wait for each whole prompt) and auto (chunks, layer slices or a
+    # split). 24 GB holds the 8B with every split's decode graphs (a 51,664-token pool on an
+    # H100, forty-sixth session). ~5 min a call with PROBES=4 DUR=20 SQ0=0.25.
     m=${split:-random:llama-3.1-8b}
+    sides=(--side off-2k:partition=off,budget=2048,tbt=none
+           --side auto:partition=auto,budget=8192,mixed=2048,tbt=none)
+    pick_sides  # SIDES=auto: that side alone
     python3 -m bench.gpu_serving "${common[@]}" --models $m --start-s ${START_S:-240} \
       --server-args "--partition auto --calibrate true --partition-tbt-slo-ms 80 --partition-layer-slicing true --max-gpu-memory-gb 24 --prefill-policy srjf ${SERVER_EXTRA:-}" \
-      --side off-2k:partition=off,budget=2048,tbt=none \
-      --side auto:partition=auto,budget=8192,mixed=2048,tbt=none \
+      "${sides[@]}" \
       --score-workload credit-verification --score-start-qps ${SQ0:-0.5} --chat-qps 2 \
       --max-probes ${PROBES:-4} --score-slo ttft:${SCORE_SLO_MS:-10000} \
       --parts score-chat --tag partition-$plan --deadline-s "$(( $(left) - 10 ))" || rc=1 ;;
