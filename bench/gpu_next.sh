@@ -109,7 +109,7 @@ work=/tmp/serving; rm -rf $work; mkdir -p $work
 # auto in earlier sessions where 16-s probes failed all three there (TTFT P99 5-11 s at
 # dcb240e): a short probe ends before the queue has built. A part takes about twice as long.
 common=(--out-dir $work --rev "$rev" --scale 1.0 --duration-s ${DUR:-16} --drain-s 6
-        --request-timeout-s 40 --command "${DUR:+DUR=$DUR }${PROBES:+PROBES=$PROBES }${PARTS:+PARTS=$PARTS }${REVERSE:+REVERSE=$REVERSE }${FIXED_K:+FIXED_K=$FIXED_K }${SIDES:+SIDES=$SIDES }${SCORE_WORKLOAD:+SCORE_WORKLOAD=$SCORE_WORKLOAD }${SERVER_EXTRA:+SERVER_EXTRA='$SERVER_EXTRA' }bash bench/gpu_next.sh $plan $rev $split")
+        --request-timeout-s 40 --command "${DUR:+DUR=$DUR }${PROBES:+PROBES=$PROBES }${PARTS:+PARTS=$PARTS }${REVERSE:+REVERSE=$REVERSE }${FIXED_K:+FIXED_K=$FIXED_K }${SIDES:+SIDES=$SIDES }${SCORE_WORKLOAD:+SCORE_WORKLOAD=$SCORE_WORKLOAD }${SQ0:+SQ0=$SQ0 }${START_S:+START_S=$START_S }${SERVER_EXTRA:+SERVER_EXTRA='$SERVER_EXTRA' }bash bench/gpu_next.sh $plan $rev $split")
 # Max QPS at the P99 SLO by bisection for the sides in $sides (pairs: --side NAME:SETTINGS) on
 # one server of model $m started with the options $1: mixed chat from $q0 QPS, then scoring
 # next to chat from $sq0; $2: the parts when PARTS is unset. REVERSE=1 runs the sides in
