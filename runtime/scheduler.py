@@ -35,8 +35,8 @@ KV admission
     for each decode beside it, are allocated (suffix-KV discard: `num_kept_tokens`), and the
     last partial block too when they all fit and one more block is free (then nothing in the
     step is discarded, so attention reads every context from the pool rather than a
-    per-layer copy of it, and the step may merge with decodes). After the answer everything is released; the kept full blocks stay in the
-    prefix cache (cached-idle).
+    per-layer copy of it, and the step may merge with decodes). After the answer everything
+    is released; the kept full blocks stay in the prefix cache (cached-idle).
   - A prefix hit never covers the whole prompt: the last prompt token is always computed
     (its logits are the answer).
 
@@ -952,12 +952,12 @@ class Scheduler:
                 return None  # runs in a step of its own, whole
             n = num_new
             num_full = req.num_tokens // bs
-            keep_new = room = 0
-            if self.config.enable_prefix_cache and self.bm.prefix_cache is not None:
-                # Blocks it may keep: what is free, less its pinned prefix hits and a block for
-                # each decode beside it (else their next block comes from preempting someone).
-                room = self.bm.num_free_blocks - self.bm.num_pinned(prefix_blocks) - num_decodes
-                keep_new = max(0, min(num_full - len(prefix_blocks), room))
+            caching = self.config.enable_prefix_cache and self.bm.prefix_cache is not None
+            # Blocks it may keep: what is free, less its pinned prefix hits and a block for each
+            # decode beside it (else their next block comes from preempting someone).
+            pinned = self.bm.num_pinned(prefix_blocks) if caching else 0
+            room = self.bm.num_free_blocks - pinned - num_decodes
+            keep_new = max(0, min(num_full - len(prefix_blocks), room)) if caching else 0
             num_kept = (len(prefix_blocks) + keep_new) * bs
             # Keep the last partial block too when the pool has one more block: then every new
             # token is written and nothing in the step is discarded. One discarding member is
