@@ -35,6 +35,7 @@ from app import __version__
 from app.settings import (
     AUTO_WHEN_UNSET,
     ENV_PREFIX,
+    UNSET_WORDS,
     Settings,
     engine_field_names,
     unknown_env_options,
@@ -167,7 +168,7 @@ def _scalar_type(annotation: Any) -> tuple[type, bool]:
 
 
 def _optional(convert: Any, auto: bool = False) -> Any:
-    unset = ("none", "null", "", "auto") if auto else ("none", "null", "")
+    unset = (*UNSET_WORDS, "", "auto") if auto else (*UNSET_WORDS, "")
 
     def parse(text: str) -> Any:
         return None if text.strip().lower() in unset else convert(text)

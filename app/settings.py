@@ -195,6 +195,10 @@ _SettingsBase = create_model(  # type: ignore[call-overload]
 # Engine options whose unset value (None) means "the engine sizes it": `auto` (and `none`)
 # say so on the command line and in the environment.
 AUTO_WHEN_UNSET = frozenset({"prefill_chunk_tokens", "prefill_warm_up_tokens", "num_kv_blocks"})
+# Words that leave an optional engine option unset (None), on the command line and in the
+# environment; `auto` too for AUTO_WHEN_UNSET's options. The command line also takes an empty
+# value (`--x ""`).
+UNSET_WORDS = ("none", "null")
 
 
 class Settings(_SettingsBase):  # type: ignore[valid-type,misc]
@@ -206,7 +210,7 @@ class Settings(_SettingsBase):  # type: ignore[valid-type,misc]
         if isinstance(data, dict):
             for name in AUTO_WHEN_UNSET & data.keys():
                 value = data[name]
-                if isinstance(value, str) and value.strip().lower() in ("auto", "none", "null"):
+                if isinstance(value, str) and value.strip().lower() in (*UNSET_WORDS, "auto"):
                     data = {**data, name: None}
         return data
 
