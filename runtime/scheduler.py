@@ -31,12 +31,13 @@ tokens computed and tokens wanted, and a step gives tokens to the first to catch
 KV admission
   - GENERATE (and chunked SCORE): blocks for every token to prefill at admission (minus
     prefix-cache hits), one more block whenever decode crosses a block boundary.
-  - whole SCORE: only the full prompt blocks that the pool can hold right now, less a block
-    for each decode beside it, are allocated (suffix-KV discard: `num_kept_tokens`), and the
-    last partial block too when they all fit and one more block is free (then nothing in the
-    step is discarded, so attention reads every context from the pool rather than a
-    per-layer copy of it, and the step may merge with decodes). After the answer everything
-    is released; the kept full blocks stay in the prefix cache (cached-idle).
+  - whole SCORE: only the full prompt blocks that the pool can hold right now, less what the
+    decodes beside it will need (`_decode_reserve_blocks`), are allocated (suffix-KV
+    discard: `num_kept_tokens`), and the last partial block too when they all fit and one
+    more block is free (then nothing in the step is discarded, so attention reads every
+    context from the pool rather than a per-layer copy of it, and the step may merge with
+    decodes). After the answer everything is released; the kept full blocks stay in the
+    prefix cache (cached-idle).
   - A prefix hit never covers the whole prompt: the last prompt token is always computed
     (its logits are the answer).
 
@@ -281,6 +282,14 @@ class TailFactor:
 # With a TBT target, the first prefill chunk of a step gets at least this many tokens: prefill
 # must progress even when the decodes alone take longer than the target.
 MIN_TBT_CHUNK_TOKENS = 256
+
+# A whole scoring prompt held on a split or in layer slices runs beside decode steps for its
+# whole length; it leaves each decoding request the blocks for this many more tokens (at most
+# to its max_tokens). On an H100 (8B in 24 GB, 40-60k-token scoring prompts beside 2-QPS chat
+# under auto) such prompts ran 2.5-5 s, a decode step every ~8 ms; keeping every free block
+# for the prompt's prefix left the decodes none, and a run counted 9-17 preemptions (a held
+# request is never the victim: they fell on the chats).
+HELD_DECODE_RESERVE_TOKENS = 512
 
 # Samples of a request under a grammar (structured outputs) that may be in flight when it is
 # planned again: its mask needs every earlier token, and the runner waits for one in-flight
@@ -801,6 +810,23 @@ class Scheduler:
             return True
         return req.num_output_tokens + req.num_output_placeholders >= req.sampling.max_tokens
 
+    def _decode_reserve_blocks(self, plan: StepPlan, capacity: StepCapacity) -> int:
+        """Blocks a whole scoring prompt admitted into `plan` leaves free for the decodes
+        beside it: a block each for the next step (planned while this one runs); with held
+        prefills (the split executor runs the prompt beside decode steps for its whole
+        length) what each may grow in HELD_DECODE_RESERVE_TOKENS tokens, at most to its
+        max_tokens."""
+        if not capacity.hold_prefills:
+            return len(plan.decode)
+        blocks = 0
+        for seq in plan.decode:
+            req = seq.request
+            left = req.sampling.max_tokens - req.num_output_tokens - req.num_output_placeholders
+            grow = min(HELD_DECODE_RESERVE_TOKENS, max(0, left))
+            need = self.bm.num_blocks_for(req.num_computed_tokens + grow)
+            blocks += max(0, need - len(self.bm.table(seq.lease.key)))
+        return blocks
+
     def _plan_prefills(
         self, plan: StepPlan, budget: int, admit: bool, capacity: StepCapacity
     ) -> None:
@@ -854,7 +880,7 @@ class Scheduler:
                 chunk_ok,
                 nothing_running=not self.running,
                 capacity=capacity,
-                num_decodes=len(plan.decode),
+                reserve_blocks=self._decode_reserve_blocks(plan, capacity),
             )
             if seq is None:
                 break
@@ -930,11 +956,11 @@ class Scheduler:
         chunk_ok: bool,
         nothing_running: bool,
         capacity: StepCapacity,
-        num_decodes: int = 0,
+        reserve_blocks: int = 0,
     ) -> ScheduledSeq | None:
         """Allocate KV for a waiting request and move it to running; None to stop admitting.
-        `num_decodes`: decodes planned in this step; a whole scoring prompt leaves them a
-        block each, which the next step (planned while this one runs) may need."""
+        `reserve_blocks`: what a whole scoring prompt leaves free for the decodes beside it
+        (`_decode_reserve_blocks`)."""
         bs = self.block_size
         samples = req.kind == RequestKind.GENERATE and req.sampling.max_tokens > 0
         if samples and self.slots.num_free == 0:
@@ -953,10 +979,10 @@ class Scheduler:
             n = num_new
             num_full = req.num_tokens // bs
             caching = self.config.enable_prefix_cache and self.bm.prefix_cache is not None
-            # Blocks it may keep: what is free, less its pinned prefix hits and a block for each
-            # decode beside it (else their next block comes from preempting someone).
+            # Blocks it may keep: what is free, less its pinned prefix hits and what the decodes
+            # beside it will need (else their next blocks come from preempting someone).
             pinned = self.bm.num_pinned(prefix_blocks) if caching else 0
-            room = self.bm.num_free_blocks - pinned - num_decodes
+            room = self.bm.num_free_blocks - pinned - reserve_blocks
             keep_new = max(0, min(num_full - len(prefix_blocks), room)) if caching else 0
             num_kept = (len(prefix_blocks) + keep_new) * bs
             # Keep the last partial block too when the pool has one more block: then every new

@@ -680,6 +680,34 @@ def test_held_prefills_are_neither_scheduled_nor_preempted_until_applied() -> No
     assert [q.request.request_id for q in p2.decode] == ["a"]
 
 
+def test_a_held_whole_scoring_prompt_leaves_the_decodes_beside_it_room_to_grow() -> None:
+    """Held (on a split or in layer slices) a whole scoring prompt runs beside many decode
+    steps. Had it kept every free block for its prefix, the decodes crossing into new blocks
+    would preempt the chats (a held request is never the victim): it keeps what leaves each
+    decode HELD_DECODE_RESERVE_TOKENS (here: its max_tokens) to grow, and none is preempted."""
+    s = make(num_blocks=24, budget=64)
+    chats = [gen(f"c{i}", 4, max_tokens=40, ignore_eos=True, arrival=float(i)) for i in range(3)]
+    for c in chats:
+        s.add(c)
+    step(s, FakeRunner())  # the chats decode from now on
+    s.add(score("long", list(range(300, 400)), arrival=10.0))  # 25 blocks: more than free
+    runner = FakeRunner()
+    held = StepCapacity(prefill_token_budget=128, decodes_share_budget=False, hold_prefills=True)
+    p0 = s.schedule(held)
+    r0 = runner.run(p0)
+    ((whole,),) = [p0.prefill]
+    assert whole.num_new_tokens == 100 and whole.num_kept_tokens < 100
+    s.update(StepPlan(p0.step_id, decode=p0.decode), r0)  # the split applies decodes first
+    for _ in range(20):  # decode steps beside the held prefill (the chats' need: 18 blocks)
+        plan = s.schedule(StepCapacity(0, decodes_share_budget=False, hold_prefills=True))
+        s.update(plan, runner.run(plan))
+    assert s.num_preemptions == 0 and all(c.num_preemptions == 0 for c in chats)
+    assert [c.num_output_tokens for c in chats] == [22] * 3
+    out = s.update(StepPlan(p0.step_id, prefill=p0.prefill), r0)
+    assert [o.label_probs for o in out if o.request_id == "long"] == [[0.25, 0.75]]
+    s.bm.check_integrity()
+
+
 def test_long_scoring_prompt_is_chunked_only_next_to_decodes_and_when_its_kv_fits() -> None:
     prompt = list(range(200, 240))  # 40 tokens, 10 blocks
     # Next to a decoding request: chunked by the budget, KV for the whole prompt held.
