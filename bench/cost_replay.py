@@ -21,8 +21,9 @@ another day); without it the built-in default is used.
 
 What the records lack (so it is inferred here): the split's SM counts before the trace had
 `sms` / `other_sms` (taken from the log's `auto split: N prefill SMs` lines, default
---split-sms), the cost model's own per-step
-prediction, and which decode steps overlapped a split prefill (matched by time). The JCT
+--split-sms), the cost model's own per-step prediction (since 2026-12-06 a split prefill's
+row carries the controller's, `split_predicted_ms`, made when it chose the split), and which
+decode steps overlapped a split prefill (matched by time). The JCT
 model is held at its start-up calibration (the server refits it online).
 """
 

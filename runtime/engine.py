@@ -157,6 +157,10 @@ STEP_TRACE_FIELDS = (
     # pool had no room for). With any prefill context beside them the FlashInfer backend
     # attends every member's context from a per-layer copy of it (its gathered path).
     "prefill_discarded_tokens",
+    # A prefill on a split: the controller's predicted prefill on its SMs when it chose the split
+    # (what the choice weighed against chunks and layer slices), else None. Against device_ms:
+    # how far off the choice was (`prefill/concurrent` is scored on the model at collection).
+    "split_predicted_ms",
 )
 
 Sink = Callable[[list[EngineOutput]], None]
@@ -1684,6 +1688,7 @@ class Engine:
                     for s in plan.prefill
                     if s.num_kept_tokens < s.num_context_tokens + s.num_new_tokens
                 ),
+                _ms(result.split_predicted_s),
             )
         )
 

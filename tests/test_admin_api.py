@@ -546,11 +546,13 @@ def test_step_trace_of_the_real_engine() -> None:
             "plan_ms",
             "launch_ms",
             "prefill_discarded_tokens",
+            "split_predicted_ms",
         }
         # A short scoring prompt with room keeps all of its KV: nothing discarded.
         assert all(s["prefill_discarded_tokens"] == 0 for s in steps)
         assert all(s["chunked_predicted_ms"] is None for s in steps)  # off: no chunked choice
         assert all(s["layer_sliced_span_ms"] is None for s in steps)  # nor layer slices
+        assert all(s["split_predicted_ms"] is None for s in steps)  # nor a split
         assert all(s["decode_gap_ms"] is None for s in steps)  # the serial executor: none
         ages = [s["age_s"] for s in steps]
         assert ages == sorted(ages, reverse=True) and ages[-1] >= 0.0

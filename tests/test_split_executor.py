@@ -203,7 +203,8 @@ def fixed_split(
             return SplitChoice(dec, "whole", "whole", 132)
         if p is None or prefill_sms == 0:
             return SplitChoice(SplitDecision(0), "whole", "whole", 132)
-        return SplitChoice(SplitDecision(prefill_sms), "P", "D", 132 - prefill_sms)
+        dec = SplitDecision(prefill_sms, predicted_prefill_ms=predicted_prefill_ms)
+        return SplitChoice(dec, "P", "D", 132 - prefill_sms)
 
     choose.choices = choices  # type: ignore[attr-defined]
     return choose
@@ -283,6 +284,10 @@ def test_same_tokens_as_serial_no_loss_no_duplicates(prefill_sms: int) -> None:
         assert any(st["on_split"] and st["sms"] == prefill_sms for st in trace)
         assert all(st["sms"] == 0 and st["other_sms"] == 0 for st in trace if not st["on_split"])
         assert all(st["other_sms"] in (0, 132 - st["sms"]) for st in trace if st["on_split"])
+        # A prefill on the split carries the prediction the choice weighed; nothing else does.
+        split_prefills = [st for st in trace if st["on_split"] and st["num_prefill_tokens"]]
+        assert split_prefills and all(st["split_predicted_ms"] == 5.0 for st in split_prefills)
+        assert all(st["split_predicted_ms"] is None for st in trace if st not in split_prefills)
     else:
         assert ex.num_split_prefills == 0
         # Time-sliced prefill-only steps on the whole GPU teach it (device time, events).

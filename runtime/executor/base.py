@@ -45,6 +45,9 @@ class StepResult:
     # otherwise; the step trace's `layer_sliced_span_ms` / `layer_sliced_predicted_ms`.
     layer_sliced_span_s: float | None = None
     layer_sliced_predicted_s: float | None = None
+    # Split executor, a prefill on a split's partition: the controller's predicted prefill
+    # there when it chose the split (the step trace's `split_predicted_ms`); None otherwise.
+    split_predicted_s: float | None = None
 
     @property
     def is_prefill_only(self) -> bool:

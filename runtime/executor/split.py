@@ -85,7 +85,8 @@ class _Launched:
     other_sms: int = 0  # SMs of the phase running beside it (0: none)
     layer_sliced: bool = False
     # A layer-sliced prefill: the controller's predicted completion (its slices and the decode
-    # steps between them, `SplitDecision.predicted_prefill_ms`); NaN otherwise.
+    # steps between them); a prefill on a split: its predicted prefill on the split's SMs, as
+    # the controller weighed it (`SplitDecision.predicted_prefill_ms`); NaN otherwise.
     predicted_ms: float = math.nan
     on_split: bool = False  # ran on a split's partition (not the whole GPU)
     neighbour: DecodeShape | None = None  # a split prefill: the mean decode step beside it
@@ -462,7 +463,9 @@ class SplitExecutor:
                 f.choice.prefill_sms,
                 other,
                 layer_sliced=sliced,
-                predicted_ms=f.choice.decision.predicted_prefill_ms if sliced else math.nan,
+                predicted_ms=f.choice.decision.predicted_prefill_ms
+                if sliced or f.choice.prefill_sms != TIME_SLICE
+                else math.nan,
                 on_split=f.choice.prefill_sms != TIME_SLICE,
                 neighbour=neighbour,
                 abandoned=f.abandoned,
@@ -510,6 +513,11 @@ class SplitExecutor:
             layer_sliced_span_s=ms / 1e3 if f.layer_sliced else None,
             layer_sliced_predicted_s=(
                 f.predicted_ms / 1e3 if f.layer_sliced and math.isfinite(f.predicted_ms) else None
+            ),
+            split_predicted_s=(
+                f.predicted_ms / 1e3
+                if f.kind == "prefill" and f.on_split and math.isfinite(f.predicted_ms)
+                else None
             ),
         )
 
