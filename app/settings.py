@@ -25,6 +25,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from runtime.calibrate import model_key, resolve_calibration
 from runtime.config import EngineConfig
+from runtime.core.process import PROFILE_DIR_ENV
+from runtime.model.convert import CACHE_DIR_ENV
 
 log = logging.getLogger("greenlane.app")
 
@@ -254,9 +256,8 @@ def engine_field_names() -> tuple[str, ...]:
     return _ENGINE_FIELDS
 
 
-# GREENLANE_* variables the server reads that are not options (runtime/model/convert.py,
-# runtime/core/process.py).
-ENV_NOT_OPTIONS = frozenset({"GREENLANE_CACHE_DIR", "GREENLANE_PROFILE_DIR"})
+# GREENLANE_* variables the server reads that are not options.
+ENV_NOT_OPTIONS = frozenset({CACHE_DIR_ENV, PROFILE_DIR_ENV})
 
 
 def unknown_env_options(environ: typing.Mapping[str, str] | None = None) -> list[str]:

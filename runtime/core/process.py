@@ -366,12 +366,16 @@ class EngineCore:
         remove_ipc_folder(self._input_address)  # a core killed outright: its starter does
 
 
+# Where profile traces go when set (`_trace_path`); app/settings.py knows it is no option.
+PROFILE_DIR_ENV = "GREENLANE_PROFILE_DIR"
+
+
 def _trace_path() -> str:
     """Where a profile's chrome trace goes: `$GREENLANE_PROFILE_DIR`, else `<cache>/profiles`,
     as `steps-<UTC stamp>-<pid>.json` (the server picks the file; a caller never names one)."""
     from runtime.model.convert import cache_dir
 
-    folder = os.environ.get("GREENLANE_PROFILE_DIR") or str(cache_dir() / "profiles")
+    folder = os.environ.get(PROFILE_DIR_ENV) or str(cache_dir() / "profiles")
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     return os.path.join(folder, f"steps-{stamp}-{os.getpid()}.json")
 

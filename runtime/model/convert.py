@@ -53,11 +53,15 @@ def is_source_checkout() -> bool:
     return (_REPO_ROOT / "pyproject.toml").is_file()
 
 
+# Where converted models live when set (`cache_dir`); app/settings.py knows it is no option.
+CACHE_DIR_ENV = "GREENLANE_CACHE_DIR"
+
+
 def cache_dir() -> Path:
     """Where converted models live: `$GREENLANE_CACHE_DIR`; else, in a source checkout, the
     repository's `.cache` (what `make serve` uses); else `$XDG_CACHE_HOME/greenlane`
     (default `~/.cache/greenlane`), never inside site-packages."""
-    env = os.environ.get("GREENLANE_CACHE_DIR")
+    env = os.environ.get(CACHE_DIR_ENV)
     if env:
         return Path(env).expanduser()
     if is_source_checkout():
