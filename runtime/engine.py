@@ -110,6 +110,21 @@ log = logging.getLogger("greenlane.engine")
 STATS_INTERVAL_S = 0.25
 # Merged steps that fail while their requests run fine alone, before merging stops (`_recover`).
 MERGED_STEP_FAILURES_BEFORE_FALLBACK = 3
+# The fallback decode base (`Engine._decode_base_s`, no calibrated cost model) is an EWMA of
+# decode-only steps, each entering at most this many times the current average: one stalled
+# step (a host gap inside it, a collector pause) lifted it by a tenth of the stall, and the
+# TBT cut planned the steps after it that much shorter until it decayed. A real change of
+# batch still moves it by up to 10 % a step.
+DECODE_AVG_MAX_JUMP = 2.0
+
+
+def decode_avg_s(avg_s: float, sample_s: float) -> float:
+    """The fallback decode base after one more decode-only step of `sample_s` (0: none yet)."""
+    if avg_s == 0.0:
+        return sample_s
+    return 0.9 * avg_s + 0.1 * min(sample_s, DECODE_AVG_MAX_JUMP * avg_s)
+
+
 # Steps kept for `step_trace` (the admin API's /admin/api/steps): a few seconds of a busy server.
 STEP_TRACE_LEN = 4096
 STEP_TRACE_FIELDS = (
@@ -1624,11 +1639,8 @@ class Engine:
         if decode_only and result.device_s is not None:
             self._decode_device_s += result.device_s
             self._num_decode_steps += 1
-            avg = self._decode_step_avg_s
             if whole:
-                self._decode_step_avg_s = (
-                    result.device_s if avg == 0.0 else 0.9 * avg + 0.1 * result.device_s
-                )
+                self._decode_step_avg_s = decode_avg_s(self._decode_step_avg_s, result.device_s)
             if (
                 whole
                 and self._tbt_s is not None

@@ -739,3 +739,21 @@ def test_min_tokens_masks_stop_tokens_until_reached() -> None:
         assert "min_tokens" in (sink.last("bad").error or "")
     finally:
         engine.shutdown(0)
+
+
+def test_one_stalled_decode_step_barely_moves_the_fallback_decode_base() -> None:
+    """The fallback decode base (no calibrated cost model) is an EWMA of decode-only steps.
+    One 500-ms stall among 10-ms steps lifted it to ~59 ms; a step enters at most twice the
+    average now, so it reads 11 ms, while a real change (10 -> 30 ms steps) is still
+    followed within a few dozen steps."""
+    from runtime.engine import decode_avg_s
+
+    avg = 0.0
+    for _ in range(20):
+        avg = decode_avg_s(avg, 0.010)
+    assert avg == pytest.approx(0.010)
+    assert decode_avg_s(avg, 0.500) == pytest.approx(0.011)
+    assert decode_avg_s(avg, 0.015) == pytest.approx(0.0105)  # within 2x: as an EWMA
+    for _ in range(40):
+        avg = decode_avg_s(avg, 0.030)
+    assert 0.029 < avg <= 0.030
