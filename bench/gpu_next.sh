@@ -124,14 +124,14 @@ pick_sides() {
     done
     sides=("${kept[@]}")
   fi
-}
-bisect_sides() {
-  pick_sides
-  if [ "${REVERSE:-}" = 1 ]; then
+  if [ "${REVERSE:-}" = 1 ]; then  # REVERSE=1: the sides in reverse order
     local reversed=() i
     for (( i = ${#sides[@]} - 2; i >= 0; i -= 2 )); do reversed+=("${sides[@]:i:2}"); done
     sides=("${reversed[@]}")
   fi
+}
+bisect_sides() {
+  pick_sides
   python3 -m bench.gpu_serving "${common[@]}" --models $m --start-s 120 \
     --server-args "$1 ${SERVER_EXTRA:-}" \
     --start-qps $q0 --max-probes ${PROBES:-4} --slo ttft:2000,tbt:100 "${sides[@]}" \
@@ -376,7 +376,7 @@ case $plan in
     m=${split:-random:llama-3.1-8b}
     sides=(--side off-2k:partition=off,budget=2048,tbt=none
            --side auto:partition=auto,budget=8192,mixed=2048,tbt=none)
-    pick_sides  # SIDES=auto: that side alone
+    pick_sides  # SIDES=auto: that side alone; REVERSE=1: auto first
     python3 -m bench.gpu_serving "${common[@]}" --models $m --start-s ${START_S:-240} \
       --server-args "--partition auto --calibrate true --partition-tbt-slo-ms 80 --partition-layer-slicing true --max-gpu-memory-gb 24 --prefill-policy srjf ${SERVER_EXTRA:-}" \
       "${sides[@]}" \
