@@ -298,6 +298,12 @@ HELD_DECODE_RESERVE_TOKENS = 512
 MAX_GRAMMAR_SAMPLES_AHEAD = 1
 
 
+def _samples_left(req: Request) -> int:
+    """Samples a generation may still have planned: max_tokens less what the host has and what
+    is in flight (0: its last token is in flight, the update finishes it)."""
+    return req.sampling.max_tokens - req.num_output_tokens - req.num_output_placeholders
+
+
 def _grammar_waits(req: Request) -> bool:
     """Whether a request under a grammar has too many samples in flight to be planned again
     (`outlook` and `_plan_decodes` ask the same)."""
@@ -684,8 +690,7 @@ class Scheduler:
                 continue
             remaining = req.num_total_tokens - req.num_computed_tokens
             if lease.sampled:
-                room = req.num_output_tokens + req.num_output_placeholders
-                if remaining == 1 and room < req.sampling.max_tokens and not _grammar_waits(req):
+                if remaining == 1 and _samples_left(req) > 0 and not _grammar_waits(req):
                     num_decodes += 1
                     decode_ctx += req.num_computed_tokens
             elif remaining > 0 and head is None:
@@ -767,7 +772,7 @@ class Scheduler:
             computed = req.num_computed_tokens
             if req.num_total_tokens - computed != 1:
                 continue
-            if req.num_output_tokens + req.num_output_placeholders >= req.sampling.max_tokens:
+            if _samples_left(req) <= 0:
                 continue  # its last token is in flight: the update finishes it
             if _grammar_waits(req):
                 continue  # its mask needs the tokens in flight: the runner waits for one only
@@ -806,9 +811,7 @@ class Scheduler:
         lease = self._track[req.request_id].lease
         if lease is None or lease.num_inflight == 0 or req.num_computed_tokens < req.num_tokens:
             return False  # nothing in flight, or prompt (or output) tokens still to compute
-        if req.kind == RequestKind.SCORE:
-            return True
-        return req.num_output_tokens + req.num_output_placeholders >= req.sampling.max_tokens
+        return req.kind == RequestKind.SCORE or _samples_left(req) <= 0
 
     def _decode_reserve_blocks(self, plan: StepPlan, capacity: StepCapacity) -> int:
         """Blocks a whole scoring prompt admitted into `plan` leaves free for the decodes
@@ -821,8 +824,7 @@ class Scheduler:
         blocks = 0
         for seq in plan.decode:
             req = seq.request
-            left = req.sampling.max_tokens - req.num_output_tokens - req.num_output_placeholders
-            grow = min(HELD_DECODE_RESERVE_TOKENS, max(0, left))
+            grow = min(HELD_DECODE_RESERVE_TOKENS, max(0, _samples_left(req)))
             need = self.bm.num_blocks_for(req.num_computed_tokens + grow)
             blocks += max(0, need - len(self.bm.table(seq.lease.key)))
         return blocks
@@ -861,6 +863,7 @@ class Scheduler:
         )
         being_prefilled = self._blocks_being_prefilled() if sharing and self.waiting else set()
         decoding = bool(plan.decode)
+        reserve_blocks = self._decode_reserve_blocks(plan, capacity) if self.waiting else 0
         for req in self._waiting_in_order(now):
             if len(self.running) >= self.config.max_num_seqs:
                 break
@@ -880,7 +883,7 @@ class Scheduler:
                 chunk_ok,
                 nothing_running=not self.running,
                 capacity=capacity,
-                reserve_blocks=self._decode_reserve_blocks(plan, capacity),
+                reserve_blocks=reserve_blocks,
             )
             if seq is None:
                 break
