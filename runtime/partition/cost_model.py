@@ -769,8 +769,7 @@ class SplitController:
         # holds the measured tail of chunked steps (`TailFactor`).
         split = not best.layers_per_slice
         decode_err = self.model.recent_error(f"{DECODE}/concurrent") if split else 0.0
-        prefill_err = self.model.recent_error(f"{PREFILL}/concurrent") if split else 0.0
-        need_speedup = max(cfg.min_split_speedup, 1.0 + prefill_err)
+        need_speedup = self._split_margin() if split else cfg.min_split_speedup
         # Both against the engine's aim (`chunk.tbt_slo_ms`: the target less the tail
         # headroom the engine measured), not one against the aim and one against the target.
         chunk_ok = chunked.predicted_decode_ms <= chunk.tbt_slo_ms
@@ -785,6 +784,13 @@ class SplitController:
                 "chunked time-slicing (nothing meets the TBT target; it is closest)"
             )
         return dataclasses.replace(best, evaluations=evaluations)
+
+    def _split_margin(self) -> float:
+        """How much faster a split's prefill must be predicted than the alternative (chunks,
+        layer slices) to be taken: min_split_speedup, or its prefill prediction's measured
+        error while serving if larger."""
+        err = self.model.recent_error(f"{PREFILL}/concurrent")
+        return max(self.config.min_split_speedup, 1.0 + err)
 
     def _choose_whole(
         self, p: PrefillShape, d: DecodeShape, kv_usage: float, aim_ms: float | None = None
@@ -845,9 +851,7 @@ class SplitController:
             # measured error. Without one, on an H100 (8B in 24 GB, scoring prompts beside
             # chat) 59k-token prompts went to 112 SMs and took 3.60-3.67 s, 1.25x the whole
             # GPU's 2.89 s, where 50-52k-token ones in layer slices took 1.07x its time.
-            need = max(
-                cfg.min_split_speedup, 1.0 + self.model.recent_error(f"{PREFILL}/concurrent")
-            )
+            need = self._split_margin()
             if sliced is not None and (td_split > cfg.tbt_slo_ms or sliced[1] <= tp_split * need):
                 layers, tp_sliced = sliced
                 dec = self._settle(
