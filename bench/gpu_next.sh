@@ -374,9 +374,14 @@ case $plan in
     # split). 24 GB holds the 8B with every split's decode graphs (a 51,664-token pool on an
     # H100, forty-sixth session). ~5 min a call with PROBES=4 DUR=20 SQ0=0.25.
     m=${split:-random:llama-3.1-8b}
+    # The baselines of plan sweep beside off-2k; a call takes ~2 min a side, so SIDES picks
+    # (default off-2k,auto; e.g. SIDES=off-4k,off-8k,off-tbt in a second call).
     sides=(--side off-2k:partition=off,budget=2048,tbt=none
+           --side off-4k:partition=off,budget=4096,tbt=none
+           --side off-8k:partition=off,budget=8192,tbt=none
+           --side off-tbt:partition=off,budget=8192,tbt=80
            --side auto:partition=auto,budget=8192,mixed=2048,tbt=none)
-    pick_sides  # SIDES=auto: that side alone; REVERSE=1: auto first
+    SIDES=${SIDES:-off-2k,auto} pick_sides  # REVERSE=1: the chosen sides last to first
     python3 -m bench.gpu_serving "${common[@]}" --models $m --start-s ${START_S:-240} \
       --server-args "--partition auto --calibrate true --partition-tbt-slo-ms 80 --partition-layer-slicing true --max-gpu-memory-gb 24 --prefill-policy srjf ${SERVER_EXTRA:-}" \
       "${sides[@]}" \
