@@ -136,17 +136,43 @@ def _shapes() -> tuple[PrefillShape, DecodeShape]:
 
 def test_controller_favours_prefill_at_low_kv_and_decode_at_high_kv() -> None:
     # Little contention and a decode stage that saturates early. Alg. 1 alone (no time-slice
-    # check, no hysteresis) must move SMs toward the favoured phase.
+    # check, no hysteresis): below the switch the fastest prefill whose decode is within beta
+    # of decode's best; above it the fastest decode whose prefill is within alpha of
+    # prefill's best (references: the two ends of the splits).
     cfg = ControllerConfig(allow_time_slice=False, min_gain=0.0, hysteresis_sms=0)
     m = truth(kappa_d=0.05, kappa_p=0.02, decode_r_sat=0.3)
     p, d = _shapes()
     low = SplitController(m, SPLITS, cfg).choose(p, d, kv_usage=0.2)
     high = SplitController(m, SPLITS, cfg).choose(p, d, kv_usage=0.9)
-    assert low.prefill_sms > high.prefill_sms
+    ev = {s: SplitController(m, SPLITS, cfg)._eval(s, p, d) for s in SPLITS}
+    p_ref = min(ev[SPLITS[0]][0], ev[SPLITS[-1]][0])
+    d_ref = min(ev[SPLITS[0]][1], ev[SPLITS[-1]][1])
+    want_low = min((s for s in SPLITS if ev[s][1] <= cfg.beta * d_ref), key=lambda s: ev[s][0])
+    want_high = min((s for s in SPLITS if ev[s][0] <= cfg.alpha * p_ref), key=lambda s: ev[s][1])
+    assert (low.prefill_sms, high.prefill_sms) == (want_low, want_high)
+    assert low.prefill_sms != high.prefill_sms
     # With the full controller the prefill-favouring split is predicted to beat time-slicing.
     full = SplitController(m, SPLITS).choose(p, d, kv_usage=0.2)
     assert full.prefill_sms == low.prefill_sms and full.speedup_vs_time_slice >= 1.0
     assert low.evaluations < len(SPLITS) + 3  # greedy, not exhaustive
+
+
+@pytest.mark.parametrize("kv_usage", [0.2, 0.9])
+def test_controller_nearest_the_bound_when_no_split_meets_it(kv_usage: float) -> None:
+    # No split keeps the phase not favoured within its bound (alpha, beta below 1): the
+    # choice is the split that breaks it least, not the far end. Penalised by the favoured
+    # phase's time, the search once walked to 8 prefill SMs for an 8,192-token prefill beside
+    # one decode (decode favoured; 3.7-7.6 s on an H100 against 0.35 s on the whole GPU).
+    cfg = ControllerConfig(
+        allow_time_slice=False, min_gain=0.0, hysteresis_sms=0, alpha=0.5, beta=0.5
+    )
+    m = truth(kappa_d=0.05, kappa_p=0.02, decode_r_sat=0.3)
+    p, d = _shapes()
+    ctl = SplitController(m, SPLITS, cfg)
+    dec = ctl.choose(p, d, kv_usage=kv_usage)
+    ev = {s: ctl._eval(s, p, d) for s in SPLITS}
+    bounded = 1 if kv_usage < cfg.kv_switch else 0  # decode's time bounded, else prefill's
+    assert dec.prefill_sms == min(SPLITS, key=lambda s: ev[s][bounded])
 
 
 def test_controller_time_slices_when_concurrency_is_predicted_slower() -> None:
@@ -228,9 +254,13 @@ def test_tbt_target_gives_prefill_every_sm_the_target_allows() -> None:
     sticky = SplitController(m, SPLITS, ControllerConfig(tbt_slo_ms=target, min_gain=10.0))
     sticky.current = TIME_SLICE
     assert sticky.choose(p, d, kv_usage=0.2).prefill_sms == max(feasible)
-    # Above the KV threshold the target does not apply: decode is favoured as before.
+    # Above the KV threshold the target does not apply: decode is favoured as before (the
+    # fastest decode whose prefill is within alpha of prefill's best over the ends).
     high = SplitController(m, SPLITS, cfg).choose(p, d, kv_usage=0.9)
-    assert high.prefill_sms < dec.prefill_sms
+    prefill_ms = {s: probe._eval(s, p, d)[0] for s in [*SPLITS, TIME_SLICE]}
+    bound = cfg.alpha * min(prefill_ms[s] for s in (SPLITS[0], SPLITS[-1], TIME_SLICE))
+    want = min((s for s in SPLITS if prefill_ms[s] <= bound), key=decode_ms.__getitem__)
+    assert high.reason == "favour decode" and high.prefill_sms == want
 
 
 def _long_prefill_beside_decodes() -> tuple[
