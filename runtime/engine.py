@@ -728,13 +728,19 @@ class Engine:
                 [(s.num_context_tokens, s.num_new_tokens) for s in pplan.prefill], num_layers
             )
         )
-        d = (
-            None
-            if dplan is None
-            else DecodeShape(
-                len(dplan.decode), sum(s.num_context_tokens for s in dplan.decode), num_layers
+        if pplan is None:
+            d = (
+                None
+                if dplan is None
+                else DecodeShape(
+                    len(dplan.decode), sum(s.num_context_tokens for s in dplan.decode), num_layers
+                )
             )
-        )
+        else:
+            # A prefill runs beside every decode of its time, not only this step's: those of
+            # generations whose (held) prefill is still in flight as well (`decodes_ahead`).
+            num, ctx = self.scheduler.decodes_ahead(() if dplan is None else dplan.decode)
+            d = DecodeShape(num, ctx, num_layers) if num else None
         # A prefill is judged at the KV usage from before its step was planned: its own blocks
         # are not decode pressure (a whole scoring prompt takes every free block to cache its
         # prefix, which would put every such prompt in the decode-favoured regime), and the

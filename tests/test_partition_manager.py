@@ -12,7 +12,14 @@ import torch
 from test_cost_model import truth  # the tests' shared toy cost model
 
 import runtime.partition.gpu as pg
-from runtime.partition.cost_model import TIME_SLICE, ControllerConfig, DecodeShape, PrefillShape
+from runtime.partition.cost_model import (
+    DECODE,
+    PREFILL,
+    TIME_SLICE,
+    ControllerConfig,
+    DecodeShape,
+    PrefillShape,
+)
 from runtime.partition.green_ctx import SmLayout
 
 
@@ -282,7 +289,13 @@ def test_the_engine_hands_layer_slices_to_the_pd_loop(manager) -> None:
     layers = eng.model_config.num_layers
     seq = types.SimpleNamespace
     pplan = StepPlan(1, prefill=[seq(num_context_tokens=0, num_new_tokens=8192)])
-    dplan = StepPlan(2, decode=[seq(num_context_tokens=2048, num_new_tokens=1)] * 8)
+    dplan = StepPlan(
+        2,
+        decode=[
+            seq(num_context_tokens=2048, num_new_tokens=1, request=seq(request_id=f"d{i}"))
+            for i in range(8)
+        ],
+    )
     p = PrefillShape.from_seqs([(0, 8192)], num_layers=layers)
     d = DecodeShape(8, 8 * 2048, layers)
     m = manager.cost_model
@@ -295,6 +308,58 @@ def test_the_engine_hands_layer_slices_to_the_pd_loop(manager) -> None:
     assert choice.prefill_sms == TIME_SLICE and choice.layers_per_slice == 1
     assert choice.prefill_stream is choice.decode_stream is manager._whole
     assert eng._choose_split(None, dplan).layers_per_slice is None
+
+
+def test_a_prefill_launched_with_no_decode_in_its_step_runs_beside_the_held_chats(manager) -> None:
+    """The split executor holds every prefill until applied, so the step after a burst of
+    chats' prefills plans no decode. A long prefill launched then runs through the chats'
+    next tokens: Engine._choose_split gives the controller those chats (`decodes_ahead`) as
+    the decode batch, so it slices the prefill rather than giving it the whole GPU as a
+    prefill with no decode beside it ("one phase only": 1.6-2.6 s for the chats' second
+    tokens on an H100)."""
+    import dataclasses
+
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+    from runtime.request import Request, RequestKind, SamplingParams
+    from runtime.scheduler import StepCapacity, StepPlan
+
+    eng = Engine(EngineConfig(model="random:tiny", block_size=4, num_kv_blocks=64), lambda o: None)
+    eng._green = manager
+    layers = eng.model_config.num_layers
+    p = PrefillShape.from_seqs([(0, 8192)], num_layers=layers)
+    m = manager.cost_model
+    # Room for one layer of the prefill beside a small decode batch.
+    target = (
+        m.predict(DECODE, DecodeShape(8, 8 * 24, layers), 132)
+        + 1.5 * m.predict(PREFILL, p, 132) / layers
+    )
+    manager.controller.config = dataclasses.replace(
+        manager.controller.config, tbt_slo_ms=target, layer_slicing=True, hysteresis_sms=0
+    )
+    manager.controller.splits = [32, 64]
+    sched = eng.scheduler
+    for i in range(8):
+        sched.add(
+            Request(
+                f"c{i}",
+                RequestKind.GENERATE,
+                list(range(20 + i, 44 + i)),
+                SamplingParams(max_tokens=16),
+            )
+        )
+    chats = sched.schedule(StepCapacity(4096, decodes_share_budget=False, hold_prefills=True))
+    assert len(chats.prefill) == 8 and sched.num_held == 8  # in flight, not yet decodes
+    seq = types.SimpleNamespace
+    pplan = StepPlan(9, prefill=[seq(num_context_tokens=0, num_new_tokens=8192)])
+    assert sched.decodes_ahead() == (8, 8 * 24)
+    choice = eng._choose_split(pplan, None)
+    assert choice.layers_per_slice == 1
+    # With no generation ahead, a lone prefill still gets the whole GPU.
+    for i in range(8):
+        sched.abort(f"c{i}")
+    assert sched.decodes_ahead() == (0, 0)
+    assert eng._choose_split(pplan, None).layers_per_slice is None
 
 
 def test_the_engine_sizes_layer_slices_to_its_measured_tail(manager) -> None:
@@ -321,7 +386,13 @@ def test_the_engine_sizes_layer_slices_to_its_measured_tail(manager) -> None:
     manager.decide = spy
     seq = types.SimpleNamespace
     pplan = StepPlan(1, prefill=[seq(num_context_tokens=0, num_new_tokens=8192)])
-    dplan = StepPlan(2, decode=[seq(num_context_tokens=2048, num_new_tokens=1)] * 8)
+    dplan = StepPlan(
+        2,
+        decode=[
+            seq(num_context_tokens=2048, num_new_tokens=1, request=seq(request_id=f"d{i}"))
+            for i in range(8)
+        ],
+    )
     eng._tbt_tail.factor = 1.25
     eng._choose_split(pplan, dplan)
     assert seen == [pytest.approx(64.0)]

@@ -680,6 +680,31 @@ def test_held_prefills_are_neither_scheduled_nor_preempted_until_applied() -> No
     assert [q.request.request_id for q in p2.decode] == ["a"]
 
 
+def test_a_held_sampled_prefill_counts_as_a_decode_ahead() -> None:
+    """The split executor holds its prefills, whole-GPU ones too, until applied: a chat whose
+    last prefill chunk is in flight is no decode of the next step, but it decodes from the one
+    after, beside whatever prefill is launched now. `outlook` (the TBT cut's view before
+    planning) and `decodes_ahead` (the controller's view at launch) count it; a held
+    prefill that samples nothing yet (a long prompt's earlier chunk) and a generation on its
+    last sample do not."""
+    s = make(num_blocks=64, budget=64)
+    s.add(gen("a", 6, max_tokens=3))
+    s.add(gen("b", 5, max_tokens=1))
+    held = StepCapacity(prefill_token_budget=64, decodes_share_budget=False, hold_prefills=True)
+    p0 = s.schedule(held)
+    assert len(p0.prefill) == 2 and s.num_held == 2
+    look = s.outlook()
+    assert (look.num_decodes, look.decode_context_tokens) == (1, 6)  # b's one sample: in flight
+    assert s.decodes_ahead() == (1, 6)
+    s.add(gen("c", 9, max_tokens=4))
+    assert s.outlook().prefill_tokens == 9  # the head: waiting, not the held ones
+    s.update(p0, FakeRunner().run(p0))
+    p1 = s.schedule(StepCapacity(0, hold_prefills=True))
+    assert [q.request.request_id for q in p1.decode] == ["a"]
+    # Planned, a's decode counts once, from the plan.
+    assert s.decodes_ahead(p1.decode) == (1, 6)
+
+
 def test_a_held_whole_scoring_prompt_leaves_the_decodes_beside_it_room_to_grow() -> None:
     """Held (on a split or in layer slices) a whole scoring prompt runs beside many decode
     steps. Had it kept every free block for its prefix, the decodes crossing into new blocks
