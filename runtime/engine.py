@@ -620,6 +620,14 @@ class Engine:
         choice = g.decide(p, d, self._kv_usage_before_plan, chunk=chunk, record=False)
         chunk_tokens = choice.decision.chunk_tokens
         if not chunk_tokens:
+            # A split or layer slices, predicted for the whole head: the step carries the
+            # whole head, not the executor's budget's worth (each piece would be launched and
+            # weighed alone, paying the pipeline's fill and drain). On an H100 (8B, 40-44k-token
+            # scoring prompts beside chat) such a prompt ran as five 8,192-token pieces on 96
+            # SMs, 3.3 s where layer slices take ~1.9 s. Up to the longest prompt the
+            # activation reserve was sized to run whole (`max_score_tokens`).
+            if capacity.prefill_token_budget < look.prefill_tokens <= self._max_score_tokens:
+                return dataclasses.replace(capacity, prefill_token_budget=look.prefill_tokens)
             return capacity
         self._planned_choice, self._planned_chunk = choice, chunk
         # As the serial executor plans a step (decodes share the budget the activation reserve

@@ -372,6 +372,32 @@ def test_auto_caps_the_steps_prefill_at_the_chosen_chunk(manager) -> None:  # no
     assert manager.state().choice_counts == {"chunked": 3}
 
 
+def test_auto_runs_a_head_it_sends_to_the_split_whole_not_by_the_budget(manager) -> None:  # noqa: F811
+    """A split (or layer slices) is chosen for the whole head of the queue, so the step
+    carries the whole head, not the split executor's budget's worth: launched by pieces, each
+    would be weighed and run alone (on an H100, 40-44k-token scoring prompts ran as five
+    8,192-token pieces on 96 SMs, 3.3 s where layer slices take ~1.9 s)."""
+    eng, ex, launched = _auto_engine(manager, prefill_token_budget=256)
+    _decoding_chat(eng)
+    decide = manager.decide
+
+    def split_wins(p: Any, d: Any, kv_usage: float, **kw: Any) -> Any:
+        # Before planning, the split is predicted to win (no chunk option weighed).
+        return decide(p, d, kv_usage, **{**kw, "chunk": None})
+
+    manager.decide = split_wins
+    launched.clear()
+    eng.scheduler.add(gen("long", 1000, 1))
+    eng._step()
+    assert _sizes(launched[0]) == {"long": 1000}
+    assert ex.num_split_prefills == 1
+    # Longer than the activation reserve was sized for, it goes by the budget as before.
+    eng._max_score_tokens = 500
+    eng.scheduler.add(gen("longer", 800, 1, seed=3))
+    _run(eng, lambda: any("longer" in _sizes(p) for p in launched))
+    assert [_sizes(p)["longer"] for p in launched if "longer" in _sizes(p)][0] == 256
+
+
 def test_auto_holds_its_chunks_to_the_cap_on_a_step_with_decodes(manager) -> None:  # noqa: F811
     """The serial executor's cap on a step with decodes (`--mixed-step-token-budget`, set
     while serving) bounds auto's chunks too, the decode included: 201 tokens with one decode
