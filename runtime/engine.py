@@ -176,6 +176,10 @@ STEP_TRACE_FIELDS = (
     # (what the choice weighed against chunks and layer slices), else None. Against device_ms:
     # how far off the choice was (`prefill/concurrent` is scored on the model at collection).
     "split_predicted_ms",
+    # auto's chunked step: the prediction its decision weighed for the whole rest of the head's
+    # prefill by chunks (`_chunk_steps`), else None. Against the chunks' measured span: how far
+    # off the choice of chunks over layer slices or a split was.
+    "chunked_head_predicted_ms",
 )
 
 Sink = Callable[[list[EngineOutput]], None]
@@ -475,7 +479,8 @@ class Engine:
         self._planned_choice: SplitChoice | None = None
         self._planned_chunk: ChunkInput | None = None  # its input (to predict that step)
         # step id -> predicted ms of a launched chunked step, scored when its result is in
-        self._chunked_predicted_ms: dict[int, float] = {}
+        # auto's chunked steps in flight: (the step's prediction, the head's predicted rest).
+        self._chunked_predicted_ms: dict[int, tuple[float, float]] = {}
         # step_id -> host ms (planning, launching) until the step's first result is traced
         self._host_ms: dict[int, tuple[float, float]] = {}
         self._kv_usage_before_plan = 0.0  # KV usage when the current step was planned
@@ -727,7 +732,10 @@ class Engine:
             items = [(s.num_new_tokens, s.num_context_tokens) for s in pplan.prefill]
             if len(self._chunked_predicted_ms) > 64:
                 self._chunked_predicted_ms.clear()  # steps that failed never came back
-            self._chunked_predicted_ms[pplan.step_id] = g.predict_chunked_step_ms(items, d, chunk)
+            self._chunked_predicted_ms[pplan.step_id] = (
+                g.predict_chunked_step_ms(items, d, chunk),
+                planned.decision.predicted_prefill_ms,
+            )
             return planned
         p = (
             None
@@ -1609,7 +1617,7 @@ class Engine:
         the scheduler's chunks), and a split's partition is slower."""
         plan = result.plan
         whole = not result.on_split
-        chunked_ms = self._chunked_predicted_ms.pop(plan.step_id, None)
+        chunked_ms, head_ms = self._chunked_predicted_ms.pop(plan.step_id, (None, None))
         if chunked_ms is not None and result.device_s is not None:
             self._green.score("chunked/step", chunked_ms, result.device_s * 1e3)
         if result.device_s is not None and result.is_prefill_only and whole:
@@ -1647,7 +1655,9 @@ class Engine:
                 waited_s = result.device_s + (result.idle_before_s or 0.0)
                 self._tbt_tail.observe(step_s, waited_s, target_s)
             cost.observe(predicted, result.device_s - base, context)
-        self._trace(result, predicted_step_s, chunked_ms, base if predicted_step_s else None)
+        self._trace(
+            result, predicted_step_s, chunked_ms, base if predicted_step_s else None, head_ms
+        )
         # Decode-only steps: a step with prefill work is not a decode step's time.
         decode_only = bool(plan.decode) and not plan.prefill
         if decode_only and result.device_s is not None:
@@ -1680,6 +1690,7 @@ class Engine:
         predicted_s: float | None,
         chunked_ms: float | None,
         decode_base_s: float | None,
+        chunked_head_ms: float | None = None,
     ) -> None:
         plan = result.plan
         plan_ms, launch_ms = self._host_ms.pop(plan.step_id, (None, None))
@@ -1715,6 +1726,7 @@ class Engine:
                     if s.num_kept_tokens < s.num_context_tokens + s.num_new_tokens
                 ),
                 _ms(result.split_predicted_s),
+                chunked_head_ms,
             )
         )
 

@@ -547,6 +547,7 @@ def test_step_trace_of_the_real_engine() -> None:
             "launch_ms",
             "prefill_discarded_tokens",
             "split_predicted_ms",
+            "chunked_head_predicted_ms",
         }
         # A short scoring prompt with room keeps all of its KV: nothing discarded.
         assert all(s["prefill_discarded_tokens"] == 0 for s in steps)

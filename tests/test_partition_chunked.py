@@ -665,6 +665,15 @@ def test_chunked_steps_are_scored_against_their_prediction(manager) -> None:  # 
     assert [n for n, _ in chunked] == [CHUNK, CHUNK, 300]
     assert [ms for _, ms in chunked] == pytest.approx([2.7, 2.7, 2.6])
     assert all(ms is None for n, ms in traced if n == 0)
+    # ... and the rest of the head its decision predicted: steps x the 2 ms decode plus 2 us
+    # a token (1000, 650, 300 tokens left: 3, 2, 1 steps).
+    heads = [st["chunked_head_predicted_ms"] for st in eng.step_trace()]
+    assert [ms for ms in heads if ms is not None] == pytest.approx([8.0, 5.3, 2.6])
+    assert all(
+        st["chunked_head_predicted_ms"] is None
+        for st in eng.step_trace()
+        if not st["num_prefill_tokens"]
+    )
 
 
 def test_a_fallback_jct_model_is_scaled_to_the_partition_cost_model(manager) -> None:  # noqa: F811
