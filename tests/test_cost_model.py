@@ -339,6 +339,40 @@ def test_a_split_beats_layer_slices_only_by_its_margin() -> None:
     assert choose(m, min_split_speedup=1.0).layers_per_slice == 4
 
 
+def test_a_split_missing_the_aim_leaves_layer_slices_not_chunks() -> None:
+    """A split is held to one bound wherever it is weighed: its decode step within the aim
+    (the target less the measured tail) with its measured error. Held to the target against
+    layer slices and to the aim against chunks, a split between the two put chunks in place
+    of the layer slices that meet the aim."""
+    from runtime.partition.cost_model import ChunkInput
+
+    m, p, d, whole_prefill, whole_decode, per_layer = _long_prefill_beside_decodes()
+    target = whole_decode + 4.5 * per_layer
+    aim = whole_decode + 2.5 * per_layer  # room for 2 layers a slice
+    ctl = SplitController(
+        m,
+        [112, 120],
+        ControllerConfig(tbt_slo_ms=target, min_gain=0.0, hysteresis_sms=0, layer_slicing=True),
+    )
+    td_split = min(ctl._eval(s, p, d)[1] for s in (112, 120))
+    assert aim < td_split <= target  # the split meets the target, not the aim
+
+    class Cost:  # the cost model's own whole-GPU prefill, a token at a time
+        def marginal_s(self, uncached_tokens: int, cached_tokens: int = 0) -> float:
+            return whole_prefill / p.num_tokens / 1e3 * uncached_tokens
+
+        def max_tokens_within(self, seconds: float, cached_tokens: int = 0) -> int:
+            return int(seconds * 1e3 * p.num_tokens / whole_prefill)
+
+    # A mixed step's fixed cost (1.5 ms) leaves chunks predicted slower than the slices.
+    chunk = ChunkInput(Cost(), 0, aim, step_offset_ms=1.5)
+    chunks = ctl._chunked(p, d, chunk)
+    sliced_ms = whole_prefill + 15 * whole_decode  # 16 slices of 2 layers
+    assert chunks.predicted_prefill_ms > 1.1 * sliced_ms
+    dec = ctl.choose(p, d, 0.2, chunk=chunk)
+    assert dec.layers_per_slice == 2 and dec.chunk_tokens is None
+
+
 def test_layer_slices_are_sized_to_the_aim_with_their_measured_error() -> None:
     """Layer slices are sized to the engine's aim (the target less its measured tail), not to
     the target, and shrink by the layer-sliced prediction's measured error: a decode waits one

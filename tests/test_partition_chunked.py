@@ -724,6 +724,15 @@ def test_a_split_must_win_by_more_than_its_measured_error() -> None:
     assert dec.chunk_tokens is not None and dec.reason.startswith("chunks finish the prefill")
     # Too few measurements are not evidence yet.
     assert choose_with({"prefill/concurrent": gain}, n=7).prefill_sms == split.prefill_sms
-    # Its decode step's error eats the slack: it would miss the target, so chunks.
-    dec = choose_with({"decode/concurrent": slack - 0.98})
+    # Its decode step's error eats the slack: that split would miss the target, so the search
+    # bounds the splits' decode by the target less that error (`_split_decode_ok`), as the
+    # choice against chunks does; a split with more decode SMs is taken if it still wins.
+    err = slack - 0.98
+    dec = choose_with({"decode/concurrent": err})
+    assert dec.prefill_sms < split.prefill_sms and dec.chunk_tokens is None
+    assert dec.predicted_decode_ms * (1.0 + err) <= target
+    # An error no split's decode meets the target with: chunks.
+    probe = SplitController(m, SPLITS, ControllerConfig(allow_time_slice=False))
+    fewest_ms = min(probe._eval(s, P, D)[1] for s in SPLITS)
+    dec = choose_with({"decode/concurrent": target / fewest_ms - 0.98})
     assert dec.chunk_tokens is not None and "misses the TBT target" in dec.reason
