@@ -478,8 +478,8 @@ class Engine:
         # (`_auto_capacity`); the launch of that step carries it out (`_choose_split`).
         self._planned_choice: SplitChoice | None = None
         self._planned_chunk: ChunkInput | None = None  # its input (to predict that step)
-        # step id -> predicted ms of a launched chunked step, scored when its result is in
-        # auto's chunked steps in flight: (the step's prediction, the head's predicted rest).
+        # step id -> a launched chunked step's predicted ms (scored when its result is in) and
+        # the rest of the head its decision predicted (traced)
         self._chunked_predicted_ms: dict[int, tuple[float, float]] = {}
         # step_id -> host ms (planning, launching) until the step's first result is traced
         self._host_ms: dict[int, tuple[float, float]] = {}
@@ -755,7 +755,8 @@ class Engine:
         else:
             # A prefill runs beside every decode of its time, not only this step's: those of
             # generations whose (held) prefill is still in flight as well (`decodes_ahead`).
-            num, ctx = self.scheduler.decodes_ahead(() if dplan is None else dplan.decode)
+            planned = () if dplan is None else dplan.decode
+            num, ctx = self.scheduler.decodes_ahead(planned, pplan.prefill)
             d = DecodeShape(num, ctx, num_layers) if num else None
         # A prefill is judged at the KV usage from before its step was planned: its own blocks
         # are not decode pressure (a whole scoring prompt takes every free block to cache its

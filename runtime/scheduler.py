@@ -715,16 +715,20 @@ class Scheduler:
         tokens, context, chunkable = head if head is not None else (0, 0, False)
         return StepOutlook(tokens, context, chunkable, num_decodes, decode_ctx)
 
-    def decodes_ahead(self, planned: Iterable[ScheduledSeq] = ()) -> tuple[int, int]:
+    def decodes_ahead(
+        self, planned: Iterable[ScheduledSeq] = (), launching: Iterable[ScheduledSeq] = ()
+    ) -> tuple[int, int]:
         """(generations, their context tokens) that decode over the steps after the one
         being launched: those `planned` as its decodes, and every running generation with a
         sample in flight or on the host and samples left to plan, held ones included (their
-        sampled prefill still in flight). What a prefill launched now runs beside: counting
-        only the launched step's decodes, the split executor ran 40-56k-token scoring prompts
-        on the whole GPU right after a step that prefilled a burst of chats (held, so not
-        yet decodes), and those chats' second tokens waited 1.6-2.6 s (8B on an H100)."""
+        sampled prefill still in flight), but not those of the prefill `launching` now (they
+        decode after it, not beside it). What that prefill runs beside: counting only the
+        launched step's decodes, the split executor ran 40-56k-token scoring prompts on the
+        whole GPU right after a step that prefilled a burst of chats (held, so not yet
+        decodes), and those chats' second tokens waited 1.6-2.6 s (8B on an H100)."""
         seen = {s.request.request_id for s in planned}
         num, ctx = len(seen), sum(s.num_context_tokens for s in planned)
+        seen.update(s.request.request_id for s in launching)
         for req in self.running:
             lease = self._track[req.request_id].lease
             if (

@@ -288,7 +288,9 @@ def test_the_engine_hands_layer_slices_to_the_pd_loop(manager) -> None:
     eng._green = manager
     layers = eng.model_config.num_layers
     seq = types.SimpleNamespace
-    pplan = StepPlan(1, prefill=[seq(num_context_tokens=0, num_new_tokens=8192)])
+    pplan = StepPlan(
+        1, prefill=[seq(num_context_tokens=0, num_new_tokens=8192, request=seq(request_id="p"))]
+    )
     dplan = StepPlan(
         2,
         decode=[
@@ -351,10 +353,15 @@ def test_a_prefill_launched_with_no_decode_in_its_step_runs_beside_the_held_chat
     chats = sched.schedule(StepCapacity(4096, decodes_share_budget=False, hold_prefills=True))
     assert len(chats.prefill) == 8 and sched.num_held == 8  # in flight, not yet decodes
     seq = types.SimpleNamespace
-    pplan = StepPlan(9, prefill=[seq(num_context_tokens=0, num_new_tokens=8192)])
+    pplan = StepPlan(
+        9, prefill=[seq(num_context_tokens=0, num_new_tokens=8192, request=seq(request_id="p"))]
+    )
     assert sched.decodes_ahead() == (8, 8 * 24)
     choice = eng._choose_split(pplan, None)
     assert choice.layers_per_slice == 1
+    # The chats' own prefill, launched, is no prefill beside their decodes: the whole GPU.
+    assert sched.decodes_ahead((), chats.prefill) == (0, 0)
+    assert eng._choose_split(chats, None).layers_per_slice is None
     # With no generation ahead, a lone prefill still gets the whole GPU.
     for i in range(8):
         sched.abort(f"c{i}")
@@ -385,7 +392,9 @@ def test_the_engine_sizes_layer_slices_to_its_measured_tail(manager) -> None:
 
     manager.decide = spy
     seq = types.SimpleNamespace
-    pplan = StepPlan(1, prefill=[seq(num_context_tokens=0, num_new_tokens=8192)])
+    pplan = StepPlan(
+        1, prefill=[seq(num_context_tokens=0, num_new_tokens=8192, request=seq(request_id="p"))]
+    )
     dplan = StepPlan(
         2,
         decode=[

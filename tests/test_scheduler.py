@@ -696,6 +696,7 @@ def test_a_held_sampled_prefill_counts_as_a_decode_ahead() -> None:
     look = s.outlook()
     assert (look.num_decodes, look.decode_context_tokens) == (1, 6)  # b's one sample: in flight
     assert s.decodes_ahead() == (1, 6)
+    assert s.decodes_ahead(launching=p0.prefill) == (0, 0)  # not beside its own prefill
     s.add(gen("c", 9, max_tokens=4))
     assert s.outlook().prefill_tokens == 9  # the head: waiting, not the held ones
     s.update(p0, FakeRunner().run(p0))

@@ -788,18 +788,22 @@ class SplitController:
             )
         return dataclasses.replace(best, evaluations=evaluations)
 
-    def _split_decode_ok(self, decode_ms: float, aim_ms: float | None) -> bool:
-        """Whether a split's predicted decode step meets the aim (None: the target) with its
-        kind's measured error added: one test wherever a split is weighed. With the target
-        alone against layer slices and the aim with the error against chunks, a split that
-        passed the first and failed the second put chunks in place of layer slices, even
-        chunks predicted far slower (tests/test_cost_model.py). On an H100 (8B, 40-44k-token
-        scoring prompts beside chat) chunks ran such prompts at ~1.45x the slices' time."""
+    def _split_decode_limit(self, aim_ms: float | None) -> float:
+        """The longest predicted decode step a split may have (ms): the aim (None: the
+        target) less its kind's measured error. One bound wherever a split is weighed (the
+        search, against layer slices, against chunks): with the target alone against layer
+        slices and the aim with the error against chunks, a split that passed the first and
+        failed the second put chunks in place of layer slices, even chunks predicted far
+        slower (tests/test_cost_model.py). On an H100 (8B, 40-44k-token scoring prompts beside
+        chat) chunks ran such prompts at ~1.45x the slices' time."""
         cfg = self.config
         assert cfg.tbt_slo_ms is not None
         aim = cfg.tbt_slo_ms if aim_ms is None else min(aim_ms, cfg.tbt_slo_ms)
-        err = self.model.recent_error(f"{DECODE}/concurrent")
-        return decode_ms * (1.0 + err) <= aim
+        return aim / (1.0 + self.model.recent_error(f"{DECODE}/concurrent"))
+
+    def _split_decode_ok(self, decode_ms: float, aim_ms: float | None) -> bool:
+        """Whether a split's predicted decode step is within `_split_decode_limit`."""
+        return decode_ms <= self._split_decode_limit(aim_ms)
 
     def _split_margin(self) -> float:
         """How much faster a split's prefill must be predicted than the alternative (chunks,
@@ -836,14 +840,8 @@ class SplitController:
             # Decode can afford to wait for a whole-GPU prefill: nothing beats that for TTFT
             # and throughput (one monolithic step, as `off`).
             return self._settle(TIME_SLICE, "time-slicing meets the TBT target", p, d, ev, None)
-        # Under the TBT rule, the bound `_split_decode_ok` puts on a split wherever one is
-        # weighed: the aim, with the measured error of a split's decode prediction.
-        decode_limit = (
-            min(cfg.tbt_slo_ms, aim_ms if aim_ms is not None else cfg.tbt_slo_ms)
-            / (1.0 + self.model.recent_error(f"{DECODE}/concurrent"))
-            if tbt_rule
-            else cfg.beta * d_ref
-        )
+        # Under the TBT rule, the bound a split is held to wherever it is weighed.
+        decode_limit = self._split_decode_limit(aim_ms) if tbt_rule else cfg.beta * d_ref
 
         def objective(s: int) -> float:
             # The favoured phase's time where the other phase's bound holds; past the bound,
