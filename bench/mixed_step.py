@@ -1,0 +1,587 @@
+"""One mixed whole-GPU step (a prefill chunk after a long cached context beside k decodes),
+built by the real scheduler and run in isolation through the serving executor, swept over
+the chunk size: an engine-level diagnostic, not a served figure.
+
+Why: on an H100 (Llama-3.1-8B shape, FlashInfer, CUDA prefill graphs) served mixed steps
+showed a cliff at 38-44k tokens of prefill context: one chunk beside 9-10 decodes took
+41.5-43.7 ms at 310-354 chunk tokens and 70-82 ms from 355; beside six decodes 414 tokens
+took 46.9 ms and 433 tokens 74.7 ms; beside one decode 373-457 tokens took 32-37 ms, no cliff
+(decodes with 1-2.5k tokens of context each). Those readings are in the same prefill-graph
+bucket, so the bucket alone does not explain them. This reproduces one such step at a time, so
+that one GPU call can sweep the chunk across the cliff and show which path and which attention
+plan change with it.
+
+    python -m bench.mixed_step --model random:llama-3.1-8b --device cuda \\
+        --context 41000 --chunks 330:460:5 --decodes 1,6,10 --decode-context 2000 \\
+        --repeats 5 --out $OUT/mixed-step.json
+    python -m bench.mixed_step --model random:tiny --device cpu --context 256 \\
+        --chunks 16:48:16 --decodes 0,2 --decode-context 32 --repeats 2 --out /tmp/m.json
+
+`--chunks` and `--decodes` take comma lists whose items are a number or start:stop:step (stop
+included).
+
+Method: one engine, not started (as bench/prefill_profile.py and bench/batch_cost.py). For each
+point (u chunk tokens, k decodes) the step is planned by a `runtime.scheduler.Scheduler` of its
+own over the engine's block manager, with real `Request`s, in two scheduler steps:
+
+1. a fill step: k generation requests (prompts of `--decode-context` random tokens) and the
+   long request (a prompt of `--context` + u random tokens, one more unless `--last-chunk`)
+   admitted in arrival order (a first-come policy) with a budget of exactly their prompts and
+   the long one's context, so the long one's first chunk is its `--context` tokens (with
+   `--context 0` it is admitted by the timed step instead, a cold first chunk). This step is
+   planned and applied (`Scheduler.update`, one sampled token per generation, also written to
+   its device token slot, where its next decode reads it) but never run: the pool holds
+   whatever it held (zeros, or earlier steps' KV), which does not change the timing (as
+   `Engine.measure_prefill_batch`'s contexts). Every block of the long prompt is allocated at
+   admission, as served.
+2. the timed step: `Scheduler.schedule` with the serial executor's capacity
+   (`engine.serial.capacity()`, its mixed-step cap included) whose prefill budget is u + k (the
+   decodes share it, as served): the k decodes (context `--decode-context` tokens, + 1 being
+   written) and the long request's next chunk of u tokens after its context, its KV kept, as
+   served. Here the budget forces the chunk size; served, the token budget or the TBT cut's
+   time accounting chooses it. The plan is checked against that shape (a point whose plan
+   differs is recorded as an error: so is u below the block size unless `--last-chunk`, since
+   a step's first chunk is at least a block or the rest of the prompt).
+
+Why the scheduler rather than a hand-built `ScheduledSeq`/`StepPlan` (as
+`Engine.measure_prefill_batch` builds scoring prefills): what the runner reads of a step (block
+tables covering the kept tokens and a decode's next token, `needs_output`, `samples`, token
+slots) is then the served step's by construction, not a copy of the scheduler's rules.
+
+The plan then runs as the serving loop runs a step: `engine.serial.launch(plan)` (the engine's
+`SerialExecutor`: CUDA events around `ModelRunner.launch(plan, interruptible=True)`, which
+merges prefill and decodes into one forward when `ModelRunner._mergeable` says so) and
+`engine.serial.results(block=True)`, whose `device_s` is the step's device span as a served
+step's `device_ms` is read (on CPU the same events read the wall clock). One untimed launch
+first, then `--repeats` timed ones, back to back, each waited for before the next. The same
+plan is launched every time: each launch writes the same KV slots and re-reads its context;
+the decodes read the token the previous launch sampled. Then the plan is retired and its
+requests aborted (their blocks and slots freed).
+
+Per point the record has u, k, the planned shape (`planned`: the prefill's new, context and
+kept tokens, the decodes' contexts), `merged` (`ModelRunner.merges(plan)`: what launch did),
+`mergeable` (`ModelRunner._mergeable`; with k = 0 only whether the chunk could merge), the
+prefill-graph bucket of the forward that carried the prefill rows (u + k rows merged, u
+alone; None: eager or no graphs), device ms (all readings, median, min, max), host launch and
+wall ms medians, and `attention`: what the FlashInfer prefill backend planned for the step (its
+mode, e.g. "paged_fa2" or "paged" (FA3), and the kernel wrapper's plan: FA2's work tiles,
+query tile, whether and at what chunk it split the KV; None on CPU), beside `fa2_predicted`:
+the same FA2 split computed here from the step's shape (`fa2_split`, a transcription of
+FlashInfer 0.5.3's `PrefillSplitQOKVIndptr`; CUDA only, it needs the SM count; meaningful
+where the mode is an FA2 one).
+
+Assumptions: the long request is a generation (a chat's long prompt; a scoring prompt chunked
+next to decodes plans the same shape); sampling is the defaults (temperature 1) with EOS
+ignored; the scheduler of the point has the prefix cache off (the context is there by the fill,
+not by a hit: the runner sees block tables either way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from typing import Any
+
+LONG_ID = "mixed-step-prefill"
+NOTE = (
+    "engine-level diagnostic: one mixed step planned by the scheduler and run in isolation "
+    "(engine not started, nothing else in flight); not a served figure"
+)
+
+
+def parse_grid(text: str) -> list[int]:
+    """A comma list of numbers or start:stop:step ranges (stop included), in order, no
+    repeats."""
+    out: list[int] = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        parts = [int(x) for x in item.split(":")]
+        if len(parts) == 1:
+            values = parts
+        elif len(parts) == 3 and parts[2] > 0:
+            values = list(range(parts[0], parts[1] + 1, parts[2]))
+        else:
+            raise ValueError(f"{item!r}: a number or start:stop:step (step > 0)")
+        out += [v for v in values if v not in out]
+    return out
+
+
+class _FirstCome:
+    """Admission in arrival order (the scheduler breaks equal scores by arrival)."""
+
+    @staticmethod
+    def score(_req: Any, _now_s: float) -> float:
+        return 0.0
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def fa2_split(
+    query_lens: list[int],
+    kv_lens: list[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    num_sms: int,
+    page_size: int,
+) -> dict[str, Any]:
+    """The work split FlashInfer 0.5.3's FA2 paged-prefill plan chooses for a batch (no CUDA
+    graph, no sliding window; include/flashinfer/attention/scheduler.cuh, `PrefillPlan` ->
+    `PrefillSplitQOKVIndptr` -> `PrefillBinarySearchKVChunkSize`): a query tile from the mean
+    packed query length, then the smallest KV chunk (in pages) whose work tiles fit in
+    (2 x SMs) // KV heads; `split_kv` when that chunk is shorter than the longest KV.
+    `query_lens`, `kv_lens`: tokens per sequence (kv = context + this step's tokens)."""
+    group = num_q_heads // num_kv_heads
+    packed = [n * group for n in query_lens]
+    avg = sum(packed) // len(packed)
+    cta_tile_q = 128 if avg > 64 else 64 if avg > 16 else 16  # FA2DetermineCtaTileQ, sm80+
+    kv_pages = [max(1, _ceil(n, page_size)) for n in kv_lens]
+    max_tiles = (2 * num_sms) // num_kv_heads  # max_batch_size_if_split
+    lo, hi = max(128 // page_size, 1), max(kv_pages)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        tiles = sum(
+            _ceil(p, cta_tile_q) * _ceil(k, mid) for p, k in zip(packed, kv_pages, strict=True)
+        )
+        if tiles > max_tiles:
+            lo = mid + 1
+        else:
+            hi = mid
+    chunk = lo
+    num_chunks = [_ceil(k, chunk) for k in kv_pages]
+    work = sum(_ceil(p, cta_tile_q) * c for p, c in zip(packed, num_chunks, strict=True))
+    return {
+        "cta_tile_q": cta_tile_q,
+        "split_kv": chunk < max(kv_pages),
+        "kv_chunk_tokens": chunk * page_size,
+        "num_work_tiles": work,
+        "max_work_tiles_if_split": max_tiles,
+        "kv_chunks_per_seq": num_chunks,
+    }
+
+
+_FA2_PLAN_FIELDS = (
+    "padded_batch_size",
+    "total_num_rows",
+    "total_num_rows_offset",
+    "cta_tile_q",
+    "request_indices_offset",
+    "qo_tile_indices_offset",
+    "kv_tile_indices_offset",
+    "merge_indptr_offset",
+    "o_indptr_offset",
+    "kv_chunk_size_ptr_offset",
+    "v_offset",
+    "s_offset",
+    "block_valid_mask_offset",
+    "enable_cuda_graph",
+    "split_kv",
+)
+
+
+def attention_plan(backend: Any) -> dict[str, Any] | None:
+    """What the backend planned for its last batch: None for a backend that does not say
+    (the torch backend, CPU); for FlashInfer its mode and, read from the wrapper that mode
+    runs (private attributes of FlashInfer 0.5.3: a read that fails is recorded, not
+    raised), the kernel plan: FA2's work tiles (`padded_batch_size`), query tile, split and KV
+    chunk (tokens, from the plan's pinned host copy)."""
+    state = getattr(backend, "debug_state", None)
+    if state is None:
+        return None
+    import torch
+
+    out: dict[str, Any] = dict(state())
+    mode = out.get("mode")
+    name = {
+        "paged": "_paged",
+        "paged_fa2": "_paged_fa2",
+        "ragged": "_ragged",
+        "gather": "_ragged_fa2" if out.get("ragged_fa2") else "_ragged",
+        "decode": "_decode_wrapper",
+    }.get(mode or "")
+    wrapper = getattr(backend, name, None) if name else None
+    if wrapper is None:
+        return out
+    try:
+        out["kernel_backend"] = str(getattr(wrapper, "_backend", None))
+        info = [int(x) for x in getattr(wrapper, "_plan_info", None) or []]
+        out["plan_info"] = info
+        if len(info) == len(_FA2_PLAN_FIELDS):
+            fields = dict(zip(_FA2_PLAN_FIELDS, info, strict=True))
+            out["fa2"] = {
+                "num_work_tiles": fields["padded_batch_size"],
+                "cta_tile_q": fields["cta_tile_q"],
+                "split_kv": bool(fields["split_kv"]),
+                "total_num_rows": fields["total_num_rows"],
+            }
+            pinned = getattr(wrapper, "_pin_memory_int_workspace_buffer", None)
+            if pinned is not None:
+                off = fields["kv_chunk_size_ptr_offset"]
+                chunk = pinned[off : off + 4].view(dtype=torch.int32)
+                out["fa2"]["kv_chunk_tokens"] = int(chunk[0])
+    except Exception as exc:  # noqa: BLE001 - a diagnostic read must not end the point
+        out["plan_read_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return out
+
+
+def _random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def new_scheduler(engine: Any) -> Any:
+    """The point's own scheduler over the engine's block manager (prefix cache off: module
+    docstring), admitting in arrival order."""
+    from runtime.scheduler import Scheduler
+
+    config = dataclasses.replace(engine.config, enable_prefix_cache=False)
+    return Scheduler(config, engine.block_manager, _FirstCome(), engine.model_config.eos_token_ids)
+
+
+def stage_step(
+    engine: Any,
+    sched: Any,
+    in_flight: list[Any],
+    u: int,
+    k: int,
+    context: int,
+    decode_context: int,
+    *,
+    seed: int,
+    last_chunk: bool,
+) -> Any:
+    """The point's step, planned by `sched` as the module docstring says. `in_flight` gets
+    every plan scheduled and not applied (the caller retires them: `release_step`)."""
+    import torch
+
+    from runtime.request import Request, RequestKind, SamplingParams
+    from runtime.scheduler import RunnerOutput, StepCapacity
+
+    if decode_context < 1 or context < 0 or u < 1 or k < 0:
+        raise ValueError("needs --decode-context >= 1, --context >= 0, chunks >= 1, decodes >= 0")
+    if k + 1 > sched.config.max_num_seqs:
+        raise ValueError(f"{k} decodes and the prefill exceed max_num_seqs")
+    rng = random.Random(f"{seed}:{u}:{k}")
+    vocab = engine.runner.num_sampleable_tokens
+    gen = SamplingParams(max_tokens=1 << 30, ignore_eos=True)
+    decodes = [
+        Request(
+            f"mixed-step-decode-{i}",
+            RequestKind.GENERATE,
+            _random_ids(rng, decode_context, vocab),
+            gen,
+        )
+        for i in range(k)
+    ]
+    long_req = Request(
+        LONG_ID,
+        RequestKind.GENERATE,
+        _random_ids(rng, context + u + (0 if last_chunk else 1), vocab),
+        SamplingParams(max_tokens=1, ignore_eos=True),
+    )
+    for r in decodes:
+        sched.add(r)
+    if context:
+        sched.add(long_req)  # after the decodes: its first chunk is what their prompts leave
+    fill_budget = k * decode_context + context
+    sampled: dict[str, int] = {}
+    if fill_budget:
+        fill = sched.schedule(StepCapacity(prefill_token_budget=fill_budget))
+        in_flight.append(fill)
+        sampled = {r.request_id: rng.randrange(vocab) for r in decodes}
+        sched.update(fill, RunnerOutput(sampled_token_ids=sampled))  # as if it had run
+        in_flight.remove(fill)
+    if not context:
+        sched.add(long_req)  # a cold first chunk: admitted by the timed step
+    capacity = dataclasses.replace(engine.serial.capacity(), prefill_token_budget=u + k)
+    plan = sched.schedule(capacity)
+    in_flight.append(plan)
+    # The fill step's samples where the decodes read their input token (their device slots).
+    runner = engine.runner
+    rows = [(s.lease.slot, sampled[s.request.request_id]) for s in plan.decode if s.lease.slot >= 0]
+    if rows:
+        slots, tokens = zip(*rows, strict=True)
+        runner.token_slots.index_copy_(
+            0,
+            torch.tensor(slots, dtype=torch.int64, device=runner.device),
+            torch.tensor(tokens, dtype=runner.token_slots.dtype, device=runner.device),
+        )
+    return plan
+
+
+def check_plan(plan: Any, u: int, k: int, context: int, decode_context: int) -> str | None:
+    """Why the plan is not the point's shape, or None."""
+    pre = plan.prefill
+    if len(pre) != 1 or pre[0].request.request_id != LONG_ID:
+        return f"planned {len(pre)} prefill parts, not the long request's chunk"
+    p = pre[0]
+    if (p.num_new_tokens, p.num_context_tokens) != (u, context):
+        return (
+            f"planned {p.num_new_tokens} tokens after {p.num_context_tokens}, not {u} after "
+            f"{context} (a first chunk is at least a block or the prompt's rest; the step's "
+            "caps: prefill_token_budget, mixed_step_token_budget)"
+        )
+    if p.num_kept_tokens != context + u:
+        return f"the chunk keeps {p.num_kept_tokens - context} of its {u} tokens' KV"
+    if len(plan.decode) != k or any(d.num_context_tokens != decode_context for d in plan.decode):
+        return f"planned {len(plan.decode)} decodes, not {k} after {decode_context} tokens each"
+    return None
+
+
+def release_step(engine: Any, sched: Any, in_flight: list[Any]) -> None:
+    """Retire the plans never applied and abort the point's requests: their blocks and token
+    slots go back."""
+    for plan in in_flight:
+        sched.retire(plan)
+    in_flight.clear()
+    for req in list(sched.running) + list(sched.waiting):
+        sched.abort(req.request_id)
+    for rid in sched.take_released():
+        engine.runner.release(rid)
+
+
+def measure_point(
+    engine: Any,
+    u: int,
+    k: int,
+    context: int,
+    decode_context: int,
+    repeats: int,
+    *,
+    seed: int = 0,
+    last_chunk: bool = False,
+) -> dict[str, Any]:
+    """One point's record (module docstring)."""
+    import torch
+
+    runner = engine.runner
+    rec: dict[str, Any] = {"u": u, "k": k}
+    free_before = engine.block_manager.num_free_blocks
+    sched = new_scheduler(engine)
+    in_flight: list[Any] = []
+    try:
+        plan = stage_step(
+            engine,
+            sched,
+            in_flight,
+            u,
+            k,
+            context,
+            decode_context,
+            seed=seed,
+            last_chunk=last_chunk,
+        )
+        pre = plan.prefill[0] if plan.prefill else None
+        rec["planned"] = {
+            "prefill_new_tokens": pre.num_new_tokens if pre else 0,
+            "prefill_context_tokens": pre.num_context_tokens if pre else None,
+            "prefill_kept_tokens": pre.num_kept_tokens if pre else None,
+            "prefill_needs_output": pre.needs_output if pre else None,
+            "num_decodes": len(plan.decode),
+            "decode_context_tokens": sorted({d.num_context_tokens for d in plan.decode}),
+        }
+        bad = check_plan(plan, u, k, context, decode_context)
+        if bad:
+            raise ValueError(bad)
+        merged = runner.merges(plan)
+        rec["merged"] = bool(merged)
+        rec["mergeable"] = bool(runner._mergeable(plan.prefill, len(plan.decode)))
+        rows = u + k if merged else u
+        rec["forward_tokens"] = rows
+        pg = runner.prefill_graphs
+        rec["prefill_graph_bucket"] = (
+            pg.bucket_for(rows) if pg is not None and pg.captured else None
+        )
+        device_ms: list[float] = []
+        wall_ms: list[float] = []
+        launch_ms: list[float] = []
+        serial = engine.serial
+        for i in range(repeats + 1):
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize(engine.device)
+            t0 = time.perf_counter()
+            serial.launch(plan)
+            t1 = time.perf_counter()
+            results = serial.results(block=True)
+            t2 = time.perf_counter()
+            if len(results) != 1 or results[0].device_s is None:
+                raise RuntimeError(f"expected one timed step back, got {len(results)}")
+            if i:  # the first launch is the warm-up
+                device_ms.append(results[0].device_s * 1e3)
+                launch_ms.append((t1 - t0) * 1e3)
+                wall_ms.append((t2 - t0) * 1e3)
+        rec["device_ms"] = [round(v, 4) for v in device_ms]
+        rec["device_ms_median"] = statistics.median(device_ms)
+        rec["device_ms_min"] = min(device_ms)
+        rec["device_ms_max"] = max(device_ms)
+        rec["wall_ms_median"] = statistics.median(wall_ms)
+        rec["launch_ms_median"] = statistics.median(launch_ms)
+        rec["attention"] = attention_plan(runner.prefill_backend)
+        rec["fa2_predicted"] = None
+        num_q, num_kv = engine.model_config.num_q_heads, engine.model_config.num_kv_heads
+        if engine.device.type == "cuda":
+            seqs = plan.prefill + (plan.decode if merged else [])
+            rec["fa2_predicted"] = fa2_split(
+                [s.num_new_tokens for s in seqs],
+                [s.num_context_tokens + s.num_new_tokens for s in seqs],
+                num_q,
+                num_kv,
+                torch.cuda.get_device_properties(engine.device).multi_processor_count,
+                engine.block_manager.block_size,
+            )
+    except Exception as exc:  # noqa: BLE001 - one point failing must not end the sweep
+        rec["error"] = f"{type(exc).__name__}: {exc}"[:400]
+        try:
+            engine.serial.drain()
+        except Exception:  # noqa: BLE001 - the failure is recorded above
+            pass
+    finally:
+        release_step(engine, sched, in_flight)
+        leaked = free_before - engine.block_manager.num_free_blocks
+        if leaked:
+            rec.setdefault("error", f"{leaked} KV blocks not freed after the point")
+    return rec
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.mixed_step",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="random:llama-3.1-8b")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-gpu-memory-gb", type=float)
+    p.add_argument("--context", type=int, default=41000, help="the long prompt's cached tokens")
+    p.add_argument("--chunks", default="330:460:5", help="chunk tokens u: list / start:stop:step")
+    p.add_argument("--decodes", default="1,6,10", help="decodes k beside the chunk")
+    p.add_argument("--decode-context", type=int, default=2000, help="each decode's KV tokens")
+    p.add_argument("--repeats", type=int, default=5, help="timed launches a point (+1 warm-up)")
+    p.add_argument(
+        "--last-chunk",
+        action="store_true",
+        help="the chunk ends the long prompt (samples its first token); default: more follows",
+    )
+    p.add_argument("--seed", type=int, default=0, help="token ids")
+    p.add_argument("--rev", help="git revision as the caller knows it (recorded beside git's)")
+    p.add_argument("--out", required=True)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    chunks, decodes = parse_grid(args.chunks), parse_grid(args.decodes)
+    if not chunks or not decodes or args.repeats < 1:
+        raise SystemExit("--chunks and --decodes need values, --repeats >= 1")
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    t0 = time.monotonic()
+
+    from bench.prefill_profile import git_revision
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+
+    engine = Engine(
+        EngineConfig(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            max_gpu_memory_gb=args.max_gpu_memory_gb,
+            partition="off",
+            jct_calibration=None,
+        ),
+        lambda _out: None,
+    )
+    init_s = time.monotonic() - t0
+    points: list[dict[str, Any]] = []
+    try:
+        runner = engine.runner
+        pg = runner.prefill_graphs
+        engine_rec = {
+            "model": args.model,
+            "dtype": str(engine.dtype).removeprefix("torch."),
+            "attention_backend": getattr(runner.prefill_backend, "name", None),
+            "block_size": engine.block_manager.block_size,
+            "kv_pool_tokens": engine.kv_pool_tokens,
+            "prefill_token_budget": engine.config.prefill_token_budget,
+            "mixed_step_token_budget": engine.serial.mixed_step_token_budget,
+            "merge_mixed_steps": engine.config.merge_mixed_steps,
+            "merge_off_reason": runner.merge_off_reason,
+            "prefill_graph_buckets": list(pg.token_sizes)
+            if pg is not None and pg.captured
+            else None,
+            "init_s": round(init_s, 2),
+        }
+        device = engine.device_name
+        if engine.device.type != "cuda":
+            device = f"{device} ({platform.processor() or platform.machine()})"
+        print(
+            f"[mixed-step] {device}, {args.model}: {len(chunks)} chunks x {len(decodes)} decode "
+            f"counts after {args.context} tokens (engine built in {init_s:.1f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        for k in decodes:
+            for u in chunks:
+                rec = measure_point(
+                    engine,
+                    u,
+                    k,
+                    args.context,
+                    args.decode_context,
+                    args.repeats,
+                    seed=args.seed,
+                    last_chunk=args.last_chunk,
+                )
+                points.append(rec)
+                if "error" in rec:
+                    line = f"error: {rec['error']}"
+                else:
+                    att = rec["attention"] or {}
+                    fa2 = att.get("fa2") or rec.get("fa2_predicted") or {}
+                    line = (
+                        f"{rec['device_ms_median']:.2f} ms (device), merged={rec['merged']} "
+                        f"bucket={rec['prefill_graph_bucket']} mode={att.get('mode')} "
+                        f"split_kv={fa2.get('split_kv')} tiles={fa2.get('num_work_tiles')}"
+                    )
+                print(f"[mixed-step] u={u} k={k}: {line}", file=sys.stderr, flush=True)
+    finally:
+        engine.shutdown()
+    record = {
+        "tool": "bench.mixed_step",
+        "note": NOTE,
+        "command": "python -m bench.mixed_step "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "argv": list(sys.argv) if argv is None else ["-m", "bench.mixed_step", *argv],
+        "git_revision": git_revision(args.rev),
+        "device": device,
+        "date": started,
+        "engine": engine_rec,
+        "setup": {
+            "context_tokens": args.context,
+            "decode_context_tokens": args.decode_context,
+            "last_chunk": args.last_chunk,
+            "repeats": args.repeats,
+            "warm_up_launches": 1,
+            "seed": args.seed,
+        },
+        "points": points,
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"[mixed-step] wrote {args.out} ({len(points)} points)", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
