@@ -13,12 +13,34 @@ plan change with it.
 
     python -m bench.mixed_step --model random:llama-3.1-8b --device cuda \\
         --context 41000 --chunks 330:460:5 --decodes 1,6,10 --decode-context 2000 \\
-        --repeats 5 --out $OUT/mixed-step.json
+        --repeats 5 --variants served,fa3,unmerged --out $OUT/mixed-step.json
     python -m bench.mixed_step --model random:tiny --device cpu --context 256 \\
         --chunks 16:48:16 --decodes 0,2 --decode-context 32 --repeats 2 --out /tmp/m.json
 
 `--chunks` and `--decodes` take comma lists whose items are a number or start:stop:step (stop
 included).
+
+What the H100 sweep showed: FlashInfer's FA2 paged-prefill plan (where the backend's
+`prefill_on_fa2` sends a merged step of mostly one-token rows) stops splitting the KV once the
+batch's work tiles pass (2 x SMs) // KV heads (`fa2_split`): at 41k context beside 10 decodes,
+350 tokens took 42.6 ms (split_kv True) and 355 tokens 72.4 ms (split_kv False). `--variants`
+(a comma list, default `served`) runs every point's one staged step several ways, each with its
+own untimed warm-up launch before its timed repeats, in the order given:
+
+- `served`: as the engine serves it (no patch).
+- `fa3`: the backend's paged-prefill kernel choice forced off FA2 (the module global
+  `runtime.attention.flashinfer_backend.prefill_on_fa2` returns False during the variant's
+  launches), i.e. FlashInfer's default wrapper, FA3 on Hopper. FA3 never splits the KV but
+  runs 128-row tiles per query head, which one-token decode rows leave mostly empty; beside one
+  decode (served on FA3 already) the step took no cliff. Not applicable where the prefill
+  backend is not FlashInfer (CPU: the torch backend): recorded as `skipped`.
+- `unmerged`: the prefill chunk and the decodes as two forwards (the runner instance's
+  `_mergeable` returns False during the variant): without the decode rows the chunk's FA2 plan
+  would keep its KV split (fewer tiles), at the cost of a second forward (the decode graph)
+  for the decodes. Caveat: the chunk alone is planned by `prefill_on_fa2` on its own shape,
+  which sends it to FA2 only while its FA3 work items (query heads x 128-row tiles) fill at
+  most half the SMs: on the 8B shape on an H100 (32 heads, 132 SMs) up to 256 tokens, so a
+  330-460-token chunk alone runs on FA3; each entry's `attention.mode` says which.
 
 Method: one engine, not started (as bench/prefill_profile.py and bench/batch_cost.py). For each
 point (u chunk tokens, k decodes) the step is planned by a `runtime.scheduler.Scheduler` of its
@@ -48,27 +70,33 @@ Why the scheduler rather than a hand-built `ScheduledSeq`/`StepPlan` (as
 tables covering the kept tokens and a decode's next token, `needs_output`, `samples`, token
 slots) is then the served step's by construction, not a copy of the scheduler's rules.
 
-The plan then runs as the serving loop runs a step: `engine.serial.launch(plan)` (the engine's
-`SerialExecutor`: CUDA events around `ModelRunner.launch(plan, interruptible=True)`, which
-merges prefill and decodes into one forward when `ModelRunner._mergeable` says so) and
-`engine.serial.results(block=True)`, whose `device_s` is the step's device span as a served
-step's `device_ms` is read (on CPU the same events read the wall clock). One untimed launch
-first, then `--repeats` timed ones, back to back, each waited for before the next. The same
-plan is launched every time: each launch writes the same KV slots and re-reads its context;
-the decodes read the token the previous launch sampled. Then the plan is retired and its
-requests aborted (their blocks and slots freed).
+The plan then runs, once per variant, as the serving loop runs a step:
+`engine.serial.launch(plan)` (the engine's `SerialExecutor`: CUDA events around
+`ModelRunner.launch(plan, interruptible=True)`, which merges prefill and decodes into one
+forward when `ModelRunner._mergeable` says so) and `engine.serial.results(block=True)`, whose
+`device_s` is the step's device span as a served step's `device_ms` is read (on CPU the same
+events read the wall clock). Per variant one untimed launch first, then `--repeats` timed ones,
+back to back, each waited for before the next. The same plan is launched every time, by every
+variant: each launch writes the same KV slots and re-reads its context; the decodes read the
+token the previous launch sampled. Then the plan is retired and its requests aborted (their
+blocks and slots freed).
 
-Per point the record has u, k, the planned shape (`planned`: the prefill's new, context and
-kept tokens, the decodes' contexts), `merged` (`ModelRunner.merges(plan)`: what launch did),
-`mergeable` (`ModelRunner._mergeable`; with k = 0 only whether the chunk could merge), the
-prefill-graph bucket of the forward that carried the prefill rows (u + k rows merged, u
-alone; None: eager or no graphs), device ms (all readings, median, min, max), host launch and
-wall ms medians, and `attention`: what the FlashInfer prefill backend planned for the step (its
-mode, e.g. "paged_fa2" or "paged" (FA3), and the kernel wrapper's plan: FA2's work tiles,
-query tile, whether and at what chunk it split the KV; None on CPU), beside `fa2_predicted`:
-the same FA2 split computed here from the step's shape (`fa2_split`, a transcription of
-FlashInfer 0.5.3's `PrefillSplitQOKVIndptr`; CUDA only, it needs the SM count; meaningful
-where the mode is an FA2 one).
+Per point the record has u, k, the planned shape (`planned`: the prefill's new, context and kept
+tokens, the decodes' contexts) and `variants`: one entry per variant run, keyed by its name,
+each either `{"skipped": why}` (not applicable here), `{"error": ...}` (it failed; the next
+variant still runs) or the fields below. The `served` entry's fields are also copied to the
+point's top level (the layout before `--variants`), and a point that could not be staged has a
+top-level `error` and no variants. A variant's fields, read while its patch is on (so `unmerged`
+has `merged` and `mergeable` False by construction): `merged` (`ModelRunner.merges(plan)`: what
+launch did), `mergeable` (`ModelRunner._mergeable`; with k = 0 only whether the chunk could
+merge), the prefill-graph bucket of the forward that carried the prefill rows (u + k rows
+merged, u alone; None: eager or no graphs), device ms (all readings, median, min, max), host
+launch and wall ms medians (both forwards where unmerged), and `attention`: what the FlashInfer
+prefill backend planned for the step's prefill forward (its mode, e.g. "paged_fa2" or "paged"
+(FA3), and the kernel wrapper's plan: FA2's work tiles, query tile, whether and at what chunk it
+split the KV; None on CPU), beside `fa2_predicted`: the same FA2 split computed here from the
+step's shape (`fa2_split`, a transcription of FlashInfer 0.5.3's `PrefillSplitQOKVIndptr`; CUDA
+only, it needs the SM count; meaningful where the mode is an FA2 one).
 
 Assumptions: the long request is a generation (a chat's long prompt; a scoring prompt chunked
 next to decodes plans the same shape); sampling is the defaults (temperature 1) with EOS
@@ -79,6 +107,7 @@ not by a hit: the runner sees block tables either way).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -87,6 +116,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 LONG_ID = "mixed-step-prefill"
@@ -349,6 +379,111 @@ def release_step(engine: Any, sched: Any, in_flight: list[Any]) -> None:
         engine.runner.release(rid)
 
 
+VARIANTS = ("served", "fa3", "unmerged")
+
+
+def variant_unavailable(engine: Any, name: str) -> str | None:
+    """Why `name` cannot run on this engine (recorded as the variant's `skipped`), or None."""
+    if name == "fa3" and getattr(engine.runner.prefill_backend, "name", None) != "flashinfer":
+        backend = getattr(engine.runner.prefill_backend, "name", None)
+        return (
+            f"not applicable: the prefill attention backend is {backend!r}, not FlashInfer "
+            "(no FA2/FA3 kernel choice to force)"
+        )
+    return None
+
+
+def _return_false(*_args: Any, **_kwargs: Any) -> bool:
+    return False
+
+
+@contextlib.contextmanager
+def variant_patch(engine: Any, name: str) -> Iterator[None]:
+    """The engine as the variant runs it (module docstring), restored on the way out.
+    fa3: the FlashInfer backend looks `prefill_on_fa2` up as a module global each time it
+    plans a batch with context, so replacing the module attribute takes effect. unmerged: the
+    runner asks its own `_mergeable` (`launch`, `merges`, `holds_host`), so an instance
+    attribute shadows the method."""
+    if name == "served":
+        yield
+    elif name == "fa3":
+        from runtime.attention import flashinfer_backend as fib
+
+        original = fib.prefill_on_fa2
+        fib.prefill_on_fa2 = _return_false
+        try:
+            yield
+        finally:
+            fib.prefill_on_fa2 = original
+    elif name == "unmerged":
+        runner = engine.runner
+        shadowed = vars(runner).get("_mergeable")
+        setattr(runner, "_mergeable", _return_false)  # noqa: B010 - a method, shadowed
+        try:
+            yield
+        finally:
+            if shadowed is None:
+                delattr(runner, "_mergeable")
+            else:
+                setattr(runner, "_mergeable", shadowed)  # noqa: B010
+    else:
+        raise ValueError(f"unknown variant {name!r} (one of {', '.join(VARIANTS)})")
+
+
+def measure_variant(engine: Any, plan: Any, u: int, k: int, repeats: int) -> dict[str, Any]:
+    """One variant's entry for the staged `plan` (run under its `variant_patch`): whether and
+    how the step merged, one untimed launch, `repeats` timed ones, the attention plan read."""
+    import torch
+
+    runner = engine.runner
+    entry: dict[str, Any] = {}
+    merged = runner.merges(plan)
+    entry["merged"] = bool(merged)
+    entry["mergeable"] = bool(runner._mergeable(plan.prefill, len(plan.decode)))
+    rows = u + k if merged else u
+    entry["forward_tokens"] = rows
+    pg = runner.prefill_graphs
+    entry["prefill_graph_bucket"] = pg.bucket_for(rows) if pg is not None and pg.captured else None
+    device_ms: list[float] = []
+    wall_ms: list[float] = []
+    launch_ms: list[float] = []
+    serial = engine.serial
+    for i in range(repeats + 1):
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+        t0 = time.perf_counter()
+        serial.launch(plan)
+        t1 = time.perf_counter()
+        results = serial.results(block=True)
+        t2 = time.perf_counter()
+        if len(results) != 1 or results[0].device_s is None:
+            raise RuntimeError(f"expected one timed step back, got {len(results)}")
+        if i:  # the first launch is the variant's warm-up
+            device_ms.append(results[0].device_s * 1e3)
+            launch_ms.append((t1 - t0) * 1e3)
+            wall_ms.append((t2 - t0) * 1e3)
+    entry["device_ms"] = [round(v, 4) for v in device_ms]
+    entry["device_ms_median"] = statistics.median(device_ms)
+    entry["device_ms_min"] = min(device_ms)
+    entry["device_ms_max"] = max(device_ms)
+    entry["wall_ms_median"] = statistics.median(wall_ms)
+    entry["launch_ms_median"] = statistics.median(launch_ms)
+    entry["attention"] = attention_plan(runner.prefill_backend)
+    entry["fa2_predicted"] = None
+    num_q, num_kv = engine.model_config.num_q_heads, engine.model_config.num_kv_heads
+    if engine.device.type == "cuda":
+        seqs = plan.prefill + (plan.decode if merged else [])
+        entry["fa2_predicted"] = fa2_split(
+            [s.num_new_tokens for s in seqs],
+            [s.num_context_tokens + s.num_new_tokens for s in seqs],
+            num_q,
+            num_kv,
+            torch.cuda.get_device_properties(engine.device).multi_processor_count,
+            engine.block_manager.block_size,
+        )
+    return entry
+
+
 def measure_point(
     engine: Any,
     u: int,
@@ -359,15 +494,15 @@ def measure_point(
     *,
     seed: int = 0,
     last_chunk: bool = False,
+    variants: tuple[str, ...] = ("served",),
 ) -> dict[str, Any]:
-    """One point's record (module docstring)."""
-    import torch
-
-    runner = engine.runner
+    """One point's record (module docstring): the step staged once, then run as each of
+    `variants` in turn."""
     rec: dict[str, Any] = {"u": u, "k": k}
     free_before = engine.block_manager.num_free_blocks
     sched = new_scheduler(engine)
     in_flight: list[Any] = []
+    entries: dict[str, dict[str, Any]] = {}
     try:
         plan = stage_step(
             engine,
@@ -392,52 +527,20 @@ def measure_point(
         bad = check_plan(plan, u, k, context, decode_context)
         if bad:
             raise ValueError(bad)
-        merged = runner.merges(plan)
-        rec["merged"] = bool(merged)
-        rec["mergeable"] = bool(runner._mergeable(plan.prefill, len(plan.decode)))
-        rows = u + k if merged else u
-        rec["forward_tokens"] = rows
-        pg = runner.prefill_graphs
-        rec["prefill_graph_bucket"] = (
-            pg.bucket_for(rows) if pg is not None and pg.captured else None
-        )
-        device_ms: list[float] = []
-        wall_ms: list[float] = []
-        launch_ms: list[float] = []
-        serial = engine.serial
-        for i in range(repeats + 1):
-            if engine.device.type == "cuda":
-                torch.cuda.synchronize(engine.device)
-            t0 = time.perf_counter()
-            serial.launch(plan)
-            t1 = time.perf_counter()
-            results = serial.results(block=True)
-            t2 = time.perf_counter()
-            if len(results) != 1 or results[0].device_s is None:
-                raise RuntimeError(f"expected one timed step back, got {len(results)}")
-            if i:  # the first launch is the warm-up
-                device_ms.append(results[0].device_s * 1e3)
-                launch_ms.append((t1 - t0) * 1e3)
-                wall_ms.append((t2 - t0) * 1e3)
-        rec["device_ms"] = [round(v, 4) for v in device_ms]
-        rec["device_ms_median"] = statistics.median(device_ms)
-        rec["device_ms_min"] = min(device_ms)
-        rec["device_ms_max"] = max(device_ms)
-        rec["wall_ms_median"] = statistics.median(wall_ms)
-        rec["launch_ms_median"] = statistics.median(launch_ms)
-        rec["attention"] = attention_plan(runner.prefill_backend)
-        rec["fa2_predicted"] = None
-        num_q, num_kv = engine.model_config.num_q_heads, engine.model_config.num_kv_heads
-        if engine.device.type == "cuda":
-            seqs = plan.prefill + (plan.decode if merged else [])
-            rec["fa2_predicted"] = fa2_split(
-                [s.num_new_tokens for s in seqs],
-                [s.num_context_tokens + s.num_new_tokens for s in seqs],
-                num_q,
-                num_kv,
-                torch.cuda.get_device_properties(engine.device).multi_processor_count,
-                engine.block_manager.block_size,
-            )
+        for name in variants:
+            why_not = variant_unavailable(engine, name)
+            if why_not:
+                entries[name] = {"skipped": why_not}
+                continue
+            try:
+                with variant_patch(engine, name):
+                    entries[name] = measure_variant(engine, plan, u, k, repeats)
+            except Exception as exc:  # noqa: BLE001 - one variant failing must not end the point
+                entries[name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+                try:
+                    engine.serial.drain()
+                except Exception:  # noqa: BLE001 - the failure is recorded above
+                    pass
     except Exception as exc:  # noqa: BLE001 - one point failing must not end the sweep
         rec["error"] = f"{type(exc).__name__}: {exc}"[:400]
         try:
@@ -446,10 +549,46 @@ def measure_point(
             pass
     finally:
         release_step(engine, sched, in_flight)
+        if "served" in entries:  # the layout before --variants: served's fields at the top
+            for key, value in entries["served"].items():
+                rec.setdefault(key, value)
+        rec["variants"] = entries
         leaked = free_before - engine.block_manager.num_free_blocks
         if leaked:
             rec.setdefault("error", f"{leaked} KV blocks not freed after the point")
     return rec
+
+
+def parse_variants(text: str) -> tuple[str, ...]:
+    """`--variants`: known names, in order, no repeats, at least one."""
+    out: list[str] = []
+    for name in (x.strip() for x in text.split(",")):
+        if not name:
+            continue
+        if name not in VARIANTS:
+            raise SystemExit(f"--variants: unknown {name!r} (one of {', '.join(VARIANTS)})")
+        if name not in out:
+            out.append(name)
+    if not out:
+        raise SystemExit(f"--variants needs at least one of {', '.join(VARIANTS)}")
+    return tuple(out)
+
+
+def variant_line(entry: dict[str, Any]) -> str:
+    """A variant's entry in one line (stderr)."""
+    if "skipped" in entry:
+        return f"skipped: {entry['skipped']}"
+    if "error" in entry:
+        return f"error: {entry['error']}"
+    att = entry["attention"] or {}
+    fa2 = att.get("fa2") or {}
+    if not fa2 and att.get("mode") == "paged_fa2":  # the plan read failed: the transcription
+        fa2 = entry.get("fa2_predicted") or {}
+    return (
+        f"{entry['device_ms_median']:.2f} ms (device), merged={entry['merged']} "
+        f"bucket={entry['prefill_graph_bucket']} mode={att.get('mode')} "
+        f"split_kv={fa2.get('split_kv')} tiles={fa2.get('num_work_tiles')}"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -472,6 +611,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the chunk ends the long prompt (samples its first token); default: more follows",
     )
+    p.add_argument(
+        "--variants",
+        default="served",
+        help=f"comma list of how each point's step runs, of {', '.join(VARIANTS)} (docstring)",
+    )
     p.add_argument("--seed", type=int, default=0, help="token ids")
     p.add_argument("--rev", help="git revision as the caller knows it (recorded beside git's)")
     p.add_argument("--out", required=True)
@@ -483,6 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     chunks, decodes = parse_grid(args.chunks), parse_grid(args.decodes)
     if not chunks or not decodes or args.repeats < 1:
         raise SystemExit("--chunks and --decodes need values, --repeats >= 1")
+    variants = parse_variants(args.variants)
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     t0 = time.monotonic()
 
@@ -541,19 +686,21 @@ def main(argv: list[str] | None = None) -> int:
                     args.repeats,
                     seed=args.seed,
                     last_chunk=args.last_chunk,
+                    variants=variants,
                 )
                 points.append(rec)
-                if "error" in rec:
-                    line = f"error: {rec['error']}"
-                else:
-                    att = rec["attention"] or {}
-                    fa2 = att.get("fa2") or rec.get("fa2_predicted") or {}
-                    line = (
-                        f"{rec['device_ms_median']:.2f} ms (device), merged={rec['merged']} "
-                        f"bucket={rec['prefill_graph_bucket']} mode={att.get('mode')} "
-                        f"split_kv={fa2.get('split_kv')} tiles={fa2.get('num_work_tiles')}"
+                if not rec["variants"]:
+                    print(
+                        f"[mixed-step] u={u} k={k}: error: {rec.get('error')}",
+                        file=sys.stderr,
+                        flush=True,
                     )
-                print(f"[mixed-step] u={u} k={k}: {line}", file=sys.stderr, flush=True)
+                for name, entry in rec["variants"].items():
+                    print(
+                        f"[mixed-step] u={u} k={k} {name}: {variant_line(entry)}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
     finally:
         engine.shutdown()
     record = {
@@ -571,7 +718,8 @@ def main(argv: list[str] | None = None) -> int:
             "decode_context_tokens": args.decode_context,
             "last_chunk": args.last_chunk,
             "repeats": args.repeats,
-            "warm_up_launches": 1,
+            "variants": list(variants),
+            "warm_up_launches": 1,  # per variant
             "seed": args.seed,
         },
         "points": points,

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
-from bench.mixed_step import fa2_split, main, parse_grid
+import pytest
+
+from bench.mixed_step import fa2_split, main, parse_grid, parse_variants, variant_patch
 
 
 def test_one_timed_point_per_chunk_and_decode_count(tmp_path: Path) -> None:
@@ -51,12 +54,90 @@ def test_one_timed_point_per_chunk_and_decode_count(tmp_path: Path) -> None:
         assert 0 < p["device_ms_min"] <= p["device_ms_median"] <= p["device_ms_max"]
         assert p["wall_ms_median"] > 0
         assert p["attention"] is None and p["fa2_predicted"] is None  # torch backend
+        assert list(p["variants"]) == ["served"]  # the default: served, also at the top
+        assert p["variants"]["served"]["device_ms"] == p["device_ms"]
+
+
+def test_variants_run_the_same_step_merged_and_unmerged_and_skip_fa3_off_flashinfer(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "v.json"
+    context, dctx, u, k, repeats = 70, 21, 24, 2, 2
+    rc = main(
+        [
+            "--model", "random:tiny", "--device", "cpu",
+            "--context", str(context), "--chunks", str(u), "--decodes", str(k),
+            "--decode-context", str(dctx), "--repeats", str(repeats),
+            "--variants", "served,unmerged,fa3", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    rec = json.loads(out.read_text())
+    assert rec["setup"]["variants"] == ["served", "unmerged", "fa3"]
+    (p,) = rec["points"]
+    assert (p["u"], p["k"]) == (u, k) and "error" not in p, p
+    variants = p["variants"]
+    assert list(variants) == ["served", "unmerged", "fa3"]
+    served, unmerged = variants["served"], variants["unmerged"]
+    assert "error" not in served and "error" not in unmerged, variants
+    # served: one forward of u + k rows (CPU: a kept chunk beside decodes always merges).
+    assert served["merged"] is True and served["mergeable"] is True
+    assert served["forward_tokens"] == u + k
+    # unmerged: the chunk's forward alone, then the decodes'.
+    assert unmerged["merged"] is False and unmerged["mergeable"] is False
+    assert unmerged["forward_tokens"] == u
+    for entry in (served, unmerged):
+        assert len(entry["device_ms"]) == repeats and all(v > 0 for v in entry["device_ms"])
+        assert 0 < entry["device_ms_min"] <= entry["device_ms_median"] <= entry["device_ms_max"]
+        assert entry["attention"] is None  # the torch backend says nothing
+    # The layout before --variants: served's fields at the point's top level.
+    assert p["merged"] is True and p["device_ms"] == served["device_ms"]
+    # No FlashInfer on the CPU: no kernel choice to force.
+    fa3 = variants["fa3"]
+    assert set(fa3) == {"skipped"} and "not applicable" in fa3["skipped"]
+    # The patches are gone after the run: a fresh engine would see the originals.
+    from runtime.attention import flashinfer_backend
+    from runtime.runner import ModelRunner
+
+    assert flashinfer_backend.prefill_on_fa2.__name__ == "prefill_on_fa2"
+    assert "_mergeable" in vars(ModelRunner)
 
 
 def test_grids_take_lists_and_inclusive_ranges() -> None:
     assert parse_grid("330:345:5") == [330, 335, 340, 345]
     assert parse_grid("1,6,10") == [1, 6, 10]
     assert parse_grid("0:2:2,2,5") == [0, 2, 5]
+
+
+def test_variant_patches_take_effect_where_looked_up_and_are_undone() -> None:
+    from runtime.attention import flashinfer_backend as fib
+
+    class Runner:
+        def _mergeable(self, _prefill: list, _num_decodes: int) -> bool:
+            return True
+
+    runner = Runner()
+    engine = SimpleNamespace(runner=runner)
+    original = fib.prefill_on_fa2
+    with variant_patch(engine, "fa3"):
+        # The backend calls it by its module-global name at plan time.
+        assert fib.prefill_on_fa2([1] * 10, 32, 132) is False
+    assert fib.prefill_on_fa2 is original and original([1] * 10, 32, 132) is True
+    with pytest.raises(RuntimeError), variant_patch(engine, "unmerged"):
+        assert runner._mergeable([], 3) is False
+        raise RuntimeError("a failing launch")
+    assert runner._mergeable([], 3) is True and "_mergeable" not in vars(runner)
+    with variant_patch(engine, "served"):
+        assert runner._mergeable([], 3) is True
+
+
+def test_variants_are_known_names_in_order_without_repeats() -> None:
+    assert parse_variants("served") == ("served",)
+    assert parse_variants("unmerged, fa3,unmerged") == ("unmerged", "fa3")
+    with pytest.raises(SystemExit):
+        parse_variants("served,fa4")
+    with pytest.raises(SystemExit):
+        parse_variants(",")
 
 
 def test_fa2_split_drops_to_one_kv_chunk_when_its_tiles_no_longer_fit_twice() -> None:
