@@ -13,7 +13,7 @@ plan change with it.
 
     python -m bench.mixed_step --model random:llama-3.1-8b --device cuda \\
         --context 41000 --chunks 330:460:5 --decodes 1,6,10 --decode-context 2000 \\
-        --repeats 5 --variants served,fa3,unmerged --out $OUT/mixed-step.json
+        --repeats 5 --variants served,fa3,unmerged,unmerged-fa2 --out $OUT/mixed-step.json
     python -m bench.mixed_step --model random:tiny --device cpu --context 256 \\
         --chunks 16:48:16 --decodes 0,2 --decode-context 32 --repeats 2 --out /tmp/m.json
 
@@ -41,6 +41,9 @@ own untimed warm-up launch before its timed repeats, in the order given:
   which sends it to FA2 only while its FA3 work items (query heads x 128-row tiles) fill at
   most half the SMs: on the 8B shape on an H100 (32 heads, 132 SMs) up to 256 tokens, so a
   330-460-token chunk alone runs on FA3; each entry's `attention.mode` says which.
+- `unmerged-fa2`: as `unmerged`, with the chunk's kernel forced onto FA2 (`prefill_on_fa2`
+  returns True), whose plan then splits its KV: the chunk alone as the cliff's fix would run
+  it. Not applicable off FlashInfer, as `fa3`.
 
 Method: one engine, not started (as bench/prefill_profile.py and bench/batch_cost.py). For each
 point (u chunk tokens, k decodes) the step is planned by a `runtime.scheduler.Scheduler` of its
@@ -379,12 +382,15 @@ def release_step(engine: Any, sched: Any, in_flight: list[Any]) -> None:
         engine.runner.release(rid)
 
 
-VARIANTS = ("served", "fa3", "unmerged")
+VARIANTS = ("served", "fa3", "unmerged", "unmerged-fa2")
 
 
 def variant_unavailable(engine: Any, name: str) -> str | None:
     """Why `name` cannot run on this engine (recorded as the variant's `skipped`), or None."""
-    if name == "fa3" and getattr(engine.runner.prefill_backend, "name", None) != "flashinfer":
+    if (
+        name in ("fa3", "unmerged-fa2")
+        and getattr(engine.runner.prefill_backend, "name", None) != "flashinfer"
+    ):
         backend = getattr(engine.runner.prefill_backend, "name", None)
         return (
             f"not applicable: the prefill attention backend is {backend!r}, not FlashInfer "
@@ -395,6 +401,10 @@ def variant_unavailable(engine: Any, name: str) -> str | None:
 
 def _return_false(*_args: Any, **_kwargs: Any) -> bool:
     return False
+
+
+def _return_true(*_args: Any, **_kwargs: Any) -> bool:
+    return True
 
 
 @contextlib.contextmanager
@@ -413,6 +423,18 @@ def variant_patch(engine: Any, name: str) -> Iterator[None]:
         fib.prefill_on_fa2 = _return_false
         try:
             yield
+        finally:
+            fib.prefill_on_fa2 = original
+    elif name == "unmerged-fa2":
+        # The chunk alone on FA2 (whose plan then splits its KV), the decodes in their graph:
+        # `unmerged` alone sends a chunk of over ~256 tokens to FA3 (`prefill_on_fa2`).
+        from runtime.attention import flashinfer_backend as fib
+
+        original = fib.prefill_on_fa2
+        fib.prefill_on_fa2 = _return_true
+        try:
+            with variant_patch(engine, "unmerged"):
+                yield
         finally:
             fib.prefill_on_fa2 = original
     elif name == "unmerged":

@@ -68,16 +68,16 @@ def test_variants_run_the_same_step_merged_and_unmerged_and_skip_fa3_off_flashin
             "--model", "random:tiny", "--device", "cpu",
             "--context", str(context), "--chunks", str(u), "--decodes", str(k),
             "--decode-context", str(dctx), "--repeats", str(repeats),
-            "--variants", "served,unmerged,fa3", "--out", str(out),
+            "--variants", "served,unmerged,fa3,unmerged-fa2", "--out", str(out),
         ]
     )  # fmt: skip
     assert rc == 0
     rec = json.loads(out.read_text())
-    assert rec["setup"]["variants"] == ["served", "unmerged", "fa3"]
+    assert rec["setup"]["variants"] == ["served", "unmerged", "fa3", "unmerged-fa2"]
     (p,) = rec["points"]
     assert (p["u"], p["k"]) == (u, k) and "error" not in p, p
     variants = p["variants"]
-    assert list(variants) == ["served", "unmerged", "fa3"]
+    assert list(variants) == ["served", "unmerged", "fa3", "unmerged-fa2"]
     served, unmerged = variants["served"], variants["unmerged"]
     assert "error" not in served and "error" not in unmerged, variants
     # served: one forward of u + k rows (CPU: a kept chunk beside decodes always merges).
@@ -93,8 +93,8 @@ def test_variants_run_the_same_step_merged_and_unmerged_and_skip_fa3_off_flashin
     # The layout before --variants: served's fields at the point's top level.
     assert p["merged"] is True and p["device_ms"] == served["device_ms"]
     # No FlashInfer on the CPU: no kernel choice to force.
-    fa3 = variants["fa3"]
-    assert set(fa3) == {"skipped"} and "not applicable" in fa3["skipped"]
+    for name in ("fa3", "unmerged-fa2"):
+        assert set(variants[name]) == {"skipped"} and "not applicable" in variants[name]["skipped"]
     # The patches are gone after the run: a fresh engine would see the originals.
     from runtime.attention import flashinfer_backend
     from runtime.runner import ModelRunner
@@ -123,6 +123,11 @@ def test_variant_patches_take_effect_where_looked_up_and_are_undone() -> None:
         # The backend calls it by its module-global name at plan time.
         assert fib.prefill_on_fa2([1] * 10, 32, 132) is False
     assert fib.prefill_on_fa2 is original and original([1] * 10, 32, 132) is True
+    with variant_patch(engine, "unmerged-fa2"):
+        # Both: the chunk's kernel forced onto FA2, and no merge.
+        assert fib.prefill_on_fa2([400], 32, 132) is True and runner._mergeable([], 3) is False
+    assert fib.prefill_on_fa2 is original and original([400], 32, 132) is False
+    assert runner._mergeable([], 3) is True and "_mergeable" not in vars(runner)
     with pytest.raises(RuntimeError), variant_patch(engine, "unmerged"):
         assert runner._mergeable([], 3) is False
         raise RuntimeError("a failing launch")
