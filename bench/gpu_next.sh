@@ -55,6 +55,9 @@
 #                                         #   until healthy, so FlashInfer's modules and the
 #                                         #   fused decode's Triton sizes compile, then stop;
 #                                         #   the cache comes back as fi_cache.tar.gz
+#   bash bench/gpu_next.sh cliff REV      # issue 13: the chunk cliff's candidates, one mixed
+#                                         #   step each (bench.mixed_step --variants) at 41k,
+#                                         #   20k and 8k of context (~1 min each)
 #   bash bench/gpu_next.sh prof REV       # issue 17: the served-path prefill profile at the
 #                                         #   default chunk, for the replays (~2 min)
 #   bash bench/gpu_next.sh hostprof REV [M] # where the host's time goes next to scoring:
@@ -538,6 +541,19 @@ case $plan in
       --command "bash bench/gpu_next.sh batch $rev" \
       --deadline-s "$(( $(left) - 15 ))" || rc=1
     cp $work/sched/gpu-scheduling-*.json $work/sched/prefill-profile-*.json "$OUT/" ;;
+  cliff)
+    # Issue 13: a mixed chunked step at long context falls off a cliff where FlashInfer's FA2
+    # plan stops splitting the KV (H100, 8B, 41k of context: 42.6 ms at 350 tokens beside 10
+    # decodes, 72.4 at 355; docs/benchmarks.md, "Scoring prompts too long to chunk"). One
+    # engine-level sweep per context: the served step against FA3, the decodes in their own
+    # forward, and that with the chunk forced onto FA2 (bench.mixed_step's docstring); the
+    # variant that holds the split's time past the cliff without costing below it is the fix.
+    for ctx in ${CONTEXTS:-41000 20000 8000}; do
+      timeout "$(( $(left) - 10 ))" python3 -m bench.mixed_step --model random:llama-3.1-8b \
+        --device cuda --context "$ctx" --chunks "${CHUNKS:-330:460:10}" --decodes "${DECODES:-6,10}" \
+        --decode-context 2000 --repeats 3 --variants served,fa3,unmerged,unmerged-fa2 \
+        --rev "$rev" --out "$OUT/mixed-step-$ctx.json" || rc=1
+    done ;;
   prof)
     # The served-path prefill profile of plan batch's first part, alone, at the engine's
     # default sizing (hybrid prefill's chunk follows the memory since 7992938; the profile of
