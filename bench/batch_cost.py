@@ -106,15 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     if any(len(pt) != 3 for pt in points):
         raise SystemExit("--points takes u:c:B items")
 
-    from bench.prefill_profile import git_revision
-    from runtime.config import EngineConfig
-    from runtime.engine import Engine
+    from bench.prefill_profile import git_revision, measurement_engine
 
     t0 = time.monotonic()
-    engine = Engine(
-        EngineConfig(model=args.model, device=args.device, partition="off", jct_calibration=None),
-        lambda _out: None,
-    )
+    engine = measurement_engine(model=args.model, device=args.device)
     try:
         results = measure(engine, points, args.repeats)  # type: ignore[arg-type]
         device = engine.device_name

@@ -653,20 +653,13 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     t0 = time.monotonic()
 
-    from bench.prefill_profile import git_revision
-    from runtime.config import EngineConfig
-    from runtime.engine import Engine
+    from bench.prefill_profile import git_revision, measurement_engine
 
-    engine = Engine(
-        EngineConfig(
-            model=args.model,
-            device=args.device,
-            dtype=args.dtype,
-            max_gpu_memory_gb=args.max_gpu_memory_gb,
-            partition="off",
-            jct_calibration=None,
-        ),
-        lambda _out: None,
+    engine = measurement_engine(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_gpu_memory_gb=args.max_gpu_memory_gb,
     )
     init_s = time.monotonic() - t0
     points: list[dict[str, Any]] = []

@@ -61,6 +61,16 @@ CPU_BATCH_POINTS = ((16, 256, 4),)
 CPU_REPEATS = 3
 
 
+def measurement_engine(**config: Any) -> Any:
+    """An engine that is not started, for engine-level measurements (this module,
+    bench.batch_cost, bench.mixed_step): `config` (EngineConfig fields: model, device, ...)
+    with the partition off and no JCT calibration file, its outputs dropped."""
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+
+    return Engine(EngineConfig(partition="off", jct_calibration=None, **config), lambda _out: None)
+
+
 def git_revision(given: str | None) -> dict[str, Any]:
     """The revision of the tree this runs from, read now; `given` (--rev) is kept beside it
     (a device copy may carry no or stale git metadata: both are recorded, the reader decides)."""
@@ -221,18 +231,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from runtime.calibrate import model_key
-    from runtime.config import EngineConfig
-    from runtime.engine import Engine
 
-    config = EngineConfig(
+    engine = measurement_engine(
         model=args.model,
         device=args.device,
         dtype=args.dtype,
         max_gpu_memory_gb=args.max_gpu_memory_gb,
-        partition="off",
-        jct_calibration=None,
     )
-    engine = Engine(config, lambda _out: None)
     init_s = time.monotonic() - t0
     on_cpu = engine.device.type == "cpu"
     try:

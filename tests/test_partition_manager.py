@@ -21,6 +21,7 @@ from runtime.partition.cost_model import (
     PrefillShape,
 )
 from runtime.partition.green_ctx import SmLayout
+from runtime.scheduler import StepPlan
 
 
 class _Stream:
@@ -274,19 +275,9 @@ def test_auto_hands_a_layer_sliced_time_slice_to_the_engine(manager) -> None:
     assert choice.prefill_sms == TIME_SLICE and choice.layers_per_slice is None
 
 
-def test_the_engine_hands_layer_slices_to_the_pd_loop(manager) -> None:
-    """Engine._choose_split turns auto's layer-sliced time-slice into the PD loop's choice:
-    both streams the whole GPU's, `layers_per_slice` set; a decode-only choice has none."""
-    import dataclasses
-
-    from runtime.config import EngineConfig
-    from runtime.engine import Engine
-    from runtime.partition.cost_model import DECODE, PREFILL
-    from runtime.scheduler import StepPlan
-
-    eng = Engine(EngineConfig(model="random:tiny", block_size=4, num_kv_blocks=64), lambda o: None)
-    eng._green = manager
-    layers = eng.model_config.num_layers
+def _prefill_beside_eight_decodes() -> tuple[StepPlan, StepPlan]:
+    """Stand-in plans for Engine._choose_split: an 8,192-token prefill, and 8 decodes of
+    2,048 tokens of context (distinct requests)."""
     seq = types.SimpleNamespace
     pplan = StepPlan(
         1, prefill=[seq(num_context_tokens=0, num_new_tokens=8192, request=seq(request_id="p"))]
@@ -298,6 +289,22 @@ def test_the_engine_hands_layer_slices_to_the_pd_loop(manager) -> None:
             for i in range(8)
         ],
     )
+    return pplan, dplan
+
+
+def test_the_engine_hands_layer_slices_to_the_pd_loop(manager) -> None:
+    """Engine._choose_split turns auto's layer-sliced time-slice into the PD loop's choice:
+    both streams the whole GPU's, `layers_per_slice` set; a decode-only choice has none."""
+    import dataclasses
+
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+    from runtime.partition.cost_model import DECODE, PREFILL
+
+    eng = Engine(EngineConfig(model="random:tiny", block_size=4, num_kv_blocks=64), lambda o: None)
+    eng._green = manager
+    layers = eng.model_config.num_layers
+    pplan, dplan = _prefill_beside_eight_decodes()
     p = PrefillShape.from_seqs([(0, 8192)], num_layers=layers)
     d = DecodeShape(8, 8 * 2048, layers)
     m = manager.cost_model
@@ -376,7 +383,6 @@ def test_the_engine_sizes_layer_slices_to_its_measured_tail(manager) -> None:
 
     from runtime.config import EngineConfig
     from runtime.engine import Engine
-    from runtime.scheduler import StepPlan
 
     eng = Engine(EngineConfig(model="random:tiny", block_size=4, num_kv_blocks=64), lambda o: None)
     eng._green = manager
@@ -391,17 +397,7 @@ def test_the_engine_sizes_layer_slices_to_its_measured_tail(manager) -> None:
         return decide(*args, **kwargs)
 
     manager.decide = spy
-    seq = types.SimpleNamespace
-    pplan = StepPlan(
-        1, prefill=[seq(num_context_tokens=0, num_new_tokens=8192, request=seq(request_id="p"))]
-    )
-    dplan = StepPlan(
-        2,
-        decode=[
-            seq(num_context_tokens=2048, num_new_tokens=1, request=seq(request_id=f"d{i}"))
-            for i in range(8)
-        ],
-    )
+    pplan, dplan = _prefill_beside_eight_decodes()
     eng._tbt_tail.factor = 1.25
     eng._choose_split(pplan, dplan)
     assert seen == [pytest.approx(64.0)]
