@@ -304,6 +304,20 @@ def _samples_left(req: Request) -> int:
     return req.sampling.max_tokens - req.num_output_tokens - req.num_output_placeholders
 
 
+def _decodes_after_sample(req: Request) -> bool:
+    """Whether a running generation whose last step sampled (its lease's `sampled`, the
+    sample in flight or on the host) has a decode to come: one token past what is computed
+    (its sample) and samples left to plan. `outlook` (the next step) and `decodes_ahead`
+    (the steps over a prefill's time) count decodes by this one rule; `outlook` also leaves
+    out a generation under a grammar with too many samples in flight (`_grammar_waits`): it
+    is not planned next step, though it decodes over a longer prefill."""
+    return (
+        req.status == RequestStatus.RUNNING
+        and req.num_total_tokens - req.num_computed_tokens == 1
+        and _samples_left(req) > 0
+    )
+
+
 def _grammar_waits(req: Request) -> bool:
     """Whether a request under a grammar has too many samples in flight to be planned again
     (`outlook` and `_plan_decodes` ask the same)."""
@@ -693,7 +707,7 @@ class Scheduler:
                 # A held one's sampled prefill is still in flight (the split executor holds
                 # its prefills, whole-GPU ones too): it decodes as soon as that step is
                 # applied, beside whatever is planned now, so it counts (`decodes_ahead`).
-                if remaining == 1 and _samples_left(req) > 0 and not _grammar_waits(req):
+                if _decodes_after_sample(req) and not _grammar_waits(req):
                     num_decodes += 1
                     decode_ctx += req.num_computed_tokens
             elif remaining > 0 and head is None and not lease.held:
@@ -734,9 +748,8 @@ class Scheduler:
             if (
                 lease is None
                 or not lease.sampled
-                or req.status != RequestStatus.RUNNING
                 or req.request_id in seen
-                or _samples_left(req) <= 0
+                or not _decodes_after_sample(req)
             ):
                 continue
             num += 1
