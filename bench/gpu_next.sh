@@ -547,12 +547,16 @@ case $plan in
     # decodes, 72.4 at 355; docs/benchmarks.md, "Scoring prompts too long to chunk"). One
     # engine-level sweep per context: the served step against FA3, the decodes in their own
     # forward, and that with the chunk forced onto FA2 (bench.mixed_step's docstring); the
-    # variant that holds the split's time past the cliff without costing below it is the fix.
+    # variant that holds the split's time past the cliff without costing below it is the fix
+    # (since 2026-12-06 the backend's work ratio, `FA3_WORK_RATIO_*`). [M] another model;
+    # CONTEXTS, CHUNKS, DECODES, DECODE_CTX, VARIANTS (e.g. served,fa2,fa3: the rule against
+    # each kernel forced) change the sweep.
     for ctx in ${CONTEXTS:-41000 20000 8000}; do
-      timeout "$(( $(left) - 10 ))" python3 -m bench.mixed_step --model random:llama-3.1-8b \
+      timeout "$(( $(left) - 10 ))" python3 -m bench.mixed_step --model "${split:-random:llama-3.1-8b}" \
         --device cuda --context "$ctx" --chunks "${CHUNKS:-330:460:10}" --decodes "${DECODES:-6,10}" \
-        --decode-context 2000 --repeats 3 --variants served,fa3,unmerged,unmerged-fa2 \
-        --rev "$rev" --out "$OUT/mixed-step-$ctx.json" || rc=1
+        --decode-context "${DECODE_CTX:-2000}" --repeats 3 \
+        --variants "${VARIANTS:-served,fa3,unmerged,unmerged-fa2}" \
+        --rev "$rev" --out "$OUT/mixed-step-${split:+${split##*:}-}$ctx.json" || rc=1
     done ;;
   prof)
     # The served-path prefill profile of plan batch's first part, alone, at the engine's

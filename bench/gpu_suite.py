@@ -1303,7 +1303,9 @@ def section_paged_kernels() -> dict:
                     row[f"{name}_us"] = statistics.median(times)
                 row["fa2_over_fa3"] = row["fa2_us"] / row["fa3_us"]
                 row["rel_err_fa2_vs_fa3"] = rel_err(outs["fa2"].float(), outs["fa3"].float())
-                row["rule_picks"] = "fa2" if prefill_on_fa2([nq], hq, num_sms) else "fa3"
+                row["rule_picks"] = (
+                    "fa2" if prefill_on_fa2([nq], [n], hq, hkv, num_sms, bs) else "fa3"
+                )
                 faster = "fa2" if row["fa2_us"] < row["fa3_us"] else "fa3"
                 row["rule_picked_faster"] = row["rule_picks"] == faster
                 out["rows"].append(row)

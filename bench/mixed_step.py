@@ -22,12 +22,16 @@ included).
 
 What the H100 sweep showed: FlashInfer's FA2 paged-prefill plan (where the backend's
 `prefill_on_fa2` sends a merged step of mostly one-token rows) stops splitting the KV once the
-batch's work tiles pass (2 x SMs) // KV heads (`fa2_split`): at 41k context beside 10 decodes,
+batch's work tiles pass (2 x SMs) // KV heads (`fa2_split_plan` in
+runtime/attention/flashinfer_backend.py): at 41k context beside 10 decodes,
 350 tokens took 42.6 ms (split_kv True) and 355 tokens 72.4 ms (split_kv False). `--variants`
 (a comma list, default `served`) runs every point's one staged step several ways, each with its
 own untimed warm-up launch before its timed repeats, in the order given:
 
 - `served`: as the engine serves it (no patch).
+- `fa2`: the paged-prefill kernel forced onto FA2 (`prefill_on_fa2` returns True): every
+  merged step, as the backend chose before its work ratio (`FA3_WORK_RATIO_*`). Not
+  applicable off FlashInfer, as `fa3`.
 - `fa3`: the backend's paged-prefill kernel choice forced off FA2 (the module global
   `runtime.attention.flashinfer_backend.prefill_on_fa2` returns False during the variant's
   launches), i.e. FlashInfer's default wrapper, FA3 on Hopper. FA3 never splits the KV but
@@ -98,7 +102,7 @@ launch and wall ms medians (both forwards where unmerged), and `attention`: what
 prefill backend planned for the step's prefill forward (its mode, e.g. "paged_fa2" or "paged"
 (FA3), and the kernel wrapper's plan: FA2's work tiles, query tile, whether and at what chunk it
 split the KV; None on CPU), beside `fa2_predicted`: the same FA2 split computed here from the
-step's shape (`fa2_split`, a transcription of FlashInfer 0.5.3's `PrefillSplitQOKVIndptr`; CUDA
+step's shape (the backend's `fa2_split_plan`, a transcription of FlashInfer 0.5.3's `PrefillSplitQOKVIndptr`; CUDA
 only, it needs the SM count; meaningful where the mode is an FA2 one).
 
 Assumptions: the long request is a generation (a chat's long prompt; a scoring prompt chunked
@@ -154,53 +158,6 @@ class _FirstCome:
     @staticmethod
     def score(_req: Any, _now_s: float) -> float:
         return 0.0
-
-
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def fa2_split(
-    query_lens: list[int],
-    kv_lens: list[int],
-    num_q_heads: int,
-    num_kv_heads: int,
-    num_sms: int,
-    page_size: int,
-) -> dict[str, Any]:
-    """The work split FlashInfer 0.5.3's FA2 paged-prefill plan chooses for a batch (no CUDA
-    graph, no sliding window; include/flashinfer/attention/scheduler.cuh, `PrefillPlan` ->
-    `PrefillSplitQOKVIndptr` -> `PrefillBinarySearchKVChunkSize`): a query tile from the mean
-    packed query length, then the smallest KV chunk (in pages) whose work tiles fit in
-    (2 x SMs) // KV heads; `split_kv` when that chunk is shorter than the longest KV.
-    `query_lens`, `kv_lens`: tokens per sequence (kv = context + this step's tokens)."""
-    group = num_q_heads // num_kv_heads
-    packed = [n * group for n in query_lens]
-    avg = sum(packed) // len(packed)
-    cta_tile_q = 128 if avg > 64 else 64 if avg > 16 else 16  # FA2DetermineCtaTileQ, sm80+
-    kv_pages = [max(1, _ceil(n, page_size)) for n in kv_lens]
-    max_tiles = (2 * num_sms) // num_kv_heads  # max_batch_size_if_split
-    lo, hi = max(128 // page_size, 1), max(kv_pages)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        tiles = sum(
-            _ceil(p, cta_tile_q) * _ceil(k, mid) for p, k in zip(packed, kv_pages, strict=True)
-        )
-        if tiles > max_tiles:
-            lo = mid + 1
-        else:
-            hi = mid
-    chunk = lo
-    num_chunks = [_ceil(k, chunk) for k in kv_pages]
-    work = sum(_ceil(p, cta_tile_q) * c for p, c in zip(packed, num_chunks, strict=True))
-    return {
-        "cta_tile_q": cta_tile_q,
-        "split_kv": chunk < max(kv_pages),
-        "kv_chunk_tokens": chunk * page_size,
-        "num_work_tiles": work,
-        "max_work_tiles_if_split": max_tiles,
-        "kv_chunks_per_seq": num_chunks,
-    }
 
 
 _FA2_PLAN_FIELDS = (
@@ -382,13 +339,13 @@ def release_step(engine: Any, sched: Any, in_flight: list[Any]) -> None:
         engine.runner.release(rid)
 
 
-VARIANTS = ("served", "fa3", "unmerged", "unmerged-fa2")
+VARIANTS = ("served", "fa2", "fa3", "unmerged", "unmerged-fa2")
 
 
 def variant_unavailable(engine: Any, name: str) -> str | None:
     """Why `name` cannot run on this engine (recorded as the variant's `skipped`), or None."""
     if (
-        name in ("fa3", "unmerged-fa2")
+        name in ("fa2", "fa3", "unmerged-fa2")
         and getattr(engine.runner.prefill_backend, "name", None) != "flashinfer"
     ):
         backend = getattr(engine.runner.prefill_backend, "name", None)
@@ -425,6 +382,16 @@ def variant_patch(engine: Any, name: str) -> Iterator[None]:
             yield
         finally:
             fib.prefill_on_fa2 = original
+    elif name == "fa2":
+        # A merged step on FA2 whatever its work: the rule before 2026-12-06's work ratio.
+        from runtime.attention import flashinfer_backend as fib
+
+        original = fib.prefill_on_fa2
+        fib.prefill_on_fa2 = _return_true
+        try:
+            yield
+        finally:
+            fib.prefill_on_fa2 = original
     elif name == "unmerged-fa2":
         # The chunk alone on FA2 (whose plan then splits its KV), the decodes in their graph:
         # `unmerged` alone sends a chunk of over ~256 tokens to FA3 (`prefill_on_fa2`).
@@ -456,6 +423,8 @@ def measure_variant(engine: Any, plan: Any, u: int, k: int, repeats: int) -> dic
     """One variant's entry for the staged `plan` (run under its `variant_patch`): whether and
     how the step merged, one untimed launch, `repeats` timed ones, the attention plan read."""
     import torch
+
+    from runtime.attention.flashinfer_backend import fa2_split_plan
 
     runner = engine.runner
     entry: dict[str, Any] = {}
@@ -495,7 +464,7 @@ def measure_variant(engine: Any, plan: Any, u: int, k: int, repeats: int) -> dic
     num_q, num_kv = engine.model_config.num_q_heads, engine.model_config.num_kv_heads
     if engine.device.type == "cuda":
         seqs = plan.prefill + (plan.decode if merged else [])
-        entry["fa2_predicted"] = fa2_split(
+        entry["fa2_predicted"] = fa2_split_plan(
             [s.num_new_tokens for s in seqs],
             [s.num_context_tokens + s.num_new_tokens for s in seqs],
             num_q,

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.mixed_step import fa2_split, main, parse_grid, parse_variants, variant_patch
+from bench.mixed_step import main, parse_grid, parse_variants, variant_patch
 
 
 def test_one_timed_point_per_chunk_and_decode_count(tmp_path: Path) -> None:
@@ -68,16 +68,16 @@ def test_variants_run_the_same_step_merged_and_unmerged_and_skip_fa3_off_flashin
             "--model", "random:tiny", "--device", "cpu",
             "--context", str(context), "--chunks", str(u), "--decodes", str(k),
             "--decode-context", str(dctx), "--repeats", str(repeats),
-            "--variants", "served,unmerged,fa3,unmerged-fa2", "--out", str(out),
+            "--variants", "served,unmerged,fa3,fa2,unmerged-fa2", "--out", str(out),
         ]
     )  # fmt: skip
     assert rc == 0
     rec = json.loads(out.read_text())
-    assert rec["setup"]["variants"] == ["served", "unmerged", "fa3", "unmerged-fa2"]
+    assert rec["setup"]["variants"] == ["served", "unmerged", "fa3", "fa2", "unmerged-fa2"]
     (p,) = rec["points"]
     assert (p["u"], p["k"]) == (u, k) and "error" not in p, p
     variants = p["variants"]
-    assert list(variants) == ["served", "unmerged", "fa3", "unmerged-fa2"]
+    assert list(variants) == ["served", "unmerged", "fa3", "fa2", "unmerged-fa2"]
     served, unmerged = variants["served"], variants["unmerged"]
     assert "error" not in served and "error" not in unmerged, variants
     # served: one forward of u + k rows (CPU: a kept chunk beside decodes always merges).
@@ -93,7 +93,7 @@ def test_variants_run_the_same_step_merged_and_unmerged_and_skip_fa3_off_flashin
     # The layout before --variants: served's fields at the point's top level.
     assert p["merged"] is True and p["device_ms"] == served["device_ms"]
     # No FlashInfer on the CPU: no kernel choice to force.
-    for name in ("fa3", "unmerged-fa2"):
+    for name in ("fa3", "fa2", "unmerged-fa2"):
         assert set(variants[name]) == {"skipped"} and "not applicable" in variants[name]["skipped"]
     # The patches are gone after the run: a fresh engine would see the originals.
     from runtime.attention import flashinfer_backend
@@ -122,11 +122,11 @@ def test_variant_patches_take_effect_where_looked_up_and_are_undone() -> None:
     with variant_patch(engine, "fa3"):
         # The backend calls it by its module-global name at plan time.
         assert fib.prefill_on_fa2([1] * 10, 32, 132) is False
-    assert fib.prefill_on_fa2 is original and original([1] * 10, 32, 132) is True
+    assert fib.prefill_on_fa2 is original and original([1] * 10, [900] * 10, 32, 8, 132, 16)
     with variant_patch(engine, "unmerged-fa2"):
         # Both: the chunk's kernel forced onto FA2, and no merge.
         assert fib.prefill_on_fa2([400], 32, 132) is True and runner._mergeable([], 3) is False
-    assert fib.prefill_on_fa2 is original and original([400], 32, 132) is False
+    assert fib.prefill_on_fa2 is original and not original([400], [8400], 32, 8, 132, 16)
     assert runner._mergeable([], 3) is True and "_mergeable" not in vars(runner)
     with pytest.raises(RuntimeError), variant_patch(engine, "unmerged"):
         assert runner._mergeable([], 3) is False
@@ -143,19 +143,3 @@ def test_variants_are_known_names_in_order_without_repeats() -> None:
         parse_variants("served,fa4")
     with pytest.raises(SystemExit):
         parse_variants(",")
-
-
-def test_fa2_split_drops_to_one_kv_chunk_when_its_tiles_no_longer_fit_twice() -> None:
-    # H100 (132 SMs), Llama-3.1-8B heads (32 query, 8 KV), 16-token pages: at most
-    # 2 * 132 // 8 = 33 work tiles when split. A chunk of u tokens after 41,000 is ceil(u / 32)
-    # query tiles of 128 packed rows; each of 10 decodes one tile. Two KV chunks each fit
-    # while 2 * ceil(u / 32) + 10 <= 33, i.e. up to u = 352.
-    def plan(u: int, k: int) -> dict:
-        return fa2_split([u] + [1] * k, [41000 + u] + [2001] * k, 32, 8, 132, 16)
-
-    at, past = plan(352, 10), plan(353, 10)
-    assert at["split_kv"] and at["kv_chunks_per_seq"][0] == 2 and at["cta_tile_q"] == 128
-    assert at["num_work_tiles"] == 2 * 11 + 10 <= at["max_work_tiles_if_split"] == 33
-    assert not past["split_kv"] and past["kv_chunks_per_seq"][0] == 1
-    assert past["num_work_tiles"] == 12 + 10
-    assert plan(416, 6)["split_kv"] and not plan(417, 6)["split_kv"]

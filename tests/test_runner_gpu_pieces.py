@@ -224,21 +224,72 @@ def test_float_workspace_covers_the_split_kv_plans_the_h200_asked_for() -> None:
     assert float_workspace_bytes(32, 1, 128, 132) > 4 * 138_412_032
 
 
+def _on_fa2(query_lens: list[int], kv_lens: list[int], hq: int, hkv: int) -> bool:
+    from runtime.attention.flashinfer_backend import prefill_on_fa2
+
+    return prefill_on_fa2(query_lens, kv_lens, hq, hkv, 132, 16)  # H100/H200: 132 SMs
+
+
 def test_a_short_query_over_a_cached_prefix_plans_fa2_a_full_one_fa3() -> None:
     """FlashInfer's Hopper prefill never splits the KV: one work item per query head per 128
     query rows. A scoring suffix of ~150 rows (3B shape: 16 query heads) makes 32 items for
     132 SMs, so it goes to FA2, whose plan splits the KV; a 2,048-row chunk (256 items) stays
-    on FA3; merged steps (mostly one-token rows) stay on FA2 whatever their size."""
+    on FA3."""
+    ctx = 12_000
+    assert _on_fa2([150], [ctx + 150], 16, 2)  # 32 items
+    assert _on_fa2([150], [ctx + 150], 32, 8)  # 8B: 64 items, under half of 132
+    assert not _on_fa2([150, 1], [ctx + 150, 900], 32, 8)  # 96 items, one of two rows a decode
+    assert not _on_fa2([2048], [ctx + 2048], 16, 2)  # 256 items
+    assert not _on_fa2([150] * 24, [ctx + 150] * 24, 16, 2)  # 24 scoring suffixes: 768 items
+    assert _on_fa2([512], [ctx + 512], 16, 2)  # 64 items: at most half of 132
+    assert not _on_fa2([640], [ctx + 640], 16, 2)  # 80 items
+
+
+def test_a_merged_step_leaves_fa2_when_its_chunk_over_a_long_context_outweighs_fa3s_waste() -> None:
+    """Mostly one-token rows (a merged step) stay on FA2 (FA3's 128-row tiles would be
+    mostly empty) unless the chunk's attention work passes FA3_WORK_RATIO_* times that waste:
+    2.5x while FA2's plan splits the KV, 1x once it does not. The H100 sweep (8B shape,
+    decodes of 2,001 KV tokens) that set them: FA3 won at 41k and 20k of context, lost by up
+    to 5 % at 8k while FA2 split, won by 15-20 % at 8k once FA2 stopped splitting."""
+    from runtime.attention.flashinfer_backend import fa2_split_plan
+
+    def merged(u: int, ctx: int, k: int) -> tuple[list[int], list[int]]:
+        return [u] + [1] * k, [ctx + u] + [2001] * k
+
+    # Chat on the H200's 3B: a short prompt beside 40 decodes, FA2 (the old rule's case).
+    assert _on_fa2([2048] + [1] * 40, [2048] + [900] * 40, 16, 2)
+    assert _on_fa2(*merged(350, 41_000, 10), 32, 8) is False  # ratio 5.7: FA3
+    assert _on_fa2(*merged(330, 20_000, 10), 32, 8) is False  # ratio 2.6: FA3
+    # 8k of context beside 10 decodes: ratio 1.1 while FA2 splits (350), 1.2 once it does
+    # not (360, past 2 * ceil(360 / 32) + 10 = 34 > 33 tiles).
+    assert fa2_split_plan(*merged(350, 8_000, 10), 32, 8, 132, 16)["split_kv"]
+    assert not fa2_split_plan(*merged(360, 8_000, 10), 32, 8, 132, 16)["split_kv"]
+    assert _on_fa2(*merged(350, 8_000, 10), 32, 8)
+    assert _on_fa2(*merged(360, 8_000, 10), 32, 8) is False
+    # Below the unsplit threshold the plan is not searched: a short chunk beside many decodes.
+    assert _on_fa2(*merged(64, 8_000, 40), 32, 8)
+    # Unknown query heads: the one-token rule alone.
     from runtime.attention.flashinfer_backend import prefill_on_fa2
 
-    assert prefill_on_fa2([150], 16, 132)  # 32 items
-    assert prefill_on_fa2([150], 32, 132)  # 8B: 64 items, under half of 132
-    assert not prefill_on_fa2([150, 1], 32, 132)  # 96 items, one of two rows a decode
-    assert not prefill_on_fa2([2048], 16, 132)  # 256 items
-    assert not prefill_on_fa2([150] * 24, 16, 132)  # 24 scoring suffixes: 768 items
-    assert prefill_on_fa2([2048] + [1] * 40, 16, 132)  # a merged step
-    assert prefill_on_fa2([512], 16, 132)  # 64 items: at most half of 132
-    assert not prefill_on_fa2([640], 16, 132)  # 80 items
+    assert prefill_on_fa2(*merged(350, 41_000, 10), None, 8, 132, 16)
+
+
+def test_fa2_split_drops_to_one_kv_chunk_when_its_tiles_no_longer_fit_twice() -> None:
+    # H100 (132 SMs), Llama-3.1-8B heads (32 query, 8 KV), 16-token pages: at most
+    # 2 * 132 // 8 = 33 work tiles when split. A chunk of u tokens after 41,000 is ceil(u / 32)
+    # query tiles of 128 packed rows; each of 10 decodes one tile. Two KV chunks each fit
+    # while 2 * ceil(u / 32) + 10 <= 33, i.e. up to u = 352.
+    from runtime.attention.flashinfer_backend import fa2_split_plan
+
+    def plan(u: int, k: int) -> dict:
+        return fa2_split_plan([u] + [1] * k, [41000 + u] + [2001] * k, 32, 8, 132, 16)
+
+    at, past = plan(352, 10), plan(353, 10)
+    assert at["split_kv"] and at["kv_chunks_per_seq"][0] == 2 and at["cta_tile_q"] == 128
+    assert at["num_work_tiles"] == 2 * 11 + 10 <= at["max_work_tiles_if_split"] == 33
+    assert not past["split_kv"] and past["kv_chunks_per_seq"][0] == 1
+    assert past["num_work_tiles"] == 12 + 10
+    assert plan(416, 6)["split_kv"] and not plan(417, 6)["split_kv"]
 
 
 def test_fallbacks_keep_their_first_reason_until_a_new_engine() -> None:

@@ -17,6 +17,9 @@ Kernel choice per step (`plan`):
   whose 128-row tiles a one-token row leaves mostly empty. H200, Llama-3.1-8B shape, 48 chat
   streams: the merged steps took 15.0 ms on FA3 and 12.5-13.1 ms on FA2, +1-6 % output
   tokens/s through HTTP (docs/benchmarks.md, "Three kernel options A/B'd against vLLM").
+  Not when the step's chunk runs over a long context (FA3_WORK_RATIO_*): there FA2's plan
+  gives the chunk a few long tiles, and past 2 x SMs // KV heads tiles stops splitting its
+  KV at all (8B on an H100, 41k of context: 44 ms on FA2, 74 past that cliff, 35 on FA3).
   Also on FA2: a batch whose FA3 work items would fill at most half the SMs (a short query
   over a long cached prefix; FA3 never splits the KV): `prefill_on_fa2`;
 - prefill with cached context AND a discarded suffix (a scoring request with a prefix hit):
@@ -80,22 +83,104 @@ def float_workspace_bytes(num_q_heads: int, num_kv_heads: int, head_dim: int, nu
 FA3_TILE_ROWS = 128
 
 
-def prefill_on_fa2(query_lens: list[int], num_q_heads: int | None, num_sms: int) -> bool:
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def fa2_split_plan(
+    query_lens: list[int],
+    kv_lens: list[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    num_sms: int,
+    page_size: int,
+) -> dict[str, Any]:
+    """The work split FlashInfer 0.5.3's FA2 paged-prefill plan chooses for a batch (no CUDA
+    graph, no sliding window; include/flashinfer/attention/scheduler.cuh, `PrefillPlan` ->
+    `PrefillSplitQOKVIndptr` -> `PrefillBinarySearchKVChunkSize`): a query tile from the mean
+    packed query length, then the smallest KV chunk (in pages) whose work tiles fit in
+    (FA2_CTAS_PER_SM x SMs) // KV heads; `split_kv` when that chunk is shorter than the
+    longest KV. `query_lens`, `kv_lens`: tokens per sequence (kv = context + this step's
+    tokens). Host cost: a binary search over the longest KV's pages, O(batch) an iteration."""
+    group = num_q_heads // num_kv_heads
+    packed = [n * group for n in query_lens]
+    avg = sum(packed) // len(packed)
+    cta_tile_q = 128 if avg > 64 else 64 if avg > 16 else 16  # FA2DetermineCtaTileQ, sm80+
+    kv_pages = [max(1, _ceil_div(n, page_size)) for n in kv_lens]
+    max_tiles = (FA2_CTAS_PER_SM * num_sms) // num_kv_heads  # max_batch_size_if_split
+    q_tiles = [_ceil_div(p, cta_tile_q) for p in packed]
+    lo, hi = max(128 // page_size, 1), max(kv_pages)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if sum(t * _ceil_div(k, mid) for t, k in zip(q_tiles, kv_pages, strict=True)) > max_tiles:
+            lo = mid + 1
+        else:
+            hi = mid
+    num_chunks = [_ceil_div(k, lo) for k in kv_pages]
+    return {
+        "cta_tile_q": cta_tile_q,
+        "split_kv": lo < max(kv_pages),
+        "kv_chunk_tokens": lo * page_size,
+        "num_work_tiles": sum(t * c for t, c in zip(q_tiles, num_chunks, strict=True)),
+        "max_work_tiles_if_split": max_tiles,
+        "kv_chunks_per_seq": num_chunks,
+    }
+
+
+# A merged step (mostly one-token rows) stays on FA2 while the prefill rows' attention work
+# (query rows x KV tokens) is under this many times what FA3's 128-row tiles spend on its
+# one-token rows (FA3_TILE_ROWS x each one's KV tokens): _SPLIT while FA2's plan splits the
+# KV, _UNSPLIT when it does not (its few long-context tiles then run one after another).
+# Measured (engine-level, bench.mixed_step on an H100, 8B shape, a 330-460-token chunk
+# beside 6 or 10 decodes of 2k context, `08d613e`, bench/results/mixed-step-2026-12-06-08d613e/):
+# at 41k and 20k of context FA3 was faster at every point (ratios 2.6-15; by 7-20 % while
+# FA2 split, by 35-52 % past its cliff); at 8k FA2 was 0-5 % faster while it split (ratios
+# 1.1-2.3) and FA3 15-20 % faster once it stopped splitting (1.2-1.5). Short-context chat
+# (ratios near 0) stays on FA2, where it measured faster (module docstring).
+FA3_WORK_RATIO_SPLIT = 2.5
+FA3_WORK_RATIO_UNSPLIT = 1.0
+
+
+def prefill_on_fa2(
+    query_lens: list[int],
+    kv_lens: list[int],
+    num_q_heads: int | None,
+    num_kv_heads: int,
+    num_sms: int,
+    page_size: int,
+) -> bool:
     """Whether a prefill batch with context (paged, or gathered next to a discarded suffix)
-    runs FlashInfer's FA2 kernels rather than its Hopper ones. FA2 when most rows are
-    one-token rows (a merged step: FA3's 128-row tiles would stay mostly empty), and when
-    FA3's work items could fill at most half the SMs (not judged while `num_q_heads` is
-    unknown): FA3 never splits a sequence's KV, so a short query over a long cached prefix
-    (a scoring request's ~150-token suffix after a 10-15k-token profile) runs on a few SMs,
-    while FA2's plan splits the KV until the GPU is full. On the H200 (3B shape, serving next
-    to chat, `96bc96d`) such a suffix step took 12.4-13.3 ms on FA3 (0 or 1 decodes beside it:
-    FA3 by the one-token rule) and 7.5-8.4 ms on FA2 with 2 or more decodes in the same batch
-    (the step trace of every side)."""
-    if 2 * sum(1 for n in query_lens if n == 1) > len(query_lens):
-        return True
+    runs FlashInfer's FA2 kernels rather than its Hopper ones (`kv_lens`: context + query
+    tokens per sequence; `num_q_heads` None: unknown, the work rules below not judged).
+    - Mostly one-token rows (a merged step), FA2: FA3's 128-row tiles would stay mostly
+      empty. Unless the prefill rows' attention work outweighs that waste
+      (`FA3_WORK_RATIO_*`): a chunk over a long context beside a few decodes, where FA2's
+      plan gives the chunk a few long tiles (at 41k of context on an H100, 8B shape, a
+      350-token chunk beside 10 decodes took 44 ms on FA2, 35 on FA3, and 74 on FA2 at 360
+      tokens, where its plan stopped splitting the KV).
+    - Otherwise FA2 when FA3's work items could fill at most half the SMs: FA3 never splits
+      a sequence's KV, so a short query over a long cached prefix (a scoring request's
+      ~150-token suffix after a 10-15k-token profile) runs on a few SMs, while FA2's plan
+      splits the KV until the GPU is full. On the H200 (3B shape, serving next to chat,
+      `96bc96d`) such a suffix step took 12.4-13.3 ms on FA3 (0 or 1 decodes beside it) and
+      7.5-8.4 ms on FA2 with 2 or more decodes in the same batch."""
+    one_token_kv = [kv for n, kv in zip(query_lens, kv_lens, strict=True) if n == 1]
+    if 2 * len(one_token_kv) > len(query_lens):
+        if num_q_heads is None:
+            return True
+        fa3_waste = FA3_TILE_ROWS * sum(one_token_kv)
+        work = sum(n * kv for n, kv in zip(query_lens, kv_lens, strict=True) if n > 1)
+        if work < FA3_WORK_RATIO_UNSPLIT * fa3_waste:
+            return True  # chat's merged steps: decided without the plan's O(batch) search
+        if work >= FA3_WORK_RATIO_SPLIT * fa3_waste:
+            return False
+        split = fa2_split_plan(query_lens, kv_lens, num_q_heads, num_kv_heads, num_sms, page_size)[
+            "split_kv"
+        ]
+        return bool(split)
     if num_q_heads is None:
         return False
-    fa3_works = num_q_heads * sum(-(-n // FA3_TILE_ROWS) for n in query_lens)
+    fa3_works = num_q_heads * sum(_ceil_div(n, FA3_TILE_ROWS) for n in query_lens)
     return 2 * fa3_works <= num_sms
 
 
@@ -434,7 +519,14 @@ class FlashInferBackend:
                 [(s.block_ids, s.num_context_tokens + s.num_query_tokens) for s in seqs]
             )
             qo = self._host(qo_indptr)
-            fa2 = prefill_on_fa2([s.num_query_tokens for s in seqs], self.num_q_heads, self.num_sms)
+            fa2 = prefill_on_fa2(
+                [s.num_query_tokens for s in seqs],
+                [s.num_context_tokens + s.num_query_tokens for s in seqs],
+                self.num_q_heads,
+                self.num_kv_heads,
+                self.num_sms,
+                bs_tok,
+            )
             if fa2 and self._paged_fa2 is None:
                 self._paged_fa2 = self._fi.BatchPrefillWithPagedKVCacheWrapper(
                     self.workspace, "NHD", backend="fa2"
@@ -474,8 +566,9 @@ class FlashInferBackend:
             qo = self._host(qo_indptr)
             kvi = self._host(kv_indptr_l)
             lens = [s.num_query_tokens for s in seqs]
+            kv_lens = [s.num_context_tokens + s.num_query_tokens for s in seqs]
             fa2 = self.num_q_heads is not None and prefill_on_fa2(
-                lens, self.num_q_heads, self.num_sms
+                lens, kv_lens, self.num_q_heads, self.num_kv_heads, self.num_sms, bs_tok
             )
             if fa2 and self._ragged_fa2 is None:
                 self._ragged_fa2 = self._fi.BatchPrefillWithRaggedKVCacheWrapper(
