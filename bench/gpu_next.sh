@@ -548,7 +548,7 @@ case $plan in
     # engine-level sweep per context: the served step against FA3, the decodes in their own
     # forward, and that with the chunk forced onto FA2 (bench.mixed_step's docstring); the
     # variant that holds the split's time past the cliff without costing below it is the fix
-    # (since 2026-12-06 the backend's work ratio, `FA3_WORK_RATIO_*`). [M] another model;
+    # (since 2026-12-06 the backend's work rule, `FA3_WORK_RATIO_*`). [M] another model;
     # CONTEXTS, CHUNKS, DECODES, DECODE_CTX, VARIANTS (e.g. served,fa2,fa3: the rule against
     # each kernel forced) change the sweep.
     for ctx in ${CONTEXTS:-41000 20000 8000}; do

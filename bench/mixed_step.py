@@ -30,7 +30,7 @@ own untimed warm-up launch before its timed repeats, in the order given:
 
 - `served`: as the engine serves it (no patch).
 - `fa2`: the paged-prefill kernel forced onto FA2 (`prefill_on_fa2` returns True): every
-  merged step, as the backend chose before its work ratio (`FA3_WORK_RATIO_*`). Not
+  merged step, as the backend chose before its work rule (`FA3_WORK_RATIO_*`). Not
   applicable off FlashInfer, as `fa3`.
 - `fa3`: the backend's paged-prefill kernel choice forced off FA2 (the module global
   `runtime.attention.flashinfer_backend.prefill_on_fa2` returns False during the variant's

@@ -245,32 +245,40 @@ def test_a_short_query_over_a_cached_prefix_plans_fa2_a_full_one_fa3() -> None:
     assert not _on_fa2([640], [ctx + 640], 16, 2)  # 80 items
 
 
-def test_a_merged_step_leaves_fa2_when_its_chunk_over_a_long_context_outweighs_fa3s_waste() -> None:
+def test_a_merged_step_leaves_fa2_when_its_chunk_outweighs_fa3s_waste_and_fa2_would_underfill() -> (
+    None
+):
     """Mostly one-token rows (a merged step) stay on FA2 (FA3's 128-row tiles would be
-    mostly empty) unless the chunk's attention work passes FA3_WORK_RATIO_* times that waste:
-    2.5x while FA2's plan splits the KV, 1x once it does not. The H100 sweep (8B shape,
-    decodes of 2,001 KV tokens) that set them: FA3 won at 41k and 20k of context, lost by up
-    to 5 % at 8k while FA2 split, won by 15-20 % at 8k once FA2 stopped splitting."""
-    from runtime.attention.flashinfer_backend import fa2_split_plan
+    mostly empty) unless the chunk's attention work passes FA3_WORK_RATIO_HIGH (2.5) times
+    that waste, or passes FA3_WORK_RATIO_LOW (1) times it where FA2's plan would not fill the
+    GPU (no KV split and fewer tiles than its budget). The H100 sweeps (8B and 3B shapes) that
+    set them: FA3 won at 41k and 20k of context; at 8k FA2 won by up to 5 % while it split
+    and lost by 15-20 % once it stopped; beside 48 decodes at 12k FA2 won by 8 % with 80
+    unsplit tiles."""
+    from runtime.attention.flashinfer_backend import fa2_split_plan, prefill_on_fa2
 
-    def merged(u: int, ctx: int, k: int) -> tuple[list[int], list[int]]:
-        return [u] + [1] * k, [ctx + u] + [2001] * k
+    def merged(u: int, ctx: int, k: int, dctx: int = 2001) -> tuple[list[int], list[int]]:
+        return [u] + [1] * k, [ctx + u] + [dctx] * k
 
     # Chat on the H200's 3B: a short prompt beside 40 decodes, FA2 (the old rule's case).
     assert _on_fa2([2048] + [1] * 40, [2048] + [900] * 40, 16, 2)
     assert _on_fa2(*merged(350, 41_000, 10), 32, 8) is False  # ratio 5.7: FA3
     assert _on_fa2(*merged(330, 20_000, 10), 32, 8) is False  # ratio 2.6: FA3
     # 8k of context beside 10 decodes: ratio 1.1 while FA2 splits (350), 1.2 once it does
-    # not (360, past 2 * ceil(360 / 32) + 10 = 34 > 33 tiles).
-    assert fa2_split_plan(*merged(350, 8_000, 10), 32, 8, 132, 16)["split_kv"]
-    assert not fa2_split_plan(*merged(360, 8_000, 10), 32, 8, 132, 16)["split_kv"]
+    # not (360, past 2 * ceil(360 / 32) + 10 = 34 > 33 tiles: 22 tiles unsplit).
+    at, past = (fa2_split_plan(*merged(u, 8_000, 10), 32, 8, 132, 16) for u in (350, 360))
+    assert at["split_kv"] and not past["split_kv"] and past["num_work_tiles"] == 22
     assert _on_fa2(*merged(350, 8_000, 10), 32, 8)
     assert _on_fa2(*merged(360, 8_000, 10), 32, 8) is False
-    # Below the unsplit threshold the plan is not searched: a short chunk beside many decodes.
+    # 512 tokens at 12k beside 48 decodes of 1k: ratio 1.04, FA2 unsplit but with 80 tiles
+    # (a 64-row query tile), its budget full: FA2. Beside 16 decodes (ratio 3.1): FA3.
+    full = fa2_split_plan(*merged(512, 12_000, 48, 1001), 32, 8, 132, 16)
+    assert not full["split_kv"] and full["num_work_tiles"] == 80
+    assert _on_fa2(*merged(512, 12_000, 48, 1001), 32, 8)
+    assert _on_fa2(*merged(512, 12_000, 16, 1001), 32, 8) is False
+    # Below the low threshold the plan is not searched: a short chunk beside many decodes.
     assert _on_fa2(*merged(64, 8_000, 40), 32, 8)
     # Unknown query heads: the one-token rule alone.
-    from runtime.attention.flashinfer_backend import prefill_on_fa2
-
     assert prefill_on_fa2(*merged(350, 41_000, 10), None, 8, 132, 16)
 
 

@@ -17,7 +17,7 @@ Kernel choice per step (`plan`):
   whose 128-row tiles a one-token row leaves mostly empty. H200, Llama-3.1-8B shape, 48 chat
   streams: the merged steps took 15.0 ms on FA3 and 12.5-13.1 ms on FA2, +1-6 % output
   tokens/s through HTTP (docs/benchmarks.md, "Three kernel options A/B'd against vLLM").
-  Not when the step's chunk runs over a long context (FA3_WORK_RATIO_*): there FA2's plan
+  Not when the step's chunk runs over a long context (`FA3_WORK_RATIO_*`): there FA2's plan
   gives the chunk a few long tiles, and past 2 x SMs // KV heads tiles stops splitting its
   KV at all (8B on an H100, 41k of context: 44 ms on FA2, 74 past that cliff, 35 on FA3).
   Also on FA2: a batch whose FA3 work items would fill at most half the SMs (a short query
@@ -128,17 +128,20 @@ def fa2_split_plan(
 
 
 # A merged step (mostly one-token rows) stays on FA2 while the prefill rows' attention work
-# (query rows x KV tokens) is under this many times what FA3's 128-row tiles spend on its
-# one-token rows (FA3_TILE_ROWS x each one's KV tokens): _SPLIT while FA2's plan splits the
-# KV, _UNSPLIT when it does not (its few long-context tiles then run one after another).
-# Measured (engine-level, bench.mixed_step on an H100, 8B shape, a 330-460-token chunk
-# beside 6 or 10 decodes of 2k context, `08d613e`, bench/results/mixed-step-2026-12-06-08d613e/):
-# at 41k and 20k of context FA3 was faster at every point (ratios 2.6-15; by 7-20 % while
-# FA2 split, by 35-52 % past its cliff); at 8k FA2 was 0-5 % faster while it split (ratios
-# 1.1-2.3) and FA3 15-20 % faster once it stopped splitting (1.2-1.5). Short-context chat
-# (ratios near 0) stays on FA2, where it measured faster (module docstring).
-FA3_WORK_RATIO_SPLIT = 2.5
-FA3_WORK_RATIO_UNSPLIT = 1.0
+# (query rows x KV tokens) is under FA3_WORK_RATIO_LOW times what FA3's 128-row tiles spend
+# on its one-token rows (FA3_TILE_ROWS x each one's KV tokens), and goes to FA3 from
+# FA3_WORK_RATIO_HIGH times. Between, it stays on FA2 only where FA2's plan fills the GPU
+# (splits the KV, or has its whole tile budget without splitting): otherwise the chunk's few
+# long tiles run one after another on a few SMs. Engine-level, bench.mixed_step on an H100
+# (bench/results/mixed-step-2026-12-06-{08d613e,22053ec}/), 96 merged steps: a 330-460-token
+# chunk after 8-41k of context beside 6 or 10 decodes of 2k (8B shape), and a 512-token one
+# after 4-12k beside 16 or 48 decodes of 1k (8B and 3B shapes). This rule came within 3.3 %
+# of the faster kernel at every step (+0.04 % over all of them); FA2 always, the rule before,
+# took up to 2.1x (+35 % over all), FA3 always up to 1.2x (+0.8 %). The thresholds were read
+# off those same steps: no held-out shape has tested them yet. `python -m bench.kernel_rule
+# FILES` scores the rule on any such files.
+FA3_WORK_RATIO_LOW = 1.0
+FA3_WORK_RATIO_HIGH = 2.5
 
 
 def prefill_on_fa2(
@@ -153,9 +156,9 @@ def prefill_on_fa2(
     runs FlashInfer's FA2 kernels rather than its Hopper ones (`kv_lens`: context + query
     tokens per sequence; `num_q_heads` None: unknown, the work rules below not judged).
     - Mostly one-token rows (a merged step), FA2: FA3's 128-row tiles would stay mostly
-      empty. Unless the prefill rows' attention work outweighs that waste
-      (`FA3_WORK_RATIO_*`): a chunk over a long context beside a few decodes, where FA2's
-      plan gives the chunk a few long tiles (at 41k of context on an H100, 8B shape, a
+      empty. Unless the prefill rows' attention work outweighs that waste and FA2's plan
+      would not fill the GPU (`FA3_WORK_RATIO_*`): a chunk over a long context beside a few
+      decodes, where FA2's plan gives the chunk a few long tiles (at 41k of context on an H100, 8B shape, a
       350-token chunk beside 10 decodes took 44 ms on FA2, 35 on FA3, and 74 on FA2 at 360
       tokens, where its plan stopped splitting the KV).
     - Otherwise FA2 when FA3's work items could fill at most half the SMs: FA3 never splits
@@ -170,14 +173,12 @@ def prefill_on_fa2(
             return True
         fa3_waste = FA3_TILE_ROWS * sum(one_token_kv)
         work = sum(n * kv for n, kv in zip(query_lens, kv_lens, strict=True) if n > 1)
-        if work < FA3_WORK_RATIO_UNSPLIT * fa3_waste:
+        if work < FA3_WORK_RATIO_LOW * fa3_waste:
             return True  # chat's merged steps: decided without the plan's O(batch) search
-        if work >= FA3_WORK_RATIO_SPLIT * fa3_waste:
+        if work >= FA3_WORK_RATIO_HIGH * fa3_waste:
             return False
-        split = fa2_split_plan(query_lens, kv_lens, num_q_heads, num_kv_heads, num_sms, page_size)[
-            "split_kv"
-        ]
-        return bool(split)
+        plan = fa2_split_plan(query_lens, kv_lens, num_q_heads, num_kv_heads, num_sms, page_size)
+        return bool(plan["split_kv"] or plan["num_work_tiles"] >= plan["max_work_tiles_if_split"])
     if num_q_heads is None:
         return False
     fa3_works = num_q_heads * sum(_ceil_div(n, FA3_TILE_ROWS) for n in query_lens)
