@@ -9,9 +9,10 @@ A point counts when its step merged (the chunk and the decodes in one forward) u
 timing used. Its FA2 time is the `fa2` variant's, or `served`'s where the served plan ran FA2;
 its FA3 time the `fa3` variant's, or `served`'s where it ran FA3. The rule is asked with the
 step's shape as the point records it (a chunk of `u` tokens after the context, `k` decodes of
-the decode context + 1), the model's heads from its preset (a random:<preset> model), and the SM count
-given (132: H100 / H200). Prints each point's pick over the faster time, the worst points,
-and the pick's total over the faster total; FA2 always and FA3 always beside it."""
+the decode context + 1), the model's heads from its preset (a random:<preset> model), and
+the SM count given (132: H100 / H200). Prints the worst points (each one's pick over the
+faster time) and the pick's total over the faster total, FA2 always and FA3 always beside
+it."""
 
 from __future__ import annotations
 

@@ -102,8 +102,9 @@ launch and wall ms medians (both forwards where unmerged), and `attention`: what
 prefill backend planned for the step's prefill forward (its mode, e.g. "paged_fa2" or "paged"
 (FA3), and the kernel wrapper's plan: FA2's work tiles, query tile, whether and at what chunk it
 split the KV; None on CPU), beside `fa2_predicted`: the same FA2 split computed here from the
-step's shape (the backend's `fa2_split_plan`, a transcription of FlashInfer 0.5.3's `PrefillSplitQOKVIndptr`; CUDA
-only, it needs the SM count; meaningful where the mode is an FA2 one).
+step's shape (the backend's `fa2_split_plan`, a transcription of FlashInfer 0.5.3's
+`PrefillSplitQOKVIndptr`; CUDA only, it needs the SM count; meaningful where the mode is an
+FA2 one).
 
 Assumptions: the long request is a generation (a chat's long prompt; a scoring prompt chunked
 next to decodes plans the same shape); sampling is the defaults (temperature 1) with EOS

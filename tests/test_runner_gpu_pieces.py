@@ -245,9 +245,7 @@ def test_a_short_query_over_a_cached_prefix_plans_fa2_a_full_one_fa3() -> None:
     assert not _on_fa2([640], [ctx + 640], 16, 2)  # 80 items
 
 
-def test_a_merged_step_leaves_fa2_when_its_chunk_outweighs_fa3s_waste_and_fa2_would_underfill() -> (
-    None
-):
+def test_a_merged_step_leaves_fa2_for_a_heavy_chunk_fa2_would_underfill() -> None:
     """Mostly one-token rows (a merged step) stay on FA2 (FA3's 128-row tiles would be
     mostly empty) unless the chunk's attention work passes FA3_WORK_RATIO_HIGH (2.5) times
     that waste, or passes FA3_WORK_RATIO_LOW (1) times it where FA2's plan would not fill the

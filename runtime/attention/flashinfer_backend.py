@@ -158,9 +158,9 @@ def prefill_on_fa2(
     - Mostly one-token rows (a merged step), FA2: FA3's 128-row tiles would stay mostly
       empty. Unless the prefill rows' attention work outweighs that waste and FA2's plan
       would not fill the GPU (`FA3_WORK_RATIO_*`): a chunk over a long context beside a few
-      decodes, where FA2's plan gives the chunk a few long tiles (at 41k of context on an H100, 8B shape, a
-      350-token chunk beside 10 decodes took 44 ms on FA2, 35 on FA3, and 74 on FA2 at 360
-      tokens, where its plan stopped splitting the KV).
+      decodes, where FA2's plan gives the chunk a few long tiles (at 41k of context on an
+      H100, 8B shape, a 350-token chunk beside 10 decodes took 44 ms on FA2, 35 on FA3, and
+      74 on FA2 at 360 tokens, where its plan stopped splitting the KV).
     - Otherwise FA2 when FA3's work items could fill at most half the SMs: FA3 never splits
       a sequence's KV, so a short query over a long cached prefix (a scoring request's
       ~150-token suffix after a 10-15k-token profile) runs on a few SMs, while FA2's plan
