@@ -223,3 +223,37 @@ def test_rope_of_one_tensor_is_the_pair_s() -> None:
     rq, rk = ops.apply_rope(q, k, pos, cache)
     assert torch.equal(ops.apply_rope_one(q, pos, cache), rq)
     assert torch.equal(ops.apply_rope_one(k, pos, cache), rk)
+
+
+@pytest.mark.parametrize("pieces", [[10, 29], [5, 15, 25, 29], [29]])
+def test_a_streamed_layer_in_row_pieces_is_the_whole_layer(pieces: list[int]) -> None:
+    """Sub-layer slices: rows [s, e) of one streamed layer at a time (`forward_layer_rows`),
+    the first piece projecting the layer's K/V, later ones taking them back, give the very
+    stream and pool K/V of `forward_layers` over the same layers (the same chunks run)."""
+    model, cfg, pool, be = setup("tiny-qwen3")
+    batch = one_prompt(cfg, 29, 29)
+    with torch.inference_mode():
+        be.plan(batch)
+        assert model.streams_rows(29, be, 5) and not model.streams_rows(29, be, 5, 29)
+        h0, r0 = model.forward_layers(
+            model.embed(batch.input_ids), None, batch.positions, be, 0, cfg.num_layers, 5
+        )
+        kv_whole = kept_kv(pool, batch)
+        for t in pool.k + pool.v:
+            t.zero_()
+        be.plan(batch)
+        h, residual, kv = model.embed(batch.input_ids), None, None
+        for layer in range(cfg.num_layers):
+            start = 0
+            for end in pieces:
+                h, kv = model.forward_layer_rows(
+                    h, residual, batch.positions, be, layer, start, end, 5, kv
+                )
+                residual = None
+                assert (kv is None) == (end == 29)
+                start = end
+    assert r0 is None and torch.equal(h, h0)
+    for a, b in zip(kept_kv(pool, batch), kv_whole, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="multiple"):
+        model.layers[0].attend_rows_range(h, batch.positions, be, model.rotary, 5, None, 3, 8)  # type: ignore[arg-type]

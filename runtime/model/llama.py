@@ -30,6 +30,7 @@ H200). The K/V written so far stays in the request's blocks, which the caller fr
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -201,6 +202,17 @@ def attend(
     return attn.forward(layer_idx, q, k, v, **kwargs)  # type: ignore[arg-type]
 
 
+@dataclass(frozen=True, slots=True)
+class RowsKV:
+    """One layer's keys and values while its rows stream (`DecoderLayer.project_rows_kv`):
+    the sequence's cached context's first, then its rows'. Held between the pieces of a
+    layer run apart (the split executor's sub-layer slices)."""
+
+    k: torch.Tensor  # [ctx + T, Hkv, D]
+    v: torch.Tensor
+    num_context_rows: int
+
+
 def attends_rows(attn: AttentionBackend) -> bool:
     """Whether the planned batch can take the row-streamed hybrid prefill
     (`DecoderLayer.forward_rows`): the backend attends a chunk of query rows to the keys
@@ -326,10 +338,22 @@ class DecoderLayer(nn.Module):
         `hs` and k/v (12 KiB a token on the 8B shape) plus one chunk's temporaries, where
         `forward_chunked` holds h, residual, q, k and v (27 KiB). The input norm runs twice a
         chunk (once a phase): cheap, against the [T, Hq, D] q buffer it saves."""
+        kv = self.project_rows_kv(hs, positions, attn, rotary, chunk_tokens)
+        self.attend_rows_range(hs, positions, attn, rotary, chunk_tokens, kv, 0, hs.shape[0])
+
+    def project_rows_kv(
+        self,
+        hs: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        rotary: RotaryEmbedding,
+        chunk_tokens: int,
+    ) -> RowsKV:
+        """`forward_rows`'s phase 1: the keys and values of the whole sequence, its cached
+        context (read from the pool), then every row's (normed, RoPE'd), the kept rows
+        handed to the pool. [ctx + T, Hkv, D] each."""
         T = hs.shape[0]
         sa = self.self_attn
-        # Keys and values of the whole sequence: its cached context (read from the pool), then
-        # this step's rows.
         ctx = attn.num_context_rows()
         k_buf = hs.new_empty(ctx + T, sa.num_kv_heads, sa.head_dim)
         v_buf = hs.new_empty(ctx + T, sa.num_kv_heads, sa.head_dim)
@@ -341,11 +365,34 @@ class DecoderLayer(nn.Module):
             k_buf[ctx + s : ctx + e] = k
             v_buf[ctx + s : ctx + e] = v
             attn.write_rows(self.layer_idx, k_buf[ctx + s : ctx + e], v_buf[ctx + s : ctx + e], s)
-        for s in range(0, T, chunk_tokens):
-            e = min(s + chunk_tokens, T)
+        return RowsKV(k_buf, v_buf, ctx)
+
+    def attend_rows_range(
+        self,
+        hs: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        rotary: RotaryEmbedding,
+        chunk_tokens: int,
+        kv: RowsKV,
+        row_start: int,
+        row_end: int,
+    ) -> None:
+        """`forward_rows`'s phase 2 over rows [row_start, row_end), chunk by chunk from
+        row_start (a multiple of `chunk_tokens`, so that pieces run the very chunks the whole
+        layer runs): q of the chunk, attention to the keys up to its last row, o_proj, the
+        residual add, the MLP. Rows outside the range are neither read nor written, so a
+        layer may stop at a chunk boundary and go on later (the split executor's sub-layer
+        slices), given the same `kv`."""
+        if row_start % chunk_tokens:
+            raise ValueError(f"row_start {row_start} is not a multiple of {chunk_tokens}")
+        sa = self.self_attn
+        ctx = kv.num_context_rows
+        for s in range(row_start, row_end, chunk_tokens):
+            e = min(s + chunk_tokens, row_end)
             q = sa.project_q(self.input_layernorm(hs[s:e]), positions[s:e], rotary)
             # [e - s, Hq, D]: rows s..e-1 are the last of the ctx + e keys
-            o = attn.attend_rows(self.layer_idx, q, k_buf[: ctx + e], v_buf[: ctx + e])
+            o = attn.attend_rows(self.layer_idx, q, kv.k[: ctx + e], kv.v[: ctx + e])
             a = sa.o_proj(o.reshape(e - s, -1))
             x, r = self.post_attention_layernorm.add_forward(a, hs[s:e])
             torch.add(r, self.mlp(x), out=hs[s:e])  # r may be hs[s:e] itself (in-place norm)
@@ -422,6 +469,57 @@ class LlamaForCausalLM(nn.Module):
                 h, residual = layer(h, residual, positions, attn, self.rotary)
         assert residual is not None or start == end
         return h, residual
+
+    def streams_rows(
+        self,
+        num_tokens: int,
+        attn: AttentionBackend,
+        chunk_tokens: int | None,
+        stream_rows_above: int = 0,
+    ) -> bool:
+        """Whether `forward_layers` streams a planned batch of `num_tokens` rows (hybrid
+        prefill's row form, `DecoderLayer.forward_rows`): then a layer can also run in row
+        pieces (`forward_layer_rows`)."""
+        return (
+            chunk_tokens is not None
+            and num_tokens > chunk_tokens
+            and num_tokens > stream_rows_above
+            and attends_rows(attn)
+        )  # fmt: skip
+
+    def forward_layer_rows(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        layer: int,
+        row_start: int,
+        row_end: int,
+        chunk_tokens: int,
+        kv: RowsKV | None,
+    ) -> tuple[torch.Tensor, RowsKV | None]:
+        """Rows [row_start, row_end) of one row-streamed layer (only where `streams_rows`):
+        a piece of `forward_layers(layer, layer + 1)` that a decode step may follow. The
+        first piece (row_start 0) folds (h, residual) into the one stream, as
+        `forward_layers` does, and projects the layer's keys and values; the later pieces
+        take them back as `kv`. Returns the stream (residual None after it, as
+        `forward_layers` returns) and the `kv` to pass on, None once the layer is done.
+        `row_start` is a multiple of `chunk_tokens`: the pieces run the very chunks the whole
+        layer runs, so the result is the same bit for bit."""
+        T = h.shape[0]
+        lyr = self.layers[layer]
+        if row_start == 0:
+            if residual is not None:  # fold the pair into one stream, in place
+                for s in range(0, T, chunk_tokens):
+                    residual[s : s + chunk_tokens] += h[s : s + chunk_tokens]
+                h = residual
+            kv = lyr.project_rows_kv(h, positions, attn, self.rotary, chunk_tokens)
+        elif kv is None or residual is not None:
+            raise ValueError("a later piece of a layer needs the stream and its first piece's kv")
+        assert kv is not None
+        lyr.attend_rows_range(h, positions, attn, self.rotary, chunk_tokens, kv, row_start, row_end)
+        return h, (None if row_end >= T else kv)
 
     def final_norm(self, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         if residual is None:
