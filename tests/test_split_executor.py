@@ -190,7 +190,10 @@ def finish(eng: Engine, dev: Any) -> list[EngineOutput]:
 
 
 def fixed_split(
-    prefill_sms: int = 64, layers_per_slice: int | None = None, predicted_prefill_ms: float = 5.0
+    prefill_sms: int = 64,
+    layers_per_slice: int | None = None,
+    predicted_prefill_ms: float = 5.0,
+    pieces_per_layer: int | None = None,
 ) -> Any:
     choices: list[tuple[bool, bool]] = []
 
@@ -198,7 +201,10 @@ def fixed_split(
         choices.append((p is not None, d is not None))
         if p is not None and layers_per_slice:  # time-slicing by layers
             dec = SplitDecision(
-                0, layers_per_slice=layers_per_slice, predicted_prefill_ms=predicted_prefill_ms
+                0,
+                layers_per_slice=layers_per_slice,
+                predicted_prefill_ms=predicted_prefill_ms,
+                pieces_per_layer=pieces_per_layer,
             )
             return SplitChoice(dec, "whole", "whole", 132)
         if p is None or prefill_sms == 0:
@@ -604,3 +610,62 @@ def test_decode_gap_is_what_continuing_decodes_waited_between_their_steps() -> N
     # slice between them, by more.
     assert min(seen) == 1.0 and max(seen) > 1.0
     assert sum(g is None for g in gaps) >= 2  # the first, and the first after the drain
+
+
+def test_sub_layer_slices_run_each_layer_in_row_pieces_with_decodes_between() -> None:
+    """`pieces_per_layer` on a prefill that streams its rows (a whole scoring prompt past the
+    prefill budget, hybrid chunk 8): each layer runs as row pieces of whole chunks (37 rows,
+    5 chunks, 2 pieces: rows 0-24 and 24-37), one piece in flight at a time, the generation's
+    decode steps between them; the scores are the serial executor's. (The generation's own
+    9-token prefill streams no rows: whole layers, with a warning.)"""
+    cfg = dict(prefill_token_budget=16, prefill_chunk_tokens=8, chunk_scoring_prefill=False)
+    prompt = [(7 * i) % 300 + 5 for i in range(37)]
+
+    def score_req() -> Request:
+        return Request("s", RequestKind.SCORE, list(prompt), label_token_ids=[10, 20, 30])
+
+    ref_eng = Engine(
+        EngineConfig(model="random:tiny", prefill_policy="fcfs", block_size=4,
+                     num_kv_blocks=128, **cfg),
+        lambda outs: None,
+    )  # fmt: skip
+    ref_eng.scheduler.add(score_req())
+    ref: list[EngineOutput] = []
+    while ref_eng.scheduler.has_work() or ref_eng.executor.num_in_flight:
+        ref += ref_eng._step()
+    (ref_probs,) = [o.label_probs for o in ref if o.label_probs is not None]
+
+    dev = FakeDevice()
+    eng, ex, _ = split_engine(
+        dev, fixed_split(layers_per_slice=1, pieces_per_layer=2), **cfg
+    )  # tiny has 2 layers
+    order: list[str] = []
+    rows, launch = ex.model.forward_layer_rows, ex.runner.launch
+
+    def spy_rows(*a: Any, **k: Any) -> Any:
+        order.append(f"L{a[4]}:{a[5]}-{a[6]}")  # (h, residual, positions, attn, layer, s, e)
+        return rows(*a, **k)
+
+    def spy_launch(plan: Any) -> Any:
+        order.append("decode")
+        return launch(plan)
+
+    ex.model.forward_layer_rows = spy_rows  # type: ignore[method-assign]
+    ex.runner.launch = spy_launch  # type: ignore[method-assign]
+    eng.scheduler.add(gen("g", 9, 12))
+    outs = split_step(eng)  # g's prefill (9 tokens: whole layers, no pieces)
+    outs += split_step(eng)
+    eng.scheduler.add(score_req())
+    dev.hold = True
+    for _ in range(6):
+        outs += split_step(eng)
+    outs += finish(eng, dev)
+    pieces = [o for o in order if o.startswith("L")]
+    assert pieces == ["L0:0-24", "L0:24-37", "L1:0-24", "L1:24-37"]
+    # While a piece is pending the generation keeps decoding; the next piece waits for it.
+    i = order.index("L0:0-24")
+    assert order[i + 1 : order.index("L0:24-37")] == ["decode"] * 6
+    (probs,) = [o.label_probs for o in outs if o.label_probs is not None]
+    assert probs == pytest.approx(ref_probs, rel=1e-5, abs=1e-7)
+    assert ex.num_layer_sliced_prefills >= 1
+    eng.block_manager.check_integrity()

@@ -29,6 +29,7 @@ each other while a prefill is in flight. Timings come from events on each stream
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from collections.abc import Callable
@@ -41,11 +42,13 @@ from runtime.attention.base import ForwardBatch
 from runtime.config import EngineConfig
 from runtime.executor.base import HeldFailure, StepFailed, StepInterrupted, StepResult
 from runtime.executor.streams import EventLike, StreamDevice
-from runtime.model.llama import ForwardInterrupted
+from runtime.model.llama import ForwardInterrupted, RowsKV
 from runtime.partition import TIME_SLICE, SplitChoice
 from runtime.partition.cost_model import DecodeShape, PrefillShape
 from runtime.runner import PendingOutput
 from runtime.scheduler import RunnerOutput, StepCapacity, StepPlan
+
+log = logging.getLogger("greenlane.split")
 
 
 @dataclass(slots=True)
@@ -60,6 +63,12 @@ class _Prefill:
     layers_per_slice: int
     start_event: EventLike
     next_layer: int = 0
+    # Sub-layer slices (`SplitDecision.pieces_per_layer`): rows per piece of a layer (a
+    # multiple of the hybrid chunk; 0: whole layers), the next row of `next_layer`, and that
+    # layer's keys and values between its pieces.
+    piece_rows: int = 0
+    next_row: int = 0
+    layer_kv: RowsKV | None = None
     abandoned: bool = False  # its requests all finished before its last slice: no outputs
     hidden_rows: torch.Tensor | None = None  # [N, H] final-normed rows needing an output
     slice_events: list[EventLike] = field(default_factory=list)
@@ -341,6 +350,23 @@ class SplitExecutor:
         per_slice = choice.layers_per_slice or self.slice_tokens // max(num_tokens, 1)
         per_slice = max(1, min(self.model.num_layers, per_slice))
         self.prefill = _Prefill(plan, choice, batch, h, None, per_slice, start)
+        pieces = choice.pieces_per_layer or 1
+        chunk = self.chunk_tokens
+        if pieces > 1 and chunk is not None:
+            if self.model.streams_rows(
+                num_tokens, self.runner.prefill_backend, chunk, self.stream_rows_above
+            ):
+                chunks = -(-num_tokens // chunk)
+                self.prefill.piece_rows = -(-chunks // pieces) * chunk
+                self.prefill.layers_per_slice = 1
+            else:
+                # The controller is told whether a batch streams its rows (`rows`): a
+                # mismatch here is a bug, run whole layers rather than fail the prefill.
+                log.warning(
+                    "sub-layer slices asked for a prefill that does not stream its rows "
+                    "(%d tokens): whole layers instead",
+                    num_tokens,
+                )
 
     def _guarded_pump(self) -> None:
         f = self.prefill
@@ -366,17 +392,36 @@ class SplitExecutor:
         max_queued = 1 if f.choice.layers_per_slice else self.max_queued_slices
         with self.device.context(f.choice.prefill_stream):
             while pending < max_queued and f.next_layer < num_layers:
-                end = min(num_layers, f.next_layer + f.layers_per_slice)
-                f.h, f.residual = self.model.forward_layers(
-                    f.h,
-                    f.residual,
-                    f.batch.positions,
-                    self.runner.prefill_backend,
-                    f.next_layer,
-                    end,
-                    self.chunk_tokens,
-                    self.stream_rows_above,
-                )
+                if f.piece_rows:
+                    assert self.chunk_tokens is not None
+                    num_rows = f.h.shape[0]
+                    row_end = min(num_rows, f.next_row + f.piece_rows)
+                    f.h, f.layer_kv = self.model.forward_layer_rows(
+                        f.h,
+                        f.residual,
+                        f.batch.positions,
+                        self.runner.prefill_backend,
+                        f.next_layer,
+                        f.next_row,
+                        row_end,
+                        self.chunk_tokens,
+                        f.layer_kv,
+                    )
+                    f.residual = None  # one stream from the first piece on
+                    f.next_row = 0 if row_end >= num_rows else row_end
+                    end = f.next_layer + (1 if row_end >= num_rows else 0)
+                else:
+                    end = min(num_layers, f.next_layer + f.layers_per_slice)
+                    f.h, f.residual = self.model.forward_layers(
+                        f.h,
+                        f.residual,
+                        f.batch.positions,
+                        self.runner.prefill_backend,
+                        f.next_layer,
+                        end,
+                        self.chunk_tokens,
+                        self.stream_rows_above,
+                    )
                 f.next_layer = end
                 ev = self.device.event()
                 if end == num_layers:

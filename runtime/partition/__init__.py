@@ -29,6 +29,10 @@ class SplitDecision:
     prefill_sms: int  # TIME_SLICE (0) = no split
     # Time-slicing by slices of this many layers (prefill_sms is TIME_SLICE); None = whole.
     layers_per_slice: int | None = None
+    # Sub-layer slices: each layer of a row-streamed prefill (hybrid prefill's row form) run
+    # in this many pieces of its rows, a decode step between pieces, where no whole layer
+    # fits the TBT target (layers_per_slice is then 1). None = whole layers.
+    pieces_per_layer: int | None = None
     # Time-slicing with the prefill cut into chunks of at most this many tokens per step, each
     # step one whole-GPU forward of the decodes and a chunk sized to the TBT target
     # (prefill_sms is TIME_SLICE): it caps the step's prefill tokens when the step is planned.
@@ -57,6 +61,10 @@ class SplitChoice:
     @property
     def layers_per_slice(self) -> int | None:
         return self.decision.layers_per_slice
+
+    @property
+    def pieces_per_layer(self) -> int | None:
+        return self.decision.pieces_per_layer
 
     @property
     def chunk_tokens(self) -> int | None:
