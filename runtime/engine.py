@@ -79,9 +79,16 @@ from runtime.kv.kv_pool import (
     cuda_memory_budget_bytes,
 )
 from runtime.kv.prefix_cache import PrefixCache
+from runtime.model.llama import rows_stream_at
 from runtime.model.loader import load_model
 from runtime.partition import PartitionManager, SplitChoice
-from runtime.partition.cost_model import PREFILL, ChunkInput, DecodeShape, PrefillShape
+from runtime.partition.cost_model import (
+    PREFILL,
+    ChunkInput,
+    DecodeShape,
+    PrefillShape,
+    RowStream,
+)
 from runtime.partition.setup import capture_split_graphs, make_partition, profile_at_startup
 from runtime.prefill_graphs import prefill_graph_bytes, prefill_graph_max_tokens
 from runtime.profiling import StepProfile
@@ -622,7 +629,9 @@ class Engine:
             self._prefill_cost.offset_s * 1e3,
             max_chunk_tokens=None if cap is None else max(cap - look.num_decodes, 1),
         )
-        choice = g.decide(p, d, self._kv_usage_before_plan, chunk=chunk, record=False)
+        # Planned whole (a split or layer slices), the head is one sequence of its tokens.
+        rows = self._row_stream([(look.prefill_context_tokens, look.prefill_tokens)])
+        choice = g.decide(p, d, self._kv_usage_before_plan, chunk=chunk, record=False, rows=rows)
         chunk_tokens = choice.decision.chunk_tokens
         if not chunk_tokens:
             # A split or layer slices, predicted for the whole head: the step carries the
@@ -765,7 +774,23 @@ class Engine:
         kv_usage = self._kv_usage_before_plan if pplan is not None else self._kv_usage()
         # Layer slices are sized to the aim chunks are cut to (the target less the measured
         # tail), not to the target: a decode waits one slice plus its own step.
-        return g.decide(p, d, kv_usage, aim_ms=self._chunk_tbt_ms())
+        rows = (
+            None
+            if pplan is None
+            else self._row_stream([(s.num_context_tokens, s.num_new_tokens) for s in pplan.prefill])
+        )
+        return g.decide(p, d, kv_usage, aim_ms=self._chunk_tbt_ms(), rows=rows)
+
+    def _row_stream(self, seqs: list[tuple[int, int]]) -> RowStream | None:
+        """The row stream a prefill batch of (context, new tokens) per sequence runs as, if
+        it streams its rows (one sequence past the hybrid chunk and the prefill budget, on a
+        backend that attends rows): what sub-layer slices cut (`SplitController`)."""
+        if len(seqs) != 1 or not hasattr(self.runner.prefill_backend, "attends_rows"):
+            return None
+        (context, tokens), (chunk, above) = seqs[0], self.config.hybrid_form()
+        if chunk is None or not rows_stream_at(tokens, chunk, above):
+            return None
+        return RowStream(context, tokens, chunk)
 
     def _kv_usage(self) -> float:
         bm = self.block_manager

@@ -384,25 +384,78 @@ def test_layer_slices_are_sized_to_the_aim_with_their_measured_error() -> None:
     ctl = SplitController(
         m, [32, 64], ControllerConfig(tbt_slo_ms=target, layer_slicing=True, hysteresis_sms=0)
     )
-    assert ctl._layer_slices(p, d) == (8, pytest.approx(whole_prefill + 3 * whole_decode))
+    s8 = ctl._layer_slices(p, d)
+    assert s8 is not None and (s8.layers, s8.pieces) == (8, 1)
+    assert s8.predicted_ms == pytest.approx(whole_prefill + 3 * whole_decode)
     aim = whole_decode + 4.5 * per_layer
-    layers, completion_ms = ctl._layer_slices(p, d, aim)
-    assert layers == 4 and completion_ms == pytest.approx(whole_prefill + 7 * whole_decode)
+    s4 = ctl._layer_slices(p, d, aim)
+    assert s4 is not None and s4.layers == 4
+    assert s4.predicted_ms == pytest.approx(whole_prefill + 7 * whole_decode)
     dec = ctl.choose(p, d, 0.2, aim_ms=aim)
     assert dec.prefill_sms == TIME_SLICE and dec.layers_per_slice == 4
     # An aim above the target is the target's.
-    assert ctl._layer_slices(p, d, 2 * target)[0] == 8
+    assert ctl._layer_slices(p, d, 2 * target).layers == 8  # type: ignore[union-attr]
     # The kind's measured error: slices predicted 25 % short lose a fifth of their layers.
     for _ in range(40):
         m.score(f"{PREFILL}/layer_sliced", 100.0, 125.0)
     assert m.recent_error(f"{PREFILL}/layer_sliced") == pytest.approx(0.2)
-    assert ctl._layer_slices(p, d)[0] == 7  # 8.5 / 1.2 layers fit
+    assert ctl._layer_slices(p, d).layers == 7  # type: ignore[union-attr]  # 8.5 / 1.2 fit
     # No whole layer within the aim, one within the target: slices of one layer.
-    assert ctl._layer_slices(p, d, whole_decode + 0.5 * per_layer)[0] == 1
+    one = ctl._layer_slices(p, d, whole_decode + 0.5 * per_layer)
+    assert one is not None and one.layers == 1
     tight = SplitController(
         m, [32, 64], ControllerConfig(tbt_slo_ms=whole_decode + 0.5 * per_layer, layer_slicing=True)
     )
     assert tight._layer_slices(p, d, whole_decode) is None
+
+
+def test_sub_layer_slices_cut_a_streamed_layer_no_slice_fits() -> None:
+    """Where no whole layer fits the target and the prefill streams its rows (`RowStream`),
+    layer slicing cuts each layer into the fewest row pieces (whole hybrid chunks, as the
+    executor cuts them: `row_piece_rows`) whose heaviest piece fits the aim less the decode
+    step; without `rows` (a batch that does not stream) there are no layer slices to take.
+    The completion: the whole prefill and a decode step between every two pieces."""
+    from runtime.partition.cost_model import RowStream, row_piece_rows
+
+    m = _long_prefill_beside_decodes()[0]
+    n_rows, chunk = 32768, 2048  # 16 chunks
+    p = PrefillShape.from_seqs([(0, n_rows)], num_layers=32)
+    d = DecodeShape(1, 2048, 32)  # one chat: a cheap step between pieces
+    whole_prefill, whole_decode = m.predict(PREFILL, p, TOTAL), m.predict(DECODE, d, TOTAL)
+    per_layer = whole_prefill / 32
+    target = whole_decode + 0.45 * per_layer  # under half a layer's room
+    cfg = ControllerConfig(tbt_slo_ms=target, layer_slicing=True, hysteresis_sms=0)
+    ctl = SplitController(m, [32, 64], cfg)
+    assert ctl._layer_slices(p, d) is None
+    rows = RowStream(0, n_rows, chunk)
+    sliced = ctl._layer_slices(p, d, rows=rows)
+    assert sliced is not None and sliced.layers == 1 and sliced.pieces > 2
+
+    def heaviest(pieces: int) -> float:
+        n = row_piece_rows(n_rows, chunk, pieces)
+        shapes = [(s, min(n, n_rows - s)) for s in range(0, n_rows, n)]
+        return max(
+            m.predict(PREFILL, PrefillShape(q, q * (s + (q + 1) / 2), 1), TOTAL) for s, q in shapes
+        )
+
+    room = target - whole_decode
+    assert heaviest(sliced.pieces) <= room < heaviest(sliced.pieces - 1)
+    assert sliced.predicted_ms == pytest.approx(
+        whole_prefill + (32 * sliced.pieces - 1) * whole_decode
+    )
+    # The later pieces attend to more keys: the last is the heaviest, over 1/pieces of a layer.
+    assert heaviest(sliced.pieces) > per_layer / sliced.pieces
+    # The decision carries the pieces where they finish before the best split by its margin.
+    best_split_ms = min(ctl._eval(s, p, d)[0] for s in (32, 64))
+    assert best_split_ms > sliced.predicted_ms * ctl._split_margin()
+    dec = ctl.choose(p, d, 0.2, rows=rows)
+    assert dec.prefill_sms == TIME_SLICE
+    assert (dec.layers_per_slice, dec.pieces_per_layer) == (1, sliced.pieces)
+    assert "sub-layer slices" in dec.reason
+    # Without rows: a split.
+    assert ctl.choose(p, d, 0.2).prefill_sms != TIME_SLICE
+    # Chunks too coarse for the room: none.
+    assert ctl._layer_slices(p, d, rows=RowStream(0, n_rows, n_rows)) is None
 
 
 def test_interference_slope_is_learned_from_observations_of_a_known_law() -> None:

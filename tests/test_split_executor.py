@@ -669,3 +669,21 @@ def test_sub_layer_slices_run_each_layer_in_row_pieces_with_decodes_between() ->
     assert probs == pytest.approx(ref_probs, rel=1e-5, abs=1e-7)
     assert ex.num_layer_sliced_prefills >= 1
     eng.block_manager.check_integrity()
+
+
+def test_the_engine_tells_the_controller_which_prefills_stream_their_rows() -> None:
+    """`Engine._row_stream`: one sequence past the hybrid chunk and the prefill budget (the
+    row form's threshold) is a `RowStream` the controller may cut into row pieces; a batch of
+    two, or one within the budget, is not; nor anything with hybrid prefill off."""
+    from runtime.partition.cost_model import RowStream
+
+    eng, _, _ = split_engine(
+        FakeDevice(), fixed_split(), prefill_token_budget=16, prefill_chunk_tokens=8
+    )
+    assert eng._row_stream([(4, 37)]) == RowStream(4, 37, 8)
+    assert eng._row_stream([(0, 16)]) is None  # within the budget: all rows at once
+    assert eng._row_stream([(0, 37), (0, 20)]) is None
+    off, _, _ = split_engine(
+        FakeDevice(), fixed_split(), prefill_token_budget=16, hybrid_prefill=False
+    )
+    assert off._row_stream([(4, 37)]) is None

@@ -44,7 +44,7 @@ from runtime.executor.base import HeldFailure, StepFailed, StepInterrupted, Step
 from runtime.executor.streams import EventLike, StreamDevice
 from runtime.model.llama import ForwardInterrupted, RowsKV
 from runtime.partition import TIME_SLICE, SplitChoice
-from runtime.partition.cost_model import DecodeShape, PrefillShape
+from runtime.partition.cost_model import DecodeShape, PrefillShape, row_piece_rows
 from runtime.runner import PendingOutput
 from runtime.scheduler import RunnerOutput, StepCapacity, StepPlan
 
@@ -356,8 +356,7 @@ class SplitExecutor:
             if self.model.streams_rows(
                 num_tokens, self.runner.prefill_backend, chunk, self.stream_rows_above
             ):
-                chunks = -(-num_tokens // chunk)
-                self.prefill.piece_rows = -(-chunks // pieces) * chunk
+                self.prefill.piece_rows = row_piece_rows(num_tokens, chunk, pieces)
                 self.prefill.layers_per_slice = 1
             else:
                 # The controller is told whether a batch streams its rows (`rows`): a

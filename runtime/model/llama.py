@@ -213,6 +213,14 @@ class RowsKV:
     num_context_rows: int
 
 
+def rows_stream_at(num_tokens: int, chunk_tokens: int | None, stream_rows_above: int) -> bool:
+    """The size half of whether one prefill sequence streams its rows (`forward_layers`):
+    hybrid prefill on, and more rows than its chunk and than `stream_rows_above` (the
+    prefill budget the runner passes). The other half is the planned backend's
+    (`attends_rows`: one prefill sequence)."""
+    return chunk_tokens is not None and num_tokens > chunk_tokens and num_tokens > stream_rows_above
+
+
 def attends_rows(attn: AttentionBackend) -> bool:
     """Whether the planned batch can take the row-streamed hybrid prefill
     (`DecoderLayer.forward_rows`): the backend attends a chunk of query rows to the keys
@@ -480,12 +488,7 @@ class LlamaForCausalLM(nn.Module):
         """Whether `forward_layers` streams a planned batch of `num_tokens` rows (hybrid
         prefill's row form, `DecoderLayer.forward_rows`): then a layer can also run in row
         pieces (`forward_layer_rows`)."""
-        return (
-            chunk_tokens is not None
-            and num_tokens > chunk_tokens
-            and num_tokens > stream_rows_above
-            and attends_rows(attn)
-        )  # fmt: skip
+        return rows_stream_at(num_tokens, chunk_tokens, stream_rows_above) and attends_rows(attn)
 
     def forward_layer_rows(
         self,

@@ -526,6 +526,36 @@ class CostModel:
 
 
 @dataclass(frozen=True, slots=True)
+class RowStream:
+    """A planned prefill that streams its rows (one sequence past the hybrid chunk and the
+    prefill budget: `DecoderLayer.forward_rows`): the shape sub-layer slices are cut from, a
+    layer's rows in pieces of whole `chunk_tokens` chunks (`SplitController._layer_slices`)."""
+
+    context_tokens: int
+    num_tokens: int
+    chunk_tokens: int
+
+
+def row_piece_rows(num_tokens: int, chunk_tokens: int, pieces: int) -> int:
+    """Rows a piece when a row-streamed layer of `num_tokens` rows runs in `pieces` pieces
+    of whole hybrid chunks (the last piece may be shorter): the one cut the controller
+    predicts and the split executor runs."""
+    num_chunks = -(-num_tokens // chunk_tokens)
+    return -(-num_chunks // max(1, pieces)) * chunk_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSlices:
+    """Time-slicing a prefill by layers (`SplitController._layer_slices`): `layers` a slice,
+    or one layer in `pieces` row pieces (sub-layer slices; 1: whole layers), and the
+    predicted completion (the slices and the decode steps between them), ms."""
+
+    layers: int
+    pieces: int
+    predicted_ms: float
+
+
+@dataclass(frozen=True, slots=True)
 class ChunkInput:
     """The chunked time-slicing option of `SplitController.choose`: the prefill is the head of
     the queue, may be cut by tokens across steps, and each step's chunk is sized so that the
@@ -626,6 +656,7 @@ class SplitController:
         *,
         chunk: ChunkInput | None = None,
         aim_ms: float | None = None,
+        rows: RowStream | None = None,
     ) -> SplitDecision:
         """How to run the next prefill `p` beside the decode batch `d` (None: that phase has
         no work). `chunk`: `p` is the head of the prefill queue, not yet planned, and may be
@@ -634,7 +665,8 @@ class SplitController:
         it, `p` is what will run whole (a planned batch, or an unchunkable prompt). `aim_ms`:
         what a decode should wait at most, the target less the tail the engine measured
         (`Engine._chunk_tbt_ms`; `chunk.tbt_slo_ms` when chunked); layer slices are sized to
-        it (`_layer_slices`). None: the target itself."""
+        it (`_layer_slices`). None: the target itself. `rows`: `p` streams its rows, so a
+        layer may be cut into row pieces where no whole layer fits (sub-layer slices)."""
         cfg = self.config
         if self.pinned is not None:
             tp, td = self._eval(self.pinned, p, d) if p and d else (math.nan, math.nan)
@@ -663,7 +695,7 @@ class SplitController:
             # alone: hysteresis is about consecutive prefill batches, not decode-only gaps.
             return SplitDecision(TIME_SLICE, reason="one phase only")
         if chunked is None:
-            return self._choose_whole(p, d, kv_usage, aim_ms)
+            return self._choose_whole(p, d, kv_usage, aim_ms, rows)
         assert chunk is not None
         if chunked.chunk_tokens is not None and chunked.chunk_tokens >= p.num_tokens:
             if chunked.predicted_decode_ms <= chunk.tbt_slo_ms:
@@ -673,7 +705,7 @@ class SplitController:
                 return dataclasses.replace(
                     chunked, reason="the prefill fits the TBT target in one step"
                 )
-        whole = self._choose_whole(p, d, kv_usage, chunk.tbt_slo_ms)
+        whole = self._choose_whole(p, d, kv_usage, chunk.tbt_slo_ms, rows)
         return self._versus(chunked, chunk, whole, kv_usage)
 
     def _chunked(self, p: PrefillShape, d: DecodeShape, chunk: ChunkInput) -> SplitDecision:
@@ -813,10 +845,16 @@ class SplitController:
         return max(self.config.min_split_speedup, 1.0 + err)
 
     def _choose_whole(
-        self, p: PrefillShape, d: DecodeShape, kv_usage: float, aim_ms: float | None = None
+        self,
+        p: PrefillShape,
+        d: DecodeShape,
+        kv_usage: float,
+        aim_ms: float | None = None,
+        rows: RowStream | None = None,
     ) -> SplitDecision:
         """Nexus's rule with the TBT target for a prefill `p` that runs whole: a whole-GPU
-        time-slice, a split, or (layer slicing on) slices of layers sized to `aim_ms`."""
+        time-slice, a split, or (layer slicing on) slices of layers sized to `aim_ms`, or of
+        row pieces of a layer where `p` streams its `rows` and no layer fits."""
         cfg = self.config
         favour_prefill = kv_usage < cfg.kv_switch
         evals: dict[int, tuple[float, float]] = {}
@@ -872,7 +910,7 @@ class SplitController:
                 break
         best_split = self.splits[idx]
         if tbt_rule and cfg.allow_time_slice and cfg.layer_slicing:
-            sliced = self._layer_slices(p, d, aim_ms)
+            sliced = self._layer_slices(p, d, aim_ms, rows)
             tp_split, td_split = ev(best_split)
             # The split must finish the prefill sooner by its margin, as against chunks
             # (`_versus`): the larger of min_split_speedup and its prefill prediction's
@@ -881,14 +919,20 @@ class SplitController:
             # GPU's 2.89 s, where 50-52k-token ones in layer slices took 1.07x its time.
             need = self._split_margin()
             if sliced is not None and (
-                not self._split_decode_ok(td_split, aim_ms) or sliced[1] <= tp_split * need
+                not self._split_decode_ok(td_split, aim_ms)
+                or sliced.predicted_ms <= tp_split * need
             ):
-                layers, tp_sliced = sliced
-                dec = self._settle(
-                    TIME_SLICE, f"layer slices of {layers} meet the TBT target", p, d, ev, None
+                what = (
+                    f"sub-layer slices ({sliced.pieces} pieces a layer)"
+                    if sliced.pieces > 1
+                    else f"layer slices of {sliced.layers}"
                 )
+                dec = self._settle(TIME_SLICE, f"{what} meet the TBT target", p, d, ev, None)
                 return dataclasses.replace(
-                    dec, predicted_prefill_ms=tp_sliced, layers_per_slice=layers
+                    dec,
+                    predicted_prefill_ms=sliced.predicted_ms,
+                    layers_per_slice=sliced.layers,
+                    pieces_per_layer=sliced.pieces if sliced.pieces > 1 else None,
                 )
         sp = self.speedup(best_split, p, d)
         choice = best_split
@@ -901,11 +945,16 @@ class SplitController:
         return self._settle(choice, reason, p, d, ev, objective, time_slice_ok=not tbt_rule)
 
     def _layer_slices(
-        self, p: PrefillShape, d: DecodeShape, aim_ms: float | None = None
-    ) -> tuple[int, float] | None:
-        """(layers per slice, predicted prefill completion ms) for time-slicing the prefill by
-        slices of layers on the whole GPU with one decode step between slices, so that a
-        decode waits at most one slice; None when not even one layer fits the TBT target.
+        self,
+        p: PrefillShape,
+        d: DecodeShape,
+        aim_ms: float | None = None,
+        rows: RowStream | None = None,
+    ) -> LayerSlices | None:
+        """How to time-slice the prefill `p` by slices of layers on the whole GPU, one decode
+        step between slices, so that a decode waits at most one slice, and its predicted
+        completion; None when not even one layer fits the TBT target and `p` cannot be cut
+        into row pieces.
 
         A slice and the decode step after it are sized to `aim_ms` (the target less the tail
         the engine measured; None: the target), with the layer-sliced prediction's own
@@ -915,7 +964,13 @@ class SplitController:
         16 QPS) slices of a 16k prompt predicted at ~77 ms for an 80 ms target left 70-79 ms
         between decode steps, up to 106, and the chats' P99 ITL read 89 ms. Smaller slices
         cost the prefill one decode step (~3 ms there) each. When the aim admits no whole
-        layer but the target does, a slice is one layer."""
+        layer but the target does, a slice is one layer.
+
+        Where no layer fits the target and `p` streams its rows (`rows`), each layer runs in
+        the fewest row pieces (whole hybrid chunks each) whose heaviest, with the same
+        margin, fits the aim less the decode step: sub-layer slices (`_row_pieces`). On an
+        H100 (8B in 24 GB, 80-ms target) that is every prompt over ~52k tokens, which
+        otherwise went to a 112-SM split at 1.2-1.3x the whole GPU's time."""
         target_ms = self.config.tbt_slo_ms
         assert target_ms is not None
         total = self.model.total_sms
@@ -923,14 +978,48 @@ class SplitController:
         td = self.model.predict(DECODE, d, total)
         num_layers = max(p.num_layers, 1)
         per_layer_ms = tp / num_layers
-        if not (per_layer_ms > 0 and target_ms - td >= per_layer_ms):
+        if not per_layer_ms > 0:
             return None
         aim = target_ms if aim_ms is None else min(aim_ms, target_ms)
         err = self.model.recent_error(f"{PREFILL}/layer_sliced")
+        if target_ms - td < per_layer_ms:
+            pieces = None if rows is None else self._row_pieces(rows, aim - td, err)
+            if pieces is None:
+                return None
+            return LayerSlices(1, pieces, tp + (num_layers * pieces - 1) * td)
         fit = int((aim - td) // (per_layer_ms * (1.0 + err))) if aim > td else 0
         layers = min(num_layers, max(1, fit))
         num_slices = math.ceil(num_layers / layers)
-        return layers, tp + (num_slices - 1) * td
+        return LayerSlices(layers, 1, tp + (num_slices - 1) * td)
+
+    def _row_pieces(self, rows: RowStream, room_ms: float, err: float) -> int | None:
+        """The fewest pieces (at least 2) a row-streamed layer can be cut into, as the
+        executor cuts it (`row_piece_rows`), whose heaviest piece, times 1 + `err`, fits
+        `room_ms`; None if not even one chunk a piece does. A piece of rows [s, e) after a
+        context c is the prefill model's one-layer shape of e - s tokens with
+        (e - s) * (c + s + (e - s + 1) / 2) attention pairs: the later pieces, which attend
+        to more keys, are the heaviest. Not modelled: the first piece also projects every
+        row's keys and values (on the 8B ~4 % of a layer's per-token work), left to the
+        margin."""
+        if room_ms <= 0:
+            return None
+        total = self.model.total_sms
+        n_rows, ctx = rows.num_tokens, rows.context_tokens
+        num_chunks = -(-n_rows // rows.chunk_tokens)
+        last_rows = n_rows
+        for pieces in range(2, num_chunks + 1):
+            piece_rows = row_piece_rows(n_rows, rows.chunk_tokens, pieces)
+            if piece_rows == last_rows:
+                continue  # the same cut as fewer pieces
+            last_rows = piece_rows
+            heaviest = 0.0
+            for s in range(0, n_rows, piece_rows):
+                q = min(piece_rows, n_rows - s)
+                shape = PrefillShape(q, q * (ctx + s + (q + 1) / 2), 1)
+                heaviest = max(heaviest, self.model.predict(PREFILL, shape, total))
+            if heaviest * (1.0 + err) <= room_ms:
+                return pieces
+        return None
 
     def _settle(
         self,

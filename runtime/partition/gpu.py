@@ -36,6 +36,7 @@ from runtime.partition.cost_model import (
     CostModel,
     DecodeShape,
     PrefillShape,
+    RowStream,
     SplitController,
 )
 from runtime.partition.green_ctx import GreenPair, SmLayout, create_pairs, read_sm_layout
@@ -212,6 +213,7 @@ class GreenContextPartition:
         chunk: ChunkInput | None = None,
         record: bool = True,
         aim_ms: float | None = None,
+        rows: RowStream | None = None,
     ) -> SplitChoice:
         """The split for the next step and its streams: auto's controller decides; static
         and off keep theirs. When the split changed since the last call, the new streams wait
@@ -220,10 +222,13 @@ class GreenContextPartition:
         `record` False: the decision may not be carried out as made (the engine asks before
         planning a step; only a chunked answer is kept), so it is neither counted nor logged
         here; `record` does that when it is. `aim_ms`: the engine's aim for what a decode
-        waits, the size of layer slices (`SplitController.choose`)."""
+        waits, the size of layer slices (`SplitController.choose`). `rows`: the prefill
+        streams its rows, so its layers may be cut into row pieces (sub-layer slices)."""
         with self._lock:
             if self._mode == "auto":
-                dec = self.controller.choose(prefill, decode, kv_usage, chunk=chunk, aim_ms=aim_ms)
+                dec = self.controller.choose(
+                    prefill, decode, kv_usage, chunk=chunk, aim_ms=aim_ms, rows=rows
+                )
                 self._last_decision = dec
                 self._active = dec.prefill_sms
                 if record:
@@ -268,6 +273,8 @@ class GreenContextPartition:
             self._logged_choice = (key, now)
             if dec.chunk_tokens:
                 what = f"time-slice in chunks of <= {dec.chunk_tokens} tokens"
+            elif dec.pieces_per_layer:
+                what = f"time-slice by {dec.pieces_per_layer} row pieces a layer"
             elif dec.layers_per_slice:
                 what = f"time-slice by {dec.layers_per_slice} layers"
             elif dec.prefill_sms == TIME_SLICE:
