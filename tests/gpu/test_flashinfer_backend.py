@@ -314,3 +314,41 @@ def test_streamed_rows_hold_a_prompt_in_its_stream_and_kv() -> None:
     stream_and_kv = (mc.hidden_size + 2 * mc.num_kv_heads * mc.head_dim) * 2  # bf16
     # ids and positions (int64) add 16 bytes a token; anything near 2x would be the old peak.
     assert per_token <= 1.1 * stream_and_kv + 16, (per_token, stream_and_kv)
+
+
+@pytest.mark.gpu
+def test_a_streamed_layer_in_row_pieces_matches_the_whole_layer_on_flashinfer() -> None:
+    """Sub-layer slices on FlashInfer: one prompt's layers run as row pieces of whole chunks
+    (`forward_layer_rows`: rows 0-384, then 384-1000, in 128-row chunks) give the stream
+    `forward_layers` gives over the same layers: the same chunks run, so bit for bit."""
+    import torch
+
+    from runtime.attention.base import ForwardBatch, SeqSlice
+
+    model, mc, be = _quarter_8b()
+    T, bs = 1000, be.block_size
+    blocks = list(range(1, 1 + (T + bs - 1) // bs))
+    batch = ForwardBatch(
+        input_ids=torch.randint(0, mc.vocab_size, (T,), device="cuda"),
+        positions=torch.arange(T, device="cuda"),
+        seqs=[SeqSlice(0, T, 0, T, blocks)],
+        logits_indices=torch.tensor([T - 1], device="cuda"),
+        is_decode=False,
+    )
+    with torch.inference_mode():
+        be.plan(batch)
+        assert model.streams_rows(T, be, 128)
+        h0 = model.embed(batch.input_ids)
+        whole, res = model.forward_layers(
+            h0.clone(), None, batch.positions, be, 0, mc.num_layers, 128
+        )
+        assert res is None
+        be.plan(batch)
+        h, kv = h0.clone(), None
+        for layer in range(mc.num_layers):
+            for start, end in ((0, 384), (384, T)):
+                h, kv = model.forward_layer_rows(
+                    h, None, batch.positions, be, layer, start, end, 128, kv
+                )
+            assert kv is None
+    assert torch.equal(h, whole)
