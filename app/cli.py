@@ -134,7 +134,9 @@ _ENGINE_HELP = {
     "partition_layer_slicing": "split controller (auto, with --partition-tbt-slo-ms or "
     "--tbt-slo-ms): when a "
     "whole prefill would stall decode past the target, it may run the prefill on every SM in "
-    "slices of layers with a decode step between slices, if predicted faster than a split",
+    "slices of layers with a decode step between slices, if predicted faster than a split; "
+    "where no layer fits the target and the prompt streams its rows (hybrid prefill past the "
+    "prefill budget), in row pieces of each layer",
     "partition_min_decode_sms": "fewest SMs a decode partition may get (default: the device's "
     "minimum partition)",
     "partition_calibration": "calibration file for the partition cost model: a "
