@@ -410,10 +410,11 @@ def test_layer_slices_are_sized_to_the_aim_with_their_measured_error() -> None:
 
 
 def test_sub_layer_slices_cut_a_streamed_layer_no_slice_fits() -> None:
-    """Where no whole layer fits the target and the prefill streams its rows (`RowStream`),
+    """Where no whole layer fits the aim and the prefill streams its rows (`RowStream`),
     layer slicing cuts each layer into the fewest row pieces (whole hybrid chunks, as the
     executor cuts them: `row_piece_rows`) whose heaviest piece fits the aim less the decode
-    step; without `rows` (a batch that does not stream) there are no layer slices to take.
+    step; without `rows` (a batch that does not stream) there are no layer slices to take
+    where the target admits no layer, and one-layer slices where only the aim admits none.
     The completion: the whole prefill and a decode step between every two pieces."""
     from runtime.partition.cost_model import RowStream, row_piece_rows
 
@@ -456,6 +457,16 @@ def test_sub_layer_slices_cut_a_streamed_layer_no_slice_fits() -> None:
     assert ctl.choose(p, d, 0.2).prefill_sms != TIME_SLICE
     # Chunks too coarse for the room: none.
     assert ctl._layer_slices(p, d, rows=RowStream(0, n_rows, n_rows)) is None
+    # A target that admits a layer, an aim that does not (the target less the engine's
+    # measured tail): pieces sized to the aim where the rows stream, else one-layer slices.
+    loose = SplitController(
+        m, [32, 64], ControllerConfig(tbt_slo_ms=whole_decode + 1.2 * per_layer, layer_slicing=True)
+    )
+    aim = target
+    by_aim = loose._layer_slices(p, d, aim, rows)
+    assert by_aim is not None and (by_aim.layers, by_aim.pieces) == (1, sliced.pieces)
+    one = loose._layer_slices(p, d, aim)
+    assert one is not None and (one.layers, one.pieces) == (1, 1)
 
 
 def test_interference_slope_is_learned_from_observations_of_a_known_law() -> None:

@@ -963,14 +963,17 @@ class SplitController:
         above it: on the H200 (3B, plan z at e604abe, scoring unchunked next to chat at
         16 QPS) slices of a 16k prompt predicted at ~77 ms for an 80 ms target left 70-79 ms
         between decode steps, up to 106, and the chats' P99 ITL read 89 ms. Smaller slices
-        cost the prefill one decode step (~3 ms there) each. When the aim admits no whole
-        layer but the target does, a slice is one layer.
+        cost the prefill one decode step (~3 ms there) each.
 
-        Where no layer fits the target and `p` streams its rows (`rows`), each layer runs in
-        the fewest row pieces (whole hybrid chunks each) whose heaviest, with the same
-        margin, fits the aim less the decode step: sub-layer slices (`_row_pieces`). On an
-        H100 (8B in 24 GB, 80-ms target) that is every prompt over ~52k tokens, which
-        otherwise went to a 112-SM split at 1.2-1.3x the whole GPU's time."""
+        Where the aim admits no whole layer and `p` streams its rows (`rows`), each layer
+        runs in the fewest row pieces (whole hybrid chunks each) whose heaviest, with the
+        same margin, fits the aim less the decode step: sub-layer slices (`_row_pieces`). On
+        an H100 (8B in 24 GB, 80-ms target) no layer fits the target itself for prompts over
+        ~52k tokens, which otherwise went to a 112-SM split at 1.2-1.3x the whole GPU's time;
+        one-layer slices of 40-52k-token prompts, within the target but past the aim, held
+        the chats' P99 gap at 78.7-80.5 ms. Without rows (or with no piece small enough), a
+        slice is one layer when the target admits one, and there are none when it does
+        not."""
         target_ms = self.config.tbt_slo_ms
         assert target_ms is not None
         total = self.model.total_sms
@@ -982,12 +985,14 @@ class SplitController:
             return None
         aim = target_ms if aim_ms is None else min(aim_ms, target_ms)
         err = self.model.recent_error(f"{PREFILL}/layer_sliced")
-        if target_ms - td < per_layer_ms:
-            pieces = None if rows is None else self._row_pieces(rows, aim - td, err)
-            if pieces is None:
-                return None
-            return LayerSlices(1, pieces, tp + (num_layers * pieces - 1) * td)
-        fit = int((aim - td) // (per_layer_ms * (1.0 + err))) if aim > td else 0
+        no_layer = target_ms - td < per_layer_ms
+        fit = 0 if no_layer or aim <= td else int((aim - td) // (per_layer_ms * (1.0 + err)))
+        if fit == 0 and rows is not None:
+            pieces = self._row_pieces(rows, aim - td, err)
+            if pieces is not None:
+                return LayerSlices(1, pieces, tp + (num_layers * pieces - 1) * td)
+        if no_layer:
+            return None
         layers = min(num_layers, max(1, fit))
         num_slices = math.ceil(num_layers / layers)
         return LayerSlices(layers, 1, tp + (num_slices - 1) * td)
