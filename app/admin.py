@@ -490,6 +490,10 @@ def _build_state(app: Any) -> dict[str, Any]:
             # and long scoring prompts chunked next to decodes, since start.
             "num_preemptions": stats.get("num_preemptions"),
             "num_chunked_scoring": stats.get("num_chunked_scoring"),
+            # auto's prefills run in layer slices, and of those in row pieces of each layer
+            # (sub-layer slices), since start (None: no split executor).
+            "num_layer_sliced_prefills": stats.get("pd_layer_sliced_prefills"),
+            "num_sub_layer_sliced_prefills": stats.get("pd_sub_layer_sliced_prefills"),
             # Every fallback the engine took since it started, and why (runtime/fallbacks.py):
             # merged steps turned off, prefill graphs not captured, ...
             "fallbacks": stats.get("fallbacks"),

@@ -143,6 +143,10 @@ def engine_counters(base_url: str) -> dict[str, Any]:
         # Requests preempted (their KV recomputed later) and scoring prompts chunked: counters.
         "num_preemptions": (st.get("engine") or {}).get("num_preemptions"),
         "num_chunked_scoring": (st.get("engine") or {}).get("num_chunked_scoring"),
+        "num_layer_sliced_prefills": (st.get("engine") or {}).get("num_layer_sliced_prefills"),
+        "num_sub_layer_sliced_prefills": (st.get("engine") or {}).get(
+            "num_sub_layer_sliced_prefills"
+        ),
     }
 
 
@@ -177,6 +181,8 @@ def engine_during(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
         "kernels_compiled": during("kernels_compiled"),
         "num_preemptions": during("num_preemptions"),
         "num_chunked_scoring": during("num_chunked_scoring"),
+        "num_layer_sliced_prefills": during("num_layer_sliced_prefills"),
+        "num_sub_layer_sliced_prefills": during("num_sub_layer_sliced_prefills"),
     }
 
 

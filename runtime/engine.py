@@ -1930,6 +1930,7 @@ class Engine:
             "partition_disabled_splits": len(st.disabled_splits),
             "pd_split_prefills": 0 if sp is None else sp.num_split_prefills,
             "pd_layer_sliced_prefills": 0 if sp is None else sp.num_layer_sliced_prefills,
+            "pd_sub_layer_sliced_prefills": 0 if sp is None else sp.num_sub_layer_sliced_prefills,
             "pd_overlapped_decode_steps": 0 if sp is None else sp.num_overlapped_decode_steps,
         }
 

@@ -218,6 +218,8 @@ class FakeEngine:
                 "num_failed_requests": 1,
                 "num_preemptions": 4,
                 "num_chunked_scoring": 5,
+                "pd_layer_sliced_prefills": 6,
+                "pd_sub_layer_sliced_prefills": 2,
                 "fallbacks": {"prefill graphs": "stand-in: out of memory"},
                 "kernels_compiled_while_serving": 2,
                 "num_drains_before_held_launch": 1,

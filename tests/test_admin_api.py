@@ -237,6 +237,8 @@ def test_state_shape_and_numbers() -> None:
     assert state["engine"]["num_failed_steps"] == 3  # the engine's counters since start
     assert state["engine"]["num_failed_requests"] == 1
     assert (state["engine"]["num_preemptions"], state["engine"]["num_chunked_scoring"]) == (4, 5)
+    assert state["engine"]["num_layer_sliced_prefills"] == 6
+    assert state["engine"]["num_sub_layer_sliced_prefills"] == 2
     assert state["engine"]["fallbacks"] == {"prefill graphs": "stand-in: out of memory"}
     assert state["engine"]["kernels_compiled_while_serving"] == 2
     assert state["engine"]["overlap"] == {"num_drains_before_held_launch": 1}
@@ -385,6 +387,8 @@ def test_engine_not_started_yet() -> None:
         "num_failed_requests": None,
         "num_preemptions": None,
         "num_chunked_scoring": None,
+        "num_layer_sliced_prefills": None,
+        "num_sub_layer_sliced_prefills": None,
         "fallbacks": None,
         "kernels_compiled_while_serving": None,
         "overlap": {"num_drains_before_held_launch": None},

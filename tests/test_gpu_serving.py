@@ -330,10 +330,21 @@ def test_engine_counters_over_one_run_are_differences() -> None:
     assert d["kernels_compiled"] == 3  # compiled during the run
     assert d["num_preemptions"] is None  # an older server: not reported
     d = gs.engine_during(
-        {**before, "num_preemptions": 7, "num_chunked_scoring": 0},
-        {**after, "num_preemptions": 9, "num_chunked_scoring": 5},
+        {
+            **before,
+            "num_preemptions": 7,
+            "num_chunked_scoring": 0,
+            "num_sub_layer_sliced_prefills": 1,
+        },
+        {
+            **after,
+            "num_preemptions": 9,
+            "num_chunked_scoring": 5,
+            "num_sub_layer_sliced_prefills": 4,
+        },
     )
     assert (d["num_preemptions"], d["num_chunked_scoring"]) == (2, 5)
+    assert d["num_sub_layer_sliced_prefills"] == 3 and d["num_layer_sliced_prefills"] is None
     assert gs.engine_during(before, {}) == {"unreadable": True}
 
 

@@ -667,7 +667,8 @@ def test_sub_layer_slices_run_each_layer_in_row_pieces_with_decodes_between() ->
     assert order[i + 1 : order.index("L0:24-37")] == ["decode"] * 6
     (probs,) = [o.label_probs for o in outs if o.label_probs is not None]
     assert probs == pytest.approx(ref_probs, rel=1e-5, abs=1e-7)
-    assert ex.num_layer_sliced_prefills >= 1
+    assert ex.num_layer_sliced_prefills == 2 and ex.num_sub_layer_sliced_prefills == 1
+    assert eng._partition_stats()["pd_sub_layer_sliced_prefills"] == 1
     eng.block_manager.check_integrity()
 
 

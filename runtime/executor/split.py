@@ -149,6 +149,7 @@ class SplitExecutor:
         self.num_prefill_batches = 0
         self.num_split_prefills = 0
         self.num_layer_sliced_prefills = 0
+        self.num_sub_layer_sliced_prefills = 0  # of those, in row pieces of each layer
         self.num_overlapped_decode_steps = 0
         self.num_abandoned_prefills = 0  # in flight when their requests were all aborted
         self.last_split = TIME_SLICE  # the split of the latest prefill start or decode launch
@@ -358,6 +359,7 @@ class SplitExecutor:
             ):
                 self.prefill.piece_rows = row_piece_rows(num_tokens, chunk, pieces)
                 self.prefill.layers_per_slice = 1
+                self.num_sub_layer_sliced_prefills += 1
             else:
                 # The controller is told whether a batch streams its rows (`rows`): a
                 # mismatch here is a bug, run whole layers rather than fail the prefill.
