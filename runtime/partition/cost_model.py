@@ -1017,8 +1017,13 @@ class SplitController:
             if piece_rows == last_rows:
                 continue  # the same cut as fewer pieces
             last_rows = piece_rows
+            # O(1) a cut, on the hot path: of equal pieces the last full one attends to the
+            # most keys, the tail is shorter but later, and the first is there in case a fit
+            # gave attention a negative price.
+            tail = (n_rows - 1) // piece_rows * piece_rows
+            starts = {0, max(0, tail - piece_rows), tail}
             heaviest = 0.0
-            for s in range(0, n_rows, piece_rows):
+            for s in starts:
                 q = min(piece_rows, n_rows - s)
                 shape = PrefillShape(q, q * (ctx + s + (q + 1) / 2), 1)
                 heaviest = max(heaviest, self.model.predict(PREFILL, shape, total))
