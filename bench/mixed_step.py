@@ -366,6 +366,20 @@ def _return_true(*_args: Any, **_kwargs: Any) -> bool:
 
 
 @contextlib.contextmanager
+def _kernel_forced(rule: Any) -> Iterator[None]:
+    """The FlashInfer backend's FA2/FA3 choice replaced by `rule` (it looks `prefill_on_fa2`
+    up as a module global each time it plans a batch with context), restored on the way out."""
+    from runtime.attention import flashinfer_backend as fib
+
+    original = fib.prefill_on_fa2
+    fib.prefill_on_fa2 = rule
+    try:
+        yield
+    finally:
+        fib.prefill_on_fa2 = original
+
+
+@contextlib.contextmanager
 def variant_patch(engine: Any, name: str) -> Iterator[None]:
     """The engine as the variant runs it (module docstring), restored on the way out.
     fa3: the FlashInfer backend looks `prefill_on_fa2` up as a module global each time it
@@ -375,36 +389,17 @@ def variant_patch(engine: Any, name: str) -> Iterator[None]:
     if name == "served":
         yield
     elif name == "fa3":
-        from runtime.attention import flashinfer_backend as fib
-
-        original = fib.prefill_on_fa2
-        fib.prefill_on_fa2 = _return_false
-        try:
+        with _kernel_forced(_return_false):
             yield
-        finally:
-            fib.prefill_on_fa2 = original
     elif name == "fa2":
-        # A merged step on FA2 whatever its work: the rule before 2026-12-06's work ratio.
-        from runtime.attention import flashinfer_backend as fib
-
-        original = fib.prefill_on_fa2
-        fib.prefill_on_fa2 = _return_true
-        try:
+        # A merged step on FA2 whatever its work: the rule before 2026-12-06's work rule.
+        with _kernel_forced(_return_true):
             yield
-        finally:
-            fib.prefill_on_fa2 = original
     elif name == "unmerged-fa2":
         # The chunk alone on FA2 (whose plan then splits its KV), the decodes in their graph:
         # `unmerged` alone sends a chunk of over ~256 tokens to FA3 (`prefill_on_fa2`).
-        from runtime.attention import flashinfer_backend as fib
-
-        original = fib.prefill_on_fa2
-        fib.prefill_on_fa2 = _return_true
-        try:
-            with variant_patch(engine, "unmerged"):
-                yield
-        finally:
-            fib.prefill_on_fa2 = original
+        with _kernel_forced(_return_true), variant_patch(engine, "unmerged"):
+            yield
     elif name == "unmerged":
         runner = engine.runner
         shadowed = vars(runner).get("_mergeable")

@@ -213,6 +213,16 @@ class RowsKV:
     num_context_rows: int
 
 
+def _one_stream(h: torch.Tensor, residual: torch.Tensor | None, chunk_tokens: int) -> torch.Tensor:
+    """The residual stream the row form carries: `h` itself before layer 0 (residual None),
+    else the pair folded in place into `residual`, chunk by chunk (no [T, H] temporary)."""
+    if residual is None:
+        return h
+    for s in range(0, h.shape[0], chunk_tokens):
+        residual[s : s + chunk_tokens] += h[s : s + chunk_tokens]
+    return residual
+
+
 def rows_stream_at(num_tokens: int, chunk_tokens: int | None, stream_rows_above: int) -> bool:
     """The size half of whether one prefill sequence streams its rows (`forward_layers`):
     hybrid prefill on, and more rows than its chunk and than `stream_rows_above` (the
@@ -457,10 +467,7 @@ class LlamaForCausalLM(nn.Module):
         chunked = chunk_tokens is not None and T > chunk_tokens
         if chunked and start < end and T > stream_rows_above and attends_rows(attn):
             assert chunk_tokens is not None
-            if residual is not None:  # fold the pair into one stream, in place, chunk by chunk
-                for s in range(0, T, chunk_tokens):
-                    residual[s : s + chunk_tokens] += h[s : s + chunk_tokens]
-                h = residual
+            h = _one_stream(h, residual, chunk_tokens)
             for i in range(start, end):
                 _check(interrupt, i)
                 self.layers[i].forward_rows(h, positions, attn, self.rotary, chunk_tokens)
@@ -513,10 +520,7 @@ class LlamaForCausalLM(nn.Module):
         T = h.shape[0]
         lyr = self.layers[layer]
         if row_start == 0:
-            if residual is not None:  # fold the pair into one stream, in place
-                for s in range(0, T, chunk_tokens):
-                    residual[s : s + chunk_tokens] += h[s : s + chunk_tokens]
-                h = residual
+            h = _one_stream(h, residual, chunk_tokens)
             kv = lyr.project_rows_kv(h, positions, attn, self.rotary, chunk_tokens)
         elif kv is None or residual is not None:
             raise ValueError("a later piece of a layer needs the stream and its first piece's kv")

@@ -28,6 +28,45 @@ def test_flashinfer_ops_match_torch() -> None:
     assert gpu_suite.RESULTS["checks"] and not failed, failed
 
 
+def _staged_paged_batch(specs: list[tuple[int, int, int]], hkv: int, seed: int):  # type: ignore[no-untyped-def]
+    """A paged prefill batch of (context, query, kept) per sequence over a random bf16 pool
+    (head dim 128, 16-token blocks) on CUDA, for an H100/H200 (132 SMs): (k caches, v
+    caches, seqs, batch). Skips without CUDA or on another SM count."""
+    import torch
+
+    from bench.gpu_suite import _make_seqs
+    from runtime.attention.base import ForwardBatch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if torch.cuda.get_device_properties(0).multi_processor_count != 132:
+        pytest.skip("the batch is chosen for 132 SMs (H100/H200)")
+    bs = 16
+    nblocks = sum(-(-max(ctx, kept) // bs) for ctx, _, kept in specs) + 16
+    kc = [torch.randn(nblocks, bs, hkv, 128, device="cuda", dtype=torch.bfloat16)]
+    vc = [torch.randn_like(kc[0])]
+    seqs = _make_seqs(specs, bs, nblocks, torch.Generator().manual_seed(seed))
+    t = sum(s.num_query_tokens for s in seqs)
+    zeros = torch.zeros(t, dtype=torch.int64, device="cuda")
+    return kc, vc, seqs, ForwardBatch(zeros, zeros, seqs, zeros[:1], is_decode=False)
+
+
+def _matches_reference(be, kc, vc, seqs, hq: int, hkv: int) -> float:  # type: ignore[no-untyped-def]
+    """The planned backend's layer-0 attention of random q/k/v against the float32
+    reference: its relative error."""
+    import torch
+
+    from bench.gpu_suite import _ref_attention, rel_err
+
+    t = sum(s.num_query_tokens for s in seqs)
+    q = torch.randn(t, hq, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(t, hkv, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(t, hkv, 128, device="cuda", dtype=torch.bfloat16)
+    k_before, v_before = kc[0].clone(), vc[0].clone()
+    out = be.forward(0, q, k, v)
+    return rel_err(out, _ref_attention(q, k, v, k_before, v_before, seqs, 16, 128**-0.5))
+
+
 @pytest.mark.gpu
 def test_merged_step_that_splits_the_kv_fits_the_workspace() -> None:
     """A merged step of the Qwen2.5-3B shape (16 query heads over 2 KV heads) that FlashInfer's
@@ -35,26 +74,12 @@ def test_merged_step_that_splits_the_kv_fits_the_workspace() -> None:
     float workspace, more than FlashInfer's default 128 MiB (the overflow failed 77 merged
     steps of a 48-stream chat run on the H200). Positive control: the default-sized buffer
     raises on this very batch; the backend's own size plans it and matches the reference."""
-    import torch
-
-    from bench.gpu_suite import _make_seqs, _ref_attention, rel_err
-    from runtime.attention.base import ForwardBatch
     from runtime.attention.flashinfer_backend import DEFAULT_WORKSPACE_BYTES, FlashInferBackend
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    if torch.cuda.get_device_properties(0).multi_processor_count != 132:
-        pytest.skip("the batch below is chosen for 132 SMs (H100/H200)")
-    hq, hkv, d, bs, nblocks = 16, 2, 128, 16, 1400
+    hq, hkv, d = 16, 2, 128
     # 20 decodes over 1,000 cached tokens + 2 prompt parts of 200 tokens after 64 cached.
     specs = [(1000, 1, 1001)] * 20 + [(64, 200, 264)] * 2
-    gen = torch.Generator().manual_seed(0)
-    kc = [torch.randn(nblocks, bs, hkv, d, device="cuda", dtype=torch.bfloat16)]
-    vc = [torch.randn_like(kc[0])]
-    seqs = _make_seqs(specs, bs, nblocks, gen)
-    t = sum(s.num_query_tokens for s in seqs)
-    zeros = torch.zeros(t, dtype=torch.int64, device="cuda")
-    batch = ForwardBatch(zeros, zeros, seqs, zeros[:1], is_decode=False)
+    kc, vc, seqs, batch = _staged_paged_batch(specs, hkv, seed=0)
 
     small = FlashInferBackend(kc, vc, hq, hkv, d, workspace_bytes=DEFAULT_WORKSPACE_BYTES)
     with pytest.raises(RuntimeError, match="batch_prefill_tmp_v"):
@@ -64,13 +89,7 @@ def test_merged_step_that_splits_the_kv_fits_the_workspace() -> None:
     assert be.workspace.numel() > DEFAULT_WORKSPACE_BYTES
     be.plan(batch)
     assert be.debug_state()["mode"] == "paged_fa2"
-    q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16)
-    k_before, v_before = kc[0].clone(), vc[0].clone()
-    out = be.forward(0, q, k, v)
-    ref = _ref_attention(q, k, v, k_before, v_before, seqs, bs, d**-0.5)
-    assert rel_err(out, ref) < 2e-2
+    assert _matches_reference(be, kc, vc, seqs, hq, hkv) < 2e-2
 
 
 @pytest.mark.gpu
@@ -87,35 +106,15 @@ def test_a_merged_step_takes_the_kernel_its_work_calls_for_and_matches(
     rows (20k of context), or FA2's plan stops splitting the KV (8k, 360 tokens: 34 tiles
     for 33), and keeps it on FA2 ("paged_fa2") at 8k and 350 tokens, where FA2 split and
     measured 0-5 % faster. Each way the output matches the float32 reference."""
-    import torch
-
-    from bench.gpu_suite import _make_seqs, _ref_attention, rel_err
-    from runtime.attention.base import ForwardBatch
     from runtime.attention.flashinfer_backend import FlashInferBackend
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    if torch.cuda.get_device_properties(0).multi_processor_count != 132:
-        pytest.skip("the cases below are chosen for 132 SMs (H100/H200)")
-    hq, hkv, d, bs = 32, 8, 128, 16
+    hq, hkv = 32, 8
     specs = [(context, chunk, context + chunk)] + [(2000, 1, 2001)] * 10
-    nblocks = sum(-(-kept // bs) for _, _, kept in specs) + 16
-    gen = torch.Generator().manual_seed(1)
-    kc = [torch.randn(nblocks, bs, hkv, d, device="cuda", dtype=torch.bfloat16)]
-    vc = [torch.randn_like(kc[0])]
-    seqs = _make_seqs(specs, bs, nblocks, gen)
-    t = sum(s.num_query_tokens for s in seqs)
-    zeros = torch.zeros(t, dtype=torch.int64, device="cuda")
-    be = FlashInferBackend(kc, vc, hq, hkv, d)
-    be.plan(ForwardBatch(zeros, zeros, seqs, zeros[:1], is_decode=False))
+    kc, vc, seqs, batch = _staged_paged_batch(specs, hkv, seed=1)
+    be = FlashInferBackend(kc, vc, hq, hkv, 128)
+    be.plan(batch)
     assert be.debug_state()["mode"] == mode
-    q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16)
-    k_before, v_before = kc[0].clone(), vc[0].clone()
-    out = be.forward(0, q, k, v)
-    ref = _ref_attention(q, k, v, k_before, v_before, seqs, bs, d**-0.5)
-    assert rel_err(out, ref) < 2e-2
+    assert _matches_reference(be, kc, vc, seqs, hq, hkv) < 2e-2
 
 
 @pytest.mark.gpu
