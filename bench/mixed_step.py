@@ -644,6 +644,12 @@ def main(argv: list[str] | None = None) -> int:
             "prefill_graph_buckets": list(pg.token_sizes)
             if pg is not None and pg.captured
             else None,
+            # Each captured bucket's dense replay (ms) and those dropped as slower than a
+            # larger one (runtime/prefill_graphs.py, `drop_dominated`).
+            "prefill_graph_bucket_ms": {str(n): round(t, 3) for n, t in pg.bucket_ms.items()}
+            if pg is not None
+            else None,
+            "prefill_graph_dropped": sorted(pg.dropped) if pg is not None else None,
             "init_s": round(init_s, 2),
         }
         device = engine.device_name

@@ -39,6 +39,10 @@ pool (captured largest first). Rows T..n are padding: they hold whatever an earl
 (finite values) and only ever mix with themselves, since every captured op is row-wise;
 attention and the KV writes see the first T rows only.
 
+Buckets: after capture each bucket's dense replay is timed, and a bucket that a larger one
+beats (`dominated_buckets`) serves no part; its parts pad to the next kept bucket. cuBLAS plans
+some row counts badly (H100, 8B: 448 rows ~4 ms slower than 480), which no ladder can foresee.
+
 Hazards:
 - With `kv_write` the static slot buffer must hold -1 past T before every replay: padding
   rows keep the rows of a larger earlier step, and their stale slots belong to live requests.
@@ -101,6 +105,24 @@ def prefill_graph_sizes(max_tokens: int, padding: float) -> tuple[int, ...]:
     return tuple(sorted(sizes | {max_tokens}))
 
 
+# A bucket is dropped when a larger one replays at least this much faster (a fraction of the
+# bucket's own time): below it the two are a tie within the timing's noise, and either serves.
+DOMINATED_MARGIN = 0.02
+
+
+def dominated_buckets(bucket_ms: dict[int, float]) -> list[int]:
+    """The buckets of `bucket_ms` (tokens -> measured replay ms) that a larger bucket beats
+    by more than `DOMINATED_MARGIN`: a part padded to the larger one runs faster. The largest
+    bucket is always kept. Ascending."""
+    dropped, best_larger = [], float("inf")
+    for n in sorted(bucket_ms, reverse=True):
+        if best_larger < bucket_ms[n] * (1.0 - DOMINATED_MARGIN):
+            dropped.append(n)
+        else:
+            best_larger = min(best_larger, bucket_ms[n])
+    return sorted(dropped)
+
+
 def prefill_graph_bytes(model: LlamaForCausalLM, max_tokens: int, dtype: torch.dtype) -> int:
     """Device bytes the graphs of buckets up to `max_tokens` hold: the static buffers plus an
     estimate of the pool's peak (the largest bucket's MLP intermediates dominate). The engine
@@ -154,6 +176,10 @@ class PrefillGraphs:
         self.graphs: dict[int, list[Any]] = {}  # bucket -> num_layers + 1 CUDA graphs
         self.capture_s = 0.0
         self.memory_bytes = 0
+        # Filled by `capture()`: each captured bucket's dense replay time (ms, the best of a
+        # few), and the buckets dropped as slower than a larger one (`drop_dominated`).
+        self.bucket_ms: dict[int, float] = {}
+        self.dropped: dict[int, float] = {}
         c = model.cfg
         m = self.max_tokens
         self.input_ids = torch.zeros(m, dtype=torch.int64, device=device)
@@ -261,8 +287,53 @@ class PrefillGraphs:
                     g.replay()
                 self.stream.synchronize()
             self.graphs[n] = graphs
+        self.bucket_ms = self.time_buckets()
+        self.drop_dominated()
         self.capture_s = time.perf_counter() - t0
         self.memory_bytes = max(0, torch.cuda.memory_reserved(dev) - base)
+
+    def time_buckets(self, repeats: int = 3) -> dict[int, float]:
+        """Each captured bucket's replay of all its segments, attention left out (ms, the
+        best of `repeats`): what padding a part to the bucket costs in dense work. A few ms
+        a bucket at start-up (~23 buckets at the default 1,024 tokens)."""
+        self.slots.fill_(-1)  # with kv_write, the replays below write no K/V
+        out: dict[int, float] = {}
+        with torch.cuda.stream(self.stream):
+            for n, graphs in self.graphs.items():
+                best = float("inf")
+                for _ in range(repeats):
+                    start = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    for g in graphs:
+                        g.replay()
+                    end.record()
+                    end.synchronize()
+                    best = min(best, start.elapsed_time(end))
+                out[n] = best
+        return out
+
+    def drop_dominated(self) -> None:
+        """Serve no part from a bucket a larger one replays faster (`dominated_buckets`): its
+        parts pad to the next kept bucket. On the H100 (8B) steps of 417-448 rows took ~4 ms
+        more than steps of 449-480 at every context (30.6 against 26.6 ms at 8k): a GEMM
+        shape cuBLAS plans badly, found only by timing it here."""
+        dropped = dominated_buckets(self.bucket_ms)
+        if not dropped:
+            return
+        kept = [n for n in self.token_sizes if n not in dropped]
+        for n in dropped:
+            larger = min(self.bucket_ms[m] for m in kept if m > n)
+            self.dropped[n] = self.bucket_ms[n]
+            log.info(
+                "prefill graph bucket %d dropped: %.2f ms, a larger bucket %.2f ms",
+                n,
+                self.bucket_ms[n],
+                larger,
+            )
+        # Their graphs stay (unreplayed): freeing graphs of one shared private pool while the
+        # others live is not worth a few MiB.
+        self.token_sizes = tuple(kept)
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend

@@ -583,11 +583,12 @@ class ModelRunner:
             torch.cuda.empty_cache()
             return
         log.info(
-            "prefill graphs captured in %.2f s: %d token buckets up to %d, %.0f MiB",
+            "prefill graphs captured in %.2f s: %d token buckets up to %d, %.0f MiB%s",
             pg.capture_s,
             len(pg.token_sizes),
             pg.max_tokens,
             pg.memory_bytes / 2**20,
+            f" ({len(pg.dropped)} slower than a larger one dropped)" if pg.dropped else "",
         )
 
     # ---- decode graphs per stream -----------------------------------------------------------

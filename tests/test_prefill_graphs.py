@@ -20,6 +20,7 @@ from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.prefill_graphs import (
     PrefillGraphs,
+    dominated_buckets,
     prefill_graph_bytes,
     prefill_graph_max_tokens,
     prefill_graph_sizes,
@@ -151,6 +152,35 @@ def test_segments_with_padding_match_the_eager_forward(writes_out: bool) -> None
     assert log == [(n, s) for n in (16, 32, 4) for s in range(segs)]
     with pytest.raises(ValueError, match="no captured prefill graph for 40 tokens"):
         pg.run(torch.zeros(40, dtype=torch.int64), torch.arange(40), TorchAttentionBackend(pool))
+
+
+def test_a_bucket_slower_than_a_larger_one_is_dropped() -> None:
+    """A bucket a larger one replays faster (beyond the 2 % margin) serves no part: its parts
+    pad to the next kept bucket, and the output is the eager forward's. Within the margin,
+    both stay; the largest always stays."""
+    assert dominated_buckets({}) == []
+    # 448's GEMMs slower than 480's (the H100's 8B); 96 vs 128 a tie within the margin.
+    ms = {64: 1.0, 96: 1.2, 128: 1.19, 416: 24.0, 448: 28.0, 480: 25.0, 512: 27.0}
+    assert dominated_buckets(ms) == [448]
+    assert dominated_buckets({16: 5.0, 32: 4.0, 64: 3.0}) == [16, 32]  # the largest stays
+    assert dominated_buckets({16: 1.0, 32: 2.0, 64: 3.0}) == []
+
+    eng, _ = tiny_engine()
+    model, pool = eng.model, eng.kv_pool
+    pg = PrefillGraphs(model, pool.device, pool.k[0].dtype, (4, 16, 32))
+    log = eager_capture(pg)
+    pg.bucket_ms = {4: 1.0, 16: 3.0, 32: 2.5}
+    pg.drop_dominated()
+    assert pg.token_sizes == (4, 32) and pg.dropped == {16: 3.0}
+    assert pg.bucket_for(5) == 32 and pg.bucket_for(16) == 32 and pg.bucket_for(4) == 4
+    b = _batch(random.Random(3), [(0, 12, 12, [0, 1, 2])])
+    eager_be, graph_be = TorchAttentionBackend(pool), TorchAttentionBackend(pool)
+    eager_be.plan(b)
+    want = model(b.input_ids, b.positions, eager_be)
+    graph_be.plan(b)
+    got = pg.run(b.input_ids, b.positions, graph_be)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert {n for n, _ in log} == {32}  # 12 tokens replayed bucket 32, not the dropped 16
 
 
 def test_graphs_that_write_the_kv_leave_the_pool_as_the_eager_forward_does() -> None:

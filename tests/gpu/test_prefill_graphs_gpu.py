@@ -35,6 +35,13 @@ def test_captured_prefill_graphs_match_the_eager_forward(write_kv: bool) -> None
         pg = eng.runner.prefill_graphs
         assert pg is not None and pg.captured, "prefill graphs were not captured"
         assert pg.max_tokens == 2048
+        # Every captured bucket was timed; none kept is beaten by a larger one (dropped ones
+        # pad to the next kept bucket: a step below covers the smallest dropped one).
+        from runtime.prefill_graphs import dominated_buckets
+
+        assert set(pg.bucket_ms) == set(pg.token_sizes) | set(pg.dropped)
+        assert all(t > 0 for t in pg.bucket_ms.values()), pg.bucket_ms
+        assert dominated_buckets({n: pg.bucket_ms[n] for n in pg.token_sizes}) == []
         model, pool, cfg = eng.model, eng.kv_pool, eng.config
         rng = random.Random(0)
         bs = cfg.block_size
@@ -69,6 +76,9 @@ def test_captured_prefill_graphs_match_the_eager_forward(write_kv: bool) -> None
             [(1000, 400, 1400, a), (0, 500, 160, blocks(500))],  # context; scoring suffix
             [(300, 5, 305, b)],  # 5 tokens after larger steps: padding rows hold leftovers
         ]
+        if pg.dropped:  # a part the size of a dropped bucket, padded to a larger one
+            n = min(pg.dropped)
+            steps.append([(0, n, n, blocks(n))])
         # The pool after each step must be the eager forward's too; when the graphs write it
         # themselves, padding rows (some holding a larger step's slots) and the scoring suffix
         # write nothing.
