@@ -295,6 +295,8 @@ def test_layer_slicing_when_it_finishes_the_prefill_before_the_best_split() -> N
     dec = choose(small, layer_slicing=True)
     assert dec.prefill_sms == TIME_SLICE and dec.layers_per_slice == 4
     assert dec.predicted_prefill_ms == pytest.approx(sliced_ms)
+    # A decode waits one slice of 4 layers and its own step, not the whole prefill.
+    assert dec.predicted_decode_ms == pytest.approx(4 * per_layer + whole_decode)
     assert "layer slices of 4" in dec.reason
     # Every split: 112 finishes sooner than the slices would, so it stays.
     dec = choose(SPLITS, layer_slicing=True)
@@ -453,6 +455,9 @@ def test_sub_layer_slices_cut_a_streamed_layer_no_slice_fits() -> None:
     assert dec.prefill_sms == TIME_SLICE
     assert (dec.layers_per_slice, dec.pieces_per_layer) == (1, sliced.pieces)
     assert "sub-layer slices" in dec.reason
+    # A decode waits the heaviest piece and its own step.
+    assert dec.predicted_decode_ms == pytest.approx(heaviest(sliced.pieces) + whole_decode)
+    assert dec.predicted_decode_ms <= target
     # Without rows: a split.
     assert ctl.choose(p, d, 0.2).prefill_sms != TIME_SLICE
     # Chunks too coarse for the room: none.

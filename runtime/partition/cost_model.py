@@ -547,12 +547,14 @@ def row_piece_rows(num_tokens: int, chunk_tokens: int, pieces: int) -> int:
 @dataclass(frozen=True, slots=True)
 class LayerSlices:
     """Time-slicing a prefill by layers (`SplitController._layer_slices`): `layers` a slice,
-    or one layer in `pieces` row pieces (sub-layer slices; 1: whole layers), and the
-    predicted completion (the slices and the decode steps between them), ms."""
+    or one layer in `pieces` row pieces (sub-layer slices; 1: whole layers), the predicted
+    completion (the slices and the decode steps between them), ms, and what a decode step
+    waits meanwhile: the heaviest slice and the step itself, ms."""
 
     layers: int
     pieces: int
     predicted_ms: float
+    decode_wait_ms: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -928,9 +930,12 @@ class SplitController:
                     else f"layer slices of {sliced.layers}"
                 )
                 dec = self._settle(TIME_SLICE, f"{what} meet the TBT target", p, d, ev, None)
+                # (`_settle` priced a whole time-slice: a decode would wait for the whole
+                # prefill; with slices it waits one slice.)
                 return dataclasses.replace(
                     dec,
                     predicted_prefill_ms=sliced.predicted_ms,
+                    predicted_decode_ms=sliced.decode_wait_ms,
                     layers_per_slice=sliced.layers,
                     pieces_per_layer=sliced.pieces if sliced.pieces > 1 else None,
                 )
@@ -988,19 +993,21 @@ class SplitController:
         no_layer = target_ms - td < per_layer_ms
         fit = 0 if no_layer or aim <= td else int((aim - td) // (per_layer_ms * (1.0 + err)))
         if fit == 0 and rows is not None:
-            pieces = self._row_pieces(rows, aim - td, err)
-            if pieces is not None:
-                return LayerSlices(1, pieces, tp + (num_layers * pieces - 1) * td)
+            cut = self._row_pieces(rows, aim - td, err)
+            if cut is not None:
+                pieces, heaviest_ms = cut
+                return LayerSlices(1, pieces, tp + (num_layers * pieces - 1) * td, heaviest_ms + td)
         if no_layer:
             return None
         layers = min(num_layers, max(1, fit))
         num_slices = math.ceil(num_layers / layers)
-        return LayerSlices(layers, 1, tp + (num_slices - 1) * td)
+        return LayerSlices(layers, 1, tp + (num_slices - 1) * td, layers * per_layer_ms + td)
 
-    def _row_pieces(self, rows: RowStream, room_ms: float, err: float) -> int | None:
+    def _row_pieces(self, rows: RowStream, room_ms: float, err: float) -> tuple[int, float] | None:
         """The fewest pieces (at least 2) a row-streamed layer can be cut into, as the
         executor cuts it (`row_piece_rows`), whose heaviest piece, times 1 + `err`, fits
-        `room_ms`; None if not even one chunk a piece does. A piece of rows [s, e) after a
+        `room_ms`, and that piece's predicted time (ms); None if not even one chunk a piece
+        does. A piece of rows [s, e) after a
         context c is the prefill model's one-layer shape of e - s tokens with
         (e - s) * (c + s + (e - s + 1) / 2) attention pairs: the later pieces, which attend
         to more keys, are the heaviest. Not modelled: the first piece also projects every
@@ -1028,7 +1035,7 @@ class SplitController:
                 shape = PrefillShape(q, q * (ctx + s + (q + 1) / 2), 1)
                 heaviest = max(heaviest, self.model.predict(PREFILL, shape, total))
             if heaviest * (1.0 + err) <= room_ms:
-                return pieces
+                return pieces, heaviest
         return None
 
     def _settle(
