@@ -248,11 +248,12 @@ def test_a_short_query_over_a_cached_prefix_plans_fa2_a_full_one_fa3() -> None:
 def test_a_merged_step_leaves_fa2_for_a_heavy_chunk_fa2_would_underfill() -> None:
     """Mostly one-token rows (a merged step) stay on FA2 (FA3's 128-row tiles would be
     mostly empty) unless the chunk's attention work passes FA3_WORK_RATIO_HIGH (2.5) times
-    that waste, or passes FA3_WORK_RATIO_LOW (1) times it where FA2's plan would not fill the
-    GPU (no KV split and fewer tiles than its budget). The H100 sweeps (8B and 3B shapes) that
-    set them: FA3 won at 41k and 20k of context; at 8k FA2 won by up to 5 % while it split
-    and lost by 15-20 % once it stopped; beside 48 decodes at 12k FA2 won by 8 % with 80
-    unsplit tiles."""
+    that waste, or passes FA3_WORK_RATIO_LOW (1) times it where FA2's plan does not split
+    the KV; and whatever the work, they stay where FA3's grid would idle most of the GPU
+    (FA3_IDLE_RATIO). The H100 sweeps (8B and 3B shapes) that set them: FA3 won at 41k and
+    20k of context; at 8k FA2 won by up to 5 % while it split and lost by 15-20 % once it
+    stopped; at 30k an unsplit FA2 plan of 40 tiles lost by 22 %; the 3B's 256-token chunks
+    (FA3: 32 CTAs) ran 0.58-0.67x FA3's time on FA2."""
     from runtime.attention.flashinfer_backend import fa2_split_plan, prefill_on_fa2
 
     def merged(u: int, ctx: int, k: int, dctx: int = 2001) -> tuple[list[int], list[int]]:
@@ -268,12 +269,21 @@ def test_a_merged_step_leaves_fa2_for_a_heavy_chunk_fa2_would_underfill() -> Non
     assert at["split_kv"] and not past["split_kv"] and past["num_work_tiles"] == 22
     assert _on_fa2(*merged(350, 8_000, 10), 32, 8)
     assert _on_fa2(*merged(360, 8_000, 10), 32, 8) is False
-    # 512 tokens at 12k beside 48 decodes of 1k: ratio 1.04, FA2 unsplit but with 80 tiles
-    # (a 64-row query tile), its budget full: FA2. Beside 16 decodes (ratio 3.1): FA3.
-    full = fa2_split_plan(*merged(512, 12_000, 48, 1001), 32, 8, 132, 16)
-    assert not full["split_kv"] and full["num_work_tiles"] == 80
-    assert _on_fa2(*merged(512, 12_000, 48, 1001), 32, 8)
+    # 256 tokens at 30k beside 24 decodes of 1.5k: ratio 1.7, FA2 unsplit with 40 tiles (a
+    # 64-row query tile), over its budget of 33 but each tile reading all 30k keys: FA3. So
+    # 512 at 12k beside 48 decodes of 1k (ratio 1.04, 80 such tiles), where FA2 measured 8 %
+    # faster: the one step the rule misses by more than 3.2 %. Beside 16 (ratio 3.1): FA3.
+    unsplit = fa2_split_plan(*merged(256, 30_000, 24, 1501), 32, 8, 132, 16)
+    assert not unsplit["split_kv"] and unsplit["num_work_tiles"] == 40
+    assert _on_fa2(*merged(256, 30_000, 24, 1501), 32, 8) is False
+    assert _on_fa2(*merged(512, 12_000, 48, 1001), 32, 8) is False
     assert _on_fa2(*merged(512, 12_000, 16, 1001), 32, 8) is False
+    # The 3B (16 query heads over 2 KV heads): 256 tokens at 30k beside 4 decodes is ratio
+    # 10, but FA3's grid is 2 x (16 + 4) = 40 CTAs, each of the chunk's 32 reading 30k keys,
+    # against FA2's KV split over 132 tiles: FA2. 700 tokens fill 88 of FA3's CTAs: FA3.
+    assert _on_fa2(*merged(256, 30_000, 4, 1501), 16, 2)
+    assert _on_fa2(*merged(256, 16_000, 24, 1501), 16, 2)
+    assert _on_fa2(*merged(700, 30_000, 4, 1501), 16, 2) is False
     # Below the low threshold the plan is not searched: a short chunk beside many decodes.
     assert _on_fa2(*merged(64, 8_000, 40), 32, 8)
     # Unknown query heads: the one-token rule alone.

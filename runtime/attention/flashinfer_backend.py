@@ -130,18 +130,55 @@ def fa2_split_plan(
 # A merged step (mostly one-token rows) stays on FA2 while the prefill rows' attention work
 # (query rows x KV tokens) is under FA3_WORK_RATIO_LOW times what FA3's 128-row tiles spend
 # on its one-token rows (FA3_TILE_ROWS x each one's KV tokens), and goes to FA3 from
-# FA3_WORK_RATIO_HIGH times. Between, it stays on FA2 only where FA2's plan fills the GPU
-# (splits the KV, or has its whole tile budget without splitting): otherwise the chunk's few
-# long tiles run one after another on a few SMs. Engine-level, bench.mixed_step on an H100
-# (bench/results/mixed-step-2026-12-06-{08d613e,22053ec}/), 96 merged steps: a 330-460-token
-# chunk after 8-41k of context beside 6 or 10 decodes of 2k (8B shape), and a 512-token one
-# after 4-12k beside 16 or 48 decodes of 1k (8B and 3B shapes). This rule came within 3.3 %
-# of the faster kernel at every step (+0.04 % over all of them); FA2 always, the rule before,
-# took up to 2.1x (+35 % over all), FA3 always up to 1.2x (+0.8 %). The thresholds were read
-# off those same steps: no held-out shape has tested them yet. `python -m bench.kernel_rule
-# FILES` scores the rule on any such files.
+# FA3_WORK_RATIO_HIGH times. Between, it stays on FA2 only where FA2's plan splits the KV:
+# otherwise the chunk's few long tiles run one after another on a few SMs. Either way it
+# stays on FA2 where FA3's grid would leave most of the GPU idle (`FA3_IDLE_RATIO`): FA3
+# never splits a sequence's KV, so a short chunk of a model with few KV heads is a handful of
+# CTAs each reading the whole context, while FA2's plan spreads it over every SM.
+# Engine-level, bench.mixed_step on an H100, 120 merged steps:
+# - the fit (bench/results/mixed-step-2026-12-06-{08d613e,22053ec}/, 96 steps): a 330-460-
+#   token chunk after 8-41k of context beside 6 or 10 decodes of 2k (8B shape), and a
+#   512-token one after 4-12k beside 16 or 48 decodes of 1k (8B and 3B shapes);
+# - the held-out check (bench/results/mixed-step-2026-12-06-31fee8e/, 24 steps): 256 and
+#   700 tokens after 16k and 30k beside 4 or 24 decodes of 1.5k, 8B and 3B. There the first
+#   rule took up to 1.74x the faster kernel (+6.2 % over the 24): the 3B's 256-token chunk
+#   ran on FA3's 32 CTAs (2 KV heads) where FA2 split it over 132 SMs (12.8 against 22.2 ms at
+#   30k); and the 8B's 256 tokens beside 24 decodes stayed on an unsplit FA2 plan that
+#   "filled" its tile budget with 40 tiles each reading 30k keys (38.1 against 31.2 ms).
+# This rule is within 3.2 % of the faster kernel on the 24 and 8.3 % on all 120 (+0.13 % in
+# all); FA2 always took up to 2.1x (+32 %), FA3 always up to 1.74x (+2.5 %). The idle ratio
+# was read off the held-out steps, which are therefore no longer held out. `python -m
+# bench.kernel_rule FILES` scores the rule on any such files.
 FA3_WORK_RATIO_LOW = 1.0
 FA3_WORK_RATIO_HIGH = 2.5
+# FA2 when FA3's attention makespan bound is at least this many times FA2's (`_makespans`):
+# FA3's tiles run ~1.2-2x faster than FA2's on Hopper, so only a grid that idles most of the
+# GPU loses to FA2. Measured: the 3B's 256-token chunks at 16-30k, ratio 3.6-4.1, FA2 took
+# 0.58-0.67x FA3's step; every step at ratio <= 2.0 was FA3's or within 4 % of it.
+FA3_IDLE_RATIO = 3.0
+
+
+def _makespans(
+    query_lens: list[int],
+    kv_lens: list[int],
+    group: int,
+    num_kv_heads: int,
+    num_sms: int,
+    fa2_plan: dict[str, Any],
+) -> tuple[float, float]:
+    """Lower bounds of FA2's and FA3's attention makespans (packed query rows x keys per SM):
+    the larger of the whole grid's work spread over the SMs and its longest CTA. FA2's CTAs
+    are its plan's query tiles x KV chunks; FA3's are 128-row tiles over the whole KV. A tile
+    costs its full row count, empty rows included. O(batch)."""
+    ct, chunk = fa2_plan["cta_tile_q"], fa2_plan["kv_chunk_tokens"]
+    fa2_work = fa3_work = 0
+    for n, kv in zip(query_lens, kv_lens, strict=True):
+        fa2_work += _ceil_div(n * group, ct) * ct * kv
+        fa3_work += _ceil_div(n * group, FA3_TILE_ROWS) * FA3_TILE_ROWS * kv
+    longest = max(kv_lens)
+    fa2 = max(num_kv_heads * fa2_work / num_sms, ct * min(chunk, longest))
+    fa3 = max(num_kv_heads * fa3_work / num_sms, FA3_TILE_ROWS * longest)
+    return fa2, fa3
 
 
 def prefill_on_fa2(
@@ -157,10 +194,11 @@ def prefill_on_fa2(
     tokens per sequence; `num_q_heads` None: unknown, the work rules below not judged).
     - Mostly one-token rows (a merged step), FA2: FA3's 128-row tiles would stay mostly
       empty. Unless the prefill rows' attention work outweighs that waste and FA2's plan
-      would not fill the GPU (`FA3_WORK_RATIO_*`): a chunk over a long context beside a few
+      would not split the KV (`FA3_WORK_RATIO_*`): a chunk over a long context beside a few
       decodes, where FA2's plan gives the chunk a few long tiles (at 41k of context on an
       H100, 8B shape, a 350-token chunk beside 10 decodes took 44 ms on FA2, 35 on FA3, and
-      74 on FA2 at 360 tokens, where its plan stopped splitting the KV).
+      74 on FA2 at 360 tokens, where its plan stopped splitting the KV). And never where
+      FA3's grid would idle most of the GPU (`FA3_IDLE_RATIO`).
     - Otherwise FA2 when FA3's work items could fill at most half the SMs: FA3 never splits
       a sequence's KV, so a short query over a long cached prefix (a scoring request's
       ~150-token suffix after a 10-15k-token profile) runs on a few SMs, while FA2's plan
@@ -175,10 +213,14 @@ def prefill_on_fa2(
         work = sum(n * kv for n, kv in zip(query_lens, kv_lens, strict=True) if n > 1)
         if work < FA3_WORK_RATIO_LOW * fa3_waste:
             return True  # chat's merged steps: decided without the plan's O(batch) search
+        plan = fa2_split_plan(query_lens, kv_lens, num_q_heads, num_kv_heads, num_sms, page_size)
+        group = num_q_heads // num_kv_heads
+        fa2, fa3 = _makespans(query_lens, kv_lens, group, num_kv_heads, num_sms, plan)
+        if fa3 >= FA3_IDLE_RATIO * fa2:
+            return True  # FA3's grid would idle most of the GPU
         if work >= FA3_WORK_RATIO_HIGH * fa3_waste:
             return False
-        plan = fa2_split_plan(query_lens, kv_lens, num_q_heads, num_kv_heads, num_sms, page_size)
-        return bool(plan["split_kv"] or plan["num_work_tiles"] >= plan["max_work_tiles_if_split"])
+        return bool(plan["split_kv"])
     if num_q_heads is None:
         return False
     fa3_works = num_q_heads * sum(_ceil_div(n, FA3_TILE_ROWS) for n in query_lens)
