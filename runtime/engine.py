@@ -512,11 +512,17 @@ class Engine:
         this device (a file, or a calibration run later): its first-principles fallback (an 8B
         model's) would replace a fitted cost model's own prefill base with a guess."""
         jct = self.jct_model
+        num_layers = self.model_config.num_layers
 
         def whole_prefill_ms(shape: Any) -> float | None:
             if not jct.calibrated:
                 return None
-            return jct.predict_totals_s(shape.num_tokens, shape.attention_pairs) * 1e3
+            # The JCT model prices a whole forward; a shape of fewer layers (a row piece of
+            # one layer, `SplitController._row_pieces`) is that many layers' share of it.
+            # Priced whole, no piece of a 53-56k-token prompt ever fitted the aim (H100, 8B
+            # in 24 GB): they went to a 112-SM split at 1.2x the whole GPU's time.
+            whole_ms = jct.predict_totals_s(shape.num_tokens, shape.attention_pairs) * 1e3
+            return whole_ms * shape.num_layers / num_layers
 
         self._green.share_prefill_model(whole_prefill_ms)
         log.info(

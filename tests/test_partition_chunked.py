@@ -639,6 +639,9 @@ def test_one_prefill_model_whole_gpu_prefill_comes_from_the_jct_model(manager) -
         assert whole_ms == pytest.approx(11.0)
         assert m.predict(PREFILL, p, TOTAL) == pytest.approx(whole_ms)
         assert m.predict(PREFILL, p, 66) == pytest.approx(2 * whole_ms)  # linear in SMs
+        # One of the model's two layers (a row piece's shape): half the whole forward.
+        one = PrefillShape.from_seqs([(0, 1000)], num_layers=1)
+        assert m.predict(PREFILL, one, TOTAL) == pytest.approx(whole_ms / 2)
         assert m.predict(DECODE, D, TOTAL) == pytest.approx(32.0)  # decode: its own fit
         manager.set_cost_model(_flat_model())  # e.g. after the start-up profile
 
