@@ -48,6 +48,9 @@ own untimed warm-up launch before its timed repeats, in the order given:
 - `unmerged-fa2`: as `unmerged`, with the chunk's kernel forced onto FA2 (`prefill_on_fa2`
   returns True), whose plan then splits its KV: the chunk alone as the cliff's fix would run
   it. Not applicable off FlashInfer, as `fa3`.
+- `all-buckets`: the prefill graphs' buckets dropped at start-up as slower than a larger one
+  (`PrefillGraphs.drop_dominated`; their graphs are kept) served again during the variant:
+  the step as it ran before the drop. Not applicable without prefill graphs.
 
 Method: one engine, not started (as bench/prefill_profile.py and bench/batch_cost.py). For each
 point (u chunk tokens, k decodes) the step is planned by a `runtime.scheduler.Scheduler` of its
@@ -340,7 +343,7 @@ def release_step(engine: Any, sched: Any, in_flight: list[Any]) -> None:
         engine.runner.release(rid)
 
 
-VARIANTS = ("served", "fa2", "fa3", "unmerged", "unmerged-fa2")
+VARIANTS = ("served", "fa2", "fa3", "unmerged", "unmerged-fa2", "all-buckets")
 
 
 def variant_unavailable(engine: Any, name: str) -> str | None:
@@ -354,6 +357,9 @@ def variant_unavailable(engine: Any, name: str) -> str | None:
             f"not applicable: the prefill attention backend is {backend!r}, not FlashInfer "
             "(no FA2/FA3 kernel choice to force)"
         )
+    pg = engine.runner.prefill_graphs
+    if name == "all-buckets" and (pg is None or not pg.captured):
+        return "not applicable: no captured prefill graphs"
     return None
 
 
@@ -400,6 +406,14 @@ def variant_patch(engine: Any, name: str) -> Iterator[None]:
         # `unmerged` alone sends a chunk of over ~256 tokens to FA3 (`prefill_on_fa2`).
         with _kernel_forced(_return_true), variant_patch(engine, "unmerged"):
             yield
+    elif name == "all-buckets":
+        pg = engine.runner.prefill_graphs
+        kept = pg.token_sizes
+        pg.token_sizes = tuple(sorted(set(kept) | set(pg.dropped)))
+        try:
+            yield
+        finally:
+            pg.token_sizes = kept
     elif name == "unmerged":
         runner = engine.runner
         shadowed = vars(runner).get("_mergeable")

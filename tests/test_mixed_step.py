@@ -134,6 +134,20 @@ def test_variant_patches_take_effect_where_looked_up_and_are_undone() -> None:
     assert runner._mergeable([], 3) is True and "_mergeable" not in vars(runner)
     with variant_patch(engine, "served"):
         assert runner._mergeable([], 3) is True
+    # all-buckets: the buckets dropped at start-up served again, then dropped again.
+    from bench.mixed_step import variant_unavailable
+    from runtime.prefill_graphs import PrefillGraphs
+
+    pg = PrefillGraphs.__new__(PrefillGraphs)
+    pg.token_sizes, pg.dropped, pg.graphs = (16, 64), {32: 3.0}, {16: [], 32: [], 64: []}
+    runner.prefill_graphs, runner.prefill_backend = pg, None
+    assert pg.bucket_for(20) == 64
+    with variant_patch(engine, "all-buckets"):
+        assert pg.bucket_for(20) == 32
+    assert pg.bucket_for(20) == 64 and pg.token_sizes == (16, 64)
+    assert variant_unavailable(engine, "all-buckets") is None
+    runner.prefill_graphs = None
+    assert "no captured prefill graphs" in variant_unavailable(engine, "all-buckets")
 
 
 def test_variants_are_known_names_in_order_without_repeats() -> None:
