@@ -1007,10 +1007,9 @@ class SplitController:
         """The fewest pieces (at least 2) a row-streamed layer can be cut into, as the
         executor cuts it (`row_piece_rows`), whose heaviest piece, times 1 + `err`, fits
         `room_ms`, and that piece's predicted time (ms); None if not even one chunk a piece
-        does. A piece of rows [s, e) after a
-        context c is the prefill model's one-layer shape of e - s tokens with
-        (e - s) * (c + s + (e - s + 1) / 2) attention pairs: the later pieces, which attend
-        to more keys, are the heaviest. Not modelled: the first piece also projects every
+        does. A piece of rows [s, e) after a context c is the prefill model's one-layer
+        shape of e - s tokens with (e - s) * (c + s + (e - s + 1) / 2) attention pairs: the
+        later pieces, which attend to more keys, are the heaviest. Not modelled: the first piece also projects every
         row's keys and values (on the 8B ~4 % of a layer's per-token work), left to the
         margin."""
         if room_ms <= 0:
