@@ -189,6 +189,27 @@ def finish(eng: Engine, dev: Any) -> list[EngineOutput]:
     return outs
 
 
+def launch_order(ex: SplitExecutor, method: str, label: Any) -> list[str]:
+    """What the executor launches, in order: the model's `method` as `label(args)` (None:
+    not recorded) and the runner's decode steps as "decode"."""
+    order: list[str] = []
+    forward, launch = getattr(ex.model, method), ex.runner.launch
+
+    def spy_forward(*a: Any, **k: Any) -> Any:
+        name = label(a)
+        if name is not None:
+            order.append(name)
+        return forward(*a, **k)
+
+    def spy_launch(plan: Any) -> Any:
+        order.append("decode")
+        return launch(plan)
+
+    setattr(ex.model, method, spy_forward)
+    ex.runner.launch = spy_launch  # type: ignore[method-assign]
+    return order
+
+
 def fixed_split(
     prefill_sms: int = 64,
     layers_per_slice: int | None = None,
@@ -316,20 +337,12 @@ def test_time_slicing_by_layers_interleaves_decode_steps_on_one_stream() -> None
         observe=lambda *a: observed.append(a),
         score=lambda *a: scored.append(a),
     )  # tiny has 2 layers: 2 slices
-    order: list[str] = []
-    forward_layers, launch = ex.model.forward_layers, ex.runner.launch
-
-    def spy_layers(*a: Any, **k: Any) -> Any:
-        if a[3] is ex.runner.prefill_backend:
-            order.append(f"slice{a[4]}")  # (h, residual, positions, backend, start, end, ...)
-        return forward_layers(*a, **k)
-
-    def spy_launch(plan: Any) -> Any:
-        order.append("decode")
-        return launch(plan)
-
-    ex.model.forward_layers = spy_layers  # type: ignore[method-assign]
-    ex.runner.launch = spy_launch  # type: ignore[method-assign]
+    # (h, residual, positions, backend, start, end, ...)
+    order = launch_order(
+        ex,
+        "forward_layers",
+        lambda a: f"slice{a[4]}" if a[3] is ex.runner.prefill_backend else None,
+    )
     reqs = make_reqs()
     eng.scheduler.add(reqs[0])
     outs = split_step(eng)  # r0's prefill alone: 2 slices
@@ -639,19 +652,8 @@ def test_sub_layer_slices_run_each_layer_in_row_pieces_with_decodes_between() ->
     eng, ex, _ = split_engine(
         dev, fixed_split(layers_per_slice=1, pieces_per_layer=2), **cfg
     )  # tiny has 2 layers
-    order: list[str] = []
-    rows, launch = ex.model.forward_layer_rows, ex.runner.launch
-
-    def spy_rows(*a: Any, **k: Any) -> Any:
-        order.append(f"L{a[4]}:{a[5]}-{a[6]}")  # (h, residual, positions, attn, layer, s, e)
-        return rows(*a, **k)
-
-    def spy_launch(plan: Any) -> Any:
-        order.append("decode")
-        return launch(plan)
-
-    ex.model.forward_layer_rows = spy_rows  # type: ignore[method-assign]
-    ex.runner.launch = spy_launch  # type: ignore[method-assign]
+    # (h, residual, positions, attn, layer, s, e)
+    order = launch_order(ex, "forward_layer_rows", lambda a: f"L{a[4]}:{a[5]}-{a[6]}")
     eng.scheduler.add(gen("g", 9, 12))
     outs = split_step(eng)  # g's prefill (9 tokens: whole layers, no pieces)
     outs += split_step(eng)

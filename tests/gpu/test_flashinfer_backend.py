@@ -196,6 +196,23 @@ def _quarter_8b():
     return model, mc, be
 
 
+def _one_prompt(mc, num_tokens: int, kept: int, blocks: list[int]):
+    """A prefill batch of one prompt of `num_tokens` random ids, no cached context, keeping
+    its first `kept` rows' K/V in `blocks`."""
+    import torch
+
+    from runtime.attention.base import ForwardBatch, SeqSlice
+
+    T = num_tokens
+    return ForwardBatch(
+        input_ids=torch.randint(0, mc.vocab_size, (T,), device="cuda"),
+        positions=torch.arange(T, device="cuda"),
+        seqs=[SeqSlice(0, T, 0, kept, blocks)],
+        logits_indices=torch.tensor([T - 1], device="cuda"),
+        is_decode=False,
+    )
+
+
 @pytest.mark.gpu
 def test_one_long_prompt_streams_rows_and_matches() -> None:
     """One prompt without cached context streams rows (`DecoderLayer.forward_rows`): each
@@ -205,18 +222,11 @@ def test_one_long_prompt_streams_rows_and_matches() -> None:
     import torch
 
     from bench.gpu_suite import rel_err
-    from runtime.attention.base import ForwardBatch, SeqSlice
 
     model, mc, be = _quarter_8b()
     T, kept, bs = 1000, 600, be.block_size
     blocks = list(range(1, 1 + (kept + bs - 1) // bs))
-    batch = ForwardBatch(
-        input_ids=torch.randint(0, mc.vocab_size, (T,), device="cuda"),
-        positions=torch.arange(T, device="cuda"),
-        seqs=[SeqSlice(0, T, 0, kept, blocks)],
-        logits_indices=torch.tensor([T - 1], device="cuda"),
-        is_decode=False,
-    )
+    batch = _one_prompt(mc, T, kept, blocks)
     slots = torch.tensor(
         [blocks[p // bs] * bs + p % bs for p in range(len(blocks) * bs)], device="cuda"
     )
@@ -286,18 +296,10 @@ def test_streamed_rows_hold_a_prompt_in_its_stream_and_kv() -> None:
     8k and 16k tokens, after a warm-up (FlashInfer's scratch buffers)."""
     import torch
 
-    from runtime.attention.base import ForwardBatch, SeqSlice
-
     model, mc, be = _quarter_8b()
 
     def peak(T: int) -> int:
-        batch = ForwardBatch(
-            input_ids=torch.randint(0, mc.vocab_size, (T,), device="cuda"),
-            positions=torch.arange(T, device="cuda"),
-            seqs=[SeqSlice(0, T, 0, 0, [])],
-            logits_indices=torch.tensor([T - 1], device="cuda"),
-            is_decode=False,
-        )
+        batch = _one_prompt(mc, T, 0, [])
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -323,18 +325,10 @@ def test_a_streamed_layer_in_row_pieces_matches_the_whole_layer_on_flashinfer() 
     rounding, in case a library picks another algorithm between the two runs)."""
     import torch
 
-    from runtime.attention.base import ForwardBatch, SeqSlice
-
     model, mc, be = _quarter_8b()
     T, bs = 1000, be.block_size
     blocks = list(range(1, 1 + (T + bs - 1) // bs))
-    batch = ForwardBatch(
-        input_ids=torch.randint(0, mc.vocab_size, (T,), device="cuda"),
-        positions=torch.arange(T, device="cuda"),
-        seqs=[SeqSlice(0, T, 0, T, blocks)],
-        logits_indices=torch.tensor([T - 1], device="cuda"),
-        is_decode=False,
-    )
+    batch = _one_prompt(mc, T, T, blocks)
     with torch.inference_mode():
         be.plan(batch)
         assert model.streams_rows(T, be, 128)
