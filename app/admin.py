@@ -543,7 +543,9 @@ def _build_state(app: Any) -> dict[str, Any]:
             # steps that mixed prefill with decodes came out against it (counters since start;
             # ratios over the recent ones).
             "tbt_cut": {
-                "cost_scale": stats.get("tbt_cost_scale"),
+                # the JCT model's per-token and per-pair terms, each as mixed steps scale it
+                "cost_token_scale": stats.get("tbt_cost_token_scale"),
+                "cost_pair_scale": stats.get("tbt_cost_pair_scale"),
                 "cost_offset_ms": stats.get("tbt_cost_offset_ms"),
                 # per 1,000 cached tokens of a step's prefill parts (0: not told apart yet)
                 "cost_context_ms_per_1k": stats.get("tbt_cost_context_ms_per_1k"),

@@ -265,14 +265,15 @@ class EngineStatsLog:
         }
         if stats.get("tbt_slo_ms") is not None:
             # What sizes each step's prefill under the TBT target: the correction of the JCT
-            # model's marginal cost (scale, fixed cost of a mixed step, cost of the prefill
-            # parts' cached tokens) and the decode step over
-            # this interval (a target missed in
-            # the field is read from these).
+            # model's marginal cost (a scale for its per-token and one for its per-pair term,
+            # fixed cost of a mixed step, cost of the prefill parts' cached tokens) and the
+            # decode step over this interval (a target missed in the field is read from
+            # these).
             steps = delta("num_decode_steps")
-            scale = stats.get("tbt_cost_scale")
             fields["tbt_slo_ms"] = stats["tbt_slo_ms"]
-            fields["tbt_cost_scale"] = round(scale, 3) if isinstance(scale, float) else None
+            for key in ("tbt_cost_token_scale", "tbt_cost_pair_scale"):
+                scale = stats.get(key)
+                fields[key] = round(scale, 3) if isinstance(scale, float) else None
             offset = stats.get("tbt_cost_offset_ms")
             fields["tbt_cost_offset_ms"] = round(offset, 2) if isinstance(offset, float) else None
             per_1k = stats.get("tbt_cost_context_ms_per_1k")

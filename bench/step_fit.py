@@ -64,7 +64,7 @@ import numpy as np
 from bench.cost_replay import JCT  # the server log's JCT model line
 from policies.jct import attention_pairs
 from runtime.online_fit import DecayingLine
-from runtime.scheduler import CorrectedCost
+from runtime.scheduler import CorrectedCost, MixedPrefill
 
 # Model name -> the step fields that are its features (a constant term is always added).
 MODELS: dict[str, tuple[str, ...]] = {
@@ -334,12 +334,13 @@ def corrected_replay(
             mx, my = decode.means()
             base_s = my + (decode.slope(0.1, 3.0) or 0.0) * (num_decodes - mx)
         tokens = int(s["num_prefill_tokens"])
-        predicted_s = jct.b_s_per_token * tokens + jct.k_s_per_pair * float(
-            s.get("prefill_attention_pairs") or 0.0
+        prefill = MixedPrefill(
+            jct.b_s_per_token * tokens,
+            jct.k_s_per_pair * float(s.get("prefill_attention_pairs") or 0.0),
+            int(s.get("prefill_context_tokens") or 0),
         )
-        context = int(s.get("prefill_context_tokens") or 0)
-        out[i] = 1e3 * (base_s + cost.extra_s(predicted_s, context))
-        cost.observe(predicted_s, measured_s - base_s, context)
+        out[i] = 1e3 * (base_s + cost.extra_s(prefill))
+        cost.observe(prefill, measured_s - base_s)
     return out
 
 

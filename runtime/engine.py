@@ -566,7 +566,7 @@ class Engine:
             jct_ms = jct.predict_totals_s(shape.num_tokens, shape.attention_pairs) * 1e3
             ratios.append(model.base_ms(PREFILL, shape) / jct_ms)
         scale = min(10.0, max(0.1, sum(ratios) / len(ratios)))
-        self._prefill_cost.scale = scale
+        self._prefill_cost.seed_scale(scale)
         log.info(
             "prefill cost for TBT chunks scaled by %.2f to the partition cost model (%s) until "
             "the JCT model is fitted (now: %s)",
@@ -1660,8 +1660,8 @@ class Engine:
                 result.device_s,
             )
         # Mixed whole-GPU steps: what the step took beyond its decode part (`_decode_base_s`),
-        # against the JCT model's marginal cost of its prefill, corrects the TBT cut (offset
-        # and scale).
+        # against the JCT model's terms for its prefill parts, corrects the TBT cut
+        # (`CorrectedCost`: offset, a scale per term, the cached prefix's read).
         base = (
             self._decode_base_s(len(plan.decode), sum(s.num_context_tokens for s in plan.decode))
             if plan.decode and plan.prefill and whole
@@ -1669,13 +1669,9 @@ class Engine:
         )
         predicted_step_s: float | None = None
         if plan.decode and plan.prefill and result.device_s is not None and base > 0.0 and whole:
-            predicted = sum(
-                self.jct_model.marginal_s(s.num_new_tokens, s.num_context_tokens)
-                for s in plan.prefill
-            )
-            context = sum(s.num_context_tokens for s in plan.prefill)
             cost = self._prefill_cost
-            step_s = base + cost.extra_s(predicted, context)  # as the cut saw it
+            prefill = cost.prefill((s.num_new_tokens, s.num_context_tokens) for s in plan.prefill)
+            step_s = base + cost.extra_s(prefill)  # as the cut saw it
             predicted_step_s = step_s
             self._mixed_step_ratios.append(result.device_s / step_s)
             self._num_mixed_steps += 1
@@ -1686,7 +1682,7 @@ class Engine:
                 # What the step's decodes waited: the host's gap before it, then the step.
                 waited_s = result.device_s + (result.idle_before_s or 0.0)
                 self._tbt_tail.observe(step_s, waited_s, target_s)
-            cost.observe(predicted, result.device_s - base, context)
+            cost.observe(prefill, result.device_s - base)
         self._trace(
             result, predicted_step_s, chunked_ms, base if predicted_step_s else None, head_ms
         )
@@ -1999,9 +1995,12 @@ class Engine:
             "mixed_step_token_budget": self.serial.mixed_step_token_budget,
             "prefill_chunk_tokens": self.config.chunk_tokens(),
             "tbt_slo_ms": None if self._tbt_s is None else self._tbt_s * 1e3,
-            "tbt_cost_scale": self._prefill_cost.scale,
+            # the JCT model's per-token and per-pair terms as mixed steps correct them
+            "tbt_cost_token_scale": self._prefill_cost.token_scale,
+            "tbt_cost_pair_scale": self._prefill_cost.pair_scale,
             "tbt_cost_offset_ms": self._prefill_cost.offset_s * 1e3,
-            # per 1,000 cached tokens of the prefill parts (0 while the fit cannot tell it)
+            # per 1,000 cached tokens of the prefill parts (held near 0 while the fit cannot
+            # tell it)
             "tbt_cost_context_ms_per_1k": self._prefill_cost.context_s_per_token * 1e6,
             "tbt_tail_factor": self._tbt_tail.factor,
             **self._gc.take_window(),

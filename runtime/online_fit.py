@@ -1,10 +1,11 @@
-"""A straight line fitted online to recent observations: the one fit behind the engine's affine
-latency corrections (`scheduler.CorrectedCost` for mixed steps, `partition.cost_model`'s
-per-split corrections). Pure Python, O(1) an observation, no history kept."""
+"""Fits online to recent observations behind the engine's latency corrections: a straight line
+(`partition.cost_model`'s per-split corrections) and a ridge fit of a few terms
+(`scheduler.CorrectedCost` for mixed steps). Pure Python, no history kept."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -63,83 +64,60 @@ class DecayingLine:
 
 
 @dataclass(slots=True)
-class DecayingPlane:
-    """y ≈ intercept + bx · x + bz · z by weighted least squares over the observations so far,
-    the past discounted by `decay` per observation (as `DecayingLine`, with a second regressor).
-    O(1) an observation, no history kept."""
+class DecayingRidge:
+    """y ≈ θ · x by least squares over the observations so far, the past discounted by `decay`
+    per observation, each coefficient θ[i] pulled toward `prior[i]` with weight `strength[i]`
+    (ridge regression with a prior mean). Where the observations cannot tell two terms apart
+    (a run of steps alike, a regressor that never varies) the prior decides, smoothly, in
+    place of rules that drop a term or hold it at its last fit. A `strength` equal to
+    n · x_i² makes the prior weigh as n observations whose term i is x_i.
 
+    O(k²) an observation and O(k³) a solve (k terms, a handful); no history kept."""
+
+    prior: tuple[float, ...]
+    strength: tuple[float, ...]
     decay: float
+    _xx: list[list[float]] = field(default_factory=list)
+    _xy: list[float] = field(default_factory=list)
     _count: float = 0.0
-    _w: float = 0.0
-    _sx: float = 0.0
-    _sz: float = 0.0
-    _sy: float = 0.0
-    _sxx: float = 0.0
-    _szz: float = 0.0
-    _sxz: float = 0.0
-    _sxy: float = 0.0
-    _szy: float = 0.0
 
-    def add(self, x: float, z: float, y: float, weight: float = 1.0) -> None:
-        d = self.decay
-        self._count = d * self._count + 1.0
-        self._w = d * self._w + weight
-        self._sx = d * self._sx + weight * x
-        self._sz = d * self._sz + weight * z
-        self._sy = d * self._sy + weight * y
-        self._sxx = d * self._sxx + weight * x * x
-        self._szz = d * self._szz + weight * z * z
-        self._sxz = d * self._sxz + weight * x * z
-        self._sxy = d * self._sxy + weight * x * y
-        self._szy = d * self._szy + weight * z * y
+    def __post_init__(self) -> None:
+        k = len(self.prior)
+        if len(self.strength) != k or any(w <= 0.0 for w in self.strength):
+            raise ValueError("one positive strength per prior term")
+        self._xx = [[0.0] * k for _ in range(k)]
+        self._xy = [0.0] * k
 
     @property
     def count(self) -> float:
+        """The decayed number of observations (a fresh fit: 0)."""
         return self._count
 
-    def means(self) -> tuple[float, float, float]:
-        """Weighted means of x, z and y; zeros before the first observation."""
-        if self._w <= 0.0:
-            return 0.0, 0.0, 0.0
-        w = self._w
-        return self._sx / w, self._sz / w, self._sy / w
+    def add(self, x: Sequence[float], y: float) -> None:
+        d, k = self.decay, len(self.prior)
+        self._count = d * self._count + 1.0
+        for i in range(k):
+            self._xy[i] = d * self._xy[i] + x[i] * y
+            row = self._xx[i]
+            for j in range(k):
+                row[j] = d * row[j] + x[i] * x[j]
 
-    def slope_x(self, bz: float, min_cv: float, min_count: float) -> float | None:
-        """The least-squares slope of y − bz · z on x (z's slope held at `bz`), or None while
-        it cannot be told from an intercept (as `DecayingLine.slope`)."""
-        if self._count < min_count or self._w <= 0.0:
-            return None
-        mx, mz, my = self.means()
-        w = self._w
-        vxx = max(0.0, self._sxx / w - mx * mx)
-        if vxx <= 0.0 or vxx < (min_cv * mx) ** 2:
-            return None
-        vxy = self._sxy / w - mx * my
-        vxz = self._sxz / w - mx * mz
-        return (vxy - bz * vxz) / vxx
-
-    def solve(
-        self, min_cv: float, min_count: float, max_abs_corr: float
-    ) -> tuple[float, float, float] | None:
-        """(intercept, bx, bz), or None while the three cannot be told apart: fewer than
-        `min_count` observations, x or z varying by less than `min_cv` of its mean, or x and z
-        so correlated (|r| > `max_abs_corr`) that one slope could stand in for the other."""
-        if self._count < min_count or self._w <= 0.0:
-            return None
-        w = self._w
-        mx, mz, my = self._sx / w, self._sz / w, self._sy / w
-        vxx = self._sxx / w - mx * mx
-        vzz = self._szz / w - mz * mz
-        vxz = self._sxz / w - mx * mz
-        if vxx <= 0.0 or vzz <= 0.0:
-            return None
-        if vxx < (min_cv * mx) ** 2 or vzz < (min_cv * mz) ** 2:
-            return None
-        if vxz * vxz > max_abs_corr * max_abs_corr * vxx * vzz:
-            return None
-        vxy = self._sxy / w - mx * my
-        vzy = self._szy / w - mz * my
-        det = vxx * vzz - vxz * vxz
-        bx = (vzz * vxy - vxz * vzy) / det
-        bz = (vxx * vzy - vxz * vxy) / det
-        return my - bx * mx - bz * mz, bx, bz
+    def solve(self) -> list[float]:
+        """θ minimising Σ decay^age (y − θ·x)² + Σ strength_i (θ_i − prior_i)²: the prior
+        itself before any observation. The prior's strength keeps the system positive
+        definite, so there is always one answer."""
+        k = len(self.prior)
+        a = [
+            [self._xx[i][j] + (self.strength[i] if i == j else 0.0) for j in range(k)]
+            + [self._xy[i] + self.strength[i] * self.prior[i]]
+            for i in range(k)
+        ]
+        for c in range(k):  # Gauss-Jordan with partial pivoting
+            pivot = max(range(c, k), key=lambda r: abs(a[r][c]))
+            a[c], a[pivot] = a[pivot], a[c]
+            for r in range(k):
+                if r != c and a[r][c] != 0.0:
+                    f = a[r][c] / a[c][c]
+                    for j in range(c, k + 1):
+                        a[r][j] -= f * a[c][j]
+        return [a[i][k] / a[i][i] for i in range(k)]

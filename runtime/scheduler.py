@@ -59,17 +59,19 @@ The scheduler runs on the engine thread only; it is not thread-safe.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from policies.jct import attention_pairs
 from runtime.config import EngineConfig
 from runtime.gc_watch import untrack_int_list
 from runtime.kv.block_manager import BlockManager
 from runtime.kv.prefix_cache import append_block_hashes, salt_digest
-from runtime.online_fit import DecayingPlane
+from runtime.online_fit import DecayingRidge
 from runtime.request import (
     FINISH_REASONS,
     EngineOutput,
@@ -134,103 +136,175 @@ class PrefillCost(Protocol):
     def max_tokens_within(self, seconds: float, cached_tokens: int = 0) -> int: ...
 
 
+class JctTerms(Protocol):
+    """The JCT model's two marginal terms (`policies.jct.JCTModel`): seconds per new token
+    and per query-key pair. `CorrectedCost` scales each on its own."""
+
+    b_s_per_token: float
+    k_s_per_pair: float
+
+
+@dataclass(frozen=True, slots=True)
+class MixedPrefill:
+    """A mixed step's prefill parts as `CorrectedCost` sees them: the JCT model's two terms
+    summed over the parts (seconds) and the parts' cached tokens."""
+
+    token_s: float  # b · new tokens
+    pair_s: float  # k · query-key pairs (`policies.jct.attention_pairs`)
+    context_tokens: int
+
+    @classmethod
+    def of(cls, jct: JctTerms, parts: Iterable[tuple[int, int]]) -> MixedPrefill:
+        """From (new tokens, cached tokens) per prefill part."""
+        tokens = pairs = 0.0
+        context = 0
+        for new, cached in parts:
+            u, c = max(0, new), max(0, cached)
+            tokens += u
+            pairs += attention_pairs(u, c)
+            context += c
+        return cls(jct.b_s_per_token * tokens, jct.k_s_per_pair * pairs, context)
+
+
 @dataclass(slots=True)
 class CorrectedCost:
     """The JCT model's marginal prefill cost as the engine corrects it online from steps that
     mixed prefill with decodes (the JCT model itself learns only from prefill-only steps, which
-    a TBT target makes rare): such a step takes `offset_s + scale * marginal + context_s_per_token
-    * context` beyond the decode step, where `context` is its prefill parts' cached tokens.
-    Affine, not one factor: a mixed step runs without the decode CUDA graphs and pays a fixed
-    cost that a short chunk (a 150-token scoring suffix) magnifies and a long chunk hides. A
-    single factor swung 1.3-8.6x within one H200 workload (3B, plan s) and cut the next chunk
-    wrongly either way. The context term: a short query still reads its whole cached prefix
-    (attention work the JCT model's query-key pairs leave out at a few query rows). Over the
-    H200's step traces of scoring next to chat (3B, plan cap at `c0c484f`, 12 sides and loads,
-    this class replayed over them on CPU: `bench.step_fit --jct-log`) it predicted mixed steps
-    to 11.4 % MAPE against 14.1 % without (what the engine read live). `offset_s` is per step: callers add it to the decode step
-    (`StepCapacity.decode_step_s`, `ChunkInput.step_offset_ms`); `marginal_s` is per prefill
-    part.
+    a TBT target makes rare): such a step takes
 
-    `observe` fits them by exponentially weighted least squares over recent mixed steps, O(1)
-    a step: all three while the steps' marginal costs and contexts vary enough, apart, to tell
-    them from each other and the fit is in bounds; else the offset and scale, the context term
-    held at its last fit (0 until one). While the steps' predicted costs are too alike to tell a slope from an
-    offset, the scale is kept and the offset absorbs the difference."""
+        offset_s + token_scale · b · new tokens + pair_scale · k · pairs
+                 + context_s_per_token · cached tokens
 
-    cost: PrefillCost
-    scale: float = 1.0
+    beyond the decode step. Each term, and why it is there:
+    - `offset_s`: a mixed step's fixed cost beside the decode step (per step; callers add it
+      to the decode step: `StepCapacity.decode_step_s`, `ChunkInput.step_offset_ms`).
+    - Two scales, not one: the JCT model is fitted on whole prefills of thousands of tokens,
+      where the GEMMs run at their best and attention is long; a merged step's part is a few
+      hundred to 2k rows after up to tens of thousands of cached tokens. Over three step
+      traces of the 8B beside chat on an H100 (plan whole, 40-60k-token scoring prompts
+      chunked or sliced, `bench.step_fit`), one least-squares fit per trace put the
+      per-token term at 1.46-1.64x the JCT model's and the pair term at 0.64-0.74x, the
+      offset near 0 (-2.2 to -0.5 ms). One scale for both (the correction until 2026-12-06)
+      had the offset take the difference: ~4-9 ms, which a short chat prompt's step
+      (measured 1.2 ms beyond its decodes) took too: 11.0 / 10.9 / 10.1 % MAPE over those
+      traces, replayed as it ran.
+    - The context term: a short query still reads its whole cached prefix (attention work
+      the pairs leave out at a few query rows).
+
+    `observe` fits the four by exponentially weighted least squares over recent mixed steps
+    (`DecayingRidge`, O(1) a step), each pulled toward the previous fit (at first: offset 0,
+    scales 1 or `seed_scale`'s value, context 0) with the weight of PRIOR_STEPS steps whose
+    terms are REF_S. So what the steps cannot tell apart (a run of scoring suffixes alike, no
+    step with a cached prefix, context growing with the chunk) stays where it was, with no
+    rule to pick the term to drop; what they can tell moves to them. A prior held at the
+    first guess instead drew a short chat prompt's step 23 % over its time after 40 suffixes
+    of one shape (at 0.1 steps; tests/test_scheduler.py). Replayed over the three traces above, this reads
+    6.1 / 6.3 / 6.7 % MAPE. The terms are held to bounds; a part's marginal cost is never
+    below 0."""
+
+    cost: JctTerms
     offset_s: float = 0.0
+    token_scale: float = 1.0
+    pair_scale: float = 1.0
     context_s_per_token: float = 0.0
     DECAY = 0.95  # weight of the past per observation: ~20 recent mixed steps
     MIN_SCALE, MAX_SCALE = 0.1, 10.0
-    MAX_OFFSET_S = 0.25
+    # A merged step may take a little less than the decode base it is measured against (the
+    # base is the cost model's prediction for the batch).
+    MIN_OFFSET_S, MAX_OFFSET_S = -0.005, 0.25
     # 1 µs a cached token is ~7x the 3B's and ~3x the 8B's whole prefill cost per token on the
-    # H200: a fit above it is noise, not a prefix read.
+    # H200: a fit beyond it either way is noise, not a prefix read. Below 0 is allowed: the
+    # pair term counts every cached key of a part at its scale, and the fit may take some of
+    # that back for short queries after long prefixes.
     MAX_CONTEXT_S_PER_TOKEN = 1e-6
-    # Fit a slope only when x varies by at least this fraction of its mean (coefficient of
-    # variation) and a few steps are in.
-    MIN_CV = 0.25
-    MIN_WEIGHT = 3.0
-    # The context term only while marginal cost and context are not near proportional (a run
-    # of later chunks of one prompt: both grow together, one slope could stand for the other).
-    MAX_CORRELATION = 0.9
-    # x = predicted marginal s, z = the prefill parts' cached tokens, y = measured extra s;
-    # absolute errors: the cut sizes steps near the target, where a millisecond counts the
-    # same whatever the step's length.
-    _plane: DecayingPlane = field(default_factory=lambda: DecayingPlane(CorrectedCost.DECAY))
+    PRIOR_STEPS = 0.3
+    REF_S = 0.03  # a term's typical size in a mixed step (s)
+    # The context term's regressor is cached tokens x 1 µs, so its coefficient is in µs a
+    # token and its typical size REF_S too (30k cached tokens).
+    _CONTEXT_UNIT_S = 1e-6
+    _fit: DecayingRidge | None = None
+
+    def __post_init__(self) -> None:
+        self._refit_prior()
+
+    def _refit_prior(self) -> None:
+        """A fresh fit whose prior is the current terms (none observed yet)."""
+        ref = self.PRIOR_STEPS * self.REF_S**2
+        self._fit = DecayingRidge(
+            (self.offset_s, self.token_scale, self.pair_scale, 0.0),
+            (self.PRIOR_STEPS, ref, ref, ref),
+            self.DECAY,
+        )
+
+    def seed_scale(self, scale: float) -> None:
+        """Start both scales (and their prior) at `scale`: the engine's guess of how far the
+        JCT model is off before it is fitted to the device (`Engine._seed_prefill_scale`)."""
+        self.token_scale = self.pair_scale = min(self.MAX_SCALE, max(self.MIN_SCALE, scale))
+        self._refit_prior()
 
     def marginal_s(self, uncached_tokens: int, cached_tokens: int = 0) -> float:
-        return self.scale * self.cost.marginal_s(
-            uncached_tokens, cached_tokens
-        ) + self.context_s_per_token * max(0, cached_tokens)
+        u, c = max(0, uncached_tokens), max(0, cached_tokens)
+        jct = self.cost
+        return max(
+            0.0,
+            self.token_scale * jct.b_s_per_token * u
+            + self.pair_scale * jct.k_s_per_pair * attention_pairs(u, c)
+            + self.context_s_per_token * c,
+        )
 
     def max_tokens_within(self, seconds: float, cached_tokens: int = 0) -> int:
-        left_s = seconds - self.context_s_per_token * max(0, cached_tokens)
+        """The most new tokens after `cached_tokens` whose `marginal_s` fits in `seconds`."""
+        c = max(0, cached_tokens)
+        left_s = seconds - self.context_s_per_token * c
         if left_s <= 0.0:
             return 0
-        return self.cost.max_tokens_within(left_s / self.scale, cached_tokens)
+        jct = self.cost
+        k = self.pair_scale * jct.k_s_per_pair
+        b = self.token_scale * jct.b_s_per_token + k * c
+        if k <= 0.0:
+            return int(left_s / b) if b > 0.0 else 1 << 62
+        # k/2 u² + b u = left (attention_pairs(u, c) = u² / 2 + u c): the positive root
+        return int((-b + math.sqrt(b * b + 2.0 * k * left_s)) / k)
 
-    def extra_s(self, predicted_s: float, context_tokens: int) -> float:
-        """What a mixed step whose prefill parts the JCT model puts at `predicted_s` (marginal)
-        after `context_tokens` cached tokens in all takes beyond its decode part."""
-        return self.offset_s + self.scale * predicted_s + self.context_s_per_token * context_tokens
+    def prefill(self, parts: Iterable[tuple[int, int]]) -> MixedPrefill:
+        """A step's prefill parts, (new tokens, cached tokens) each, as `extra_s` and
+        `observe` take them."""
+        return MixedPrefill.of(self.cost, parts)
 
-    def observe(self, predicted_s: float, extra_s: float, context_tokens: int = 0) -> None:
-        """One mixed step: the JCT model's marginal cost of its prefill parts (`predicted_s`),
-        their cached tokens in all (`context_tokens`), and what the step measured beyond its
-        decode part (`extra_s`: beyond the engine's decode base for its batch,
-        `Engine._decode_base_s`)."""
-        if predicted_s <= 1e-9:
+    def extra_s(self, prefill: MixedPrefill) -> float:
+        """What a mixed step with these prefill parts takes beyond its decode part."""
+        return max(
+            0.0,
+            self.offset_s
+            + self.token_scale * prefill.token_s
+            + self.pair_scale * prefill.pair_s
+            + self.context_s_per_token * prefill.context_tokens,
+        )
+
+    def observe(self, prefill: MixedPrefill, extra_s: float) -> None:
+        """One mixed step: its prefill parts and what it measured beyond its decode part
+        (beyond the engine's decode base for its batch, `Engine._decode_base_s`)."""
+        if prefill.token_s + prefill.pair_s <= 1e-9:
             return
-        plane = self._plane
-        plane.add(predicted_s, float(max(0, context_tokens)), extra_s)
-        joint = plane.solve(self.MIN_CV, self.MIN_WEIGHT, self.MAX_CORRELATION)
-        if joint is not None:
-            offset, scale, per_token = joint
-            if (
-                self.MIN_SCALE <= scale <= self.MAX_SCALE
-                and 0.0 <= offset <= self.MAX_OFFSET_S
-                and 0.0 <= per_token <= self.MAX_CONTEXT_S_PER_TOKEN
-            ):
-                self.scale, self.offset_s, self.context_s_per_token = scale, offset, per_token
-                return
-        # The context term held at its last fit (0 until one): offset and scale on what the
-        # steps measured beyond it. Dropping it whenever a few steps look alike (a run of
-        # scoring suffixes: their marginal costs too close for a slope) swung the prediction
-        # of the next long-prefix step by its whole prefix read.
-        per_token = self.context_s_per_token
-        mx, mz, my = plane.means()
-        my -= per_token * mz
-        slope = plane.slope_x(per_token, self.MIN_CV, self.MIN_WEIGHT)
-        scale = self.scale if slope is None else slope
-        scale = min(self.MAX_SCALE, max(self.MIN_SCALE, scale))
-        offset = my - scale * mx
-        if not 0.0 <= offset <= self.MAX_OFFSET_S:
-            # Out of bounds (noise, or a fixed cost the long chunks hide): keep the mean
-            # right with the offset at its bound.
-            offset = min(self.MAX_OFFSET_S, max(0.0, offset))
-            scale = min(self.MAX_SCALE, max(self.MIN_SCALE, (my - offset) / mx))
-        self.scale, self.offset_s = scale, offset
+        fit = self._fit
+        assert fit is not None
+        z = prefill.context_tokens * self._CONTEXT_UNIT_S
+        fit.add((1.0, prefill.token_s, prefill.pair_s, z), extra_s)
+        offset, token_scale, pair_scale, per_us = fit.solve()
+        self.offset_s = min(self.MAX_OFFSET_S, max(self.MIN_OFFSET_S, offset))
+        self.token_scale = min(self.MAX_SCALE, max(self.MIN_SCALE, token_scale))
+        self.pair_scale = min(self.MAX_SCALE, max(self.MIN_SCALE, pair_scale))
+        bound = self.MAX_CONTEXT_S_PER_TOKEN
+        self.context_s_per_token = min(bound, max(-bound, per_us * self._CONTEXT_UNIT_S))
+        # The next fit is pulled toward this one: what the steps stop telling apart (a run of
+        # one shape) is held where it was, not drawn back to the first prior as the steps
+        # that told it decay.
+        fit.prior = (
+            self.offset_s,
+            self.token_scale,
+            self.pair_scale,
+            self.context_s_per_token / self._CONTEXT_UNIT_S,
+        )
 
 
 @dataclass(slots=True)

@@ -609,7 +609,8 @@ def test_prefill_limits_change_and_show_in_the_state() -> None:
     assert state["prefill"]["chunk_tokens"] == 16384  # the engine's, as its stats report it
     # How the cut is doing: keys always there (null where the engine does not report them).
     assert set(state["prefill"]["tbt_cut"]) == {
-        "cost_scale",
+        "cost_token_scale",
+        "cost_pair_scale",
         "cost_offset_ms",
         "cost_context_ms_per_1k",
         "tail_factor",

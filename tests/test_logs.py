@@ -181,13 +181,15 @@ def test_engine_stats_line_says_what_sizes_tbt_chunks() -> None:
     base |= {"num_mixed_steps": 0, "num_mixed_steps_over_tbt": 0}
     log.sample(base, 0.0)
     later = base | {"num_decode_tokens": 40, "num_decode_steps": 20, "decode_device_s": 0.09}
-    assert "tbt_cost_scale" not in log.sample(later, 1.0)  # no target: nothing about it
-    target = later | {"tbt_slo_ms": 80.0, "tbt_cost_scale": 0.71234, "tbt_cost_offset_ms": 12.3456}
+    assert "tbt_cost_token_scale" not in log.sample(later, 1.0)  # no target: nothing about it
+    target = later | {"tbt_slo_ms": 80.0, "tbt_cost_token_scale": 0.71234}
+    target |= {"tbt_cost_pair_scale": 1.23456, "tbt_cost_offset_ms": 12.3456}
     target |= {"tbt_cost_context_ms_per_1k": 0.12345}
     target |= {"num_decode_tokens": 80, "num_decode_steps": 30, "decode_device_s": 0.12}
     target |= {"num_mixed_steps": 12, "num_mixed_steps_over_tbt": 3, "mixed_step_ratio_p99": 1.234}
     fields = log.sample(target, 2.0)
-    assert fields["tbt_slo_ms"] == 80.0 and fields["tbt_cost_scale"] == 0.712
+    assert fields["tbt_slo_ms"] == 80.0 and fields["tbt_cost_token_scale"] == 0.712
+    assert fields["tbt_cost_pair_scale"] == 1.235
     assert fields["tbt_cost_offset_ms"] == 12.35  # rounded to 0.01 ms
     assert fields["tbt_cost_context_ms_per_1k"] == 0.123
     # No mixed steps before this interval: all 12 are in it.

@@ -47,32 +47,28 @@ def test_old_observations_fade() -> None:
     assert line.slope(0.25, 1.5) == pytest.approx(2.0, rel=1e-3)
 
 
-def test_plane_recovers_two_slopes_and_refuses_what_it_cannot_tell() -> None:
-    from runtime.online_fit import DecayingPlane
+def test_ridge_recovers_its_terms_and_holds_what_it_cannot_tell_at_the_prior() -> None:
+    from runtime.online_fit import DecayingRidge
 
-    plane = DecayingPlane(0.95)
-    points = [(x, z) for x in (1.0, 2.0, 5.0) for z in (0.0, 1e4, 1.6e4)]
+    fit = DecayingRidge((0.0, 1.0, 0.0), (1e-6, 1e-6, 1e-6), 0.95)
+    assert fit.solve() == pytest.approx([0.0, 1.0, 0.0])  # nothing observed: the prior
+    points = [(x, z) for x in (1.0, 2.0, 5.0) for z in (0.0, 1.0, 1.6)]
     for x, z in points * 4:
-        plane.add(x, z, 3.0 + 2.0 * x + 1e-4 * z)
-    a, bx, bz = plane.solve(min_cv=0.25, min_count=3.0, max_abs_corr=0.9)
-    assert a == pytest.approx(3.0) and bx == pytest.approx(2.0) and bz == pytest.approx(1e-4)
-    # z constant (no step had a cached prefix): no z slope to tell from the intercept.
-    flat = DecayingPlane(0.95)
+        fit.add((1.0, x, z), 3.0 + 2.0 * x + 0.5 * z)
+    assert fit.solve() == pytest.approx([3.0, 2.0, 0.5], rel=1e-3)
+    assert fit.count == pytest.approx(sum(0.95**i for i in range(36)))
+    # z never varies (always 0): its term stays at the prior, the others are fitted.
+    flat = DecayingRidge((0.0, 1.0, 0.25), (1e-6, 1e-6, 1e-6), 0.95)
     for x in (1.0, 2.0, 5.0) * 4:
-        flat.add(x, 0.0, 3.0 + 2.0 * x)
-    assert flat.solve(min_cv=0.25, min_count=3.0, max_abs_corr=0.9) is None
-    # z proportional to x: one slope could stand for the other.
-    tied = DecayingPlane(0.95)
+        flat.add((1.0, x, 0.0), 3.0 + 2.0 * x)
+    assert flat.solve() == pytest.approx([3.0, 2.0, 0.25], rel=1e-3)
+    # z proportional to x: the data fix only their sum; the prior splits it, and the fit
+    # still reproduces every observation.
+    tied = DecayingRidge((0.0, 1.0, 0.0), (1e-3, 1e-3, 1e-3), 0.95)
     for x in (1.0, 2.0, 5.0) * 4:
-        tied.add(x, 1e3 * x, 3.0 + 2.0 * x)
-    assert tied.solve(min_cv=0.25, min_count=3.0, max_abs_corr=0.9) is None
-    # z's slope held at a value: x's slope on what is left (None while x does not vary).
-    assert plane.slope_x(1e-4, min_cv=0.25, min_count=3.0) == pytest.approx(2.0)
-    assert flat.slope_x(0.0, min_cv=0.25, min_count=3.0) == pytest.approx(2.0)
-    mx, mz, my = plane.means()  # decay-weighted: the exact relation holds for them too
-    assert my == pytest.approx(3.0 + 2.0 * mx + 1e-4 * mz)
-    # Too few observations.
-    few = DecayingPlane(0.95)
-    few.add(1.0, 0.0, 1.0)
-    few.add(2.0, 1e4, 2.0)
-    assert few.solve(min_cv=0.25, min_count=3.0, max_abs_corr=0.9) is None
+        tied.add((1.0, x, x), 3.0 + 2.0 * x)
+    a, bx, bz = tied.solve()
+    assert bx + bz == pytest.approx(2.0, rel=1e-3) and a == pytest.approx(3.0, rel=1e-2)
+    assert bx > 1.0 > bz > 0.0  # pulled toward the prior's split (1, 0)
+    with pytest.raises(ValueError):
+        DecayingRidge((0.0, 1.0), (1.0, 0.0), 0.95)

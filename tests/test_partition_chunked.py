@@ -31,7 +31,7 @@ from runtime.partition.cost_model import (
     SplitController,
 )
 from runtime.request import Request, RequestKind
-from runtime.scheduler import MIN_TBT_CHUNK_TOKENS, CorrectedCost, tbt_chunk_tokens
+from runtime.scheduler import MIN_TBT_CHUNK_TOKENS, CorrectedCost, MixedPrefill, tbt_chunk_tokens
 
 # --------------------------------------------------------------------------- the controller
 P = PrefillShape.from_seqs([(0, 8192)], num_layers=32)
@@ -126,7 +126,9 @@ def test_the_chunked_prediction_walks_the_chunks_the_cut_makes_as_the_context_gr
     one whole marginal (as until 2026-12-06) fell ~30 % short on the H100's fitted costs and
     auto chose chunks over faster layer slices."""
     jct = JCTModel(a_s=0.005882, b_s_per_token=1.628e-05, k_s_per_pair=1.109e-09)  # 8B, H100
-    cost = CorrectedCost(jct, scale=1.196, offset_s=0.0005, context_s_per_token=0.668e-6)
+    cost = CorrectedCost(
+        jct, offset_s=0.0005, token_scale=1.196, pair_scale=1.196, context_s_per_token=0.668e-6
+    )
     m = _model()
     ctl = SplitController(m, [32, 64], ControllerConfig(tbt_slo_ms=67.0))
     d = DecodeShape(10, 10 * 400, 32)
@@ -287,8 +289,8 @@ class _HeldCost(CorrectedCost):
     """The engine's corrected prefill cost with its online correction held (what it was
     asked to learn is kept in `seen`)."""
 
-    def observe(self, predicted_s: float, extra_s: float, context_tokens: int = 0) -> None:
-        self.seen = [*getattr(self, "seen", []), (predicted_s, extra_s)]
+    def observe(self, prefill: MixedPrefill, extra_s: float) -> None:
+        self.seen = [*getattr(self, "seen", []), (prefill, extra_s)]
 
 
 DECODE_MEASURED_MS = 1.5  # what `_ClockedDevice` times the decode-only steps of off-tbt at
@@ -720,13 +722,14 @@ def test_a_fallback_jct_model_is_scaled_to_the_partition_cost_model(manager) -> 
     jct = eng.jct_model
     jct.b_s_per_token = 4e-6  # twice the flat model's 2 us a token (2 layers x 1 us)
     eng._share_prefill_model()
-    assert eng._prefill_cost.scale == pytest.approx(0.5)
-    assert eng._prefill_cost.max_tokens_within(0.7e-3) == 350  # as the cost model says
+    cost = eng._prefill_cost
+    assert (cost.token_scale, cost.pair_scale) == pytest.approx((0.5, 0.5))
+    assert cost.max_tokens_within(0.7e-3) == 350  # as the cost model says
     # A JCT model fitted to the device is not second-guessed.
-    eng._prefill_cost.scale = 1.0
+    cost.seed_scale(1.0)
     jct.source = "calibration:test"
     eng._share_prefill_model()
-    assert eng._prefill_cost.scale == 1.0
+    assert (cost.token_scale, cost.pair_scale) == (1.0, 1.0)
 
 
 def test_a_split_must_win_by_more_than_its_measured_error() -> None:

@@ -828,6 +828,7 @@ class LinearCost:
 
     def __init__(self, per_token_s: float) -> None:
         self.per_token_s = per_token_s
+        self.b_s_per_token, self.k_s_per_pair = per_token_s, 0.0  # `JctTerms`
 
     def marginal_s(self, uncached_tokens: int, cached_tokens: int = 0) -> float:
         return self.per_token_s * uncached_tokens
@@ -895,9 +896,13 @@ def test_tbt_target_chunks_a_long_scoring_prompt_next_to_decodes() -> None:
 def test_corrected_cost_scales_both_ways() -> None:
     from runtime.scheduler import CorrectedCost
 
-    cost = CorrectedCost(LinearCost(1e-4), scale=2.0)  # the model under-predicts by half
+    cost = CorrectedCost(LinearCost(1e-4), token_scale=2.0)  # the model under-predicts by half
     assert cost.marginal_s(100) == pytest.approx(0.02)
     assert cost.max_tokens_within(0.04) == 200
+
+
+def _parts(cost, n: int, c: int = 0):  # noqa: ANN001, ANN202
+    return cost.prefill([(n, c)])
 
 
 def test_corrected_cost_learns_a_mixed_steps_fixed_cost_apart_from_its_slope() -> None:
@@ -912,20 +917,21 @@ def test_corrected_cost_learns_a_mixed_steps_fixed_cost_apart_from_its_slope() -
     true = lambda tokens: 0.012 + 2.0 * per_token_s * tokens  # noqa: E731
     tokens_seq = [150, 150, 4000, 150, 2000, 150, 150, 3000] * 6
     for n in tokens_seq:
-        cost.observe(per_token_s * n, true(n))
+        cost.observe(_parts(cost, n), true(n))
     assert cost.offset_s == pytest.approx(0.012, rel=0.02)
-    assert cost.scale == pytest.approx(2.0, rel=0.02)
+    assert cost.token_scale == pytest.approx(2.0, rel=0.02)
     # The TBT cut: 80 ms target, 4 ms decode step: room for the chunk after the fixed cost.
     room_s = 0.080 - 0.004 - cost.offset_s
     assert cost.max_tokens_within(room_s) == pytest.approx(3200, rel=0.03)
     assert true(cost.max_tokens_within(room_s)) + 0.004 <= 0.080 * 1.01
-    # Only short suffixes for a while (their costs too alike for a slope): the slope is kept,
-    # the offset still matches what they measure.
+    # Only short suffixes for a while (their costs too alike for a slope): what the long
+    # chunks taught mostly stays (decayed to 0.95^40, it still outweighs the prior), and the
+    # short steps are predicted right.
     for _ in range(40):
-        cost.observe(per_token_s * 150, true(150))
-    assert cost.scale == pytest.approx(2.0, rel=0.05)
-    assert cost.offset_s + cost.marginal_s(150) == pytest.approx(true(150), rel=0.01)
-    assert cost.max_tokens_within(0.080 - 0.004 - cost.offset_s) == pytest.approx(3200, rel=0.05)
+        cost.observe(_parts(cost, 150), true(150))
+    assert cost.token_scale == pytest.approx(2.0, rel=0.1)
+    assert cost.extra_s(_parts(cost, 150)) == pytest.approx(true(150), rel=0.01)
+    assert cost.max_tokens_within(0.080 - 0.004 - cost.offset_s) == pytest.approx(3200, rel=0.1)
     # The single running factor the engine kept before, on the same steps, then cuts the long
     # chunk to under a third of what fits.
     factor = 1.0
@@ -934,13 +940,53 @@ def test_corrected_cost_learns_a_mixed_steps_fixed_cost_apart_from_its_slope() -
     assert LinearCost(per_token_s).max_tokens_within(0.076 / factor) < 3200 / 3
 
 
+class _JctTerms:
+    def __init__(self, b_s_per_token: float, k_s_per_pair: float) -> None:
+        self.b_s_per_token, self.k_s_per_pair = b_s_per_token, k_s_per_pair
+
+
+def test_corrected_cost_scales_the_token_and_the_pair_terms_apart() -> None:
+    """The JCT model, fitted on whole prefills of thousands of tokens, has a merged step's
+    per-token cost too low and its attention too high (H100, 8B, plan whole: 1.46-1.64x and
+    0.64-0.74x). Chunks of 300-2,000 tokens after 0-40k cached tokens, costing 1.5x the token
+    term and 0.7x the pair term: the fit recovers both, and predicts a short chat prompt and
+    a chunk deep into a long prompt alike; one scale with an offset (the correction before)
+    is far off for one of them."""
+    from runtime.scheduler import CorrectedCost, MixedPrefill
+
+    jct = _JctTerms(1.6e-5, 1.1e-9)
+    cost = CorrectedCost(jct)
+    true = lambda p: 1.5 * p.token_s + 0.7 * p.pair_s  # noqa: E731
+    shapes = [(2000, 0), (900, 30000), (300, 16), (1500, 8000), (600, 40000), (1200, 20000)]
+    for n, c in shapes * 8:
+        cost.observe(_parts(cost, n, c), true(_parts(cost, n, c)))
+    # The prior pulls the terms a little along what these six shapes hardly tell apart;
+    # their predictions are what must be right.
+    assert cost.token_scale == pytest.approx(1.5, rel=0.05)
+    assert cost.pair_scale == pytest.approx(0.7, rel=0.15)
+    for n, c in [(60, 16), (1000, 38000)]:
+        want = true(_parts(cost, n, c))
+        assert cost.extra_s(_parts(cost, n, c)) == pytest.approx(want, rel=0.03, abs=1e-3)
+    # The correction as it was: one scale on the JCT model's marginal, an offset.
+    xs = [_parts(cost, n, c) for n, c in shapes * 8]
+    x = [p.token_s + p.pair_s for p in xs]
+    y = [true(p) for p in xs]
+    mx, my = sum(x) / len(x), sum(y) / len(y)
+    slope = sum((a - mx) * (b - my) for a, b in zip(x, y, strict=True)) / sum(
+        (a - mx) ** 2 for a in x
+    )
+    one = lambda p: my + slope * (p.token_s + p.pair_s - mx)  # noqa: E731
+    short = MixedPrefill.of(jct, [(60, 16)])
+    assert abs(one(short) - true(short)) > 0.5 * true(short)
+
+
 def test_corrected_cost_learns_what_a_cached_prefix_costs_a_short_query() -> None:
     """Mixed steps as next to chunked scoring on the H200 (plan cap): 150-token scoring
     suffixes after 11-17k cached tokens, fresh chat prompts after 16, 2k chunks after 0-12k.
     Each costs 4 ms + 1.5x the model's marginal + 0.2 µs per cached token (a short query still
     reads its whole prefix; the JCT model's query-key pairs miss most of it at 150 rows). The
     fit recovers the three, and a chunk after a long prefix gets the room less that read."""
-    from runtime.scheduler import CorrectedCost
+    from runtime.scheduler import CorrectedCost, MixedPrefill
 
     per_token_s = 1e-5
     cost = CorrectedCost(LinearCost(per_token_s))
@@ -948,72 +994,80 @@ def test_corrected_cost_learns_what_a_cached_prefix_costs_a_short_query() -> Non
     shapes = [(150, 14000), (120, 16), (2048, 4096), (150, 11500), (300, 0), (150, 17000)]
     shapes += [(2048, 0), (90, 16), (150, 12800), (2048, 12000)]
     for n, c in shapes * 6:
-        cost.observe(per_token_s * n, true(n, c), c)
-    assert cost.offset_s == pytest.approx(0.004, rel=0.02)
-    assert cost.scale == pytest.approx(1.5, rel=0.02)
-    assert cost.context_s_per_token == pytest.approx(2e-7, rel=0.02)
-    assert cost.extra_s(per_token_s * 150, 14000) == pytest.approx(true(150, 14000), rel=0.01)
+        cost.observe(_parts(cost, n, c), true(n, c))
+    assert cost.offset_s == pytest.approx(0.004, rel=0.15)
+    assert cost.token_scale == pytest.approx(1.5, rel=0.05)
+    assert cost.context_s_per_token == pytest.approx(2e-7, rel=0.15)
+    for n, c in shapes:  # within the prior's pull (a few %, at most ~0.3 ms on short steps)
+        assert cost.extra_s(_parts(cost, n, c)) == pytest.approx(true(n, c), rel=0.02, abs=4e-4)
     # A part after 16k cached tokens: its room less the 3.2 ms prefix read.
     room_s = 0.030 - cost.offset_s
     n = cost.max_tokens_within(room_s, 16000)
-    assert n == pytest.approx((room_s - 2e-7 * 16000) / (1.5 * per_token_s), rel=0.02)
+    assert n == pytest.approx((room_s - 2e-7 * 16000) / (1.5 * per_token_s), rel=0.05)
     assert cost.offset_s + cost.marginal_s(n, 16000) <= 0.030 * 1.001
     assert cost.max_tokens_within(0.002, 16000) == 0  # the prefix read alone overfills it
-    # A run of scoring suffixes alone (marginal costs too alike to fit a slope): the context
-    # term is held, not dropped, and the offset stays what it was.
+    # A run of scoring suffixes alone (one shape: nothing tells the terms apart): each fit is
+    # pulled toward the one before, so the terms stay and the other shapes stay right (a
+    # prior held at the first guess drew the chat prompt's step 23 % over).
     for _ in range(40):
-        cost.observe(per_token_s * 150, true(150, 14000), 14000)
-    assert cost.context_s_per_token == pytest.approx(2e-7, rel=0.02)
-    assert cost.offset_s == pytest.approx(0.004, rel=0.05)
-    assert cost.extra_s(per_token_s * 2048, 0) == pytest.approx(true(2048, 0), rel=0.02)
+        cost.observe(_parts(cost, 150, 14000), true(150, 14000))
+    assert cost.context_s_per_token == pytest.approx(2e-7, rel=0.05)
+    for n, c in [(150, 14000), (2048, 0), (2048, 12000), (120, 16)]:
+        assert cost.extra_s(_parts(cost, n, c)) == pytest.approx(true(n, c), rel=0.02)
     # Without the context term (the affine fit alone) the same steps are far off for one kind:
     # a scoring suffix after 17k or a fresh chat prompt.
     affine = CorrectedCost(LinearCost(per_token_s))
+    blind = lambda n: MixedPrefill(per_token_s * n, 0.0, 0)  # noqa: E731
     for n, c in shapes * 6:
-        affine.observe(per_token_s * n, true(n, c))
-    errors = [abs(affine.extra_s(per_token_s * n, c) - true(n, c)) / true(n, c) for n, c in shapes]
+        affine.observe(blind(n), true(n, c))
+    errors = [abs(affine.extra_s(blind(n)) - true(n, c)) / true(n, c) for n, c in shapes]
     assert max(errors) > 0.25
 
 
-def test_corrected_cost_keeps_no_context_term_it_cannot_tell_apart() -> None:
-    """The context term only where the steps can tell it: none while no step has a cached
-    prefix, nor while context grows with the marginal cost (later chunks of one prompt), nor
-    when the fit would make a cached token cost less than nothing."""
+def test_corrected_cost_holds_at_its_prior_what_the_steps_cannot_tell() -> None:
+    """A term no step can tell stays where the prior puts it: no cached prefix in any step
+    (the context term stays 0), no query-key pairs (the pair scale stays at its seed). Where
+    context grows with the chunk (later chunks of one prompt), the terms may trade off, but
+    what such steps take and a fresh prompt's step are both predicted right."""
     from runtime.scheduler import CorrectedCost
 
     per_token_s = 1e-5
     fresh = CorrectedCost(LinearCost(per_token_s))
+    fresh.seed_scale(1.7)
     for n in [150, 4000, 2000, 300] * 10:
-        fresh.observe(per_token_s * n, 0.005 + 2.0 * per_token_s * n, 0)
+        fresh.observe(_parts(fresh, n), 0.005 + 2.0 * per_token_s * n)
     assert fresh.context_s_per_token == 0.0
-    assert fresh.scale == pytest.approx(2.0, rel=0.02)
+    assert fresh.pair_scale == pytest.approx(1.7)
+    assert fresh.token_scale == pytest.approx(2.0, rel=0.02)
+    true = lambda n, c: 0.005 + 2.0 * per_token_s * n + 1e-7 * c  # noqa: E731
     chunks = CorrectedCost(LinearCost(per_token_s))
-    for k in range(1, 9):  # chunk k of a prompt: context = the chunks before it
-        n = 2000 * k
-        chunks.observe(per_token_s * n, 0.005 + 2.0 * per_token_s * n, n - 2000)
-    assert chunks.context_s_per_token == 0.0
-    cheaper = CorrectedCost(LinearCost(per_token_s))
-    for n, c in [(150, 14000), (2000, 0), (150, 0), (2000, 12000)] * 10:
-        cheaper.observe(per_token_s * n, 0.005 + per_token_s * n - 1e-7 * c, c)
-    assert cheaper.context_s_per_token == 0.0 and cheaper.offset_s >= 0.0
+    for _ in range(3):
+        for k in range(1, 9):  # chunk k of a prompt: context = the chunks before it
+            n, c = 1000 + 250 * k, 1250 * (k - 1)
+            chunks.observe(_parts(chunks, n, c), true(n, c))
+    for n, c in [(1500, 1250), (2750, 8750)]:
+        assert chunks.extra_s(_parts(chunks, n, c)) == pytest.approx(true(n, c), rel=0.03)
 
 
-def test_corrected_cost_stays_in_bounds_and_keeps_the_mean() -> None:
-    """Steps cheaper than the model at every size (a negative intercept would fit): the offset
-    stays at 0 and the scale takes the ratio of means; absurd measurements hit the bounds."""
-    from runtime.scheduler import CorrectedCost
+def test_corrected_cost_stays_in_bounds() -> None:
+    """Absurd measurements drive the terms to their bounds, not past them; a step with no
+    prefill predicted teaches nothing; a part's cost is never below 0."""
+    from runtime.scheduler import CorrectedCost, MixedPrefill
 
     cost = CorrectedCost(LinearCost(1e-5))
-    for n in (1000, 3000) * 10:
-        cost.observe(1e-5 * n, 0.5 * 1e-5 * n - 0.002)  # 0.5x slope, -2 ms intercept
-    assert cost.offset_s == 0.0
-    assert 0.3 < cost.scale < 0.5
     for _ in range(50):
-        cost.observe(1e-5 * 100, 5.0)  # 5 s for a 100-token chunk
+        cost.observe(_parts(cost, 100), 5.0)  # 5 s for a 100-token chunk
     assert cost.offset_s <= CorrectedCost.MAX_OFFSET_S
-    assert cost.scale <= CorrectedCost.MAX_SCALE
-    cost.observe(0.0, 1.0)  # no prefill predicted: nothing learned
-    assert cost.scale <= CorrectedCost.MAX_SCALE
+    assert cost.token_scale <= CorrectedCost.MAX_SCALE
+    before = (cost.offset_s, cost.token_scale)
+    cost.observe(MixedPrefill(0.0, 0.0, 0), 1.0)  # no prefill predicted: nothing learned
+    assert (cost.offset_s, cost.token_scale) == before
+    cheap = CorrectedCost(LinearCost(1e-5))
+    for n, c in [(150, 14000), (2000, 0), (150, 0), (2000, 12000)] * 20:
+        cheap.observe(_parts(cheap, n, c), max(0.0, 0.5e-5 * n - 5e-6 * c))
+    assert cheap.offset_s >= CorrectedCost.MIN_OFFSET_S
+    assert cheap.context_s_per_token >= -CorrectedCost.MAX_CONTEXT_S_PER_TOKEN
+    assert cheap.marginal_s(150, 14000) >= 0.0 and cheap.extra_s(_parts(cheap, 150, 14000)) >= 0.0
 
 
 def test_tail_factor_aims_below_the_target_by_the_tail_of_full_steps() -> None:
