@@ -589,11 +589,14 @@ def test_tbt_cut_learns_how_wrong_the_jct_model_is_in_mixed_steps() -> None:
         engine.abort("chat")
         engine.shutdown()
         gc.enable()
-    # Bounded; which of scale, offset and the cost of the prefill parts' cached tokens carries
-    # the difference is not this test's: its JCT model predicts ~nothing, so the scale is
-    # timing noise (below 1 when the context term takes the chunks' growing context).
-    assert CorrectedCost.MIN_SCALE <= stats["tbt_cost_scale"] <= CorrectedCost.MAX_SCALE
-    assert 0.0 <= stats["tbt_cost_context_ms_per_1k"] <= CorrectedCost.MAX_CONTEXT_S_PER_TOKEN * 1e6
+    # Bounded; which of the scales, the offset and the cost of the prefill parts' cached
+    # tokens carries the difference is not this test's: its JCT model predicts ~nothing, so
+    # the scales are timing noise (below 1 when the context term takes the chunks' growing
+    # context).
+    for key in ("tbt_cost_token_scale", "tbt_cost_pair_scale"):
+        assert CorrectedCost.MIN_SCALE <= stats[key] <= CorrectedCost.MAX_SCALE
+    bound_ms_per_1k = CorrectedCost.MAX_CONTEXT_S_PER_TOKEN * 1e6
+    assert -bound_ms_per_1k <= stats["tbt_cost_context_ms_per_1k"] <= bound_ms_per_1k
     # Every mixed step is counted and its measured / predicted time kept (the tail is what a
     # P99 target is judged by); quantiles are ordered.
     assert stats["num_mixed_steps"] > 0
