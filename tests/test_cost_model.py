@@ -474,6 +474,51 @@ def test_sub_layer_slices_cut_a_streamed_layer_no_slice_fits() -> None:
     assert one is not None and (one.layers, one.pieces) == (1, 1)
 
 
+def test_sub_layer_slices_group_finer_pieces_to_fill_the_room() -> None:
+    """Pieces are whole hybrid chunks, so the fewest that fit can leave much of the room
+    empty: with room for 0.6 of a layer (this model's attention makes a layer's later rows
+    the heavier: two pieces are 0.31 and 0.70 of it), the fewest pieces that fit are four,
+    one a slice: 128 slices over 32 layers. Finer pieces, several a slice (across a layer's
+    end), fill it: fewer slices, so fewer decode steps between them, each within the room."""
+    from runtime.partition.cost_model import RowStream, row_piece_rows
+
+    m = _long_prefill_beside_decodes()[0]
+    n_rows, chunk = 32768, 2048  # 16 chunks
+    p = PrefillShape.from_seqs([(0, n_rows)], num_layers=32)
+    d = DecodeShape(1, 2048, 32)
+    whole_prefill, whole_decode = m.predict(PREFILL, p, TOTAL), m.predict(DECODE, d, TOTAL)
+    per_layer = whole_prefill / 32
+    target = whole_decode + 0.6 * per_layer
+    ctl = SplitController(
+        m, [32, 64], ControllerConfig(tbt_slo_ms=target, layer_slicing=True, hysteresis_sms=0)
+    )
+    sliced = ctl._layer_slices(p, d, rows=RowStream(0, n_rows, chunk))
+    assert sliced is not None and sliced.pieces > 2 and sliced.per_slice > 1
+
+    def heaviest(pieces: int, per_slice: int = 1) -> float:
+        """The heaviest run of `per_slice` consecutive pieces, wrapping into the next layer."""
+        n = row_piece_rows(n_rows, chunk, pieces)
+        costs = [
+            m.predict(PREFILL, PrefillShape(q, q * (s + (q + 1) / 2), 1), TOTAL)
+            for s, q in [(s, min(n, n_rows - s)) for s in range(0, n_rows, n)]
+        ]
+        return max(sum((costs * 2)[i : i + per_slice]) for i in range(len(costs)))
+
+    room = target - whole_decode
+    assert heaviest(sliced.pieces, sliced.per_slice) <= room
+    assert heaviest(sliced.pieces, sliced.per_slice + 1) > room  # as many as fit
+    num_slices = -(-32 * sliced.pieces // sliced.per_slice)
+    assert heaviest(4) <= room < min(heaviest(2), heaviest(4, 2))  # four a layer, one a slice
+    assert num_slices < 0.7 * 128  # ... make 128 slices
+    assert sliced.predicted_ms == pytest.approx(whole_prefill + (num_slices - 1) * whole_decode)
+    assert sliced.decode_wait_ms == pytest.approx(
+        heaviest(sliced.pieces, sliced.per_slice) + whole_decode
+    )
+    dec = ctl.choose(p, d, 0.2, rows=RowStream(0, n_rows, chunk))
+    assert (dec.pieces_per_layer, dec.pieces_per_slice) == (sliced.pieces, sliced.per_slice)
+    assert dec.predicted_decode_ms <= target
+
+
 def test_interference_slope_is_learned_from_observations_of_a_known_law() -> None:
     """A split prefill that slows by (1 + nu * the neighbour decode step in ms), at a level the
     profile does not know (x1.7): `fit_interference` finds nu whatever the level."""

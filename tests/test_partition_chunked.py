@@ -650,11 +650,12 @@ def test_one_prefill_model_whole_gpu_prefill_comes_from_the_jct_model(manager) -
 
 def test_a_fitted_jct_model_prices_row_pieces_as_one_layer(manager) -> None:  # noqa: F811
     """Through the engine: a whole scoring prompt that streams its rows, no layer of which
-    fits the room beside a decoding chat, runs in the fewest row pieces the aim admits, priced
-    by the JCT model the engine shares once it is fitted to the device. 1,000 tokens on the
-    2-layer model: a layer 1 ms (1 us a token), the room 2.7 - 2 ms: two pieces of 504 and
-    496 rows (whole 8-token chunks). Priced as whole forwards (before `cfb80db`), each piece cost both layers: three
-    pieces here, and on the H100 none at all (none of a 53-56k-token prompt fitted)."""
+    fits the room beside a decoding chat, runs in row pieces priced by the JCT model the
+    engine shares once it is fitted to the device. 1,000 tokens on the 2-layer model: a layer
+    1 ms (1 us a token), the room 2.7 - 2 ms: two pieces of 504 and 496 rows (whole 8-token
+    chunks) make four slices; three pieces of 336 rows, two a slice, make three. Priced as
+    whole forwards (before `cfb80db`), each piece cost both layers: more pieces here, and on
+    the H100 none at all (none of a 53-56k-token prompt fitted)."""
     eng, ex, _ = _auto_engine(
         manager, prefill_token_budget=16, prefill_chunk_tokens=8, chunk_scoring_prefill=False
     )
@@ -676,10 +677,12 @@ def test_a_fitted_jct_model_prices_row_pieces_as_one_layer(manager) -> None:  # 
     eng.scheduler.add(Request("s", RequestKind.SCORE, prompt, label_token_ids=[10, 20, 30]))
     _run(eng, lambda: eng.scheduler.get("s") is None, max_steps=400)
     (sliced,) = [c for c in choices if c.decision.pieces_per_layer]
-    assert (sliced.decision.layers_per_slice, sliced.decision.pieces_per_layer) == (1, 2)
+    dec = sliced.decision
+    assert (dec.layers_per_slice, dec.pieces_per_layer, dec.pieces_per_slice) == (1, 3, 2)
     assert ex.num_sub_layer_sliced_prefills == 1
-    # A decode waits the heavier piece (63 chunks of 8: 504 rows) and its own step.
-    assert sliced.decision.predicted_decode_ms == pytest.approx(0.504 + 2.0)
+    # A decode waits a slice of two of the heaviest pieces (42 chunks of 8: 336 rows) and its
+    # own step.
+    assert dec.predicted_decode_ms == pytest.approx(2 * 0.336 + 2.0)
 
 
 def test_chunked_steps_are_scored_against_their_prediction(manager) -> None:  # noqa: F811

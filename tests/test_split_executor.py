@@ -215,6 +215,7 @@ def fixed_split(
     layers_per_slice: int | None = None,
     predicted_prefill_ms: float = 5.0,
     pieces_per_layer: int | None = None,
+    pieces_per_slice: int | None = None,
 ) -> Any:
     choices: list[tuple[bool, bool]] = []
 
@@ -226,6 +227,7 @@ def fixed_split(
                 layers_per_slice=layers_per_slice,
                 predicted_prefill_ms=predicted_prefill_ms,
                 pieces_per_layer=pieces_per_layer,
+                pieces_per_slice=pieces_per_slice,
             )
             return SplitChoice(dec, "whole", "whole", 132)
         if p is None or prefill_sms == 0:
@@ -671,6 +673,58 @@ def test_sub_layer_slices_run_each_layer_in_row_pieces_with_decodes_between() ->
     assert probs == pytest.approx(ref_probs, rel=1e-5, abs=1e-7)
     assert ex.num_layer_sliced_prefills == 2 and ex.num_sub_layer_sliced_prefills == 1
     assert eng._partition_stats()["pd_sub_layer_sliced_prefills"] == 1
+    eng.block_manager.check_integrity()
+
+
+def test_grouped_row_pieces_cross_a_layers_end_with_decodes_only_between_slices() -> None:
+    """`pieces_per_slice`: consecutive row pieces run as one slice, across a layer's end into
+    the next, a decode step only between slices. 37 rows in chunks of 8, three pieces a layer
+    (16, 16 and 5 rows), two a slice over the 2 layers: three slices; the scores are the
+    serial executor's."""
+    cfg = dict(prefill_token_budget=16, prefill_chunk_tokens=8, chunk_scoring_prefill=False)
+    prompt = [(7 * i) % 300 + 5 for i in range(37)]
+
+    def score_req() -> Request:
+        return Request("s", RequestKind.SCORE, list(prompt), label_token_ids=[10, 20, 30])
+
+    ref_eng = Engine(
+        EngineConfig(model="random:tiny", prefill_policy="fcfs", block_size=4,
+                     num_kv_blocks=128, **cfg),
+        lambda outs: None,
+    )  # fmt: skip
+    ref_eng.scheduler.add(score_req())
+    ref: list[EngineOutput] = []
+    while ref_eng.scheduler.has_work() or ref_eng.executor.num_in_flight:
+        ref += ref_eng._step()
+    (ref_probs,) = [o.label_probs for o in ref if o.label_probs is not None]
+
+    dev = FakeDevice()
+    eng, ex, _ = split_engine(
+        dev, fixed_split(layers_per_slice=1, pieces_per_layer=3, pieces_per_slice=2), **cfg
+    )
+    order = launch_order(ex, "forward_layer_rows", lambda a: f"L{a[4]}:{a[5]}-{a[6]}")
+    eng.scheduler.add(gen("g", 9, 12))
+    outs = split_step(eng)
+    outs += split_step(eng)
+    eng.scheduler.add(score_req())
+    dev.hold = True  # each slice stays pending for three steps, then completes
+    for _ in range(4):
+        for _ in range(3):
+            outs += split_step(eng)
+        dev.release()
+    outs += finish(eng, dev)
+    runs: list[list[str]] = []  # the pieces between decode steps
+    for o in order[order.index("L0:0-16") :]:
+        if o == "decode":
+            if runs and runs[-1]:
+                runs.append([])
+        elif o.startswith("L"):
+            runs[-1:] = [[*(runs[-1] if runs else []), o]]
+    slices = [r for r in runs if r]
+    assert slices == [["L0:0-16", "L0:16-32"], ["L0:32-37", "L1:0-16"], ["L1:16-32", "L1:32-37"]]
+    (probs,) = [o.label_probs for o in outs if o.label_probs is not None]
+    assert probs == pytest.approx(ref_probs, rel=1e-5, abs=1e-7)
+    assert ex.num_sub_layer_sliced_prefills == 1
     eng.block_manager.check_integrity()
 
 

@@ -67,6 +67,7 @@ class _Prefill:
     # multiple of the hybrid chunk; 0: whole layers), the next row of `next_layer`, and that
     # layer's keys and values between its pieces.
     piece_rows: int = 0
+    pieces_per_slice: int = 1  # consecutive pieces a slice (`SplitDecision.pieces_per_slice`)
     next_row: int = 0
     layer_kv: RowsKV | None = None
     abandoned: bool = False  # its requests all finished before its last slice: no outputs
@@ -358,6 +359,7 @@ class SplitExecutor:
                 num_tokens, self.runner.prefill_backend, chunk, self.stream_rows_above
             ):
                 self.prefill.piece_rows = row_piece_rows(num_tokens, chunk, pieces)
+                self.prefill.pieces_per_slice = max(1, choice.pieces_per_slice or 1)
                 self.prefill.layers_per_slice = 1
                 self.num_sub_layer_sliced_prefills += 1
             else:
@@ -396,21 +398,26 @@ class SplitExecutor:
                 if f.piece_rows:
                     assert self.chunk_tokens is not None
                     num_rows = f.h.shape[0]
-                    row_end = min(num_rows, f.next_row + f.piece_rows)
-                    f.h, f.layer_kv = self.model.forward_layer_rows(
-                        f.h,
-                        f.residual,
-                        f.batch.positions,
-                        self.runner.prefill_backend,
-                        f.next_layer,
-                        f.next_row,
-                        row_end,
-                        self.chunk_tokens,
-                        f.layer_kv,
-                    )
-                    f.residual = None  # one stream from the first piece on
-                    f.next_row = 0 if row_end >= num_rows else row_end
-                    end = f.next_layer + (1 if row_end >= num_rows else 0)
+                    # One slice: `pieces_per_slice` pieces in a row, across a layer's end.
+                    end = f.next_layer
+                    for _ in range(f.pieces_per_slice):
+                        row_end = min(num_rows, f.next_row + f.piece_rows)
+                        f.h, f.layer_kv = self.model.forward_layer_rows(
+                            f.h,
+                            f.residual,
+                            f.batch.positions,
+                            self.runner.prefill_backend,
+                            end,
+                            f.next_row,
+                            row_end,
+                            self.chunk_tokens,
+                            f.layer_kv,
+                        )
+                        f.residual = None  # one stream from the first piece on
+                        f.next_row = 0 if row_end >= num_rows else row_end
+                        end += 1 if row_end >= num_rows else 0
+                        if end == num_layers:
+                            break
                 else:
                     end = min(num_layers, f.next_layer + f.layers_per_slice)
                     f.h, f.residual = self.model.forward_layers(

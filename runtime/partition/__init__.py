@@ -33,6 +33,10 @@ class SplitDecision:
     # in this many pieces of its rows, a decode step between pieces, where no whole layer
     # fits the TBT target (layers_per_slice is then 1). None = whole layers.
     pieces_per_layer: int | None = None
+    # Sub-layer slices grouped: this many consecutive row pieces (across a layer's end into
+    # the next) run as one slice before a decode step, so finer pieces fill the room a
+    # coarser cut leaves. None = one piece a slice.
+    pieces_per_slice: int | None = None
     # Time-slicing with the prefill cut into chunks of at most this many tokens per step, each
     # step one whole-GPU forward of the decodes and a chunk sized to the TBT target
     # (prefill_sms is TIME_SLICE): it caps the step's prefill tokens when the step is planned.
@@ -65,6 +69,10 @@ class SplitChoice:
     @property
     def pieces_per_layer(self) -> int | None:
         return self.decision.pieces_per_layer
+
+    @property
+    def pieces_per_slice(self) -> int | None:
+        return self.decision.pieces_per_slice
 
     @property
     def chunk_tokens(self) -> int | None:

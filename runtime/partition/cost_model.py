@@ -536,6 +536,11 @@ class RowStream:
     chunk_tokens: int
 
 
+# The most row pieces a layer `SplitController._row_pieces` tries: finer cuts fill a slice
+# little better and cost O(pieces²) predictions a decision.
+MAX_ROW_PIECES = 32
+
+
 def row_piece_rows(num_tokens: int, chunk_tokens: int, pieces: int) -> int:
     """Rows a piece when a row-streamed layer of `num_tokens` rows runs in `pieces` pieces
     of whole hybrid chunks (the last piece may be shorter): the one cut the controller
@@ -547,14 +552,16 @@ def row_piece_rows(num_tokens: int, chunk_tokens: int, pieces: int) -> int:
 @dataclass(frozen=True, slots=True)
 class LayerSlices:
     """Time-slicing a prefill by layers (`SplitController._layer_slices`): `layers` a slice,
-    or one layer in `pieces` row pieces (sub-layer slices; 1: whole layers), the predicted
-    completion (the slices and the decode steps between them), ms, and what a decode step
-    waits meanwhile: the heaviest slice and the step itself, ms."""
+    or each layer in `pieces` row pieces (sub-layer slices; 1: whole layers) run
+    `per_slice` consecutive pieces a slice, the predicted completion (the slices and the
+    decode steps between them), ms, and what a decode step waits meanwhile: the heaviest
+    slice and the step itself, ms."""
 
     layers: int
     pieces: int
     predicted_ms: float
     decode_wait_ms: float
+    per_slice: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -925,7 +932,7 @@ class SplitController:
                 or sliced.predicted_ms <= tp_split * need
             ):
                 what = (
-                    f"sub-layer slices ({sliced.pieces} pieces a layer)"
+                    f"sub-layer slices ({sliced.pieces} pieces a layer, {sliced.per_slice} a slice)"
                     if sliced.pieces > 1
                     else f"layer slices of {sliced.layers}"
                 )
@@ -938,6 +945,7 @@ class SplitController:
                     predicted_decode_ms=sliced.decode_wait_ms,
                     layers_per_slice=sliced.layers,
                     pieces_per_layer=sliced.pieces if sliced.pieces > 1 else None,
+                    pieces_per_slice=sliced.per_slice if sliced.per_slice > 1 else None,
                 )
         sp = self.speedup(best_split, p, d)
         choice = best_split
@@ -971,8 +979,9 @@ class SplitController:
         cost the prefill one decode step (~3 ms there) each.
 
         Where the aim admits no whole layer and `p` streams its rows (`rows`), each layer
-        runs in the fewest row pieces (whole hybrid chunks each) whose heaviest, with the
-        same margin, fits the aim less the decode step: sub-layer slices (`_row_pieces`). On
+        runs in row pieces (whole hybrid chunks each), as many consecutive pieces a slice as
+        fit the aim less the decode step with the same margin, cut for the fewest slices:
+        sub-layer slices (`_row_pieces`). On
         an H100 (8B in 24 GB, 80-ms target) no layer fits the target itself for prompts over
         ~52k tokens, which otherwise went to a 112-SM split at 1.2-1.3x the whole GPU's time;
         one-layer slices of 40-52k-token prompts, within the target but past the aim, held
@@ -993,49 +1002,81 @@ class SplitController:
         no_layer = target_ms - td < per_layer_ms
         fit = 0 if no_layer or aim <= td else int((aim - td) // (per_layer_ms * (1.0 + err)))
         if fit == 0 and rows is not None:
-            cut = self._row_pieces(rows, aim - td, err)
+            cut = self._row_pieces(rows, aim - td, err, num_layers)
             if cut is not None:
-                pieces, heaviest_ms = cut
-                return LayerSlices(1, pieces, tp + (num_layers * pieces - 1) * td, heaviest_ms + td)
+                pieces, per_slice, heaviest_ms = cut
+                num_slices = math.ceil(num_layers * pieces / per_slice)
+                return LayerSlices(
+                    1, pieces, tp + (num_slices - 1) * td, heaviest_ms + td, per_slice
+                )
         if no_layer:
             return None
         layers = min(num_layers, max(1, fit))
         num_slices = math.ceil(num_layers / layers)
         return LayerSlices(layers, 1, tp + (num_slices - 1) * td, layers * per_layer_ms + td)
 
-    def _row_pieces(self, rows: RowStream, room_ms: float, err: float) -> tuple[int, float] | None:
-        """The fewest pieces (at least 2) a row-streamed layer can be cut into, as the
-        executor cuts it (`row_piece_rows`), whose heaviest piece, times 1 + `err`, fits
-        `room_ms`, and that piece's predicted time (ms); None if not even one chunk a piece
-        does. A piece of rows [s, e) after a context c is the prefill model's one-layer
-        shape of e - s tokens with (e - s) * (c + s + (e - s + 1) / 2) attention pairs: the
-        later pieces, which attend to more keys, are the heaviest. Not modelled: the first piece also projects every
-        row's keys and values (on the 8B ~4 % of a layer's per-token work), left to the
-        margin."""
+    def _row_pieces(
+        self, rows: RowStream, room_ms: float, err: float, num_layers: int
+    ) -> tuple[int, int, float] | None:
+        """How to cut a row-streamed layer into pieces as the executor cuts it
+        (`row_piece_rows`, at least 2 a layer) and how many consecutive pieces to run a slice
+        (across a layer's end into the next), so that the heaviest slice, times 1 + `err`,
+        fits `room_ms`: the cut with the fewest slices over the `num_layers` layers (the
+        fewest decode steps between them), of equal ones the fewest pieces. Returns (pieces
+        a layer, pieces a slice, the heaviest slice's predicted time in ms); None if not
+        even one chunk a piece fits.
+
+        Why group: pieces are whole hybrid chunks, so the fewest pieces that fit can leave
+        much of the room empty. On an H100 (8B in 24 GB, 80-ms target, `ed34c71`) a
+        51k-token prompt's layer (~72 ms) fit the ~60-ms room only as two pieces of ~36-40
+        ms: 64 slices with 63 decode steps of ~6.7 ms between them, and the prompt spanned
+        1.16x its whole-GPU time. Finer pieces, several a slice, fill it.
+
+        A piece of rows [s, e) after a context c is the prefill model's one-layer shape of
+        e - s tokens with (e - s) * (c + s + (e - s + 1) / 2) attention pairs, each piece
+        priced on its own (the model's per-forward terms count once a piece); the later
+        pieces attend to more keys. A slice is the heaviest run of that many consecutive
+        pieces, wrapping from a layer's last pieces to the next layer's first. Not
+        modelled: the first piece of a layer also projects every row's keys and values (on
+        the 8B ~4 % of a layer's per-token work), left to the margin. At most
+        MAX_ROW_PIECES pieces a layer are tried, O(pieces²) predictions in all."""
         if room_ms <= 0:
             return None
         total = self.model.total_sms
         n_rows, ctx = rows.num_tokens, rows.context_tokens
         num_chunks = -(-n_rows // rows.chunk_tokens)
+        margin = 1.0 + err
         last_rows = n_rows
-        for pieces in range(2, num_chunks + 1):
+        best: tuple[int, int, int, float] | None = None  # (slices, pieces, per slice, ms)
+        for pieces in range(2, min(num_chunks, MAX_ROW_PIECES) + 1):
             piece_rows = row_piece_rows(n_rows, rows.chunk_tokens, pieces)
             if piece_rows == last_rows:
                 continue  # the same cut as fewer pieces
             last_rows = piece_rows
-            # O(1) a cut, on the hot path: of equal pieces the last full one attends to the
-            # most keys, the tail is shorter but later, and the first is there in case a fit
-            # gave attention a negative price.
-            tail = (n_rows - 1) // piece_rows * piece_rows
-            starts = {0, max(0, tail - piece_rows), tail}
-            heaviest = 0.0
-            for s in starts:
+            costs = []
+            for s in range(0, n_rows, piece_rows):
                 q = min(piece_rows, n_rows - s)
                 shape = PrefillShape(q, q * (ctx + s + (q + 1) / 2), 1)
-                heaviest = max(heaviest, self.model.predict(PREFILL, shape, total))
-            if heaviest * (1.0 + err) <= room_ms:
-                return pieces, heaviest
-        return None
+                costs.append(self.model.predict(PREFILL, shape, total))
+            cut = len(costs)
+            prefix = [0.0]
+            for c in costs + costs:  # doubled: a slice may run into the next layer
+                prefix.append(prefix[-1] + c)
+            per_slice, heaviest = 0, 0.0
+            while per_slice + 1 < cut:  # a whole layer does not fit (the caller's case)
+                g = per_slice + 1
+                w = max(prefix[i + g] - prefix[i] for i in range(cut))
+                if w * margin > room_ms:
+                    break
+                per_slice, heaviest = g, w
+            if per_slice == 0:
+                continue
+            slices = -(-cut * num_layers // per_slice)
+            if best is None or slices < best[0]:
+                best = (slices, cut, per_slice, heaviest)
+        if best is None:
+            return None
+        return best[1], best[2], best[3]
 
     def _settle(
         self,

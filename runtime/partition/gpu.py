@@ -274,7 +274,10 @@ class GreenContextPartition:
             if dec.chunk_tokens:
                 what = f"time-slice in chunks of <= {dec.chunk_tokens} tokens"
             elif dec.pieces_per_layer:
-                what = f"time-slice by {dec.pieces_per_layer} row pieces a layer"
+                what = (
+                    f"time-slice by {dec.pieces_per_layer} row pieces a layer, "
+                    f"{dec.pieces_per_slice or 1} a slice"
+                )
             elif dec.layers_per_slice:
                 what = f"time-slice by {dec.layers_per_slice} layers"
             elif dec.prefill_sms == TIME_SLICE:
