@@ -519,6 +519,29 @@ def test_sub_layer_slices_group_finer_pieces_to_fill_the_room() -> None:
     assert dec.predicted_decode_ms <= target
 
 
+def test_row_pieces_beat_whole_layer_slices_where_they_make_fewer_slices() -> None:
+    """A layer fits the room, two do not: whole-layer slices are one layer each, 32 slices.
+    Where the rows stream, pieces run a layer and a part a slice: fewer slices, so fewer
+    decode steps between them. Without rows, whole layers."""
+    from runtime.partition.cost_model import RowStream
+
+    m = _long_prefill_beside_decodes()[0]
+    n_rows, chunk = 32768, 2048
+    p = PrefillShape.from_seqs([(0, n_rows)], num_layers=32)
+    d = DecodeShape(1, 2048, 32)
+    whole_prefill, whole_decode = m.predict(PREFILL, p, TOTAL), m.predict(DECODE, d, TOTAL)
+    per_layer = whole_prefill / 32
+    target = whole_decode + 1.5 * per_layer
+    ctl = SplitController(m, [32, 64], ControllerConfig(tbt_slo_ms=target, layer_slicing=True))
+    layers = ctl._layer_slices(p, d)
+    assert layers is not None and (layers.layers, layers.pieces) == (1, 1)
+    sliced = ctl._layer_slices(p, d, rows=RowStream(0, n_rows, chunk))
+    assert sliced is not None and sliced.per_slice > sliced.pieces  # over a layer a slice
+    assert -(-32 * sliced.pieces // sliced.per_slice) < 32
+    assert sliced.predicted_ms < layers.predicted_ms
+    assert sliced.decode_wait_ms <= target
+
+
 def test_interference_slope_is_learned_from_observations_of_a_known_law() -> None:
     """A split prefill that slows by (1 + nu * the neighbour decode step in ms), at a level the
     profile does not know (x1.7): `fit_interference` finds nu whatever the level."""

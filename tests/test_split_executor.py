@@ -676,11 +676,20 @@ def test_sub_layer_slices_run_each_layer_in_row_pieces_with_decodes_between() ->
     eng.block_manager.check_integrity()
 
 
-def test_grouped_row_pieces_cross_a_layers_end_with_decodes_only_between_slices() -> None:
+@pytest.mark.parametrize(
+    ("pieces", "per_slice", "want"),
+    [
+        (3, 2, [["L0:0-16", "L0:16-32"], ["L0:32-37", "L1:0-16"], ["L1:16-32", "L1:32-37"]]),
+        (2, 3, [["L0:0-24", "L0:24-37", "L1:0-24"], ["L1:24-37"]]),
+    ],
+)
+def test_grouped_row_pieces_cross_a_layers_end_with_decodes_only_between_slices(
+    pieces: int, per_slice: int, want: list[list[str]]
+) -> None:
     """`pieces_per_slice`: consecutive row pieces run as one slice, across a layer's end into
-    the next, a decode step only between slices. 37 rows in chunks of 8, three pieces a layer
-    (16, 16 and 5 rows), two a slice over the 2 layers: three slices; the scores are the
-    serial executor's."""
+    the next (more than a layer's worth where asked), a decode step only between slices. 37
+    rows in chunks of 8 over the 2 layers: three pieces a layer (16, 16 and 5 rows) two a
+    slice, or two (24 and 13) three a slice; the scores are the serial executor's."""
     cfg = dict(prefill_token_budget=16, prefill_chunk_tokens=8, chunk_scoring_prefill=False)
     prompt = [(7 * i) % 300 + 5 for i in range(37)]
 
@@ -700,7 +709,9 @@ def test_grouped_row_pieces_cross_a_layers_end_with_decodes_only_between_slices(
 
     dev = FakeDevice()
     eng, ex, _ = split_engine(
-        dev, fixed_split(layers_per_slice=1, pieces_per_layer=3, pieces_per_slice=2), **cfg
+        dev,
+        fixed_split(layers_per_slice=1, pieces_per_layer=pieces, pieces_per_slice=per_slice),
+        **cfg,
     )
     order = launch_order(ex, "forward_layer_rows", lambda a: f"L{a[4]}:{a[5]}-{a[6]}")
     eng.scheduler.add(gen("g", 9, 12))
@@ -714,14 +725,14 @@ def test_grouped_row_pieces_cross_a_layers_end_with_decodes_only_between_slices(
         dev.release()
     outs += finish(eng, dev)
     runs: list[list[str]] = []  # the pieces between decode steps
-    for o in order[order.index("L0:0-16") :]:
+    for o in order[order.index(want[0][0]) :]:
         if o == "decode":
             if runs and runs[-1]:
                 runs.append([])
         elif o.startswith("L"):
             runs[-1:] = [[*(runs[-1] if runs else []), o]]
     slices = [r for r in runs if r]
-    assert slices == [["L0:0-16", "L0:16-32"], ["L0:32-37", "L1:0-16"], ["L1:16-32", "L1:32-37"]]
+    assert slices == want
     (probs,) = [o.label_probs for o in outs if o.label_probs is not None]
     assert probs == pytest.approx(ref_probs, rel=1e-5, abs=1e-7)
     assert ex.num_sub_layer_sliced_prefills == 1

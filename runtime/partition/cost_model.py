@@ -978,10 +978,11 @@ class SplitController:
         between decode steps, up to 106, and the chats' P99 ITL read 89 ms. Smaller slices
         cost the prefill one decode step (~3 ms there) each.
 
-        Where the aim admits no whole layer and `p` streams its rows (`rows`), each layer
-        runs in row pieces (whole hybrid chunks each), as many consecutive pieces a slice as
-        fit the aim less the decode step with the same margin, cut for the fewest slices:
-        sub-layer slices (`_row_pieces`). On
+        Where `p` streams its rows (`rows`), each layer may run in row pieces (whole hybrid
+        chunks each), as many consecutive pieces a slice as fit the aim less the decode step
+        with the same margin, cut for the fewest slices: sub-layer slices (`_row_pieces`),
+        taken where the aim admits no whole layer, or where they make fewer slices than
+        whole layers (a slice of 1.4 layers where one layer fills 0.7 of the room). On
         an H100 (8B in 24 GB, 80-ms target) no layer fits the target itself for prompts over
         ~52k tokens, which otherwise went to a 112-SM split at 1.2-1.3x the whole GPU's time;
         one-layer slices of 40-52k-token prompts, within the target but past the aim, held
@@ -1001,27 +1002,33 @@ class SplitController:
         err = self.model.recent_error(f"{PREFILL}/layer_sliced")
         no_layer = target_ms - td < per_layer_ms
         fit = 0 if no_layer or aim <= td else int((aim - td) // (per_layer_ms * (1.0 + err)))
-        if fit == 0 and rows is not None:
+        whole: LayerSlices | None = None
+        if not no_layer:
+            layers = min(num_layers, max(1, fit))
+            num_slices = math.ceil(num_layers / layers)
+            whole = LayerSlices(layers, 1, tp + (num_slices - 1) * td, layers * per_layer_ms + td)
+        if rows is not None and (whole is None or whole.layers < num_layers):
             cut = self._row_pieces(rows, aim - td, err, num_layers)
             if cut is not None:
                 pieces, per_slice, heaviest_ms = cut
                 num_slices = math.ceil(num_layers * pieces / per_slice)
-                return LayerSlices(
+                sliced = LayerSlices(
                     1, pieces, tp + (num_slices - 1) * td, heaviest_ms + td, per_slice
                 )
-        if no_layer:
-            return None
-        layers = min(num_layers, max(1, fit))
-        num_slices = math.ceil(num_layers / layers)
-        return LayerSlices(layers, 1, tp + (num_slices - 1) * td, layers * per_layer_ms + td)
+                # Pieces where no whole layer fits the aim, or where they make fewer slices
+                # than whole layers do (a slice of 1.4 layers' pieces for a 40k-token prompt
+                # whose layer fills 0.8 of the room: 23 slices for 32).
+                if whole is None or fit == 0 or sliced.predicted_ms < whole.predicted_ms:
+                    return sliced
+        return whole
 
     def _row_pieces(
         self, rows: RowStream, room_ms: float, err: float, num_layers: int
     ) -> tuple[int, int, float] | None:
         """How to cut a row-streamed layer into pieces as the executor cuts it
         (`row_piece_rows`, at least 2 a layer) and how many consecutive pieces to run a slice
-        (across a layer's end into the next), so that the heaviest slice, times 1 + `err`,
-        fits `room_ms`: the cut with the fewest slices over the `num_layers` layers (the
+        (across a layer's end into the next, more than a layer's worth where they fit), so
+        that the heaviest slice, times 1 + `err`, fits `room_ms`: the cut with the fewest slices over the `num_layers` layers (the
         fewest decode steps between them), of equal ones the fewest pieces. Returns (pieces
         a layer, pieces a slice, the heaviest slice's predicted time in ms); None if not
         even one chunk a piece fits.
@@ -1062,10 +1069,15 @@ class SplitController:
             prefix = [0.0]
             for c in costs + costs:  # doubled: a slice may run into the next layer
                 prefix.append(prefix[-1] + c)
+            layer_ms = prefix[cut]
             per_slice, heaviest = 0, 0.0
-            while per_slice + 1 < cut:  # a whole layer does not fit (the caller's case)
+            while per_slice < cut * num_layers:
                 g = per_slice + 1
-                w = max(prefix[i + g] - prefix[i] for i in range(cut))
+                # g pieces: whole layers and the heaviest run of the rest
+                full, rest = divmod(g, cut)
+                w = full * layer_ms + (
+                    max(prefix[i + rest] - prefix[i] for i in range(cut)) if rest else 0.0
+                )
                 if w * margin > room_ms:
                     break
                 per_slice, heaviest = g, w
