@@ -230,8 +230,9 @@ class CorrectedCost:
     def _refit_prior(self) -> None:
         """A fresh fit whose prior is the current terms (none observed yet)."""
         ref = self.PRIOR_STEPS * self.REF_S**2
+        per_us = self.context_s_per_token / self._CONTEXT_UNIT_S
         self._fit = DecayingRidge(
-            (self.offset_s, self.token_scale, self.pair_scale, 0.0),
+            (self.offset_s, self.token_scale, self.pair_scale, per_us),
             (self.PRIOR_STEPS, ref, ref, ref),
             self.DECAY,
         )

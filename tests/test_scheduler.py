@@ -1038,6 +1038,10 @@ def test_corrected_cost_holds_at_its_prior_what_the_steps_cannot_tell() -> None:
         fresh.observe(_parts(fresh, n), 0.005 + 2.0 * per_token_s * n)
     assert fresh.context_s_per_token == 0.0
     assert fresh.pair_scale == pytest.approx(1.7)
+    given = CorrectedCost(LinearCost(per_token_s), context_s_per_token=2e-7)
+    for n in [150, 4000, 2000, 300] * 10:  # no cached prefix: the term given is kept
+        given.observe(_parts(given, n), 0.005 + 2.0 * per_token_s * n)
+    assert given.context_s_per_token == pytest.approx(2e-7)
     assert fresh.token_scale == pytest.approx(2.0, rel=0.02)
     true = lambda n, c: 0.005 + 2.0 * per_token_s * n + 1e-7 * c  # noqa: E731
     chunks = CorrectedCost(LinearCost(per_token_s))

@@ -30,8 +30,9 @@ class SplitDecision:
     # Time-slicing by slices of this many layers (prefill_sms is TIME_SLICE); None = whole.
     layers_per_slice: int | None = None
     # Sub-layer slices: each layer of a row-streamed prefill (hybrid prefill's row form) run
-    # in this many pieces of its rows, a decode step between pieces, where no whole layer
-    # fits the TBT target (layers_per_slice is then 1). None = whole layers.
+    # in this many pieces of its rows, a decode step between slices of them, where no whole
+    # layer fits the TBT target or where pieces make fewer slices (layers_per_slice is then
+    # 1). None = whole layers.
     pieces_per_layer: int | None = None
     # Sub-layer slices grouped: this many consecutive row pieces (across a layer's end into
     # the next) run as one slice before a decode step, so finer pieces fill the room a
