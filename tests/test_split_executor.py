@@ -627,28 +627,41 @@ def test_decode_gap_is_what_continuing_decodes_waited_between_their_steps() -> N
     assert sum(g is None for g in gaps) >= 2  # the first, and the first after the drain
 
 
+# A whole scoring prompt that streams its rows on random:tiny (2 layers): 37 rows past the
+# prefill budget, hybrid chunk 8 (5 chunks).
+ROW_STREAM_CFG: dict[str, Any] = dict(
+    prefill_token_budget=16, prefill_chunk_tokens=8, chunk_scoring_prefill=False
+)
+ROW_STREAM_PROMPT = [(7 * i) % 300 + 5 for i in range(37)]
+
+
+def _row_stream_score_req() -> Request:
+    return Request("s", RequestKind.SCORE, list(ROW_STREAM_PROMPT), label_token_ids=[10, 20, 30])
+
+
+def _serial_row_stream_probs() -> Any:
+    """The row-stream prompt's label probabilities from the serial executor (the reference)."""
+    ref_eng = Engine(
+        EngineConfig(model="random:tiny", prefill_policy="fcfs", block_size=4,
+                     num_kv_blocks=128, **ROW_STREAM_CFG),
+        lambda outs: None,
+    )  # fmt: skip
+    ref_eng.scheduler.add(_row_stream_score_req())
+    ref: list[EngineOutput] = []
+    while ref_eng.scheduler.has_work() or ref_eng.executor.num_in_flight:
+        ref += ref_eng._step()
+    (probs,) = [o.label_probs for o in ref if o.label_probs is not None]
+    return probs
+
+
 def test_sub_layer_slices_run_each_layer_in_row_pieces_with_decodes_between() -> None:
     """`pieces_per_layer` on a prefill that streams its rows (a whole scoring prompt past the
     prefill budget, hybrid chunk 8): each layer runs as row pieces of whole chunks (37 rows,
     5 chunks, 2 pieces: rows 0-24 and 24-37), one piece in flight at a time, the generation's
     decode steps between them; the scores are the serial executor's. (The generation's own
     9-token prefill streams no rows: whole layers, with a warning.)"""
-    cfg = dict(prefill_token_budget=16, prefill_chunk_tokens=8, chunk_scoring_prefill=False)
-    prompt = [(7 * i) % 300 + 5 for i in range(37)]
-
-    def score_req() -> Request:
-        return Request("s", RequestKind.SCORE, list(prompt), label_token_ids=[10, 20, 30])
-
-    ref_eng = Engine(
-        EngineConfig(model="random:tiny", prefill_policy="fcfs", block_size=4,
-                     num_kv_blocks=128, **cfg),
-        lambda outs: None,
-    )  # fmt: skip
-    ref_eng.scheduler.add(score_req())
-    ref: list[EngineOutput] = []
-    while ref_eng.scheduler.has_work() or ref_eng.executor.num_in_flight:
-        ref += ref_eng._step()
-    (ref_probs,) = [o.label_probs for o in ref if o.label_probs is not None]
+    cfg = ROW_STREAM_CFG
+    ref_probs = _serial_row_stream_probs()
 
     dev = FakeDevice()
     eng, ex, _ = split_engine(
@@ -659,7 +672,7 @@ def test_sub_layer_slices_run_each_layer_in_row_pieces_with_decodes_between() ->
     eng.scheduler.add(gen("g", 9, 12))
     outs = split_step(eng)  # g's prefill (9 tokens: whole layers, no pieces)
     outs += split_step(eng)
-    eng.scheduler.add(score_req())
+    eng.scheduler.add(_row_stream_score_req())
     dev.hold = True
     for _ in range(6):
         outs += split_step(eng)
@@ -690,22 +703,8 @@ def test_grouped_row_pieces_cross_a_layers_end_with_decodes_only_between_slices(
     the next (more than a layer's worth where asked), a decode step only between slices. 37
     rows in chunks of 8 over the 2 layers: three pieces a layer (16, 16 and 5 rows) two a
     slice, or two (24 and 13) three a slice; the scores are the serial executor's."""
-    cfg = dict(prefill_token_budget=16, prefill_chunk_tokens=8, chunk_scoring_prefill=False)
-    prompt = [(7 * i) % 300 + 5 for i in range(37)]
-
-    def score_req() -> Request:
-        return Request("s", RequestKind.SCORE, list(prompt), label_token_ids=[10, 20, 30])
-
-    ref_eng = Engine(
-        EngineConfig(model="random:tiny", prefill_policy="fcfs", block_size=4,
-                     num_kv_blocks=128, **cfg),
-        lambda outs: None,
-    )  # fmt: skip
-    ref_eng.scheduler.add(score_req())
-    ref: list[EngineOutput] = []
-    while ref_eng.scheduler.has_work() or ref_eng.executor.num_in_flight:
-        ref += ref_eng._step()
-    (ref_probs,) = [o.label_probs for o in ref if o.label_probs is not None]
+    cfg = ROW_STREAM_CFG
+    ref_probs = _serial_row_stream_probs()
 
     dev = FakeDevice()
     eng, ex, _ = split_engine(
@@ -717,7 +716,7 @@ def test_grouped_row_pieces_cross_a_layers_end_with_decodes_only_between_slices(
     eng.scheduler.add(gen("g", 9, 12))
     outs = split_step(eng)
     outs += split_step(eng)
-    eng.scheduler.add(score_req())
+    eng.scheduler.add(_row_stream_score_req())
     dev.hold = True  # each slice stays pending for three steps, then completes
     for _ in range(4):
         for _ in range(3):
