@@ -29,6 +29,8 @@
 #                                         #   affine correction, one probe each (3 min)
 #   bash bench/gpu_next.sh v REV          # issue 13: off-tbt alone, mixed at 24 QPS, with the
 #                                         #   mixed-step diagnostics (under 2 min)
+#   bash bench/gpu_next.sh splits REV     # the fused decode attention's splits by context:
+#                                         #   kernel tests, then bench.decode_splits (~3 min)
 #   bash bench/gpu_next.sh w REV          # issue 12: decode step kernels by kind (8B x16, 3B x48)
 #   bash bench/gpu_next.sh x REV          # piecewise prefill graphs: eager vs graph timing of
 #                                         #   one prefill part, then their GPU tests and the
@@ -436,11 +438,21 @@ case $plan in
     # the P99: off cut to 80 ms, qwen2.5-3b, mixed at 24 QPS, one probe; the side's
     # engine_during_run says how many mixed steps went over the target and measured/predicted.
     python3 -m bench.gpu_serving "${common[@]}" --models random:qwen2.5-3b --start-s 30 \
-      --server-args "--partition off --calibrate true --tbt-slo-ms 80 --prefill-token-budget 8192" \
+      --server-args "--partition off --calibrate true --tbt-slo-ms 80 --prefill-token-budget 8192 ${SERVER_EXTRA:-}" \
       --ladder 24 --slo ttft:2000,tbt:100 --max-probes 1 \
       --side off-tbt:partition=off,budget=8192,tbt=80 \
       --parts mixed --tag partition-v --deadline-s "$(( $(left) - 3 ))" || rc=1
     python3 -c "import json,glob; d=json.load(open(glob.glob('$work/partition-v-*.json')[0])); print(json.dumps(d['models']['random:qwen2.5-3b']['workloads']['mixed']['off-tbt'].get('engine_during_run')))" ;;
+  splits)
+    # The fused decode attention's KV splits by each row's context (split_chunk_tokens): the
+    # kernel tests compiled, then the engine-level timing against the fixed split, 3B and 8B
+    # shapes at 16-64 rows (~3 min; plan v with SERVER_EXTRA is the served check).
+    timeout "$(( $(left) - 5 ))" python3 -m pytest -q -m "gpu or kernels" -p no:cacheprovider \
+      tests/test_decode_kernels.py tests/gpu/test_fused_decode_gpu.py \
+      >"$OUT/pytest-splits.log" 2>&1 || rc=1
+    tail -3 "$OUT/pytest-splits.log"
+    timeout "$(( $(left) - 3 ))" python3 -m bench.decode_splits \
+      --out "$OUT/decode-splits-$(date -u +%F)-${rev:0:7}.json" || rc=1 ;;
   w)
     # Issue 12, where the decode step's time goes at the batch sizes its targets name (8B x16
     # at 2k contexts, 3B x48 at 640): CUDA-graph step vs floor, kernels by kind (DEADLINE_S=240).

@@ -133,6 +133,102 @@ def test_gate_up_silu(rows: int) -> None:
     assert rel_err(dk.gate_up_silu(x, w), ref) < 1e-2
 
 
+class _PoisonedEmpty:
+    """Stands for `torch` inside decode_kernels: its empty buffers start as NaN, so a kernel
+    that reads a partial it never wrote fails the test instead of reading zeros by luck."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*shape, dtype=None, device=None):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    @staticmethod
+    def empty_like(t: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(t, float("nan"))
+
+
+def _paged(lens: list[int], page: int, hkv: int, d: int, g: torch.Generator):
+    """Pools and a block table with each row's blocks at scattered places."""
+    need = [-(-n // page) for n in lens]
+    num_blocks = sum(need) + 4
+    kf, vf = _pool(num_blocks, page, hkv, d, g), _pool(num_blocks, page, hkv, d, g)
+    perm = torch.randperm(num_blocks, generator=g)
+    table = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    start = 0
+    for i, nb in enumerate(need):
+        table[i, :nb] = perm[start : start + nb].to(torch.int32)
+        start += nb
+    return kf, vf, table
+
+
+def _attention_ref(q, kf, vf, table, lens, page, hq, hkv, d, row):
+    n = lens[row]
+    pos = torch.arange(n)
+    slots = (table[row, pos // page].long() * page + pos % page).to(DEV)
+    k = kf[slots].float().repeat_interleave(hq // hkv, dim=1)  # [n, hq, d]
+    v = vf[slots].float().repeat_interleave(hq // hkv, dim=1)
+    p = torch.einsum("hd,nhd->hn", q[row].float(), k).mul(d**-0.5).softmax(-1)
+    return torch.einsum("hn,nhd->hd", p, v)
+
+
+def test_split_chunk_tokens_cuts_the_long_row() -> None:
+    """One long context among short ones: its splits are cut to about half an SM's share of
+    the step's KV, the short rows keep few, every row fits its splits, tiles are whole."""
+    import numpy as np
+
+    lens = np.array([14_000] + [1_000] * 47)
+    max_splits = dk.attention_splits(48, 2, 132)
+    assert max_splits == 16
+    chunk = dk.split_chunk_tokens(lens, 2, max_splits, 132, block_n=64)
+    assert (chunk % 64 == 0).all()
+    used = -(-lens // chunk)
+    assert (used <= max_splits).all() and (used * chunk >= lens).all()
+    share = 2 * lens.sum() / 132  # one SM's tokens (per KV head) at a perfect balance
+    assert chunk[0] <= share  # the old fixed split (2 a row) gave it 7,000 tokens
+    assert used[0] >= 8 and used[1:].max() <= 3
+    # Even contexts: about 2 * 132 / (M * Hkv) splits a row, as the fixed count gave.
+    even = dk.split_chunk_tokens(np.full(4, 2048), 8, dk.attention_splits(4, 8), 132, 64)
+    assert (-(-2048 // even) == 8).all()
+    # A row too long for max_splits pieces of the share still fits in max_splits.
+    capped = dk.split_chunk_tokens(np.array([100_000, 10]), 8, 4, 132, 64)
+    assert capped[0] * 4 >= 100_000 and capped[0] % 64 == 0
+
+
+@pytest.mark.parametrize("lens,num_splits", [([700, 37, 5, 64, 1], 8), ([300, 9], 1)])
+def test_decode_attention_row_chunks(
+    lens: list[int], num_splits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per-row split sizes: the long row splits many ways, the short ones use one split and
+    leave the rest empty; their partials are never written (NaN here) and never read."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(len(lens))
+    hq, hkv, d, page = 8, 2, 32, 4
+    kf, vf, table = _paged(lens, page, hkv, d, g)
+    q = torch.randn(len(lens), hq, d, generator=g).to(DEV, DT)
+    chunk = dk.split_chunk_tokens(np.array(lens), hkv, num_splits, num_sms=8, block_n=16)
+    if num_splits > 1:
+        assert chunk[0] < lens[0] and (chunk[1:] >= np.array(lens[1:])).any()
+    monkeypatch.setattr(dk, "torch", _PoisonedEmpty())
+    out = dk.decode_attention(
+        q,
+        kf,
+        vf,
+        table.to(DEV),
+        torch.tensor(lens, dtype=torch.int64, device=DEV),
+        page,
+        d**-0.5,
+        num_splits,
+        block_n=16,
+        chunk_tokens=torch.from_numpy(chunk).to(DEV),
+    )
+    for i in range(len(lens)):
+        ref = _attention_ref(q, kf, vf, table, lens, page, hq, hkv, d, i)
+        assert rel_err(out[i], ref) < 1e-2, f"row {i} (len {lens[i]})"
+
+
 @pytest.mark.parametrize(
     "lens,hq,hkv,splits",
     [([1], 8, 2, 4), ([37, 5, 64], 4, 4, 2), ([100, 3], 8, 1, 8), ([37, 5, 64], 8, 2, 1)],
@@ -209,12 +305,17 @@ def test_fused_step_matches_unfused_decode(preset: str, rows: int) -> None:
         be = TorchAttentionBackend(ref_pool)
         be.plan(batch)
         ref = model.compute_logits(model(batch.input_ids, batch.positions, be))
-        # 16 SMs: at 20 rows one KV split a (row, KV head) fills them.
+        # 2 SMs at 20 rows: the grid has room for one split a (row, KV head): no merge.
         step = FusedDecodeStep(
-            model, pool.k, pool.v, batch_size=rows, max_blocks_per_seq=12, num_sms=16
+            model,
+            pool.k,
+            pool.v,
+            batch_size=rows,
+            max_blocks_per_seq=12,
+            num_sms=2 if rows == 20 else 16,
         )
         if rows == 20:
-            assert step.num_splits == 1  # the attention writes its output: no merge
+            assert step.num_splits == 1
         step.plan(batch)
         got = model.compute_logits(step.forward(batch.input_ids, batch.positions))
     assert rel_err(got, ref) < 3e-2

@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import os
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -279,6 +280,7 @@ def _decode_attention_kernel(
     vc_ptr,
     table_ptr,  # [M, table_stride] int32 block ids per row
     lens_ptr,  # [M] int64 tokens to attend to (context + this step's token)
+    chunk_ptr,  # [M] int64 tokens per split, a multiple of BLOCK_N (read if ROW_CHUNKS)
     part_o_ptr,  # [M, Hq, S, D] fp32 per-split outputs (normalised within the split)
     part_lse_ptr,  # [M, Hq, S] fp32 per-split log-sum-exp (natural log); -inf if empty
     out_ptr,  # [M, Hq, D] model dtype: written here instead of the partials when S == 1
@@ -291,7 +293,8 @@ def _decode_attention_kernel(
     BLOCK_G: tl.constexpr,  # GROUP padded to >= 16 (tl.dot's minimum)
     BLOCK_N: tl.constexpr,  # tokens per tile
     PAGE: tl.constexpr,  # tokens per KV block
-    S: tl.constexpr,  # KV splits per (row, KV head)
+    S: tl.constexpr,  # KV splits per (row, KV head): the most a row may use
+    ROW_CHUNKS: tl.constexpr,  # tokens per split from chunk_ptr; else seq_len / S
     DOT_F32: tl.constexpr,  # upcast the dot operands (Triton's interpreter: see the launcher)
     USE_PDL: tl.constexpr,
 ):
@@ -301,15 +304,21 @@ def _decode_attention_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # q and this step's K/V come from the previous kernel
     seq_len = tl.load(lens_ptr + m)
-    # Split the sequence into S chunks of whole tiles; the last chunks may be empty.
-    chunk = tl.cdiv(tl.cdiv(seq_len, S), BLOCK_N) * BLOCK_N
+    # Split the sequence into chunks of whole tiles; the last splits may be empty.
+    if ROW_CHUNKS:
+        chunk = tl.load(chunk_ptr + m)
+    else:
+        chunk = tl.cdiv(tl.cdiv(seq_len, S), BLOCK_N) * BLOCK_N
     start = s * chunk
     end = tl.minimum(start + chunk, seq_len)
+    live = start < end  # an empty split loads nothing and stores only lse = -inf
     g = tl.arange(0, BLOCK_G)
     g_mask = g < GROUP
     d = tl.arange(0, D)
     q = tl.load(
-        q_ptr + (m * HQ + h * GROUP + g[:, None]) * D + d[None, :], mask=g_mask[:, None], other=0.0
+        q_ptr + (m * HQ + h * GROUP + g[:, None]) * D + d[None, :],
+        mask=g_mask[:, None] & live,
+        other=0.0,
     )
     if DOT_F32:
         q = q.to(tl.float32)
@@ -349,7 +358,7 @@ def _decode_attention_kernel(
         lse = tl.where(
             has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634, float("-inf")
         )
-        tl.store(part_o_ptr + row[:, None] * D + d[None, :], out, mask=g_mask[:, None])
+        tl.store(part_o_ptr + row[:, None] * D + d[None, :], out, mask=g_mask[:, None] & live)
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
 
 
@@ -371,7 +380,9 @@ def _merge_attention_kernel(
     lse = tl.load(part_lse_ptr + row * S + s)
     mx = tl.max(lse, axis=0)  # finite: split 0 always holds at least one token
     w = tl.exp(lse - mx)  # empty splits: exp(-inf) = 0
-    o = tl.load(part_o_ptr + (row * S + s[:, None]) * D + d[None, :])
+    # An empty split never wrote its output (whatever is there, even NaN, must not be read).
+    live = lse > float("-inf")
+    o = tl.load(part_o_ptr + (row * S + s[:, None]) * D + d[None, :], mask=live[:, None], other=0.0)
     y = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
     tl.store(out_ptr + row * D + d, y.to(out_ptr.dtype.element_ty))
 
@@ -830,9 +841,43 @@ def gate_up_silu(
 
 
 def attention_splits(num_rows: int, num_kv_heads: int, num_sms: int = 132) -> int:
-    """KV splits per (row, KV head): about one program per SM, at most 64."""
-    want = triton.cdiv(num_sms, num_rows * num_kv_heads)
-    return max(1, min(64, _pow2(want)))
+    """The most KV splits a (row, KV head) may use in a graph captured for `num_rows` rows: a
+    power of two, at most 64, with room for `split_chunk_tokens` to cut one long row among
+    short ones into about PROGRAMS_PER_SM * num_sms / num_kv_heads pieces, but no more than
+    SPLIT_GRID_PROGRAMS_PER_SM programs an SM in all (a row's unused splits exit at once)."""
+    even = triton.cdiv(PROGRAMS_PER_SM * num_sms, num_kv_heads)  # one row holding all the work
+    grid = triton.cdiv(SPLIT_GRID_PROGRAMS_PER_SM * num_sms, num_rows * num_kv_heads)
+    want = min(64, even, grid)
+    return 1 << (want.bit_length() - 1)  # the power of two at or below
+
+
+# Why the splits follow each row's context: a batch with one 14k-token context among 47 of
+# ~1k, split a fixed two ways a row (one program an SM over all rows), left a program 7k
+# tokens while an SM's share was under 1k; the 3B's decode-only steps at 33..63 rows took 11 ms
+# against 6.5-8.3 ms at 65..95 rows on FlashInfer (plan v, 2026-12-06, docs/benchmarks.md).
+PROGRAMS_PER_SM = 2  # a split holds at most 1/2 of an SM's share of the step's KV
+SPLIT_GRID_PROGRAMS_PER_SM = 16  # the grid's bound (M * Hkv * max splits), empty ones included
+
+
+def split_chunk_tokens(
+    seq_lens: np.ndarray,
+    num_kv_heads: int,
+    max_splits: int,
+    num_sms: int = 132,
+    block_n: int | None = None,
+) -> np.ndarray:
+    """Tokens per KV split for each row of a decode batch, int64 [M], multiples of block_n:
+    no split longer than 1 / PROGRAMS_PER_SM of an SM's share of the step's work
+    (num_kv_heads * sum(seq_lens) / num_sms tokens) unless the row would need more than
+    max_splits, and a row's splits as even as whole tiles allow. Even contexts get about
+    PROGRAMS_PER_SM * num_sms / (M * num_kv_heads) splits a row; a long row among short ones
+    gets more, so that it does not straggle."""
+    block_n = block_n or ATTENTION_TILE["block_n"]
+    work = num_kv_heads * int(seq_lens.sum())
+    share = max(block_n, -(-work // (PROGRAMS_PER_SM * num_sms)))
+    splits = np.clip(-(-seq_lens // share), 1, max_splits)
+    chunk = -(-seq_lens // splits)
+    return (-(-chunk // block_n) * block_n).astype(np.int64)
 
 
 def decode_attention(
@@ -846,10 +891,14 @@ def decode_attention(
     num_splits: int,
     block_n: int | None = None,
     num_warps: int | None = None,
+    chunk_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [M, Hq, D]; pools [num_slots, Hkv, D] (slot = block * block_size + offset);
     block_table [M, >= max blocks] int32; seq_lens [M] int64 (tokens to attend, >= 1);
-    num_splits a power of two. Returns the attention output [M, Hq, D] in q's dtype."""
+    num_splits a power of two: the splits per (row, KV head). chunk_tokens [M] int64: tokens
+    per split for each row (`split_chunk_tokens`, with block_n and at most num_splits of them
+    per row); None: each row in num_splits even splits. Returns the attention output
+    [M, Hq, D] in q's dtype."""
     M, num_q_heads, head_dim = q.shape
     num_kv_heads = k_flat.shape[1]
     group = num_q_heads // num_kv_heads
@@ -869,6 +918,7 @@ def decode_attention(
         v_flat,
         block_table,
         seq_lens,
+        seq_lens if chunk_tokens is None else chunk_tokens,
         part_o,
         part_lse,
         out,
@@ -882,6 +932,7 @@ def decode_attention(
         BLOCK_N=block_n or ATTENTION_TILE["block_n"],
         PAGE=block_size,
         S=num_splits,
+        ROW_CHUNKS=chunk_tokens is not None,
         DOT_F32=_INTERPRETED,
         num_warps=num_warps or ATTENTION_TILE["num_warps"],
         **_pdl(q),

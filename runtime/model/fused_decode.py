@@ -76,18 +76,20 @@ class FusedDecodeStep:
         self.block_table = torch.zeros(
             batch_size, max_blocks_per_seq, dtype=torch.int32, device=dev
         )
-        self.lens_slots = torch.ones(2, batch_size, dtype=torch.int64, device=dev)
+        # Rows: tokens to attend, this step's KV slot, tokens per attention split.
+        self.lens_slots = torch.ones(3, batch_size, dtype=torch.int64, device=dev)
         # Host staging (pinned on CUDA), filled through numpy views: a numpy store costs well
         # under a microsecond where a torch indexing op costs several (batch 1 is host-bound).
         self._host_table = torch.zeros(batch_size, max_blocks_per_seq, dtype=torch.int32)
-        self._host_lens_slots = torch.ones(2, batch_size, dtype=torch.int64)
+        self._host_lens_slots = torch.ones(3, batch_size, dtype=torch.int64)
         if dev.type == "cuda":
             self._host_table = self._host_table.pin_memory()
             self._host_lens_slots = self._host_lens_slots.pin_memory()
             num_sms = num_sms or torch.cuda.get_device_properties(dev).multi_processor_count
         self._np_table = self._host_table.numpy()
         self._np_lens_slots = self._host_lens_slots.numpy()
-        self.num_splits = dk.attention_splits(batch_size, cfg.num_kv_heads, num_sms or 132)
+        self.num_sms = num_sms or 132
+        self.num_splits = dk.attention_splits(batch_size, cfg.num_kv_heads, self.num_sms)
         self.sm_scale = cfg.head_dim**-0.5
 
     def plan(self, batch: ForwardBatch) -> None:
@@ -111,6 +113,10 @@ class FusedDecodeStep:
             pos = s.num_context_tokens
             lens_slots[0, i] = num_tokens
             lens_slots[1, i] = s.block_ids[pos // bs_tok] * bs_tok + pos % bs_tok
+        # Each row's attention splits by its own context (a long row among short ones gets more).
+        lens_slots[2] = self._dk.split_chunk_tokens(
+            lens_slots[0], self.cfg.num_kv_heads, self.num_splits, self.num_sms
+        )
         # Only the used columns travel (one 2-D copy); stale columns beyond are never read.
         self.block_table[:, :width].copy_(self._host_table[:, :width], non_blocking=True)
         self.lens_slots.copy_(self._host_lens_slots, non_blocking=True)
@@ -119,7 +125,7 @@ class FusedDecodeStep:
         """input_ids, positions: [batch_size] int64 -> final hidden states [batch_size, H]
         (after the final norm, like `LlamaForCausalLM.forward`)."""
         dk, cfg, model = self._dk, self.cfg, self.model
-        seq_lens, slots = self.lens_slots[0], self.lens_slots[1]
+        seq_lens, slots, chunk_tokens = self.lens_slots[0], self.lens_slots[1], self.lens_slots[2]
         cos_sin = model.rotary.cos_sin_cache
         residual = model.embed(input_ids)  # [M, H]: the residual stream starts as the embedding
         parts: torch.Tensor | None = None  # the last projection's split-K partials [S, M, H]
@@ -146,6 +152,7 @@ class FusedDecodeStep:
                 self.block_size,
                 self.sm_scale,
                 self.num_splits,
+                chunk_tokens=chunk_tokens,
             )
             parts = dk.gemv_splitk(o.view(o.shape[0], -1), attn.o_proj.weight, kind="o")
             x = dk.add_rmsnorm(

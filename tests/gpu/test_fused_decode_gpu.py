@@ -4,8 +4,9 @@ on the real head shapes, against a float32 forward of the same weights and KV po
 Fused and unfused bf16 decodes round differently, so through random weights their logits differ
 by about as much as each differs from fp32; the fused step is judged by its distance to fp32 next
 to the unfused graph's (FlashInfer + cuBLAS), as bench.wide_decode does on full-depth models.
-Shallow (4-layer) Qwen2.5-3B and Llama-3.1-8B shapes: GQA 8 with two KV splits and a merge at 48
-rows, GQA 4 with one split (the attention writes its output) at 64 rows, and 5 rows padded to 16."""
+Shallow (4-layer) Qwen2.5-3B and Llama-3.1-8B shapes: GQA 8 at 48 rows, GQA 4 at 64 rows, 5 rows
+padded to 16, and 40 rows with one 9,000-token context among ~500 (that row split many ways, the
+rest in one or two: `decode_kernels.split_chunk_tokens`)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,17 @@ def _rel_err(a, b) -> float:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize(
-    "preset,rows,ctx", [("qwen2.5-3b", 48, 640), ("llama-3.1-8b", 64, 1000), ("qwen2.5-3b", 5, 300)]
+    "preset,rows,ctx,long_ctx",
+    [
+        ("qwen2.5-3b", 48, 640, 0),
+        ("llama-3.1-8b", 64, 1000, 0),
+        ("qwen2.5-3b", 5, 300, 0),
+        ("qwen2.5-3b", 40, 500, 9000),
+    ],
 )
-def test_fused_decode_is_as_close_to_fp32_as_unfused(preset: str, rows: int, ctx: int) -> None:
+def test_fused_decode_is_as_close_to_fp32_as_unfused(
+    preset: str, rows: int, ctx: int, long_ctx: int
+) -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -42,13 +51,15 @@ def test_fused_decode_is_as_close_to_fp32_as_unfused(preset: str, rows: int, ctx
     model = _materialise(cfg, torch.bfloat16, dev)
     init_random_weights(model, 0)
     g = torch.Generator(device=dev).manual_seed(rows)
-    per_seq = (ctx + 1 + 15) // 16
+    lens = torch.randint(ctx // 2, ctx + 1, (rows,), device=dev, generator=g).tolist()
+    if long_ctx:
+        lens[rows // 3] = long_ctx
+    per_seq = (max(lens) + 1 + 15) // 16
     num_blocks = rows * per_seq + 8
     pool = KVPool.for_model(cfg, num_blocks, 16, torch.bfloat16, "cuda")
     for t in pool.k + pool.v:
         t.normal_(generator=g)
     perm = torch.randperm(num_blocks - 8, device=dev, generator=g).tolist()
-    lens = torch.randint(ctx // 2, ctx + 1, (rows,), device=dev, generator=g).tolist()
     seqs = [
         SeqSlice(i, 1, c, c + 1, perm[i * per_seq : (i + 1) * per_seq]) for i, c in enumerate(lens)
     ]
