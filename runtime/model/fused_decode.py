@@ -114,8 +114,8 @@ class FusedDecodeStep:
             lens_slots[0, i] = num_tokens
             lens_slots[1, i] = s.block_ids[pos // bs_tok] * bs_tok + pos % bs_tok
         # Each row's attention splits by its own context (a long row among short ones gets more).
-        lens_slots[2] = self._dk.split_chunk_tokens(
-            lens_slots[0], self.cfg.num_kv_heads, self.num_splits, self.num_sms
+        self._dk.split_chunk_tokens(
+            lens_slots[0], self.cfg.num_kv_heads, self.num_splits, self.num_sms, out=lens_slots[2]
         )
         # Only the used columns travel (one 2-D copy); stale columns beyond are never read.
         self.block_table[:, :width].copy_(self._host_table[:, :width], non_blocking=True)
