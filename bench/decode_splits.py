@@ -33,8 +33,6 @@ from typing import Any
 
 import numpy as np
 
-from bench.bursts import git_revision
-
 SHAPES = {  # name: (q heads, kv heads, head dim, layers)
     "qwen2.5-3b": (16, 2, 128, 36),
     "llama-3.1-8b": (32, 8, 128, 32),
@@ -113,6 +111,7 @@ def main() -> None:
 def _time_splits(args: argparse.Namespace) -> None:
     import torch
 
+    from bench.bursts import git_revision
     from bench.gpu_suite import _graph_ms, rel_err
     from runtime.model import decode_kernels as dk
 

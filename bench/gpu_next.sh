@@ -451,7 +451,7 @@ case $plan in
       tests/test_decode_kernels.py tests/gpu/test_fused_decode_gpu.py \
       >"$OUT/pytest-splits.log" 2>&1 || rc=1
     tail -3 "$OUT/pytest-splits.log"
-    timeout "$(( $(left) - 3 ))" python3 -m bench.decode_splits \
+    GREENLANE_REVISION=$rev timeout "$(( $(left) - 3 ))" python3 -m bench.decode_splits \
       --out "$OUT/decode-splits-$(date -u +%F)-${rev:0:7}.json" || rc=1 ;;
   w)
     # Issue 12, where the decode step's time goes at the batch sizes its targets name (8B x16
