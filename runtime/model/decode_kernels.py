@@ -854,7 +854,11 @@ def attention_splits(num_rows: int, num_kv_heads: int, num_sms: int = 132) -> in
 # Why the splits follow each row's context: a batch with one 14k-token context among 47 of
 # ~1k, split a fixed two ways a row (one program an SM over all rows), left a program 7k
 # tokens while an SM's share was under 1k; the 3B's decode-only steps at 33..63 rows took 11 ms
-# against 6.5-8.3 ms at 65..95 rows on FlashInfer (plan v, 2026-12-06, docs/benchmarks.md).
+# against 6.5-8.3 ms at 65..95 rows on FlashInfer (plan v, 2026-12-06). Split by context they
+# took 4.7-5.5 ms on the H200, and the chats' time per output token fell from 15.7 to 10.6 ms
+# (docs/benchmarks.md, "The fused decode's KV splits follow each row's context"). The price:
+# where even contexts needed one split a row, the bound still runs the merge (8B, 48-64 rows:
+# +8-13 % of the attention).
 PROGRAMS_PER_SM = 2  # a split holds at most 1/2 of an SM's share of the step's KV
 SPLIT_GRID_PROGRAMS_PER_SM = 16  # the grid's bound (M * Hkv * max splits), empty ones included
 
