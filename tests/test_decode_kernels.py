@@ -235,26 +235,13 @@ def test_decode_attention_row_chunks(
 )
 def test_decode_attention(lens: list[int], hq: int, hkv: int, splits: int) -> None:
     g = torch.Generator().manual_seed(sum(lens))
-    d, page, num_blocks = 32, 4, 64
-    rows = len(lens)
-    kf, vf = _pool(num_blocks, page, hkv, d, g), _pool(num_blocks, page, hkv, d, g)
-    perm = torch.randperm(num_blocks, generator=g)
-    table = torch.zeros(rows, 40, dtype=torch.int32)
-    start = 0
-    for i, n in enumerate(lens):
-        nb = -(-n // page)
-        table[i, :nb] = perm[start : start + nb].to(torch.int32)
-        start += nb
-    q = torch.randn(rows, hq, d, generator=g).to(DEV, DT)
+    d, page = 32, 4
+    kf, vf, table = _paged(lens, page, hkv, d, g)
+    q = torch.randn(len(lens), hq, d, generator=g).to(DEV, DT)
     lens_t = torch.tensor(lens, dtype=torch.int64, device=DEV)
     out = dk.decode_attention(q, kf, vf, table.to(DEV), lens_t, page, d**-0.5, splits)
     for i, n in enumerate(lens):
-        pos = torch.arange(n)
-        slots = (table[i, pos // page].long() * page + pos % page).to(DEV)
-        k = kf[slots].float().repeat_interleave(hq // hkv, dim=1)  # [n, hq, d]
-        v = vf[slots].float().repeat_interleave(hq // hkv, dim=1)
-        p = torch.einsum("hd,nhd->hn", q[i].float(), k).mul(d**-0.5).softmax(-1)
-        ref = torch.einsum("hn,nhd->hd", p, v)
+        ref = _attention_ref(q, kf, vf, table, lens, page, hq, hkv, d, i)
         assert rel_err(out[i], ref) < 1e-2, f"row {i} (len {n})"
 
 
