@@ -91,7 +91,7 @@
 #                                         #   profile again (DEADLINE_S=360)
 # Carry: .whl .fi_cache .cache/smollm2-tok. Results in $OUT: gpu-runtime-*.json (suite),
 # partition-*.json (serving; merge them with `python -m bench.gpu_serving --merge ...`),
-# server logs, fi_cache.tar.gz if the FlashInfer cache grew (triton_cache.tar.gz if Triton's
+# server logs, fi_cache.tar.gz if the FlashInfer cache grew (triton_cache.tar.xz if Triton's
 # did): copy both to .fi_cache/ before the next call.
 set -u
 plan=${1:-a}; rev=${2:-unknown}; split=${3:-}; t0=$(date +%s)
@@ -730,6 +730,6 @@ if [ "$after" != "$before" ]; then
 fi
 triton_after=$( (find ~/.triton/cache -type f 2>/dev/null || true) | wc -l)
 if [ "$triton_after" != "$triton_before" ]; then
-  (cd ~/.triton && tar czf "$OUT/triton_cache.tar.gz" cache)
+  (cd ~/.triton && tar cJf "$OUT/triton_cache.tar.xz" cache)
 fi
 exit $rc
