@@ -152,6 +152,9 @@ def _time_splits(args: argparse.Namespace) -> None:
                     start += nb
                 lens_t = torch.from_numpy(lens).cuda()
                 q = torch.randn(rows, hq, d, device="cuda", dtype=torch.bfloat16)
+                # A fixed, zeroed split-counter buffer like FusedDecodeStep's (the kernel
+                # leaves it zero): None would put a memset into the graph for every layer.
+                counters = torch.zeros(rows, hkv, dtype=torch.int32, device="cuda")
                 fixed_s = max(1, min(64, dk._pow2(-(-num_sms // (rows * hkv)))))
                 bound = dk.attention_splits(rows, hkv, num_sms)
                 variants: dict[str, tuple[int, torch.Tensor | None]] = {"fixed": (fixed_s, None)}
@@ -173,15 +176,42 @@ def _time_splits(args: argparse.Namespace) -> None:
                 ref = None
                 for name, (s, chunk) in variants.items():
                     o = dk.decode_attention(
-                        q, kfs[0], vfs[0], table, lens_t, PAGE, d**-0.5, s, chunk_tokens=chunk
+                        q,
+                        kfs[0],
+                        vfs[0],
+                        table,
+                        lens_t,
+                        PAGE,
+                        d**-0.5,
+                        s,
+                        chunk_tokens=chunk,
+                        counters=counters,
                     )
                     if ref is None:
                         ref = o.float()
 
-                    def step(s=s, chunk=chunk, q=q, table=table, lens_t=lens_t, d=d, kv=(kfs, vfs)):
+                    def step(
+                        s=s,
+                        chunk=chunk,
+                        q=q,
+                        table=table,
+                        lens_t=lens_t,
+                        d=d,
+                        kv=(kfs, vfs),
+                        cnt=counters,
+                    ):
                         for k, v in zip(*kv, strict=True):
                             dk.decode_attention(
-                                q, k, v, table, lens_t, PAGE, d**-0.5, s, chunk_tokens=chunk
+                                q,
+                                k,
+                                v,
+                                table,
+                                lens_t,
+                                PAGE,
+                                d**-0.5,
+                                s,
+                                chunk_tokens=chunk,
+                                counters=cnt,
                             )
 
                     ms = _graph_ms(step, stream)

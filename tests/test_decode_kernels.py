@@ -135,14 +135,18 @@ def test_gate_up_silu(rows: int) -> None:
 
 class _PoisonedEmpty:
     """Stands for `torch` inside decode_kernels: its empty buffers start as NaN, so a kernel
-    that reads a partial it never wrote fails the test instead of reading zeros by luck."""
+    that reads a partial it never wrote fails the test instead of reading zeros by luck.
+    `made` keeps the buffers `empty` made (the attention's partials), to look at after."""
+
+    def __init__(self) -> None:
+        self.made: list[torch.Tensor] = []
 
     def __getattr__(self, name: str):
         return getattr(torch, name)
 
-    @staticmethod
-    def empty(*shape, dtype=None, device=None):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    def empty(self, *shape, dtype=None, device=None):
+        self.made.append(torch.full(shape, float("nan"), dtype=dtype, device=device))
+        return self.made[-1]
 
     @staticmethod
     def empty_like(t: torch.Tensor) -> torch.Tensor:
@@ -201,7 +205,8 @@ def test_decode_attention_row_chunks(
     lens: list[int], num_splits: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Per-row split sizes: the long row splits many ways, the short ones use one split and
-    leave the rest empty; their partials are never written (NaN here) and never read."""
+    leave the rest dead: those programs exit at once, their partials are never written (NaN
+    here) and the merge by the long row's last split reads only its live ones."""
     import numpy as np
 
     g = torch.Generator().manual_seed(len(lens))
@@ -245,6 +250,76 @@ def test_decode_attention(lens: list[int], hq: int, hkv: int, splits: int) -> No
         assert rel_err(out[i], ref) < 1e-2, f"row {i} (len {n})"
 
 
+def _attention_case(lens: list[int], hq: int, hkv: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    d, page = 32, 4
+    kf, vf, table = _paged(lens, page, hkv, d, g)
+    q = torch.randn(len(lens), hq, d, generator=g).to(DEV, DT)
+    lens_t = torch.tensor(lens, dtype=torch.int64, device=DEV)
+    refs = [_attention_ref(q, kf, vf, table, lens, page, hq, hkv, d, i) for i in range(len(lens))]
+    return (q, kf, vf, table.to(DEV), lens_t, page, d**-0.5), refs
+
+
+@pytest.mark.parametrize("row_chunks", [True, False])
+def test_decode_attention_mixes_one_split_and_merged_rows(
+    row_chunks: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One launch with rows of one live split (written directly) and rows of several (merged
+    by their last split), on NaN-filled partials: every row matches the reference."""
+    import numpy as np
+
+    lens, hq, hkv, splits = [5, 300, 2000, 17], 8, 2, 8
+    args, refs = _attention_case(lens, hq, hkv, seed=11)
+    chunk = None
+    if row_chunks:
+        chunk_np = dk.split_chunk_tokens(np.array(lens), hkv, splits, num_sms=8, block_n=16)
+        used = -(-np.array(lens) // chunk_np)
+        assert used[0] == used[3] == 1 and used[1] > 1 and used[2] > 1
+        chunk = torch.from_numpy(chunk_np).to(DEV)
+    monkeypatch.setattr(dk, "torch", _PoisonedEmpty())
+    out = dk.decode_attention(*args, splits, block_n=16, chunk_tokens=chunk)
+    for i, n in enumerate(lens):
+        assert rel_err(out[i], refs[i]) < 1e-2, f"row {i} (len {n})"
+
+
+def test_decode_attention_leaves_its_counters_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last split of a (row, KV head) zeroes its counter after the merge, so one buffer
+    serves call after call (a CUDA graph's replays, every layer): a second call on the same
+    counters gives the first call's output exactly."""
+    lens, hq, hkv, splits = [70, 3, 200], 4, 2, 4
+    args, refs = _attention_case(lens, hq, hkv, seed=12)
+    counters = torch.zeros(len(lens), hkv, dtype=torch.int32, device=DEV)
+    monkeypatch.setattr(dk, "torch", _PoisonedEmpty())  # an output never written stays NaN
+    first = dk.decode_attention(*args, splits, block_n=16, counters=counters)
+    assert not counters.any(), counters
+    second = dk.decode_attention(*args, splits, block_n=16, counters=counters)
+    assert not counters.any(), counters
+    assert torch.equal(first, second)
+    for i, n in enumerate(lens):
+        assert rel_err(second[i], refs[i]) < 1e-2, f"row {i} (len {n})"
+
+
+def test_decode_attention_one_split_rows_skip_the_partials(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rows of one live split under a bound of several (the 8B's even contexts at 48-64 rows):
+    the output is written directly, right on NaN partials, which stay unwritten, and no
+    counter is touched."""
+    lens, hq, hkv, splits = [20, 33, 7], 8, 2, 4
+    args, refs = _attention_case(lens, hq, hkv, seed=13)
+    chunk = torch.full((len(lens),), 48, dtype=torch.int64, device=DEV)  # >= every row's length
+    # Not zero, as a merging launch would need: a ticket taken would show, and be wrong.
+    counters = torch.full((len(lens), hkv), 7, dtype=torch.int32, device=DEV)
+    poisoned_torch = _PoisonedEmpty()
+    monkeypatch.setattr(dk, "torch", poisoned_torch)
+    out = dk.decode_attention(*args, splits, block_n=16, chunk_tokens=chunk, counters=counters)
+    assert (counters == 7).all()
+    for i, n in enumerate(lens):
+        assert rel_err(out[i], refs[i]) < 1e-2, f"row {i} (len {n})"
+    parts = [t for t in poisoned_torch.made if t.dtype == torch.float32]
+    assert len(parts) == 2 and all(t.isnan().all() for t in parts)  # partial o and lse
+
+
 def _tiny_model(preset: str):
     cfg = get_preset(preset)
     model = _materialise(cfg, DT, torch.device(DEV))
@@ -267,7 +342,8 @@ def _decode_batch(ctx_lens: list[int], page: int, blocks: list[list[int]]) -> Fo
 def test_fused_step_matches_unfused_decode(preset: str, rows: int) -> None:
     """A decode step through FusedDecodeStep gives the logits of the model's own forward
     (torch attention backend) and writes the same K/V into the pool: element-wise kernels at
-    1 row, tensor-core ones from 2, one KV split at 20 rows (no merge launch)."""
+    1 row, tensor-core ones from 2, one KV split at 20 rows (no partials); at 3 rows the
+    attention merges its splits in-kernel and leaves the step's counters zero."""
     model, cfg = _tiny_model(preset)
     page = 4
     g0 = torch.Generator().manual_seed(rows)
@@ -306,6 +382,7 @@ def test_fused_step_matches_unfused_decode(preset: str, rows: int) -> None:
         step.plan(batch)
         got = model.compute_logits(step.forward(batch.input_ids, batch.positions))
     assert rel_err(got, ref) < 3e-2
+    assert not step.attn_counters.any()
     for layer in range(cfg.num_layers):
         assert rel_err(pool.k[layer], ref_pool.k[layer]) < 1e-2
         assert rel_err(pool.v[layer], ref_pool.v[layer]) < 1e-2

@@ -2,12 +2,12 @@
 
 Why: at batch 1 a decode step of Llama-3.1-8B on the H200 spent 0.5 ms in ~300 tiny kernels
 and 0.56 ms in the gaps between 466 launches, next to 4.0 ms of weight reads (docs/
-benchmarks.md, "Where a decode step's time goes"). These kernels cut a layer from ~14 launches to 8:
+benchmarks.md, "Where a decode step's time goes"). These kernels cut a layer from ~14 launches to 7:
 
     add_rmsnorm     residual += sum of the previous projection's split-K partials; x = norm
     qkv_rope_write  x @ W_qkv^T (+ bias), RoPE on q and k, k and v written into the paged pool
-    decode_attention  split-KV attention over the paged pool (partials per KV split) ...
-    merge_attention   ... merged into the [M, Hq, D] output
+    decode_attention  split-KV attention over the paged pool into the [M, Hq, D] output: the
+                    last split of a (row, KV head) to finish merges the splits' partials
     gemv_splitk     o_proj: fp32 partials, reduced by the next add_rmsnorm
     add_rmsnorm
     gate_up_silu    x @ W_gate_up^T, then silu(gate) * up
@@ -16,8 +16,9 @@ benchmarks.md, "Where a decode step's time goes"). These kernels cut a layer fro
 From 2 rows on the three projection kernels run on tensor cores (the `_tc` kernels: the
 weight tile is the MMA's M side, the padded batch its N side), where the element-wise ones
 lost to cuBLAS; at 16..64 rows the point is the launch count: a Qwen2.5-3B step at 48 rows spent
-1.5 ms of 5 in the gaps between ~13 kernels a layer (docs/benchmarks.md, plan w). With one KV
-split the attention writes its output itself and the merge launch goes (7 a layer).
+1.5 ms of 5 in the gaps between ~13 kernels a layer (docs/benchmarks.md, plan w). The
+attention has no merge launch of its own (there was one, an 8th, whenever a graph's bound
+allowed more than one KV split): a row with one live split writes its output itself.
 
 Every kernel has a plain-torch twin in `runtime/model/fused_decode.py`'s tests' reference; on a
 machine without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1) in the
@@ -282,8 +283,9 @@ def _decode_attention_kernel(
     lens_ptr,  # [M] int64 tokens to attend to (context + this step's token)
     chunk_ptr,  # [M] int64 tokens per split, a multiple of BLOCK_N (read if ROW_CHUNKS)
     part_o_ptr,  # [M, Hq, S, D] fp32 per-split outputs (normalised within the split)
-    part_lse_ptr,  # [M, Hq, S] fp32 per-split log-sum-exp (natural log); -inf if empty
-    out_ptr,  # [M, Hq, D] model dtype: written here instead of the partials when S == 1
+    part_lse_ptr,  # [M, Hq, S] fp32 per-split log-sum-exp, base 2 (the kernel's exp2 domain)
+    out_ptr,  # [M, Hq, D] model dtype: the merged output
+    counter_ptr,  # [M, Hkv] int32, zero between launches: splits of (row, KV head) done
     table_stride,
     sm_scale,
     HQ: tl.constexpr,
@@ -298,26 +300,42 @@ def _decode_attention_kernel(
     DOT_F32: tl.constexpr,  # upcast the dot operands (Triton's interpreter: see the launcher)
     USE_PDL: tl.constexpr,
 ):
+    # One program = one KV split of one (row, KV head), for the GROUP query heads that share
+    # it. A row uses its first n_live splits; the others exit at once. With one live split
+    # the program writes `out` itself; with more, each writes an fp32 partial (output and
+    # log-sum-exp) and takes a ticket from the pair's counter, and the program that takes
+    # the last ticket merges the pair's partials into `out` and zeroes the counter again (a
+    # "serial fixup": no separate merge launch).
     m = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # q and this step's K/V come from the previous kernel
+        # q and this step's K/V come from the previous kernel. Everything below, the
+        # counter's use included, follows this wait, so the previous layer's attention
+        # (which shares the counters) has completed, transitively, before it.
+        tl.extra.cuda.gdc_wait()
     seq_len = tl.load(lens_ptr + m)
-    # Split the sequence into chunks of whole tiles; the last splits may be empty.
+    # Split the sequence into chunks of whole tiles; splits past the last token are dead.
     if ROW_CHUNKS:
         chunk = tl.load(chunk_ptr + m)
     else:
         chunk = tl.cdiv(tl.cdiv(seq_len, S), BLOCK_N) * BLOCK_N
+    if S == 1:
+        n_live = 1  # static: the partial and merge code below is not even compiled
+    else:
+        # >= 1 since seq_len >= 1. The callers keep it <= S; the bound keeps the tickets and
+        # the counter consistent even if one did not (tokens past S chunks would be dropped).
+        n_live = tl.minimum(tl.cdiv(seq_len, chunk), S)
+    if s >= n_live:
+        return  # a dead split: stores nothing, takes no ticket (its partials are never read)
     start = s * chunk
     end = tl.minimum(start + chunk, seq_len)
-    live = start < end  # an empty split loads nothing and stores only lse = -inf
     g = tl.arange(0, BLOCK_G)
     g_mask = g < GROUP
     d = tl.arange(0, D)
     q = tl.load(
         q_ptr + (m * HQ + h * GROUP + g[:, None]) * D + d[None, :],
-        mask=g_mask[:, None] & live,
+        mask=g_mask[:, None],
         other=0.0,
     )
     if DOT_F32:
@@ -347,44 +365,47 @@ def _decode_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     if USE_PDL:
+        # The dependent kernel may launch now; its gdc_wait still waits for this whole grid,
+        # the merges below included.
         tl.extra.cuda.gdc_launch_dependents()
-    has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    if S == 1:  # one split: no merge kernel, the output is final (l_i > 0: seq_len >= 1)
-        dst = out_ptr + (m * HQ + h * GROUP + g[:, None]) * D + d[None, :]
-        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    # A live split holds >= 1 token, so l_i > 0 (padded heads too: their scores are 0).
+    dst = out_ptr + (m * HQ + h * GROUP + g[:, None]) * D + d[None, :]
+    if n_live == 1:  # the output is final: no partials, no counter
+        tl.store(dst, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
-        row = (m * HQ + h * GROUP + g) * S + s  # [BLOCK_G] index into [M, Hq, S]
-        lse = tl.where(
-            has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634, float("-inf")
-        )
-        tl.store(part_o_ptr + row[:, None] * D + d[None, :], out, mask=g_mask[:, None] & live)
-        tl.store(part_lse_ptr + row, lse, mask=g_mask)
-
-
-@triton.jit
-def _merge_attention_kernel(
-    part_o_ptr,  # [M, Hq, S, D] fp32
-    part_lse_ptr,  # [M, Hq, S] fp32
-    out_ptr,  # [M, Hq, D] model dtype
-    D: tl.constexpr,
-    S: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    row = tl.program_id(0)  # m * Hq + head
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()  # a small grid: let o_proj prefetch its weights
-    s = tl.arange(0, S)
-    d = tl.arange(0, D)
-    lse = tl.load(part_lse_ptr + row * S + s)
-    mx = tl.max(lse, axis=0)  # finite: split 0 always holds at least one token
-    w = tl.exp(lse - mx)  # empty splits: exp(-inf) = 0
-    # An empty split never wrote its output (whatever is there, even NaN, must not be read).
-    live = lse > float("-inf")
-    o = tl.load(part_o_ptr + (row * S + s[:, None]) * D + d[None, :], mask=live[:, None], other=0.0)
-    y = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
-    tl.store(out_ptr + row * D + d, y.to(out_ptr.dtype.element_ty))
+        rows = (m * HQ + h * GROUP + g) * S  # [BLOCK_G]: split 0's index into [M, Hq, S]
+        part_o = part_o_ptr + rows[:, None] * D + d[None, :]  # split 0's output, [BLOCK_G, D]
+        tl.store(part_o + s * D, acc / l_i[:, None], mask=g_mask[:, None])
+        tl.store(part_lse_ptr + rows + s, m_i + tl.log2(l_i), mask=g_mask)
+        # Memory ordering: the barrier orders every thread's partial stores before the one
+        # thread that performs the scalar atomic; its release (gpu scope) publishes them, and
+        # the last ticket's acquire (gpu scope) makes all n_live programs' partials visible
+        # to the loads below (Triton broadcasts the ticket through shared memory behind a
+        # barrier, which orders the other threads' loads after the acquire).
+        tl.debug_barrier()
+        cnt = counter_ptr + m * HKV + h
+        ticket = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if ticket == n_live - 1:  # every other live split has stored its partials
+            # Online merge over the splits: rescale to the running max of the lse. The
+            # loads also bypass L1 (.cg; the acquire already orders them): other SMs wrote
+            # the partials, and another program's merge may have read these addresses here.
+            m_o = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+            l_o = tl.zeros((BLOCK_G,), dtype=tl.float32)
+            acc_o = tl.zeros((BLOCK_G, D), dtype=tl.float32)
+            for j in range(0, n_live):
+                lse = tl.load(part_lse_ptr + rows + j, mask=g_mask, other=0.0, cache_modifier=".cg")
+                o = tl.load(part_o + j * D, mask=g_mask[:, None], other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m_o, lse)  # finite: every split here is live
+                alpha = tl.exp2(m_o - m_new)
+                w = tl.exp2(lse - m_new)
+                l_o = l_o * alpha + w
+                acc_o = acc_o * alpha[:, None] + o * w[:, None]
+                m_o = m_new
+            y = acc_o / l_o[:, None]
+            tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+            # Ready for the next launch (which starts after this grid completes: stream
+            # order, or its gdc_wait under PDL), so the buffer stays zero across graph replays.
+            tl.store(cnt, 0)
 
 
 # --------------------------------------------------------------------------- tensor-core kernels
@@ -856,9 +877,12 @@ def attention_splits(num_rows: int, num_kv_heads: int, num_sms: int = 132) -> in
 # tokens while an SM's share was under 1k; the 3B's decode-only steps at 33..63 rows took 11 ms
 # against 6.5-8.3 ms at 65..95 rows on FlashInfer (plan v, 2026-12-06). Split by context they
 # took 4.7-5.5 ms on the H200, and the chats' time per output token fell from 15.7 to 10.6 ms
-# (docs/benchmarks.md, "The fused decode's KV splits follow each row's context"). The price:
-# where even contexts needed one split a row, the bound still runs the merge (8B, 48-64 rows:
-# +8-13 % of the attention).
+# (docs/benchmarks.md, "The fused decode's KV splits follow each row's context"). The price
+# then: where even contexts needed one split a row, the bound still ran a separate merge launch
+# (8B, 48-64 rows: +8-13 % of the attention). The merge now runs inside the attention kernel,
+# by the last split of a (row, KV head) to finish, and a row with one live split writes its
+# output directly; whether that recovers the cost is untested on the GPU until measured
+# (`python -m bench.decode_splits`).
 PROGRAMS_PER_SM = 2  # a split holds at most 1/2 of an SM's share of the step's KV
 SPLIT_GRID_PROGRAMS_PER_SM = 16  # the grid's bound (M * Hkv * max splits), empty ones included
 
@@ -904,26 +928,40 @@ def decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     chunk_tokens: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [M, Hq, D]; pools [num_slots, Hkv, D] (slot = block * block_size + offset);
     block_table [M, >= max blocks] int32; seq_lens [M] int64 (tokens to attend, >= 1);
     num_splits a power of two: the splits per (row, KV head). chunk_tokens [M] int64: tokens
     per split for each row (`split_chunk_tokens`, with block_n and at most num_splits of them
-    per row); None: each row in num_splits even splits. Returns the attention output
-    [M, Hq, D] in q's dtype."""
+    per row); None: each row in num_splits even splits. counters: int32 [M, Hkv], zero, for
+    the last split of a (row, KV head) to find itself (the kernel leaves it zero again); a
+    CUDA graph needs a fixed one (`FusedDecodeStep` keeps one); None: allocated here (a memset
+    per call). Returns the attention output [M, Hq, D] in q's dtype.
+
+    One launch: a row with one live split writes its output directly; with more, the last of
+    its splits to finish merges their partials (see `_decode_attention_kernel`)."""
     M, num_q_heads, head_dim = q.shape
     num_kv_heads = k_flat.shape[1]
     group = num_q_heads // num_kv_heads
     if num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     out = torch.empty_like(q)
-    if num_splits == 1:  # the kernel writes `out` itself: no partials, no merge launch
-        part_o = part_lse = out
+    if num_splits == 1:  # every row has one live split: no partials, no counter
+        part_o = part_lse = counters = out
     else:
         part_o = torch.empty(
             M, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
         )
         part_lse = torch.empty(M, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+        if counters is None:
+            counters = torch.zeros(M, num_kv_heads, dtype=torch.int32, device=q.device)
+        elif (
+            counters.dtype != torch.int32
+            or counters.numel() < M * num_kv_heads
+            or not counters.is_contiguous()
+        ):
+            raise ValueError(f"counters must be int32 [{M}, {num_kv_heads}] (zero)")
     _decode_attention_kernel[(M, num_kv_heads, num_splits)](
         q,
         k_flat,
@@ -934,6 +972,7 @@ def decode_attention(
         part_o,
         part_lse,
         out,
+        counters,
         block_table.stride(0),
         sm_scale,
         HQ=num_q_heads,
@@ -949,8 +988,4 @@ def decode_attention(
         num_warps=num_warps or ATTENTION_TILE["num_warps"],
         **_pdl(q),
     )
-    if num_splits > 1:
-        _merge_attention_kernel[(M * num_q_heads,)](
-            part_o, part_lse, out, D=head_dim, S=num_splits, num_warps=4, **_pdl(q)
-        )
     return out

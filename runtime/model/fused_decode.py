@@ -1,5 +1,5 @@
 """Fused decode: the decoder's forward for 1..64 sequences on the Triton kernels of
-`runtime/model/decode_kernels.py`, 7-8 launches per layer instead of ~11-14 (why: see that
+`runtime/model/decode_kernels.py`, 7 launches per layer instead of ~11-14 (why: see that
 module).
 
 `FusedDecodeStep` is a drop-in for one captured decode graph: `plan(batch)` fills fixed
@@ -90,6 +90,12 @@ class FusedDecodeStep:
         self._np_lens_slots = self._host_lens_slots.numpy()
         self.num_sms = num_sms or 132
         self.num_splits = dk.attention_splits(batch_size, cfg.num_kv_heads, self.num_sms)
+        # The attention's per-(row, KV head) split counters: the last split to finish merges
+        # the partials, then zeroes its counter, so one zeroed buffer serves every layer and
+        # every replay (an attention launch touches it only once the previous one has completed).
+        self.attn_counters = torch.zeros(
+            batch_size, cfg.num_kv_heads, dtype=torch.int32, device=dev
+        )
         self.sm_scale = cfg.head_dim**-0.5
 
     def plan(self, batch: ForwardBatch) -> None:
@@ -153,6 +159,7 @@ class FusedDecodeStep:
                 self.sm_scale,
                 self.num_splits,
                 chunk_tokens=chunk_tokens,
+                counters=self.attn_counters,
             )
             parts = dk.gemv_splitk(o.view(o.shape[0], -1), attn.o_proj.weight, kind="o")
             x = dk.add_rmsnorm(
