@@ -8,6 +8,8 @@
 #                                         # 3B with 2 API servers, py-spy of the 48-stream run
 #   bash bench/gpu_decode.sh fused REV    # --fused-rope-kv-write off vs on, one server each way
 #                                         # in alternating order: 3B 48 streams, 8B B=1,16,64
+#   bash bench/gpu_decode.sh splits REV   # the fused decode's KV splits: 8B B=16,64 at 2k, this
+#                                         # revision vs .old_rev (ABBA), then tests/gpu
 #   bash bench/gpu_decode.sh prefill REV  # the 16k cold scoring prompt, this revision vs the old
 #                                         # one (.old_rev/old.tar.gz), ABBA, 3 readings a server
 #   bash bench/gpu_decode.sh first REV    # a fresh server's first long prompt (8B): cold
@@ -118,6 +120,21 @@ case $part in
         decode fused-$f-8b llama-3.1-8b 1,16,64 2048 160 --prefill-check 16384 || rc=1
         stop 8100; }
     done
+    ;;
+  splits)
+    # The fused decode's per-row KV splits with the merge in the kernel (eeedd80) against the
+    # fixed split (.old_rev/old.tar.gz, 858fcf2) on the 8B at even 2k contexts, where every
+    # row needs one split: new / old / old / new, batches 16 and 64 (~6 min). Then, in what
+    # time is left, the rest of tests/gpu at this revision.
+    mkdir -p /tmp/old && tar xzf .old_rev/old.tar.gz -C /tmp/old
+    for side in new-a old-a old-b new-b; do
+      dir=$new; [ "${side%-*}" = old ] && dir=/tmp/old
+      serve "$dir" random:llama-3.1-8b 8100 $logs/splits-$side.log && {
+        decode splits-$side llama-3.1-8b 16,64 2048 160 || rc=1; stop 8100; }
+    done
+    timeout "$(( ${DEADLINE_S:-600} - $(date +%s) + t0 - 10 ))" python3 -m pytest -q tests/gpu \
+      -p no:cacheprovider --tb=short 2>&1 | tee $OUT/pytest-gpu.txt \
+      | grep -E "^(FAILED|ERROR|E )|passed|failed" | head -30
     ;;
   prefill)
     # The 16k-token cold scoring prompt through HTTP (8B), new / old / old / new: nothing but
