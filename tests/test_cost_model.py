@@ -313,6 +313,35 @@ def test_layer_slicing_when_it_finishes_the_prefill_before_the_best_split() -> N
     assert tight.layers_per_slice is None
 
 
+def test_decode_favoured_never_holds_the_decodes_for_a_whole_prefill_under_a_target() -> None:
+    """Above the KV switch decode is favoured; where no split is worth taking, the rule
+    time-slices the whole prefill, and every decode waits for all of it. Under a TBT target
+    with layer slicing on, slices take its place (a decode waits one slice); without a
+    target, or when the whole prefill fits the target, the rule stands. On an H100 (8B in 24
+    GB) a 50k-token scoring prompt so planned ran merged with 10-13 decodes in 2.2 s."""
+    m, p, d, whole_prefill, whole_decode, per_layer = _long_prefill_beside_decodes()
+    target = whole_decode + 4.5 * per_layer  # room for 4 layers a slice
+
+    def choose(**cfg) -> SplitDecision:
+        # min_split_speedup past any split's: the rule would time-slice the whole prefill
+        config = ControllerConfig(min_gain=0.0, hysteresis_sms=0, min_split_speedup=100.0, **cfg)
+        return SplitController(m, SPLITS, config).choose(p, d, kv_usage=0.9)
+
+    dec = choose(tbt_slo_ms=target, layer_slicing=True)
+    assert dec.prefill_sms == TIME_SLICE and dec.layers_per_slice == 4
+    assert dec.predicted_decode_ms == pytest.approx(4 * per_layer + whole_decode)
+    assert dec.predicted_decode_ms <= target
+    assert "while decode is favoured" in dec.reason
+    # Layer slicing off, or no target: the whole time-slice, as the rule says.
+    for cfg in ({"tbt_slo_ms": target}, {"layer_slicing": True}):
+        whole = choose(**cfg)
+        assert whole.prefill_sms == TIME_SLICE and whole.layers_per_slice is None
+        assert whole.predicted_decode_ms > target
+    # A whole prefill that fits the target needs no slices.
+    roomy = choose(tbt_slo_ms=2 * (whole_prefill + whole_decode), layer_slicing=True)
+    assert roomy.prefill_sms == TIME_SLICE and roomy.layers_per_slice is None
+
+
 def test_a_split_beats_layer_slices_only_by_its_margin() -> None:
     """Against layer slices, as against chunks, a split must be predicted to finish the
     prefill sooner by its margin: min_split_speedup, or its prefill prediction's measured

@@ -931,22 +931,7 @@ class SplitController:
                 not self._split_decode_ok(td_split, aim_ms)
                 or sliced.predicted_ms <= tp_split * need
             ):
-                what = (
-                    f"sub-layer slices ({sliced.pieces} pieces a layer, {sliced.per_slice} a slice)"
-                    if sliced.pieces > 1
-                    else f"layer slices of {sliced.layers}"
-                )
-                dec = self._settle(TIME_SLICE, f"{what} meet the TBT target", p, d, ev, None)
-                # (`_settle` priced a whole time-slice: a decode would wait for the whole
-                # prefill; with slices it waits one slice.)
-                return dataclasses.replace(
-                    dec,
-                    predicted_prefill_ms=sliced.predicted_ms,
-                    predicted_decode_ms=sliced.decode_wait_ms,
-                    layers_per_slice=sliced.layers,
-                    pieces_per_layer=sliced.pieces if sliced.pieces > 1 else None,
-                    pieces_per_slice=sliced.per_slice if sliced.per_slice > 1 else None,
-                )
+                return self._sliced(sliced, "meet the TBT target", p, d, ev)
         sp = self.speedup(best_split, p, d)
         choice = best_split
         reason = (
@@ -954,8 +939,50 @@ class SplitController:
         )
         # (Under the TBT rule time-slicing was ruled out above: it would miss the target.)
         if cfg.allow_time_slice and sp < cfg.min_split_speedup and not tbt_rule:
+            # Decode favoured (KV usage above the switch) and no split worth taking: a whole
+            # time-slice holds every decode for the whole prefill. Under a TBT target that
+            # misses it by seconds where layer slices keep it: on an H100 (8B in 24 GB,
+            # `58a82b9`) a 50k-token scoring prompt planned while the previous whole prompt
+            # held the pool ran merged with 10-13 decodes in 2.2 s, in every run.
+            sliced = (
+                self._layer_slices(p, d, aim_ms, rows)
+                if cfg.tbt_slo_ms is not None
+                and cfg.layer_slicing
+                and ev(TIME_SLICE)[1] > cfg.tbt_slo_ms
+                else None
+            )
+            if sliced is not None:
+                return self._sliced(
+                    sliced, "keep the TBT target while decode is favoured", p, d, ev
+                )
             choice, reason = TIME_SLICE, f"time-slicing predicted faster (split speedup {sp:.2f})"
         return self._settle(choice, reason, p, d, ev, objective, time_slice_ok=not tbt_rule)
+
+    def _sliced(
+        self,
+        sliced: LayerSlices,
+        why: str,
+        p: PrefillShape,
+        d: DecodeShape,
+        ev: Callable[[int], tuple[float, float]],
+    ) -> SplitDecision:
+        """The decision to time-slice `p` in `sliced`'s slices (a rule's choice: no hysteresis)."""
+        what = (
+            f"sub-layer slices ({sliced.pieces} pieces a layer, {sliced.per_slice} a slice)"
+            if sliced.pieces > 1
+            else f"layer slices of {sliced.layers}"
+        )
+        dec = self._settle(TIME_SLICE, f"{what} {why}", p, d, ev, None)
+        # (`_settle` priced a whole time-slice: a decode would wait for the whole prefill;
+        # with slices it waits one slice.)
+        return dataclasses.replace(
+            dec,
+            predicted_prefill_ms=sliced.predicted_ms,
+            predicted_decode_ms=sliced.decode_wait_ms,
+            layers_per_slice=sliced.layers,
+            pieces_per_layer=sliced.pieces if sliced.pieces > 1 else None,
+            pieces_per_slice=sliced.per_slice if sliced.per_slice > 1 else None,
+        )
 
     def _layer_slices(
         self,
