@@ -881,8 +881,11 @@ def attention_splits(num_rows: int, num_kv_heads: int, num_sms: int = 132) -> in
 # then: where even contexts needed one split a row, the bound still ran a separate merge launch
 # (8B, 48-64 rows: +8-13 % of the attention). The merge now runs inside the attention kernel,
 # by the last split of a (row, KV head) to finish, and a row with one live split writes its
-# output directly; whether that recovers the cost is untested on the GPU until measured
-# (`python -m bench.decode_splits`).
+# output directly: on an H100 the per-row rule then cost 3 % / 0 % there, and through HTTP the
+# 8B's decode at 16 and 64 streams matched the fixed split's within 0.7 % (docs/benchmarks.md,
+# "The splits merged inside the attention kernel"). Twice the bound read no worse on even
+# contexts and 11-27 % faster on one long row among short ones at 48-64 rows: one reading,
+# not yet a rule.
 PROGRAMS_PER_SM = 2  # a split holds at most 1/2 of an SM's share of the step's KV
 SPLIT_GRID_PROGRAMS_PER_SM = 16  # the grid's bound (M * Hkv * max splits), empty ones included
 
