@@ -130,6 +130,10 @@ class StreamOptions(_Request):
     model_config = ConfigDict(extra="forbid")  # a stream option we do not know is a 400
 
     include_usage: bool = False
+    # vLLM's extension: usage (the choice's completion tokens so far) in every chunk, so that a
+    # client can tell how many tokens a chunk carries (a token without text sends no chunk of
+    # its own: a partial UTF-8 sequence, a special token). Needs include_usage, as in vLLM.
+    continuous_usage_stats: bool = False
     # Obfuscation pads chunks against length side channels; we send no padding field, which
     # clients ignore either way, so both values are accepted.
     include_obfuscation: bool | None = None
@@ -274,11 +278,19 @@ class _SamplingFields(_Request):
     def _stream_options_need_a_stream(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
+        opts = self.stream_options
+        if opts is not None and opts.continuous_usage_stats and not opts.include_usage:
+            raise ValueError("stream_options.continuous_usage_stats needs include_usage=true")
         return self
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk (`stream_options.continuous_usage_stats`)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)  # type: ignore[union-attr]
 
 
 # chat_template_kwargs may not set what the server passes the template itself (the top-level

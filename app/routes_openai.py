@@ -396,6 +396,24 @@ def _completion_chunk(head: str, index: int, text: str, finish: str | None, logp
     return f'{head}{index},"text":{_dumps(text)},"logprobs":{lp},"finish_reason":{fin}}}]}}'
 
 
+def _usage_tail(col: _Collected, prompt_len: int) -> str:
+    """`stream_options.continuous_usage_stats`: a choice's usage so far, as the end of a chunk
+    (`_with_usage`): its completion tokens, so that a chunk after a token without text (a
+    partial UTF-8 sequence, a special token: no chunk of its own) tells the client it carries
+    two."""
+    prompt = col.num_prompt_tokens or prompt_len
+    return ',"usage":' + _dumps(usage(prompt, len(col.token_ids), col.num_cached_tokens)) + "}"
+
+
+def _with_usage(payloads: list[str], marks: list[tuple[int, str]]) -> None:
+    """Give each run of payloads from a mark's index to the next mark's the mark's usage
+    tail (`_usage_tail`). Each payload is one JSON object ending in `}`."""
+    ends = [start for start, _ in marks[1:]] + [len(payloads)]
+    for (start, tail), end in zip(marks, ends, strict=True):
+        for j in range(start, end):
+            payloads[j] = payloads[j][:-1] + tail
+
+
 def _chunk_head(request_id: str, obj: str, created: int, model_name: str) -> str:
     """A stream chunk's JSON up to its one choice's index: what every chunk of a response
     shares (key order as the dicts give it)."""
@@ -672,6 +690,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             }
         )
 
+    continuous = body.continuous_usage  # usage in every chunk
     call_ids = [new_call_id() for _ in range(n)]  # a named call's id, in its first chunk
     named_sent = [False] * n  # whether a choice's named call has sent its first chunk
     auto = mode is not None and mode.kind == AUTO
@@ -684,12 +703,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         cols = [_Collected() for _ in streams]
         merged = _merged(streams)
         try:
-            yield [chunk(i, {"role": "assistant", "content": ""}) for i in range(n)]
+            first = [chunk(i, {"role": "assistant", "content": ""}) for i in range(n)]
+            if continuous:
+                _with_usage(first, [(i, _usage_tail(cols[i], len(prompt_ids))) for i in range(n)])
+            yield first
             async for batch in merged:
                 payloads = []
+                marks: list[tuple[int, str]] = []
                 for i, out in batch:
                     col = cols[i]
                     col.add(out)
+                    if continuous:
+                        marks.append((len(payloads), _usage_tail(col, len(prompt_ids))))
                     if mode is not None and mode.kind == AUTO:
                         lp = _chat_logprobs(engine, out.new_logprobs) if body.logprobs else None
                         payloads += _auto_chunks(mode, chunk, i, out, col, parsers[i], lp)
@@ -708,6 +733,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                         payloads.append(
                             chunk(i, {}, finish=_openai_finish_reason(col.finish_reason))
                         )
+                if continuous:
+                    _with_usage(payloads, marks)
                 yield payloads
             tail = []
             err = _stream_error_event(cols, client_of(request).draining, request_id)
@@ -905,6 +932,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     def chunk(index: int, text: str, finish: str | None = None, logprobs: Any = None) -> str:
         return _completion_chunk(head, index, text, finish, logprobs)
 
+    continuous = body.continuous_usage  # usage in every chunk
+
     async def events() -> AsyncIterator[list[str]]:
         cols = [_Collected() for _ in streams]
         text_lens = [0] * len(streams)
@@ -913,10 +942,13 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         try:
             async for batch in merged:
                 payloads: list[str] = []
+                marks: list[tuple[int, str]] = []
                 for i, out in batch:
                     col = cols[i]
                     first = not col.text_parts
                     col.add(out)
+                    if continuous:
+                        marks.append((len(payloads), _usage_tail(col, len(prompts[i // n]))))
                     if first and body.echo and col.finish_reason not in ("error", "abort"):
                         # The prompt goes first, in a chunk of its own (with its logprobs).
                         try:
@@ -950,6 +982,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                     payloads.append(DONE)
                     yield payloads
                     return
+                if continuous:
+                    _with_usage(payloads, marks)
                 yield payloads
             tail = []
             err = _stream_error_event(cols, client_of(request).draining, request_id)

@@ -77,6 +77,76 @@ def test_completion_stream_sequence_and_length(server: ServerThread) -> None:
     assert usage_chunk["usage"]["completion_tokens"] == 4
 
 
+def _usage_steps(chunks: list[dict]) -> list[int]:
+    """Completion tokens each content chunk adds (`continuous_usage_stats`)."""
+    seen, steps = 0, []
+    for c in chunks:
+        now = c["usage"]["completion_tokens"]
+        assert now >= seen and c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + now
+        steps.append(now - seen)
+        seen = now
+    return steps
+
+
+def test_chat_stream_continuous_usage_counts_tokens_without_text(server: ServerThread) -> None:
+    """`stream_options.continuous_usage_stats` (vLLM's): every chunk carries the choice's
+    completion tokens so far. A token without text (here the first byte of a two-byte
+    character: the fake engine answers one token per byte) sends no chunk, so the chunk after
+    it carries two, and a client that times tokens can tell."""
+    body = {
+        "messages": [{"role": "user", "content": "Grüße"}],
+        "stream": True,
+        "max_tokens": 200,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    r, raw = _stream(server, "/v1/chat/completions", body)
+    assert r.status_code == 200
+    chunks = [json.loads(p) for p in parse_sse_strict(raw)[:-1]]
+    role, *rest, final, usage_chunk = chunks
+    assert usage_chunk["choices"] == [] and all("usage" in c for c in chunks)
+    assert role["usage"]["completion_tokens"] == 0
+    deltas = [c for c in rest if c["choices"][0]["delta"].get("content")]
+    assert deltas == rest
+    text = "".join(d["choices"][0]["delta"]["content"] for d in deltas)
+    steps = _usage_steps(deltas)
+    # One token per byte: a chunk's tokens are its text's bytes; ü and ß take two each.
+    assert steps == [len(d["choices"][0]["delta"]["content"].encode()) for d in deltas]
+    assert steps.count(2) == 2 and sum(steps) == len(text.encode())
+    # The finish chunk counts the EOS that ended it (counted, not shown), as the last usage.
+    assert final["usage"]["completion_tokens"] == len(text.encode()) + 1
+    assert usage_chunk["usage"]["completion_tokens"] == final["usage"]["completion_tokens"]
+
+
+def test_completion_stream_continuous_usage(server: ServerThread) -> None:
+    body = {
+        "prompt": "aéb",
+        "stream": True,
+        "max_tokens": 4,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    r, raw = _stream(server, "/v1/completions", body)
+    assert r.status_code == 200
+    chunks = [json.loads(p) for p in parse_sse_strict(raw)[:-1]]
+    *deltas, final, usage_chunk = chunks
+    assert [c["choices"][0]["text"] for c in deltas] == ["a", "é", "b"]
+    assert _usage_steps(deltas) == [1, 2, 1]
+    assert final["usage"]["completion_tokens"] == usage_chunk["usage"]["completion_tokens"] == 4
+
+
+def test_continuous_usage_needs_include_usage(server: ServerThread) -> None:
+    """Asked alone it would be ignored (vLLM sends nothing then): a 400 naming it."""
+    body = {
+        "prompt": "a",
+        "stream": True,
+        "max_tokens": 2,
+        "stream_options": {"continuous_usage_stats": True},
+    }
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        r = c.post("/v1/completions", json=body)
+    assert r.status_code == 400
+    assert "continuous_usage_stats needs include_usage" in r.json()["error"]["message"]
+
+
 def test_engine_error_mid_stream_is_an_error_event(server: ServerThread) -> None:
     body = {"messages": [{"role": "user", "content": "please FAIL"}], "stream": True}
     r, raw = _stream(server, "/v1/chat/completions", body)
