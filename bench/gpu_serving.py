@@ -509,7 +509,7 @@ def chat_by_probe(
     `ended_unix_s`): each request counts once, under the scoring load it started into, and
     those sent between probes count for none. TBT = the pooled inter-token gaps of those
     requests (ITL). Figures are None for a probe without completed chat requests."""
-    from bench.metrics import summarize_ms
+    from bench.metrics import summarize_ms, token_gaps
 
     by_probe: dict[str, dict[str, Any]] = {}
     for run in score_runs:
@@ -526,6 +526,12 @@ def chat_by_probe(
             "tbt_ms": {"p50": tbt["median"], "p99": tbt["p99"]},
             "tpot_ms": {"p99": tpot["p99"]},
         }
+        # The same gaps shared by the tokens each chunk carried (a token without text sends no
+        # chunk: at ~55-ms gaps between layer slices one such token reads as a 110-ms gap).
+        per_token = [g for r in ok for g in token_gaps(r["itl_s"], r.get("itl_tokens") or [])]
+        if per_token:
+            tok = summarize_ms(per_token)
+            by_probe[str(run["qps"])]["token_tbt_ms"] = {"p50": tok["median"], "p99": tok["p99"]}
     return by_probe
 
 

@@ -38,6 +38,10 @@ class RequestResult:
     ttft_s: float = 0.0
     e2el_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
+    # Tokens each of those gaps' chunks carried (the usage in every chunk a server sends under
+    # `stream_options.continuous_usage_stats`); empty when the server does not say. A token
+    # without text (a partial UTF-8 sequence) sends no chunk: the gap after it spans two.
+    itl_tokens: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0  # from the workload
     num_prompt_tokens_server: int | None = None  # usage.prompt_tokens, when the server says
     # A score's own account, when the server gives one (Greenlane's /v1/score): prompt tokens
@@ -274,10 +278,24 @@ def compute_metrics(
     return metrics
 
 
+def token_gaps(itl_s: list[float], itl_tokens: list[int]) -> list[float]:
+    """The gaps between tokens as the server produced them: a chunk's gap shared evenly by the
+    tokens it carried (`RequestResult.itl_tokens`). Empty without token counts."""
+    if not itl_tokens or len(itl_tokens) != len(itl_s):
+        return []
+    out: list[float] = []
+    for gap, k in zip(itl_s, itl_tokens, strict=True):
+        k = max(1, k)  # text held back (a stop string's prefix) may come with no new token
+        out += [gap / k] * k
+    return out
+
+
 def latencies(ok: list[RequestResult]) -> dict[str, Any]:
-    """TTFT, TPOT, the gaps between tokens (summary and tail) and E2EL of successful requests."""
+    """TTFT, TPOT, the gaps between tokens (summary and tail) and E2EL of successful requests.
+    `itl_ms`: the gaps between chunks, what a client sees; `token_itl_ms` (when the server
+    counts tokens in every chunk): those gaps shared by the tokens each chunk carried."""
     itls = [gap for r in ok for gap in r.itl_s]
-    return {
+    out = {
         "ttft_ms": summarize_ms([r.ttft_s for r in ok]),
         "tpot_ms": summarize_ms([t for t in (r.tpot_s for r in ok) if t is not None]),
         "itl_ms": summarize_ms(itls),
@@ -285,6 +303,10 @@ def latencies(ok: list[RequestResult]) -> dict[str, Any]:
         "stalls": stalls(ok),
         "e2el_ms": summarize_ms([r.e2el_s for r in ok]),
     }
+    tokens = [gap for r in ok for gap in token_gaps(r.itl_s, r.itl_tokens)]
+    if tokens:
+        out["token_itl_ms"] = summarize_ms(tokens)
+    return out
 
 
 def _part(results: list[RequestResult], source: str) -> dict[str, Any]:

@@ -58,6 +58,9 @@ class ClientOptions:
 
     model: str = ""
     ignore_eos: bool = True  # ask for exact output lengths (extension field; may be ignored)
+    # Ask for usage in every chat chunk (`stream_options.continuous_usage_stats`, vLLM's and
+    # Greenlane's): the tokens each chunk carries, for `token_itl_ms`.
+    chunk_usage: bool = True
     temperature: float = 0.0
     burstiness: float = 1.0
     max_concurrency: int | None = None
@@ -148,6 +151,8 @@ def chat_body(req: WorkloadRequest, opts: ClientOptions) -> dict[str, Any]:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if opts.chunk_usage:
+        body["stream_options"]["continuous_usage_stats"] = True
     if opts.ignore_eos:
         body["ignore_eos"] = True  # Greenlane/vLLM extension: generate exactly max_tokens
     return body
@@ -205,6 +210,11 @@ async def _send_chat(
             if "error" in chunk:
                 result.error = f"stream error: {str(chunk['error'])[:160]}"
                 return
+            usage = chunk.get("usage")
+            tokens_before = usage_tokens
+            if usage:
+                usage_tokens = usage.get("completion_tokens")
+                result.num_prompt_tokens_server = usage.get("prompt_tokens")
             for choice in chunk.get("choices") or []:
                 content = (choice.get("delta") or {}).get("content") or choice.get("text")
                 if not content:
@@ -213,12 +223,10 @@ async def _send_chat(
                     result.ttft_s = now - start
                 else:
                     result.itl_s.append(now - last_chunk)
+                    if usage and tokens_before is not None and usage_tokens is not None:
+                        result.itl_tokens.append(usage_tokens - tokens_before)
                 last_chunk = now
                 text_parts.append(content)
-            usage = chunk.get("usage")
-            if usage:
-                usage_tokens = usage.get("completion_tokens")
-                result.num_prompt_tokens_server = usage.get("prompt_tokens")
     result.e2el_s = time.perf_counter() - start
     if not text_parts:
         result.error = "no content in stream"
@@ -375,6 +383,8 @@ def request_records(results: list[RequestResult], started_unix_s: float) -> list
             rec["ttft_s"] = rounded(r.ttft_s)
             rec["tpot_s"] = rounded(r.tpot_s)
             rec["itl_s"] = [rounded(gap) for gap in r.itl_s]
+            if len(r.itl_tokens) == len(r.itl_s):  # (the server counted tokens in every chunk)
+                rec["itl_tokens"] = r.itl_tokens
             if r.num_cached_tokens_server is not None:
                 rec["cached_tokens"] = r.num_cached_tokens_server
             for key in ("server_s", "engine_queue_s", "engine_ttft_s"):
@@ -938,6 +948,12 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
+    p.add_argument(
+        "--no-chunk-usage",
+        action="store_true",
+        help="do not ask for usage in every chat chunk (stream_options.continuous_usage_stats: "
+        "a server that does not know it answers 400)",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--slo", help="ttft:MS,tpot:MS,e2el:MS (any subset)")
     p.add_argument("--api-key", default=os.environ.get("GREENLANE_API_KEY"))
@@ -1017,6 +1033,7 @@ def options_from_args(args: argparse.Namespace, tokenizer: TokenizerLike) -> Cli
     return ClientOptions(
         model=args.model or "",
         ignore_eos=not args.no_ignore_eos,
+        chunk_usage=not args.no_chunk_usage,
         temperature=args.temperature,
         burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,
@@ -1152,6 +1169,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "score_path": opts.score_path,
         "score_as_completion": opts.score_as_completion,
         "ignore_eos": opts.ignore_eos,
+        "chunk_usage": opts.chunk_usage,
         "temperature": opts.temperature,
         "max_concurrency": opts.max_concurrency,
         "client_procs": args.client_procs,

@@ -37,6 +37,9 @@ def fake_app(tok: Any) -> FastAPI:
     app.state.policy = "fcfs"
     app.state.partition = "off"
     app.state.admin_enabled = True  # False: the admin endpoints answer 404 (an older server)
+    # > 0: every such token (not the first, not the last) carries no text and sends no chunk,
+    # as a partial UTF-8 sequence does; asked for, usage comes in every chunk.
+    app.state.textless_every = 0
 
     def fake_state() -> dict:
         return {
@@ -137,15 +140,22 @@ def fake_app(tok: Any) -> FastAPI:
         prompt = len(encode_ids(tok, body["messages"][0]["content"]))
         num_out = body["max_tokens"] if body.get("ignore_eos") else min(2, body["max_tokens"])
 
+        every = app.state.textless_every
+        continuous = (body.get("stream_options") or {}).get("continuous_usage_stats")
+
         async def events() -> Any:
-            def sse(obj: dict) -> str:
+            def sse(obj: dict, done: int = 0) -> str:
+                if continuous and "usage" not in obj:
+                    obj["usage"] = {"prompt_tokens": prompt, "completion_tokens": done}
                 return f"data: {json.dumps(obj)}\n\n"
 
             yield sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
             for i in range(num_out):
                 await asyncio.sleep(TOKEN_DELAY_S)
-                yield sse({"choices": [{"index": 0, "delta": {"content": f" t{i}"}}]})
-            yield sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+                if every and i % every == every - 1 and i < num_out - 1:
+                    continue  # no text: no chunk
+                yield sse({"choices": [{"index": 0, "delta": {"content": f" t{i}"}}]}, i + 1)
+            yield sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}, num_out)
             yield sse(
                 {"choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": num_out}}
             )
@@ -306,6 +316,53 @@ def test_record_requests_writes_per_request_timings_inside_the_run_windows(
             ("itl_ms", [gap for r in ok for gap in r["itl_s"]]),
         ):
             assert summarize_ms(values_s)["p99"] == pytest.approx(m[key]["p99"], abs=0.01)
+
+
+def test_chunk_usage_counts_the_tokens_each_chunk_carries(fake_server, tokenizer_file, tmp_path):
+    """Chat streams ask for usage in every chunk (`continuous_usage_stats`): a chunk after a
+    token that sent none (no text) is counted as two tokens, and `token_itl_ms` shares its
+    gap between them, where `itl_ms` (what the client saw) has one doubled gap."""
+    url, app = fake_server
+    app.state.count = 0
+    app.state.textless_every = 3
+    try:
+        record = run_cli(
+            [
+                *_sharegpt_sweep(url, tokenizer_file),
+                "--record-requests",
+                "--out",
+                str(tmp_path / "r.json"),
+                "--no-progress",
+            ]
+        )
+    finally:
+        app.state.textless_every = 0
+    assert record["options"]["chunk_usage"] is True
+    chat = [b for kind, b in app.state.seen if kind == "chat"][-1]
+    assert chat["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    for run in record["runs"]:
+        m, ok = run["metrics"], [r for r in run["requests"] if r["ok"]]
+        assert all(len(r["itl_tokens"]) == len(r["itl_s"]) for r in ok)
+        # The first chunk carries one token; every token is counted once.
+        assert sum(sum(r["itl_tokens"]) + 1 for r in ok) == m["total_output_tokens"]
+        assert any(2 in r["itl_tokens"] for r in ok) and set(
+            k for r in ok for k in r["itl_tokens"]
+        ) == {1, 2}
+        assert m["token_itl_ms"]["p99"] < m["itl_ms"]["p99"]
+    # Not asked for: no token counts, no token_itl_ms.
+    app.state.count = 0
+    plain = run_cli(
+        [
+            *_sharegpt_sweep(url, tokenizer_file),
+            "--no-chunk-usage",
+            "--out",
+            str(tmp_path / "plain.json"),
+            "--no-progress",
+        ]
+    )
+    chat = [b for kind, b in app.state.seen if kind == "chat"][-1]
+    assert chat["stream_options"] == {"include_usage": True}
+    assert all("token_itl_ms" not in run["metrics"] for run in plain["runs"])
 
 
 def test_without_ignore_eos_output_lengths_are_reported_inexact(

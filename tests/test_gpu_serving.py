@@ -271,6 +271,12 @@ def test_background_chat_is_split_by_scoring_probe() -> None:
         "tbt_ms": {"p50": None, "p99": None},
         "tpot_ms": {"p99": None},
     }
+    assert "token_tbt_ms" not in p2  # no token counts recorded
+    # With the tokens each chunk carried: a 200-ms gap that carried two tokens is two of 100.
+    counted = dict(req(112.0, 1.0, [0.1, 0.2, 0.3]), itl_tokens=[1, 2, 1])
+    p4 = gs.chat_by_probe({"requests": [counted]}, runs)["4.0"]
+    assert p4["tbt_ms"]["p50"] == pytest.approx(200.0)
+    assert p4["token_tbt_ms"] == {"p50": pytest.approx(100.0), "p99": pytest.approx(294.0)}
 
     # Chat figures compared at the highest scoring QPS that every side probed (16, not 32
     # which one side alone reached, nor "4.0", the highest as text).
