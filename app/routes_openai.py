@@ -401,8 +401,13 @@ def _usage_tail(col: _Collected, prompt_len: int) -> str:
     (`_with_usage`): its completion tokens, so that a chunk after a token without text (a
     partial UTF-8 sequence, a special token: no chunk of its own) tells the client it carries
     two."""
-    prompt = col.num_prompt_tokens or prompt_len
-    return ',"usage":' + _dumps(usage(prompt, len(col.token_ids), col.num_cached_tokens)) + "}"
+    # The JSON of `usage(...)` by hand: this runs per token per stream (~1 us, not ~5).
+    prompt, done = col.num_prompt_tokens or prompt_len, len(col.token_ids)
+    return (
+        f',"usage":{{"prompt_tokens":{prompt},"completion_tokens":{done},'
+        f'"total_tokens":{prompt + done},'
+        f'"prompt_tokens_details":{{"cached_tokens":{col.num_cached_tokens}}}}}}}'
+    )
 
 
 def _with_usage(payloads: list[str], marks: list[tuple[int, str]]) -> None:

@@ -104,6 +104,9 @@ def test_chat_stream_continuous_usage_counts_tokens_without_text(server: ServerT
     chunks = [json.loads(p) for p in parse_sse_strict(raw)[:-1]]
     role, *rest, final, usage_chunk = chunks
     assert usage_chunk["choices"] == [] and all("usage" in c for c in chunks)
+    # Every chunk's usage in the final usage chunk's shape (cached tokens included).
+    assert all(c["usage"].keys() == usage_chunk["usage"].keys() for c in chunks)
+    assert final["usage"] == usage_chunk["usage"]
     assert role["usage"]["completion_tokens"] == 0
     deltas = [c for c in rest if c["choices"][0]["delta"].get("content")]
     assert deltas == rest
