@@ -528,6 +528,9 @@ def chat_by_probe(
         }
         # The same gaps shared by the tokens each chunk carried (a token without text sends no
         # chunk: at ~55-ms gaps between layer slices one such token reads as a 110-ms gap).
+        # The server's own gaps in the probe (every stream it ran: here the background chat),
+        # as its API server received them: what the engine and its hop already had.
+        by_probe[str(run["qps"])]["server_itl"] = run.get("server_itl")
         per_token = [g for r in ok for g in token_gaps(r["itl_s"], r.get("itl_tokens") or [])]
         if per_token:
             tok = summarize_ms(per_token)

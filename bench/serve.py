@@ -876,6 +876,58 @@ async def vllm_counters(base_url: str) -> dict[str, int] | None:
     return parse_vllm_prefix_counters(resp.text)
 
 
+# The server's own inter-token histogram (Greenlane and vLLM export it under vLLM's name): the
+# gaps between a request's outputs as the API server received them from the engine, one per
+# engine step. Read around each run, it says which of the client's long gaps the server already
+# had (the engine and the hop to the API server) and which arose after (SSE, the network, a
+# token without text that sent no chunk).
+SERVER_ITL_METRIC = "vllm:inter_token_latency_seconds_bucket"
+SERVER_ITL_OVER_S = (0.04, 0.06, 0.08, 0.1, 0.15, 0.2)  # bucket bounds of both servers
+
+
+def parse_itl_buckets(metrics_text: str) -> dict[float, float] | None:
+    """Cumulative counts by upper bound (`le`, seconds; inf for `+Inf`) of the server's
+    inter-token histogram, summed over label sets; None when absent."""
+    out: dict[float, float] = {}
+    for name, labels, value in prometheus_samples(metrics_text):
+        if name != SERVER_ITL_METRIC:
+            continue
+        for label in labels.split(","):
+            key, _, raw = label.partition("=")
+            if key.strip() == "le":
+                le = float(raw.strip().strip('"').replace("+Inf", "inf"))
+                out[le] = out.get(le, 0.0) + value
+    return out or None
+
+
+async def server_itl_buckets(base_url: str, admin_token: str | None) -> dict[float, float] | None:
+    """`parse_itl_buckets` of the server's `/metrics` (None when unreadable)."""
+    try:
+        async with httpx.AsyncClient(timeout=30.0) as client:
+            resp = await client.get(f"{base_url}/metrics", headers=admin_headers(admin_token))
+    except httpx.HTTPError:
+        return None
+    return parse_itl_buckets(resp.text) if resp.status_code == 200 else None
+
+
+def server_itl_delta(
+    before: dict[float, float] | None, after: dict[float, float] | None
+) -> dict[str, Any] | None:
+    """The server's inter-token gaps during a run: how many, and the fraction over each of
+    SERVER_ITL_OVER_S (every stream the server ran then, background ones included)."""
+    if before is None or after is None or math.inf not in after:
+        return None
+    count = after[math.inf] - before.get(math.inf, 0.0)
+    if count <= 0:
+        return {"count": 0, "fraction_over_s": {}}
+    over = {
+        f"{le:g}": round(1.0 - (after[le] - before.get(le, 0.0)) / count, 6)
+        for le in SERVER_ITL_OVER_S
+        if le in after
+    }
+    return {"count": int(count), "fraction_over_s": over}
+
+
 def prefix_cache_delta(
     before: dict[str, int] | None, after: dict[str, int] | None
 ) -> dict[str, Any] | None:
@@ -1199,6 +1251,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             prime = await prime_prefixes(base_url, gen, opts)
             primed.append(prime)
         before = await server_counters(base_url, args.admin_token, args.server)
+        itl_before = await server_itl_buckets(base_url, args.admin_token)
         if pool is not None:
             metrics, results = await pool.run(
                 base_url, plan.requests, plan.arrivals_s, opts, slo, label=f"qps {qps:g}"
@@ -1208,7 +1261,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 base_url, plan.requests, plan.arrivals_s, opts, slo, f"qps {qps:g}", stop
             )
         after = await server_counters(base_url, args.admin_token, args.server)
+        itl_after = await server_itl_buckets(base_url, args.admin_token)
         run = run_record(qps, metrics, plan, reset, prefix_cache_delta(before, after), prime)
+        run["server_itl"] = server_itl_delta(itl_before, itl_after)
         run["engine_failures"] = failures = engine_failures_delta(before, after)
         if failures and any(failures.values()):
             print(

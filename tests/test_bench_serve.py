@@ -1034,6 +1034,33 @@ def test_prime_prefixes_sends_one_request_per_user_before_the_runs(
     assert by_qps["inf"]["prime"]["requests"] == 20 and by_qps[500.0]["prime"] is None
 
 
+def test_server_itl_histogram_delta():
+    """The server's inter-token histogram (vLLM's name, Greenlane's too) read around a run:
+    label sets summed, +Inf as the count, fractions over each bound from the deltas."""
+
+    def text(counts: dict[str, tuple[int, int]]) -> str:
+        lines = ["# HELP vllm:inter_token_latency_seconds gaps", "# TYPE ... histogram"]
+        for le, (a, b) in counts.items():
+            lines.append(
+                f'vllm:inter_token_latency_seconds_bucket{{le="{le}",model_name="a"}} {a}.0'
+            )
+            lines.append(
+                f'vllm:inter_token_latency_seconds_bucket{{model_name="b",le="{le}"}} {b}.0'
+            )
+        lines.append("vllm:inter_token_latency_seconds_count 99.0")
+        return "\n".join(lines)
+
+    before = serve.parse_itl_buckets(text({"0.08": (5, 5), "0.1": (6, 6), "+Inf": (10, 10)}))
+    assert before == {0.08: 10.0, 0.1: 12.0, math.inf: 20.0}
+    after = serve.parse_itl_buckets(text({"0.08": (50, 45), "0.1": (50, 50), "+Inf": (60, 60)}))
+    delta = serve.server_itl_delta(before, after)
+    # 100 gaps in the run: 85 within 80 ms, 100 - 88 = 12 over 100 ms.
+    assert delta == {"count": 100, "fraction_over_s": {"0.08": 0.15, "0.1": 0.12}}
+    assert serve.server_itl_delta(None, after) is None
+    assert serve.parse_itl_buckets("vllm:other_total 3.0") is None
+    assert serve.server_itl_delta(after, after) == {"count": 0, "fraction_over_s": {}}
+
+
 def test_prefix_cache_delta():
     a = {"hit_tokens": 100, "query_tokens": 1000}
     b = {"hit_tokens": 700, "query_tokens": 2000}

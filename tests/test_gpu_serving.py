@@ -270,8 +270,13 @@ def test_background_chat_is_split_by_scoring_probe() -> None:
         "ttft_ms": {"p99": None},
         "tbt_ms": {"p50": None, "p99": None},
         "tpot_ms": {"p99": None},
+        "server_itl": None,  # (the probe's run did not read the server's histogram)
     }
     assert "token_tbt_ms" not in p2  # no token counts recorded
+    # The probe's own reading of the server's gaps travels with it.
+    server_itl = {"count": 40, "fraction_over_s": {"0.08": 0.025}}
+    read = [dict(runs[0], server_itl=server_itl), *runs[1:]]
+    assert gs.chat_by_probe(chat_run, read)["2.0"]["server_itl"] == server_itl
     # With the tokens each chunk carried: a 200-ms gap that carried two tokens is two of 100.
     counted = dict(req(112.0, 1.0, [0.1, 0.2, 0.3]), itl_tokens=[1, 2, 1])
     p4 = gs.chat_by_probe({"requests": [counted]}, runs)["4.0"]
