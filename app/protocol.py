@@ -290,7 +290,8 @@ class _SamplingFields(_Request):
     @property
     def continuous_usage(self) -> bool:
         """Usage in every chunk (`stream_options.continuous_usage_stats`)."""
-        return self.include_usage and bool(self.stream_options.continuous_usage_stats)  # type: ignore[union-attr]
+        opts = self.stream_options
+        return self.include_usage and opts is not None and opts.continuous_usage_stats
 
 
 # chat_template_kwargs may not set what the server passes the template itself (the top-level

@@ -526,11 +526,11 @@ def chat_by_probe(
             "tbt_ms": {"p50": tbt["median"], "p99": tbt["p99"]},
             "tpot_ms": {"p99": tpot["p99"]},
         }
-        # The same gaps shared by the tokens each chunk carried (a token without text sends no
-        # chunk: at ~55-ms gaps between layer slices one such token reads as a 110-ms gap).
         # The server's own gaps in the probe (every stream it ran: here the background chat),
         # as its API server received them: what the engine and its hop already had.
         by_probe[str(run["qps"])]["server_itl"] = run.get("server_itl")
+        # The same gaps shared by the tokens each chunk carried (a token without text sends no
+        # chunk: at ~55-ms gaps between layer slices one such token reads as a 110-ms gap).
         per_token = [g for r in ok for g in token_gaps(r["itl_s"], r.get("itl_tokens") or [])]
         if per_token:
             tok = summarize_ms(per_token)
