@@ -340,6 +340,24 @@ def test_decode_favoured_never_holds_the_decodes_for_a_whole_prefill_under_a_tar
     # A whole prefill that fits the target needs no slices.
     roomy = choose(tbt_slo_ms=2 * (whole_prefill + whole_decode), layer_slicing=True)
     assert roomy.prefill_sms == TIME_SLICE and roomy.layers_per_slice is None
+    # A prefill that may be cut by tokens is cut to chunks, as before: the fallback is for
+    # prompts that run whole.
+    config = ControllerConfig(
+        tbt_slo_ms=target, min_gain=0.0, hysteresis_sms=0, min_split_speedup=100.0,
+        layer_slicing=True,
+    )  # fmt: skip
+    from runtime.partition.cost_model import ChunkInput
+
+    class Cost:  # the cost model's own whole-GPU prefill, a token at a time
+        def marginal_s(self, uncached_tokens: int, cached_tokens: int = 0) -> float:
+            return whole_prefill / p.num_tokens / 1e3 * uncached_tokens
+
+        def max_tokens_within(self, seconds: float, cached_tokens: int = 0) -> int:
+            return int(seconds * 1e3 * p.num_tokens / whole_prefill)
+
+    chunk = ChunkInput(Cost(), 0, target)
+    cut = SplitController(m, SPLITS, config).choose(p, d, kv_usage=0.9, chunk=chunk)
+    assert cut.chunk_tokens is not None and cut.layers_per_slice is None
 
 
 def test_a_split_beats_layer_slices_only_by_its_margin() -> None:

@@ -714,7 +714,7 @@ class SplitController:
                 return dataclasses.replace(
                     chunked, reason="the prefill fits the TBT target in one step"
                 )
-        whole = self._choose_whole(p, d, kv_usage, chunk.tbt_slo_ms, rows)
+        whole = self._choose_whole(p, d, kv_usage, chunk.tbt_slo_ms, rows, chunkable=True)
         return self._versus(chunked, chunk, whole, kv_usage)
 
     def _chunked(self, p: PrefillShape, d: DecodeShape, chunk: ChunkInput) -> SplitDecision:
@@ -860,10 +860,12 @@ class SplitController:
         kv_usage: float,
         aim_ms: float | None = None,
         rows: RowStream | None = None,
+        chunkable: bool = False,
     ) -> SplitDecision:
         """Nexus's rule with the TBT target for a prefill `p` that runs whole: a whole-GPU
         time-slice, a split, or (layer slicing on) slices of layers sized to `aim_ms`, or of
-        row pieces of a layer where `p` streams its `rows` and no layer fits."""
+        row pieces of a layer where `p` streams its `rows` and no layer fits. `chunkable`:
+        `p` may be cut by tokens instead (`_versus` then cuts a whole time-slice to chunks)."""
         cfg = self.config
         favour_prefill = kv_usage < cfg.kv_switch
         evals: dict[int, tuple[float, float]] = {}
@@ -944,10 +946,12 @@ class SplitController:
             # misses it by seconds where layer slices keep it: on an H100 (8B in 24 GB,
             # `58a82b9`) a 50k-token scoring prompt planned while the previous whole prompt
             # held the pool ran merged with 10-13 decodes in 2.2 s, in every run.
+            # (A chunkable prefill's whole time-slice is cut to chunks by `_versus`, as before.)
             sliced = (
                 self._layer_slices(p, d, aim_ms, rows)
                 if cfg.tbt_slo_ms is not None
                 and cfg.layer_slicing
+                and not chunkable
                 and ev(TIME_SLICE)[1] > cfg.tbt_slo_ms
                 else None
             )
