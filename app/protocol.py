@@ -138,6 +138,13 @@ class StreamOptions(_Request):
     # clients ignore either way, so both values are accepted.
     include_obfuscation: bool | None = None
 
+    @model_validator(mode="after")
+    def _continuous_needs_usage(self) -> StreamOptions:
+        # (Here, not on the request: the 400 then names `stream_options`.)
+        if self.continuous_usage_stats and not self.include_usage:
+            raise ValueError("continuous_usage_stats needs include_usage=true")
+        return self
+
 
 class ContentPart(_Request):
     # A text part's unknown fields that ask for something are a 400, as a message's are.
@@ -278,9 +285,6 @@ class _SamplingFields(_Request):
     def _stream_options_need_a_stream(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
-        opts = self.stream_options
-        if opts is not None and opts.continuous_usage_stats and not opts.include_usage:
-            raise ValueError("stream_options.continuous_usage_stats needs include_usage=true")
         return self
 
     @property

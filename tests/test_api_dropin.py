@@ -486,6 +486,11 @@ def test_sampling_parameters_reach_the_engine(server: ServerThread, http: httpx.
         (CHAT, {"totally_new_knob": 1}, "totally_new_knob"),
         (
             CHAT,
+            {"stream": True, "stream_options": {"include_usage": True, "new_option": True}},
+            "stream_options",
+        ),
+        (  # implemented, but only beside include_usage (vLLM would send nothing)
+            CHAT,
             {"stream": True, "stream_options": {"continuous_usage_stats": True}},
             "stream_options",
         ),

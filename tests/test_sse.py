@@ -147,7 +147,9 @@ def test_continuous_usage_needs_include_usage(server: ServerThread) -> None:
     with httpx.Client(base_url=server.url, timeout=30) as c:
         r = c.post("/v1/completions", json=body)
     assert r.status_code == 400
-    assert "continuous_usage_stats needs include_usage" in r.json()["error"]["message"]
+    err = r.json()["error"]
+    assert "continuous_usage_stats needs include_usage" in err["message"]
+    assert err["param"].split(".")[0] == "stream_options"
 
 
 def test_engine_error_mid_stream_is_an_error_event(server: ServerThread) -> None:
