@@ -862,18 +862,22 @@ def parse_vllm_prefix_counters(metrics_text: str) -> dict[str, int] | None:
     return {k: int(v) for k, v in sums.items()} if len(seen) == 2 else None
 
 
+async def metrics_text(base_url: str, admin_token: str | None = None) -> str | None:
+    """The server's Prometheus text (`/metrics`), None when unreadable."""
+    try:
+        async with httpx.AsyncClient(timeout=30.0) as client:
+            resp = await client.get(f"{base_url}/metrics", headers=admin_headers(admin_token))
+    except httpx.HTTPError:
+        return None
+    return resp.text if resp.status_code == 200 else None
+
+
 async def vllm_counters(base_url: str) -> dict[str, int] | None:
     """Prefix-cache counters from `/metrics` (None without them). vLLM's
     `vllm:iteration_tokens_total` is not read: it counts a request's whole prompt in the
     iteration its prefill ends, not the chunk a step ran, so it cannot count chunked steps."""
-    try:
-        async with httpx.AsyncClient(timeout=30.0) as client:
-            resp = await client.get(f"{base_url}/metrics")
-    except httpx.HTTPError:
-        return None
-    if resp.status_code != 200:
-        return None
-    return parse_vllm_prefix_counters(resp.text)
+    text = await metrics_text(base_url)
+    return None if text is None else parse_vllm_prefix_counters(text)
 
 
 # The server's own inter-token histogram (Greenlane and vLLM export it under vLLM's name): the
@@ -902,12 +906,8 @@ def parse_itl_buckets(metrics_text: str) -> dict[float, float] | None:
 
 async def server_itl_buckets(base_url: str, admin_token: str | None) -> dict[float, float] | None:
     """`parse_itl_buckets` of the server's `/metrics` (None when unreadable)."""
-    try:
-        async with httpx.AsyncClient(timeout=30.0) as client:
-            resp = await client.get(f"{base_url}/metrics", headers=admin_headers(admin_token))
-    except httpx.HTTPError:
-        return None
-    return parse_itl_buckets(resp.text) if resp.status_code == 200 else None
+    text = await metrics_text(base_url, admin_token)
+    return None if text is None else parse_itl_buckets(text)
 
 
 def server_itl_delta(
