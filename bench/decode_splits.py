@@ -33,10 +33,7 @@ from typing import Any
 
 import numpy as np
 
-SHAPES = {  # name: (q heads, kv heads, head dim, layers)
-    "qwen2.5-3b": (16, 2, 128, 36),
-    "llama-3.1-8b": (32, 8, 128, 32),
-}
+SHAPES = ("qwen2.5-3b", "llama-3.1-8b")  # presets (runtime/model/presets.py)
 PAGE = 16
 
 
@@ -114,6 +111,7 @@ def _time_splits(args: argparse.Namespace) -> None:
     from bench.bursts import git_revision
     from bench.gpu_suite import _graph_ms, rel_err
     from runtime.model import decode_kernels as dk
+    from runtime.model.presets import get_preset
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -134,7 +132,8 @@ def _time_splits(args: argparse.Namespace) -> None:
     # One pool a layer with room for the largest batch (each batch reuses it).
     num_blocks = max(int((-(-lens // PAGE)).sum()) for lens in batches.values())
     for shape in args.shapes.split(","):
-        hq, hkv, d, layers = SHAPES[shape]
+        cfg = get_preset(shape)
+        hq, hkv, d, layers = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
         kfs = [
             torch.randn(num_blocks * PAGE, hkv, d, device="cuda", dtype=torch.bfloat16)
             for _ in range(layers)
