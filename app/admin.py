@@ -551,6 +551,9 @@ def _build_state(app: Any) -> dict[str, Any]:
                 "cost_context_ms_per_1k": stats.get("tbt_cost_context_ms_per_1k"),
                 # The cut aims at the target / this (the tail of waited / predicted steps).
                 "tail_factor": stats.get("tbt_tail_factor"),
+                # auto's layer slices aim at the target / this (their own tail of waited /
+                # promised; null until measured: they take the chunks' aim)
+                "slice_tail_factor": stats.get("slice_tail_factor"),
                 "num_mixed_steps": stats.get("num_mixed_steps"),
                 "num_mixed_steps_over_tbt": stats.get("num_mixed_steps_over_tbt"),
                 **{

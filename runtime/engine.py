@@ -134,6 +134,12 @@ def decode_avg_s(avg_s: float, sample_s: float) -> float:
 
 # Steps kept for `step_trace` (the admin API's /admin/api/steps): a few seconds of a busy server.
 STEP_TRACE_LEN = 4096
+
+# The least tail factor layer slices aim with once their own tail is measured (`_slice_tail`):
+# the engine sees a slice's wait on the device, not the API server's delivery after it. On an
+# H100 (8B in 24 GB, 80-ms target) slices sized to the target itself (device gaps ~78.6 ms)
+# read a client P99 of 78.7-80.5 ms; 1.05 aims at ~76.
+SLICE_TAIL_FLOOR = 1.05
 STEP_TRACE_FIELDS = (
     "end_s",  # engine clock (monotonic s) when the result was applied
     "on_split",  # ran on a split's partition (else the whole GPU)
@@ -187,6 +193,10 @@ STEP_TRACE_FIELDS = (
     # prefill by chunks (`_chunk_steps`), else None. Against the chunks' measured span: how far
     # off the choice of chunks over layer slices or a split was.
     "chunked_head_predicted_ms",
+    # A step whose decodes waited behind a layer slice: the wait the controller promised them
+    # (the heaviest slice and the decode step), else None. Against decode_gap_ms + device_ms:
+    # what the slices' tail factor reads (`Engine._slice_tail`).
+    "slice_promised_ms",
 )
 
 Sink = Callable[[list[EngineOutput]], None]
@@ -464,6 +474,13 @@ class Engine:
         # The cut aims at the target / this factor: the tail of what decodes waited for mixed
         # steps (host gap included) over their prediction. Whole-GPU steps only.
         self._tbt_tail = TailFactor()
+        # auto's layer slices aim at the target / this one's factor once it is measured: what
+        # decodes waited behind a slice (device gap + their step) over the wait promised
+        # (`_slice_aim_ms`). Slices miss differently from chunked steps: on an H100 (8B in
+        # 24 GB, `58a82b9`) the chunked steps' tail (p99 1.26, a cliff in long-context
+        # chunks) sized the slices of 50-60k-token prompts to 31-43 ms where ~65 fitted,
+        # while the slices themselves ran within 3 % of their prediction.
+        self._slice_tail = TailFactor(floor=SLICE_TAIL_FLOOR)
         # The collector's pauses (a full collection stops this loop): stats, not per step.
         self._gc = GcWatch()
         # Triton variants compiled after start-up: first uses the warm-up missed (CUDA only: the
@@ -637,7 +654,15 @@ class Engine:
         )
         # Planned whole (a split or layer slices), the head is one sequence of its tokens.
         rows = self._row_stream([(look.prefill_context_tokens, look.prefill_tokens)])
-        choice = g.decide(p, d, self._kv_usage_before_plan, chunk=chunk, record=False, rows=rows)
+        choice = g.decide(
+            p,
+            d,
+            self._kv_usage_before_plan,
+            chunk=chunk,
+            record=False,
+            rows=rows,
+            slice_aim_ms=self._slice_aim_ms(),
+        )
         chunk_tokens = choice.decision.chunk_tokens
         if not chunk_tokens:
             # A split or layer slices, predicted for the whole head: the step carries the
@@ -710,6 +735,15 @@ class Engine:
         target_ms = self._auto_tbt_ms()
         return None if target_ms is None else target_ms / self._tbt_tail.factor
 
+    def _slice_aim_ms(self) -> float | None:
+        """auto's aim for layer slices (ms): its target divided by the slices' own measured
+        tail (`_slice_tail`); None until that is measured (the controller then sizes slices
+        to the chunks' aim, with the layer-sliced prediction's error as a margin)."""
+        target_ms = self._auto_tbt_ms()
+        if target_ms is None or not self._slice_tail.measured:
+            return None
+        return target_ms / self._slice_tail.factor
+
     def _auto_tbt_ms(self) -> float | None:
         """auto's TBT target itself (ms): `--tbt-slo-ms` (also as changed on the admin page),
         else the controller's (`--partition-tbt-slo-ms`)."""
@@ -778,14 +812,22 @@ class Engine:
         # prefix, which would put every such prompt in the decode-favoured regime), and the
         # decision made before planning (`_auto_capacity`) saw the same.
         kv_usage = self._kv_usage_before_plan if pplan is not None else self._kv_usage()
-        # Layer slices are sized to the aim chunks are cut to (the target less the measured
-        # tail), not to the target: a decode waits one slice plus its own step.
+        # Layer slices are sized to an aim (the target less a measured tail), not to the
+        # target: a decode waits one slice plus its own step. Their own tail once measured,
+        # else the chunks'.
         rows = (
             None
             if pplan is None
             else self._row_stream([(s.num_context_tokens, s.num_new_tokens) for s in pplan.prefill])
         )
-        return g.decide(p, d, kv_usage, aim_ms=self._chunk_tbt_ms(), rows=rows)
+        return g.decide(
+            p,
+            d,
+            kv_usage,
+            aim_ms=self._chunk_tbt_ms(),
+            rows=rows,
+            slice_aim_ms=self._slice_aim_ms(),
+        )
 
     def _row_stream(self, seqs: list[tuple[int, int]]) -> RowStream | None:
         """The row stream a prefill batch of (context, new tokens) per sequence runs as, if
@@ -1683,6 +1725,17 @@ class Engine:
                 waited_s = result.device_s + (result.idle_before_s or 0.0)
                 self._tbt_tail.observe(step_s, waited_s, target_s)
             cost.observe(prefill, result.device_s - base)
+        if (
+            result.slice_promised_s is not None
+            and result.decode_gap_s is not None
+            and result.device_s is not None
+        ):
+            target_s = self._cut_target_s()
+            if target_s is not None:
+                # What the decodes waited behind the slice: the device gap since their
+                # previous step (the slice, and the host if it lagged), then their own step.
+                waited_s = result.decode_gap_s + result.device_s
+                self._slice_tail.observe(result.slice_promised_s, waited_s, target_s)
         self._trace(
             result, predicted_step_s, chunked_ms, base if predicted_step_s else None, head_ms
         )
@@ -1755,6 +1808,7 @@ class Engine:
                 ),
                 _ms(result.split_predicted_s),
                 chunked_head_ms,
+                _ms(result.slice_promised_s),
             )
         )
 
@@ -2003,6 +2057,8 @@ class Engine:
             # tell it)
             "tbt_cost_context_ms_per_1k": self._prefill_cost.context_s_per_token * 1e6,
             "tbt_tail_factor": self._tbt_tail.factor,
+            # auto's layer slices' own tail (None until measured: they use the chunks' aim)
+            "slice_tail_factor": self._slice_tail.factor if self._slice_tail.measured else None,
             **self._gc.take_window(),
             "kernels_compiled_while_serving": self._compiles.compiled_since_mark(),
             "prefill_graphs": self._prefill_graphs_summary,

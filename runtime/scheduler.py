@@ -326,7 +326,11 @@ class TailFactor:
     Until MIN_SAMPLES steps are in, the factor is MAX_FACTOR: a new server has no tail to read,
     and its first steps are the likeliest to run long (the cost correction has not learned its
     scale yet, the decode step's time is unknown). On the H200 (3B, plan v at 4af23c2, a fresh
-    server) the first second of steps, cut at the target itself, took up to 104 ms for 80."""
+    server) the first second of steps, cut at the target itself, took up to 104 ms for 80.
+
+    The engine keeps one for the chunked steps the cut sizes and one for layer slices
+    (`Engine._slice_tail`: what a decode waited behind a slice over the wait the controller
+    promised), as the two kinds miss differently."""
 
     WINDOW = 256
     QUANTILE = 0.99  # the target is a P99; mixed steps carry most tokens under long prompts
@@ -336,6 +340,8 @@ class TailFactor:
     MAX_FACTOR = 1.5
 
     factor: float = MAX_FACTOR  # until MIN_SAMPLES steps are in
+    floor: float = 1.0  # the least factor a measured tail gives (1: aim at the target)
+    measured: bool = False  # the factor has been read from steps (not the start's MAX_FACTOR)
     _ratios: deque[float] = field(default_factory=lambda: deque(maxlen=TailFactor.WINDOW))
     _since: int = 0
 
@@ -351,7 +357,8 @@ class TailFactor:
         self._since = 0
         xs = sorted(self._ratios)
         q = xs[min(len(xs) - 1, int(self.QUANTILE * len(xs)))]
-        self.factor = min(self.MAX_FACTOR, max(1.0, q))
+        self.factor = min(self.MAX_FACTOR, max(self.floor, q))
+        self.measured = True
 
 
 # With a TBT target, the first prefill chunk of a step gets at least this many tokens: prefill

@@ -552,6 +552,7 @@ def test_step_trace_of_the_real_engine() -> None:
             "prefill_discarded_tokens",
             "split_predicted_ms",
             "chunked_head_predicted_ms",
+            "slice_promised_ms",
         }
         # A short scoring prompt with room keeps all of its KV: nothing discarded.
         assert all(s["prefill_discarded_tokens"] == 0 for s in steps)
@@ -559,6 +560,7 @@ def test_step_trace_of_the_real_engine() -> None:
         assert all(s["layer_sliced_span_ms"] is None for s in steps)  # nor layer slices
         assert all(s["split_predicted_ms"] is None for s in steps)  # nor a split
         assert all(s["decode_gap_ms"] is None for s in steps)  # the serial executor: none
+        assert all(s["slice_promised_ms"] is None for s in steps)
         ages = [s["age_s"] for s in steps]
         assert ages == sorted(ages, reverse=True) and ages[-1] >= 0.0
         assert sum(s["num_prefill_tokens"] for s in steps) >= len(query) + 2 + 3
@@ -614,6 +616,7 @@ def test_prefill_limits_change_and_show_in_the_state() -> None:
         "cost_offset_ms",
         "cost_context_ms_per_1k",
         "tail_factor",
+        "slice_tail_factor",
         "num_mixed_steps",
         "num_mixed_steps_over_tbt",
         "mixed_step_ratio_p50",

@@ -458,6 +458,38 @@ def test_layer_slices_are_sized_to_the_aim_with_their_measured_error() -> None:
     assert tight._layer_slices(p, d, whole_decode) is None
 
 
+def test_layer_slices_take_their_own_measured_aim_without_a_second_margin() -> None:
+    """Once the engine has measured the slices' own tail, `slice_aim_ms` (the target over it)
+    sizes them in place of the chunks' aim and the layer-sliced error margin: the tail already
+    holds how far the slices' waits miss. On an H100 (8B in 24 GB) the chunks' tail (~1.26)
+    sized 50-60k-token prompts' slices to 31-43 ms where ~65 ms fitted. Where not given (not
+    yet measured), the chunks' aim with the margin, as before."""
+    m, p, d, whole_prefill, whole_decode, per_layer = _long_prefill_beside_decodes()
+    target = whole_decode + 8.5 * per_layer  # room for 8 layers a slice
+    ctl = SplitController(
+        m, [32, 64], ControllerConfig(tbt_slo_ms=target, layer_slicing=True, hysteresis_sms=0)
+    )
+    for _ in range(40):  # the layer-sliced spans predicted 25 % short: a 0.2 margin
+        m.score(f"{PREFILL}/layer_sliced", 100.0, 125.0)
+    chunk_aim = target / 1.26
+    by_chunks = ctl._layer_slices(p, d, chunk_aim)
+    assert by_chunks is not None
+    assert by_chunks.layers == int((chunk_aim - whole_decode) // (1.2 * per_layer)) < 7
+    slice_aim = target / 1.02
+    own = ctl._layer_slices(p, d, chunk_aim, slice_aim_ms=slice_aim)
+    assert own is not None
+    assert own.layers == int((slice_aim - whole_decode) // per_layer) == 8
+    assert own.predicted_ms == pytest.approx(whole_prefill + 3 * whole_decode)
+    assert own.decode_wait_ms <= slice_aim
+    # An aim above the target is the target's.
+    wide = ctl._layer_slices(p, d, chunk_aim, slice_aim_ms=2 * target)
+    assert wide is not None and wide.layers == 8
+    # Through `choose` (a prompt that runs whole, and the chunked option's whole side).
+    dec = ctl.choose(p, d, 0.2, aim_ms=chunk_aim, slice_aim_ms=slice_aim)
+    assert dec.prefill_sms == TIME_SLICE and dec.layers_per_slice == 8
+    assert ctl.choose(p, d, 0.2, aim_ms=chunk_aim).layers_per_slice == by_chunks.layers
+
+
 def test_sub_layer_slices_cut_a_streamed_layer_no_slice_fits() -> None:
     """Where no whole layer fits the aim and the prefill streams its rows (`RowStream`),
     layer slicing cuts each layer into the fewest row pieces (whole hybrid chunks, as the

@@ -17,6 +17,7 @@ from test_scheduler import LinearCost, _decoding, _prefill_sizes, cap
 from test_split_executor import FakeDevice, FakeEvent, gen, split_engine
 
 from policies.jct import JCTModel
+from runtime.engine import SLICE_TAIL_FLOOR
 from runtime.partition import SplitDecision
 from runtime.partition.cost_model import (
     DECODE,
@@ -683,6 +684,64 @@ def test_a_fitted_jct_model_prices_row_pieces_as_one_layer(manager) -> None:  # 
     # A decode waits a slice of two of the heaviest pieces (42 chunks of 8: 336 rows) and its
     # own step.
     assert dec.predicted_decode_ms == pytest.approx(2 * 0.336 + 2.0)
+
+
+def test_decodes_behind_slices_teach_the_slices_own_tail_which_then_sizes_them(
+    manager,  # noqa: F811
+) -> None:
+    """Through the engine: each decode step behind a layer slice feeds the slices' own tail
+    (what it waited, gap and step, over the wait promised). Until that tail is measured,
+    slices are sized to the chunks' aim; once it is, to the target over it, whatever the
+    chunks' tail: the fake device's waits (2 ms) are under the promise, so the slices'
+    tail reads its floor (SLICE_TAIL_FLOOR, for the delivery after the device) where the
+    chunks' reads 1.2."""
+    eng, ex, _ = _auto_engine(
+        manager, prefill_token_budget=16, prefill_chunk_tokens=8, chunk_scoring_prefill=False
+    )
+    manager.controller.config = ControllerConfig(
+        tbt_slo_ms=TARGET_MS, hysteresis_sms=0, layer_slicing=True
+    )
+    eng.jct_model.source = "calibration:test"
+    eng._share_prefill_model()
+    _decoding_chat(eng)
+    choices: list[Any] = []
+    choose = ex.choose
+
+    def spy(p: Any, d: Any) -> Any:
+        choices.append(choose(p, d))
+        return choices[-1]
+
+    ex.choose = spy
+
+    def score(rid: str, seed: int) -> Any:
+        prompt = [(7 * i + seed) % 300 + 5 for i in range(1000)]
+        eng.scheduler.add(Request(rid, RequestKind.SCORE, prompt, label_token_ids=[10, 20, 30]))
+        _run(eng, lambda: eng.scheduler.get(rid) is None, max_steps=400)
+        (sliced,) = [c.decision for c in choices if c.decision.pieces_per_layer]
+        choices.clear()
+        return sliced
+
+    first = score("s0", 0)
+    behind = [st for st in eng.step_trace() if st["slice_promised_ms"] is not None]
+    assert behind and all(st["slice_promised_ms"] == first.predicted_decode_ms for st in behind)
+    # Those with a gap measured (the first decode step on the split executor has none).
+    assert len(eng._slice_tail._ratios) == sum(st["decode_gap_ms"] is not None for st in behind)
+    assert eng._slice_tail._ratios
+    # (1 ms of gap and a 1-ms step, as the fake device times every event pair)
+    assert list(eng._slice_tail._ratios) == pytest.approx(
+        [2.0 / first.predicted_decode_ms] * len(eng._slice_tail._ratios)
+    )
+    assert eng._slice_aim_ms() is None  # not yet measured (32 waits)
+    eng._tbt_tail.factor = 1.2  # the chunks' tail
+    by_chunks = score("s1", 1)
+    assert by_chunks.predicted_decode_ms <= TARGET_MS / 1.2
+    for _ in range(32):  # waits under their promise (as the fake device's)
+        eng._slice_tail.observe(0.0025, 0.002, TARGET_MS / 1e3)
+    assert eng._slice_aim_ms() == pytest.approx(TARGET_MS / SLICE_TAIL_FLOOR)
+    own = score("s2", 2)
+    assert TARGET_MS / 1.2 < own.predicted_decode_ms <= TARGET_MS / SLICE_TAIL_FLOOR
+    eng._publish_stats()
+    assert eng.stats()["slice_tail_factor"] == SLICE_TAIL_FLOOR
 
 
 def test_chunked_steps_are_scored_against_their_prediction(manager) -> None:  # noqa: F811

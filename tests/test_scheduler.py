@@ -1095,8 +1095,14 @@ def test_tail_factor_aims_below_the_target_by_the_tail_of_full_steps() -> None:
     for _ in range(TailFactor.MIN_SAMPLES - 1):
         early.observe(0.078, 0.050, target_s)
     assert early.factor == TailFactor.MAX_FACTOR  # too few steps to read a tail from
+    assert not early.measured
     early.observe(0.078, 0.050, target_s)
     assert early.factor == 1.0  # enough on-time steps: the cut aims at the target itself
+    assert early.measured
+    floored = TailFactor(floor=1.05)  # (layer slices': the delivery after the device)
+    for _ in range(TailFactor.MIN_SAMPLES):
+        floored.observe(0.078, 0.050, target_s)
+    assert floored.factor == 1.05
     fast, stalled = TailFactor(), TailFactor()
     for _ in range(64):
         fast.observe(0.078, 0.050, target_s)

@@ -8,6 +8,7 @@ time-slicing runs as one step, the JCT model learns from whole-GPU prefills only
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 from types import SimpleNamespace
 from typing import Any
@@ -216,6 +217,7 @@ def fixed_split(
     predicted_prefill_ms: float = 5.0,
     pieces_per_layer: int | None = None,
     pieces_per_slice: int | None = None,
+    predicted_decode_ms: float = math.nan,
 ) -> Any:
     choices: list[tuple[bool, bool]] = []
 
@@ -228,6 +230,7 @@ def fixed_split(
                 predicted_prefill_ms=predicted_prefill_ms,
                 pieces_per_layer=pieces_per_layer,
                 pieces_per_slice=pieces_per_slice,
+                predicted_decode_ms=predicted_decode_ms,
             )
             return SplitChoice(dec, "whole", "whole", 132)
         if p is None or prefill_sms == 0:
@@ -625,6 +628,32 @@ def test_decode_gap_is_what_continuing_decodes_waited_between_their_steps() -> N
     # slice between them, by more.
     assert min(seen) == 1.0 and max(seen) > 1.0
     assert sum(g is None for g in gaps) >= 2  # the first, and the first after the drain
+
+
+def test_decodes_behind_layer_slices_carry_the_wait_promised_them() -> None:
+    """A decode step launched while a layer-sliced prefill is in flight, and the one owed after
+    its last slice, carry the wait the controller promised (`SplitDecision.
+    predicted_decode_ms`: the heaviest slice and the step) beside their device gap, which the
+    engine's slice tail reads; other decode steps carry none."""
+    dev = ClockDevice()
+    eng, ex, _ = split_engine(dev, fixed_split(layers_per_slice=1, predicted_decode_ms=7.5))
+    reqs = make_reqs()
+    eng.scheduler.add(reqs[0])
+    split_step(eng)  # r0's prefill (2 slices): no decodes
+    split_step(eng)
+    split_step(eng)  # r0 decodes: no slice in flight
+    eng.scheduler.add(reqs[1])
+    for _ in range(4):  # r1's slices interleave with r0's decodes
+        split_step(eng)
+    finish(eng, dev)
+    decodes = [st for st in eng.step_trace() if st["num_decodes"]]
+    promised = [st["slice_promised_ms"] for st in decodes]
+    # r0's first decode (owed after its last slice), r0's next (none in flight), the decode
+    # between r1's two slices and the one owed after them; none after that.
+    assert promised[:4] == [7.5, None, 7.5, 7.5]
+    assert all(p is None for p in promised[4:])
+    # Behind r1's slices the gap is a slice wide (more than back to back: 1 ms a tick here).
+    assert [st["decode_gap_ms"] for st in decodes[2:4]] == [2.0, 3.0]
 
 
 # A whole scoring prompt that streams its rows on random:tiny (2 layers): 37 rows past the

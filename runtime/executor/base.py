@@ -39,6 +39,11 @@ class StepResult:
     # what those decodes waited beyond their own steps (a layer slice or a whole prefill on
     # their stream, the host). A diagnostic (the step trace's `decode_gap_ms`); None otherwise.
     decode_gap_s: float | None = None
+    # Split executor, a step whose decodes waited behind a layer slice (or the last one): the
+    # wait the controller promised them, the heaviest slice and the decode step
+    # (`SplitDecision.predicted_decode_ms`), which the engine reads against decode_gap_s plus
+    # device_s (`Engine._slice_tail`); None otherwise.
+    slice_promised_s: float | None = None
     # Split executor, a prefill run in layer slices (its device_s is None: its span is not one
     # step's device time): start to last slice, the decode steps between included, and the
     # controller's prediction of that span (what `prefill/layer_sliced` is scored on). None

@@ -101,6 +101,9 @@ class _Launched:
     on_split: bool = False  # ran on a split's partition (not the whole GPU)
     neighbour: DecodeShape | None = None  # a split prefill: the mean decode step beside it
     abandoned: bool = False  # a prefill stopped part-way: no outputs, its time not a step's
+    # A decode step behind a layer slice: the wait the controller promised it (ms), else NaN
+    # (`StepResult.slice_promised_s`).
+    promised_wait_ms: float = math.nan
 
 
 # observe(stage, shape, sms, measured_ms, other_sms[, neighbour shape | None]): the cost
@@ -163,6 +166,10 @@ class SplitExecutor:
         # the next step must be decode-only, or a decode waits that slice and a whole prefill
         # step (`capacity`).
         self._decode_owed = False
+        # The promise of the layer-sliced prefill whose last slice is enqueued, for the decode
+        # step after it: what that step waits at most (`SplitDecision.predicted_decode_ms`,
+        # ms); NaN once a step is launched after the slice.
+        self._owed_wait_ms = math.nan
 
     def set_prefill_token_budget(self, num_tokens: int) -> None:
         self.prefill_token_budget = num_tokens
@@ -198,6 +205,7 @@ class SplitExecutor:
     def launch(self, plan: StepPlan) -> None:
         dplan = StepPlan(plan.step_id, decode=plan.decode) if plan.decode else None
         if plan.prefill:
+            self._owed_wait_ms = math.nan  # (a prefill's step: not the owed decode step)
             pplan = StepPlan(plan.step_id, prefill=plan.prefill)
             self.num_prefill_batches += 1
             try:
@@ -296,6 +304,8 @@ class SplitExecutor:
         self._queue.append(_Launched("whole", plan, pending, start, end, TIME_SLICE))
 
     def _launch_decode(self, plan: StepPlan) -> None:
+        promised_ms = self._promised_wait_ms()
+        self._owed_wait_ms = math.nan
         self._decode_owed = False  # (queued behind any slice enqueued before it)
         f = self.prefill
         if f is not None and self.split_usable(f.choice.prefill_sms):
@@ -331,6 +341,7 @@ class SplitExecutor:
                 sms,
                 other,
                 on_split=split.prefill_sms != TIME_SLICE,
+                promised_wait_ms=promised_ms,
             )
         )
 
@@ -435,7 +446,7 @@ class SplitExecutor:
                 if end == num_layers:
                     self._final_rows(f)
                     f.done_event = ev
-                    self._decode_owed = bool(f.choice.layers_per_slice)
+                    self._owe_decode(f)
                 ev.record()
                 f.slice_events.append(ev)
                 pending += 1
@@ -451,7 +462,25 @@ class SplitExecutor:
             ev.record()
         f.slice_events.append(ev)
         f.done_event = ev
+        self._owe_decode(f)
+
+    def _owe_decode(self, f: _Prefill) -> None:
+        """`f`'s last slice is enqueued: a layer-sliced prefill owes the decodes a step
+        (`capacity`) and keeps its promise for it (`_promised_wait_ms`)."""
         self._decode_owed = bool(f.choice.layers_per_slice)
+        sliced = f.choice.layers_per_slice and f.choice.prefill_sms == TIME_SLICE
+        self._owed_wait_ms = f.choice.decision.predicted_decode_ms if sliced else math.nan
+
+    def _promised_wait_ms(self) -> float:
+        """What the controller promised a decode step launched now waits behind a layer
+        slice (the heaviest slice and the step: `SplitDecision.predicted_decode_ms`, ms):
+        that of the layer-sliced prefill in flight, or of the one whose last slice no step
+        has followed yet; NaN otherwise."""
+        f = self.prefill
+        if f is not None:
+            sliced = f.choice.layers_per_slice and f.choice.prefill_sms == TIME_SLICE
+            return f.choice.decision.predicted_decode_ms if sliced else math.nan
+        return self._owed_wait_ms
 
     def _final_rows(self, f: _Prefill) -> None:
         """After the last slice: the final-normed rows needing an output (and the prompt
@@ -563,6 +592,9 @@ class SplitExecutor:
             sms=f.sms if f.on_split else 0,
             other_sms=f.other_sms if f.on_split else 0,
             decode_gap_s=self._decode_gap_s(f) if f.plan.decode else None,
+            slice_promised_s=(
+                f.promised_wait_ms / 1e3 if math.isfinite(f.promised_wait_ms) else None
+            ),
             layer_sliced_span_s=ms / 1e3 if f.layer_sliced else None,
             layer_sliced_predicted_s=(
                 f.predicted_ms / 1e3 if f.layer_sliced and math.isfinite(f.predicted_ms) else None

@@ -214,6 +214,7 @@ class GreenContextPartition:
         record: bool = True,
         aim_ms: float | None = None,
         rows: RowStream | None = None,
+        slice_aim_ms: float | None = None,
     ) -> SplitChoice:
         """The split for the next step and its streams: auto's controller decides; static
         and off keep theirs. When the split changed since the last call, the new streams wait
@@ -222,12 +223,19 @@ class GreenContextPartition:
         `record` False: the decision may not be carried out as made (the engine asks before
         planning a step; only a chunked answer is kept), so it is neither counted nor logged
         here; `record` does that when it is. `aim_ms`: the engine's aim for what a decode
-        waits, the size of layer slices (`SplitController.choose`). `rows`: the prefill
-        streams its rows, so its layers may be cut into row pieces (sub-layer slices)."""
+        waits; `slice_aim_ms`: the same for layer slices where the engine measured their own
+        tail (`SplitController.choose`). `rows`: the prefill streams its rows, so its layers
+        may be cut into row pieces (sub-layer slices)."""
         with self._lock:
             if self._mode == "auto":
                 dec = self.controller.choose(
-                    prefill, decode, kv_usage, chunk=chunk, aim_ms=aim_ms, rows=rows
+                    prefill,
+                    decode,
+                    kv_usage,
+                    chunk=chunk,
+                    aim_ms=aim_ms,
+                    rows=rows,
+                    slice_aim_ms=slice_aim_ms,
                 )
                 self._last_decision = dec
                 self._active = dec.prefill_sms
