@@ -477,9 +477,9 @@ class Engine:
         # auto's layer slices aim at the target / this one's factor once it is measured: what
         # decodes waited behind a slice (device gap + their step) over the wait promised
         # (`_slice_aim_ms`). Slices miss differently from chunked steps: on an H100 (8B in
-        # 24 GB, `58a82b9`) the chunked steps' tail (p99 1.26, a cliff in long-context
-        # chunks) sized the slices of 50-60k-token prompts to 31-43 ms where ~65 fitted,
-        # while the slices themselves ran within 3 % of their prediction.
+        # 24 GB, `58a82b9`) the chunked steps' tail (1.1-1.5 over the run) sized the slices
+        # of 50-60k-token prompts to 31-43 ms where ~65 fitted, while the slices' spans
+        # read within 3 % of their prediction.
         self._slice_tail = TailFactor(floor=SLICE_TAIL_FLOOR)
         # The collector's pauses (a full collection stops this loop): stats, not per step.
         self._gc = GcWatch()

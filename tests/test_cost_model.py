@@ -461,8 +461,8 @@ def test_layer_slices_are_sized_to_the_aim_with_their_measured_error() -> None:
 def test_layer_slices_take_their_own_measured_aim_without_a_second_margin() -> None:
     """Once the engine has measured the slices' own tail, `slice_aim_ms` (the target over it)
     sizes them in place of the chunks' aim and the layer-sliced error margin: the tail already
-    holds how far the slices' waits miss. On an H100 (8B in 24 GB) the chunks' tail (~1.26)
-    sized 50-60k-token prompts' slices to 31-43 ms where ~65 ms fitted. Where not given (not
+    holds how far the slices' waits miss. On an H100 (8B in 24 GB) the chunks' tail (up to
+    ~1.5) sized 50-60k-token prompts' slices to 31-43 ms where ~65 ms fitted. Where not given (not
     yet measured), the chunks' aim with the margin, as before."""
     m, p, d, whole_prefill, whole_decode, per_layer = _long_prefill_beside_decodes()
     target = whole_decode + 8.5 * per_layer  # room for 8 layers a slice
@@ -471,7 +471,7 @@ def test_layer_slices_take_their_own_measured_aim_without_a_second_margin() -> N
     )
     for _ in range(40):  # the layer-sliced spans predicted 25 % short: a 0.2 margin
         m.score(f"{PREFILL}/layer_sliced", 100.0, 125.0)
-    chunk_aim = target / 1.26
+    chunk_aim = target / 1.3
     by_chunks = ctl._layer_slices(p, d, chunk_aim)
     assert by_chunks is not None
     assert by_chunks.layers == int((chunk_aim - whole_decode) // (1.2 * per_layer)) < 7

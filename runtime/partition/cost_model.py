@@ -1020,9 +1020,10 @@ class SplitController:
         the slices' own tail (what decodes waited behind them over this promise), they are
         sized to `slice_aim_ms`, the target over that tail, with no second margin: the
         chunks' tail is read from chunked steps, which miss differently. On an H100 (8B in
-        24 GB, `58a82b9`) it reached 1.26 from a cliff in long-context chunks, and slices of
-        50-60k-token prompts ran 31-43 ms where ~65 ms fitted: 64-96 slices a prompt, ~1.12x
-        its whole-GPU time, where their span read within 2 % of its prediction.
+        24 GB, `58a82b9`) its aim cut the slices of 50-60k-token prompts to 31-43 ms where
+        ~65 ms fitted (the cuts of an aim of 52-55 ms: a tail of ~1.5): 64-96 slices a
+        prompt, ~1.12x its whole-GPU time, where their span read within 2 % of its
+        prediction.
 
         Where `p` streams its rows (`rows`), each layer may run in row pieces (whole hybrid
         chunks each), as many consecutive pieces a slice as fit the aim less the decode step
