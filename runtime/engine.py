@@ -132,14 +132,14 @@ def decode_avg_s(avg_s: float, sample_s: float) -> float:
     return 0.9 * avg_s + 0.1 * min(sample_s, DECODE_AVG_MAX_JUMP * avg_s)
 
 
-# Steps kept for `step_trace` (the admin API's /admin/api/steps): a few seconds of a busy server.
-STEP_TRACE_LEN = 4096
-
 # The least tail factor layer slices aim with once their own tail is measured (`_slice_tail`):
 # the engine sees a slice's wait on the device, not the API server's delivery after it. On an
 # H100 (8B in 24 GB, 80-ms target) slices sized to the target itself (device gaps ~78.6 ms)
 # read a client P99 of 78.7-80.5 ms; 1.05 aims at ~76.
 SLICE_TAIL_FLOOR = 1.05
+
+# Steps kept for `step_trace` (the admin API's /admin/api/steps): a few seconds of a busy server.
+STEP_TRACE_LEN = 4096
 STEP_TRACE_FIELDS = (
     "end_s",  # engine clock (monotonic s) when the result was applied
     "on_split",  # ran on a split's partition (else the whole GPU)
