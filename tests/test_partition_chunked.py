@@ -649,14 +649,11 @@ def test_one_prefill_model_whole_gpu_prefill_comes_from_the_jct_model(manager) -
         manager.set_cost_model(_flat_model())  # e.g. after the start-up profile
 
 
-def test_a_fitted_jct_model_prices_row_pieces_as_one_layer(manager) -> None:  # noqa: F811
-    """Through the engine: a whole scoring prompt that streams its rows, no layer of which
-    fits the room beside a decoding chat, runs in row pieces priced by the JCT model the
-    engine shares once it is fitted to the device. 1,000 tokens on the 2-layer model: a layer
-    1 ms (1 us a token), the room 2.7 - 2 ms: two pieces of 504 and 496 rows (whole 8-token
-    chunks) make four slices; three pieces of 336 rows, two a slice, make three. Priced as
-    whole forwards (before `cfb80db`), each piece cost both layers: more pieces here, and on
-    the H100 none at all (none of a 53-56k-token prompt fitted)."""
+def _sliced_scoring_engine(manager) -> tuple[Any, Any, list[Any]]:  # noqa: F811
+    """An auto engine whose whole scoring prompts stream their rows (hybrid chunk 8, past a
+    16-token budget) and may run in layer slices, its prefill priced by the JCT model it
+    shares once fitted to the device, a chat decoding; and the list its choices are
+    recorded in."""
     eng, ex, _ = _auto_engine(
         manager, prefill_token_budget=16, prefill_chunk_tokens=8, chunk_scoring_prefill=False
     )
@@ -674,6 +671,18 @@ def test_a_fitted_jct_model_prices_row_pieces_as_one_layer(manager) -> None:  # 
         return choices[-1]
 
     ex.choose = spy
+    return eng, ex, choices
+
+
+def test_a_fitted_jct_model_prices_row_pieces_as_one_layer(manager) -> None:  # noqa: F811
+    """Through the engine: a whole scoring prompt that streams its rows, no layer of which
+    fits the room beside a decoding chat, runs in row pieces priced by the JCT model the
+    engine shares once it is fitted to the device. 1,000 tokens on the 2-layer model: a layer
+    1 ms (1 us a token), the room 2.7 - 2 ms: two pieces of 504 and 496 rows (whole 8-token
+    chunks) make four slices; three pieces of 336 rows, two a slice, make three. Priced as
+    whole forwards (before `cfb80db`), each piece cost both layers: more pieces here, and on
+    the H100 none at all (none of a 53-56k-token prompt fitted)."""
+    eng, ex, choices = _sliced_scoring_engine(manager)
     prompt = [(7 * i) % 300 + 5 for i in range(1000)]
     eng.scheduler.add(Request("s", RequestKind.SCORE, prompt, label_token_ids=[10, 20, 30]))
     _run(eng, lambda: eng.scheduler.get("s") is None, max_steps=400)
@@ -695,23 +704,7 @@ def test_decodes_behind_slices_teach_the_slices_own_tail_which_then_sizes_them(
     chunks' tail: the fake device's waits (2 ms) are under the promise, so the slices'
     tail reads its floor (SLICE_TAIL_FLOOR, for the delivery after the device) where the
     chunks' reads 1.2."""
-    eng, ex, _ = _auto_engine(
-        manager, prefill_token_budget=16, prefill_chunk_tokens=8, chunk_scoring_prefill=False
-    )
-    manager.controller.config = ControllerConfig(
-        tbt_slo_ms=TARGET_MS, hysteresis_sms=0, layer_slicing=True
-    )
-    eng.jct_model.source = "calibration:test"
-    eng._share_prefill_model()
-    _decoding_chat(eng)
-    choices: list[Any] = []
-    choose = ex.choose
-
-    def spy(p: Any, d: Any) -> Any:
-        choices.append(choose(p, d))
-        return choices[-1]
-
-    ex.choose = spy
+    eng, ex, choices = _sliced_scoring_engine(manager)
 
     def score(rid: str, seed: int) -> Any:
         prompt = [(7 * i + seed) % 300 + 5 for i in range(1000)]
