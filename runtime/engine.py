@@ -841,8 +841,16 @@ class Engine:
         return RowStream(context, tokens, chunk)
 
     def _kv_usage(self) -> float:
+        """The KV usage the split controller's switch reads as decode pressure: the pool's
+        share in use, less the blocks that only running scoring prompts hold. Those go back
+        when their prefill ends (the suffix discarded, the prefix evictable), which favouring
+        decode only delays. Counted, a whole scoring prompt planned while the previous one's
+        last step was still in flight judged the pool full: on an H100 (8B in 24 GB,
+        `58a82b9`) such a 50k-token prompt went to the decode-favoured rule once a run.
+        O(blocks of running scoring prompts), once a step the split executor plans."""
         bm = self.block_manager
-        return bm.num_used_blocks / max(bm.num_blocks, 1)
+        used = bm.num_used_blocks - self.scheduler.num_sole_scoring_blocks()
+        return used / max(bm.num_blocks, 1)
 
     def _size_prefill_chunk(self) -> int:
         """`prefill_chunk_tokens` = auto on CUDA (`auto_prefill_chunk_tokens`): from the bytes
@@ -1582,9 +1590,10 @@ class Engine:
         planned = False
         if sched.has_work():
             plan_started_s = time.perf_counter()
-            self._kv_usage_before_plan = self._kv_usage()
             capacity = ex.capacity()
             if ex is self.split:
+                # (Read by the split controller only.)
+                self._kv_usage_before_plan = self._kv_usage()
                 capacity = self._auto_capacity(capacity)
             elif self._tbt_s is not None and ex.name == "serial":
                 look = self.scheduler.outlook(self.config.chunk_scoring_prefill)

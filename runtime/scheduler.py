@@ -838,6 +838,18 @@ class Scheduler:
             ctx += req.num_computed_tokens
         return num, ctx
 
+    def num_sole_scoring_blocks(self) -> int:
+        """KV blocks that only running scoring prompts hold: they go back (the suffix
+        discarded, the prefix evictable in the cache) when those prefills end. O(their
+        blocks)."""
+        n = 0
+        for req in self.running:
+            if req.kind is RequestKind.SCORE:
+                lease = self._track[req.request_id].lease
+                if lease is not None and self.bm.has(lease.key):
+                    n += self.bm.num_sole_blocks(lease.key)
+        return n
+
     def _waiting_in_order(self, now_s: float) -> list[Request]:
         """`ordered_waiting`, or the order `outlook` just computed for this step."""
         memo, self._order_memo = self._order_memo, None

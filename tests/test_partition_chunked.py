@@ -542,6 +542,41 @@ def test_auto_runs_an_unchunkable_scoring_prompt_on_the_split(manager) -> None: 
     assert _sizes(launched[0]) == {"sc2": CHUNK}
 
 
+def test_the_kv_switch_does_not_count_a_running_scoring_prompts_own_blocks(manager) -> None:  # noqa: F811
+    """A whole scoring prompt takes every free block to cache its prefix and gives them back
+    when its prefill ends: while it is in flight the next prefill must not be judged in the
+    decode-favoured regime because of them. The chat's blocks and the hog's do count."""
+    eng, ex, _ = _auto_engine(manager)
+    _decoding_chat(eng)
+    bm = eng.block_manager
+    chat_blocks = bm.num_used_blocks
+    bm.allocate("hog", 200)
+    at_launch: list[tuple[float, float]] = []  # (the pool's share in use, the switch's read)
+    launch = ex.launch
+
+    def spy(plan: Any) -> None:
+        at_launch.append((bm.num_used_blocks / bm.num_blocks, eng._kv_usage()))
+        launch(plan)
+
+    ex.launch = spy  # type: ignore[method-assign]
+    prompt = list(range(100, 1700))
+    eng.scheduler.add(Request("sc", RequestKind.SCORE, prompt, label_token_ids=[1]))
+    eng._step()
+    assert ex.num_split_prefills == 1
+    used, pressure = at_launch[0]
+    assert used > 0.9  # admitted, holding the pool
+    # The chat's blocks (it may have taken one more since) and the hog's.
+    assert pressure == pytest.approx((chat_blocks + 200) / bm.num_blocks, abs=1.01 / 512)
+    assert pressure < manager.controller.config.kv_switch
+    # A generation's blocks are decode pressure whatever its phase.
+    _run(eng, lambda: eng.scheduler.get("sc") is None)
+    at_launch.clear()
+    eng.scheduler.add(gen("chat2", 300, 4, seed=2))
+    eng._step()
+    assert [r.request_id for r in eng.scheduler.running] == ["chat", "chat2"]
+    assert at_launch[0][1] == at_launch[0][0] > (chat_blocks + 200) / bm.num_blocks
+
+
 def test_auto_holds_what_it_admits_behind_a_whole_scoring_head_to_the_room(manager) -> None:  # noqa: F811
     """Scoring prompts not chunked (`--chunk-scoring-prefill false`): the head of the queue
     runs whole, and what is admitted behind it is held to the room the target leaves after

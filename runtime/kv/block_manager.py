@@ -69,6 +69,11 @@ class BlockManager:
         """How many of the table's leading blocks were offered to the prefix cache."""
         return self._num_cached_blocks.get(request_id, 0)
 
+    def num_sole_blocks(self, request_id: str) -> int:
+        """How many of the request's blocks no other request references: what freeing it
+        gives back (to the free list, or to the prefix cache as evictable). O(its blocks)."""
+        return list(map(self.ref_counts.__getitem__, self._tables[request_id])).count(1)
+
     def table(self, request_id: str) -> list[int]:
         """The request's block ids in position order (the live list: do not mutate)."""
         return self._tables[request_id]
