@@ -1,0 +1,80 @@
+"""bench/sliced_spans.py: a layer-sliced prompt's span, the steps between its slices, and the
+whole step of the same tokens in another side's trace."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.sliced_spans import main, sliced_prompts, summary, whole_step_ms
+
+
+def _step(age_s: float, device_ms: float, **kw: object) -> dict[str, object]:
+    return {
+        "age_s": age_s,
+        "device_ms": device_ms,
+        "num_prefill_tokens": 0,
+        "num_prefill_seqs": 0,
+        "num_decodes": 4,
+        "layer_sliced_span_ms": None,
+        "decode_gap_ms": None,
+        **kw,
+    }
+
+
+def _trace() -> list[dict[str, object]]:
+    # A 1,000-token prompt in slices from 10.0 s ago to 9.0 s ago (ages count back from the
+    # trace): three decode steps ended inside its span, one before it and one after.
+    return [
+        _step(10.5, 5.0),  # before the span
+        _step(9.8, 6.0, decode_gap_ms=70.0, slice_promised_ms=80.0),
+        _step(9.5, 6.0, decode_gap_ms=64.0, slice_promised_ms=80.0),
+        _step(9.2, 8.0, num_prefill_tokens=100, num_prefill_seqs=1, decode_gap_ms=2.0),
+        _step(
+            9.0,
+            900.0,
+            num_prefill_tokens=1000,
+            num_prefill_seqs=1,
+            layer_sliced_span_ms=1000.0,
+            layer_sliced_predicted_ms=950.0,
+        ),
+        _step(8.5, 5.0),  # after it
+    ]
+
+
+def test_a_sliced_prompt_counts_the_steps_that_ended_inside_its_span() -> None:
+    whole = {1000: 800.0}
+    (rec,) = sliced_prompts(_trace(), whole)
+    assert rec["tokens"] == 1000 and rec["span_ms"] == 1000.0
+    assert rec["steps_between"] == 3 and rec["between_ms"] == 20.0
+    assert rec["prefill_ms"] == 980.0
+    assert rec["waited_ms_p50"] == 70.0 and rec["waited_ms_max"] == 76.0
+    # Only the two steps behind a slice carry a promise: waited 76 and 70 against 80.
+    assert rec["num_promised"] == 2 and rec["promised_ms"] == [80.0, 80.0]
+    assert rec["waited_over_promised_max"] == pytest.approx(0.95)
+    assert rec["span_over_whole"] == 1.25 and rec["prefill_over_whole"] == pytest.approx(1.225)
+    s = summary([rec])
+    assert s["num_prompts"] == 1 and s["between_share_of_span"] == 0.02
+    assert s["span_over_whole_p50"] == 1.25
+
+
+def test_the_whole_steps_are_single_prompt_steps_without_slices() -> None:
+    steps = [
+        _step(3.0, 800.0, num_prefill_tokens=1000, num_prefill_seqs=1),
+        _step(2.0, 50.0, num_prefill_tokens=300, num_prefill_seqs=2),  # a batch: not whole
+        *_trace(),  # its sliced prompt is no whole step
+    ]
+    assert whole_step_ms(steps) == {1000: 800.0, 100: 8.0}
+
+
+def test_the_cli_prints_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sliced, off = tmp_path / "auto.steps.json", tmp_path / "off.steps.json"
+    sliced.write_text(json.dumps({"steps": _trace()}))
+    off.write_text(
+        json.dumps({"steps": [_step(1.0, 800.0, num_prefill_tokens=1000, num_prefill_seqs=1)]})
+    )
+    assert main([str(sliced), "--whole", str(off), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["summary"]["num_matched"] == 1 and out["prompts"][0]["whole_ms"] == 800.0
