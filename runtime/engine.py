@@ -133,10 +133,11 @@ def decode_avg_s(avg_s: float, sample_s: float) -> float:
 
 
 # The least tail factor layer slices aim with once their own tail is measured (`_slice_tail`):
-# the engine sees a slice's wait on the device, not the API server's delivery after it. On an
-# H100 (8B in 24 GB, 80-ms target) slices sized to the target itself (device gaps ~78.6 ms)
-# read a client P99 of 78.7-80.5 ms; 1.05 aims at ~76.
-SLICE_TAIL_FLOOR = 1.05
+# the engine sees a slice's wait on the device, not the API server's delivery after it. On the
+# H200 (8B in 24 GB, 80-ms target, fifty-fourth session) a floor of 1.05 bound (the waits'
+# own ratio P99 read 1.04): slices aimed at ~76 ms, the waits behind them read P99 78.3 ms on
+# the device and the chats 78.6-80.7 ms at the client. 1.08 aims at ~74 (~79 expected).
+SLICE_TAIL_FLOOR = 1.08
 
 # Steps kept for `step_trace` (the admin API's /admin/api/steps): a few seconds of a busy server.
 STEP_TRACE_LEN = 4096
