@@ -184,7 +184,7 @@ def test_split_chunk_tokens_cuts_the_long_row() -> None:
 
     lens = np.array([14_000] + [1_000] * 47)
     max_splits = dk.attention_splits(48, 2, 132)
-    assert max_splits == 16
+    assert max_splits == 32  # 32 programs an SM over 48 rows x 2 KV heads: 44, to a power of two
     chunk = dk.split_chunk_tokens(lens, 2, max_splits, 132, block_n=64)
     assert (chunk % 64 == 0).all()
     used = -(-lens // chunk)
@@ -368,14 +368,14 @@ def test_fused_step_matches_unfused_decode(preset: str, rows: int) -> None:
         be = TorchAttentionBackend(ref_pool)
         be.plan(batch)
         ref = model.compute_logits(model(batch.input_ids, batch.positions, be))
-        # 2 SMs at 20 rows: the grid has room for one split a (row, KV head): no merge.
+        # 1 SM at 20 rows: the grid has room for one split a (row, KV head): no merge.
         step = FusedDecodeStep(
             model,
             pool.k,
             pool.v,
             batch_size=rows,
             max_blocks_per_seq=12,
-            num_sms=2 if rows == 20 else 16,
+            num_sms=1 if rows == 20 else 16,
         )
         if rows == 20:
             assert step.num_splits == 1

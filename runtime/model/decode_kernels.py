@@ -883,11 +883,13 @@ def attention_splits(num_rows: int, num_kv_heads: int, num_sms: int = 132) -> in
 # by the last split of a (row, KV head) to finish, and a row with one live split writes its
 # output directly: on an H100 the per-row rule then cost 3 % / 0 % there, and through HTTP the
 # 8B's decode at 16 and 64 streams matched the fixed split's within 0.7 % (docs/benchmarks.md,
-# "The splits merged inside the attention kernel"). Twice the bound read no worse on even
-# contexts and 11-27 % faster on one long row among short ones at 48-64 rows: one reading,
-# not yet a rule.
+# "The splits merged inside the attention kernel"). The grid's bound was 16 programs an SM
+# until two GPUs read twice it alike (`bench.decode_splits`, engine-level, 3B and 8B shapes):
+# the attention of one long row among short ones at 48-64 rows took 0.73-0.89x the time on
+# an H100 and 0.67-0.88x on the H200 (0.88-0.98x at 32), even and mixed contexts 1.00-1.01x
+# (docs/benchmarks.md, "The grid's bound doubled").
 PROGRAMS_PER_SM = 2  # a split holds at most 1/2 of an SM's share of the step's KV
-SPLIT_GRID_PROGRAMS_PER_SM = 16  # the grid's bound (M * Hkv * max splits), empty ones included
+SPLIT_GRID_PROGRAMS_PER_SM = 32  # the grid's bound (M * Hkv * max splits), empty ones included
 
 
 def split_chunk_tokens(
