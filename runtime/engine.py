@@ -1593,8 +1593,11 @@ class Engine:
             plan_started_s = time.perf_counter()
             capacity = ex.capacity()
             if ex is self.split:
-                # (Read by the split controller only.)
-                self._kv_usage_before_plan = self._kv_usage()
+                # Read by the split controller only, and only for a step that may plan a
+                # prefill: not on the decode steps between a sliced prompt's slices (budget
+                # 0), where counting that prompt's thousands of blocks would buy nothing.
+                if capacity.prefill_token_budget > 0:
+                    self._kv_usage_before_plan = self._kv_usage()
                 capacity = self._auto_capacity(capacity)
             elif self._tbt_s is not None and ex.name == "serial":
                 look = self.scheduler.outlook(self.config.chunk_scoring_prefill)
