@@ -10,7 +10,8 @@ step traces `bench/gpu_serving.py` keeps per probe (`probe-steps/`, the engine's
 between its slices are the rows that ended inside that span. Per prompt: its tokens, span and
 prediction, the other steps inside (count and device time: decodes, and chat prefills merged
 with them), the prefill's own share (span less those steps), what those steps waited, and for the decode steps behind a slice what the decision promised them
-(`slice_promised_ms`) against what they waited (`decode_gap_ms` + `device_ms`). With
+(`slice_promised_ms`) against what they waited (`decode_gap_ms` + `device_ms`), and the host time of the launch
+that started it by part (`launch_parts_ms`, traces since this field). With
 `--whole`, the same tokens' whole-GPU step in another side's trace (`off` runs a whole
 scoring prompt as one step), and the span's ratio to it.
 """
@@ -93,6 +94,13 @@ def sliced_prompts(
             if behind
             else None,
         }
+        # The launch that started it (since the step trace's `launch_parts_ms`): the decode
+        # step launched beside its first slice, or its own row when none was.
+        starts = [x for x in [s, *inside] if x.get("launch_parts_ms")]
+        if starts:
+            first = max(starts, key=lambda x: x["age_s"])
+            rec["start_launch_ms"] = round(first["launch_ms"], 1)
+            rec["start_parts_ms"] = {k: round(v, 1) for k, v in first["launch_parts_ms"].items()}
         if whole is not None and tokens in whole:
             rec["whole_ms"] = round(whole[tokens], 1)
             rec["span_over_whole"] = round(span_ms / whole[tokens], 3)
@@ -143,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         "waited_ms_max",
         "promised_ms",
         "waited_over_promised_max",
+        "start_launch_ms",
     ]
     print("\t".join(cols))
     for r in prompts:

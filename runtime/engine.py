@@ -198,6 +198,11 @@ STEP_TRACE_FIELDS = (
     # (the heaviest slice and the decode step), else None. Against decode_gap_ms + device_ms:
     # what the slices' tail factor reads (`Engine._slice_tail`).
     "slice_promised_ms",
+    # The launch that started a prefill on the split executor (layer slices or a split): its
+    # launch_ms by part ({choose, build, plan_embed, decode, first_slice}, host ms), else
+    # None. Before the first slice is enqueued the device may idle: a wait behind a slice
+    # longer than its promise after a long launch is the host's, not the slice's.
+    "launch_parts_ms",
 )
 
 Sink = Callable[[list[EngineOutput]], None]
@@ -507,7 +512,7 @@ class Engine:
         # the rest of the head its decision predicted (traced)
         self._chunked_predicted_ms: dict[int, tuple[float, float]] = {}
         # step_id -> host ms (planning, launching) until the step's first result is traced
-        self._host_ms: dict[int, tuple[float, float]] = {}
+        self._host_ms: dict[int, tuple[float, float, dict[str, float] | None]] = {}
         self._kv_usage_before_plan = 0.0  # KV usage when the current step was planned
         self._step_started_s: float | None = None  # engine clock at the current step's start
         self._stats: dict[str, Any] = {}
@@ -1651,6 +1656,7 @@ class Engine:
                     self._host_ms[plan.step_id] = (
                         (launch_started_s - plan_started_s) * 1e3,
                         (time.perf_counter() - launch_started_s) * 1e3,
+                        ex.launch_parts_ms,
                     )
                 except StepInterrupted as e:
                     outputs += self._interrupted(e)
@@ -1787,7 +1793,7 @@ class Engine:
         chunked_head_ms: float | None = None,
     ) -> None:
         plan = result.plan
-        plan_ms, launch_ms = self._host_ms.pop(plan.step_id, (None, None))
+        plan_ms, launch_ms, launch_parts_ms = self._host_ms.pop(plan.step_id, (None, None, None))
         self._step_trace.append(
             (
                 time.monotonic(),
@@ -1822,6 +1828,7 @@ class Engine:
                 _ms(result.split_predicted_s),
                 chunked_head_ms,
                 _ms(result.slice_promised_s),
+                launch_parts_ms,
             )
         )
 

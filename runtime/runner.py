@@ -709,7 +709,7 @@ class ModelRunner:
         the decode rows ride in the prefill graphs' bucket."""
         batch = self.build_batch(prefill, decode)
         backend = self.prefill_backend
-        self._plan_attention(backend, batch)
+        self.plan_attention(backend, batch)
         hidden = self._prefill_forward(batch, backend)
         head = dataclasses.replace(batch, seqs=batch.seqs[: len(prefill)])
         self.prompt_logprobs(hidden, head, prefill, pending)
@@ -844,8 +844,9 @@ class ModelRunner:
         if wanting:
             self.outputs_from_hidden(hidden, wanting, pending)
 
-    def _plan_attention(self, backend: AttentionBackend, batch: ForwardBatch) -> None:
-        """Plan `backend` for `batch` once its previous plan's staged copies are consumed."""
+    def plan_attention(self, backend: AttentionBackend, batch: ForwardBatch) -> None:
+        """Plan `backend` for `batch` once its previous plan's staged copies are consumed
+        (every planner of a backend the runner's steps use goes through here)."""
         self._guard_staging(backend)
         backend.plan(batch)
         self._mark_staging(backend)
@@ -883,7 +884,7 @@ class ModelRunner:
             if len(rows) != len(seqs):
                 hidden = hidden.index_select(0, h2d(rows, torch.int64, self.device))
             return hidden, [seqs[i] for i in rows]
-        self._plan_attention(backend, batch)
+        self.plan_attention(backend, batch)
         if is_decode:  # eager decode (no graph for this stream or batch size)
             hidden = self.model(batch.input_ids, batch.positions, backend)
         else:

@@ -553,7 +553,9 @@ def test_step_trace_of_the_real_engine() -> None:
             "split_predicted_ms",
             "chunked_head_predicted_ms",
             "slice_promised_ms",
+            "launch_parts_ms",
         }
+        assert all(s["launch_parts_ms"] is None for s in steps)  # the serial executor's
         # A short scoring prompt with room keeps all of its KV: nothing discarded.
         assert all(s["prefill_discarded_tokens"] == 0 for s in steps)
         assert all(s["chunked_predicted_ms"] is None for s in steps)  # off: no chunked choice

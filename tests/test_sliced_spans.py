@@ -60,6 +60,18 @@ def test_a_sliced_prompt_counts_the_steps_that_ended_inside_its_span() -> None:
     assert s["span_over_whole_p50"] == 1.25
 
 
+def test_a_sliced_prompt_carries_the_host_time_of_the_launch_that_started_it() -> None:
+    """The start's launch (the oldest step inside the span with `launch_parts_ms`): its
+    launch_ms and parts; traces from before that field carry none."""
+    assert "start_launch_ms" not in sliced_prompts(_trace())[0]
+    parts = {"choose": 0.5, "build": 6.0, "plan_embed": 3.0, "decode": 1.5, "first_slice": 20.0}
+    trace = _trace()
+    trace[1] = {**trace[1], "launch_ms": 31.0, "launch_parts_ms": parts}
+    trace[2] = {**trace[2], "launch_ms": 1.2, "launch_parts_ms": None}
+    (rec,) = sliced_prompts(trace)
+    assert rec["start_launch_ms"] == 31.0 and rec["start_parts_ms"] == parts
+
+
 def test_the_whole_steps_are_single_prompt_steps_without_slices() -> None:
     steps = [
         _step(3.0, 800.0, num_prefill_tokens=1000, num_prefill_seqs=1),

@@ -656,6 +656,39 @@ def test_decodes_behind_layer_slices_carry_the_wait_promised_them() -> None:
     assert [st["decode_gap_ms"] for st in decodes[2:4]] == [2.0, 3.0]
 
 
+def test_the_launch_that_starts_a_sliced_prefill_is_timed_by_part_in_the_step_trace() -> None:
+    """The launch that starts a layer-sliced prefill records its host time by part (the
+    decision, the batch's build, plan and embedding, the decode step beside it, the first
+    slice) in the step trace, on the launch's first result; other launches record none. A
+    long start is time the device may idle before the first slice (a 98-ms one on the H200
+    came before a 136-ms wait behind a slice promised 72)."""
+    dev = ClockDevice()
+    eng, ex, _ = split_engine(dev, fixed_split(layers_per_slice=1, predicted_decode_ms=7.5))
+    reqs = make_reqs()
+    eng.scheduler.add(reqs[0])
+    split_step(eng)  # r0's prefill starts: no decodes beside it
+    assert ex.launch_parts_ms is not None
+    assert set(ex.launch_parts_ms) == {"choose", "build", "plan_embed", "decode", "first_slice"}
+    split_step(eng)
+    assert ex.launch_parts_ms is None  # no start in that launch
+    finish(eng, dev)
+    # The engine's own loop puts them in the trace: r2's prefill starts beside r1's decodes.
+    eng.scheduler.add(reqs[1])
+    for i in range(200):
+        if i == 4:
+            eng.scheduler.add(reqs[2])
+        if i > 4 and not eng.scheduler.has_work() and not ex.busy:
+            break
+        eng._step()
+    timed = [st for st in eng.step_trace() if st["launch_parts_ms"] is not None]
+    assert timed and any(st["num_decodes"] for st in timed)
+    for st in timed:
+        parts = st["launch_parts_ms"]
+        assert set(parts) == {"choose", "build", "plan_embed", "decode", "first_slice"}
+        assert all(v >= 0 for v in parts.values())
+        assert sum(parts.values()) <= st["launch_ms"] + 1e-6
+
+
 # A whole scoring prompt that streams its rows on random:tiny (2 layers): 37 rows past the
 # prefill budget, hybrid chunk 8 (5 chunks).
 ROW_STREAM_CFG: dict[str, Any] = dict(

@@ -33,6 +33,7 @@ class _Launched:
 
 class SerialExecutor:
     name = "serial"
+    launch_parts_ms: dict[str, float] | None = None  # not timed by parts
 
     def __init__(
         self,

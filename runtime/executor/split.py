@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -117,6 +118,7 @@ Choose = Callable[[StepPlan | None, StepPlan | None], SplitChoice]
 
 class SplitExecutor:
     name = "split"
+    launch_parts_ms: dict[str, float] | None = None  # (`Executor.launch_parts_ms`)
 
     def __init__(
         self,
@@ -203,28 +205,38 @@ class SplitExecutor:
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> None:
+        self.launch_parts_ms = None
         dplan = StepPlan(plan.step_id, decode=plan.decode) if plan.decode else None
+        parts: dict[str, float] | None = None
         if plan.prefill:
             self._owed_wait_ms = math.nan  # (a prefill's step: not the owed decode step)
             pplan = StepPlan(plan.step_id, prefill=plan.prefill)
             self.num_prefill_batches += 1
             try:
+                t0 = time.perf_counter()
                 choice = self.choose(pplan, dplan)
                 if choice.prefill_sms == TIME_SLICE and not choice.layers_per_slice:
                     self._launch_whole(plan, choice.prefill_stream)
                     return
-                self._start_prefill(pplan, choice)
+                parts = {"choose": (time.perf_counter() - t0) * 1e3}
+                self._start_prefill(pplan, choice, parts)
             except StepInterrupted:
                 raise
             except Exception as e:  # noqa: BLE001 - the engine re-runs the plan's requests
                 self.prefill = None
                 raise StepFailed(plan, e, self.last_split) from e
+        t0 = time.perf_counter()
         if dplan is not None:
             try:
                 self._launch_decode(dplan)
             except Exception as e:  # noqa: BLE001
                 raise StepFailed(dplan, e, self.last_split) from e
+        t1 = time.perf_counter()
         self._guarded_pump()
+        if parts is not None:
+            parts["decode"] = (t1 - t0) * 1e3
+            parts["first_slice"] = (time.perf_counter() - t1) * 1e3
+            self.launch_parts_ms = parts
 
     @torch.inference_mode()
     def results(self, block: bool) -> list[StepResult]:
@@ -345,7 +357,11 @@ class SplitExecutor:
             )
         )
 
-    def _start_prefill(self, plan: StepPlan, choice: SplitChoice) -> None:
+    def _start_prefill(
+        self, plan: StepPlan, choice: SplitChoice, parts_ms: dict[str, float]
+    ) -> None:
+        """Build, plan and embed the prefill (its slices follow from `_pump`); its host
+        time by part into `parts_ms`."""
         if choice.layers_per_slice and choice.prefill_sms == TIME_SLICE:
             self.num_layer_sliced_prefills += 1
         else:
@@ -354,11 +370,18 @@ class SplitExecutor:
         stream = choice.prefill_stream
         self._use("prefill", stream)
         start = self.device.event()
+        t0 = time.perf_counter()
         with self.device.context(stream):
             start.record()
             batch = self.runner.build_batch(plan.prefill, [])
-            self.runner.prefill_backend.plan(batch)
+            t1 = time.perf_counter()
+            # Guarded: a whole step still in flight may not have consumed the prefill
+            # backend's staged plan copies yet.
+            self.runner.plan_attention(self.runner.prefill_backend, batch)
             h = self.model.embed(batch.input_ids)
+        t2 = time.perf_counter()
+        parts_ms["build"] = (t1 - t0) * 1e3
+        parts_ms["plan_embed"] = (t2 - t1) * 1e3
         num_tokens = int(batch.input_ids.shape[0])
         per_slice = choice.layers_per_slice or self.slice_tokens // max(num_tokens, 1)
         per_slice = max(1, min(self.model.num_layers, per_slice))
