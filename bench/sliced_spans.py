@@ -28,6 +28,9 @@ from typing import Any
 # A step ended inside a span when its age lies within it, give or take this (the trace rounds
 # nothing, but the two ends come from different clocks' reads: host time at the result).
 _EDGE_S = 1e-3
+# How far from a sliced prompt's start the launch that started it may lie (s): a few ms of
+# clock mix (`sliced_prompts`); starts come seconds apart.
+_START_S = 0.1
 
 
 def load_steps(path: Path) -> list[dict[str, Any]]:
@@ -95,10 +98,17 @@ def sliced_prompts(
             else None,
         }
         # The launch that started it (since the step trace's `launch_parts_ms`): the decode
-        # step launched beside its first slice, or its own row when none was.
-        starts = [x for x in [s, *inside] if x.get("launch_parts_ms")]
+        # step launched beside its first slice, or its own row when none was. Nearest the
+        # start, within _START_S: the start's age is a host time less a device span, and
+        # the prompt's own row is applied a few ms after its last slice ends (read 2 ms
+        # younger than the decode launched beside its first slice on an H100).
+        starts = [
+            x
+            for x in steps
+            if x.get("launch_parts_ms") and abs(x["age_s"] - start_age_s) <= _START_S
+        ]
         if starts:
-            first = max(starts, key=lambda x: x["age_s"])
+            first = min(starts, key=lambda x: abs(x["age_s"] - start_age_s))
             rec["start_launch_ms"] = round(first["launch_ms"], 1)
             rec["start_parts_ms"] = {k: round(v, 1) for k, v in first["launch_parts_ms"].items()}
         if whole is not None and tokens in whole:

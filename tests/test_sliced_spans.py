@@ -61,15 +61,21 @@ def test_a_sliced_prompt_counts_the_steps_that_ended_inside_its_span() -> None:
 
 
 def test_a_sliced_prompt_carries_the_host_time_of_the_launch_that_started_it() -> None:
-    """The start's launch (the oldest step inside the span with `launch_parts_ms`): its
-    launch_ms and parts; traces from before that field carry none."""
+    """The start's launch (the step with `launch_parts_ms` nearest the span's start, within
+    0.1 s): its launch_ms and parts; traces from before that field carry none."""
     assert "start_launch_ms" not in sliced_prompts(_trace())[0]
     parts = {"choose": 0.5, "build": 6.0, "plan_embed": 3.0, "decode": 1.5, "first_slice": 20.0}
     trace = _trace()
-    trace[1] = {**trace[1], "launch_ms": 31.0, "launch_parts_ms": parts}
-    trace[2] = {**trace[2], "launch_ms": 1.2, "launch_parts_ms": None}
-    (rec,) = sliced_prompts(trace)
+    # The decode step launched beside the first slice ended 4 ms after the start (10.0 s ago).
+    start = _step(9.996, 5.0, decode_gap_ms=0.3, launch_ms=31.0, launch_parts_ms=parts)
+    (rec,) = sliced_prompts([*trace[:1], start, *trace[1:]])
     assert rec["start_launch_ms"] == 31.0 and rec["start_parts_ms"] == parts
+    # Read 2 ms older than the start (the prompt's row applied after its last slice ended):
+    # still its start; a launch 0.5 s before it is another prompt's.
+    early = {**start, "age_s": 10.002}
+    assert sliced_prompts([*trace[:1], early, *trace[1:]])[0]["start_launch_ms"] == 31.0
+    other = {**trace[0], "launch_ms": 9.0, "launch_parts_ms": parts}  # 10.5 s ago
+    assert "start_launch_ms" not in sliced_prompts([other, *trace[1:]])[0]
 
 
 def test_the_whole_steps_are_single_prompt_steps_without_slices() -> None:
