@@ -541,7 +541,7 @@ class Engine:
             if not jct.calibrated:
                 return None
             # The JCT model prices a whole forward; a shape of fewer layers (a row piece of
-            # one layer, `SplitController._row_pieces`) is that many layers' share of it.
+            # one layer, `SplitController._row_slices`) is that many layers' share of it.
             # Priced whole, no piece of a 53-56k-token prompt ever fitted the aim (H100, 8B
             # in 24 GB): they went to a 112-SM split at 1.2x the whole GPU's time.
             whole_ms = jct.predict_totals_s(shape.num_tokens, shape.attention_pairs) * 1e3

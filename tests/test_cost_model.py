@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -434,7 +435,7 @@ def test_layer_slices_are_sized_to_the_aim_with_their_measured_error() -> None:
         m, [32, 64], ControllerConfig(tbt_slo_ms=target, layer_slicing=True, hysteresis_sms=0)
     )
     s8 = ctl._layer_slices(p, d)
-    assert s8 is not None and (s8.layers, s8.pieces) == (8, 1)
+    assert s8 is not None and (s8.layers, s8.slice_ends) == (8, ())
     assert s8.predicted_ms == pytest.approx(whole_prefill + 3 * whole_decode)
     aim = whole_decode + 4.5 * per_layer
     s4 = ctl._layer_slices(p, d, aim)
@@ -490,19 +491,68 @@ def test_layer_slices_take_their_own_measured_aim_without_a_second_margin() -> N
     assert ctl.choose(p, d, 0.2, aim_ms=chunk_aim).layers_per_slice == by_chunks.layers
 
 
+def _slice_costs(
+    m: CostModel, n_rows: int, chunk: int, ends: tuple[int, ...], extra: int = 0
+) -> list[float]:
+    """Each slice's predicted time (ms) as the executor runs `ends` (`SplitDecision.
+    slice_ends`): a piece of each layer it touches, each piece priced on its own; with
+    `extra`, the last slice and that many more chunks."""
+    per_layer = -(-n_rows // chunk)
+
+    def piece(a: int, b: int) -> float:
+        start, q = a * chunk, min(b * chunk, n_rows) - a * chunk
+        return m.predict(PREFILL, PrefillShape(q, q * (start + (q + 1) / 2), 1), TOTAL)
+
+    costs, pos = [], 0
+    bounds = [*ends[:-1], ends[-1] + extra] if extra else list(ends)
+    for end in bounds:
+        ms = 0.0
+        while pos < end:
+            layer, a = divmod(pos, per_layer)
+            b = min(per_layer, end - layer * per_layer)
+            ms += piece(a, b)
+            pos = layer * per_layer + b
+        costs.append(ms)
+    return costs
+
+
+def _fewest_equal_row_slices(m: CostModel, n_rows: int, chunk: int, room: float) -> int:
+    """The fewest slices any cut into pieces of equal rows (whole chunks) and equal counts a
+    slice fits in `room` over 32 layers: the cut before slices were sized by cost."""
+    num_chunks = -(-n_rows // chunk)
+    best = 10**9
+    for pieces in range(2, num_chunks + 1):
+        rows = -(-num_chunks // pieces) * chunk
+        costs = [
+            m.predict(PREFILL, PrefillShape(q, q * (s + (q + 1) / 2), 1), TOTAL)
+            for s, q in [(s, min(rows, n_rows - s)) for s in range(0, n_rows, rows)]
+        ]
+        cut = len(costs)
+        for per_slice in range(1, cut * 32 + 1):
+            full, rest = divmod(per_slice, cut)
+            window = full * sum(costs) + max(
+                (sum((costs * 2)[i : i + rest]) for i in range(cut)), default=0.0
+            )
+            if window > room:
+                break
+            best = min(best, -(-cut * 32 // per_slice))
+    return best
+
+
 def test_sub_layer_slices_cut_a_streamed_layer_no_slice_fits() -> None:
     """Where no whole layer fits the aim and the prefill streams its rows (`RowStream`),
-    layer slicing cuts each layer into the fewest row pieces (whole hybrid chunks, as the
-    executor cuts them: `row_piece_rows`) whose heaviest piece fits the aim less the decode
-    step; without `rows` (a batch that does not stream) there are no layer slices to take
-    where the target admits no layer, and one-layer slices where only the aim admits none.
-    The completion: the whole prefill and a decode step between every two pieces."""
-    from runtime.partition.cost_model import RowStream, row_piece_rows
+    layer slicing cuts the prefill into slices of whole hybrid chunks (as the executor runs
+    them), each as many chunks as fit the aim less the decode step, running on into the
+    next layer: fewer slices than any cut of equal rows, since a layer's later rows attend
+    to more keys. Without `rows` there are no layer slices to take where the target admits
+    no layer, and one-layer slices where only the aim admits none. The completion: the
+    whole prefill and a decode step between every two slices."""
+    from runtime.partition.cost_model import RowStream
 
     m = _long_prefill_beside_decodes()[0]
     n_rows, chunk = 32768, 2048  # 16 chunks
     p = PrefillShape.from_seqs([(0, n_rows)], num_layers=32)
-    d = DecodeShape(1, 2048, 32)  # one chat: a cheap step between pieces
+    d = DecodeShape(1, 2048, 32)  # one chat: a cheap step between slices
     whole_prefill, whole_decode = m.predict(PREFILL, p, TOTAL), m.predict(DECODE, d, TOTAL)
     per_layer = whole_prefill / 32
     target = whole_decode + 0.45 * per_layer  # under half a layer's room
@@ -511,55 +561,50 @@ def test_sub_layer_slices_cut_a_streamed_layer_no_slice_fits() -> None:
     assert ctl._layer_slices(p, d) is None
     rows = RowStream(0, n_rows, chunk)
     sliced = ctl._layer_slices(p, d, rows=rows)
-    assert sliced is not None and sliced.layers == 1 and sliced.pieces > 2
-
-    def heaviest(pieces: int) -> float:
-        n = row_piece_rows(n_rows, chunk, pieces)
-        shapes = [(s, min(n, n_rows - s)) for s in range(0, n_rows, n)]
-        return max(
-            m.predict(PREFILL, PrefillShape(q, q * (s + (q + 1) / 2), 1), TOTAL) for s, q in shapes
-        )
-
+    assert sliced is not None and sliced.layers == 1
+    ends = sliced.slice_ends
+    assert list(ends) == sorted(set(ends)) and ends[-1] == 16 * 32
     room = target - whole_decode
-    assert heaviest(sliced.pieces) <= room < heaviest(sliced.pieces - 1)
-    assert sliced.predicted_ms == pytest.approx(
-        whole_prefill + (32 * sliced.pieces - 1) * whole_decode
-    )
-    # The later pieces attend to more keys: the last is the heaviest, over 1/pieces of a layer.
-    assert heaviest(sliced.pieces) > per_layer / sliced.pieces
-    # The decision carries the pieces where they finish before the best split by its margin.
+    costs = _slice_costs(m, n_rows, chunk, ends)
+    assert max(costs) <= room
+    # Each slice as long as fits: one chunk more would not.
+    for k in range(len(ends) - 1):
+        longer = [*ends[:k], ends[k] + 1, *ends[k + 1 :]]
+        assert _slice_costs(m, n_rows, chunk, tuple(longer[: k + 1]))[k] > room
+    assert len(ends) < _fewest_equal_row_slices(m, n_rows, chunk, room)
+    assert sliced.predicted_ms == pytest.approx(whole_prefill + (len(ends) - 1) * whole_decode)
+    # A decode waits the heaviest slice and its own step.
+    assert sliced.decode_wait_ms == pytest.approx(max(costs) + whole_decode)
+    # The decision carries the slices where they finish before the best split by its margin.
     best_split_ms = min(ctl._eval(s, p, d)[0] for s in (32, 64))
     assert best_split_ms > sliced.predicted_ms * ctl._split_margin()
     dec = ctl.choose(p, d, 0.2, rows=rows)
     assert dec.prefill_sms == TIME_SLICE
-    assert (dec.layers_per_slice, dec.pieces_per_layer) == (1, sliced.pieces)
+    assert (dec.layers_per_slice, dec.slice_ends) == (1, ends)
     assert "sub-layer slices" in dec.reason
-    # A decode waits the heaviest piece and its own step.
-    assert dec.predicted_decode_ms == pytest.approx(heaviest(sliced.pieces) + whole_decode)
+    assert dec.predicted_decode_ms == pytest.approx(max(costs) + whole_decode)
     assert dec.predicted_decode_ms <= target
     # Without rows: a split.
     assert ctl.choose(p, d, 0.2).prefill_sms != TIME_SLICE
-    # Chunks too coarse for the room: none.
+    # Chunks too coarse for the room (a layer a chunk): none.
     assert ctl._layer_slices(p, d, rows=RowStream(0, n_rows, n_rows)) is None
     # A target that admits a layer, an aim that does not (the target less the engine's
-    # measured tail): pieces sized to the aim where the rows stream, else one-layer slices.
+    # measured tail): slices sized to the aim where the rows stream, else one-layer slices.
     loose = SplitController(
         m, [32, 64], ControllerConfig(tbt_slo_ms=whole_decode + 1.2 * per_layer, layer_slicing=True)
     )
-    aim = target
-    by_aim = loose._layer_slices(p, d, aim, rows)
-    assert by_aim is not None and (by_aim.layers, by_aim.pieces) == (1, sliced.pieces)
-    one = loose._layer_slices(p, d, aim)
-    assert one is not None and (one.layers, one.pieces) == (1, 1)
+    by_aim = loose._layer_slices(p, d, target, rows)
+    assert by_aim is not None and (by_aim.layers, by_aim.slice_ends) == (1, ends)
+    one = loose._layer_slices(p, d, target)
+    assert one is not None and (one.layers, one.slice_ends) == (1, ())
 
 
-def test_sub_layer_slices_group_finer_pieces_to_fill_the_room() -> None:
-    """Pieces are whole hybrid chunks, so the fewest that fit can leave much of the room
-    empty: with room for 0.6 of a layer (this model's attention makes a layer's later rows
-    the heavier: two pieces are 0.31 and 0.70 of it), the fewest pieces that fit are four,
-    one a slice: 128 slices over 32 layers. Finer pieces, several a slice (across a layer's
-    end), fill it: fewer slices, so fewer decode steps between them, each within the room."""
-    from runtime.partition.cost_model import RowStream, row_piece_rows
+def test_sub_layer_slices_fill_the_room_across_a_layers_end() -> None:
+    """With room for 0.6 of a layer (this model's attention makes a layer's later rows the
+    heavier: its two halves are 0.31 and 0.70 of it), slices run on across a layer's end
+    and fill the room: each slice but the last within a chunk of it, so their number is
+    within one chunk a slice of the fewest the room allows."""
+    from runtime.partition.cost_model import RowStream
 
     m = _long_prefill_beside_decodes()[0]
     n_rows, chunk = 32768, 2048  # 16 chunks
@@ -572,36 +617,33 @@ def test_sub_layer_slices_group_finer_pieces_to_fill_the_room() -> None:
         m, [32, 64], ControllerConfig(tbt_slo_ms=target, layer_slicing=True, hysteresis_sms=0)
     )
     sliced = ctl._layer_slices(p, d, rows=RowStream(0, n_rows, chunk))
-    assert sliced is not None and sliced.pieces > 2 and sliced.per_slice > 1
-
-    def heaviest(pieces: int, per_slice: int = 1) -> float:
-        """The heaviest run of `per_slice` consecutive pieces, wrapping into the next layer."""
-        n = row_piece_rows(n_rows, chunk, pieces)
-        costs = [
-            m.predict(PREFILL, PrefillShape(q, q * (s + (q + 1) / 2), 1), TOTAL)
-            for s, q in [(s, min(n, n_rows - s)) for s in range(0, n_rows, n)]
-        ]
-        return max(sum((costs * 2)[i : i + per_slice]) for i in range(len(costs)))
-
+    assert sliced is not None
+    ends = sliced.slice_ends
     room = target - whole_decode
-    assert heaviest(sliced.pieces, sliced.per_slice) <= room
-    assert heaviest(sliced.pieces, sliced.per_slice + 1) > room  # as many as fit
-    num_slices = -(-32 * sliced.pieces // sliced.per_slice)
-    assert heaviest(4) <= room < min(heaviest(2), heaviest(4, 2))  # four a layer, one a slice
-    assert num_slices < 0.7 * 128  # ... make 128 slices
-    assert sliced.predicted_ms == pytest.approx(whole_prefill + (num_slices - 1) * whole_decode)
-    assert sliced.decode_wait_ms == pytest.approx(
-        heaviest(sliced.pieces, sliced.per_slice) + whole_decode
+    costs = _slice_costs(m, n_rows, chunk, ends)
+    assert max(costs) <= room
+    assert any(e % 16 for e in ends)  # some slices end inside a layer ...
+    starts = [0, *ends[:-1]]
+    assert any(
+        b // 16 > a // 16 and b % 16 for a, b in zip(starts, ends, strict=True)
+    )  # ... after one
+    biggest_chunk = m.predict(
+        PREFILL, PrefillShape(chunk, chunk * (n_rows - chunk + (chunk + 1) / 2), 1), TOTAL
     )
+    assert min(costs[:-1]) > room - biggest_chunk
+    total = sum(costs)
+    assert math.ceil(total / room) <= len(ends) <= math.ceil(total / (room - biggest_chunk))
+    assert len(ends) < _fewest_equal_row_slices(m, n_rows, chunk, room)
+    assert sliced.predicted_ms == pytest.approx(whole_prefill + (len(ends) - 1) * whole_decode)
+    assert sliced.decode_wait_ms == pytest.approx(max(costs) + whole_decode)
     dec = ctl.choose(p, d, 0.2, rows=RowStream(0, n_rows, chunk))
-    assert (dec.pieces_per_layer, dec.pieces_per_slice) == (sliced.pieces, sliced.per_slice)
-    assert dec.predicted_decode_ms <= target
+    assert dec.slice_ends == ends and dec.predicted_decode_ms <= target
 
 
 def test_row_pieces_beat_whole_layer_slices_where_they_make_fewer_slices() -> None:
     """A layer fits the room, two do not: whole-layer slices are one layer each, 32 slices.
-    Where the rows stream, pieces run a layer and a part a slice: fewer slices, so fewer
-    decode steps between them. Without rows, whole layers."""
+    Where the rows stream, slices run a layer and a part: fewer slices, so fewer decode
+    steps between them. Without rows, whole layers."""
     from runtime.partition.cost_model import RowStream
 
     m = _long_prefill_beside_decodes()[0]
@@ -613,10 +655,9 @@ def test_row_pieces_beat_whole_layer_slices_where_they_make_fewer_slices() -> No
     target = whole_decode + 1.5 * per_layer
     ctl = SplitController(m, [32, 64], ControllerConfig(tbt_slo_ms=target, layer_slicing=True))
     layers = ctl._layer_slices(p, d)
-    assert layers is not None and (layers.layers, layers.pieces) == (1, 1)
+    assert layers is not None and (layers.layers, layers.slice_ends) == (1, ())
     sliced = ctl._layer_slices(p, d, rows=RowStream(0, n_rows, chunk))
-    assert sliced is not None and sliced.per_slice > sliced.pieces  # over a layer a slice
-    assert -(-32 * sliced.pieces // sliced.per_slice) < 32
+    assert sliced is not None and len(sliced.slice_ends) < 32
     assert sliced.predicted_ms < layers.predicted_ms
     assert sliced.decode_wait_ms <= target
 
@@ -711,3 +752,30 @@ def test_controller_predicts_a_split_prefill_with_its_decode_neighbour() -> None
     assert tp_heavy == pytest.approx(
         m.predict(PREFILL, p, 96, TOTAL - 96) * (1 + 0.01 * td_heavy), rel=1e-9
     )
+
+
+def test_a_sub_layer_cut_is_computed_once_for_the_same_inputs_and_model() -> None:
+    """A prompt at the queue's head is judged every step: its cut is kept while the row
+    stream, room, error and the model's prediction of the prefill are the same, and cut
+    again when the model moves."""
+    from runtime.partition.cost_model import RowStream
+
+    m, p, d, _, whole_decode, per_layer = _long_prefill_beside_decodes()
+    p = PrefillShape.from_seqs([(0, 32768)], num_layers=32)
+    per_layer = m.predict(PREFILL, p, TOTAL) / 32
+    cfg = ControllerConfig(tbt_slo_ms=whole_decode + 0.6 * per_layer, layer_slicing=True)
+    ctl = SplitController(m, [32, 64], cfg)
+    calls: list[int] = []
+    cut = ctl._row_slices
+
+    def counted(*a: object) -> object:
+        calls.append(1)
+        return cut(*a)  # type: ignore[arg-type]
+
+    ctl._row_slices = counted  # type: ignore[method-assign]
+    rows = RowStream(0, 32768, 2048)
+    first = ctl._layer_slices(p, d, rows=rows)
+    assert ctl._layer_slices(p, d, rows=rows) == first and len(calls) == 1
+    m.base[PREFILL] = [x * 1.2 for x in m.base[PREFILL]]  # the model moved
+    moved = ctl._layer_slices(p, d, rows=rows)
+    assert len(calls) == 2 and moved is not None and moved != first

@@ -713,21 +713,23 @@ def test_a_fitted_jct_model_prices_row_pieces_as_one_layer(manager) -> None:  # 
     """Through the engine: a whole scoring prompt that streams its rows, no layer of which
     fits the room beside a decoding chat, runs in row pieces priced by the JCT model the
     engine shares once it is fitted to the device. 1,000 tokens on the 2-layer model: a layer
-    1 ms (1 us a token), the room 2.7 - 2 ms: two pieces of 504 and 496 rows (whole 8-token
-    chunks) make four slices; three pieces of 336 rows, two a slice, make three. Priced as
+    1 ms (1 us a token), the room 2.7 - 2 ms: slices of whole 8-token chunks, each as many as
+    fit, make three (as pieces of equal rows, two a slice, did before slices were cut by
+    cost). Priced as
     whole forwards (before `cfb80db`), each piece cost both layers: more pieces here, and on
     the H100 none at all (none of a 53-56k-token prompt fitted)."""
     eng, ex, choices = _sliced_scoring_engine(manager)
     prompt = [(7 * i) % 300 + 5 for i in range(1000)]
     eng.scheduler.add(Request("s", RequestKind.SCORE, prompt, label_token_ids=[10, 20, 30]))
     _run(eng, lambda: eng.scheduler.get("s") is None, max_steps=400)
-    (sliced,) = [c for c in choices if c.decision.pieces_per_layer]
+    (sliced,) = [c for c in choices if c.decision.slice_ends]
     dec = sliced.decision
-    assert (dec.layers_per_slice, dec.pieces_per_layer, dec.pieces_per_slice) == (1, 3, 2)
+    # 125 chunks of 8 a layer, 250 in all; each slice as many as fit the room: 87 chunks
+    # (696 rows, 0.696 ms), 87 (across the layer's end), and the rest.
+    assert (dec.layers_per_slice, dec.slice_ends) == (1, (87, 174, 250))
     assert ex.num_sub_layer_sliced_prefills == 1
-    # A decode waits a slice of two of the heaviest pieces (42 chunks of 8: 336 rows) and its
-    # own step.
-    assert dec.predicted_decode_ms == pytest.approx(2 * 0.336 + 2.0)
+    # A decode waits the heaviest slice and its own step.
+    assert dec.predicted_decode_ms == pytest.approx(0.696 + 2.0)
 
 
 def test_decodes_behind_slices_teach_the_slices_own_tail_which_then_sizes_them(
@@ -745,7 +747,7 @@ def test_decodes_behind_slices_teach_the_slices_own_tail_which_then_sizes_them(
         prompt = [(7 * i + seed) % 300 + 5 for i in range(1000)]
         eng.scheduler.add(Request(rid, RequestKind.SCORE, prompt, label_token_ids=[10, 20, 30]))
         _run(eng, lambda: eng.scheduler.get(rid) is None, max_steps=400)
-        (sliced,) = [c.decision for c in choices if c.decision.pieces_per_layer]
+        (sliced,) = [c.decision for c in choices if c.decision.slice_ends]
         choices.clear()
         return sliced
 

@@ -215,8 +215,7 @@ def fixed_split(
     prefill_sms: int = 64,
     layers_per_slice: int | None = None,
     predicted_prefill_ms: float = 5.0,
-    pieces_per_layer: int | None = None,
-    pieces_per_slice: int | None = None,
+    slice_ends: tuple[int, ...] | None = None,
     predicted_decode_ms: float = math.nan,
 ) -> Any:
     choices: list[tuple[bool, bool]] = []
@@ -228,8 +227,7 @@ def fixed_split(
                 0,
                 layers_per_slice=layers_per_slice,
                 predicted_prefill_ms=predicted_prefill_ms,
-                pieces_per_layer=pieces_per_layer,
-                pieces_per_slice=pieces_per_slice,
+                slice_ends=slice_ends,
                 predicted_decode_ms=predicted_decode_ms,
             )
             return SplitChoice(dec, "whole", "whole", 132)
@@ -717,17 +715,18 @@ def _serial_row_stream_probs() -> Any:
 
 
 def test_sub_layer_slices_run_each_layer_in_row_pieces_with_decodes_between() -> None:
-    """`pieces_per_layer` on a prefill that streams its rows (a whole scoring prompt past the
+    """`slice_ends` on a prefill that streams its rows (a whole scoring prompt past the
     prefill budget, hybrid chunk 8): each layer runs as row pieces of whole chunks (37 rows,
-    5 chunks, 2 pieces: rows 0-24 and 24-37), one piece in flight at a time, the generation's
-    decode steps between them; the scores are the serial executor's. (The generation's own
-    9-token prefill streams no rows: whole layers, with a warning.)"""
+    5 chunks a layer; slices ending at chunks 3, 5, 8 and 10: rows 0-24 and 24-37 of each
+    layer), one piece in flight at a time, the generation's decode steps between them; the
+    scores are the serial executor's. (The generation's own 9-token prefill streams no rows:
+    whole layers, with a warning.)"""
     cfg = ROW_STREAM_CFG
     ref_probs = _serial_row_stream_probs()
 
     dev = FakeDevice()
     eng, ex, _ = split_engine(
-        dev, fixed_split(layers_per_slice=1, pieces_per_layer=2), **cfg
+        dev, fixed_split(layers_per_slice=1, slice_ends=(3, 5, 8, 10)), **cfg
     )  # tiny has 2 layers
     # (h, residual, positions, attn, layer, s, e)
     order = launch_order(ex, "forward_layer_rows", lambda a: f"L{a[4]}:{a[5]}-{a[6]}")
@@ -752,26 +751,28 @@ def test_sub_layer_slices_run_each_layer_in_row_pieces_with_decodes_between() ->
 
 
 @pytest.mark.parametrize(
-    ("pieces", "per_slice", "want"),
+    ("ends", "want"),
     [
-        (3, 2, [["L0:0-16", "L0:16-32"], ["L0:32-37", "L1:0-16"], ["L1:16-32", "L1:32-37"]]),
-        (2, 3, [["L0:0-24", "L0:24-37", "L1:0-24"], ["L1:24-37"]]),
+        ((4, 7, 10), [["L0:0-32"], ["L0:32-37", "L1:0-16"], ["L1:16-37"]]),
+        ((8, 10), [["L0:0-37", "L1:0-24"], ["L1:24-37"]]),
+        ((1, 2, 5, 10), [["L0:0-8"], ["L0:8-16"], ["L0:16-37"], ["L1:0-37"]]),
     ],
 )
-def test_grouped_row_pieces_cross_a_layers_end_with_decodes_only_between_slices(
-    pieces: int, per_slice: int, want: list[list[str]]
+def test_slices_of_whole_chunks_cross_a_layers_end_with_decodes_only_between_slices(
+    ends: tuple[int, ...], want: list[list[str]]
 ) -> None:
-    """`pieces_per_slice`: consecutive row pieces run as one slice, across a layer's end into
-    the next (more than a layer's worth where asked), a decode step only between slices. 37
-    rows in chunks of 8 over the 2 layers: three pieces a layer (16, 16 and 5 rows) two a
-    slice, or two (24 and 13) three a slice; the scores are the serial executor's."""
+    """A slice runs a piece of each layer it touches up to its end (`slice_ends`, chunks
+    counted layer after layer), across a layer's end into the next (more than a layer's
+    worth where asked), a decode step only between slices. 37 rows in chunks of 8 (5 a
+    layer) over the 2 layers; slices of unequal rows, as cut by cost; the scores are the
+    serial executor's."""
     cfg = ROW_STREAM_CFG
     ref_probs = _serial_row_stream_probs()
 
     dev = FakeDevice()
     eng, ex, _ = split_engine(
         dev,
-        fixed_split(layers_per_slice=1, pieces_per_layer=pieces, pieces_per_slice=per_slice),
+        fixed_split(layers_per_slice=1, slice_ends=ends),
         **cfg,
     )
     order = launch_order(ex, "forward_layer_rows", lambda a: f"L{a[4]}:{a[5]}-{a[6]}")
@@ -798,6 +799,28 @@ def test_grouped_row_pieces_cross_a_layers_end_with_decodes_only_between_slices(
     assert probs == pytest.approx(ref_probs, rel=1e-5, abs=1e-7)
     assert ex.num_sub_layer_sliced_prefills == 1
     eng.block_manager.check_integrity()
+
+
+def test_slice_ends_that_do_not_match_the_prefill_run_whole_layers_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Slices whose last end is not the prefill's chunks over its layers (a controller that
+    saw another row stream: a bug) run as whole-layer slices, logged, not as a failed
+    prefill; the scores are the serial executor's."""
+    ref_probs = _serial_row_stream_probs()
+    dev = FakeDevice()
+    eng, ex, _ = split_engine(
+        dev, fixed_split(layers_per_slice=1, slice_ends=(3, 9)), **ROW_STREAM_CFG
+    )
+    order = launch_order(ex, "forward_layer_rows", lambda a: f"L{a[4]}:{a[5]}-{a[6]}")
+    eng.scheduler.add(_row_stream_score_req())
+    with caplog.at_level("WARNING", logger="greenlane"):
+        outs = finish(eng, dev)
+    assert not [o for o in order if o.startswith("L")]  # no row pieces
+    assert any("has other chunks" in r.getMessage() for r in caplog.records)
+    (probs,) = [o.label_probs for o in outs if o.label_probs is not None]
+    assert probs == pytest.approx(ref_probs, rel=1e-5, abs=1e-7)
+    assert ex.num_layer_sliced_prefills == 1 and ex.num_sub_layer_sliced_prefills == 0
 
 
 def test_the_engine_tells_the_controller_which_prefills_stream_their_rows() -> None:

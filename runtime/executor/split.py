@@ -45,7 +45,7 @@ from runtime.executor.base import HeldFailure, StepFailed, StepInterrupted, Step
 from runtime.executor.streams import EventLike, StreamDevice
 from runtime.model.llama import ForwardInterrupted, RowsKV
 from runtime.partition import TIME_SLICE, SplitChoice
-from runtime.partition.cost_model import DecodeShape, PrefillShape, row_piece_rows
+from runtime.partition.cost_model import DecodeShape, PrefillShape, num_row_chunks
 from runtime.runner import PendingOutput
 from runtime.scheduler import RunnerOutput, StepCapacity, StepPlan
 
@@ -64,11 +64,12 @@ class _Prefill:
     layers_per_slice: int
     start_event: EventLike
     next_layer: int = 0
-    # Sub-layer slices (`SplitDecision.pieces_per_layer`): rows per piece of a layer (a
-    # multiple of the hybrid chunk; 0: whole layers), the next row of `next_layer`, and that
-    # layer's keys and values between its pieces.
-    piece_rows: int = 0
-    pieces_per_slice: int = 1  # consecutive pieces a slice (`SplitDecision.pieces_per_slice`)
+    # Sub-layer slices (`SplitDecision.slice_ends`): where each slice ends in hybrid chunks
+    # counted layer after layer (empty: whole layers), the next slice's index, chunks a
+    # layer, the next row of `next_layer`, and that layer's keys and values between pieces.
+    slice_ends: tuple[int, ...] = ()
+    next_slice: int = 0
+    num_chunks: int = 0
     next_row: int = 0
     layer_kv: RowsKV | None = None
     abandoned: bool = False  # its requests all finished before its last slice: no outputs
@@ -386,23 +387,26 @@ class SplitExecutor:
         per_slice = choice.layers_per_slice or self.slice_tokens // max(num_tokens, 1)
         per_slice = max(1, min(self.model.num_layers, per_slice))
         self.prefill = _Prefill(plan, choice, batch, h, None, per_slice, start)
-        pieces = choice.pieces_per_layer or 1
-        chunk = self.chunk_tokens
-        if pieces > 1 and chunk is not None:
-            if self.model.streams_rows(
+        ends, chunk = choice.slice_ends, self.chunk_tokens
+        if ends and chunk is not None:
+            num_chunks = num_row_chunks(num_tokens, chunk)
+            streams = self.model.streams_rows(
                 num_tokens, self.runner.prefill_backend, chunk, self.stream_rows_above
-            ):
-                self.prefill.piece_rows = row_piece_rows(num_tokens, chunk, pieces)
-                self.prefill.pieces_per_slice = max(1, choice.pieces_per_slice or 1)
+            )
+            if streams and ends[-1] == num_chunks * self.model.num_layers:
+                self.prefill.slice_ends = ends
+                self.prefill.num_chunks = num_chunks
                 self.prefill.layers_per_slice = 1
                 self.num_sub_layer_sliced_prefills += 1
             else:
-                # The controller is told whether a batch streams its rows (`rows`): a
-                # mismatch here is a bug, run whole layers rather than fail the prefill.
+                # The controller is told whether a batch streams its rows and how many
+                # (`rows`): a mismatch here is a bug, run whole layers rather than fail.
                 log.warning(
-                    "sub-layer slices asked for a prefill that does not stream its rows "
-                    "(%d tokens): whole layers instead",
+                    "sub-layer slices (%d chunks in all) asked for a prefill of %d tokens "
+                    "that %s: whole layers instead",
+                    ends[-1],
                     num_tokens,
+                    "has other chunks" if streams else "does not stream its rows",
                 )
 
     def _guarded_pump(self) -> None:
@@ -429,29 +433,32 @@ class SplitExecutor:
         max_queued = 1 if f.choice.layers_per_slice else self.max_queued_slices
         with self.device.context(f.choice.prefill_stream):
             while pending < max_queued and f.next_layer < num_layers:
-                if f.piece_rows:
-                    assert self.chunk_tokens is not None
-                    num_rows = f.h.shape[0]
-                    # One slice: `pieces_per_slice` pieces in a row, across a layer's end.
-                    end = f.next_layer
-                    for _ in range(f.pieces_per_slice):
-                        row_end = min(num_rows, f.next_row + f.piece_rows)
+                if f.slice_ends:
+                    chunk = self.chunk_tokens
+                    assert chunk is not None
+                    num_rows, per_layer = f.h.shape[0], f.num_chunks
+                    # One slice: a piece of each layer it touches, up to its end.
+                    stop = f.slice_ends[f.next_slice]
+                    f.next_slice += 1
+                    while f.next_layer * per_layer + f.next_row // chunk < stop:
+                        layer = f.next_layer
+                        row_end = min(num_rows, min(per_layer, stop - layer * per_layer) * chunk)
                         f.h, f.layer_kv = self.model.forward_layer_rows(
                             f.h,
                             f.residual,
                             f.batch.positions,
                             self.runner.prefill_backend,
-                            end,
+                            layer,
                             f.next_row,
                             row_end,
-                            self.chunk_tokens,
+                            chunk,
                             f.layer_kv,
                         )
                         f.residual = None  # one stream from the first piece on
-                        f.next_row = 0 if row_end >= num_rows else row_end
-                        end += 1 if row_end >= num_rows else 0
-                        if end == num_layers:
-                            break
+                        done = row_end >= num_rows
+                        f.next_row = 0 if done else row_end
+                        f.next_layer += 1 if done else 0
+                    end = f.next_layer
                 else:
                     end = min(num_layers, f.next_layer + f.layers_per_slice)
                     f.h, f.residual = self.model.forward_layers(

@@ -29,15 +29,13 @@ class SplitDecision:
     prefill_sms: int  # TIME_SLICE (0) = no split
     # Time-slicing by slices of this many layers (prefill_sms is TIME_SLICE); None = whole.
     layers_per_slice: int | None = None
-    # Sub-layer slices: each layer of a row-streamed prefill (hybrid prefill's row form) run
-    # in this many pieces of its rows, a decode step between slices of them, where no whole
-    # layer fits the TBT target or where pieces make fewer slices (layers_per_slice is then
-    # 1). None = whole layers.
-    pieces_per_layer: int | None = None
-    # Sub-layer slices grouped: this many consecutive row pieces (across a layer's end into
-    # the next) run as one slice before a decode step, so finer pieces fill the room a
-    # coarser cut leaves. None = one piece a slice.
-    pieces_per_slice: int | None = None
+    # Sub-layer slices of a row-streamed prefill (hybrid prefill's row form), where no whole
+    # layer fits the TBT target or where they make fewer slices (layers_per_slice is then 1):
+    # where each slice ends, in whole hybrid chunks counted from the prefill's start layer
+    # after layer (layer * chunks a layer + chunk), ascending, the last all of them. A slice
+    # runs on into the next layer where its room allows; a decode step follows each. None =
+    # whole layers.
+    slice_ends: tuple[int, ...] | None = None
     # Time-slicing with the prefill cut into chunks of at most this many tokens per step, each
     # step one whole-GPU forward of the decodes and a chunk sized to the TBT target
     # (prefill_sms is TIME_SLICE): it caps the step's prefill tokens when the step is planned.
@@ -68,12 +66,8 @@ class SplitChoice:
         return self.decision.layers_per_slice
 
     @property
-    def pieces_per_layer(self) -> int | None:
-        return self.decision.pieces_per_layer
-
-    @property
-    def pieces_per_slice(self) -> int | None:
-        return self.decision.pieces_per_slice
+    def slice_ends(self) -> tuple[int, ...] | None:
+        return self.decision.slice_ends
 
     @property
     def chunk_tokens(self) -> int | None:

@@ -536,32 +536,27 @@ class RowStream:
     chunk_tokens: int
 
 
-# The most row pieces a layer `SplitController._row_pieces` tries: finer cuts fill a slice
-# little better and cost O(pieces²) predictions a decision.
-MAX_ROW_PIECES = 32
+def num_row_chunks(num_tokens: int, chunk_tokens: int) -> int:
+    """Hybrid chunks a row-streamed layer of `num_tokens` rows runs (the last may be short)."""
+    return -(-num_tokens // chunk_tokens)
 
 
-def row_piece_rows(num_tokens: int, chunk_tokens: int, pieces: int) -> int:
-    """Rows a piece when a row-streamed layer of `num_tokens` rows runs in `pieces` pieces
-    of whole hybrid chunks (the last piece may be shorter): the one cut the controller
-    predicts and the split executor runs."""
-    num_chunks = -(-num_tokens // chunk_tokens)
-    return -(-num_chunks // max(1, pieces)) * chunk_tokens
+# `SplitController._row_slices`'s inputs (the row stream, room ms, error, layers) and the
+# layer's predicted time, which moves when the prefill model does.
+RowSlicesKey = tuple["RowStream", float, float, int, float]
 
 
 @dataclass(frozen=True, slots=True)
 class LayerSlices:
     """Time-slicing a prefill by layers (`SplitController._layer_slices`): `layers` a slice,
-    or each layer in `pieces` row pieces (sub-layer slices; 1: whole layers) run
-    `per_slice` consecutive pieces a slice, the predicted completion (the slices and the
-    decode steps between them), ms, and what a decode step waits meanwhile: the heaviest
-    slice and the step itself, ms."""
+    or sub-layer slices cut at `slice_ends` (`SplitDecision.slice_ends`; empty: whole
+    layers), the predicted completion (the slices and the decode steps between them), ms,
+    and what a decode step waits meanwhile: the heaviest slice and the step itself, ms."""
 
     layers: int
-    pieces: int
     predicted_ms: float
     decode_wait_ms: float
-    per_slice: int = 1
+    slice_ends: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -621,6 +616,12 @@ class SplitController:
         self.current = TIME_SLICE
         self.pinned: int | None = None
         self._num_evals = 0  # cost-model evaluations of the last choose()
+        # The last sub-layer cut (`_row_slices`), by its inputs and the layer's predicted
+        # time: a prompt waiting at the queue's head is judged every step, and its cut
+        # costs ~1 ms (a 56k-token prompt in 2k chunks) to ~6 (in 512-token chunks).
+        self._row_slices_memo: tuple[RowSlicesKey, tuple[tuple[int, ...], float] | None] | None = (
+            None
+        )
 
     def pin(self, prefill_sms: int) -> None:
         if prefill_sms != TIME_SLICE and prefill_sms not in self.splits:
@@ -980,8 +981,8 @@ class SplitController:
     ) -> SplitDecision:
         """The decision to time-slice `p` in `sliced`'s slices (a rule's choice: no hysteresis)."""
         what = (
-            f"sub-layer slices ({sliced.pieces} pieces a layer, {sliced.per_slice} a slice)"
-            if sliced.pieces > 1
+            f"sub-layer slices ({len(sliced.slice_ends)} of whole chunks)"
+            if sliced.slice_ends
             else f"layer slices of {sliced.layers}"
         )
         dec = self._settle(TIME_SLICE, f"{what} {why}", p, d, ev, None)
@@ -992,8 +993,7 @@ class SplitController:
             predicted_prefill_ms=sliced.predicted_ms,
             predicted_decode_ms=sliced.decode_wait_ms,
             layers_per_slice=sliced.layers,
-            pieces_per_layer=sliced.pieces if sliced.pieces > 1 else None,
-            pieces_per_slice=sliced.per_slice if sliced.per_slice > 1 else None,
+            slice_ends=sliced.slice_ends or None,
         )
 
     def _layer_slices(
@@ -1025,11 +1025,11 @@ class SplitController:
         prompt, ~1.12x its whole-GPU time, where their span read within 2 % of its
         prediction.
 
-        Where `p` streams its rows (`rows`), each layer may run in row pieces (whole hybrid
-        chunks each), as many consecutive pieces a slice as fit the aim less the decode step
-        with the same margin, cut for the fewest slices: sub-layer slices (`_row_pieces`),
-        taken where the aim admits no whole layer, or where they make fewer slices than
-        whole layers (a slice of 1.4 layers where one layer fills 0.7 of the room). On
+        Where `p` streams its rows (`rows`), its layers may run in row pieces of whole hybrid
+        chunks, each slice as many chunks (across a layer's end into the next) as fit the aim
+        less the decode step with the same margin: sub-layer slices (`_row_slices`), taken
+        where the aim admits no whole layer, or where they make fewer slices than whole
+        layers (a slice of 1.4 layers where one layer fills 0.7 of the room). On
         an H100 (8B in 24 GB, 80-ms target) no layer fits the target itself for prompts over
         ~52k tokens, which otherwise went to a 112-SM split at 1.2-1.3x the whole GPU's time;
         one-layer slices of 40-52k-token prompts, within the target but past the aim, held
@@ -1058,15 +1058,18 @@ class SplitController:
         if not no_layer:
             layers = min(num_layers, max(1, fit))
             num_slices = math.ceil(num_layers / layers)
-            whole = LayerSlices(layers, 1, tp + (num_slices - 1) * td, layers * per_layer_ms + td)
+            whole = LayerSlices(layers, tp + (num_slices - 1) * td, layers * per_layer_ms + td)
         if rows is not None and (whole is None or whole.layers < num_layers):
-            cut = self._row_pieces(rows, aim - td, err, num_layers)
+            key = (rows, aim - td, err, num_layers, tp)
+            memo = self._row_slices_memo
+            if memo is not None and memo[0] == key:
+                cut = memo[1]
+            else:
+                cut = self._row_slices(rows, aim - td, err, num_layers)
+                self._row_slices_memo = (key, cut)
             if cut is not None:
-                pieces, per_slice, heaviest_ms = cut
-                num_slices = math.ceil(num_layers * pieces / per_slice)
-                sliced = LayerSlices(
-                    1, pieces, tp + (num_slices - 1) * td, heaviest_ms + td, per_slice
-                )
+                ends, heaviest_ms = cut
+                sliced = LayerSlices(1, tp + (len(ends) - 1) * td, heaviest_ms + td, ends)
                 # Pieces where no whole layer fits the aim, or where they make fewer slices
                 # than whole layers do (a slice of 1.4 layers' pieces for a 40k-token prompt
                 # whose layer fills 0.8 of the room: 23 slices for 32).
@@ -1074,73 +1077,71 @@ class SplitController:
                     return sliced
         return whole
 
-    def _row_pieces(
+    def _row_slices(
         self, rows: RowStream, room_ms: float, err: float, num_layers: int
-    ) -> tuple[int, int, float] | None:
-        """How to cut a row-streamed layer into pieces as the executor cuts it
-        (`row_piece_rows`, at least 2 a layer) and how many consecutive pieces to run a slice
-        (across a layer's end into the next, more than a layer's worth where they fit), so
-        that the heaviest slice, times 1 + `err`, fits `room_ms`: the cut with the fewest slices over the `num_layers` layers (the
-        fewest decode steps between them), of equal ones the fewest pieces. Returns (pieces
-        a layer, pieces a slice, the heaviest slice's predicted time in ms); None if not
-        even one chunk a piece fits.
+    ) -> tuple[tuple[int, ...], float] | None:
+        """Cut a row-streamed prefill of `num_layers` layers into slices of whole hybrid
+        chunks, each as many as fit `room_ms` with the margin 1 + `err`, in order, a slice
+        running on into the next layer where its room allows: the fewest slices (a
+        greedy cut is the fewest where a slice's cost grows with its length, as here).
+        Returns where each slice ends (`SplitDecision.slice_ends`: chunks counted from the
+        prefill's start, layer after layer) and the heaviest slice's predicted time, ms;
+        None if a layer's heaviest chunk alone does not fit.
 
-        Why group: pieces are whole hybrid chunks, so the fewest pieces that fit can leave
-        much of the room empty. On an H100 (8B in 24 GB, 80-ms target, `ed34c71`) a
-        51k-token prompt's layer (~72 ms) fit the ~60-ms room only as two pieces of ~36-40
-        ms: 64 slices with 63 decode steps of ~6.7 ms between them, and the prompt spanned
-        1.16x its whole-GPU time. Finer pieces, several a slice, fill it.
+        Why by cost, not by rows: a later chunk of a layer attends to more keys, so pieces
+        of equal rows differ in cost, and the heaviest sets what a decode waits. On an H100
+        (8B in 24 GB, `9ddecb5`, 50-60k-token prompts) such slices promised ~72 ms and the
+        decode steps behind them waited ~60 at the median: filled to the promise, ~17 %
+        fewer slices (and decode steps between them) do the same prefill.
 
-        A piece of rows [s, e) after a context c is the prefill model's one-layer shape of
-        e - s tokens with (e - s) * (c + s + (e - s + 1) / 2) attention pairs, each piece
-        priced on its own (the model's per-forward terms count once a piece); the later
-        pieces attend to more keys. A slice is the heaviest run of that many consecutive
-        pieces, wrapping from a layer's last pieces to the next layer's first. Not
-        modelled: the first piece of a layer also projects every row's keys and values (on
-        the 8B ~4 % of a layer's per-token work), left to the margin. At most
-        MAX_ROW_PIECES pieces a layer are tried, O(pieces²) predictions in all."""
+        A piece of rows [s, e) of one layer after a context c is the prefill model's
+        one-layer shape of e - s tokens with (e - s) * (c + s + (e - s + 1) / 2) attention
+        pairs, priced on its own (the model's per-forward terms count once a piece); a
+        slice costs the sum of its pieces (at most one a layer, as the executor runs them).
+        Not modelled: the first piece of a layer also projects every row's keys and values
+        (on the 8B ~4 % of a layer's per-token work), left to the margin. Cost: one
+        prediction per distinct piece (at most chunks² / 2 of them) and a step per chunk
+        of every layer."""
         if room_ms <= 0:
             return None
         total = self.model.total_sms
-        n_rows, ctx = rows.num_tokens, rows.context_tokens
-        num_chunks = -(-n_rows // rows.chunk_tokens)
+        n_rows, ctx, chunk = rows.num_tokens, rows.context_tokens, rows.chunk_tokens
+        num_chunks = num_row_chunks(n_rows, chunk)
         margin = 1.0 + err
-        last_rows = n_rows
-        best: tuple[int, int, int, float] | None = None  # (slices, pieces, per slice, ms)
-        for pieces in range(2, min(num_chunks, MAX_ROW_PIECES) + 1):
-            piece_rows = row_piece_rows(n_rows, rows.chunk_tokens, pieces)
-            if piece_rows == last_rows:
-                continue  # the same cut as fewer pieces
-            last_rows = piece_rows
-            costs = []
-            for s in range(0, n_rows, piece_rows):
-                q = min(piece_rows, n_rows - s)
-                shape = PrefillShape(q, q * (ctx + s + (q + 1) / 2), 1)
-                costs.append(self.model.predict(PREFILL, shape, total))
-            cut = len(costs)
-            prefix = [0.0]
-            for c in costs + costs:  # doubled: a slice may run into the next layer
-                prefix.append(prefix[-1] + c)
-            layer_ms = prefix[cut]
-            per_slice, heaviest = 0, 0.0
-            while per_slice < cut * num_layers:
-                g = per_slice + 1
-                # g pieces: whole layers and the heaviest run of the rest
-                full, rest = divmod(g, cut)
-                w = full * layer_ms + (
-                    max(prefix[i + rest] - prefix[i] for i in range(cut)) if rest else 0.0
-                )
-                if w * margin > room_ms:
+        cost: dict[tuple[int, int], float] = {}
+
+        def piece_ms(a: int, b: int) -> float:
+            """Chunks [a, b) of a layer as one piece."""
+            key = (a, b)
+            if key not in cost:
+                start, q = a * chunk, min(b * chunk, n_rows) - a * chunk
+                shape = PrefillShape(q, q * (ctx + start + (q + 1) / 2), 1)
+                cost[key] = self.model.predict(PREFILL, shape, total)
+            return cost[key]
+
+        if max(piece_ms(i, i + 1) for i in range(num_chunks)) * margin > room_ms:
+            return None  # a chunk alone does not fit
+        ends: list[int] = []
+        heaviest = 0.0
+        pos, last = 0, num_chunks * num_layers
+        while pos < last:
+            # Extend the slice from `pos` one chunk at a time: `done` is the cost of the
+            # layers it has finished, `first` where its piece of the current layer starts.
+            done, first, end, ms = 0.0, pos % num_chunks, pos, 0.0
+            while end < last:
+                chunk_in_layer = end % num_chunks
+                if chunk_in_layer == 0 and end > pos:
+                    done, first = ms, 0  # a new layer: the last piece is whole
+                trial = done + piece_ms(first, chunk_in_layer + 1)
+                if trial * margin > room_ms:
                     break
-                per_slice, heaviest = g, w
-            if per_slice == 0:
-                continue
-            slices = -(-cut * num_layers // per_slice)
-            if best is None or slices < best[0]:
-                best = (slices, cut, per_slice, heaviest)
-        if best is None:
-            return None
-        return best[1], best[2], best[3]
+                ms, end = trial, end + 1
+            if end == pos:
+                return None  # (unreachable: every chunk alone fits)
+            ends.append(end)
+            heaviest = max(heaviest, ms)
+            pos = end
+        return tuple(ends), heaviest
 
     def _settle(
         self,

@@ -281,11 +281,8 @@ class GreenContextPartition:
             self._logged_choice = (key, now)
             if dec.chunk_tokens:
                 what = f"time-slice in chunks of <= {dec.chunk_tokens} tokens"
-            elif dec.pieces_per_layer:
-                what = (
-                    f"time-slice by {dec.pieces_per_layer} row pieces a layer, "
-                    f"{dec.pieces_per_slice or 1} a slice"
-                )
+            elif dec.slice_ends:
+                what = f"time-slice by {len(dec.slice_ends)} sub-layer slices"
             elif dec.layers_per_slice:
                 what = f"time-slice by {dec.layers_per_slice} layers"
             elif dec.prefill_sms == TIME_SLICE:
