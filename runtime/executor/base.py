@@ -118,7 +118,7 @@ class Executor(Protocol):
     # Host ms of the latest launch's parts where the executor times them, else None (the
     # split executor, a prefill's start: its decision, the batch's build, the attention plan
     # and embedding, the decode step beside it, the first slice). Diagnostics for the step
-    # trace: a start's host time is time the device may sit idle.
+    # trace (`launch_parts_ms`).
     launch_parts_ms: dict[str, float] | None
 
     def capacity(self) -> StepCapacity:

@@ -542,8 +542,10 @@ def num_row_chunks(num_tokens: int, chunk_tokens: int) -> int:
 
 
 # `SplitController._row_slices`'s inputs (the row stream, room ms, error, layers) and the
-# layer's predicted time, which moves when the prefill model does.
+# layer's predicted time, which moves when the prefill model does; and its answer (slice
+# ends, the heaviest slice's ms; None: no cut fits).
 RowSlicesKey = tuple["RowStream", float, float, int, float]
+RowSlicesCut = tuple[tuple[int, ...], float] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -619,9 +621,7 @@ class SplitController:
         # The last sub-layer cut (`_row_slices`), by its inputs and the layer's predicted
         # time: a prompt waiting at the queue's head is judged every step, and its cut
         # costs ~1 ms (a 56k-token prompt in 2k chunks) to ~6 (in 512-token chunks).
-        self._row_slices_memo: tuple[RowSlicesKey, tuple[tuple[int, ...], float] | None] | None = (
-            None
-        )
+        self._row_slices_memo: tuple[RowSlicesKey, RowSlicesCut] | None = None
 
     def pin(self, prefill_sms: int) -> None:
         if prefill_sms != TIME_SLICE and prefill_sms not in self.splits:
@@ -1079,7 +1079,7 @@ class SplitController:
 
     def _row_slices(
         self, rows: RowStream, room_ms: float, err: float, num_layers: int
-    ) -> tuple[tuple[int, ...], float] | None:
+    ) -> RowSlicesCut:
         """Cut a row-streamed prefill of `num_layers` layers into slices of whole hybrid
         chunks, each as many as fit `room_ms` with the margin 1 + `err`, in order, a slice
         running on into the next layer where its room allows: the fewest slices (a
