@@ -1086,7 +1086,7 @@ class SplitController:
         greedy cut is the fewest where a slice's cost grows with its length, as here).
         Returns where each slice ends (`SplitDecision.slice_ends`: chunks counted from the
         prefill's start, layer after layer) and the heaviest slice's predicted time, ms;
-        None if a layer's heaviest chunk alone does not fit.
+        None if a chunk alone does not fit.
 
         Why by cost, not by rows: a later chunk of a layer attends to more keys, so pieces
         of equal rows differ in cost, and the heaviest sets what a decode waits. On an H100
@@ -1119,8 +1119,6 @@ class SplitController:
                 cost[key] = self.model.predict(PREFILL, shape, total)
             return cost[key]
 
-        if max(piece_ms(i, i + 1) for i in range(num_chunks)) * margin > room_ms:
-            return None  # a chunk alone does not fit
         ends: list[int] = []
         heaviest = 0.0
         pos, last = 0, num_chunks * num_layers
@@ -1137,7 +1135,7 @@ class SplitController:
                     break
                 ms, end = trial, end + 1
             if end == pos:
-                return None  # (unreachable: every chunk alone fits)
+                return None  # the chunk at `pos` alone does not fit
             ends.append(end)
             heaviest = max(heaviest, ms)
             pos = end
