@@ -6,6 +6,9 @@ mkdir -p /tmp/site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
+# Console scripts of the wheels (py-spy, when its wheel is in .whl: bench.decode's profiles
+# need it, and a profile asked for fails loudly without it).
+export PATH=/tmp/site/bin:$PATH
 if [ -f .fi_cache/fi_cache.tar.gz ]; then
   mkdir -p ~/.cache && tar xzf .fi_cache/fi_cache.tar.gz -C ~/.cache
 fi

@@ -204,6 +204,10 @@ STEP_TRACE_FIELDS = (
     # H100 at 9ddecb5 the step before ran meanwhile: 13-39 ms of `decode` were its graphs'
     # staging guard waiting for that step).
     "launch_parts_ms",
+    # The same launch: what the memory allocator did with the driver before the first slice
+    # and in it ({"to_first_slice" | "first_slice": {mallocs, frees, retries, syncs}},
+    # `Executor.launch_allocs`), else None.
+    "launch_allocs",
 )
 
 Sink = Callable[[list[EngineOutput]], None]
@@ -512,8 +516,12 @@ class Engine:
         # step id -> a launched chunked step's predicted ms (scored when its result is in) and
         # the rest of the head its decision predicted (traced)
         self._chunked_predicted_ms: dict[int, tuple[float, float]] = {}
-        # step_id -> host ms (planning, launching) until the step's first result is traced
-        self._host_ms: dict[int, tuple[float, float, dict[str, float] | None]] = {}
+        # step_id -> host ms (planning, launching), the launch's parts and allocator counts
+        # (`Executor.launch_parts_ms`, `launch_allocs`) until the step's first result is traced
+        self._host_ms: dict[
+            int,
+            tuple[float, float, dict[str, float] | None, dict[str, dict[str, int]] | None],
+        ] = {}
         self._kv_usage_before_plan = 0.0  # KV usage when the current step was planned
         self._step_started_s: float | None = None  # engine clock at the current step's start
         self._stats: dict[str, Any] = {}
@@ -1658,6 +1666,7 @@ class Engine:
                         (launch_started_s - plan_started_s) * 1e3,
                         (time.perf_counter() - launch_started_s) * 1e3,
                         ex.launch_parts_ms,
+                        ex.launch_allocs,
                     )
                 except StepInterrupted as e:
                     outputs += self._interrupted(e)
@@ -1794,7 +1803,9 @@ class Engine:
         chunked_head_ms: float | None = None,
     ) -> None:
         plan = result.plan
-        plan_ms, launch_ms, launch_parts_ms = self._host_ms.pop(plan.step_id, (None, None, None))
+        plan_ms, launch_ms, launch_parts_ms, launch_allocs = self._host_ms.pop(
+            plan.step_id, (None, None, None, None)
+        )
         self._step_trace.append(
             (
                 time.monotonic(),
@@ -1830,6 +1841,7 @@ class Engine:
                 chunked_head_ms,
                 _ms(result.slice_promised_s),
                 launch_parts_ms,
+                launch_allocs,
             )
         )
 

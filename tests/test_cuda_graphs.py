@@ -188,6 +188,9 @@ class StreamDevice(HostStreamDevice):
     def current_stream(self) -> Any:
         return self.current[0]
 
+    def allocator_counts(self) -> dict[str, int] | None:
+        return None
+
 
 def build(dev: StreamDevice | None, split_sms: int, max_num_seqs: int = 256):
     config = EngineConfig(

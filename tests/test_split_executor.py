@@ -70,6 +70,9 @@ class FakeDevice:
     def current_stream(self) -> Any:
         return "default"
 
+    def allocator_counts(self) -> dict[str, int] | None:
+        return None
+
     def release(self) -> None:
         for e in self.pending:
             e.done = True
@@ -685,6 +688,69 @@ def test_the_launch_that_starts_a_sliced_prefill_is_timed_by_part_in_the_step_tr
         assert set(parts) == {"choose", "build", "plan_embed", "decode", "first_slice"}
         assert all(v >= 0 for v in parts.values())
         assert sum(parts.values()) <= st["launch_ms"] + 1e-6
+
+
+class CountingDevice(ClockDevice):
+    """Allocator counts that grow by one malloc an event and one free a count read: the
+    executor must report, per part of a start's launch, the growth inside that part."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mallocs = 0
+        self.frees = 0
+
+    def event(self) -> FakeEvent:
+        self.mallocs += 1
+        return super().event()
+
+    def allocator_counts(self) -> dict[str, int] | None:
+        self.frees += 1
+        return {"mallocs": self.mallocs, "frees": self.frees, "retries": 0, "syncs": 0}
+
+
+def test_a_starts_launch_counts_the_allocators_driver_calls_by_part() -> None:
+    """Beside its host time by part, the launch that starts a layer-sliced prefill records
+    what the memory allocator did (device mallocs and frees, retries, syncs) before the
+    first slice and in it; the step trace carries it on the launch's first result; other
+    launches, and devices without such an allocator, record none."""
+    dev = CountingDevice()
+    eng, ex, _ = split_engine(dev, fixed_split(layers_per_slice=1, predicted_decode_ms=7.5))
+    reqs = make_reqs()
+    eng.scheduler.add(reqs[0])
+    mallocs_before = dev.mallocs
+    split_step(eng)  # r0's prefill starts: no decodes beside it
+    allocs = ex.launch_allocs
+    assert allocs is not None and set(allocs) == {"to_first_slice", "first_slice"}
+    # The two parts hold every event of the launch after its decision (the start's slice
+    # events among them); each part saw one count read of its own (the read that opens it).
+    assert allocs["first_slice"]["mallocs"] >= 1  # the first slice records its event
+    made = allocs["to_first_slice"]["mallocs"] + allocs["first_slice"]["mallocs"]
+    assert 1 <= made <= dev.mallocs - mallocs_before
+    assert allocs["to_first_slice"]["frees"] == allocs["first_slice"]["frees"] == 1
+    assert allocs["first_slice"]["retries"] == allocs["first_slice"]["syncs"] == 0
+    split_step(eng)
+    assert ex.launch_allocs is None  # no start in that launch
+    finish(eng, dev)
+    # The engine's own loop puts them in the trace: r2's prefill starts beside r1's decodes.
+    eng.scheduler.add(reqs[1])
+    for i in range(200):
+        if i == 4:
+            eng.scheduler.add(reqs[2])
+        if i > 4 and not eng.scheduler.has_work() and not ex.busy:
+            break
+        eng._step()
+    started = [st for st in eng.step_trace() if st["launch_parts_ms"] is not None]
+    assert started and all(st["launch_allocs"] is not None for st in started)
+    assert all(
+        st["launch_allocs"] is None for st in eng.step_trace() if st["launch_parts_ms"] is None
+    )
+    # No allocator to count (the CPU's stand-in, the fakes): timed by part, counted None.
+    dev2 = ClockDevice()
+    eng2, ex2, _ = split_engine(dev2, fixed_split(layers_per_slice=1))
+    eng2.scheduler.add(make_reqs()[0])
+    split_step(eng2)
+    assert ex2.launch_parts_ms is not None and ex2.launch_allocs is None
+    finish(eng2, dev2)
 
 
 # A whole scoring prompt that streams its rows on random:tiny (2 layers): 37 rows past the

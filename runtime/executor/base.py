@@ -120,6 +120,12 @@ class Executor(Protocol):
     # and embedding, the decode step beside it, the first slice). Diagnostics for the step
     # trace (`launch_parts_ms`).
     launch_parts_ms: dict[str, float] | None
+    # Beside `launch_parts_ms`: what the memory allocator did with the driver in the same
+    # launch, {"to_first_slice" | "first_slice": {mallocs, frees, retries, syncs}} (counts,
+    # `StreamDevice.allocator_counts`), else None (no start, or no such allocator). A first
+    # slice's enqueue took 50-90 ms of host time in 4 of 39 starts on an H100 at edc1adc, with
+    # the device idle behind it; these counts tell an allocator's retry from other stalls.
+    launch_allocs: dict[str, dict[str, int]] | None
 
     def capacity(self) -> StepCapacity:
         """What the next step may hold."""

@@ -117,9 +117,15 @@ Score = Callable[[str, float, float], None]
 Choose = Callable[[StepPlan | None, StepPlan | None], SplitChoice]
 
 
+def _count_deltas(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """after - before, per count (`StreamDevice.allocator_counts`)."""
+    return {name: after[name] - before.get(name, 0) for name in after}
+
+
 class SplitExecutor:
     name = "split"
     launch_parts_ms: dict[str, float] | None = None  # (`Executor.launch_parts_ms`)
+    launch_allocs: dict[str, dict[str, int]] | None = None  # (`Executor.launch_allocs`)
 
     def __init__(
         self,
@@ -207,8 +213,10 @@ class SplitExecutor:
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> None:
         self.launch_parts_ms = None
+        self.launch_allocs = None
         dplan = StepPlan(plan.step_id, decode=plan.decode) if plan.decode else None
         parts: dict[str, float] | None = None
+        allocs0 = None
         if plan.prefill:
             self._owed_wait_ms = math.nan  # (a prefill's step: not the owed decode step)
             pplan = StepPlan(plan.step_id, prefill=plan.prefill)
@@ -220,6 +228,8 @@ class SplitExecutor:
                     self._launch_whole(plan, choice.prefill_stream)
                     return
                 parts = {"choose": (time.perf_counter() - t0) * 1e3}
+                # (Read here, not per launch: ~0.1 ms each, and chunked steps launch often.)
+                allocs0 = self.device.allocator_counts()
                 self._start_prefill(pplan, choice, parts)
             except StepInterrupted:
                 raise
@@ -232,12 +242,20 @@ class SplitExecutor:
                 self._launch_decode(dplan)
             except Exception as e:  # noqa: BLE001
                 raise StepFailed(dplan, e, self.last_split) from e
-        t1 = time.perf_counter()
+        allocs1 = self.device.allocator_counts() if parts is not None else None
+        t1 = time.perf_counter()  # (after that read: the first slice's time is its own)
         self._guarded_pump()
         if parts is not None:
             parts["decode"] = (t1 - t0) * 1e3
             parts["first_slice"] = (time.perf_counter() - t1) * 1e3
             self.launch_parts_ms = parts
+            if allocs0 is not None and allocs1 is not None:
+                allocs2 = self.device.allocator_counts()
+                assert allocs2 is not None
+                self.launch_allocs = {
+                    "to_first_slice": _count_deltas(allocs0, allocs1),
+                    "first_slice": _count_deltas(allocs1, allocs2),
+                }
 
     @torch.inference_mode()
     def results(self, block: bool) -> list[StepResult]:
