@@ -123,8 +123,8 @@ class Executor(Protocol):
     # Beside `launch_parts_ms`: what the memory allocator did with the driver in the same
     # launch, {"to_first_slice" | "first_slice": {mallocs, frees, retries, syncs}} (counts,
     # `StreamDevice.allocator_counts`), else None (no start, or no such allocator). A first
-    # slice's enqueue took 50-90 ms of host time in 4 of 39 starts on an H100 at edc1adc, with
-    # the device idle behind it; these counts tell an allocator's retry from other stalls.
+    # slice's enqueue took 54-88 ms of host time in 5 of 39 starts on an H100 at edc1adc, once
+    # with the device idle behind it; these counts tell an allocator's stall from others.
     launch_allocs: dict[str, dict[str, int]] | None
 
     def capacity(self) -> StepCapacity:

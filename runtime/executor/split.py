@@ -228,7 +228,7 @@ class SplitExecutor:
                     self._launch_whole(plan, choice.prefill_stream)
                     return
                 parts = {"choose": (time.perf_counter() - t0) * 1e3}
-                # (Read here, not per launch: ~0.1 ms each, and chunked steps launch often.)
+                # (Read here, at a start only: chunked steps launch often.)
                 allocs0 = self.device.allocator_counts()
                 self._start_prefill(pplan, choice, parts)
             except StepInterrupted:

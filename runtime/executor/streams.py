@@ -25,7 +25,8 @@ class StreamDevice(Protocol):
     def current_stream(self) -> Any: ...
     def allocator_counts(self) -> dict[str, int] | None:
         """Cumulative calls the memory allocator made to the driver (`ALLOCATOR_COUNTS`), or
-        None where there is no such allocator. A diagnostic: reading them costs ~0.1 ms."""
+        None where there is no such allocator. A diagnostic: a read walks the allocator's
+        stats (its cost not measured), so it is read at a prefill's start only."""
         ...
 
 
