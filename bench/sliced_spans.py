@@ -12,7 +12,7 @@ prediction, the other steps inside (count and device time: decodes, and chat pre
 with them), the prefill's own share (span less those steps), what those steps waited, and for the decode steps behind a slice what the decision promised them
 (`slice_promised_ms`) against what they waited (`decode_gap_ms` + `device_ms`), and the host time of the launch
 that started it by part (`launch_parts_ms`, traces since this field) and what the memory
-allocator did in it (`launch_allocs`: device mallocs, frees, retries, syncs). With
+allocator did in it and its slowest forward call (`launch_detail`). With
 `--whole`, the same tokens' whole-GPU step in another side's trace (`off` runs a whole
 scoring prompt as one step), and the span's ratio to it.
 """
@@ -112,8 +112,8 @@ def sliced_prompts(
             first = min(starts, key=lambda x: abs(x["age_s"] - start_age_s))
             rec["start_launch_ms"] = round(first["launch_ms"], 1)
             rec["start_parts_ms"] = {k: round(v, 1) for k, v in first["launch_parts_ms"].items()}
-            if first.get("launch_allocs") is not None:  # (traces since that field)
-                rec["start_allocs"] = first["launch_allocs"]
+            if first.get("launch_detail") is not None:  # (traces since that field)
+                rec["start_detail"] = first["launch_detail"]
         if whole is not None and tokens in whole:
             rec["whole_ms"] = round(whole[tokens], 1)
             rec["span_over_whole"] = round(span_ms / whole[tokens], 3)

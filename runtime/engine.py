@@ -204,10 +204,9 @@ STEP_TRACE_FIELDS = (
     # H100 at 9ddecb5 the step before ran meanwhile: 13-39 ms of `decode` were its graphs'
     # staging guard waiting for that step).
     "launch_parts_ms",
-    # The same launch: what the memory allocator did with the driver before the first slice
-    # and in it ({"to_first_slice" | "first_slice": {mallocs, frees, retries, syncs}},
-    # `Executor.launch_allocs`), else None.
-    "launch_allocs",
+    # The same launch: its first slice's slowest forward call and the memory allocator's
+    # driver calls ({"slowest_piece": ..., "allocs": ...}, `Executor.launch_detail`), else None.
+    "launch_detail",
 )
 
 Sink = Callable[[list[EngineOutput]], None]
@@ -516,11 +515,10 @@ class Engine:
         # step id -> a launched chunked step's predicted ms (scored when its result is in) and
         # the rest of the head its decision predicted (traced)
         self._chunked_predicted_ms: dict[int, tuple[float, float]] = {}
-        # step_id -> host ms (planning, launching), the launch's parts and allocator counts
-        # (`Executor.launch_parts_ms`, `launch_allocs`) until the step's first result is traced
+        # step_id -> host ms (planning, launching), the launch's parts and detail
+        # (`Executor.launch_parts_ms`, `launch_detail`) until the step's first result is traced
         self._host_ms: dict[
-            int,
-            tuple[float, float, dict[str, float] | None, dict[str, dict[str, int]] | None],
+            int, tuple[float, float, dict[str, float] | None, dict[str, Any] | None]
         ] = {}
         self._kv_usage_before_plan = 0.0  # KV usage when the current step was planned
         self._step_started_s: float | None = None  # engine clock at the current step's start
@@ -1666,7 +1664,7 @@ class Engine:
                         (launch_started_s - plan_started_s) * 1e3,
                         (time.perf_counter() - launch_started_s) * 1e3,
                         ex.launch_parts_ms,
-                        ex.launch_allocs,
+                        ex.launch_detail,
                     )
                 except StepInterrupted as e:
                     outputs += self._interrupted(e)
@@ -1803,7 +1801,7 @@ class Engine:
         chunked_head_ms: float | None = None,
     ) -> None:
         plan = result.plan
-        plan_ms, launch_ms, launch_parts_ms, launch_allocs = self._host_ms.pop(
+        plan_ms, launch_ms, launch_parts_ms, launch_detail = self._host_ms.pop(
             plan.step_id, (None, None, None, None)
         )
         self._step_trace.append(
@@ -1841,7 +1839,7 @@ class Engine:
                 chunked_head_ms,
                 _ms(result.slice_promised_s),
                 launch_parts_ms,
-                launch_allocs,
+                launch_detail,
             )
         )
 

@@ -554,10 +554,10 @@ def test_step_trace_of_the_real_engine() -> None:
             "chunked_head_predicted_ms",
             "slice_promised_ms",
             "launch_parts_ms",
-            "launch_allocs",
+            "launch_detail",
         }
         assert all(s["launch_parts_ms"] is None for s in steps)  # the serial executor's
-        assert all(s["launch_allocs"] is None for s in steps)
+        assert all(s["launch_detail"] is None for s in steps)
         # A short scoring prompt with room keeps all of its KV: nothing discarded.
         assert all(s["prefill_discarded_tokens"] == 0 for s in steps)
         assert all(s["chunked_predicted_ms"] is None for s in steps)  # off: no chunked choice

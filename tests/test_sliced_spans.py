@@ -70,10 +70,10 @@ def test_a_sliced_prompt_carries_the_host_time_of_the_launch_that_started_it() -
     start = _step(9.996, 5.0, decode_gap_ms=0.3, launch_ms=31.0, launch_parts_ms=parts)
     (rec,) = sliced_prompts([*trace[:1], start, *trace[1:]])
     assert rec["start_launch_ms"] == 31.0 and rec["start_parts_ms"] == parts
-    assert "start_allocs" not in rec  # a trace from before `launch_allocs`
-    allocs = {"to_first_slice": {"mallocs": 0}, "first_slice": {"mallocs": 2, "retries": 1}}
-    (rec,) = sliced_prompts([*trace[:1], {**start, "launch_allocs": allocs}, *trace[1:]])
-    assert rec["start_allocs"] == allocs
+    assert "start_detail" not in rec  # a trace from before `launch_detail`
+    detail = {"allocs": {"first_slice": {"mallocs": 2, "retries": 1}}, "slowest_piece": {}}
+    (rec,) = sliced_prompts([*trace[:1], {**start, "launch_detail": detail}, *trace[1:]])
+    assert rec["start_detail"] == detail
     # Read 2 ms older than the start (the prompt's row applied after its last slice ended):
     # still its start; a launch 0.5 s before it is another prompt's.
     early = {**start, "age_s": 10.002}

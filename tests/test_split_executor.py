@@ -708,19 +708,26 @@ class CountingDevice(ClockDevice):
         return {"mallocs": self.mallocs, "frees": self.frees, "retries": 0, "syncs": 0}
 
 
-def test_a_starts_launch_counts_the_allocators_driver_calls_by_part() -> None:
+def test_a_starts_launch_details_its_slowest_piece_and_the_allocators_driver_calls() -> None:
     """Beside its host time by part, the launch that starts a layer-sliced prefill records
-    what the memory allocator did (device mallocs and frees, retries, syncs) before the
-    first slice and in it; the step trace carries it on the launch's first result; other
-    launches, and devices without such an allocator, record none."""
+    its first slice's slowest forward call and what the memory allocator did (device mallocs
+    and frees, retries, syncs) before the first slice and in it; the step trace carries it
+    on the launch's first result; other launches record none, and a device without such an
+    allocator records no counts."""
     dev = CountingDevice()
     eng, ex, _ = split_engine(dev, fixed_split(layers_per_slice=1, predicted_decode_ms=7.5))
     reqs = make_reqs()
     eng.scheduler.add(reqs[0])
     mallocs_before = dev.mallocs
     split_step(eng)  # r0's prefill starts: no decodes beside it
-    allocs = ex.launch_allocs
-    assert allocs is not None and set(allocs) == {"to_first_slice", "first_slice"}
+    detail = ex.launch_detail
+    assert detail is not None and set(detail) == {"slowest_piece", "allocs"}
+    # One layer a slice: the first slice is one forward call over layer 0.
+    piece = detail["slowest_piece"]
+    assert piece["layer"] == 0 and piece["layers"] == 1 and piece["num_pieces"] == 1
+    assert 0 <= piece["host_ms"] <= ex.launch_parts_ms["first_slice"]
+    allocs = detail["allocs"]
+    assert set(allocs) == {"to_first_slice", "first_slice"}
     # The two parts hold every event of the launch after its decision (the start's slice
     # events among them); each part saw one count read of its own (the read that opens it).
     assert allocs["first_slice"]["mallocs"] >= 1  # the first slice records its event
@@ -729,7 +736,7 @@ def test_a_starts_launch_counts_the_allocators_driver_calls_by_part() -> None:
     assert allocs["to_first_slice"]["frees"] == allocs["first_slice"]["frees"] == 1
     assert allocs["first_slice"]["retries"] == allocs["first_slice"]["syncs"] == 0
     split_step(eng)
-    assert ex.launch_allocs is None  # no start in that launch
+    assert ex.launch_detail is None  # no start in that launch
     finish(eng, dev)
     # The engine's own loop puts them in the trace: r2's prefill starts beside r1's decodes.
     eng.scheduler.add(reqs[1])
@@ -740,16 +747,16 @@ def test_a_starts_launch_counts_the_allocators_driver_calls_by_part() -> None:
             break
         eng._step()
     started = [st for st in eng.step_trace() if st["launch_parts_ms"] is not None]
-    assert started and all(st["launch_allocs"] is not None for st in started)
+    assert started and all(st["launch_detail"] is not None for st in started)
     assert all(
-        st["launch_allocs"] is None for st in eng.step_trace() if st["launch_parts_ms"] is None
+        st["launch_detail"] is None for st in eng.step_trace() if st["launch_parts_ms"] is None
     )
-    # No allocator to count (the CPU's stand-in, the fakes): timed by part, counted None.
+    # No allocator to count (the CPU's stand-in, the fakes): the slowest piece, no counts.
     dev2 = ClockDevice()
     eng2, ex2, _ = split_engine(dev2, fixed_split(layers_per_slice=1))
     eng2.scheduler.add(make_reqs()[0])
     split_step(eng2)
-    assert ex2.launch_parts_ms is not None and ex2.launch_allocs is None
+    assert ex2.launch_detail is not None and set(ex2.launch_detail) == {"slowest_piece"}
     finish(eng2, dev2)
 
 
@@ -847,11 +854,19 @@ def test_slices_of_whole_chunks_cross_a_layers_end_with_decodes_only_between_sli
     outs += split_step(eng)
     eng.scheduler.add(_row_stream_score_req())
     dev.hold = True  # each slice stays pending for three steps, then completes
+    details = []
     for _ in range(4):
         for _ in range(3):
             outs += split_step(eng)
+            if ex.launch_detail is not None:
+                details.append(ex.launch_detail)
         dev.release()
     outs += finish(eng, dev)
+    # The start's launch names its first slice's slowest piece, one of that slice's pieces.
+    (detail,) = details
+    piece = detail["slowest_piece"]
+    assert piece["num_pieces"] == len(want[0])
+    assert f"L{piece['layer']}:{piece['row_start']}-{piece['row_start'] + piece['rows']}" in want[0]
     runs: list[list[str]] = []  # the pieces between decode steps
     for o in order[order.index(want[0][0]) :]:
         if o == "decode":

@@ -18,7 +18,7 @@ aborted.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from runtime.scheduler import RunnerOutput, StepCapacity, StepPlan
 
@@ -120,12 +120,15 @@ class Executor(Protocol):
     # and embedding, the decode step beside it, the first slice). Diagnostics for the step
     # trace (`launch_parts_ms`).
     launch_parts_ms: dict[str, float] | None
-    # Beside `launch_parts_ms`: what the memory allocator did with the driver in the same
-    # launch, {"to_first_slice" | "first_slice": {mallocs, frees, retries, syncs}} (counts,
-    # `StreamDevice.allocator_counts`), else None (no start, or no such allocator). A first
-    # slice's enqueue took 54-88 ms of host time in 5 of 39 starts on an H100 at edc1adc, once
-    # with the device idle behind it; these counts tell an allocator's stall from others.
-    launch_allocs: dict[str, dict[str, int]] | None
+    # Beside `launch_parts_ms`, what may explain a slow start (else None): "slowest_piece",
+    # the first slice's forward call that took the most host time ({layer, row_start, rows,
+    # host_ms, num_pieces}, or {layer, layers, ...} for whole layers), and "allocs", what the
+    # memory allocator did with the driver before the first slice and in it
+    # ({"to_first_slice" | "first_slice": {mallocs, frees, retries, syncs}},
+    # `StreamDevice.allocator_counts`; absent without such an allocator). A first slice's
+    # enqueue took 54-88 ms of host time in 5 of 39 starts on an H100 at edc1adc, once with
+    # the device idle behind it.
+    launch_detail: dict[str, Any] | None
 
     def capacity(self) -> StepCapacity:
         """What the next step may hold."""

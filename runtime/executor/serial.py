@@ -34,7 +34,7 @@ class _Launched:
 class SerialExecutor:
     name = "serial"
     launch_parts_ms: dict[str, float] | None = None  # not timed by parts
-    launch_allocs: dict[str, dict[str, int]] | None = None  # not counted
+    launch_detail: dict[str, Any] | None = None  # no starts to detail
 
     def __init__(
         self,

@@ -125,7 +125,7 @@ def _count_deltas(before: dict[str, int], after: dict[str, int]) -> dict[str, in
 class SplitExecutor:
     name = "split"
     launch_parts_ms: dict[str, float] | None = None  # (`Executor.launch_parts_ms`)
-    launch_allocs: dict[str, dict[str, int]] | None = None  # (`Executor.launch_allocs`)
+    launch_detail: dict[str, Any] | None = None  # (`Executor.launch_detail`)
 
     def __init__(
         self,
@@ -213,7 +213,7 @@ class SplitExecutor:
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> None:
         self.launch_parts_ms = None
-        self.launch_allocs = None
+        self.launch_detail = None
         dplan = StepPlan(plan.step_id, decode=plan.decode) if plan.decode else None
         parts: dict[str, float] | None = None
         allocs0 = None
@@ -243,19 +243,25 @@ class SplitExecutor:
             except Exception as e:  # noqa: BLE001
                 raise StepFailed(dplan, e, self.last_split) from e
         allocs1 = self.device.allocator_counts() if parts is not None else None
+        pieces: list[dict[str, float]] | None = [] if parts is not None else None
         t1 = time.perf_counter()  # (after that read: the first slice's time is its own)
-        self._guarded_pump()
+        self._guarded_pump(pieces)
         if parts is not None:
             parts["decode"] = (t1 - t0) * 1e3
             parts["first_slice"] = (time.perf_counter() - t1) * 1e3
             self.launch_parts_ms = parts
+            detail: dict[str, Any] = {}
+            if pieces:
+                slowest = max(pieces, key=lambda x: x["host_ms"])
+                detail["slowest_piece"] = {**slowest, "num_pieces": len(pieces)}
             if allocs0 is not None and allocs1 is not None:
                 allocs2 = self.device.allocator_counts()
                 assert allocs2 is not None
-                self.launch_allocs = {
+                detail["allocs"] = {
                     "to_first_slice": _count_deltas(allocs0, allocs1),
                     "first_slice": _count_deltas(allocs1, allocs2),
                 }
+            self.launch_detail = detail
 
     @torch.inference_mode()
     def results(self, block: bool) -> list[StepResult]:
@@ -427,17 +433,19 @@ class SplitExecutor:
                     "has other chunks" if streams else "does not stream its rows",
                 )
 
-    def _guarded_pump(self) -> None:
+    def _guarded_pump(self, pieces: list[dict[str, float]] | None = None) -> None:
         f = self.prefill
         try:
-            self._pump()
+            self._pump(pieces)
         except Exception as e:  # noqa: BLE001 - the engine re-runs the prefill's requests
             assert f is not None
             self.prefill = None
             raise StepFailed(f.plan, e, f.choice.prefill_sms) from e
 
-    def _pump(self) -> None:
-        """Launch prefill slices while fewer than `max_queued_slices` are pending."""
+    def _pump(self, pieces: list[dict[str, float]] | None = None) -> None:
+        """Launch prefill slices while fewer than `max_queued_slices` are pending. `pieces`:
+        where given, each forward call's host time is appended ({layer, row_start, rows,
+        host_ms}; a whole-layer slice: {layer, layers, host_ms}), to find a slow enqueue."""
         f = self.prefill
         if f is None or f.done_event is not None:
             return
@@ -461,6 +469,7 @@ class SplitExecutor:
                     while f.next_layer * per_layer + f.next_row // chunk < stop:
                         layer = f.next_layer
                         row_end = min(num_rows, min(per_layer, stop - layer * per_layer) * chunk)
+                        t_piece = time.perf_counter()
                         f.h, f.layer_kv = self.model.forward_layer_rows(
                             f.h,
                             f.residual,
@@ -472,6 +481,15 @@ class SplitExecutor:
                             chunk,
                             f.layer_kv,
                         )
+                        if pieces is not None:
+                            pieces.append(
+                                {
+                                    "layer": layer,
+                                    "row_start": f.next_row,
+                                    "rows": row_end - f.next_row,
+                                    "host_ms": (time.perf_counter() - t_piece) * 1e3,
+                                }
+                            )
                         f.residual = None  # one stream from the first piece on
                         done = row_end >= num_rows
                         f.next_row = 0 if done else row_end
@@ -479,6 +497,7 @@ class SplitExecutor:
                     end = f.next_layer
                 else:
                     end = min(num_layers, f.next_layer + f.layers_per_slice)
+                    t_piece = time.perf_counter()
                     f.h, f.residual = self.model.forward_layers(
                         f.h,
                         f.residual,
@@ -489,6 +508,14 @@ class SplitExecutor:
                         self.chunk_tokens,
                         self.stream_rows_above,
                     )
+                    if pieces is not None:
+                        pieces.append(
+                            {
+                                "layer": f.next_layer,
+                                "layers": end - f.next_layer,
+                                "host_ms": (time.perf_counter() - t_piece) * 1e3,
+                            }
+                        )
                 f.next_layer = end
                 ev = self.device.event()
                 if end == num_layers:

@@ -1,5 +1,5 @@
-"""GPU: the allocator's driver calls that a start's launch reports (`launch_allocs` in the
-step trace) are counted under the names torch's CUDA caching allocator keeps: a fresh
+"""GPU: the allocator's driver calls that a start's launch reports (`launch_detail` in
+the step trace) are counted under the names torch's CUDA caching allocator keeps: a fresh
 allocation the cache cannot serve adds a device malloc, and emptying the cache a free. A
 renamed counter would read 0 for ever and hide the stall it is there to find."""
 
