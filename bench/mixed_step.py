@@ -109,6 +109,16 @@ step's shape (the backend's `fa2_split_plan`, a transcription of FlashInfer 0.5.
 `PrefillSplitQOKVIndptr`; CUDA only, it needs the SM count; meaningful where the mode is an
 FA2 one).
 
+`--kernels N` (0: off) adds one more launch a variant, after the timed ones and not among
+them, under the torch profiler: `kernels` is the summary the server's profiler gives
+(`runtime.profiling.summarize_trace`: the step's kernels by device time, the top N, their
+categories, launches, and the device-busy share of the span from the first kernel to the
+last). It says where a step's fixed part goes (on the 3B's mixed chat a step beside ~48
+decodes fitted 8.2 ms + 10.8 µs a token where a decode-only step took 3.5 ms, H100,
+`edc1adc`). On a CPU the trace holds no device kernels: the summary is empty.
+`--mixed-step-token-budget` sets the engine's cap on a step with decodes (the CUDA default,
+2,048, would refuse to stage a larger chunk beside decodes; `none`: no cap).
+
 Assumptions: the long request is a generation (a chat's long prompt; a scoring prompt chunked
 next to decodes plans the same shape); sampling is the defaults (temperature 1) with EOS
 ignored; the scheduler of the point has the prefix cache off (the context is there by the fill,
@@ -429,9 +439,12 @@ def variant_patch(engine: Any, name: str) -> Iterator[None]:
         raise ValueError(f"unknown variant {name!r} (one of {', '.join(VARIANTS)})")
 
 
-def measure_variant(engine: Any, plan: Any, u: int, k: int, repeats: int) -> dict[str, Any]:
+def measure_variant(
+    engine: Any, plan: Any, u: int, k: int, repeats: int, kernels: int = 0
+) -> dict[str, Any]:
     """One variant's entry for the staged `plan` (run under its `variant_patch`): whether and
-    how the step merged, one untimed launch, `repeats` timed ones, the attention plan read."""
+    how the step merged, one untimed launch, `repeats` timed ones, the attention plan read,
+    and with `kernels` > 0 one profiled launch's kernel summary (module docstring)."""
     import torch
 
     from runtime.attention.flashinfer_backend import fa2_split_plan
@@ -470,6 +483,8 @@ def measure_variant(engine: Any, plan: Any, u: int, k: int, repeats: int) -> dic
     entry["wall_ms_median"] = statistics.median(wall_ms)
     entry["launch_ms_median"] = statistics.median(launch_ms)
     entry["attention"] = attention_plan(runner.prefill_backend)
+    if kernels > 0:
+        entry["kernels"] = profile_launch(engine, plan, kernels)
     entry["fa2_predicted"] = None
     num_q, num_kv = engine.model_config.num_q_heads, engine.model_config.num_kv_heads
     if engine.device.type == "cuda":
@@ -485,6 +500,39 @@ def measure_variant(engine: Any, plan: Any, u: int, k: int, repeats: int) -> dic
     return entry
 
 
+def profile_launch(engine: Any, plan: Any, top: int) -> dict[str, Any]:
+    """One launch of `plan` through the serial executor under the torch profiler: the kernel
+    summary of `runtime.profiling` (its top `top` kernels), plus the step's device ms as the
+    executor read it (the profiler's own cost included)."""
+    import os
+    import tempfile
+
+    import torch
+
+    from runtime.profiling import summarize_trace
+
+    on_cuda = engine.device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if on_cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize(engine.device)
+    with torch.profiler.profile(activities=activities) as prof:
+        engine.serial.launch(plan)
+        results = engine.serial.results(block=True)
+        if on_cuda:
+            torch.cuda.synchronize(engine.device)
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        summary = summarize_trace(path, 1, top)
+    finally:
+        os.unlink(path)
+    device_s = results[0].device_s if len(results) == 1 else None
+    summary["step_device_ms"] = None if device_s is None else round(device_s * 1e3, 4)
+    return summary
+
+
 def measure_point(
     engine: Any,
     u: int,
@@ -496,6 +544,7 @@ def measure_point(
     seed: int = 0,
     last_chunk: bool = False,
     variants: tuple[str, ...] = ("served",),
+    kernels: int = 0,
 ) -> dict[str, Any]:
     """One point's record (module docstring): the step staged once, then run as each of
     `variants` in turn."""
@@ -535,7 +584,7 @@ def measure_point(
                 continue
             try:
                 with variant_patch(engine, name):
-                    entries[name] = measure_variant(engine, plan, u, k, repeats)
+                    entries[name] = measure_variant(engine, plan, u, k, repeats, kernels)
             except Exception as exc:  # noqa: BLE001 - one variant failing must not end the point
                 entries[name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
                 try:
@@ -617,6 +666,17 @@ def build_parser() -> argparse.ArgumentParser:
         default="served",
         help=f"comma list of how each point's step runs, of {', '.join(VARIANTS)} (docstring)",
     )
+    p.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        help="with N > 0, one more launch a variant under the torch profiler: its top N kernels",
+    )
+    p.add_argument(
+        "--mixed-step-token-budget",
+        default=None,
+        help="the engine's cap on a step with decodes (auto, none or tokens; default: auto)",
+    )
     p.add_argument("--seed", type=int, default=0, help="token ids")
     p.add_argument("--rev", help="git revision as the caller knows it (recorded beside git's)")
     p.add_argument("--out", required=True)
@@ -626,19 +686,23 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     chunks, decodes = parse_grid(args.chunks), parse_grid(args.decodes)
-    if not chunks or not decodes or args.repeats < 1:
-        raise SystemExit("--chunks and --decodes need values, --repeats >= 1")
+    if not chunks or not decodes or args.repeats < 1 or args.kernels < 0:
+        raise SystemExit("--chunks and --decodes need values, --repeats >= 1, --kernels >= 0")
     variants = parse_variants(args.variants)
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     t0 = time.monotonic()
 
     from bench.prefill_profile import git_revision, measurement_engine
 
+    extra: dict[str, Any] = {}
+    if args.mixed_step_token_budget is not None:
+        extra["mixed_step_token_budget"] = args.mixed_step_token_budget
     engine = measurement_engine(
         model=args.model,
         device=args.device,
         dtype=args.dtype,
         max_gpu_memory_gb=args.max_gpu_memory_gb,
+        **extra,
     )
     init_s = time.monotonic() - t0
     points: list[dict[str, Any]] = []
@@ -687,6 +751,7 @@ def main(argv: list[str] | None = None) -> int:
                     seed=args.seed,
                     last_chunk=args.last_chunk,
                     variants=variants,
+                    kernels=args.kernels,
                 )
                 points.append(rec)
                 if not rec["variants"]:

@@ -157,3 +157,33 @@ def test_variants_are_known_names_in_order_without_repeats() -> None:
         parse_variants("served,fa4")
     with pytest.raises(SystemExit):
         parse_variants(",")
+
+
+def test_kernels_profile_one_more_launch_and_the_cap_is_the_engines(tmp_path: Path) -> None:
+    """`--kernels N`: each variant's entry gains the profiler's kernel summary of one extra
+    launch (none on the CPU: no device kernels), its timed repeats unchanged;
+    `--mixed-step-token-budget` is the engine's cap on a step with decodes, so a chunk over
+    it beside decodes cannot be staged (an error, not a smaller step)."""
+    out = tmp_path / "k.json"
+    args = [
+        "--model", "random:tiny", "--device", "cpu", "--context", "32", "--chunks", "16",
+        "--decodes", "2", "--decode-context", "16", "--repeats", "2", "--kernels", "5",
+        "--out", str(out),
+    ]  # fmt: skip
+    assert main(args) == 0
+    rec = json.loads(out.read_text())
+    (p,) = rec["points"]
+    assert "error" not in p and len(p["device_ms"]) == 2
+    k = p["variants"]["served"]["kernels"]
+    assert k["num_steps"] == 1 and k["step_device_ms"] > 0
+    assert k["top_kernels"] == [] and k["kernel_ms"] == 0  # the CPU: no device kernels
+    assert rec["engine"]["mixed_step_token_budget"] is None  # CPU's default: no cap
+    capped = tmp_path / "c.json"
+    args[args.index("--out") + 1] = str(capped)
+    args[args.index("--chunks") + 1] = "37"
+    assert main([*args, "--mixed-step-token-budget", "24"]) == 0
+    rec = json.loads(capped.read_text())
+    assert rec["engine"]["mixed_step_token_budget"] == 24
+    (p,) = rec["points"]
+    assert "error" in p and not p["variants"]  # 37 + 2 tokens do not fit a cap of 24
+    assert p["planned"]["prefill_new_tokens"] < 37
