@@ -48,6 +48,11 @@ own untimed warm-up launch before its timed repeats, in the order given:
 - `unmerged-fa2`: as `unmerged`, with the chunk's kernel forced onto FA2 (`prefill_on_fa2`
   returns True), whose plan then splits its KV: the chunk alone as the cliff's fix would run
   it. Not applicable off FlashInfer, as `fa3`.
+- `merged`: the chunk and the decodes as one forward whatever its rows (`_mergeable` returns
+  True): served, a step whose rows pass the prefill graphs' largest bucket (1,024 tokens by
+  default) runs its chunk eagerly and its decodes in their graph, two forwards that each read
+  the weights. Merged, the decode rows ride in the chunk's eager forward. Not applicable where
+  the engine does not merge mixed steps.
 - `all-buckets`: the prefill graphs' buckets dropped at start-up as slower than a larger one
   (`PrefillGraphs.drop_dominated`; their graphs are kept) served again during the variant:
   the step as it ran before the drop. Not applicable without prefill graphs.
@@ -353,7 +358,7 @@ def release_step(engine: Any, sched: Any, in_flight: list[Any]) -> None:
         engine.runner.release(rid)
 
 
-VARIANTS = ("served", "fa2", "fa3", "unmerged", "unmerged-fa2", "all-buckets")
+VARIANTS = ("served", "fa2", "fa3", "unmerged", "unmerged-fa2", "merged", "all-buckets")
 
 
 def variant_unavailable(engine: Any, name: str) -> str | None:
@@ -370,6 +375,10 @@ def variant_unavailable(engine: Any, name: str) -> str | None:
     pg = engine.runner.prefill_graphs
     if name == "all-buckets" and (pg is None or not pg.captured):
         return "not applicable: no captured prefill graphs"
+    runner = engine.runner
+    if name == "merged" and (runner.merge_off_reason or not engine.config.merge_mixed_steps):
+        why = runner.merge_off_reason or "merge_mixed_steps is off"
+        return f"not applicable: this engine does not merge mixed steps ({why})"
     return None
 
 
@@ -424,10 +433,13 @@ def variant_patch(engine: Any, name: str) -> Iterator[None]:
             yield
         finally:
             pg.token_sizes = kept
-    elif name == "unmerged":
+    elif name in ("unmerged", "merged"):
+        # merged: one forward whatever its rows, eager past the prefill graphs' largest bucket
+        # (served, such a step runs its chunk eagerly and its decodes in their graph apart).
         runner = engine.runner
         shadowed = vars(runner).get("_mergeable")
-        setattr(runner, "_mergeable", _return_false)  # noqa: B010 - a method, shadowed
+        rule = _return_false if name == "unmerged" else _return_true
+        setattr(runner, "_mergeable", rule)  # noqa: B010 - a method, shadowed
         try:
             yield
         finally:

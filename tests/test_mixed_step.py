@@ -148,6 +148,18 @@ def test_variant_patches_take_effect_where_looked_up_and_are_undone() -> None:
     assert variant_unavailable(engine, "all-buckets") is None
     runner.prefill_graphs = None
     assert "no captured prefill graphs" in variant_unavailable(engine, "all-buckets")
+    # merged: one forward whatever the rule says (here a rule that would not merge), undone.
+    runner._mergeable = lambda _p, _k: False  # type: ignore[method-assign]
+    with variant_patch(engine, "merged"):
+        assert runner._mergeable([], 3) is True
+    assert runner._mergeable([], 3) is False
+    del runner._mergeable
+    # Not on an engine that does not merge mixed steps.
+    engine.config = SimpleNamespace(merge_mixed_steps=True)
+    runner.merge_off_reason = None
+    assert variant_unavailable(engine, "merged") is None
+    runner.merge_off_reason = "FlashInfer missing"
+    assert "FlashInfer missing" in variant_unavailable(engine, "merged")
 
 
 def test_variants_are_known_names_in_order_without_repeats() -> None:
