@@ -139,6 +139,27 @@ def summary(prompts: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def start_detail_cell(detail: dict[str, Any] | None) -> str:
+    """A start's `launch_detail` in one table cell: its first slice's slowest piece (layer:
+    first row+rows, or layer+layers; its host ms / the slice's pieces) and the allocator's
+    driver calls in the first slice (m mallocs, f frees, r retries, s syncs)."""
+    if not detail:
+        return "-"
+    out = []
+    piece = detail.get("slowest_piece")
+    if piece:
+        where = (
+            f"L{piece['layer']}:{piece['row_start']}+{piece['rows']}"
+            if "rows" in piece
+            else f"L{piece['layer']}+{piece['layers']}"
+        )
+        out.append(f"{where} {piece['host_ms']:.1f}ms/{piece['num_pieces']}")
+    first = (detail.get("allocs") or {}).get("first_slice")
+    if first:
+        out.append(" ".join(f"{k[0]}{v}" for k, v in first.items()))
+    return " ".join(out) or "-"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("steps", type=Path, help="a probe's step trace (auto's side)")
@@ -166,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         "waited_over_promised_max",
         "start_launch_ms",
     ]
-    print("\t".join(cols))
+    print("\t".join([*cols, "start_detail"]))
     for r in prompts:
         cells = []
         for c in cols:
@@ -180,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 if isinstance(v, float)
                 else str(v)
             )
-        print("\t".join(cells))
+        print("\t".join([*cells, start_detail_cell(r.get("start_detail"))]))
     print(json.dumps(summary(prompts)))
     return 0
 

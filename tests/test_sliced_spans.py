@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.sliced_spans import main, sliced_prompts, summary, whole_step_ms
+from bench.sliced_spans import main, sliced_prompts, start_detail_cell, summary, whole_step_ms
 
 
 def _step(age_s: float, device_ms: float, **kw: object) -> dict[str, object]:
@@ -74,6 +74,14 @@ def test_a_sliced_prompt_carries_the_host_time_of_the_launch_that_started_it() -
     detail = {"allocs": {"first_slice": {"mallocs": 2, "retries": 1}}, "slowest_piece": {}}
     (rec,) = sliced_prompts([*trace[:1], {**start, "launch_detail": detail}, *trace[1:]])
     assert rec["start_detail"] == detail
+    # The table's cell: the slowest piece, then the first slice's allocator calls.
+    piece = {"layer": 1, "row_start": 2048, "rows": 184, "host_ms": 80.04, "num_pieces": 33}
+    first = {"mallocs": 2, "frees": 0, "retries": 1, "syncs": 1}
+    cell = start_detail_cell({"slowest_piece": piece, "allocs": {"first_slice": first}})
+    assert cell == "L1:2048+184 80.0ms/33 m2 f0 r1 s1"
+    whole_layers = {"layer": 0, "layers": 2, "host_ms": 3.0, "num_pieces": 1}
+    assert start_detail_cell({"slowest_piece": whole_layers}) == "L0+2 3.0ms/1"
+    assert start_detail_cell(None) == "-"
     # Read 2 ms older than the start (the prompt's row applied after its last slice ended):
     # still its start; a launch 0.5 s before it is another prompt's.
     early = {**start, "age_s": 10.002}
