@@ -469,7 +469,7 @@ class SplitExecutor:
                     while f.next_layer * per_layer + f.next_row // chunk < stop:
                         layer = f.next_layer
                         row_end = min(num_rows, min(per_layer, stop - layer * per_layer) * chunk)
-                        t_piece = time.perf_counter()
+                        t_piece = time.perf_counter() if pieces is not None else 0.0
                         f.h, f.layer_kv = self.model.forward_layer_rows(
                             f.h,
                             f.residual,
@@ -497,7 +497,7 @@ class SplitExecutor:
                     end = f.next_layer
                 else:
                     end = min(num_layers, f.next_layer + f.layers_per_slice)
-                    t_piece = time.perf_counter()
+                    t_piece = time.perf_counter() if pieces is not None else 0.0
                     f.h, f.residual = self.model.forward_layers(
                         f.h,
                         f.residual,
