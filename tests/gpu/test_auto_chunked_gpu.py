@@ -183,6 +183,20 @@ def test_auto_keeps_chats_within_the_target_beside_a_whole_scoring_prompt() -> N
 
         warm_ms, measured_ms = (1e3 * largest_gap(*w) for w in windows)
         assert measured_ms < LAYER_TARGET_MS, (measured_ms, warm_ms, counts)
+        # Each start's launch carries its detail on the device: the first slice's slowest
+        # forward call, and the CUDA allocator's driver calls before it and in it.
+        starts = [st for st in eng.step_trace() if st["launch_parts_ms"] is not None]
+        assert starts, "no prefill start in the step trace"
+        for st in starts:
+            detail = st["launch_detail"]
+            assert detail is not None and set(detail["allocs"]) == {"to_first_slice", "first_slice"}
+            assert all(
+                isinstance(n, int) and n >= 0
+                for part in detail["allocs"].values()
+                for n in part.values()
+            ), detail
+            piece = detail["slowest_piece"]
+            assert 0 <= piece["host_ms"] <= st["launch_parts_ms"]["first_slice"] + 1e-6, st
         assert sink.wait(chats, 180), "chats timed out"
         assert all(len(sink.tokens[r]) == 1200 for r in chats)
     finally:
