@@ -657,6 +657,18 @@ def test_decodes_behind_layer_slices_carry_the_wait_promised_them() -> None:
     assert [st["decode_gap_ms"] for st in decodes[2:4]] == [2.0, 3.0]
 
 
+def _start_beside_decodes(eng: Engine, ex: SplitExecutor, reqs: list[Request]) -> None:
+    """Run the engine's own loop (its step trace) over r1, then r2 added while r1 decodes:
+    r2's prefill starts beside r1's decodes."""
+    eng.scheduler.add(reqs[1])
+    for i in range(200):
+        if i == 4:
+            eng.scheduler.add(reqs[2])
+        if i > 4 and not eng.scheduler.has_work() and not ex.busy:
+            break
+        eng._step()
+
+
 def test_the_launch_that_starts_a_sliced_prefill_is_timed_by_part_in_the_step_trace() -> None:
     """The launch that starts a layer-sliced prefill records its host time by part (the
     decision, the batch's build, plan and embedding, the decode step beside it, the first
@@ -674,13 +686,7 @@ def test_the_launch_that_starts_a_sliced_prefill_is_timed_by_part_in_the_step_tr
     assert ex.launch_parts_ms is None  # no start in that launch
     finish(eng, dev)
     # The engine's own loop puts them in the trace: r2's prefill starts beside r1's decodes.
-    eng.scheduler.add(reqs[1])
-    for i in range(200):
-        if i == 4:
-            eng.scheduler.add(reqs[2])
-        if i > 4 and not eng.scheduler.has_work() and not ex.busy:
-            break
-        eng._step()
+    _start_beside_decodes(eng, ex, reqs)
     timed = [st for st in eng.step_trace() if st["launch_parts_ms"] is not None]
     assert timed and any(st["num_decodes"] for st in timed)
     for st in timed:
@@ -739,13 +745,7 @@ def test_a_starts_launch_details_its_slowest_piece_and_the_allocators_driver_cal
     assert ex.launch_detail is None  # no start in that launch
     finish(eng, dev)
     # The engine's own loop puts them in the trace: r2's prefill starts beside r1's decodes.
-    eng.scheduler.add(reqs[1])
-    for i in range(200):
-        if i == 4:
-            eng.scheduler.add(reqs[2])
-        if i > 4 and not eng.scheduler.has_work() and not ex.busy:
-            break
-        eng._step()
+    _start_beside_decodes(eng, ex, reqs)
     started = [st for st in eng.step_trace() if st["launch_parts_ms"] is not None]
     assert started and all(st["launch_detail"] is not None for st in started)
     assert all(
