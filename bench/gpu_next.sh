@@ -364,10 +364,14 @@ case $plan in
     # its first probe there at f108d5d) and next to scoring.
     case ${PARTS:-score-chat}/$m in mixed/*8b*) fixed_k=${FIXED_K:-2} ;; mixed/*) fixed_k=${FIXED_K:-4} ;;
       *) fixed_k=${FIXED_K:-2} ;; esac
-    sides=(--side off-${fixed_k}k:partition=off,budget=$(( fixed_k * 1024 )),tbt=none
+    # SIDES picks among these (default: off at FIXED_K, auto and auto-2k), e.g.
+    # SIDES=off-2k,off-4k,auto-2k for both fixed budgets beside the default cap.
+    sides=(--side off-2k:partition=off,budget=2048,tbt=none
+           --side off-4k:partition=off,budget=4096,tbt=none
+           --side off-8k:partition=off,budget=8192,tbt=none
            --side auto:partition=auto,budget=8192,mixed=none,tbt=none
            --side auto-2k:partition=auto,budget=8192,mixed=2048,tbt=none)
-    bisect_sides "--partition auto --calibrate true --partition-tbt-slo-ms 80 --prefill-token-budget 8192" score-chat || rc=1 ;;
+    SIDES=${SIDES:-off-${fixed_k}k,auto,auto-2k} bisect_sides "--partition auto --calibrate true --partition-tbt-slo-ms 80 --prefill-token-budget 8192" score-chat || rc=1 ;;
   whole)
     # Issue 13's target 2 where no token budget can help: a scoring prompt whose whole KV the
     # pool cannot hold while it is chunked runs whole (hybrid prefill, suffix-KV discard), and

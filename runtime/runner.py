@@ -689,8 +689,9 @@ class ModelRunner:
         """Whether a step's prefill parts and its `num_decodes` decodes run as one forward
         (`merge_mixed_steps`). Not when a prefill part discards its suffix KV (a scoring
         request: the pool-only attention of a batch with decodes cannot read it). On CUDA only
-        when the merged rows fit a captured prefill graph's bucket: the decode rows would
-        otherwise leave their graph for an eager forward, host-launch-bound (plan z)."""
+        when the merged rows fit a captured prefill graph's bucket, or when the prefill parts
+        hold at least `merge_eager_min_tokens`: otherwise the decode rows would leave their
+        graph for an eager forward that the host's launches bound (plan z)."""
         if not self.config.merge_mixed_steps or self.merge_off_reason is not None:
             return False
         if any(s.num_kept_tokens != s.num_context_tokens + s.num_new_tokens for s in prefill):
@@ -698,8 +699,12 @@ class ModelRunner:
         if self.device.type != "cuda":
             return True  # no graphs to leave: both ways run eagerly
         pg = self.prefill_graphs
-        num_tokens = sum(s.num_new_tokens for s in prefill) + num_decodes
-        return pg is not None and pg.captured and pg.bucket_for(num_tokens) is not None
+        num_prefill_tokens = sum(s.num_new_tokens for s in prefill)
+        if pg is not None and pg.captured and pg.bucket_for(num_prefill_tokens + num_decodes):
+            return True
+        # Past the buckets: eager, only where the device outruns the host's launches.
+        floor = self.config.merge_eager_min_tokens
+        return floor > 0 and num_prefill_tokens >= floor
 
     def _run_merged(
         self, prefill: list[ScheduledSeq], decode: list[ScheduledSeq], pending: PendingOutput
