@@ -132,12 +132,12 @@ class EngineConfig:
     merge_mixed_steps: bool = True
     # Past the prefill graphs' largest bucket, a mixed step whose prefill parts hold at least
     # this many tokens is merged too, as one eager forward with the decode rows in it (0:
-    # never). The first eager merge lost on short scoring steps, where the host launches an
-    # eager forward slower than the device runs it (plan z); from a few thousand tokens the
-    # device runs each layer longer than the host takes to launch it, so the decode rows cost
-    # their attention and a few GEMM rows instead of a second forward that reads every weight
-    # again (a 2,048-token chunk's step beside 48 decodes on the 3B: 8.2 ms + 10.8 us a token
-    # served as two forwards, against a 3.5-ms decode-only step).
+    # never). Why ask again: served as two forwards, a 2,048-token chunk's step beside ~48
+    # decodes on the 3B costs 8.2 ms + 10.8 us a token against a 3.5-ms decode-only step
+    # (H100, edc1adc), and the second forward reads every weight again. Why off: merged
+    # eagerly at aebd7bb (2026-12-02, plan z, docs/benchmarks.md), before merged steps ran on
+    # FA2 and the fused RoPE + K/V write was the default, the same steps took 44-48 ms at the
+    # median against 27-29 as two forwards. `bench.mixed_step --variants served,merged` compares the two.
     merge_eager_min_tokens: int = 0
     # Plan and launch step N+1 while the device runs step N (sampled tokens feed the next
     # step on the device; the host sees them one step later). False: one step at a time.
