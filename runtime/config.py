@@ -137,7 +137,8 @@ class EngineConfig:
     # (H100, edc1adc), and the second forward reads every weight again. Why off: merged
     # eagerly at aebd7bb (2026-12-02, plan z, docs/benchmarks.md), before merged steps ran on
     # FA2 and the fused RoPE + K/V write was the default, the same steps took 44-48 ms at the
-    # median against 27-29 as two forwards. `bench.mixed_step --variants served,merged` compares the two.
+    # median against 27-29 as two forwards. `bench.mixed_step --variants served,merged`
+    # compares the two on one step; plan merge through HTTP.
     merge_eager_min_tokens: int = 0
     # Plan and launch step N+1 while the device runs step N (sampled tokens feed the next
     # step on the device; the host sees them one step later). False: one step at a time.

@@ -690,8 +690,8 @@ class ModelRunner:
         (`merge_mixed_steps`). Not when a prefill part discards its suffix KV (a scoring
         request: the pool-only attention of a batch with decodes cannot read it). On CUDA only
         when the merged rows fit a captured prefill graph's bucket, or when the prefill parts
-        hold at least `merge_eager_min_tokens`: otherwise the decode rows would leave their
-        graph for an eager forward that the host's launches bound (plan z)."""
+        hold at least `merge_eager_min_tokens` (0 by default): otherwise the decode rows would
+        leave their graph for an eager forward, which lost at `aebd7bb` (plan z)."""
         if not self.config.merge_mixed_steps or self.merge_off_reason is not None:
             return False
         if any(s.num_kept_tokens != s.num_context_tokens + s.num_new_tokens for s in prefill):
@@ -702,7 +702,7 @@ class ModelRunner:
         num_prefill_tokens = sum(s.num_new_tokens for s in prefill)
         if pg is not None and pg.captured and pg.bucket_for(num_prefill_tokens + num_decodes):
             return True
-        # Past the buckets: eager, only where the device outruns the host's launches.
+        # Past the buckets: one eager forward from the floor up (off by default: the config).
         floor = self.config.merge_eager_min_tokens
         return floor > 0 and num_prefill_tokens >= floor
 

@@ -125,9 +125,11 @@ def test_which_steps_merge() -> None:
     # here); the decode rows do not count toward it.
     runner.config = EngineConfig(merge_eager_min_tokens=8)
     assert mergeable(runner, [keep], 9)  # type: ignore[arg-type]  # 17 rows, 8 prefill tokens
+    assert not mergeable(runner, [discard], 9)  # type: ignore[arg-type]  # discards: never
+    runner.config = EngineConfig(merge_mixed_steps=False, merge_eager_min_tokens=8)
+    assert not mergeable(runner, [keep], 9)  # type: ignore[arg-type]  # merging off: never
     runner.config = EngineConfig(merge_eager_min_tokens=9)
     assert not mergeable(runner, [keep], 9)  # type: ignore[arg-type]  # 8 < 9
-    assert not mergeable(runner, [discard], 9)  # type: ignore[arg-type]  # discards: never
     runner.config = EngineConfig(merge_mixed_steps=True, merge_eager_min_tokens=0)
     runner.prefill_graphs.captured = False
     assert not mergeable(runner, [keep], 1)  # type: ignore[arg-type]
