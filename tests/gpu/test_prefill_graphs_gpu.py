@@ -12,6 +12,7 @@ pick another kernel than at the part's, so results agree to bf16 rounding, not b
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 from gpu_engines import chat_and_scoring, greedy_agreement, rel_err, run_to_end, small_engine
@@ -156,12 +157,36 @@ def test_engine_scores_alike_with_and_without_prefill_graphs(monkeypatch) -> Non
                 assert len(g_tokens) == len(tokens) == 16, rid
 
 
+def _decode_then_arrive(
+    eng: Any, sink: Any, reqs: list[Any], num_decoding: int = 8
+) -> dict[str, list[int]]:
+    """Start `eng`, add the first `num_decoding` requests, add the rest once those are
+    decoding (two tokens each), and return every request's tokens after shutdown."""
+    import time
+
+    eng.start()
+    try:
+        for r in reqs[:num_decoding]:
+            eng.add(r)
+        end = time.monotonic() + 60
+        while time.monotonic() < end:  # the first ones are decoding
+            with sink.cv:
+                if all(len(sink.tokens.get(r.request_id, [])) >= 2 for r in reqs[:num_decoding]):
+                    break
+            time.sleep(0.005)
+        for r in reqs[num_decoding:]:
+            eng.add(r)
+        assert sink.wait([r.request_id for r in reqs], timeout_s=120)
+    finally:
+        eng.shutdown(0)
+    return {r.request_id: sink.tokens[r.request_id] for r in reqs}
+
+
 def test_merged_steps_of_mostly_decodes_run_fa2_and_generate_alike(monkeypatch) -> None:
     """Eight chat streams decode, then two more arrive: their prefills merge with the eight
     decodes into steps of mostly one-token rows, which plan FlashInfer's FA2 paged prefill
     (`paged_fa2`). The greedy tokens match an engine that runs prefill and decode as separate
     forwards (eager prefill, no merging), up to bf16 near ties."""
-    import time
 
     from runtime.attention.flashinfer_backend import FlashInferBackend
     from runtime.request import Request, RequestKind, SamplingParams
@@ -195,22 +220,7 @@ def test_merged_steps_of_mostly_decodes_run_fa2_and_generate_alike(monkeypatch) 
         modes.clear()  # start-up's attention warm-up plans every mode once: not a step's
         one_token_fa2.clear()
         reqs = [Request(f"c{i}", RequestKind.GENERATE, p, sp) for i, p in enumerate(prompts)]
-        eng.start()
-        try:
-            for r in reqs[:8]:
-                eng.add(r)
-            end = time.monotonic() + 60
-            while time.monotonic() < end:  # the first eight are decoding
-                with sink.cv:
-                    if all(len(sink.tokens.get(r.request_id, [])) >= 2 for r in reqs[:8]):
-                        break
-                time.sleep(0.005)
-            for r in reqs[8:]:
-                eng.add(r)
-            assert sink.wait([r.request_id for r in reqs], timeout_s=120)
-        finally:
-            eng.shutdown(0)
-        results.append({r.request_id: sink.tokens[r.request_id] for r in reqs})
+        results.append(_decode_then_arrive(eng, sink, reqs))
         assert all(len(t) == 24 for t in results[-1].values())
         if merge:
             assert any(one_token_fa2), f"no merged step planned FA2: {sorted(set(modes))}"
@@ -227,7 +237,6 @@ def test_eager_merged_steps_generate_alike(monkeypatch) -> None:
     graphs) arrive while eight chat streams decode; their chunks merge with the decodes as one
     eager forward. The greedy tokens match an engine that runs the same steps as two forwards
     (the chunk eagerly, then the decode graph), up to bf16 near ties."""
-    import time
 
     from runtime.request import Request, RequestKind, SamplingParams
     from runtime.runner import ModelRunner
@@ -256,22 +265,7 @@ def test_eager_merged_steps_generate_alike(monkeypatch) -> None:
         )
         eager_merges.clear()
         reqs = [Request(f"c{i}", RequestKind.GENERATE, p, sp) for i, p in enumerate(prompts)]
-        eng.start()
-        try:
-            for r in reqs[:8]:
-                eng.add(r)
-            end = time.monotonic() + 60
-            while time.monotonic() < end:  # the first eight are decoding
-                with sink.cv:
-                    if all(len(sink.tokens.get(r.request_id, [])) >= 2 for r in reqs[:8]):
-                        break
-                time.sleep(0.005)
-            for r in reqs[8:]:
-                eng.add(r)
-            assert sink.wait([r.request_id for r in reqs], timeout_s=120)
-        finally:
-            eng.shutdown(0)
-        results.append({r.request_id: sink.tokens[r.request_id] for r in reqs})
+        results.append(_decode_then_arrive(eng, sink, reqs))
         assert all(len(t) == 24 for t in results[-1].values())
         if floor:
             assert eager_merges and min(eager_merges) >= floor, eager_merges
