@@ -90,8 +90,6 @@ _ENGINE_HELP = {
     "at most this fraction (smaller: finer buckets, more graphs captured at start-up)",
     "merge_mixed_steps": "run a step's prefill parts and decodes as one forward when the "
     "merged rows fit a prefill graph (not for scoring prefills that discard their suffix KV)",
-    "merge_eager_min_tokens": "past the prefill graphs, merge a mixed step as one eager forward "
-    "when its prefill parts hold at least this many tokens (0: never)",
     "fused_rope_kv_write": "auto | true | false: RoPE and the K/V pool write in one Triton "
     "launch per layer instead of three (auto: with the FlashInfer backend; true: also with "
     "torch SDPA)",

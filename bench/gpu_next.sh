@@ -49,10 +49,6 @@
 #   bash bench/gpu_next.sh cap REV [M]    # issue 13: auto's chunks filling the room vs held
 #                                         #   to the 2,048 cap, against off at a fixed budget
 #                                         #   (PARTS=score-chat, then mixed)
-#   bash bench/gpu_next.sh merge REV [M]  # mixed steps past the prefill graphs as one eager
-#                                         #   forward or two (--merge-eager-min-tokens 0 vs
-#                                         #   MERGE_MIN, 1024), one server each, plan cap's
-#                                         #   mixed part (SIDES: off-2k,auto-2k; ~4.5 min each)
 #   bash bench/gpu_next.sh whole REV [M]  # issue 13: scoring prompts too long to chunk in the
 #                                         #   pool (credit verification, 8B in 24 GB) next to
 #                                         #   chat: off-2k vs auto (unrun as of session 28)
@@ -376,24 +372,6 @@ case $plan in
            --side auto:partition=auto,budget=8192,mixed=none,tbt=none
            --side auto-2k:partition=auto,budget=8192,mixed=2048,tbt=none)
     SIDES=${SIDES:-off-${fixed_k}k,auto,auto-2k} bisect_sides "--partition auto --calibrate true --partition-tbt-slo-ms 80 --prefill-token-budget 8192" score-chat || rc=1 ;;
-  merge)
-    # A mixed step past the prefill graphs' largest bucket (1,024 rows) runs as two forwards
-    # (the chunk eagerly, then the decode graph: every weight read twice) unless
-    # --merge-eager-min-tokens lets it merge into one eager forward. Plan cap's mixed chat and
-    # server, once a floor (MERGE_FLOORS, default "0 1024": off, then on), one server each,
-    # the deadline halved between them. SIDES as plan cap (default off-2k,auto-2k).
-    m=${split:-random:qwen2.5-3b}; q0=12 sq0=16
-    sides=(--side off-2k:partition=off,budget=2048,tbt=none
-           --side off-4k:partition=off,budget=4096,tbt=none
-           --side auto-2k:partition=auto,budget=8192,mixed=2048,tbt=none)
-    floors=(${MERGE_FLOORS:-0 1024}); n=${#floors[@]}; all_sides=("${sides[@]}")
-    for floor in "${floors[@]}"; do
-      sides=("${all_sides[@]}")  # pick_sides filters (and REVERSE=1 reverses) in place
-      SIDES=${SIDES:-off-2k,auto-2k} TAG=merge-$floor PART_DEADLINE_S=$(( ($(left) - 10) / n )) \
-        SERVER_EXTRA="${SERVER_EXTRA:-} --merge-eager-min-tokens $floor" \
-        bisect_sides "--partition auto --calibrate true --partition-tbt-slo-ms 80 --prefill-token-budget 8192" mixed || rc=1
-      n=$(( n - 1 ))
-    done ;;
   whole)
     # Issue 13's target 2 where no token budget can help: a scoring prompt whose whole KV the
     # pool cannot hold while it is chunked runs whole (hybrid prefill, suffix-KV discard), and

@@ -130,16 +130,6 @@ class EngineConfig:
     # on the Llama-3.1-8B shape through HTTP, 4771 / 4923 output tokens/s against 4583 for
     # separate forwards, against the same vLLM run (H200, 2026-12-02, docs/benchmarks.md).
     merge_mixed_steps: bool = True
-    # Past the prefill graphs' largest bucket, a mixed step whose prefill parts hold at least
-    # this many tokens is merged too, as one eager forward with the decode rows in it (0:
-    # never). Why ask again: served as two forwards, a 2,048-token chunk's step beside ~48
-    # decodes on the 3B costs 8.2 ms + 10.8 us a token against a 3.5-ms decode-only step
-    # (H100, edc1adc), and the second forward reads every weight again. Why off: merged
-    # eagerly at aebd7bb (2026-12-02, plan z, docs/benchmarks.md), before merged steps ran on
-    # FA2 and the fused RoPE + K/V write was the default, the same steps took 44-48 ms at the
-    # median against 27-29 as two forwards. `bench.mixed_step --variants served,merged`
-    # compares the two on one step; plan merge through HTTP.
-    merge_eager_min_tokens: int = 0
     # Plan and launch step N+1 while the device runs step N (sampled tokens feed the next
     # step on the device; the host sees them one step later). False: one step at a time.
     # Even so, a prefill of at least INTERRUPT_GATE_MIN_TOKENS (runtime/runner.py) is launched
@@ -225,8 +215,6 @@ class EngineConfig:
             raise ValueError("prefill_chunk_tokens must be >= 1 (or unset: auto)")
         if self.prefill_graph_max_tokens < 0:
             raise ValueError("prefill_graph_max_tokens must be >= 0 (0 = off)")
-        if self.merge_eager_min_tokens < 0:
-            raise ValueError("merge_eager_min_tokens must be >= 0 (0 = never)")
         if not 0.0625 <= self.prefill_graph_padding <= 1.0:
             raise ValueError(
                 "prefill_graph_padding must be in [0.0625, 1] (a fraction of the bucket)"

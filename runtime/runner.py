@@ -689,9 +689,12 @@ class ModelRunner:
         """Whether a step's prefill parts and its `num_decodes` decodes run as one forward
         (`merge_mixed_steps`). Not when a prefill part discards its suffix KV (a scoring
         request: the pool-only attention of a batch with decodes cannot read it). On CUDA only
-        when the merged rows fit a captured prefill graph's bucket, or when the prefill parts
-        hold at least `merge_eager_min_tokens` (0 by default): otherwise the decode rows would
-        leave their graph for an eager forward, which lost at `aebd7bb` (plan z)."""
+        when the merged rows fit a captured prefill graph's bucket: the decode rows would
+        otherwise leave their graph for an eager forward, host-launch-bound (plan z). Merged
+        eagerly past the buckets (3B, 48 decodes, H100, `844423b`) a 2-4k chunk's step was no
+        faster at no context (-0.9 to +1.3 ms) and 2-8 ms slower after 8-16k tokens of it:
+        the chunk's attention moves from the ragged kernel to the paged one, and the decode
+        rows leave the fused decode's kernels (bench/results/mixed-step-2026-12-07-844423b)."""
         if not self.config.merge_mixed_steps or self.merge_off_reason is not None:
             return False
         if any(s.num_kept_tokens != s.num_context_tokens + s.num_new_tokens for s in prefill):
@@ -699,12 +702,8 @@ class ModelRunner:
         if self.device.type != "cuda":
             return True  # no graphs to leave: both ways run eagerly
         pg = self.prefill_graphs
-        num_prefill_tokens = sum(s.num_new_tokens for s in prefill)
-        if pg is not None and pg.captured and pg.bucket_for(num_prefill_tokens + num_decodes):
-            return True
-        # Past the buckets: one eager forward from the floor up (off by default: the config).
-        floor = self.config.merge_eager_min_tokens
-        return floor > 0 and num_prefill_tokens >= floor
+        num_tokens = sum(s.num_new_tokens for s in prefill) + num_decodes
+        return pg is not None and pg.captured and pg.bucket_for(num_tokens) is not None
 
     def _run_merged(
         self, prefill: list[ScheduledSeq], decode: list[ScheduledSeq], pending: PendingOutput

@@ -121,16 +121,6 @@ def test_which_steps_merge() -> None:
     )
     assert mergeable(runner, [keep], 8)  # type: ignore[arg-type]  # 8 + 8 rows: a bucket
     assert not mergeable(runner, [keep], 9)  # type: ignore[arg-type]  # 17 rows: none
-    # Past the buckets, eagerly only from `merge_eager_min_tokens` prefill tokens (the 8
-    # here); the decode rows do not count toward it.
-    runner.config = EngineConfig(merge_eager_min_tokens=8)
-    assert mergeable(runner, [keep], 9)  # type: ignore[arg-type]  # 17 rows, 8 prefill tokens
-    assert not mergeable(runner, [discard], 9)  # type: ignore[arg-type]  # discards: never
-    runner.config = EngineConfig(merge_mixed_steps=False, merge_eager_min_tokens=8)
-    assert not mergeable(runner, [keep], 9)  # type: ignore[arg-type]  # merging off: never
-    runner.config = EngineConfig(merge_eager_min_tokens=9)
-    assert not mergeable(runner, [keep], 9)  # type: ignore[arg-type]  # 8 < 9
-    runner.config = EngineConfig(merge_mixed_steps=True, merge_eager_min_tokens=0)
     runner.prefill_graphs.captured = False
     assert not mergeable(runner, [keep], 1)  # type: ignore[arg-type]
     runner.config = EngineConfig(merge_mixed_steps=False)
@@ -140,8 +130,3 @@ def test_which_steps_merge() -> None:
     assert mergeable(runner, [keep], 1)  # type: ignore[arg-type]  # on by default
     runner.merge_off_reason = "merged steps kept failing"  # the engine's fallback
     assert not mergeable(runner, [keep], 1)  # type: ignore[arg-type]
-
-
-def test_merge_eager_min_tokens_must_not_be_negative() -> None:
-    with pytest.raises(ValueError, match="merge_eager_min_tokens"):
-        EngineConfig(merge_eager_min_tokens=-1)

@@ -232,49 +232,6 @@ def test_merged_steps_of_mostly_decodes_run_fa2_and_generate_alike(monkeypatch) 
     assert agree >= total // 2, (agree, total)
 
 
-def test_eager_merged_steps_generate_alike(monkeypatch) -> None:
-    """`merge_eager_min_tokens`: two long prompts (1.5k and 2.5k tokens, past the 1,024-token
-    graphs) arrive while eight chat streams decode; their chunks merge with the decodes as one
-    eager forward. The greedy tokens match an engine that runs the same steps as two forwards
-    (the chunk eagerly, then the decode graph), up to bf16 near ties."""
-
-    from runtime.request import Request, RequestKind, SamplingParams
-    from runtime.runner import ModelRunner
-
-    eager_merges: list[int] = []  # prefill tokens of each merged step past the graphs
-    real_run_merged = ModelRunner._run_merged
-
-    def recording_run_merged(self, prefill, decode, pending):  # type: ignore[no-untyped-def]
-        pg = self.prefill_graphs
-        rows = sum(s.num_new_tokens for s in prefill) + len(decode)
-        if pg is None or not pg.captured or pg.bucket_for(rows) is None:
-            eager_merges.append(rows - len(decode))
-        real_run_merged(self, prefill, decode, pending)
-
-    monkeypatch.setattr(ModelRunner, "_run_merged", recording_run_merged)
-    rng = random.Random(12)
-    prompts = [[rng.randrange(5, 30000) for _ in range(rng.randrange(40, 300))] for _ in range(8)]
-    prompts += [[rng.randrange(5, 30000) for _ in range(n)] for n in (1500, 2500)]
-    sp = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
-    results: list[dict[str, list[int]]] = []
-    for floor in (0, 1024):
-        eng, sink = small_engine(
-            prefill_token_budget=2048,
-            merge_eager_min_tokens=floor,
-            fused_decode_max_batch=1,  # decode rows on FlashInfer + cuBLAS on both sides
-        )
-        eager_merges.clear()
-        reqs = [Request(f"c{i}", RequestKind.GENERATE, p, sp) for i, p in enumerate(prompts)]
-        results.append(_decode_then_arrive(eng, sink, reqs))
-        assert all(len(t) == 24 for t in results[-1].values())
-        if floor:
-            assert eager_merges and min(eager_merges) >= floor, eager_merges
-        else:
-            assert not eager_merges, eager_merges
-    agree, total = greedy_agreement(results[0], results[1])
-    assert agree >= total // 2, (agree, total)
-
-
 def test_engine_start_warms_up_every_attention_kernel() -> None:
     """Start-up plans and runs each attention kernel family once (FlashInferBackend.warm_up),
     so none compiles or loads inside a request's step."""
