@@ -101,7 +101,8 @@ def step_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
     timed = [s for s in steps if s.get("launch_ms") and not s.get("on_split")]
     decode = [s for s in timed if s.get("num_decodes") and not s.get("num_prefill_tokens")]
     prefill = [s for s in timed if s.get("num_prefill_tokens") and not s.get("num_decodes")]
-    host = ("device_ms", "launch_ms", "plan_ms", "idle_before_ms")
+    # (launch_wait_ms: of the launch, the host's waits for the device; traces since 2026-12-07)
+    host = ("device_ms", "launch_ms", "launch_wait_ms", "plan_ms", "idle_before_ms")
     return {
         "num_steps": len(steps),
         "short_steps": short_steps(steps),

@@ -190,11 +190,16 @@ def short_steps(steps: list[dict[str, Any]]) -> dict[str, Any]:
     if not short:
         return {"num_steps": 0}
     idle = [s["idle_before_ms"] for s in short if s.get("idle_before_ms") is not None]
+    # The launch less its waits for the device (traces since `launch_wait_ms`): the host's own.
+    own = [
+        s["launch_ms"] - s["launch_wait_ms"] for s in short if s.get("launch_wait_ms") is not None
+    ]
     return {
         "num_steps": len(short),
         "share_of_mixed": len(short) / len(mixed),
         "device_ms_p50": float(np.median([s["device_ms"] for s in short])),
         "launch_ms_p50": float(np.median([s["launch_ms"] for s in short])),
+        "launch_host_ms_p50": float(np.median(own)) if own else None,
         "plan_ms_p50": float(np.median([s["plan_ms"] for s in short])),
         "idle_before_ms_p50": float(np.median(idle)) if idle else None,
     }

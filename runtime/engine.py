@@ -207,6 +207,12 @@ STEP_TRACE_FIELDS = (
     # The same launch: its first slice's slowest forward call and the memory allocator's
     # driver calls ({"slowest_piece": ..., "allocs": ...}, `Executor.launch_detail`), else None.
     "launch_detail",
+    # Of launch_ms, the host time spent waiting for the device inside the launch (the staging
+    # guard: a backend's pinned inputs are rewritten only once the step that read them has
+    # run; a gated long prefill's wait within two layers), else None. launch_ms -
+    # launch_wait_ms is the host's own work: a launch that waited had the host ahead of the
+    # device, not slow.
+    "launch_wait_ms",
 )
 
 Sink = Callable[[list[EngineOutput]], None]
@@ -1655,6 +1661,7 @@ class Engine:
                 if plan.prefill:
                     self._publish_counts()
                 launch_started_s = time.perf_counter()
+                waited_s = self.runner.device_wait_s
                 try:
                     ex.launch(plan)
                     planned = True
@@ -1665,6 +1672,7 @@ class Engine:
                         (time.perf_counter() - launch_started_s) * 1e3,
                         ex.launch_parts_ms,
                         ex.launch_detail,
+                        (self.runner.device_wait_s - waited_s) * 1e3,
                     )
                 except StepInterrupted as e:
                     outputs += self._interrupted(e)
@@ -1801,8 +1809,8 @@ class Engine:
         chunked_head_ms: float | None = None,
     ) -> None:
         plan = result.plan
-        plan_ms, launch_ms, launch_parts_ms, launch_detail = self._host_ms.pop(
-            plan.step_id, (None, None, None, None)
+        plan_ms, launch_ms, launch_parts_ms, launch_detail, launch_wait_ms = self._host_ms.pop(
+            plan.step_id, (None, None, None, None, None)
         )
         self._step_trace.append(
             (
@@ -1840,6 +1848,7 @@ class Engine:
                 _ms(result.slice_promised_s),
                 launch_parts_ms,
                 launch_detail,
+                launch_wait_ms,
             )
         )
 

@@ -555,6 +555,7 @@ def test_step_trace_of_the_real_engine() -> None:
             "slice_promised_ms",
             "launch_parts_ms",
             "launch_detail",
+            "launch_wait_ms",
         }
         assert all(s["launch_parts_ms"] is None for s in steps)  # the serial executor's
         assert all(s["launch_detail"] is None for s in steps)
@@ -573,6 +574,8 @@ def test_step_trace_of_the_real_engine() -> None:
         assert all(s["gc_ms"] >= 0.0 for s in steps)
         # The serial executor returns each launch as one result: every step has its host times.
         assert all(s["plan_ms"] >= 0.0 and s["launch_ms"] > 0.0 for s in steps)
+        # No device events on CPU: a launch never waits for the device there.
+        assert all(s["launch_wait_ms"] == 0.0 for s in steps)
         assert all(s["sms"] == 0 and s["other_sms"] == 0 for s in steps)  # the whole GPU
         one = client.get("/admin/api/steps", params={"limit": 1}).json()["steps"]
         assert len(one) == 1

@@ -35,7 +35,7 @@ def test_step_summary_reads_short_and_decode_steps() -> None:
     from bench.host_profile import step_summary
 
     decode = {"num_decodes": 8, "num_prefill_tokens": 0, "device_ms": 3.0, "launch_ms": 1.0}
-    decode |= {"plan_ms": 0.5, "idle_before_ms": 0.1}
+    decode |= {"plan_ms": 0.5, "idle_before_ms": 0.1, "launch_wait_ms": 0.25}
     short = {"num_decodes": 8, "num_prefill_tokens": 150, "prefill_context_tokens": 14_000}
     short |= {"device_ms": 8.0, "launch_ms": 7.0, "plan_ms": 2.0, "idle_before_ms": 1.0}
     long = dict(short, num_prefill_tokens=2048, device_ms=40.0)
@@ -48,6 +48,7 @@ def test_step_summary_reads_short_and_decode_steps() -> None:
         "num_steps": 1,
         "device_ms_p50": 20.0,
         "launch_ms_p50": 6.0,
+        "launch_wait_ms_p50": None,  # a trace from before the field
         "plan_ms_p50": 1.5,
         "idle_before_ms_p50": 0.4,
         "num_prefill_tokens_p50": 300.0,
@@ -57,6 +58,7 @@ def test_step_summary_reads_short_and_decode_steps() -> None:
         "num_steps": 2,
         "device_ms_p50": 3.0,
         "launch_ms_p50": 1.0,
+        "launch_wait_ms_p50": 0.25,
         "plan_ms_p50": 0.5,
         "idle_before_ms_p50": 0.1,
     }

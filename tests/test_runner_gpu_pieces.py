@@ -320,3 +320,25 @@ def test_fallbacks_keep_their_first_reason_until_a_new_engine() -> None:
     assert fallbacks.taken() == {}  # a new engine starts with none (tests build many)
     eng._publish_stats()
     assert eng.stats()["fallbacks"] == {}
+
+
+def test_staging_waits_count_as_the_launch_waiting_for_the_device() -> None:
+    """`ModelRunner.device_wait_s` sums the host's waits in the staging guard (what the step
+    trace's `launch_wait_ms` reads over a launch); a planner with nothing staged waits not."""
+    import time
+
+    from runtime.runner import ModelRunner
+
+    class SlowEvent:  # a step still running on the device: synchronize blocks 20 ms
+        def synchronize(self) -> None:
+            time.sleep(0.02)
+
+    runner = ModelRunner.__new__(ModelRunner)  # only the guard's state
+    runner._staging_events, runner.device_wait_s = {}, 0.0
+    backend = object()
+    runner._guard_staging(backend)
+    assert runner.device_wait_s == 0.0
+    runner._staging_events[id(backend)] = SlowEvent()
+    runner._guard_staging(backend)
+    runner._guard_staging(backend)
+    assert runner.device_wait_s >= 0.04

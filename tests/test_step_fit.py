@@ -226,6 +226,8 @@ def test_short_steps_picks_short_suffixes_after_a_long_cached_prefix() -> None:
     assert step_fit.short_steps(steps) == {"num_steps": 0}  # a trace from before host times
     for i, s in enumerate(steps[:40]):
         s["plan_ms"], s["launch_ms"] = 0.5, 4.0
+        if i % 3:  # two in three waited 3.0 ms of their launch for the device
+            s["launch_wait_ms"] = 3.0
         s["idle_before_ms"] = 1.0 if i % 2 else 3.0
         if i < 10:  # ten short suffixes after a long prefix; the rest keep their shapes
             s["num_prefill_tokens"] = step_fit.SHORT_STEP_TOKENS - 1
@@ -238,5 +240,7 @@ def test_short_steps_picks_short_suffixes_after_a_long_cached_prefix() -> None:
     assert sh["num_steps"] == 9 and sh["share_of_mixed"] == pytest.approx(9 / 40)
     assert sh["device_ms_p50"] == pytest.approx(13.0)  # 8, 10, 11, ..., 17
     assert sh["launch_ms_p50"] == 4.0 and sh["plan_ms_p50"] == 0.5
+    # The host's own launch time, over the short steps with a recorded wait (i = 2, 4, 5, 7, 8).
+    assert sh["launch_host_ms_p50"] == pytest.approx(1.0)
     assert sh["idle_before_ms_p50"] == pytest.approx(3.0)  # five 3.0 (even i) of nine
     assert step_fit.fit(steps)["short_steps"] == sh
