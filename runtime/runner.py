@@ -423,8 +423,8 @@ class ModelRunner:
         # step is planned while the previous one may not have consumed its copy yet, so each
         # planner waits for the event recorded after its previous copies (`_guard_staging`).
         self._staging_events: dict[int, Any] = {}
-        # Host seconds spent waiting for the device inside launches since start: these staging
-        # waits and a gated prefill's (`_interrupt_for`). The engine's trace reads the
+        # Host seconds spent waiting for the device inside launches since start (`_wait_for`):
+        # these staging waits and a gated prefill's (`_interrupt_for`). The engine's trace reads the
         # difference over a launch (`launch_wait_ms`).
         self.device_wait_s = 0.0
         self.decode_graphs = None  # the whole-GPU set (ordinary streams)
@@ -787,9 +787,7 @@ class ModelRunner:
             end.record()
             ends.append(end)
             if len(ends) > 2:
-                t0 = time.perf_counter()
-                ends.popleft().synchronize()
-                self.device_wait_s += time.perf_counter() - t0
+                self._wait_for(ends.popleft())
             self.forward_layer = layer  # (the device is within two layers of it)
             return ask(plan)
 
@@ -864,9 +862,13 @@ class ModelRunner:
     def _guard_staging(self, key: object) -> None:
         ev = self._staging_events.get(id(key))
         if ev is not None:
-            t0 = time.perf_counter()
-            ev.synchronize()
-            self.device_wait_s += time.perf_counter() - t0
+            self._wait_for(ev)
+
+    def _wait_for(self, event: Any) -> None:
+        """Block the host until `event` has fired, counted in `device_wait_s`."""
+        t0 = time.perf_counter()
+        event.synchronize()
+        self.device_wait_s += time.perf_counter() - t0
 
     def _mark_staging(self, key: object) -> None:
         if self.device.type == "cuda":
