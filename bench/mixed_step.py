@@ -53,6 +53,11 @@ own untimed warm-up launch before its timed repeats, in the order given:
   default) runs its chunk eagerly and its decodes in their graph, two forwards that each read
   the weights. Merged, the decode rows ride in the chunk's eager forward. Not applicable where
   the engine does not merge mixed steps.
+- `side-stream`: as `served`, launched on a stream created for the variant
+  (`torch.cuda.Stream()`) instead of the current one: how `auto`'s time-sliced steps run
+  (on `GreenContextPartition._whole`). The fifty-eighth session's hostprof read +0.67 ms of
+  host time a short launch under `auto-2k` against off-2k, with `CUDAGraph.replay`'s own
+  time 3-5x off's; this times the stream alone. Not applicable off CUDA.
 - `all-buckets`: the prefill graphs' buckets dropped at start-up as slower than a larger one
   (`PrefillGraphs.drop_dominated`; their graphs are kept) served again during the variant:
   the step as it ran before the drop. Not applicable without prefill graphs.
@@ -358,7 +363,16 @@ def release_step(engine: Any, sched: Any, in_flight: list[Any]) -> None:
         engine.runner.release(rid)
 
 
-VARIANTS = ("served", "fa2", "fa3", "unmerged", "unmerged-fa2", "merged", "all-buckets")
+VARIANTS = (
+    "served",
+    "fa2",
+    "fa3",
+    "unmerged",
+    "unmerged-fa2",
+    "merged",
+    "side-stream",
+    "all-buckets",
+)
 
 
 def variant_unavailable(engine: Any, name: str) -> str | None:
@@ -372,6 +386,8 @@ def variant_unavailable(engine: Any, name: str) -> str | None:
             f"not applicable: the prefill attention backend is {backend!r}, not FlashInfer "
             "(no FA2/FA3 kernel choice to force)"
         )
+    if name == "side-stream" and engine.device.type != "cuda":
+        return f"not applicable: no CUDA streams on {engine.device.type}"
     pg = engine.runner.prefill_graphs
     if name == "all-buckets" and (pg is None or not pg.captured):
         return "not applicable: no captured prefill graphs"
@@ -425,6 +441,17 @@ def variant_patch(engine: Any, name: str) -> Iterator[None]:
         # `unmerged` alone sends a chunk of over ~256 tokens to FA3 (`prefill_on_fa2`).
         with _kernel_forced(_return_true), variant_patch(engine, "unmerged"):
             yield
+    elif name == "side-stream":
+        import torch
+
+        home = torch.cuda.current_stream(engine.device)
+        side = torch.cuda.Stream(device=engine.device)
+        side.wait_stream(home)
+        try:
+            with torch.cuda.stream(side):
+                yield
+        finally:
+            home.wait_stream(side)
     elif name == "all-buckets":
         pg = engine.runner.prefill_graphs
         kept = pg.token_sizes

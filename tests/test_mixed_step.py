@@ -68,16 +68,17 @@ def test_variants_run_the_same_step_merged_and_unmerged_and_skip_fa3_off_flashin
             "--model", "random:tiny", "--device", "cpu",
             "--context", str(context), "--chunks", str(u), "--decodes", str(k),
             "--decode-context", str(dctx), "--repeats", str(repeats),
-            "--variants", "served,unmerged,fa3,fa2,unmerged-fa2", "--out", str(out),
+            "--variants", "served,unmerged,fa3,fa2,unmerged-fa2,side-stream", "--out", str(out),
         ]
     )  # fmt: skip
     assert rc == 0
     rec = json.loads(out.read_text())
-    assert rec["setup"]["variants"] == ["served", "unmerged", "fa3", "fa2", "unmerged-fa2"]
+    names = ["served", "unmerged", "fa3", "fa2", "unmerged-fa2", "side-stream"]
+    assert rec["setup"]["variants"] == names
     (p,) = rec["points"]
     assert (p["u"], p["k"]) == (u, k) and "error" not in p, p
     variants = p["variants"]
-    assert list(variants) == ["served", "unmerged", "fa3", "fa2", "unmerged-fa2"]
+    assert list(variants) == names
     served, unmerged = variants["served"], variants["unmerged"]
     assert "error" not in served and "error" not in unmerged, variants
     # served: one forward of u + k rows (CPU: a kept chunk beside decodes always merges).
@@ -92,8 +93,8 @@ def test_variants_run_the_same_step_merged_and_unmerged_and_skip_fa3_off_flashin
         assert entry["attention"] is None  # the torch backend says nothing
     # The layout before --variants: served's fields at the point's top level.
     assert p["merged"] is True and p["device_ms"] == served["device_ms"]
-    # No FlashInfer on the CPU: no kernel choice to force.
-    for name in ("fa3", "fa2", "unmerged-fa2"):
+    # No FlashInfer on the CPU: no kernel choice to force; no CUDA streams.
+    for name in ("fa3", "fa2", "unmerged-fa2", "side-stream"):
         assert set(variants[name]) == {"skipped"} and "not applicable" in variants[name]["skipped"]
     # The patches are gone after the run: a fresh engine would see the originals.
     from runtime.attention import flashinfer_backend
