@@ -365,12 +365,16 @@ case $plan in
     case ${PARTS:-score-chat}/$m in mixed/*8b*) fixed_k=${FIXED_K:-2} ;; mixed/*) fixed_k=${FIXED_K:-4} ;;
       *) fixed_k=${FIXED_K:-2} ;; esac
     # SIDES picks among these (default: off at FIXED_K, auto and auto-2k), e.g.
-    # SIDES=off-2k,off-4k,auto-2k for both fixed budgets beside the default cap.
+    # SIDES=off-2k,off-4k,auto-2k for both fixed budgets beside the default cap. auto-3k and
+    # auto-4k: auto's chunks under a larger cap (does a cap sized from the step's fixed part,
+    # larger beside ~48 decodes, buy off-4k's TTFT without its gap?).
     sides=(--side off-2k:partition=off,budget=2048,tbt=none
            --side off-4k:partition=off,budget=4096,tbt=none
            --side off-8k:partition=off,budget=8192,tbt=none
            --side auto:partition=auto,budget=8192,mixed=none,tbt=none
-           --side auto-2k:partition=auto,budget=8192,mixed=2048,tbt=none)
+           --side auto-2k:partition=auto,budget=8192,mixed=2048,tbt=none
+           --side auto-3k:partition=auto,budget=8192,mixed=3072,tbt=none
+           --side auto-4k:partition=auto,budget=8192,mixed=4096,tbt=none)
     SIDES=${SIDES:-off-${fixed_k}k,auto,auto-2k} bisect_sides "--partition auto --calibrate true --partition-tbt-slo-ms 80 --prefill-token-budget 8192" score-chat || rc=1 ;;
   whole)
     # Issue 13's target 2 where no token budget can help: a scoring prompt whose whole KV the
