@@ -126,6 +126,10 @@ _ENGINE_HELP = {
     "model + recent decode step time) stays within it; --prefill-token-budget still caps it. "
     "In auto: the target of its chunked time-slicing, and of the split controller when "
     "--partition-tbt-slo-ms is not given",
+    "chunk_fixed_share": "auto's chunks beside decodes grow past --mixed-step-token-budget "
+    "until the step's fixed part (its decode part and the mixed step's offset) is at most "
+    "this share of it (0-1; within the prefill budget and the TBT target; default: the cap "
+    "alone)",
     "partition_tbt_slo_ms": "split controller (auto): TBT target in ms (default: "
     "--tbt-slo-ms); per step auto takes, of prefill chunks cut to the target on the whole GPU, "
     "a split and layer slices, what meets it and finishes the prefill first (a whole prefill: "

@@ -180,6 +180,15 @@ class EngineConfig:
     # auto with a TBT target (partition_tbt_slo_ms, else tbt_slo_ms): may time-slice by slices
     # of layers (see ControllerConfig).
     partition_layer_slicing: bool = False
+    # auto's chunks beside decodes may pass the cap on a step with decodes
+    # (mixed_step_token_budget) until the step's fixed part (its decode part and the mixed
+    # step's offset, both as the TBT cut reads them) is at most this share of the step; never
+    # past prefill_token_budget or the TBT target's room. None: the cap alone. Why: on the 3B
+    # beside ~48 decodes a mixed step took 8.2 ms + 10.8 us a token (plan cap's traces at
+    # edc1adc, H100), so a 2,048-token chunk spends 27 % of its step on the fixed part and
+    # off-4k's 4k steps 16 %; held to 2,048, auto's TTFT P50 on that mixed chat read 1.46x
+    # off-4k's at 24 QPS. Beside a few decodes the fixed part is small and the cap stays.
+    chunk_fixed_share: float | None = None
     # Cost-model calibration (runtime/partition/calibrate.py), the `partition` section of the
     # calibration file: an explicit file wins (that file, or an old greenlane-partition/1 one);
     # else the cached file for this GPU and model in partition_calibration_dir (None = the
@@ -264,6 +273,10 @@ class EngineConfig:
             raise ValueError("tbt_slo_ms must be > 0")
         if self.partition_tbt_slo_ms is not None and not self.partition_tbt_slo_ms > 0:
             raise ValueError("partition_tbt_slo_ms must be > 0")
+        if self.chunk_fixed_share is not None and not 0.0 < self.chunk_fixed_share < 1.0:
+            raise ValueError(
+                f"chunk_fixed_share must be between 0 and 1, got {self.chunk_fixed_share}"
+            )
         if self.pd_slice_tokens < 1 or self.pd_max_queued_slices < 1:
             raise ValueError("pd_slice_tokens and pd_max_queued_slices must be >= 1")
 

@@ -575,6 +575,11 @@ class Engine:
             beside = "the same"
         else:
             beside = f"at most {mixed} (--mixed-step-token-budget {cfg.mixed_step_token_budget})"
+            if cfg.chunk_fixed_share is not None:
+                beside += (
+                    f", auto's chunks more while the step's fixed part is over "
+                    f"{cfg.chunk_fixed_share:g} of it"
+                )
         if cfg.tbt_slo_ms is not None:
             cut = f"cut to a {cfg.tbt_slo_ms:g} ms TBT target"
             beside = cut if mixed is None else f"{beside}, {cut}"
@@ -662,7 +667,7 @@ class Engine:
         d = DecodeShape(look.num_decodes, look.decode_context_tokens, layers)
         # The cap on a step with decodes (the serial executor's, `--mixed-step-token-budget`)
         # bounds auto's chunks as it bounds off's steps: decodes share it.
-        cap = self.serial.mixed_step_token_budget
+        cap = self._auto_step_cap(look, capacity.prefill_token_budget)
         chunk = ChunkInput(
             self._prefill_cost,
             look.prefill_context_tokens,
@@ -712,6 +717,26 @@ class Engine:
             decode_step_s=aim_s - g.chunk_room_ms(d, chunk) / 1e3,
             prefill_cost=self._prefill_cost,
         )
+
+    def _auto_step_cap(self, look: StepOutlook, budget: int) -> int | None:
+        """The most tokens auto's chunked step with decodes may take, decodes included: the
+        serial executor's cap (`--mixed-step-token-budget`), raised with `--chunk-fixed-share
+        s` to the chunk whose marginal cost is (1 - s) / s times the step's fixed part (the
+        decode base for the batch and the mixed step's offset: what the step costs whatever
+        its chunk), so that part is at most s of the step; never past `budget` (the prefill
+        budget the activation reserve was sized for). The TBT target's room still bounds the
+        chunk (`SplitController._chunked`)."""
+        cap = self.serial.mixed_step_token_budget
+        share = self.config.chunk_fixed_share
+        if cap is None or share is None:
+            return cap
+        fixed_s = (
+            self._decode_base_s(look.num_decodes, look.decode_context_tokens)
+            + self._prefill_cost.offset_s
+        )
+        chunk_s = fixed_s * (1.0 - share) / share
+        tokens = self._prefill_cost.max_tokens_within(chunk_s, look.prefill_context_tokens)
+        return min(max(cap, tokens + look.num_decodes), budget)
 
     def _timed(self, capacity: StepCapacity, look: StepOutlook, aim_s: float) -> StepCapacity:
         """`capacity` with the TBT cut's time accounting: the prefill planned beside the

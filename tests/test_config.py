@@ -61,3 +61,11 @@ def test_the_cap_on_steps_with_decodes_resolves_per_device() -> None:
     for bad in ("0", "-5", "lots", ""):
         with pytest.raises(ValueError, match="mixed_step_token_budget"):
             EngineConfig(mixed_step_token_budget=bad)
+
+
+def test_the_chunks_fixed_share_is_a_fraction() -> None:
+    assert EngineConfig().chunk_fixed_share is None  # the cap alone by default
+    assert EngineConfig(chunk_fixed_share=0.15).chunk_fixed_share == 0.15
+    for bad in (0.0, 1.0, -0.1, 2.0):
+        with pytest.raises(ValueError, match="chunk_fixed_share"):
+            EngineConfig(chunk_fixed_share=bad)

@@ -416,6 +416,46 @@ def test_auto_holds_its_chunks_to_the_cap_on_a_step_with_decodes(manager) -> Non
     assert manager.state().choice_counts == {"chunked": 5}
 
 
+@pytest.mark.parametrize(
+    ("share", "chunks"),
+    [
+        (0.9, [200] * 5),  # the fixed part's chunk (111 tokens) is under the cap: the cap
+        # 2 ms x 0.2 / 0.8 = 0.5 ms at 2 us a token: past the cap (250, floored to 249 in
+        # floating point; the last 4 tokens in a step of their own)
+        (0.8, [249] * 4 + [4]),
+        (0.5, [CHUNK, CHUNK, 300]),  # 1,000 tokens' worth: the TBT target's room bounds it
+    ],
+)
+def test_auto_grows_its_chunk_past_the_cap_until_the_fixed_part_is_its_share(
+    manager,  # noqa: F811
+    share: float,
+    chunks: list[int],
+) -> None:
+    """`--chunk-fixed-share s`: auto's chunk beside decodes may pass the cap on a step with
+    decodes until the step's fixed part (the flat model's 2-ms decode base, no offset yet) is
+    s of the step, within the target's room and the prefill budget; the step's plan keeps
+    to the raised cap, decodes included."""
+    eng, _, launched = _auto_engine(manager, chunk_fixed_share=share)
+    _decoding_chat(eng)
+    eng.serial.set_mixed_step_token_budget(201)
+    assert eng._prefill_cost.offset_s == 0.0
+    launched.clear()
+    eng.scheduler.add(gen("long", 1000, 1))
+    _run(eng, lambda: eng.scheduler.get("long") is None)
+    assert [_sizes(p).get("long") for p in launched if p.prefill] == chunks
+    assert all(len(p.decode) == 1 for p in launched if p.prefill)
+
+
+def test_the_fixed_share_never_passes_the_prefill_budget(manager) -> None:  # noqa: F811
+    eng, _, launched = _auto_engine(manager, chunk_fixed_share=0.5, prefill_token_budget=256)
+    _decoding_chat(eng)
+    eng.serial.set_mixed_step_token_budget(201)
+    launched.clear()
+    eng.scheduler.add(gen("long", 1000, 1))
+    _run(eng, lambda: eng.scheduler.get("long") is None)
+    assert [_sizes(p).get("long") for p in launched if p.prefill] == [255] * 3 + [235]
+
+
 def test_auto_cuts_and_corrects_on_the_models_decode_for_the_batch(manager) -> None:  # noqa: F811
     """Under auto with a calibrated cost model, a mixed step's decode part is the model's
     prediction for its batch, both where the chunk is cut and where the step offset is
