@@ -722,20 +722,26 @@ class Engine:
         """The most tokens auto's chunked step with decodes may take, decodes included: the
         serial executor's cap (`--mixed-step-token-budget`), raised with `--chunk-fixed-share
         s` to the chunk whose marginal cost is (1 - s) / s times the step's fixed part (the
-        decode base for the batch and the mixed step's offset: what the step costs whatever
-        its chunk), so that part is at most s of the step; never past `budget` (the prefill
+        decode base for the batch, the mixed step's offset and its prefix read: what the step
+        costs whatever its chunk), so that part is at most s of the step; never past `budget` (the prefill
         budget the activation reserve was sized for). The TBT target's room still bounds the
         chunk (`SplitController._chunked`)."""
         cap = self.serial.mixed_step_token_budget
         share = self.config.chunk_fixed_share
         if cap is None or share is None:
             return cap
-        fixed_s = (
+        cost, ctx = self._prefill_cost, look.prefill_context_tokens
+        # The cached prefix's read (`CorrectedCost.context_s_per_token`) is paid whatever the
+        # chunk too: fixed, and `max_tokens_within` takes it back out of the chunk's time.
+        context_s = cost.context_s_per_token * ctx
+        fixed_s = max(
+            0.0,
             self._decode_base_s(look.num_decodes, look.decode_context_tokens)
-            + self._prefill_cost.offset_s
+            + cost.offset_s
+            + context_s,
         )
         chunk_s = fixed_s * (1.0 - share) / share
-        tokens = self._prefill_cost.max_tokens_within(chunk_s, look.prefill_context_tokens)
+        tokens = cost.max_tokens_within(chunk_s + context_s, ctx)
         return min(max(cap, tokens + look.num_decodes), budget)
 
     def _timed(self, capacity: StepCapacity, look: StepOutlook, aim_s: float) -> StepCapacity:

@@ -446,6 +446,22 @@ def test_auto_grows_its_chunk_past_the_cap_until_the_fixed_part_is_its_share(
     assert all(len(p.decode) == 1 for p in launched if p.prefill)
 
 
+def test_the_fixed_part_counts_the_cached_prefixs_read(manager) -> None:  # noqa: F811
+    """A cached prefix's read (`CorrectedCost.context_s_per_token`) is paid whatever the
+    chunk: fixed. 10k cached tokens at 0.1 us: 1 ms beside the 2-ms decode base, so s = 0.8
+    leaves the chunk 0.75 ms, 375 tokens at 2 us (376 with the decode)."""
+    from runtime.scheduler import StepOutlook
+
+    eng, _, _ = _auto_engine(manager, chunk_fixed_share=0.8)
+    _decoding_chat(eng)
+    eng.serial.set_mixed_step_token_budget(201)
+    look = StepOutlook(1000, 10_000, True, 1, 8)
+    assert eng._auto_step_cap(look, 8192) == pytest.approx(251, abs=1)  # no prefix read
+    eng._prefill_cost.context_s_per_token = 1e-7
+    assert eng._auto_step_cap(look, 8192) == pytest.approx(376, abs=1)
+    assert eng._auto_step_cap(look, 300) == 300  # never past the prefill budget
+
+
 def test_the_fixed_share_never_passes_the_prefill_budget(manager) -> None:  # noqa: F811
     eng, _, launched = _auto_engine(manager, chunk_fixed_share=0.5, prefill_token_budget=256)
     _decoding_chat(eng)
