@@ -577,8 +577,8 @@ class Engine:
             beside = f"at most {mixed} (--mixed-step-token-budget {cfg.mixed_step_token_budget})"
             if cfg.chunk_fixed_share is not None:
                 beside += (
-                    f", auto's chunks more while the step's fixed part is over "
-                    f"{cfg.chunk_fixed_share:g} of it"
+                    f" (auto's chunks more, until the step's fixed part is at most "
+                    f"{cfg.chunk_fixed_share:g} of it)"
                 )
         if cfg.tbt_slo_ms is not None:
             cut = f"cut to a {cfg.tbt_slo_ms:g} ms TBT target"

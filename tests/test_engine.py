@@ -529,6 +529,11 @@ def test_prefill_limits_change_at_run_time_and_never_above_the_sized_budget() ->
             {"tbt_slo_ms": 50.0, "mixed_step_token_budget": "512"},
             "beside decodes at most 512 (--mixed-step-token-budget 512), cut to a 50 ms TBT",
         ),
+        (
+            {"mixed_step_token_budget": "512", "chunk_fixed_share": 0.15},
+            "beside decodes at most 512 (--mixed-step-token-budget 512) (auto's chunks more, "
+            "until the step's fixed part is at most 0.15 of it)",
+        ),
     ],
 )
 def test_start_up_log_says_how_much_prefill_a_step_takes(
