@@ -181,8 +181,9 @@ class EngineConfig:
     # of layers (see ControllerConfig).
     partition_layer_slicing: bool = False
     # auto's chunks beside decodes may pass the cap on a step with decodes
-    # (mixed_step_token_budget) until the step's fixed part (its decode part and the mixed
-    # step's offset, both as the TBT cut reads them) is at most this share of the step; never
+    # (mixed_step_token_budget) until the step's fixed part (its decode part, the mixed step's
+    # offset and its cached prefix's read, as the TBT cut reads them) is at most this share
+    # of the step; never
     # past prefill_token_budget or the TBT target's room. None: the cap alone. Why: on the 3B
     # beside ~48 decodes a mixed step took 8.2 ms + 10.8 us a token (plan cap's traces at
     # edc1adc, H100), so a 2,048-token chunk spends 27 % of its step on the fixed part and

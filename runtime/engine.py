@@ -667,12 +667,13 @@ class Engine:
         d = DecodeShape(look.num_decodes, look.decode_context_tokens, layers)
         # The cap on a step with decodes (the serial executor's, `--mixed-step-token-budget`)
         # bounds auto's chunks as it bounds off's steps: decodes share it.
-        cap = self._auto_step_cap(look, capacity.prefill_token_budget)
+        base_s = self._decode_base_s(look.num_decodes, look.decode_context_tokens)
+        cap = self._auto_step_cap(look, base_s, capacity.prefill_token_budget)
         chunk = ChunkInput(
             self._prefill_cost,
             look.prefill_context_tokens,
             target_ms,
-            self._decode_base_s(look.num_decodes, look.decode_context_tokens) * 1e3,
+            base_s * 1e3,
             self._prefill_cost.offset_s * 1e3,
             max_chunk_tokens=None if cap is None else max(cap - look.num_decodes, 1),
         )
@@ -718,14 +719,14 @@ class Engine:
             prefill_cost=self._prefill_cost,
         )
 
-    def _auto_step_cap(self, look: StepOutlook, budget: int) -> int | None:
+    def _auto_step_cap(self, look: StepOutlook, base_s: float, budget: int) -> int | None:
         """The most tokens auto's chunked step with decodes may take, decodes included: the
         serial executor's cap (`--mixed-step-token-budget`), raised with `--chunk-fixed-share
         s` to the chunk whose marginal cost is (1 - s) / s times the step's fixed part (the
-        decode base for the batch, the mixed step's offset and its prefix read: what the step
-        costs whatever its chunk), so that part is at most s of the step; never past `budget` (the prefill
-        budget the activation reserve was sized for). The TBT target's room still bounds the
-        chunk (`SplitController._chunked`)."""
+        decode base `base_s` for the batch, the mixed step's offset and its prefix read: what
+        the step costs whatever its chunk), so that part is at most s of the step; never past
+        `budget` (the prefill budget the activation reserve was sized for). The TBT target's
+        room still bounds the chunk (`SplitController._chunked`)."""
         cap = self.serial.mixed_step_token_budget
         share = self.config.chunk_fixed_share
         if cap is None or share is None:
@@ -734,12 +735,7 @@ class Engine:
         # The cached prefix's read (`CorrectedCost.context_s_per_token`) is paid whatever the
         # chunk too: fixed, and `max_tokens_within` takes it back out of the chunk's time.
         context_s = cost.context_s_per_token * ctx
-        fixed_s = max(
-            0.0,
-            self._decode_base_s(look.num_decodes, look.decode_context_tokens)
-            + cost.offset_s
-            + context_s,
-        )
+        fixed_s = max(0.0, base_s + cost.offset_s + context_s)
         chunk_s = fixed_s * (1.0 - share) / share
         tokens = cost.max_tokens_within(chunk_s + context_s, ctx)
         return min(max(cap, tokens + look.num_decodes), budget)

@@ -456,10 +456,11 @@ def test_the_fixed_part_counts_the_cached_prefixs_read(manager) -> None:  # noqa
     _decoding_chat(eng)
     eng.serial.set_mixed_step_token_budget(201)
     look = StepOutlook(1000, 10_000, True, 1, 8)
-    assert eng._auto_step_cap(look, 8192) == pytest.approx(251, abs=1)  # no prefix read
+    base_s = eng._decode_base_s(1, 8)  # the flat model's 2 ms
+    assert eng._auto_step_cap(look, base_s, 8192) == pytest.approx(251, abs=1)  # no prefix read
     eng._prefill_cost.context_s_per_token = 1e-7
-    assert eng._auto_step_cap(look, 8192) == pytest.approx(376, abs=1)
-    assert eng._auto_step_cap(look, 300) == 300  # never past the prefill budget
+    assert eng._auto_step_cap(look, base_s, 8192) == pytest.approx(376, abs=1)
+    assert eng._auto_step_cap(look, base_s, 300) == 300  # never past the prefill budget
 
 
 def test_the_fixed_share_never_passes_the_prefill_budget(manager) -> None:  # noqa: F811
