@@ -127,8 +127,8 @@ _ENGINE_HELP = {
     "In auto: the target of its chunked time-slicing, and of the split controller when "
     "--partition-tbt-slo-ms is not given",
     "chunk_fixed_share": "auto's chunks beside decodes grow past --mixed-step-token-budget "
-    "until the step's fixed part (its decodes, the mixed step's offset, the prefix read) is at most "
-    "this share of it (0-1; within the prefill budget and the TBT target; default: the cap "
+    "until the step's fixed part (its decodes, the mixed step's offset, the prefix read) is "
+    "at most this share of it (0-1; within the prefill budget and the TBT target; default: the cap "
     "alone)",
     "partition_tbt_slo_ms": "split controller (auto): TBT target in ms (default: "
     "--tbt-slo-ms); per step auto takes, of prefill chunks cut to the target on the whole GPU, "

@@ -183,8 +183,7 @@ class EngineConfig:
     # auto's chunks beside decodes may pass the cap on a step with decodes
     # (mixed_step_token_budget) until the step's fixed part (its decode part, the mixed step's
     # offset and its cached prefix's read, as the TBT cut reads them) is at most this share
-    # of the step; never
-    # past prefill_token_budget or the TBT target's room. None: the cap alone. Why: on the 3B
+    # of the step; never past prefill_token_budget or the TBT target's room. None: the cap alone. Why: on the 3B
     # beside ~48 decodes a mixed step took 8.2 ms + 10.8 us a token (plan cap's traces at
     # edc1adc, H100), so a 2,048-token chunk spends 27 % of its step on the fixed part and
     # off-4k's 4k steps 16 %; held to 2,048, auto's TTFT P50 on that mixed chat read 1.46x
