@@ -7,8 +7,8 @@ Routes (all under `/admin`):
 - `PUT  /admin/api/partition`   `{"mode": "auto"|"off"|"static", "prefill_sms": int}`.
 - `PUT  /admin/api/policy`      `{"policy": "srjf"|"spf"|"fcfs"|"srjf-oneshot"}`.
 - `PUT  /admin/api/prefill`     `{"prefill_token_budget": int, "tbt_slo_ms": float|null,
-  "mixed_step_token_budget": int|null}` (any of them; the budget at most the one the server
-  started with).
+  "mixed_step_token_budget": int|null, "chunk_fixed_share": float|null}` (any of them; the
+  budget at most the one the server started with).
 - `POST /admin/api/prefix-cache/reset`  drop every idle prefix-cache block (benchmarks call it
   between runs so one run's prompts do not speed up the next).
 - `POST /admin/api/cost-model/errors/reset`  forget the partition cost model's logged errors
@@ -102,8 +102,9 @@ class PartitionChange(BaseModel):
 
 
 class PrefillChange(BaseModel):
-    """Any of the three; a field left out keeps its value; `tbt_slo_ms: null` removes the
-    target, `mixed_step_token_budget: null` the cap on steps with decodes (the budget alone)."""
+    """Any of the four; a field left out keeps its value; `tbt_slo_ms: null` removes the
+    target, `mixed_step_token_budget: null` the cap on steps with decodes (the budget alone),
+    `chunk_fixed_share: null` auto's growth past that cap (`--chunk-fixed-share`)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -112,6 +113,8 @@ class PrefillChange(BaseModel):
     prefill_token_budget: int | None = Field(None, ge=0, le=MAX_WIRE_INT)
     tbt_slo_ms: float | None = None
     mixed_step_token_budget: int | None = Field(None, ge=0, le=MAX_WIRE_INT)
+    # A share in (0, 1): the engine's check names the range.
+    chunk_fixed_share: float | None = None
 
 
 class PolicyChange(BaseModel):
@@ -535,6 +538,9 @@ def _build_state(app: Any) -> dict[str, Any]:
             "token_budget": stats.get("prefill_token_budget"),
             # Tokens a step with decodes may take when no TBT target sizes it (None: the budget).
             "mixed_step_token_budget": stats.get("mixed_step_token_budget"),
+            # auto's chunks beside decodes grow past that cap until the step's fixed part is
+            # at most this share of the step (None: the cap alone; `--chunk-fixed-share`).
+            "chunk_fixed_share": stats.get("chunk_fixed_share"),
             # Hybrid prefill's chunk (fixed at start-up; on CUDA sized from the memory unless
             # --prefill-chunk-tokens set it).
             "chunk_tokens": stats.get("prefill_chunk_tokens"),
@@ -831,8 +837,9 @@ async def admin_set_policy(request: Request) -> JSONResponse:
 )
 async def admin_set_prefill(request: Request) -> JSONResponse:
     """The prefill token budget per step (at most the one the server started with: activation
-    memory was reserved for it), the time-between-tokens target (`--tbt-slo-ms`) and the cap
-    on a step that carries decodes when no target is set (`--mixed-step-token-budget`)."""
+    memory was reserved for it), the time-between-tokens target (`--tbt-slo-ms`), the cap on
+    a step that carries decodes (`--mixed-step-token-budget`) and the share of such a step
+    past which auto's chunks stop growing beyond the cap (`--chunk-fixed-share`)."""
     denied = check_admin(request)
     if denied is not None:
         return denied
@@ -844,7 +851,8 @@ async def admin_set_prefill(request: Request) -> JSONResponse:
     if not given:
         return _error(
             400,
-            "give prefill_token_budget, tbt_slo_ms, mixed_step_token_budget or several",
+            "give prefill_token_budget, tbt_slo_ms, mixed_step_token_budget, "
+            "chunk_fixed_share or several",
             "invalid_request_error",
             "prefill_token_budget",
         )
@@ -863,6 +871,9 @@ async def admin_set_prefill(request: Request) -> JSONResponse:
         if "mixed_step_token_budget" in given
         else stats.get("mixed_step_token_budget")
     )
+    share = (
+        body.chunk_fixed_share if "chunk_fixed_share" in given else stats.get("chunk_fixed_share")
+    )
     if budget is None:
         return _error(
             400,
@@ -871,10 +882,14 @@ async def admin_set_prefill(request: Request) -> JSONResponse:
             "prefill_token_budget",
         )
     try:
-        await engine.set_prefill_limits(budget, tbt, mixed)
+        await engine.set_prefill_limits(budget, tbt, mixed, share)
     except ValueError as exc:
         param = next(
-            (p for p in ("tbt_slo_ms", "mixed_step_token_budget") if p in str(exc)),
+            (
+                p
+                for p in ("tbt_slo_ms", "mixed_step_token_budget", "chunk_fixed_share")
+                if p in str(exc)
+            ),
             "prefill_token_budget",
         )
         return _error(400, str(exc), "invalid_request_error", param)

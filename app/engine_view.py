@@ -121,17 +121,23 @@ class EngineView:
         prefill_token_budget: int,
         tbt_slo_ms: float | None,
         mixed_step_token_budget: int | None,
+        chunk_fixed_share: float | None,
     ) -> None:
         """Raises ValueError for limits the engine refuses (a budget above the one it was
-        sized for, a non-positive target or cap)."""
+        sized for, a non-positive target or cap, a share outside (0, 1))."""
         await self._core.call(
-            "set_prefill_limits", prefill_token_budget, tbt_slo_ms, mixed_step_token_budget
+            "set_prefill_limits",
+            prefill_token_budget,
+            tbt_slo_ms,
+            mixed_step_token_budget,
+            chunk_fixed_share,
         )
         self._core.note(
             stats={
                 "prefill_token_budget": prefill_token_budget,
                 "tbt_slo_ms": tbt_slo_ms,
                 "mixed_step_token_budget": mixed_step_token_budget,
+                "chunk_fixed_share": chunk_fixed_share,
             }
         )
 

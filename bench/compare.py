@@ -143,11 +143,14 @@ def parse_settings(text: str) -> list[AdminChange]:
 
     Keys: `policy` (srjf | spf | fcfs | srjf-oneshot; the server validates), `partition`
     (off | auto | static:<prefill_sms>), `budget` (prefill tokens per step, at most the
-    server's start-up budget), `mixed` (tokens a step with decodes may take, or `none`) and
-    `tbt` (the TBT target in ms, or `none`): the last three in one `PUT /admin/api/prefill`,
-    so a baseline's prefill budget is swept in one server run. `budget` without `mixed` is a
-    fixed budget for every step, with or without decodes (the cap on steps with decodes is
-    removed), as the `off-<k>` baselines have meant since they were first run."""
+    server's start-up budget), `mixed` (tokens a step with decodes may take, or `none`),
+    `share` (auto's chunks beside decodes grow past `mixed` until the step's fixed part is
+    this share of it, or `none`: `--chunk-fixed-share`) and `tbt` (the TBT target in ms, or
+    `none`): the last four in one `PUT /admin/api/prefill`, so a baseline's prefill budget is
+    swept in one server run. `budget` without `mixed` is a fixed budget for every step, with
+    or without decodes (the cap on steps with decodes is removed), as the `off-<k>` baselines
+    have meant since they were first run; `budget` without `share` removes the share, so a
+    side never inherits the one an earlier side set on the same server."""
     prefill: dict[str, Any] = {}
     changes: list[AdminChange] = []
     seen: set[str] = set()
@@ -184,6 +187,17 @@ def parse_settings(text: str) -> list[AdminChange]:
                 prefill["mixed_step_token_budget"] = int(value)
             else:
                 raise ValueError(f"mixed must be a positive token count or none, got {value!r}")
+        elif key == "share":
+            if value.lower() == "none":
+                prefill["chunk_fixed_share"] = None
+            else:
+                try:
+                    share = float(value)
+                except ValueError:
+                    share = math.nan
+                if not 0.0 < share < 1.0:
+                    raise ValueError(f"share must be between 0 and 1 or none, got {value!r}")
+                prefill["chunk_fixed_share"] = share
         elif key == "tbt":
             try:
                 prefill["tbt_slo_ms"] = None if value.lower() == "none" else float(value)
@@ -191,10 +205,12 @@ def parse_settings(text: str) -> list[AdminChange]:
                 raise ValueError(f"tbt must be milliseconds or none, got {value!r}") from None
         else:
             raise ValueError(
-                f"unknown setting {key!r} (use policy=, partition=, budget=, mixed=, tbt=)"
+                f"unknown setting {key!r} (use policy=, partition=, budget=, mixed=, share=, tbt=)"
             )
     if "budget" in seen and "mixed" not in seen:
         prefill["mixed_step_token_budget"] = None
+    if "budget" in seen and "share" not in seen:
+        prefill["chunk_fixed_share"] = None
     if prefill:
         changes.append(AdminChange("/admin/api/prefill", prefill))
     if not changes:

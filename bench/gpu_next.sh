@@ -367,14 +367,16 @@ case $plan in
     # SIDES picks among these (default: off at FIXED_K, auto and auto-2k), e.g.
     # SIDES=off-2k,off-4k,auto-2k for both fixed budgets beside the default cap. auto-3k and
     # auto-4k: auto's chunks under a larger cap (does a cap sized from the step's fixed part,
-    # larger beside ~48 decodes, buy off-4k's TTFT without its gap?).
+    # larger beside ~48 decodes, buy off-4k's TTFT without its gap?); auto-share: the default
+    # cap with --chunk-fixed-share 0.15 set at run time (so all of them share one server).
     sides=(--side off-2k:partition=off,budget=2048,tbt=none
            --side off-4k:partition=off,budget=4096,tbt=none
            --side off-8k:partition=off,budget=8192,tbt=none
            --side auto:partition=auto,budget=8192,mixed=none,tbt=none
            --side auto-2k:partition=auto,budget=8192,mixed=2048,tbt=none
            --side auto-3k:partition=auto,budget=8192,mixed=3072,tbt=none
-           --side auto-4k:partition=auto,budget=8192,mixed=4096,tbt=none)
+           --side auto-4k:partition=auto,budget=8192,mixed=4096,tbt=none
+           --side auto-share:partition=auto,budget=8192,mixed=2048,share=0.15,tbt=none)
     SIDES=${SIDES:-off-${fixed_k}k,auto,auto-2k} bisect_sides "--partition auto --calibrate true --partition-tbt-slo-ms 80 --prefill-token-budget 8192" score-chat || rc=1 ;;
   whole)
     # Issue 13's target 2 where no token budget can help: a scoring prompt whose whole KV the
@@ -729,7 +731,8 @@ PY
   *) echo "unknown plan $plan (a to z)"; exit 2 ;;
 esac
 cp $work/partition-*.json "$OUT/" 2>/dev/null
-tar czf "$OUT/serving-$plan.tar.gz" -C $work . 2>/dev/null
+# (Named by TAG where a plan takes one: the same plan twice in a call keeps both.)
+tar czf "$OUT/serving-${TAG:-$plan}.tar.gz" -C $work . 2>/dev/null
 after=$(find ~/.cache/flashinfer -name '*.so' 2>/dev/null | wc -l)
 echo "flashinfer JIT modules: $before before, $after after; $(left) s of $deadline left"
 if [ "$after" != "$before" ]; then

@@ -183,11 +183,12 @@ class EngineConfig:
     # auto's chunks beside decodes may pass the cap on a step with decodes
     # (mixed_step_token_budget) until the step's fixed part (its decode part, the mixed step's
     # offset and its cached prefix's read, as the TBT cut reads them) is at most this share
-    # of the step; never past prefill_token_budget or the TBT target's room. None: the cap alone. Why: on the 3B
-    # beside ~48 decodes a mixed step took 8.2 ms + 10.8 us a token (plan cap's traces at
-    # edc1adc, H100), so a 2,048-token chunk spends 27 % of its step on the fixed part and
-    # off-4k's 4k steps 16 %; held to 2,048, auto's TTFT P50 on that mixed chat read 1.46x
-    # off-4k's at 24 QPS. Beside a few decodes the fixed part is small and the cap stays.
+    # of the step; never past prefill_token_budget or the TBT target's room. None: the cap
+    # alone. Changeable while serving (Engine.set_prefill_limits). Why: on the 3B beside ~48
+    # decodes a mixed step took 8.2 ms + 10.8 us a token (plan cap's traces at edc1adc, H100),
+    # so a 2,048-token chunk spends 27 % of its step on the fixed part and off-4k's 4k steps
+    # 16 %; held to 2,048, auto's TTFT P50 on that mixed chat read 1.46x off-4k's at 24 QPS.
+    # Beside a few decodes the fixed part is small and the cap stays.
     chunk_fixed_share: float | None = None
     # Cost-model calibration (runtime/partition/calibrate.py), the `partition` section of the
     # calibration file: an explicit file wins (that file, or an old greenlane-partition/1 one);
@@ -273,10 +274,7 @@ class EngineConfig:
             raise ValueError("tbt_slo_ms must be > 0")
         if self.partition_tbt_slo_ms is not None and not self.partition_tbt_slo_ms > 0:
             raise ValueError("partition_tbt_slo_ms must be > 0")
-        if self.chunk_fixed_share is not None and not 0.0 < self.chunk_fixed_share < 1.0:
-            raise ValueError(
-                f"chunk_fixed_share must be between 0 and 1, got {self.chunk_fixed_share}"
-            )
+        check_chunk_fixed_share(self.chunk_fixed_share)
         if self.pd_slice_tokens < 1 or self.pd_max_queued_slices < 1:
             raise ValueError("pd_slice_tokens and pd_max_queued_slices must be >= 1")
 
@@ -304,11 +302,18 @@ class EngineConfig:
         return self.prefill_chunk_tokens or PREFILL_CHUNK_TOKENS_UNSIZED
 
 
+def check_chunk_fixed_share(share: float | None) -> None:
+    """`chunk_fixed_share` is None (the cap alone) or a share strictly between 0 and 1."""
+    if share is not None and not 0.0 < share < 1.0:
+        raise ValueError(f"chunk_fixed_share must be between 0 and 1, or null, got {share}")
+
+
 def check_prefill_limits(
     prefill_token_budget: int,
     tbt_slo_ms: float | None,
     mixed_step_token_budget: int | None,
     sized_budget: int,
+    chunk_fixed_share: float | None = None,
 ) -> None:
     """What a run-time change of the prefill limits must meet (`Engine.set_prefill_limits`):
     ValueError naming the field otherwise. The budget may only go down from `sized_budget`,
@@ -323,3 +328,4 @@ def check_prefill_limits(
         raise ValueError("tbt_slo_ms must be > 0, or null for no target")
     if mixed_step_token_budget is not None and mixed_step_token_budget < 1:
         raise ValueError("mixed_step_token_budget must be >= 1, or null for the budget alone")
+    check_chunk_fixed_share(chunk_fixed_share)

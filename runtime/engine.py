@@ -115,6 +115,14 @@ from runtime.structured import GrammarMasks, grammar_conflict
 log = logging.getLogger("greenlane.engine")
 
 STATS_INTERVAL_S = 0.25
+# The prefill limits `set_prefill_limits` changes at run time, in its argument order (the
+# names `stats()` reports them under).
+PREFILL_LIMITS = (
+    "prefill_token_budget",
+    "tbt_slo_ms",
+    "mixed_step_token_budget",
+    "chunk_fixed_share",
+)
 # Merged steps that fail while their requests run fine alone, before merging stops (`_recover`).
 MERGED_STEP_FAILURES_BEFORE_FALLBACK = 3
 # The fallback decode base (`Engine._decode_base_s`, no calibrated cost model) is an EWMA of
@@ -478,6 +486,9 @@ class Engine:
         # whose step time is this running average of decode-only steps (serial executor; in
         # auto the controller sizes its chunks with the same arithmetic: _auto_capacity).
         self._tbt_s = None if config.tbt_slo_ms is None else config.tbt_slo_ms / 1e3
+        # --chunk-fixed-share (auto's chunks beside decodes; `_auto_step_cap`): a prefill
+        # limit, so it changes at run time with the others (`set_prefill_limits`).
+        self._chunk_fixed_share = config.chunk_fixed_share
         self._decode_step_avg_s = 0.0
         self._prefill_cost = CorrectedCost(self.jct_model)
         # Mixed whole-GPU steps (prefill + decodes): how many, how many took longer than the
@@ -728,7 +739,7 @@ class Engine:
         `budget` (the prefill budget the activation reserve was sized for). The TBT target's
         room still bounds the chunk (`SplitController._chunked`)."""
         cap = self.serial.mixed_step_token_budget
-        share = self.config.chunk_fixed_share
+        share = self._chunk_fixed_share
         if cap is None or share is None:
             return cap
         cost, ctx = self._prefill_cost, look.prefill_context_tokens
@@ -1156,23 +1167,25 @@ class Engine:
         prefill_token_budget: int,
         tbt_slo_ms: float | None,
         mixed_step_token_budget: int | None,
+        chunk_fixed_share: float | None,
     ) -> None:
-        """Change the per-step prefill token budget, the TBT target and the cap on steps that
-        carry decodes (None: the budget alone) at run time (thread-safe; applied before the
-        next step). The budget may only go down from the configured one: activation memory
-        was reserved for that (ValueError, raised here)."""
+        """Change the per-step prefill token budget, the TBT target, the cap on steps that
+        carry decodes (None: the budget alone) and auto's fixed-part share past that cap
+        (None: the cap alone; `--chunk-fixed-share`) at run time (thread-safe; applied before
+        the next step). The budget may only go down from the configured one: activation
+        memory was reserved for that (ValueError, raised here)."""
         check_prefill_limits(
             prefill_token_budget,
             tbt_slo_ms,
             mixed_step_token_budget,
             self.config.prefill_token_budget,
+            chunk_fixed_share,
         )
-        limits = (prefill_token_budget, tbt_slo_ms, mixed_step_token_budget)
+        limits = (prefill_token_budget, tbt_slo_ms, mixed_step_token_budget, chunk_fixed_share)
         with self._lock:
             self._inbox.append(("prefill_limits", limits))
-            self._stats["prefill_token_budget"] = prefill_token_budget
-            self._stats["tbt_slo_ms"] = tbt_slo_ms
-            self._stats["mixed_step_token_budget"] = mixed_step_token_budget
+            for key, value in zip(PREFILL_LIMITS, limits, strict=True):
+                self._stats[key] = value
             self._wakeup.notify()
 
     def reset_prefix_cache(self) -> None:
@@ -1591,16 +1604,18 @@ class Engine:
             self.policy = payload
             self.scheduler.set_policy(payload)
         elif kind == "prefill_limits":
-            budget, tbt_ms, mixed = payload
+            budget, tbt_ms, mixed, share = payload
             self._tbt_s = None if tbt_ms is None else tbt_ms / 1e3
+            self._chunk_fixed_share = share
             self.serial.set_prefill_token_budget(budget)
             self.serial.set_mixed_step_token_budget(mixed)
             if self.split is not None:
                 self.split.set_prefill_token_budget(budget)
             log.info(
-                "prefill limits: budget %d tokens (%s with decodes), TBT target %s ms",
+                "prefill limits: budget %d tokens (%s with decodes%s), TBT target %s ms",
                 budget,
                 "the same" if mixed is None else mixed,
+                "" if share is None else f"; auto's chunks to a fixed-part share of {share:g}",
                 tbt_ms,
             )
         elif kind == "call":
@@ -2114,6 +2129,7 @@ class Engine:
             "ttft_slo_ms": self.config.ttft_slo_ms,
             "prefill_token_budget": self.serial.prefill_token_budget,
             "mixed_step_token_budget": self.serial.mixed_step_token_budget,
+            "chunk_fixed_share": self._chunk_fixed_share,
             "prefill_chunk_tokens": self.config.chunk_tokens(),
             "tbt_slo_ms": None if self._tbt_s is None else self._tbt_s * 1e3,
             # the JCT model's per-token and per-pair terms as mixed steps correct them
@@ -2161,14 +2177,13 @@ class Engine:
             "jct_source": self.jct_model.source,
             "alive": self._crashed is None,
         }
-        limits = ("prefill_token_budget", "tbt_slo_ms", "mixed_step_token_budget")
-        pending = {k: self._stats.get(k) for k in ("policy", *limits)}
+        pending = {k: self._stats.get(k) for k in ("policy", *PREFILL_LIMITS)}
         self._stats = snap
         # A change still in the inbox: show what was asked for, not what it replaces.
         if any(k == "policy" for k, _ in self._inbox) and pending["policy"] is not None:
             self._stats["policy"] = pending["policy"]
         if any(k == "prefill_limits" for k, _ in self._inbox):
-            for k in limits:
+            for k in PREFILL_LIMITS:
                 self._stats[k] = pending[k]
         self._next_stats_s = time.monotonic() + STATS_INTERVAL_S
 

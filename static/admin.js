@@ -225,11 +225,14 @@
       : "");
   }
   // How much prefill a step takes (PUT /admin/api/prefill changes it): the budget, and beside
-  // decodes the token cap (mixed_step_token_budget) and the TBT target's cut, either or both.
+  // decodes the token cap (mixed_step_token_budget; auto's chunks past it up to a fixed-part
+  // share, chunk_fixed_share) and the TBT target's cut, either or both.
   function renderPrefill(p) {
     if (!p || !isNum(p.token_budget)) { setText("prefill-limits", ""); return; }
-    const cap = isNum(p.mixed_step_token_budget) ? `${p.mixed_step_token_budget} with decodes`
-      : "the same with decodes";
+    const share = isNum(p.chunk_fixed_share)
+      ? ` (auto's chunks more, to a fixed-part share of ${p.chunk_fixed_share})` : "";
+    const cap = isNum(p.mixed_step_token_budget)
+      ? `${p.mixed_step_token_budget} with decodes${share}` : "the same with decodes";
     const beside = isNum(p.tbt_slo_ms) ? `${cap}, cut to a ${p.tbt_slo_ms} ms TBT target` : cap;
     const chunk = isNum(p.chunk_tokens) ? `; long prompts' MLP in chunks of ${p.chunk_tokens}` : "";
     setText("prefill-limits", `prefill per step: ${p.token_budget} tokens; ${beside}${chunk}`);

@@ -182,6 +182,7 @@ class FakeEngine:
             config.tbt_slo_ms,
         )
         self.mixed_step_token_budget = config.mixed_step_tokens(on_cuda=False)
+        self.chunk_fixed_share = config.chunk_fixed_share
         self.partition = UnavailablePartition("the fake engine has no GPU")
         self._lock = threading.Lock()
         self._inbox: deque[Request] = deque()
@@ -253,6 +254,7 @@ class FakeEngine:
                 "prefill_token_budget": self.prefill_limits[0],
                 "tbt_slo_ms": self.prefill_limits[1],
                 "mixed_step_token_budget": self.mixed_step_token_budget,
+                "chunk_fixed_share": self.chunk_fixed_share,
                 "partition": "off",
                 "num_cache_resets": self._num_cache_resets,
                 "alive": True,
@@ -273,6 +275,7 @@ class FakeEngine:
         prefill_token_budget: int,
         tbt_slo_ms: float | None,
         mixed_step_token_budget: int | None,
+        chunk_fixed_share: float | None,
     ) -> None:
         """As the engine: the budget may only go down from the configured one."""
         check_prefill_limits(
@@ -280,9 +283,11 @@ class FakeEngine:
             tbt_slo_ms,
             mixed_step_token_budget,
             self.config.prefill_token_budget,
+            chunk_fixed_share,
         )
         self.prefill_limits = (prefill_token_budget, tbt_slo_ms)
         self.mixed_step_token_budget = mixed_step_token_budget
+        self.chunk_fixed_share = chunk_fixed_share
 
     def shutdown(self, grace_s: float = 0.0) -> None:
         with self._lock:

@@ -181,6 +181,7 @@ class FakeEngine:
         self.prefill_budget_cap = 8192  # the budget the server "started" with
         self.prefill_limits: tuple[int, float | None] = (8192, None)
         self.mixed_step_token_budget: int | None = 2048
+        self.chunk_fixed_share: float | None = None
         self.max_running = max_running
         self.prefill_s, self.tpot_s = prefill_s, tpot_s
         self.kv_blocks_total = 256
@@ -213,6 +214,7 @@ class FakeEngine:
                 "prefill_token_budget": self.prefill_limits[0],
                 "tbt_slo_ms": self.prefill_limits[1],
                 "mixed_step_token_budget": self.mixed_step_token_budget,
+                "chunk_fixed_share": self.chunk_fixed_share,
                 "prefill_chunk_tokens": 16384,
                 "num_failed_steps": 3,
                 "num_failed_requests": 1,
@@ -236,12 +238,18 @@ class FakeEngine:
         prefill_token_budget: int,
         tbt_slo_ms: float | None,
         mixed_step_token_budget: int | None,
+        chunk_fixed_share: float | None,
     ) -> None:
         check_prefill_limits(
-            prefill_token_budget, tbt_slo_ms, mixed_step_token_budget, self.prefill_budget_cap
+            prefill_token_budget,
+            tbt_slo_ms,
+            mixed_step_token_budget,
+            self.prefill_budget_cap,
+            chunk_fixed_share,
         )
         self.prefill_limits = (prefill_token_budget, tbt_slo_ms)
         self.mixed_step_token_budget = mixed_step_token_budget
+        self.chunk_fixed_share = chunk_fixed_share
 
     async def reset_prefix_cache(self) -> None:
         return None

@@ -503,6 +503,31 @@ def test_prefix_cache_reset_reaches_the_real_engine() -> None:
         _eventually(lambda: engine.stats()["prefix_cached_blocks"], lambda v: v == 0)
 
 
+def test_prefill_limits_reach_the_real_engine() -> None:
+    """Full app, real engine core on random:tiny: a share set through the admin API crosses
+    into the engine core (a 400 there would name it) and comes back in its own stats."""
+    pytest.importorskip("runtime.engine", reason="runtime.engine not written yet")
+    from app.main import create_app
+    from app.settings import Settings
+
+    app = create_app(Settings(model="random:tiny", max_num_seqs=4, block_size=4, admin_token=None))
+    with TestClient(app, client=LOOPBACK, base_url=LOCAL_URL) as client:
+        engine = app.state.engine
+        r = client.put("/admin/api/prefill", json={"chunk_fixed_share": 0.15})
+        assert r.status_code == 200, r.text
+        r = client.post("/v1/score", json={"query": [5], "items": [[6]], "label_token_ids": [1, 2]})
+        assert r.status_code == 200, r.text
+        # The next heartbeat of the core (every 0.2 s) replaces the front end's note of the
+        # change with the engine's own stats: the value must survive it.
+        noted_s = engine._core._last_heartbeat_s
+        _eventually(lambda: engine._core._last_heartbeat_s, lambda t: t > noted_s)
+        assert engine.stats()["chunk_fixed_share"] == 0.15
+        r = client.put("/admin/api/prefill", json={"chunk_fixed_share": 1.5})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chunk_fixed_share"
+        r = client.put("/admin/api/prefill", json={"chunk_fixed_share": None})
+        assert r.status_code == 200 and r.json()["prefill"]["chunk_fixed_share"] is None
+
+
 def test_step_trace_of_the_real_engine() -> None:
     """Full app, real engine on random:tiny: after a scoring request and a chat request, the
     steps endpoint lists the steps that ran them (prefill tokens, decodes, device time), oldest
@@ -653,6 +678,18 @@ def test_prefill_limits_change_and_show_in_the_state() -> None:
     r = client.put("/admin/api/prefill", json={"mixed_step_token_budget": 1024})
     assert r.json()["prefill"]["mixed_step_token_budget"] == 1024
     assert limits(r.json()) == {"token_budget": 2048, "tbt_slo_ms": None}
+    # auto's fixed-part share past the cap: off by default, set and removed at run time,
+    # the other limits kept
+    assert r.json()["prefill"]["chunk_fixed_share"] is None
+    r = client.put("/admin/api/prefill", json={"chunk_fixed_share": 0.15})
+    assert r.status_code == 200 and r.json()["prefill"]["chunk_fixed_share"] == 0.15
+    assert app.state.engine.chunk_fixed_share == 0.15
+    assert r.json()["prefill"]["mixed_step_token_budget"] == 1024
+    r = client.put("/admin/api/prefill", json={"prefill_token_budget": 4096})
+    assert r.json()["prefill"]["chunk_fixed_share"] == 0.15  # kept when left out
+    r = client.put("/admin/api/prefill", json={"chunk_fixed_share": None})
+    assert r.status_code == 200 and r.json()["prefill"]["chunk_fixed_share"] is None
+    assert app.state.engine.chunk_fixed_share is None
 
 
 @pytest.mark.parametrize(
@@ -665,6 +702,9 @@ def test_prefill_limits_change_and_show_in_the_state() -> None:
         ({"tbt_slo_ms": -5}, "tbt_slo_ms"),
         ({"mixed_step_token_budget": 0}, "mixed_step_token_budget"),
         ({"mixed_step_token_budget": 1.5}, "mixed_step_token_budget"),  # strict: integers
+        ({"chunk_fixed_share": 0}, "chunk_fixed_share"),  # a share in (0, 1)
+        ({"chunk_fixed_share": 1.0}, "chunk_fixed_share"),
+        ({"chunk_fixed_share": "0.15"}, "chunk_fixed_share"),  # strict: no strings
         ({}, "prefill_token_budget"),
         ({"budget": 1}, None),
     ],

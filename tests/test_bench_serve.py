@@ -859,8 +859,14 @@ def test_parse_settings():
     ]
     assert parse_settings("partition=off") == [AdminChange("/admin/api/partition", {"mode": "off"})]
     # The baseline's knobs: one PUT for both, after the others.
-    # A budget alone is the budget of every step: the cap on steps with decodes is removed.
-    fixed = {"prefill_token_budget": 2048, "tbt_slo_ms": 80.0, "mixed_step_token_budget": None}
+    # A budget alone is the budget of every step: the cap on steps with decodes is removed,
+    # and so is auto's share past it (no side inherits an earlier side's on one server).
+    fixed = {
+        "prefill_token_budget": 2048,
+        "tbt_slo_ms": 80.0,
+        "mixed_step_token_budget": None,
+        "chunk_fixed_share": None,
+    }
     assert parse_settings("budget=2048,partition=off,tbt=80") == [
         AdminChange("/admin/api/partition", {"mode": "off"}),
         AdminChange("/admin/api/prefill", fixed),
@@ -868,8 +874,26 @@ def test_parse_settings():
     assert parse_settings("tbt=none") == [AdminChange("/admin/api/prefill", {"tbt_slo_ms": None})]
     assert parse_settings("budget=8192,mixed=2048") == [
         AdminChange(
-            "/admin/api/prefill", {"prefill_token_budget": 8192, "mixed_step_token_budget": 2048}
+            "/admin/api/prefill",
+            {
+                "prefill_token_budget": 8192,
+                "mixed_step_token_budget": 2048,
+                "chunk_fixed_share": None,
+            },
         )
+    ]
+    assert parse_settings("budget=8192,mixed=2048,share=0.15") == [
+        AdminChange(
+            "/admin/api/prefill",
+            {
+                "prefill_token_budget": 8192,
+                "mixed_step_token_budget": 2048,
+                "chunk_fixed_share": 0.15,
+            },
+        )
+    ]
+    assert parse_settings("share=none") == [
+        AdminChange("/admin/api/prefill", {"chunk_fixed_share": None})
     ]
     assert parse_settings("mixed=none") == [
         AdminChange("/admin/api/prefill", {"mixed_step_token_budget": None})
@@ -879,6 +903,10 @@ def test_parse_settings():
         "budget=lots",
         "mixed=0",
         "mixed=some",
+        "share=0",
+        "share=1",
+        "share=nan",
+        "share=most",
         "tbt=soon",
         "",
         "policy",
@@ -891,6 +919,21 @@ def test_parse_settings():
     ):
         with pytest.raises(ValueError):
             parse_settings(bad)
+
+
+def test_every_side_of_the_gpu_plans_parses():
+    """The device plans' sides (`--side NAME:SETTINGS` in bench/gpu_next.sh) are settings
+    `parse_settings` takes: a typo fails here, not in a device call."""
+    import re
+
+    from bench.compare import parse_settings
+
+    text = (Path(__file__).resolve().parents[1] / "bench" / "gpu_next.sh").read_text()
+    # (A side's settings hold a `key=`: the comments' `--side NAME:SETTINGS` do not.)
+    sides = re.findall(r"--side ([\w-]+):(\w+=[^\s)\"'\\]*)", text)
+    assert len(sides) >= 10 and ("auto-share" in {name for name, _ in sides})
+    for name, settings in sides:
+        assert parse_settings(settings), name
 
 
 def test_compare_mode_arguments():

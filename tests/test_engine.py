@@ -499,22 +499,27 @@ def test_prefill_limits_change_at_run_time_and_never_above_the_sized_budget() ->
     engine, sink = make_engine(prefill_token_budget=2048)
     try:
         with pytest.raises(ValueError, match="reserved activation memory for 2048"):
-            engine.set_prefill_limits(4096, None, None)
+            engine.set_prefill_limits(4096, None, None, None)
         with pytest.raises(ValueError, match="tbt_slo_ms"):
-            engine.set_prefill_limits(1024, 0.0, None)
+            engine.set_prefill_limits(1024, 0.0, None, None)
         with pytest.raises(ValueError, match="mixed_step_token_budget"):
-            engine.set_prefill_limits(1024, None, 0)
-        engine.set_prefill_limits(512, 40.0, 256)
+            engine.set_prefill_limits(1024, None, 0, None)
+        for share in (0.0, 1.0, float("nan")):
+            with pytest.raises(ValueError, match="chunk_fixed_share"):
+                engine.set_prefill_limits(1024, None, None, share)
+        engine.set_prefill_limits(512, 40.0, 256, 0.2)
         assert engine.stats()["prefill_token_budget"] == 512  # shown at once (pending)
         assert engine.stats()["mixed_step_token_budget"] == 256
+        assert engine.stats()["chunk_fixed_share"] == 0.2
         sp = SamplingParams(max_tokens=2, temperature=0.0)
         engine.add(Request("r", RequestKind.GENERATE, list(range(5, 25)), sp))
         sink.wait("r")  # the engine thread has applied its inbox
         assert engine.serial.prefill_token_budget == 512 and engine._tbt_s == 0.04
         assert engine.serial.mixed_step_token_budget == 256
+        assert engine._chunk_fixed_share == 0.2  # what auto's step cap reads
         stats = engine.fresh_stats()
         assert stats["prefill_token_budget"] == 512 and stats["tbt_slo_ms"] == 40.0
-        assert stats["mixed_step_token_budget"] == 256
+        assert stats["mixed_step_token_budget"] == 256 and stats["chunk_fixed_share"] == 0.2
     finally:
         engine.shutdown()
 

@@ -446,6 +446,28 @@ def test_auto_grows_its_chunk_past_the_cap_until_the_fixed_part_is_its_share(
     assert all(len(p.decode) == 1 for p in launched if p.prefill)
 
 
+def test_the_fixed_share_changes_at_run_time(manager) -> None:  # noqa: F811
+    """Set while serving (`set_prefill_limits`, the admin API's path), the share applies from
+    the next step as if started with it (the 0.8 case above), and None returns to the cap."""
+    eng, _, launched = _auto_engine(manager)
+    _decoding_chat(eng)
+    budget = eng.serial.prefill_token_budget
+
+    def set_limits(share: float | None, long_id: str, seed: int) -> list[int | None]:
+        eng.set_prefill_limits(budget, None, 201, share)
+        items = list(eng._inbox)
+        eng._inbox.clear()
+        for kind, payload in items:  # as the engine thread's loop does before a step
+            eng._handle(kind, payload)
+        launched.clear()
+        eng.scheduler.add(gen(long_id, 1000, 1, seed=seed))  # (another seed: no prefix hit)
+        _run(eng, lambda: eng.scheduler.get(long_id) is None)
+        return [_sizes(p).get(long_id) for p in launched if p.prefill]
+
+    assert set_limits(0.8, "a", 2) == [249] * 4 + [4]
+    assert set_limits(None, "b", 3) == [200] * 5
+
+
 def test_the_fixed_part_counts_the_cached_prefixs_read(manager) -> None:  # noqa: F811
     """A cached prefix's read (`CorrectedCost.context_s_per_token`) is paid whatever the
     chunk: fixed. 10k cached tokens at 0.1 us: 1 ms beside the 2-ms decode base, so s = 0.8

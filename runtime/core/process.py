@@ -287,11 +287,12 @@ class EngineCore:
             engine.reset_prefix_cache()
             return None
         if method == "set_prefill_limits":
-            budget, tbt, mixed = args
+            budget, tbt, mixed, share = args
             engine.set_prefill_limits(
                 int(budget),
                 None if tbt is None else float(tbt),
                 None if mixed is None else int(mixed),
+                None if share is None else float(share),
             )
             return None
         if method == "set_partition":
