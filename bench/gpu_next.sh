@@ -51,7 +51,7 @@
 #                                         #   (PARTS=score-chat, then mixed)
 #   bash bench/gpu_next.sh whole REV [M]  # issue 13: scoring prompts too long to chunk in the
 #                                         #   pool (credit verification, 8B in 24 GB) next to
-#                                         #   chat: off-2k vs auto (unrun as of session 28)
+#                                         #   chat: off vs auto (SIDES, as plan cap)
 #   bash bench/gpu_next.sh warm REV [M]   # a bare machine's first call: start one server
 #                                         #   (M: random:qwen2.5-3b) with --calibrate false
 #                                         #   until healthy, so FlashInfer's modules and the
