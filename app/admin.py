@@ -536,7 +536,8 @@ def _build_state(app: Any) -> dict[str, Any]:
         },
         "prefill": {
             "token_budget": stats.get("prefill_token_budget"),
-            # Tokens a step with decodes may take when no TBT target sizes it (None: the budget).
+            # Tokens a step with decodes may take, decodes included; a TBT target may cut such a
+            # step shorter (None: the budget).
             "mixed_step_token_budget": stats.get("mixed_step_token_budget"),
             # auto's chunks beside decodes grow past that cap until the step's fixed part is
             # at most this share of the step (None: the cap alone; `--chunk-fixed-share`).
