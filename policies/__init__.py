@@ -8,8 +8,9 @@ from policies.jct import JCTModel
 from policies.spf import DEFAULT_GAMMA_TOKENS_PER_S, SPF
 from policies.srjf import DEFAULT_FAIRNESS_LAMBDA, SRJF
 
-# Names accepted by `--prefill-policy` and the admin API; srjf-oneshot is the ablation.
-POLICY_NAMES = ("srjf", "spf", "fcfs", "srjf-oneshot")
+# Names accepted by `--prefill-policy` and the admin API; srjf-oneshot is the ablation;
+# srjf-cold-fcfs ranks cold requests alike (arrival order among them; policies/srjf.py).
+POLICY_NAMES = ("srjf", "spf", "fcfs", "srjf-oneshot", "srjf-cold-fcfs")
 
 
 def make_policy(
@@ -32,12 +33,13 @@ def make_policy(
         return FCFS()
     if name == "spf":
         return SPF(gamma=gamma)
-    if name in ("srjf", "srjf-oneshot"):
+    if name in ("srjf", "srjf-oneshot", "srjf-cold-fcfs"):
         return SRJF(
             jct_model,
             fairness_lambda=fairness_lambda,
             oneshot=name == "srjf-oneshot",
             latency_slo_s=latency_slo_s,
+            cold_fcfs=name == "srjf-cold-fcfs",
         )
     raise ValueError(f"unknown prefill policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
 

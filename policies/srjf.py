@@ -20,6 +20,10 @@ _ONESHOT_MEMORY = 65536  # remembered estimates; oldest forgotten first (bounded
 MIN_SLACK_FRACTION = 0.05
 COLD_JCT_EWMA = 0.01
 
+# `srjf-cold-fcfs`: a request is warm when its predicted JCT now is under this share of its JCT
+# with nothing cached (most of its work is in the prefix cache), else cold.
+WARM_SHARE = 0.5
+
 
 class SRJF:
     """score = JCT(uncached_now, cached_now) - lambda * wait_s   (units: seconds).
@@ -28,6 +32,14 @@ class SRJF:
     length the scheduler looked up *now*, so a request whose prefix was just cached moves up.
     With `oneshot=True` the JCT estimated at a request's first decision is kept for its
     lifetime (the ablation PrefillOnly's reviewers asked for); the offset still applies.
+
+    With `cold_fcfs=True` (`srjf-cold-fcfs`) only warm requests (predicted JCT now under
+    WARM_SHARE of their cold JCT) rank by JCT; every cold one ranks at the running mean cold
+    JCT of arrivals, so cold requests run in arrival order among themselves, after the warm
+    ones unless the offset has aged them past. Why: in post recommendation's cold profiles
+    (11k-17k tokens) plain SRJF lets a short cold profile overtake a long one, and those long
+    cold prompts make its P99 (docs/scheduling.md, "Why it swings"); ranking them alike keeps
+    SRJF's cache affinity (warm posts first) without that starvation.
     """
 
     def __init__(
@@ -36,6 +48,7 @@ class SRJF:
         fairness_lambda: float | None = None,
         oneshot: bool = False,
         latency_slo_s: float | None = None,
+        cold_fcfs: bool = False,
     ) -> None:
         """latency_slo_s: the latency (queueing + prefill) requests should stay within. Given,
         lambda follows it instead of `fairness_lambda`: lambda = J_cold / (SLO - J_cold), with
@@ -46,6 +59,8 @@ class SRJF:
         front at its own latest start) was tried and lost up to 3x max QPS at wide SLOs."""
         if fairness_lambda is not None and latency_slo_s is not None:
             raise ValueError("srjf takes fairness_lambda or latency_slo_s, not both")
+        if oneshot and cold_fcfs:
+            raise ValueError("srjf takes oneshot or cold_fcfs, not both")
         self.jct_model = jct_model if jct_model is not None else JCTModel()
         self.fairness_lambda = (
             DEFAULT_FAIRNESS_LAMBDA if fairness_lambda is None else float(fairness_lambda)
@@ -55,10 +70,13 @@ class SRJF:
         if latency_slo_s is not None and not latency_slo_s > 0:
             raise ValueError("srjf latency_slo_s must be > 0 (seconds)")
         self.latency_slo_s = latency_slo_s
-        self.cold_jct_s: float | None = None  # EWMA of arrivals' predicted cold JCT (SLO mode)
+        # EWMA of arrivals' predicted cold JCT (SLO mode: lambda follows it; cold_fcfs: the
+        # cold requests' rank)
+        self.cold_jct_s: float | None = None
         self._seen: OrderedDict[object, None] = OrderedDict()  # requests counted in the EWMA
         self.oneshot = oneshot
-        self.name = "srjf-oneshot" if oneshot else "srjf"
+        self.cold_fcfs = cold_fcfs
+        self.name = "srjf-oneshot" if oneshot else "srjf-cold-fcfs" if cold_fcfs else "srjf"
         self._first_jct_s: OrderedDict[object, float] = OrderedDict()
 
     def jct_s(self, req: WaitingView) -> float:
@@ -79,13 +97,19 @@ class SRJF:
         self._first_jct_s.pop(request_id, None)
 
     def score(self, req: WaitingView, now_s: float) -> float:
-        if self.latency_slo_s is not None:
+        if self.latency_slo_s is not None or self.cold_fcfs:
             self._observe_arrival(req)
-        return self.jct_s(req) - self.fairness_lambda * (now_s - req.arrival_s)
+        jct = self.jct_s(req)
+        if self.cold_fcfs:
+            cold = self.jct_model.predict_s(max(req.num_prompt_tokens, 1), 0)
+            if jct >= WARM_SHARE * cold:
+                assert self.cold_jct_s is not None  # (set by _observe_arrival)
+                jct = self.cold_jct_s
+        return jct - self.fairness_lambda * (now_s - req.arrival_s)
 
     def _observe_arrival(self, req: WaitingView) -> None:
-        """SLO mode: fold a request's cold JCT into the EWMA the first time it is scored and
-        set lambda from it (O(1) per call: one dict lookup after the first)."""
+        """Fold a request's cold JCT into the EWMA the first time it is scored and, in SLO
+        mode, set lambda from it (O(1) per call: one dict lookup after the first)."""
         key = getattr(req, "request_id", None) or (req.arrival_s, req.num_prompt_tokens)
         if key in self._seen:
             return
@@ -96,6 +120,7 @@ class SRJF:
         prev = self.cold_jct_s
         self.cold_jct_s = cold if prev is None else prev + COLD_JCT_EWMA * (cold - prev)
         slo = self.latency_slo_s
-        assert slo is not None
+        if slo is None:
+            return
         slack = max(slo - self.cold_jct_s, MIN_SLACK_FRACTION * slo)
         self.fairness_lambda = self.cold_jct_s / slack

@@ -109,6 +109,32 @@ def test_srjf_continuous_recalibration_vs_oneshot() -> None:
     assert once.score(a, 1.0) == pytest.approx(cont.score(a, 1.0))
 
 
+def test_srjf_cold_fcfs_runs_cold_requests_in_arrival_order_after_warm_ones() -> None:
+    """`srjf-cold-fcfs`: a cold profile of 11k tokens no longer overtakes an earlier one of
+    17k (SRJF's does); warm requests (most of their work cached) still go first, shortest
+    first among them; the offset still ages a cold request past later warm ones."""
+    model = JCTModel()
+    cold_fcfs = make_policy("srjf-cold-fcfs", jct_model=model)
+    srjf = make_policy("srjf", jct_model=model)
+    long_cold, short_cold = View("long-cold", 0.0, 17_150), View("short-cold", 0.5, 11_150)
+    warm = View("warm", 1.0, 14_150, num_cached_tokens_now=14_000)
+    warmer = View("warmer", 1.0, 14_150, num_cached_tokens_now=14_100)
+    views = [long_cold, short_cold, warm, warmer]
+    assert order(srjf, views, 1.0) == ["warmer", "warm", "short-cold", "long-cold"]
+    assert order(cold_fcfs, views, 1.0) == ["warmer", "warm", "long-cold", "short-cold"]
+    # Cold ranks at the arrivals' mean cold JCT: the long one's own would keep it behind.
+    assert model.predict_s(11_150, 0) < cold_fcfs.cold_jct_s < model.predict_s(17_150, 0)
+    # Half its work cached is still cold (WARM_SHARE 0.5): it waits its turn in arrival order.
+    half = View("half", 0.8, 14_150, num_cached_tokens_now=7_000)
+    assert order(cold_fcfs, [short_cold, half], 1.0) == ["short-cold", "half"]
+    # A cold request waiting long enough leads a warm one that just came.
+    window = (cold_fcfs.cold_jct_s - cold_fcfs.jct_s(warm)) / DEFAULT_FAIRNESS_LAMBDA
+    late_warm = View("late-warm", 1.05 * window, 14_150, num_cached_tokens_now=14_000)
+    assert order(cold_fcfs, [long_cold, late_warm], 1.05 * window)[0] == "long-cold"
+    with pytest.raises(ValueError, match="not both"):
+        SRJF(model, oneshot=True, cold_fcfs=True)
+
+
 def test_prefill_work_counts_cache_and_chunk_progress() -> None:
     assert prefill_work(View("x", 0, 1000)) == (1000, 0)
     assert prefill_work(View("x", 0, 1000, num_cached_tokens_now=600)) == (400, 600)
