@@ -5,7 +5,7 @@ Routes (all under `/admin`):
 - `GET  /admin/api/state`       one JSON snapshot (shape: `build_state`).
 - `GET  /admin/api/events`      SSE: the same snapshot as event `state` every `interval_s`.
 - `PUT  /admin/api/partition`   `{"mode": "auto"|"off"|"static", "prefill_sms": int}`.
-- `PUT  /admin/api/policy`      `{"policy": "srjf"|"spf"|"fcfs"|"srjf-oneshot"}`.
+- `PUT  /admin/api/policy`      `{"policy": "srjf"|"spf"|"fcfs"|"srjf-oneshot"|"srjf-cold-fcfs"}`.
 - `PUT  /admin/api/prefill`     `{"prefill_token_budget": int, "tbt_slo_ms": float|null,
   "mixed_step_token_budget": int|null, "chunk_fixed_share": float|null}` (any of them; the
   budget at most the one the server started with).
