@@ -860,20 +860,12 @@ async def admin_set_prefill(request: Request) -> JSONResponse:
     engine = getattr(request.app.state, "engine", None)
     if engine is None:
         return _error(503, "the engine is starting; try again shortly", "service_unavailable")
+    # A field left out keeps the engine's value (its stats name each limit as the body does);
+    # the model's fields are in `set_prefill_limits`' argument order.
     stats = engine.stats()
-    budget = (
-        body.prefill_token_budget
-        if "prefill_token_budget" in given
-        else stats.get("prefill_token_budget")
-    )
-    tbt = body.tbt_slo_ms if "tbt_slo_ms" in given else stats.get("tbt_slo_ms")
-    mixed = (
-        body.mixed_step_token_budget
-        if "mixed_step_token_budget" in given
-        else stats.get("mixed_step_token_budget")
-    )
-    share = (
-        body.chunk_fixed_share if "chunk_fixed_share" in given else stats.get("chunk_fixed_share")
+    budget, tbt, mixed, share = (
+        getattr(body, name) if name in given else stats.get(name)
+        for name in PrefillChange.model_fields
     )
     if budget is None:
         return _error(

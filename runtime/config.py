@@ -313,7 +313,7 @@ def check_prefill_limits(
     tbt_slo_ms: float | None,
     mixed_step_token_budget: int | None,
     sized_budget: int,
-    chunk_fixed_share: float | None = None,
+    chunk_fixed_share: float | None,
 ) -> None:
     """What a run-time change of the prefill limits must meet (`Engine.set_prefill_limits`):
     ValueError naming the field otherwise. The budget may only go down from `sized_budget`,
