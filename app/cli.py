@@ -69,8 +69,8 @@ _ENGINE_HELP = {
     "decodes included; a TBT target may cut it shorter, and auto's chunks keep to it (auto: "
     "2048 on CUDA, none on CPU; none: --prefill-token-budget alone); steps without decodes "
     "keep the whole budget",
-    "prefill_policy": "srjf | spf | fcfs | srjf-oneshot (ablation) | srjf-cold-fcfs (cold "
-    "requests in arrival order)",
+    "prefill_policy": "srjf-cold-fcfs (SRJF, cold requests in arrival order) | srjf | spf | "
+    "fcfs | srjf-oneshot (ablation)",
     "fairness_lambda": "SRJF fairness offset",
     "ttft_slo_ms": "latency target in ms (a score's, a chat's time to first token) that SRJF "
     "derives its fairness offset from (instead of --fairness-lambda)",
