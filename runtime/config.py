@@ -68,7 +68,7 @@ class EngineConfig:
     tbt_slo_ms: float | None = None
     # srjf-cold-fcfs: SRJF among mostly cached requests, cold ones in arrival order; it
     # sustained 1.69x / 1.14x FCFS's max QPS on the GPU against plain SRJF's 1.38x / 1.14x,
-    # with a lower P99 in both repeats (docs/scheduling.md, "Cold requests in arrival order").
+    # with a lower P99 in both repeats (docs/scheduling.md, "`srjf-cold-fcfs` on the GPU").
     prefill_policy: str = "srjf-cold-fcfs"  # policies.POLICY_NAMES
     fairness_lambda: float | None = None  # SRJF fairness offset (None = policy default)
     # The latency (queueing + prefill: a score's latency, a chat's time to first token) SRJF
