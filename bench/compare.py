@@ -191,12 +191,13 @@ def parse_settings(text: str) -> list[AdminChange]:
             if value.lower() == "none":
                 prefill["chunk_fixed_share"] = None
             else:
+                bad = ValueError(f"share must be between 0 and 1 or none, got {value!r}")
                 try:
                     share = float(value)
                 except ValueError:
-                    share = math.nan
-                if not 0.0 < share < 1.0:
-                    raise ValueError(f"share must be between 0 and 1 or none, got {value!r}")
+                    raise bad from None
+                if not 0.0 < share < 1.0:  # also refuses nan
+                    raise bad
                 prefill["chunk_fixed_share"] = share
         elif key == "tbt":
             try:
