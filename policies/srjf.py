@@ -83,7 +83,7 @@ class SRJF:
         """Predicted JCT used for `req` (the first estimate when one-shot)."""
         if not self.oneshot:
             return self.jct_model.predict_s(*prefill_work(req))
-        key = getattr(req, "request_id", None) or (req.arrival_s, req.num_prompt_tokens)
+        key = _request_key(req)
         jct = self._first_jct_s.get(key)
         if jct is None:
             jct = self.jct_model.predict_s(*prefill_work(req))
@@ -91,6 +91,10 @@ class SRJF:
             if len(self._first_jct_s) > _ONESHOT_MEMORY:
                 self._first_jct_s.popitem(last=False)
         return jct
+
+    def cold_jct_of(self, req: WaitingView) -> float:
+        """Predicted JCT of `req` with nothing cached (s)."""
+        return self.jct_model.predict_s(max(req.num_prompt_tokens, 1), 0)
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's one-shot estimate (optional; memory is bounded anyway)."""
@@ -101,8 +105,7 @@ class SRJF:
             self._observe_arrival(req)
         jct = self.jct_s(req)
         if self.cold_fcfs:
-            cold = self.jct_model.predict_s(max(req.num_prompt_tokens, 1), 0)
-            if jct >= WARM_SHARE * cold:
+            if jct >= WARM_SHARE * self.cold_jct_of(req):
                 assert self.cold_jct_s is not None  # (set by _observe_arrival)
                 jct = self.cold_jct_s
         return jct - self.fairness_lambda * (now_s - req.arrival_s)
@@ -110,13 +113,13 @@ class SRJF:
     def _observe_arrival(self, req: WaitingView) -> None:
         """Fold a request's cold JCT into the EWMA the first time it is scored and, in SLO
         mode, set lambda from it (O(1) per call: one dict lookup after the first)."""
-        key = getattr(req, "request_id", None) or (req.arrival_s, req.num_prompt_tokens)
+        key = _request_key(req)
         if key in self._seen:
             return
         self._seen[key] = None
         if len(self._seen) > _ONESHOT_MEMORY:
             self._seen.popitem(last=False)
-        cold = self.jct_model.predict_s(max(req.num_prompt_tokens, 1), 0)
+        cold = self.cold_jct_of(req)
         prev = self.cold_jct_s
         self.cold_jct_s = cold if prev is None else prev + COLD_JCT_EWMA * (cold - prev)
         slo = self.latency_slo_s
@@ -124,3 +127,8 @@ class SRJF:
             return
         slack = max(slo - self.cold_jct_s, MIN_SLACK_FRACTION * slo)
         self.fairness_lambda = self.cold_jct_s / slack
+
+
+def _request_key(req: WaitingView) -> object:
+    """What identifies a request across decisions: its id, else its arrival and length."""
+    return getattr(req, "request_id", None) or (req.arrival_s, req.num_prompt_tokens)
