@@ -111,10 +111,12 @@ class PrefillChange(BaseModel):
     # Token counts bounded so that none too large to send reaches the engine core, whose own
     # check (`runtime.config.check_prefill_limits`) names the valid range.
     prefill_token_budget: int | None = Field(None, ge=0, le=MAX_WIRE_INT)
-    tbt_slo_ms: float | None = None
+    # Finite: JSON's 1e400 is infinity, which the engine took as a target no step misses (and
+    # the state showed as null, "no target"); null is how to ask for no target.
+    tbt_slo_ms: float | None = Field(None, allow_inf_nan=False)
     mixed_step_token_budget: int | None = Field(None, ge=0, le=MAX_WIRE_INT)
     # A share in (0, 1): the engine's check names the range.
-    chunk_fixed_share: float | None = None
+    chunk_fixed_share: float | None = Field(None, allow_inf_nan=False)
 
 
 class PolicyChange(BaseModel):

@@ -9,6 +9,7 @@ id the body names. `ERROR_RESPONSES` describes all this in the OpenAPI spec.
 from __future__ import annotations
 
 import logging
+import sys
 import uuid
 from typing import Any
 
@@ -17,6 +18,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.security import is_json_content_type
 
 log = logging.getLogger("greenlane.app")
 
@@ -133,13 +136,25 @@ async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse
     errors = exc.errors()
     first = errors[0] if errors else {}
     param = _loc_to_param(first.get("loc", ()))
+    content_type = request.headers.get("content-type")
     if first.get("type") == "json_invalid":
         # Its location is a character offset into the body, not a parameter: in the message.
         where = [p for p in first.get("loc", ()) if p != "body"]
         at = f" at character {where[0]}" if where else ""
-        message = f"Malformed JSON body{at}: {first.get('msg', 'invalid JSON')}"
+        # FastAPI's msg is "JSON decode error"; the decoder's own reason is in ctx
+        reason = (first.get("ctx") or {}).get("error") or first.get("msg", "invalid JSON")
+        message = f"Malformed JSON body{at}: {reason}"
         param = None
         code = "invalid_json"
+    elif tuple(first.get("loc", ())) == ("body",) and not is_json_content_type(content_type):
+        # FastAPI reads a body as JSON only under a JSON content type; otherwise it validates
+        # the raw bytes and says "Input should be a valid dictionary", which blames the body.
+        given = f"got {content_type!r}" if content_type else "none was sent"
+        message = (
+            f"The body must be a JSON object sent with Content-Type: application/json ({given})"
+        )
+        param = None
+        code = "invalid_content_type"
     else:
         # One readable message that names every bad field.
         details = "; ".join(
@@ -152,13 +167,29 @@ async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse
     return JSONResponse(error_body(message, "invalid_request_error", param, code), status_code=400)
 
 
+# FastAPI's 400 for a body that json.loads refused with a ValueError other than a decode
+# error: text in no encoding it knows, or an integer past Python's digit limit.
+_BODY_NOT_PARSED = "There was an error parsing the body"
+
+
+def _undecodable_body(cause: BaseException | None) -> str:
+    """What was wrong with a body FastAPI could not parse (its exception's cause)."""
+    if isinstance(cause, UnicodeDecodeError):
+        return f"Malformed JSON body: not valid {cause.encoding} text (byte {cause.start})"
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        return f"Malformed JSON body: a number has more than {sys.get_int_max_str_digits()} digits"
+    return "Malformed JSON body: it could not be decoded"
+
+
 async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     status = exc.status_code
-    _note(request, str(exc.detail))
-    code = {404: "not_found", 405: "method_not_allowed"}.get(status)
+    detail, code = str(exc.detail), {404: "not_found", 405: "method_not_allowed"}.get(status)
+    if status == 400 and detail == _BODY_NOT_PARSED:
+        detail, code = _undecodable_body(exc.__cause__), "invalid_json"
+    _note(request, detail)
     return JSONResponse(
-        error_body(str(exc.detail), _ERROR_TYPES.get(status, "invalid_request_error"), None, code),
+        error_body(detail, _ERROR_TYPES.get(status, "invalid_request_error"), None, code),
         status_code=status,
         headers=getattr(exc, "headers", None),
     )

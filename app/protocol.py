@@ -32,6 +32,13 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64-bit seeds
 MAX_TOP_K = 2**31 - 1  # top_k >= the vocabulary means no limit; beyond int32 is a mistake
+# The sampler divides float32 logits by the temperature: below ~1e-37 they overflow to inf and
+# it samples garbage. A temperature under this is sampled as its limit, greedy (vLLM's
+# _SAMPLING_EPS: the same rule), which it already is to float precision.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+# The repetition penalty divides (or multiplies) logits too: near 0 they overflow the same way.
+# 0.01 already makes a seen token's logit 100 times larger; nothing below it means more.
+MIN_REPETITION_PENALTY = 0.01
 _TOKEN_ID_KEY = re.compile(r"\s*-?[0-9]+\s*")  # a logit_bias key: a token id as a string
 # vLLM's `request_id` body field becomes the response's id and X-Request-Id header: the same
 # characters as an X-Request-Id the server takes (app/logs.py), none that breaks a header.
@@ -195,8 +202,10 @@ class ChatMessage(_Request):
             return self.content
         texts = []
         for part in self.content:
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise ValueError(f"only text content parts are supported, got type {part.type!r}")
+            if part.text is None:
+                raise ValueError("a text content part needs its text (a string)")
             texts.append(part.text)
         return "\n".join(texts)
 
@@ -227,7 +236,8 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)  # vLLM/SGLang extension
+    # vLLM/SGLang extension
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=10.0)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM/SGLang extension
     stop_token_ids: list[int] | None = Field(None, max_length=64)  # vLLM/SGLang extension
@@ -253,10 +263,19 @@ class _SamplingFields(_Request):
             return v
         if len(v) > 300:
             raise ValueError("at most 300 logit_bias entries")
+        keys: dict[int, str] = {}
         for key, bias in v.items():
             # ASCII digits only: str.isdigit() also takes "²", which int() refuses
             if _TOKEN_ID_KEY.fullmatch(key) is None:
                 raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            # "5", "05" and " 5" are one token: the later bias would silently replace the other
+            token_id = int(key)
+            if token_id in keys:
+                raise ValueError(
+                    f"logit_bias keys {keys[token_id]!r} and {key!r} are the same token id "
+                    f"{token_id}: give it once"
+                )
+            keys[token_id] = key
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
         return v

@@ -46,6 +46,7 @@ from app.errors import ERROR_RESPONSES, APIError, bad_request, error_body
 from app.json_body import FastJSONRoute
 from app.limits import check_num_requests
 from app.protocol import (
+    GREEDY_BELOW_TEMPERATURE,
     MAX_SEED,
     ChatCompletionRequest,
     CompletionRequest,
@@ -130,6 +131,9 @@ def _sampling(
         return value if value is not None else defaults.get(key, server)
 
     top_k = int(pick(body.top_k, "top_k", 0))
+    temperature = pick(body.temperature, "temperature", 1.0)
+    if temperature < GREEDY_BELOW_TEMPERATURE:
+        temperature = 0.0  # greedy: what a temperature this small samples anyway
     if body.min_tokens > max_tokens:
         raise bad_request(
             f"min_tokens ({body.min_tokens}) exceeds the request's max_tokens ({max_tokens})",
@@ -153,7 +157,7 @@ def _sampling(
             raise bad_request(str(e), "structured_outputs") from e
     sampling = SamplingParams(
         max_tokens=max_tokens,
-        temperature=pick(body.temperature, "temperature", 1.0),
+        temperature=temperature,
         top_p=pick(body.top_p, "top_p", 1.0),
         top_k=0 if top_k < 0 else top_k,
         seed=seed,
@@ -593,6 +597,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     check_model(request, body.model)
     engine = engine_of(request)
     _check_params(engine, body)
+    if body.max_tokens is not None and body.max_completion_tokens not in (None, body.max_tokens):
+        # One of them would be ignored: which one the client meant is not ours to guess.
+        raise bad_request(
+            f"max_tokens={body.max_tokens} and max_completion_tokens="
+            f"{body.max_completion_tokens} disagree: send one of them (max_completion_tokens is "
+            "OpenAI's current name)",
+            "max_tokens",
+        )
     # n choices are n engine requests: more than the server admits at once can never run (a
     # 400, not a 429 that invites retries)
     check_num_requests(client_of(request), body.n, "n")

@@ -286,10 +286,16 @@ async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
     # One hop to the preparation threads for both (a hop costs more than small id checks).
     (label_ids, label_names), prompts = await off_loop(_labels_and_prompts, engine, body)
     request_id, engine_base = begin_request_id(request, "score")
+    # A label given twice is scored once: with both copies in apply_softmax's softmax each
+    # would get half its probability. Every position then gets its label's own.
+    unique = list(dict.fromkeys(label_ids))
     scored = await _run_scoring(
-        request, engine_base, prompts, label_ids, body.apply_softmax, body.cache_salt
+        request, engine_base, prompts, unique, body.apply_softmax, body.cache_salt
     )
     scores = scored.probs
+    if len(unique) != len(label_ids):
+        column = {t: j for j, t in enumerate(unique)}
+        scores = [[row[column[t]] for t in label_ids] for row in scores]
     top = [max(range(len(s)), key=s.__getitem__) for s in scores]
     return {
         "id": request_id,

@@ -4,8 +4,10 @@ Per GENERATE request it keeps an incremental detokenizer and applies stop string
 could be the beginning of a stop string is held back until it cannot; on a match the text is
 cut before the stop string, the request is finished with "stop", and `process` says so, so the
 caller aborts the request in the engine (which may already have computed a token or two more:
-those are dropped here). A stop token's (or EOS's) own text is never shown. SCORE outputs pass
-through unchanged. Runs on the API server's event loop; nothing here touches the engine.
+those are dropped here). A stop token's (or EOS's) own text is shown only with
+`include_stop_str_in_output` (vLLM's rule; a special token's text also needs
+`skip_special_tokens` false). SCORE outputs pass through unchanged. Runs on the API server's
+event loop; nothing here touches the engine.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class _State:
     max_stop_len: int = 0
     token_ids: list[int] = field(default_factory=list)
     skip_special_tokens: bool = True
-    include_stop: bool = False  # include_stop_str_in_output
+    include_stop: bool = False  # include_stop_str_in_output (a stop string's, a stop token's)
     min_tokens: int = 0  # stop strings end the text only once more output tokens are out
     num_tokens: int = 0  # output tokens seen
 
@@ -72,8 +74,10 @@ class OutputProcessor:
         stopped_by_string = False
         tokens = out.new_token_ids
         st.num_tokens += len(tokens)
-        # The engine finishes with "stop" only on a stop token / EOS: its text is hidden.
-        visible = tokens[:-1] if out.finished and out.finish_reason == "stop" and tokens else tokens
+        # The engine finishes with "stop" only on a stop token / EOS: its text is hidden unless
+        # include_stop_str_in_output asks for it.
+        stop_token = out.finished and out.finish_reason == "stop" and bool(tokens)
+        visible = tokens[:-1] if stop_token and not st.include_stop else tokens
         detok = st.detok
         if detok is None and (visible or out.finished):
             detok = st.detok = IncrementalDetokenizer(
