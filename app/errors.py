@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.protocol import ParamError
 from app.security import is_json_content_type
 
 log = logging.getLogger("greenlane.app")
@@ -156,6 +157,9 @@ async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse
         param = None
         code = "invalid_content_type"
     else:
+        blamed = (first.get("ctx") or {}).get("error")
+        if isinstance(blamed, ParamError):  # a model-level check that knows its parameter
+            param = f"{param}.{blamed.param}" if param else blamed.param
         # One readable message that names every bad field.
         details = "; ".join(
             f"{_loc_to_param(e.get('loc', ())) or 'body'}: {e.get('msg', 'invalid')}"

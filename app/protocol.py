@@ -45,6 +45,16 @@ _TOKEN_ID_KEY = re.compile(r"\s*-?[0-9]+\s*")  # a logit_bias key: a token id as
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:/+=@-]{1,128}$"
 
 
+class ParamError(ValueError):
+    """A model-level check's failure that one parameter is to blame for: pydantic locates such
+    an error at the model itself, so the 400 would name no `param`; app/errors.py reads this one's
+    `param` instead."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def _valid_unicode(value: str) -> str:
     # JSON can carry lone surrogates ("\ud800"); they are not text and no tokenizer takes
     # them. encode() is the fastest check (C); the message does not echo the value.
@@ -149,7 +159,9 @@ class StreamOptions(_Request):
     def _continuous_needs_usage(self) -> StreamOptions:
         # (Here, not on the request: the 400 then names `stream_options`.)
         if self.continuous_usage_stats and not self.include_usage:
-            raise ValueError("continuous_usage_stats needs include_usage=true")
+            raise ParamError(
+                "continuous_usage_stats", "continuous_usage_stats needs include_usage=true"
+            )
         return self
 
 
@@ -303,7 +315,7 @@ class _SamplingFields(_Request):
     @model_validator(mode="after")
     def _stream_options_need_a_stream(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream=true")
+            raise ParamError("stream_options", "stream_options is only allowed with stream=true")
         return self
 
     @property
@@ -331,7 +343,8 @@ MAX_TEMPLATE_KWARGS = 32
 def check_continuation(add_generation_prompt: bool, continue_final_message: bool) -> None:
     """vLLM's rule: a prompt cannot both open an assistant turn and continue the last one."""
     if add_generation_prompt and continue_final_message:
-        raise ValueError(
+        raise ParamError(
+            "continue_final_message",
             "continue_final_message needs add_generation_prompt false (the prompt cannot both "
             "open a new assistant turn and continue the last message)"
         )
@@ -403,7 +416,7 @@ class ChatCompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs=true")
+            raise ParamError("top_logprobs", "top_logprobs requires logprobs=true")
         check_continuation(self.add_generation_prompt, self.continue_final_message)
         return self
 
@@ -496,20 +509,20 @@ class ScoreRequest(_Request):
     def _check(self) -> ScoreRequest:
         if (self.label_token_ids is None) == (self.labels is None):
             raise ValueError("give exactly one of label_token_ids or labels")
-        num_labels = len(
-            self.label_token_ids if self.label_token_ids is not None else self.labels or []
-        )
+        given = self.label_token_ids if self.label_token_ids is not None else self.labels
+        label_param = "label_token_ids" if self.label_token_ids is not None else "labels"
+        num_labels = len(given or [])
         if num_labels == 0:
-            raise ValueError("at least one label is required")
+            raise ParamError(label_param, "at least one label is required")
         if self.messages is not None:
             if self.query is not None:
-                raise ValueError("give either query or messages, not both")
+                raise ParamError("messages", "give either query or messages, not both")
             if len(self.messages) == 0:
-                raise ValueError("messages must not be empty")
+                raise ParamError("messages", "messages must not be empty")
         elif self.query is None:
-            raise ValueError("query (or messages) is required")
+            raise ParamError("query", "query (or messages) is required")
         if isinstance(self.items, list) and len(self.items) == 0:
-            raise ValueError("items must not be empty")
+            raise ParamError("items", "items must not be empty")
         return self
 
 
