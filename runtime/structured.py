@@ -143,10 +143,24 @@ def _json_grammar(schema: dict[str, Any]) -> str:
         raise GrammarError(f"schema: {e}") from e
 
 
+_BYTES: llguidance.LLTokenizer | None = None  # a byte-level tokenizer (262 tokens), built once
+
+
 def _checked(grammar: str) -> str:
+    global _BYTES
     problem = llguidance.LLMatcher.validate_grammar(grammar)
     if problem:
         raise GrammarError(problem.strip())
+    # A grammar can pass validation and still allow no output at all (a schema that only
+    # refers to itself: {"$ref": "#"}): llguidance finds so only at the first mask, and on the
+    # engine the request would end at once with empty text and "stop". One mask over bytes
+    # tells, whatever the model's tokenizer: no byte and no EOS can start the output.
+    if _BYTES is None:
+        _BYTES = llguidance.LLTokenizer("byte")
+    matcher = llguidance.LLMatcher(_BYTES, grammar, log_level=0)
+    matcher.compute_bitmask()  # (its own matcher and buffer: safe on any thread)
+    if matcher.is_error():
+        raise GrammarError("the grammar allows no output (nothing can start it)")
     return grammar
 
 

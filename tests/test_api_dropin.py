@@ -474,6 +474,7 @@ def test_sampling_parameters_reach_the_engine(server: ServerThread, http: httpx.
         (CHAT, {"response_format": {"type": "json_object"}, "min_tokens": 1}, "response_format"),
         (CMPL, {"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
         (CMPL, {"structured_outputs": {}}, "structured_outputs"),
+        (CHAT, {"structured_outputs": {"json": {"$ref": "#"}}}, "structured_outputs"),
         (CHAT, {"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs"),
         (
             CHAT,

@@ -67,6 +67,9 @@ def test_vllm_structured_outputs_compile_one_kind_and_say_what_is_wrong() -> Non
         ({"grammar": "start: foo"}, "unknown name"),
         ({"grammar": "root ::= ( "}, "Expected"),
         ({"json_object": "yes"}, "must be true"),
+        # Passes llguidance's validation, but nothing can start it: used to end the request
+        # at once with empty text and "stop".
+        ({"json": {"$ref": "#"}}, "allows no output"),
     ):
         with pytest.raises(GrammarError, match=says):
             compile_structured_outputs(spec)
