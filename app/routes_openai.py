@@ -454,6 +454,9 @@ async def list_models(request: Request) -> dict[str, Any]:
 @router.get("/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
     """One model's card (the OpenAI SDK's `models.retrieve`); 404 for a name not served."""
+    # `/v1/models/`: a body without `model` means the served one, an empty path names none.
+    if not model_id:
+        raise APIError(404, "No model id in the path (/v1/models/{model})", code="model_not_found")
     check_model(request, model_id)
     engine = engine_of(request)
     card = ModelCard(id=settings_of(request).model_name, max_model_len=int(engine.max_model_len))

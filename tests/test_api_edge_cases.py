@@ -247,6 +247,14 @@ def test_a_nested_model_level_check_names_the_full_path(http: httpx.Client) -> N
     assert err["param"] == "stream_options.continuous_usage_stats"
 
 
+def test_a_model_path_without_an_id_is_a_404(http: httpx.Client) -> None:
+    """`GET /v1/models/` returned the served model's card: an empty id counted as "not given",
+    as a body's missing `model` does."""
+    err = _error(http.get("/v1/models/"), status=404)
+    assert err["code"] == "model_not_found"
+    assert _ok(http.get("/v1/models"))["data"]  # the list itself is unchanged
+
+
 def test_healthy_after_the_battery(http: httpx.Client, server: ServerThread) -> None:
     assert http.get("/health").status_code == 200
     _ok(http.post(CHAT, json={"messages": MSG, "max_tokens": 3}))
