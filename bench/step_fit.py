@@ -25,8 +25,8 @@ line) a `corrected` row replays the engine's own mixed-step prediction, `runtime
 CorrectedCost` as this checkout has it, over the steps in order: each scored before it is
 observed, its decode part the base the engine recorded for it (`decode_base_ms`: the cost
 model's decode for the batch on a calibrated GPU) or, in older traces, a decaying line over
-the decode-only steps before it (the engine's `_decode_base_s` fallback: on the H200 it is not
-what ran), the JCT model held at its start-up fit; and beside it
+the decode-only steps before it (the engine's `StepPacer.decode_base_s` fallback: on the H200
+it is not what ran), the JCT model held at its start-up fit; and beside it
 `corrected-no-context`, the same with the cost of the prefill parts' cached tokens held at 0
 (the correction as it was before it had that term), and `corrected-after-warmup`, `corrected` on
 the steps `online` is scored on (after its warm-up: the first steps, the hardest, are not). Per model: MAPE and the P50 / P90 / P99 of measured / predicted. A term

@@ -4,8 +4,8 @@ Why: a Triton kernel compiles a variant on the first call of each specialization
 arguments' divisibility, its constants), 150-300 ms of host time on the engine thread with the
 decodes beside it waiting. Start-up compiles what it runs: the decode graphs, the prefill
 graphs' buckets, the prefill warm-up and the forms of a chat's first chunked steps
-(`Engine._warm_up_forms`). A variant compiled later is a form that list missed. On the H200 at
-`bf68d3a` two such variants stalled eight chats for 160-300 ms
+(runtime/startup.py `warm_up_forms`). A variant compiled later is a form that list missed. On
+the H200 at `bf68d3a` two such variants stalled eight chats for 160-300 ms
 (docs/benchmarks.md, "GPU tests at `bf68d3a` / `3ba50cc`"); nothing said so but a test.
 
 `CompileWatch` counts the compiled variants in the kernels' own caches (Triton's per-device

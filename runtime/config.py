@@ -158,7 +158,7 @@ class EngineConfig:
     # decode only; diagnostics).
     decode_kv_split: str = "auto"
     # One discarded prefill of this many tokens at start-up, through the serving model runner
-    # (Engine._warm_up_prefill), so the first long prompt a user sends does not pay the
+    # (`startup.warm_up_prefill`), so the first long prompt a user sends does not pay the
     # first-use costs of its shapes. Measured on the H200 (8B shape): a fresh server's first
     # 16k-token prompt took 0.57-0.61 s against 0.50 s after it, the extra time on the host
     # inside the step (cuBLAS's first GEMMs of that size, first elementwise kernels), and a

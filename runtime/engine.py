@@ -23,10 +23,14 @@ Executors (runtime/executor/): `SerialExecutor` (the whole device; CPU too) and,
 green contexts, `SplitExecutor` (prefill and decode concurrently on a pair of SM partitions,
 or time-sliced when the controller predicts that is faster) while the partition mode is not
 `off`. In `auto` with a TBT target the controller is asked before a step is planned whether to
-cut the queue's head prefill into chunks sized to the target (`_auto_capacity`); its chunk is
-then the step's prefill token cap. Switching executors drains the old one first.
-`engine.partition` is a `runtime.partition.PartitionManager` (`UnavailablePartition` off CUDA,
-saying why).
+cut the queue's head prefill into chunks sized to the target; its chunk is then the step's
+prefill token cap. How much prefill a step takes beside the decodes, and where it runs, is the
+pacer's (`engine.pacer`, runtime/partition/pacing.py: the TBT cut and auto's controller, fed
+every applied step). Switching executors drains the old one first. `engine.partition` is a
+`runtime.partition.PartitionManager` (`UnavailablePartition` off CUDA, saying why).
+
+Start-up (runtime/startup.py): the hybrid chunk, the activation reserve and the longest scoring
+prompt are sized before the KV pool; the warm-ups run last, through `measure_prefill`.
 
 Failure containment: a step whose launch raises is re-run one request at a time after the
 steps before it have been collected, so only the request(s) at fault finish with
@@ -55,7 +59,7 @@ import torch
 
 from policies import make_policy
 from policies.jct import JCTModel
-from runtime import fallbacks
+from runtime import fallbacks, startup
 from runtime.attention.base import AttentionBackend
 from runtime.attention.torch_backend import TorchAttentionBackend
 from runtime.compile_watch import CompileWatch, triton_kernels
@@ -66,50 +70,16 @@ from runtime.executor.split import SplitExecutor
 from runtime.executor.streams import stream_device_for
 from runtime.gc_watch import GcWatch, untrack_int_list
 from runtime.kv.block_manager import BlockManager
-from runtime.kv.kv_pool import (
-    CHUNK_MEMORY_SHARE,
-    CUDA_SAFETY_BYTES,
-    NUM_RESERVED_BLOCKS,
-    PREFILL_CHUNK_CHOICES,
-    KVPool,
-    auto_prefill_chunk_tokens,
-    bytes_per_block,
-    chunk_temporaries_bytes,
-    compute_num_blocks,
-    cuda_memory_budget_bytes,
-)
+from runtime.kv.kv_pool import KVPool, bytes_per_block, compute_num_blocks
 from runtime.kv.prefix_cache import PrefixCache
-from runtime.model.llama import rows_stream_at
 from runtime.model.loader import load_model
-from runtime.partition import PartitionManager, SplitChoice
-from runtime.partition.cost_model import (
-    PREFILL,
-    ChunkInput,
-    DecodeShape,
-    PrefillShape,
-    RowStream,
-)
+from runtime.partition import PartitionManager
+from runtime.partition.pacing import StepPacer
 from runtime.partition.setup import capture_split_graphs, make_partition, profile_at_startup
-from runtime.prefill_graphs import prefill_graph_bytes, prefill_graph_max_tokens
 from runtime.profiling import StepProfile
 from runtime.request import FINISH_REASONS, EngineOutput, Request, RequestKind, RequestStatus
-from runtime.runner import (
-    ActivationLine,
-    ModelRunner,
-    activation_line,
-    activation_probe_lengths,
-    profile_activation_peak,
-)
-from runtime.scheduler import (
-    CorrectedCost,
-    Lease,
-    ScheduledSeq,
-    Scheduler,
-    StepCapacity,
-    StepOutlook,
-    StepPlan,
-    TailFactor,
-)
+from runtime.runner import ModelRunner
+from runtime.scheduler import ScheduledSeq, Scheduler, StepPlan
 from runtime.structured import GrammarMasks, grammar_conflict
 
 log = logging.getLogger("greenlane.engine")
@@ -125,27 +95,6 @@ PREFILL_LIMITS = (
 )
 # Merged steps that fail while their requests run fine alone, before merging stops (`_recover`).
 MERGED_STEP_FAILURES_BEFORE_FALLBACK = 3
-# The fallback decode base (`Engine._decode_base_s`, no calibrated cost model) is an EWMA of
-# decode-only steps, each entering at most this many times the current average: one stalled
-# step (a host gap inside it, a collector pause) lifted it by a tenth of the stall, and the
-# TBT cut planned the steps after it that much shorter until it decayed. A real change of
-# batch still moves it by up to 10 % a step.
-DECODE_AVG_MAX_JUMP = 2.0
-
-
-def decode_avg_s(avg_s: float, sample_s: float) -> float:
-    """The fallback decode base after one more decode-only step of `sample_s` (0: none yet)."""
-    if avg_s == 0.0:
-        return sample_s
-    return 0.9 * avg_s + 0.1 * min(sample_s, DECODE_AVG_MAX_JUMP * avg_s)
-
-
-# The least tail factor layer slices aim with once their own tail is measured (`_slice_tail`):
-# the engine sees a slice's wait on the device, not the API server's delivery after it. On the
-# H200 (8B in 24 GB, 80-ms target, fifty-fourth session) a floor of 1.05 bound (the waits'
-# own ratio P99 read 1.04): slices aimed at ~76 ms, the waits behind them read P99 78.3 ms on
-# the device and the chats 78.6-80.7 ms at the client. 1.08 aims at ~74 (~79 expected).
-SLICE_TAIL_FLOOR = 1.08
 
 # Steps kept for `step_trace` (the admin API's /admin/api/steps): a few seconds of a busy server.
 STEP_TRACE_LEN = 4096
@@ -179,15 +128,15 @@ STEP_TRACE_FIELDS = (
     "layer_sliced_span_ms",
     "layer_sliced_predicted_ms",
     # A mixed whole-GPU step: the decode base its prediction and the correction's observation
-    # used (`Engine._decode_base_s`: the cost model's decode for the batch when calibrated,
+    # used (`StepPacer.decode_base_s`: the cost model's decode for the batch when calibrated,
     # else the decode-only average), else None. What a replay of the correction needs to be
     # the engine's (`bench.step_fit`).
     "decode_base_ms",
     # Host time (ms, the engine thread's wall clock) that planned this step (capacity,
-    # `_auto_capacity`'s decision, `schedule`) and that enqueued it (`executor.launch`). A step
-    # whose device_ms is near its launch_ms ran at the pace its host launched it, not at the
-    # device's; None for a result that is not its launch's first (a split launch returns its
-    # prefill and decode parts separately).
+    # `StepPacer.auto_capacity`'s decision, `schedule`) and that enqueued it
+    # (`executor.launch`). A step whose device_ms is near its launch_ms ran at the pace its
+    # host launched it, not at the device's; None for a result that is not its launch's first
+    # (a split launch returns its prefill and decode parts separately).
     "plan_ms",
     "launch_ms",
     # Prompt tokens of the prefill parts whose KV the step did not keep (a scoring suffix the
@@ -204,7 +153,7 @@ STEP_TRACE_FIELDS = (
     "chunked_head_predicted_ms",
     # A step whose decodes waited behind a layer slice: the wait the controller promised them
     # (the heaviest slice and the decode step), else None. Against decode_gap_ms + device_ms:
-    # what the slices' tail factor reads (`Engine._slice_tail`).
+    # what the slices' tail factor reads (`StepPacer.slice_tail`).
     "slice_promised_ms",
     # The launch that started a prefill on the split executor (layer slices or a split): its
     # launch_ms by part ({choose, build, plan_embed, decode, first_slice}, host ms), else
@@ -349,17 +298,32 @@ class Engine:
             model.rotary.rebuild(self.device, limit)
         self._max_model_len = limit
 
+        # Start-up memory sizing (runtime/startup.py).
         self._max_score_tokens = min(config.max_score_tokens or limit, limit)
         if config.prefill_chunk_tokens is None and self.device.type == "cuda":
             # Sized before anything reads it: the dry runs below reserve its peak, the runner
             # and the executors chunk with it.
-            self.config = config = dataclasses.replace(
-                config, prefill_chunk_tokens=self._size_prefill_chunk()
+            chunk = startup.size_prefill_chunk(
+                config, model_config, self.device, self.dtype, self._reserved_at_start
             )
+            self.config = config = dataclasses.replace(config, prefill_chunk_tokens=chunk)
         activation_bytes = None
         if self.device.type == "cuda" and config.num_kv_blocks is None:
+            sizing = startup.MemorySizing(
+                config,
+                model_config,
+                self.device,
+                self.dtype,
+                self._reserved_at_start,
+                self._max_model_len,
+                self._max_score_tokens,
+            )
+
+            def backend_for(pool: KVPool) -> AttentionBackend:
+                return make_attention_backend(config, pool, model_config.num_q_heads)
+
             try:
-                activation_bytes = self._measure_activation_reserve()
+                activation_bytes = sizing.activation_reserve(model, backend_for)
             except Exception as e:  # noqa: BLE001 - fall back to the estimate, and say so
                 fallbacks.take(
                     "activation peak",
@@ -369,6 +333,8 @@ class Engine:
                     failed="could not measure the activation peak",
                 )
                 torch.cuda.empty_cache()
+            # Lowered to what the reserve leaves room for (`fit_max_score_tokens`), if it was.
+            self._max_score_tokens = sizing.max_score_tokens
         num_blocks = compute_num_blocks(
             config,
             model_config,
@@ -438,6 +404,19 @@ class Engine:
             self.stream_device,
             config.mixed_step_tokens(self.device.type == "cuda"),
         )
+        # How much prefill each step takes beside the decodes and where it runs (the TBT cut,
+        # auto's controller), and what it learns from the steps that ran.
+        self.pacer = StepPacer(
+            config,
+            self.scheduler,
+            self.block_manager,
+            self.serial,
+            self.runner,
+            self._green,
+            self.jct_model,
+            model_config.num_layers,
+            self._max_score_tokens,
+        )
         log.info("%s", self._describe_prefill_limits())
         self.split: SplitExecutor | None = None
         if self._green is not None and self._partition_choice.action == "profile":
@@ -448,7 +427,7 @@ class Engine:
                 config,
                 self.runner,
                 self.stream_device,
-                self._choose_split,
+                self.pacer.choose_split,
                 self._green.observe,
                 split_usable=lambda sms: sms not in self._green.disabled,
                 score=self._green.score,
@@ -482,32 +461,6 @@ class Engine:
         self._decode_idle_s = 0.0
         self._num_decode_steps = 0
         self._prev_had_decode = False
-        # --tbt-slo-ms: prefill work per step is cut to fit the target next to the decodes,
-        # whose step time is this running average of decode-only steps (serial executor; in
-        # auto the controller sizes its chunks with the same arithmetic: _auto_capacity).
-        self._tbt_s = None if config.tbt_slo_ms is None else config.tbt_slo_ms / 1e3
-        # --chunk-fixed-share (auto's chunks beside decodes; `_auto_step_cap`): a prefill
-        # limit, so it changes at run time with the others (`set_prefill_limits`).
-        self._chunk_fixed_share = config.chunk_fixed_share
-        self._decode_step_avg_s = 0.0
-        self._prefill_cost = CorrectedCost(self.jct_model)
-        # Mixed whole-GPU steps (prefill + decodes): how many, how many took longer than the
-        # TBT target, and measured / predicted time of the recent ones (the prediction the cut
-        # works from: decode step + correction). A target missed at the P99 is read from their
-        # tail; the mean alone is what the correction fits.
-        self._num_mixed_steps = 0
-        self._num_mixed_steps_over_tbt = 0
-        self._mixed_step_ratios: deque[float] = deque(maxlen=512)
-        # The cut aims at the target / this factor: the tail of what decodes waited for mixed
-        # steps (host gap included) over their prediction. Whole-GPU steps only.
-        self._tbt_tail = TailFactor()
-        # auto's layer slices aim at the target / this one's factor once it is measured: what
-        # decodes waited behind a slice (device gap + their step) over the wait promised
-        # (`_slice_aim_ms`). Slices miss differently from chunked steps: on an H100 (8B in
-        # 24 GB, `58a82b9`) the chunked steps' tail (1.1-1.5 over the run) sized the slices
-        # of 50-60k-token prompts to 31-43 ms where ~65 fitted, while the slices' spans
-        # read within 3 % of their prediction.
-        self._slice_tail = TailFactor(floor=SLICE_TAIL_FLOOR)
         # The collector's pauses (a full collection stops this loop): stats, not per step.
         self._gc = GcWatch()
         # Triton variants compiled after start-up: first uses the warm-up missed (CUDA only: the
@@ -525,59 +478,31 @@ class Engine:
         # POST /admin/api/profile: the torch profiler over the next steps (engine thread only;
         # None while none is asked for, the only per-step cost).
         self._profile: StepProfile | None = None
-        # auto: the controller's choice for the step being planned, when it chose chunks
-        # (`_auto_capacity`); the launch of that step carries it out (`_choose_split`).
-        self._planned_choice: SplitChoice | None = None
-        self._planned_chunk: ChunkInput | None = None  # its input (to predict that step)
-        # step id -> a launched chunked step's predicted ms (scored when its result is in) and
-        # the rest of the head its decision predicted (traced)
-        self._chunked_predicted_ms: dict[int, tuple[float, float]] = {}
         # step_id -> host ms (planning, launching), the launch's parts and detail
         # (`Executor.launch_parts_ms`, `launch_detail`) until the step's first result is traced
         self._host_ms: dict[
             int, tuple[float, float, dict[str, float] | None, dict[str, Any] | None]
         ] = {}
-        self._kv_usage_before_plan = 0.0  # KV usage when the current step was planned
         self._step_started_s: float | None = None  # engine clock at the current step's start
         self._stats: dict[str, Any] = {}
         self._next_stats_s = 0.0
         if self._green is not None:
             self._green.submit = self._submit_call
-            self._share_prefill_model()
+            self.pacer.share_prefill_model()
         self.prefill_warm_up_s: float | None = None
         warm_up_tokens = config.prefill_warm_up_tokens
         if warm_up_tokens is None:
             warm_up_tokens = PREFILL_WARM_UP_TOKENS if self.device.type == "cuda" else 0
         if warm_up_tokens:
-            self._warm_up_prefill(warm_up_tokens)
+            # At most the longest scoring prompt (runtime/startup.py).
+            self.prefill_warm_up_s = startup.warm_up_prefill(
+                min(warm_up_tokens, self._max_score_tokens),
+                self.measure_prefill,
+                self.measure_prefill_batch,
+                lambda: startup.warm_up_forms(self.config, self.block_manager, self._max_model_len),
+                self.device,
+            )
         self._publish_stats()
-
-    def _share_prefill_model(self) -> None:
-        """One prefill model: the split controller predicts a prefill's whole-GPU latency with
-        the JCT model that sizes the chunks (and the cost model adds what SM shares change),
-        so auto weighs chunks and splits on one scale. Only while the JCT model is fitted to
-        this device (a file, or a calibration run later): its first-principles fallback (an 8B
-        model's) would replace a fitted cost model's own prefill base with a guess."""
-        jct = self.jct_model
-        num_layers = self.model_config.num_layers
-
-        def whole_prefill_ms(shape: Any) -> float | None:
-            if not jct.calibrated:
-                return None
-            # The JCT model prices a whole forward; a shape of fewer layers (a row piece of
-            # one layer, `SplitController._row_slices`) is that many layers' share of it.
-            # Priced whole, no piece of a 53-56k-token prompt ever fitted the aim (H100, 8B
-            # in 24 GB): they went to a 112-SM split at 1.2x the whole GPU's time.
-            whole_ms = jct.predict_totals_s(shape.num_tokens, shape.attention_pairs) * 1e3
-            return whole_ms * shape.num_layers / num_layers
-
-        self._green.share_prefill_model(whole_prefill_ms)
-        log.info(
-            "partition cost model: whole-GPU prefill from the JCT model while it is fitted to "
-            "this device (now: %s)",
-            jct.source,
-        )
-        self._seed_prefill_scale()
 
     def _describe_prefill_limits(self) -> str:
         """The start-up log's line on how much prefill a step takes."""
@@ -601,32 +526,6 @@ class Engine:
             f"prefill per step: {cfg.prefill_token_budget} tokens; beside decodes {beside}{where}"
         )
 
-    def _seed_prefill_scale(self) -> None:
-        """Until the JCT model is fitted to this device, the chunks' marginal cost (`--tbt-slo-ms`
-        and auto's) starts scaled to the partition cost model's whole-GPU prefill fit, when
-        that is calibrated (a file, the start-up profile or the labelled fallback): the JCT
-        fallback is an 8B model's first-principles guess, and the online correction
-        (`CorrectedCost`, from mixed steps) would otherwise start from 1. Ratio of the two
-        models' whole prefills at the start-up profile's shapes, bounded as the correction."""
-        jct, model = self.jct_model, self._green.cost_model
-        if jct.calibrated or not model.calibrated:
-            return
-        layers = self.model_config.num_layers
-        ratios = []
-        for tokens, context in ((4096, 0), (1024, 4096)):
-            shape = PrefillShape.from_seqs([(context, tokens)], layers)
-            jct_ms = jct.predict_totals_s(shape.num_tokens, shape.attention_pairs) * 1e3
-            ratios.append(model.base_ms(PREFILL, shape) / jct_ms)
-        scale = min(10.0, max(0.1, sum(ratios) / len(ratios)))
-        self._prefill_cost.seed_scale(scale)
-        log.info(
-            "prefill cost for TBT chunks scaled by %.2f to the partition cost model (%s) until "
-            "the JCT model is fitted (now: %s)",
-            scale,
-            model.source,
-            jct.source,
-        )
-
     # ---- partition ------------------------------------------------------------------------
     def _make_partition(self) -> PartitionManager:
         """GreenContextPartition on CUDA with green contexts (any mode), else an
@@ -644,396 +543,6 @@ class Engine:
         with self._lock:
             self._inbox.append(("call", fn))
             self._wakeup.notify()
-
-    def _auto_capacity(self, capacity: StepCapacity) -> StepCapacity:
-        """auto with a TBT target, before a step is planned: the controller chooses how to run
-        the head of the prefill queue beside the decodes, chunked time-slicing included (the
-        prefill cut into chunks sized to the target, on the whole GPU). When it chooses
-        chunks, the step is planned as `off` plans one, its prefill tokens capped at the
-        decision's `chunk_tokens`, and launched on the whole GPU with that decision
-        (`_choose_split`). Otherwise the step is planned whole and the controller chooses for
-        the planned batch at launch (split, layer slices, or a whole time-slice)."""
-        self._planned_choice = self._planned_chunk = None
-        g = self._green
-        target_ms = self._chunk_tbt_ms()
-        if g is None or g.mode != "auto" or target_ms is None:
-            return capacity
-        if capacity.prefill_token_budget <= 0:
-            return capacity  # a prefill is in flight on a split or in layer slices
-        look = self.scheduler.outlook(self.config.chunk_scoring_prefill)
-        if not (look.prefill_tokens and look.num_decodes):
-            return capacity  # nothing to cut, or nothing to protect: planned whole
-        if not look.prefill_chunkable:
-            # The head, a scoring prompt that runs whole (no room for its KV, or
-            # `--chunk-scoring-prefill false`), is planned whole (the scheduler admits a step's
-            # first prefill whatever the room) and the controller chooses at launch how to run
-            # it; what is admitted behind it is held to the room, as `off --tbt-slo-ms` holds
-            # its admissions. Without that a batch of scoring suffixes that waited on one
-            # shared prefix went in as one step: on the H200 (3B, plan z at 8c86337) 20-23
-            # suffixes, 2.7-3.4k tokens over 264-288k cached, predicted 73-90 ms and measured
-            # 83-86 ms for an 80-ms target, run whole beside the decodes.
-            return self._timed(capacity, look, target_ms / 1e3)
-        layers = self.model_config.num_layers
-        p = PrefillShape.from_seqs([(look.prefill_context_tokens, look.prefill_tokens)], layers)
-        d = DecodeShape(look.num_decodes, look.decode_context_tokens, layers)
-        # The cap on a step with decodes (the serial executor's, `--mixed-step-token-budget`)
-        # bounds auto's chunks as it bounds off's steps: decodes share it.
-        base_s = self._decode_base_s(look.num_decodes, look.decode_context_tokens)
-        cap = self._auto_step_cap(look, base_s, capacity.prefill_token_budget)
-        chunk = ChunkInput(
-            self._prefill_cost,
-            look.prefill_context_tokens,
-            target_ms,
-            base_s * 1e3,
-            self._prefill_cost.offset_s * 1e3,
-            max_chunk_tokens=None if cap is None else max(cap - look.num_decodes, 1),
-        )
-        # Planned whole (a split or layer slices), the head is one sequence of its tokens.
-        rows = self._row_stream([(look.prefill_context_tokens, look.prefill_tokens)])
-        choice = g.decide(
-            p,
-            d,
-            self._kv_usage_before_plan,
-            chunk=chunk,
-            record=False,
-            rows=rows,
-            slice_aim_ms=self._slice_aim_ms(),
-        )
-        chunk_tokens = choice.decision.chunk_tokens
-        if not chunk_tokens:
-            # A split or layer slices, predicted for the whole head: the step carries the
-            # whole head, not the executor's budget's worth (each piece would be launched and
-            # weighed alone, paying the pipeline's fill and drain). On an H100 (8B, 40-44k-token
-            # scoring prompts beside chat) such a prompt ran as five 8,192-token pieces on 96
-            # SMs, 3.3 s where layer slices take ~1.9 s. Up to the longest prompt the
-            # activation reserve was sized to run whole (`max_score_tokens`).
-            if capacity.prefill_token_budget < look.prefill_tokens <= self._max_score_tokens:
-                return dataclasses.replace(capacity, prefill_token_budget=look.prefill_tokens)
-            return capacity
-        self._planned_choice, self._planned_chunk = choice, chunk
-        # As the serial executor plans a step (decodes share the budget the activation reserve
-        # was sized for); the decision's chunk caps the prefill tokens, and the room it was cut
-        # to caps their time: the prefills planned behind the head (scoring suffixes over a
-        # long cached prefix) cost more a token than its chunk. With the token cap alone, the
-        # H200 (3B, scoring next to chat) ran steps predicted at 85-120 ms for an 80 ms aim.
-        aim_s = target_ms / 1e3
-        return StepCapacity(
-            prefill_token_budget=min(
-                capacity.prefill_token_budget, chunk_tokens + look.num_decodes
-            ),
-            decodes_share_budget=True,
-            hold_prefills=False,
-            chunk_scoring=self.config.chunk_scoring_prefill,
-            mixed_step_token_budget=cap,
-            tbt_s=aim_s,
-            decode_step_s=aim_s - g.chunk_room_ms(d, chunk) / 1e3,
-            prefill_cost=self._prefill_cost,
-        )
-
-    def _auto_step_cap(self, look: StepOutlook, base_s: float, budget: int) -> int | None:
-        """The most tokens auto's chunked step with decodes may take, decodes included: the
-        serial executor's cap (`--mixed-step-token-budget`), raised with `--chunk-fixed-share
-        s` to the chunk whose marginal cost is (1 - s) / s times the step's fixed part (the
-        decode base `base_s` for the batch, the mixed step's offset and its prefix read: what
-        the step costs whatever its chunk), so that part is at most s of the step; never past
-        `budget` (the prefill budget the activation reserve was sized for). The TBT target's
-        room still bounds the chunk (`SplitController._chunked`)."""
-        cap = self.serial.mixed_step_token_budget
-        share = self._chunk_fixed_share
-        if cap is None or share is None:
-            return cap
-        cost, ctx = self._prefill_cost, look.prefill_context_tokens
-        # The cached prefix's read (`CorrectedCost.context_s_per_token`) is paid whatever the
-        # chunk too: fixed, and `max_tokens_within` takes it back out of the chunk's time.
-        context_s = cost.context_s_per_token * ctx
-        fixed_s = max(0.0, base_s + cost.offset_s + context_s)
-        chunk_s = fixed_s * (1.0 - share) / share
-        tokens = cost.max_tokens_within(chunk_s + context_s, ctx)
-        return min(max(cap, tokens + look.num_decodes), budget)
-
-    def _timed(self, capacity: StepCapacity, look: StepOutlook, aim_s: float) -> StepCapacity:
-        """`capacity` with the TBT cut's time accounting: the prefill planned beside the
-        decodes may add `aim_s` less the decode base for the batch and the mixed step's fixed
-        cost (`CorrectedCost`), by the corrected prefill cost. The cap on a step with decodes
-        (`mixed_step_token_budget`) stays: the target can only cut such a step shorter."""
-        base_s = self._decode_base_s(look.num_decodes, look.decode_context_tokens)
-        return dataclasses.replace(
-            capacity,
-            tbt_s=aim_s,
-            decode_step_s=base_s + self._prefill_cost.offset_s,
-            prefill_cost=self._prefill_cost,
-        )
-
-    def _decode_base_s(self, num_decodes: int, context_tokens: int) -> float:
-        """The decode part of a mixed whole-GPU step (s): the base the TBT cut subtracts and
-        the step offset (`CorrectedCost`) is fitted against, one for both, in auto and in
-        `off --tbt-slo-ms` alike. With a calibrated cost model (green contexts), its
-        prediction for this batch (decode alone: 0.6-3.3 % MAPE on the H200; in off its
-        decode is refined from the serial executor's decode-only steps, `_observe`); else,
-        as a labelled fallback, the average of recent decode-only steps. That average goes
-        stale under load: decode-only steps then come between bursts of mixed steps and at
-        other batch sizes (the 3B's mixed chat on the H200, `8b4553d`: decode-only steps at a
-        median 2-46 decodes per window of 512 steps, the mixed steps beside them at 45-170),
-        and the offset absorbs the difference, wrong again as soon as the batch changes. On
-        the H200 at `c05f523` off-tbt's offset on that base read 7.2 and 19.6 ms at the end of
-        two runs (auto's, on the model's base, 0.04 and 10.8), and the run at 19.6 planned its
-        chunked steps to a median 53.5 ms against 59.9 and lost a probe of max QPS."""
-        g = self._green
-        if g is not None and num_decodes > 0:
-            layers = self.model_config.num_layers
-            ms = g.predict_decode_ms(DecodeShape(num_decodes, context_tokens, layers))
-            if ms is not None and ms > 0.0:
-                return ms / 1e3
-        return self._decode_step_avg_s
-
-    def _chunk_tbt_ms(self) -> float | None:
-        """auto's aim for chunked time-slicing (ms): its target (`_auto_tbt_ms`) divided by the
-        measured tail factor."""
-        target_ms = self._auto_tbt_ms()
-        return None if target_ms is None else target_ms / self._tbt_tail.factor
-
-    def _slice_aim_ms(self) -> float | None:
-        """auto's aim for layer slices (ms): its target divided by the slices' own measured
-        tail (`_slice_tail`); None until that is measured (the controller then sizes slices
-        to the chunks' aim, with the layer-sliced prediction's error as a margin)."""
-        target_ms = self._auto_tbt_ms()
-        if target_ms is None or not self._slice_tail.measured:
-            return None
-        return target_ms / self._slice_tail.factor
-
-    def _auto_tbt_ms(self) -> float | None:
-        """auto's TBT target itself (ms): `--tbt-slo-ms` (also as changed on the admin page),
-        else the controller's (`--partition-tbt-slo-ms`)."""
-        if self._tbt_s is not None:
-            return self._tbt_s * 1e3
-        g = self._green
-        return None if g is None else g.controller.config.tbt_slo_ms
-
-    def _cut_target_s(self) -> float | None:
-        """The TBT target the running executor cuts mixed steps to (s), else None: the serial
-        executor's `--tbt-slo-ms`, or auto's target on the split executor. Only steps cut to a
-        target are counted against it and teach the tail factor (an `off` side with a fixed
-        budget would otherwise fill it with steps no cut sized)."""
-        if self.executor is self.serial:
-            return self._tbt_s
-        g = self._green
-        if g is None or g.mode != "auto":
-            return None
-        target_ms = self._auto_tbt_ms()
-        return None if target_ms is None else target_ms / 1e3
-
-    def _choose_split(self, pplan: StepPlan | None, dplan: StepPlan | None) -> SplitChoice:
-        """The controller's split for the next prefill batch (or decode-only step); for a
-        prefill planned as chunks (`_auto_capacity`), that decision."""
-        g = self._green
-        num_layers = self.model_config.num_layers
-        planned = self._planned_choice
-        chunk = self._planned_chunk
-        if pplan is not None and planned is not None and chunk is not None:
-            self._planned_choice = self._planned_chunk = None
-            g.record(planned.decision)
-            # The planned step's own prediction, scored when it is collected (`_observe`).
-            seqs = [] if dplan is None else dplan.decode
-            d = DecodeShape(len(seqs), sum(s.num_context_tokens for s in seqs), num_layers)
-            items = [(s.num_new_tokens, s.num_context_tokens) for s in pplan.prefill]
-            if len(self._chunked_predicted_ms) > 64:
-                self._chunked_predicted_ms.clear()  # steps that failed never came back
-            self._chunked_predicted_ms[pplan.step_id] = (
-                g.predict_chunked_step_ms(items, d, chunk),
-                planned.decision.predicted_prefill_ms,
-            )
-            return planned
-        p = (
-            None
-            if pplan is None
-            else PrefillShape.from_seqs(
-                [(s.num_context_tokens, s.num_new_tokens) for s in pplan.prefill], num_layers
-            )
-        )
-        if pplan is None:
-            d = (
-                None
-                if dplan is None
-                else DecodeShape(
-                    len(dplan.decode), sum(s.num_context_tokens for s in dplan.decode), num_layers
-                )
-            )
-        else:
-            # A prefill runs beside every decode of its time, not only this step's: those of
-            # generations whose (held) prefill is still in flight as well (`decodes_ahead`).
-            planned = () if dplan is None else dplan.decode
-            num, ctx = self.scheduler.decodes_ahead(planned, pplan.prefill)
-            d = DecodeShape(num, ctx, num_layers) if num else None
-        # A prefill is judged at the KV usage from before its step was planned: its own blocks
-        # are not decode pressure (a whole scoring prompt takes every free block to cache its
-        # prefix, which would put every such prompt in the decode-favoured regime), and the
-        # decision made before planning (`_auto_capacity`) saw the same.
-        kv_usage = self._kv_usage_before_plan if pplan is not None else self._kv_usage()
-        # Layer slices are sized to an aim (the target less a measured tail), not to the
-        # target: a decode waits one slice plus its own step. Their own tail once measured,
-        # else the chunks'.
-        rows = (
-            None
-            if pplan is None
-            else self._row_stream([(s.num_context_tokens, s.num_new_tokens) for s in pplan.prefill])
-        )
-        return g.decide(
-            p,
-            d,
-            kv_usage,
-            aim_ms=self._chunk_tbt_ms(),
-            rows=rows,
-            slice_aim_ms=self._slice_aim_ms(),
-        )
-
-    def _row_stream(self, seqs: list[tuple[int, int]]) -> RowStream | None:
-        """The row stream a prefill batch of (context, new tokens) per sequence runs as, if
-        it streams its rows (one sequence past the hybrid chunk and the prefill budget, on a
-        backend that attends rows): what sub-layer slices cut (`SplitController`)."""
-        if len(seqs) != 1 or not hasattr(self.runner.prefill_backend, "attends_rows"):
-            return None
-        (context, tokens), (chunk, above) = seqs[0], self.config.hybrid_form()
-        if chunk is None or not rows_stream_at(tokens, chunk, above):
-            return None
-        return RowStream(context, tokens, chunk)
-
-    def _kv_usage(self) -> float:
-        """The KV usage the split controller's switch reads as decode pressure: the pool's
-        share in use, less the blocks that only running scoring prompts hold. Those go back
-        when their prefill ends (the suffix discarded, the prefix evictable), which favouring
-        decode only delays. Counted, a whole scoring prompt planned while the previous one's
-        last step was still in flight judged the pool full: on an H100 (8B in 24 GB,
-        `58a82b9`) such a 50k-token prompt went to the decode-favoured rule once a run.
-        O(blocks of running scoring prompts), once a step the split executor plans."""
-        bm = self.block_manager
-        used = bm.num_used_blocks - self.scheduler.num_sole_scoring_blocks()
-        return used / max(bm.num_blocks, 1)
-
-    def _size_prefill_chunk(self) -> int:
-        """`prefill_chunk_tokens` = auto on CUDA (`auto_prefill_chunk_tokens`): from the bytes
-        the KV pool and the activations may share here, less an explicitly sized pool."""
-        cfg, mc = self.config, self.model_config
-        shared = cuda_memory_budget_bytes(cfg, self.device, self._reserved_at_start)
-        pool = ""
-        if cfg.num_kv_blocks is not None:
-            pool_bytes = cfg.num_kv_blocks * bytes_per_block(mc, cfg.block_size, self.dtype)
-            shared -= pool_bytes
-            pool = f" beside the {pool_bytes / 2**30:.1f} GiB pool asked for"
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        chunk = auto_prefill_chunk_tokens(mc, elem, shared)
-        temporaries = chunk_temporaries_bytes(mc, chunk, elem)
-        log.info(
-            "hybrid prefill's chunk: %d tokens (auto: the largest of %s whose MLP temporaries "
-            "take at most %g %% of the %.1f GiB the KV pool and activations share%s, else the "
-            "smallest; %.2f GiB, %.1f %%; --prefill-chunk-tokens sets it)",
-            chunk,
-            "/".join(map(str, PREFILL_CHUNK_CHOICES)),
-            CHUNK_MEMORY_SHARE * 100,
-            shared / 2**30,
-            pool,
-            temporaries / 2**30,
-            100 * temporaries / max(shared, 1.0),
-        )
-        return chunk
-
-    def _measure_activation_reserve(self) -> int:
-        """Activation bytes to keep free beside the KV pool, measured, not guessed: dry-run
-        prefills of one step's budget and of two longer prompts (`activation_probe_lengths`:
-        where the per-token term leads) give the step's peak, a fixed part and a per-token
-        slope; the reserve covers the larger of one budget-sized step and the longest scoring
-        prompt (`max_score_tokens`, which runs alone with hybrid prefill)."""
-        cfg, mc = self.config, self.model_config
-
-        def backend_for(pool: KVPool) -> AttentionBackend:
-            return make_attention_backend(cfg, pool, mc.num_q_heads)
-
-        chunk, _ = cfg.hybrid_form()
-        # Only a scoring prompt runs whole (generation prompts are cut to the step's budget), so
-        # no dry run needs to be longer than the longest one; nor than the model's positions,
-        # where profile_activation_peak stops.
-        longest = min(self._max_score_tokens, self.model.rotary.max_positions)
-        step = min(cfg.prefill_token_budget, self._max_model_len)
-        n0, lo, hi = activation_probe_lengths(step, chunk, longest)
-        # The piecewise prefill graphs hold their buffers and pool for the engine's life: a
-        # fixed part of the reserve (over by that much if the backend turns out not to be
-        # FlashInfer, which they need).
-        graphs = 0
-        if cfg.cuda_graphs:
-            graphs = prefill_graph_bytes(self.model, prefill_graph_max_tokens(cfg), self.dtype)
-
-        def peak_at(num_tokens: int) -> int:
-            # A step of the budget may hold several sequences (chat parts, short scoring
-            # prompts): hybrid prefill then attends all rows at once, the higher peak per
-            # token; a longer prompt runs alone and streams rows (DecoderLayer.forward_rows).
-            several = chunk is not None and num_tokens == n0 and n0 > chunk
-            peak = profile_activation_peak(
-                cfg, self.model, mc, num_tokens, backend_for, num_seqs=2 if several else 1
-            )
-            return peak + graphs
-
-        # Start-up's first forwards: on a machine without FlashInfer's compiled kernels they
-        # JIT-compile them first (on the H200, ~3 min before anything else was logged).
-        log.info(
-            "measuring the activation peak: dry-run prefills of up to %d tokens (the first "
-            "forwards on this machine compile the attention kernels: minutes, once)",
-            max(n0, hi),
-        )
-        t0 = time.perf_counter()
-        line = activation_line(peak_at, n0, lo, hi)
-        if cfg.max_score_tokens is None and line.slope > 0:
-            self._fit_max_score_tokens(line)
-        reserve = int(line.reserve(self._max_score_tokens))
-        log.info(
-            "activation peak measured in %.1f s: %.2f GiB at %d tokens, %.1f KiB/token; "
-            "reserving %.2f GiB (scoring prompts up to %d tokens)",
-            time.perf_counter() - t0,
-            line.step_peak / 2**30,
-            n0,
-            line.slope / 1024,
-            reserve / 2**30,
-            self._max_score_tokens,
-        )
-        return reserve
-
-    def _fit_max_score_tokens(self, line: ActivationLine) -> None:
-        """Without --max-score-tokens the longest scoring prompt defaults to max_model_len; if
-        reserving its activations (`line.reserve`) would leave the KV pool unable to hold one
-        max_model_len sequence, lower it to what fits (never below one step's budget) and say
-        so, rather than refusing to start.
-
-        When no reserve at all leaves room for a max_model_len sequence's KV (a cap smaller
-        than that KV: `--max-model-len 262144` in 24 GB), generation requests are limited by
-        the pool whatever is reserved, and only scoring prompts can be long (suffix-KV discard
-        keeps no KV past their prefix). Then the pool keeps one step's budget of tokens, so
-        chat still runs, and scoring takes the rest; both limits are logged."""
-        mc, bs = self.model_config, self.config.block_size
-        per_block = bytes_per_block(mc, bs, self.dtype)
-
-        def pool_bytes(num_tokens: int) -> int:
-            return (-(-num_tokens // bs) + NUM_RESERVED_BLOCKS) * per_block
-
-        budget = cuda_memory_budget_bytes(self.config, self.device, self._reserved_at_start)
-        room = budget - CUDA_SAFETY_BYTES
-        min_pool = pool_bytes(self._max_model_len)
-        floor_tokens = line.step_tokens
-        if room - line.step_peak < min_pool:
-            min_pool = pool_bytes(min(floor_tokens, self._max_model_len))
-        fits = line.longest_within(room - min_pool) // bs * bs
-        if fits >= self._max_score_tokens:
-            return
-        new = max(floor_tokens, fits)
-        pool_tokens = int((room - line.reserve(new)) // per_block - NUM_RESERVED_BLOCKS) * bs
-        log.warning(
-            "scoring prompts limited to %d tokens (not %d): the activations of a longer one "
-            "would leave too little memory for the KV cache (about %d tokens left for it, "
-            "which limits generation requests); set --max-score-tokens to choose, or a smaller "
-            "--prefill-token-budget when the pool was left one step's budget (it then keeps "
-            "less, and scoring gets the rest)",
-            new,
-            self._max_score_tokens,
-            max(0, pool_tokens),
-        )
-        self._max_score_tokens = new
 
     # ---- limits ---------------------------------------------------------------------------
     @property
@@ -1213,78 +722,6 @@ class Engine:
             return torch.cuda.get_device_name(self.device)
         return "cpu"
 
-    def _warm_up_prefill(self, num_tokens: int) -> None:
-        """One prefill of `num_tokens` (at most the longest scoring prompt) through the serving
-        runner, its KV kept or discarded as a served scoring prompt's would be
-        (`measure_prefill`), before the first request, so its first-use host costs are paid
-        here: on the H200 a fresh server's first 16k prompt spent ~130 ms more host time inside
-        cuBLAS (its first GEMMs of that many rows) and in the scoring path's first elementwise
-        kernels, with the GPU waiting (docs/benchmarks.md, "A fresh server's first long
-        prompt"). The activation dry runs do not do it: other lengths, their own pool, no
-        scoring head. A failure is said and serving starts without it."""
-        n = min(num_tokens, self._max_score_tokens)
-        try:
-            self.prefill_warm_up_s = self.measure_prefill(n, 0)
-        except Exception as e:  # noqa: BLE001 - a warm-up must never stop the server starting
-            fallbacks.take(
-                "prefill warm-up",
-                e,
-                "the first long prompt pays its first-use costs",
-                log,
-                failed=f"the {n}-token prefill warm-up failed",
-            )
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            return
-        log.info("prefill warm-up: %d tokens in %.3f s", n, self.prefill_warm_up_s)
-        t0 = time.perf_counter()
-        try:
-            for items, keep_kv in self._warm_up_forms():
-                self.measure_prefill_batch(items, keep_kv=keep_kv)
-        except Exception as e:  # noqa: BLE001 - as above
-            fallbacks.take(
-                "step forms warm-up",
-                e,
-                "the first such steps pay their first-use costs",
-                log,
-                failed="warming up the first chunked steps' forms failed",
-            )
-            return
-        log.info("warm-up of the first steps' forms: %.3f s", time.perf_counter() - t0)
-
-    def _warm_up_forms(self) -> list[tuple[list[tuple[int, int]], bool]]:
-        """The forms of forward a chat's first chunked steps take, as (uncached, cached) items
-        and whether their KV is kept: each one's first run through the serving path pays
-        one-time host costs (a Triton variant of the RoPE + K/V write compiled) on the engine
-        thread, with the decodes beside it waiting. (FlashInfer's kernels and wrappers are the
-        runner's attention warm-up's: `ModelRunner.warm_up_attention`.) On the H200 (3B, bf68d3a) a fresh
-        engine's first chunk next to eight chats took 164 ms for a 25-ms target and an
-        11-token chunk beside them 300 ms (tests/gpu/test_auto_chunked_gpu.py). Odd sizes on
-        purpose; the start-up graph capture runs only bucket sizes."""
-        budget = self.config.prefill_token_budget
-        eager = self.config.prefill_graph_max_tokens + 77
-        forms: list[tuple[list[tuple[int, int]], bool]] = [
-            ([(19, 0)], False),  # a short forward: RoPE one program a token
-            # Mostly one-token rows (decodes) beside a short part: the FA2 kernels, on a
-            # gathered context (a scoring suffix discarded) and on a paged one (a merged step)
-            ([(1, 64)] * 8 + [(19, 0)], False),
-            ([(1, 64)] * 8 + [(19, 0)], True),
-            ([(333, 1499)], True),  # a later chunk: paged, RoPE tiled
-            ([(eager, 0)], True),  # a first chunk past the graphs' largest bucket: eager
-        ]
-        # Within the step budget, the model's length and the pool (a small engine skips some).
-        bm = self.block_manager
-
-        def fits(items: list[tuple[int, int]], keep: bool) -> bool:
-            blocks = sum(bm.num_blocks_for(c + n if keep else c) for n, c in items)
-            return (
-                sum(n for n, _ in items) <= budget
-                and all(n + c <= self._max_model_len for n, c in items)
-                and blocks <= bm.num_free_blocks
-            )
-
-        return [(items, keep) for items, keep in forms if fits(items, keep)]
-
     def measure_prefill(self, uncached_tokens: int, cached_tokens: int) -> float:
         """Seconds of one real prefill of `uncached_tokens` new tokens after `cached_tokens`
         of context already in the pool (runtime.calibrate's `measure`), on the attention path
@@ -1293,19 +730,9 @@ class Engine:
 
     def served_keeps_kv(self, items: list[tuple[int, int]], share_context: bool = False) -> bool:
         """Whether served scoring requests of these (uncached, cached) shapes would keep their
-        new tokens' KV: the scheduler keeps a scoring prompt's whole KV when the pool has the
-        blocks for it now (runtime/scheduler.py, `_admit`), and only then does a request with
-        cached context run on the paged attention path; a discarded suffix after a context
-        is attended from a copy of the context made in every layer (the FlashInfer backend's
-        "gather" path). Here: the pool is free now (nothing is served before `start()`).
-        The scheduler keeps what fits block by block; a partial keep takes the gathered path
-        as no keep does, which is what this answers for it."""
-        bm = self.block_manager
-        if share_context:
-            need = bm.num_blocks_for(items[0][1]) + sum(bm.num_blocks_for(n) for n, _ in items)
-        else:
-            need = sum(bm.num_blocks_for(n + c) for n, c in items)
-        return need <= bm.num_free_blocks
+        new tokens' KV in this engine's pool as it is now (runtime/startup.py
+        `served_keeps_kv`)."""
+        return startup.served_keeps_kv(self.block_manager, items, share_context)
 
     def measure_prefill_batch(
         self,
@@ -1316,85 +743,22 @@ class Engine:
         device_s_out: list[float] | None = None,
     ) -> float:
         """Seconds of one real prefill step over several sequences, (uncached, cached) tokens
-        each (the JCT profiles: runtime/calibrate.py, bench/prefill_profile.py). Call before
-        `start()` (the engine thread must not be running). The contexts' KV values are
-        whatever the pool holds, which does not change the timing.
-
-        `keep_kv`: True, the new tokens' KV is written to the pool (blocks for it too) and a
-        step with context takes the paged attention path; False, it is discarded (only the
-        contexts need blocks) and a step with context attends a per-layer copy of it (the
-        gathered path); None (the default), as a served scoring request of that shape would:
-        kept when the pool holds it (`served_keeps_kv`). Until 2026-12-05 the default was
-        False, so every profile point with cached context was priced on the gathered path,
-        which served steps take only when the pool is too full to keep a suffix.
-        `share_context`: every member reads one context's blocks, as one user's requests
-        share a profile (equal cached lengths; with `keep_kv`, whole blocks of it, since each
-        member writes its own new tokens after it, as after a prefix-cache hit).
-        `device_s_out`: the step's device span is appended to it (events around the launch,
-        as the serial executor times a served step), beside the wall time returned."""
+        each, through the serving runner (the JCT profiles: runtime/calibrate.py,
+        bench/prefill_profile.py; `keep_kv`, `share_context`, `device_s_out`: runtime/startup.py
+        `measure_prefill_batch`). Call before `start()` (the engine thread must not be
+        running)."""
         if self._thread is not None:
             raise RuntimeError("measure_prefill must run before the engine thread starts")
-        bm = self.block_manager
-        if share_context and len({c for _, c in items}) > 1:
-            raise ValueError("share_context needs equal cached lengths")
-        if keep_kv is None:
-            keep_kv = self.served_keeps_kv(items, share_context)
-        if share_context and keep_kv and items[0][1] % bm.block_size:
-            raise ValueError(
-                f"share_context with keep_kv needs a context of whole blocks "
-                f"({items[0][1]} tokens, blocks of {bm.block_size}): members write after it"
-            )
-        ctx_key = "__measure_prefill_context__"
-        keys: list[str] = []
-        try:
-            ctx_blocks: list[int] = []
-            if share_context:
-                ctx_blocks = bm.allocate(ctx_key, bm.num_blocks_for(items[0][1]))
-                keys.append(ctx_key)
-            seqs = []
-            for i, (uncached, cached) in enumerate(items):
-                key = f"__measure_prefill_{i}__"
-                kept = cached + uncached if keep_kv else cached
-                if share_context and not keep_kv:
-                    blocks = ctx_blocks  # nothing written: the members read the one context
-                elif share_context:
-                    blocks = bm.allocate(key, bm.num_blocks_for(uncached), ctx_blocks)
-                    keys.append(key)
-                else:
-                    blocks = bm.allocate(key, bm.num_blocks_for(kept))
-                    keys.append(key)
-                req = Request(
-                    key, RequestKind.SCORE, [0] * (cached + uncached), label_token_ids=[0]
-                )
-                seqs.append(
-                    ScheduledSeq(
-                        request=req,
-                        lease=Lease(req, key, -1),
-                        num_context_tokens=cached,
-                        num_new_tokens=uncached,
-                        num_kept_tokens=kept,
-                        block_ids=list(blocks),
-                        input_ids=[0] * uncached,
-                        needs_output=True,
-                    )
-                )
-            plan = StepPlan(step_id=-1, prefill=seqs)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            start, end = self.stream_device.event(), self.stream_device.event()
-            t0 = time.perf_counter()
-            start.record()
-            pending = self.runner.launch(plan)
-            end.record()
-            pending.result()  # waits for the outputs
-            wall_s = time.perf_counter() - t0
-            if device_s_out is not None:
-                end.synchronize()
-                device_s_out.append(start.elapsed_time(end) / 1e3)
-            return wall_s
-        finally:
-            for key in reversed(keys):  # the members before the context they share
-                bm.free(key)
+        return startup.measure_prefill_batch(
+            self.runner,
+            self.block_manager,
+            self.stream_device,
+            self.device,
+            items,
+            keep_kv=keep_kv,
+            share_context=share_context,
+            device_s_out=device_s_out,
+        )
 
     def stats(self) -> dict[str, Any]:
         """The latest published snapshot: rebuilt every STATS_INTERVAL_S between steps and when
@@ -1605,8 +969,7 @@ class Engine:
             self.scheduler.set_policy(payload)
         elif kind == "prefill_limits":
             budget, tbt_ms, mixed, share = payload
-            self._tbt_s = None if tbt_ms is None else tbt_ms / 1e3
-            self._chunk_fixed_share = share
+            self.pacer.set_targets(tbt_ms, share)
             self.serial.set_prefill_token_budget(budget)
             self.serial.set_mixed_step_token_budget(mixed)
             if self.split is not None:
@@ -1653,15 +1016,9 @@ class Engine:
             plan_started_s = time.perf_counter()
             capacity = ex.capacity()
             if ex is self.split:
-                # Read by the split controller only, and only for a step that may plan a
-                # prefill: not on the decode steps between a sliced prompt's slices (budget
-                # 0), where counting that prompt's thousands of blocks would buy nothing.
-                if capacity.prefill_token_budget > 0:
-                    self._kv_usage_before_plan = self._kv_usage()
-                capacity = self._auto_capacity(capacity)
-            elif self._tbt_s is not None and ex.name == "serial":
-                look = self.scheduler.outlook(self.config.chunk_scoring_prefill)
-                capacity = self._timed(capacity, look, self._tbt_s / self._tbt_tail.factor)
+                capacity = self.pacer.auto_capacity(capacity)
+            elif self.pacer.tbt_s is not None and ex.name == "serial":
+                capacity = self.pacer.tbt_cut(capacity)
             try:
                 plan = sched.schedule(capacity)
             except Exception as e:  # noqa: BLE001 - bookkeeping bug: fail everything queued
@@ -1762,15 +1119,17 @@ class Engine:
         return outputs
 
     def _observe(self, result: StepResult) -> None:
-        """Online JCT refinement from prefill-only steps (device time from events) and the
-        decode step / idle counters. Steps that ran on a split's partition teach neither the
-        JCT model nor the decode step average: both model the whole GPU (they size auto's and
-        the scheduler's chunks), and a split's partition is slower."""
+        """Online JCT refinement from prefill-only steps (device time from events), what the
+        step teaches the pacer (the TBT cut's correction and tails, a chunked step's
+        prediction scored) and the decode step / idle counters. Steps that ran on a split's
+        partition teach neither the JCT model nor the decode step average: both model the
+        whole GPU (they size auto's and the scheduler's chunks), and a split's partition is
+        slower."""
         plan = result.plan
         whole = not result.on_split
-        chunked_ms, head_ms = self._chunked_predicted_ms.pop(plan.step_id, (None, None))
-        if chunked_ms is not None and result.device_s is not None:
-            self._green.score("chunked/step", chunked_ms, result.device_s * 1e3)
+        pacer = self.pacer
+        serial_running = self.executor is self.serial
+        chunked_ms, head_ms = pacer.take_chunked_prediction(result)
         if result.device_s is not None and result.is_prefill_only and whole:
             # Whatever the policy and executor: SRJF reads this model, and so does the
             # prefill-backlog estimate replicas report for routing.
@@ -1778,41 +1137,7 @@ class Engine:
                 [(s.num_new_tokens, s.num_context_tokens) for s in plan.prefill],
                 result.device_s,
             )
-        # Mixed whole-GPU steps: what the step took beyond its decode part (`_decode_base_s`),
-        # against the JCT model's terms for its prefill parts, corrects the TBT cut
-        # (`CorrectedCost`: offset, a scale per term, the cached prefix's read).
-        base = (
-            self._decode_base_s(len(plan.decode), sum(s.num_context_tokens for s in plan.decode))
-            if plan.decode and plan.prefill and whole
-            else 0.0
-        )
-        predicted_step_s: float | None = None
-        if plan.decode and plan.prefill and result.device_s is not None and base > 0.0 and whole:
-            cost = self._prefill_cost
-            prefill = cost.prefill((s.num_new_tokens, s.num_context_tokens) for s in plan.prefill)
-            step_s = base + cost.extra_s(prefill)  # as the cut saw it
-            predicted_step_s = step_s
-            self._mixed_step_ratios.append(result.device_s / step_s)
-            self._num_mixed_steps += 1
-            target_s = self._cut_target_s()
-            if target_s is not None:
-                if result.device_s > target_s:
-                    self._num_mixed_steps_over_tbt += 1
-                # What the step's decodes waited: the host's gap before it, then the step.
-                waited_s = result.device_s + (result.idle_before_s or 0.0)
-                self._tbt_tail.observe(step_s, waited_s, target_s)
-            cost.observe(prefill, result.device_s - base)
-        if (
-            result.slice_promised_s is not None
-            and result.decode_gap_s is not None
-            and result.device_s is not None
-        ):
-            target_s = self._cut_target_s()
-            if target_s is not None:
-                # What the decodes waited behind the slice: the device gap since their
-                # previous step (the slice, and the host if it lagged), then their own step.
-                waited_s = result.decode_gap_s + result.device_s
-                self._slice_tail.observe(result.slice_promised_s, waited_s, target_s)
+        predicted_step_s, base = pacer.observe_step(result, serial_running)
         self._trace(
             result, predicted_step_s, chunked_ms, base if predicted_step_s else None, head_ms
         )
@@ -1821,23 +1146,7 @@ class Engine:
         if decode_only and result.device_s is not None:
             self._decode_device_s += result.device_s
             self._num_decode_steps += 1
-            if whole:
-                self._decode_step_avg_s = decode_avg_s(self._decode_step_avg_s, result.device_s)
-            if (
-                whole
-                and self._tbt_s is not None
-                and self._green is not None
-                and self.executor is self.serial
-            ):
-                # In off the split executor does not run, so nothing else teaches the cost
-                # model this device's decode: the decode base of the TBT cut reads it (plain
-                # off, without a target, reads nothing of it: not taught, no hot-path cost).
-                shape = DecodeShape(
-                    len(plan.decode),
-                    sum(s.num_context_tokens for s in plan.decode),
-                    self.model_config.num_layers,
-                )
-                self._green.observe_whole_decode(shape, result.device_s * 1e3)
+            pacer.observe_decode_only(plan, result.device_s, whole, serial_running)
             if self._prev_had_decode and result.idle_before_s is not None:
                 self._decode_idle_s += result.idle_before_s
         self._prev_had_decode = decode_only
@@ -2107,6 +1416,7 @@ class Engine:
         cache = bm.prefix_cache
         s = self.scheduler
         step_s = self._step_started_s
+        pacer = self.pacer
         snap = {
             "num_waiting": s.num_waiting,
             "num_running": s.num_running,
@@ -2129,26 +1439,26 @@ class Engine:
             "ttft_slo_ms": self.config.ttft_slo_ms,
             "prefill_token_budget": self.serial.prefill_token_budget,
             "mixed_step_token_budget": self.serial.mixed_step_token_budget,
-            "chunk_fixed_share": self._chunk_fixed_share,
+            "chunk_fixed_share": pacer.chunk_fixed_share,
             "prefill_chunk_tokens": self.config.chunk_tokens(),
-            "tbt_slo_ms": None if self._tbt_s is None else self._tbt_s * 1e3,
+            "tbt_slo_ms": None if pacer.tbt_s is None else pacer.tbt_s * 1e3,
             # the JCT model's per-token and per-pair terms as mixed steps correct them
-            "tbt_cost_token_scale": self._prefill_cost.token_scale,
-            "tbt_cost_pair_scale": self._prefill_cost.pair_scale,
-            "tbt_cost_offset_ms": self._prefill_cost.offset_s * 1e3,
+            "tbt_cost_token_scale": pacer.prefill_cost.token_scale,
+            "tbt_cost_pair_scale": pacer.prefill_cost.pair_scale,
+            "tbt_cost_offset_ms": pacer.prefill_cost.offset_s * 1e3,
             # per 1,000 cached tokens of the prefill parts (held near 0 while the fit cannot
             # tell it)
-            "tbt_cost_context_ms_per_1k": self._prefill_cost.context_s_per_token * 1e6,
-            "tbt_tail_factor": self._tbt_tail.factor,
+            "tbt_cost_context_ms_per_1k": pacer.prefill_cost.context_s_per_token * 1e6,
+            "tbt_tail_factor": pacer.tbt_tail.factor,
             # auto's layer slices' own tail (None until measured: they use the chunks' aim)
-            "slice_tail_factor": self._slice_tail.factor if self._slice_tail.measured else None,
+            "slice_tail_factor": pacer.slice_tail.factor if pacer.slice_tail.measured else None,
             **self._gc.take_window(),
             "kernels_compiled_while_serving": self._compiles.compiled_since_mark(),
             "prefill_graphs": self._prefill_graphs_summary,
             "prefill_warm_up_s": self.prefill_warm_up_s,
-            "num_mixed_steps": self._num_mixed_steps,
-            "num_mixed_steps_over_tbt": self._num_mixed_steps_over_tbt,
-            **_quantiles("mixed_step_ratio", self._mixed_step_ratios, (50, 90, 99)),
+            "num_mixed_steps": pacer.num_mixed_steps,
+            "num_mixed_steps_over_tbt": pacer.num_mixed_steps_over_tbt,
+            **_quantiles("mixed_step_ratio", pacer.mixed_step_ratios, (50, 90, 99)),
             **self._partition_stats(),
             "num_steps": s.num_steps,
             "num_prefill_tokens": s.num_prefill_tokens,

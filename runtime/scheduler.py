@@ -239,7 +239,7 @@ class CorrectedCost:
 
     def seed_scale(self, scale: float) -> None:
         """Start both scales (and their prior) at `scale`: the engine's guess of how far the
-        JCT model is off before it is fitted to the device (`Engine._seed_prefill_scale`)."""
+        JCT model is off before it is fitted to the device (`StepPacer._seed_prefill_scale`)."""
         self.token_scale = self.pair_scale = min(self.MAX_SCALE, max(self.MIN_SCALE, scale))
         self._refit_prior()
 
@@ -284,7 +284,7 @@ class CorrectedCost:
 
     def observe(self, prefill: MixedPrefill, extra_s: float) -> None:
         """One mixed step: its prefill parts and what it measured beyond its decode part
-        (beyond the engine's decode base for its batch, `Engine._decode_base_s`)."""
+        (beyond the engine's decode base for its batch, `StepPacer.decode_base_s`)."""
         if prefill.token_s + prefill.pair_s <= 1e-9:
             return
         fit = self._fit
@@ -329,7 +329,7 @@ class TailFactor:
     server) the first second of steps, cut at the target itself, took up to 104 ms for 80.
 
     The engine keeps one for the chunked steps the cut sizes and one for layer slices
-    (`Engine._slice_tail`: what a decode waited behind a slice over the wait the controller
+    (`StepPacer.slice_tail`: what a decode waited behind a slice over the wait the controller
     promised), as the two kinds miss differently."""
 
     WINDOW = 256
@@ -444,7 +444,7 @@ class StepCapacity:
     # prefill work planned may add at most tbt_s - decode_step_s seconds by `prefill_cost`.
     tbt_s: float | None = None
     # The step's time before its prefill work: the decode step for this batch (the engine's
-    # decode base, `Engine._decode_base_s`) plus the fixed cost a step that mixes in prefill
+    # decode base, `StepPacer.decode_base_s`) plus the fixed cost a step that mixes in prefill
     # adds (`CorrectedCost.offset_s`).
     decode_step_s: float = 0.0
     prefill_cost: PrefillCost | None = None

@@ -515,9 +515,9 @@ def test_prefill_limits_change_at_run_time_and_never_above_the_sized_budget() ->
         sp = SamplingParams(max_tokens=2, temperature=0.0)
         engine.add(Request("r", RequestKind.GENERATE, list(range(5, 25)), sp))
         sink.wait("r")  # the engine thread has applied its inbox
-        assert engine.serial.prefill_token_budget == 512 and engine._tbt_s == 0.04
+        assert engine.serial.prefill_token_budget == 512 and engine.pacer.tbt_s == 0.04
         assert engine.serial.mixed_step_token_budget == 256
-        assert engine._chunk_fixed_share == 0.2  # what auto's step cap reads
+        assert engine.pacer.chunk_fixed_share == 0.2  # what auto's step cap reads
         stats = engine.fresh_stats()
         assert stats["prefill_token_budget"] == 512 and stats["tbt_slo_ms"] == 40.0
         assert stats["mixed_step_token_budget"] == 256 and stats["chunk_fixed_share"] == 0.2
@@ -587,12 +587,12 @@ def test_tbt_cut_learns_how_wrong_the_jct_model_is_in_mixed_steps() -> None:
             for st in engine.step_trace()
             if st["num_decodes"] and not st["num_prefill_tokens"]
         )
-        engine._decode_step_avg_s = decode_ms[len(decode_ms) // 2] / 1e3
+        engine.pacer.decode_step_avg_s = decode_ms[len(decode_ms) // 2] / 1e3
         long_sp = SamplingParams(max_tokens=1, temperature=0.0)
         engine.add(Request("long", RequestKind.GENERATE, list(range(30, 30 + 2000)), long_sp))
         sink.wait("long")
         stats = engine.fresh_stats()
-        cost = engine._prefill_cost
+        cost = engine.pacer.prefill_cost
         # What the correction now predicts for a 64-token chunk next to the decode
         predicted_extra_s = cost.offset_s + cost.marginal_s(63, 500)
         trace = engine.step_trace()
@@ -632,23 +632,28 @@ def test_mixed_steps_are_judged_against_the_running_executors_cut_only() -> None
     from types import SimpleNamespace
 
     engine, _ = make_engine(prefill_token_budget=64, num_kv_blocks=64)
+    pacer = engine.pacer
+
+    def cut_target_s() -> float | None:  # as the engine asks when it observes a step
+        return pacer.cut_target_s(engine.executor is engine.serial)
+
     try:
         assert engine.executor is engine.serial
-        assert engine._cut_target_s() is None
-        engine._tbt_s = 0.05
-        assert engine._cut_target_s() == 0.05
-        engine._tbt_s = None
+        assert cut_target_s() is None
+        pacer.tbt_s = 0.05
+        assert cut_target_s() == 0.05
+        pacer.tbt_s = None
         controller = SimpleNamespace(config=SimpleNamespace(tbt_slo_ms=80.0))
-        engine._green = SimpleNamespace(mode="off", controller=controller)
-        assert engine._cut_target_s() is None  # serial, no --tbt-slo-ms: no cut
+        pacer.green = SimpleNamespace(mode="off", controller=controller)
+        assert cut_target_s() is None  # serial, no --tbt-slo-ms: no cut
         engine.executor = SimpleNamespace(name="split")  # the split executor is running
-        assert engine._cut_target_s() is None  # mode off: no cut there either
-        engine._green.mode = "auto"
-        engine._tbt_tail.factor = 1.25
-        assert engine._cut_target_s() == pytest.approx(0.080)  # the target, not the aim
-        assert engine._chunk_tbt_ms() == pytest.approx(80.0 / 1.25)
+        assert cut_target_s() is None  # mode off: no cut there either
+        pacer.green.mode = "auto"
+        pacer.tbt_tail.factor = 1.25
+        assert cut_target_s() == pytest.approx(0.080)  # the target, not the aim
+        assert pacer.chunk_tbt_ms() == pytest.approx(80.0 / 1.25)
     finally:
-        engine.executor, engine._green = engine.serial, None
+        engine.executor, pacer.green = engine.serial, None
         engine.shutdown()
 
 
@@ -760,7 +765,7 @@ def test_one_stalled_decode_step_barely_moves_the_fallback_decode_base() -> None
     One 500-ms stall among 10-ms steps lifted it to ~59 ms; a step enters at most twice the
     average now, so it reads 11 ms, while a real change (10 -> 30 ms steps) is still
     followed within a few dozen steps."""
-    from runtime.engine import decode_avg_s
+    from runtime.partition.pacing import decode_avg_s
 
     avg = 0.0
     for _ in range(20):

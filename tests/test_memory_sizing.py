@@ -25,6 +25,7 @@ from runtime.kv.kv_pool import (
 )
 from runtime.model.presets import get_preset
 from runtime.runner import ActivationLine
+from runtime.startup import MemorySizing, size_prefill_chunk
 
 GIB = 1 << 30
 
@@ -77,26 +78,24 @@ def test_num_blocks_is_budget_minus_reserve_over_block_bytes(fake_gpu) -> None:
     assert n == int(budget // per_block) - 1  # one block is the pad block
 
 
-def _engine_stub(max_model_len: int, max_score_tokens: int) -> types.SimpleNamespace:
-    stub = types.SimpleNamespace(
+def _sizing(max_model_len: int, max_score_tokens: int) -> MemorySizing:
+    return MemorySizing(
         config=EngineConfig(model="random:tiny", gpu_memory_utilization=0.9),
         model_config=get_preset("tiny"),
-        dtype=torch.bfloat16,
         device=torch.device("cuda"),
-        _max_model_len=max_model_len,
-        _max_score_tokens=max_score_tokens,
-        _reserved_at_start=0,
+        dtype=torch.bfloat16,
+        reserved_at_start=0,
+        max_model_len=max_model_len,
+        max_score_tokens=max_score_tokens,
     )
-    stub._fit = types.MethodType(Engine._fit_max_score_tokens, stub)
-    return stub
 
 
 def test_default_max_score_tokens_is_lowered_to_what_fits(fake_gpu, caplog) -> None:
     # 50 GiB of budget; 1 MiB of activations per prompt token: a 1M-token prompt cannot fit.
-    stub = _engine_stub(max_model_len=1 << 20, max_score_tokens=1 << 20)
+    stub = _sizing(max_model_len=1 << 20, max_score_tokens=1 << 20)
     slope, fixed = float(1 << 20), float(GIB)
-    stub._fit(ActivationLine(8192, fixed + slope * 8192, 8192, slope, fixed))
-    got = stub._max_score_tokens
+    stub.fit_max_score_tokens(ActivationLine(8192, fixed + slope * 8192, 8192, slope, fixed))
+    got = stub.max_score_tokens
     assert 8192 <= got < 1 << 20 and got % 16 == 0
     # What is left beside the reserve still holds one max_model_len sequence.
     per_block = bytes_per_block(stub.model_config, 16, torch.bfloat16)
@@ -106,18 +105,20 @@ def test_default_max_score_tokens_is_lowered_to_what_fits(fake_gpu, caplog) -> N
 
 
 def test_max_score_tokens_is_kept_when_it_fits(fake_gpu) -> None:
-    stub = _engine_stub(max_model_len=32768, max_score_tokens=32768)
+    stub = _sizing(max_model_len=32768, max_score_tokens=32768)
     # ~0.3 GiB for 32k tokens: fits easily
-    stub._fit(ActivationLine(8192, GIB + 10_000.0 * 8192, 8192, 10_000.0, float(GIB)))
-    assert stub._max_score_tokens == 32768
+    line = ActivationLine(8192, GIB + 10_000.0 * 8192, 8192, 10_000.0, float(GIB))
+    stub.fit_max_score_tokens(line)
+    assert stub.max_score_tokens == 32768
 
 
 def test_never_below_one_step_budget(fake_gpu) -> None:
     state, _ = fake_gpu
     state["used"] = 89 * GIB  # almost nothing left
-    stub = _engine_stub(max_model_len=32768, max_score_tokens=32768)
-    stub._fit(ActivationLine(8192, GIB + float(1 << 20) * 8192, 8192, float(1 << 20), float(GIB)))
-    assert stub._max_score_tokens == 8192
+    stub = _sizing(max_model_len=32768, max_score_tokens=32768)
+    slope = float(1 << 20)
+    stub.fit_max_score_tokens(ActivationLine(8192, GIB + slope * 8192, 8192, slope, float(GIB)))
+    assert stub.max_score_tokens == 8192
 
 
 def test_a_cap_below_one_max_model_len_sequence_gives_scoring_the_room(fake_gpu, caplog) -> None:
@@ -125,10 +126,10 @@ def test_a_cap_below_one_max_model_len_sequence_gives_scoring_the_room(fake_gpu,
     # reserve leaves room for it, so generation is limited by the pool whatever is reserved.
     # Found on the H200 (8B, --max-model-len 262144 in 24 GB): the rule "the pool holds one
     # max_model_len sequence" then floored scoring prompts to one step's budget (8192 tokens).
-    stub = _engine_stub(max_model_len=1 << 27, max_score_tokens=1 << 27)
+    stub = _sizing(max_model_len=1 << 27, max_score_tokens=1 << 27)
     slope, fixed = float(1 << 20), float(GIB)
-    stub._fit(ActivationLine(8192, fixed + slope * 8192, 8192, slope, fixed))
-    got = stub._max_score_tokens
+    stub.fit_max_score_tokens(ActivationLine(8192, fixed + slope * 8192, 8192, slope, fixed))
+    got = stub.max_score_tokens
     room = 50 * GIB - (512 << 20)
     per_block = bytes_per_block(stub.model_config, 16, torch.bfloat16)
     floor_pool = (8192 // 16 + 1) * per_block  # one step's budget of KV, kept for chat
@@ -152,9 +153,9 @@ def test_a_fit_below_the_slopes_first_length_keeps_its_reserve_in_the_room(fake_
     floor_pool = (8192 // 16 + 1) * per_block  # one step's budget of KV, kept for chat
     room = line.reserve(20000) + floor_pool  # about 20k tokens of scoring fit
     state["used"] = int(90 * GIB - room - (512 << 20))  # budget = 90 % of 100 GiB - used
-    stub = _engine_stub(max_model_len=1 << 27, max_score_tokens=1 << 27)
-    stub._fit(line)
-    got = stub._max_score_tokens
+    stub = _sizing(max_model_len=1 << 27, max_score_tokens=1 << 27)
+    stub.fit_max_score_tokens(line)
+    got = stub.max_score_tokens
     assert 19_900 < got <= 20000 and got % 16 == 0, got
     assert line.reserve(got) <= room - floor_pool < line.reserve(got + 16)
 
@@ -237,20 +238,20 @@ def test_the_dry_runs_say_they_start_and_how_long_they_took(monkeypatch, caplog)
     """Start-up's first forwards may JIT-compile the attention kernels for minutes (on a bare
     H200, ~3 min with nothing logged): the engine says before that it is measuring, and after
     how long it took."""
-    import runtime.engine as engine_module
+    import runtime.startup as startup_module
 
-    stub = _engine_stub(max_model_len=32768, max_score_tokens=32768)
+    stub = _sizing(max_model_len=32768, max_score_tokens=32768)
     stub.config = EngineConfig(model="random:tiny", cuda_graphs=False, max_score_tokens=32768)
-    stub.model = types.SimpleNamespace(rotary=types.SimpleNamespace(max_positions=32768))
+    model = types.SimpleNamespace(rotary=types.SimpleNamespace(max_positions=32768))
     seen: list[str] = []
 
     def fake_line(peak_at, n0, lo, hi) -> ActivationLine:
         seen.append(caplog.text)  # what was logged before the dry runs
         return ActivationLine(n0, float(GIB), lo, 1024.0, float(GIB))
 
-    monkeypatch.setattr(engine_module, "activation_line", fake_line)
+    monkeypatch.setattr(startup_module, "activation_line", fake_line)
     with caplog.at_level("INFO", logger="greenlane.engine"):
-        Engine._measure_activation_reserve(stub)
+        stub.activation_reserve(model, lambda pool: None)  # type: ignore[arg-type,return-value]
     assert "measuring the activation peak: dry-run prefills of up to" in seen[0]
     assert "activation peak measured in " in caplog.text
     assert "activation peak measured" not in seen[0]
@@ -269,17 +270,12 @@ def test_start_up_says_which_model_it_loaded_and_how_long_it_took(caplog) -> Non
         engine.shutdown()
 
 
-def _chunk_stub(**cfg: object) -> types.SimpleNamespace:
-    """An engine of the 8B shape on the fake device, far enough built to size its chunk."""
-    stub = types.SimpleNamespace(
-        config=EngineConfig(model="random:llama-3.1-8b", **cfg),  # type: ignore[arg-type]
-        model_config=get_preset("llama-3.1-8b"),
-        dtype=torch.bfloat16,
-        device=torch.device("cuda"),
-        _reserved_at_start=0,
+def _sized_chunk(**cfg: object) -> int:
+    """The chunk an engine of the 8B shape on the fake device sizes."""
+    config = EngineConfig(model="random:llama-3.1-8b", **cfg)  # type: ignore[arg-type]
+    return size_prefill_chunk(
+        config, get_preset("llama-3.1-8b"), torch.device("cuda"), torch.bfloat16, 0
     )
-    stub.size = types.MethodType(Engine._size_prefill_chunk, stub)
-    return stub
 
 
 def test_the_auto_chunk_follows_the_memory_the_pool_and_activations_share(fake_gpu, caplog):
@@ -291,17 +287,17 @@ def test_the_auto_chunk_follows_the_memory_the_pool_and_activations_share(fake_g
     # 90 % of 100 GiB minus 40 in use: 50 GiB shared; 16,384's temporaries are ~1.6 GiB.
     assert chunk_temporaries_bytes(mc, 16384, 2) == pytest.approx(1.57 * GIB, rel=0.01)
     with caplog.at_level("INFO", logger="greenlane.engine"):
-        assert _chunk_stub().size() == 16384
+        assert _sized_chunk() == 16384
     assert "hybrid prefill's chunk: 16384 tokens (auto" in caplog.text
     # A 24 GB cap: 8 GiB shared, of which 5 % is 0.4 GiB: 4,096's 0.39 GiB fits, by a hair.
-    assert _chunk_stub(max_gpu_memory_gb=24).size() == 4096
+    assert _sized_chunk(max_gpu_memory_gb=24) == 4096
     # 20 GB: 4 GiB shared; 2,048, the old fixed chunk, is the smallest choice.
-    assert _chunk_stub(max_gpu_memory_gb=20).size() == 2048
+    assert _sized_chunk(max_gpu_memory_gb=20) == 2048
     # A pool asked for: the chunk is sized from what is left beside it (16,384 needs 31 GiB,
     # 8,192 16 GiB, 4,096 8 GiB).
     per_block = bytes_per_block(mc, 16, torch.bfloat16)
     for pool_gib, chunk in ((10, 16384), (20, 8192), (44, 2048)):
-        assert _chunk_stub(num_kv_blocks=int(pool_gib * GIB // per_block)).size() == chunk
+        assert _sized_chunk(num_kv_blocks=int(pool_gib * GIB // per_block)) == chunk
 
 
 def test_the_rule_takes_the_largest_choice_within_the_share_else_the_smallest() -> None:

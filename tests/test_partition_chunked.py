@@ -17,7 +17,6 @@ from test_scheduler import LinearCost, _decoding, _prefill_sizes, cap
 from test_split_executor import FakeDevice, FakeEvent, gen, split_engine
 
 from policies.jct import JCTModel
-from runtime.engine import SLICE_TAIL_FLOOR
 from runtime.partition import SplitDecision
 from runtime.partition.cost_model import (
     DECODE,
@@ -31,6 +30,7 @@ from runtime.partition.cost_model import (
     SaturationCurve,
     SplitController,
 )
+from runtime.partition.pacing import SLICE_TAIL_FLOOR
 from runtime.request import Request, RequestKind
 from runtime.scheduler import MIN_TBT_CHUNK_TOKENS, CorrectedCost, MixedPrefill, tbt_chunk_tokens
 
@@ -228,7 +228,7 @@ def test_uncalibrated_auto_chunks_with_the_measured_decode_step() -> None:
 
 def test_a_chunk_is_cut_on_the_decode_base_its_offset_was_fitted_against() -> None:
     """The step offset is learned as a mixed step's time beyond the engine's decode base
-    (`CorrectedCost`, `Engine._decode_base_s`), so the room a chunk gets is the aim less that
+    (`CorrectedCost`, `StepPacer.decode_base_s`), so the room a chunk gets is the aim less that
     base and the offset, as the scheduler's `--tbt-slo-ms` cut computes it; the controller's
     own decode prediction is used only when the engine passes no base. On another base,
     whatever the offset held of the difference would count twice."""
@@ -323,17 +323,17 @@ def _auto_engine(manager, **cfg: Any):  # noqa: F811
     manager.set_cost_model(_flat_model())
     manager.controller.splits = [16]
     manager.controller.config = ControllerConfig(tbt_slo_ms=TARGET_MS, hysteresis_sms=0)
-    eng._green = manager
-    ex.choose = eng._choose_split
+    eng._green = eng.pacer.green = manager
+    ex.choose = eng.pacer.choose_split
     ex.split_usable = lambda sms: sms not in manager.disabled
     jct = eng.jct_model
     jct.a_s, jct.b_s_per_token, jct.k_s_per_pair = 0.0, 2e-6, 0.0
     # Chunks sized at the target itself: a tail already read as on time (a new engine aims
     # below the target by the tail factor's bound until it has seen 32 steps).
-    eng._tbt_tail.factor = 1.0
+    eng.pacer.tbt_tail.factor = 1.0
     # The fake device times every step at 1 ms, which says nothing of a step's cost: the online
     # correction of the cut stays where it starts (its own tests: tests/test_scheduler.py).
-    eng._prefill_cost = _HeldCost(eng.jct_model)
+    eng.pacer.prefill_cost = _HeldCost(eng.jct_model)
     launched: list[Any] = []
     launch = ex.launch
 
@@ -395,7 +395,7 @@ def test_auto_runs_a_head_it_sends_to_the_split_whole_not_by_the_budget(manager)
     assert _sizes(launched[0]) == {"long": 1000}
     assert ex.num_split_prefills == 1
     # Longer than the activation reserve was sized for, it goes by the budget as before.
-    eng._max_score_tokens = 500
+    eng.pacer.max_score_tokens = 500
     eng.scheduler.add(gen("longer", 800, 1, seed=3))
     _run(eng, lambda: any("longer" in _sizes(p) for p in launched))
     assert [_sizes(p)["longer"] for p in launched if "longer" in _sizes(p)][0] == 256
@@ -438,7 +438,7 @@ def test_auto_grows_its_chunk_past_the_cap_until_the_fixed_part_is_its_share(
     eng, _, launched = _auto_engine(manager, chunk_fixed_share=share)
     _decoding_chat(eng)
     eng.serial.set_mixed_step_token_budget(201)
-    assert eng._prefill_cost.offset_s == 0.0
+    assert eng.pacer.prefill_cost.offset_s == 0.0
     launched.clear()
     eng.scheduler.add(gen("long", 1000, 1))
     _run(eng, lambda: eng.scheduler.get("long") is None)
@@ -478,11 +478,12 @@ def test_the_fixed_part_counts_the_cached_prefixs_read(manager) -> None:  # noqa
     _decoding_chat(eng)
     eng.serial.set_mixed_step_token_budget(201)
     look = StepOutlook(1000, 10_000, True, 1, 8)
-    base_s = eng._decode_base_s(1, 8)  # the flat model's 2 ms
-    assert eng._auto_step_cap(look, base_s, 8192) == pytest.approx(251, abs=1)  # no prefix read
-    eng._prefill_cost.context_s_per_token = 1e-7
-    assert eng._auto_step_cap(look, base_s, 8192) == pytest.approx(376, abs=1)
-    assert eng._auto_step_cap(look, base_s, 300) == 300  # never past the prefill budget
+    base_s = eng.pacer.decode_base_s(1, 8)  # the flat model's 2 ms
+    pacer = eng.pacer
+    assert pacer.auto_step_cap(look, base_s, 8192) == pytest.approx(251, abs=1)  # no prefix read
+    pacer.prefill_cost.context_s_per_token = 1e-7
+    assert pacer.auto_step_cap(look, base_s, 8192) == pytest.approx(376, abs=1)
+    assert pacer.auto_step_cap(look, base_s, 300) == 300  # never past the prefill budget
 
 
 def test_the_fixed_share_never_passes_the_prefill_budget(manager) -> None:  # noqa: F811
@@ -502,18 +503,18 @@ def test_auto_cuts_and_corrects_on_the_models_decode_for_the_batch(manager) -> N
     load) is the base only without one."""
     eng, _, launched = _auto_engine(manager)
     _decoding_chat(eng)
-    eng._decode_step_avg_s = 0.5e-3  # decode-only steps at another batch, long ago
-    assert eng._decode_base_s(1, 8) == pytest.approx(2e-3)  # the flat model: 1 ms a layer
+    eng.pacer.decode_step_avg_s = 0.5e-3  # decode-only steps at another batch, long ago
+    assert eng.pacer.decode_base_s(1, 8) == pytest.approx(2e-3)  # the flat model: 1 ms a layer
     launched.clear()
     eng.scheduler.add(gen("long", 1000, 1))
     eng._step()
     assert _sizes(launched[0]) == {"long": CHUNK}  # (2.7 - 2) ms at 2 us a token, not 1,100
-    while not getattr(eng._prefill_cost, "seen", None):
+    while not getattr(eng.pacer.prefill_cost, "seen", None):
         eng._step()
     # The fake device times the step at 1 ms: 1 ms beyond the model's decode, not 0.5.
-    assert eng._prefill_cost.seen[0][1] == pytest.approx(1e-3 - 2e-3)
+    assert eng.pacer.prefill_cost.seen[0][1] == pytest.approx(1e-3 - 2e-3)
     manager.set_cost_model(CostModel(TOTAL))  # uncalibrated: no prediction to stand on
-    assert eng._decode_base_s(1, 8) == pytest.approx(eng._decode_step_avg_s)
+    assert eng.pacer.decode_base_s(1, 8) == pytest.approx(eng.pacer.decode_step_avg_s)
 
 
 def test_off_with_a_tbt_target_cuts_on_the_models_decode_and_teaches_it(manager) -> None:  # noqa: F811
@@ -524,7 +525,7 @@ def test_off_with_a_tbt_target_cuts_on_the_models_decode_and_teaches_it(manager)
     model's decode."""
     eng, _, _ = _auto_engine(manager)
     manager.set_mode("off")
-    eng._tbt_s = TARGET_MS / 1e3
+    eng.pacer.tbt_s = TARGET_MS / 1e3
     plans: list[Any] = []
     launch = eng.serial.launch
 
@@ -545,7 +546,7 @@ def test_off_with_a_tbt_target_cuts_on_the_models_decode_and_teaches_it(manager)
     for _ in range(3):
         eng._step()  # decode-only steps on the serial executor
     assert manager.cost_model_errors()["num_decode_alone"] == observed + 3
-    eng._decode_step_avg_s = 0.5e-3  # as if decode-only steps had run at a small batch
+    eng.pacer.decode_step_avg_s = 0.5e-3  # as if decode-only steps had run at a small batch
     plans.clear()
     eng.scheduler.add(gen("long", 1000, 1))
     eng._step()
@@ -578,7 +579,7 @@ def test_auto_times_every_prefill_it_adds_behind_the_chunked_head(manager) -> No
     eng._step()
     plan = launched[0]
     assert plan.decode and _sizes(plan)["head"] == 100
-    cost, left_s = eng._prefill_cost, (TARGET_MS - 2.0) / 1e3  # the flat model's decode: 2 ms
+    cost, left_s = eng.pacer.prefill_cost, (TARGET_MS - 2.0) / 1e3  # the flat model's decode: 2 ms
     spent = sum(cost.marginal_s(s.num_new_tokens, s.num_context_tokens) for s in plan.prefill)
     # The head's 100 tokens leave room for 250 more tokens but not for the 200 behind it
     # (each attends 2,000 cached tokens): they wait for a step of their own time.
@@ -634,7 +635,7 @@ def test_the_kv_switch_does_not_count_a_running_scoring_prompts_own_blocks(manag
     launch = ex.launch
 
     def spy(plan: Any) -> None:
-        at_launch.append((bm.num_used_blocks / bm.num_blocks, eng._kv_usage()))
+        at_launch.append((bm.num_used_blocks / bm.num_blocks, eng.pacer.kv_usage()))
         launch(plan)
 
     ex.launch = spy  # type: ignore[method-assign]
@@ -692,9 +693,9 @@ def test_auto_uses_the_partition_target_unless_tbt_slo_ms_is_given(manager) -> N
     from runtime.partition.setup import controller_config_from
 
     eng, _, _ = _auto_engine(manager)
-    assert eng._chunk_tbt_ms() == TARGET_MS  # --partition-tbt-slo-ms
-    eng._tbt_s = 0.05  # --tbt-slo-ms (or the admin page's TBT target)
-    assert eng._chunk_tbt_ms() == pytest.approx(50.0)
+    assert eng.pacer.chunk_tbt_ms() == TARGET_MS  # --partition-tbt-slo-ms
+    eng.pacer.tbt_s = 0.05  # --tbt-slo-ms (or the admin page's TBT target)
+    assert eng.pacer.chunk_tbt_ms() == pytest.approx(50.0)
     # --tbt-slo-ms alone also becomes the controller's target; with both, each keeps its own.
     assert controller_config_from(EngineConfig(tbt_slo_ms=60.0)).tbt_slo_ms == 60.0
     both = EngineConfig(tbt_slo_ms=60.0, partition_tbt_slo_ms=80.0)
@@ -732,11 +733,11 @@ def test_steps_on_a_split_teach_neither_the_jct_model_nor_the_decode_average() -
     prefill, decode = StepPlan(1, prefill=[seq]), StepPlan(2, decode=[dseq])
     for plan in (prefill, decode):
         eng._observe(StepResult(plan, RunnerOutput(), 0.5, None, on_split=True))
-    assert eng.jct_model.num_observed == 0 and eng._decode_step_avg_s == 0.0
+    assert eng.jct_model.num_observed == 0 and eng.pacer.decode_step_avg_s == 0.0
     assert eng._num_decode_steps == 1  # still a decode step of the device's
     eng._observe(StepResult(prefill, RunnerOutput(), 0.05))
     eng._observe(StepResult(decode, RunnerOutput(), 0.01))
-    assert eng.jct_model.num_observed == 1 and eng._decode_step_avg_s == pytest.approx(0.01)
+    assert eng.jct_model.num_observed == 1 and eng.pacer.decode_step_avg_s == pytest.approx(0.01)
 
 
 def test_one_prefill_model_whole_gpu_prefill_comes_from_the_jct_model(manager) -> None:  # noqa: F811
@@ -744,7 +745,7 @@ def test_one_prefill_model_whole_gpu_prefill_comes_from_the_jct_model(manager) -
     whole-GPU latency with it (and adds what SM shares change), also after a new cost model
     is installed; with the JCT fallback default it keeps its own fit."""
     eng, _, _ = _auto_engine(manager)
-    eng._share_prefill_model()
+    eng.pacer.share_prefill_model()
     p = PrefillShape.from_seqs([(0, 1000)], num_layers=2)
     assert manager.cost_model.predict(PREFILL, p, TOTAL) == pytest.approx(2.0)  # its own fit
     jct = eng.jct_model
@@ -775,7 +776,7 @@ def _sliced_scoring_engine(manager) -> tuple[Any, Any, list[Any]]:  # noqa: F811
         tbt_slo_ms=TARGET_MS, hysteresis_sms=0, layer_slicing=True
     )
     eng.jct_model.source = "calibration:test"  # fitted to the device: shared
-    eng._share_prefill_model()
+    eng.pacer.share_prefill_model()
     _decoding_chat(eng)
     choices: list[Any] = []
     choose = ex.choose
@@ -834,19 +835,18 @@ def test_decodes_behind_slices_teach_the_slices_own_tail_which_then_sizes_them(
     behind = [st for st in eng.step_trace() if st["slice_promised_ms"] is not None]
     assert behind and all(st["slice_promised_ms"] == first.predicted_decode_ms for st in behind)
     # Those with a gap measured (the first decode step on the split executor has none).
-    assert len(eng._slice_tail._ratios) == sum(st["decode_gap_ms"] is not None for st in behind)
-    assert eng._slice_tail._ratios
+    ratios = eng.pacer.slice_tail._ratios
+    assert len(ratios) == sum(st["decode_gap_ms"] is not None for st in behind)
+    assert ratios
     # (1 ms of gap and a 1-ms step, as the fake device times every event pair)
-    assert list(eng._slice_tail._ratios) == pytest.approx(
-        [2.0 / first.predicted_decode_ms] * len(eng._slice_tail._ratios)
-    )
-    assert eng._slice_aim_ms() is None  # not yet measured (32 waits)
-    eng._tbt_tail.factor = 1.2  # the chunks' tail
+    assert list(ratios) == pytest.approx([2.0 / first.predicted_decode_ms] * len(ratios))
+    assert eng.pacer.slice_aim_ms() is None  # not yet measured (32 waits)
+    eng.pacer.tbt_tail.factor = 1.2  # the chunks' tail
     by_chunks = score("s1", 1)
     assert by_chunks.predicted_decode_ms <= TARGET_MS / 1.2
     for _ in range(32):  # waits under their promise (as the fake device's)
-        eng._slice_tail.observe(0.0025, 0.002, TARGET_MS / 1e3)
-    assert eng._slice_aim_ms() == pytest.approx(TARGET_MS / SLICE_TAIL_FLOOR)
+        eng.pacer.slice_tail.observe(0.0025, 0.002, TARGET_MS / 1e3)
+    assert eng.pacer.slice_aim_ms() == pytest.approx(TARGET_MS / SLICE_TAIL_FLOOR)
     own = score("s2", 2)
     assert TARGET_MS / 1.2 < own.predicted_decode_ms <= TARGET_MS / SLICE_TAIL_FLOOR
     eng._publish_stats()
@@ -865,7 +865,7 @@ def test_chunked_steps_are_scored_against_their_prediction(manager) -> None:  # 
     # the last; each measured 1 ms.
     want = (2 * (2.7 - 1) / 1 + (2.6 - 1) / 1) / 3
     assert errors["mape_chunked_step"] == pytest.approx(want)
-    assert eng._chunked_predicted_ms == {}
+    assert eng.pacer._chunked_predicted_ms == {}
     stats = eng.fresh_stats()
     assert stats["cost_model_errors"]["mape_chunked_step"] == pytest.approx(want)
     # The step trace carries each chunked step's prediction (a replay attributes the error),
@@ -892,14 +892,14 @@ def test_a_fallback_jct_model_is_scaled_to_the_partition_cost_model(manager) -> 
     eng, _, _ = _auto_engine(manager)
     jct = eng.jct_model
     jct.b_s_per_token = 4e-6  # twice the flat model's 2 us a token (2 layers x 1 us)
-    eng._share_prefill_model()
-    cost = eng._prefill_cost
+    eng.pacer.share_prefill_model()
+    cost = eng.pacer.prefill_cost
     assert (cost.token_scale, cost.pair_scale) == pytest.approx((0.5, 0.5))
     assert cost.max_tokens_within(0.7e-3) == 350  # as the cost model says
     # A JCT model fitted to the device is not second-guessed.
     cost.seed_scale(1.0)
     jct.source = "calibration:test"
-    eng._share_prefill_model()
+    eng.pacer.share_prefill_model()
     assert (cost.token_scale, cost.pair_scale) == (1.0, 1.0)
 
 

@@ -276,7 +276,7 @@ def test_auto_hands_a_layer_sliced_time_slice_to_the_engine(manager) -> None:
 
 
 def _prefill_beside_eight_decodes() -> tuple[StepPlan, StepPlan]:
-    """Stand-in plans for Engine._choose_split: an 8,192-token prefill, and 8 decodes of
+    """Stand-in plans for StepPacer.choose_split: an 8,192-token prefill, and 8 decodes of
     2,048 tokens of context (distinct requests)."""
     seq = types.SimpleNamespace
     pplan = StepPlan(
@@ -293,7 +293,7 @@ def _prefill_beside_eight_decodes() -> tuple[StepPlan, StepPlan]:
 
 
 def test_the_engine_hands_layer_slices_to_the_pd_loop(manager) -> None:
-    """Engine._choose_split turns auto's layer-sliced time-slice into the PD loop's choice:
+    """StepPacer.choose_split turns auto's layer-sliced time-slice into the PD loop's choice:
     both streams the whole GPU's, `layers_per_slice` set; a decode-only choice has none."""
     import dataclasses
 
@@ -302,7 +302,7 @@ def test_the_engine_hands_layer_slices_to_the_pd_loop(manager) -> None:
     from runtime.partition.cost_model import DECODE, PREFILL
 
     eng = Engine(EngineConfig(model="random:tiny", block_size=4, num_kv_blocks=64), lambda o: None)
-    eng._green = manager
+    eng.pacer.green = manager
     layers = eng.model_config.num_layers
     pplan, dplan = _prefill_beside_eight_decodes()
     p = PrefillShape.from_seqs([(0, 8192)], num_layers=layers)
@@ -313,16 +313,16 @@ def test_the_engine_hands_layer_slices_to_the_pd_loop(manager) -> None:
         manager.controller.config, tbt_slo_ms=target, layer_slicing=True, hysteresis_sms=0
     )
     manager.controller.splits = [32, 64]
-    choice = eng._choose_split(pplan, dplan)
+    choice = eng.pacer.choose_split(pplan, dplan)
     assert choice.prefill_sms == TIME_SLICE and choice.layers_per_slice == 1
     assert choice.prefill_stream is choice.decode_stream is manager._whole
-    assert eng._choose_split(None, dplan).layers_per_slice is None
+    assert eng.pacer.choose_split(None, dplan).layers_per_slice is None
 
 
 def test_a_prefill_launched_with_no_decode_in_its_step_runs_beside_the_held_chats(manager) -> None:
     """The split executor holds every prefill until applied, so the step after a burst of
     chats' prefills plans no decode. A long prefill launched then runs through the chats'
-    next tokens: Engine._choose_split gives the controller those chats (`decodes_ahead`) as
+    next tokens: StepPacer.choose_split gives the controller those chats (`decodes_ahead`) as
     the decode batch, so it slices the prefill rather than giving it the whole GPU as a
     prefill with no decode beside it ("one phase only": 1.6-2.6 s for the chats' second
     tokens on an H100)."""
@@ -334,7 +334,7 @@ def test_a_prefill_launched_with_no_decode_in_its_step_runs_beside_the_held_chat
     from runtime.scheduler import StepCapacity, StepPlan
 
     eng = Engine(EngineConfig(model="random:tiny", block_size=4, num_kv_blocks=64), lambda o: None)
-    eng._green = manager
+    eng.pacer.green = manager
     layers = eng.model_config.num_layers
     p = PrefillShape.from_seqs([(0, 8192)], num_layers=layers)
     m = manager.cost_model
@@ -364,20 +364,20 @@ def test_a_prefill_launched_with_no_decode_in_its_step_runs_beside_the_held_chat
         9, prefill=[seq(num_context_tokens=0, num_new_tokens=8192, request=seq(request_id="p"))]
     )
     assert sched.decodes_ahead() == (8, 8 * 24)
-    choice = eng._choose_split(pplan, None)
+    choice = eng.pacer.choose_split(pplan, None)
     assert choice.layers_per_slice == 1
     # The chats' own prefill, launched, is no prefill beside their decodes: the whole GPU.
     assert sched.decodes_ahead((), chats.prefill) == (0, 0)
-    assert eng._choose_split(chats, None).layers_per_slice is None
+    assert eng.pacer.choose_split(chats, None).layers_per_slice is None
     # With no generation ahead, a lone prefill still gets the whole GPU.
     for i in range(8):
         sched.abort(f"c{i}")
     assert sched.decodes_ahead() == (0, 0)
-    assert eng._choose_split(pplan, None).layers_per_slice is None
+    assert eng.pacer.choose_split(pplan, None).layers_per_slice is None
 
 
 def test_the_engine_sizes_layer_slices_to_its_measured_tail(manager) -> None:
-    """Engine._choose_split hands the controller its aim (the target over the measured tail
+    """StepPacer.choose_split hands the controller its aim (the target over the measured tail
     factor, as for chunks), which sizes layer slices (`SplitController._layer_slices`)."""
     import dataclasses
 
@@ -385,7 +385,7 @@ def test_the_engine_sizes_layer_slices_to_its_measured_tail(manager) -> None:
     from runtime.engine import Engine
 
     eng = Engine(EngineConfig(model="random:tiny", block_size=4, num_kv_blocks=64), lambda o: None)
-    eng._green = manager
+    eng.pacer.green = manager
     manager.controller.config = dataclasses.replace(
         manager.controller.config, tbt_slo_ms=80.0, layer_slicing=True
     )
@@ -398,8 +398,8 @@ def test_the_engine_sizes_layer_slices_to_its_measured_tail(manager) -> None:
 
     manager.decide = spy
     pplan, dplan = _prefill_beside_eight_decodes()
-    eng._tbt_tail.factor = 1.25
-    eng._choose_split(pplan, dplan)
+    eng.pacer.tbt_tail.factor = 1.25
+    eng.pacer.choose_split(pplan, dplan)
     assert seen == [pytest.approx(64.0)]
 
 

@@ -1,4 +1,5 @@
-"""`--prefill-warm-up-tokens`: one discarded prefill at start-up (Engine._warm_up_prefill).
+"""`--prefill-warm-up-tokens`: one discarded prefill at start-up (runtime/startup.py
+`warm_up_prefill`).
 
 On the real engine (random:tiny, CPU): it runs through the serving runner, leaves no block
 held and nothing cached, changes no answer, is capped at the longest scoring prompt, and a
@@ -98,9 +99,10 @@ def test_the_first_chunked_steps_forms_run_within_budget_and_length(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """After the long prefill, one forward of each form a chat's first chunked steps take
-    (Engine._warm_up_forms): decode-like one-token rows beside a short part, discarding and
-    keeping KV, a later chunk over a context, a first chunk past the graphs' buckets. Each
-    within the step budget and the model's length (a small engine skips what does not fit)."""
+    (runtime/startup.py `warm_up_forms`): decode-like one-token rows beside a short part,
+    discarding and keeping KV, a later chunk over a context, a first chunk past the graphs'
+    buckets. Each within the step budget and the model's length (a small engine skips what
+    does not fit)."""
     seen: list[tuple[list[tuple[int, int]], bool | None]] = []
     real = Engine.measure_prefill_batch
 

@@ -147,8 +147,9 @@ def split_engine(
     )
     eng = Engine(config, lambda outs: None)
     green = RecordingPartition()
-    eng.runner = runner or torch_runner(eng)
-    eng._green = green
+    # The pacer (auto's capacity, the split choice, the TBT cut) reads both too.
+    eng.runner = eng.pacer.runner = runner or torch_runner(eng)
+    eng._green = eng.pacer.green = green
     ex = SplitExecutor(
         config,
         eng.runner,
@@ -905,7 +906,7 @@ def test_slice_ends_that_do_not_match_the_prefill_run_whole_layers_with_a_warnin
 
 
 def test_the_engine_tells_the_controller_which_prefills_stream_their_rows() -> None:
-    """`Engine._row_stream`: one sequence past the hybrid chunk and the prefill budget (the
+    """`StepPacer.row_stream`: one sequence past the hybrid chunk and the prefill budget (the
     row form's threshold) is a `RowStream` the controller may cut into row pieces; a batch of
     two, or one within the budget, is not; nor anything with hybrid prefill off."""
     from runtime.partition.cost_model import RowStream
@@ -913,10 +914,10 @@ def test_the_engine_tells_the_controller_which_prefills_stream_their_rows() -> N
     eng, _, _ = split_engine(
         FakeDevice(), fixed_split(), prefill_token_budget=16, prefill_chunk_tokens=8
     )
-    assert eng._row_stream([(4, 37)]) == RowStream(4, 37, 8)
-    assert eng._row_stream([(0, 16)]) is None  # within the budget: all rows at once
-    assert eng._row_stream([(0, 37), (0, 20)]) is None
+    assert eng.pacer.row_stream([(4, 37)]) == RowStream(4, 37, 8)
+    assert eng.pacer.row_stream([(0, 16)]) is None  # within the budget: all rows at once
+    assert eng.pacer.row_stream([(0, 37), (0, 20)]) is None
     off, _, _ = split_engine(
         FakeDevice(), fixed_split(), prefill_token_budget=16, hybrid_prefill=False
     )
-    assert off._row_stream([(4, 37)]) is None
+    assert off.pacer.row_stream([(4, 37)]) is None

@@ -42,7 +42,7 @@ class StepResult:
     # Split executor, a step whose decodes waited behind a layer slice (or the last one): the
     # wait the controller promised them, the heaviest slice and the decode step
     # (`SplitDecision.predicted_decode_ms`), which the engine reads against decode_gap_s plus
-    # device_s (`Engine._slice_tail`); None otherwise.
+    # device_s (`StepPacer.slice_tail`); None otherwise.
     slice_promised_s: float | None = None
     # Split executor, a prefill run in layer slices (its device_s is None: its span is not one
     # step's device time): start to last slice, the decode steps between included, and the

@@ -5,8 +5,9 @@ green contexts the engine holds an `UnavailablePartition` that says why.
 
 The package is the split: `green_ctx` (green-context stream pairs), `gpu`
 (`GreenContextPartition`, the engine probe), `cost_model` (stage latency vs SM share and the
-`SplitController`), `calibrate` (the cost-model profile and its file), `setup` (the engine's
-partition set-up).
+`SplitController`), `pacing` (`StepPacer`: the engine's side of the controller, and the TBT
+cut), `calibrate` (the cost-model profile and its file), `setup` (the engine's partition
+set-up).
 """
 
 from __future__ import annotations

@@ -575,7 +575,7 @@ class ChunkInput:
     # engine's measured tail factor (`runtime.scheduler.TailFactor`).
     tbt_slo_ms: float
     # The chunked step's decode part (ms): the engine's decode base, the one `step_offset_ms`
-    # is fitted against (`Engine._decode_base_s`; 0: none yet, the cost model predicts it).
+    # is fitted against (`StepPacer.decode_base_s`; 0: none yet, the cost model predicts it).
     decode_step_ms: float = 0.0
     # What a step that mixes a chunk with decodes takes beyond the decode step, whatever the
     # chunk's size (it runs without the decode graphs): `CorrectedCost.offset_s`, in ms.
@@ -675,9 +675,9 @@ class SplitController:
         layer slices (`_versus`), and a whole-GPU time-slice is always cut to chunks. Without
         it, `p` is what will run whole (a planned batch, or an unchunkable prompt). `aim_ms`:
         what a decode should wait at most, the target less the tail the engine measured
-        (`Engine._chunk_tbt_ms`; `chunk.tbt_slo_ms` when chunked); layer slices are sized to
+        (`StepPacer.chunk_tbt_ms`; `chunk.tbt_slo_ms` when chunked); layer slices are sized to
         it (`_layer_slices`). None: the target itself. `slice_aim_ms`: the aim for layer
-        slices from their own measured tail (`Engine._slice_aim_ms`), which then replaces
+        slices from their own measured tail (`StepPacer.slice_aim_ms`), which then replaces
         `aim_ms` and the layer-sliced error margin there; None: not measured yet. `rows`: `p`
         streams its rows, so a layer may be cut into row pieces where no whole layer fits
         (sub-layer slices)."""
@@ -755,12 +755,12 @@ class SplitController:
     def chunk_room_ms(self, d: DecodeShape, chunk: ChunkInput) -> float:
         """What a chunked step leaves its prefill parts (ms): the aim less the decode step
         with a chunk beside it. `_chunked` cuts the head's chunk to it; the engine holds every
-        prefill planned into that step to the same room (`Engine._auto_capacity`)."""
+        prefill planned into that step to the same room (`StepPacer.auto_capacity`)."""
         return chunk.tbt_slo_ms - (self._whole_decode_ms(d, chunk) + chunk.step_offset_ms)
 
     def _whole_decode_ms(self, d: DecodeShape, chunk: ChunkInput) -> float:
         """The decode part of a chunked step (ms): the engine's decode base
-        (`Engine._decode_base_s`: this model's prediction for the batch when calibrated, else
+        (`StepPacer.decode_base_s`: this model's prediction for the batch when calibrated, else
         the measured decode-only average), the cost model's own prediction only when the engine
         has none. The base is what `step_offset_ms` was fitted against; a room computed on
         another base counts their difference twice. On the H200 (3B, mixed, plan s at

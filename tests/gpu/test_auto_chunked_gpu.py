@@ -114,7 +114,7 @@ def test_off_with_a_tbt_target_cuts_on_the_cost_models_decode_and_teaches_it() -
         # Off's decode-only steps were scored against (and refine) the cost model's decode.
         assert g.cost_model_errors().get("num_decode_alone", 0) > before
         predicted_ms = g.predict_decode_ms(DecodeShape(8, 8 * 400, layers))
-        assert eng._decode_base_s(8, 8 * 400) == pytest.approx(predicted_ms / 1e3)
+        assert eng.pacer.decode_base_s(8, 8 * 400) == pytest.approx(predicted_ms / 1e3)
         gaps = _gaps_before_long(sink, chats)
         assert gaps and max(gaps) < 4 * TARGET_MS / 1e3, max(gaps)
     finally:

@@ -1,5 +1,5 @@
 """GPU: after start-up, a chat's chunked steps compile no Triton kernel and make no FlashInfer
-wrapper on the engine thread (Engine._warm_up_forms, the tiled RoPE kernel's unspecialized T).
+wrapper on the engine thread (startup.warm_up_forms, the tiled RoPE kernel's unspecialized T).
 
 Why: a first use costs 150-300 ms of host time on the H200, with every decode beside it
 waiting: at bf68d3a a fresh engine's first odd-sized chunk next to eight chats compiled the
