@@ -187,7 +187,7 @@ _WRITE_COMMON: dict[int | str, dict[str, Any]] = {
     503: _err("The engine is starting"),
 }
 _PROFILE_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"description": "The profile's summary (runtime.profiling.summarize_kernels)"},
+    200: {"description": "The profile's summary (runtime.diagnostics.profiling.summarize_kernels)"},
     **_WRITE_COMMON,
     409: _err("A profile is already running"),
     404: _err("This engine cannot profile its steps"),
@@ -499,11 +499,13 @@ def _build_state(app: Any) -> dict[str, Any]:
             # (sub-layer slices), since start (None: no split executor).
             "num_layer_sliced_prefills": stats.get("pd_layer_sliced_prefills"),
             "num_sub_layer_sliced_prefills": stats.get("pd_sub_layer_sliced_prefills"),
-            # Every fallback the engine took since it started, and why (runtime/fallbacks.py):
-            # merged steps turned off, prefill graphs not captured, ...
+            # Every fallback the engine took since it started, and why
+            # (runtime/diagnostics/fallbacks.py): merged steps turned off, prefill graphs not
+            # captured, ...
             "fallbacks": stats.get("fallbacks"),
             # Triton kernel variants compiled after start-up, each a first use paid on the
-            # engine thread (runtime/compile_watch.py; None: not counted, e.g. on a CPU).
+            # engine thread (runtime/diagnostics/compile_watch.py; None: not counted, e.g. on a
+            # CPU).
             "kernels_compiled_while_serving": stats.get("kernels_compiled_while_serving"),
             # Overlapped scheduling's exceptions since start: steps in flight answered before
             # a launch gated for aborts (a prefill of >= 16,384 tokens on CUDA, which holds the
@@ -573,7 +575,7 @@ def _build_state(app: Any) -> dict[str, Any]:
         },
         # The interpreter's collections stop the step loop: how many full ones, how long in
         # all, the longest pause of any collection since the engine started, of a young one,
-        # and the most CPU a collection took of its thread (runtime/gc_watch.py).
+        # and the most CPU a collection took of its thread (runtime/diagnostics/gc_watch.py).
         "gc": {
             "full_collections": stats.get("gc_full_collections"),
             "full_ms_total": stats.get("gc_full_ms_total"),

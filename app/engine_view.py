@@ -151,8 +151,8 @@ class EngineView:
 
     async def profile_steps(self, num_steps: int, timeout_s: float, trace: bool) -> dict[str, Any]:
         """The torch profiler over the engine's next `num_steps` steps: its summary (kernels by
-        device time, steps by kind; runtime.profiling), the trace file's path when `trace`.
-        Raises ValueError while another profile runs or when the engine cannot profile."""
+        device time, steps by kind; runtime.diagnostics.profiling), the trace file's path when
+        `trace`. Raises ValueError while another profile runs or when the engine cannot profile."""
         return await self._core.call(
             "profile_steps", num_steps, timeout_s, trace, timeout_s=timeout_s + 120.0
         )

@@ -299,7 +299,7 @@ class EngineStatsLog:
             fields["gc_full_collections"] = int(full)
             fields["gc_pause_ms_max"] = stats.get("gc_pause_ms_max")
             # Young pauses apart, and the collecting thread's own CPU (a pause's wall time
-            # can hold another thread's turn: runtime/gc_watch.py).
+            # can hold another thread's turn: runtime/diagnostics/gc_watch.py).
             fields["gc_young_pause_ms_max"] = stats.get("gc_young_pause_ms_max")
             fields["gc_pause_cpu_ms_max"] = stats.get("gc_pause_cpu_ms_max")
         idle = not (fields["prompt_tokens_per_s"] or fields["generation_tokens_per_s"]) and not (

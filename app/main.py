@@ -35,7 +35,7 @@ from runtime.core.process import (
     remove_ipc_folder,
     start_engine_core,
 )
-from runtime.gc_watch import freeze_startup_objects
+from runtime.diagnostics.gc_watch import freeze_startup_objects
 from runtime.request import EngineOutput
 
 log = logging.getLogger("greenlane.app")

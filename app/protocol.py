@@ -84,7 +84,7 @@ class _Request(BaseModel):
 
 class JsonSchemaFormat(_Request):
     """OpenAI's `response_format.json_schema`. `strict` is accepted either way: the schema is
-    always enforced, token by token (runtime/structured.py)."""
+    always enforced, token by token (runtime/sampling/structured.py)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -125,7 +125,7 @@ class ResponseFormat(_Request):
 
 
 class StructuredOutputs(_Request):
-    """vLLM's `structured_outputs` extension: exactly one constraint (runtime/structured.py
+    """vLLM's `structured_outputs` extension: exactly one constraint (runtime/sampling/structured.py
     `compile_structured_outputs` checks which and how)."""
 
     model_config = ConfigDict(extra="forbid")

@@ -73,7 +73,7 @@ from app.tool_calls import (
 from app.tool_calls import finish_reason as tool_finish_reason
 from runtime.request import Request as EngineRequest
 from runtime.request import RequestKind, RequestOutput, SamplingParams, TokenLogprob
-from runtime.structured import (
+from runtime.sampling.structured import (
     GrammarError,
     compile_response_format,
     compile_structured_outputs,

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from runtime.structured import GrammarError, compile_response_format
+from runtime.sampling.structured import GrammarError, compile_response_format
 
 NAMED = "named"
 REQUIRED = "required"

@@ -1,8 +1,8 @@
 """How long a full garbage collection stops the engine core, against the prefix cache's size.
 
 A full (generation 2) collection walks every object the collector tracks. The engine core
-freezes its start-up objects (`runtime/gc_watch.py`), so what is left to walk is what serving
-creates, and the one structure that grows with the KV pool is the prefix cache: an entry per
+freezes its start-up objects (`runtime/diagnostics/gc_watch.py`), so what is left to walk is what
+serving creates, and the one structure that grows with the KV pool is the prefix cache: an entry per
 cached block (a 3B model's pool on the H200 holds ~170k blocks). This fills a `BlockManager`
 (built before `gc.freeze()`, as the engine core builds its pool) with N cached blocks of random
 tokens (16 per block, as served), then times `gc.collect()` (median of 5) and counts the
@@ -18,7 +18,7 @@ It also times the API server's full collection over what building the app leaves
 after freezing it (`api_server`), and a young collection (generation 1) over the prompts of N
 waiting scoring requests (15,778 tokens each, as in the CPU reproduction of the H200's young
 pauses), their token lists tracked as decoded vs untracked as the engine core now leaves
-them (`waiting_prompts`; runtime/gc_watch.py, `untrack_int_list`).
+them (`waiting_prompts`; runtime/diagnostics/gc_watch.py, `untrack_int_list`).
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def measure_waiting_prompts(num_requests: int, prompt_tokens: int = 15_778) -> d
     """A young collection's pause (ms, median of 5) while `num_requests` prompts (lists of
     token ids, as decoded from the IPC message) are in the young generations: tracked, then
     untracked. Fresh lists per trial: a collection moves survivors to an older generation."""
-    from runtime.gc_watch import untrack_int_list
+    from runtime.diagnostics.gc_watch import untrack_int_list
 
     rng = random.Random(num_requests)
     base = [rng.randrange(5, 50_000) for _ in range(prompt_tokens)]

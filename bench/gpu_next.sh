@@ -471,7 +471,7 @@ case $plan in
     python3 -m bench.gpu_suite --rev "$rev" --tag gpu-decode-breakdown \
       --deadline-s "$(( $(left) - 10 ))" --sections ceilings,decode_breakdown || rc=1 ;;
   x)
-    # Piecewise prefill graphs (runtime/prefill_graphs.py; issues 12 and 13), DEADLINE_S=220:
+    # Piecewise prefill graphs (runtime/graphs/prefill.py; issues 12 and 13), DEADLINE_S=220:
     # eager vs graph time of one prefill part of 16..2048 tokens (with their hidden states
     # compared), then the GPU tests (captured graphs vs eager, an engine scoring alike).
     python3 -m bench.gpu_suite --rev "$rev" --tag gpu-prefill-graphs \

@@ -297,7 +297,7 @@ def split_graphs_check(
     stream picks that split's set and an ordinary stream the whole-GPU set, compare graph vs
     eager logits on the green stream, and time one decode step (eager vs graph) at each batch
     size; the same on the whole GPU for reference. Returns {"rows": [...], "checks": [...]}."""
-    from runtime.cuda_graphs import cuda_stream_key
+    from runtime.graphs.decode import cuda_stream_key
 
     g, runner, model, pool = engine._green, engine.runner, engine.model, engine.kv_pool
     assert g is not None, "no green-context partition"

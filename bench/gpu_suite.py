@@ -635,7 +635,7 @@ def section_profile() -> dict:
 
 
 def section_graphs() -> dict:
-    """Decode CUDA graphs (runtime/cuda_graphs.py) vs eager, llama-3.1-8b, 2k contexts."""
+    """Decode CUDA graphs (runtime/graphs/decode.py) vs eager, llama-3.1-8b, 2k contexts."""
     from runtime.attention.flashinfer_backend import FlashInferBackend
     from runtime.model import ops
 
@@ -648,9 +648,9 @@ def section_graphs() -> dict:
     perm = torch.randperm(34000 - 8).tolist()
     out: dict[str, Any] = {"copy_gbs": copy_gbs}
     with torch.inference_mode():
-        # CUDA graphs (runtime/cuda_graphs.py) on an ordinary stream.
+        # CUDA graphs (runtime/graphs/decode.py) on an ordinary stream.
         try:
-            from runtime.cuda_graphs import DecodeGraphs
+            from runtime.graphs.decode import DecodeGraphs
 
             s = torch.cuda.Stream()
             graphs = DecodeGraphs(
@@ -719,7 +719,7 @@ def section_decode_profile() -> dict:
     import torch.nn.functional as F
 
     from runtime.attention.flashinfer_backend import FlashInferBackend
-    from runtime.cuda_graphs import DecodeGraphs
+    from runtime.graphs.decode import DecodeGraphs
     from runtime.model import ops
 
     ceil = RESULTS["sections"].get("ceilings") or section_ceilings()
@@ -954,7 +954,7 @@ def _decode_breakdown_one(preset: str, B: int, ctx: int, copy_gbs: float, key: s
     """One config of `section_decode_breakdown` (its model and pool are freed on return)."""
 
     from runtime.attention.flashinfer_backend import FlashInferBackend
-    from runtime.cuda_graphs import DecodeGraphs
+    from runtime.graphs.decode import DecodeGraphs
 
     blocks_per_seq = -(-(ctx + 1) // 16)
     num_blocks = B * blocks_per_seq + 64
@@ -1008,7 +1008,7 @@ def _decode_breakdown_one(preset: str, B: int, ctx: int, copy_gbs: float, key: s
 
 
 def section_prefill_graphs() -> dict:
-    """What the piecewise prefill graphs (runtime/prefill_graphs.py) save against the eager
+    """What the piecewise prefill graphs (runtime/graphs/prefill.py) save against the eager
     forward for one prefill part of T tokens: a fresh prompt (ragged attention) and a chunk
     after 4,096 tokens of cached context (paged), T = 16..2048. Per T: the host's time to
     enqueue the part (plan + forward, before any wait) and the wall time to its end (what a
@@ -1089,8 +1089,8 @@ def _prefill_graphs_one(preset: str) -> dict:
     """`section_prefill_graphs` for one preset (its model and pool are freed on return)."""
     from runtime.attention.flashinfer_backend import FlashInferBackend
     from runtime.config import EngineConfig
+    from runtime.graphs.prefill import PrefillGraphs, prefill_graph_sizes
     from runtime.model import ops
-    from runtime.prefill_graphs import PrefillGraphs, prefill_graph_sizes
 
     ctx = 4096
     sizes = (16, 64, 160, 512, 1024, 2048)
@@ -1582,7 +1582,7 @@ def section_fused_decode() -> dict:
     of each against the eager forward. First a tile sweep of each kernel (GB/s vs cuBLAS);
     the step is then timed with the default tiles and with the sweep's best."""
     from runtime.attention.flashinfer_backend import FlashInferBackend
-    from runtime.cuda_graphs import DecodeGraphs
+    from runtime.graphs.decode import DecodeGraphs
     from runtime.model import decode_kernels as dk
     from runtime.model import ops
 

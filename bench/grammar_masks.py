@@ -1,7 +1,7 @@
 """Host time a step spends on structured outputs' masks (engine-level diagnostic).
 
 Each step with constrained rows advances their llguidance matchers by the token each sampled
-last and fills their next-token bitmasks (`runtime.structured.GrammarMasks.fill`), on the
+last and fills their next-token bitmasks (`runtime.sampling.structured.GrammarMasks.fill`), on the
 engine thread before sampling. This times that call in the steady state (one new token a
 row) for a JSON schema mid-object and a `choice`, at 1 / 16 / 64 rows, with the served
 tokenizer (the default model's unless `--tokenizer-dir`). Host time only: it adds to a
@@ -24,7 +24,11 @@ from typing import Any
 import numpy as np
 
 from bench.serve import git_revision, machine_info
-from runtime.structured import GrammarMasks, compile_response_format, compile_structured_outputs
+from runtime.sampling.structured import (
+    GrammarMasks,
+    compile_response_format,
+    compile_structured_outputs,
+)
 
 SCHEMA = {
     "type": "object",

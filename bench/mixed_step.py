@@ -121,8 +121,8 @@ FA2 one).
 
 `--kernels N` (0: off) adds one more launch a variant, after the timed ones and not among
 them, under the torch profiler: `kernels` is the summary the server's profiler gives
-(`runtime.profiling.summarize_trace`: the step's kernels by device time, the top N, their
-categories, launches, and the device-busy share of the span from the first kernel to the
+(`runtime.diagnostics.profiling.summarize_trace`: the step's kernels by device time, the top N,
+their categories, launches, and the device-busy share of the span from the first kernel to the
 last). It says where a step's fixed part goes (on the 3B's mixed chat a step beside ~48
 decodes fitted 8.2 ms + 10.8 µs a token where a decode-only step took 3.5 ms, H100,
 `edc1adc`). On a CPU the trace holds no device kernels: the summary is empty.
@@ -541,14 +541,14 @@ def measure_variant(
 
 def profile_launch(engine: Any, plan: Any, top: int) -> dict[str, Any]:
     """One launch of `plan` through the serial executor under the torch profiler: the kernel
-    summary of `runtime.profiling` (its top `top` kernels), plus the step's device ms as the
-    executor read it (the profiler's own cost included)."""
+    summary of `runtime.diagnostics.profiling` (its top `top` kernels), plus the step's device ms as
+    the executor read it (the profiler's own cost included)."""
     import os
     import tempfile
 
     import torch
 
-    from runtime.profiling import summarize_trace
+    from runtime.diagnostics.profiling import summarize_trace
 
     on_cuda = engine.device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -762,7 +762,7 @@ def main(argv: list[str] | None = None) -> int:
             if pg is not None and pg.captured
             else None,
             # Each captured bucket's dense replay (ms) and those dropped as slower than a
-            # larger one (runtime/prefill_graphs.py, `drop_dominated`).
+            # larger one (runtime/graphs/prefill.py, `drop_dominated`).
             "prefill_graph_bucket_ms": {str(n): round(t, 3) for n, t in pg.bucket_ms.items()}
             if pg is not None
             else None,

@@ -194,7 +194,7 @@ def step(
 
     from bench.gpu_suite import _batch, _graph_decode_step, _preset_model, _weight_bytes
     from runtime.attention.flashinfer_backend import FlashInferBackend
-    from runtime.cuda_graphs import DecodeGraphs
+    from runtime.graphs.decode import DecodeGraphs
     from runtime.model import decode_kernels as dk
 
     blocks_per_seq = -(-(ctx + 1) // 16)

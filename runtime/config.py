@@ -99,13 +99,13 @@ class EngineConfig:
     wait_for_shared_prefix_tokens: int = 256
     cuda_graphs: bool = True
     # Prefill parts of up to this many tokens on the whole GPU replay piecewise CUDA graphs
-    # (runtime/prefill_graphs.py: the dense work per token bucket, attention eager between);
+    # (runtime/graphs/prefill.py: the dense work per token bucket, attention eager between);
     # longer ones run eagerly. Needs cuda_graphs and FlashInfer. 0 = off. 1024: on the H200
     # (3B) a part of 16-512 tokens took 0.41-0.79x the eager wall time, 1024 a tie in
     # isolation (GPU-bound; in a busy server the eager host work is longer), 2048 1.07x.
     prefill_graph_max_tokens: int = 1024
     # From 256 tokens a part is padded to its bucket by at most this fraction (the buckets'
-    # granule; runtime/prefill_graphs.py). Smaller: less padded compute in steps that mix a
+    # granule; runtime/graphs/prefill.py). Smaller: less padded compute in steps that mix a
     # short prompt with decodes, more graphs to capture at start-up. On the H200 (8B, 48 chat
     # streams through HTTP) 0.125 against 0.5 (the first ladder): merged steps 3.5 % cheaper,
     # tokens/s +2.2 % over 4 vs 6 runs, capture ~1 s instead of ~0.5 s.

@@ -59,16 +59,18 @@ import torch
 
 from policies import make_policy
 from policies.jct import JCTModel
-from runtime import fallbacks, startup
+from runtime import startup
 from runtime.attention.base import AttentionBackend
 from runtime.attention.torch_backend import TorchAttentionBackend
-from runtime.compile_watch import CompileWatch, triton_kernels
 from runtime.config import PREFILL_WARM_UP_TOKENS, EngineConfig, check_prefill_limits
+from runtime.diagnostics import fallbacks
+from runtime.diagnostics.compile_watch import CompileWatch, triton_kernels
+from runtime.diagnostics.gc_watch import GcWatch, untrack_int_list
+from runtime.diagnostics.profiling import StepProfile
 from runtime.executor.base import StepFailed, StepInterrupted, StepResult
 from runtime.executor.serial import SerialExecutor
 from runtime.executor.split import SplitExecutor
 from runtime.executor.streams import stream_device_for
-from runtime.gc_watch import GcWatch, untrack_int_list
 from runtime.kv.block_manager import BlockManager
 from runtime.kv.kv_pool import KVPool, bytes_per_block, compute_num_blocks
 from runtime.kv.prefix_cache import PrefixCache
@@ -76,11 +78,10 @@ from runtime.model.loader import load_model
 from runtime.partition import PartitionManager
 from runtime.partition.pacing import StepPacer
 from runtime.partition.setup import capture_split_graphs, make_partition, profile_at_startup
-from runtime.profiling import StepProfile
 from runtime.request import FINISH_REASONS, EngineOutput, Request, RequestKind, RequestStatus
 from runtime.runner import ModelRunner
+from runtime.sampling.structured import GrammarMasks, grammar_conflict
 from runtime.scheduler import ScheduledSeq, Scheduler, StepPlan
-from runtime.structured import GrammarMasks, grammar_conflict
 
 log = logging.getLogger("greenlane.engine")
 
@@ -263,7 +264,7 @@ class Engine:
         output of that iteration; it must not block."""
         self.config = config
         self._sink = sink
-        fallbacks.clear()  # this engine's own (runtime/fallbacks.py)
+        fallbacks.clear()  # this engine's own (runtime/diagnostics/fallbacks.py)
         self.device, self.dtype = resolve_device_dtype(config)
         if self.device.type == "cuda":
             # An engine shut down earlier in this process (A/B benchmarks, the GPU tests) is
@@ -621,11 +622,11 @@ class Engine:
             if error is None:
                 # Validated: numbers only. A long prompt's list, left tracked, is walked
                 # element by element by the young collections while the request waits, the
-                # step loop standing still (runtime/gc_watch.py).
+                # step loop standing still (runtime/diagnostics/gc_watch.py).
                 untrack_int_list(req.prompt_token_ids)
                 untrack_int_list(req.block_hashes)
                 if req.sampling.grammar is not None and self.runner.grammars is not None:
-                    # Compiled here, not on the engine thread (runtime/structured.py).
+                    # Compiled here, not on the engine thread (runtime/sampling/structured.py).
                     error = self.runner.grammars.prepare(req.request_id, req.sampling.grammar)
             checked.append((req, error))
         with self._lock:
@@ -800,9 +801,9 @@ class Engine:
         self, num_steps: int, timeout_s: float, trace_path: str | None = None
     ) -> dict[str, Any]:
         """Run the torch profiler over the next `num_steps` applied steps and return its
-        summary (runtime.profiling.summarize_kernels, plus the steps by kind); the chrome trace
-        goes to `trace_path` when given. Blocks the calling thread (never the engine's) until
-        the steps are done or `timeout_s` passed: then what was recorded, `timed_out` true.
+        summary (runtime.diagnostics.profiling.summarize_kernels, plus the steps by kind); the
+        chrome trace goes to `trace_path` when given. Blocks the calling thread (never the engine's)
+        until the steps are done or `timeout_s` passed: then what was recorded, `timed_out` true.
         Raises ValueError while another profile runs."""
         if self._thread is None or not self._thread.is_alive():
             raise ValueError("the engine is not running")

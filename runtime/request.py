@@ -72,7 +72,7 @@ class SamplingParams:
     # Text only (the output processor; the engine deals in token ids), vLLM's extensions:
     skip_special_tokens: bool = True  # special tokens' text left out of the output text
     include_stop_str_in_output: bool = False  # a matched stop string ends the text, kept
-    # Structured outputs: an llguidance grammar (JSON text, runtime/structured.py) every
+    # Structured outputs: an llguidance grammar (JSON text, runtime/sampling/structured.py) every
     # sampled token must keep valid; None: unconstrained.
     grammar: str | None = None
 

@@ -42,7 +42,6 @@ from typing import Any
 
 import torch
 
-from runtime import fallbacks
 from runtime.attention.base import (
     AttentionBackend,
     ForwardBatch,
@@ -50,23 +49,24 @@ from runtime.attention.base import (
     load_rope_kv_write,
 )
 from runtime.config import EngineConfig
-from runtime.cuda_graphs import (
+from runtime.diagnostics import fallbacks
+from runtime.graphs.decode import (
     SPLIT_BATCH_SIZES,
     DecodeGraphRegistry,
     GraphSet,
     Progress,
     graph_batch_sizes,
 )
+from runtime.graphs.prefill import PrefillGraphs, prefill_graph_max_tokens, prefill_graph_sizes
 from runtime.kv.kv_pool import KVPool
 from runtime.model import ops
 from runtime.model.config import ModelConfig
 from runtime.model.llama import LlamaForCausalLM
 from runtime.model.ops import h2d
-from runtime.prefill_graphs import PrefillGraphs, prefill_graph_max_tokens, prefill_graph_sizes
 from runtime.request import Request, RequestKind, TokenLogprob
-from runtime.sampler import PenaltyState, Sampler, has_penalties, make_generator
+from runtime.sampling.sampler import PenaltyState, Sampler, has_penalties, make_generator
+from runtime.sampling.structured import GrammarMasks
 from runtime.scheduler import RunnerOutput, ScheduledSeq, StepPlan
-from runtime.structured import GrammarMasks
 
 log = logging.getLogger("greenlane.runner")
 
@@ -395,8 +395,8 @@ class ModelRunner:
         slots = num_token_slots or 2 * config.max_num_seqs + 2
         self.token_slots = torch.zeros(slots, dtype=torch.int64, device=self.device)
         self.penalties = PenaltyState(self.num_sampleable_tokens, self.device)
-        # Structured outputs' matchers (runtime/structured.py), set by the engine: None means
-        # a runner without a tokenizer (tests), where a request with a grammar fails its step.
+        # Structured outputs' matchers (runtime/sampling/structured.py), set by the engine: None
+        # means a runner without a tokenizer (tests), where a request with a grammar fails its step.
         self.grammars: GrammarMasks | None = None
         # Per constrained request: the launched step whose output holds its latest sample. A
         # request may be planned with that sample still in flight (overlapped scheduling);
@@ -433,7 +433,7 @@ class ModelRunner:
         self.decode_stream = decode_stream
         graphs_ok = self.uses_flashinfer and kv_pool.pad_block_id is not None
         if config.cuda_graphs and self.device.type == "cuda" and graphs_ok:
-            from runtime.cuda_graphs import DecodeGraphs
+            from runtime.graphs.decode import DecodeGraphs
 
             limit = max_model_len or model_config.max_position_embeddings
             bs = kv_pool.block_size

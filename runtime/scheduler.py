@@ -68,7 +68,7 @@ from typing import Any, Protocol
 
 from policies.jct import attention_pairs
 from runtime.config import EngineConfig
-from runtime.gc_watch import untrack_int_list
+from runtime.diagnostics.gc_watch import untrack_int_list
 from runtime.kv.block_manager import BlockManager
 from runtime.kv.prefix_cache import append_block_hashes, salt_digest
 from runtime.online_fit import DecayingRidge
@@ -536,7 +536,7 @@ class _Tracking:
     lease: Lease | None = None
     # Memo of full-block chain digests (one per 16 tokens of a long prompt; the API server
     # sends the prompt's, `Request.block_hashes`): bytes only, so out of the collector's
-    # sight like the prompt's tokens (runtime/gc_watch.py).
+    # sight like the prompt's tokens (runtime/diagnostics/gc_watch.py).
     block_hashes: list[bytes] = field(default_factory=lambda: untrack_int_list([]))
     digest_seed: bytes = b""  # the first block's parent: the request's `cache_salt` digested
     cached_gen: int = -1  # prefix-cache generation of the memo below

@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
-from runtime import fallbacks
 from runtime.attention.base import AttentionBackend
 from runtime.config import EngineConfig
+from runtime.diagnostics import fallbacks
+from runtime.graphs.prefill import prefill_graph_bytes, prefill_graph_max_tokens
 from runtime.kv.block_manager import BlockManager
 from runtime.kv.kv_pool import (
     CHUNK_MEMORY_SHARE,
@@ -46,7 +47,6 @@ from runtime.kv.kv_pool import (
     cuda_memory_budget_bytes,
 )
 from runtime.model.config import ModelConfig
-from runtime.prefill_graphs import prefill_graph_bytes, prefill_graph_max_tokens
 from runtime.request import Request, RequestKind
 from runtime.runner import (
     ActivationLine,

@@ -249,7 +249,7 @@
       : "no prediction error measured yet");
   }
 
-  // The engine's collector: each pause stops the step loop (runtime/gc_watch.py).
+  // The engine's collector: each pause stops the step loop (runtime/diagnostics/gc_watch.py).
   function renderGc(gc) {
     if (!gc || !isNum(gc.pause_ms_max_ever)) { setText("gc-text", ""); return; }
     const young = isNum(gc.young_pause_ms_max_ever) ? `, young ${gc.young_pause_ms_max_ever.toFixed(1)} ms` : "";

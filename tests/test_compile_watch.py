@@ -1,5 +1,5 @@
-"""`CompileWatch` (runtime/compile_watch.py): Triton variants compiled after start-up, counted
-from the kernels' own per-device caches, said once per growth; unknown (None) before serving
+"""`CompileWatch` (runtime/diagnostics/compile_watch.py): Triton variants compiled after start-up,
+counted from the kernels' own per-device caches, said once per growth; unknown (None) before serving
 starts and where nothing can be counted. Stand-in kernels here (a CPU runs Triton's
 interpreter, which keeps no caches); the real ones: tests/gpu/test_first_use_gpu.py."""
 
@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from runtime.compile_watch import CompileWatch, triton_kernels
+from runtime.diagnostics.compile_watch import CompileWatch, triton_kernels
 
 
 class FakeKernel:

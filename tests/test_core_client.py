@@ -120,7 +120,7 @@ def test_a_core_shutting_down_does_not_report_its_engine_dead(tmp_path) -> None:
 
 def test_prompts_sent_leave_the_young_collections_walk() -> None:
     """The API server holds each prompt until its request ends; a young collection (which
-    stops the event loop) must not walk its tokens (runtime/gc_watch.py)."""
+    stops the event loop) must not walk its tokens (runtime/diagnostics/gc_watch.py)."""
     import gc
 
     from runtime.core.messages import AddRequests

@@ -1,4 +1,4 @@
-"""CPU tests of decode graphs per stream (runtime/cuda_graphs.py `DecodeGraphRegistry`, the
+"""CPU tests of decode graphs per stream (runtime/graphs/decode.py `DecodeGraphRegistry`, the
 runner's per-stream selection and the split executor's lazy capture), with fake streams and a fake
 graph set that replays eagerly with real padding (pad rows write only the pool's pad block).
 The CUDA-graph kernels themselves are covered by tests/gpu/test_split_graphs.py."""
@@ -16,15 +16,15 @@ from test_split_executor import gen, split_engine, split_step, torch_runner
 from runtime.attention.base import ForwardBatch
 from runtime.attention.torch_backend import TorchAttentionBackend
 from runtime.config import EngineConfig
-from runtime.cuda_graphs import (
+from runtime.engine import Engine
+from runtime.executor.streams import HostEvent, HostStreamDevice
+from runtime.graphs.decode import (
     SPLIT_BATCH_SIZES,
     DecodeGraphRegistry,
     bucket_for,
     graph_batch_sizes,
     pad_seqs,
 )
-from runtime.engine import Engine
-from runtime.executor.streams import HostEvent, HostStreamDevice
 from runtime.partition import SplitChoice, SplitDecision
 from runtime.request import EngineOutput, Request
 from runtime.runner import ModelRunner
@@ -428,7 +428,7 @@ def test_decode_graphs_choose_one_chunk_per_mode(monkeypatch: pytest.MonkeyPatch
     rejected. (The graphs themselves: tests/gpu/test_decode_kv_split_gpu.py.)"""
     from types import SimpleNamespace
 
-    from runtime.cuda_graphs import DecodeGraphs
+    from runtime.graphs.decode import DecodeGraphs
 
     class Props:
         multi_processor_count = 132

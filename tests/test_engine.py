@@ -568,9 +568,9 @@ def test_tbt_cut_learns_how_wrong_the_jct_model_is_in_mixed_steps() -> None:
     # failed so once more in CI, in the whole suite only (not reproduced alone, under load, with
     # a busy thread beside it, or with a 3 M-object heap). What stalls a step there is not
     # known; a full garbage collection over the suite's objects is one candidate (the engine
-    # core freezes its start-up objects, runtime/gc_watch.py; this in-process engine does not).
-    # So: the collector is off, and the base this test's correction is fitted against is the
-    # median decode-only step, not their average (the base's estimator is not this test's).
+    # core freezes its start-up objects, runtime/diagnostics/gc_watch.py; this in-process engine
+    # does not). So: the collector is off, and the base this test's correction is fitted against is
+    # the median decode-only step, not their average (the base's estimator is not this test's).
     gc.collect()
     gc.disable()
     engine, sink = make_engine(tbt_slo_ms=50.0, prefill_token_budget=256, num_kv_blocks=1024)

@@ -1,11 +1,11 @@
-"""`runtime.fallbacks.take`: one place that says a fallback in the log and keeps it for the
-admin state."""
+"""`runtime.diagnostics.fallbacks.take`: one place that says a fallback in the log and keeps it for
+the admin state."""
 
 from __future__ import annotations
 
 import logging
 
-from runtime import fallbacks
+from runtime.diagnostics import fallbacks
 
 
 def test_take_logs_once_and_keeps_the_first_reason_with_what_happens_instead(caplog) -> None:

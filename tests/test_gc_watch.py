@@ -1,10 +1,10 @@
-"""The collector's pauses, timed (runtime/gc_watch.py), and the start-up freeze."""
+"""The collector's pauses, timed (runtime/diagnostics/gc_watch.py), and the start-up freeze."""
 
 from __future__ import annotations
 
 import gc
 
-from runtime.gc_watch import GcWatch, freeze_startup_objects
+from runtime.diagnostics.gc_watch import GcWatch, freeze_startup_objects
 
 
 class Clock:

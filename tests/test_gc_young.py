@@ -1,5 +1,5 @@
-"""What serving leaves for the young collections to walk (runtime/gc_watch.py): a scoring
-load with long shared prefixes next to chat must not put its token-id lists, or cyclic
+"""What serving leaves for the young collections to walk (runtime/diagnostics/gc_watch.py): a
+scoring load with long shared prefixes next to chat must not put its token-id lists, or cyclic
 garbage, in the collector's young generations. On the H200 such a load paused young
 collections 10-45 ms: they walked every waiting prompt's tokens, element by element."""
 
@@ -9,7 +9,7 @@ import gc
 
 from test_engine import gen, make_engine, score
 
-from runtime.gc_watch import GcWatch, untrack_int_list
+from runtime.diagnostics.gc_watch import GcWatch, untrack_int_list
 
 PROFILE_TOKENS = 1500  # per user; a prompt is the profile + a short post
 NUM_USERS = 3

@@ -15,7 +15,7 @@ from test_prefill_graphs import eager_capture
 
 from runtime.config import EngineConfig
 from runtime.engine import Engine
-from runtime.prefill_graphs import PrefillGraphs
+from runtime.graphs.prefill import PrefillGraphs
 from runtime.request import Request, RequestKind, SamplingParams
 from runtime.runner import ModelRunner
 

@@ -137,7 +137,7 @@ def test_variant_patches_take_effect_where_looked_up_and_are_undone() -> None:
         assert runner._mergeable([], 3) is True
     # all-buckets: the buckets dropped at start-up served again, then dropped again.
     from bench.mixed_step import variant_unavailable
-    from runtime.prefill_graphs import PrefillGraphs
+    from runtime.graphs.prefill import PrefillGraphs
 
     pg = PrefillGraphs.__new__(PrefillGraphs)
     pg.token_sizes, pg.dropped, pg.graphs = (16, 64), {32: 3.0}, {16: [], 32: [], 64: []}

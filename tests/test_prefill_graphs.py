@@ -1,4 +1,4 @@
-"""CPU tests of the piecewise prefill graphs (runtime/prefill_graphs.py): the segments, their
+"""CPU tests of the piecewise prefill graphs (runtime/graphs/prefill.py): the segments, their
 shared static buffers and the padding give the eager forward's hidden states, and an engine
 whose prefill parts replay them gives the eager engine's greedy tokens and label scores.
 
@@ -18,7 +18,7 @@ from runtime.attention.base import ForwardBatch, SeqSlice, load_rope_kv_write
 from runtime.attention.torch_backend import TorchAttentionBackend
 from runtime.config import EngineConfig
 from runtime.engine import Engine
-from runtime.prefill_graphs import (
+from runtime.graphs.prefill import (
     PrefillGraphs,
     dominated_buckets,
     prefill_graph_bytes,

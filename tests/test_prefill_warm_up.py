@@ -11,8 +11,8 @@ import pytest
 from test_engine import gen, make_engine
 
 from app.cli import build_parser
-from runtime import fallbacks
 from runtime.config import EngineConfig
+from runtime.diagnostics import fallbacks
 from runtime.engine import Engine
 
 

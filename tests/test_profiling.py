@@ -1,4 +1,4 @@
-"""POST /admin/api/profile and the trace summary (runtime/profiling.py).
+"""POST /admin/api/profile and the trace summary (runtime/diagnostics/profiling.py).
 
 The route runs the torch profiler over the real engine's next steps (random:tiny on the CPU:
 CPU ops instead of kernels); the summary is checked against a hand-made chrome trace."""
@@ -16,7 +16,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from runtime.profiling import kernel_category, summarize_trace
+from runtime.diagnostics.profiling import kernel_category, summarize_trace
 
 LOOPBACK = ("127.0.0.1", 50123)
 LOCAL_URL = "http://127.0.0.1:8000"
@@ -220,7 +220,7 @@ def test_a_profiler_that_fails_to_start_leaves_the_engine_serving(
     end of the step loop."""
     from test_engine import make_engine
 
-    from runtime import profiling
+    from runtime.diagnostics import profiling
     from runtime.request import Request, RequestKind, SamplingParams
 
     def broken_start(self, device):  # type: ignore[no-untyped-def]
@@ -274,7 +274,7 @@ def test_the_profile_is_read_in_a_process_of_its_own(monkeypatch: pytest.MonkeyP
 def test_host_ops_own_time_excludes_their_nested_ops(tmp_path: Path) -> None:
     """A host op's own time is its duration less its direct children's on the same thread;
     another thread's ops never nest in it; kernels count only as device rows."""
-    from runtime.profile_trace import trace_rows
+    from runtime.diagnostics.profile_trace import trace_rows
 
     def op(name: str, ts: float, dur: float, tid: int = 1, cat: str = "cpu_op") -> dict:
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}

@@ -132,7 +132,7 @@ def test_engine_with_the_fused_rope_gives_the_same_tokens_and_scores() -> None:
 
     from runtime.config import EngineConfig
     from runtime.engine import Engine
-    from runtime.prefill_graphs import PrefillGraphs
+    from runtime.graphs.prefill import PrefillGraphs
     from runtime.request import Request, RequestKind, SamplingParams
 
     rng = random.Random(5)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from runtime.attention.base import SeqSlice
-from runtime.cuda_graphs import bucket_for, graph_batch_sizes, pad_seqs
+from runtime.graphs.decode import bucket_for, graph_batch_sizes, pad_seqs
 from runtime.kv.kv_pool import KVPool
 from runtime.model.presets import get_preset
 from runtime.request import Request, RequestKind
@@ -205,7 +205,7 @@ def test_attention_warm_up_uses_the_pad_block_and_survives_a_failure(caplog) -> 
         ModelRunner.warm_up_attention(runner)  # type: ignore[arg-type]
     assert "FALLBACK: attention warm-up failed" in caplog.text
     assert "no kernel for this head size" in caplog.text
-    from runtime import fallbacks
+    from runtime.diagnostics import fallbacks
 
     assert "no kernel for this head size" in fallbacks.taken()["attention warm-up"]
     runner.prefill_backend = SimpleNamespace()  # no warm_up: nothing to do
@@ -309,8 +309,8 @@ def test_fa2_split_drops_to_one_kv_chunk_when_its_tiles_no_longer_fit_twice() ->
 
 
 def test_fallbacks_keep_their_first_reason_until_a_new_engine() -> None:
-    from runtime import fallbacks
     from runtime.config import EngineConfig
+    from runtime.diagnostics import fallbacks
     from runtime.engine import Engine
 
     fallbacks.note("prefill graphs", "out of memory")

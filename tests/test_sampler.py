@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from runtime.request import SamplingParams
-from runtime.sampler import PenaltyState, Sampler, make_generator
+from runtime.sampling.sampler import PenaltyState, Sampler, make_generator
 
 V = 50
 

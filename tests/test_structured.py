@@ -11,7 +11,11 @@ import pytest
 from test_engine import Collector, make_engine
 
 from runtime.request import Request, RequestKind, SamplingParams
-from runtime.structured import GrammarError, compile_response_format, compile_structured_outputs
+from runtime.sampling.structured import (
+    GrammarError,
+    compile_response_format,
+    compile_structured_outputs,
+)
 
 # Small enough that a random model finishes it well inside max_tokens: the grammar leaves it
 # one choice of label and one digit.

@@ -36,7 +36,7 @@ from app.tool_calls import (
     tool_mode,
     tool_parser,
 )
-from runtime.structured import GrammarError
+from runtime.sampling.structured import GrammarError
 
 WEATHER = {
     "type": "function",

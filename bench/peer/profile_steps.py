@@ -4,8 +4,8 @@ Greenlane: `POST /admin/api/profile` (the torch profiler over its next N steps; 
 chrome trace). vLLM: `POST /start_profile` with the server started with `--profiler-config`
 (`max_iterations` N: its worker stops the profiler itself after N steps and writes the trace
 under `torch_profiler_dir`). Both traces are then read by the same code
-(`runtime.profiling.summarize_trace`): device kernels by name and category per step, and the
-share of the window the device was busy. Diagnostic numbers (the profiler slows both), not a
+(`runtime.diagnostics.profiling.summarize_trace`): device kernels by name and category per step, and
+the share of the window the device was busy. Diagnostic numbers (the profiler slows both), not a
 headline.
 
     python -m bench.peer.profile_steps --server greenlane --url URL --steps 200 --out F
@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from runtime.profiling import summarize_trace
+from runtime.diagnostics.profiling import summarize_trace
 
 
 def _post(url: str, body: dict[str, Any] | None, timeout_s: float) -> tuple[int, bytes]:

@@ -40,7 +40,7 @@ from runtime.core.messages import (
 )
 from runtime.core.output_processor import OutputProcessor
 from runtime.core.process import CoreHandle
-from runtime.gc_watch import untrack_int_list
+from runtime.diagnostics.gc_watch import untrack_int_list
 from runtime.kv.prefix_cache import prompts_block_hashes, salt_digest
 from runtime.request import Request, RequestOutput
 
@@ -198,7 +198,7 @@ class EngineCoreClient:
             r.block_hashes = []  # sent: the engine keeps them, not the request's life here
             # The API server holds each prompt until its request ends: ints only, out of the
             # young collections' walk, which stops the event loop and every stream with it
-            # (runtime/gc_watch.py; the engine core does the same on its side).
+            # (runtime/diagnostics/gc_watch.py; the engine core does the same on its side).
             untrack_int_list(r.prompt_token_ids)
             self.processor.add(r)
         self._unseen.update(r.request_id for r in reqs)

@@ -46,7 +46,7 @@ from runtime.core.messages import (
     Hello,
     Outputs,
 )
-from runtime.gc_watch import freeze_startup_objects
+from runtime.diagnostics.gc_watch import freeze_startup_objects
 from runtime.request import EngineOutput
 
 log = logging.getLogger("greenlane.core")

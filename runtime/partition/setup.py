@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from runtime import fallbacks
 from runtime.config import EngineConfig
+from runtime.diagnostics import fallbacks
 from runtime.partition import PartitionManager, UnavailablePartition
 from runtime.partition.cost_model import ControllerConfig
 

@@ -24,7 +24,7 @@ def test_one_chunk_and_split_graphs_match_the_eager_decode() -> None:
         pytest.skip("needs CUDA")
     from runtime.attention.base import ForwardBatch, SeqSlice
     from runtime.attention.flashinfer_backend import FlashInferBackend, one_chunk_min_rows
-    from runtime.cuda_graphs import DecodeGraphs
+    from runtime.graphs.decode import DecodeGraphs
     from runtime.kv.kv_pool import KVPool
     from runtime.model import ops
     from runtime.model.loader import _materialise, init_random_weights

@@ -73,7 +73,7 @@ def test_chunked_steps_after_start_up_compile_nothing_on_the_engine_thread() -> 
         after = _compiled_variants()
         grew = {k: (before.get(k, 0), v) for k, v in after.items() if v != before.get(k, 0)}
         assert not grew, f"Triton compiled while serving: {grew}"
-        # The engine's own count (runtime/compile_watch.py, in /admin/api/state) agrees.
+        # The engine's own count (runtime/diagnostics/compile_watch.py, in /admin/api/state) agrees.
         assert eng.fresh_stats()["kernels_compiled_while_serving"] == 0
         assert _wrappers(eng.runner.prefill_backend) == wrappers
     finally:

@@ -39,7 +39,7 @@ def test_fused_decode_is_as_close_to_fp32_as_unfused(
     pytest.importorskip("flashinfer")
     from runtime.attention.base import ForwardBatch, SeqSlice
     from runtime.attention.torch_backend import TorchAttentionBackend
-    from runtime.cuda_graphs import DecodeGraphs
+    from runtime.graphs.decode import DecodeGraphs
     from runtime.kv.kv_pool import KVPool
     from runtime.model import ops
     from runtime.model.loader import _materialise, init_random_weights

@@ -1,4 +1,4 @@
-"""GPU: piecewise prefill graphs (runtime/prefill_graphs.py). Captured at engine start-up, they
+"""GPU: piecewise prefill graphs (runtime/graphs/prefill.py). Captured at engine start-up, they
 give the eager forward's hidden states for prefill parts of several sizes (fresh prompts,
 cached context, a discarded scoring suffix, padding rows left by a larger step), and an engine
 that replays them (also with `merge_mixed_steps`: a step's prefill parts and decodes in one
@@ -38,7 +38,7 @@ def test_captured_prefill_graphs_match_the_eager_forward(write_kv: bool) -> None
         assert pg.max_tokens == 2048
         # Every captured bucket was timed; none kept is beaten by a larger one (dropped ones
         # pad to the next kept bucket: a step below covers the smallest dropped one).
-        from runtime.prefill_graphs import dominated_buckets
+        from runtime.graphs.prefill import dominated_buckets
 
         assert set(pg.bucket_ms) == set(pg.token_sizes) | set(pg.dropped)
         assert all(t > 0 for t in pg.bucket_ms.values()), pg.bucket_ms
@@ -111,7 +111,7 @@ def test_captured_prefill_graphs_match_the_eager_forward(write_kv: bool) -> None
 
 
 def test_engine_scores_alike_with_and_without_prefill_graphs(monkeypatch) -> None:
-    from runtime.prefill_graphs import PrefillGraphs
+    from runtime.graphs.prefill import PrefillGraphs
 
     replays = []
     real_run = PrefillGraphs.run

@@ -52,7 +52,7 @@ def test_split_graphs_match_eager_and_are_picked_per_stream() -> None:
 
 @pytest.mark.gpu
 def test_pd_loop_captures_the_splits_graphs_on_first_decode() -> None:
-    from runtime.cuda_graphs import cuda_stream_key
+    from runtime.graphs.decode import cuda_stream_key
     from runtime.request import Request, RequestKind, SamplingParams
 
     eng, sink = _engine()

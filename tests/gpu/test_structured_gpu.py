@@ -62,7 +62,7 @@ def _run(grammar: str) -> tuple[dict[str, list[int]], dict[str, str], int]:
 
 
 def test_schema_outputs_beside_busy_chats_on_cuda() -> None:
-    from runtime.structured import compile_response_format
+    from runtime.sampling.structured import compile_response_format
 
     grammar = compile_response_format(
         {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}

@@ -11,9 +11,9 @@ the user's load, not in a harness that builds its own batches. vLLM and SGLang e
 (the engine checks one attribute). The summary (the kernels with the most device time,
 grouped by `kernel_category` as well) comes back as a dict and the chrome trace goes to a
 file. The engine thread only stops the profiler; the caller's thread writes the trace and a
-process of its own reads it (`summarize`, runtime/profile_trace.py): reading a few hundred GPU
-steps' events takes seconds of Python, which stalled serving on the engine thread (30 s) and,
-on another thread of its process, starved it of the GIL (scoring P50 12 s at 40 QPS).
+process of its own reads it (`summarize`, runtime/diagnostics/profile_trace.py): reading a few
+hundred GPU steps' events takes seconds of Python, which stalled serving on the engine thread (30 s)
+and, on another thread of its process, starved it of the GIL (scoring P50 12 s at 40 QPS).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-# The trace reader's process (runtime/profile_trace.py) runs from the repository root, and is
-# given this long (s) for a trace: a few hundred GPU steps' trace reads in seconds.
-_REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The trace reader's process (runtime/diagnostics/profile_trace.py) runs from the repository root,
+# and is given this long (s) for a trace: a few hundred GPU steps' trace reads in seconds.
+_REPO_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PARSE_TIMEOUT_S = 300.0
 
 # Kernel name -> category, first match wins. The names are those of the libraries both servers
@@ -237,8 +237,8 @@ class StepProfile:
             return self.result
         t0 = time.perf_counter()
         # The events go to a chrome trace (kineto's writer) and are read in a process of its
-        # own (runtime/profile_trace.py): read here, in the engine's process, they held the GIL
-        # the engine thread needs for seconds.
+        # own (runtime/diagnostics/profile_trace.py): read here, in the engine's process, they held
+        # the GIL the engine thread needs for seconds.
         path = self.trace_path
         if path:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -250,7 +250,14 @@ class StepProfile:
             export_ms = (time.perf_counter() - t0) * 1e3
             device = "cuda" if self._on_cuda else "cpu"
             done = subprocess.run(
-                [sys.executable, "-m", "runtime.profile_trace", path, "--device", device],
+                [
+                    sys.executable,
+                    "-m",
+                    "runtime.diagnostics.profile_trace",
+                    path,
+                    "--device",
+                    device,
+                ],
                 capture_output=True,
                 text=True,
                 timeout=PARSE_TIMEOUT_S,

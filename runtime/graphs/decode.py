@@ -27,7 +27,6 @@ from typing import Any, Protocol
 
 import torch
 
-from runtime import fallbacks
 from runtime.attention.base import ForwardBatch, SeqSlice
 from runtime.attention.flashinfer_backend import (
     FlashInferBackend,
@@ -35,6 +34,7 @@ from runtime.attention.flashinfer_backend import (
     one_chunk_min_rows,
     prefer_one_chunk,
 )
+from runtime.diagnostics import fallbacks
 from runtime.model.llama import LlamaForCausalLM
 
 log = logging.getLogger("greenlane.cuda_graphs")

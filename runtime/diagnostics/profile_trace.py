@@ -5,10 +5,11 @@ steps of a scoring load: 16 s on the H100's host, 2026-12-05), and any thread of
 core process that does it holds the GIL the engine thread needs: a server that held 40 scoring
 QPS answered with a P50 of 12 s while the summary was built on the admin caller's thread. The
 engine's process only writes the trace (kineto's own writer, C++) and runs
-`python -m runtime.profile_trace TRACE --device cuda|cpu`, which prints the rows as JSON.
+`python -m runtime.diagnostics.profile_trace TRACE --device cuda|cpu`, which prints the rows as
+JSON.
 
-Rows are (name, count, µs), as `runtime.profiling.summarize_kernels` and `summarize_host_ops`
-take them:
+Rows are (name, count, µs), as `runtime.diagnostics.profiling.summarize_kernels` and
+`summarize_host_ops` take them:
 - device rows: kernels, copies and memsets (`cat` kernel / gpu_memcpy / gpu_memset) by name
   and their summed durations; without a CUDA device, the host ops' own time instead (what the
   CPU ran);
@@ -92,7 +93,7 @@ def trace_rows(path: str, on_cuda: bool) -> dict[str, list[Row]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m runtime.profile_trace")
+    p = argparse.ArgumentParser(prog="python -m runtime.diagnostics.profile_trace")
     p.add_argument("trace")
     p.add_argument("--device", choices=("cuda", "cpu"), required=True)
     args = p.parse_args(argv)
