@@ -1,7 +1,7 @@
 """Which terms the time of a mixed step needs: fits on an engine's step trace (issue 13).
 
 The TBT cut predicts a step that mixes prefill with decodes as the recent decode step plus an
-affine correction of the JCT model's marginal prefill cost (`runtime.scheduler.CorrectedCost`).
+affine correction of the JCT model's marginal prefill cost (`runtime.partition.corrections.CorrectedCost`).
 On the H200 its mean was right and single steps were far off (measured / predicted P99 1.45-4.1),
 so the cut cannot hold a P99 target. This reads step traces (`GET /admin/api/steps`;
 `bench.gpu_serving` saves one per side as `*.steps.json`), keeps the mixed whole-GPU steps, and
@@ -64,7 +64,7 @@ import numpy as np
 from bench.cost_replay import JCT  # the server log's JCT model line
 from policies.jct import attention_pairs
 from runtime.online_fit import DecayingLine
-from runtime.scheduler import CorrectedCost, MixedPrefill
+from runtime.partition.corrections import CorrectedCost, MixedPrefill
 
 # Model name -> the step fields that are its features (a constant term is always added).
 MODELS: dict[str, tuple[str, ...]] = {

@@ -1,6 +1,6 @@
 """Fits online to recent observations behind the engine's latency corrections: a straight line
 (`partition.cost_model`'s per-split corrections) and a ridge fit of a few terms
-(`scheduler.CorrectedCost` for mixed steps). Pure Python, no history kept."""
+(`runtime.partition.corrections.CorrectedCost` for mixed steps). Pure Python, no history kept."""
 
 from __future__ import annotations
 

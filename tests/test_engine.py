@@ -12,8 +12,8 @@ import pytest
 
 from runtime.config import EngineConfig
 from runtime.engine import Engine
+from runtime.partition.corrections import CorrectedCost
 from runtime.request import EngineOutput, Request, RequestKind, SamplingParams
-from runtime.scheduler import CorrectedCost
 
 
 class Collector:
@@ -482,7 +482,7 @@ def test_tbt_target_reaches_the_scheduler_with_the_decode_step_time(monkeypatch)
     finally:
         engine.shutdown()
     # A new server aims below the target by the tail factor's bound until it has read a tail.
-    from runtime.scheduler import TailFactor
+    from runtime.partition.corrections import TailFactor
 
     aim = 0.05 / TailFactor.MAX_FACTOR
     assert seen and all(

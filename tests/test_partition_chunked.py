@@ -18,6 +18,7 @@ from test_split_executor import FakeDevice, FakeEvent, gen, split_engine
 
 from policies.jct import JCTModel
 from runtime.partition import SplitDecision
+from runtime.partition.corrections import CorrectedCost, MixedPrefill
 from runtime.partition.cost_model import (
     DECODE,
     PREFILL,
@@ -32,7 +33,7 @@ from runtime.partition.cost_model import (
 )
 from runtime.partition.pacing import SLICE_TAIL_FLOOR
 from runtime.request import Request, RequestKind
-from runtime.scheduler import MIN_TBT_CHUNK_TOKENS, CorrectedCost, MixedPrefill, tbt_chunk_tokens
+from runtime.scheduler import MIN_TBT_CHUNK_TOKENS, tbt_chunk_tokens
 
 # --------------------------------------------------------------------------- the controller
 P = PrefillShape.from_seqs([(0, 8192)], num_layers=32)

@@ -894,7 +894,7 @@ def test_tbt_target_chunks_a_long_scoring_prompt_next_to_decodes() -> None:
 
 
 def test_corrected_cost_scales_both_ways() -> None:
-    from runtime.scheduler import CorrectedCost
+    from runtime.partition.corrections import CorrectedCost
 
     cost = CorrectedCost(LinearCost(1e-4), token_scale=2.0)  # the model under-predicts by half
     assert cost.marginal_s(100) == pytest.approx(0.02)
@@ -910,7 +910,7 @@ def test_corrected_cost_learns_a_mixed_steps_fixed_cost_apart_from_its_slope() -
     the decode graphs), with short scoring suffixes and long chunks interleaved as on the H200
     (plan s): the fit recovers both, so a long chunk is cut right after a run of short ones. A
     single factor (what the engine kept before) lands far off for one kind or the other."""
-    from runtime.scheduler import CorrectedCost
+    from runtime.partition.corrections import CorrectedCost
 
     per_token_s = 1e-5
     cost = CorrectedCost(LinearCost(per_token_s))
@@ -952,7 +952,7 @@ def test_corrected_cost_scales_the_token_and_the_pair_terms_apart() -> None:
     term and 0.7x the pair term: the fit recovers both, and predicts a short chat prompt and
     a chunk deep into a long prompt alike; one scale with an offset (the correction before)
     is far off for one of them."""
-    from runtime.scheduler import CorrectedCost, MixedPrefill
+    from runtime.partition.corrections import CorrectedCost, MixedPrefill
 
     jct = _JctTerms(1.6e-5, 1.1e-9)
     cost = CorrectedCost(jct)
@@ -986,7 +986,7 @@ def test_corrected_cost_learns_what_a_cached_prefix_costs_a_short_query() -> Non
     Each costs 4 ms + 1.5x the model's marginal + 0.2 µs per cached token (a short query still
     reads its whole prefix; the JCT model's query-key pairs miss most of it at 150 rows). The
     fit recovers the three, and a chunk after a long prefix gets the room less that read."""
-    from runtime.scheduler import CorrectedCost, MixedPrefill
+    from runtime.partition.corrections import CorrectedCost, MixedPrefill
 
     per_token_s = 1e-5
     cost = CorrectedCost(LinearCost(per_token_s))
@@ -1029,7 +1029,7 @@ def test_corrected_cost_holds_at_its_prior_what_the_steps_cannot_tell() -> None:
     (the context term stays 0), no query-key pairs (the pair scale stays at its seed). Where
     context grows with the chunk (later chunks of one prompt), the terms may trade off, but
     what such steps take and a fresh prompt's step are both predicted right."""
-    from runtime.scheduler import CorrectedCost
+    from runtime.partition.corrections import CorrectedCost
 
     per_token_s = 1e-5
     fresh = CorrectedCost(LinearCost(per_token_s))
@@ -1056,7 +1056,7 @@ def test_corrected_cost_holds_at_its_prior_what_the_steps_cannot_tell() -> None:
 def test_corrected_cost_stays_in_bounds() -> None:
     """Absurd measurements drive the terms to their bounds, not past them; a step with no
     prefill predicted teaches nothing; a part's cost is never below 0."""
-    from runtime.scheduler import CorrectedCost, MixedPrefill
+    from runtime.partition.corrections import CorrectedCost, MixedPrefill
 
     cost = CorrectedCost(LinearCost(1e-5))
     for _ in range(50):
@@ -1079,7 +1079,7 @@ def test_tail_factor_aims_below_the_target_by_the_tail_of_full_steps() -> None:
     gaps, a slow step): the factor becomes that tail, so the cut's aim (target / factor) puts
     those steps back at the target. Short steps, however late in relative terms, do not count;
     the factor is never below 1 nor above its bound."""
-    from runtime.scheduler import TailFactor
+    from runtime.partition.corrections import TailFactor
 
     tail = TailFactor()
     target_s = 0.080

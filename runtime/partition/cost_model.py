@@ -568,11 +568,11 @@ class ChunkInput:
     decodes plus the chunk meet `tbt_slo_ms`."""
 
     # Whole-GPU marginal prefill seconds: the JCT model, as the engine corrects it online
-    # (`runtime.scheduler.CorrectedCost`).
+    # (`runtime.partition.corrections.CorrectedCost`).
     prefill_cost: PrefillCost
     context_tokens: int  # the prefill's context (prefix-cache hits or earlier chunks)
     # The chunks' aim: the target (--tbt-slo-ms, else the controller's) divided by the
-    # engine's measured tail factor (`runtime.scheduler.TailFactor`).
+    # engine's measured tail factor (`runtime.partition.corrections.TailFactor`).
     tbt_slo_ms: float
     # The chunked step's decode part (ms): the engine's decode base, the one `step_offset_ms`
     # is fitted against (`StepPacer.decode_base_s`; 0: none yet, the cost model predicts it).

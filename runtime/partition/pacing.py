@@ -30,6 +30,7 @@ from runtime.executor.base import StepResult
 from runtime.kv.block_manager import BlockManager
 from runtime.model.llama import rows_stream_at
 from runtime.partition import SplitChoice
+from runtime.partition.corrections import CorrectedCost, TailFactor
 from runtime.partition.cost_model import (
     PREFILL,
     ChunkInput,
@@ -37,14 +38,7 @@ from runtime.partition.cost_model import (
     PrefillShape,
     RowStream,
 )
-from runtime.scheduler import (
-    CorrectedCost,
-    Scheduler,
-    StepCapacity,
-    StepOutlook,
-    StepPlan,
-    TailFactor,
-)
+from runtime.scheduler import Scheduler, StepCapacity, StepOutlook, StepPlan
 
 # The engine's logger: these lines are part of its start-up log.
 log = logging.getLogger("greenlane.engine")
