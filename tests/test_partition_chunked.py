@@ -317,8 +317,8 @@ class _ClockedDevice(FakeDevice):
 
 def _auto_engine(manager, **cfg: Any):  # noqa: F811
     """An engine in auto whose split executor asks `manager` (GreenContextPartition over
-    stand-ins) through the engine's own `_choose_split`; a JCT model agreeing with the cost
-    model; only split 16 (its prefill on 16 SMs is slow, its decode meets the target)."""
+    stand-ins) through the engine's own `StepPacer.choose_split`; a JCT model agreeing with the
+    cost model; only split 16 (its prefill on 16 SMs is slow, its decode meets the target)."""
     dev = FakeDevice()
     eng, ex, _ = split_engine(dev, None, **{"num_kv_blocks": 512, **cfg})
     manager.set_cost_model(_flat_model())

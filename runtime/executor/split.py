@@ -4,8 +4,8 @@ A launched plan is split in two:
   - its prefill part: the controller (`choose`) picks a split for it. Time-slicing (no split)
     runs the whole plan as one step on the whole-GPU stream, like the serial executor; so does
     chunked time-slicing, whose chunk the engine asked the controller for before planning the
-    step and used as the step's prefill token cap (runtime/engine.py `_auto_capacity`). A split
-    starts the prefill *in flight* on the prefill partition's stream: it is embedded, then its
+    step and used as the step's prefill token cap (`StepPacer.auto_capacity`,
+    runtime/partition/pacing.py). A split starts the prefill *in flight* on the prefill partition's stream: it is embedded, then its
     layers are launched in slices (`layers_per_slice = max(1, slice_tokens // batch tokens)`),
     at most `max_queued_slices` ahead of the device, so the host returns quickly and keeps
     decode fed. Time-slicing by layers (`layers_per_slice` from the controller, both streams
