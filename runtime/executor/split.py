@@ -5,10 +5,10 @@ A launched plan is split in two:
     runs the whole plan as one step on the whole-GPU stream, like the serial executor; so does
     chunked time-slicing, whose chunk the engine asked the controller for before planning the
     step and used as the step's prefill token cap (`StepPacer.auto_capacity`,
-    runtime/partition/pacing.py). A split starts the prefill *in flight* on the prefill partition's stream: it is embedded, then its
-    layers are launched in slices (`layers_per_slice = max(1, slice_tokens // batch tokens)`),
-    at most `max_queued_slices` ahead of the device, so the host returns quickly and keeps
-    decode fed. Time-slicing by layers (`layers_per_slice` from the controller, both streams
+    runtime/partition/pacing.py). A split starts the prefill *in flight* on the prefill
+    partition's stream: it is embedded, then its layers are launched in slices
+    (`layers_per_slice = max(1, slice_tokens // batch tokens)`), at most `max_queued_slices`
+    ahead of the device, so the host returns quickly and keeps decode fed. Time-slicing by layers (`layers_per_slice` from the controller, both streams
     the whole GPU's) also puts it in flight: its slices and the decode steps then alternate on
     one stream, so a decode waits at most one slice. While a prefill is in flight the
     capacity offers no prefill budget, and the scheduler holds its requests.
