@@ -8,10 +8,11 @@ A launched plan is split in two:
     runtime/partition/pacing.py). A split starts the prefill *in flight* on the prefill
     partition's stream: it is embedded, then its layers are launched in slices
     (`layers_per_slice = max(1, slice_tokens // batch tokens)`), at most `max_queued_slices`
-    ahead of the device, so the host returns quickly and keeps decode fed. Time-slicing by layers (`layers_per_slice` from the controller, both streams
-    the whole GPU's) also puts it in flight: its slices and the decode steps then alternate on
-    one stream, so a decode waits at most one slice. While a prefill is in flight the
-    capacity offers no prefill budget, and the scheduler holds its requests.
+    ahead of the device, so the host returns quickly and keeps decode fed. Time-slicing by
+    layers (`layers_per_slice` from the controller, both streams the whole GPU's) also puts it
+    in flight: its slices and the decode steps then alternate on one stream, so a decode waits
+    at most one slice. While a prefill is in flight the capacity offers no prefill budget, and
+    the scheduler holds its requests.
   - its decode part: launched at once on the decode stream of the split in flight (else of the
     split the controller picks for decode alone), replaying that stream's own decode graphs (a
     graph keeps the partition it was captured on). Decode steps queue back to back on it,
