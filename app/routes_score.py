@@ -193,7 +193,10 @@ async def _run_scoring(
     cache_salt: str | None,
 ) -> _Scored:
     """Submit one SCORE engine request per prompt (together, so they batch and share the
-    query's prefix) and collect each one's label probabilities."""
+    query's prefix) and collect each one's label probabilities, one per `label_ids` entry.
+    A label given twice is scored once: with both copies in apply_softmax's softmax each would
+    get half its probability; every position then gets that label's own."""
+    unique = list(dict.fromkeys(label_ids))
     client = client_of(request)
     if len(prompts) > client.max_in_flight:
         raise bad_request(
@@ -208,7 +211,7 @@ async def _run_scoring(
             kind=RequestKind.SCORE,
             prompt_token_ids=ids,
             sampling=SamplingParams(max_tokens=1, temperature=0.0),
-            label_token_ids=list(label_ids),
+            label_token_ids=unique,
             apply_softmax=apply_softmax,
             cache_salt=cache_salt,
         )
@@ -247,6 +250,9 @@ async def _run_scoring(
                 "(the server log has the details)",
                 code="engine_error",
             )
+        if len(unique) != len(label_ids):
+            column = {t: j for j, t in enumerate(unique)}
+            probs = [probs[column[t]] for t in label_ids]
         scored.probs.append(list(probs))
         observe_finished(request, final, 0)
         scored.num_prompt_tokens += max(o.num_prompt_tokens for o in outs)
@@ -286,16 +292,10 @@ async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
     # One hop to the preparation threads for both (a hop costs more than small id checks).
     (label_ids, label_names), prompts = await off_loop(_labels_and_prompts, engine, body)
     request_id, engine_base = begin_request_id(request, "score")
-    # A label given twice is scored once: with both copies in apply_softmax's softmax each
-    # would get half its probability. Every position then gets its label's own.
-    unique = list(dict.fromkeys(label_ids))
     scored = await _run_scoring(
-        request, engine_base, prompts, unique, body.apply_softmax, body.cache_salt
+        request, engine_base, prompts, label_ids, body.apply_softmax, body.cache_salt
     )
     scores = scored.probs
-    if len(unique) != len(label_ids):
-        column = {t: j for j, t in enumerate(unique)}
-        scores = [[row[column[t]] for t in label_ids] for row in scores]
     top = [max(range(len(s)), key=s.__getitem__) for s in scores]
     return {
         "id": request_id,
@@ -363,7 +363,7 @@ async def _generative(
         trace.client_request_id = f"{id_prefix}-{body.request_id}"
     request_id, engine_base = begin_request_id(request, id_prefix)
     # The response is keyed by token id, so a label given twice is one label (as vLLM, which
-    # keys before its softmax): with both copies in the softmax a row would not sum to 1.
+    # keys before its softmax).
     labels = list(dict.fromkeys(body.label_token_ids))
     scored = await _run_scoring(
         request, engine_base, prompts, labels, body.apply_softmax, body.cache_salt
